@@ -1,0 +1,1 @@
+"""``mpitrain bench ...``: measurements printed as ratios taken side by side in one run."""

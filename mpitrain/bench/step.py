@@ -1,0 +1,105 @@
+"""``mpitrain bench step``: training-step speed against the machine's matmul speed.
+
+Times full training steps (forward, backward, clipping, optimizer update) of two
+reference models on random data, and a large float32 matmul, interleaved round by
+round so that all three see the same machine state; reports each model's achieved
+GFLOP/s (FLOPs counted from shapes, :mod:`mpitrain.observe.flops`) as a fraction of the
+matmul's. Medians over rounds.
+
+* GPT: nanoGPT's small CPU setting (4 layers, 4 heads, width 128, context 64, batch 12,
+  65-token vocabulary, no bias, no dropout), AdamW, gradient clipping at 1.0.
+* CNN: batch 64 of 32x32x3, conv3x3(16) ReLU conv3x3(32) ReLU maxpool2 linear(10), SGD
+  with momentum 0.9.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from mpitrain import nn, ops, optim, rng
+from mpitrain.observe.flops import count_flops
+from mpitrain.tensor import Tensor
+from mpitrain.train import limit_blas_threads
+
+MATMUL_N = 2048
+TARGETS = {"gpt": 0.45, "cnn": 0.25}
+
+
+def _gpt_step():
+    cfg = nn.GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128)
+    model = nn.GPT(cfg)
+    opt = optim.AdamW(optim.decay_groups(model.named_parameters(), 0.1), lr=1e-3, betas=(0.9, 0.99))
+    gen = np.random.default_rng(1)
+    x, y = gen.integers(0, 65, (2, 12, 64))
+
+    def step():
+        _, loss = model(x, y)
+        loss.backward()
+        optim.clip_grad_norm(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+
+    return step, "GPT 4L/4H/128C T=64 B=12, AdamW"
+
+
+def _cnn_step():
+    model = nn.ConvNet(in_channels=3, image_size=32, num_classes=10, channels=(16, 32))
+    opt = optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    gen = np.random.default_rng(2)
+    x = gen.standard_normal((64, 32, 32, 3)).astype(np.float32)
+    y = gen.integers(0, 10, 64)
+
+    def step():
+        loss = ops.cross_entropy(model(Tensor(x)), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step, "CNN conv16-conv32-pool-fc B=64 32x32x3, SGD"
+
+
+def _seconds(fn, repeat: int) -> float:
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - start) / repeat
+
+
+def run(threads: int = 1, rounds: int = 7, steps: int = 5, log=print) -> dict:
+    """Measure and print; returns {name: {"ms", "gflops", "ratio"}} (medians)."""
+    with limit_blas_threads(threads):
+        rng.manual_seed(0)
+        gen = np.random.default_rng(0)
+        a = gen.standard_normal((MATMUL_N, MATMUL_N), dtype=np.float32)
+        b = gen.standard_normal((MATMUL_N, MATMUL_N), dtype=np.float32)
+        matmul_flops = 2 * MATMUL_N**3
+        models = {"gpt": _gpt_step(), "cnn": _cnn_step()}
+        flops = {name: count_flops(step).total for name, (step, _) in models.items()}
+        for step, _ in models.values():
+            _seconds(step, 3)  # warm up: allocator, caches, optimizer state
+        _seconds(lambda: a @ b, 2)
+
+        peak, ms, ratio = [], {n: [] for n in models}, {n: [] for n in models}
+        for _ in range(rounds):
+            p = matmul_flops / _seconds(lambda: a @ b, 3)
+            peak.append(p)
+            for name, (step, _) in models.items():
+                s = _seconds(step, steps)
+                ms[name].append(1e3 * s)
+                ratio[name].append(flops[name] / s / p)
+
+    med = float(np.median(peak))
+    log(f"mpitrain bench step: {threads} BLAS thread(s), {rounds} rounds of {steps} steps, medians")
+    log(f"  float32 matmul {MATMUL_N}^3                          {med / 1e9:7.1f} GFLOP/s")
+    out = {"matmul_gflops": med / 1e9}
+    for name, (_, title) in models.items():
+        m = float(np.median(ms[name]))
+        r = float(np.median(ratio[name]))
+        g = flops[name] / (m / 1e3) / 1e9
+        verdict = "ok" if r >= TARGETS[name] else "BELOW"
+        log(f"  {title:45s} {m:7.1f} ms/step {g:7.1f} GFLOP/s  "
+            f"{flops[name] / 1e9:.2f} GFLOP/step  ratio {r:.3f} (target >= {TARGETS[name]}: {verdict})")
+        out[name] = {"ms": m, "gflops": g, "ratio": r, "gflop_per_step": flops[name] / 1e9}
+    return out

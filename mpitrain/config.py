@@ -1,0 +1,271 @@
+"""Run configuration: frozen dataclasses loaded from TOML, with ``--set key=value`` overrides.
+
+A config file has one table per section::
+
+    [model]   name = "lenet" | "convnet" | "resnet" | "gpt", and that model's sizes
+    [data]    name = "mnist5k" | "shakespeare" | "text" (with path = "...")
+    [optim]   name = "sgd" | "adam" | "adamw", learning rate and schedule
+    [train]   global_batch_size, steps or epochs, seed, evaluation and logging
+
+Everything is validated before any work starts; the first problem raises
+:class:`ConfigError` naming the field (``optim.lr: must be > 0, got -1``), which the
+command line prints as one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+MODELS = ("lenet", "convnet", "resnet", "gpt")
+CNN_MODELS = ("lenet", "convnet", "resnet")
+DATASETS = ("mnist5k", "shakespeare", "text")
+TEXT_DATASETS = ("shakespeare", "text")
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; ``str()`` names the field."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "lenet"
+    # CNNs (lenet: two conv layers + hidden linear; convnet: 3x3 convs; resnet: widths x blocks)
+    channels: tuple[int, ...] = (16, 32)
+    hidden: int = 128
+    widths: tuple[int, ...] = (16, 32, 64)
+    blocks: int = 1
+    dropout: float = 0.0
+    # GPT
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 64
+    bias: bool = False
+    checkpoint_activations: bool = False
+
+
+MODEL_FIELDS = {
+    "lenet": {"name", "channels", "hidden", "dropout"},
+    "convnet": {"name", "channels"},
+    "resnet": {"name", "widths", "blocks"},
+    "gpt": {"name", "n_layer", "n_head", "n_embd", "block_size", "bias", "dropout",
+            "checkpoint_activations"},
+}
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    name: str = "mnist5k"
+    path: str = ""  # the UTF-8 file for name = "text"
+    val_fraction: float = 0.1  # text: the last part of the text is held out
+    shift: int = 0  # images: random translation by up to this many pixels (augmentation)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 1e-3
+    min_lr: float = 0.0  # cosine schedule floor
+    schedule: str = "cosine"  # cosine | constant
+    warmup_steps: int = 0
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    momentum: float = 0.9  # sgd
+    nesterov: bool = False  # sgd
+    grad_clip: float = 0.0  # global gradient-norm limit; 0 disables
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    global_batch_size: int = 64
+    steps: int = 0  # total optimizer steps; or
+    epochs: int = 0  # whole passes over the training split (image data)
+    seed: int = 1337
+    dtype: str = "float32"
+    log_interval: int = 50  # steps between progress lines
+    eval_interval: int = 0  # steps between evaluations; 0: once per epoch (images) / at the end
+    eval_batches: int = 50  # text: batches of held-out windows per evaluation
+    sample_tokens: int = 300  # gpt: characters generated at the end
+    threads: int = 0  # BLAS threads; 0: the cores available to this process
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    given: frozenset = field(default=frozenset(), compare=False, repr=False)
+
+    def to_dict(self) -> dict:
+        return {s.name: dataclasses.asdict(getattr(self, s.name)) for s in _sections()}
+
+
+def _sections():
+    return [f for f in dataclasses.fields(Config) if f.name != "given"]
+
+
+# ------------------------------------------------------------------- parsing
+def _coerce(key: str, value, annotation):
+    """Check a TOML value against a field's annotation and convert lists to tuples."""
+    origin = typing.get_origin(annotation)
+    if origin is tuple:
+        args = typing.get_args(annotation)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        item = args[0]
+        if args[-1] is not Ellipsis and len(value) != len(args):
+            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {len(value)}")
+        return tuple(_coerce(key, v, item) for v in value)
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}")
+        return value
+    if annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        return float(value)
+    if annotation is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{key}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"unsupported annotation {annotation}")  # pragma: no cover
+
+
+def _parse_override(item: str) -> tuple[str, object]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected section.key=value")
+    key, text = item.split("=", 1)
+    key = key.strip()
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text  # a bare word: take it as a string (--set data.path=input.txt)
+    return key, value
+
+
+def from_dict(raw: dict, overrides: list[str] = ()) -> Config:
+    """Build and validate a Config from a parsed TOML document and ``key=value`` overrides."""
+    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for item in overrides:
+        key, value = _parse_override(item)
+        if key.count(".") != 1:
+            raise ConfigError(f"--set {key}: expected section.key (e.g. optim.lr)")
+        section, name = key.split(".")
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"{section}: expected a table")
+        raw[section][name] = value
+
+    hints = typing.get_type_hints(Config)
+    sections, given = {}, set()
+    known = {s.name for s in _sections()}
+    for section in raw:
+        if section not in known:
+            raise ConfigError(f"{section}: unknown section (expected one of {sorted(known)})")
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"{section}: expected a table")
+    for s in _sections():
+        cls = hints[s.name]
+        field_hints = typing.get_type_hints(cls)
+        values = {}
+        for name, value in raw.get(s.name, {}).items():
+            key = f"{s.name}.{name}"
+            if name not in field_hints:
+                raise ConfigError(f"{key}: unknown field (expected one of {sorted(field_hints)})")
+            values[name] = _coerce(key, value, field_hints[name])
+            given.add(key)
+        sections[s.name] = cls(**values)
+    cfg = Config(**sections, given=frozenset(given))
+    validate(cfg)
+    return cfg
+
+
+def load(path, overrides: list[str] = ()) -> Config:
+    """Read a TOML config file and apply overrides; raises ConfigError naming the problem."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+    return from_dict(raw, overrides)
+
+
+# ---------------------------------------------------------------- validation
+def _require(ok: bool, key: str, message: str, value) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}, got {value!r}")
+
+
+def validate(cfg: Config) -> None:
+    m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
+    _require(m.name in MODELS, "model.name", f"must be one of {list(MODELS)}", m.name)
+    for key in sorted(cfg.given):
+        section, name = key.split(".")
+        if section == "model" and name not in MODEL_FIELDS[m.name]:
+            raise ConfigError(f"{key}: does not apply to model.name = {m.name!r}")
+    _require(d.name in DATASETS, "data.name", f"must be one of {list(DATASETS)}", d.name)
+    text_model = m.name == "gpt"
+    _require(text_model == (d.name in TEXT_DATASETS), "data.name",
+             "gpt trains on text (shakespeare, text); the CNNs on images (mnist5k)"
+             f" and model.name is {m.name!r}", d.name)
+    if d.name == "text":
+        _require(bool(d.path), "data.path", "data.name = 'text' needs the path of a UTF-8 file", d.path)
+        _require(Path(d.path).is_file(), "data.path", "no such file", d.path)
+    _require(0.0 < d.val_fraction < 1.0, "data.val_fraction", "must be between 0 and 1", d.val_fraction)
+    _require(d.shift >= 0, "data.shift", "must be >= 0", d.shift)
+
+    _require(len(m.channels) > 0 and all(c > 0 for c in m.channels), "model.channels",
+             "must be positive channel counts", list(m.channels))
+    _require(m.name != "lenet" or len(m.channels) == 2, "model.channels",
+             "lenet has exactly two convolution layers", list(m.channels))
+    _require(m.hidden > 0, "model.hidden", "must be > 0", m.hidden)
+    _require(len(m.widths) > 0 and all(w > 0 for w in m.widths), "model.widths",
+             "must be positive widths", list(m.widths))
+    _require(m.blocks > 0, "model.blocks", "must be > 0", m.blocks)
+    _require(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)", m.dropout)
+    for name in ("n_layer", "n_head", "n_embd", "block_size"):
+        _require(getattr(m, name) > 0, f"model.{name}", "must be > 0", getattr(m, name))
+    _require(m.n_embd % m.n_head == 0, "model.n_embd", f"must be divisible by model.n_head = {m.n_head}",
+             m.n_embd)
+
+    _require(o.name in ("sgd", "adam", "adamw"), "optim.name", "must be one of ['sgd', 'adam', 'adamw']",
+             o.name)
+    _require(o.lr > 0, "optim.lr", "must be > 0", o.lr)
+    _require(0 <= o.min_lr <= o.lr, "optim.min_lr", f"must be in [0, optim.lr = {o.lr}]", o.min_lr)
+    _require(o.schedule in ("cosine", "constant"), "optim.schedule", "must be 'cosine' or 'constant'",
+             o.schedule)
+    _require(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0", o.warmup_steps)
+    _require(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0", o.weight_decay)
+    _require(all(0 <= b < 1 for b in o.betas), "optim.betas", "must be two numbers in [0, 1)", list(o.betas))
+    _require(o.eps > 0, "optim.eps", "must be > 0", o.eps)
+    _require(0 <= o.momentum < 1, "optim.momentum", "must be in [0, 1)", o.momentum)
+    _require(not o.nesterov or (o.name == "sgd" and o.momentum > 0), "optim.nesterov",
+             "needs optim.name = 'sgd' and optim.momentum > 0", o.nesterov)
+    _require(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)", o.grad_clip)
+
+    _require(t.global_batch_size > 0, "train.global_batch_size", "must be > 0", t.global_batch_size)
+    _require(t.steps >= 0 and t.epochs >= 0 and (t.steps > 0) != (t.epochs > 0), "train.steps",
+             f"set exactly one of train.steps and train.epochs (epochs = {t.epochs})", t.steps)
+    _require(not (text_model and t.epochs), "train.epochs", "text models train for train.steps", t.epochs)
+    _require(t.dtype in ("float32", "float64"), "train.dtype", "must be 'float32' or 'float64'", t.dtype)
+    _require(t.log_interval > 0, "train.log_interval", "must be > 0", t.log_interval)
+    _require(t.eval_interval >= 0, "train.eval_interval", "must be >= 0", t.eval_interval)
+    _require(t.eval_batches > 0, "train.eval_batches", "must be > 0", t.eval_batches)
+    _require(t.sample_tokens >= 0, "train.sample_tokens", "must be >= 0", t.sample_tokens)
+    _require(t.threads >= 0, "train.threads", "must be >= 0 (0: automatic)", t.threads)

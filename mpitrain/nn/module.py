@@ -1,0 +1,167 @@
+"""``Module``: a tree of layers that owns parameters and buffers."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from mpitrain.tensor import Parameter
+
+
+class Module:
+    """Base class of layers and models.
+
+    Assigning a :class:`~mpitrain.tensor.Parameter` or a ``Module`` to an attribute
+    registers it; :meth:`register_buffer` registers a non-trained array (batch-norm
+    running statistics). Subclasses implement ``forward``; calling the module calls it.
+    """
+
+    def __init__(self):
+        object.__setattr__(self, "_parameters", OrderedDict())
+        object.__setattr__(self, "_modules", OrderedDict())
+        object.__setattr__(self, "_buffers", OrderedDict())
+        object.__setattr__(self, "training", True)
+
+    def __setattr__(self, name, value):
+        if "_parameters" not in self.__dict__:
+            raise RuntimeError(f"{type(self).__name__}.__init__ must call super().__init__() first")
+        for registry in (self._parameters, self._modules, self._buffers):
+            registry.pop(name, None)
+        if isinstance(value, Parameter):
+            self._parameters[name] = value
+        elif isinstance(value, Module):
+            self._modules[name] = value
+        object.__setattr__(self, name, value)
+
+    def register_buffer(self, name: str, array: np.ndarray) -> None:
+        """Register state that is saved and loaded but not trained (updated in place)."""
+        self._buffers[name] = array
+        object.__setattr__(self, name, array)
+
+    def forward(self, *args, **kwargs):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    # ------------------------------------------------------------------ traversal
+    def named_modules(self, prefix: str = ""):
+        yield prefix, self
+        for name, child in self._modules.items():
+            yield from child.named_modules(f"{prefix}.{name}" if prefix else name)
+
+    def modules(self):
+        for _, m in self.named_modules():
+            yield m
+
+    def children(self):
+        return iter(self._modules.values())
+
+    def named_parameters(self, prefix: str = ""):
+        """(name, parameter) pairs in registration order; a shared (tied) parameter is
+        listed once, under its first name."""
+        seen: set[int] = set()
+        for mod_name, mod in self.named_modules(prefix):
+            for name, p in mod._parameters.items():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield (f"{mod_name}.{name}" if mod_name else name), p
+
+    def parameters(self) -> list[Parameter]:
+        return [p for _, p in self.named_parameters()]
+
+    def named_buffers(self, prefix: str = ""):
+        for mod_name, mod in self.named_modules(prefix):
+            for name, b in mod._buffers.items():
+                yield (f"{mod_name}.{name}" if mod_name else name), b
+
+    def num_parameters(self) -> int:
+        return sum(p.size for p in self.parameters())
+
+    # ---------------------------------------------------------------------- state
+    def state_dict(self) -> "OrderedDict[str, np.ndarray]":
+        """Copies of every parameter and buffer, by dotted name."""
+        state = OrderedDict((n, p.data.copy()) for n, p in self.named_parameters())
+        state.update((n, np.array(b, copy=True)) for n, b in self.named_buffers())
+        return state
+
+    def load_state_dict(self, state: dict, strict: bool = True) -> None:
+        """Copy arrays into the existing parameters and buffers (in place, so views
+        into flat buffers stay valid). With ``strict``, names must match exactly."""
+        targets = OrderedDict((n, p.data) for n, p in self.named_parameters())
+        targets.update(self.named_buffers())
+        if strict:
+            missing = [n for n in targets if n not in state]
+            unexpected = [n for n in state if n not in targets]
+            if missing or unexpected:
+                raise KeyError(f"state dict mismatch: missing {missing}, unexpected {unexpected}")
+        for name, target in targets.items():
+            if name not in state:
+                continue
+            value = np.asarray(state[name])
+            if value.shape != target.shape:
+                raise ValueError(f"{name}: shape {value.shape} in state, {target.shape} in model")
+            np.copyto(target, value)
+
+    # ------------------------------------------------------------------ training
+    def train(self, mode: bool = True) -> "Module":
+        for m in self.modules():
+            object.__setattr__(m, "training", mode)
+        return self
+
+    def eval(self) -> "Module":
+        return self.train(False)
+
+    def zero_grad(self, set_to_none: bool = False) -> None:
+        """Clear gradients. By default they are zeroed in place (keeping any views into
+        flat gradient buffers); ``set_to_none`` drops them instead."""
+        for p in self.parameters():
+            if set_to_none:
+                p.grad = None
+            else:
+                p.zero_grad()
+
+    def extra_repr(self) -> str:
+        return ""
+
+    def __repr__(self) -> str:
+        lines = [f"{type(self).__name__}({self.extra_repr()}"]
+        for name, child in self._modules.items():
+            lines.append(f"  ({name}): " + repr(child).replace("\n", "\n  "))
+        return "\n".join(lines) + ")" if len(lines) > 1 else lines[0] + ")"
+
+
+class ModuleList(Module):
+    """A list of modules, registered under their indices."""
+
+    def __init__(self, modules=()):
+        super().__init__()
+        self._list: list[Module] = []
+        for m in modules:
+            self.append(m)
+
+    def append(self, module: Module) -> None:
+        setattr(self, str(len(self._list)), module)
+        self._list.append(module)
+
+    def __getitem__(self, i):
+        return self._list[i]
+
+    def __iter__(self):
+        return iter(self._list)
+
+    def __len__(self) -> int:
+        return len(self._list)
+
+
+class Sequential(ModuleList):
+    """Modules applied one after the other."""
+
+    def __init__(self, *modules: Module):
+        super().__init__(modules)
+
+    def forward(self, x):
+        for m in self:
+            x = m(x)
+        return x

@@ -1,0 +1,1 @@
+"""Measuring a run: FLOP counting (timers, timelines and reports join later)."""

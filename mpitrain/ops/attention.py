@@ -1,0 +1,109 @@
+"""Multi-head scaled dot-product self-attention as one fused node (Vaswani et al. 2017).
+
+The input is the output of the query/key/value projection, ``qkv`` of shape
+``(B, T, 3*C)`` laid out as ``[q | k | v]`` with each third split into ``n_head`` heads of
+``hs = C / n_head`` features. The heads are strided views of that array, never copies;
+the only copy is merging the heads of the output back to ``(B, T, C)``.
+
+    S = q k^T / sqrt(hs)            (B, nh, T, T), future keys set to -inf if causal
+    P = softmax(S)                  dropout on P in training, if asked
+    y = P v                         (B, nh, T, hs)
+
+The backward pass is written as one function: ``dv = P^T dy``, ``dP = dy v^T``,
+``dS = P * (dP - rowsum(dP * P))`` (softmax Jacobian; masked entries have P = 0 and so
+get no gradient), ``dq = dS k / sqrt(hs)``, ``dk = dS^T q / sqrt(hs)``, written straight
+into the head views of one ``dqkv`` array.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+
+from mpitrain import rng as _rng
+from mpitrain.tensor import Function, Tensor, as_tensor
+
+
+@functools.lru_cache(maxsize=16)
+def _causal_bias_t(T: int, dtype: np.dtype) -> np.ndarray:
+    """(T, T) additive mask in key-major order [key j, query i]: -inf where j > i."""
+    bias = np.zeros((T, T), dtype=dtype)
+    bias[np.tril_indices(T, k=-1)] = -np.inf
+    bias.flags.writeable = False
+    return bias
+
+
+@functools.lru_cache(maxsize=16)
+def _ones_row(T: int, dtype: np.dtype) -> np.ndarray:
+    ones = np.ones((1, T), dtype=dtype)
+    ones.flags.writeable = False
+    return ones
+
+
+def _heads(a: np.ndarray, n_head: int) -> np.ndarray:
+    """(B, T, 3C) -> (3, B, nh, T, hs) strided view."""
+    B, T, C3 = a.shape
+    return a.reshape(B, T, 3, n_head, C3 // (3 * n_head)).transpose(2, 0, 3, 1, 4)
+
+
+def _t(a: np.ndarray) -> np.ndarray:
+    return a.transpose(0, 1, 3, 2)
+
+
+class CausalSelfAttention(Function):
+    """Scores are kept key-major, ``St[b, h, j, i] = k_j . q_i``: the softmax then reduces
+    over axis -2, which NumPy vectorises across queries (a reduction over the last,
+    short axis runs row by row and is several times slower), and its sums are one GEMM
+    with a row of ones. BLAS reads the transposed views without copying."""
+
+    def forward(self, qkv, n_head, causal, dropout_p, generator):
+        B, T, C3 = qkv.shape
+        C = C3 // 3
+        q, k, v = _heads(qkv, n_head)  # each (B, nh, T, hs)
+        scale = 1.0 / math.sqrt(C // n_head)
+        att = k @ _t(q)  # St, (B, nh, T_key, T_query)
+        att *= scale
+        if causal:
+            att += _causal_bias_t(T, att.dtype)
+        att -= att.max(axis=-2, keepdims=True)
+        np.exp(att, out=att)
+        att /= _ones_row(T, att.dtype) @ att  # column sums, (B, nh, 1, T_query)
+        self.keep = None
+        probs = att
+        if dropout_p > 0:
+            self.keep = _rng.dropout_mask(generator, att.shape, dropout_p, att.dtype)
+            probs = att * self.keep
+        y = _t(probs) @ v  # P v, (B, nh, T, hs)
+        self.qkv_shape, self.n_head, self.scale = qkv.shape, n_head, scale
+        self.q, self.k, self.v, self.att, self.probs = q, k, v, att, probs
+        return y.transpose(0, 2, 1, 3).reshape(B, T, C)  # merge heads, (B, T, C)
+
+    def backward(self, g):
+        B, T, C3 = self.qkv_shape
+        nh = self.n_head
+        q, k, v, att = self.q, self.k, self.v, self.att
+        gy = g.reshape(B, T, nh, C3 // (3 * nh)).transpose(0, 2, 1, 3)  # (B, nh, T, hs)
+        gqkv = np.empty(self.qkv_shape, dtype=g.dtype)
+        gq, gk, gv = _heads(gqkv, nh)
+        np.matmul(self.probs, gy, out=gv)  # dv = P^T dy
+        gatt = v @ _t(gy)  # dP^T, (B, nh, T_key, T_query)
+        if self.keep is not None:
+            gatt *= self.keep
+        gatt -= np.einsum("bhji,bhji->bhi", gatt, att)[:, :, None, :]
+        gatt *= att
+        gatt *= self.scale  # dS^T, scaled once for both dq and dk
+        np.matmul(_t(gatt), k, out=gq)  # dq = dS k
+        np.matmul(gatt, q, out=gk)  # dk = dS^T q
+        return gqkv
+
+
+def causal_self_attention(qkv, n_head: int, causal: bool = True, dropout_p: float = 0.0,
+                          generator=None) -> Tensor:
+    """Attention of ``qkv`` (B, T, 3C) with ``n_head`` heads; returns (B, T, C)."""
+    qkv = as_tensor(qkv)
+    if qkv.ndim != 3 or qkv.shape[-1] % (3 * n_head):
+        raise ValueError(f"qkv must be (B, T, 3C) with C divisible by n_head={n_head}, got {qkv.shape}")
+    generator = generator if generator is not None else _rng.generator()
+    return CausalSelfAttention.apply(qkv, n_head, causal, float(dropout_p), generator)

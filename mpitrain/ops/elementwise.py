@@ -1,0 +1,240 @@
+"""Elementwise operations with NumPy broadcasting.
+
+Binary operations accept a tensor and either another tensor or a constant (a Python
+number or an array); gradients of broadcast operands are summed back to their shape.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from mpitrain.ops._util import constant, unbroadcast
+from mpitrain.tensor import Function, Tensor, as_tensor
+
+
+def _pair(a, b):
+    if isinstance(a, Tensor):
+        return a, constant(b, a)
+    b = as_tensor(b)
+    return constant(a, b), b
+
+
+class Add(Function):
+    def forward(self, a, b):
+        self.shapes = (np.shape(a), np.shape(b))
+        return a + b
+
+    def backward(self, g):
+        sa, sb = self.shapes
+        return (
+            unbroadcast(g, sa) if self.needs_input_grad[0] else None,
+            unbroadcast(g, sb) if self.needs_input_grad[1] else None,
+        )
+
+
+class Sub(Function):
+    def forward(self, a, b):
+        self.shapes = (np.shape(a), np.shape(b))
+        return a - b
+
+    def backward(self, g):
+        sa, sb = self.shapes
+        return (
+            unbroadcast(g, sa) if self.needs_input_grad[0] else None,
+            unbroadcast(-g, sb) if self.needs_input_grad[1] else None,
+        )
+
+
+class Mul(Function):
+    def forward(self, a, b):
+        self.a, self.b = a, b
+        return a * b
+
+    def backward(self, g):
+        a, b = self.a, self.b
+        return (
+            unbroadcast(g * b, np.shape(a)) if self.needs_input_grad[0] else None,
+            unbroadcast(g * a, np.shape(b)) if self.needs_input_grad[1] else None,
+        )
+
+
+class Div(Function):
+    def forward(self, a, b):
+        self.a, self.b = a, b
+        return a / b
+
+    def backward(self, g):
+        a, b = self.a, self.b
+        ga = g / b
+        gb = None
+        if self.needs_input_grad[1]:
+            gb = unbroadcast(-ga * a / b, np.shape(b))  # d(a/b)/db = -a/b^2
+        return (unbroadcast(ga, np.shape(a)) if self.needs_input_grad[0] else None, gb)
+
+
+class Neg(Function):
+    def forward(self, a):
+        return -a
+
+    def backward(self, g):
+        return -g
+
+
+class Pow(Function):
+    def forward(self, a, b):
+        self.a, self.b = a, b
+        self.out = np.power(a, b)
+        return self.out
+
+    def backward(self, g):
+        a, b, out = self.a, self.b, self.out
+        ga = gb = None
+        if self.needs_input_grad[0]:
+            ga = unbroadcast(g * b * np.power(a, b - 1), np.shape(a))
+        if self.needs_input_grad[1]:
+            gb = unbroadcast(g * out * np.log(a), np.shape(b))
+        return ga, gb
+
+
+class Exp(Function):
+    def forward(self, a):
+        self.out = np.exp(a)
+        return self.out
+
+    def backward(self, g):
+        return g * self.out
+
+
+class Log(Function):
+    def forward(self, a):
+        self.a = a
+        return np.log(a)
+
+    def backward(self, g):
+        return g / self.a
+
+
+class Tanh(Function):
+    def forward(self, a):
+        self.out = np.tanh(a)
+        return self.out
+
+    def backward(self, g):
+        d = self.out * self.out
+        np.subtract(1, d, out=d)
+        d *= g
+        return d
+
+
+class Sigmoid(Function):
+    def forward(self, a):
+        # 1/(1+exp(-a)) written through tanh: no overflow for large |a|
+        out = np.tanh(0.5 * a)
+        out *= 0.5
+        out += 0.5
+        self.out = out
+        return out
+
+    def backward(self, g):
+        d = 1 - self.out
+        d *= self.out
+        d *= g
+        return d
+
+
+class ReLU(Function):
+    def forward(self, a):
+        out = np.maximum(a, 0)
+        self.out = out
+        return out
+
+    def backward(self, g):
+        return g * (self.out > 0)
+
+
+_GELU_S = math.sqrt(2.0 / math.pi)
+_GELU_C = 0.044715
+
+
+class GELU(Function):
+    """GELU, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (Hendrycks & Gimpel
+    2016; the form GPT-2 uses). Computed in place to keep passes over memory few."""
+
+    def forward(self, x):
+        t = x * x
+        t *= _GELU_C
+        t += 1
+        t *= x
+        t *= _GELU_S
+        np.tanh(t, out=t)  # t = tanh(s (x + c x^3))
+        self.x, self.t = x, t
+        y = t + 1
+        y *= x
+        y *= 0.5
+        return y
+
+    def backward(self, g):
+        x, t = self.x, self.t
+        # d/dx = 0.5 (1 + t) + 0.5 x (1 - t^2) s (1 + 3 c x^2)
+        d = x * x
+        d *= 3 * _GELU_C * _GELU_S
+        d += _GELU_S
+        d *= x
+        u = t * t
+        np.subtract(1, u, out=u)
+        d *= u
+        d += 1
+        d += t
+        d *= 0.5
+        d *= g
+        return d
+
+
+def add(a, b) -> Tensor:
+    return Add.apply(*_pair(a, b))
+
+
+def sub(a, b) -> Tensor:
+    return Sub.apply(*_pair(a, b))
+
+
+def mul(a, b) -> Tensor:
+    return Mul.apply(*_pair(a, b))
+
+
+def div(a, b) -> Tensor:
+    return Div.apply(*_pair(a, b))
+
+
+def neg(a) -> Tensor:
+    return Neg.apply(as_tensor(a))
+
+
+def pow(a, b) -> Tensor:  # noqa: A001 - mirrors the operator name
+    return Pow.apply(*_pair(a, b))
+
+
+def exp(a) -> Tensor:
+    return Exp.apply(as_tensor(a))
+
+
+def log(a) -> Tensor:
+    return Log.apply(as_tensor(a))
+
+
+def tanh(a) -> Tensor:
+    return Tanh.apply(as_tensor(a))
+
+
+def sigmoid(a) -> Tensor:
+    return Sigmoid.apply(as_tensor(a))
+
+
+def relu(a) -> Tensor:
+    return ReLU.apply(as_tensor(a))
+
+
+def gelu(a) -> Tensor:
+    return GELU.apply(as_tensor(a))

@@ -1,0 +1,76 @@
+"""Matrix products: batched ``matmul`` and the fused affine map ``linear``.
+
+Weights are stored ``(in_features, out_features)`` so that ``y = x @ W`` needs no
+transpose in the forward pass; every product below is one BLAS GEMM (or one batch of
+them), with leading dimensions of an activation folded into the GEMM's row count.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mpitrain.ops._util import unbroadcast
+from mpitrain.tensor import Function, Tensor, as_tensor
+
+
+class MatMul(Function):
+    """``a @ b`` for arrays of two or more dimensions, batch dimensions broadcasting."""
+
+    def forward(self, a, b):
+        if a.ndim < 2 or b.ndim < 2:
+            raise ValueError(f"matmul needs operands of 2 or more dimensions, got {a.shape} and {b.shape}")
+        self.a, self.b = a, b
+        if b.ndim == 2:
+            # (..., M, K) @ (K, N): one GEMM with all leading dims folded into M
+            return (a.reshape(-1, a.shape[-1]) @ b).reshape(*a.shape[:-1], b.shape[1])
+        return a @ b
+
+    def backward(self, g):
+        a, b = self.a, self.b
+        ga = gb = None
+        if b.ndim == 2:
+            g2 = g.reshape(-1, g.shape[-1])  # (M', N)
+            if self.needs_input_grad[0]:
+                ga = (g2 @ b.T).reshape(a.shape)
+            if self.needs_input_grad[1]:
+                gb = a.reshape(-1, a.shape[-1]).T @ g2  # (K, N)
+            return ga, gb
+        if self.needs_input_grad[0]:
+            ga = unbroadcast(g @ np.swapaxes(b, -1, -2), a.shape)
+        if self.needs_input_grad[1]:
+            gb = unbroadcast(np.swapaxes(a, -1, -2) @ g, b.shape)
+        return ga, gb
+
+
+class Linear(Function):
+    """``y = x @ W + b`` with ``x`` of shape ``(..., in)``, ``W`` ``(in, out)``, ``b`` ``(out,)``."""
+
+    def forward(self, x, w, b=None):
+        self.x_shape = x.shape
+        x2 = x.reshape(-1, x.shape[-1])  # (N, in)
+        self.x2, self.w = x2, w
+        y = x2 @ w  # (N, out)
+        if b is not None:
+            y += b
+        return y.reshape(*x.shape[:-1], w.shape[1])
+
+    def backward(self, g):
+        g2 = g.reshape(-1, g.shape[-1])  # (N, out)
+        gx = gw = gb = None
+        if self.needs_input_grad[0]:
+            gx = (g2 @ self.w.T).reshape(self.x_shape)
+        if self.needs_input_grad[1]:
+            gw = self.x2.T @ g2  # (in, out)
+        if len(self.needs_input_grad) > 2 and self.needs_input_grad[2]:
+            gb = g2.sum(axis=0)
+        return gx, gw, gb
+
+
+def matmul(a, b) -> Tensor:
+    return MatMul.apply(as_tensor(a), as_tensor(b))
+
+
+def linear(x, weight, bias=None) -> Tensor:
+    if bias is None:
+        return Linear.apply(as_tensor(x), weight)
+    return Linear.apply(as_tensor(x), weight, bias)

@@ -1,0 +1,97 @@
+"""Softmax, log-softmax and the fused softmax cross-entropy loss."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mpitrain.tensor import Function, Tensor, as_tensor
+
+
+def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
+    e = x - x.max(axis=axis, keepdims=True)  # shift by the max: exp never overflows
+    np.exp(e, out=e)
+    e /= e.sum(axis=axis, keepdims=True)
+    return e
+
+
+class Softmax(Function):
+    def forward(self, x, axis):
+        self.axis = axis
+        self.out = _softmax(x, axis)
+        return self.out
+
+    def backward(self, g):
+        y = self.out
+        gx = g * y
+        gx -= y * gx.sum(axis=self.axis, keepdims=True)  # y * (g - sum(g * y))
+        return gx
+
+
+class LogSoftmax(Function):
+    def forward(self, x, axis):
+        self.axis = axis
+        shifted = x - x.max(axis=axis, keepdims=True)
+        shifted -= np.log(np.exp(shifted).sum(axis=axis, keepdims=True))
+        self.out = shifted
+        return shifted
+
+    def backward(self, g):
+        return g - np.exp(self.out) * g.sum(axis=self.axis, keepdims=True)
+
+
+class CrossEntropy(Function):
+    """Mean over counted targets of -log softmax(logits)[target], in one node.
+
+    ``logits`` is ``(..., V)`` and ``targets`` integer ``(...)``. Targets equal to
+    ``ignore_index`` contribute neither loss nor gradient, and the mean divides by the
+    number of counted targets. The gradient is ``(softmax - onehot) / count``.
+    """
+
+    def forward(self, logits, targets, ignore_index, reduction):
+        V = logits.shape[-1]
+        z = logits.reshape(-1, V)  # (N, V)
+        t = targets.reshape(-1)  # (N,)
+        if t.shape[0] != z.shape[0]:
+            raise ValueError(f"cross_entropy: {z.shape[0]} rows of logits but {t.shape[0]} targets")
+        keep = t != ignore_index  # (N,)
+        safe_t = np.where(keep, t, 0)
+        if np.any((safe_t < 0) | (safe_t >= V)):
+            raise IndexError(f"cross_entropy: target outside [0, {V})")
+        zmax = z.max(axis=1, keepdims=True)  # (N, 1)
+        p = z - zmax
+        np.exp(p, out=p)
+        total = p.sum(axis=1, keepdims=True)  # (N, 1)
+        p /= total  # softmax, kept for backward
+        rows = np.arange(z.shape[0])
+        nll = (np.log(total) + zmax)[:, 0] - z[rows, safe_t]  # logsumexp - z[target], (N,)
+        nll *= keep
+        count = int(keep.sum())
+        self.p, self.rows, self.t, self.keep = p, rows, safe_t, keep
+        self.shape, self.reduction = logits.shape, reduction
+        if reduction == "sum":
+            self.scale = 1.0
+            return np.asarray(nll.sum(), dtype=logits.dtype)
+        self.scale = 1.0 / max(count, 1)
+        return np.asarray(nll.sum() * self.scale, dtype=logits.dtype)
+
+    def backward(self, g):
+        p = self.p.copy()
+        p[self.rows, self.t] -= 1
+        p *= (self.keep * (self.scale * g))[:, None].astype(p.dtype)
+        return p.reshape(self.shape)
+
+
+def softmax(x, axis: int = -1) -> Tensor:
+    return Softmax.apply(as_tensor(x), axis)
+
+
+def log_softmax(x, axis: int = -1) -> Tensor:
+    return LogSoftmax.apply(as_tensor(x), axis)
+
+
+def cross_entropy(logits, targets, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
+    """Softmax cross-entropy of ``logits`` (..., V) against integer ``targets`` (...)."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
+    targets = targets.data if isinstance(targets, Tensor) else np.asarray(targets)
+    return CrossEntropy.apply(as_tensor(logits), targets, ignore_index, reduction)

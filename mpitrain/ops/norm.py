@@ -1,0 +1,134 @@
+"""Normalisations: batch norm (Ioffe & Szegedy 2015) and layer norm (Ba et al. 2016).
+
+Both normalise ``xhat = (x - mean) / sqrt(var + eps)`` and apply a per-feature scale and
+shift; they differ in which axes the statistics run over. The backward pass is the
+closed form, with ``dxhat = g * weight`` and ``m`` elements per statistic:
+
+    dx = (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)) / sqrt(var + eps)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from mpitrain.tensor import Function, Tensor, as_tensor
+
+
+@functools.lru_cache(maxsize=32)
+def _column(n: int, value: float, dtype: np.dtype) -> np.ndarray:
+    """Read-only (n, 1) column of ``value``: ``a @ column(n, 1/n)`` is a row mean."""
+    col = np.full((n, 1), value, dtype=dtype)
+    col.flags.writeable = False
+    return col
+
+
+def _dot_per_channel(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """sum over all leading axes of a * b, per last-axis feature: (..., C) x2 -> (C,)."""
+    C = a.shape[-1]
+    return np.einsum("nc,nc->c", a.reshape(-1, C), b.reshape(-1, C))
+
+
+class BatchNorm(Function):
+    """Normalise over every axis but the last (channels-last), e.g. (B, H, W, C) or (B, C).
+
+    Training mode uses the batch statistics and updates ``running_mean`` and
+    ``running_var`` in place (``running = (1 - momentum) * running + momentum * batch``,
+    with the unbiased batch variance, as PyTorch does); eval mode uses the running ones.
+    """
+
+    def forward(self, x, weight, bias, running_mean, running_var, training, momentum, eps):
+        axes = tuple(range(x.ndim - 1))
+        if training:
+            m = x.size // x.shape[-1]
+            mean = x.mean(axis=axes)  # (C,)
+            xc = x - mean
+            var = _dot_per_channel(xc, xc) / m  # biased variance, (C,)
+            if running_mean is not None:
+                running_mean *= 1 - momentum
+                running_mean += momentum * mean
+                running_var *= 1 - momentum
+                running_var += momentum * var * (m / max(m - 1, 1))
+        else:
+            mean, var = running_mean, running_var
+            xc = x - mean
+        rstd = 1.0 / np.sqrt(var + eps)  # (C,)
+        xhat = xc
+        xhat *= rstd
+        self.training, self.xhat, self.rstd, self.weight = training, xhat, rstd, weight
+        return xhat * weight + bias
+
+    def backward(self, g):
+        xhat, rstd = self.xhat, self.rstd
+        axes = tuple(range(g.ndim - 1))
+        gw = _dot_per_channel(g, xhat) if self.needs_input_grad[1] else None
+        gb = g.sum(axis=axes) if self.needs_input_grad[2] else None
+        gx = None
+        if self.needs_input_grad[0]:
+            scale = self.weight * rstd  # (C,)
+            if self.training:
+                m = g.size // g.shape[-1]
+                sum_g = gb if gb is not None else g.sum(axis=axes)
+                sum_gxhat = gw if gw is not None else _dot_per_channel(g, xhat)
+                gx = xhat * (sum_gxhat / m)
+                np.subtract(g, gx, out=gx)
+                gx -= sum_g / m
+                gx *= scale
+            else:
+                gx = g * scale  # statistics are constants in eval mode
+        return gx, gw, gb
+
+
+class LayerNorm(Function):
+    """Normalise over the last axis; ``weight`` and ``bias`` (optional) have its length.
+
+    Row sums are GEMVs with a vector of ones (BLAS is several times faster than NumPy's
+    reduction over a short last axis) and row dot products are ``einsum``.
+    """
+
+    def forward(self, x, weight, bias, eps):
+        C = x.shape[-1]
+        x2 = x.reshape(-1, C)  # (N, C)
+        xhat = x2 - x2 @ _column(C, 1.0 / C, x.dtype)  # x - mean, (N, C)
+        var = np.einsum("nc,nc->n", xhat, xhat)  # C * variance, (N,)
+        var /= C
+        var += eps
+        rstd = 1.0 / np.sqrt(var, out=var)  # (N,)
+        xhat *= rstd[:, None]
+        self.xhat, self.rstd, self.weight, self.shape = xhat, rstd, weight, x.shape
+        y = xhat * weight
+        if bias is not None:
+            y += bias
+        return y.reshape(x.shape)
+
+    def backward(self, g):
+        xhat, rstd = self.xhat, self.rstd
+        N, C = xhat.shape
+        g2 = g.reshape(N, C)
+        gw = np.einsum("nc,nc->c", g2, xhat) if self.needs_input_grad[1] else None
+        gb = (_column(N, 1.0, g.dtype).T @ g2)[0] if self.needs_input_grad[2] else None
+        gx = None
+        if self.needs_input_grad[0]:
+            dxhat = g2 * self.weight  # (N, C)
+            mean_d = dxhat @ _column(C, 1.0 / C, g.dtype)  # (N, 1)
+            mean_dx = np.einsum("nc,nc->n", dxhat, xhat)  # (N,)
+            mean_dx /= C
+            gx = xhat * mean_dx[:, None]
+            np.subtract(dxhat, gx, out=gx)
+            gx -= mean_d
+            gx *= rstd[:, None]
+            gx = gx.reshape(self.shape)
+        return gx, gw, gb
+
+
+def batch_norm(x, weight, bias, running_mean=None, running_var=None, training=True,
+               momentum=0.1, eps=1e-5) -> Tensor:
+    if not training and running_mean is None:
+        raise ValueError("batch_norm in eval mode needs running statistics")
+    return BatchNorm.apply(as_tensor(x), weight, bias, running_mean, running_var,
+                           training, momentum, eps)
+
+
+def layer_norm(x, weight, bias=None, eps=1e-5) -> Tensor:
+    return LayerNorm.apply(as_tensor(x), weight, bias, eps)

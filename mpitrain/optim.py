@@ -1,0 +1,215 @@
+"""Optimizers, learning-rate schedules and gradient clipping.
+
+Each optimizer updates parameters in place from their ``.grad``, with every step
+written as in-place NumPy operations (no temporaries the size of the model). Its
+state is plain arrays, keyed by the parameter's position in the list it was given:
+``state_dict()`` returns them and ``load_state_dict`` restores them, so a checkpoint
+can store them and ZeRO can give each rank a slice of them.
+
+Semantics follow PyTorch: ``SGD`` (momentum with dampening, Nesterov, L2 weight decay
+added to the gradient), ``Adam`` (Kingma & Ba 2015; L2 weight decay added to the
+gradient) and ``AdamW`` (Loshchilov & Hutter 2019; decoupled decay ``p -= lr * wd * p``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+
+class Optimizer:
+    """Base class: parameter groups with their own hyperparameters, and per-parameter state.
+
+    ``params`` is a list of parameters or a list of groups ``{"params": [...], "lr": ...}``;
+    a group's keys override the optimizer's defaults.
+    """
+
+    def __init__(self, params, defaults: dict):
+        params = list(params)
+        if not params:
+            raise ValueError("optimizer got an empty parameter list")
+        groups = params if isinstance(params[0], dict) else [{"params": params}]
+        self.param_groups = []
+        for g in groups:
+            group = dict(defaults)
+            group.update(g)
+            group["params"] = list(g["params"])
+            self.param_groups.append(group)
+        self.state: dict[int, dict[str, np.ndarray]] = {}
+        self.step_count = 0
+
+    def _indexed(self):
+        """(index, parameter, group) for every parameter; the index keys its state."""
+        i = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                yield i, p, group
+                i += 1
+
+    def zero_grad(self) -> None:
+        for _, p, _ in self._indexed():
+            p.zero_grad()
+
+    def set_lr(self, lr: float) -> None:
+        """Set every group's learning rate (schedules call this once per step)."""
+        for group in self.param_groups:
+            group["lr"] = lr
+
+    def step(self) -> None:
+        self.step_count += 1
+        for i, p, group in self._indexed():
+            if p.grad is not None:
+                self._update(p.data, p.grad, self.state.setdefault(i, {}), group)
+
+    def _update(self, p: np.ndarray, g: np.ndarray, state: dict, group: dict) -> None:  # pragma: no cover
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        return {
+            "step": self.step_count,
+            "state": {i: {k: v.copy() for k, v in s.items()} for i, s in self.state.items()},
+            "groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["groups"]) != len(self.param_groups):
+            raise ValueError(f"state has {len(state['groups'])} parameter groups, optimizer has "
+                             f"{len(self.param_groups)}")
+        shapes = {i: p.shape for i, p, _ in self._indexed()}
+        for i, s in state["state"].items():
+            i = int(i)
+            for k, v in s.items():
+                if k != "step" and np.shape(v) != shapes[i]:
+                    raise ValueError(f"optimizer state {i}.{k}: shape {np.shape(v)}, parameter {shapes[i]}")
+        self.step_count = int(state["step"])
+        self.state = {int(i): {k: np.array(v, copy=True) for k, v in s.items()}
+                      for i, s in state["state"].items()}
+        for group, saved in zip(self.param_groups, state["groups"]):
+            group.update(saved)
+
+
+class SGD(Optimizer):
+    def __init__(self, params, lr: float, momentum: float = 0.0, dampening: float = 0.0,
+                 nesterov: bool = False, weight_decay: float = 0.0):
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum needs momentum > 0 and dampening = 0")
+        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening,
+                                      nesterov=nesterov, weight_decay=weight_decay))
+
+    def _update(self, p, g, state, group):
+        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+        if wd:
+            g = g + wd * p
+        if mu:
+            buf = state.get("momentum")
+            if buf is None:
+                buf = state["momentum"] = np.array(g, copy=True)
+            else:
+                buf *= mu
+                buf += (1 - group["dampening"]) * g
+            g = g + mu * buf if group["nesterov"] else buf
+        p -= lr * g
+
+
+class Adam(Optimizer):
+    decoupled = False
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0):
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+
+    def _update(self, p, g, state, group):
+        lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        if not state:
+            state["exp_avg"] = np.zeros_like(p)
+            state["exp_avg_sq"] = np.zeros_like(p)
+            state["step"] = np.zeros((), dtype=np.int64)
+        state["step"] += 1
+        t = int(state["step"])
+        if wd and self.decoupled:
+            p *= 1 - lr * wd
+        elif wd:
+            g = g + wd * p
+        m, v = state["exp_avg"], state["exp_avg_sq"]
+        m *= b1
+        m += (1 - b1) * g  # first moment
+        v *= b2
+        v += (1 - b2) * (g * g)  # second moment
+        # p -= lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps)
+        denom = np.sqrt(v)
+        denom /= math.sqrt(1 - b2**t)
+        denom += eps
+        step = m / denom
+        step *= lr / (1 - b1**t)
+        p -= step
+
+
+class AdamW(Adam):
+    decoupled = True
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01):
+        super().__init__(params, lr, betas, eps, weight_decay)
+
+
+def decay_groups(named_params, weight_decay: float) -> list[dict]:
+    """Two groups: matrices (weights, embeddings) decay, vectors (biases, norm scales) don't.
+
+    The split nanoGPT and most transformer recipes use."""
+    decay, no_decay = [], []
+    for _, p in named_params:
+        (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def clip_grad_norm(params, max_norm: float) -> float:
+    """Scale all gradients together so their global L2 norm is at most ``max_norm``.
+
+    Returns the norm before clipping (accumulated in float64)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = math.sqrt(sum(float(np.dot(g.reshape(-1), g.reshape(-1)).astype(np.float64)) for g in grads))
+    if total > max_norm:
+        scale = max_norm / (total + 1e-6)
+        for g in grads:
+            g *= scale
+    return total
+
+
+class WarmupCosine:
+    """Learning rate at a step: linear warmup to ``lr``, cosine decay to ``min_lr`` at
+    ``decay_steps``, then ``min_lr`` (the schedule of GPT-3 and nanoGPT).
+
+    Warmup starts at lr / (warmup + 1), never 0, so step 0 already moves the weights."""
+
+    def __init__(self, lr: float, warmup_steps: int, decay_steps: int, min_lr: float = 0.0):
+        if warmup_steps < 0 or decay_steps < warmup_steps:
+            raise ValueError(f"need 0 <= warmup_steps ({warmup_steps}) <= decay_steps ({decay_steps})")
+        self.lr, self.warmup, self.decay, self.min_lr = lr, warmup_steps, decay_steps, min_lr
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return self.lr * (step + 1) / (self.warmup + 1)
+        if step >= self.decay:
+            return self.min_lr
+        progress = (step - self.warmup) / max(1, self.decay - self.warmup)
+        return self.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (self.lr - self.min_lr)
+
+
+class Constant:
+    """A constant learning rate, with optional linear warmup."""
+
+    def __init__(self, lr: float, warmup_steps: int = 0):
+        self.lr, self.warmup = lr, warmup_steps
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup:
+            return self.lr * (step + 1) / (self.warmup + 1)
+        return self.lr
+
+
+__all__ = ["SGD", "Adam", "AdamW", "Constant", "Optimizer", "WarmupCosine", "clip_grad_norm",
+           "decay_groups"]

@@ -1,0 +1,101 @@
+"""The dependency arrows of ARCHITECTURE.md, checked by parsing every module's imports."""
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "mpitrain"
+BASE = ("mpitrain.tensor", "mpitrain.ops", "mpitrain.nn", "mpitrain.optim", "mpitrain.rng",
+        "mpitrain.gradcheck")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module an 'import' or 'from ... import' in the file names, at any depth."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
+
+
+def graph() -> dict[str, set[str]]:
+    return {module_name(p): imports_of(p) for p in PACKAGE.rglob("*.py")}
+
+
+def closure(start: str, g: dict[str, set[str]]) -> set[str]:
+    """All modules reachable from ``start`` (package imports include their __init__)."""
+    seen, todo = set(), [start]
+    while todo:
+        m = todo.pop()
+        for dep in g.get(m, ()):
+            if dep in seen:
+                continue
+            seen.add(dep)
+            parts = dep.split(".")
+            for i in range(1, len(parts) + 1):  # importing a.b.c runs a, a.b and a.b.c
+                prefix = ".".join(parts[:i])
+                if prefix in g and prefix not in seen:
+                    seen.add(prefix)
+                    todo.append(prefix)
+            if dep in g:
+                todo.append(dep)
+    return seen
+
+
+def is_under(name: str, prefixes) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in prefixes)
+
+
+def test_the_import_parser_sees_mpi4py():
+    g = {"a": {"mpitrain.b"}, "mpitrain.b": {"mpi4py.MPI"}}
+    assert "mpi4py.MPI" in closure("a", g)
+
+
+def test_base_layers_never_reach_mpi4py():
+    g = graph()
+    base = [m for m in g if is_under(m, BASE)]
+    assert len(base) > 10
+    for m in base:
+        reach = closure(m, g)
+        bad = sorted(d for d in reach if d.split(".")[0] == "mpi4py"
+                     or is_under(d, ("mpitrain.comm", "mpitrain.parallel", "mpitrain.topology",
+                                     "mpitrain.train", "mpitrain.cli", "mpitrain.config")))
+        assert not bad, f"{m} imports {bad}"
+
+
+def test_only_comm_imports_mpi4py():
+    for m, deps in graph().items():
+        if any(d.split(".")[0] == "mpi4py" for d in deps):
+            assert m == "mpitrain.comm", f"{m} imports mpi4py directly"
+
+
+def test_data_never_calls_mpi():
+    g = graph()
+    for m in (m for m in g if is_under(m, ("mpitrain.data",))):
+        reach = closure(m, g)
+        assert not any(d.split(".")[0] == "mpi4py" or is_under(d, ("mpitrain.comm",)) for d in reach), m
+
+
+def test_parallel_modules_stand_alone():
+    g = graph()
+    for m, deps in g.items():
+        if is_under(m, ("mpitrain.parallel",)) and m != "mpitrain.parallel":
+            others = [d for d in deps if is_under(d, ("mpitrain.parallel",)) and d != "mpitrain.parallel"]
+            assert not others, f"{m} imports {others}"
+
+
+def test_importing_the_package_does_not_start_mpi():
+    code = ("import mpitrain, mpitrain.nn, mpitrain.ops, mpitrain.optim, mpitrain.train, mpitrain.cli, "
+            "mpitrain.config, mpitrain.data, mpitrain.bench.step, sys; "
+            "print('mpi4py' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -1,0 +1,78 @@
+"""Config loading and validation: every bad input gets one message naming the field."""
+
+from pathlib import Path
+
+import pytest
+
+from mpitrain import config
+from mpitrain.config import ConfigError
+
+JOBS = Path(__file__).resolve().parent.parent / "jobs"
+
+
+def write(tmp_path, text):
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    return p
+
+
+def test_shipped_jobs_are_valid(tmp_path):
+    text = tmp_path / "input.txt"
+    text.write_text("hello world\n" * 100)
+    for path in sorted(JOBS.glob("*.toml")):
+        overrides = [f"data.path={text}"] if "data.path" in path.read_text() else []
+        cfg = config.load(path, overrides)
+        assert cfg.train.global_batch_size > 0
+
+
+def test_overrides_parse_toml_values_and_bare_strings(tmp_path):
+    p = write(tmp_path, '[model]\nname = "gpt"\n[data]\nname = "shakespeare"\n[train]\nsteps = 10\n')
+    cfg = config.load(p, ["optim.lr=3e-4", "optim.betas=[0.9, 0.95]", "model.bias=true",
+                          "optim.name=sgd", "train.dtype=float64"])
+    assert cfg.optim.lr == 3e-4 and cfg.optim.betas == (0.9, 0.95) and cfg.model.bias
+    assert cfg.optim.name == "sgd" and cfg.train.dtype == "float64"
+    assert cfg.to_dict()["optim"]["lr"] == 3e-4
+
+
+BAD = [
+    ('[train]\nepochs = 1\nbatch = 3\n', "train.batch: unknown field"),
+    ('[trian]\nepochs = 1\n', "trian: unknown section"),
+    ('[train]\nepochs = "two"\n', "train.epochs: expected an integer"),
+    ('[train]\nepochs = 1.5\n', "train.epochs: expected an integer"),
+    ('[optim]\nlr = -1.0\n[train]\nepochs = 1\n', "optim.lr: must be > 0"),
+    ('[optim]\nbetas = [0.9]\n[train]\nepochs = 1\n', "optim.betas: expected a list of 2"),
+    ('[train]\nepochs = 1\nsteps = 5\n', "train.steps: set exactly one"),
+    ('[train]\nglobal_batch_size = 0\nepochs = 1\n', "train.global_batch_size: must be > 0"),
+    ('[model]\nname = "vgg"\n[train]\nepochs = 1\n', "model.name: must be one of"),
+    ('[model]\nn_layer = 3\n[train]\nepochs = 1\n', "model.n_layer: does not apply to model.name = 'lenet'"),
+    ('[model]\nname = "gpt"\nn_embd = 10\nn_head = 4\n[data]\nname = "shakespeare"\n[train]\nsteps = 1\n',
+     "model.n_embd: must be divisible"),
+    ('[model]\nname = "gpt"\n[train]\nsteps = 1\n', "data.name: gpt trains on text"),
+    ('[model]\nname = "gpt"\n[data]\nname = "text"\n[train]\nsteps = 1\n', "data.path: data.name = 'text' needs"),
+    ('[model]\nname = "gpt"\n[data]\nname = "text"\npath = "/nonexistent/x.txt"\n[train]\nsteps = 1\n',
+     "data.path: no such file"),
+    ('[model]\nname = "lenet"\nchannels = [4, 8, 16]\n[train]\nepochs = 1\n', "model.channels: lenet has exactly two"),
+    ('[optim]\nname = "adam"\nnesterov = true\n[train]\nepochs = 1\n', "optim.nesterov: needs"),
+    ('[train]\nepochs = 1\ndtype = "float16"\n', "train.dtype: must be"),
+    ('train = 3\n', "train: expected a table"),
+]
+
+
+@pytest.mark.parametrize("text,message", BAD)
+def test_bad_config_names_the_field(tmp_path, text, message):
+    with pytest.raises(ConfigError) as e:
+        config.load(write(tmp_path, text))
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_override_and_files(tmp_path):
+    ok = write(tmp_path, "[train]\nepochs = 1\n")
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        config.load(ok, ["optim.lr"])
+    with pytest.raises(ConfigError, match="expected section.key"):
+        config.load(ok, ["lr=1"])
+    with pytest.raises(ConfigError, match="config file not found"):
+        config.load(tmp_path / "missing.toml")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        config.load(write(tmp_path, "[train\n"))

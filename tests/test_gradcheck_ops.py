@@ -1,0 +1,283 @@
+"""Every op's backward pass against float64 central differences (max relative error < 1e-6)."""
+
+import numpy as np
+import pytest
+
+from mpitrain import ops
+from mpitrain.gradcheck import gradcheck
+from mpitrain.tensor import Tensor
+
+TOL = 1e-6
+
+
+def t(*shape, seed=0, low=None, high=None, grad=True):
+    r = np.random.default_rng(seed)
+    data = r.standard_normal(shape) if low is None else r.uniform(low, high, shape)
+    return Tensor(data.astype(np.float64), requires_grad=grad)
+
+
+def away_from_zero(*shape, seed=0, margin=0.1):
+    """Values with |x| >= margin: no kink of relu/max is within a finite-difference step."""
+    r = np.random.default_rng(seed)
+    x = r.standard_normal(shape)
+    x = np.sign(x) * (np.abs(x) + margin)
+    return Tensor(x, requires_grad=True)
+
+
+def distinct(*shape, seed=0):
+    """A random permutation of well-separated values: no ties anywhere (max, pooling)."""
+    r = np.random.default_rng(seed)
+    n = int(np.prod(shape))
+    return Tensor((r.permutation(n) * 0.1 - n * 0.05).reshape(shape).astype(np.float64),
+                  requires_grad=True)
+
+
+def check(f, *inputs, **kw):
+    errors = gradcheck(f, inputs, **kw)
+    assert errors, "nothing was checked"
+    assert max(errors.values()) < TOL, errors
+
+
+# ------------------------------------------------------------------ elementwise
+BROADCAST_PAIRS = [((3, 4), (3, 4)), ((2, 3, 4), (4,)), ((2, 1, 4), (3, 1)), ((5,), (2, 5)), ((3, 4), ())]
+
+
+@pytest.mark.parametrize("sa,sb", BROADCAST_PAIRS)
+@pytest.mark.parametrize("op", [ops.add, ops.sub, ops.mul])
+def test_binary_broadcasting(op, sa, sb):
+    check(op, t(*sa, seed=1), t(*sb, seed=2))
+
+
+@pytest.mark.parametrize("sa,sb", BROADCAST_PAIRS)
+def test_div_broadcasting(sa, sb):
+    check(ops.div, t(*sa, seed=1), t(*sb, seed=2, low=0.5, high=2.0))
+
+
+def test_pow_tensor_exponent_and_constant():
+    base = t(3, 4, low=0.5, high=2.0)
+    check(ops.pow, base, t(4, seed=3))
+    check(lambda x: x ** 3, t(3, 4))
+    check(lambda x: x ** 0.5, base)
+    check(lambda e: 2.0 ** e, t(3, seed=4))
+
+
+def test_operators_with_constants_and_reflection():
+    check(lambda x: 2.0 - x * 3 + 1 / (x * x + 1) - (-x), t(2, 3))
+    check(lambda x: np.arange(3.0) * x + x / np.float64(2.0), t(2, 3))
+
+
+@pytest.mark.parametrize("name", ["exp", "tanh", "sigmoid", "gelu", "neg"])
+def test_unary(name):
+    check(getattr(ops, name), t(4, 5))
+
+
+def test_log():
+    check(ops.log, t(4, 5, low=0.1, high=3.0))
+
+
+def test_relu_away_from_kink():
+    check(ops.relu, away_from_zero(4, 5))
+
+
+def test_sigmoid_and_gelu_large_inputs():
+    x = Tensor(np.linspace(-30, 30, 13), requires_grad=True)
+    check(ops.sigmoid, x)
+    check(ops.gelu, x)
+
+
+# ------------------------------------------------------------------- reductions
+@pytest.mark.parametrize("axis,keepdims", [(None, False), (0, False), (1, True), ((0, 2), False), (-1, True)])
+@pytest.mark.parametrize("op", [ops.sum, ops.mean, ops.max])
+def test_reductions(op, axis, keepdims):
+    check(lambda x: op(x, axis, keepdims), distinct(2, 3, 4))
+
+
+def test_max_ties_share_gradient():
+    x = Tensor(np.array([[1.0, 3.0, 3.0], [2.0, 2.0, 2.0]]), requires_grad=True)
+    ops.max(x, axis=1).backward(np.ones(2))
+    np.testing.assert_allclose(x.grad, [[0, 0.5, 0.5], [1 / 3, 1 / 3, 1 / 3]])
+
+
+# ------------------------------------------------------------------------ shape
+def test_reshape_transpose():
+    check(lambda x: ops.reshape(x, (4, 6)), t(2, 3, 4))
+    check(lambda x: ops.transpose(x, (2, 0, 1)), t(2, 3, 4))
+    check(lambda x: x.T, t(3, 5))
+
+
+@pytest.mark.parametrize("index", [
+    (slice(1, 3), Ellipsis),
+    (0, slice(None, None, 2)),
+    (Ellipsis, None, 1),
+    np.array([2, 0, 2, 1]),  # repeated rows accumulate
+    (np.array([0, 1, 1]), np.array([2, 0, 2])),
+    np.array([[True, False, True, False], [False, True, True, True], [True, True, False, False]]),
+])
+def test_getitem(index):
+    check(lambda x: x[index], t(3, 4))
+
+
+def test_concat_and_split():
+    check(lambda a, b, c: ops.concat([a, b, c], axis=1), t(2, 1, 3), t(2, 4, 3, seed=1), t(2, 2, 3, seed=2))
+    check(lambda x: ops.split(x, 3, axis=-1), t(2, 6))
+    check(lambda x: ops.split(x, [1, 4, 2], axis=0), t(7, 2))
+    # only some parts used downstream: unused parts get zero gradient
+    check(lambda x: ops.split(x, 2, axis=0)[1] * 2.0, t(4, 3))
+
+
+# ------------------------------------------------------------------------ linalg
+@pytest.mark.parametrize("sa,sb", [((3, 4), (4, 5)), ((2, 3, 4), (4, 5)), ((2, 3, 4), (2, 4, 5)),
+                                   ((2, 1, 3, 4), (5, 4, 2)), ((3, 4), (2, 4, 5))])
+def test_matmul_batched_broadcasting(sa, sb):
+    check(ops.matmul, t(*sa, seed=1), t(*sb, seed=2))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_linear(bias):
+    args = (t(2, 3, 4), t(4, 5, seed=1)) + ((t(5, seed=2),) if bias else ())
+    check(ops.linear, *args)
+
+
+def test_linear_with_transposed_weight():
+    check(lambda x, w: ops.linear(x, ops.transpose(w)), t(2, 3, 4), t(5, 4, seed=1))
+
+
+# ------------------------------------------------------------------- conv, pool
+@pytest.mark.parametrize("stride,padding,k", [(1, 0, 3), (1, 1, 3), (2, 1, 3), (2, 0, 2), ((1, 2), (2, 0), (3, 2)), (1, 2, 5)])
+def test_conv2d(stride, padding, k):
+    kh, kw = (k, k) if isinstance(k, int) else k
+    check(lambda x, w, b: ops.conv2d(x, w, b, stride, padding),
+          t(2, 7, 6, 3), t(kh, kw, 3, 4, seed=1), t(4, seed=2))
+
+
+def test_conv2d_without_bias_or_input_grad():
+    x = t(2, 5, 5, 2, grad=False)
+    check(lambda w: ops.conv2d(x, w, None, 1, 1), t(3, 3, 2, 3, seed=1))
+
+
+@pytest.mark.parametrize("k,s,p", [(2, 2, 0), (3, 1, 0), (3, 2, 1), (2, 1, 1)])
+def test_max_pool2d(k, s, p):
+    check(lambda x: ops.max_pool2d(x, k, s, p), distinct(2, 6, 7, 3))
+
+
+def test_max_pool2d_ties_go_to_first():
+    x = Tensor(np.zeros((1, 2, 2, 1)), requires_grad=True)
+    ops.max_pool2d(x, 2).backward(np.ones((1, 1, 1, 1)))
+    assert x.grad.reshape(-1).tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("k,s,p", [(2, 2, 0), (3, 1, 1), (3, 2, 1)])
+def test_avg_pool2d(k, s, p):
+    check(lambda x: ops.avg_pool2d(x, k, s, p), t(2, 6, 5, 3))
+
+
+# -------------------------------------------------------------------- norms
+@pytest.mark.parametrize("shape", [(4, 3, 3, 5), (6, 5)])
+def test_batch_norm_train(shape):
+    rm, rv = np.zeros(shape[-1]), np.ones(shape[-1])
+    check(lambda x, w, b: ops.batch_norm(x, w, b, rm.copy(), rv.copy(), training=True),
+          t(*shape), t(shape[-1], seed=1), t(shape[-1], seed=2))
+
+
+def test_batch_norm_eval():
+    rm, rv = np.random.default_rng(3).standard_normal(5), np.linspace(0.5, 2, 5)
+    check(lambda x, w, b: ops.batch_norm(x, w, b, rm, rv, training=False),
+          t(4, 2, 2, 5), t(5, seed=1), t(5, seed=2))
+
+
+def test_batch_norm_running_statistics():
+    x = np.random.default_rng(0).standard_normal((8, 3, 3, 2)) * 2 + 1
+    rm, rv = np.zeros(2), np.ones(2)
+    ops.batch_norm(Tensor(x), Tensor(np.ones(2)), Tensor(np.zeros(2)), rm, rv, True, 0.1)
+    flat = x.reshape(-1, 2)
+    np.testing.assert_allclose(rm, 0.1 * flat.mean(0))
+    np.testing.assert_allclose(rv, 0.9 + 0.1 * flat.var(0, ddof=1))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_layer_norm(bias):
+    args = (t(2, 3, 6), t(6, seed=1)) + ((t(6, seed=2),) if bias else (None,))
+    check(ops.layer_norm, *args)
+
+
+# ----------------------------------------------------------------- softmax, loss
+@pytest.mark.parametrize("axis", [-1, 0, 1])
+def test_softmax_and_log_softmax(axis):
+    check(lambda x: ops.softmax(x, axis), t(3, 4, 5))
+    check(lambda x: ops.log_softmax(x, axis), t(3, 4, 5))
+
+
+def test_cross_entropy_with_ignore_index():
+    targets = np.array([[1, 4, -100], [0, -100, 3]])
+    check(lambda z: ops.cross_entropy(z, targets), t(2, 3, 5))
+    check(lambda z: ops.cross_entropy(z, targets, reduction="sum"), t(2, 3, 5))
+    check(lambda z: ops.cross_entropy(z, np.array([2, 0, 2]), ignore_index=2), t(3, 4))
+
+
+def test_cross_entropy_value_and_extremes():
+    z = np.array([[1000.0, 0.0, -1000.0], [0.0, 0.0, 0.0]])
+    loss = ops.cross_entropy(Tensor(z), np.array([1, 2]))
+    assert np.isclose(loss.item(), (1000.0 + np.log(3.0)) / 2)
+    all_ignored = ops.cross_entropy(Tensor(z, requires_grad=True), np.array([-100, -100]))
+    assert all_ignored.item() == 0.0
+
+
+def test_cross_entropy_rejects_bad_targets():
+    with pytest.raises(IndexError):
+        ops.cross_entropy(Tensor(np.zeros((2, 3))), np.array([0, 3]))
+
+
+# ------------------------------------------------------------ attention, embedding
+@pytest.mark.parametrize("causal", [True, False])
+def test_causal_self_attention(causal):
+    check(lambda qkv: ops.causal_self_attention(qkv, n_head=2, causal=causal), t(2, 5, 12))
+
+
+def test_attention_causal_mask_blocks_the_future():
+    """Changing a later position must not change earlier outputs, nor get gradient from them."""
+    x = t(1, 6, 18).data
+    y1 = ops.causal_self_attention(Tensor(x), n_head=3).data
+    x2 = x.copy()
+    x2[:, 4:] += 1.0
+    y2 = ops.causal_self_attention(Tensor(x2), n_head=3).data
+    np.testing.assert_allclose(y1[:, :4], y2[:, :4], rtol=0, atol=1e-12)
+    assert not np.allclose(y1[:, 4:], y2[:, 4:])
+    xt = Tensor(x, requires_grad=True)
+    out = ops.causal_self_attention(xt, n_head=3)
+    g = np.zeros(out.shape)
+    g[:, :2] = 1.0
+    out.backward(g)
+    assert np.all(xt.grad[:, 2:] == 0)
+
+
+def test_attention_matches_unfused_ops():
+    """The fused node equals attention composed from primitive ops."""
+    B, T, C, nh = 2, 5, 12, 3
+    x = t(B, T, 3 * C).data
+    fused = ops.causal_self_attention(Tensor(x), nh).data
+    q, k, v = (Tensor(a).reshape(B, T, nh, C // nh).transpose(0, 2, 1, 3) for a in np.split(x, 3, axis=-1))
+    s = ops.matmul(q, k.transpose(0, 1, 3, 2)) * (1 / np.sqrt(C // nh))
+    s = s + np.triu(np.full((T, T), -np.inf), 1)
+    y = ops.matmul(ops.softmax(s, -1), v).transpose(0, 2, 1, 3).reshape(B, T, C)
+    np.testing.assert_allclose(fused, y.data, rtol=1e-12, atol=1e-12)
+
+
+def test_attention_dropout_is_seeded():
+    qkv = t(2, 4, 6)
+    gen = lambda: np.random.default_rng(5)  # noqa: E731
+    check(lambda x: ops.causal_self_attention(x, 1, dropout_p=0.3, generator=gen()), qkv)
+
+
+def test_embedding_with_repeated_ids():
+    ids = np.array([[1, 3, 1], [0, 1, 3]])
+    check(lambda w: ops.embedding(ids, w), t(5, 4))
+
+
+def test_dropout_seeded_and_scaled():
+    gen = lambda: np.random.default_rng(7)  # noqa: E731
+    check(lambda x: ops.dropout(x, 0.4, generator=gen()), t(6, 7))
+    x = Tensor(np.ones((200, 200)))
+    y = ops.dropout(x, 0.25, generator=np.random.default_rng(0)).data
+    assert set(np.unique(y)) == {0.0, 1 / 0.75}
+    assert abs((y == 0).mean() - 0.25) < 0.01
+    assert ops.dropout(x, 0.25, training=False) is x

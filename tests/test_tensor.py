@@ -1,0 +1,158 @@
+"""The autograd engine: accumulation, explicit upstream gradients, non-leaf gradients,
+post-accumulate hooks, no_grad, graph release, dtypes."""
+
+import numpy as np
+import pytest
+
+from mpitrain import ops
+from mpitrain.tensor import (Parameter, Tensor, backward, default_dtype, get_default_dtype, grad,
+                             no_grad)
+
+
+def leaf(*shape, seed=0):
+    return Tensor(np.random.default_rng(seed).standard_normal(shape), requires_grad=True)
+
+
+def test_float32_default_and_float64_on_request():
+    assert Tensor([1.0, 2.0]).dtype == np.float32
+    assert Parameter(np.zeros(3)).dtype == np.float64  # arrays keep their dtype
+    assert Tensor(np.arange(3)).dtype.kind == "i"
+    with default_dtype(np.float64):
+        assert Tensor([1.0]).dtype == np.float64
+        assert get_default_dtype() == np.float64
+    assert get_default_dtype() == np.float32
+    with pytest.raises(TypeError):
+        Tensor(np.arange(3), requires_grad=True)
+
+
+def test_gradients_accumulate_across_backward_calls():
+    x = leaf(3)
+    (x * 2.0).sum().backward()
+    (x * 3.0).sum().backward()
+    np.testing.assert_allclose(x.grad, 5.0)
+
+
+def test_shared_input_sums_all_paths():
+    x = leaf(4)
+    y = x * x + x * 3.0 + ops.exp(x)
+    y.sum().backward()
+    np.testing.assert_allclose(x.grad, 2 * x.data + 3 + np.exp(x.data))
+
+
+def test_explicit_upstream_gradient_from_a_non_scalar():
+    x = leaf(2, 3)
+    y = ops.tanh(x)
+    g = np.random.default_rng(1).standard_normal((2, 3))
+    y.backward(g)
+    np.testing.assert_allclose(x.grad, g * (1 - np.tanh(x.data) ** 2))
+
+
+def test_backward_without_gradient_needs_one_element():
+    with pytest.raises(RuntimeError, match="one-element"):
+        (leaf(2) * 2.0).backward()
+    with pytest.raises(ValueError, match="shape"):
+        (leaf(2) * 2.0).backward(np.ones(3))
+
+
+def test_stage_input_leaf_receives_gradient():
+    """A pipeline stage's received activation: a leaf that requires grad gets .grad."""
+    w = leaf(3, 2, seed=1)
+    x = Tensor(np.ones((4, 3)), requires_grad=True)
+    y = x @ w
+    y.backward(np.ones((4, 2)))
+    np.testing.assert_allclose(x.grad, np.ones((4, 2)) @ w.data.T)
+
+
+def test_retain_grad_on_intermediate():
+    x = leaf(3)
+    h = x * 2.0
+    h.retain_grad()
+    (h * h).sum().backward()
+    np.testing.assert_allclose(h.grad, 2 * h.data)
+    np.testing.assert_allclose(x.grad, 4 * h.data)
+
+
+def test_grad_function_leaves_dot_grad_alone():
+    x, w = leaf(3), leaf(3, seed=1)
+    h = x * w
+    loss = (h * h).sum()
+    gx, gh, unused = grad(loss, [x, h, leaf(2, seed=2)])
+    np.testing.assert_allclose(gh, 2 * h.data)
+    np.testing.assert_allclose(gx, 2 * h.data * w.data)
+    assert unused is None
+    assert x.grad is None and w.grad is None
+
+
+def test_backward_from_several_roots():
+    x = leaf(3)
+    a, b = x * 2.0, x * x
+    backward([a, b], [np.ones(3), np.full(3, 2.0)])
+    np.testing.assert_allclose(x.grad, 2 + 4 * x.data)
+
+
+def test_no_grad_records_nothing():
+    x = leaf(3)
+    with no_grad():
+        y = x * 2.0
+    assert not y.requires_grad and y.is_leaf
+    z = x * 2.0
+    assert z.requires_grad and not z.is_leaf
+
+
+def test_graph_is_freed_unless_retained():
+    x = leaf(3)
+    y = (x * x).sum()
+    y.backward(retain_graph=True)
+    y.backward()
+    np.testing.assert_allclose(x.grad, 4 * x.data)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        y.backward()
+
+
+def test_grad_that_is_a_view_stays_a_view():
+    """Accumulation writes into the existing .grad, so views into a flat buffer survive."""
+    flat = np.zeros(5)
+    a = Parameter(np.ones(2))
+    b = Parameter(np.ones(3))
+    a.grad, b.grad = flat[:2], flat[2:]
+    (a * 3.0).sum().backward()
+    (b * 4.0).sum().backward()
+    np.testing.assert_allclose(flat, [3, 3, 4, 4, 4])
+    assert a.grad.base is flat
+
+
+def test_post_accumulate_hooks_fire_once_when_complete():
+    """Each parameter's hook fires once per backward, after all of its uses delivered,
+    and for a chain of layers in reverse order of use."""
+    w1, w2, w3 = (Parameter(np.random.default_rng(i).standard_normal((4, 4))) for i in range(3))
+    fired = []
+
+    def hook(p):
+        fired.append((p.name, p.grad.copy()))
+
+    for name, w in (("w1", w1), ("w2", w2), ("w3", w3)):
+        w.name = name
+        w.register_post_accumulate_grad_hook(hook)
+    x = Tensor(np.ones((2, 4)))
+    h = ops.tanh(x @ w1)
+    h = ops.tanh(h @ w2) + h @ w1  # w1 used twice: its hook waits for both uses
+    loss = ops.sum(ops.tanh(h @ w3))
+    loss.backward()
+    assert [n for n, _ in fired] == ["w3", "w2", "w1"]
+    for (name, at_hook), w in zip(fired, (w3, w2, w1)):
+        np.testing.assert_array_equal(at_hook, w.grad)
+    fired.clear()
+    ops.sum(x @ w1).backward()
+    assert [n for n, _ in fired] == ["w1"]
+
+
+def test_hooks_only_on_leaves():
+    with pytest.raises(RuntimeError):
+        (leaf(2) * 2.0).register_post_accumulate_grad_hook(lambda p: None)
+
+
+def test_split_outputs_used_partially():
+    x = leaf(6)
+    a, b, c = ops.split(x, 3)
+    (a * 2.0 + c * 3.0).sum().backward()
+    np.testing.assert_allclose(x.grad, [2, 2, 0, 0, 3, 3])

