@@ -65,6 +65,14 @@ class Optimizer:
     def _update(self, p: np.ndarray, g: np.ndarray, state: dict, group: dict) -> None:  # pragma: no cover
         raise NotImplementedError
 
+    def _scratch(self, like: np.ndarray) -> np.ndarray:
+        """A reusable work array shaped like ``like`` (one buffer for all parameters,
+        so an update allocates nothing)."""
+        buf = getattr(self, "_buffer", None)
+        if buf is None or buf.size < like.size or buf.dtype != like.dtype:
+            buf = self._buffer = np.empty(max(like.size, 0 if buf is None else buf.size), like.dtype)
+        return buf[: like.size].reshape(like.shape)
+
     def state_dict(self) -> dict:
         return {
             "step": self.step_count,
@@ -132,17 +140,21 @@ class Adam(Optimizer):
         elif wd:
             g = g + wd * p
         m, v = state["exp_avg"], state["exp_avg_sq"]
+        tmp = self._scratch(p)
+        np.multiply(g, 1 - b1, out=tmp)
         m *= b1
-        m += (1 - b1) * g  # first moment
+        m += tmp  # first moment
+        np.multiply(g, g, out=tmp)
+        tmp *= 1 - b2
         v *= b2
-        v += (1 - b2) * (g * g)  # second moment
+        v += tmp  # second moment
         # p -= lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps)
-        denom = np.sqrt(v)
-        denom /= math.sqrt(1 - b2**t)
-        denom += eps
-        step = m / denom
-        step *= lr / (1 - b1**t)
-        p -= step
+        np.sqrt(v, out=tmp)
+        tmp *= 1 / math.sqrt(1 - b2**t)
+        tmp += eps
+        np.divide(m, tmp, out=tmp)
+        tmp *= lr / (1 - b1**t)
+        p -= tmp
 
 
 class AdamW(Adam):

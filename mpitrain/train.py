@@ -10,38 +10,17 @@ first step, see :mod:`mpitrain.observe.flops`).
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from threadpoolctl import threadpool_limits
 
 from mpitrain import nn, ops, optim, rng
+from mpitrain.runtime import blas_threads, limit_blas_threads, tune_allocator
 from mpitrain.config import Config
 from mpitrain.data import ImageBatches, TextBatches, mnist5k, shakespeare, text_file
 from mpitrain.observe.flops import FlopCount
 from mpitrain.tensor import Tensor, default_dtype, no_grad, observe_ops
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
-
-
-def blas_threads(requested: int = 0, ranks_per_node: int = 1) -> int:
-    """BLAS threads per process: the requested number, or the cores shared out among
-    the ranks on this node (at least one). More threads than cores make BLAS spin."""
-    if requested > 0:
-        return requested
-    return max(1, available_cores() // max(1, ranks_per_node))
-
-
-def limit_blas_threads(n: int):
-    """Limit BLAS (OpenBLAS, MKL, ...) in this process to ``n`` threads."""
-    return threadpool_limits(limits=n, user_api="blas")
 
 
 # ---------------------------------------------------------------- building
@@ -151,6 +130,7 @@ def train(cfg: Config, log=print) -> Result:
     """Train as ``cfg`` says, printing progress through ``log``; returns the figures."""
     t = cfg.train
     threads = blas_threads(t.threads)
+    tune_allocator()
     with limit_blas_threads(threads):
         data = load_data(cfg)
         rng.manual_seed(t.seed)

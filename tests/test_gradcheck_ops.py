@@ -150,6 +150,16 @@ def test_conv2d(stride, padding, k):
           t(2, 7, 6, 3), t(kh, kw, 3, 4, seed=1), t(4, seed=2))
 
 
+def test_conv2d_fused_relu_and_strided_input():
+    check(lambda x, w, b: ops.conv2d(x, w, b, 1, 1, relu=True), t(2, 5, 6, 3), t(3, 3, 3, 4, seed=1), t(4, seed=2))
+    x = t(2, 3, 5, 6).data.transpose(0, 2, 3, 1)  # (2, 5, 6, 3), not contiguous
+    w = t(3, 3, 3, 4, seed=1).data
+    y = ops.conv2d(Tensor(x), Tensor(w), None, 1, 1).data
+    np.testing.assert_allclose(y, ops.conv2d(Tensor(np.ascontiguousarray(x)), Tensor(w), None, 1, 1).data)
+    fused = ops.conv2d(Tensor(x), Tensor(w), None, 1, 1, relu=True).data
+    np.testing.assert_array_equal(fused, np.maximum(y, 0))
+
+
 def test_conv2d_without_bias_or_input_grad():
     x = t(2, 5, 5, 2, grad=False)
     check(lambda w: ops.conv2d(x, w, None, 1, 1), t(3, 3, 2, 3, seed=1))

@@ -21,7 +21,7 @@ import numpy as np
 from mpitrain import nn, ops, optim, rng
 from mpitrain.observe.flops import count_flops
 from mpitrain.tensor import Tensor
-from mpitrain.train import limit_blas_threads
+from mpitrain.runtime import limit_blas_threads, tune_allocator
 
 MATMUL_N = 2048
 TARGETS = {"gpt": 0.45, "cnn": 0.25}
@@ -69,6 +69,7 @@ def _seconds(fn, repeat: int) -> float:
 
 def run(threads: int = 1, rounds: int = 7, steps: int = 5, log=print) -> dict:
     """Measure and print; returns {name: {"ms", "gflops", "ratio"}} (medians)."""
+    tune_allocator()
     with limit_blas_threads(threads):
         rng.manual_seed(0)
         gen = np.random.default_rng(0)

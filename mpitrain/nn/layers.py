@@ -47,25 +47,26 @@ class Linear(Module):
 
 
 class Conv2d(Module):
-    """Channels-last convolution: input (B, H, W, C_in), weight (kh, kw, C_in, C_out)."""
+    """Channels-last convolution: input (B, H, W, C_in), weight (kh, kw, C_in, C_out).
+    ``relu=True`` fuses a following ReLU into the same op (one array less per layer)."""
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0,
-                 bias: bool = True):
+                 bias: bool = True, relu: bool = False):
         super().__init__()
         kh, kw = (kernel_size, kernel_size) if isinstance(kernel_size, int) else kernel_size
         self.in_channels, self.out_channels = in_channels, out_channels
-        self.stride, self.padding = stride, padding
+        self.stride, self.padding, self.relu = stride, padding, relu
         bound = 1.0 / math.sqrt(in_channels * kh * kw)
         self.weight = uniform((kh, kw, in_channels, out_channels), bound)
         self.bias = uniform((out_channels,), bound) if bias else None
 
     def forward(self, x):
-        return ops.conv2d(x, self.weight, self.bias, self.stride, self.padding)
+        return ops.conv2d(x, self.weight, self.bias, self.stride, self.padding, self.relu)
 
     def extra_repr(self) -> str:
         kh, kw = self.weight.shape[:2]
         return (f"{self.in_channels}, {self.out_channels}, kernel=({kh}, {kw}), "
-                f"stride={self.stride}, padding={self.padding}")
+                f"stride={self.stride}, padding={self.padding}" + (", relu" if self.relu else ""))
 
 
 class BatchNorm2d(Module):

@@ -25,15 +25,15 @@ from mpitrain.tensor import Parameter, no_grad
 # ---------------------------------------------------------------------------- CNNs
 class LeNet(Sequential):
     """LeNet-5's shape (LeCun et al. 1998) with ReLU and max-pooling:
-    [conv5x5 -> ReLU -> maxpool2] x 2 -> linear -> ReLU -> dropout -> linear."""
+    [conv5x5 + ReLU -> maxpool2] x 2 -> linear -> ReLU -> dropout -> linear."""
 
     def __init__(self, in_channels: int = 1, image_size: int = 28, num_classes: int = 10,
                  channels: tuple = (16, 32), hidden: int = 128, dropout: float = 0.0):
         c1, c2 = channels
         side = image_size // 4
         super().__init__(
-            Conv2d(in_channels, c1, 5, padding=2), ReLU(), MaxPool2d(2),
-            Conv2d(c1, c2, 5, padding=2), ReLU(), MaxPool2d(2),
+            Conv2d(in_channels, c1, 5, padding=2, relu=True), MaxPool2d(2),
+            Conv2d(c1, c2, 5, padding=2, relu=True), MaxPool2d(2),
             Flatten(), Linear(c2 * side * side, hidden), ReLU(), Dropout(dropout),
             Linear(hidden, num_classes),
         )
@@ -48,7 +48,7 @@ class ConvNet(Sequential):
         layers: list[Module] = []
         c = in_channels
         for width in channels:
-            layers += [Conv2d(c, width, 3, padding=1), ReLU()]
+            layers += [Conv2d(c, width, 3, padding=1, relu=True)]
             c = width
         side = image_size // 2
         layers += [MaxPool2d(2), Flatten(), Linear(c * side * side, num_classes)]

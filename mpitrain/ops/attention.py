@@ -69,7 +69,8 @@ class CausalSelfAttention(Function):
             att += _causal_bias_t(T, att.dtype)
         att -= att.max(axis=-2, keepdims=True)
         np.exp(att, out=att)
-        att /= _ones_row(T, att.dtype) @ att  # column sums, (B, nh, 1, T_query)
+        inv = _ones_row(T, att.dtype) @ att  # column sums, (B, nh, 1, T_query)
+        att *= np.reciprocal(inv, out=inv)  # a multiply is cheaper than a divide
         self.keep = None
         probs = att
         if dropout_p > 0:

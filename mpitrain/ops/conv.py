@@ -1,19 +1,20 @@
 """2-D convolution and pooling on channels-last (NHWC) images.
 
 Layout: images are ``(B, H, W, C)`` and convolution weights ``(kh, kw, C_in, C_out)``.
-Channels-last makes im2col one copy: ``sliding_window_view`` exposes every
-``kh x kw`` window as a strided view, one transposing copy turns it into the
-``(B*Ho*Wo, kh*kw*C_in)`` column matrix, and a single GEMM with the weight viewed as
-``(kh*kw*C_in, C_out)`` produces the output already in NHWC order. The backward pass
-reuses the saved columns for the weight gradient (one GEMM) and scatters the column
-gradient back to pixels with one strided add per kernel tap (col2im): the Python loop
-runs over the kh*kw taps, never over batch or pixels.
+Channels-last suits im2col: one row of a ``kh x kw`` window is ``kw * C_in`` contiguous
+numbers, so a strided view exposes all windows and one copy (moving runs of
+``kw * C_in``) builds the ``(B*Ho*Wo, kh*kw*C_in)`` column matrix; a single GEMM with
+the weight viewed as ``(kh*kw*C_in, C_out)`` then produces the output already in NHWC
+order. The backward pass reuses the saved columns for the weight gradient (one GEMM)
+and computes the column gradient tap by tap (one batched GEMM) so that col2im, adding
+each tap's block back onto the pixels it read, moves long contiguous runs. Python loops
+run over the kh*kw kernel taps, never over batch or pixels.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
+from numpy.lib.stride_tricks import as_strided
 
 from mpitrain.tensor import Function, Tensor, as_tensor
 
@@ -38,6 +39,27 @@ def _pad(x: np.ndarray, ph: int, pw: int, value: float = 0.0) -> np.ndarray:
     return xp
 
 
+def _windows(a: np.ndarray, Ho: int, n: int, sh: int, step: int, kh: int, kw: int) -> np.ndarray:
+    """Strided view (B, Ho, n, kh, kw*C) of ``a`` (B, Hp, Wp, C):
+    ``[b, ho, m, i, q] = a[b, ho*sh + i, m*step + q // C, q % C]``.
+
+    A window row of kw pixels is kw*C contiguous numbers in channels-last memory, so
+    copies and adds through this view move runs of kw*C elements, not C."""
+    B, C = a.shape[0], a.shape[3]
+    sb, srow, spix, sc = a.strides  # a may be a column slice of a wider array
+    return as_strided(a, shape=(B, Ho, n, kh, kw * C),
+                      strides=(sb, sh * srow, step * spix, srow, sc),
+                      writeable=a.flags.writeable)
+
+
+def _im2col(xp: np.ndarray, kh, kw, sh, sw, Ho, Wo) -> np.ndarray:
+    """(N, kh*kw*C) column matrix, one row per output pixel, one copy."""
+    B, C = xp.shape[0], xp.shape[3]
+    cols = np.empty((B, Ho, Wo, kh, kw * C), dtype=xp.dtype)
+    np.copyto(cols, _windows(xp, Ho, Wo, sh, sw, kh, kw))
+    return cols.reshape(B * Ho * Wo, kh * kw * C)
+
+
 def _taps(xp: np.ndarray, kh: int, kw: int, sh: int, sw: int, Ho: int, Wo: int):
     """Yield (i, j, view) for each kernel tap: the (B, Ho, Wo, C) pixels it reads."""
     for i in range(kh):
@@ -46,49 +68,59 @@ def _taps(xp: np.ndarray, kh: int, kw: int, sh: int, sw: int, Ho: int, Wo: int):
 
 
 class Conv2d(Function):
-    def forward(self, x, w, b=None, stride=(1, 1), padding=(0, 0)):
+    """Convolution, optionally fused with a ReLU on its output (``relu=True``): the
+    rectification runs in place on the GEMM's result instead of on a new array."""
+
+    def forward(self, x, w, b=None, stride=(1, 1), padding=(0, 0), relu=False):
         B, H, W, C = x.shape
         kh, kw, wc, F = w.shape
         if wc != C:
             raise ValueError(f"conv2d: input has {C} channels, weight expects {wc}")
         (sh, sw), (ph, pw) = stride, padding
         Ho, Wo = _out_size(H, kh, sh, ph), _out_size(W, kw, sw, pw)
-        xp = _pad(x, ph, pw)  # (B, H+2ph, W+2pw, C)
-        win = sliding_window_view(xp, (kh, kw), axis=(1, 2))[:, ::sh, ::sw]  # (B, Ho, Wo, C, kh, kw)
-        cols = np.empty((B, Ho, Wo, kh, kw, C), dtype=x.dtype)
-        np.copyto(cols, win.transpose(0, 1, 2, 4, 5, 3))
-        cols = cols.reshape(B * Ho * Wo, kh * kw * C)  # (N, K) im2col
+        xp = _pad(np.ascontiguousarray(x), ph, pw)  # (B, H+2ph, W+2pw, C)
+        cols = _im2col(xp, kh, kw, sh, sw, Ho, Wo)  # (N, K)
         w2 = w.reshape(kh * kw * C, F)  # (K, F)
         out = cols @ w2  # (N, F)
         if b is not None:
             out += b
+        if relu:
+            np.maximum(out, 0, out=out)
+        out = out.reshape(B, Ho, Wo, F)
         self.geometry = (x.shape, xp.shape, kh, kw, sh, sw, ph, pw, Ho, Wo)
         self.cols = cols if self.needs_input_grad[1] else None
         self.w2 = w2
-        return out.reshape(B, Ho, Wo, F)
+        self.out = out if relu else None
+        return out
 
     def backward(self, g):
         (xshape, xpshape, kh, kw, sh, sw, ph, pw, Ho, Wo) = self.geometry
         B, H, W, C = xshape
         F = g.shape[-1]
+        if self.out is not None:
+            g = g * (self.out > 0)  # through the ReLU
         g2 = g.reshape(-1, F)  # (N, F)
         gx = gw = gb = None
         if self.needs_input_grad[1]:
             gw = (self.cols.T @ g2).reshape(kh, kw, C, F)
         if len(self.needs_input_grad) > 2 and self.needs_input_grad[2]:
-            gb = g2.sum(axis=0)
+            gb = (np.ones((1, g2.shape[0]), dtype=g2.dtype) @ g2)[0]  # column sums as a GEMV
         if self.needs_input_grad[0]:
-            dcols = (g2 @ self.w2.T).reshape(B, Ho, Wo, kh, kw, C)
+            # column gradient tap-major: one (N, C) block per tap, so adding a tap's block
+            # onto its pixels moves runs of Wo*C numbers (stride 1), not C
+            w_taps = self.w2.reshape(kh * kw, C, F).transpose(0, 2, 1)  # (taps, F, C) view
+            dcols = np.matmul(g2, w_taps)  # (taps, N, C)
             gxp = np.zeros(xpshape, dtype=g.dtype)
-            for i, j, view in _taps(gxp, kh, kw, sh, sw, Ho, Wo):
-                view += dcols[:, :, :, i, j, :]
+            for tap, (_, _, view) in enumerate(_taps(gxp, kh, kw, sh, sw, Ho, Wo)):
+                view += dcols[tap].reshape(B, Ho, Wo, C)
             gx = gxp[:, ph : ph + H, pw : pw + W] if (ph or pw) else gxp
         return gx, gw, gb
 
 
 class MaxPool2d(Function):
     """Max over each window; the gradient goes to the first maximum in row-major window
-    order (as in PyTorch), so ties never double-count."""
+    order (as in PyTorch), so ties never double-count. Forward is kh*kw - 1 elementwise
+    maxima of strided views; backward recomputes which tap won from the saved input."""
 
     def forward(self, x, kernel, stride, padding):
         B, H, W, C = x.shape
@@ -97,12 +129,9 @@ class MaxPool2d(Function):
         xp = _pad(x, ph, pw, -np.inf)
         taps = _taps(xp, kh, kw, sh, sw, Ho, Wo)
         out = next(taps)[2].copy()  # (B, Ho, Wo, C)
-        arg = np.zeros(out.shape, dtype=np.int16)  # which tap holds the max
-        for i, j, view in taps:
-            better = view > out  # strictly greater: the first maximum wins
-            np.copyto(out, view, where=better)
-            np.putmask(arg, better, i * kw + j)
-        self.arg = arg
+        for _, _, view in taps:
+            np.maximum(out, view, out=out)
+        self.xp, self.out = xp, out
         self.geometry = (x.shape, xp.shape, kh, kw, sh, sw, ph, pw, Ho, Wo)
         return out
 
@@ -110,8 +139,17 @@ class MaxPool2d(Function):
         (xshape, xpshape, kh, kw, sh, sw, ph, pw, Ho, Wo) = self.geometry
         B, H, W, C = xshape
         gxp = np.zeros(xpshape, dtype=g.dtype)
-        for i, j, view in _taps(gxp, kh, kw, sh, sw, Ho, Wo):
-            view += g * (self.arg == i * kw + j)
+        free = np.ones(self.out.shape, dtype=bool)  # windows whose maximum is still unclaimed
+        disjoint = sh >= kh and sw >= kw  # each input pixel in at most one window
+        for (_, _, view), (_, _, target) in zip(_taps(self.xp, kh, kw, sh, sw, Ho, Wo),
+                                                _taps(gxp, kh, kw, sh, sw, Ho, Wo)):
+            hit = view == self.out
+            hit &= free
+            free &= ~hit
+            if disjoint:
+                np.multiply(g, hit, out=target)
+            else:
+                target += g * hit
         return gxp[:, ph : ph + H, pw : pw + W] if (ph or pw) else gxp
 
 
@@ -140,13 +178,14 @@ class AvgPool2d(Function):
         return gxp[:, ph : ph + H, pw : pw + W] if (ph or pw) else gxp
 
 
-def conv2d(x, weight, bias=None, stride=1, padding=0) -> Tensor:
-    """NHWC convolution: ``x`` (B, H, W, C_in), ``weight`` (kh, kw, C_in, C_out)."""
+def conv2d(x, weight, bias=None, stride=1, padding=0, relu: bool = False) -> Tensor:
+    """NHWC convolution: ``x`` (B, H, W, C_in), ``weight`` (kh, kw, C_in, C_out);
+    ``relu=True`` applies max(0, .) to the result in the same node."""
     x = as_tensor(x)
     if x.ndim != 4:
         raise ValueError(f"conv2d expects (B, H, W, C) input, got shape {x.shape}")
     args = (x, weight) if bias is None else (x, weight, bias)
-    return Conv2d.apply(*args, stride=_pair(stride), padding=_pair(padding))
+    return Conv2d.apply(*args, stride=_pair(stride), padding=_pair(padding), relu=relu)
 
 
 def max_pool2d(x, kernel_size, stride=None, padding=0) -> Tensor:
