@@ -23,6 +23,13 @@ def _bench_step(args) -> int:
     return 0
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mpitrain",
@@ -45,9 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = benches.add_parser("step", help="training-step GFLOP/s of a GPT and a CNN vs. a large matmul",
                            description="Time training steps of the reference GPT and CNN beside a "
                                        "2048^3 float32 matmul and print their GFLOP/s ratios.")
-    p.add_argument("--threads", type=int, default=1, help="BLAS threads (default 1)")
-    p.add_argument("--rounds", type=int, default=7, help="interleaved measurement rounds (default 7)")
-    p.add_argument("--steps", type=int, default=5, help="steps per model per round (default 5)")
+    p.add_argument("--threads", type=_positive, default=1, help="BLAS threads (default 1)")
+    p.add_argument("--rounds", type=_positive, default=7, help="interleaved measurement rounds (default 7)")
+    p.add_argument("--steps", type=_positive, default=5, help="steps per model per round (default 5)")
     p.set_defaults(run=_bench_step)
     return parser
 
@@ -62,6 +69,9 @@ def main(argv=None) -> int:
     except (ConfigError, DataError) as e:
         print(f"mpitrain: error: {e}", file=sys.stderr)
         return 2
+    except FloatingPointError as e:
+        print(f"mpitrain: training diverged: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("mpitrain: interrupted", file=sys.stderr)
         return 130

@@ -15,6 +15,7 @@ command line prints as one line and exits with status 2.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +26,6 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 MODELS = ("lenet", "convnet", "resnet", "gpt")
-CNN_MODELS = ("lenet", "convnet", "resnet")
 DATASETS = ("mnist5k", "shakespeare", "text")
 TEXT_DATASETS = ("shakespeare", "text")
 
@@ -52,6 +52,7 @@ class ModelConfig:
     checkpoint_activations: bool = False
 
 
+# which fields a choice of model, dataset or optimizer reads: setting another is an error
 MODEL_FIELDS = {
     "lenet": {"name", "channels", "hidden", "dropout"},
     "convnet": {"name", "channels"},
@@ -59,6 +60,18 @@ MODEL_FIELDS = {
     "gpt": {"name", "n_layer", "n_head", "n_embd", "block_size", "bias", "dropout",
             "checkpoint_activations"},
 }
+DATA_FIELDS = {
+    "mnist5k": {"name", "shift"},
+    "shakespeare": {"name", "val_fraction"},
+    "text": {"name", "path", "val_fraction"},
+}
+_OPTIM_COMMON = {"name", "lr", "min_lr", "schedule", "warmup_steps", "weight_decay", "grad_clip"}
+OPTIM_FIELDS = {
+    "sgd": _OPTIM_COMMON | {"momentum", "nesterov"},
+    "adam": _OPTIM_COMMON | {"betas", "eps"},
+    "adamw": _OPTIM_COMMON | {"betas", "eps"},
+}
+TEXT_ONLY_TRAIN_FIELDS = {"eval_batches", "sample_tokens"}
 
 
 @dataclass(frozen=True)
@@ -135,8 +148,8 @@ def _coerce(key: str, value, annotation):
             raise ConfigError(f"{key}: expected an integer, got {value!r}")
         return value
     if annotation is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{key}: expected a number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
         return float(value)
     if annotation is str:
         if not isinstance(value, str):
@@ -215,11 +228,19 @@ def _require(ok: bool, key: str, message: str, value) -> None:
 def validate(cfg: Config) -> None:
     m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
     _require(m.name in MODELS, "model.name", f"must be one of {list(MODELS)}", m.name)
+    _require(d.name in DATASETS, "data.name", f"must be one of {list(DATASETS)}", d.name)
+    _require(o.name in OPTIM_FIELDS, "optim.name", f"must be one of {sorted(OPTIM_FIELDS)}", o.name)
+    applies = {"model": (MODEL_FIELDS[m.name], f"model.name = {m.name!r}"),
+               "data": (DATA_FIELDS[d.name], f"data.name = {d.name!r}"),
+               "optim": (OPTIM_FIELDS[o.name], f"optim.name = {o.name!r}")}
     for key in sorted(cfg.given):
         section, name = key.split(".")
-        if section == "model" and name not in MODEL_FIELDS[m.name]:
-            raise ConfigError(f"{key}: does not apply to model.name = {m.name!r}")
-    _require(d.name in DATASETS, "data.name", f"must be one of {list(DATASETS)}", d.name)
+        if section in applies and name not in applies[section][0]:
+            raise ConfigError(f"{key}: does not apply to {applies[section][1]}")
+        if key == "optim.min_lr" and o.schedule != "cosine":
+            raise ConfigError(f"{key}: only the cosine schedule decays to a minimum")
+        if section == "train" and name in TEXT_ONLY_TRAIN_FIELDS and m.name != "gpt":
+            raise ConfigError(f"{key}: applies to text models (model.name = 'gpt') only")
     text_model = m.name == "gpt"
     _require(text_model == (d.name in TEXT_DATASETS), "data.name",
              "gpt trains on text (shakespeare, text); the CNNs on images (mnist5k)"
@@ -244,8 +265,6 @@ def validate(cfg: Config) -> None:
     _require(m.n_embd % m.n_head == 0, "model.n_embd", f"must be divisible by model.n_head = {m.n_head}",
              m.n_embd)
 
-    _require(o.name in ("sgd", "adam", "adamw"), "optim.name", "must be one of ['sgd', 'adam', 'adamw']",
-             o.name)
     _require(o.lr > 0, "optim.lr", "must be > 0", o.lr)
     _require(0 <= o.min_lr <= o.lr, "optim.min_lr", f"must be in [0, optim.lr = {o.lr}]", o.min_lr)
     _require(o.schedule in ("cosine", "constant"), "optim.schedule", "must be 'cosine' or 'constant'",
@@ -255,11 +274,11 @@ def validate(cfg: Config) -> None:
     _require(all(0 <= b < 1 for b in o.betas), "optim.betas", "must be two numbers in [0, 1)", list(o.betas))
     _require(o.eps > 0, "optim.eps", "must be > 0", o.eps)
     _require(0 <= o.momentum < 1, "optim.momentum", "must be in [0, 1)", o.momentum)
-    _require(not o.nesterov or (o.name == "sgd" and o.momentum > 0), "optim.nesterov",
-             "needs optim.name = 'sgd' and optim.momentum > 0", o.nesterov)
+    _require(not o.nesterov or o.momentum > 0, "optim.nesterov", "needs optim.momentum > 0", o.nesterov)
     _require(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)", o.grad_clip)
 
     _require(t.global_batch_size > 0, "train.global_batch_size", "must be > 0", t.global_batch_size)
+    _require(t.seed >= 0, "train.seed", "must be >= 0", t.seed)
     _require(t.steps >= 0 and t.epochs >= 0 and (t.steps > 0) != (t.epochs > 0), "train.steps",
              f"set exactly one of train.steps and train.epochs (epochs = {t.epochs})", t.steps)
     _require(not (text_model and t.epochs), "train.epochs", "text models train for train.steps", t.epochs)

@@ -50,6 +50,8 @@ def gradcheck(f, inputs, *, h: float = 1e-6, seed: int = 20160101, max_points: i
 
     first = outputs(f(*inputs))
     used = [i for i, o in enumerate(first) if isinstance(o, Tensor) and o.requires_grad]
+    if not used:
+        raise ValueError("gradcheck: no output of f depends on a checked input (the graph is cut)")
     outs = [first[i] for i in used]
     upstream = [rng.standard_normal(o.shape) for o in outs]
     backward(outs, upstream)

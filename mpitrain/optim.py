@@ -77,16 +77,23 @@ class Optimizer:
         return {
             "step": self.step_count,
             "state": {i: {k: v.copy() for k, v in s.items()} for i, s in self.state.items()},
-            "groups": [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups],
+            "groups": [{**{k: v for k, v in g.items() if k != "params"}, "size": len(g["params"])}
+                       for g in self.param_groups],
         }
 
     def load_state_dict(self, state: dict) -> None:
         if len(state["groups"]) != len(self.param_groups):
             raise ValueError(f"state has {len(state['groups'])} parameter groups, optimizer has "
                              f"{len(self.param_groups)}")
+        for n, (saved, group) in enumerate(zip(state["groups"], self.param_groups)):
+            if "size" in saved and saved["size"] != len(group["params"]):
+                raise ValueError(f"parameter group {n}: state has {saved['size']} parameters, "
+                                 f"optimizer has {len(group['params'])}")
         shapes = {i: p.shape for i, p, _ in self._indexed()}
         for i, s in state["state"].items():
             i = int(i)
+            if i not in shapes:
+                raise ValueError(f"optimizer state for parameter {i}, but there are {len(shapes)}")
             for k, v in s.items():
                 if k != "step" and np.shape(v) != shapes[i]:
                     raise ValueError(f"optimizer state {i}.{k}: shape {np.shape(v)}, parameter {shapes[i]}")
@@ -94,7 +101,7 @@ class Optimizer:
         self.state = {int(i): {k: np.array(v, copy=True) for k, v in s.items()}
                       for i, s in state["state"].items()}
         for group, saved in zip(self.param_groups, state["groups"]):
-            group.update(saved)
+            group.update({k: v for k, v in saved.items() if k != "size"})
 
 
 class SGD(Optimizer):
@@ -181,10 +188,12 @@ def decay_groups(named_params, weight_decay: float) -> list[dict]:
 def clip_grad_norm(params, max_norm: float) -> float:
     """Scale all gradients together so their global L2 norm is at most ``max_norm``.
 
-    Returns the norm before clipping (accumulated in float64)."""
+    Returns the norm before clipping; each parameter's sum of squares is a BLAS dot
+    product, and the sums are added in float64. A non-finite norm (an overflowed or NaN
+    gradient) is returned and the gradients are left as they are, for the caller to see."""
     grads = [p.grad for p in params if p.grad is not None]
-    total = math.sqrt(sum(float(np.dot(g.reshape(-1), g.reshape(-1)).astype(np.float64)) for g in grads))
-    if total > max_norm:
+    total = math.sqrt(sum(float(np.dot(g.reshape(-1), g.reshape(-1))) for g in grads))
+    if math.isfinite(total) and total > max_norm:
         scale = max_norm / (total + 1e-6)
         for g in grads:
             g *= scale

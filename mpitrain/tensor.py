@@ -24,7 +24,12 @@ ordering is what makes the three services later modules rely on possible:
 
 Gradients accumulate: ``.grad`` of a leaf is summed in place across backward passes
 until ``zero_grad``. In-place accumulation keeps ``.grad`` the same array, so a
-``.grad`` that is a view into a flat buffer stays one.
+``.grad`` that is a view into a flat buffer stays one. Every gradient handed out
+(``.grad``, :func:`grad`'s results) is the tensor's own array, never shared.
+
+Nodes keep references to their inputs' arrays, not copies. Writing into a parameter
+(an optimizer step, loading new weights) between a forward pass and its backward pass
+therefore changes the gradients: update parameters only after backward.
 
 Default dtype is float32; :func:`default_dtype` switches to float64 for gradient checks.
 """
@@ -39,19 +44,15 @@ import numpy as np
 _state = threading.local()
 
 
-def _grad_enabled() -> bool:
-    return getattr(_state, "grad_enabled", True)
-
-
 def is_grad_enabled() -> bool:
     """True unless inside :func:`no_grad` (per thread)."""
-    return _grad_enabled()
+    return getattr(_state, "grad_enabled", True)
 
 
 @contextlib.contextmanager
 def no_grad():
     """Run operations without recording the graph (evaluation, optimizer updates)."""
-    previous = _grad_enabled()
+    previous = is_grad_enabled()
     _state.grad_enabled = False
     try:
         yield
@@ -62,7 +63,7 @@ def no_grad():
 @contextlib.contextmanager
 def enable_grad():
     """Record the graph even inside :func:`no_grad` (activation checkpointing uses it)."""
-    previous = _grad_enabled()
+    previous = is_grad_enabled()
     _state.grad_enabled = True
     try:
         yield
@@ -184,7 +185,9 @@ class Tensor:
 
         Complete means every use of the leaf in the graph has delivered its
         contribution; hooks fire in the order gradients become final, which for a
-        sequential model is the reverse of the forward order.
+        sequential model is the reverse of the forward order. A leaf that is in the
+        graph but got no gradient this pass (its only consumers returned none) still
+        fires, with ``.grad`` as it was: a bucket waiting on it always completes.
         """
         if self._ctx is not None:
             raise RuntimeError("post-accumulate hooks are for leaf tensors (parameters)")
@@ -304,7 +307,8 @@ def observe_ops(observer):
     try:
         yield observer
     finally:
-        _observers.remove(observer)
+        # by identity: observers may compare equal (two empty FLOP counters)
+        del _observers[next(i for i, o in enumerate(_observers) if o is observer)]
 
 
 def as_tensor(x) -> Tensor:
@@ -333,7 +337,7 @@ class Function:
             observer(cls, args, kwargs)
         fn = cls()
         arrays = [a.data if isinstance(a, Tensor) else a for a in args]
-        record = _grad_enabled() and any(
+        record = is_grad_enabled() and any(
             isinstance(a, Tensor) and a.requires_grad for a in args
         )
         if record:
@@ -363,6 +367,12 @@ class Function:
 def _accumulate(current, g):
     # out of place: the same gradient array may be handed to several inputs (add)
     return g if current is None else current + g
+
+
+def _owned(g: np.ndarray, dtype) -> np.ndarray:
+    """A private copy of a gradient before it is handed to the user: arrays flowing
+    through the graph may be shared, read-only broadcast views, or the caller's own."""
+    return np.array(g, dtype=dtype, copy=True)
 
 
 def _graph(roots: list[Tensor]):
@@ -398,10 +408,15 @@ def _graph(roots: list[Tensor]):
 
 def _run(roots, grads, retain_graph: bool, capture: dict | None):
     """The backward engine shared by :func:`backward` and :func:`grad`."""
+    if len(grads) != len(roots):
+        raise ValueError(f"{len(roots)} tensors but {len(grads)} gradients")
     order, leaf_uses = _graph(roots)
     pending: dict[int, list] = {}  # id(node) -> gradients of its outputs
 
-    def deliver(t: Tensor, g):
+    def deliver(t: Tensor, g, source: str):
+        if g is not None and g.shape != t.shape:
+            raise RuntimeError(f"{source} gave a gradient of shape {g.shape} "
+                               f"for a tensor of shape {t.shape}")
         if t._ctx is not None:
             slot = pending.setdefault(id(t._ctx), [None] * t._ctx.n_outputs)
             slot[t._index] = _accumulate(slot[t._index], g)
@@ -409,10 +424,11 @@ def _run(roots, grads, retain_graph: bool, capture: dict | None):
         key = id(t)
         if capture is not None:
             if key in capture and g is not None:
-                capture[key] = _accumulate(capture[key], g)
+                current = capture[key]
+                capture[key] = _owned(g, t.dtype) if current is None else current + g
         elif g is not None:
             if t.grad is None:
-                t.grad = np.array(g, dtype=t.data.dtype, copy=True)
+                t.grad = _owned(g, t.data.dtype)
             else:
                 t.grad += g
         leaf_uses[key] -= 1
@@ -426,29 +442,31 @@ def _run(roots, grads, retain_graph: bool, capture: dict | None):
         if not t.requires_grad:
             raise RuntimeError("backward from a tensor that does not require grad")
         g = np.asarray(g, dtype=t.data.dtype)
-        if g.shape != t.shape:
-            raise ValueError(f"gradient shape {g.shape} does not match tensor shape {t.shape}")
         if t._ctx is None:
             leaf_uses[id(t)] = leaf_uses.get(id(t), 0) + 1
-        deliver(t, g)
+        deliver(t, g, "the upstream gradient")
 
     for node in order:
         out_grads = pending.pop(id(node), None) or [None] * node.n_outputs
         for i, t in node.retained.items():
-            if out_grads[i] is not None:
-                if capture is not None and id(t) in capture:
-                    capture[id(t)] = out_grads[i]
-                else:
-                    t.grad = out_grads[i] if t.grad is None else t.grad + out_grads[i]
+            g = out_grads[i]
+            if g is None:
+                continue
+            if capture is not None:
+                if id(t) in capture:
+                    capture[id(t)] = _owned(g, t.dtype)
+            else:
+                t.grad = _owned(g, t.dtype) if t.grad is None else t.grad + g
         if all(g is None for g in out_grads):
             in_grads = (None,) * len(node.inputs)
         else:
             in_grads = node.backward(*out_grads)
             if not isinstance(in_grads, tuple):
                 in_grads = (in_grads,)
+        source = f"{type(node).__name__}.backward"
         for t, needed, g in zip(node.inputs, node.needs_input_grad, in_grads):
             if needed:
-                deliver(t, g)
+                deliver(t, g, source)
         if not retain_graph:
             node.__dict__.clear()  # frees saved activations; the node can't run again
 

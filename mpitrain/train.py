@@ -17,8 +17,9 @@ import numpy as np
 
 from mpitrain import nn, ops, optim, rng
 from mpitrain.runtime import blas_threads, limit_blas_threads, tune_allocator
-from mpitrain.config import Config
+from mpitrain.config import Config, ConfigError
 from mpitrain.data import ImageBatches, TextBatches, mnist5k, shakespeare, text_file
+from mpitrain.data.loader import SAMPLING
 from mpitrain.observe.flops import FlopCount
 from mpitrain.tensor import Tensor, default_dtype, no_grad, observe_ops
 
@@ -33,6 +34,23 @@ def load_data(cfg: Config):
     return text_file(d.path, d.val_fraction)
 
 
+def check_config_against_data(cfg: Config, data) -> None:
+    """The checks that need the data: raise ConfigError naming the field."""
+    if cfg.model.name == "gpt":
+        shortest = min(len(data.train), len(data.val))
+        if cfg.model.block_size + 1 > shortest:
+            raise ConfigError(f"model.block_size: windows of block_size + 1 = {cfg.model.block_size + 1} "
+                              f"tokens do not fit the {shortest}-token split of {data.name}")
+        return
+    n = len(data.x_train)
+    if cfg.train.global_batch_size > n:
+        raise ConfigError(f"train.global_batch_size: must be at most the {n} training images of "
+                          f"{data.name}, got {cfg.train.global_batch_size}")
+    _, h, w, _ = data.x_train.shape
+    if h != w:
+        raise ConfigError(f"data.name: the CNNs expect square images, {data.name} has {h}x{w}")
+
+
 def build_model(cfg: Config, data) -> nn.Module:
     """The model of ``cfg.model`` for ``data``, initialised from the global seed."""
     m = cfg.model
@@ -42,9 +60,7 @@ def build_model(cfg: Config, data) -> nn.Module:
                                 n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias,
                                 checkpoint_activations=m.checkpoint_activations)
             return nn.GPT(gcfg)
-        _, h, w, c = data.x_train.shape
-        if h != w:
-            raise ValueError(f"{data.name}: the CNNs expect square images, got {h}x{w}")
+        _, h, _, c = data.x_train.shape
         kinds = {"lenet": lambda: nn.LeNet(c, h, len(data.classes), m.channels, m.hidden, m.dropout),
                  "convnet": lambda: nn.ConvNet(c, h, len(data.classes), m.channels),
                  "resnet": lambda: nn.ResNet(c, h, len(data.classes), m.widths, m.blocks)}
@@ -115,8 +131,8 @@ def evaluate_text(model: nn.Module, batches: TextBatches, count: int) -> float:
 @dataclass
 class Result:
     steps: int = 0
-    seconds: float = 0.0
-    samples_per_s: float = 0.0
+    seconds: float = 0.0  # wall time of the loop, evaluations included
+    samples_per_s: float = 0.0  # of the training steps alone
     gflops_per_s: float = 0.0
     final_loss: float = float("nan")
     test_accuracy: float | None = None
@@ -133,6 +149,7 @@ def train(cfg: Config, log=print) -> Result:
     tune_allocator()
     with limit_blas_threads(threads):
         data = load_data(cfg)
+        check_config_against_data(cfg, data)
         rng.manual_seed(t.seed)
         model = build_model(cfg, data)
         opt = build_optimizer(cfg, model)
@@ -176,6 +193,7 @@ def _loop(cfg: Config, model, opt, schedule, batches, loss_fn, total: int, log) 
     result = Result()
     flops = FlopCount()
     window_loss, window_steps, window_time = 0.0, 0, 0.0
+    train_seconds = 0.0  # optimizer steps only, without data and evaluation
     start = time.perf_counter()
     last_epoch = 0
 
@@ -198,9 +216,11 @@ def _loop(cfg: Config, model, opt, schedule, batches, loss_fn, total: int, log) 
         tick = time.perf_counter()
         with observe_ops(flops) if step == 0 else contextlib.nullcontext():
             loss = train_step(model, opt, loss_fn, x, y, lr, o.grad_clip)
-        window_time += time.perf_counter() - tick
+        seconds = time.perf_counter() - tick
+        window_time += seconds
+        train_seconds += seconds
         if not np.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {step}")
+            raise FloatingPointError(f"loss is {loss} at step {step}; lower optim.lr or set optim.grad_clip")
         window_loss += loss
         window_steps += 1
         result.final_loss = loss
@@ -214,17 +234,17 @@ def _loop(cfg: Config, model, opt, schedule, batches, loss_fn, total: int, log) 
         if t.eval_interval and done % t.eval_interval == 0 and done != total:
             evaluate(done)
 
+    evaluate(total)
     result.steps = total
     result.seconds = time.perf_counter() - start
-    result.samples_per_s = total * t.global_batch_size / result.seconds
-    result.gflops_per_s = total * flops.total / result.seconds / 1e9
-    evaluate(total)
+    result.samples_per_s = total * t.global_batch_size / train_seconds
+    result.gflops_per_s = total * flops.total / train_seconds / 1e9
     if is_text and t.sample_tokens:
         prompt = batches.data.val[None, :1]  # the first held-out character
         ids = model.generate(prompt, t.sample_tokens, temperature=0.8, top_k=None,
-                             generator=np.random.default_rng(t.seed))
+                             generator=np.random.default_rng((t.seed, SAMPLING)))
         result.sample = batches.data.decode(ids[0, 1:])
         log("sample:\n" + result.sample)
-    log(f"done: {total} steps in {result.seconds:.1f} s ({result.samples_per_s:,.0f} samples/s, "
-        f"{result.gflops_per_s:.1f} GFLOP/s including evaluation)")
+    log(f"done: {total} steps in {result.seconds:.1f} s; training steps {train_seconds:.1f} s, "
+        f"{result.samples_per_s:,.0f} samples/s, {result.gflops_per_s:.1f} GFLOP/s")
     return result

@@ -16,14 +16,19 @@ def module_name(path: Path) -> str:
 
 
 def imports_of(path: Path) -> set[str]:
-    """Every module an 'import' or 'from ... import' in the file names, at any depth."""
+    """Every module an 'import' or 'from ... import' in the file names, at any depth,
+    with relative imports ('from ..comm import x') resolved to absolute names."""
+    here = module_name(path).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            found.add(node.module)
-            found.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            found.add(module)
+            found.update(f"{module}.{a.name}" for a in node.names)
     return found
 
 
@@ -55,9 +60,15 @@ def is_under(name: str, prefixes) -> bool:
     return any(name == p or name.startswith(p + ".") for p in prefixes)
 
 
-def test_the_import_parser_sees_mpi4py():
+def test_the_import_parser_sees_mpi4py_and_relative_imports(tmp_path, monkeypatch):
     g = {"a": {"mpitrain.b"}, "mpitrain.b": {"mpi4py.MPI"}}
     assert "mpi4py.MPI" in closure("a", g)
+    pkg = tmp_path / "mpitrain" / "parallel"
+    pkg.mkdir(parents=True)
+    f = pkg / "zero.py"
+    f.write_text("from ..comm import Comm\nfrom . import pipeline\n")
+    monkeypatch.setattr(__import__(__name__), "PACKAGE", tmp_path / "mpitrain")
+    assert {"mpitrain.comm", "mpitrain.comm.Comm", "mpitrain.parallel.pipeline"} <= imports_of(f)
 
 
 def test_base_layers_never_reach_mpi4py():

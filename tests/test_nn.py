@@ -134,7 +134,7 @@ def test_gpt_structure_tied_head_and_layers():
         model(np.zeros((1, 7), dtype=np.int64))
 
 
-def test_gpt_generate_is_seeded_and_causal():
+def test_gpt_generate_is_seeded_and_keeps_the_prompt():
     model = tiny_gpt()
     prompt = np.array([[1, 2]])
     a = model.generate(prompt, 8, generator=np.random.default_rng(0))
@@ -253,3 +253,17 @@ def test_module_requires_super_init():
 
     with pytest.raises(RuntimeError, match="super"):
         Bad()
+
+
+def test_reassigning_a_buffer_keeps_it_registered_and_ordered():
+    bn = nn.BatchNorm2d(3)
+    names = list(bn.state_dict())
+    bn.running_mean = np.full(3, 2.0)
+    assert list(bn.state_dict()) == names
+    np.testing.assert_array_equal(bn.state_dict()["running_mean"], 2.0)
+    with pytest.raises(TypeError, match="buffer"):
+        bn.running_var = None
+    layer = nn.Linear(2, 2)
+    order = [n for n, _ in layer.named_parameters()]
+    layer.weight = nn.Parameter(np.zeros((2, 2)))
+    assert [n for n, _ in layer.named_parameters()] == order

@@ -86,7 +86,8 @@ def test_nesterov_needs_momentum():
 
 
 @pytest.mark.parametrize("factory", [lambda ps: optim.AdamW(ps, lr=0.01, weight_decay=0.1),
-                                     lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9)])
+                                     lambda ps: optim.Adam(ps, lr=0.01, weight_decay=0.1),
+                                     lambda ps: optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True)])
 def test_state_dict_resume_equals_uninterrupted(factory):
     straight, _ = run(factory, steps=6)
     params = make_params()
@@ -104,12 +105,32 @@ def test_state_dict_resume_equals_uninterrupted(factory):
         np.testing.assert_array_equal(a, b.data)
 
 
-def test_load_state_dict_checks_shapes():
+def test_state_dict_is_a_copy_and_restores_hyperparameters():
+    _, opt = run(lambda ps: optim.Adam(ps, lr=0.01), steps=2)
+    state = opt.state_dict()
+    state["state"][0]["exp_avg"] += 1.0
+    assert not np.array_equal(state["state"][0]["exp_avg"], opt.state[0]["exp_avg"])
+    opt.set_lr(0.5)
+    fresh = optim.Adam(make_params(), lr=0.5)
+    fresh.load_state_dict(opt.state_dict())
+    assert fresh.param_groups[0]["lr"] == 0.5 and fresh.step_count == 2
+
+
+def test_load_state_dict_checks_shapes_and_counts():
     _, opt = run(lambda ps: optim.Adam(ps), steps=1)
     state = opt.state_dict()
     state["state"][1]["exp_avg"] = np.zeros(7)
     with pytest.raises(ValueError, match="shape"):
         optim.Adam(make_params()).load_state_dict(state)
+    with pytest.raises(ValueError, match="2 parameters, optimizer has 1"):
+        optim.Adam(make_params()[:1]).load_state_dict(opt.state_dict())
+
+
+def test_clip_leaves_non_finite_gradients_for_the_caller():
+    p = Parameter(np.zeros(2))
+    p.grad = np.array([np.inf, 1.0])
+    assert optim.clip_grad_norm([p], 1.0) == np.inf
+    assert p.grad[1] == 1.0
 
 
 def test_param_groups_and_decay_groups():

@@ -50,8 +50,10 @@ def test_explicit_upstream_gradient_from_a_non_scalar():
 def test_backward_without_gradient_needs_one_element():
     with pytest.raises(RuntimeError, match="one-element"):
         (leaf(2) * 2.0).backward()
-    with pytest.raises(ValueError, match="shape"):
+    with pytest.raises(RuntimeError, match=r"upstream gradient gave a gradient of shape \(3,\)"):
         (leaf(2) * 2.0).backward(np.ones(3))
+    with pytest.raises(ValueError, match="2 tensors but 1 gradients"):
+        backward([leaf(2) * 2.0, leaf(2) * 3.0], [np.ones(2)])
 
 
 def test_stage_input_leaf_receives_gradient():
@@ -156,3 +158,71 @@ def test_split_outputs_used_partially():
     a, b, c = ops.split(x, 3)
     (a * 2.0 + c * 3.0).sum().backward()
     np.testing.assert_allclose(x.grad, [2, 2, 0, 0, 3, 3])
+
+
+def test_a_backward_returning_the_wrong_shape_is_named():
+    from mpitrain.tensor import Function
+
+    class Broken(Function):
+        def forward(self, x):
+            return x * 2
+
+        def backward(self, g):
+            return g[:1]
+
+    with pytest.raises(RuntimeError, match="Broken.backward gave a gradient of shape"):
+        Broken.apply(leaf(3)).backward(np.ones(3))
+
+
+def test_handed_out_gradients_are_private_and_writable():
+    a, b = leaf(3), leaf(3, seed=1)
+    h = a + b
+    h.retain_grad()
+    g = np.ones(3)
+    h.backward(g)
+    assert h.grad is not g and a.grad is not b.grad
+    a.zero_grad()
+    h.grad *= 2  # writable, and nobody else's
+    assert np.all(b.grad == 1) and np.all(g == 1)
+    x, y = leaf(3), leaf(3, seed=1)
+    gx, gy = grad(x + y, [x, y], [g])
+    gx *= 10
+    assert np.all(gy == 1) and np.all(g == 1)
+
+
+def test_grad_leaves_retained_intermediates_alone():
+    x = leaf(3)
+    h = x * 2.0
+    h.retain_grad()
+    grad((h * h).sum(), [x])
+    assert h.grad is None
+
+
+def test_float32_stays_float32_with_numpy_constants():
+    x = Tensor(np.ones(3, dtype=np.float32), requires_grad=True)
+    for y in (x * np.float64(2), x / np.float64(2), x + np.arange(3), x * np.int64(3),
+              2.0 ** x, np.float64(3) - x):
+        assert y.dtype == np.float32
+        gx, = grad(y, [x], [np.ones(3, np.float32)])
+        assert gx.dtype == np.float32
+
+
+def test_negative_and_bad_axes():
+    x = leaf(2, 3, 4)
+    y = ops.transpose(x, (-1, 0, 1))
+    assert y.shape == (4, 2, 3)
+    y.backward(np.arange(24.0).reshape(4, 2, 3))
+    np.testing.assert_array_equal(x.grad, np.arange(24.0).reshape(4, 2, 3).transpose(1, 2, 0))
+    with pytest.raises(np.exceptions.AxisError):
+        ops.sum(x, axis=3)
+    with pytest.raises(ValueError, match="permutation"):
+        ops.transpose(x, (0, 0, 1))
+
+
+def test_nested_observers_with_equal_values():
+    from mpitrain.observe.flops import FlopCount
+    from mpitrain.tensor import observe_ops
+
+    with observe_ops(FlopCount()):
+        with observe_ops(FlopCount()):
+            ops.matmul(leaf(2, 2), leaf(2, 2))

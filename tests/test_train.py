@@ -86,3 +86,17 @@ def test_bench_step_prints_ratios():
     out = mpitrain("bench", "step", "--rounds", "1", "--steps", "1")
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("ratio") == 2 and "matmul" in out.stdout
+
+
+def test_data_dependent_config_errors_name_the_field(text_file, tmp_path):
+    out = mpitrain("train", str(JOBS / "tinyshakespeare_gpt.toml"), "--set", f"data.path={text_file}",
+                   "--set", "model.block_size=100000")
+    assert out.returncode == 2 and out.stderr.startswith("mpitrain: error: model.block_size:")
+    assert "Traceback" not in out.stderr
+
+
+def test_divergence_stops_with_a_message(text_file):
+    out = mpitrain("train", str(JOBS / "tinyshakespeare_gpt.toml"), "--set", f"data.path={text_file}",
+                   "--set", "optim.lr=1e30", "--set", "optim.grad_clip=0.0", "--set", "optim.warmup_steps=0",
+                   "--set", "train.steps=50", "--set", "model.n_layer=1")
+    assert out.returncode == 1 and "training diverged: loss is" in out.stderr

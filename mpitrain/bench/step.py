@@ -1,7 +1,7 @@
 """``mpitrain bench step``: training-step speed against the machine's matmul speed.
 
-Times full training steps (forward, backward, clipping, optimizer update) of two
-reference models on random data, and a large float32 matmul, interleaved round by
+Times full training steps (forward, backward, optimizer update; the GPT's with
+gradient clipping) of two reference models on random data, and a large float32 matmul, interleaved round by
 round so that all three see the same machine state; reports each model's achieved
 GFLOP/s (FLOPs counted from shapes, :mod:`mpitrain.observe.flops`) as a fraction of the
 matmul's. Medians over rounds.

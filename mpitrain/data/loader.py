@@ -1,8 +1,11 @@
 """In-memory batches for images and text, determined by seeds alone.
 
 Every random choice (epoch order, augmentation shifts, text windows) comes from a
-generator seeded with ``(seed, epoch)`` or ``(seed, step)``, never from global state,
-so a run can be repeated exactly and a later rank can draw the same global batch.
+generator seeded with ``(seed, stream, epoch or step)``, never from global state, so a
+run can be repeated exactly and a later rank can draw the same global batch. The
+stream tags keep these draws independent of each other and of weight initialisation,
+which uses the bare ``seed`` (NumPy pads seed tuples with zeros, so ``(seed, 0)`` would
+be the same stream as ``seed``).
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from mpitrain.data.sources import ImageData, TextData
+
+IMAGE_EPOCHS, TEXT_TRAIN, TEXT_VAL, SAMPLING = 1, 2, 3, 4  # seed stream tags
 
 
 def normalize(images: np.ndarray, mean, std, dtype) -> np.ndarray:
@@ -48,7 +53,7 @@ class ImageBatches:
 
     def epoch(self, epoch: int):
         """Yield (images (B, H, W, C) float, labels (B,)) for one epoch."""
-        rng = np.random.default_rng((self.seed, epoch))
+        rng = np.random.default_rng((self.seed, IMAGE_EPOCHS, epoch))
         order = rng.permutation(len(self.data.x_train))
         for i in range(self.steps_per_epoch):
             idx = order[i * self.batch_size : (i + 1) * self.batch_size]
@@ -66,14 +71,13 @@ class ImageBatches:
 class TextBatches:
     """Random windows of ``block_size + 1`` tokens: inputs and next-token targets.
 
-    ``batch(step)`` draws the windows from a generator seeded by (seed, 0, step), so the
-    batch of a step does not depend on what came before it; validation windows come from
-    (seed, 1)."""
+    ``batch(step)`` draws the windows from a generator seeded by the step, so the batch
+    of a step does not depend on what came before it."""
 
     def __init__(self, data: TextData, batch_size: int, block_size: int, seed: int):
         for split in ("train", "val"):
             n = len(getattr(data, split))
-            if n <= block_size + 1:
+            if n < block_size + 1:
                 raise ValueError(f"{data.name} {split} split has {n} tokens, "
                                  f"fewer than block_size + 1 = {block_size + 1}")
         self.data, self.batch_size, self.block_size, self.seed = data, batch_size, block_size, seed
@@ -85,10 +89,11 @@ class TextBatches:
 
     def batch(self, step: int):
         """(inputs (B, T), targets (B, T)) for a training step."""
-        return self._windows(self.data.train, np.random.default_rng((self.seed, 0, step)), self.batch_size)
+        return self._windows(self.data.train, np.random.default_rng((self.seed, TEXT_TRAIN, step)),
+                             self.batch_size)
 
     def val_batches(self, count: int):
         """``count`` fixed batches of validation windows (the same at every evaluation)."""
-        rng = np.random.default_rng((self.seed, 1))
+        rng = np.random.default_rng((self.seed, TEXT_VAL))
         for _ in range(count):
             yield self._windows(self.data.val, rng, self.batch_size)

@@ -25,7 +25,7 @@ def normal(shape, std: float) -> Parameter:
     return Parameter((rng.generator().standard_normal(shape) * std).astype(get_default_dtype()))
 
 
-def constant(shape, value: float) -> Parameter:
+def full(shape, value: float) -> Parameter:
     return Parameter(np.full(shape, value, dtype=get_default_dtype()))
 
 
@@ -76,8 +76,8 @@ class BatchNorm2d(Module):
     def __init__(self, num_features: int, momentum: float = 0.1, eps: float = 1e-5):
         super().__init__()
         self.num_features, self.momentum, self.eps = num_features, momentum, eps
-        self.weight = constant((num_features,), 1.0)
-        self.bias = constant((num_features,), 0.0)
+        self.weight = full((num_features,), 1.0)
+        self.bias = full((num_features,), 0.0)
         self.register_buffer("running_mean", np.zeros(num_features, dtype=get_default_dtype()))
         self.register_buffer("running_var", np.ones(num_features, dtype=get_default_dtype()))
 
@@ -93,8 +93,8 @@ class LayerNorm(Module):
     def __init__(self, num_features: int, bias: bool = True, eps: float = 1e-5):
         super().__init__()
         self.eps = eps
-        self.weight = constant((num_features,), 1.0)
-        self.bias = constant((num_features,), 0.0) if bias else None
+        self.weight = full((num_features,), 1.0)
+        self.bias = full((num_features,), 0.0) if bias else None
 
     def forward(self, x):
         return ops.layer_norm(x, self.weight, self.bias, self.eps)
@@ -141,9 +141,16 @@ class MaxPool2d(Module):
         return f"kernel={self.kernel_size}, stride={self.stride or self.kernel_size}"
 
 
-class AvgPool2d(MaxPool2d):
+class AvgPool2d(Module):
+    def __init__(self, kernel_size, stride=None, padding=0):
+        super().__init__()
+        self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
+
     def forward(self, x):
         return ops.avg_pool2d(x, self.kernel_size, self.stride, self.padding)
+
+    def extra_repr(self) -> str:
+        return f"kernel={self.kernel_size}, stride={self.stride or self.kernel_size}"
 
 
 class GlobalAvgPool(Module):

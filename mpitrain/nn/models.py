@@ -231,6 +231,13 @@ class GPT(Module):
         ids = np.asarray(ids)
         was_training = self.training
         self.eval()
+        try:
+            ids = self._sample(ids, max_new_tokens, temperature, top_k, gen)
+        finally:
+            self.train(was_training)
+        return ids
+
+    def _sample(self, ids, max_new_tokens, temperature, top_k, gen) -> np.ndarray:
         with no_grad():
             for _ in range(max_new_tokens):
                 logits, _ = self(ids[:, -self.config.block_size:])
@@ -243,6 +250,5 @@ class GPT(Module):
                 u = gen.random((p.shape[0], 1))
                 nxt = np.minimum((p.cumsum(axis=-1) < u).sum(axis=-1), p.shape[-1] - 1)  # (B,)
                 ids = np.concatenate([ids, nxt[:, None].astype(ids.dtype)], axis=1)
-        self.train(was_training)
         return ids
 

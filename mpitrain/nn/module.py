@@ -26,12 +26,21 @@ class Module:
     def __setattr__(self, name, value):
         if "_parameters" not in self.__dict__:
             raise RuntimeError(f"{type(self).__name__}.__init__ must call super().__init__() first")
-        for registry in (self._parameters, self._modules, self._buffers):
-            registry.pop(name, None)
-        if isinstance(value, Parameter):
+        if name in self._buffers:
+            if not isinstance(value, np.ndarray):
+                raise TypeError(f"buffer {name!r} must stay an array, got {type(value).__name__}")
+            self._buffers[name] = value  # re-assigned in place: the order of entries stays
+        elif isinstance(value, Parameter) and name in self._parameters:
             self._parameters[name] = value
-        elif isinstance(value, Module):
+        elif isinstance(value, Module) and name in self._modules:
             self._modules[name] = value
+        else:
+            for registry in (self._parameters, self._modules):
+                registry.pop(name, None)
+            if isinstance(value, Parameter):
+                self._parameters[name] = value
+            elif isinstance(value, Module):
+                self._modules[name] = value
         object.__setattr__(self, name, value)
 
     def register_buffer(self, name: str, array: np.ndarray) -> None:

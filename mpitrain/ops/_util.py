@@ -21,22 +21,30 @@ def unbroadcast(grad: np.ndarray, shape: tuple) -> np.ndarray:
 
 
 def constant(x, like: Tensor):
-    """A non-tensor operand: Python numbers stay (they adopt the tensor's dtype under
-    NumPy's promotion rules); NumPy floats are cast so float32 stays float32."""
-    if isinstance(x, (Tensor, int, float, bool)):
+    """A non-tensor operand of an elementwise op, as an array of ``like``'s dtype when
+    numeric, so that float32 stays float32: NumPy scalars and arrays (``np.float64(2)``,
+    ``np.arange(3)``) would otherwise promote the result to float64. Python numbers
+    already adopt the tensor's dtype under NumPy's promotion rules and pass through."""
+    if isinstance(x, Tensor) or type(x) in (int, float, bool):
         return x
     x = np.asarray(x)
-    if x.dtype.kind == "f" and x.dtype != like.dtype:
+    if x.dtype.kind in "biuf" and x.dtype != like.dtype:
         x = x.astype(like.dtype)
     return x
 
 
 def normalize_axes(axis, ndim: int) -> tuple:
+    """Axes as sorted non-negative ints; ``None`` means all. Out-of-range axes raise."""
     if axis is None:
         return tuple(range(ndim))
-    if isinstance(axis, int):
-        axis = (axis,)
-    return tuple(sorted(a % ndim for a in axis))
+    axes = (axis,) if isinstance(axis, (int, np.integer)) else tuple(axis)
+    for a in axes:
+        if not -ndim <= a < ndim:
+            raise np.exceptions.AxisError(a, ndim)
+    normalized = tuple(sorted(int(a) % ndim for a in axes))
+    if len(set(normalized)) != len(normalized):
+        raise ValueError(f"repeated axis in {axis}")
+    return normalized
 
 
 def expand_reduced(grad: np.ndarray, axes: tuple, keepdims: bool) -> np.ndarray:

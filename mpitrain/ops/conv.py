@@ -34,9 +34,48 @@ def _pad(x: np.ndarray, ph: int, pw: int, value: float = 0.0) -> np.ndarray:
     if ph == 0 and pw == 0:
         return x
     B, H, W, C = x.shape
-    xp = np.full((B, H + 2 * ph, W + 2 * pw, C), value, dtype=x.dtype)
+    xp = np.empty((B, H + 2 * ph, W + 2 * pw, C), dtype=x.dtype)
     xp[:, ph : ph + H, pw : pw + W] = x
+    xp[:, :ph] = value  # only the border is filled: no pass over the interior
+    xp[:, ph + H :] = value
+    xp[:, ph : ph + H, :pw] = value
+    xp[:, ph : ph + H, pw + W :] = value
     return xp
+
+
+def _clip(n_in: int, n_out: int, offset: int, s: int, p: int) -> tuple[int, int, int]:
+    """Outputs o whose tap at ``offset`` reads an input pixel, o*s + offset - p in
+    [0, n_in): returns (first o, how many, first input index)."""
+    first = max(0, -(-(p - offset) // s))
+    last = min(n_out - 1, (n_in - 1 + p - offset) // s)
+    return first, max(0, last - first + 1), first * s + offset - p
+
+
+def _scatter_taps(pieces, shape, dtype, kh, kw, sh, sw, ph, pw, Ho, Wo) -> np.ndarray:
+    """Add each tap's (B, Ho, Wo, C) piece onto the input pixels the tap read.
+
+    ``pieces(tap)`` returns the piece of tap ``i * kw + j``. The sum is taken straight
+    into an unpadded (B, H, W, C) array, each tap clipped to the pixels inside the
+    image. A tap that covers every pixel once (the centre tap of a stride-1 'same'
+    convolution) is written first by assignment, so the array needs no zeroing."""
+    B, H, W, C = shape
+    regions = []
+    for i in range(kh):
+        oh, nh, h0 = _clip(H, Ho, i, sh, ph)
+        for j in range(kw):
+            ow, nw, w0 = _clip(W, Wo, j, sw, pw)
+            if nh and nw:
+                dst = (slice(None), slice(h0, h0 + sh * (nh - 1) + 1, sh), slice(w0, w0 + sw * (nw - 1) + 1, sw))
+                src = (slice(None), slice(oh, oh + nh), slice(ow, ow + nw))
+                regions.append((i * kw + j, dst, src, nh == H and nw == W and sh == sw == 1))
+    cover = next((r for r in regions if r[3]), None)
+    gx = np.empty(shape, dtype=dtype) if cover else np.zeros(shape, dtype=dtype)
+    if cover:
+        np.copyto(gx, pieces(cover[0])[cover[2]])
+    for tap, dst, src, _ in regions:
+        if cover is None or tap != cover[0]:
+            gx[dst] += pieces(tap)[src]
+    return gx
 
 
 def _windows(a: np.ndarray, Ho: int, n: int, sh: int, step: int, kh: int, kw: int) -> np.ndarray:
@@ -61,10 +100,10 @@ def _im2col(xp: np.ndarray, kh, kw, sh, sw, Ho, Wo) -> np.ndarray:
 
 
 def _taps(xp: np.ndarray, kh: int, kw: int, sh: int, sw: int, Ho: int, Wo: int):
-    """Yield (i, j, view) for each kernel tap: the (B, Ho, Wo, C) pixels it reads."""
+    """Yield, tap by tap in row-major order, the (B, Ho, Wo, C) view of the pixels it reads."""
     for i in range(kh):
         for j in range(kw):
-            yield i, j, xp[:, i : i + sh * (Ho - 1) + 1 : sh, j : j + sw * (Wo - 1) + 1 : sw]
+            yield xp[:, i : i + sh * (Ho - 1) + 1 : sh, j : j + sw * (Wo - 1) + 1 : sw]
 
 
 class Conv2d(Function):
@@ -109,11 +148,8 @@ class Conv2d(Function):
             # column gradient tap-major: one (N, C) block per tap, so adding a tap's block
             # onto its pixels moves runs of Wo*C numbers (stride 1), not C
             w_taps = self.w2.reshape(kh * kw, C, F).transpose(0, 2, 1)  # (taps, F, C) view
-            dcols = np.matmul(g2, w_taps)  # (taps, N, C)
-            gxp = np.zeros(xpshape, dtype=g.dtype)
-            for tap, (_, _, view) in enumerate(_taps(gxp, kh, kw, sh, sw, Ho, Wo)):
-                view += dcols[tap].reshape(B, Ho, Wo, C)
-            gx = gxp[:, ph : ph + H, pw : pw + W] if (ph or pw) else gxp
+            dcols = np.matmul(g2, w_taps).reshape(kh * kw, B, Ho, Wo, C)  # (taps, B, Ho, Wo, C)
+            gx = _scatter_taps(dcols.__getitem__, xshape, g.dtype, kh, kw, sh, sw, ph, pw, Ho, Wo)
         return gx, gw, gb
 
 
@@ -128,8 +164,8 @@ class MaxPool2d(Function):
         Ho, Wo = _out_size(H, kh, sh, ph), _out_size(W, kw, sw, pw)
         xp = _pad(x, ph, pw, -np.inf)
         taps = _taps(xp, kh, kw, sh, sw, Ho, Wo)
-        out = next(taps)[2].copy()  # (B, Ho, Wo, C)
-        for _, _, view in taps:
+        out = next(taps).copy()  # (B, Ho, Wo, C)
+        for view in taps:
             np.maximum(out, view, out=out)
         self.xp, self.out = xp, out
         self.geometry = (x.shape, xp.shape, kh, kw, sh, sw, ph, pw, Ho, Wo)
@@ -138,19 +174,20 @@ class MaxPool2d(Function):
     def backward(self, g):
         (xshape, xpshape, kh, kw, sh, sw, ph, pw, Ho, Wo) = self.geometry
         B, H, W, C = xshape
-        gxp = np.zeros(xpshape, dtype=g.dtype)
         free = np.ones(self.out.shape, dtype=bool)  # windows whose maximum is still unclaimed
-        disjoint = sh >= kh and sw >= kw  # each input pixel in at most one window
-        for (_, _, view), (_, _, target) in zip(_taps(self.xp, kh, kw, sh, sw, Ho, Wo),
-                                                _taps(gxp, kh, kw, sh, sw, Ho, Wo)):
+        won = []  # per tap: the gradient it passes back, (B, Ho, Wo, C)
+        for view in _taps(self.xp, kh, kw, sh, sw, Ho, Wo):
             hit = view == self.out
             hit &= free
             free &= ~hit
-            if disjoint:
+            won.append(hit)
+        tiles = (ph == pw == 0 and (sh, sw) == (kh, kw) and (H, W) == (Ho * kh, Wo * kw))
+        if tiles:  # windows tile the image: every pixel is written exactly once
+            gx = np.empty(xshape, dtype=g.dtype)
+            for target, hit in zip(_taps(gx, kh, kw, sh, sw, Ho, Wo), won):
                 np.multiply(g, hit, out=target)
-            else:
-                target += g * hit
-        return gxp[:, ph : ph + H, pw : pw + W] if (ph or pw) else gxp
+            return gx
+        return _scatter_taps(lambda tap: g * won[tap], xshape, g.dtype, kh, kw, sh, sw, ph, pw, Ho, Wo)
 
 
 class AvgPool2d(Function):
@@ -162,7 +199,7 @@ class AvgPool2d(Function):
         Ho, Wo = _out_size(H, kh, sh, ph), _out_size(W, kw, sw, pw)
         xp = _pad(x, ph, pw)
         out = np.zeros((B, Ho, Wo, C), dtype=x.dtype)
-        for _, _, view in _taps(xp, kh, kw, sh, sw, Ho, Wo):
+        for view in _taps(xp, kh, kw, sh, sw, Ho, Wo):
             out += view
         out /= kh * kw
         self.geometry = (x.shape, xp.shape, kh, kw, sh, sw, ph, pw, Ho, Wo)
@@ -172,10 +209,7 @@ class AvgPool2d(Function):
         (xshape, xpshape, kh, kw, sh, sw, ph, pw, Ho, Wo) = self.geometry
         B, H, W, C = xshape
         share = g / (kh * kw)
-        gxp = np.zeros(xpshape, dtype=g.dtype)
-        for _, _, view in _taps(gxp, kh, kw, sh, sw, Ho, Wo):
-            view += share
-        return gxp[:, ph : ph + H, pw : pw + W] if (ph or pw) else gxp
+        return _scatter_taps(lambda tap: share, xshape, g.dtype, kh, kw, sh, sw, ph, pw, Ho, Wo)
 
 
 def conv2d(x, weight, bias=None, stride=1, padding=0, relu: bool = False) -> Tensor:
@@ -190,8 +224,10 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, relu: bool = False) -> Ten
 
 def max_pool2d(x, kernel_size, stride=None, padding=0) -> Tensor:
     x = as_tensor(x)
-    stride = kernel_size if stride is None else stride
-    return MaxPool2d.apply(x, _pair(kernel_size), _pair(stride), _pair(padding))
+    kernel, padding = _pair(kernel_size), _pair(padding)
+    if padding[0] > kernel[0] // 2 or padding[1] > kernel[1] // 2:
+        raise ValueError(f"max_pool2d: padding {padding} must be at most half the kernel {kernel}")
+    return MaxPool2d.apply(x, kernel, _pair(kernel_size if stride is None else stride), padding)
 
 
 def avg_pool2d(x, kernel_size, stride=None, padding=0) -> Tensor:

@@ -94,7 +94,8 @@ class Pow(Function):
         if self.needs_input_grad[0]:
             ga = unbroadcast(g * b * np.power(a, b - 1), np.shape(a))
         if self.needs_input_grad[1]:
-            gb = unbroadcast(g * out * np.log(a), np.shape(b))
+            log_a = np.log(np.asarray(a, dtype=out.dtype))  # a Python float would make float64
+            gb = unbroadcast(g * out * log_a, np.shape(b))
         return ga, gb
 
 

@@ -23,6 +23,8 @@ class Embedding(Function):
     def backward(self, g):
         V, C = self.wshape
         ids = self.ids.reshape(-1)
+        if ids.size == 0:
+            return np.zeros((V, C), dtype=g.dtype)
         order = np.argsort(ids, kind="stable")
         sorted_ids = ids[order]
         starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])

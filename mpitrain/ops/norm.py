@@ -42,6 +42,9 @@ class BatchNorm(Function):
         axes = tuple(range(x.ndim - 1))
         if training:
             m = x.size // x.shape[-1]
+            if m < 2:
+                raise ValueError(f"batch_norm in training mode needs more than one value per "
+                                 f"channel, got input of shape {x.shape}")
             mean = x.mean(axis=axes)  # (C,)
             xc = x - mean
             var = _dot_per_channel(xc, xc) / m  # biased variance, (C,)

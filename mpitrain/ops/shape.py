@@ -78,7 +78,13 @@ def reshape(x, shape) -> Tensor:
 
 
 def transpose(x, axes=None) -> Tensor:
-    return Transpose.apply(as_tensor(x), None if axes is None else tuple(axes))
+    """Permute axes (reverse them when ``axes`` is None); negative axes count from the end."""
+    x = as_tensor(x)
+    if axes is not None:
+        axes = tuple(int(a) % x.ndim if -x.ndim <= a < x.ndim else a for a in axes)
+        if sorted(axes) != list(range(x.ndim)):
+            raise ValueError(f"axes {axes} are not a permutation of {x.ndim} axes")
+    return Transpose.apply(x, axes)
 
 
 def getitem(x, index) -> Tensor:
