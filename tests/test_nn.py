@@ -102,20 +102,24 @@ def gpt_loss(model, ids, targets):
     return model(ids, targets)[1]
 
 
+IDS = np.random.default_rng(1).integers(0, 7, (2, 5))
+TARGETS = np.random.default_rng(2).integers(0, 7, (2, 5))
+
+
+class GPTLoss(nn.Module):
+    """The loss of a fixed batch as a module without inputs, for check_module."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self):
+        return gpt_loss(self.model, IDS, TARGETS)
+
+
 def test_gpt_gradcheck_with_dropout():
     model = tiny_gpt(dropout=0.2)
-    ids = np.random.default_rng(1).integers(0, 7, (2, 5))
-    targets = np.random.default_rng(2).integers(0, 7, (2, 5))
-
-    class Loss(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def forward(self):
-            return gpt_loss(self.model, ids, targets)
-
-    check_module(Loss(), max_points=25, reseed=11)
+    check_module(GPTLoss(model), max_points=25, reseed=11)
 
 
 def test_gpt_structure_tied_head_and_layers():
@@ -168,24 +172,13 @@ def test_checkpointing_gives_the_same_gradients_with_dropout():
 
 def test_checkpointing_gradcheck_and_tied_weight_hook():
     model = tiny_gpt(checkpoint_activations=True)
-    ids = np.random.default_rng(1).integers(0, 7, (2, 5))
-    targets = np.random.default_rng(2).integers(0, 7, (2, 5))
-
-    class Loss(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.model = model
-
-        def forward(self):
-            return gpt_loss(self.model, ids, targets)
-
-    check_module(Loss(), max_points=25)
+    check_module(GPTLoss(model), max_points=25)
 
     fired = {}
     for name, p in model.named_parameters():
         p.register_post_accumulate_grad_hook(lambda p, name=name: fired.setdefault(name, p.grad.copy()))
     model.zero_grad()
-    gpt_loss(model, ids, targets).backward()
+    gpt_loss(model, IDS, TARGETS).backward()
     assert set(fired) == {n for n, _ in model.named_parameters()}
     for name, p in model.named_parameters():
         np.testing.assert_array_equal(fired[name], p.grad, err_msg=name)  # final when fired

@@ -129,28 +129,23 @@ class Dropout(Module):
         return f"p={self.p}"
 
 
-class MaxPool2d(Module):
+class _Pool2d(Module):
     def __init__(self, kernel_size, stride=None, padding=0):
         super().__init__()
         self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
 
+    def extra_repr(self) -> str:
+        return f"kernel={self.kernel_size}, stride={self.stride or self.kernel_size}, padding={self.padding}"
+
+
+class MaxPool2d(_Pool2d):
     def forward(self, x):
         return ops.max_pool2d(x, self.kernel_size, self.stride, self.padding)
 
-    def extra_repr(self) -> str:
-        return f"kernel={self.kernel_size}, stride={self.stride or self.kernel_size}"
 
-
-class AvgPool2d(Module):
-    def __init__(self, kernel_size, stride=None, padding=0):
-        super().__init__()
-        self.kernel_size, self.stride, self.padding = kernel_size, stride, padding
-
+class AvgPool2d(_Pool2d):
     def forward(self, x):
         return ops.avg_pool2d(x, self.kernel_size, self.stride, self.padding)
-
-    def extra_repr(self) -> str:
-        return f"kernel={self.kernel_size}, stride={self.stride or self.kernel_size}"
 
 
 class GlobalAvgPool(Module):
