@@ -141,7 +141,7 @@ def test_post_accumulate_hooks_fire_once_when_complete():
     loss = ops.sum(ops.tanh(h @ w3))
     loss.backward()
     assert [n for n, _ in fired] == ["w3", "w2", "w1"]
-    for (name, at_hook), w in zip(fired, (w3, w2, w1)):
+    for (_, at_hook), w in zip(fired, (w3, w2, w1)):
         np.testing.assert_array_equal(at_hook, w.grad)
     fired.clear()
     ops.sum(x @ w1).backward()
