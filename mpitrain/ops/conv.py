@@ -137,14 +137,14 @@ class Conv2d(Function):
         if relu:
             np.maximum(out, 0, out=out)
         out = out.reshape(B, Ho, Wo, F)
-        self.geometry = (x.shape, xp.shape, kh, kw, sh, sw, ph, pw, Ho, Wo)
+        self.geometry = (x.shape, kh, kw, sh, sw, ph, pw, Ho, Wo)
         self.cols = cols if self.needs_input_grad[1] else None
         self.w2 = w2
         self.out = out if relu else None
         return out
 
     def backward(self, g):
-        (xshape, xpshape, kh, kw, sh, sw, ph, pw, Ho, Wo) = self.geometry
+        (xshape, kh, kw, sh, sw, ph, pw, Ho, Wo) = self.geometry
         B, H, W, C = xshape
         F = g.shape[-1]
         if self.out is not None:
@@ -160,7 +160,7 @@ class Conv2d(Function):
             # onto its pixels moves runs of Wo*C numbers (stride 1), not C
             w_taps = self.w2.reshape(kh * kw, C, F).transpose(0, 2, 1)  # (taps, F, C) view
             dcols = np.matmul(g2, w_taps).reshape(kh * kw, B, Ho, Wo, C)  # (taps, B, Ho, Wo, C)
-            gx = _scatter_taps(dcols.__getitem__, xshape, g.dtype, kh, kw, sh, sw, ph, pw, Ho, Wo)
+            gx = _scatter_taps(lambda tap: dcols[tap], xshape, g.dtype, kh, kw, sh, sw, ph, pw, Ho, Wo)
         return gx, gw, gb
 
 
@@ -179,14 +179,14 @@ class MaxPool2d(Function):
         for view in taps:
             np.maximum(out, view, out=out)
         self.xp, self.out = xp, out
-        self.geometry = (x.shape, xp.shape, kh, kw, sh, sw, ph, pw, Ho, Wo)
+        self.geometry = (x.shape, kh, kw, sh, sw, ph, pw, Ho, Wo)
         return out
 
     def backward(self, g):
-        (xshape, xpshape, kh, kw, sh, sw, ph, pw, Ho, Wo) = self.geometry
+        (xshape, kh, kw, sh, sw, ph, pw, Ho, Wo) = self.geometry
         B, H, W, C = xshape
         free = np.ones(self.out.shape, dtype=bool)  # windows whose maximum is still unclaimed
-        won = []  # per tap: the gradient it passes back, (B, Ho, Wo, C)
+        won = []  # per tap: where it holds its window's first maximum, (B, Ho, Wo, C) bool
         for view in _taps(self.xp, kh, kw, sh, sw, Ho, Wo):
             hit = view == self.out
             hit &= free
@@ -213,11 +213,11 @@ class AvgPool2d(Function):
         for view in _taps(xp, kh, kw, sh, sw, Ho, Wo):
             out += view
         out /= kh * kw
-        self.geometry = (x.shape, xp.shape, kh, kw, sh, sw, ph, pw, Ho, Wo)
+        self.geometry = (x.shape, kh, kw, sh, sw, ph, pw, Ho, Wo)
         return out
 
     def backward(self, g):
-        (xshape, xpshape, kh, kw, sh, sw, ph, pw, Ho, Wo) = self.geometry
+        (xshape, kh, kw, sh, sw, ph, pw, Ho, Wo) = self.geometry
         B, H, W, C = xshape
         share = g / (kh * kw)
         return _scatter_taps(lambda tap: share, xshape, g.dtype, kh, kw, sh, sw, ph, pw, Ho, Wo)
