@@ -1,10 +1,10 @@
 """``mpitrain bench step``: training-step speed against the machine's matmul speed.
 
 Times full training steps (forward, backward, optimizer update; the GPT's with
-gradient clipping) of two reference models on random data, and a large float32 matmul, interleaved round by
-round so that all three see the same machine state; reports each model's achieved
-GFLOP/s (FLOPs counted from shapes, :mod:`mpitrain.observe.flops`) as a fraction of the
-matmul's. Medians over rounds.
+gradient clipping) of two reference models on random data, and a large float32
+matmul, interleaved round by round so that all three see the same machine state;
+reports each model's achieved GFLOP/s (FLOPs counted from shapes,
+:mod:`mpitrain.observe.flops`) as a fraction of the matmul's. Medians over rounds.
 
 * GPT: nanoGPT's small CPU setting (4 layers, 4 heads, width 128, context 64, batch 12,
   65-token vocabulary, no bias, no dropout), AdamW, gradient clipping at 1.0.

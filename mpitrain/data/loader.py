@@ -65,7 +65,8 @@ class ImageBatches:
     def test_batches(self, batch_size: int = 500):
         x, y = self.data.x_test, self.data.y_test
         for i in range(0, len(x), batch_size):
-            yield normalize(x[i : i + batch_size], self.data.mean, self.data.std, self.dtype), y[i : i + batch_size]
+            images = normalize(x[i : i + batch_size], self.data.mean, self.data.std, self.dtype)
+            yield images, y[i : i + batch_size]
 
 
 class TextBatches:

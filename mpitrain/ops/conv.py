@@ -76,7 +76,8 @@ def _scatter_taps(pieces, shape, dtype, kh, kw, sh, sw, ph, pw, Ho, Wo) -> np.nd
         for j in range(kw):
             ow, nw, w0 = _clip(W, Wo, j, sw, pw)
             if nh and nw:
-                dst = (slice(None), slice(h0, h0 + sh * (nh - 1) + 1, sh), slice(w0, w0 + sw * (nw - 1) + 1, sw))
+                dst = (slice(None), slice(h0, h0 + sh * (nh - 1) + 1, sh),
+                       slice(w0, w0 + sw * (nw - 1) + 1, sw))
                 src = (slice(None), slice(oh, oh + nh), slice(ow, ow + nw))
                 regions.append((i * kw + j, dst, src, nh == H and nw == W and sh == sw == 1))
     cover = next((r for r in regions if r[3]), None)
@@ -184,7 +185,7 @@ class MaxPool2d(Function):
 
     def backward(self, g):
         (xshape, kh, kw, sh, sw, ph, pw, Ho, Wo) = self.geometry
-        B, H, W, C = xshape
+        _, H, W, _ = xshape
         free = np.ones(self.out.shape, dtype=bool)  # windows whose maximum is still unclaimed
         won = []  # per tap: where it holds its window's first maximum, (B, Ho, Wo, C) bool
         for view in _taps(self.xp, kh, kw, sh, sw, Ho, Wo):
@@ -218,7 +219,6 @@ class AvgPool2d(Function):
 
     def backward(self, g):
         (xshape, kh, kw, sh, sw, ph, pw, Ho, Wo) = self.geometry
-        B, H, W, C = xshape
         share = g / (kh * kw)
         return _scatter_taps(lambda tap: share, xshape, g.dtype, kh, kw, sh, sw, ph, pw, Ho, Wo)
 
