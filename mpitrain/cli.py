@@ -1,19 +1,97 @@
-"""The ``mpitrain`` command: ``mpitrain train CONFIG``, ``mpitrain bench step``."""
+"""The ``mpitrain`` command: ``train``, ``data build | verify | info``, ``bench step | io``.
+
+Commands that may run under ``mpiexec`` (``train``, ``bench io``) start MPI through
+:func:`mpitrain.comm.world`. Errors about the input (config, data) are raised on every
+rank together, printed once by rank 0 as one line, and exit with status 2; any other
+exception on one rank prints its traceback and aborts every rank.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from mpitrain import __version__
 
 
 def _train(args) -> int:
     from mpitrain import config, train
+    from mpitrain.comm import world
 
-    cfg = config.load(args.config, args.set)
-    train.train(cfg)
+    cfg = config.load(args.config, args.set)  # before any MPI work
+    train.train(cfg, comm=world())
     return 0
+
+
+def _data_build(args) -> int:
+    from mpitrain_datasets import RECIPES
+
+    recipe = RECIPES[args.name]
+    if recipe.needs_src and not args.src:
+        raise _usage(f"data build {args.name}: --src is required ({recipe.src})")
+    options = {"shard_mb": args.shard_mb, "chunk_kb": args.chunk_kb, "compression": args.compression}
+    if args.val_fraction is not None:
+        if not recipe.text:
+            raise _usage(f"data build {args.name}: --val-fraction applies to text recipes only")
+        options["val_fraction"] = args.val_fraction
+    if args.unverified_source:
+        if not recipe.idx:
+            raise _usage(f"data build {args.name}: --unverified-source applies to IDX recipes only")
+        options["unverified_source"] = True
+    tick = time.perf_counter()
+    writer = recipe.build(args.src, args.out, **options)
+    splits = ", ".join(f"{s} {v['count']:,} in {len(v['shards'])} shard(s)"
+                       for s, v in writer.manifest["splits"].items())
+    state = "already up to date" if writer.up_to_date else f"written in {time.perf_counter() - tick:.1f} s"
+    print(f"{args.out}: {writer.name} ({writer.kind}): {splits}; {state}")
+    return 0
+
+
+def _data_verify(args) -> int:
+    from mpitrain.data import open_dataset
+
+    data = open_dataset(args.path)
+    problems = data.verify()
+    for p in problems:
+        print(f"mpitrain: damaged: {p}", file=sys.stderr)
+    if problems:
+        return 1
+    print(f"{args.path}: {data.name}: {sum(len(s.shards) for s in data.splits.values())} shards, "
+          "structure and content SHA-256 match the manifest")
+    return 0
+
+
+def _data_info(args) -> int:
+    from mpitrain.data import open_dataset
+
+    data = open_dataset(args.path)
+    m = data.manifest
+    print(f"{data.path}: {data.name} ({data.kind}), format version {m['version']}, "
+          f"compression {m['compression'] or 'none'}, written by {m.get('written_by', '?')} on {m.get('created', '?')}")
+    for split in data.splits.values():
+        size = sum(s.bytes for s in split.shards)
+        print(f"  {split.name}: {split.count:,} x {list(split.sample_shape)} {split.x_dtype.name}, "
+              f"{len(split.shards)} shard(s), {size / 1e6:.1f} MB, {split.chunk_rows} rows per chunk")
+    if data.kind == "image":
+        print(f"  classes: {', '.join(data.classes)}")
+        print(f"  mean {list(data.mean)}, std {list(data.std)}")
+    else:
+        print(f"  vocabulary of {len(data.vocab)}: {data.vocab!r}")
+    return 0
+
+
+def _bench_io(args) -> int:
+    from mpitrain.bench import io
+    from mpitrain.comm import world
+
+    comm = world()
+    io.run(args.path, batch=args.batch, repeats=args.repeats, log=print if comm.rank == 0 else lambda *a: None)
+    return 0
+
+
+class _usage(ValueError):
+    """A command-line mistake found after parsing."""
 
 
 def _bench_step(args) -> int:
@@ -56,18 +134,64 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=_positive, default=7, help="interleaved measurement rounds (default 7)")
     p.add_argument("--steps", type=_positive, default=5, help="steps per model per round (default 5)")
     p.set_defaults(run=_bench_step)
+    p = benches.add_parser("io", help="shard reader vs. raw sequential read (run under mpiexec -n 2)",
+                           description="Read a shard set's training split through the reader with 1 and 2 "
+                                       "ranks, uncompressed and gzip, from the page cache and from the "
+                                       "device, beside a raw sequential read of the same files.")
+    p.add_argument("path", help="a dataset directory (from 'mpitrain data build')")
+    p.add_argument("--batch", type=_positive, default=256, help="global batch size (default 256)")
+    p.add_argument("--repeats", type=_positive, default=3, help="measurements per row, best kept (default 3)")
+    p.set_defaults(run=_bench_io)
+
+    from mpitrain_datasets import RECIPES
+
+    data = commands.add_parser("data", help="build, check and describe shard datasets",
+                               description="HDF5 shard datasets (format: datasets/README.md).")
+    actions = data.add_subparsers(dest="action", required=True, metavar="ACTION")
+    recipes = "\n".join(f"  {name:22} --src: {r.src}" for name, r in RECIPES.items())
+    p = actions.add_parser("build", help="turn standard dataset files into shards",
+                           formatter_class=argparse.RawDescriptionHelpFormatter,
+                           description="Read a dataset in its standard format, verify it, and write a "
+                                       "shard directory atomically.\n\nrecipes:\n" + recipes)
+    p.add_argument("name", choices=sorted(RECIPES), metavar="NAME", help="the recipe (listed above)")
+    p.add_argument("--src", help="the source files (see the recipe)")
+    p.add_argument("--out", required=True, help="the dataset directory to write")
+    p.add_argument("--shard-mb", type=float, default=16, help="megabytes per shard file (default 16)")
+    p.add_argument("--chunk-kb", type=float, default=1024, help="HDF5 chunk size in KiB (default 1024)")
+    p.add_argument("--compression", choices=("gzip", "lzf"), default=None,
+                   help="compress chunks (default none: see 'mpitrain bench io' for the cost)")
+    p.add_argument("--val-fraction", type=float, default=None,
+                   help="text: the held-out share at the end of the text (default 0.1)")
+    p.add_argument("--unverified-source", action="store_true",
+                   help="IDX: accept files whose SHA-256 is not the published one")
+    p.set_defaults(run=_data_build)
+    p = actions.add_parser("verify", help="re-hash every shard against the manifest",
+                           description="Check the structure of every shard and re-hash its content.")
+    p.add_argument("path", help="a dataset directory")
+    p.set_defaults(run=_data_verify)
+    p = actions.add_parser("info", help="describe a dataset directory",
+                           description="Print a dataset's splits, shards, sizes and metadata.")
+    p.add_argument("path", help="a dataset directory")
+    p.set_defaults(run=_data_info)
     return parser
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from mpitrain.comm import abort_on_exception, started_world
     from mpitrain.config import ConfigError
     from mpitrain.data import DataError
 
     try:
-        return args.run(args)
+        with abort_on_exception(expected=(ConfigError, DataError, _usage)):
+            return args.run(args)
+    except _usage as e:
+        parser.error(str(e))
     except (ConfigError, DataError) as e:
-        print(f"mpitrain: error: {e}", file=sys.stderr)
+        world = started_world()
+        if world is None or world.rank == 0:  # raised on every rank alike: print once
+            print(f"mpitrain: error: {e}", file=sys.stderr)
         return 2
     except FloatingPointError as e:
         print(f"mpitrain: training diverged: {e}", file=sys.stderr)

@@ -3,7 +3,7 @@
 A config file has one table per section::
 
     [model]   name = "lenet" | "convnet" | "resnet" | "gpt", and that model's sizes
-    [data]    name = "mnist5k" | "shakespeare" | "text" (with path = "...")
+    [data]    name = "mnist5k" | "shakespeare" (embedded), or path = a shard directory
     [optim]   name = "sgd" | "adam" | "adamw", learning rate and schedule
     [train]   global_batch_size, steps or epochs, seed, evaluation and logging
 
@@ -26,8 +26,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 MODELS = ("lenet", "convnet", "resnet", "gpt")
-DATASETS = ("mnist5k", "shakespeare", "text")
-TEXT_DATASETS = ("shakespeare", "text")
+EMBEDDED = {"mnist5k": "image", "shakespeare": "text"}  # name -> kind
 
 
 class ConfigError(ValueError):
@@ -60,11 +59,6 @@ MODEL_FIELDS = {
     "gpt": {"name", "n_layer", "n_head", "n_embd", "block_size", "bias", "dropout",
             "checkpoint_activations"},
 }
-DATA_FIELDS = {
-    "mnist5k": {"name", "shift"},
-    "shakespeare": {"name", "val_fraction"},
-    "text": {"name", "path", "val_fraction"},
-}
 _OPTIM_COMMON = {"name", "lr", "min_lr", "schedule", "warmup_steps", "weight_decay", "grad_clip"}
 OPTIM_FIELDS = {
     "sgd": _OPTIM_COMMON | {"momentum", "nesterov"},
@@ -76,10 +70,12 @@ TEXT_ONLY_TRAIN_FIELDS = {"eval_batches", "sample_tokens"}
 
 @dataclass(frozen=True)
 class DataConfig:
-    name: str = "mnist5k"
-    path: str = ""  # the UTF-8 file for name = "text"
-    val_fraction: float = 0.1  # text: the last part of the text is held out
+    name: str = "mnist5k"  # an embedded dataset, built into shards on first use
+    path: str = ""  # or a dataset directory made by `mpitrain data build` (then no name)
     shift: int = 0  # images: random translation by up to this many pixels (augmentation)
+    verify: bool = True  # re-hash every shard's content before training, shards split over ranks
+    buffer_mb: float = 32  # reader: megabytes of samples per round, over all ranks
+    prefetch: int = 2  # reader: rounds read ahead by the background thread
 
 
 @dataclass(frozen=True)
@@ -228,10 +224,8 @@ def _require(ok: bool, key: str, message: str, value) -> None:
 def validate(cfg: Config) -> None:
     m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
     _require(m.name in MODELS, "model.name", f"must be one of {list(MODELS)}", m.name)
-    _require(d.name in DATASETS, "data.name", f"must be one of {list(DATASETS)}", d.name)
     _require(o.name in OPTIM_FIELDS, "optim.name", f"must be one of {sorted(OPTIM_FIELDS)}", o.name)
     applies = {"model": (MODEL_FIELDS[m.name], f"model.name = {m.name!r}"),
-               "data": (DATA_FIELDS[d.name], f"data.name = {d.name!r}"),
                "optim": (OPTIM_FIELDS[o.name], f"optim.name = {o.name!r}")}
     for key in sorted(cfg.given):
         section, name = key.split(".")
@@ -242,14 +236,20 @@ def validate(cfg: Config) -> None:
         if section == "train" and name in TEXT_ONLY_TRAIN_FIELDS and m.name != "gpt":
             raise ConfigError(f"{key}: applies to text models (model.name = 'gpt') only")
     text_model = m.name == "gpt"
-    _require(text_model == (d.name in TEXT_DATASETS), "data.name",
-             "gpt trains on text (shakespeare, text); the CNNs on images (mnist5k)"
-             f" and model.name is {m.name!r}", d.name)
-    if d.name == "text":
-        _require(bool(d.path), "data.path", "data.name = 'text' needs the path of a UTF-8 file", d.path)
-        _require(Path(d.path).is_file(), "data.path", "no such file", d.path)
-    _require(0.0 < d.val_fraction < 1.0, "data.val_fraction", "must be between 0 and 1", d.val_fraction)
+    if d.path:
+        _require("data.name" not in cfg.given, "data.name",
+                 "give data.name (an embedded dataset) or data.path (a shard directory), not both", d.name)
+        _require(Path(d.path).is_dir(), "data.path",
+                 "no such dataset directory (build one with 'mpitrain data build')", d.path)
+    else:
+        _require(d.name in EMBEDDED, "data.name",
+                 f"must be an embedded dataset {sorted(EMBEDDED)}, or set data.path", d.name)
+        _require(text_model == (EMBEDDED[d.name] == "text"), "data.name",
+                 f"gpt trains on text (shakespeare), the CNNs on images (mnist5k); model.name is "
+                 f"{m.name!r}", d.name)
     _require(d.shift >= 0, "data.shift", "must be >= 0", d.shift)
+    _require(d.buffer_mb > 0, "data.buffer_mb", "must be > 0", d.buffer_mb)
+    _require(d.prefetch > 0, "data.prefetch", "must be > 0", d.prefetch)
 
     _require(len(m.channels) > 0 and all(c > 0 for c in m.channels), "model.channels",
              "must be positive channel counts", list(m.channels))

@@ -16,39 +16,66 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mpitrain import nn, ops, optim, rng
-from mpitrain.runtime import blas_threads, limit_blas_threads, tune_allocator
+from mpitrain.comm import SingleComm
 from mpitrain.config import Config, ConfigError
-from mpitrain.data import ImageBatches, TextBatches, mnist5k, shakespeare, text_file
-from mpitrain.data.loader import SAMPLING
+from mpitrain.data import DataError, Dataset, ShardReader, open_dataset
+from mpitrain.data.loader import SAMPLING, normalize, random_shift, shifts
 from mpitrain.observe.flops import FlopCount
+from mpitrain.observe.io import io_row, io_table
+from mpitrain.runtime import blas_threads, limit_blas_threads, tune_allocator
 from mpitrain.tensor import Tensor, default_dtype, no_grad, observe_ops
+
+EVAL_BATCH_PER_RANK = 250  # images per rank per evaluation batch
 
 
 # ---------------------------------------------------------------- building
-def load_data(cfg: Config):
+def open_data(cfg: Config, comm, log) -> Dataset:
+    """Open the dataset of ``cfg.data`` on every rank: an embedded default is built by
+    rank 0 on first use; every shard's structure is checked on every rank, and with
+    ``data.verify`` each shard's content is re-hashed by one rank. A problem anywhere
+    raises the same DataError on every rank."""
     d = cfg.data
-    if d.name == "mnist5k":
-        return mnist5k()
-    if d.name == "shakespeare":
-        return shakespeare(d.val_fraction)
-    return text_file(d.path, d.val_fraction)
+    if d.path:
+        path = d.path
+    else:
+        from mpitrain_datasets import embedded
+
+        comm.agree(lambda: embedded.ensure(d.name, log) if comm.rank == 0 else None)
+        path = embedded.location(d.name)
+    dataset = comm.agree(open_dataset, path)
+    if d.verify:
+        def check():
+            problems = dataset.verify(comm.rank, comm.size)
+            if problems:
+                raise DataError(problems[0])
+        comm.agree(check)
+    return dataset
 
 
-def check_config_against_data(cfg: Config, data) -> None:
+def check_config_against_data(cfg: Config, data: Dataset) -> None:
     """The checks that need the data: raise ConfigError naming the field."""
-    if cfg.model.name == "gpt":
-        shortest = min(len(data.train), len(data.val))
+    text_model = cfg.model.name == "gpt"
+    if text_model != (data.kind == "text"):
+        raise ConfigError(f"data.path: {data.path} holds {data.kind} data ({data.name}), but model.name "
+                          f"{cfg.model.name!r} trains on {'text' if text_model else 'images'}")
+    if text_model:
+        if "data.shift" in cfg.given:
+            raise ConfigError("data.shift: augmentation applies to image data only")
+        shortest = min(s.count for s in data.splits.values())
         if cfg.model.block_size + 1 > shortest:
             raise ConfigError(f"model.block_size: windows of block_size + 1 = {cfg.model.block_size + 1} "
                               f"tokens do not fit the {shortest}-token split of {data.name}")
+        for split in ("train", "val"):
+            data.split(split)
         return
-    n = len(data.x_train)
-    if cfg.train.global_batch_size > n:
-        raise ConfigError(f"train.global_batch_size: must be at most the {n} training images of "
+    train = data.split("train")
+    data.split("test")
+    if cfg.train.global_batch_size > train.count:
+        raise ConfigError(f"train.global_batch_size: must be at most the {train.count} training images of "
                           f"{data.name}, got {cfg.train.global_batch_size}")
-    _, h, w, _ = data.x_train.shape
-    if h != w:
-        raise ConfigError(f"data.name: the CNNs expect square images, {data.name} has {h}x{w}")
+    if len(train.sample_shape) != 3 or train.sample_shape[0] != train.sample_shape[1]:
+        raise ConfigError(f"data.path: the CNNs expect square (H, W, C) images, {data.name} has "
+                          f"{train.sample_shape}")
 
 
 def build_model(cfg: Config, data) -> nn.Module:
@@ -60,7 +87,7 @@ def build_model(cfg: Config, data) -> nn.Module:
                                 n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias,
                                 checkpoint_activations=m.checkpoint_activations)
             return nn.GPT(gcfg)
-        _, h, _, c = data.x_train.shape
+        h, _, c = data.split("train").sample_shape
         kinds = {"lenet": lambda: nn.LeNet(c, h, len(data.classes), m.channels, m.hidden, m.dropout),
                  "convnet": lambda: nn.ConvNet(c, h, len(data.classes), m.channels),
                  "resnet": lambda: nn.ResNet(c, h, len(data.classes), m.widths, m.blocks)}
@@ -104,27 +131,45 @@ def train_step(model: nn.Module, opt: optim.Optimizer, loss_fn, x, y, lr: float,
     return loss.item()
 
 
-def evaluate_images(model: nn.Module, batches: ImageBatches) -> tuple[float, float]:
-    """(accuracy, mean loss) on the test split."""
+def evaluate_images(model: nn.Module, data: Dataset, cfg: Config, comm) -> tuple[float, float]:
+    """(accuracy, mean loss) on the whole test split, each rank scoring its share."""
+    split = data.split("test")
+    reader = ShardReader(split, rank=comm.rank, size=comm.size, global_batch=EVAL_BATCH_PER_RANK * comm.size,
+                         seed=cfg.train.seed, shuffle=False, drop_last=False, prefetch=1)
     model.eval()
     correct, total_loss, n = 0, 0.0, 0
     with no_grad():
-        for x, y in batches.test_batches():
-            logits = model(Tensor(x))
-            total_loss += ops.cross_entropy(logits, y, reduction="sum").item()
-            correct += int((logits.data.argmax(axis=-1) == y).sum())
-            n += len(y)
+        for batch in reader.epoch(0):
+            if not len(batch.y):
+                continue
+            logits = model(Tensor(normalize(batch.x, data.mean, data.std, cfg.train.dtype)))
+            total_loss += ops.cross_entropy(logits, batch.y, reduction="sum").item()
+            correct += int((logits.data.argmax(axis=-1) == batch.y).sum())
+            n += len(batch.y)
     model.train()
-    return correct / n, total_loss / n
+    sums = np.sum(comm.allgather((correct, total_loss, n)), axis=0)
+    return sums[0] / sums[2], sums[1] / sums[2]
 
 
-def evaluate_text(model: nn.Module, batches: TextBatches, count: int) -> float:
-    """Mean validation loss over ``count`` fixed batches of windows."""
+def evaluate_text(model: nn.Module, data: Dataset, cfg: Config, comm) -> float:
+    """Mean loss per token over the validation windows (all of them, or the first
+    ``train.eval_batches`` global batches)."""
+    reader = ShardReader(data.split("val"), rank=comm.rank, size=comm.size,
+                         global_batch=cfg.train.global_batch_size, seed=cfg.train.seed, shuffle=False,
+                         drop_last=False, window=cfg.model.block_size, prefetch=1)
+    limit = cfg.train.eval_batches or reader.steps_per_epoch
     model.eval()
+    total, n = 0.0, 0
     with no_grad():
-        losses = [text_loss(model, x, y).item() for x, y in batches.val_batches(count)]
+        for batch in reader.epoch(0):
+            if batch.step >= limit:
+                break
+            if len(batch.x):
+                total += text_loss(model, batch.x, batch.y).item() * len(batch.x)
+                n += len(batch.x)
     model.train()
-    return float(np.mean(losses))
+    sums = np.sum(comm.allgather((total, n)), axis=0)
+    return sums[0] / sums[1]
 
 
 # ------------------------------------------------------------------- loop
@@ -139,79 +184,102 @@ class Result:
     test_loss: float | None = None
     val_loss: float | None = None
     sample: str | None = None
+    stall_fraction: float = 0.0  # share of step time spent waiting for batches
     history: list = field(default_factory=list)
+    io: list = field(default_factory=list)  # per epoch, the rows of the I/O table (rank 0)
 
 
-def train(cfg: Config, log=print) -> Result:
-    """Train as ``cfg`` says, printing progress through ``log``; returns the figures."""
+def train(cfg: Config, log=print, comm=None) -> Result:
+    """Train as ``cfg`` says, printing progress through ``log`` (rank 0 only); returns the
+    figures. ``comm`` is the world communicator (:func:`mpitrain.comm.world`); without
+    one the run is a single process with no MPI at all."""
+    comm = comm or SingleComm()
+    if comm.size > 1:
+        raise ConfigError(f"train: this version trains on one rank; {comm.size} ranks need data "
+                          "parallelism, which is not available yet (run without mpiexec)")
+    if comm.rank != 0:
+        log = _silent
     t = cfg.train
     threads = blas_threads(t.threads)
     tune_allocator()
     with limit_blas_threads(threads):
-        data = load_data(cfg)
+        data = open_data(cfg, comm, log)
         check_config_against_data(cfg, data)
         rng.manual_seed(t.seed)
         model = build_model(cfg, data)
         opt = build_optimizer(cfg, model)
         is_text = cfg.model.name == "gpt"
-        B = t.global_batch_size
-        if is_text:
-            batches = TextBatches(data, B, cfg.model.block_size, t.seed)
-            total = t.steps
-            loss_fn = text_loss
-        else:
-            batches = ImageBatches(data, B, t.seed, t.dtype, cfg.data.shift)
-            total = t.steps or t.epochs * batches.steps_per_epoch
-            loss_fn = image_loss
+        reader = ShardReader(data.split("train"), rank=comm.rank, size=comm.size, global_batch=t.global_batch_size,
+                             seed=t.seed, window=cfg.model.block_size if is_text else None,
+                             buffer_mb=cfg.data.buffer_mb, prefetch=cfg.data.prefetch)
+        total = t.steps or t.epochs * reader.steps_per_epoch
         schedule = build_schedule(cfg, total)
-        log(f"model {cfg.model.name}: {model.num_parameters():,} parameters; data {data.name}; "
-            f"{total} steps of {B} samples; {threads} BLAS thread(s); {t.dtype}")
-        return _loop(cfg, model, opt, schedule, batches, loss_fn, total, log)
+        log(f"model {cfg.model.name}: {model.num_parameters():,} parameters; data {data.name} ({data.path}), "
+            f"{reader.n:,} training {'windows' if is_text else 'samples'}, {reader.steps_per_epoch} steps per "
+            f"epoch; {total} steps of {t.global_batch_size}; {threads} BLAS thread(s); {t.dtype}")
+        try:
+            return _loop(cfg, model, opt, schedule, data, reader, total, comm, log)
+        finally:
+            data.close()
 
 
-def _batches(batches, is_text: bool, total: int):
-    """(epoch, step, x, y) for every training step."""
-    step = 0
-    epoch = 0
-    while step < total:
-        if is_text:
-            x, y = batches.batch(step)
-            yield 0, step, x, y
-            step += 1
-            continue
-        for x, y in batches.epoch(epoch):
-            if step >= total:
-                return
-            yield epoch, step, x, y
-            step += 1
-        epoch += 1
+def _silent(*args) -> None:
+    pass
 
 
-def _loop(cfg: Config, model, opt, schedule, batches, loss_fn, total: int, log) -> Result:
+def _inputs(cfg: Config, data: Dataset, batch) -> tuple[np.ndarray, np.ndarray]:
+    """Model inputs of a reader batch: token windows as they are; images augmented
+    (rank-count independent draws) and normalised."""
+    if data.kind == "text":
+        return batch.x, batch.y
+    x = batch.x
+    if cfg.data.shift:
+        dy, dx = shifts(cfg.train.seed, batch.epoch, batch.step, cfg.train.global_batch_size, cfg.data.shift,
+                        batch.lanes)
+        x = random_shift(x, dy, dx, cfg.data.shift)
+    return normalize(x, data.mean, data.std, cfg.train.dtype), batch.y
+
+
+def _loop(cfg: Config, model, opt, schedule, data: Dataset, reader: ShardReader, total: int, comm, log) -> Result:
     t, o = cfg.train, cfg.optim
-    is_text = cfg.model.name == "gpt"
+    is_text = data.kind == "text"
+    loss_fn = text_loss if is_text else image_loss
     result = Result()
     flops = FlopCount()
     window_loss, window_steps, window_time = 0.0, 0, 0.0
     train_seconds = 0.0  # optimizer steps only, without data and evaluation
+    epoch_seconds: dict[int, float] = {}
     start = time.perf_counter()
-    last_epoch = 0
 
     def evaluate(step: int) -> None:
         if is_text:
-            result.val_loss = evaluate_text(model, batches, t.eval_batches)
+            result.val_loss = evaluate_text(model, data, cfg, comm)
             log(f"step {step}: val loss {result.val_loss:.4f}")
         else:
-            result.test_accuracy, result.test_loss = evaluate_images(model, batches)
+            result.test_accuracy, result.test_loss = evaluate_images(model, data, cfg, comm)
             log(f"step {step}: test accuracy {100 * result.test_accuracy:.2f}%, "
                 f"test loss {result.test_loss:.4f}")
         result.history.append({"step": step, "val_loss": result.val_loss,
                                "test_accuracy": result.test_accuracy})
 
-    for epoch, step, x, y in _batches(batches, is_text, total):
-        if epoch != last_epoch and not t.eval_interval:
-            evaluate(step)
-        last_epoch = epoch
+    def report_io(epoch: int) -> None:
+        row = io_row(comm.rank, reader.stats[epoch], epoch_seconds.get(epoch, 0.0))
+        rows = comm.gather(row)
+        if comm.rank == 0:
+            log(io_table(f"I/O epoch {epoch + 1}", rows, reader.sample_bytes))
+            result.io.append(rows)
+
+    step, epoch = 0, 0
+    batches = reader.batches()
+    for batch in batches:
+        if step >= total:
+            break
+        if batch.epoch != epoch:
+            report_io(epoch)
+            epoch = batch.epoch
+            if not t.eval_interval and not is_text:
+                evaluate(step)
+        x, y = _inputs(cfg, data, batch)
         lr = schedule(step)
         tick = time.perf_counter()
         with observe_ops(flops) if step == 0 else contextlib.nullcontext():
@@ -219,32 +287,40 @@ def _loop(cfg: Config, model, opt, schedule, batches, loss_fn, total: int, log) 
         seconds = time.perf_counter() - tick
         window_time += seconds
         train_seconds += seconds
+        epoch_seconds[batch.epoch] = epoch_seconds.get(batch.epoch, 0.0) + seconds
         if not np.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {step}; lower optim.lr or set optim.grad_clip")
         window_loss += loss
         window_steps += 1
         result.final_loss = loss
-        done = step + 1
-        if done % t.log_interval == 0 or done == total:
+        step += 1
+        if step % t.log_interval == 0 or step == total:
             rate = window_steps * t.global_batch_size / window_time
             gflops = window_steps * flops.total / window_time / 1e9
-            log(f"step {done}/{total} | loss {window_loss / window_steps:.4f} | lr {lr:.2e} | "
+            log(f"step {step}/{total} | loss {window_loss / window_steps:.4f} | lr {lr:.2e} | "
                 f"{rate:,.0f} samples/s | {gflops:.1f} GFLOP/s")
             window_loss, window_steps, window_time = 0.0, 0, 0.0
-        if t.eval_interval and done % t.eval_interval == 0 and done != total:
-            evaluate(done)
+        if t.eval_interval and step % t.eval_interval == 0 and step != total:
+            evaluate(step)
+    batches.close()
+    report_io(epoch)
 
     evaluate(total)
     result.steps = total
     result.seconds = time.perf_counter() - start
     result.samples_per_s = total * t.global_batch_size / train_seconds
     result.gflops_per_s = total * flops.total / train_seconds / 1e9
+    stall = sum(s.stall_seconds for s in reader.stats.values())
+    result.stall_fraction = stall / (train_seconds + stall)
     if is_text and t.sample_tokens:
-        prompt = batches.data.val[None, :1]  # the first held-out character
+        first = np.empty(1, dtype=data.split("val").x_dtype)
+        data.split("val").read("x", 0, 1, first)
+        prompt = first[None, :].astype(np.int64)  # (1, 1): the first held-out character
         ids = model.generate(prompt, t.sample_tokens, temperature=0.8, top_k=None,
                              generator=np.random.default_rng((t.seed, SAMPLING)))
-        result.sample = batches.data.decode(ids[0, 1:])
+        result.sample = data.decode(ids[0, 1:])
         log("sample:\n" + result.sample)
     log(f"done: {total} steps in {result.seconds:.1f} s; training steps {train_seconds:.1f} s, "
-        f"{result.samples_per_s:,.0f} samples/s, {result.gflops_per_s:.1f} GFLOP/s")
+        f"{result.samples_per_s:,.0f} samples/s, {result.gflops_per_s:.1f} GFLOP/s; "
+        f"waited for data {stall:.2f} s ({100 * result.stall_fraction:.2f}% of step time)")
     return result

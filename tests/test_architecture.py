@@ -104,9 +104,31 @@ def test_parallel_modules_stand_alone():
             assert not others, f"{m} imports {others}"
 
 
+def test_setup_cfg_lists_every_package():
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(PACKAGE.parent / "setup.cfg")
+    listed = set(cfg["options"]["packages"].split())
+    found = {module_name(p) for p in PACKAGE.rglob("__init__.py")}
+    assert found | {"mpitrain_datasets"} == listed
+    assert cfg["options"]["package_dir"].split() == ["mpitrain_datasets", "=", "datasets"]
+    assert (PACKAGE.parent / "datasets" / "__init__.py").is_file()
+
+
+def test_dataset_recipes_use_the_data_layer_only():
+    recipes = PACKAGE.parent / "datasets"
+    for path in recipes.glob("*.py"):
+        for dep in imports_of(path):
+            assert dep.split(".")[0] != "mpi4py", f"{path.name} imports {dep}"
+            assert not is_under(dep, ("mpitrain.comm", "mpitrain.train", "mpitrain.cli", "mpitrain.parallel")), (
+                f"{path.name} imports {dep}")
+
+
 def test_importing_the_package_does_not_start_mpi():
     code = ("import mpitrain, mpitrain.nn, mpitrain.ops, mpitrain.optim, mpitrain.train, mpitrain.cli, "
-            "mpitrain.config, mpitrain.data, mpitrain.bench.step, sys; "
+            "mpitrain.config, mpitrain.data, mpitrain.bench.step, mpitrain.bench.io, mpitrain.comm, "
+            "mpitrain_datasets, sys; "
             "print('mpi4py' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == "False"  # mpi4py is imported by comm.world(), not at import time

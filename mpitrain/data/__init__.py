@@ -1,7 +1,10 @@
-"""Training data: sources read into memory and seeded batch iterators (no MPI here)."""
+"""Training data: the HDF5 shard format, the per-rank reader, and batch preparation.
 
-from mpitrain.data.loader import ImageBatches, TextBatches
-from mpitrain.data.sources import DataError, ImageData, TextData, mnist5k, shakespeare, text_file
+No MPI here: the reader takes ``rank`` and ``size`` as integers, and the trainer
+gathers its I/O statistics through :mod:`mpitrain.comm`.
+"""
 
-__all__ = ["DataError", "ImageBatches", "ImageData", "TextBatches", "TextData", "mnist5k",
-           "shakespeare", "text_file"]
+from mpitrain.data.reader import Batch, IOStats, ShardReader
+from mpitrain.data.shards import DataError, Dataset, DatasetWriter, open_dataset
+
+__all__ = ["Batch", "DataError", "Dataset", "DatasetWriter", "IOStats", "ShardReader", "open_dataset"]

@@ -1,0 +1,166 @@
+"""``mpitrain bench io``: the shard reader against a plain sequential read of the same files.
+
+Run it under ``mpiexec -n 2`` to get the one-rank and two-rank rows in one run (with a
+single process only the one-rank rows are printed). For each storage state and each
+layout it measures, side by side:
+
+* **raw**: the shard files read front to back with ``readinto`` into a 4 MiB buffer
+  (with two ranks, each reads half the bytes at once; MB/s is the total over the
+  slowest rank's time);
+* **reader**: the training split read through :class:`~mpitrain.data.ShardReader`
+  (global batch ``--batch``, shuffled as in training). *read MB/s* is what its I/O
+  accounting reports (sample bytes over seconds inside reads, decompression included);
+  *delivered MB/s* is sample bytes handed to a consumer over wall time, which adds the
+  gather into batches and the hand-over between threads.
+
+Storage states: *page cache* (files read once before timing) and *device* (each file
+evicted from the page cache with ``posix_fadvise(DONTNEED)`` before each timing). The
+compressed copy (gzip) is written to a temporary directory next to the shard set and
+removed at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from mpitrain.comm import world
+from mpitrain.data import DatasetWriter, ShardReader, open_dataset
+from mpitrain.observe.io import io_row, io_table
+from mpitrain.runtime import tune_allocator
+
+RAW_BUFFER = 4 << 20
+
+
+def _evict(files) -> None:
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _raw_read(files, rank: int, size: int) -> tuple[int, float]:
+    """Read this rank's share (a contiguous 1/size of the concatenated bytes)."""
+    sizes = [os.path.getsize(f) for f in files]
+    total = sum(sizes)
+    lo, hi = total * rank // size, total * (rank + 1) // size
+    buf = bytearray(RAW_BUFFER)
+    view = memoryview(buf)
+    done = 0
+    tick = time.perf_counter()
+    offset = 0
+    for f, n in zip(files, sizes):
+        a, b = max(lo, offset) - offset, min(hi, offset + n) - offset
+        if a < b:
+            with open(f, "rb", buffering=0) as fh:
+                fh.seek(a)
+                left = b - a
+                while left:
+                    got = fh.readinto(view[: min(left, RAW_BUFFER)])
+                    if not got:
+                        break
+                    left -= got
+                    done += got
+        offset += n
+    return done, time.perf_counter() - tick
+
+
+def _compressed_copy(path: Path, out: Path) -> None:
+    data = open_dataset(path)
+    split = data.split("train")
+    keep = {k: v for k, v in data.manifest.items()
+            if k not in ("format", "version", "name", "kind", "compression", "splits", "created", "written_by",
+                         "source")}
+    with DatasetWriter(out, data.name, data.kind, compression="gzip", source=data.manifest.get("source"),
+                       **keep) as w:
+        w.write_split("train", split.read_all("x"), split.read_all("y") if split.y_dtype is not None else None)
+    data.close()
+
+
+def run(path, batch: int = 256, window: int = 64, repeats: int = 3, log=print) -> list[dict]:
+    comm = world()
+    tune_allocator()
+    path = Path(path)
+    tmp = None
+    if comm.rank == 0:
+        tmp = Path(tempfile.mkdtemp(prefix=".bench-io-", dir=path.parent))
+    tmp = Path(comm.bcast(str(tmp) if tmp else None))
+    results = []
+    try:
+        comm.agree(lambda: _compressed_copy(path, tmp / "gzip") if comm.rank == 0 else None)
+        layouts = [("uncompressed", path), ("gzip", tmp / "gzip")]
+        sizes = [1] + ([2] if comm.size >= 2 else [])
+        for state in ("page cache", "device"):
+            for layout, where in layouts:
+                data = comm.agree(open_dataset, where)
+                split = data.split("train")
+                files = [str(s.path) for s in split.shards]
+                file_bytes = sum(s.bytes for s in split.shards)
+                for size in sizes:
+                    row = _measure(comm, data, files, size, state, batch, window, repeats)
+                    if comm.rank == 0:
+                        row.update(state=state, layout=layout, ranks=size, file_mb=file_bytes / 1e6)
+                        results.append(row)
+                        log(f"{state:>10} | {layout:>12} | {size} rank{'s' if size > 1 else ' '} | "
+                            f"raw {row['raw']:7.0f} MB/s | reader read {row['read']:7.0f} MB/s "
+                            f"({row['read'] / row['raw']:4.2f} of raw) | delivered {row['delivered']:7.0f} MB/s")
+                        if size > 1:
+                            log(io_table("    per rank", row["rows"], row["sample_bytes"]))
+                data.close()
+        if comm.size == 1:
+            log("(one process: run under 'mpiexec -n 2' for the two-rank rows)")
+    finally:
+        comm.barrier()
+        if comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return results
+
+
+def _measure(comm, data, files, size, state, batch, window, repeats) -> dict:
+    """Best of ``repeats`` for raw and reader; ranks >= size take part in the
+    collectives with nothing to report."""
+    active = comm.rank < size
+    split = data.split("train")
+    reader = None
+    if active:
+        reader = ShardReader(split, rank=comm.rank, size=size, global_batch=batch, seed=0,
+                             window=window if split.y_dtype is None else None)
+    if state == "page cache" and comm.rank == 0:
+        _raw_read(files, 0, 1)  # warm up: every file in memory
+    best = {"raw": 0.0, "read": 0.0, "delivered": 0.0, "rows": None}
+    for repeat in range(repeats):
+        if state == "device" and comm.rank == 0:
+            _evict(files)
+        comm.barrier()
+        parts = [p for p in comm.allgather(_raw_read(files, comm.rank, size) if active else None) if p]
+        best["raw"] = max(best["raw"], _rate(parts))
+
+        if state == "device" and comm.rank == 0:
+            _evict(files)
+        comm.barrier()
+        mine = None
+        if active:
+            tick = time.perf_counter()
+            for _ in reader.epoch(repeat):
+                pass
+            seconds = time.perf_counter() - tick
+            stats = reader.stats[repeat]
+            mine = (stats.samples * reader.item_bytes, seconds, stats.bytes_read, stats.read_seconds,
+                    io_row(comm.rank, stats, seconds - stats.stall_seconds))
+        parts = [p for p in comm.allgather(mine) if p]
+        delivered = _rate([(p[0], p[1]) for p in parts])
+        best["read"] = max(best["read"], _rate([(p[2], p[3]) for p in parts]))
+        if delivered > best["delivered"]:
+            best["delivered"], best["rows"] = delivered, [p[4] for p in parts]
+    best["sample_bytes"] = comm.bcast(reader.sample_bytes if comm.rank == 0 else None)
+    return best
+
+
+def _rate(parts) -> float:
+    """MB/s of ranks reading at once: all their bytes over the slowest rank's seconds."""
+    return sum(n for n, _ in parts) / max(t for _, t in parts) / 1e6

@@ -1,0 +1,329 @@
+"""Per-rank shard reader: rank-count-independent global batches, read ahead by a thread.
+
+The problem: every rank must see its slice of the same global batches whether the job
+has 1, 2 or 4 ranks (so runs are comparable and resumable at any size), yet each rank
+should read only its own part of the data, in large sequential reads.
+
+The answer is **lanes**. Position ``g`` of every global batch (``0 <= g < B``) is a lane
+that owns a contiguous region of the split; rank ``r`` of ``P`` serves positions
+``[r*B/P, (r+1)*B/P)`` and so reads only its lanes' regions, ``N/P`` contiguous samples
+per epoch. Which samples fill which batch is fixed by ``(seed, epoch)`` alone:
+
+1. rotate the split by a random offset ``o`` (so the ``N mod B`` samples left out by
+   ``drop_last`` differ from epoch to epoch);
+2. lane ``g`` takes the next ``L = N // B`` positions (``L + 1`` for ``g < N mod B``);
+3. each lane region is cut into blocks of ``K`` positions; the epoch walks the blocks in
+   a random order ``pi`` (the same for every lane, so all lanes stay in step), and within
+   a block every lane takes its samples in its own random order.
+
+A *round* is one block: ``K`` steps for which each rank reads ``B/P`` blocks of ``K``
+contiguous samples (a few large ``preadv`` calls) and gathers them into ``K`` batches with
+one ``take``. A background thread reads rounds ahead into a bounded queue, across epoch
+boundaries. Gathered over ranks, an epoch visits every sample exactly once (with
+``drop_last=False``; with ``drop_last`` all but ``N mod B``), and concatenating the rank
+slices of a step gives the global batch of a one-rank run.
+
+Text is read the same way with *windows* as samples: window ``k`` of an epoch is the
+``T + 1`` tokens at ``t0 + k*T`` (``t0`` random in ``[0, T)``), giving ``(input, target)``
+pairs of length ``T``.
+
+The buffer budget sets ``K``: a round holds about ``buffer_mb`` of samples over all ranks
+(``buffer_mb / P`` on each), and at most ``prefetch`` rounds wait in the queue. The shuffle therefore mixes within a lane's
+block; builders shuffle class-sorted sources once, so lanes hold mixed classes.
+
+I/O accounting (:class:`IOStats`) counts, per epoch, the bytes read, the seconds spent
+in reads, the seconds spent gathering, the samples delivered, and the *stall*: seconds
+the training loop waited for a batch. Nothing here calls MPI; the trainer gathers the
+statistics over ranks.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from mpitrain.data.shards import DataError, Split
+
+READER = 5  # seed stream tag (see loader.py for 1-4)
+
+
+@dataclass
+class IOStats:
+    """What one rank read and waited for in one epoch."""
+
+    bytes_read: int = 0
+    read_seconds: float = 0.0  # inside preadv / HDF5 reads
+    gather_seconds: float = 0.0  # assembling batches from the blocks read
+    samples: int = 0  # samples delivered to the training loop
+    stall_seconds: float = 0.0  # the training loop waiting for a batch
+    batches: int = 0
+
+    @property
+    def read_mb_per_s(self) -> float:
+        return self.bytes_read / self.read_seconds / 1e6 if self.read_seconds else float("inf")
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Batch:
+    """This rank's slice of one global batch."""
+
+    epoch: int
+    step: int  # within the epoch
+    x: np.ndarray  # images (b, H, W, C) uint8 | text inputs (b, T) int64
+    y: np.ndarray  # labels (b,) int64 | text targets (b, T) int64
+    index: np.ndarray  # (b,) sample (window) index in the split
+    lanes: np.ndarray  # (b,) position of each sample in the global batch
+
+
+class EpochPlan:
+    """Which sample fills which batch position: a function of (N, B, seed, epoch) only."""
+
+    def __init__(self, n: int, global_batch: int, seed: int, epoch: int, block: int, shuffle: bool):
+        self.n, self.B = n, global_batch
+        self.L, self.R = divmod(n, global_batch)
+        self.K = max(1, min(block, self.L)) if self.L else 1
+        self.blocks = -(-self.L // self.K)  # ceil
+        self.seed, self.epoch, self.shuffle = seed, epoch, shuffle
+        rng = np.random.default_rng((seed, READER, epoch))
+        self.offset = int(rng.integers(n)) if shuffle else 0
+        self.order = rng.permutation(self.blocks) if shuffle else np.arange(self.blocks)
+        self.token_offset_draw = float(rng.random()) if shuffle else 0.0  # text: see Windows
+
+    def starts(self, lanes: np.ndarray, first: int) -> np.ndarray:
+        """Split index of the sample at lane position ``first`` for each lane. Lane ``g``
+        holds positions ``[g*L, (g+1)*L)`` of the rotated split, and the ``R`` samples
+        after ``B*L`` are the extra positions of lanes ``0..R-1``; so the lanes of one
+        rank are contiguous, and whole lanes are read in one piece."""
+        if first >= self.L:
+            return (self.B * self.L + lanes + self.offset) % self.n
+        return (lanes * self.L + first + self.offset) % self.n
+
+    def rounds(self, drop_last: bool):
+        """(round id, first position in the lane, length) of every round of the epoch."""
+        for j, blk in enumerate(self.order):
+            first = int(blk) * self.K
+            yield j, first, min(self.K, self.L - first)
+        if not drop_last and self.R:
+            yield self.blocks, self.L, 1  # the extra position of lanes g < R
+
+    def permutations(self, round_id: int, length: int) -> np.ndarray:
+        """(B, length): the order in which each lane takes its samples of the round."""
+        if not self.shuffle or length == 1:
+            return np.broadcast_to(np.arange(length), (self.B, length))
+        keys = np.random.default_rng((self.seed, READER, self.epoch, round_id)).random((self.B, length))
+        return np.argsort(keys, axis=1)
+
+
+class _Images:
+    """Samples are rows of ``x`` with labels ``y``."""
+
+    def __init__(self, split: Split):
+        self.split = split
+        self.sample_shape = split.sample_shape
+        self.dtype, self.label_dtype = split.x_dtype, split.y_dtype
+        self.n = split.count
+
+    def read(self, first: int, stop: int, x: np.ndarray, y: np.ndarray, plan_draw: float) -> int:
+        return self.split.read("x", first, stop, x) + self.split.read("y", first, stop, y)
+
+    def split_xy(self, block: np.ndarray, labels: np.ndarray):
+        return block, labels.astype(np.int64)
+
+
+class _Windows:
+    """Samples are windows of ``T + 1`` tokens starting every ``T`` tokens."""
+
+    def __init__(self, split: Split, T: int):
+        if split.count < T + 1:
+            raise DataError(f"{split.shards[0].path.parent}: split {split.name!r} has {split.count} tokens, "
+                            f"fewer than block_size + 1 = {T + 1}")
+        self.split, self.T = split, T
+        self.sample_shape = (T + 1,)
+        self.dtype, self.label_dtype = split.x_dtype, np.dtype(np.uint8)  # no labels: targets are tokens
+        self.n = max(1, (split.count - T) // T)  # windows, the same number for every token offset
+
+    def token_offset(self, draw: float) -> int:
+        """Where window 0 starts: in [0, T), and never so late that the last window
+        would run past the last token."""
+        slack = self.split.count - 1 - self.n * self.T  # spare tokens, >= T - 1 for long texts
+        return int(draw * (min(slack, self.T - 1) + 1))
+
+    def read(self, first: int, stop: int, x: np.ndarray, y: np.ndarray, plan_draw: float) -> int:
+        T, t0 = self.T, self.token_offset(plan_draw)
+        tokens = np.empty((stop - first) * T + 1, dtype=self.dtype)
+        got = self.split.read("x", t0 + first * T, t0 + stop * T + 1, tokens)
+        x[: stop - first] = np.lib.stride_tricks.as_strided(
+            tokens, (stop - first, T + 1), (T * tokens.itemsize, tokens.itemsize), writeable=False)
+        return got
+
+    def split_xy(self, block: np.ndarray, labels: np.ndarray):
+        w = block.astype(np.int64)  # (k, b, T + 1)
+        return w[..., :-1], w[..., 1:]
+
+
+def _runs(starts: np.ndarray, length: int, n: int):
+    """(i, j) ranges of consecutive lanes whose blocks follow each other in the split."""
+    follows = (starts[1:] - starts[:-1]) % n == length  # (b - 1,)
+    cuts = np.flatnonzero(~follows) + 1
+    bounds = [0, *cuts.tolist(), len(starts)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+class ShardReader:
+    """This rank's batches of a split, read ahead by a background thread.
+
+    ``global_batch`` must be divisible by ``size``; every rank yields the same number
+    of batches per epoch (:attr:`steps_per_epoch`). ``window`` (the context length)
+    switches a text split to (input, target) windows.
+    """
+
+    def __init__(self, split: Split, *, rank: int, size: int, global_batch: int, seed: int,
+                 shuffle: bool = True, drop_last: bool = True, window: int | None = None,
+                 buffer_mb: float = 32, prefetch: int = 2):
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is not in [0, {size})")
+        if global_batch % size:
+            raise ValueError(f"global batch {global_batch} is not divisible by {size} ranks")
+        self.split, self.rank, self.size = split, rank, size
+        self.B, self.b = global_batch, global_batch // size
+        self.seed, self.shuffle, self.drop_last = seed, shuffle, drop_last
+        if split.y_dtype is None:
+            if window is None:
+                raise ValueError(f"split {split.name!r} is text: give the window (context length)")
+            self.items = _Windows(split, window)
+        else:
+            self.items = _Images(split)
+        n = self.items.n
+        if n < global_batch and drop_last:
+            raise DataError(f"{split.shards[0].path.parent}: split {split.name!r} has {n} samples, "
+                            f"fewer than one global batch of {global_batch}")
+        self.n = n
+        self.item_bytes = int(np.prod(self.items.sample_shape, dtype=np.int64)) * self.items.dtype.itemsize
+        # what storage delivers per sample: x and label; a window adds T new tokens
+        self.sample_bytes = split.sample_bytes if window is None else window * split.x_dtype.itemsize
+        # steps per round, from the global batch so that the plan is the same at any rank count
+        self.block = max(1, int(buffer_mb * 2**20) // max(1, self.B * self.item_bytes))
+        self.prefetch = max(1, prefetch)
+        self.lanes = np.arange(rank * self.b, (rank + 1) * self.b)
+        self.stats: dict[int, IOStats] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def steps_per_epoch(self) -> int:
+        L, R = divmod(self.n, self.B)
+        return L + (0 if self.drop_last or not R else 1)
+
+    def plan(self, epoch: int) -> EpochPlan:
+        return EpochPlan(self.n, self.B, self.seed, epoch, self.block, self.shuffle)
+
+    def _stats(self, epoch: int) -> IOStats:
+        with self._lock:
+            return self.stats.setdefault(epoch, IOStats())
+
+    # ------------------------------------------------------------- producer
+    def _round(self, plan: EpochPlan, round_id: int, first: int, length: int, buffers: dict):
+        """Read this rank's blocks of one round and gather them into ``length`` batches.
+
+        The blocks are read into buffers reused from round to round (fresh ones would
+        cost a page fault per 4 KiB); the gathered batches are new arrays, since the
+        training loop may keep them."""
+        lanes = self.lanes
+        if first >= plan.L:  # the extra step: only lanes g < R have a sample
+            lanes = lanes[lanes < plan.R]
+        b = len(lanes)
+        shape = self.items.sample_shape
+        if b == 0:  # this rank has no sample in the epoch's last, partial batch
+            empty = np.zeros((length, 0), dtype=np.int64)
+            x, y = self.items.split_xy(np.empty((length, 0, *shape), dtype=self.items.dtype), empty)
+            return x, y, empty, lanes
+        if buffers.get("length") != length:
+            buffers.update(length=length, block=np.empty((self.b, length, *shape), dtype=self.items.dtype),
+                           labels=np.empty((self.b, length), dtype=self.items.label_dtype))
+        block, labels = buffers["block"][:b], buffers["labels"][:b]  # (b, k, ...), (b, k)
+        starts = plan.starts(lanes, first)  # (b,)
+        tick = time.perf_counter()
+        nbytes = 0
+        for i, j in _runs(starts, length, plan.n):  # lanes i..j-1 are one contiguous stretch
+            rows = block[i:j].reshape((j - i) * length, *shape)  # (m*k, ...) view
+            labs = labels[i:j].reshape(-1)
+            start, count = int(starts[i]), (j - i) * length
+            head = min(count, plan.n - start)  # rows before the split wraps around
+            nbytes += self.items.read(start, start + head, rows[:head], labs[:head], plan.token_offset_draw)
+            if head < count:
+                nbytes += self.items.read(0, count - head, rows[head:], labs[head:], plan.token_offset_draw)
+        read_s = time.perf_counter() - tick
+        perm = plan.permutations(round_id, length)[lanes]  # (b, k)
+        take = np.arange(b)[None, :] * length + perm.T  # (k, b) flat index into the blocks
+        x = block.reshape(b * length, *shape).take(take, axis=0)  # (k, b, ...)
+        y = labels.reshape(-1).take(take)  # (k, b)
+        x, y = self.items.split_xy(x, y)
+        index = (starts[None, :] + perm.T) % plan.n  # (k, b)
+        stats = self._stats(plan.epoch)
+        with self._lock:
+            stats.bytes_read += nbytes
+            stats.read_seconds += read_s
+            stats.gather_seconds += time.perf_counter() - tick - read_s
+        return x, y, index, lanes
+
+    def _produce(self, first_epoch: int, epochs: int | None, out: queue.Queue, stop: threading.Event):
+        try:
+            epoch = first_epoch
+            buffers: dict = {}
+            while epochs is None or epoch < first_epoch + epochs:
+                plan = self.plan(epoch)
+                step = 0
+                for round_id, first, length in plan.rounds(self.drop_last):
+                    item = (epoch, step, self._round(plan, round_id, first, length, buffers))
+                    step += length
+                    while not stop.is_set():
+                        try:
+                            out.put(item, timeout=0.1)
+                            break
+                        except queue.Full:
+                            continue
+                    if stop.is_set():
+                        return
+                epoch += 1
+            out.put(None)
+        except BaseException as e:  # handed to the training loop, which re-raises it
+            out.put(e)
+
+    # ------------------------------------------------------------- consumer
+    def batches(self, first_epoch: int = 0, epochs: int | None = None):
+        """Yield :class:`Batch` for ``epochs`` epochs (or forever) from ``first_epoch``."""
+        out: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+        thread = threading.Thread(target=self._produce, args=(first_epoch, epochs, out, stop),
+                                  name=f"shard-reader-{self.split.name}", daemon=True)
+        thread.start()
+        try:
+            while True:
+                tick = time.perf_counter()
+                item = out.get()
+                waited = time.perf_counter() - tick
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                epoch, step, (x, y, index, lanes) = item
+                stats = self._stats(epoch)
+                with self._lock:
+                    stats.stall_seconds += waited
+                    stats.samples += len(x) * len(lanes)
+                    stats.batches += len(x)
+                for k in range(len(x)):
+                    yield Batch(epoch, step + k, x[k], y[k], index[k], lanes)
+        finally:
+            stop.set()
+            thread.join()
+
+    def epoch(self, epoch: int):
+        """The batches of one epoch."""
+        return self.batches(epoch, 1)

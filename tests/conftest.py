@@ -1,0 +1,21 @@
+"""Shared test set-up: in the MPI tier, a test failing on one rank ends the whole run.
+
+Without this, the other ranks would wait in their next collective until the time limit;
+with it, the failing rank prints its report and calls MPI_Abort (never a hang)."""
+
+import sys
+
+import pytest
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if report.failed and mpi is not None and mpi.Is_initialized() and mpi.COMM_WORLD.Get_size() > 1:
+        rank = mpi.COMM_WORLD.Get_rank()
+        sys.stderr.write(f"\n[rank {rank}] {item.nodeid} FAILED:\n{report.longreprtext}\n"
+                         f"[rank {rank}] aborting the MPI run\n")
+        sys.stderr.flush()
+        mpi.COMM_WORLD.Abort(1)

@@ -1,0 +1,77 @@
+"""Communicator helpers, and failures under a real mpiexec (launched from the unit tier)."""
+
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from mpitrain.comm import SingleComm, abort_on_exception
+
+MPIEXEC = shutil.which("mpiexec") or shutil.which("mpirun")
+needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
+
+
+def test_single_comm_is_a_one_rank_world():
+    c = SingleComm()
+    assert (c.rank, c.size) == (0, 1)
+    assert c.allgather(5) == [5] and c.gather(5) == [5] and c.bcast(5) == 5
+    assert c.agree(lambda: 3) == 3
+    with pytest.raises(ValueError):
+        c.agree(lambda: int("x"))
+
+
+def test_without_mpi_exceptions_just_propagate():
+    with pytest.raises(KeyError), abort_on_exception():
+        raise KeyError("k")
+
+
+def run_mpi(n, code, timeout=60):
+    tick = time.perf_counter()
+    out = subprocess.run([MPIEXEC, "-n", str(n), sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=timeout)
+    return out, time.perf_counter() - tick
+
+
+@needs_mpiexec
+def test_an_exception_on_one_rank_ends_every_rank():
+    code = ("from mpitrain.comm import world, abort_on_exception\n"
+            "with abort_on_exception():\n"
+            "    comm = world()\n"
+            "    if comm.rank == 1:\n"
+            "        raise RuntimeError('boom on one rank')\n"
+            "    comm.barrier()  # would wait forever without the abort\n")
+    out, seconds = run_mpi(2, code)
+    assert out.returncode != 0
+    assert "[rank 1]" in out.stderr and "boom on one rank" in out.stderr
+    assert seconds < 30
+
+
+@needs_mpiexec
+def test_agreed_errors_are_raised_on_every_rank():
+    code = ("from mpitrain.comm import world\n"
+            "comm = world()\n"
+            "def check():\n"
+            "    if comm.rank == 1:\n"
+            "        raise ValueError('only rank 1 sees it')\n"
+            "try:\n"
+            "    comm.agree(check)\n"
+            "except ValueError as e:\n"
+            "    print(f'rank {comm.rank}: {e}', flush=True)\n")
+    out, _ = run_mpi(2, code)
+    assert out.returncode == 0, out.stderr
+    assert "rank 0: only rank 1 sees it (on rank 1)" in out.stdout
+    assert "rank 1: only rank 1 sees it" in out.stdout
+
+
+@needs_mpiexec
+def test_cli_reports_a_damaged_dataset_once_and_exits_2(tmp_path):
+    from test_data import damaged
+
+    d, shard = damaged(tmp_path, "missing")
+    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "mpitrain", "bench", "io", str(d)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.startswith("mpitrain: error:")]
+    assert len(lines) == 1 and f"{shard}: missing" in lines[0]

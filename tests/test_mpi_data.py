@@ -1,0 +1,66 @@
+"""MPI tier: the shard reader and data errors across real ranks (run under mpiexec -n 2 and 4)."""
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mpitrain import config, train
+from mpitrain.data import DataError, ShardReader, open_dataset
+from test_data import damaged, image_set
+
+
+def shared_dir(comm):
+    """A temporary directory made by rank 0 and known to every rank."""
+    path = tempfile.mkdtemp(prefix="mpitrain-test-") if comm.rank == 0 else None
+    return Path(comm.bcast(path))
+
+
+@pytest.mark.mpi(min_size=1)
+def test_epoch_union_and_global_batches_across_ranks():
+    from mpitrain.comm import world
+
+    comm = world()
+    d = shared_dir(comm) / "d"
+    if comm.rank == 0:
+        image_set(d, n=1003)
+    comm.barrier()
+    split = open_dataset(d).split("train")
+    B = 64  # divisible by 1, 2 and 4
+    for drop_last in (False, True):
+        mine = [b.index for b in ShardReader(split, rank=comm.rank, size=comm.size, global_batch=B, seed=11,
+                                             drop_last=drop_last, buffer_mb=0.01).epoch(2)]
+        everyone = comm.gather(mine)
+        if comm.rank == 0:
+            steps = len(everyone[0])
+            assert all(len(e) == steps for e in everyone)
+            global_batches = [np.concatenate([e[s] for e in everyone]) for s in range(steps)]
+            seen = np.concatenate(global_batches)
+            if drop_last:
+                assert len(seen) == 1003 // B * B == len(set(seen.tolist()))
+            else:
+                assert sorted(seen.tolist()) == list(range(1003))  # every sample exactly once
+            alone = ShardReader(split, rank=0, size=1, global_batch=B, seed=11, drop_last=drop_last,
+                                buffer_mb=0.01)
+            for ours, single in zip(global_batches, alone.epoch(2), strict=True):
+                np.testing.assert_array_equal(ours, single.index)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("how", ["flipped byte", "missing", "truncated"])
+def test_a_damaged_dataset_fails_on_every_rank(how):
+    from mpitrain.comm import world
+
+    comm = world()
+    base = shared_dir(comm)
+    d = None
+    if comm.rank == 0:
+        d, _ = damaged(base, how)
+    d = comm.bcast(str(d) if d else None)
+    cfg = config.from_dict({"data": {"path": d}, "train": {"epochs": 1}})
+    with pytest.raises(DataError) as raised:
+        train.open_data(cfg, comm, log=lambda *a: None)
+    assert "train-00002.h5" in str(raised.value)
+    messages = comm.allgather(str(raised.value).split(" (on rank")[0])
+    assert len(set(messages)) == 1  # the same error everywhere
