@@ -86,7 +86,8 @@ def _bench_io(args) -> int:
     from mpitrain.comm import world
 
     comm = world()
-    io.run(args.path, batch=args.batch, repeats=args.repeats, log=print if comm.rank == 0 else lambda *a: None)
+    io.run(args.path, batch=args.batch, repeats=args.repeats, buffer_mb=args.buffer_mb,
+           log=print if comm.rank == 0 else lambda *a: None)
     return 0
 
 
@@ -141,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="a dataset directory (from 'mpitrain data build')")
     p.add_argument("--batch", type=_positive, default=256, help="global batch size (default 256)")
     p.add_argument("--repeats", type=_positive, default=3, help="measurements per row, best kept (default 3)")
+    p.add_argument("--buffer-mb", type=float, default=64,
+                   help="reader round size over all ranks, as data.buffer_mb (default 64)")
     p.set_defaults(run=_bench_io)
 
     from mpitrain_datasets import RECIPES

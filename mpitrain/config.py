@@ -102,7 +102,7 @@ class TrainConfig:
     dtype: str = "float32"
     log_interval: int = 50  # steps between progress lines
     eval_interval: int = 0  # steps between evaluations; 0: once per epoch (images) / at the end
-    eval_batches: int = 50  # text: batches of held-out windows per evaluation
+    eval_batches: int = 0  # text: at most this many batches of held-out windows per evaluation; 0: all
     sample_tokens: int = 300  # gpt: characters generated at the end
     threads: int = 0  # BLAS threads; 0: the cores available to this process
 
@@ -285,6 +285,6 @@ def validate(cfg: Config) -> None:
     _require(t.dtype in ("float32", "float64"), "train.dtype", "must be 'float32' or 'float64'", t.dtype)
     _require(t.log_interval > 0, "train.log_interval", "must be > 0", t.log_interval)
     _require(t.eval_interval >= 0, "train.eval_interval", "must be >= 0", t.eval_interval)
-    _require(t.eval_batches > 0, "train.eval_batches", "must be > 0", t.eval_batches)
+    _require(t.eval_batches >= 0, "train.eval_batches", "must be >= 0 (0: the whole split)", t.eval_batches)
     _require(t.sample_tokens >= 0, "train.sample_tokens", "must be >= 0", t.sample_tokens)
     _require(t.threads >= 0, "train.threads", "must be >= 0 (0: automatic)", t.threads)

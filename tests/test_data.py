@@ -246,3 +246,13 @@ def test_augmentation_draws_are_rank_count_independent():
     halves = [shifts(7, 1, 5, 8, 2, np.arange(r * 4, r * 4 + 4)) for r in range(2)]
     np.testing.assert_array_equal(full[0], np.concatenate([h[0] for h in halves]))
     np.testing.assert_array_equal(full[1], np.concatenate([h[1] for h in halves]))
+
+
+def test_leaving_an_epoch_early_does_not_hang(tmp_path):
+    image_set(tmp_path / "d")
+    split = open_dataset(tmp_path / "d").split("train")
+    reader = ShardReader(split, rank=0, size=1, global_batch=16, seed=0, buffer_mb=0.001, prefetch=1,
+                         shuffle=False, drop_last=False)
+    for batch in reader.epoch(0):
+        if batch.step == 3:
+            break  # the producer may be waiting to queue the end of the epoch

@@ -82,7 +82,7 @@ def _compressed_copy(path: Path, out: Path) -> None:
     data.close()
 
 
-def run(path, batch: int = 256, window: int = 64, repeats: int = 3, log=print) -> list[dict]:
+def run(path, batch: int = 256, window: int = 64, repeats: int = 3, buffer_mb: float = 64, log=print) -> list[dict]:
     comm = world()
     tune_allocator()
     path = Path(path)
@@ -102,7 +102,7 @@ def run(path, batch: int = 256, window: int = 64, repeats: int = 3, log=print) -
                 files = [str(s.path) for s in split.shards]
                 file_bytes = sum(s.bytes for s in split.shards)
                 for size in sizes:
-                    row = _measure(comm, data, files, size, state, batch, window, repeats)
+                    row = _measure(comm, data, files, size, state, batch, window, repeats, buffer_mb)
                     if comm.rank == 0:
                         row.update(state=state, layout=layout, ranks=size, file_mb=file_bytes / 1e6)
                         results.append(row)
@@ -121,14 +121,14 @@ def run(path, batch: int = 256, window: int = 64, repeats: int = 3, log=print) -
     return results
 
 
-def _measure(comm, data, files, size, state, batch, window, repeats) -> dict:
+def _measure(comm, data, files, size, state, batch, window, repeats, buffer_mb) -> dict:
     """Best of ``repeats`` for raw and reader; ranks >= size take part in the
     collectives with nothing to report."""
     active = comm.rank < size
     split = data.split("train")
     reader = None
     if active:
-        reader = ShardReader(split, rank=comm.rank, size=size, global_batch=batch, seed=0,
+        reader = ShardReader(split, rank=comm.rank, size=size, global_batch=batch, seed=0, buffer_mb=buffer_mb,
                              window=window if split.y_dtype is None else None)
     if state == "page cache" and comm.rank == 0:
         _raw_read(files, 0, 1)  # warm up: every file in memory

@@ -273,6 +273,16 @@ class ShardReader:
         return x, y, index, lanes
 
     def _produce(self, first_epoch: int, epochs: int | None, out: queue.Queue, stop: threading.Event):
+        def put(item) -> bool:
+            """Queue ``item`` unless the consumer has stopped; never blocks for good."""
+            while not stop.is_set():
+                try:
+                    out.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
         try:
             epoch = first_epoch
             buffers: dict = {}
@@ -280,20 +290,13 @@ class ShardReader:
                 plan = self.plan(epoch)
                 step = 0
                 for round_id, first, length in plan.rounds(self.drop_last):
-                    item = (epoch, step, self._round(plan, round_id, first, length, buffers))
-                    step += length
-                    while not stop.is_set():
-                        try:
-                            out.put(item, timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
-                    if stop.is_set():
+                    if not put((epoch, step, self._round(plan, round_id, first, length, buffers))):
                         return
+                    step += length
                 epoch += 1
-            out.put(None)
+            put(None)
         except BaseException as e:  # handed to the training loop, which re-raises it
-            out.put(e)
+            put(e)
 
     # ------------------------------------------------------------- consumer
     def batches(self, first_epoch: int = 0, epochs: int | None = None):
