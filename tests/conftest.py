@@ -1,11 +1,16 @@
-"""Shared test set-up: in the MPI tier, a test failing on one rank ends the whole run.
+"""Shared test set-up. In the MPI tier, a test failing on one rank ends the whole run.
 
 Without this, the other ranks would wait in their next collective until the time limit;
 with it, the failing rank prints its report and calls MPI_Abort (never a hang)."""
 
+import os
 import sys
+import tempfile
 
 import pytest
+
+# embedded datasets built by tests go to a scratch cache, not the user's ~/.cache
+os.environ.setdefault("MPITRAIN_DATA", tempfile.mkdtemp(prefix="mpitrain-test-data-"))
 
 
 @pytest.hookimpl(hookwrapper=True)
