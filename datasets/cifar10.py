@@ -33,7 +33,9 @@ class _ArraysOnly(pickle.Unpickler):
     """Unpickle NumPy arrays and builtin containers; refuse every other global."""
 
     ALLOWED = frozenset({("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct"),
-                         ("numpy", "ndarray"), ("numpy", "dtype")})
+                         ("numpy", "ndarray"), ("numpy", "dtype"),
+                         ("_codecs", "encode"),  # how Python 3 stores bytes at protocol 2
+                         ("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer")})
 
     def find_class(self, module, name):
         if (module, name) in self.ALLOWED:

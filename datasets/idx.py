@@ -68,7 +68,8 @@ def read_idx(path: Path, magic: int, count: int | None, expect_sha256: str | Non
         raise DataError(f"{path}: {len(data) - header} bytes of values, the header's shape {shape} "
                         f"needs {int(np.prod(shape))} (truncated?)")
     if count is not None and shape[0] != count:
-        raise DataError(f"{path}: holds {shape[0]} items, expected {count}")
+        raise DataError(f"{path}: holds {shape[0]} items, expected {count}; use --unverified-source "
+                        "to build from other IDX files")
     digest = sha256(data)
     if expect_sha256 is not None and digest != expect_sha256:
         raise DataError(f"{path}: SHA-256 of the decompressed content is {digest}, not the "

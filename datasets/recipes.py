@@ -33,6 +33,6 @@ RECIPES = {
 }
 
 
-def build(name: str, src, out, **options):
-    """Run recipe ``name``; returns the :class:`~mpitrain.data.shards.DatasetWriter` used."""
-    return RECIPES[name].build(src, out, **options)
+def build(recipe: str, src, out, /, **options):
+    """Run ``recipe``; returns the :class:`~mpitrain.data.shards.DatasetWriter` used."""
+    return RECIPES[recipe].build(src, out, **options)

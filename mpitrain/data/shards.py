@@ -155,6 +155,8 @@ class DatasetWriter:
         for p in self.tmp.iterdir():
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
+        if self.out.is_dir() and not any(self.out.iterdir()):
+            self.out.rmdir()  # an empty directory the user made is replaced
         if self.out.exists():
             existing = read_manifest(self.out)
             if _content(existing) != _content(self.manifest):
@@ -179,8 +181,7 @@ def check_output_dir(out: Path, name: str) -> None:
         if any(out.iterdir()):
             raise DataError(f"{out}: not empty and not a dataset directory (no {MANIFEST}); "
                             "choose another output directory")
-        out.rmdir()  # an empty directory is replaced by the finished one
-        return
+        return  # an empty directory: replaced by the finished one at commit
     other = read_manifest(out).get("name")
     if other != name:
         raise DataError(f"{out}: already holds the dataset {other!r}, not {name!r}; "
@@ -430,8 +431,9 @@ class Dataset:
                             f"{attrs.get('count')}), the manifest says {info.count}")
         if "y" in shapes and shapes["y"] != (info.count,):
             raise DataError(f"{p}: holds {shapes['y'][0]} labels for {info.count} samples")
-        if dtypes["x"] != split.x_dtype or ("y" in dtypes and dtypes["y"] != split.y_dtype):
-            raise DataError(f"{p}: dtype {dtypes['x']} differs from the manifest's {split.x_dtype}")
+        for n, want in (("x", split.x_dtype), ("y", split.y_dtype)):
+            if n in dtypes and dtypes[n] != want:
+                raise DataError(f"{p}: {n} has dtype {dtypes[n]}, the manifest says {want}")
         if attrs.get("sha256") != info.sha256:
             raise DataError(f"{p}: its SHA-256 attribute differs from the manifest's: "
                             "the shard belongs to another build")
