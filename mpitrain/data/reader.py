@@ -66,10 +66,6 @@ class IOStats:
     def read_mb_per_s(self) -> float:
         return self.bytes_read / self.read_seconds / 1e6 if self.read_seconds else float("inf")
 
-    def as_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
 @dataclass
 class Batch:
     """This rank's slice of one global batch."""

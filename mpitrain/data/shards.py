@@ -269,11 +269,10 @@ def _chunk_offsets(ds: h5py.Dataset):
         return None
     if ds.chunks[1:] != ds.shape[1:]:
         return None  # chunks must hold whole rows for a row range to be contiguous
-    count = ds.id.get_num_chunks()
-    offsets = np.array([ds.id.get_chunk_info(i).byte_offset for i in range(count)], dtype=np.int64)
-    starts = [ds.id.get_chunk_info(i).chunk_offset[0] for i in range(count)]
-    if starts != list(range(0, ds.shape[0], ds.chunks[0])):
+    info = [ds.id.get_chunk_info(i) for i in range(ds.id.get_num_chunks())]
+    if [c.chunk_offset[0] for c in info] != list(range(0, ds.shape[0], ds.chunks[0])):
         return None
+    offsets = np.array([c.byte_offset for c in info], dtype=np.int64)
     return ds.chunks[0], int(np.prod(ds.shape[1:], dtype=np.int64)) * ds.dtype.itemsize, offsets
 
 
@@ -290,7 +289,7 @@ class Split:
     """One split of a dataset: its rows spread over shards, read by global row index."""
 
     def __init__(self, dataset: Dataset, name: str, meta: dict):
-        self.dataset, self.name = dataset, name
+        self.name = name
         self.count = int(meta["count"])
         self.sample_shape = tuple(meta["sample_shape"])
         self.x_dtype = np.dtype(meta["x_dtype"])
