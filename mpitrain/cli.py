@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "device, beside a raw sequential read of the same files.")
     p.add_argument("path", help="a dataset directory (from 'mpitrain data build')")
     p.add_argument("--batch", type=_positive, default=256, help="global batch size (default 256)")
-    p.add_argument("--repeats", type=_positive, default=3, help="measurements per row, best kept (default 3)")
+    p.add_argument("--repeats", type=_positive, default=5, help="measurements per row, best kept (default 5)")
     p.add_argument("--buffer-mb", type=float, default=64,
                    help="reader round size over all ranks, as data.buffer_mb (default 64)")
     p.set_defaults(run=_bench_io)

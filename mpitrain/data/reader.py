@@ -210,6 +210,7 @@ class ShardReader:
         self.lanes = np.arange(rank * self.b, (rank + 1) * self.b)
         self.stats: dict[int, IOStats] = {}
         self._lock = threading.Lock()
+        self._spare: list[dict] = []  # read buffers kept between iterations (see _produce)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -279,9 +280,10 @@ class ShardReader:
                     continue
             return False
 
+        with self._lock:  # reuse the buffers of an earlier iteration: fresh pages cost a fault each
+            buffers = self._spare.pop() if self._spare else {}
         try:
             epoch = first_epoch
-            buffers: dict = {}
             while epochs is None or epoch < first_epoch + epochs:
                 plan = self.plan(epoch)
                 step = 0
@@ -293,6 +295,9 @@ class ShardReader:
             put(None)
         except BaseException as e:  # handed to the training loop, which re-raises it
             put(e)
+        finally:
+            with self._lock:
+                self._spare.append(buffers)
 
     # ------------------------------------------------------------- consumer
     def batches(self, first_epoch: int = 0, epochs: int | None = None):
