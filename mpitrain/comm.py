@@ -1,8 +1,26 @@
-"""The one module that imports mpi4py: communicators, agreement on errors, abort on failure.
+"""The one module that imports mpi4py: communicators, buffer collectives, counters,
+agreement on errors, abort on failure.
 
 ``Comm`` wraps an mpi4py communicator; ``SingleComm`` is the same interface for one
-process without MPI, for the unit tier and library use. Importing this module does not
-start MPI; :func:`world` does, on first call.
+process without MPI (every collective is then a no-op or a copy), for the unit tier and
+library use. Importing this module does not start MPI; :func:`world` does, on first
+call, at the thread level asked for (see :func:`thread_level`).
+
+**Arrays** go through the buffer methods (uppercase mpi4py calls on contiguous NumPy
+arrays, no pickling): ``allreduce``, ``iallreduce``, ``bcast_array``,
+``reduce_scatter``, ``allgather_array``, ``isend``/``irecv``. A method that returns a
+:class:`Request` never waits inside; ``request.test()`` lets MPI progress it (MPICH moves
+non-blocking collectives forward only inside MPI calls) and ``request.wait()`` finishes it.
+
+**Counters** (:class:`CommStats`, one per communicator): calls, bytes sent by this rank,
+and seconds spent inside blocking calls and waits. Point-to-point bytes are exact; for
+MPI's own collectives the algorithm is MPI's choice, so they count the bytes a
+bandwidth-optimal algorithm sends (allreduce ``2(P-1)/P x n``, reduce-scatter and
+allgather ``(P-1)/P x n``, broadcast ``n`` from the root), which is what mpitrain's ring
+sends exactly.
+
+**Tags** come from :class:`Tag`; messages of concurrent operations are kept apart by
+giving each its own duplicated communicator (``dup``), never by tag arithmetic.
 
 Two failure rules (ARCHITECTURE.md, convention 6):
 
@@ -21,14 +39,88 @@ methods here; arrays go through the buffer methods.
 from __future__ import annotations
 
 import contextlib
+import enum
+import os
 import sys
+import time
 import traceback
+from dataclasses import dataclass
+
+import numpy as np
+
+THREAD_LEVELS = ("auto", "single", "funneled", "serialized", "multiple")
+
+
+class Tag(enum.IntEnum):
+    """Every point-to-point tag mpitrain uses."""
+
+    RING = 1  # a step of a ring reduce-scatter or allgather
+
+
+@dataclass
+class CommStats:
+    """What one rank did on one communicator."""
+
+    calls: int = 0
+    bytes_sent: int = 0
+    seconds: float = 0.0  # inside blocking calls and waits
+
+    def add(self, nbytes: float, seconds: float = 0.0) -> None:
+        self.calls += 1
+        self.bytes_sent += int(nbytes)
+        self.seconds += seconds
+
+
+class Request:
+    """A started operation: ``test()`` progresses it and says whether it is done,
+    ``wait()`` finishes it (its seconds are counted on the communicator)."""
+
+    def __init__(self, mpi_request=None, stats: CommStats | None = None):
+        self._req, self._stats = mpi_request, stats
+        self.done = mpi_request is None  # no request: nothing to do (one rank)
+
+    def test(self) -> bool:
+        if not self.done:
+            self.done = bool(self._req.Test())
+        return self.done
+
+    def wait(self) -> None:
+        if not self.done:
+            tick = time.perf_counter()
+            self._req.Wait()
+            self._stats.seconds += time.perf_counter() - tick
+            self.done = True
 
 
 class SingleComm:
     """A communicator of one rank, without MPI."""
 
     rank, size = 0, 1
+
+    def __init__(self):
+        self.stats = CommStats()
+
+    def dup(self) -> "SingleComm":
+        return SingleComm()
+
+    def free(self) -> None:
+        pass
+
+    # arrays: with one rank every reduction is the identity
+    def allreduce(self, buf: np.ndarray) -> None:
+        pass
+
+    def iallreduce(self, buf: np.ndarray) -> Request:
+        return Request()
+
+    def bcast_array(self, buf: np.ndarray, root: int = 0) -> None:
+        pass
+
+    def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts) -> None:
+        recv[...] = send[: counts[0]]
+
+    def allgather_array(self, buf: np.ndarray, counts) -> None:
+        pass
 
     def allgather(self, obj):
         return [obj]
@@ -47,11 +139,75 @@ class SingleComm:
 
 
 class Comm(SingleComm):
-    """An mpi4py communicator with the few object collectives the trainer needs."""
+    """An mpi4py communicator: buffer collectives on arrays, a few object collectives
+    for small control messages, and counters."""
 
     def __init__(self, mpi_comm):
         self.mpi = mpi_comm
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        self.stats = CommStats()
+
+    def dup(self) -> "Comm":
+        """A duplicate: same ranks, its own message space (collective call)."""
+        return Comm(self.mpi.Dup())
+
+    def split(self, color: int, key: int) -> "Comm":
+        """Ranks of equal ``color`` form a new communicator, ordered by ``key``."""
+        return Comm(self.mpi.Split(color, key))
+
+    def free(self) -> None:
+        if self.mpi is not _mpi().COMM_WORLD:
+            self.mpi.Free()
+
+    # ------------------------------------------------------------ arrays
+    def _timed(self, nbytes: float, call, *args):
+        tick = time.perf_counter()
+        out = call(*args)
+        self.stats.add(nbytes, time.perf_counter() - tick)
+        return out
+
+    def allreduce(self, buf: np.ndarray) -> None:
+        """Sum ``buf`` over ranks, in place."""
+        self._timed(_share(2, self.size, buf.nbytes), self.mpi.Allreduce, _mpi().IN_PLACE, buf)
+
+    def iallreduce(self, buf: np.ndarray) -> Request:
+        """Start summing ``buf`` over ranks in place; ``buf`` must not be touched until
+        the request is done."""
+        self.stats.add(_share(2, self.size, buf.nbytes))
+        return Request(self.mpi.Iallreduce(_mpi().IN_PLACE, buf), self.stats)
+
+    def bcast_array(self, buf: np.ndarray, root: int = 0) -> None:
+        """Overwrite ``buf`` with rank ``root``'s."""
+        self._timed(buf.nbytes if self.rank == root else 0, self.mpi.Bcast, buf, root)
+
+    def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts) -> None:
+        """Sum ``send`` (all ranks' full arrays) and leave block ``rank`` of the sum, of
+        ``counts[rank]`` elements, in ``recv``."""
+        self._timed(_share(1, self.size, send.nbytes), self.mpi.Reduce_scatter, send, recv, list(counts))
+
+    def allgather_array(self, buf: np.ndarray, counts) -> None:
+        """In place: every rank contributes block ``rank`` (``counts[rank]`` elements at
+        offset ``sum(counts[:rank])``) of ``buf`` and receives everyone's."""
+        counts = [int(c) for c in counts]
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
+        self._timed(_share(1, self.size, buf.nbytes), self.mpi.Allgatherv, _mpi().IN_PLACE,
+                    [buf, counts, displs, _mpi().Datatype.fromcode(buf.dtype.char)])
+
+    def isend(self, buf: np.ndarray, dest: int, tag: Tag) -> Request:
+        self.stats.add(buf.nbytes)
+        return Request(self.mpi.Isend(buf, dest, tag), self.stats)
+
+    def irecv(self, buf: np.ndarray, source: int, tag: Tag) -> Request:
+        return Request(self.mpi.Irecv(buf, source, tag), self.stats)
+
+    def waitall(self, requests: list[Request]) -> None:
+        live = [r for r in requests if not r.done]
+        if live:
+            tick = time.perf_counter()
+            _mpi().Request.Waitall([r._req for r in live])
+            self.stats.seconds += time.perf_counter() - tick
+            for r in live:
+                r.done = True
 
     def allgather(self, obj):
         return self.mpi.allgather(obj)
@@ -88,11 +244,60 @@ class Comm(SingleComm):
         self.mpi.Abort(code)
 
 
-def world() -> Comm:
-    """COMM_WORLD, starting MPI if needed."""
+def _share(times: int, size: int, nbytes: int) -> float:
+    """Bytes one rank sends in a bandwidth-optimal collective: ``times x (P-1)/P x n``."""
+    return times * (size - 1) * nbytes / size
+
+
+def _mpi():
     from mpi4py import MPI
 
-    return Comm(MPI.COMM_WORLD)
+    return MPI
+
+
+def local_ranks() -> int | None:
+    """Ranks on this node, from the launcher's environment (known before MPI starts):
+    MPICH's Hydra, Open MPI, or SLURM. None when not launched by one of them."""
+    for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    tasks = os.environ.get("SLURM_STEP_TASKS_PER_NODE", os.environ.get("SLURM_TASKS_PER_NODE", ""))
+    head = tasks.split("(")[0].split(",")[0]
+    return int(head) if head.isdigit() else None
+
+
+def thread_level(requested: str = "auto", cores: int | None = None) -> str:
+    """The MPI thread level to start with. ``auto``: ``funneled`` (only the main thread
+    calls MPI; MPICH then takes no locks, and its collectives are several times faster
+    and overlap with compute, see ``parallel/data_parallel.py``) when every rank on the
+    node has a core of its own; ``multiple`` (mpi4py's default) when ranks outnumber
+    cores, where a lock-free MPICH spins and collectives took milliseconds here."""
+    if requested not in THREAD_LEVELS:
+        raise ValueError(f"thread level must be one of {THREAD_LEVELS}, got {requested!r}")
+    if requested != "auto":
+        return requested
+    from mpitrain.runtime import available_cores
+
+    ranks = local_ranks()
+    cores = available_cores() if cores is None else cores
+    return "funneled" if ranks is not None and ranks <= cores else "multiple"
+
+
+def world(level: str = "auto") -> Comm:
+    """COMM_WORLD, starting MPI at thread ``level`` (see :func:`thread_level`) if it is
+    not started yet."""
+    if "mpi4py.MPI" not in sys.modules:
+        import mpi4py
+
+        mpi4py.rc.thread_level = thread_level(level)
+    return Comm(_mpi().COMM_WORLD)
+
+
+def started_thread_level() -> str:
+    """The thread level MPI actually provides in this process."""
+    MPI = _mpi()
+    return {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled", MPI.THREAD_SERIALIZED: "serialized",
+            MPI.THREAD_MULTIPLE: "multiple"}[MPI.Query_thread()]
 
 
 def started_world() -> Comm | None:

@@ -1,0 +1,1 @@
+"""One module per way of spreading training over ranks; each stands alone (see ARCHITECTURE.md)."""

@@ -1,0 +1,219 @@
+"""MPI tier: data parallelism and ZeRO-1 equal single-process training; byte counts.
+
+Every rank also trains the single-process reference (same seed, whole global batch),
+so each rank compares its own replica with it. 20 steps; relative difference of the
+parameters (L2 norm over all of them) at most 1e-10 in float64, 1e-5 in float32."""
+
+import numpy as np
+import pytest
+
+from mpitrain import nn, ops, optim, rng
+from mpitrain.allreduce import allreduce, chunk_bounds
+from mpitrain.comm import SingleComm
+from mpitrain.tensor import Tensor, default_dtype
+
+STEPS, B = 20, 8
+
+
+def world():
+    from mpitrain.comm import world as w
+
+    return w()
+
+
+def gpt():
+    return nn.GPT(nn.GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16))
+
+
+def cnn():
+    return nn.LeNet(1, 8, 5, channels=(3, 4), hidden=8)
+
+
+def resnet():
+    return nn.ResNet(2, 8, 5, widths=(4, 6), blocks=1)
+
+
+def batches(kind, dtype):
+    """STEPS global batches, the same on every rank."""
+    g = np.random.default_rng(7)
+    if kind == "gpt":
+        x = g.integers(0, 11, (STEPS, B, 8))
+        return [(x[s], np.roll(x[s], -1, axis=1)) for s in range(STEPS)]
+    c = 2 if kind == "resnet" else 1
+    return [(g.standard_normal((B, 8, 8, c)).astype(dtype), g.integers(0, 5, B)) for _ in range(STEPS)]
+
+
+def loss_of(kind, model, x, y):
+    if kind == "gpt":
+        return model(x, y)[1]
+    return ops.cross_entropy(model(Tensor(x)), y)
+
+
+def build(kind, dtype, opt_name):
+    rng.manual_seed(5)
+    with default_dtype(dtype):
+        model = {"gpt": gpt, "cnn": cnn, "resnet": resnet}[kind]()
+    groups = optim.decay_groups(model.named_parameters(), 0.1)
+    opt = optim.AdamW(groups, 3e-3) if opt_name == "adamw" else optim.SGD(groups, 0.1, momentum=0.9)
+    return model, opt
+
+
+def reference(kind, dtype, opt_name, ghost=1):
+    """One process, whole batch; with ``ghost`` > 1 the batch goes through the model in
+    that many equal groups (batch norm then sees the groups, as the ranks do)."""
+    model, opt = build(kind, dtype, opt_name)
+    for x, y in batches(kind, dtype):
+        for k in range(ghost):
+            part = slice(k * B // ghost, (k + 1) * B // ghost)
+            (loss_of(kind, model, x[part], y[part]) * (1.0 / ghost)).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.data.copy() for p in model.parameters()]
+
+
+def relative(params, ref) -> float:
+    a = np.concatenate([p.data.reshape(-1) for p in params]).astype(np.float64)
+    b = np.concatenate([r.reshape(-1) for r in ref]).astype(np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def train_dp(kind, dtype, opt_name, comm, micro=1, **dp_options):
+    from mpitrain.parallel.data_parallel import DataParallel
+
+    model, opt = build(kind, dtype, opt_name)
+    dp = DataParallel(model, comm, **dp_options)
+    b = B // comm.size
+    for x, y in batches(kind, dtype):
+        x, y = x[comm.rank * b : (comm.rank + 1) * b], y[comm.rank * b : (comm.rank + 1) * b]
+        m = b // micro
+        for k in range(micro):
+            loss = loss_of(kind, model, x[k * m : (k + 1) * m], y[k * m : (k + 1) * m]) * (1.0 / micro)
+            if k < micro - 1:
+                with dp.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        dp.finish()
+        opt.step()
+        opt.zero_grad()
+    dp.check_replicas()
+    dp.close()
+    return model, dp
+
+
+CASES = [(kind, alg, cap) for kind in ("gpt", "cnn") for alg in ("mpi", "ring") for cap in (1e-3, 25.0)]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind,algorithm,cap", CASES)
+def test_ddp_equals_one_process_float64(kind, algorithm, cap):
+    comm = world()
+    ref = reference(kind, "float64", "sgd")
+    model, dp = train_dp(kind, "float64", "sgd", comm, bucket_cap_mb=cap, algorithm=algorithm)
+    assert (len(dp.buckets) > 3) == (cap < 1)
+    assert relative(model.parameters(), ref) <= 1e-10
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind", ["gpt", "cnn"])
+def test_ddp_equals_one_process_float32(kind):
+    ref = reference(kind, "float32", "adamw")
+    model, _ = train_dp(kind, "float32", "adamw", world(), bucket_cap_mb=1e-3)
+    assert relative(model.parameters(), ref) <= 1e-5
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("progress", ["none", "thread"])
+def test_ddp_progress_modes_give_the_same_result(progress):
+    from mpitrain.comm import started_thread_level
+
+    if progress == "thread" and started_thread_level() not in ("serialized", "multiple"):
+        pytest.skip("the communication thread needs MPI thread level serialized or multiple")
+    ref = reference("gpt", "float64", "sgd")
+    model, _ = train_dp("gpt", "float64", "sgd", world(), bucket_cap_mb=1e-3, progress=progress)
+    assert relative(model.parameters(), ref) <= 1e-10
+
+
+@pytest.mark.mpi(min_size=2)
+def test_no_sync_accumulation_equals_one_process():
+    ref = reference("cnn", "float64", "sgd")
+    model, _ = train_dp("cnn", "float64", "sgd", world(), micro=2, bucket_cap_mb=1e-3)
+    assert relative(model.parameters(), ref) <= 1e-10
+
+
+@pytest.mark.mpi(min_size=2)
+def test_batch_norm_uses_each_ranks_statistics():
+    """Local statistics: equal to one process that normalises in P groups of B/P."""
+    comm = world()
+    ref = reference("resnet", "float64", "sgd", ghost=comm.size)
+    model, dp = train_dp("resnet", "float64", "sgd", comm, bucket_cap_mb=1e-3)
+    assert relative(model.parameters(), ref) <= 1e-10
+    dp.sync_buffers()
+    means = comm.allgather(np.concatenate([b.reshape(-1) for _, b in model.named_buffers()]))
+    assert all(np.array_equal(m, means[0]) for m in means)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind,algorithm", [("gpt", "mpi"), ("gpt", "ring"), ("cnn", "ring")])
+def test_zero1_equals_ddp_with_adamw(kind, algorithm):
+    from mpitrain.parallel.zero import Zero1
+
+    comm = world()
+    ddp, _ = train_dp(kind, "float64", "adamw", comm, bucket_cap_mb=1e-3, algorithm=algorithm)
+    model, opt = build(kind, "float64", "adamw")
+    zero = Zero1(model, opt, comm, algorithm=algorithm)
+    b = B // comm.size
+    for x, y in batches(kind, "float64"):
+        loss_of(kind, model, x[comm.rank * b : (comm.rank + 1) * b], y[comm.rank * b : (comm.rank + 1) * b]).backward()
+        zero.step()
+        zero.zero_grad()
+    assert relative(model.parameters(), [p.data for p in ddp.parameters()]) <= 1e-10
+    assert relative(model.parameters(), reference(kind, "float64", "adamw")) <= 1e-10
+    n = sum(p.size for p in model.parameters())
+    mine = np.diff(chunk_bounds(n, comm.size))[comm.rank]
+    pieces = sum(len(g["params"]) for g in zero.optimizer.param_groups)
+    assert zero.state_bytes() == 2 * mine * 8 + pieces * 8  # two moments of my shard, a step count per piece
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("n", [1, 7, 1001, 4096 + 3])
+def test_ring_sends_2_p_minus_1_over_p_of_the_gradient(n):
+    comm = world().dup()
+    P, r = comm.size, comm.rank
+    x = np.full(n, float(r + 1), dtype=np.float32)
+    allreduce(comm, x, "ring")
+    assert np.all(x == P * (P + 1) / 2)
+    c = np.diff(chunk_bounds(n, P))
+    assert comm.stats.bytes_sent == (2 * n - c[r] - c[(r + 1) % P]) * 4  # every chunk but two
+    assert sum(comm.allgather(comm.stats.bytes_sent)) == 2 * (P - 1) * n * 4  # 2(P-1)/P x n per rank
+    if n % P == 0:
+        assert comm.stats.bytes_sent == 2 * (P - 1) * n * 4 // P
+    comm.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ddp_counts_its_bytes_by_the_formula():
+    comm = world()
+    _, dp = train_dp("cnn", "float32", "sgd", comm, bucket_cap_mb=25.0, algorithm="ring")
+    (bucket,) = dp.buckets
+    P, r, n = comm.size, comm.rank, bucket.flat.size
+    c = np.diff(chunk_bounds(n, P))
+    assert dp.stats.bytes_sent == STEPS * (2 * n - c[r] - c[(r + 1) % P]) * 4
+    assert sum(comm.allgather(dp.stats.bytes_sent)) == STEPS * 2 * (P - 1) * n * 4
+    assert dp.bytes_per_step() * P == 2 * (P - 1) * n * 4
+
+
+def test_one_rank_wrappers_train_like_plain_training():
+    """Unit tier: with a one-rank communicator the wrappers change nothing."""
+    from mpitrain.parallel.zero import Zero1
+
+    ref = reference("cnn", "float64", "adamw")
+    model, _ = train_dp("cnn", "float64", "adamw", SingleComm(), bucket_cap_mb=1e-3)
+    assert relative(model.parameters(), ref) == 0.0
+    model, opt = build("cnn", "float64", "adamw")
+    zero = Zero1(model, opt, SingleComm())
+    for x, y in batches("cnn", "float64"):
+        loss_of("cnn", model, x, y).backward()
+        zero.step()
+        zero.zero_grad()
+    assert relative(model.parameters(), ref) == 0.0
