@@ -20,7 +20,8 @@ def _train(args) -> int:
     from mpitrain.comm import world
 
     cfg = config.load(args.config, args.set)  # before any MPI work
-    train.train(cfg, comm=world())
+    par = cfg.parallel
+    train.train(cfg, comm=world(par.thread_level, comm_thread=par.progress == "thread"))
     return 0
 
 
@@ -91,6 +92,25 @@ def _bench_io(args) -> int:
     return 0
 
 
+def _bench_allreduce(args) -> int:
+    from mpitrain.bench import allreduce
+    from mpitrain.comm import world
+
+    comm = world(args.thread_level)
+    allreduce.run(repeats=args.repeats, log=print if comm.rank == 0 else lambda *a: None)
+    return 0
+
+
+def _bench_ddp(args) -> int:
+    from mpitrain.bench import ddp
+    from mpitrain.comm import world
+
+    comm = world(args.thread_level)
+    ddp.run(models=args.models, rounds=args.rounds, steps=args.steps, bucket_mb=args.bucket_mb,
+            algorithm=args.allreduce, log=print if comm.rank == 0 else lambda *a: None)
+    return 0
+
+
 class _usage(ValueError):
     """A command-line mistake found after parsing."""
 
@@ -145,6 +165,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--buffer-mb", type=float, default=64,
                    help="reader round size over all ranks, as data.buffer_mb (default 64)")
     p.set_defaults(run=_bench_io)
+
+    p = benches.add_parser("allreduce", help="ring vs. MPI allreduce bandwidth (run under mpiexec -n 2 or 4)",
+                           description="Time mpitrain's ring allreduce and MPI_Allreduce from 4 KiB to 64 MiB "
+                                       "with 2 (and 4) ranks, beside the bound of the ring's data movement.")
+    p.add_argument("--repeats", type=_positive, default=5, help="timings per size, median kept (default 5)")
+    p.add_argument("--thread-level", default="auto", choices=("auto", "single", "funneled", "serialized", "multiple"),
+                   help="MPI thread level (default auto, as parallel.thread_level)")
+    p.set_defaults(run=_bench_allreduce)
+
+    p = benches.add_parser("ddp", help="data-parallel step: 1 vs. 2 ranks, communication on/off, overlap "
+                                       "(run under mpiexec -n 2)",
+                           description="Time a GPT training step on 1 rank and on 2 ranks with and without "
+                                       "the gradient allreduce, for each way of progressing it, and the "
+                                       "allreduce alone; print speed-up and hidden communication.")
+    p.add_argument("--models", nargs="+", default=["gpt", "wide"], choices=("gpt", "wide"),
+                   help="gpt: nanoGPT's small CPU GPT; wide: width 384, batch 4 (default both)")
+    p.add_argument("--rounds", type=_positive, default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--steps", type=_positive, default=5, help="steps per variant per round (default 5)")
+    p.add_argument("--bucket-mb", type=float, default=4.0, help="bucket size, as parallel.bucket_mb (default 4)")
+    p.add_argument("--allreduce", choices=("mpi", "ring"), default="mpi", help="algorithm (default mpi)")
+    p.add_argument("--thread-level", default="auto", choices=("auto", "single", "funneled", "serialized", "multiple"),
+                   help="MPI thread level (default auto, as parallel.thread_level)")
+    p.set_defaults(run=_bench_ddp)
 
     from mpitrain_datasets import RECIPES
 

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import os
 import sys
 import time
 import traceback
@@ -103,6 +102,9 @@ class SingleComm:
     def dup(self) -> "SingleComm":
         return SingleComm()
 
+    def node_size(self) -> int:
+        return 1
+
     def free(self) -> None:
         pass
 
@@ -134,6 +136,9 @@ class SingleComm:
     def barrier(self) -> None:
         pass
 
+    def sleeping_barrier(self, poll: float = 1e-3) -> None:
+        pass
+
     def agree(self, fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
@@ -158,6 +163,13 @@ class Comm(SingleComm):
     def free(self) -> None:
         if self.mpi is not _mpi().COMM_WORLD:
             self.mpi.Free()
+
+    def node_size(self) -> int:
+        """Ranks of this communicator that share this node's memory (and cores)."""
+        node = self.mpi.Split_type(_mpi().COMM_TYPE_SHARED)
+        size = node.Get_size()
+        node.Free()
+        return size
 
     # ------------------------------------------------------------ arrays
     def _timed(self, nbytes: float, call, *args):
@@ -221,6 +233,13 @@ class Comm(SingleComm):
     def barrier(self) -> None:
         self.mpi.Barrier()
 
+    def sleeping_barrier(self, poll: float = 1e-3) -> None:
+        """A barrier that sleeps between tests: for ranks with nothing to do while
+        others are timed, so that they do not spin on a core the others need."""
+        request = self.mpi.Ibarrier()
+        while not request.Test():
+            time.sleep(poll)
+
     def agree(self, fn, *args, **kwargs):
         """Run ``fn`` on every rank. If it raises an :class:`Exception` on any rank, raise
         the first such error (lowest rank) on every rank; else return this rank's result."""
@@ -255,41 +274,31 @@ def _mpi():
     return MPI
 
 
-def local_ranks() -> int | None:
-    """Ranks on this node, from the launcher's environment (known before MPI starts):
-    MPICH's Hydra, Open MPI, or SLURM. None when not launched by one of them."""
-    for name in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "MV2_COMM_WORLD_LOCAL_SIZE"):
-        if os.environ.get(name, "").isdigit():
-            return int(os.environ[name])
-    tasks = os.environ.get("SLURM_STEP_TASKS_PER_NODE", os.environ.get("SLURM_TASKS_PER_NODE", ""))
-    head = tasks.split("(")[0].split(",")[0]
-    return int(head) if head.isdigit() else None
+def thread_level(requested: str = "auto", comm_thread: bool = False) -> str:
+    """The MPI thread level to start with; ``auto`` is ``multiple`` (mpi4py's default).
 
-
-def thread_level(requested: str = "auto", cores: int | None = None) -> str:
-    """The MPI thread level to start with. ``auto``: ``funneled`` (only the main thread
-    calls MPI; MPICH then takes no locks, and its collectives are several times faster
-    and overlap with compute, see ``parallel/data_parallel.py``) when every rank on the
-    node has a core of its own; ``multiple`` (mpi4py's default) when ranks outnumber
-    cores, where a lock-free MPICH spins and collectives took milliseconds here."""
+    Measured here with ``mpitrain bench allreduce`` (MPICH 5.0.2 wheel, 2 ranks on 2
+    cores): at ``multiple`` ``MPI_Allreduce`` reached 4.6-6.4 GB/s from 256 KiB to 4 MiB,
+    at ``funneled`` 1.3-1.5 GB/s, with small messages alike (0.6-0.9 GB/s at 4 KiB);
+    the data-parallel step of ``mpitrain bench ddp`` exposed less communication at
+    ``multiple`` too. (An older MPICH measured on this kind of machine did the opposite,
+    see ``../shared/MEASURED.md``; re-measure with ``--thread-level`` on yours.) With more
+    ranks than cores a lock-free level makes MPICH spin, another reason for the default.
+    ``comm_thread`` (a thread besides the main one calls MPI) needs ``serialized`` or more."""
     if requested not in THREAD_LEVELS:
         raise ValueError(f"thread level must be one of {THREAD_LEVELS}, got {requested!r}")
-    if requested != "auto":
-        return requested
-    from mpitrain.runtime import available_cores
-
-    ranks = local_ranks()
-    cores = available_cores() if cores is None else cores
-    return "funneled" if ranks is not None and ranks <= cores else "multiple"
+    if requested == "auto" or (comm_thread and requested in ("single", "funneled")):
+        return "multiple"
+    return requested
 
 
-def world(level: str = "auto") -> Comm:
+def world(level: str = "auto", comm_thread: bool = False) -> Comm:
     """COMM_WORLD, starting MPI at thread ``level`` (see :func:`thread_level`) if it is
     not started yet."""
     if "mpi4py.MPI" not in sys.modules:
         import mpi4py
 
-        mpi4py.rc.thread_level = thread_level(level)
+        mpi4py.rc.thread_level = thread_level(level, comm_thread=comm_thread)
     return Comm(_mpi().COMM_WORLD)
 
 

@@ -6,6 +6,7 @@ A config file has one table per section::
     [data]    name = "mnist5k" | "shakespeare" (embedded), or path = a shard directory
     [optim]   name = "sgd" | "adam" | "adamw", learning rate and schedule
     [train]   global_batch_size, steps or epochs, seed, evaluation and logging
+    [parallel] strategy = "ddp" | "zero1", allreduce algorithm, buckets, MPI thread level
 
 Everything is validated before any work starts; the first problem raises
 :class:`ConfigError` naming the field (``optim.lr: must be > 0, got -1``), which the
@@ -66,6 +67,11 @@ OPTIM_FIELDS = {
     "adamw": _OPTIM_COMMON | {"betas", "eps"},
 }
 TEXT_ONLY_TRAIN_FIELDS = {"eval_batches", "sample_tokens"}
+_PARALLEL_COMMON = {"strategy", "allreduce", "thread_level"}
+PARALLEL_FIELDS = {
+    "ddp": _PARALLEL_COMMON | {"bucket_mb", "progress"},
+    "zero1": _PARALLEL_COMMON,
+}
 
 
 @dataclass(frozen=True)
@@ -108,11 +114,21 @@ class TrainConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    strategy: str = "ddp"  # ddp: data parallel | zero1: data parallel, optimizer state sharded
+    allreduce: str = "mpi"  # mpi: MPI's own collectives | ring: mpitrain's ring
+    bucket_mb: float = 4.0  # ddp: gradient bucket size (an allreduce starts per full bucket)
+    progress: str = "test"  # ddp: how buckets progress during backward: test | thread | none
+    thread_level: str = "auto"  # MPI thread level: auto | single | funneled | serialized | multiple
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     given: frozenset = field(default=frozenset(), compare=False, repr=False)
 
     def to_dict(self) -> dict:
@@ -222,11 +238,14 @@ def _require(ok: bool, key: str, message: str, value) -> None:
 
 
 def validate(cfg: Config) -> None:
-    m, d, o, t = cfg.model, cfg.data, cfg.optim, cfg.train
+    m, d, o, t, par = cfg.model, cfg.data, cfg.optim, cfg.train, cfg.parallel
     _require(m.name in MODELS, "model.name", f"must be one of {list(MODELS)}", m.name)
     _require(o.name in OPTIM_FIELDS, "optim.name", f"must be one of {sorted(OPTIM_FIELDS)}", o.name)
+    _require(par.strategy in PARALLEL_FIELDS, "parallel.strategy", f"must be one of {sorted(PARALLEL_FIELDS)}",
+             par.strategy)
     applies = {"model": (MODEL_FIELDS[m.name], f"model.name = {m.name!r}"),
-               "optim": (OPTIM_FIELDS[o.name], f"optim.name = {o.name!r}")}
+               "optim": (OPTIM_FIELDS[o.name], f"optim.name = {o.name!r}"),
+               "parallel": (PARALLEL_FIELDS[par.strategy], f"parallel.strategy = {par.strategy!r}")}
     for key in sorted(cfg.given):
         section, name = key.split(".")
         if section in applies and name not in applies[section][0]:
@@ -288,3 +307,21 @@ def validate(cfg: Config) -> None:
     _require(t.eval_batches >= 0, "train.eval_batches", "must be >= 0 (0: the whole split)", t.eval_batches)
     _require(t.sample_tokens >= 0, "train.sample_tokens", "must be >= 0", t.sample_tokens)
     _require(t.threads >= 0, "train.threads", "must be >= 0 (0: automatic)", t.threads)
+
+    _require(par.allreduce in ("mpi", "ring"), "parallel.allreduce", "must be 'mpi' or 'ring'", par.allreduce)
+    _require(par.bucket_mb > 0, "parallel.bucket_mb", "must be > 0", par.bucket_mb)
+    _require(par.progress in ("test", "thread", "none"), "parallel.progress", "must be 'test', 'thread' or 'none'",
+             par.progress)
+    _require(par.thread_level in ("auto", "single", "funneled", "serialized", "multiple"), "parallel.thread_level",
+             "must be auto, single, funneled, serialized or multiple", par.thread_level)
+    _require(par.progress != "thread" or par.thread_level in ("auto", "serialized", "multiple"),
+             "parallel.thread_level", "the communication thread (parallel.progress = 'thread') needs "
+             "'serialized' or 'multiple'", par.thread_level)
+
+
+def check_ranks(cfg: Config, ranks: int) -> None:
+    """The checks that need the number of ranks (after MPI starts, before any work)."""
+    B = cfg.train.global_batch_size
+    if B % ranks:
+        raise ConfigError(f"train.global_batch_size: {B} is not divisible by the {ranks} ranks of this job; "
+                          f"the global batch stays the same at any rank count, each rank takes B / ranks")

@@ -1,10 +1,18 @@
 """The training loop: build data, model and optimizer from a Config, train, evaluate.
 
-One process here; the parallel strategies wrap the same pieces. The loop per step:
-draw the batch, forward, backward, optional global-norm clipping, set the scheduled
-learning rate, optimizer step, zero the gradients. Progress lines report loss, learning
-rate, samples/s and achieved GFLOP/s (FLOPs counted from the model's shapes on the
-first step, see :mod:`mpitrain.observe.flops`).
+The same loop runs on one process or on ``P`` MPI ranks. With ``P`` ranks every rank
+builds the same model from the seed, the strategy of ``parallel.strategy`` wraps it
+(``ddp``: :class:`~mpitrain.parallel.data_parallel.DataParallel`; ``zero1``:
+:class:`~mpitrain.parallel.zero.Zero1`) on the data-parallel communicator of a
+:class:`~mpitrain.topology.ProcessGrid`, and each rank reads its ``B/P`` slice of the
+same global batches. The loop per step: take the batch, forward, backward (buckets of
+gradients start their allreduce as they complete), finish the gradient exchange,
+optional global-norm clipping, set the scheduled learning rate, optimizer step, zero
+the gradients. Progress lines (rank 0) report the loss averaged over ranks, learning
+rate, samples/s and achieved GFLOP/s (FLOPs counted from the model's shapes on the first
+step, see :mod:`mpitrain.observe.flops`); each epoch prints the per-rank I/O table, and
+the end of the run the per-rank split of step time into compute, communication
+(exposed and total), I/O and waiting, with bytes sent.
 """
 
 from __future__ import annotations
@@ -17,13 +25,17 @@ import numpy as np
 
 from mpitrain import nn, ops, optim, rng
 from mpitrain.comm import SingleComm
-from mpitrain.config import Config, ConfigError
+from mpitrain.config import Config, ConfigError, check_ranks
 from mpitrain.data import DataError, Dataset, ShardReader, open_dataset
 from mpitrain.data.loader import SAMPLING, normalize, random_shift, shifts
 from mpitrain.observe.flops import FlopCount
 from mpitrain.observe.io import io_row, io_table
+from mpitrain.observe.timing import time_table
+from mpitrain.parallel.data_parallel import DataParallel
+from mpitrain.parallel.zero import Zero1
 from mpitrain.runtime import blas_threads, limit_blas_threads, tune_allocator
 from mpitrain.tensor import Tensor, default_dtype, no_grad, observe_ops
+from mpitrain.topology import ProcessGrid
 
 EVAL_BATCH_PER_RANK = 250  # images per rank per evaluation batch
 
@@ -119,16 +131,35 @@ def text_loss(model: nn.Module, x: np.ndarray, y: np.ndarray) -> Tensor:
     return model(x, y)[1]
 
 
-def train_step(model: nn.Module, opt: optim.Optimizer, loss_fn, x, y, lr: float, grad_clip: float) -> float:
-    """One optimizer step on one batch; returns the loss."""
+def train_step(model: nn.Module, opt: optim.Optimizer, loss_fn, x, y, lr: float, grad_clip: float,
+               parallel=None) -> float:
+    """One optimizer step on this rank's part of one batch; returns its loss.
+
+    ``parallel`` is the strategy's wrapper: a DataParallel (whose buckets are already
+    being reduced when backward returns) or a Zero1 (which owns the update)."""
     loss = loss_fn(model, x, y)
     loss.backward()
+    if isinstance(parallel, Zero1):
+        parallel.step(lr, grad_clip)
+        parallel.zero_grad()
+        return loss.item()
+    if parallel is not None:
+        parallel.finish()
     if grad_clip > 0:
         optim.clip_grad_norm(model.parameters(), grad_clip)
     opt.set_lr(lr)
     opt.step()
     opt.zero_grad()
     return loss.item()
+
+
+def wrap(cfg: Config, model: nn.Module, opt: optim.Optimizer, dp_comm):
+    """The strategy of ``cfg.parallel`` around ``model`` on ``dp_comm``."""
+    par = cfg.parallel
+    if par.strategy == "zero1":
+        return Zero1(model, opt, dp_comm, algorithm=par.allreduce)
+    return DataParallel(model, dp_comm, bucket_cap_mb=par.bucket_mb, algorithm=par.allreduce,
+                        progress=par.progress)
 
 
 def evaluate_images(model: nn.Module, data: Dataset, cfg: Config, comm) -> tuple[float, float]:
@@ -187,6 +218,7 @@ class Result:
     stall_fraction: float = 0.0  # share of step time spent waiting for batches
     history: list = field(default_factory=list)
     io: list = field(default_factory=list)  # per epoch, the rows of the I/O table (rank 0)
+    timing: list = field(default_factory=list)  # per rank: the rows of the time table (rank 0)
 
 
 def train(cfg: Config, log=print, comm=None) -> Result:
@@ -194,37 +226,68 @@ def train(cfg: Config, log=print, comm=None) -> Result:
     figures. ``comm`` is the world communicator (:func:`mpitrain.comm.world`); without
     one the run is a single process with no MPI at all."""
     comm = comm or SingleComm()
-    if comm.size > 1:
-        raise ConfigError(f"train: this version trains on one rank; {comm.size} ranks need data "
-                          "parallelism, which is not available yet (run without mpiexec)")
+    check_ranks(cfg, comm.size)
     if comm.rank != 0:
         log = _silent
     t = cfg.train
-    threads = blas_threads(t.threads)
+    threads = blas_threads(t.threads, comm.node_size())
     tune_allocator()
     with limit_blas_threads(threads):
+        grid = ProcessGrid(comm)
         data = open_data(cfg, comm, log)
         check_config_against_data(cfg, data)
         rng.manual_seed(t.seed)
         model = build_model(cfg, data)
         opt = build_optimizer(cfg, model)
+        parallel = wrap(cfg, model, opt, grid.dp_comm)
         is_text = cfg.model.name == "gpt"
-        reader = ShardReader(data.split("train"), rank=comm.rank, size=comm.size, global_batch=t.global_batch_size,
-                             seed=t.seed, window=cfg.model.block_size if is_text else None,
+        reader = ShardReader(data.split("train"), rank=grid.dp_rank, size=grid.dp_size,
+                             global_batch=t.global_batch_size, seed=t.seed,
+                             window=cfg.model.block_size if is_text else None,
                              buffer_mb=cfg.data.buffer_mb, prefetch=cfg.data.prefetch)
         total = t.steps or t.epochs * reader.steps_per_epoch
         schedule = build_schedule(cfg, total)
         log(f"model {cfg.model.name}: {model.num_parameters():,} parameters; data {data.name} ({data.path}), "
             f"{reader.n:,} training {'windows' if is_text else 'samples'}, {reader.steps_per_epoch} steps per "
-            f"epoch; {total} steps of {t.global_batch_size}; {threads} BLAS thread(s); {t.dtype}")
+            f"epoch; {total} steps of {t.global_batch_size}; {threads} BLAS thread(s) per rank; {t.dtype}")
+        log(_describe(cfg, parallel, comm))
         try:
-            return _loop(cfg, model, opt, schedule, data, reader, total, comm, log)
+            return _loop(cfg, model, opt, parallel, schedule, data, reader, total, comm, log)
         finally:
             data.close()
+            if isinstance(parallel, DataParallel):
+                parallel.close()
+            grid.free()
+
+
+def _describe(cfg: Config, parallel, comm) -> str:
+    par = cfg.parallel
+    P = parallel.comm.size
+    level = ""
+    if comm.size > 1:
+        from mpitrain.comm import started_thread_level
+
+        level = f", MPI thread level {started_thread_level()}"
+    if isinstance(parallel, Zero1):
+        what = (f"zero1 over {P} rank(s): optimizer state sharded, {par.allreduce} reduce-scatter + allgather "
+                f"of {parallel.flat_grads.nbytes / 1e6:.2f} MB")
+    else:
+        what = (f"ddp over {P} rank(s): {len(parallel.buckets)} bucket(s) of <= {par.bucket_mb:g} MB, "
+                f"{par.allreduce} allreduce, progress '{par.progress}'")
+    return f"parallel: {what}{level}; {parallel.bytes_per_step() / 1e6:.2f} MB sent per rank per step"
 
 
 def _silent(*args) -> None:
     pass
+
+
+def _mean_over_ranks(comm, value: float) -> float:
+    """The global batch's loss: each rank's is the mean over equally many samples."""
+    if comm.size == 1:
+        return value
+    buf = np.array([value])
+    comm.allreduce(buf)
+    return float(buf[0]) / comm.size
 
 
 def _inputs(cfg: Config, data: Dataset, batch) -> tuple[np.ndarray, np.ndarray]:
@@ -240,7 +303,21 @@ def _inputs(cfg: Config, data: Dataset, batch) -> tuple[np.ndarray, np.ndarray]:
     return normalize(x, data.mean, data.std, cfg.train.dtype), batch.y
 
 
-def _loop(cfg: Config, model, opt, schedule, data: Dataset, reader: ShardReader, total: int, comm, log) -> Result:
+def _comm_seconds(parallel) -> tuple[float, float]:
+    """(exposed, total) communication seconds of the strategy so far on this rank."""
+    if isinstance(parallel, Zero1):
+        return parallel.comm.stats.seconds, parallel.comm.stats.seconds  # blocking calls only
+    return parallel.stats.exposed_seconds, parallel.stats.total_seconds
+
+
+def _bytes_sent(parallel) -> int:
+    if isinstance(parallel, Zero1):
+        return parallel.comm.stats.bytes_sent
+    return parallel.stats.bytes_sent
+
+
+def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: ShardReader, total: int, comm,
+          log) -> Result:
     t, o = cfg.train, cfg.optim
     is_text = data.kind == "text"
     loss_fn = text_loss if is_text else image_loss
@@ -252,6 +329,7 @@ def _loop(cfg: Config, model, opt, schedule, data: Dataset, reader: ShardReader,
     start = time.perf_counter()
 
     def evaluate(step: int) -> None:
+        parallel.sync_buffers()
         if is_text:
             result.val_loss = evaluate_text(model, data, cfg, comm)
             log(f"step {step}: val loss {result.val_loss:.4f}")
@@ -283,8 +361,9 @@ def _loop(cfg: Config, model, opt, schedule, data: Dataset, reader: ShardReader,
         lr = schedule(step)
         tick = time.perf_counter()
         with observe_ops(flops) if step == 0 else contextlib.nullcontext():
-            loss = train_step(model, opt, loss_fn, x, y, lr, o.grad_clip)
+            loss = train_step(model, opt, loss_fn, x, y, lr, o.grad_clip, parallel)
         seconds = time.perf_counter() - tick
+        loss = _mean_over_ranks(comm, loss)
         window_time += seconds
         train_seconds += seconds
         epoch_seconds[batch.epoch] = epoch_seconds.get(batch.epoch, 0.0) + seconds
@@ -296,7 +375,7 @@ def _loop(cfg: Config, model, opt, schedule, data: Dataset, reader: ShardReader,
         step += 1
         if step % t.log_interval == 0 or step == total:
             rate = window_steps * t.global_batch_size / window_time
-            gflops = window_steps * flops.total / window_time / 1e9
+            gflops = window_steps * flops.total * comm.size / window_time / 1e9
             log(f"step {step}/{total} | loss {window_loss / window_steps:.4f} | lr {lr:.2e} | "
                 f"{rate:,.0f} samples/s | {gflops:.1f} GFLOP/s")
             window_loss, window_steps, window_time = 0.0, 0, 0.0
@@ -309,10 +388,19 @@ def _loop(cfg: Config, model, opt, schedule, data: Dataset, reader: ShardReader,
     result.steps = total
     result.seconds = time.perf_counter() - start
     result.samples_per_s = total * t.global_batch_size / train_seconds
-    result.gflops_per_s = total * flops.total / train_seconds / 1e9
+    result.gflops_per_s = total * flops.total * comm.size / train_seconds / 1e9
     stall = sum(s.stall_seconds for s in reader.stats.values())
     result.stall_fraction = stall / (train_seconds + stall)
-    if is_text and t.sample_tokens:
+    digest = parallel.check_replicas()
+    exposed, comm_total = _comm_seconds(parallel)
+    read = sum(s.read_seconds for s in reader.stats.values())
+    rows = comm.gather((comm.rank, train_seconds, exposed, comm_total, read, stall, _bytes_sent(parallel)))
+    if comm.rank == 0:
+        result.timing = rows
+        log(time_table(rows, total))
+        if comm.size > 1:
+            log(f"replicas identical on all {comm.size} ranks (parameters sha256 {digest[:16]})")
+    if is_text and t.sample_tokens and comm.rank == 0:
         first = np.empty(1, dtype=data.split("val").x_dtype)
         data.split("val").read("x", 0, 1, first)
         prompt = first[None, :].astype(np.int64)  # (1, 1): the first held-out character

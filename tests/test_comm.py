@@ -75,3 +75,30 @@ def test_cli_reports_a_damaged_dataset_once_and_exits_2(tmp_path):
     assert out.returncode == 2, out.stderr
     lines = [line for line in out.stderr.splitlines() if line.startswith("mpitrain: error:")]
     assert len(lines) == 1 and f"{shard}: missing" in lines[0]
+
+
+@needs_mpiexec
+def test_a_rank_that_raises_mid_step_ends_the_job_within_10_s():
+    """Rank 1 fails between forward and backward; rank 0 is waiting for its buckets in
+    finish() and must be ended by the abort, not left hanging."""
+    code = ("import numpy as np\n"
+            "from mpitrain import nn, rng\n"
+            "from mpitrain.comm import world, abort_on_exception\n"
+            "from mpitrain.parallel.data_parallel import DataParallel\n"
+            "with abort_on_exception():\n"
+            "    comm = world()\n"
+            "    rng.manual_seed(0)\n"
+            "    model = nn.GPT(nn.GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16))\n"
+            "    dp = DataParallel(model, comm, bucket_cap_mb=1e-3)\n"
+            "    x = np.zeros((2, 8), dtype=np.int64)\n"
+            "    for step in range(5):\n"
+            "        loss = model(x, x)[1]\n"
+            "        if comm.rank == 1 and step == 2:\n"
+            "            raise RuntimeError('injected failure on rank 1 at step 2')\n"
+            "        loss.backward()\n"
+            "        dp.finish()\n")
+    out, seconds = run_mpi(2, code)
+    assert out.returncode != 0
+    assert out.stderr.count("RuntimeError: injected failure on rank 1 at step 2") == 1
+    assert "[rank 1]" in out.stderr and "aborting all 2 ranks" in out.stderr
+    assert seconds < 10

@@ -1,5 +1,6 @@
 """Config loading and validation: every bad input gets one message naming the field."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,25 @@ def test_bad_override_and_files(tmp_path):
         config.load(tmp_path / "missing.toml")
     with pytest.raises(ConfigError, match="not valid TOML"):
         config.load(write(tmp_path, "[train\n"))
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["parallel.strategy=fsdp"], "parallel.strategy: must be one of"),
+    (["parallel.allreduce=tree"], "parallel.allreduce: must be 'mpi' or 'ring'"),
+    (["parallel.bucket_mb=0"], "parallel.bucket_mb: must be > 0"),
+    (["parallel.strategy=zero1", "parallel.bucket_mb=8"], "parallel.bucket_mb: does not apply to parallel.strategy = 'zero1'"),
+    (["parallel.progress=thread", "parallel.thread_level=funneled"], "parallel.thread_level: the communication thread"),
+])
+def test_parallel_fields_are_checked(overrides, message):
+    with pytest.raises(config.ConfigError, match=re.escape(message)):
+        config.from_dict({"train": {"steps": 1}}, overrides)
+
+
+def test_thread_level_choice():
+    from mpitrain.comm import thread_level
+
+    assert thread_level() == "multiple"
+    assert thread_level("funneled") == "funneled"
+    assert thread_level("funneled", comm_thread=True) == "multiple"
+    with pytest.raises(ValueError):
+        thread_level("fast")

@@ -64,3 +64,39 @@ def test_a_damaged_dataset_fails_on_every_rank(how):
     assert "train-00002.h5" in str(raised.value)
     messages = comm.allgather(str(raised.value).split(" (on rank")[0])
     assert len(set(messages)) == 1  # the same error everywhere
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("strategy,algorithm", [("ddp", "mpi"), ("ddp", "ring"), ("zero1", "mpi")])
+def test_trainer_on_p_ranks_equals_one_process(strategy, algorithm):
+    """`mpitrain train` at any rank count: same losses and test accuracy as one process
+    (float64), the I/O table has a row per rank, replicas are identical."""
+    from mpitrain.comm import SingleComm, world
+
+    comm = world()
+    d = shared_dir(comm) / "d"
+    if comm.rank == 0:
+        image_set(d, n=1024, test=200)
+    comm.barrier()
+    raw = {"model": {"name": "lenet", "channels": [4, 8], "hidden": 16}, "data": {"path": str(d)},
+           "optim": {"name": "adamw", "lr": 3e-3, "grad_clip": 0.5},
+           "train": {"global_batch_size": 64, "epochs": 2, "dtype": "float64", "log_interval": 8},
+           "parallel": {"strategy": strategy, "allreduce": algorithm}}
+    cfg = config.from_dict(raw)
+    ours = train.train(cfg, log=lambda *a: None, comm=comm)
+    alone = train.train(cfg, log=lambda *a: None, comm=SingleComm())
+    assert abs(ours.final_loss - alone.final_loss) <= 1e-10 * abs(alone.final_loss)
+    assert [h["test_accuracy"] for h in ours.history] == [h["test_accuracy"] for h in alone.history]
+    if comm.rank == 0:
+        assert all(len(rows) == comm.size for rows in ours.io)
+        assert [row[0] for row in ours.timing] == list(range(comm.size))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_global_batch_not_divisible_by_ranks_is_a_config_error():
+    from mpitrain.comm import world
+
+    comm = world()
+    cfg = config.from_dict({"train": {"global_batch_size": comm.size * 8 + 1, "epochs": 1}})
+    with pytest.raises(config.ConfigError, match="train.global_batch_size: .* not divisible"):
+        train.train(cfg, log=lambda *a: None, comm=comm)

@@ -36,6 +36,7 @@ data parallelism's (:meth:`Zero1.state_bytes`).
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 
 import numpy as np
@@ -133,6 +134,22 @@ class Zero1:
 
     def zero_grad(self) -> None:
         self.flat_grads.fill(0)
+
+    def sync_buffers(self) -> None:
+        """Average floating buffers (batch-norm running statistics) over ranks; each
+        rank's batch norm sees only its own samples."""
+        for _, b in self.model.named_buffers():
+            if b.dtype.kind == "f" and self.comm.size > 1:
+                self.comm.allreduce(b)
+                b /= self.comm.size
+
+    def check_replicas(self) -> str:
+        """Raise unless every rank holds bit-identical parameters; returns the digest."""
+        digests = self.comm.allgather(hashlib.sha256(self.flat_params.tobytes()).hexdigest())
+        differ = [r for r, d in enumerate(digests) if d != digests[0]]
+        if differ:
+            raise RuntimeError(f"replicas diverged: the parameters of rank(s) {differ} differ from rank 0's")
+        return digests[0]
 
     def state_bytes(self) -> int:
         """Optimizer-state bytes held by this rank."""

@@ -1,0 +1,18 @@
+"""Where each rank's training time went: the end-of-run table."""
+
+from __future__ import annotations
+
+
+def time_table(rows, steps: int) -> str:
+    """``rows``: per rank (rank, step seconds, exposed communication seconds, total
+    communication seconds, read seconds, waiting seconds, bytes sent). Step seconds are
+    the optimizer steps; compute is what is left of them after exposed communication;
+    reads run on the reader's thread beside the steps, waiting is the loop stalled on
+    data (outside the steps)."""
+    lines = ["time per rank: rank | steps s | compute s | comm exposed s | comm total s | hidden | "
+             "read s (background) | waiting s | MB sent | MB/step"]
+    for rank, step_s, exposed, total, read, wait, sent in rows:
+        hidden = f"{100 * max(0.0, 1 - exposed / total):.1f}%" if total > 0 else "-"
+        lines.append(f"{rank:19d} | {step_s:7.2f} | {step_s - exposed:9.2f} | {exposed:14.3f} | {total:12.3f} | "
+                     f"{hidden:>6} | {read:19.3f} | {wait:9.3f} | {sent / 1e6:7.1f} | {sent / 1e6 / steps:7.3f}")
+    return "\n".join(lines)
