@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mpitrain import nn, ops, optim, rng
-from mpitrain.comm import SingleComm
+from mpitrain.comm import SingleComm, started_thread_level
 from mpitrain.config import Config, ConfigError, check_ranks
 from mpitrain.data import DataError, Dataset, ShardReader, open_dataset
 from mpitrain.data.loader import SAMPLING, normalize, random_shift, shifts
@@ -263,11 +263,7 @@ def train(cfg: Config, log=print, comm=None) -> Result:
 def _describe(cfg: Config, parallel, comm) -> str:
     par = cfg.parallel
     P = parallel.comm.size
-    level = ""
-    if comm.size > 1:
-        from mpitrain.comm import started_thread_level
-
-        level = f", MPI thread level {started_thread_level()}"
+    level = f", MPI thread level {started_thread_level()}" if comm.size > 1 else ""
     if isinstance(parallel, Zero1):
         what = (f"zero1 over {P} rank(s): optimizer state sharded, {par.allreduce} reduce-scatter + allgather "
                 f"of {parallel.flat_grads.nbytes / 1e6:.2f} MB")
@@ -301,19 +297,6 @@ def _inputs(cfg: Config, data: Dataset, batch) -> tuple[np.ndarray, np.ndarray]:
                         batch.lanes)
         x = random_shift(x, dy, dx, cfg.data.shift)
     return normalize(x, data.mean, data.std, cfg.train.dtype), batch.y
-
-
-def _comm_seconds(parallel) -> tuple[float, float]:
-    """(exposed, total) communication seconds of the strategy so far on this rank."""
-    if isinstance(parallel, Zero1):
-        return parallel.comm.stats.seconds, parallel.comm.stats.seconds  # blocking calls only
-    return parallel.stats.exposed_seconds, parallel.stats.total_seconds
-
-
-def _bytes_sent(parallel) -> int:
-    if isinstance(parallel, Zero1):
-        return parallel.comm.stats.bytes_sent
-    return parallel.stats.bytes_sent
 
 
 def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: ShardReader, total: int, comm,
@@ -392,9 +375,9 @@ def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: Sh
     stall = sum(s.stall_seconds for s in reader.stats.values())
     result.stall_fraction = stall / (train_seconds + stall)
     digest = parallel.check_replicas()
-    exposed, comm_total = _comm_seconds(parallel)
+    exposed, comm_total = parallel.comm_seconds()
     read = sum(s.read_seconds for s in reader.stats.values())
-    rows = comm.gather((comm.rank, train_seconds, exposed, comm_total, read, stall, _bytes_sent(parallel)))
+    rows = comm.gather((comm.rank, train_seconds, exposed, comm_total, read, stall, parallel.bytes_sent))
     if comm.rank == 0:
         result.timing = rows
         log(time_table(rows, total))

@@ -198,8 +198,8 @@ def test_ddp_counts_its_bytes_by_the_formula():
     (bucket,) = dp.buckets
     P, r, n = comm.size, comm.rank, bucket.flat.size
     c = np.diff(chunk_bounds(n, P))
-    assert dp.stats.bytes_sent == STEPS * (2 * n - c[r] - c[(r + 1) % P]) * 4
-    assert sum(comm.allgather(dp.stats.bytes_sent)) == STEPS * 2 * (P - 1) * n * 4
+    assert dp.bytes_sent == STEPS * (2 * n - c[r] - c[(r + 1) % P]) * 4
+    assert sum(comm.allgather(dp.bytes_sent)) == STEPS * 2 * (P - 1) * n * 4
     assert dp.bytes_per_step() * P == 2 * (P - 1) * n * 4
 
 

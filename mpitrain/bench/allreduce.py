@@ -8,7 +8,7 @@ from 4 KiB to 64 MiB (float32), it times, interleaved so that both see the same 
 * **mpi**: ``MPI_Allreduce`` in place;
 * **ring**: :mod:`mpitrain.allreduce`'s ring (reduce-scatter + allgather, point to point);
 * **bound**: the time of the ring's data movement alone: ``2(P - 1)`` neighbour exchanges
-  (``Sendrecv`` to the right, from the left, all ranks at once) of one ring chunk
+  (``Isend`` to the right, ``Irecv`` from the left, all ranks at once) of one ring chunk
   (``n/P``), without the additions; no allreduce that sends ``2(P-1)/P x n`` per rank
   over these links can beat it by much (a shared-memory algorithm can, by not sending).
 
@@ -29,10 +29,11 @@ SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 
 
 
 def _exchange(comm, buf: np.ndarray, recv: np.ndarray) -> None:
-    """The ring's data movement alone: 2(P-1) neighbour exchanges of one chunk."""
+    """The ring's data movement alone: 2(P-1) neighbour exchanges of one chunk, with
+    the ring's own calls."""
     right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
     for _ in range(2 * (comm.size - 1)):
-        comm.mpi.Sendrecv(buf, right, Tag.RING, recv, left, Tag.RING)
+        comm.waitall([comm.irecv(recv, left, Tag.RING), comm.isend(buf, right, Tag.RING)])
 
 
 def _time(comm, fn, calls: int) -> float:

@@ -92,7 +92,6 @@ PROGRESS = ("test", "thread", "none")
 
 @dataclass
 class Bucket:
-    index: int
     params: list  # in the order backward completes them (reverse registration order)
     flat: np.ndarray  # (n,) the gradients of ``params``, back to back
     comm: object  # a Dup of dp_comm for this bucket alone
@@ -106,10 +105,8 @@ class Bucket:
 class StepStats:
     """Communication of the steps so far (seconds are wall time on this rank)."""
 
-    steps: int = 0
     exposed_seconds: float = 0.0  # finish() waiting: communication not hidden by backward
     total_seconds: float = 0.0  # per bucket, from start to seen complete, summed
-    bytes_sent: int = 0
 
 
 class DataParallel:
@@ -169,7 +166,7 @@ class DataParallel:
             groups[-1].append(p)
             size += p.data.nbytes
         buckets = []
-        for i, params in enumerate(groups):
+        for params in groups:
             flat = np.zeros(sum(p.size for p in params), dtype=params[0].dtype)  # (n,)
             offset = 0
             for p in params:
@@ -178,7 +175,7 @@ class DataParallel:
                     view[...] = p.grad
                 p.grad = view  # backward accumulates into the bucket in place
                 offset += p.size
-            buckets.append(Bucket(i, params, flat, self.comm.dup()))
+            buckets.append(Bucket(params, flat, self.comm.dup()))
         return buckets
 
     # ------------------------------------------------------------- backward
@@ -249,8 +246,6 @@ class DataParallel:
             if self.comm.size > 1:
                 b.flat *= scale
         self.stats.exposed_seconds += time.perf_counter() - tick
-        self.stats.steps += 1
-        self.stats.bytes_sent = sum(b.comm.stats.bytes_sent for b in self.buckets)
         self._reset()
 
     @contextlib.contextmanager
@@ -283,6 +278,15 @@ class DataParallel:
         if differ:
             raise RuntimeError(f"replicas diverged: the parameters of rank(s) {differ} differ from rank 0's")
         return digests[0]
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank has sent in gradient allreduces."""
+        return sum(b.comm.stats.bytes_sent for b in self.buckets)
+
+    def comm_seconds(self) -> tuple[float, float]:
+        """(exposed, total) communication seconds so far on this rank."""
+        return self.stats.exposed_seconds, self.stats.total_seconds
 
     def bytes_per_step(self) -> float:
         """The formula: ``2 (P-1)/P x`` gradient bytes."""

@@ -59,7 +59,7 @@ class Zero1:
         if algorithm not in ALGORITHMS:
             raise ValueError(f"allreduce algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         self.comm, self.algorithm, self.model = dp_comm, algorithm, model
-        self.params = [p for _, p, _ in optimizer._indexed()]
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
         dtypes = {p.dtype for p in self.params}
         if len(dtypes) != 1:
             raise ValueError(f"ZeRO-1 keeps parameters in one flat array of one dtype, got {sorted(map(str, dtypes))}")
@@ -155,6 +155,16 @@ class Zero1:
         """Optimizer-state bytes held by this rank."""
         return sum(v.nbytes for s in self.optimizer.state.values() for v in s.values()
                    if isinstance(v, np.ndarray))
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank has sent on ``dp_comm`` (broadcast, shards, norms)."""
+        return self.comm.stats.bytes_sent
+
+    def comm_seconds(self) -> tuple[float, float]:
+        """(exposed, total) communication seconds so far: every call blocks, so both
+        are the time inside them."""
+        return self.comm.stats.seconds, self.comm.stats.seconds
 
     def bytes_per_step(self) -> float:
         P = self.comm.size
