@@ -9,8 +9,11 @@ exception on one rank prints its traceback and aborts every rank.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 import time
+from pathlib import Path
 
 from mpitrain import __version__
 
@@ -19,10 +22,27 @@ def _train(args) -> int:
     from mpitrain import config, train
     from mpitrain.comm import world
 
-    cfg = config.load(args.config, args.set)  # before any MPI work
+    overrides = list(args.set)
+    if args.run_dir is not None:
+        overrides.append(f"run.dir={json.dumps(args.run_dir)}")
+    cfg = config.load(args.config, overrides)  # before any MPI work
+    if "run.dir" not in cfg.given:
+        run_dir = _default_run_dir(Path(args.config).stem, args.resume)
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(run_dir)))
     par = cfg.parallel
-    train.train(cfg, comm=world(par.thread_level, comm_thread=par.progress == "thread"))
+    train.train(cfg, comm=world(par.thread_level, comm_thread=par.progress == "thread"), resume=args.resume)
     return 0
+
+
+def _default_run_dir(stem: str, resume: bool) -> Path:
+    """``runs/<config name>``; if a run already left checkpoints there, the next free
+    ``runs/<config name>-<n>``, or with ``--resume`` the newest of them."""
+    from mpitrain.checkpoint import listed
+
+    candidates = [Path("runs") / stem]
+    while listed(candidates[-1]):
+        candidates.append(Path("runs") / f"{stem}-{len(candidates) + 1}")
+    return candidates[-2] if resume and len(candidates) > 1 else candidates[-1]
 
 
 def _data_build(args) -> int:
@@ -143,6 +163,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="path of the TOML config, e.g. jobs/mnist5k_lenet.toml")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value (TOML syntax), e.g. --set optim.lr=3e-4; repeatable")
+    p.add_argument("--run-dir", metavar="DIR",
+                   help="where checkpoints and metrics.jsonl go (run.dir; default runs/<config name>, "
+                        "or runs/<config name>-<n> when an earlier run is there)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest readable checkpoint in the run directory (start if none); "
+                        "without --run-dir, the newest default run directory")
     p.set_defaults(run=_train)
 
     bench = commands.add_parser("bench", help="measure speed (ratios taken side by side)",
@@ -229,18 +255,23 @@ def main(argv=None) -> int:
     from mpitrain.config import ConfigError
     from mpitrain.data import DataError
 
+    from mpitrain.checkpoint import CheckpointError
+
+    def once(message: str) -> None:
+        world = started_world()
+        if world is None or world.rank == 0:  # raised on every rank alike: print once
+            print(message, file=sys.stderr)
+
     try:
-        with abort_on_exception(expected=(ConfigError, DataError, _usage)):
+        with abort_on_exception(expected=(ConfigError, DataError, CheckpointError, FloatingPointError, _usage)):
             return args.run(args)
     except _usage as e:
         parser.error(str(e))
-    except (ConfigError, DataError) as e:
-        world = started_world()
-        if world is None or world.rank == 0:  # raised on every rank alike: print once
-            print(f"mpitrain: error: {e}", file=sys.stderr)
+    except (ConfigError, DataError, CheckpointError) as e:
+        once(f"mpitrain: error: {e}")
         return 2
     except FloatingPointError as e:
-        print(f"mpitrain: training diverged: {e}", file=sys.stderr)
+        once(f"mpitrain: training diverged: {e}")
         return 1
     except KeyboardInterrupt:
         print("mpitrain: interrupted", file=sys.stderr)

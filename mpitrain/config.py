@@ -7,6 +7,7 @@ A config file has one table per section::
     [optim]   name = "sgd" | "adam" | "adamw", learning rate and schedule
     [train]   global_batch_size, steps or epochs, seed, evaluation and logging
     [parallel] strategy = "ddp" | "zero1", allreduce algorithm, buckets, MPI thread level
+    [run]     the run directory: checkpoints, metrics; what to do on a non-finite loss
 
 Everything is validated before any work starts; the first problem raises
 :class:`ConfigError` naming the field (``optim.lr: must be > 0, got -1``), which the
@@ -118,8 +119,16 @@ class ParallelConfig:
     strategy: str = "ddp"  # ddp: data parallel | zero1: data parallel, optimizer state sharded
     allreduce: str = "mpi"  # mpi: MPI's own collectives | ring: mpitrain's ring
     bucket_mb: float = 4.0  # ddp: gradient bucket size (an allreduce starts per full bucket)
-    progress: str = "test"  # ddp: how buckets progress during backward: test | thread | none
+    progress: str = "test"  # ddp: how buckets progress during backward: test | thread | none | off
     thread_level: str = "auto"  # MPI thread level: auto | single | funneled | serialized | multiple
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    dir: str = ""  # run directory (checkpoints/, metrics.jsonl); "" writes nothing. The CLI's default: runs/<config name>
+    checkpoint_interval: int = 0  # steps between checkpoints; 0: only at the end and on SIGTERM/SIGUSR1
+    keep: int = 3  # checkpoints kept (the newest ones)
+    on_nan: str = "stop"  # a non-finite loss: stop (exit 1, naming the last good checkpoint) | skip the step
 
 
 @dataclass(frozen=True)
@@ -129,6 +138,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    run: RunConfig = field(default_factory=RunConfig)
     given: frozenset = field(default=frozenset(), compare=False, repr=False)
 
     def to_dict(self) -> dict:
@@ -310,13 +320,21 @@ def validate(cfg: Config) -> None:
 
     _require(par.allreduce in ("mpi", "ring"), "parallel.allreduce", "must be 'mpi' or 'ring'", par.allreduce)
     _require(par.bucket_mb > 0, "parallel.bucket_mb", "must be > 0", par.bucket_mb)
-    _require(par.progress in ("test", "thread", "none"), "parallel.progress", "must be 'test', 'thread' or 'none'",
-             par.progress)
+    _require(par.progress in ("test", "thread", "none", "off"), "parallel.progress",
+             "must be 'test', 'thread', 'none' or 'off'", par.progress)
     _require(par.thread_level in ("auto", "single", "funneled", "serialized", "multiple"), "parallel.thread_level",
              "must be auto, single, funneled, serialized or multiple", par.thread_level)
     _require(par.progress != "thread" or par.thread_level in ("auto", "serialized", "multiple"),
              "parallel.thread_level", "the communication thread (parallel.progress = 'thread') needs "
              "'serialized' or 'multiple'", par.thread_level)
+
+    r = cfg.run
+    _require(r.checkpoint_interval >= 0, "run.checkpoint_interval", "must be >= 0 (0: at the end only)",
+             r.checkpoint_interval)
+    _require(r.keep >= 1, "run.keep", "must be >= 1", r.keep)
+    _require(r.on_nan in ("stop", "skip"), "run.on_nan", "must be 'stop' or 'skip'", r.on_nan)
+    _require(not r.dir or not Path(r.dir).exists() or Path(r.dir).is_dir(), "run.dir",
+             "exists and is not a directory", r.dir)
 
 
 def check_ranks(cfg: Config, ranks: int) -> None:

@@ -18,18 +18,25 @@ the end of the run the per-rank split of step time into compute, communication
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
-from mpitrain import nn, ops, optim, rng
+from mpitrain import checkpoint, nn, ops, optim, rng
 from mpitrain.comm import SingleComm, started_thread_level
 from mpitrain.config import Config, ConfigError, check_ranks
 from mpitrain.data import DataError, Dataset, ShardReader, open_dataset
 from mpitrain.data.loader import SAMPLING, normalize, random_shift, shifts
 from mpitrain.observe.flops import FlopCount
 from mpitrain.observe.io import io_row, io_table
+from mpitrain.observe.metrics import MetricsLog
 from mpitrain.observe.timing import time_table
 from mpitrain.parallel.data_parallel import DataParallel
 from mpitrain.parallel.zero import Zero1
@@ -131,26 +138,36 @@ def text_loss(model: nn.Module, x: np.ndarray, y: np.ndarray) -> Tensor:
     return model(x, y)[1]
 
 
-def train_step(model: nn.Module, opt: optim.Optimizer, loss_fn, x, y, lr: float, grad_clip: float,
-               parallel=None) -> float:
-    """One optimizer step on this rank's part of one batch; returns its loss.
-
-    ``parallel`` is the strategy's wrapper: a DataParallel (whose buckets are already
-    being reduced when backward returns) or a Zero1 (which owns the update)."""
+def backward(model: nn.Module, loss_fn, x, y, parallel) -> float:
+    """Forward and backward on this rank's part of one batch; with data parallelism the
+    gradients are averaged over ranks when it returns. Returns this rank's loss."""
     loss = loss_fn(model, x, y)
     loss.backward()
+    if isinstance(parallel, DataParallel):
+        parallel.finish()
+    return loss.item()
+
+
+def update(model: nn.Module, opt: optim.Optimizer, parallel, lr: float, grad_clip: float) -> None:
+    """The optimizer step after :func:`backward` (Zero1 owns it: reduce-scatter, update
+    of this rank's shard, allgather), then zero the gradients."""
     if isinstance(parallel, Zero1):
         parallel.step(lr, grad_clip)
         parallel.zero_grad()
-        return loss.item()
-    if parallel is not None:
-        parallel.finish()
+        return
     if grad_clip > 0:
         optim.clip_grad_norm(model.parameters(), grad_clip)
     opt.set_lr(lr)
     opt.step()
     opt.zero_grad()
-    return loss.item()
+
+
+def discard(opt: optim.Optimizer, parallel) -> None:
+    """Drop the gradients of a step that is skipped."""
+    if isinstance(parallel, Zero1):
+        parallel.zero_grad()
+    else:
+        opt.zero_grad()
 
 
 def wrap(cfg: Config, model: nn.Module, opt: optim.Optimizer, dp_comm):
@@ -219,16 +236,24 @@ class Result:
     history: list = field(default_factory=list)
     io: list = field(default_factory=list)  # per epoch, the rows of the I/O table (rank 0)
     timing: list = field(default_factory=list)  # per rank: the rows of the time table (rank 0)
+    start_step: int = 0  # where this run began (a resumed run: its checkpoint's step)
+    checkpoint: str | None = None  # the last checkpoint written
+    stopped: str | None = None  # the signal that stopped the run early
+    skipped: int = 0  # steps whose update was skipped for a non-finite loss (run.on_nan = "skip")
 
 
-def train(cfg: Config, log=print, comm=None) -> Result:
-    """Train as ``cfg`` says, printing progress through ``log`` (rank 0 only); returns the
-    figures. ``comm`` is the world communicator (:func:`mpitrain.comm.world`); without
-    one the run is a single process with no MPI at all."""
+def train(cfg: Config, log=print, comm=None, resume: bool = False, warn=None) -> Result:
+    """Train as ``cfg`` says, printing progress through ``log`` and warnings through
+    ``warn`` (rank 0 only); returns the figures. ``comm`` is the world communicator
+    (:func:`mpitrain.comm.world`); without one the run is a single process with no MPI
+    at all. With ``resume`` the run continues from the newest readable checkpoint in
+    ``run.dir`` (or starts if there is none)."""
     comm = comm or SingleComm()
     check_ranks(cfg, comm.size)
+    warn = warn or _stderr
     if comm.rank != 0:
-        log = _silent
+        log = warn = _silent
+    comm.agree(_prepare_run_dir, cfg, resume, comm.rank)
     t = cfg.train
     threads = blas_threads(t.threads, comm.node_size())
     tune_allocator()
@@ -239,6 +264,7 @@ def train(cfg: Config, log=print, comm=None) -> Result:
         rng.manual_seed(t.seed)
         model = build_model(cfg, data)
         opt = build_optimizer(cfg, model)
+        same_everywhere(cfg, model, comm)
         parallel = wrap(cfg, model, opt, grid.dp_comm)
         is_text = cfg.model.name == "gpt"
         reader = ShardReader(data.split("train"), rank=grid.dp_rank, size=grid.dp_size,
@@ -251,13 +277,57 @@ def train(cfg: Config, log=print, comm=None) -> Result:
             f"{reader.n:,} training {'windows' if is_text else 'samples'}, {reader.steps_per_epoch} steps per "
             f"epoch; {total} steps of {t.global_batch_size}; {threads} BLAS thread(s) per rank; {t.dtype}")
         log(_describe(cfg, parallel, comm))
+        first = 0
+        if resume:
+            path = checkpoint.latest(cfg.run.dir, comm, warn)
+            if path is None:
+                log(f"resume: no checkpoint in {checkpoint.directory(cfg.run.dir)}, starting at step 0")
+            else:
+                attrs = checkpoint.restore(path, cfg=cfg, model=model, optimizer=opt, parallel=parallel, comm=comm)
+                first = int(attrs["step"])
+                log(f"resumed from {path} at step {first} (saved by {attrs['ranks']} rank(s), "
+                    f"{attrs['strategy']}, mpitrain {attrs['mpitrain_version']})")
+                if first > total:
+                    raise ConfigError(f"train.steps: the checkpoint is at step {first}, beyond this run's "
+                                      f"{total} steps")
         try:
-            return _loop(cfg, model, opt, parallel, schedule, data, reader, total, comm, log)
+            return _loop(cfg, model, opt, parallel, schedule, data, reader, total, first, comm, log, warn)
         finally:
             data.close()
             if isinstance(parallel, DataParallel):
                 parallel.close()
             grid.free()
+
+
+def same_everywhere(cfg: Config, model: nn.Module, comm) -> None:
+    """Raise ConfigError on every rank unless all ranks run the same config, the same
+    mpitrain version and the same parameter shapes (different files or installs on
+    different nodes would otherwise train nonsense or hang in mismatched collectives)."""
+    import mpitrain
+
+    mine = {"config": json.dumps(cfg.to_dict(), sort_keys=True), "mpitrain version": mpitrain.__version__,
+            "model shapes": json.dumps([(n, p.shape) for n, p in model.named_parameters()])}
+    digest = {k: hashlib.sha256(v.encode()).hexdigest() for k, v in mine.items()}
+    everyone = comm.allgather(digest)
+    for rank, theirs in enumerate(everyone):
+        differ = [k for k in digest if theirs[k] != everyone[0][k]]
+        if differ:
+            raise ConfigError(f"rank {rank} differs from rank 0 in its {' and '.join(differ)}: every rank must "
+                              "read the same config and run the same mpitrain")
+
+
+def _prepare_run_dir(cfg: Config, resume: bool, rank: int) -> None:
+    """Refuse to mix two runs' checkpoints in one directory; create it (rank 0)."""
+    run = cfg.run.dir
+    if not run:
+        if resume:
+            raise ConfigError("run.dir: resuming needs the run directory that holds the checkpoints")
+        return
+    if not resume and checkpoint.listed(run):
+        raise ConfigError(f"run.dir: {run} already holds the checkpoints of a run; resume it (--resume) "
+                          "or choose another run directory")
+    if rank == 0:
+        Path(run).mkdir(parents=True, exist_ok=True)
 
 
 def _describe(cfg: Config, parallel, comm) -> str:
@@ -277,13 +347,19 @@ def _silent(*args) -> None:
     pass
 
 
-def _mean_over_ranks(comm, value: float) -> float:
-    """The global batch's loss: each rank's is the mean over equally many samples."""
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _agree_on_step(comm, loss: float, signum: int) -> tuple[float, int]:
+    """The global batch's loss (each rank's is the mean over equally many samples) and
+    the stop signal any rank received (0: none; the sum if several), in one 16-byte
+    allreduce."""
     if comm.size == 1:
-        return value
-    buf = np.array([value])
+        return loss, signum
+    buf = np.array([loss, float(signum)])
     comm.allreduce(buf)
-    return float(buf[0]) / comm.size
+    return float(buf[0]) / comm.size, int(buf[1])
 
 
 def _inputs(cfg: Config, data: Dataset, batch) -> tuple[np.ndarray, np.ndarray]:
@@ -299,13 +375,14 @@ def _inputs(cfg: Config, data: Dataset, batch) -> tuple[np.ndarray, np.ndarray]:
     return normalize(x, data.mean, data.std, cfg.train.dtype), batch.y
 
 
-def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: ShardReader, total: int, comm,
-          log) -> Result:
-    t, o = cfg.train, cfg.optim
+def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: ShardReader, total: int, first: int,
+          comm, log, warn) -> Result:
+    t, o, run = cfg.train, cfg.optim, cfg.run
     is_text = data.kind == "text"
     loss_fn = text_loss if is_text else image_loss
-    result = Result()
+    result = Result(start_step=first)
     flops = FlopCount()
+    metrics = MetricsLog(Path(run.dir) / "metrics.jsonl" if run.dir and comm.rank == 0 else None, first)
     window_loss, window_steps, window_time = 0.0, 0, 0.0
     train_seconds = 0.0  # optimizer steps only, without data and evaluation
     epoch_seconds: dict[int, float] = {}
@@ -320,78 +397,170 @@ def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: Sh
             result.test_accuracy, result.test_loss = evaluate_images(model, data, cfg, comm)
             log(f"step {step}: test accuracy {100 * result.test_accuracy:.2f}%, "
                 f"test loss {result.test_loss:.4f}")
-        result.history.append({"step": step, "val_loss": result.val_loss,
-                               "test_accuracy": result.test_accuracy})
+        record = {"step": step, "val_loss": result.val_loss, "test_accuracy": result.test_accuracy}
+        result.history.append(record)
+        metrics.write("eval", test_loss=result.test_loss, **record)
 
     def report_io(epoch: int) -> None:
+        if epoch not in reader.stats:  # nothing read in it by this process (a resumed run)
+            return
         row = io_row(comm.rank, reader.stats[epoch], epoch_seconds.get(epoch, 0.0))
         rows = comm.gather(row)
         if comm.rank == 0:
             log(io_table(f"I/O epoch {epoch + 1}", rows, reader.sample_bytes))
             result.io.append(rows)
 
-    step, epoch = 0, 0
-    batches = reader.batches()
-    for batch in batches:
-        if step >= total:
-            break
-        if batch.epoch != epoch:
-            report_io(epoch)
-            epoch = batch.epoch
-            if not t.eval_interval and not is_text:
+    def times() -> tuple:
+        """This rank's seconds so far: steps, communication exposed and total, reading,
+        waiting for data; and bytes sent."""
+        exposed, comm_total = parallel.comm_seconds()
+        read = sum(s.read_seconds for s in reader.stats.values())
+        stall = sum(s.stall_seconds for s in reader.stats.values())
+        return comm.rank, train_seconds, exposed, comm_total, read, stall, parallel.bytes_sent
+
+    def save(step: int, why: str) -> None:
+        if not run.dir:
+            return
+        parallel.sync_buffers()  # one set of batch-norm statistics, the same that any rank would save
+        epoch, epoch_step = divmod(step, reader.steps_per_epoch)
+        path = checkpoint.save(run.dir, step, model=model, optimizer=opt, parallel=parallel, cfg=cfg, comm=comm,
+                               keep=run.keep, epoch=epoch, epoch_step=epoch_step)
+        result.checkpoint = str(path)
+        metrics.write("checkpoint", step=step, path=str(path), why=why)
+        log(f"step {step}: checkpoint {path} ({why})")
+
+    stop = _StopSignals()
+    step = first
+    epoch = max(0, first - 1) // reader.steps_per_epoch  # a boundary just passed still evaluates
+    first_epoch, first_step = divmod(first, reader.steps_per_epoch)
+    batches = reader.batches(first_epoch, first_step=first_step)
+    with stop:
+        for batch in batches:
+            if step >= total:
+                break
+            if batch.epoch != epoch:
+                report_io(epoch)
+                epoch = batch.epoch
+                if not t.eval_interval and not is_text:
+                    evaluate(step)
+            x, y = _inputs(cfg, data, batch)
+            lr = schedule(step)
+            tick = time.perf_counter()
+            with observe_ops(flops) if not flops.total else contextlib.nullcontext():
+                loss = backward(model, loss_fn, x, y, parallel)
+            loss, stopping = _agree_on_step(comm, loss, stop.received or 0)
+            if np.isfinite(loss):
+                update(model, opt, parallel, lr, o.grad_clip)
+            elif run.on_nan == "skip":
+                discard(opt, parallel)
+                result.skipped += 1
+                warn(f"warning: step {step}: loss is {loss}, update skipped (run.on_nan = 'skip')")
+            else:
+                saved = checkpoint.listed(run.dir) if run.dir else []
+                raise FloatingPointError(f"loss is {loss} at step {step}; last good checkpoint: "
+                                         f"{saved[-1] if saved else 'none'}; lower optim.lr or set optim.grad_clip")
+            seconds = time.perf_counter() - tick
+            window_time += seconds
+            train_seconds += seconds
+            epoch_seconds[batch.epoch] = epoch_seconds.get(batch.epoch, 0.0) + seconds
+            if np.isfinite(loss):
+                window_loss += loss
+                window_steps += 1
+            result.final_loss = loss
+            step += 1
+            if step % t.log_interval == 0 or step == total:
+                if window_steps:
+                    rate = window_steps * t.global_batch_size / window_time
+                    gflops = window_steps * flops.total * comm.size / window_time / 1e9
+                    log(f"step {step}/{total} | loss {window_loss / window_steps:.4f} | lr {lr:.2e} | "
+                        f"{rate:,.0f} samples/s | {gflops:.1f} GFLOP/s")
+                    metrics.write("train", step=step, epoch=batch.epoch, loss=window_loss / window_steps, lr=lr,
+                                  samples_per_s=rate, gflops_per_s=gflops,
+                                  ranks=[dict(zip(TIME_FIELDS, row)) for row in comm.gather(times()) or ()])
+                window_loss, window_steps, window_time = 0.0, 0, 0.0
+            if stopping:
+                result.stopped = _signal_name(stopping)
+                save(step, result.stopped)
+                break
+            if step == total:
+                save(step, "end of training")
+            elif run.checkpoint_interval and step % run.checkpoint_interval == 0:
+                save(step, f"every {run.checkpoint_interval} steps")
+            if t.eval_interval and step % t.eval_interval == 0 and step != total:
                 evaluate(step)
-        x, y = _inputs(cfg, data, batch)
-        lr = schedule(step)
-        tick = time.perf_counter()
-        with observe_ops(flops) if step == 0 else contextlib.nullcontext():
-            loss = train_step(model, opt, loss_fn, x, y, lr, o.grad_clip, parallel)
-        seconds = time.perf_counter() - tick
-        loss = _mean_over_ranks(comm, loss)
-        window_time += seconds
-        train_seconds += seconds
-        epoch_seconds[batch.epoch] = epoch_seconds.get(batch.epoch, 0.0) + seconds
-        if not np.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {step}; lower optim.lr or set optim.grad_clip")
-        window_loss += loss
-        window_steps += 1
-        result.final_loss = loss
-        step += 1
-        if step % t.log_interval == 0 or step == total:
-            rate = window_steps * t.global_batch_size / window_time
-            gflops = window_steps * flops.total * comm.size / window_time / 1e9
-            log(f"step {step}/{total} | loss {window_loss / window_steps:.4f} | lr {lr:.2e} | "
-                f"{rate:,.0f} samples/s | {gflops:.1f} GFLOP/s")
-            window_loss, window_steps, window_time = 0.0, 0, 0.0
-        if t.eval_interval and step % t.eval_interval == 0 and step != total:
-            evaluate(step)
     batches.close()
     report_io(epoch)
+    result.steps = step
+    if result.stopped:
+        how = f"resume with --resume (run directory {run.dir})" if run.dir else "nothing was saved: no run.dir"
+        log(f"stopped by {result.stopped} after step {step}; {how}")
+        metrics.write("stopped", step=step, signal=result.stopped)
+        return result
 
     evaluate(total)
-    result.steps = total
     result.seconds = time.perf_counter() - start
-    result.samples_per_s = total * t.global_batch_size / train_seconds
-    result.gflops_per_s = total * flops.total * comm.size / train_seconds / 1e9
+    done = total - first
+    result.samples_per_s = done * t.global_batch_size / train_seconds if train_seconds else 0.0
+    result.gflops_per_s = done * flops.total * comm.size / train_seconds / 1e9 if train_seconds else 0.0
     stall = sum(s.stall_seconds for s in reader.stats.values())
-    result.stall_fraction = stall / (train_seconds + stall)
+    result.stall_fraction = stall / (train_seconds + stall) if train_seconds else 0.0
     digest = parallel.check_replicas()
-    exposed, comm_total = parallel.comm_seconds()
-    read = sum(s.read_seconds for s in reader.stats.values())
-    rows = comm.gather((comm.rank, train_seconds, exposed, comm_total, read, stall, parallel.bytes_sent))
+    rows = comm.gather(times())
     if comm.rank == 0:
         result.timing = rows
-        log(time_table(rows, total))
+        log(time_table(rows, done))
         if comm.size > 1:
             log(f"replicas identical on all {comm.size} ranks (parameters sha256 {digest[:16]})")
     if is_text and t.sample_tokens and comm.rank == 0:
-        first = np.empty(1, dtype=data.split("val").x_dtype)
-        data.split("val").read("x", 0, 1, first)
-        prompt = first[None, :].astype(np.int64)  # (1, 1): the first held-out character
+        prompt_split = data.split("val")
+        first_char = np.empty(1, dtype=prompt_split.x_dtype)
+        prompt_split.read("x", 0, 1, first_char)
+        prompt = first_char[None, :].astype(np.int64)  # (1, 1): the first held-out character
         ids = model.generate(prompt, t.sample_tokens, temperature=0.8, top_k=None,
                              generator=np.random.default_rng((t.seed, SAMPLING)))
         result.sample = data.decode(ids[0, 1:])
         log("sample:\n" + result.sample)
-    log(f"done: {total} steps in {result.seconds:.1f} s; training steps {train_seconds:.1f} s, "
+    metrics.write("end", step=total, seconds=result.seconds, samples_per_s=result.samples_per_s,
+                  gflops_per_s=result.gflops_per_s, stall_fraction=result.stall_fraction,
+                  ranks=[dict(zip(TIME_FIELDS, row)) for row in rows or ()])
+    log(f"done: {done} steps in {result.seconds:.1f} s; training steps {train_seconds:.1f} s, "
         f"{result.samples_per_s:,.0f} samples/s, {result.gflops_per_s:.1f} GFLOP/s; "
         f"waited for data {stall:.2f} s ({100 * result.stall_fraction:.2f}% of step time)")
     return result
+
+
+TIME_FIELDS = ("rank", "step_s", "comm_exposed_s", "comm_total_s", "read_s", "wait_s", "bytes_sent")
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:  # several ranks got different signals: their numbers were summed
+        return "signals"
+
+
+class _StopSignals:
+    """SIGTERM and SIGUSR1 (a scheduler's notice: SLURM sends them before preemption
+    or the time limit) only set a flag; the loop finishes the step, saves a checkpoint
+    and returns. Installed in the main thread only, and put back on exit."""
+
+    SIGNALS = ("SIGTERM", "SIGUSR1")
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict = {}
+
+    def _handler(self, signum, frame) -> None:
+        self.received = signum
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                if hasattr(signal, name):
+                    sig = getattr(signal, name)
+                    self._previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

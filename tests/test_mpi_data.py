@@ -100,3 +100,24 @@ def test_global_batch_not_divisible_by_ranks_is_a_config_error():
     cfg = config.from_dict({"train": {"global_batch_size": comm.size * 8 + 1, "epochs": 1}})
     with pytest.raises(config.ConfigError, match="train.global_batch_size: .* not divisible"):
         train.train(cfg, log=lambda *a: None, comm=comm)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ranks_with_different_configs_or_versions_stop_naming_the_rank(monkeypatch):
+    import mpitrain
+    from mpitrain.comm import world
+
+    comm = world()
+    d = shared_dir(comm) / "d"
+    if comm.rank == 0:
+        image_set(d, n=256, test=64)
+    comm.barrier()
+    lr = 0.1 if comm.rank == 1 else 0.2
+    cfg = config.from_dict({"data": {"path": str(d)}, "optim": {"lr": lr}, "train": {"epochs": 1}})
+    with pytest.raises(config.ConfigError, match="rank 1 differs from rank 0 in its config:"):
+        train.train(cfg, log=lambda *a: None, comm=comm)
+    if comm.rank == comm.size - 1:
+        monkeypatch.setattr(mpitrain, "__version__", "0.0.0-other")
+    cfg = config.from_dict({"data": {"path": str(d)}, "train": {"epochs": 1}})
+    with pytest.raises(config.ConfigError, match=f"rank {comm.size - 1} differs from rank 0 in its mpitrain version"):
+        train.train(cfg, log=lambda *a: None, comm=comm)

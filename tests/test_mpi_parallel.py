@@ -123,7 +123,7 @@ def test_ddp_equals_one_process_float32(kind):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("progress", ["none", "thread"])
+@pytest.mark.parametrize("progress", ["none", "thread", "off"])
 def test_ddp_progress_modes_give_the_same_result(progress):
     from mpitrain.comm import started_thread_level
 

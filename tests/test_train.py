@@ -3,6 +3,7 @@
 import importlib.util
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import h5py
@@ -15,8 +16,9 @@ JOBS = Path(__file__).resolve().parent.parent / "jobs"
 
 
 def mpitrain(*args, cwd=None):
+    """Run the command line; by default in a fresh directory, where its run directory goes."""
     return subprocess.run([sys.executable, "-m", "mpitrain", *args], capture_output=True, text=True,
-                          cwd=cwd, timeout=240)
+                          cwd=cwd or tempfile.mkdtemp(prefix="mpitrain-cli-"), timeout=240)
 
 
 @pytest.fixture

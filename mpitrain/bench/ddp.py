@@ -5,19 +5,29 @@ round by round so that every variant sees the same machine, the training step of
 global batch ``B`` (AdamW, clipping at 1.0, random tokens):
 
 * **1 rank**: rank 0 alone with all ``B`` samples (rank 1 sleeps);
-* **2 ranks, no comm**: each rank steps on its ``B/2`` samples with no gradient exchange:
-  the compute of a data-parallel step;
-* **2 ranks, ddp (progress)**: :class:`~mpitrain.parallel.data_parallel.DataParallel`
-  with each way of progressing the buckets during backward: ``test`` (``Test`` calls from
-  the gradient hooks), ``none``, and ``thread`` (a communication thread, only when MPI
-  runs at thread level ``multiple`` or ``serialized``: ``--thread-level multiple``);
-* **allreduce alone**: the same buckets allreduced back to back, no compute: the total
-  communication time of a step.
+* **2 ranks, no comm**: each rank steps on its ``B/2`` samples and the ranks meet once
+  per step (an 8-byte allreduce) without exchanging gradients: the compute of a
+  synchronous data-parallel step, waiting for the slower rank included;
+* **2 ranks, ddp (off)**: :class:`~mpitrain.parallel.data_parallel.DataParallel` with
+  every bucket's allreduce started after backward: no overlap;
+* **2 ranks, ddp (progress)**: the buckets start during backward, progressed by ``test``
+  (``Test`` calls from the gradient hooks), ``none``, or ``thread`` (a communication
+  thread, only when MPI runs at thread level ``serialized`` or ``multiple``);
+* **allreduce alone**: the same buckets allreduced with no compute, the faster of
+  back-to-back blocking calls and all started then all waited: the communication time
+  of a step, its *total*.
 
-*Exposed* communication is ``ddp - no comm``; *hidden* is ``1 - exposed / total``. It
-can be negative: a step with a gradient exchange also makes each rank wait for the
-slower one, which independent steps never do. Speed-up is the 2-rank ddp samples/s over
-the 1-rank samples/s. Medians over rounds.
+Last, a **probe** without the model: the same buckets' allreduces started, then pieces of
+matrix multiplication (about four times the allreduce's duration) with a ``Test`` after
+each piece (or none), then a wait; against the multiplications alone and the allreduce
+alone. Its hidden share ``(compute + allreduce - together) / allreduce`` is the most
+overlap the machine allows, with little of a training step's noise.
+
+*Exposed* communication is ``ddp - no comm``. *Hidden* is ``1 - exposed / total``, and
+``vs off`` is ``1 - exposed / exposed(off)``: the share of the non-overlapped step's
+communication that overlap removes. Speed-up is the 2-rank ddp samples/s over the
+1-rank samples/s. Every figure is the median over all timed steps (the slower rank's time
+of each), so a step that another process interrupted does not move it.
 """
 
 from __future__ import annotations
@@ -27,14 +37,15 @@ import time
 import numpy as np
 
 from mpitrain import nn, optim, rng
-from mpitrain.allreduce import allreduce
+from mpitrain.allreduce import allreduce, iallreduce
 from mpitrain.comm import started_thread_level, world
 from mpitrain.parallel.data_parallel import DataParallel
 from mpitrain.runtime import limit_blas_threads, tune_allocator
 
 MODELS = {
     "gpt": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch=12),  # nanoGPT's small CPU setting
-    "wide": dict(n_layer=4, n_head=6, n_embd=384, block_size=64, batch=4),  # allreduce a large share of the step
+    # 7 M parameters on 32 tokens per rank: the allreduce is about 20% of the step
+    "wide": dict(n_layer=4, n_head=6, n_embd=384, block_size=32, batch=2),
 }
 
 
@@ -52,10 +63,14 @@ def _stepper(spec: dict, comm, batch: int, dp_options: dict | None):
     dp = DataParallel(model, comm, **dp_options) if dp_options is not None else None
     x, y = np.random.default_rng(comm.rank).integers(0, 65, (2, batch, spec["block_size"]))
 
+    meet = np.zeros(1)
+
     def step():
         model(x, y)[1].backward()
         if dp is not None:
             dp.finish()
+        else:
+            comm.allreduce(meet)
         optim.clip_grad_norm(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
@@ -63,17 +78,54 @@ def _stepper(spec: dict, comm, batch: int, dp_options: dict | None):
     return step, dp
 
 
-def _timed(comm, fn, steps: int, ranks: int) -> float:
-    """Seconds per step of ``fn`` on the first ``ranks`` ranks (the slowest of them)."""
+def _timed(comm, fn, steps: int, ranks: int) -> list[float]:
+    """Seconds of each of ``steps`` calls of ``fn`` on the first ``ranks`` ranks, the
+    slowest rank's for each call."""
     comm.barrier()
-    seconds = 0.0
+    seconds = np.zeros(steps)
     if comm.rank < ranks:
-        tick = time.perf_counter()
-        for _ in range(steps):
+        for i in range(steps):
+            tick = time.perf_counter()
             fn()
-        seconds = (time.perf_counter() - tick) / steps
+            seconds[i] = time.perf_counter() - tick
     comm.sleeping_barrier()
-    return max(comm.allgather(seconds))
+    return np.max(comm.allgather(seconds), axis=0).tolist()
+
+
+def _probe(comm, buckets, algorithm: str, allreduce_seconds: float, log) -> dict:
+    """Overlap with no model: the buckets' allreduces against fixed matrix products."""
+    a = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)  # (256, 256)
+    product = np.empty_like(a)  # (256, 256)
+    tick = time.perf_counter()
+    for _ in range(8):
+        np.matmul(a, a, out=product)
+    pieces = max(8, int(4 * allreduce_seconds / ((time.perf_counter() - tick) / 8)))
+
+    def compute(requests=None):
+        for _ in range(pieces):
+            np.matmul(a, a, out=product)
+            for r in requests or ():
+                r.test()
+
+    def together(test: bool):
+        requests = [iallreduce(b.comm, b.flat, algorithm) for b in buckets]
+        compute(requests if test else None)
+        for r in requests:
+            r.wait()
+
+    variants = {"compute": compute, "allreduce": lambda: [r.wait() for r in
+                                                          [iallreduce(b.comm, b.flat, algorithm) for b in buckets]],
+                "test": lambda: together(True), "none": lambda: together(False)}
+    times = {k: [] for k in variants}
+    for _ in range(7):
+        for k, fn in variants.items():
+            times[k] += _timed(comm, fn, 3, 2)
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    hidden = {k: (med["compute"] + med["allreduce"] - med[k]) / med["allreduce"] for k in ("test", "none")}
+    log(f"  probe: allreduce {1e3 * med['allreduce']:.1f} ms, {pieces} products {1e3 * med['compute']:.1f} ms; "
+        f"together {1e3 * med['test']:.1f} ms with Test (hidden {100 * hidden['test']:.0f}%), "
+        f"{1e3 * med['none']:.1f} ms without (hidden {100 * hidden['none']:.0f}%)")
+    return {"pieces": pieces, **med, **{f"hidden_{k}": v for k, v in hidden.items()}}
 
 
 def run(models=("gpt", "wide"), rounds: int = 5, steps: int = 5, bucket_mb: float = 4.0, algorithm: str = "mpi",
@@ -83,9 +135,9 @@ def run(models=("gpt", "wide"), rounds: int = 5, steps: int = 5, bucket_mb: floa
         raise SystemExit("mpitrain bench ddp: run it under 'mpiexec -n 2'")
     tune_allocator()
     level = started_thread_level()
-    progress = ["test", "none"] + (["thread"] if level in ("serialized", "multiple") else [])
+    progress = ["off", "test", "none"] + (["thread"] if level in ("serialized", "multiple") else [])
     log(f"mpitrain bench ddp: 2 ranks, 1 BLAS thread each, MPI thread level {level}, {algorithm} allreduce, "
-        f"buckets <= {bucket_mb:g} MB; medians of {rounds} rounds of {steps} steps")
+        f"buckets <= {bucket_mb:g} MB; median step of {rounds} rounds of {steps}")
     out = {}
     with limit_blas_threads(1):
         for name in models:
@@ -100,31 +152,41 @@ def run(models=("gpt", "wide"), rounds: int = 5, steps: int = 5, bucket_mb: floa
                                            dict(bucket_cap_mb=bucket_mb, algorithm=algorithm, progress=mode))
                 variants[f"2 ranks, ddp ({mode})"] = (step, 2)
             buckets = dps["test"].buckets
-            variants["allreduce alone"] = (lambda: [allreduce(b.comm, b.flat, algorithm) for b in buckets], 2)
+            variants["allreduce alone (blocking)"] = (
+                lambda: [allreduce(b.comm, b.flat, algorithm) for b in buckets], 2)
+            variants["allreduce alone (started)"] = (
+                lambda: [r.wait() for r in [iallreduce(b.comm, b.flat, algorithm) for b in buckets]], 2)
             for fn, ranks in variants.values():  # warm up: allocator, optimizer state
                 _timed(comm, fn, 2, ranks)
             times = {k: [] for k in variants}
             for _ in range(rounds):
                 for k, (fn, ranks) in variants.items():
-                    times[k].append(_timed(comm, fn, steps, ranks))
+                    times[k] += _timed(comm, fn, steps, ranks)
             med = {k: float(np.median(v)) for k, v in times.items()}
             n = sum(p.size for p in _build(spec)[0].parameters())
             grad_mb = sum(b.flat.nbytes for b in buckets) / 1e6
             log(f"{name}: GPT {spec['n_layer']}L/{spec['n_head']}H/{spec['n_embd']}C T={spec['block_size']} B={B}, "
                 f"{n / 1e6:.2f} M parameters, {grad_mb:.1f} MB of gradients in {len(buckets)} bucket(s)")
-            total = med["allreduce alone"]
-            for k, (_, ranks) in variants.items():
-                if k == "allreduce alone":
+            alone = {k: v for k, v in med.items() if k.startswith("allreduce alone")}
+            total = min(alone.values())
+            exposed = {k: max(0.0, v - med["2 ranks, no comm"]) for k, v in med.items() if k.startswith("2 ranks, ddp")}
+            for k in variants:
+                if k in alone:
                     continue
-                line = f"  {k:24} {1e3 * med[k]:8.1f} ms/step {B / med[k]:8.1f} samples/s"
-                if k.startswith("2 ranks, ddp"):
-                    exposed = max(0.0, med[k] - med["2 ranks, no comm"])
-                    line += (f"  speed-up x{med['1 rank'] / med[k]:.2f} | comm exposed {1e3 * exposed:6.1f} ms, "
-                             f"hidden {100 * (1 - exposed / total):5.1f}%")
+                line = f"  {k:26} {1e3 * med[k]:8.1f} ms/step {B / med[k]:8.1f} samples/s"
+                if k in exposed:
+                    off = exposed["2 ranks, ddp (off)"]
+                    line += (f"  x{med['1 rank'] / med[k]:.2f} | exposed {1e3 * exposed[k]:6.1f} ms, "
+                             f"hidden {100 * (1 - exposed[k] / total):4.0f}%")
+                    if k != "2 ranks, ddp (off)":
+                        line += f", vs off {100 * (1 - exposed[k] / off):4.0f}%" if off > 0 else ", vs off     -"
                 log(line)
-            log(f"  {'allreduce alone':24} {1e3 * total:8.1f} ms/step = {100 * total / med['2 ranks, ddp (test)']:.0f}% "
-                f"of the ddp (test) step")
+            for k, v in alone.items():
+                log(f"  {k:26} {1e3 * v:8.1f} ms/step")
+            log(f"  total communication {1e3 * total:.1f} ms = {100 * total / (med['2 ranks, no comm'] + total):.0f}% "
+                f"of a step that does not overlap it")
             out[name] = med
+            out[name]["probe"] = _probe(comm, buckets, algorithm, total, log)
             for dp in dps.values():
                 dp.close()
             single.free()

@@ -269,7 +269,8 @@ class ShardReader:
             stats.gather_seconds += time.perf_counter() - tick - read_s
         return x, y, index, lanes
 
-    def _produce(self, first_epoch: int, epochs: int | None, out: queue.Queue, stop: threading.Event):
+    def _produce(self, first_epoch: int, first_step: int, epochs: int | None, out: queue.Queue,
+                 stop: threading.Event):
         def put(item) -> bool:
             """Queue ``item`` unless the consumer has stopped; never blocks for good."""
             while not stop.is_set():
@@ -286,10 +287,13 @@ class ShardReader:
             epoch = first_epoch
             while epochs is None or epoch < first_epoch + epochs:
                 plan = self.plan(epoch)
+                skip = first_step if epoch == first_epoch else 0
                 step = 0
                 for round_id, first, length in plan.rounds(self.drop_last):
-                    if not put((epoch, step, self._round(plan, round_id, first, length, buffers))):
-                        return
+                    if step + length > skip:  # rounds before a resumed position are not read
+                        batches = self._round(plan, round_id, first, length, buffers)
+                        if not put((epoch, step, max(0, skip - step), batches)):
+                            return
                     step += length
                 epoch += 1
             put(None)
@@ -300,11 +304,14 @@ class ShardReader:
                 self._spare.append(buffers)
 
     # ------------------------------------------------------------- consumer
-    def batches(self, first_epoch: int = 0, epochs: int | None = None):
-        """Yield :class:`Batch` for ``epochs`` epochs (or forever) from ``first_epoch``."""
+    def batches(self, first_epoch: int = 0, epochs: int | None = None, first_step: int = 0):
+        """Yield :class:`Batch` for ``epochs`` epochs (or forever) from step ``first_step``
+        of ``first_epoch`` (a resumed run: the rounds before it are not read)."""
+        if not 0 <= first_step < self.steps_per_epoch:
+            raise ValueError(f"first_step {first_step} is not in [0, {self.steps_per_epoch})")
         out: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
-        thread = threading.Thread(target=self._produce, args=(first_epoch, epochs, out, stop),
+        thread = threading.Thread(target=self._produce, args=(first_epoch, first_step, epochs, out, stop),
                                   name=f"shard-reader-{self.split.name}", daemon=True)
         thread.start()
         try:
@@ -316,13 +323,13 @@ class ShardReader:
                     return
                 if isinstance(item, BaseException):
                     raise item
-                epoch, step, (x, y, index, lanes) = item
+                epoch, step, skip, (x, y, index, lanes) = item
                 stats = self._stats(epoch)
                 with self._lock:
                     stats.stall_seconds += waited
-                    stats.samples += len(x) * len(lanes)
-                    stats.batches += len(x)
-                for k in range(len(x)):
+                    stats.samples += (len(x) - skip) * len(lanes)
+                    stats.batches += len(x) - skip
+                for k in range(skip, len(x)):
                     yield Batch(epoch, step + k, x[k], y[k], index[k], lanes)
         finally:
             stop.set()

@@ -39,28 +39,34 @@ unless something calls into MPI. Three ways to progress it (``progress=``):
 * ``"thread"``: a communication thread (Horovod's design) runs each bucket's blocking
   allreduce as soon as the hook hands it over; needs MPI thread level ``serialized``
   or ``multiple``;
-* ``"none"``: started early, finished in ``finish``.
+* ``"none"``: started early, finished in ``finish``;
+* ``"off"``: no overlap, every bucket starts in ``finish`` after backward: the
+  baseline the others are measured against.
 
-Measured here (2-core Xeon, MPICH 5.0 wheel, 2 ranks, one BLAS thread each, buckets of
-4 MB) with ``mpitrain bench ddp``, exposed communication = ddp step - step without
-communication, as a share of the allreduce alone:
+Measured here (2-core Xeon VM, MPICH 5.0 wheel, 2 ranks with one BLAS thread each,
+buckets of 4 MB, thread level ``multiple``) with ``mpitrain bench ddp``:
 
-* nanoGPT's small GPT (3.2 MB of gradients, one bucket, allreduce 2.7 ms = 7% of the
-  step): ``test`` exposed 0.0 ms, ``none`` 2.4 ms; 2 ranks 1.82x the samples/s of one.
-  With one bucket there is nothing to overlap, the gain is MPICH's speed at thread
-  level ``funneled``.
-* a wide GPT (width 384, 28.5 MB in 9 buckets, MPI allreduce alone 25.8 ms = 19% of the
-  step): hidden 19% (``test``) and 44% (``none``) at ``funneled``; at ``multiple``,
-  -48% (``test``), 39% (``none``), -35% (``thread``). With mpitrain's ring the
-  allreduce alone takes 9.0 ms, and the step exposes 13 ms (``test``) and 16 ms
-  (``none``): more than the allreduce alone, because a synchronised step also waits
-  for the slower rank, which the step without communication never does.
+* nanoGPT's small GPT (3.2 MB of gradients in one bucket): the allreduce alone takes
+  0.8 ms, 2% of the step, and every mode exposes 0-1.6 ms of it.
+* a wide GPT (7.1 M parameters, 28.5 MB in 9 buckets, 32 tokens per rank): the
+  allreduce alone takes 10 ms, 9-10% of a step that does not overlap it. Exposed:
+  ``off`` 5.6-11.8 ms, ``test`` 14-16 ms, ``none`` 10-15 ms, ``thread`` 13-24 ms, while
+  the steps of two synchronised ranks on this VM spread by +-15% (p10-p90 84-114 ms
+  for the step without communication), more than these differences.
+* the probe without a model (the same buckets against matrix products with ``Test``
+  between them) hides 13% of the allreduce; started without any ``Test`` 17%, so
+  what is hidden is waiting a separate allreduce pays, not copying done during the
+  products.
 
-On two cores fully used by two ranks, an intra-node allreduce is copying and adding
-done by the same cores that compute, so overlap can hide only its waiting. Defaults:
-``progress="test"`` (no worse than the others on the small GPT), MPI thread level
-``multiple`` (MPI's allreduce 3-4x faster there than at ``funneled``, see
-:func:`mpitrain.comm.thread_level`).
+Why so little: on one node an allreduce is memory copies and additions, and with
+both cores computing, nobody else can do them: the copying is paid whoever does it
+and only the waiting can be hidden. (``MEASURED.md``'s "93% hidden at thread level
+``single``" compares with a blocking ``Allreduce`` that is 3-4x slower than
+``Iallreduce`` + ``Wait`` at that level: 3.9 ms against 1.1 ms for 4 MiB, measured
+here; against the faster call there is nothing left to hide.) Across nodes the
+network adapter moves the bytes and overlap pays; that is where ``test`` and
+``thread`` matter. Defaults: ``progress="test"`` (what the probe favours, within the
+noise of the step), MPI thread level ``multiple`` (see :func:`mpitrain.comm.thread_level`).
 
 **Batch norm.** Each rank normalises with the statistics of its own ``B/P`` samples, as
 PyTorch DDP does by default: the gradients then equal those of one process that splits
@@ -87,7 +93,7 @@ import numpy as np
 
 from mpitrain.allreduce import ALGORITHMS, allreduce, iallreduce
 
-PROGRESS = ("test", "thread", "none")
+PROGRESS = ("test", "thread", "none", "off")
 
 
 @dataclass
@@ -197,6 +203,8 @@ class DataParallel:
             raise RuntimeError("a second backward before finish(): call dp.finish() after each "
                                "backward, or accumulate inside dp.no_sync()")
         bucket.waiting -= 1
+        if self.progress == "off":
+            return
         while self._next < len(self.buckets) and self.buckets[self._next].waiting == 0:
             self._start(self.buckets[self._next])
             self._next += 1

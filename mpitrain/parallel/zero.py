@@ -90,6 +90,7 @@ class Zero1:
         shard.state, shard.param_groups = {}, []
         shard.__dict__.pop("_buffer", None)
         index = {id(p): i for i, p in enumerate(self.params)}
+        self.pieces = []  # (parameter index, lo, hi) of each piece in flat coordinates, in shard order
         for group in full.param_groups:
             pieces = []
             for p in group["params"]:
@@ -100,6 +101,7 @@ class Zero1:
                     piece.data = self.flat_params[lo:hi]  # (hi - lo,) view, never a copy
                     piece.grad = self.flat_grads[lo:hi]
                     pieces.append(piece)
+                    self.pieces.append((i, int(lo), int(hi)))
             shard.param_groups.append({**group, "params": pieces})
         return shard
 

@@ -1,0 +1,69 @@
+"""The metrics file of a run: ``RUN_DIR/metrics.jsonl``, one JSON record per line.
+
+Every record has ``kind`` and ``time`` (Unix seconds); the kinds the trainer writes:
+
+* ``train``, each ``train.log_interval`` steps: ``step``, ``epoch``, ``loss`` (mean over
+  the steps since the last record), ``lr``, ``samples_per_s``, ``gflops_per_s``, and
+  ``ranks``: per rank, the seconds so far of training steps (``step_s``), of
+  communication exposed and in total, of reading and of waiting for data, and bytes sent;
+* ``eval``: ``step``, ``val_loss`` (text) or ``test_accuracy`` and ``test_loss`` (images);
+* ``checkpoint``: ``step``, ``path``, ``why``; ``stopped``: ``step``, ``signal``;
+* ``end``: the run's totals, with the same per-rank figures.
+
+A resumed run keeps the records up to its checkpoint's step and drops the later ones
+(the killed run's steps, which it does again), so the file reads as one run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _plain(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+class MetricsLog:
+    """Append records to ``path`` (None: write nothing, as on ranks other than 0)."""
+
+    def __init__(self, path: Path | None, first_step: int = 0):
+        self.path = path
+        if path is None:
+            return
+        kept = []
+        if first_step and path.exists():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError:  # a line cut short when the run was killed
+                    continue
+                if record.get("step", 0) <= first_step and record.get("kind") != "end":
+                    kept.append(line + "\n")
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, path)
+
+    def write(self, kind: str, **fields) -> None:
+        if self.path is None:
+            return
+        line = json.dumps({"kind": kind, "time": round(time.time(), 3), **fields}, default=_plain)
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+
+def read(path) -> list[dict]:
+    """The records of a metrics file, skipping a last line cut short."""
+    records = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records

@@ -1,0 +1,271 @@
+"""Checkpoints: exact resume, damaged files, run directories, signals, NaN policy, metrics.
+
+In-process runs are one process (no MPI); the kill and signal tests launch
+``mpiexec -n 2 mpitrain train`` and stop it from outside, as a scheduler would."""
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from test_comm import MPIEXEC, needs_mpiexec
+from test_data import image_set
+from test_train import JOBS, text_data  # noqa: F401  (a fixture)
+
+from mpitrain import checkpoint, config, train
+from mpitrain.observe.metrics import read as read_metrics
+
+
+def gpt(text_data, run_dir, *extra):
+    return config.load(JOBS / "tinyshakespeare_gpt.toml", [
+        f"data.path={text_data}", "model.n_layer=1", "model.n_embd=16", "model.n_head=2", "model.block_size=8",
+        "model.dropout=0.1", "train.steps=24", "train.global_batch_size=8", "train.log_interval=4",
+        "train.eval_interval=0", "train.eval_batches=2", "train.sample_tokens=0", "train.threads=1",
+        f"run.dir={json.dumps(str(run_dir))}", "run.checkpoint_interval=4", "run.keep=10", *extra])
+
+
+def lenet(data, run_dir, *extra):
+    raw = {"model": {"name": "lenet", "channels": [2, 4], "hidden": 8}, "data": {"path": str(data), "shift": 1},
+           "optim": {"name": "sgd", "lr": 0.05}, "train": {"global_batch_size": 64, "epochs": 3, "log_interval": 5,
+                                                            "threads": 1},
+           "run": {"dir": str(run_dir), "checkpoint_interval": 5, "keep": 10}}
+    return config.from_dict(raw, list(extra))
+
+
+def arrays(path) -> dict:
+    """Every dataset of a checkpoint (model and optimizer state)."""
+    out = {}
+    with h5py.File(path, "r") as f:
+        f.visititems(lambda name, obj: out.__setitem__(name, obj[()]) if isinstance(obj, h5py.Dataset) else None)
+    return out
+
+
+def assert_identical(a, b):
+    a, b = arrays(a), arrays(b)
+    assert a.keys() == b.keys()
+    differ = [k for k in a if not np.array_equal(a[k], b[k])]
+    assert not differ, f"differ: {differ}"
+
+
+def resume_from(src_run, step, dst_run):
+    """A run directory holding only ``src_run``'s checkpoint of ``step``."""
+    (dst_run / "checkpoints").mkdir(parents=True)
+    shutil.copy(checkpoint.path_for(src_run, step), dst_run / "checkpoints")
+
+
+def quiet(*args):
+    pass
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
+def test_a_resumed_gpt_run_ends_bit_identical(text_data, tmp_path, strategy):
+    """Dropout on, so the random stream must be restored too; AdamW state."""
+    full = train.train(gpt(text_data, tmp_path / "a", f"parallel.strategy={strategy!r}"), log=quiet)
+    assert [p.name for p in checkpoint.listed(tmp_path / "a")] == [f"step-{s:08d}.h5" for s in range(4, 25, 4)]
+    resume_from(tmp_path / "a", 12, tmp_path / "b")
+    lines = []
+    again = train.train(gpt(text_data, tmp_path / "b", f"parallel.strategy={strategy!r}"), log=lines.append,
+                        resume=True)
+    assert again.start_step == 12 and any("resumed from" in line and "at step 12" in line for line in lines)
+    assert_identical(checkpoint.path_for(tmp_path / "a", 24), checkpoint.path_for(tmp_path / "b", 24))
+    assert again.val_loss == full.val_loss
+
+
+@pytest.mark.parametrize("step", [10, 15])  # inside an epoch; at its end (the evaluation comes after)
+def test_a_resumed_cnn_run_with_augmentation_ends_bit_identical(tmp_path, step):
+    image_set(tmp_path / "d", n=960, test=100)  # 15 steps per epoch
+    full = train.train(lenet(tmp_path / "d", tmp_path / "a"), log=quiet)
+    resume_from(tmp_path / "a", step, tmp_path / "b")
+    again = train.train(lenet(tmp_path / "d", tmp_path / "b"), log=quiet, resume=True)
+    assert_identical(checkpoint.path_for(tmp_path / "a", 45), checkpoint.path_for(tmp_path / "b", 45))
+    assert [h for h in again.history] == [h for h in full.history if h["step"] >= step]
+
+
+def damage(path: Path, how: str) -> None:
+    if how == "truncated":
+        with open(path, "r+b") as f:
+            f.truncate(path.stat().st_size // 2)
+    elif how == "flipped":  # one byte inside a parameter's data: only the checksum sees it
+        with h5py.File(path, "r") as f:
+            offset = f["model/embed.wte.weight"].id.get_chunk_info(0).byte_offset
+        with open(path, "r+b") as f:
+            f.seek(offset + 5)
+            byte = f.read(1)
+            f.seek(offset + 5)
+            f.write(bytes([byte[0] ^ 0x10]))
+    else:
+        path.write_bytes(b"not a checkpoint")
+
+
+@pytest.mark.parametrize("how", ["truncated", "flipped", "garbage"])
+def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(text_data, tmp_path, how):
+    train.train(gpt(text_data, tmp_path / "a", "train.steps=12"), log=quiet)
+    newest = checkpoint.path_for(tmp_path / "a", 12)
+    damage(newest, how)
+    with pytest.raises(checkpoint.CheckpointError, match=str(newest)):
+        checkpoint.check(newest)
+    warnings, lines = [], []
+    again = train.train(gpt(text_data, tmp_path / "a", "train.steps=12"), log=lines.append, warn=warnings.append,
+                        resume=True)
+    assert again.start_step == 8 and again.steps == 12
+    assert len(warnings) == 1 and warnings[0].startswith("warning: skipping damaged checkpoint:")
+    assert str(newest) in warnings[0]
+    checkpoint.check(newest)  # rewritten whole by the resumed run
+
+
+def test_a_run_directory_with_checkpoints_needs_resume(text_data, tmp_path):
+    cfg = gpt(text_data, tmp_path / "a", "train.steps=4")
+    train.train(cfg, log=quiet)
+    with pytest.raises(config.ConfigError, match="run.dir: .* already holds the checkpoints of a run"):
+        train.train(cfg, log=quiet)
+    with pytest.raises(config.ConfigError, match="resuming needs the run directory"):
+        train.train(gpt(text_data, tmp_path / "a", 'run.dir=""'), log=quiet, resume=True)
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_file(text_data, tmp_path):
+    train.train(gpt(text_data, tmp_path / "a", "train.steps=4"), log=quiet)
+    with pytest.raises(checkpoint.CheckpointError, match=r"step-00000004\.h5: .*shape"):
+        train.train(gpt(text_data, tmp_path / "a", "train.steps=8", "model.n_embd=32"), log=quiet, resume=True)
+    with pytest.raises(checkpoint.CheckpointError, match="optim.name = 'adamw'"):
+        train.train(gpt(text_data, tmp_path / "a", "train.steps=8", "optim.name='adam'"), log=quiet, resume=True)
+
+
+def test_only_the_newest_keep_checkpoints_stay(text_data, tmp_path):
+    train.train(gpt(text_data, tmp_path / "a", "run.keep=2"), log=quiet)
+    assert [p.name for p in checkpoint.listed(tmp_path / "a")] == ["step-00000020.h5", "step-00000024.h5"]
+    assert not list((tmp_path / "a" / "checkpoints").glob("*.tmp"))
+
+
+def test_a_non_finite_loss_stops_naming_the_last_checkpoint_or_is_skipped(text_data, tmp_path):
+    diverge = ["optim.lr=1e30", "optim.grad_clip=0.0", "optim.warmup_steps=0", "run.checkpoint_interval=1"]
+    with pytest.raises(FloatingPointError, match=r"loss is nan at step (\d+); last good checkpoint: .*step-\d+\.h5"):
+        train.train(gpt(text_data, tmp_path / "a", *diverge), log=quiet)
+    warnings = []
+    result = train.train(gpt(text_data, tmp_path / "b", *diverge, "run.on_nan='skip'"), log=quiet,
+                         warn=warnings.append)
+    assert result.steps == 24 and result.skipped == len(warnings) > 0
+    assert "update skipped (run.on_nan = 'skip')" in warnings[0]
+
+
+def test_metrics_file_reads_as_one_run_after_a_resume(text_data, tmp_path):
+    train.train(gpt(text_data, tmp_path / "a"), log=quiet)
+    (tmp_path / "b").mkdir()
+    shutil.copy(tmp_path / "a" / "metrics.jsonl", tmp_path / "b")
+    resume_from(tmp_path / "a", 12, tmp_path / "b")
+    train.train(gpt(text_data, tmp_path / "b"), log=quiet, resume=True)
+    for run in ("a", "b"):
+        records = read_metrics(tmp_path / run / "metrics.jsonl")
+        steps = [r["step"] for r in records if r["kind"] == "train"]
+        assert steps == list(range(4, 25, 4))
+        assert [r["kind"] for r in records].count("end") == 1
+        r = next(r for r in records if r["kind"] == "train")
+        assert {"loss", "lr", "samples_per_s", "ranks"} <= set(r)
+        assert set(r["ranks"][0]) == set(train.TIME_FIELDS)
+
+
+# ------------------------------------------------ under mpiexec, from outside
+GPT_ARGS = ["--set", "model.n_layer=2", "--set", "model.n_embd=48", "--set", "model.n_head=2",
+            "--set", "model.block_size=32", "--set", "model.dropout=0.1", "--set", "train.global_batch_size=16",
+            "--set", "train.steps=400", "--set", "train.log_interval=50", "--set", "train.eval_interval=0",
+            "--set", "train.eval_batches=2", "--set", "train.sample_tokens=0", "--set", "run.checkpoint_interval=10",
+            "--set", "run.keep=50"]
+
+
+def launch(text_data, run_dir, *extra, **popen):
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpitrain", "train", str(JOBS / "tinyshakespeare_gpt.toml"),
+           "--set", f"data.path={text_data}", *GPT_ARGS, "--run-dir", str(run_dir), *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+def finish(proc, timeout=120):
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, out, err
+
+
+def wait_for_checkpoint(run_dir, step, proc, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done = checkpoint.listed(run_dir)
+        if done and int(done[-1].stem.split("-")[1]) >= step:
+            return
+        assert proc.poll() is None, "the run ended before it could be stopped"
+        time.sleep(0.005)
+    raise TimeoutError(f"no checkpoint of step >= {step} in {run_dir}")
+
+
+def ranks_of(proc) -> list[int]:
+    """The pids of the rank processes under an mpiexec (Linux /proc)."""
+    found, todo = [], [proc.pid]
+    while todo:
+        pid = todo.pop()
+        try:
+            children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        except OSError:
+            continue
+        for child in map(int, children):
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            (found if b"mpitrain" in cmdline and b"python" in cmdline else todo).append(child)
+    return sorted(found)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted 2-rank run's final checkpoint, and its data."""
+    from mpitrain_datasets import text
+
+    root = tmp_path_factory.mktemp("reference")
+    src = root / "input.txt"
+    words = np.random.default_rng(0).choice(["to be", "or not", "that is", "the question"], 3000)
+    src.write_text("\n".join(words) + "\n")
+    text.text(src, root / "shards")
+    code, out, err = finish(launch(root / "shards", root / "run"))
+    assert code == 0, err
+    return root / "shards", checkpoint.path_for(root / "run", 400)
+
+
+@needs_mpiexec
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the ranks through Linux /proc")
+def test_sigkill_at_a_random_step_then_resume_is_bit_identical(reference, tmp_path):
+    data, final = reference
+    step = random.Random().randrange(40, 300, 10)
+    proc = launch(data, tmp_path / "run", start_new_session=True)
+    wait_for_checkpoint(tmp_path / "run", step, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    killed_at = int(checkpoint.listed(tmp_path / "run")[-1].stem.split("-")[1])
+    assert killed_at < 400, "the run was not killed before its end"
+    code, out, err = finish(launch(data, tmp_path / "run", "--resume"))
+    assert code == 0, err
+    assert f"at step {killed_at}" in out
+    assert_identical(final, checkpoint.path_for(tmp_path / "run", 400))
+    steps = [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"]
+    assert steps == list(range(50, 401, 50)), f"killed at {step}"
+
+
+@needs_mpiexec
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the ranks through Linux /proc")
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
+def test_a_signal_to_one_rank_checkpoints_and_exits_0_then_resume_is_bit_identical(reference, tmp_path, sig):
+    data, final = reference
+    proc = launch(data, tmp_path / "run")
+    wait_for_checkpoint(tmp_path / "run", 60, proc)
+    ranks = ranks_of(proc)
+    assert len(ranks) == 2
+    os.kill(ranks[1], getattr(signal, sig))
+    code, out, err = finish(proc)
+    assert code == 0, err
+    stopped = [line for line in out.splitlines() if line.startswith("stopped by")]
+    assert len(stopped) == 1 and "resume with --resume" in stopped[0], out
+    at = int(stopped[0].split("after step ")[1].split(";")[0])
+    assert checkpoint.listed(tmp_path / "run")[-1] == checkpoint.path_for(tmp_path / "run", at)
+    code, out, err = finish(launch(data, tmp_path / "run", "--resume"))
+    assert code == 0, err
+    assert_identical(final, checkpoint.path_for(tmp_path / "run", 400))

@@ -1,0 +1,42 @@
+"""MPI tier: ``mpitrain bench allreduce`` and ``bench ddp`` run end to end on small sizes
+and report every variant (their figures are measurements, so only their form is tested)."""
+
+import math
+
+import pytest
+
+from mpitrain.comm import world
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bench_allreduce_reports_every_size_for_each_group():
+    from mpitrain.bench import allreduce
+
+    lines = []
+    rows = allreduce.run(repeats=1, sizes=[4 << 10, 64 << 10], log=lines.append)
+    groups = [p for p in (2, 4) if p <= world().size]
+    mine = [p for p in groups if world().rank < p]
+    assert [(r["ranks"], r["bytes"]) for r in rows] == [(p, n) for p in mine for n in (4 << 10, 64 << 10)]
+    for r in rows:
+        assert all(math.isfinite(r[k]) and r[k] > 0 for k in ("mpi", "ring", "bound"))
+    if world().rank == 0:
+        assert any("ring/mpi" in line for line in lines) and any("64 KiB" in line for line in lines)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bench_ddp_times_every_variant(monkeypatch):
+    from mpitrain.bench import ddp
+
+    if world().size != 2:
+        pytest.skip("bench ddp runs on exactly 2 ranks")
+    monkeypatch.setitem(ddp.MODELS, "tiny", dict(n_layer=1, n_head=2, n_embd=16, block_size=8, batch=4))
+    lines = []
+    med = ddp.run(models=("tiny",), rounds=1, steps=2, bucket_mb=1e-3, log=lines.append)["tiny"]
+    variants = {"1 rank", "2 ranks, no comm", "2 ranks, ddp (off)", "2 ranks, ddp (test)", "2 ranks, ddp (none)",
+                "allreduce alone (blocking)", "allreduce alone (started)"}
+    assert variants <= set(med) and all(med[k] > 0 for k in variants)
+    if world().rank == 0:
+        assert any("exposed" in line and "vs off" in line for line in lines)
+        assert any(line.startswith("  total communication") for line in lines)
+        assert any(line.startswith("  probe:") for line in lines)
+    assert {"compute", "allreduce", "test", "none"} <= set(med["probe"])

@@ -1,0 +1,68 @@
+"""MPI tier: a checkpoint resumes at another rank count, and across ddp and ZeRO-1.
+
+A run on all ranks saves at step 8 and goes on to step 16; the same checkpoint resumed
+in one process (and a one-process checkpoint resumed on all ranks) must end within
+float32 tolerance of it: only the order of the gradient sums differs."""
+
+import shutil
+
+import numpy as np
+import pytest
+from test_checkpoint import arrays
+from test_data import image_set
+from test_mpi_data import shared_dir
+
+from mpitrain import checkpoint, config, train
+
+
+def cfg(data, run_dir, strategy):
+    return config.from_dict({
+        "model": {"name": "lenet", "channels": [2, 4], "hidden": 8}, "data": {"path": str(data), "shift": 1},
+        "optim": {"name": "adamw", "lr": 3e-3, "grad_clip": 1.0},
+        "train": {"global_batch_size": 64, "steps": 16, "log_interval": 4, "threads": 1},
+        "parallel": {"strategy": strategy},
+        "run": {"dir": str(run_dir), "checkpoint_interval": 8, "keep": 5}})
+
+
+def quiet(*args):
+    pass
+
+
+def close(a, b):
+    a, b = arrays(a), arrays(b)
+    assert a.keys() == b.keys()
+    for k in a:
+        if a[k].dtype.kind == "f":
+            scale = max(1e-3, float(np.abs(a[k]).max()))
+            assert np.abs(a[k] - b[k]).max() <= 1e-5 * scale, k
+        else:
+            assert np.array_equal(a[k], b[k]), k
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("saved_by,resumed_by", [("ddp", "ddp"), ("zero1", "ddp"), ("ddp", "zero1"),
+                                                 ("zero1", "zero1")])
+def test_a_checkpoint_resumes_on_another_number_of_ranks(saved_by, resumed_by):
+    from mpitrain.comm import SingleComm, world
+
+    comm = world()
+    root = shared_dir(comm)
+    if comm.rank == 0:
+        image_set(root / "d", n=960, test=64)
+    comm.barrier()
+    # P ranks all the way; the step-8 checkpoint, resumed by one process
+    train.train(cfg(root / "d", root / "p", saved_by), log=quiet, comm=comm)
+    mine = root / f"one-{comm.rank}"
+    (mine / "checkpoints").mkdir(parents=True)
+    shutil.copy(checkpoint.path_for(root / "p", 8), mine / "checkpoints")
+    train.train(cfg(root / "d", mine, resumed_by), log=quiet, comm=SingleComm(), resume=True)
+    close(checkpoint.path_for(root / "p", 16), checkpoint.path_for(mine, 16))
+    comm.barrier()
+    # and the other way: one process saves, P ranks resume
+    if comm.rank == 0:
+        train.train(cfg(root / "d", root / "s", saved_by), log=quiet, comm=SingleComm())
+        (root / "q" / "checkpoints").mkdir(parents=True)
+        shutil.copy(checkpoint.path_for(root / "s", 8), root / "q" / "checkpoints")
+    comm.barrier()
+    train.train(cfg(root / "d", root / "q", resumed_by), log=quiet, comm=comm, resume=True)
+    close(checkpoint.path_for(root / "s", 16), checkpoint.path_for(root / "q", 16))
