@@ -1,4 +1,5 @@
-"""The ``mpitrain`` command: ``train``, ``data build | verify | info``, ``bench step | io``.
+"""The ``mpitrain`` command: ``train``, ``report``, ``data build | verify | info``,
+``bench step | io | allreduce | ddp``.
 
 Commands that may run under ``mpiexec`` (``train``, ``bench io``) start MPI through
 :func:`mpitrain.comm.world`. Errors about the input (config, data) are raised on every
@@ -31,6 +32,16 @@ def _train(args) -> int:
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(run_dir)))
     par = cfg.parallel
     train.train(cfg, comm=world(par.thread_level, comm_thread=par.progress == "thread"), resume=args.resume)
+    return 0
+
+
+def _report(args) -> int:
+    from mpitrain.observe.report import ReportError, report
+
+    try:
+        report(args.run_dirs, out=args.out)
+    except ReportError as e:
+        raise _failure(str(e)) from None
     return 0
 
 
@@ -135,6 +146,10 @@ class _usage(ValueError):
     """A command-line mistake found after parsing."""
 
 
+class _failure(ValueError):
+    """A problem with the input a command was given: one line, exit status 2."""
+
+
 def _bench_step(args) -> int:
     from mpitrain.bench import step
 
@@ -215,6 +230,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="MPI thread level (default auto, as parallel.thread_level)")
     p.set_defaults(run=_bench_ddp)
 
+    p = commands.add_parser("report", help="plots and a summary of finished runs",
+                            description="Draw PNG plots (loss, time per rank, throughput) and a text summary "
+                                        "from each run directory's metrics.jsonl, into RUN_DIR/report/; with "
+                                        "runs of one job at several rank counts, also scaling.png.")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories of 'mpitrain train'")
+    p.add_argument("--out", help="where to write (one run: instead of RUN_DIR/report; several: scaling.png, "
+                                 "default next to the first run)")
+    p.set_defaults(run=_report)
+
     from mpitrain_datasets import RECIPES
 
     data = commands.add_parser("data", help="build, check and describe shard datasets",
@@ -251,11 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from mpitrain.checkpoint import CheckpointError
     from mpitrain.comm import abort_on_exception, started_world
     from mpitrain.config import ConfigError
     from mpitrain.data import DataError
-
-    from mpitrain.checkpoint import CheckpointError
 
     def once(message: str) -> None:
         world = started_world()
@@ -263,11 +286,11 @@ def main(argv=None) -> int:
             print(message, file=sys.stderr)
 
     try:
-        with abort_on_exception(expected=(ConfigError, DataError, CheckpointError, FloatingPointError, _usage)):
+        with abort_on_exception(expected=(ConfigError, DataError, CheckpointError, FloatingPointError, _usage, _failure)):
             return args.run(args)
     except _usage as e:
         parser.error(str(e))
-    except (ConfigError, DataError, CheckpointError) as e:
+    except (ConfigError, DataError, CheckpointError, _failure) as e:
         once(f"mpitrain: error: {e}")
         return 2
     except FloatingPointError as e:

@@ -54,6 +54,7 @@ class Tag(enum.IntEnum):
     """Every point-to-point tag mpitrain uses."""
 
     RING = 1  # a step of a ring reduce-scatter or allgather
+    WATCHDOG = 2  # a rank's state, sent to rank 0 by its stall watchdog
 
 
 @dataclass
@@ -211,6 +212,16 @@ class Comm(SingleComm):
 
     def irecv(self, buf: np.ndarray, source: int, tag: Tag) -> Request:
         return Request(self.mpi.Irecv(buf, source, tag), self.stats)
+
+    def poll(self, source: int, tag: Tag) -> bool:
+        """Whether a message from ``source`` (``-1``: anyone) with ``tag`` is waiting."""
+        return bool(self.mpi.Iprobe(source if source >= 0 else _mpi().ANY_SOURCE, tag))
+
+    def recv_any(self, buf: np.ndarray, tag: Tag) -> int:
+        """Receive one message with ``tag`` from any rank into ``buf``; returns the sender."""
+        status = _mpi().Status()
+        self.mpi.Recv(buf, _mpi().ANY_SOURCE, tag, status)
+        return status.Get_source()
 
     def waitall(self, requests: list[Request]) -> None:
         live = [r for r in requests if not r.done]

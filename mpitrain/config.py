@@ -129,6 +129,9 @@ class RunConfig:
     checkpoint_interval: int = 0  # steps between checkpoints; 0: only at the end and on SIGTERM/SIGUSR1
     keep: int = 3  # checkpoints kept (the newest ones)
     on_nan: str = "stop"  # a non-finite loss: stop (exit 1, naming the last good checkpoint) | skip the step
+    timeline: bool = False  # write RUN_DIR/timeline.json (Chrome trace: per-rank compute, communication, I/O)
+    stall_warn_s: float = 60.0  # a collective waiting this long: say which ranks are not there (0: never)
+    stall_abort_s: float = 600.0  # ... and this long: abort every rank (0: never)
 
 
 @dataclass(frozen=True)
@@ -333,6 +336,10 @@ def validate(cfg: Config) -> None:
              r.checkpoint_interval)
     _require(r.keep >= 1, "run.keep", "must be >= 1", r.keep)
     _require(r.on_nan in ("stop", "skip"), "run.on_nan", "must be 'stop' or 'skip'", r.on_nan)
+    _require(r.stall_warn_s >= 0, "run.stall_warn_s", "must be >= 0 (0: never)", r.stall_warn_s)
+    _require(r.stall_abort_s >= 0, "run.stall_abort_s", "must be >= 0 (0: never)", r.stall_abort_s)
+    _require(not (r.stall_abort_s and r.stall_warn_s) or r.stall_abort_s > r.stall_warn_s, "run.stall_abort_s",
+             f"must be more than run.stall_warn_s = {r.stall_warn_s}", r.stall_abort_s)
     _require(not r.dir or not Path(r.dir).exists() or Path(r.dir).is_dir(), "run.dir",
              "exists and is not a directory", r.dir)
 

@@ -37,12 +37,14 @@ from mpitrain.data.loader import SAMPLING, normalize, random_shift, shifts
 from mpitrain.observe.flops import FlopCount
 from mpitrain.observe.io import io_row, io_table
 from mpitrain.observe.metrics import MetricsLog
+from mpitrain.observe.timeline import Timeline
 from mpitrain.observe.timing import time_table
 from mpitrain.parallel.data_parallel import DataParallel
 from mpitrain.parallel.zero import Zero1
 from mpitrain.runtime import blas_threads, limit_blas_threads, tune_allocator
 from mpitrain.tensor import Tensor, default_dtype, no_grad, observe_ops
 from mpitrain.topology import ProcessGrid
+from mpitrain.watchdog import Watchdog
 
 EVAL_BATCH_PER_RANK = 250  # images per rank per evaluation batch
 
@@ -138,14 +140,23 @@ def text_loss(model: nn.Module, x: np.ndarray, y: np.ndarray) -> Tensor:
     return model(x, y)[1]
 
 
-def backward(model: nn.Module, loss_fn, x, y, parallel) -> float:
-    """Forward and backward on this rank's part of one batch; with data parallelism the
-    gradients are averaged over ranks when it returns. Returns this rank's loss."""
+def backward(model: nn.Module, loss_fn, x, y, timeline=None) -> float:
+    """Forward and backward on this rank's part of one batch (with data parallelism the
+    buckets' allreduces start during backward); returns this rank's loss."""
     loss = loss_fn(model, x, y)
+    if timeline is not None:
+        timeline.backward_starts()
     loss.backward()
-    if isinstance(parallel, DataParallel):
-        parallel.finish()
     return loss.item()
+
+
+def layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's layers as the timeline shows them: a GPT's embedding, blocks and
+    head; a CNN's top-level modules."""
+    if isinstance(model, nn.GPT):
+        return [("embed", model.embed), *((f"block {i}", b) for i, b in enumerate(model.blocks)),
+                ("head", model.head)]
+    return [(name, m) for name, m in model._modules.items()]
 
 
 def update(model: nn.Module, opt: optim.Optimizer, parallel, lr: float, grad_clip: float) -> None:
@@ -383,12 +394,26 @@ def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: Sh
     result = Result(start_step=first)
     flops = FlopCount()
     metrics = MetricsLog(Path(run.dir) / "metrics.jsonl" if run.dir and comm.rank == 0 else None, first)
+    timeline = Timeline(comm) if run.timeline and run.dir else None
+    if timeline is not None:
+        timeline.instrument(layers(model))
+        reader.on_read = lambda start, end, nbytes: timeline.add("read", "io", "io", start, end, bytes=nbytes)
+        if isinstance(parallel, DataParallel):
+            parallel.on_bucket = lambda i, start, end, nbytes: timeline.add(
+                f"allreduce bucket {i}", "communication", "communication", start, end, bytes=nbytes)
+    traced = timeline.span if timeline is not None else _untraced
+    metrics.write("start", step=first, total_steps=total, steps_per_epoch=reader.steps_per_epoch, ranks=comm.size,
+                  config=cfg.to_dict())
     window_loss, window_steps, window_time = 0.0, 0, 0.0
     train_seconds = 0.0  # optimizer steps only, without data and evaluation
     epoch_seconds: dict[int, float] = {}
     start = time.perf_counter()
 
     def evaluate(step: int) -> None:
+        with traced("evaluate", "evaluate"):
+            _evaluate(step)
+
+    def _evaluate(step: int) -> None:
         parallel.sync_buffers()
         if is_text:
             result.val_loss = evaluate_text(model, data, cfg, comm)
@@ -423,8 +448,9 @@ def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: Sh
             return
         parallel.sync_buffers()  # one set of batch-norm statistics, the same that any rank would save
         epoch, epoch_step = divmod(step, reader.steps_per_epoch)
-        path = checkpoint.save(run.dir, step, model=model, optimizer=opt, parallel=parallel, cfg=cfg, comm=comm,
-                               keep=run.keep, epoch=epoch, epoch_step=epoch_step)
+        with traced("checkpoint", "checkpoint"):
+            path = checkpoint.save(run.dir, step, model=model, optimizer=opt, parallel=parallel, cfg=cfg, comm=comm,
+                                   keep=run.keep, epoch=epoch, epoch_step=epoch_step)
         result.checkpoint = str(path)
         metrics.write("checkpoint", step=step, path=str(path), why=why)
         log(f"step {step}: checkpoint {path} ({why})")
@@ -434,8 +460,12 @@ def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: Sh
     epoch = max(0, first - 1) // reader.steps_per_epoch  # a boundary just passed still evaluates
     first_epoch, first_step = divmod(first, reader.steps_per_epoch)
     batches = reader.batches(first_epoch, first_step=first_step)
-    with stop:
+    waiting = time.perf_counter()
+    watchdog = Watchdog(comm, run.stall_warn_s, run.stall_abort_s)  # prints on every rank
+    with stop, contextlib.closing(watchdog):
         for batch in batches:
+            if timeline is not None:
+                timeline.add("data wait", "io", "compute", waiting, time.perf_counter())
             if step >= total:
                 break
             if batch.epoch != epoch:
@@ -446,11 +476,17 @@ def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: Sh
             x, y = _inputs(cfg, data, batch)
             lr = schedule(step)
             tick = time.perf_counter()
-            with observe_ops(flops) if not flops.total else contextlib.nullcontext():
-                loss = backward(model, loss_fn, x, y, parallel)
-            loss, stopping = _agree_on_step(comm, loss, stop.received or 0)
+            with observe_ops(flops) if not flops.total else contextlib.nullcontext(), watchdog.phase(step, "computing"):
+                loss = backward(model, loss_fn, x, y, timeline)
+            if isinstance(parallel, DataParallel):
+                with traced("finish", "communication"), watchdog.phase(step, "gradient exchange"):
+                    parallel.finish()  # wait for the buckets, average
+            with watchdog.phase(step, "agreeing on the step"):
+                loss, stopping = _agree_on_step(comm, loss, stop.received or 0)
             if np.isfinite(loss):
-                update(model, opt, parallel, lr, o.grad_clip)
+                with traced("optimizer", "optimizer"), watchdog.phase(
+                        step, "ZeRO-1 update" if isinstance(parallel, Zero1) else "computing"):
+                    update(model, opt, parallel, lr, o.grad_clip)
             elif run.on_nan == "skip":
                 discard(opt, parallel)
                 result.skipped += 1
@@ -488,16 +524,27 @@ def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: Sh
                 save(step, f"every {run.checkpoint_interval} steps")
             if t.eval_interval and step % t.eval_interval == 0 and step != total:
                 evaluate(step)
+            waiting = time.perf_counter()
     batches.close()
     report_io(epoch)
+
+    def write_timeline() -> None:
+        if timeline is not None:
+            timeline.close()
+            where = timeline.write(Path(run.dir) / "timeline.json")
+            if where is not None:
+                log(f"timeline: {where} (open it in https://ui.perfetto.dev or chrome://tracing)")
+
     result.steps = step
     if result.stopped:
         how = f"resume with --resume (run directory {run.dir})" if run.dir else "nothing was saved: no run.dir"
         log(f"stopped by {result.stopped} after step {step}; {how}")
         metrics.write("stopped", step=step, signal=result.stopped)
+        write_timeline()
         return result
 
     evaluate(total)
+    write_timeline()
     result.seconds = time.perf_counter() - start
     done = total - first
     result.samples_per_s = done * t.global_batch_size / train_seconds if train_seconds else 0.0
@@ -520,7 +567,8 @@ def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: Sh
                              generator=np.random.default_rng((t.seed, SAMPLING)))
         result.sample = data.decode(ids[0, 1:])
         log("sample:\n" + result.sample)
-    metrics.write("end", step=total, seconds=result.seconds, samples_per_s=result.samples_per_s,
+    metrics.write("end", step=total, steps_timed=done, steps_per_epoch=reader.steps_per_epoch,
+                  seconds=result.seconds, samples_per_s=result.samples_per_s,
                   gflops_per_s=result.gflops_per_s, stall_fraction=result.stall_fraction,
                   ranks=[dict(zip(TIME_FIELDS, row)) for row in rows or ()])
     log(f"done: {done} steps in {result.seconds:.1f} s; training steps {train_seconds:.1f} s, "
@@ -530,6 +578,11 @@ def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: Sh
 
 
 TIME_FIELDS = ("rank", "step_s", "comm_exposed_s", "comm_total_s", "read_s", "wait_s", "bytes_sent")
+
+
+@contextlib.contextmanager
+def _untraced(*args, **kwargs):
+    yield
 
 
 def _signal_name(signum: int) -> str:

@@ -7,6 +7,7 @@ import os
 import sys
 import tempfile
 
+import numpy as np
 import pytest
 
 # embedded datasets built by tests go to a scratch cache, not the user's ~/.cache
@@ -24,3 +25,15 @@ def pytest_runtest_makereport(item, call):
                          f"[rank {rank}] aborting the MPI run\n")
         sys.stderr.flush()
         mpi.COMM_WORLD.Abort(1)
+
+
+@pytest.fixture
+def text_data(tmp_path):
+    """A shard directory of a small text (90/10 split)."""
+    from mpitrain_datasets import text
+
+    p = tmp_path / "input.txt"
+    words = np.random.default_rng(0).choice(["to be", "or not", "that is", "the question"], 600)
+    p.write_text("\n".join(words) + "\n")
+    text.text(p, tmp_path / "shards")
+    return tmp_path / "shards"

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from test_comm import MPIEXEC, needs_mpiexec
 from test_data import image_set
-from test_train import JOBS, text_data  # noqa: F401  (a fixture)
+from test_train import JOBS
 
 from mpitrain import checkpoint, config, train
 from mpitrain.observe.metrics import read as read_metrics
@@ -226,7 +226,7 @@ def reference(tmp_path_factory):
     words = np.random.default_rng(0).choice(["to be", "or not", "that is", "the question"], 3000)
     src.write_text("\n".join(words) + "\n")
     text.text(src, root / "shards")
-    code, out, err = finish(launch(root / "shards", root / "run"))
+    code, _, err = finish(launch(root / "shards", root / "run"))
     assert code == 0, err
     return root / "shards", checkpoint.path_for(root / "run", 400)
 

@@ -102,3 +102,41 @@ def test_a_rank_that_raises_mid_step_ends_the_job_within_10_s():
     assert out.stderr.count("RuntimeError: injected failure on rank 1 at step 2") == 1
     assert "[rank 1]" in out.stderr and "aborting all 2 ranks" in out.stderr
     assert seconds < 10
+
+
+STALL = ("import sys, time\n"
+         "import numpy as np\n"
+         "from mpitrain.comm import world, abort_on_exception\n"
+         "from mpitrain.watchdog import Watchdog\n"
+         "with abort_on_exception():\n"
+         "    comm = world()\n"
+         "    dog = Watchdog(comm, warn_after=0.5, abort_after=float(sys.argv[1]), interval=0.1)\n"
+         "    for step in range(3):\n"
+         "        with dog.phase(step, 'computing'):\n"
+         "            if comm.rank == 1 and step == 2:\n"
+         "                time.sleep(float(sys.argv[2]))\n"
+         "        with dog.phase(step, 'agreeing on the step'):\n"
+         "            comm.allreduce(np.zeros(1))\n"
+         "    dog.close()\n"
+         "    print(f'rank {comm.rank} done', flush=True)\n")
+
+
+@needs_mpiexec
+def test_the_stall_watchdog_names_the_missing_rank_then_aborts():
+    tick = time.perf_counter()
+    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", STALL, "2.0", "30"], capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert out.returncode != 0 and time.perf_counter() - tick < 10
+    warned = [line for line in out.stderr.splitlines() if line.startswith("[rank 0] stall:")]
+    assert len(warned) == 1, out.stderr
+    assert "in 'agreeing on the step' at step 2; not there: rank 1 (step 2, computing for" in warned[0]
+    assert "[rank 0] aborting: waited 2 s" in out.stderr and "ending all 2 ranks (run.stall_abort_s = 2)" in out.stderr
+    assert "done" not in out.stdout
+
+
+@needs_mpiexec
+def test_a_stall_shorter_than_the_abort_limit_only_warns():
+    out = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-c", STALL, "0", "1.5"], capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("[rank 0] stall:") == 1 and "rank 0 done" in out.stdout and "rank 1 done" in out.stdout

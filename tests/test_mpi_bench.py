@@ -29,7 +29,7 @@ def test_bench_ddp_times_every_variant(monkeypatch):
 
     if world().size != 2:
         pytest.skip("bench ddp runs on exactly 2 ranks")
-    monkeypatch.setitem(ddp.MODELS, "tiny", dict(n_layer=1, n_head=2, n_embd=16, block_size=8, batch=4))
+    monkeypatch.setitem(ddp.MODELS, "tiny", {"n_layer": 1, "n_head": 2, "n_embd": 16, "block_size": 8, "batch": 4})
     lines = []
     med = ddp.run(models=("tiny",), rounds=1, steps=2, bucket_mb=1e-3, log=lines.append)["tiny"]
     variants = {"1 rank", "2 ranks, no comm", "2 ranks, ddp (off)", "2 ranks, ddp (test)", "2 ranks, ddp (none)",

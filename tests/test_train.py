@@ -21,18 +21,6 @@ def mpitrain(*args, cwd=None):
                           cwd=cwd or tempfile.mkdtemp(prefix="mpitrain-cli-"), timeout=240)
 
 
-@pytest.fixture
-def text_data(tmp_path):
-    """A shard directory of a small text (90/10 split)."""
-    from mpitrain_datasets import text
-
-    p = tmp_path / "input.txt"
-    words = np.random.default_rng(0).choice(["to be", "or not", "that is", "the question"], 600)
-    p.write_text("\n".join(words) + "\n")
-    text.text(p, tmp_path / "shards")
-    return tmp_path / "shards"
-
-
 def tiny_gpt(text_data, *extra):
     return config.load(JOBS / "tinyshakespeare_gpt.toml", [
         f"data.path={text_data}", "model.n_layer=2", "model.n_embd=32", "model.n_head=2",

@@ -211,6 +211,7 @@ class ShardReader:
         self.stats: dict[int, IOStats] = {}
         self._lock = threading.Lock()
         self._spare: list[dict] = []  # read buffers kept between iterations (see _produce)
+        self.on_read = None  # called (start, end, bytes) after each round's read, from the reader thread
 
     @property
     def steps_per_epoch(self) -> int:
@@ -256,6 +257,8 @@ class ShardReader:
             if head < count:
                 nbytes += self.items.read(0, count - head, rows[head:], labs[head:], plan.token_offset_draw)
         read_s = time.perf_counter() - tick
+        if self.on_read is not None:
+            self.on_read(tick, tick + read_s, nbytes)
         perm = plan.permutations(round_id, length)[lanes]  # (b, k)
         take = np.arange(b)[None, :] * length + perm.T  # (k, b) flat index into the blocks
         x = block.reshape(b * length, *shape).take(take, axis=0)  # (k, b, ...)

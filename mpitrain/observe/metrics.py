@@ -2,13 +2,16 @@
 
 Every record has ``kind`` and ``time`` (Unix seconds); the kinds the trainer writes:
 
+* ``start``, once per process (a resumed run adds one): ``step`` (0, or the
+  checkpoint's), ``total_steps``, ``steps_per_epoch``, ``ranks``, the resolved ``config``;
 * ``train``, each ``train.log_interval`` steps: ``step``, ``epoch``, ``loss`` (mean over
   the steps since the last record), ``lr``, ``samples_per_s``, ``gflops_per_s``, and
   ``ranks``: per rank, the seconds so far of training steps (``step_s``), of
   communication exposed and in total, of reading and of waiting for data, and bytes sent;
 * ``eval``: ``step``, ``val_loss`` (text) or ``test_accuracy`` and ``test_loss`` (images);
 * ``checkpoint``: ``step``, ``path``, ``why``; ``stopped``: ``step``, ``signal``;
-* ``end``: the run's totals, with the same per-rank figures.
+* ``end``: the run's totals (``steps_timed`` by this process), with the same per-rank
+  figures.
 
 A resumed run keeps the records up to its checkpoint's step and drops the later ones
 (the killed run's steps, which it does again), so the file reads as one run.

@@ -148,6 +148,7 @@ class DataParallel:
         self._sync = True
         self._next = 0  # the first bucket not started in this pass
         self.stats = StepStats()
+        self.on_bucket = None  # called (bucket index, start, end, bytes) as each allreduce completes
         self._thread = self._queue = None
         if progress == "thread" and dp_comm.size > 1:
             self._queue = queue.Queue()
@@ -223,7 +224,10 @@ class DataParallel:
             bucket.request = iallreduce(bucket.comm, bucket.flat, self.algorithm)
 
     def _completed(self, bucket: Bucket) -> None:
-        self.stats.total_seconds += time.perf_counter() - bucket.started
+        end = time.perf_counter()
+        self.stats.total_seconds += end - bucket.started
+        if self.on_bucket is not None:
+            self.on_bucket(self.buckets.index(bucket), bucket.started, end, bucket.flat.nbytes)
         bucket.done.set()
 
     def _communicate(self) -> None:

@@ -1,4 +1,5 @@
-"""MPI tier: a checkpoint resumes at another rank count, and across ddp and ZeRO-1.
+"""MPI tier: what a multi-rank run leaves behind: checkpoints that resume at another
+rank count and across ddp and ZeRO-1, and the merged timeline.
 
 A run on all ranks saves at step 8 and goes on to step 16; the same checkpoint resumed
 in one process (and a one-process checkpoint resumed on all ranks) must end within
@@ -66,3 +67,42 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(saved_by, resumed_by):
     comm.barrier()
     train.train(cfg(root / "d", root / "q", resumed_by), log=quiet, comm=comm, resume=True)
     close(checkpoint.path_for(root / "s", 16), checkpoint.path_for(root / "q", 16))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_merged_timeline_shows_communication_overlapping_backward_on_each_rank():
+    import json
+
+    from test_data import text_set
+
+    from mpitrain.comm import world
+
+    comm = world()
+    root = shared_dir(comm)
+    if comm.rank == 0:
+        text_set(root / "t")
+    comm.barrier()
+    cfg = config.from_dict({
+        "model": {"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 16},
+        "data": {"path": str(root / "t")}, "optim": {"name": "adamw"},
+        "train": {"global_batch_size": 8, "steps": 6, "log_interval": 3, "eval_batches": 1, "sample_tokens": 0,
+                  "threads": 1},
+        "parallel": {"bucket_mb": 0.01}, "run": {"dir": str(root / "run"), "timeline": True}})
+    train.train(cfg, log=quiet, comm=comm)
+    if comm.rank != 0:
+        return
+    events = json.loads((root / "run" / "timeline.json").read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {r: f"rank {r}" for r in range(comm.size)}
+    for rank in range(comm.size):
+        mine = [e for e in spans if e["pid"] == rank]
+        kinds = {e["cat"] for e in mine}
+        assert {"forward", "backward", "communication", "optimizer", "io", "evaluate", "checkpoint"} <= kinds
+        assert sum(e["name"] == "backward block 0" for e in mine) == 6
+        buckets = [e for e in mine if e["name"].startswith("allreduce bucket")]
+        backward = [e for e in mine if e["cat"] == "backward"]
+        # a bucket started during backward runs while a later layer's backward computes
+        overlapping = [(c, b) for c in buckets for b in backward
+                       if c["tid"] != b["tid"] and c["ts"] <= b["ts"] < c["ts"] + c["dur"]]
+        assert overlapping, f"rank {rank}: no allreduce overlaps a backward event"

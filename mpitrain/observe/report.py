@@ -1,0 +1,213 @@
+"""``mpitrain report RUN_DIR [RUN_DIR ...]``: plots and a summary from ``metrics.jsonl``.
+
+For each run directory it writes, into ``RUN_DIR/report/`` (or ``--out``):
+
+* ``loss.png``: the training loss against steps, with the evaluations (validation
+  loss, or test accuracy) on a second axis;
+* ``time_per_rank.png``: where each rank's time went over the run: computing, exposed
+  communication, waiting for data, as stacked bars, and the reads the background thread
+  did while the rank computed beside them;
+* ``throughput.png``: samples/s against steps;
+* ``summary.txt``: the run in a few lines (also printed).
+
+Given several runs of one job at different rank counts (a scaling study, see
+``jobs/scaling_local.sh``), it also writes ``scaling.png``: the epoch time and the
+parallel efficiency ``T(1) / (P x T(P))`` against the number of ranks, into ``--out``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display needed (clusters, CI)
+import matplotlib.pyplot as plt
+
+from mpitrain.observe.metrics import read
+
+
+class ReportError(ValueError):
+    """A run directory that cannot be reported on; the message names it."""
+
+
+class Run:
+    """The records of one run directory, by kind."""
+
+    def __init__(self, run_dir):
+        self.dir = Path(run_dir)
+        path = self.dir / "metrics.jsonl"
+        if not path.is_file():
+            raise ReportError(f"{self.dir}: no metrics.jsonl (is it a run directory of 'mpitrain train'?)")
+        records = read(path)
+        self.kinds: dict[str, list] = {}
+        for r in records:
+            self.kinds.setdefault(r.get("kind"), []).append(r)
+        if not self.kinds.get("start"):
+            raise ReportError(f"{path}: no 'start' record: not written by this mpitrain, or empty")
+        self.start = self.kinds["start"][-1]
+        self.train = self.kinds.get("train", [])
+        self.evals = self.kinds.get("eval", [])
+        self.end = (self.kinds.get("end") or [None])[-1]
+        self.ranks = int(self.start["ranks"])
+        self.config = self.start["config"]
+
+    @property
+    def name(self) -> str:
+        return self.dir.name
+
+    def per_rank(self) -> list[dict]:
+        """Each rank's cumulative seconds and bytes: from the end of the run, or the
+        last progress record of an unfinished one."""
+        last = self.end or (self.train[-1] if self.train else None)
+        return last["ranks"] if last else []
+
+    def epoch_seconds(self) -> float:
+        """Training seconds per epoch (the slowest rank's), from the end record."""
+        if self.end is None or not self.end.get("steps_timed"):
+            raise ReportError(f"{self.dir}: the run did not finish, no epoch time")
+        slowest = max(r["step_s"] for r in self.end["ranks"])
+        return slowest / self.end["steps_timed"] * self.end["steps_per_epoch"]
+
+
+def report(run_dirs, out=None, log=print) -> list[Path]:
+    """Write the plots and summaries; returns the files written."""
+    runs = [Run(d) for d in run_dirs]
+    written = []
+    for run in runs:
+        target = Path(out) if out and len(runs) == 1 else run.dir / "report"
+        target.mkdir(parents=True, exist_ok=True)
+        written += [_loss(run, target / "loss.png"), _time_per_rank(run, target / "time_per_rank.png"),
+                    _throughput(run, target / "throughput.png")]
+        text = summary(run)
+        (target / "summary.txt").write_text(text + "\n", encoding="utf-8")
+        written.append(target / "summary.txt")
+        log(text)
+    if len(runs) > 1:
+        target = Path(out) if out else runs[0].dir.parent / "scaling"
+        target.mkdir(parents=True, exist_ok=True)
+        written.append(_scaling(runs, target / "scaling.png", log))
+    for path in written:
+        log(f"wrote {path}")
+    return written
+
+
+def summary(run: Run) -> str:
+    c = run.config
+    lines = [(f"run {run.dir}: {c['model']['name']} on {c['data']['path'] or c['data']['name']}, "
+              f"{run.ranks} rank(s), {c['parallel']['strategy']}, global batch {c['train']['global_batch_size']}")]
+    if run.train:
+        t = run.train[-1]
+        lines.append(f"  step {t['step']}/{run.start['total_steps']}: loss {t['loss']:.4f}, "
+                     f"{t['samples_per_s']:,.0f} samples/s")
+    for e in run.evals[-1:]:
+        what = (f"val loss {e['val_loss']:.4f}" if e.get("val_loss") is not None
+                else f"test accuracy {100 * e['test_accuracy']:.2f}%")
+        lines.append(f"  evaluation at step {e['step']}: {what}")
+    if run.end:
+        lines.append(f"  finished: {run.end['steps_timed']} steps in {run.end['seconds']:.1f} s, "
+                     f"{run.end['samples_per_s']:,.0f} samples/s, waited for data "
+                     f"{100 * run.end['stall_fraction']:.2f}% of step time")
+    else:
+        stops = run.kinds.get("stopped")
+        lines.append(f"  stopped by {stops[-1]['signal']} at step {stops[-1]['step']}" if stops else
+                     "  not finished (killed, or still running)")
+    for r in run.per_rank():
+        compute = r["step_s"] - r["comm_exposed_s"]
+        lines.append(f"  rank {r['rank']}: compute {compute:.2f} s, communication exposed {r['comm_exposed_s']:.2f} s "
+                     f"of {r['comm_total_s']:.2f} s, waiting for data {r['wait_s']:.2f} s, "
+                     f"{r['bytes_sent'] / 1e6:.1f} MB sent")
+    saved = run.kinds.get("checkpoint", [])
+    if saved:
+        lines.append(f"  last checkpoint: {saved[-1]['path']} (step {saved[-1]['step']})")
+    return "\n".join(lines)
+
+
+def _loss(run: Run, path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([t["step"] for t in run.train], [t["loss"] for t in run.train], label="training loss", color="C0")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    if run.evals:
+        steps = [e["step"] for e in run.evals]
+        if run.evals[-1].get("val_loss") is not None:
+            ax.plot(steps, [e["val_loss"] for e in run.evals], "o-", color="C1", label="validation loss")
+        else:
+            other = ax.twinx()
+            other.plot(steps, [100 * e["test_accuracy"] for e in run.evals], "o-", color="C1", label="test accuracy")
+            other.set_ylabel("test accuracy (%)")
+            other.legend(loc="center right")
+    ax.legend(loc="upper right")
+    ax.set_title(f"{run.name}: loss ({run.ranks} rank(s))")
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def _time_per_rank(run: Run, path: Path) -> Path:
+    rows = run.per_rank()
+    ranks = [r["rank"] for r in rows]
+    compute = [r["step_s"] - r["comm_exposed_s"] for r in rows]
+    exposed = [r["comm_exposed_s"] for r in rows]
+    wait = [r["wait_s"] for r in rows]
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(rows) + 3), 4))
+    width = 0.38
+    left = [r - width / 2 for r in ranks]
+    ax.bar(left, compute, width, label="compute", color="C0")
+    ax.bar(left, exposed, width, bottom=compute, label="communication (exposed)", color="C3")
+    ax.bar(left, wait, width, bottom=[a + b for a, b in zip(compute, exposed)], label="waiting for data", color="C2")
+    right = [r + width / 2 for r in ranks]
+    ax.bar(right, [r["comm_total_s"] for r in rows], width, label="communication (total)", color="C3", alpha=0.4)
+    ax.bar(right, [r["read_s"] for r in rows], width, bottom=[r["comm_total_s"] for r in rows],
+           label="reading (background)", color="C2", alpha=0.4)
+    ax.set_xticks(ranks, [f"rank {r}" for r in ranks])
+    ax.set_ylabel("seconds")
+    ax.set_title(f"{run.name}: where each rank's time went")
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _throughput(run: Run, path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot([t["step"] for t in run.train], [t["samples_per_s"] for t in run.train], color="C0")
+    ax.set_xlabel("step")
+    ax.set_ylabel("samples/s")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"{run.name}: throughput ({run.ranks} rank(s))")
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def _scaling(runs: list[Run], path: Path, log) -> Path:
+    runs = sorted(runs, key=lambda r: r.ranks)
+    if runs[0].ranks != 1:
+        raise ReportError(f"a scaling plot needs a 1-rank run to compare with; the runs have "
+                          f"{sorted(r.ranks for r in runs)} ranks")
+    ranks = [r.ranks for r in runs]
+    seconds = [r.epoch_seconds() for r in runs]
+    efficiency = [100 * seconds[0] / (p * s) for p, s in zip(ranks, seconds)]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(ranks, seconds, "o-")
+    a.set_xlabel("ranks")
+    a.set_ylabel("seconds per epoch")
+    a.set_xticks(ranks)
+    a.set_ylim(bottom=0)
+    a.set_title("epoch time")
+    b.plot(ranks, efficiency, "o-", color="C1")
+    b.axhline(100, color="grey", lw=0.8, ls="--")
+    b.set_xlabel("ranks")
+    b.set_ylabel("parallel efficiency (%)")
+    b.set_xticks(ranks)
+    b.set_ylim(0, 110)
+    b.set_title("efficiency T(1) / (P T(P))")
+    fig.suptitle(f"scaling of {runs[0].config['model']['name']}, global batch "
+                 f"{runs[0].config['train']['global_batch_size']}")
+    for p, s, e in zip(ranks, seconds, efficiency):
+        log(f"scaling: {p} rank(s): {s:.2f} s per epoch, speed-up x{seconds[0] / s:.2f}, efficiency {e:.0f}%")
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

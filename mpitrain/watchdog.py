@@ -1,0 +1,113 @@
+"""The stall watchdog: say which ranks have not arrived when a collective waits too long.
+
+A rank that hangs (an endless loop, a dead node, a deadlock) leaves the others blocked
+in their next collective with nothing printed. Following Horovod's stall inspector,
+each rank's training loop marks what it is doing (:meth:`Watchdog.phase`), and a
+background thread per rank, every ``interval`` seconds:
+
+* sends the rank's state (step, phase, seconds in it) to rank 0 on its own
+  duplicated communicator (``Isend``, tag ``WATCHDOG``);
+* on rank 0, collects every rank's latest state (``Iprobe`` + ``Recv``);
+* when this rank has waited in one collective phase longer than ``warn_after`` seconds,
+  prints the stall once: what it waits in, and for each rank that is not waiting there,
+  its step, its phase and how long ago it was heard from;
+* after ``abort_after`` seconds prints that it gives up and aborts every rank
+  (``MPI_Abort``): a stalled job ends instead of holding its allocation.
+
+The thread calls MPI beside the main thread, so it needs thread level ``multiple``
+(mpitrain's default); at another level the watchdog is off and says so. Its messages
+are 24 bytes per rank per interval.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+
+import numpy as np
+
+from mpitrain.comm import Tag, started_thread_level
+
+PHASES = ("computing", "gradient exchange", "agreeing on the step", "ZeRO-1 update")
+WAITING = set(PHASES[1:])  # collectives: where a rank waits for the others
+
+
+class Watchdog:
+    def __init__(self, comm, warn_after: float, abort_after: float, log=None, interval: float | None = None):
+        self.warn_after, self.abort_after = warn_after, abort_after
+        self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
+        self.step, self.code, self.since = 0, 0, time.perf_counter()
+        self.comm = self._thread = None
+        on = comm.size > 1 and (warn_after > 0 or abort_after > 0)
+        if on and started_thread_level() != "multiple":
+            if comm.rank == 0:
+                self.log("warning: the stall watchdog needs MPI thread level 'multiple'; it is off")
+            on = False
+        if not on:
+            return
+        limits = [x for x in (warn_after, abort_after) if x > 0]
+        self.interval = interval or min(1.0, min(limits) / 4)
+        self.comm = comm.dup()
+        self.heard = {r: (0.0, 0.0, 0.0, time.perf_counter()) for r in range(comm.size)}  # step, code, waited, when
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="stall-watchdog", daemon=True)
+        self._thread.start()
+
+    @contextlib.contextmanager
+    def phase(self, step: int, name: str):
+        """Mark the main thread as being in ``name`` (one of :data:`PHASES`) at ``step``."""
+        previous = self.code
+        self.step, self.code, self.since = step, PHASES.index(name), time.perf_counter()
+        try:
+            yield
+        finally:
+            self.code, self.since = previous, time.perf_counter()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+            self.comm.free()
+
+    # ------------------------------------------------------------ the thread
+    def _watch(self) -> None:
+        comm, warned, sends = self.comm, False, []
+        incoming = np.empty(3)
+        while not self._stop.wait(self.interval):
+            now = time.perf_counter()
+            waited = now - self.since
+            mine = np.array([self.step, self.code, waited])
+            if comm.rank == 0:
+                self.heard[0] = (*mine, now)
+                while comm.poll(-1, Tag.WATCHDOG):
+                    source = comm.recv_any(incoming, Tag.WATCHDOG)
+                    self.heard[source] = (*incoming, now)
+            else:
+                sends = [(buf, r) for buf, r in sends if not r.test()]  # keep each buffer until sent
+                sends.append((mine, comm.isend(mine, 0, Tag.WATCHDOG)))
+            if PHASES[self.code] not in WAITING:
+                warned = False
+                continue
+            if self.warn_after > 0 and waited > self.warn_after and not warned:
+                self.log(self._describe(waited, "stall"))
+                warned = True
+            if self.abort_after > 0 and waited > self.abort_after:
+                self.log(self._describe(waited, "aborting") + f"; ending all {comm.size} ranks "
+                         f"(run.stall_abort_s = {self.abort_after:g})")
+                comm.abort(1)
+
+    def _describe(self, waited: float, what: str) -> str:
+        here = f"[rank {self.comm.rank}] {what}: waited {waited:.0f} s in '{PHASES[self.code]}' at step {self.step}"
+        if self.comm.rank != 0:
+            return here
+        now = time.perf_counter()
+        missing = []
+        for rank, (step, code, seconds, when) in sorted(self.heard.items()):
+            if rank == 0 or (int(step) == self.step and int(code) == self.code):
+                continue
+            missing.append(f"rank {rank} (step {int(step)}, {PHASES[int(code)]} for {seconds:.0f} s, "
+                           f"heard from {now - when:.0f} s ago)")
+        return here + ("; not there: " + ", ".join(missing) if missing else "; every rank is waiting there too")
