@@ -341,7 +341,10 @@ def abort_on_exception(expected: tuple = ()):
         comm = started_world()
         if comm is None or comm.size == 1 or isinstance(e, SystemExit):
             raise
-        sys.stderr.write(f"[rank {comm.rank}] {''.join(traceback.format_exception(e))}")
-        sys.stderr.write(f"[rank {comm.rank}] aborting all {comm.size} ranks\n")
+        # one write, and a moment for mpiexec to forward it: MPI_Abort also ends the
+        # process that relays this rank's output, and a line still in flight was lost
+        sys.stderr.write(f"[rank {comm.rank}] {''.join(traceback.format_exception(e))}"
+                         f"[rank {comm.rank}] aborting all {comm.size} ranks\n")
         sys.stderr.flush()
+        time.sleep(0.2)
         comm.abort(1)
