@@ -264,7 +264,7 @@ def train(cfg: Config, log=print, comm=None, resume: bool = False, warn=None) ->
     warn = warn or _stderr
     if comm.rank != 0:
         log = warn = _silent
-    comm.agree(_prepare_run_dir, cfg, resume, comm.rank)
+    comm.agree(_prepare_run_dir, cfg, resume)
     t = cfg.train
     threads = blas_threads(t.threads, comm.node_size())
     tune_allocator()
@@ -327,8 +327,9 @@ def same_everywhere(cfg: Config, model: nn.Module, comm) -> None:
                               "read the same config and run the same mpitrain")
 
 
-def _prepare_run_dir(cfg: Config, resume: bool, rank: int) -> None:
-    """Refuse to mix two runs' checkpoints in one directory; create it (rank 0)."""
+def _prepare_run_dir(cfg: Config, resume: bool) -> None:
+    """Refuse to mix two runs' checkpoints in one directory. (It is created when the
+    loop starts, after every check: a refused run leaves nothing behind.)"""
     run = cfg.run.dir
     if not run:
         if resume:
@@ -337,8 +338,6 @@ def _prepare_run_dir(cfg: Config, resume: bool, rank: int) -> None:
     if not resume and checkpoint.listed(run):
         raise ConfigError(f"run.dir: {run} already holds the checkpoints of a run; resume it (--resume) "
                           "or choose another run directory")
-    if rank == 0:
-        Path(run).mkdir(parents=True, exist_ok=True)
 
 
 def _describe(cfg: Config, parallel, comm) -> str:
@@ -393,6 +392,8 @@ def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: Sh
     loss_fn = text_loss if is_text else image_loss
     result = Result(start_step=first)
     flops = FlopCount()
+    if run.dir and comm.rank == 0:
+        Path(run.dir).mkdir(parents=True, exist_ok=True)
     metrics = MetricsLog(Path(run.dir) / "metrics.jsonl" if run.dir and comm.rank == 0 else None, first)
     timeline = Timeline(comm) if run.timeline and run.dir else None
     if timeline is not None:

@@ -119,9 +119,10 @@ def test_bench_step_prints_ratios():
 
 def test_data_dependent_config_errors_name_the_field(text_data, tmp_path):
     out = mpitrain("train", str(JOBS / "tinyshakespeare_gpt.toml"), "--set", f"data.path={text_data}",
-                   "--set", "model.block_size=100000")
+                   "--set", "model.block_size=100000", cwd=tmp_path)
     assert out.returncode == 2 and out.stderr.startswith("mpitrain: error: model.block_size:")
     assert "Traceback" not in out.stderr
+    assert not (tmp_path / "runs").exists()  # a refused run leaves nothing behind
 
 
 def test_divergence_stops_with_a_message(text_data):

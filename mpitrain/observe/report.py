@@ -128,16 +128,17 @@ def _loss(run: Run, path: Path) -> Path:
     ax.plot([t["step"] for t in run.train], [t["loss"] for t in run.train], label="training loss", color="C0")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
+    handles = ax.get_lines()
     if run.evals:
         steps = [e["step"] for e in run.evals]
         if run.evals[-1].get("val_loss") is not None:
-            ax.plot(steps, [e["val_loss"] for e in run.evals], "o-", color="C1", label="validation loss")
+            handles += ax.plot(steps, [e["val_loss"] for e in run.evals], "o-", color="C1", label="validation loss")
         else:
             other = ax.twinx()
-            other.plot(steps, [100 * e["test_accuracy"] for e in run.evals], "o-", color="C1", label="test accuracy")
+            handles += other.plot(steps, [100 * e["test_accuracy"] for e in run.evals], "o-", color="C1",
+                                  label="test accuracy")
             other.set_ylabel("test accuracy (%)")
-            other.legend(loc="center right")
-    ax.legend(loc="upper right")
+    ax.legend(handles=handles, loc="center right")  # the middle right is clear: loss falls, accuracy rises
     ax.set_title(f"{run.name}: loss ({run.ranks} rank(s))")
     ax.grid(alpha=0.3)
     return _save(fig, path)
@@ -149,7 +150,7 @@ def _time_per_rank(run: Run, path: Path) -> Path:
     compute = [r["step_s"] - r["comm_exposed_s"] for r in rows]
     exposed = [r["comm_exposed_s"] for r in rows]
     wait = [r["wait_s"] for r in rows]
-    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(rows) + 3), 4))
+    fig, ax = plt.subplots(figsize=(max(7, 1.2 * len(rows) + 5), 4))
     width = 0.38
     left = [r - width / 2 for r in ranks]
     ax.bar(left, compute, width, label="compute", color="C0")
@@ -162,7 +163,7 @@ def _time_per_rank(run: Run, path: Path) -> Path:
     ax.set_xticks(ranks, [f"rank {r}" for r in ranks])
     ax.set_ylabel("seconds")
     ax.set_title(f"{run.name}: where each rank's time went")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the bars, never over them
     return _save(fig, path)
 
 
