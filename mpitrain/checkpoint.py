@@ -16,8 +16,8 @@ One file per checkpoint, ``RUN_DIR/checkpoints/step-00001234.h5``:
   and ``optim/has_state`` ``(n_params,)``.
 
 The flat layout makes the file independent of how the state was split: with ZeRO-1
-each rank writes the ``[lo, hi)`` range of its own shard, with data parallelism rank 0
-writes it all, and a run resumes on any number of ranks with either strategy, each rank
+each rank writes the ``[lo, hi)`` range of its own shard, each parameter server the
+ranges of its parameters, with data parallelism rank 0 writes it all, and a run resumes on any number of ranks with either strategy, each rank
 reading the range it owns then.
 
 **Atomic.** Rank 0 creates ``step-XXXXXXXX.h5.tmp`` (metadata, model, empty optimizer
@@ -44,7 +44,6 @@ import h5py
 import numpy as np
 
 from mpitrain import __version__, rng
-from mpitrain.parallel.zero import Zero1
 
 FORMAT, FORMAT_VERSION = "mpitrain-checkpoint", 1
 _NAME = re.compile(r"^step-(\d{8,})\.h5$")
@@ -75,12 +74,20 @@ def listed(run_dir) -> list[Path]:
 # --------------------------------------------------------------- layout
 def _layout(optimizer, parallel):
     """(flat offsets of every parameter, the optimizer holding this rank's state, its
-    pieces as (local index, parameter index, lo, hi), whether this rank writes state)."""
+    pieces as (local index, parameter index, lo, hi), whether this rank writes state).
+
+    A strategy that splits the optimizer state says how with ``state_pieces(offsets)``
+    -> (its optimizer, [(parameter index, lo, hi)] in that optimizer's order) or None
+    on ranks that hold no state (ZeRO-1's shards, parameter servers); otherwise the
+    state is replicated and rank 0 writes it."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
     offsets = np.cumsum([0] + [p.size for p in params])  # (n_params + 1,)
-    if isinstance(parallel, Zero1):
-        pieces = [(k, i, lo, hi) for k, (i, lo, hi) in enumerate(parallel.pieces)]
-        return offsets, parallel.optimizer, pieces, True
+    if hasattr(parallel, "state_pieces"):
+        split = parallel.state_pieces(offsets)
+        if split is None:
+            return offsets, optimizer, [], False
+        local, pieces = split
+        return offsets, local, [(k, i, lo, hi) for k, (i, lo, hi) in enumerate(pieces)], True
     pieces = [(i, i, int(offsets[i]), int(offsets[i + 1])) for i in range(len(params))]
     return offsets, optimizer, pieces, parallel.comm.rank == 0
 
@@ -152,9 +159,9 @@ def save(run_dir, step: int, *, model, optimizer, parallel, cfg, comm, keep: int
             with h5py.File(tmp, "r+") as f:
                 _write_state(f, local, pieces)
 
-    if isinstance(parallel, Zero1):
-        for writer in range(1, comm.size):  # one rank at a time: an HDF5 file has one writer
-            comm.agree(add_mine, writer)
+    writers = [r for r, w in enumerate(comm.allgather(writes)) if w and r > 0]
+    for writer in writers:  # one rank at a time: an HDF5 file has one writer
+        comm.agree(add_mine, writer)
 
     def commit():
         with open(tmp, "rb+") as fh:

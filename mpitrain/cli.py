@@ -1,5 +1,5 @@
 """The ``mpitrain`` command: ``train``, ``report``, ``data build | verify | info``,
-``bench step | io | allreduce | ddp``.
+``bench step | io | allreduce | ddp | ps``.
 
 Commands that may run under ``mpiexec`` (``train``, ``bench io``) start MPI through
 :func:`mpitrain.comm.world`. Errors about the input (config, data) are raised on every
@@ -132,6 +132,15 @@ def _bench_allreduce(args) -> int:
     return 0
 
 
+def _bench_ps(args) -> int:
+    from mpitrain.bench import ps
+    from mpitrain.comm import world
+
+    comm = world()
+    ps.run(steps=args.steps, rounds=args.rounds, log=print if comm.rank == 0 else lambda *a: None)
+    return 0
+
+
 def _bench_ddp(args) -> int:
     from mpitrain.bench import ddp
     from mpitrain.comm import world
@@ -221,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "the gradient allreduce, for each way of progressing it, and the "
                                        "allreduce alone; print speed-up and hidden communication.")
     p.add_argument("--models", nargs="+", default=["gpt", "wide"], choices=("gpt", "wide"),
-                   help="gpt: nanoGPT's small CPU GPT; wide: width 384, batch 4 (default both)")
+                   help="gpt: nanoGPT's small CPU GPT; wide: width 384, 32 tokens per rank (default both)")
     p.add_argument("--rounds", type=_positive, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--steps", type=_positive, default=5, help="steps per variant per round (default 5)")
     p.add_argument("--bucket-mb", type=float, default=4.0, help="bucket size, as parallel.bucket_mb (default 4)")
@@ -229,6 +238,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--thread-level", default="auto", choices=("auto", "single", "funneled", "serialized", "multiple"),
                    help="MPI thread level (default auto, as parallel.thread_level)")
     p.set_defaults(run=_bench_ddp)
+
+    p = benches.add_parser("ps", help="parameter server with a straggler: sync vs. bounded vs. async "
+                                      "(run under mpiexec -n 4)",
+                           description="1 server + 3 workers, one worker 3x slower: time to apply the same "
+                                       "number of gradients synchronously, with staleness bound 2, and "
+                                       "asynchronously.")
+    p.add_argument("--steps", type=_positive, default=40, help="gradients per worker, on average (default 40)")
+    p.add_argument("--rounds", type=_positive, default=3, help="interleaved rounds (default 3)")
+    p.set_defaults(run=_bench_ps)
 
     p = commands.add_parser("report", help="plots and a summary of finished runs",
                             description="Draw PNG plots (loss, time per rank, throughput) and a text summary "

@@ -55,6 +55,10 @@ class Tag(enum.IntEnum):
 
     RING = 1  # a step of a ring reduce-scatter or allgather
     WATCHDOG = 2  # a rank's state, sent to rank 0 by its stall watchdog
+    PS_HEADER = 3  # worker -> server: (step, version the gradient was computed on); step -1: stop
+    PS_GRAD = 4  # worker -> server: the gradient of the server's parameters
+    PS_VERSION = 5  # server -> worker: the version of the parameters that follow
+    PS_PARAMS = 6  # server -> worker: the server's parameters
 
 
 @dataclass
@@ -63,6 +67,7 @@ class CommStats:
 
     calls: int = 0
     bytes_sent: int = 0
+    bytes_received: int = 0  # point-to-point receives only (collectives count what they send)
     seconds: float = 0.0  # inside blocking calls and waits
 
     def add(self, nbytes: float, seconds: float = 0.0) -> None:
@@ -211,11 +216,29 @@ class Comm(SingleComm):
         return Request(self.mpi.Isend(buf, dest, tag), self.stats)
 
     def irecv(self, buf: np.ndarray, source: int, tag: Tag) -> Request:
+        self.stats.bytes_received += buf.nbytes
         return Request(self.mpi.Irecv(buf, source, tag), self.stats)
 
-    def poll(self, source: int, tag: Tag) -> bool:
-        """Whether a message from ``source`` (``-1``: anyone) with ``tag`` is waiting."""
-        return bool(self.mpi.Iprobe(source if source >= 0 else _mpi().ANY_SOURCE, tag))
+    def recv(self, buf: np.ndarray, source: int, tag: Tag) -> None:
+        """Blocking receive of exactly ``buf.nbytes`` bytes."""
+        self.stats.bytes_received += buf.nbytes
+        tick = time.perf_counter()
+        self.mpi.Recv(buf, source, tag)
+        self.stats.seconds += time.perf_counter() - tick
+
+    def waitany(self, requests: list[Request]) -> int:
+        """Block until one of ``requests`` (none done yet) completes; its index."""
+        tick = time.perf_counter()
+        index = _mpi().Request.Waitany([r._req for r in requests])
+        self.stats.seconds += time.perf_counter() - tick
+        requests[index].done = True
+        return index
+
+    def poll(self, source: int = -1, tag: Tag | None = None) -> bool:
+        """Whether a message from ``source`` (``-1``: anyone) with ``tag`` (None: any)
+        is waiting."""
+        return bool(self.mpi.Iprobe(source if source >= 0 else _mpi().ANY_SOURCE,
+                                    _mpi().ANY_TAG if tag is None else tag))
 
     def recv_any(self, buf: np.ndarray, tag: Tag) -> int:
         """Receive one message with ``tag`` from any rank into ``buf``; returns the sender."""

@@ -6,7 +6,7 @@ A config file has one table per section::
     [data]    name = "mnist5k" | "shakespeare" (embedded), or path = a shard directory
     [optim]   name = "sgd" | "adam" | "adamw", learning rate and schedule
     [train]   global_batch_size, steps or epochs, seed, evaluation and logging
-    [parallel] strategy = "ddp" | "zero1", allreduce algorithm, buckets, MPI thread level
+    [parallel] strategy = "ddp" | "zero1" | "ps", allreduce algorithm, buckets, servers, MPI thread level
     [run]     the run directory: checkpoints, metrics; what to do on a non-finite loss
 
 Everything is validated before any work starts; the first problem raises
@@ -72,6 +72,7 @@ _PARALLEL_COMMON = {"strategy", "allreduce", "thread_level"}
 PARALLEL_FIELDS = {
     "ddp": _PARALLEL_COMMON | {"bucket_mb", "progress"},
     "zero1": _PARALLEL_COMMON,
+    "ps": {"strategy", "thread_level", "servers", "staleness", "slow_worker", "slow_factor"},
 }
 
 
@@ -121,6 +122,10 @@ class ParallelConfig:
     bucket_mb: float = 4.0  # ddp: gradient bucket size (an allreduce starts per full bucket)
     progress: str = "test"  # ddp: how buckets progress during backward: test | thread | none | off
     thread_level: str = "auto"  # MPI thread level: auto | single | funneled | serialized | multiple
+    servers: int = 1  # ps: the first `servers` ranks are parameter servers, the others workers
+    staleness: int = 0  # ps: 0 synchronous; k > 0 a worker runs at most k steps ahead; -1 unbounded (async)
+    slow_worker: int = -1  # ps: slow this worker down (a straggler, for benchmarks); -1: none
+    slow_factor: float = 1.0  # ps: ... by this factor of its compute time
 
 
 @dataclass(frozen=True)
@@ -331,6 +336,15 @@ def validate(cfg: Config) -> None:
              "parallel.thread_level", "the communication thread (parallel.progress = 'thread') needs "
              "'serialized' or 'multiple'", par.thread_level)
 
+    _require(par.servers >= 1, "parallel.servers", "must be >= 1", par.servers)
+    _require(par.staleness >= -1, "parallel.staleness", "must be >= 0, or -1 for unbounded", par.staleness)
+    _require(par.slow_factor >= 1, "parallel.slow_factor", "must be >= 1", par.slow_factor)
+    if par.strategy == "ps":
+        _require(o.grad_clip == 0, "optim.grad_clip", "parameter servers see only their shard of the gradient: "
+                 "global-norm clipping is not available with parallel.strategy = 'ps'", o.grad_clip)
+        _require("run.checkpoint_interval" not in cfg.given, "run.checkpoint_interval",
+                 "parameter-server runs write one checkpoint, at the end", cfg.run.checkpoint_interval)
+
     r = cfg.run
     _require(r.checkpoint_interval >= 0, "run.checkpoint_interval", "must be >= 0 (0: at the end only)",
              r.checkpoint_interval)
@@ -347,6 +361,18 @@ def validate(cfg: Config) -> None:
 def check_ranks(cfg: Config, ranks: int) -> None:
     """The checks that need the number of ranks (after MPI starts, before any work)."""
     B = cfg.train.global_batch_size
+    par = cfg.parallel
+    if par.strategy == "ps":
+        workers = ranks - par.servers
+        if workers < 1:
+            raise ConfigError(f"parallel.servers: {par.servers} server(s) leave no worker among the {ranks} ranks "
+                              "of this job")
+        if B % workers:
+            raise ConfigError(f"train.global_batch_size: {B} is not divisible by the {workers} workers of this job "
+                              f"({ranks} ranks - {par.servers} server(s)); each worker takes B / workers")
+        if par.slow_worker >= workers:
+            raise ConfigError(f"parallel.slow_worker: {par.slow_worker} is not a worker (0 .. {workers - 1})")
+        return
     if B % ranks:
         raise ConfigError(f"train.global_batch_size: {B} is not divisible by the {ranks} ranks of this job; "
                           f"the global batch stays the same at any rank count, each rank takes B / ranks")

@@ -40,6 +40,7 @@ from mpitrain.observe.metrics import MetricsLog
 from mpitrain.observe.timeline import Timeline
 from mpitrain.observe.timing import time_table
 from mpitrain.parallel.data_parallel import DataParallel
+from mpitrain.parallel.param_server import UNBOUNDED, ParameterServer
 from mpitrain.parallel.zero import Zero1
 from mpitrain.runtime import blas_threads, limit_blas_threads, tune_allocator
 from mpitrain.tensor import Tensor, default_dtype, no_grad, observe_ops
@@ -251,6 +252,7 @@ class Result:
     checkpoint: str | None = None  # the last checkpoint written
     stopped: str | None = None  # the signal that stopped the run early
     skipped: int = 0  # steps whose update was skipped for a non-finite loss (run.on_nan = "skip")
+    staleness: dict = field(default_factory=dict)  # ps: applied gradients by staleness
 
 
 def train(cfg: Config, log=print, comm=None, resume: bool = False, warn=None) -> Result:
@@ -276,6 +278,12 @@ def train(cfg: Config, log=print, comm=None, resume: bool = False, warn=None) ->
         model = build_model(cfg, data)
         opt = build_optimizer(cfg, model)
         same_everywhere(cfg, model, comm)
+        if cfg.parallel.strategy == "ps":
+            grid.free()
+            try:
+                return _train_ps(cfg, model, opt, data, comm, threads, log)
+            finally:
+                data.close()
         parallel = wrap(cfg, model, opt, grid.dp_comm)
         is_text = cfg.model.name == "gpt"
         reader = ShardReader(data.split("train"), rank=grid.dp_rank, size=grid.dp_size,
@@ -330,6 +338,9 @@ def same_everywhere(cfg: Config, model: nn.Module, comm) -> None:
 def _prepare_run_dir(cfg: Config, resume: bool) -> None:
     """Refuse to mix two runs' checkpoints in one directory. (It is created when the
     loop starts, after every check: a refused run leaves nothing behind.)"""
+    if resume and cfg.parallel.strategy == "ps":
+        raise ConfigError("parallel.strategy: a parameter-server run cannot be resumed (its final checkpoint "
+                          "can, with parallel.strategy = 'ddp' or 'zero1')")
     run = cfg.run.dir
     if not run:
         if resume:
@@ -338,6 +349,103 @@ def _prepare_run_dir(cfg: Config, resume: bool) -> None:
     if not resume and checkpoint.listed(run):
         raise ConfigError(f"run.dir: {run} already holds the checkpoints of a run; resume it (--resume) "
                           "or choose another run directory")
+
+
+def _train_ps(cfg: Config, model, opt, data: Dataset, comm, threads: int, log) -> Result:
+    """The parameter-server strategy: servers serve, workers pull, compute, push; then
+    every rank takes the final parameters and evaluates its share of the test split."""
+    par, t = cfg.parallel, cfg.train
+    S, W = par.servers, comm.size - par.servers
+    is_text = data.kind == "text"
+    loss_fn = text_loss if is_text else image_loss
+    reader = ShardReader(data.split("train"), rank=max(0, comm.rank - S), size=W, global_batch=t.global_batch_size,
+                         seed=t.seed, window=cfg.model.block_size if is_text else None,
+                         buffer_mb=cfg.data.buffer_mb, prefetch=cfg.data.prefetch)
+    total = t.steps or t.epochs * reader.steps_per_epoch
+    schedule = build_schedule(cfg, total)
+    if par.staleness == 0:
+        lr_at = schedule  # one update per global step
+    else:
+        def lr_at(version):  # W updates (one per worker) per global step
+            return schedule(min(version // W, total - 1))
+    # asynchronously the run ends after total x W applied gradients (the samples of `total`
+    # global batches), whoever computed them: a fast worker takes more steps than a slow one
+    ps = ParameterServer(model, opt, comm, servers=S, staleness=par.staleness, lr_at=lr_at,
+                         max_updates=None if par.staleness == 0 else total * W)
+    mode = {0: "synchronous"}.get(par.staleness, "asynchronous, unbounded" if par.staleness == UNBOUNDED
+                                  else f"asynchronous, at most {par.staleness} step(s) ahead")
+    log(f"model {cfg.model.name}: {model.num_parameters():,} parameters; data {data.name} ({data.path}); "
+        f"{total} steps of {t.global_batch_size} ({t.global_batch_size // W} per worker); {threads} BLAS thread(s) "
+        f"per rank; {t.dtype}")
+    log(f"parallel: ps, {S} server(s) + {W} worker(s), {mode}; per worker per step "
+        f"{sum(ps.bytes_per_worker_step()) / 1e6:.2f} MB (push + pull)")
+    result = Result()
+    start = time.perf_counter()
+    if ps.is_server:
+        ps.serve()
+    else:
+        slow = ps.worker == par.slow_worker and par.slow_factor > 1
+        window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+        batches = reader.batches()
+        step = 0
+        for batch in batches:
+            if not ps.pull_wait() or (par.staleness == 0 and step == total):
+                break
+            x, y = _inputs(cfg, data, batch)
+            tick = time.perf_counter()
+            loss = backward(model, loss_fn, x, y)
+            if slow:  # a straggler: this worker computes slow_factor times as long
+                time.sleep((par.slow_factor - 1) * (time.perf_counter() - tick))
+            ps.push(step)
+            window_loss += loss
+            window_steps += 1
+            result.final_loss = loss
+            step += 1
+            if ps.worker == 0 and step % t.log_interval == 0:
+                rate = window_steps * t.global_batch_size // W / (time.perf_counter() - window_start)
+                print(f"worker 0: step {step} | loss {window_loss / window_steps:.4f} | "
+                      f"lr {schedule(min(step, total - 1)):.2e} | {rate:,.0f} samples/s on this worker", flush=True)
+                window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
+        batches.close()
+        ps.stop()
+        result.steps = step
+    train_seconds = time.perf_counter() - start
+    sent, received = ps.bytes_sent, ps.bytes_received
+    ps.gather_parameters()
+    histogram = ps.staleness_histogram()
+    slowest = max(comm.allgather(train_seconds))
+    steps = comm.allgather(result.steps)[S:]  # each worker's
+    result.final_loss = comm.bcast(result.final_loss, root=S)
+    result.steps, result.staleness = total, histogram
+    result.samples_per_s = total * t.global_batch_size / slowest
+    if is_text:
+        result.val_loss = evaluate_text(model, data, cfg, comm)
+        log(f"step {total}: val loss {result.val_loss:.4f}")
+    else:
+        result.test_accuracy, result.test_loss = evaluate_images(model, data, cfg, comm)
+        log(f"step {total}: test accuracy {100 * result.test_accuracy:.2f}%, test loss {result.test_loss:.4f}")
+    result.history.append({"step": total, "val_loss": result.val_loss, "test_accuracy": result.test_accuracy})
+    if cfg.run.dir:  # the servers write their parameters' optimizer state: the trainer's format
+        if comm.rank == 0:
+            Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+        path = checkpoint.save(cfg.run.dir, total, model=model, optimizer=opt, parallel=ps, cfg=cfg, comm=comm,
+                               keep=cfg.run.keep)
+        result.checkpoint = str(path)
+        log(f"step {total}: checkpoint {path} (end of training; resume it with ddp or zero1)")
+    if histogram:
+        log("staleness of the applied gradients (server version - version computed on): " +
+            ", ".join(f"{k}: {v}" for k, v in histogram.items()))
+    traffic = comm.gather((comm.rank, sent, received))
+    if comm.rank == 0:
+        push, pull = ps.bytes_per_worker_step()
+        for (rank, out, into), n in zip(traffic[S:], steps):
+            log(f"worker {rank - S}: {n} steps, sent {out / 1e6:.2f} MB, received {into / 1e6:.2f} MB; per step "
+                f"{(out - 16 * S) / max(n, 1) / 1e6:.3f} + {(into - pull) / max(n, 1) / 1e6:.3f} MB "
+                f"(formula: {push / 1e6:.3f} + {pull / 1e6:.3f})")
+    result.seconds = time.perf_counter() - start
+    log(f"done: {total} steps in {slowest:.1f} s of training, {result.samples_per_s:,.0f} samples/s")
+    ps.close()
+    return result
 
 
 def _describe(cfg: Config, parallel, comm) -> str:

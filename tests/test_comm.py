@@ -140,3 +140,34 @@ def test_a_stall_shorter_than_the_abort_limit_only_warns():
                          text=True, timeout=60, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stderr.count("[rank 0] stall:") == 1 and "rank 0 done" in out.stdout and "rank 1 done" in out.stdout
+
+
+@needs_mpiexec
+def test_a_worker_that_raises_ends_the_parameter_server_job():
+    """Worker 1 fails at step 2: the server blocked in Waitany and the other worker
+    waiting for its reply are ended by the abort."""
+    code = ("import numpy as np\n"
+            "from mpitrain import nn, optim, rng\n"
+            "from mpitrain.comm import world, abort_on_exception\n"
+            "from mpitrain.parallel.param_server import ParameterServer\n"
+            "with abort_on_exception():\n"
+            "    comm = world()\n"
+            "    rng.manual_seed(0)\n"
+            "    model = nn.GPT(nn.GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=16))\n"
+            "    ps = ParameterServer(model, optim.SGD(model.parameters(), lr=0.1), comm, servers=1)\n"
+            "    if ps.is_server:\n"
+            "        ps.serve()\n"
+            "    else:\n"
+            "        x = np.zeros((2, 8), dtype=np.int64)\n"
+            "        for step in range(5):\n"
+            "            ps.pull_wait()\n"
+            "            if ps.worker == 1 and step == 2:\n"
+            "                raise RuntimeError('injected failure on worker 1 at step 2')\n"
+            "            model(x, x)[1].backward()\n"
+            "            ps.push(step)\n"
+            "        ps.stop()\n")
+    out, seconds = run_mpi(3, code)
+    assert out.returncode != 0
+    assert out.stderr.count("RuntimeError: injected failure on worker 1 at step 2") == 1
+    assert "[rank 2]" in out.stderr and "aborting all 3 ranks" in out.stderr
+    assert seconds < 10

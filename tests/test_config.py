@@ -92,10 +92,31 @@ def test_bad_override_and_files(tmp_path):
     (["parallel.bucket_mb=0"], "parallel.bucket_mb: must be > 0"),
     (["parallel.strategy=zero1", "parallel.bucket_mb=8"], "parallel.bucket_mb: does not apply to parallel.strategy = 'zero1'"),
     (["parallel.progress=thread", "parallel.thread_level=funneled"], "parallel.thread_level: the communication thread"),
+    (["parallel.servers=2"], "parallel.servers: does not apply to parallel.strategy = 'ddp'"),
+    (["parallel.strategy=ps", "parallel.allreduce=ring"], "parallel.allreduce: does not apply to parallel.strategy = 'ps'"),
+    (["parallel.strategy=ps", "parallel.servers=0"], "parallel.servers: must be >= 1"),
+    (["parallel.strategy=ps", "parallel.staleness=-2"], "parallel.staleness: must be >= 0, or -1 for unbounded"),
+    (["parallel.strategy=ps", "parallel.slow_factor=0.5"], "parallel.slow_factor: must be >= 1"),
+    (["parallel.strategy=ps", "optim.grad_clip=1.0"], "optim.grad_clip: parameter servers see only their shard"),
+    (["parallel.strategy=ps", "run.checkpoint_interval=10"], "run.checkpoint_interval: parameter-server runs write one"),
+    (["run.stall_abort_s=10", "run.stall_warn_s=20"], "run.stall_abort_s: must be more than run.stall_warn_s"),
+    (["run.on_nan=ignore"], "run.on_nan: must be 'stop' or 'skip'"),
+    (["run.keep=0"], "run.keep: must be >= 1"),
 ])
 def test_parallel_fields_are_checked(overrides, message):
     with pytest.raises(config.ConfigError, match=re.escape(message)):
         config.from_dict({"train": {"steps": 1}}, overrides)
+
+
+@pytest.mark.parametrize("ranks,overrides,message", [
+    (2, ["parallel.servers=2"], "parallel.servers: 2 server(s) leave no worker among the 2 ranks"),
+    (4, ["train.global_batch_size=64"], "train.global_batch_size: 64 is not divisible by the 3 workers"),
+    (3, ["parallel.slow_worker=2"], "parallel.slow_worker: 2 is not a worker (0 .. 1)"),
+])
+def test_parameter_server_rank_checks(ranks, overrides, message):
+    cfg = config.from_dict({"train": {"steps": 1, "global_batch_size": 12}}, ["parallel.strategy=ps", *overrides])
+    with pytest.raises(config.ConfigError, match=re.escape(message)):
+        config.check_ranks(cfg, ranks)
 
 
 def test_thread_level_choice():

@@ -40,3 +40,16 @@ def test_bench_ddp_times_every_variant(monkeypatch):
         assert any(line.startswith("  total communication") for line in lines)
         assert any(line.startswith("  probe:") for line in lines)
     assert {"compute", "allreduce", "test", "none"} <= set(med["probe"])
+
+
+@pytest.mark.mpi(min_size=4)
+def test_bench_ps_times_every_mode():
+    from mpitrain.bench import ps
+
+    if world().size != 4:
+        pytest.skip("bench ps runs on exactly 4 ranks")
+    lines = []
+    med = ps.run(steps=3, rounds=1, batch=2, log=lines.append)
+    assert set(med) == set(ps.MODES) and all(v > 0 for v in med.values())
+    if world().rank == 0:
+        assert sum("vs sync | steps per worker" in line for line in lines) == len(ps.MODES)

@@ -137,6 +137,11 @@ class Zero1:
     def zero_grad(self) -> None:
         self.flat_grads.fill(0)
 
+    def state_pieces(self, offsets):
+        """For checkpoints: the optimizer of my shard and its pieces (parameter index,
+        lo, hi) in flat coordinates (``offsets`` is this flat layout's own)."""
+        return self.optimizer, self.pieces
+
     def sync_buffers(self) -> None:
         """Average floating buffers (batch-norm running statistics) over ranks; each
         rank's batch norm sees only its own samples."""

@@ -1,0 +1,165 @@
+"""MPI tier: the parameter-server strategy.
+
+Synchronous mode equals one process with the whole global batch (float64 <= 1e-10) for
+the GPT and the CNN with 1 and 2 servers; a worker's bytes per step are the formula;
+after a run no message is left unreceived; asynchronous modes train and record
+staleness."""
+
+import numpy as np
+import pytest
+from test_mpi_parallel import STEPS, build, loss_of, relative
+
+from mpitrain.parallel.param_server import ParameterServer, partition
+
+
+def world():
+    from mpitrain.comm import world as w
+
+    return w()
+
+
+B = 12  # splits evenly over 1, 2, 3 or 4 workers
+
+
+def batches(kind, dtype):
+    """STEPS global batches of B, the same on every rank."""
+    g = np.random.default_rng(7)
+    if kind == "gpt":
+        x = g.integers(0, 11, (STEPS, B, 8))
+        return [(x[s], np.roll(x[s], -1, axis=1)) for s in range(STEPS)]
+    return [(g.standard_normal((B, 8, 8, 1)).astype(dtype), g.integers(0, 5, B)) for _ in range(STEPS)]
+
+
+def reference(kind, dtype, opt_name):
+    """One process, the whole batch of B."""
+    model, opt = build(kind, dtype, opt_name)
+    for x, y in batches(kind, dtype):
+        loss_of(kind, model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.data.copy() for p in model.parameters()]
+
+
+def run(kind, servers, staleness, comm, opt_name="adamw", dtype="float64"):
+    """Train STEPS steps under the parameter servers; every rank returns the final model."""
+    model, opt = build(kind, dtype, opt_name)
+    ps = ParameterServer(model, opt, comm, servers=servers, staleness=staleness)
+    W = comm.size - servers
+    if ps.is_server:
+        ps.serve()
+    else:
+        for t, (x, y) in enumerate(batches(kind, dtype)):
+            b = len(x) // W
+            lanes = slice(ps.worker * b, (ps.worker + 1) * b)
+            ps.pull_wait()
+            loss_of(kind, model, x[lanes], y[lanes]).backward()
+            ps.push(t)
+        ps.stop()
+    sent, received = ps.bytes_sent, ps.bytes_received
+    left = ps.unreceived()
+    ps.gather_parameters()
+    return model, ps, sent, received, left
+
+
+def servers_for(size):
+    return [s for s in (1, 2) if s < size]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind,opt_name", [("gpt", "adamw"), ("cnn", "sgd")])
+def test_synchronous_parameter_servers_equal_one_process(kind, opt_name):
+    comm = world()
+    for servers in servers_for(comm.size):
+        model, ps, sent, received, left = run(kind, servers, 0, comm, opt_name=opt_name)
+        assert relative(model.parameters(), reference(kind, "float64", opt_name)) <= 1e-10, f"{servers} server(s)"
+        assert not left
+        if not ps.is_server:  # push and pull per step, the first pull, the goodbye
+            push, pull = ps.bytes_per_worker_step()
+            n = sum(p.data.nbytes for p in model.parameters())
+            assert (push, pull) == (n + 16 * servers, n + 8 * servers)
+            assert sent == STEPS * push + 16 * servers
+            assert received == (STEPS + 1) * pull
+        ps.close()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("staleness", [-1, 2])
+def test_asynchronous_modes_train_and_record_staleness(staleness):
+    comm = world()
+    servers = 1
+    model, ps, _, _, left = run("gpt", servers, staleness, comm)
+    histogram = ps.staleness_histogram()
+    W = comm.size - servers
+    assert sum(histogram.values()) == STEPS * W  # every gradient applied once
+    if staleness >= 0:
+        assert max(histogram) <= (staleness + 1) * W  # bounded: never more than s + 1 rounds of W updates behind
+    assert not left
+    assert all(np.isfinite(p.data).all() for p in model.parameters())
+    ps.close()
+
+
+def test_partition_balances_sizes():
+    assert partition([10, 10, 10, 10], 2) == [0, 1, 0, 1]
+    owner = partition([100, 1, 50, 49, 2], 2)
+    loads = [sum(s for s, o in zip([100, 1, 50, 49, 2], owner) if o == k) for k in range(2)]
+    assert loads == [101, 101]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_trainer_with_synchronous_servers_equals_one_process():
+    """`mpitrain train --set parallel.strategy=ps`: the same test loss as one process."""
+    from test_data import image_set
+    from test_mpi_data import shared_dir
+
+    from mpitrain import config, train
+    from mpitrain.comm import SingleComm
+
+    comm = world()
+    d = shared_dir(comm) / "d"
+    if comm.rank == 0:
+        image_set(d, n=960, test=200)
+    comm.barrier()
+    raw = {"model": {"name": "lenet", "channels": [4, 8], "hidden": 16}, "data": {"path": str(d)},
+           "optim": {"name": "adamw", "lr": 3e-3}, "train": {"global_batch_size": 48, "epochs": 1, "dtype": "float64",
+                                                             "log_interval": 10}}
+    alone = train.train(config.from_dict(raw), log=lambda *a: None, comm=SingleComm())
+    raw["parallel"] = {"strategy": "ps", "servers": 1}
+    ours = train.train(config.from_dict(raw), log=lambda *a: None, comm=comm)
+    assert abs(ours.test_loss - alone.test_loss) <= 1e-10 * alone.test_loss
+    assert ours.test_accuracy == alone.test_accuracy and ours.steps == alone.steps
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_servers_final_checkpoint_equals_one_process_checkpoint():
+    """Each server writes its parameters' optimizer state into the trainer's format: the
+    file equals (float64, 1e-10) the one a single process writes after the same steps."""
+    from test_checkpoint import arrays
+    from test_data import image_set
+    from test_mpi_data import shared_dir
+
+    from mpitrain import checkpoint, config, train
+    from mpitrain.comm import SingleComm
+
+    comm = world()
+    root = shared_dir(comm)
+    if comm.rank == 0:
+        image_set(root / "d", n=480, test=60)
+    comm.barrier()
+    raw = {"model": {"name": "lenet", "channels": [2, 4], "hidden": 8}, "data": {"path": str(root / "d")},
+           "optim": {"name": "adam", "lr": 3e-3}, "train": {"global_batch_size": 48, "epochs": 1, "dtype": "float64"},
+           "run": {"dir": str(root / "one")}}
+    if comm.rank == 0:
+        train.train(config.from_dict(raw), log=lambda *a: None, comm=SingleComm())
+    raw["parallel"] = {"strategy": "ps", "servers": min(2, comm.size - 1)}
+    raw["run"] = {"dir": str(root / "ps")}
+    result = train.train(config.from_dict(raw), log=lambda *a: None, comm=comm)
+    assert result.checkpoint == str(checkpoint.path_for(root / "ps", 10))
+    if comm.rank == 0:
+        ours, alone = arrays(result.checkpoint), arrays(checkpoint.path_for(root / "one", 10))
+        assert ours.keys() == alone.keys()
+        for k in ours:
+            if ours[k].dtype.kind != "f":
+                assert np.array_equal(ours[k], alone[k]), k
+                continue
+            scale = max(1e-12, float(np.abs(alone[k]).max()))
+            assert np.abs(ours[k] - alone[k]).max() <= 1e-10 * scale, k
