@@ -380,6 +380,13 @@ def _train_ps(cfg: Config, model, opt, data: Dataset, comm, threads: int, log) -
     log(f"parallel: ps, {S} server(s) + {W} worker(s), {mode}; per worker per step "
         f"{sum(ps.bytes_per_worker_step()) / 1e6:.2f} MB (push + pull)")
     result = Result()
+    # worker 0 writes the metrics: the servers never see a loss, and workers do not wait for each other
+    writes = cfg.run.dir and ps.worker == 0
+    if writes:
+        Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+    metrics = MetricsLog(Path(cfg.run.dir) / "metrics.jsonl" if writes else None)
+    metrics.write("start", step=0, total_steps=total, steps_per_epoch=reader.steps_per_epoch, ranks=comm.size,
+                  config=cfg.to_dict())
     start = time.perf_counter()
     if ps.is_server:
         ps.serve()
@@ -405,12 +412,18 @@ def _train_ps(cfg: Config, model, opt, data: Dataset, comm, threads: int, log) -
                 rate = window_steps * t.global_batch_size // W / (time.perf_counter() - window_start)
                 print(f"worker 0: step {step} | loss {window_loss / window_steps:.4f} | "
                       f"lr {schedule(min(step, total - 1)):.2e} | {rate:,.0f} samples/s on this worker", flush=True)
+                metrics.write("train", step=step, loss=window_loss / window_steps, lr=schedule(min(step, total - 1)),
+                              samples_per_s=rate * W)  # worker 0's rate times the workers: exact when synchronous
                 window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
         batches.close()
         ps.stop()
         result.steps = step
     train_seconds = time.perf_counter() - start
     sent, received = ps.bytes_sent, ps.bytes_received
+    waited = ps.comm.stats.seconds  # in Waitany, Recv, and waiting for replies and sends
+    read = sum(st.read_seconds for st in reader.stats.values())
+    stall = sum(st.stall_seconds for st in reader.stats.values())
+    rows = comm.gather((comm.rank, train_seconds, waited, waited, read, stall, sent), root=S)
     ps.gather_parameters()
     histogram = ps.staleness_histogram()
     slowest = max(comm.allgather(train_seconds))
@@ -425,12 +438,14 @@ def _train_ps(cfg: Config, model, opt, data: Dataset, comm, threads: int, log) -
         result.test_accuracy, result.test_loss = evaluate_images(model, data, cfg, comm)
         log(f"step {total}: test accuracy {100 * result.test_accuracy:.2f}%, test loss {result.test_loss:.4f}")
     result.history.append({"step": total, "val_loss": result.val_loss, "test_accuracy": result.test_accuracy})
+    metrics.write("eval", test_loss=result.test_loss, **result.history[-1])
     if cfg.run.dir:  # the servers write their parameters' optimizer state: the trainer's format
         if comm.rank == 0:
             Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
         path = checkpoint.save(cfg.run.dir, total, model=model, optimizer=opt, parallel=ps, cfg=cfg, comm=comm,
                                keep=cfg.run.keep)
         result.checkpoint = str(path)
+        metrics.write("checkpoint", step=total, path=str(path), why="end of training")
         log(f"step {total}: checkpoint {path} (end of training; resume it with ddp or zero1)")
     if histogram:
         log("staleness of the applied gradients (server version - version computed on): " +
@@ -443,6 +458,10 @@ def _train_ps(cfg: Config, model, opt, data: Dataset, comm, threads: int, log) -
                 f"{(out - 16 * S) / max(n, 1) / 1e6:.3f} + {(into - pull) / max(n, 1) / 1e6:.3f} MB "
                 f"(formula: {push / 1e6:.3f} + {pull / 1e6:.3f})")
     result.seconds = time.perf_counter() - start
+    metrics.write("end", step=total, steps_timed=total, steps_per_epoch=reader.steps_per_epoch, seconds=result.seconds,
+                  samples_per_s=result.samples_per_s, gflops_per_s=0.0,
+                  stall_fraction=stall / (train_seconds + stall) if train_seconds else 0.0, staleness=histogram,
+                  ranks=[dict(zip(TIME_FIELDS, row)) for row in rows or ()])
     log(f"done: {total} steps in {slowest:.1f} s of training, {result.samples_per_s:,.0f} samples/s")
     ps.close()
     return result

@@ -132,7 +132,8 @@ def test_the_trainer_with_synchronous_servers_equals_one_process():
 @pytest.mark.mpi(min_size=2)
 def test_the_servers_final_checkpoint_equals_one_process_checkpoint():
     """Each server writes its parameters' optimizer state into the trainer's format: the
-    file equals (float64, 1e-10) the one a single process writes after the same steps."""
+    file equals (float64, 1e-10) the one a single process writes after the same steps;
+    `mpitrain report` draws the run from worker 0's metrics."""
     from test_checkpoint import arrays
     from test_data import image_set
     from test_mpi_data import shared_dir
@@ -154,7 +155,12 @@ def test_the_servers_final_checkpoint_equals_one_process_checkpoint():
     raw["run"] = {"dir": str(root / "ps")}
     result = train.train(config.from_dict(raw), log=lambda *a: None, comm=comm)
     assert result.checkpoint == str(checkpoint.path_for(root / "ps", 10))
+    comm.barrier()  # worker 0 writes metrics.jsonl: done on every rank now
     if comm.rank == 0:
+        from mpitrain.observe.report import report
+
+        written = report([root / "ps"], log=lambda *a: None)
+        assert {p.name for p in written} == {"loss.png", "time_per_rank.png", "throughput.png", "summary.txt"}
         ours, alone = arrays(result.checkpoint), arrays(checkpoint.path_for(root / "one", 10))
         assert ours.keys() == alone.keys()
         for k in ours:

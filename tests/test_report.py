@@ -58,7 +58,7 @@ def test_report_errors_name_the_run_directory(text_data, tmp_path):
 def test_every_job_script_parses():
     scripts = sorted(JOBS.glob("*.sh")) + sorted(JOBS.glob("*.sbatch"))
     assert {p.name for p in scripts} >= {"local.sh", "scaling_local.sh", "slurm_ddp.sbatch", "slurm_zero1.sbatch",
-                                         "scaling_slurm.sbatch"}
+                                         "slurm_ps.sbatch", "scaling_slurm.sbatch"}
     for p in scripts:
         out = subprocess.run(["bash", "-n", str(p)], capture_output=True, text=True, check=False)
         assert out.returncode == 0, f"{p.name}: {out.stderr}"

@@ -14,7 +14,10 @@ Every record has ``kind`` and ``time`` (Unix seconds); the kinds the trainer wri
   figures.
 
 A resumed run keeps the records up to its checkpoint's step and drops the later ones
-(the killed run's steps, which it does again), so the file reads as one run.
+(the killed run's steps, which it does again), so the file reads as one run. In a
+parameter-server run worker 0 writes the file (the servers never see a loss): its
+``train`` records are its own steps, with ``samples_per_s`` its rate times the number
+of workers (exact when synchronous), and ``end`` adds the ``staleness`` histogram.
 """
 
 from __future__ import annotations
