@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import signal
 import sys
 import threading
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from tqdm import tqdm
 
 from mpitrain import checkpoint, nn, ops, optim, rng
 from mpitrain.comm import SingleComm, started_thread_level
@@ -583,6 +585,10 @@ def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: Sh
         metrics.write("checkpoint", step=step, path=str(path), why=why)
         log(f"step {step}: checkpoint {path} ({why})")
 
+    bar = None
+    if log is print and _terminal():  # rank 0 on a terminal: a progress bar, the lines above it
+        bar = tqdm(total=total, initial=first, unit="step", dynamic_ncols=True, file=sys.stdout, leave=False)
+        log = bar.write
     stop = _StopSignals()
     step = first
     epoch = max(0, first - 1) // reader.steps_per_epoch  # a boundary just passed still evaluates
@@ -632,6 +638,9 @@ def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: Sh
                 window_steps += 1
             result.final_loss = loss
             step += 1
+            if bar is not None:
+                bar.set_postfix_str(f"loss {loss:.4f}", refresh=False)
+                bar.update(1)
             if step % t.log_interval == 0 or step == total:
                 if window_steps:
                     rate = window_steps * t.global_batch_size / window_time
@@ -654,6 +663,9 @@ def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: Sh
                 evaluate(step)
             waiting = time.perf_counter()
     batches.close()
+    if bar is not None:
+        bar.close()
+        log = print
     report_io(epoch)
 
     def write_timeline() -> None:
@@ -711,6 +723,14 @@ TIME_FIELDS = ("rank", "step_s", "comm_exposed_s", "comm_total_s", "read_s", "wa
 @contextlib.contextmanager
 def _untraced(*args, **kwargs):
     yield
+
+
+def _terminal() -> bool:
+    """Whether stdout is a terminal with a width (not a log file, not SLURM's output)."""
+    try:
+        return sys.stdout.isatty() and os.get_terminal_size(sys.stdout.fileno()).columns > 0
+    except (OSError, ValueError):
+        return False
 
 
 def _signal_name(signum: int) -> str:

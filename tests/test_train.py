@@ -130,3 +130,37 @@ def test_divergence_stops_with_a_message(text_data):
                    "--set", "optim.lr=1e30", "--set", "optim.grad_clip=0.0", "--set", "optim.warmup_steps=0",
                    "--set", "train.steps=50", "--set", "model.n_layer=1")
     assert out.returncode == 1 and "training diverged: loss is" in out.stderr
+
+
+def test_a_progress_bar_on_a_terminal_and_plain_lines_otherwise(text_data, tmp_path):
+    import fcntl
+    import os
+    import pty
+    import struct
+    import termios
+
+    args = [sys.executable, "-m", "mpitrain", "train", str(JOBS / "tinyshakespeare_gpt.toml"), "--set",
+            f"data.path={text_data}", "--set", "model.n_layer=1", "--set", "model.n_embd=16", "--set", "model.n_head=2",
+            "--set", "model.block_size=8", "--set", "train.steps=20", "--set", "train.log_interval=10",
+            "--set", "train.eval_batches=2", "--set", "train.sample_tokens=0"]
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))  # rows, columns
+    proc = subprocess.Popen(args, stdout=follower, stderr=subprocess.PIPE, cwd=tmp_path)
+    os.close(follower)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the terminal closed: the run is over
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    proc.wait(timeout=120)
+    os.close(leader)
+    shown = b"".join(chunks).decode(errors="replace")
+    assert proc.returncode == 0
+    assert "20/20" in shown and "step/s" in shown and "step 10/20 | loss" in shown
+    (tmp_path / "other").mkdir()
+    piped = mpitrain(*args[3:], cwd=tmp_path / "other")
+    assert piped.returncode == 0 and "step/s" not in piped.stdout and "step 10/20 | loss" in piped.stdout
