@@ -4,7 +4,9 @@ One file per checkpoint, ``RUN_DIR/checkpoints/step-00001234.h5``:
 
 * attributes: ``format`` (``mpitrain-checkpoint``), ``format_version``,
   ``mpitrain_version``, ``step`` (optimizer steps done), ``epoch`` and ``epoch_step``
-  (the data position: the reader's batches are a function of seed, epoch and step),
+  (the data position: the reader's batches are a function of the step, given the
+  seed, global batch, ``data.buffer_mb`` and the data; a resume that changes one of
+  those is warned about, see ``DATA_ORDER``),
   ``ranks`` and ``strategy`` at save time, ``config`` (the resolved config as JSON),
   ``rng`` (the dropout and initialisation stream, :mod:`mpitrain.rng`), ``optimizer``
   (its step count and group hyperparameters, JSON), ``created``;
@@ -60,6 +62,10 @@ def directory(run_dir) -> Path:
 
 def path_for(run_dir, step: int) -> Path:
     return directory(run_dir) / f"step-{step:08d}.h5"
+
+
+def _step_of(path: Path) -> int:
+    return int(_NAME.match(path.name).group(1))
 
 
 def listed(run_dir) -> list[Path]:
@@ -168,7 +174,11 @@ def save(run_dir, step: int, *, model, optimizer, parallel, cfg, comm, keep: int
             os.fsync(fh.fileno())
         os.replace(tmp, final)
         _fsync_dir(final.parent)
-        for old in listed(run_dir)[:-keep]:
+        # checkpoints of later steps belong to the run this one replaced (it resumed from an
+        # earlier one, past a damaged file): they go, then all but the newest `keep`
+        saved = listed(run_dir)
+        later = [p for p in saved if _step_of(p) > step]
+        for old in later + [p for p in saved if _step_of(p) <= step][:-keep]:
             old.unlink()
 
     comm.agree(lambda: commit() if comm.rank == 0 else None)
@@ -239,15 +249,28 @@ def latest(run_dir, comm, warn) -> Path | None:
     return Path(chosen) if chosen else None
 
 
-def restore(path: Path, *, cfg, model, optimizer, parallel, comm) -> dict:
+# the settings the order of the batches follows (with the step); changing one on resume
+# trains on other batches than the saved run would have
+DATA_ORDER = (("train", "seed"), ("train", "global_batch_size"), ("data", "buffer_mb"), ("data", "shift"),
+              ("data", "path"), ("data", "name"), ("model", "block_size"))
+
+
+def restore(path: Path, *, cfg, model, optimizer, parallel, comm, warn=None) -> dict:
     """Load ``path`` into the model, the optimizer state this rank owns and the random
-    stream (collective); returns the checkpoint's attributes."""
+    stream (collective); returns the checkpoint's attributes. ``warn`` hears of settings
+    that change the batch order from the saved run's."""
     offsets, local, pieces, _ = _layout(optimizer, parallel)
 
     def load():
         with h5py.File(path, "r") as f:
             attrs = dict(f.attrs)
-            was = json.loads(attrs["config"])["optim"]["name"]
+            saved_cfg, now = json.loads(attrs["config"]), cfg.to_dict()
+            changed = [f"{a}.{b} = {now[a][b]!r} (saved: {saved_cfg[a][b]!r})" for a, b in DATA_ORDER
+                       if saved_cfg.get(a, {}).get(b) != now[a][b]]
+            if changed and warn is not None:
+                warn(f"warning: {path}: resuming with {', '.join(changed)}: the batches differ from the ones "
+                     "the saved run would have trained on")
+            was = saved_cfg["optim"]["name"]
             if was != cfg.optim.name:
                 raise CheckpointError(f"{path}: saved with optim.name = {was!r}, this run has {cfg.optim.name!r}; "
                                       "the optimizer state cannot carry over")

@@ -266,6 +266,7 @@ def train(cfg: Config, log=print, comm=None, resume: bool = False, warn=None) ->
     comm = comm or SingleComm()
     check_ranks(cfg, comm.size)
     warn = warn or _stderr
+    loud = log is print  # the command line: a parameter server's worker 0 prints its progress too
     if comm.rank != 0:
         log = warn = _silent
     comm.agree(_prepare_run_dir, cfg, resume)
@@ -283,7 +284,7 @@ def train(cfg: Config, log=print, comm=None, resume: bool = False, warn=None) ->
         if cfg.parallel.strategy == "ps":
             grid.free()
             try:
-                return _train_ps(cfg, model, opt, data, comm, threads, log)
+                return _train_ps(cfg, model, opt, data, comm, threads, log, print if loud else _silent)
             finally:
                 data.close()
         parallel = wrap(cfg, model, opt, grid.dp_comm)
@@ -298,20 +299,21 @@ def train(cfg: Config, log=print, comm=None, resume: bool = False, warn=None) ->
             f"{reader.n:,} training {'windows' if is_text else 'samples'}, {reader.steps_per_epoch} steps per "
             f"epoch; {total} steps of {t.global_batch_size}; {threads} BLAS thread(s) per rank; {t.dtype}")
         log(_describe(cfg, parallel, comm))
-        first = 0
-        if resume:
-            path = checkpoint.latest(cfg.run.dir, comm, warn)
-            if path is None:
-                log(f"resume: no checkpoint in {checkpoint.directory(cfg.run.dir)}, starting at step 0")
-            else:
-                attrs = checkpoint.restore(path, cfg=cfg, model=model, optimizer=opt, parallel=parallel, comm=comm)
-                first = int(attrs["step"])
-                log(f"resumed from {path} at step {first} (saved by {attrs['ranks']} rank(s), "
-                    f"{attrs['strategy']}, mpitrain {attrs['mpitrain_version']})")
-                if first > total:
-                    raise ConfigError(f"train.steps: the checkpoint is at step {first}, beyond this run's "
-                                      f"{total} steps")
         try:
+            first = 0
+            if resume:
+                path = checkpoint.latest(cfg.run.dir, comm, warn)
+                if path is None:
+                    log(f"resume: no checkpoint in {checkpoint.directory(cfg.run.dir)}, starting at step 0")
+                else:
+                    attrs = checkpoint.restore(path, cfg=cfg, model=model, optimizer=opt, parallel=parallel,
+                                               comm=comm, warn=warn)
+                    first = int(attrs["step"])
+                    log(f"resumed from {path} at step {first} (saved by {attrs['ranks']} rank(s), "
+                        f"{attrs['strategy']}, mpitrain {attrs['mpitrain_version']})")
+                    if first > total:
+                        raise ConfigError(f"train.steps: the checkpoint is at step {first}, beyond this run's "
+                                          f"{total} steps")
             return _loop(cfg, model, opt, parallel, schedule, data, reader, total, first, comm, log, warn)
         finally:
             data.close()
@@ -353,9 +355,11 @@ def _prepare_run_dir(cfg: Config, resume: bool) -> None:
                           "or choose another run directory")
 
 
-def _train_ps(cfg: Config, model, opt, data: Dataset, comm, threads: int, log) -> Result:
+def _train_ps(cfg: Config, model, opt, data: Dataset, comm, threads: int, log, progress) -> Result:
     """The parameter-server strategy: servers serve, workers pull, compute, push; then
-    every rank takes the final parameters and evaluates its share of the test split."""
+    every rank takes the final parameters and evaluates its share of the test split.
+    Rank 0 is a server and sees no loss: worker 0 prints the progress lines through
+    ``progress``."""
     par, t = cfg.parallel, cfg.train
     S, W = par.servers, comm.size - par.servers
     is_text = data.kind == "text"
@@ -412,8 +416,8 @@ def _train_ps(cfg: Config, model, opt, data: Dataset, comm, threads: int, log) -
             step += 1
             if ps.worker == 0 and step % t.log_interval == 0:
                 rate = window_steps * t.global_batch_size // W / (time.perf_counter() - window_start)
-                print(f"worker 0: step {step} | loss {window_loss / window_steps:.4f} | "
-                      f"lr {schedule(min(step, total - 1)):.2e} | {rate:,.0f} samples/s on this worker", flush=True)
+                progress(f"worker 0: step {step} | loss {window_loss / window_steps:.4f} | "
+                         f"lr {schedule(min(step, total - 1)):.2e} | {rate:,.0f} samples/s on this worker")
                 metrics.write("train", step=step, loss=window_loss / window_steps, lr=schedule(min(step, total - 1)),
                               samples_per_s=rate * W)  # worker 0's rate times the workers: exact when synchronous
                 window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
@@ -423,10 +427,12 @@ def _train_ps(cfg: Config, model, opt, data: Dataset, comm, threads: int, log) -
     train_seconds = time.perf_counter() - start
     sent, received = ps.bytes_sent, ps.bytes_received
     waited = ps.comm.stats.seconds  # in Waitany, Recv, and waiting for replies and sends
-    read = sum(st.read_seconds for st in reader.stats.values())
-    stall = sum(st.stall_seconds for st in reader.stats.values())
+    stats = reader.epoch_stats()
+    read = sum(st.read_seconds for st in stats)
+    stall = sum(st.stall_seconds for st in stats)
     rows = comm.gather((comm.rank, train_seconds, waited, waited, read, stall, sent), root=S)
     ps.gather_parameters()
+    ps.gather_buffers(model)
     histogram = ps.staleness_histogram()
     slowest = max(comm.allgather(train_seconds))
     steps = comm.allgather(result.steps)[S:]  # each worker's
@@ -444,8 +450,9 @@ def _train_ps(cfg: Config, model, opt, data: Dataset, comm, threads: int, log) -
     if cfg.run.dir:  # the servers write their parameters' optimizer state: the trainer's format
         if comm.rank == 0:
             Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
+        epoch, epoch_step = divmod(total, reader.steps_per_epoch)
         path = checkpoint.save(cfg.run.dir, total, model=model, optimizer=opt, parallel=ps, cfg=cfg, comm=comm,
-                               keep=cfg.run.keep)
+                               keep=cfg.run.keep, epoch=epoch, epoch_step=epoch_step)
         result.checkpoint = str(path)
         metrics.write("checkpoint", step=total, path=str(path), why="end of training")
         log(f"step {total}: checkpoint {path} (end of training; resume it with ddp or zero1)")
@@ -490,15 +497,20 @@ def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _agree_on_step(comm, loss: float, signum: int) -> tuple[float, int]:
+def _agree_on_step(comm, loss: float, received: int | None) -> tuple[float, str | None]:
     """The global batch's loss (each rank's is the mean over equally many samples) and
-    the stop signal any rank received (0: none; the sum if several), in one 16-byte
-    allreduce."""
-    if comm.size == 1:
-        return loss, signum
-    buf = np.array([loss, float(signum)])
-    comm.allreduce(buf)
-    return float(buf[0]) / comm.size, int(buf[1])
+    the name of a stop signal any rank received (None: none), in one allreduce of the
+    loss and a count per stop signal (a scheduler signals every rank: counts, not
+    signal numbers, survive the sum)."""
+    buf = np.zeros(1 + len(_StopSignals.SIGNALS))
+    buf[0] = loss
+    if received is not None:
+        buf[1 + _StopSignals.SIGNALS.index(signal.Signals(received).name)] = 1
+    if comm.size > 1:
+        comm.allreduce(buf)
+        buf[0] /= comm.size
+    seen = [name for name, count in zip(_StopSignals.SIGNALS, buf[1:]) if count > 0]
+    return float(buf[0]), (seen[0] if seen else None)
 
 
 def _inputs(cfg: Config, data: Dataset, batch) -> tuple[np.ndarray, np.ndarray]:
@@ -569,8 +581,9 @@ def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: Sh
         """This rank's seconds so far: steps, communication exposed and total, reading,
         waiting for data; and bytes sent."""
         exposed, comm_total = parallel.comm_seconds()
-        read = sum(s.read_seconds for s in reader.stats.values())
-        stall = sum(s.stall_seconds for s in reader.stats.values())
+        stats = reader.epoch_stats()
+        read = sum(s.read_seconds for s in stats)
+        stall = sum(s.stall_seconds for s in stats)
         return comm.rank, train_seconds, exposed, comm_total, read, stall, parallel.bytes_sent
 
     def save(step: int, why: str) -> None:
@@ -596,7 +609,9 @@ def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: Sh
     batches = reader.batches(first_epoch, first_step=first_step)
     waiting = time.perf_counter()
     watchdog = Watchdog(comm, run.stall_warn_s, run.stall_abort_s)  # prints on every rank
-    with stop, contextlib.closing(watchdog):
+    if first and first != total and t.eval_interval and first % t.eval_interval == 0:
+        evaluate(first)  # the killed run evaluated after its checkpoint; maybe not before it died
+    with stop, contextlib.closing(watchdog), contextlib.closing(batches), bar or contextlib.nullcontext():
         for batch in batches:
             if timeline is not None:
                 timeline.add("data wait", "io", "compute", waiting, time.perf_counter())
@@ -616,7 +631,7 @@ def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: Sh
                 with traced("finish", "communication"), watchdog.phase(step, "gradient exchange"):
                     parallel.finish()  # wait for the buckets, average
             with watchdog.phase(step, "agreeing on the step"):
-                loss, stopping = _agree_on_step(comm, loss, stop.received or 0)
+                loss, stopping = _agree_on_step(comm, loss, stop.received)
             if np.isfinite(loss):
                 with traced("optimizer", "optimizer"), watchdog.phase(
                         step, "ZeRO-1 update" if isinstance(parallel, Zero1) else "computing"):
@@ -652,7 +667,7 @@ def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: Sh
                                   ranks=[dict(zip(TIME_FIELDS, row)) for row in comm.gather(times()) or ()])
                 window_loss, window_steps, window_time = 0.0, 0, 0.0
             if stopping:
-                result.stopped = _signal_name(stopping)
+                result.stopped = stopping
                 save(step, result.stopped)
                 break
             if step == total:
@@ -662,9 +677,7 @@ def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: Sh
             if t.eval_interval and step % t.eval_interval == 0 and step != total:
                 evaluate(step)
             waiting = time.perf_counter()
-    batches.close()
-    if bar is not None:
-        bar.close()
+    if bar is not None:  # closed: lines go straight out again
         log = print
     report_io(epoch)
 
@@ -689,13 +702,14 @@ def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: Sh
     done = total - first
     result.samples_per_s = done * t.global_batch_size / train_seconds if train_seconds else 0.0
     result.gflops_per_s = done * flops.total * comm.size / train_seconds / 1e9 if train_seconds else 0.0
-    stall = sum(s.stall_seconds for s in reader.stats.values())
+    stall = sum(s.stall_seconds for s in reader.epoch_stats())
     result.stall_fraction = stall / (train_seconds + stall) if train_seconds else 0.0
     digest = parallel.check_replicas()
     rows = comm.gather(times())
     if comm.rank == 0:
         result.timing = rows
-        log(time_table(rows, done))
+        if done:  # a resumed run that was already finished has no steps to show
+            log(time_table(rows, done))
         if comm.size > 1:
             log(f"replicas identical on all {comm.size} ranks (parameters sha256 {digest[:16]})")
     if is_text and t.sample_tokens and comm.rank == 0:
@@ -731,13 +745,6 @@ def _terminal() -> bool:
         return sys.stdout.isatty() and os.get_terminal_size(sys.stdout.fileno()).columns > 0
     except (OSError, ValueError):
         return False
-
-
-def _signal_name(signum: int) -> str:
-    try:
-        return signal.Signals(signum).name
-    except ValueError:  # several ranks got different signals: their numbers were summed
-        return "signals"
 
 
 class _StopSignals:

@@ -14,6 +14,10 @@ background thread per rank, every ``interval`` seconds:
 * after ``abort_after`` seconds prints that it gives up and aborts every rank
   (``MPI_Abort``): a stalled job ends instead of holding its allocation.
 
+What it watches: the per-step collectives (the gradient exchange, the step agreement,
+ZeRO-1's update). Evaluations and checkpoint writes are not watched: their length is
+mostly work, not waiting, and a long one would look like a stall.
+
 The thread calls MPI beside the main thread, so it needs thread level ``multiple``
 (mpitrain's default); at another level the watchdog is off and says so. Its messages
 are 24 bytes per rank per interval.
@@ -38,7 +42,7 @@ class Watchdog:
     def __init__(self, comm, warn_after: float, abort_after: float, log=None, interval: float | None = None):
         self.warn_after, self.abort_after = warn_after, abort_after
         self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
-        self.step, self.code, self.since = 0, 0, time.perf_counter()
+        self.state = (0, 0, time.perf_counter())  # step, phase code, since: one tuple, replaced whole
         self.comm = self._thread = None
         on = comm.size > 1 and (warn_after > 0 or abort_after > 0)
         if on and started_thread_level() != "multiple":
@@ -57,13 +61,14 @@ class Watchdog:
 
     @contextlib.contextmanager
     def phase(self, step: int, name: str):
-        """Mark the main thread as being in ``name`` (one of :data:`PHASES`) at ``step``."""
-        previous = self.code
-        self.step, self.code, self.since = step, PHASES.index(name), time.perf_counter()
+        """Mark the main thread as being in ``name`` (one of :data:`PHASES`) at ``step``
+        (the thread reads the state as one tuple, never half of an update)."""
+        previous = self.state[1]
+        self.state = (step, PHASES.index(name), time.perf_counter())
         try:
             yield
         finally:
-            self.code, self.since = previous, time.perf_counter()
+            self.state = (step, previous, time.perf_counter())
 
     def close(self) -> None:
         if self._thread is not None:
@@ -77,9 +82,10 @@ class Watchdog:
         comm, warned, sends = self.comm, False, []
         incoming = np.empty(3)
         while not self._stop.wait(self.interval):
+            step, code, since = self.state
             now = time.perf_counter()
-            waited = now - self.since
-            mine = np.array([self.step, self.code, waited])
+            waited = now - since
+            mine = np.array([step, code, waited])
             if comm.rank == 0:
                 self.heard[0] = (*mine, now)
                 while comm.poll(-1, Tag.WATCHDOG):
@@ -88,27 +94,27 @@ class Watchdog:
             else:
                 sends = [(buf, r) for buf, r in sends if not r.test()]  # keep each buffer until sent
                 sends.append((mine, comm.isend(mine, 0, Tag.WATCHDOG)))
-            if PHASES[self.code] not in WAITING:
+            if PHASES[code] not in WAITING:
                 warned = False
                 continue
             if self.warn_after > 0 and waited > self.warn_after and not warned:
-                self.log(self._describe(waited, "stall"))
+                self.log(self._describe(step, code, waited, "stall"))
                 warned = True
             if self.abort_after > 0 and waited > self.abort_after:
-                self.log(self._describe(waited, "aborting") + f"; ending all {comm.size} ranks "
+                self.log(self._describe(step, code, waited, "aborting") + f"; ending all {comm.size} ranks "
                          f"(run.stall_abort_s = {self.abort_after:g})")
                 time.sleep(0.2)  # let mpiexec forward the message before the abort ends its relay
                 comm.abort(1)
 
-    def _describe(self, waited: float, what: str) -> str:
-        here = f"[rank {self.comm.rank}] {what}: waited {waited:.0f} s in '{PHASES[self.code]}' at step {self.step}"
+    def _describe(self, step: int, code: int, waited: float, what: str) -> str:
+        here = f"[rank {self.comm.rank}] {what}: waited {waited:.0f} s in '{PHASES[code]}' at step {step}"
         if self.comm.rank != 0:
             return here
         now = time.perf_counter()
         missing = []
-        for rank, (step, code, seconds, when) in sorted(self.heard.items()):
-            if rank == 0 or (int(step) == self.step and int(code) == self.code):
+        for rank, (their_step, their_code, seconds, when) in sorted(self.heard.items()):
+            if rank == 0 or (int(their_step) == step and int(their_code) == code):
                 continue
-            missing.append(f"rank {rank} (step {int(step)}, {PHASES[int(code)]} for {seconds:.0f} s, "
+            missing.append(f"rank {rank} (step {int(their_step)}, {PHASES[int(their_code)]} for {seconds:.0f} s, "
                            f"heard from {now - when:.0f} s ago)")
         return here + ("; not there: " + ", ".join(missing) if missing else "; every rank is waiting there too")

@@ -121,6 +121,33 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(text_data, tmp_pa
     checkpoint.check(newest)  # rewritten whole by the resumed run
 
 
+def test_resuming_a_finished_run_evaluates_and_returns(text_data, tmp_path):
+    train.train(gpt(text_data, tmp_path / "a", "train.steps=8"), log=quiet)
+    lines = []
+    again = train.train(gpt(text_data, tmp_path / "a", "train.steps=8"), log=lines.append, resume=True)
+    assert again.start_step == 8 and again.steps == 8 and again.val_loss is not None
+    assert any(line.startswith("done: 0 steps") for line in lines)
+
+
+def test_a_resume_past_a_damaged_checkpoint_drops_the_abandoned_later_ones(text_data, tmp_path):
+    train.train(gpt(text_data, tmp_path / "a", "train.steps=12"), log=quiet)  # checkpoints 4, 8, 12
+    damage(checkpoint.path_for(tmp_path / "a", 12), "garbage")
+    again = train.train(gpt(text_data, tmp_path / "a", "train.steps=12", "run.keep=1", "run.checkpoint_interval=2"),
+                        log=quiet, warn=quiet, resume=True)
+    assert again.start_step == 8
+    assert [p.name for p in checkpoint.listed(tmp_path / "a")] == ["step-00000012.h5"]
+    checkpoint.check(checkpoint.path_for(tmp_path / "a", 12))
+
+
+def test_a_resume_that_changes_the_batch_order_is_warned_about(text_data, tmp_path):
+    train.train(gpt(text_data, tmp_path / "a", "train.steps=4"), log=quiet)
+    warnings = []
+    train.train(gpt(text_data, tmp_path / "a", "train.steps=8", "data.buffer_mb=1.0", "train.seed=5"), log=quiet,
+                warn=warnings.append, resume=True)
+    assert len(warnings) == 1 and "train.seed = 5 (saved: 1337)" in warnings[0]
+    assert "data.buffer_mb = 1.0 (saved: 32" in warnings[0]
+
+
 def test_a_run_directory_with_checkpoints_needs_resume(text_data, tmp_path):
     cfg = gpt(text_data, tmp_path / "a", "train.steps=4")
     train.train(cfg, log=quiet)
@@ -156,15 +183,16 @@ def test_a_non_finite_loss_stops_naming_the_last_checkpoint_or_is_skipped(text_d
 
 
 def test_metrics_file_reads_as_one_run_after_a_resume(text_data, tmp_path):
-    train.train(gpt(text_data, tmp_path / "a"), log=quiet)
+    train.train(gpt(text_data, tmp_path / "a", "train.eval_interval=6"), log=quiet)
     (tmp_path / "b").mkdir()
     shutil.copy(tmp_path / "a" / "metrics.jsonl", tmp_path / "b")
-    resume_from(tmp_path / "a", 12, tmp_path / "b")
-    train.train(gpt(text_data, tmp_path / "b"), log=quiet, resume=True)
+    resume_from(tmp_path / "a", 12, tmp_path / "b")  # an evaluation step too
+    train.train(gpt(text_data, tmp_path / "b", "train.eval_interval=6"), log=quiet, resume=True)
     for run in ("a", "b"):
         records = read_metrics(tmp_path / run / "metrics.jsonl")
         steps = [r["step"] for r in records if r["kind"] == "train"]
         assert steps == list(range(4, 25, 4))
+        assert [r["step"] for r in records if r["kind"] == "eval"] == [6, 12, 18, 24]
         assert [r["kind"] for r in records].count("end") == 1
         r = next(r for r in records if r["kind"] == "train")
         assert {"loss", "lr", "samples_per_s", "ranks"} <= set(r)
@@ -252,18 +280,21 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(reference, tmp_pa
 
 @needs_mpiexec
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the ranks through Linux /proc")
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGUSR1"])
-def test_a_signal_to_one_rank_checkpoints_and_exits_0_then_resume_is_bit_identical(reference, tmp_path, sig):
+@pytest.mark.parametrize("sig,to", [("SIGTERM", "one"), ("SIGUSR1", "one"), ("SIGUSR1", "all")])
+def test_a_signal_checkpoints_and_exits_0_then_resume_is_bit_identical(reference, tmp_path, sig, to):
+    """To one rank (mpiexec's user), or to every rank (as SLURM does)."""
     data, final = reference
     proc = launch(data, tmp_path / "run")
     wait_for_checkpoint(tmp_path / "run", 60, proc)
     ranks = ranks_of(proc)
     assert len(ranks) == 2
-    os.kill(ranks[1], getattr(signal, sig))
+    for pid in ranks[1:] if to == "one" else ranks:
+        os.kill(pid, getattr(signal, sig))
     code, out, err = finish(proc)
     assert code == 0, err
     stopped = [line for line in out.splitlines() if line.startswith("stopped by")]
-    assert len(stopped) == 1 and "resume with --resume" in stopped[0], out
+    assert len(stopped) == 1 and stopped[0].startswith(f"stopped by {sig} after step"), out
+    assert "resume with --resume" in stopped[0]
     at = int(stopped[0].split("after step ")[1].split(";")[0])
     assert checkpoint.listed(tmp_path / "run")[-1] == checkpoint.path_for(tmp_path / "run", at)
     code, out, err = finish(launch(data, tmp_path / "run", "--resume"))

@@ -98,6 +98,29 @@ def test_asynchronous_modes_train_and_record_staleness(staleness):
     ps.close()
 
 
+@pytest.mark.mpi(min_size=2)
+def test_every_rank_ends_with_the_workers_mean_batch_norm_statistics():
+    comm = world()
+    model, opt = build("resnet", "float64", "sgd")
+    ps = ParameterServer(model, opt, comm, servers=1)
+    x = np.random.default_rng(comm.rank).standard_normal((4, 8, 8, 2))
+    if ps.is_server:
+        ps.serve()
+    else:
+        ps.pull_wait()
+        loss_of("resnet", model, x, np.zeros(4, dtype=np.int64)).backward()
+        ps.push(0)
+        ps.stop()
+    mine = {n: np.array(b, copy=True) for n, b in model.named_buffers()}
+    everyone = comm.allgather(mine)
+    ps.gather_buffers(model)
+    for name, b in model.named_buffers():
+        workers = [d[name] for d in everyone[1:]]
+        expected = np.mean(workers, axis=0) if b.dtype.kind == "f" else workers[0]
+        assert np.allclose(b, expected, rtol=1e-12, atol=0), name
+    ps.close()
+
+
 def test_partition_balances_sizes():
     assert partition([10, 10, 10, 10], 2) == [0, 1, 0, 1]
     owner = partition([100, 1, 50, 49, 2], 2)

@@ -80,3 +80,19 @@ def test_the_local_scaling_study_runs_on_1_and_2_ranks_and_plots(text_data, tmp_
     out = subprocess.run(["bash", str(JOBS / "local.sh"), "nonsense", str(JOBS / "tinyshakespeare_gpt.toml")],
                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60, check=False)
     assert out.returncode == 2 and "unknown strategy 'nonsense'" in out.stderr
+
+
+def test_report_on_an_unfinished_parameter_server_run(text_data, tmp_path):
+    """Worker 0's progress records carry no per-rank figures, and the run has no end."""
+    run(text_data, tmp_path / "a")
+    kept = [line for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["kind"] in ("start", "train")]
+    (tmp_path / "b").mkdir()
+    records = [json.loads(line) for line in kept]
+    for r in records:
+        if r["kind"] == "train":
+            del r["ranks"]
+    (tmp_path / "b" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    lines = []
+    report([tmp_path / "b"], log=lines.append)
+    assert "not finished (killed, or still running)" in lines[0]

@@ -218,6 +218,12 @@ class ShardReader:
         L, R = divmod(self.n, self.B)
         return L + (0 if self.drop_last or not R else 1)
 
+    def epoch_stats(self) -> list[IOStats]:
+        """Each epoch's statistics so far, taken under the lock (the reader thread adds
+        the next epoch's entry while the training loop reads them)."""
+        with self._lock:
+            return list(self.stats.values())
+
     def plan(self, epoch: int) -> EpochPlan:
         return EpochPlan(self.n, self.B, self.seed, epoch, self.block, self.shuffle)
 

@@ -50,7 +50,9 @@ class MetricsLog:
                     record = json.loads(line)
                 except json.JSONDecodeError:  # a line cut short when the run was killed
                     continue
-                if record.get("step", 0) <= first_step and record.get("kind") != "end":
+                step, kind = record.get("step", 0), record.get("kind")
+                # the resumed run evaluates at its first step again (and ends again)
+                if step < first_step or (step == first_step and kind not in ("eval", "end")):
                     kept.append(line + "\n")
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(kept), encoding="utf-8")

@@ -60,7 +60,7 @@ class Run:
         """Each rank's cumulative seconds and bytes: from the end of the run, or the
         last progress record of an unfinished one."""
         last = self.end or (self.train[-1] if self.train else None)
-        return last["ranks"] if last else []
+        return last.get("ranks", []) if last else []  # a parameter server's progress records have none
 
     def epoch_seconds(self) -> float:
         """Training seconds per epoch (the slowest rank's), from the end record."""

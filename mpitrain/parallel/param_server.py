@@ -10,7 +10,9 @@ to those parameters). Each worker holds a full copy of the model and trains on i
 Networks" (DistBelief, Downpour SGD), NIPS 2012; Li et al., "Scaling Distributed
 Machine Learning with the Parameter Server" (ps-lite), OSDI 2014).
 
-**Communicator**: a ``Dup`` of the one given (all ``S + W`` ranks); point-to-point only.
+**Communicator**: a ``Dup`` of the one given (all ``S + W`` ranks); point-to-point while
+training; at the end ``Bcast`` of each server's parameters, an ``Allreduce`` of the
+workers' batch-norm statistics and an allgather of the staleness counts.
 
 **The calls and when**, per worker step, for each server ``s`` (tags from
 :class:`mpitrain.comm.Tag`):
@@ -268,6 +270,19 @@ class ParameterServer:
         """Every rank gets every server's final parameters (collective)."""
         for s in range(self.S):
             self.comm.bcast_array(self.flat_params[s], root=s)
+
+    def gather_buffers(self, model) -> None:
+        """Every rank gets the workers' batch-norm statistics (collective): floating
+        buffers are averaged over the workers (servers never run a forward pass),
+        others (counters) are taken from worker 0."""
+        for _, b in model.named_buffers():
+            if b.dtype.kind == "f":
+                if self.is_server:
+                    b[...] = 0
+                self.comm.allreduce(b)
+                b /= self.W
+            else:
+                self.comm.bcast_array(b, root=self.S)
 
     def staleness_histogram(self) -> dict[int, int]:
         """Applied gradients by staleness, summed over servers (collective; on every rank)."""
