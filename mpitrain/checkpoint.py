@@ -19,8 +19,8 @@ One file per checkpoint, ``RUN_DIR/checkpoints/step-00001234.h5``:
 
 The flat layout makes the file independent of how the state was split: with ZeRO-1
 each rank writes the ``[lo, hi)`` range of its own shard, each parameter server the
-ranges of its parameters, with data parallelism rank 0 writes it all, and a run resumes on any number of ranks with either strategy, each rank
-reading the range it owns then.
+ranges of its parameters, with data parallelism rank 0 writes it all; and a run resumes
+on any number of ranks with either strategy, each rank reading the ranges it owns then.
 
 **Atomic.** Rank 0 creates ``step-XXXXXXXX.h5.tmp`` (metadata, model, empty optimizer
 datasets, its own state); the other ranks that own state write theirs one after the

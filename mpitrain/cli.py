@@ -304,7 +304,8 @@ def main(argv=None) -> int:
             print(message, file=sys.stderr)
 
     try:
-        with abort_on_exception(expected=(ConfigError, DataError, CheckpointError, FloatingPointError, _usage, _failure)):
+        expected = (ConfigError, DataError, CheckpointError, FloatingPointError, _usage, _failure)
+        with abort_on_exception(expected=expected):
             return args.run(args)
     except _usage as e:
         parser.error(str(e))

@@ -130,7 +130,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    dir: str = ""  # run directory (checkpoints/, metrics.jsonl); "" writes nothing. The CLI's default: runs/<config name>
+    dir: str = ""  # run directory (checkpoints/, metrics.jsonl); "" writes nothing (the CLI: runs/<config name>)
     checkpoint_interval: int = 0  # steps between checkpoints; 0: only at the end and on SIGTERM/SIGUSR1
     keep: int = 3  # checkpoints kept (the newest ones)
     on_nan: str = "stop"  # a non-finite loss: stop (exit 1, naming the last good checkpoint) | skip the step

@@ -399,29 +399,29 @@ def _train_ps(cfg: Config, model, opt, data: Dataset, comm, threads: int, log, p
     else:
         slow = ps.worker == par.slow_worker and par.slow_factor > 1
         window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
-        batches = reader.batches()
         step = 0
-        for batch in batches:
-            if not ps.pull_wait() or (par.staleness == 0 and step == total):
-                break
-            x, y = _inputs(cfg, data, batch)
-            tick = time.perf_counter()
-            loss = backward(model, loss_fn, x, y)
-            if slow:  # a straggler: this worker computes slow_factor times as long
-                time.sleep((par.slow_factor - 1) * (time.perf_counter() - tick))
-            ps.push(step)
-            window_loss += loss
-            window_steps += 1
-            result.final_loss = loss
-            step += 1
-            if ps.worker == 0 and step % t.log_interval == 0:
-                rate = window_steps * t.global_batch_size // W / (time.perf_counter() - window_start)
-                progress(f"worker 0: step {step} | loss {window_loss / window_steps:.4f} | "
-                         f"lr {schedule(min(step, total - 1)):.2e} | {rate:,.0f} samples/s on this worker")
-                metrics.write("train", step=step, loss=window_loss / window_steps, lr=schedule(min(step, total - 1)),
-                              samples_per_s=rate * W)  # worker 0's rate times the workers: exact when synchronous
-                window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
-        batches.close()
+        with contextlib.closing(reader.batches()) as batches:
+            for batch in batches:
+                if not ps.pull_wait() or (par.staleness == 0 and step == total):
+                    break
+                x, y = _inputs(cfg, data, batch)
+                tick = time.perf_counter()
+                loss = backward(model, loss_fn, x, y)
+                if slow:  # a straggler: this worker computes slow_factor times as long
+                    time.sleep((par.slow_factor - 1) * (time.perf_counter() - tick))
+                ps.push(step)
+                window_loss += loss
+                window_steps += 1
+                result.final_loss = loss
+                step += 1
+                if ps.worker == 0 and step % t.log_interval == 0:
+                    rate = window_steps * t.global_batch_size // W / (time.perf_counter() - window_start)
+                    progress(f"worker 0: step {step} | loss {window_loss / window_steps:.4f} | "
+                             f"lr {schedule(min(step, total - 1)):.2e} | {rate:,.0f} samples/s on this worker")
+                    # samples/s: worker 0's rate times the workers, exact when synchronous
+                    metrics.write("train", step=step, loss=window_loss / window_steps,
+                                  lr=schedule(min(step, total - 1)), samples_per_s=rate * W)
+                    window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
         ps.stop()
         result.steps = step
     train_seconds = time.perf_counter() - start

@@ -106,7 +106,6 @@ class ParameterServer:
         self.staleness = staleness
         self.lr_at = lr_at
         self.max_updates = max_updates  # asynchronous: stop the workers after this many applied gradients
-        self.discarded = 0  # pushes that came after max_updates
         self.is_server = self.comm.rank < servers
         self.worker = self.comm.rank - servers  # this worker's index (negative on servers)
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -128,9 +127,8 @@ class ParameterServer:
                 offset += p.size
             self.flat_params.append(values)
             self.flat_grads.append(grads)
-        self.version = 0  # updates applied (server), or the version last pulled per server (worker)
+        self.version = 0  # on a server: the updates it has applied
         self.staleness_seen: Counter = Counter()
-        self.updates = 0
         if self.is_server:
             self.optimizer = self._own_optimizer(optimizer)
             self._greet()
@@ -227,14 +225,13 @@ class ParameterServer:
                     arrived[:] = False
                     for k in range(W):
                         self._reply(k)
-            elif self.max_updates is not None and self.updates >= self.max_updates:
-                self.discarded += 1
-                self._reply(w, stop=True)
+            elif self.max_updates is not None and self.version >= self.max_updates:
+                self._reply(w, stop=True)  # the run has had its gradients: this one is dropped
             else:
                 self.staleness_seen[self.version - version] += 1
                 self._apply(slots[w])
                 waiting.append(w)
-                if self.max_updates is not None and self.updates >= self.max_updates:
+                if self.max_updates is not None and self.version >= self.max_updates:
                     for k in waiting:  # the run has had its updates: nobody waits for the bound
                         self._reply(k, stop=True)
                     waiting = []
@@ -257,7 +254,6 @@ class ParameterServer:
             self.optimizer.set_lr(self.lr_at(self.version))
         self.optimizer.step()
         self.version += 1
-        self.updates += 1
 
     def _reply(self, w: int, stop: bool = False) -> None:
         version = np.array([-1 if stop else self.version], dtype=np.int64)
