@@ -37,11 +37,26 @@ caller with several rings in flight gives each its own duplicated communicator.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from mpitrain.comm import Request, Tag
 
 ALGORITHMS = ("mpi", "ring")
+
+
+_work_arrays: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _work(comm, n: int, dtype) -> np.ndarray:
+    """(n,) scratch for a ring on ``comm``, kept between calls (a fresh array costs a
+    page fault per 4 KiB on first touch). Rings on one communicator run one at a
+    time; concurrent ones (DataParallel's buckets) each have their own ``Dup``."""
+    buf = _work_arrays.get(comm)
+    if buf is None or buf.size < n or buf.dtype != dtype:
+        buf = _work_arrays[comm] = np.empty(n, dtype=dtype)
+    return buf[:n]
 
 
 def chunk_bounds(n: int, parts: int) -> np.ndarray:
@@ -70,7 +85,7 @@ class Ring(Request):
             self.steps += [((r - s - 1) % P, (r - s - 2) % P, True) for s in range(P - 1)]
         if "allgather" in phases:
             self.steps += [((r - s) % P, (r - s - 1) % P, False) for s in range(P - 1)]
-        self.scratch = np.empty(int(np.diff(self.bounds).max()) if P > 1 else 0, dtype=buf.dtype)
+        self.scratch = _work(comm, int(np.diff(self.bounds).max()) if P > 1 else 0, buf.dtype)
         self.step, self.requests = 0, []
         self.done = not self.steps
         if not self.done:
