@@ -393,23 +393,31 @@ def _train_ps(cfg: Config, model, opt, data: Dataset, comm, threads: int, log, p
     metrics = MetricsLog(Path(cfg.run.dir) / "metrics.jsonl" if writes else None)
     metrics.write("start", step=0, total_steps=total, steps_per_epoch=reader.steps_per_epoch, ranks=comm.size,
                   config=cfg.to_dict())
+    timeline = Timeline(comm) if cfg.run.timeline and cfg.run.dir else None
+    traced = timeline.span if timeline is not None else _untraced
     start = time.perf_counter()
     if ps.is_server:
-        ps.serve()
+        ps.serve(trace=None if timeline is None else
+                 lambda name, category, a, b: timeline.add(name, category, "compute", a, b))
     else:
         slow = ps.worker == par.slow_worker and par.slow_factor > 1
         window_loss, window_steps, window_start = 0.0, 0, time.perf_counter()
         step = 0
         with contextlib.closing(reader.batches()) as batches:
             for batch in batches:
-                if not ps.pull_wait() or (par.staleness == 0 and step == total):
+                with traced("pull (wait for the servers' replies)", "communication"):
+                    go = ps.pull_wait()
+                if not go or (par.staleness == 0 and step == total):
                     break
                 x, y = _inputs(cfg, data, batch)
                 tick = time.perf_counter()
-                loss = backward(model, loss_fn, x, y)
+                with traced("forward and backward", "backward"):
+                    loss = backward(model, loss_fn, x, y)
                 if slow:  # a straggler: this worker computes slow_factor times as long
-                    time.sleep((par.slow_factor - 1) * (time.perf_counter() - tick))
-                ps.push(step)
+                    with traced("straggling", "compute"):
+                        time.sleep((par.slow_factor - 1) * (time.perf_counter() - tick))
+                with traced("push", "communication"):
+                    ps.push(step)
                 window_loss += loss
                 window_steps += 1
                 result.final_loss = loss
@@ -434,6 +442,10 @@ def _train_ps(cfg: Config, model, opt, data: Dataset, comm, threads: int, log, p
     ps.gather_parameters()
     ps.gather_buffers(model)
     histogram = ps.staleness_histogram()
+    if timeline is not None:
+        where = timeline.write(Path(cfg.run.dir) / "timeline.json")
+        if where is not None:
+            log(f"timeline: {where} (open it in https://ui.perfetto.dev or chrome://tracing)")
     slowest = max(comm.allgather(train_seconds))
     steps = comm.allgather(result.steps)[S:]  # each worker's
     result.final_loss = comm.bcast(result.final_loss, root=S)

@@ -192,3 +192,32 @@ def test_the_servers_final_checkpoint_equals_one_process_checkpoint():
                 continue
             scale = max(1e-12, float(np.abs(alone[k]).max()))
             assert np.abs(ours[k] - alone[k]).max() <= 1e-10 * scale, k
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_parameter_server_timeline_shows_pushes_and_updates():
+    import json
+
+    from test_data import image_set
+    from test_mpi_data import shared_dir
+
+    from mpitrain import config, train
+
+    comm = world()
+    root = shared_dir(comm)
+    if comm.rank == 0:
+        image_set(root / "d", n=480, test=60)
+    comm.barrier()
+    raw = {"model": {"name": "lenet", "channels": [2, 4], "hidden": 8}, "data": {"path": str(root / "d")},
+           "train": {"global_batch_size": 48, "steps": 4}, "parallel": {"strategy": "ps", "staleness": -1},
+           "run": {"dir": str(root / "run"), "timeline": True}}
+    train.train(config.from_dict(raw), log=lambda *a: None, comm=comm)
+    if comm.rank != 0:
+        return
+    spans = [e for e in json.loads((root / "run" / "timeline.json").read_text())["traceEvents"] if e["ph"] == "X"]
+    server = [e["name"] for e in spans if e["pid"] == 0]
+    assert sum(name.startswith("apply worker") for name in server) == 4 * (comm.size - 1)
+    assert "waiting for pushes" in server
+    for rank in range(1, comm.size):
+        names = [e["name"] for e in spans if e["pid"] == rank]
+        assert names.count("push") >= 1 and "forward and backward" in names

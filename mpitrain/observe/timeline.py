@@ -14,6 +14,10 @@ three tracks each:
   compute track, communication is hidden;
 * ``io``: each read of the shard reader's background thread.
 
+In a parameter-server run the compute track holds, on a worker, each pull (waiting for
+the servers' replies), forward and backward, and push; on a server, each wait for
+pushes and each update it applies (with the gradient's staleness).
+
 A layer's backward is timed by gradient-ready hooks: it ends when the last of its
 parameters' gradients is final, and starts where the layer before it in backward order
 ended. Times are microseconds since a barrier that every rank passes at the start, so

@@ -62,6 +62,7 @@ gradient is applied as it arrives, as its own update (``W`` updates per global s
 from __future__ import annotations
 
 import copy
+import time
 from collections import Counter
 
 import numpy as np
@@ -199,8 +200,9 @@ class ParameterServer:
         self.comm.waitall([self.comm.isend(bye[s], s, Tag.PS_HEADER) for s in range(self.S)])
 
     # ------------------------------------------------------------- server
-    def serve(self) -> None:
-        """Apply pushes until every worker has stopped; every message is received."""
+    def serve(self, trace=None) -> None:
+        """Apply pushes until every worker has stopped; every message is received.
+        ``trace(name, category, start, end)``, if given, hears of each wait and update."""
         W, n = self.W, self.flat_params[self.comm.rank].size
         header = [np.zeros(2, dtype=np.int64) for _ in range(W)]
         listening = {w: self.comm.irecv(header[w], self.S + w, Tag.PS_HEADER) for w in range(W)}
@@ -210,7 +212,10 @@ class ParameterServer:
         waiting: list[int] = []  # workers owed a reply
         while listening:
             order = list(listening)
+            tick = time.perf_counter()
             w = order[self.comm.waitany([listening[k] for k in order])]
+            if trace is not None:
+                trace("waiting for pushes", "communication", tick, time.perf_counter())
             step, version = (int(v) for v in header[w])
             if step < 0:  # goodbye: this worker is done
                 del listening[w]
@@ -221,7 +226,10 @@ class ParameterServer:
             if self.staleness == 0:
                 arrived[w] = True
                 if arrived.all():
+                    tick = time.perf_counter()
                     self._apply(slots.sum(axis=0) / W)  # (n,) the mean, summed in worker order
+                    if trace is not None:
+                        trace(f"apply the mean of {W} gradients", "optimizer", tick, time.perf_counter())
                     arrived[:] = False
                     for k in range(W):
                         self._reply(k)
@@ -229,7 +237,11 @@ class ParameterServer:
                 self._reply(w, stop=True)  # the run has had its gradients: this one is dropped
             else:
                 self.staleness_seen[self.version - version] += 1
+                tick = time.perf_counter()
                 self._apply(slots[w])
+                if trace is not None:
+                    trace(f"apply worker {w}'s gradient (staleness {self.version - 1 - version})", "optimizer",
+                          tick, time.perf_counter())
                 waiting.append(w)
                 if self.max_updates is not None and self.version >= self.max_updates:
                     for k in waiting:  # the run has had its updates: nobody waits for the bound
