@@ -317,7 +317,8 @@ def thread_level(requested: str = "auto", comm_thread: bool = False) -> str:
     the data-parallel step of ``mpitrain bench ddp`` exposed less communication at
     ``multiple`` too. (An older MPICH measured on this kind of machine did the opposite,
     see ``../shared/MEASURED.md``; re-measure with ``--thread-level`` on yours.) With more
-    ranks than cores a lock-free level makes MPICH spin, another reason for the default.
+    ranks than cores a lock-free level makes MPICH spin, another reason for the default;
+    and the trainer's stall watchdog (:mod:`mpitrain.watchdog`) calls MPI from a thread.
     ``comm_thread`` (a thread besides the main one calls MPI) needs ``serialized`` or more."""
     if requested not in THREAD_LEVELS:
         raise ValueError(f"thread level must be one of {THREAD_LEVELS}, got {requested!r}")
