@@ -166,6 +166,15 @@ def _bench_step(args) -> int:
     return 0
 
 
+def _thread_level_option(p: argparse.ArgumentParser) -> None:
+    from mpitrain.comm import (
+        THREAD_LEVELS,  # the constant only: importing comm starts no MPI
+    )
+
+    p.add_argument("--thread-level", default="auto", choices=THREAD_LEVELS,
+                   help="MPI thread level (default auto, as parallel.thread_level)")
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -220,8 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
                            description="Time mpitrain's ring allreduce and MPI_Allreduce from 4 KiB to 64 MiB "
                                        "with 2 (and 4) ranks, beside the bound of the ring's data movement.")
     p.add_argument("--repeats", type=_positive, default=5, help="timings per size, median kept (default 5)")
-    p.add_argument("--thread-level", default="auto", choices=("auto", "single", "funneled", "serialized", "multiple"),
-                   help="MPI thread level (default auto, as parallel.thread_level)")
+    _thread_level_option(p)
     p.set_defaults(run=_bench_allreduce)
 
     p = benches.add_parser("ddp", help="data-parallel step: 1 vs. 2 ranks, communication on/off, overlap "
@@ -235,8 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive, default=5, help="steps per variant per round (default 5)")
     p.add_argument("--bucket-mb", type=float, default=4.0, help="bucket size, as parallel.bucket_mb (default 4)")
     p.add_argument("--allreduce", choices=("mpi", "ring"), default="mpi", help="algorithm (default mpi)")
-    p.add_argument("--thread-level", default="auto", choices=("auto", "single", "funneled", "serialized", "multiple"),
-                   help="MPI thread level (default auto, as parallel.thread_level)")
+    _thread_level_option(p)
     p.set_defaults(run=_bench_ddp)
 
     p = benches.add_parser("ps", help="parameter server with a straggler: sync vs. bounded vs. async "

@@ -294,6 +294,12 @@ class Comm(SingleComm):
         return result
 
     def abort(self, code: int = 1) -> None:
+        """End every rank. Output is flushed first, with a moment for mpiexec to relay
+        it: MPI_Abort also ends the process that forwards this rank's output, and a
+        line still in flight was lost."""
+        sys.stdout.flush()
+        sys.stderr.flush()
+        time.sleep(0.2)
         self.mpi.Abort(code)
 
 
@@ -365,10 +371,6 @@ def abort_on_exception(expected: tuple = ()):
         comm = started_world()
         if comm is None or comm.size == 1 or isinstance(e, SystemExit):
             raise
-        # one write, and a moment for mpiexec to forward it: MPI_Abort also ends the
-        # process that relays this rank's output, and a line still in flight was lost
         sys.stderr.write(f"[rank {comm.rank}] {''.join(traceback.format_exception(e))}"
                          f"[rank {comm.rank}] aborting all {comm.size} ranks\n")
-        sys.stderr.flush()
-        time.sleep(0.2)
         comm.abort(1)

@@ -127,6 +127,14 @@ def build_optimizer(cfg: Config, model: nn.Module) -> optim.Optimizer:
     return cls(groups, o.lr, betas=o.betas, eps=o.eps)
 
 
+def train_reader(cfg: Config, data: Dataset, rank: int, size: int) -> ShardReader:
+    """Lane ``rank`` of ``size`` of the training split's global batches."""
+    text = cfg.model.name == "gpt"
+    return ShardReader(data.split("train"), rank=rank, size=size, global_batch=cfg.train.global_batch_size,
+                       seed=cfg.train.seed, window=cfg.model.block_size if text else None,
+                       buffer_mb=cfg.data.buffer_mb, prefetch=cfg.data.prefetch)
+
+
 def build_schedule(cfg: Config, total_steps: int):
     o = cfg.optim
     if o.schedule == "constant":
@@ -289,10 +297,7 @@ def train(cfg: Config, log=print, comm=None, resume: bool = False, warn=None) ->
                 data.close()
         parallel = wrap(cfg, model, opt, grid.dp_comm)
         is_text = cfg.model.name == "gpt"
-        reader = ShardReader(data.split("train"), rank=grid.dp_rank, size=grid.dp_size,
-                             global_batch=t.global_batch_size, seed=t.seed,
-                             window=cfg.model.block_size if is_text else None,
-                             buffer_mb=cfg.data.buffer_mb, prefetch=cfg.data.prefetch)
+        reader = train_reader(cfg, data, grid.dp_rank, grid.dp_size)
         total = t.steps or t.epochs * reader.steps_per_epoch
         schedule = build_schedule(cfg, total)
         log(f"model {cfg.model.name}: {model.num_parameters():,} parameters; data {data.name} ({data.path}), "
@@ -364,9 +369,7 @@ def _train_ps(cfg: Config, model, opt, data: Dataset, comm, threads: int, log, p
     S, W = par.servers, comm.size - par.servers
     is_text = data.kind == "text"
     loss_fn = text_loss if is_text else image_loss
-    reader = ShardReader(data.split("train"), rank=max(0, comm.rank - S), size=W, global_batch=t.global_batch_size,
-                         seed=t.seed, window=cfg.model.block_size if is_text else None,
-                         buffer_mb=cfg.data.buffer_mb, prefetch=cfg.data.prefetch)
+    reader = train_reader(cfg, data, max(0, comm.rank - S), W)  # servers build one for its plan only
     total = t.steps or t.epochs * reader.steps_per_epoch
     schedule = build_schedule(cfg, total)
     if par.staleness == 0:
@@ -482,7 +485,7 @@ def _train_ps(cfg: Config, model, opt, data: Dataset, comm, threads: int, log, p
     metrics.write("end", step=total, steps_timed=total, steps_per_epoch=reader.steps_per_epoch, seconds=result.seconds,
                   samples_per_s=result.samples_per_s, gflops_per_s=0.0,
                   stall_fraction=stall / (train_seconds + stall) if train_seconds else 0.0, staleness=histogram,
-                  ranks=[dict(zip(TIME_FIELDS, row)) for row in rows or ()])
+                  ranks=_per_rank(rows))
     log(f"done: {total} steps in {slowest:.1f} s of training, {result.samples_per_s:,.0f} samples/s")
     ps.close()
     return result
@@ -676,7 +679,7 @@ def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: Sh
                         f"{rate:,.0f} samples/s | {gflops:.1f} GFLOP/s")
                     metrics.write("train", step=step, epoch=batch.epoch, loss=window_loss / window_steps, lr=lr,
                                   samples_per_s=rate, gflops_per_s=gflops,
-                                  ranks=[dict(zip(TIME_FIELDS, row)) for row in comm.gather(times()) or ()])
+                                  ranks=_per_rank(comm.gather(times())))
                 window_loss, window_steps, window_time = 0.0, 0, 0.0
             if stopping:
                 result.stopped = stopping
@@ -736,7 +739,7 @@ def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: Sh
     metrics.write("end", step=total, steps_timed=done, steps_per_epoch=reader.steps_per_epoch,
                   seconds=result.seconds, samples_per_s=result.samples_per_s,
                   gflops_per_s=result.gflops_per_s, stall_fraction=result.stall_fraction,
-                  ranks=[dict(zip(TIME_FIELDS, row)) for row in rows or ()])
+                  ranks=_per_rank(rows))
     log(f"done: {done} steps in {result.seconds:.1f} s; training steps {train_seconds:.1f} s, "
         f"{result.samples_per_s:,.0f} samples/s, {result.gflops_per_s:.1f} GFLOP/s; "
         f"waited for data {stall:.2f} s ({100 * result.stall_fraction:.2f}% of step time)")
@@ -744,6 +747,11 @@ def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: Sh
 
 
 TIME_FIELDS = ("rank", "step_s", "comm_exposed_s", "comm_total_s", "read_s", "wait_s", "bytes_sent")
+
+
+def _per_rank(rows) -> list[dict]:
+    """Gathered time rows as metrics records (``rows`` is None on ranks that did not gather)."""
+    return [dict(zip(TIME_FIELDS, row)) for row in rows or ()]
 
 
 @contextlib.contextmanager

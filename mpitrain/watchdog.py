@@ -103,7 +103,6 @@ class Watchdog:
             if self.abort_after > 0 and waited > self.abort_after:
                 self.log(self._describe(step, code, waited, "aborting") + f"; ending all {comm.size} ranks "
                          f"(run.stall_abort_s = {self.abort_after:g})")
-                time.sleep(0.2)  # let mpiexec forward the message before the abort ends its relay
                 comm.abort(1)
 
     def _describe(self, step: int, code: int, waited: float, what: str) -> str:

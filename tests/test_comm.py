@@ -34,6 +34,15 @@ def run_mpi(n, code, timeout=60):
     return out, time.perf_counter() - tick
 
 
+def assert_ended_by(run, error: str, rank: int, ranks: int) -> None:
+    """The job failed within 10 s, with ``rank``'s traceback (``error``) printed once."""
+    out, seconds = run
+    assert out.returncode != 0
+    assert out.stderr.count(error) == 1
+    assert f"[rank {rank}]" in out.stderr and f"aborting all {ranks} ranks" in out.stderr
+    assert seconds < 10
+
+
 @needs_mpiexec
 def test_an_exception_on_one_rank_ends_every_rank():
     code = ("from mpitrain.comm import world, abort_on_exception\n"
@@ -97,11 +106,7 @@ def test_a_rank_that_raises_mid_step_ends_the_job_within_10_s():
             "            raise RuntimeError('injected failure on rank 1 at step 2')\n"
             "        loss.backward()\n"
             "        dp.finish()\n")
-    out, seconds = run_mpi(2, code)
-    assert out.returncode != 0
-    assert out.stderr.count("RuntimeError: injected failure on rank 1 at step 2") == 1
-    assert "[rank 1]" in out.stderr and "aborting all 2 ranks" in out.stderr
-    assert seconds < 10
+    assert_ended_by(run_mpi(2, code), "RuntimeError: injected failure on rank 1 at step 2", rank=1, ranks=2)
 
 
 STALL = ("import sys, time\n"
@@ -166,8 +171,4 @@ def test_a_worker_that_raises_ends_the_parameter_server_job():
             "            model(x, x)[1].backward()\n"
             "            ps.push(step)\n"
             "        ps.stop()\n")
-    out, seconds = run_mpi(3, code)
-    assert out.returncode != 0
-    assert out.stderr.count("RuntimeError: injected failure on worker 1 at step 2") == 1
-    assert "[rank 2]" in out.stderr and "aborting all 3 ranks" in out.stderr
-    assert seconds < 10
+    assert_ended_by(run_mpi(3, code), "RuntimeError: injected failure on worker 1 at step 2", rank=2, ranks=3)

@@ -17,15 +17,22 @@ def shared_dir(comm):
     return Path(comm.bcast(path))
 
 
+def shared_data(comm, make=image_set, **sizes) -> Path:
+    """A shard set written by rank 0 (``make(path, **sizes)``) into ``<shared dir>/d``,
+    ready on every rank when this returns."""
+    d = shared_dir(comm) / "d"
+    if comm.rank == 0:
+        make(d, **sizes)
+    comm.barrier()
+    return d
+
+
 @pytest.mark.mpi(min_size=1)
 def test_epoch_union_and_global_batches_across_ranks():
     from mpitrain.comm import world
 
     comm = world()
-    d = shared_dir(comm) / "d"
-    if comm.rank == 0:
-        image_set(d, n=1003)
-    comm.barrier()
+    d = shared_data(comm, n=1003)
     split = open_dataset(d).split("train")
     B = 64  # divisible by 1, 2 and 4
     for drop_last in (False, True):
@@ -74,10 +81,7 @@ def test_trainer_on_p_ranks_equals_one_process(strategy, algorithm):
     from mpitrain.comm import SingleComm, world
 
     comm = world()
-    d = shared_dir(comm) / "d"
-    if comm.rank == 0:
-        image_set(d, n=1024, test=200)
-    comm.barrier()
+    d = shared_data(comm, n=1024, test=200)
     raw = {"model": {"name": "lenet", "channels": [4, 8], "hidden": 16}, "data": {"path": str(d)},
            "optim": {"name": "adamw", "lr": 3e-3, "grad_clip": 0.5},
            "train": {"global_batch_size": 64, "epochs": 2, "dtype": "float64", "log_interval": 8},
@@ -108,10 +112,7 @@ def test_ranks_with_different_configs_or_versions_stop_naming_the_rank(monkeypat
     from mpitrain.comm import world
 
     comm = world()
-    d = shared_dir(comm) / "d"
-    if comm.rank == 0:
-        image_set(d, n=256, test=64)
-    comm.barrier()
+    d = shared_data(comm, n=256, test=64)
     lr = 0.1 if comm.rank == 1 else 0.2
     cfg = config.from_dict({"data": {"path": str(d)}, "optim": {"lr": lr}, "train": {"epochs": 1}})
     with pytest.raises(config.ConfigError, match="rank 1 differs from rank 0 in its config:"):

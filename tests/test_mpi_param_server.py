@@ -131,17 +131,13 @@ def test_partition_balances_sizes():
 @pytest.mark.mpi(min_size=2)
 def test_the_trainer_with_synchronous_servers_equals_one_process():
     """`mpitrain train --set parallel.strategy=ps`: the same test loss as one process."""
-    from test_data import image_set
-    from test_mpi_data import shared_dir
+    from test_mpi_data import shared_data
 
     from mpitrain import config, train
     from mpitrain.comm import SingleComm
 
     comm = world()
-    d = shared_dir(comm) / "d"
-    if comm.rank == 0:
-        image_set(d, n=960, test=200)
-    comm.barrier()
+    d = shared_data(comm, n=960, test=200)
     raw = {"model": {"name": "lenet", "channels": [4, 8], "hidden": 16}, "data": {"path": str(d)},
            "optim": {"name": "adamw", "lr": 3e-3}, "train": {"global_batch_size": 48, "epochs": 1, "dtype": "float64",
                                                              "log_interval": 10}}
@@ -157,18 +153,15 @@ def test_the_servers_final_checkpoint_equals_one_process_checkpoint():
     """Each server writes its parameters' optimizer state into the trainer's format: the
     file equals (float64, 1e-10) the one a single process writes after the same steps;
     `mpitrain report` draws the run from worker 0's metrics."""
-    from test_checkpoint import arrays
-    from test_data import image_set
-    from test_mpi_data import shared_dir
+    from test_checkpoint import assert_close
+    from test_mpi_data import shared_data
 
     from mpitrain import checkpoint, config, train
     from mpitrain.comm import SingleComm
 
     comm = world()
-    root = shared_dir(comm)
-    if comm.rank == 0:
-        image_set(root / "d", n=480, test=60)
-    comm.barrier()
+    d = shared_data(comm, n=480, test=60)
+    root = d.parent
     raw = {"model": {"name": "lenet", "channels": [2, 4], "hidden": 8}, "data": {"path": str(root / "d")},
            "optim": {"name": "adam", "lr": 3e-3}, "train": {"global_batch_size": 48, "epochs": 1, "dtype": "float64"},
            "run": {"dir": str(root / "one")}}
@@ -184,30 +177,20 @@ def test_the_servers_final_checkpoint_equals_one_process_checkpoint():
 
         written = report([root / "ps"], log=lambda *a: None)
         assert {p.name for p in written} == {"loss.png", "time_per_rank.png", "throughput.png", "summary.txt"}
-        ours, alone = arrays(result.checkpoint), arrays(checkpoint.path_for(root / "one", 10))
-        assert ours.keys() == alone.keys()
-        for k in ours:
-            if ours[k].dtype.kind != "f":
-                assert np.array_equal(ours[k], alone[k]), k
-                continue
-            scale = max(1e-12, float(np.abs(alone[k]).max()))
-            assert np.abs(ours[k] - alone[k]).max() <= 1e-10 * scale, k
+        assert_close(result.checkpoint, checkpoint.path_for(root / "one", 10), rtol=1e-10, floor=1e-12)
 
 
 @pytest.mark.mpi(min_size=2)
 def test_a_parameter_server_timeline_shows_pushes_and_updates():
     import json
 
-    from test_data import image_set
-    from test_mpi_data import shared_dir
+    from test_mpi_data import shared_data
 
     from mpitrain import config, train
 
     comm = world()
-    root = shared_dir(comm)
-    if comm.rank == 0:
-        image_set(root / "d", n=480, test=60)
-    comm.barrier()
+    d = shared_data(comm, n=480, test=60)
+    root = d.parent
     raw = {"model": {"name": "lenet", "channels": [2, 4], "hidden": 8}, "data": {"path": str(root / "d")},
            "train": {"global_batch_size": 48, "steps": 4}, "parallel": {"strategy": "ps", "staleness": -1},
            "run": {"dir": str(root / "run"), "timeline": True}}
