@@ -167,9 +167,8 @@ def _bench_step(args) -> int:
 
 
 def _thread_level_option(p: argparse.ArgumentParser) -> None:
-    from mpitrain.comm import (
-        THREAD_LEVELS,  # the constant only: importing comm starts no MPI
-    )
+    # the constant only: importing comm starts no MPI
+    from mpitrain.comm import THREAD_LEVELS
 
     p.add_argument("--thread-level", default="auto", choices=THREAD_LEVELS,
                    help="MPI thread level (default auto, as parallel.thread_level)")
