@@ -2,7 +2,8 @@
 
 * BLAS threads: one process's GEMMs may use the cores it has divided by the ranks that
   share them. More threads than cores make OpenBLAS threads spin against each other
-  (measured here: batched matmuls fell from ~50 to 2-7 GFLOP/s).
+  (measured here: batched matmuls fell from ~50 to 2-7 GFLOP/s). The convolution's
+  cache tiles grow with the threads (``ops.conv.set_blas_threads``).
 * Allocator: every training step allocates and frees the same activation-sized arrays.
   glibc serves arrays above its mmap threshold (128 KiB at start) with fresh ``mmap``
   pages and returns them on free, so each step pays a page fault per 4 KiB touched
@@ -13,11 +14,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
 
 from threadpoolctl import threadpool_limits
+
+from mpitrain.ops import conv
 
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
@@ -38,9 +42,16 @@ def blas_threads(requested: int = 0, ranks_per_node: int = 1) -> int:
     return max(1, available_cores() // max(1, ranks_per_node))
 
 
+@contextlib.contextmanager
 def limit_blas_threads(n: int):
-    """Limit BLAS (OpenBLAS, MKL, BLIS) in this process to ``n`` threads; a context manager."""
-    return threadpool_limits(limits=n, user_api="blas")
+    """Limit BLAS (OpenBLAS, MKL, BLIS) in this process to ``n`` threads while the
+    context is open, and size the convolution's tiles for them."""
+    with threadpool_limits(limits=n, user_api="blas"):
+        previous = conv.set_blas_threads(n)
+        try:
+            yield
+        finally:
+            conv.set_blas_threads(previous)
 
 
 def tune_allocator(mmap_threshold: int = 256 << 20, trim_threshold: int = 1 << 30) -> bool:

@@ -150,6 +150,16 @@ def test_conv2d(stride, padding, k):
           t(2, 7, 6, 3), t(kh, kw, 3, 4, seed=1), t(4, seed=2))
 
 
+@pytest.mark.parametrize("stride,padding,relu", [(1, 1, True), (2, 1, False), (1, 0, False)])
+def test_conv2d_in_tiles_of_one_image(monkeypatch, stride, padding, relu):
+    """Forward and backward walk the batch one image at a time when a tile holds one."""
+    from mpitrain.ops import conv
+    monkeypatch.setattr(conv, "TILE_BYTES_PER_THREAD", 1)
+    assert len(conv._tiles(3, 1000)) == 3
+    check(lambda x, w, b: ops.conv2d(x, w, b, stride, padding, relu=relu),
+          t(3, 6, 5, 2), t(3, 3, 2, 4, seed=1), t(4, seed=2))
+
+
 def test_conv2d_fused_relu_and_strided_input():
     check(lambda x, w, b: ops.conv2d(x, w, b, 1, 1, relu=True), t(2, 5, 6, 3), t(3, 3, 3, 4, seed=1), t(4, seed=2))
     x = t(2, 3, 5, 6).data.transpose(0, 2, 3, 1)  # (2, 5, 6, 3), not contiguous
@@ -174,6 +184,26 @@ def test_max_pool2d_ties_go_to_first():
     x = Tensor(np.zeros((1, 2, 2, 1)), requires_grad=True)
     ops.max_pool2d(x, 2).backward(np.ones((1, 1, 1, 1)))
     assert x.grad.reshape(-1).tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("k,s,p", [(2, 2, 0), (3, 2, 1)])
+def test_max_pool2d_fused_relu(k, s, p):
+    check(lambda x: ops.max_pool2d(x, k, s, p, relu=True), distinct(2, 6, 7, 3))
+
+
+def test_max_pool2d_relu_equals_relu_then_pool():
+    """Same values and gradients as rectifying first, including windows of ties and
+    windows whose maximum is 0 or negative."""
+    r = np.random.default_rng(3)
+    x = r.integers(-2, 3, (3, 6, 6, 4)).astype(np.float64)  # many ties, many <= 0
+    g = r.standard_normal((3, 3, 3, 4))
+    fused, plain = Tensor(x, requires_grad=True), Tensor(x, requires_grad=True)
+    y = ops.max_pool2d(fused, 2, relu=True)
+    y.backward(g)
+    ref = ops.max_pool2d(ops.relu(plain), 2)
+    ref.backward(g)
+    np.testing.assert_array_equal(y.data, ref.data)
+    np.testing.assert_array_equal(fused.grad, plain.grad)
 
 
 @pytest.mark.parametrize("k,s,p", [(2, 2, 0), (3, 1, 1), (3, 2, 1)])

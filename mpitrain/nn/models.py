@@ -25,15 +25,16 @@ from mpitrain.tensor import Parameter, no_grad
 # ---------------------------------------------------------------------------- CNNs
 class LeNet(Sequential):
     """LeNet-5's shape (LeCun et al. 1998) with ReLU and max-pooling:
-    [conv5x5 + ReLU -> maxpool2] x 2 -> linear -> ReLU -> dropout -> linear."""
+    [conv5x5 + ReLU -> maxpool2] x 2 -> linear -> ReLU -> dropout -> linear.
+    Each ReLU before a pool runs after it, inside the pool op (the same function)."""
 
     def __init__(self, in_channels: int = 1, image_size: int = 28, num_classes: int = 10,
                  channels: tuple = (16, 32), hidden: int = 128, dropout: float = 0.0):
         c1, c2 = channels
         side = image_size // 4
         super().__init__(
-            Conv2d(in_channels, c1, 5, padding=2, relu=True), MaxPool2d(2),
-            Conv2d(c1, c2, 5, padding=2, relu=True), MaxPool2d(2),
+            Conv2d(in_channels, c1, 5, padding=2), MaxPool2d(2, relu=True),
+            Conv2d(c1, c2, 5, padding=2), MaxPool2d(2, relu=True),
             Flatten(), Linear(c2 * side * side, hidden), ReLU(), Dropout(dropout),
             Linear(hidden, num_classes),
         )
@@ -41,17 +42,18 @@ class LeNet(Sequential):
 
 class ConvNet(Sequential):
     """Plain CNN: 3x3 same-padded convolutions with ReLU, one 2x2 max-pool, a linear
-    classifier. ``channels=(16, 32)`` is the benchmark model of ``mpitrain bench step``."""
+    classifier. ``channels=(16, 32)`` is the benchmark model of ``mpitrain bench step``.
+    The last convolution's ReLU runs after the pool, inside the pool op (the same function)."""
 
     def __init__(self, in_channels: int = 3, image_size: int = 32, num_classes: int = 10,
                  channels: tuple = (16, 32)):
         layers: list[Module] = []
         c = in_channels
-        for width in channels:
-            layers += [Conv2d(c, width, 3, padding=1, relu=True)]
+        for n, width in enumerate(channels, 1):
+            layers += [Conv2d(c, width, 3, padding=1, relu=n < len(channels))]
             c = width
         side = image_size // 2
-        layers += [MaxPool2d(2), Flatten(), Linear(c * side * side, num_classes)]
+        layers += [MaxPool2d(2, relu=True), Flatten(), Linear(c * side * side, num_classes)]
         super().__init__(*layers)
 
 

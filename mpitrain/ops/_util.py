@@ -7,6 +7,17 @@ import numpy as np
 from mpitrain.tensor import Tensor
 
 
+# Elements per block of a multi-pass elementwise op: 64K float32 numbers (256 KiB) and
+# their few temporaries stay in L2, so each pass after the first reads cache, not memory.
+BLOCK_ELEMENTS = 1 << 16
+
+
+def blocks(n: int, size: int | None = None) -> list[slice]:
+    """Consecutive slices covering ``range(n)``, ``size`` (default BLOCK_ELEMENTS) long."""
+    size = size or BLOCK_ELEMENTS
+    return [slice(start, min(start + size, n)) for start in range(0, n, size)]
+
+
 def unbroadcast(grad: np.ndarray, shape: tuple) -> np.ndarray:
     """Sum ``grad`` over the axes that broadcasting expanded, giving an array of ``shape``."""
     if grad.shape == shape:

@@ -3,24 +3,29 @@
 Layout: images are ``(B, H, W, C)`` and convolution weights ``(kh, kw, C_in, C_out)``.
 Channels-last suits im2col: one row of a ``kh x kw`` window is ``kw * C_in`` contiguous
 numbers, so a strided view exposes all windows and one copy (moving runs of
-``kw * C_in``) builds the ``(B*Ho*Wo, kh*kw*C_in)`` column matrix; a single GEMM with
-the weight viewed as ``(kh*kw*C_in, C_out)`` then produces the output already in NHWC
-order. The backward pass reuses the saved columns for the weight gradient (one GEMM)
-and computes the column gradient tap by tap (one batched GEMM) so that col2im, adding
-each tap's block back onto the pixels it read, moves long contiguous runs. Python loops
-run over the kh*kw kernel taps, never over batch or pixels.
+``kw * C_in``) builds the ``(rows, kh*kw*C_in)`` column matrix; a single GEMM with the
+weight viewed as ``(kh*kw*C_in, C_out)`` then produces the output already in NHWC
+order. The backward pass takes the weight gradient as one GEMM with the columns and
+the column gradient tap by tap (one batched GEMM), so that col2im, adding each tap's
+block back onto the pixels it read, moves long contiguous runs.
 
-Cost, measured on this project's 2-core AVX-512 machine for the benchmark layer
-(batch 64, 32x32x16 -> 32 channels, 3x3, 0.6 GFLOP per GEMM; one BLAS thread):
-im2col copy 8 ms; forward GEMM 10-12 ms; weight-gradient GEMM 10-13 ms; tap-major
-column-gradient GEMM 14-15 ms (its N = C_in = 16 is narrow for BLAS; the single
-(N, kh*kw*C_in) GEMM takes 10 ms but its col2im, adding runs of only C_in numbers,
-takes 16); adding the taps back 6 ms. The GEMMs run at 40-60 GFLOP/s against 140 for
-a large square matmul: with 16-32 channels they are thin, and OpenBLAS spends a third
-of their time packing the 38 MB column matrix. Processing the batch in cache-sized
-blocks saved a further 7 ms per layer in a trial but is a loop over the batch, so it
-is not done.
+Tiles. Built for the whole batch at once, the column matrix of a 32x32x16 layer at
+batch 64 is 38 MB: im2col writes it to memory and the GEMM, whose packing reads it
+back, ran at 60 GFLOP/s. Forward and backward therefore walk the batch in tiles of
+whole images whose columns fit a cache budget (TILE_BYTES_PER_THREAD): the GEMM then reads columns im2col has just
+written to cache and runs at 90 GFLOP/s, the column gradient is added back while it is
+in cache, and backward rebuilds a tile's columns from the saved padded input (a copy
+from cache) instead of keeping 38 MB alive from forward to backward. The loop is over
+tiles, each a few images and millions of numbers for NumPy and BLAS; no Python loop
+runs over single pixels or positions, and one tile covers a batch that fits.
+
+Cost, measured on this project's 2-core AVX-512 machine for that layer (batch 64,
+32x32x16 -> 32 channels, 3x3, 0.6 GFLOP per GEMM; one BLAS thread), whole batch / in
+tiles: forward 16 / 9.5 ms; backward 31 / 27 ms (weight-gradient GEMM 9 / 6.5 ms;
+tap-major column gradient and col2im 20 / 15 ms, its N = C_in = 16 being narrow for
+BLAS). ``mpitrain bench step``'s CNN went from 70 to 55 ms per step.
 """
+
 
 from __future__ import annotations
 
@@ -28,6 +33,21 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from mpitrain.tensor import Function, Tensor, as_tensor
+
+# Column-matrix bytes per tile of images and per BLAS thread: with the tile's input and
+# output, each thread's share stays in its core's 4 MiB L2 on this machine. 1.5 MiB was
+# the fastest of 0.25-4 MiB for the benchmark CNN with one thread; with two, 3 MiB
+# tiles train the quickstart LeNet 6% faster than 1.5 MiB ones.
+TILE_BYTES_PER_THREAD = 3 << 19
+_blas_threads = 1
+
+
+def set_blas_threads(n: int) -> int:
+    """Size tiles for GEMMs that run on ``n`` BLAS threads (``runtime.limit_blas_threads``
+    calls this); returns the previous number."""
+    global _blas_threads
+    previous, _blas_threads = _blas_threads, max(1, int(n))
+    return previous
 
 
 def _pair(v) -> tuple[int, int]:
@@ -62,14 +82,15 @@ def _clip(n_in: int, n_out: int, offset: int, s: int, p: int) -> tuple[int, int,
     return first, max(0, last - first + 1), first * s + offset - p
 
 
-def _scatter_taps(pieces, shape, dtype, kh, kw, sh, sw, ph, pw, Ho, Wo) -> np.ndarray:
-    """Add each tap's (B, Ho, Wo, C) piece onto the input pixels the tap read.
+def _scatter_taps(pieces, gx, kh, kw, sh, sw, ph, pw, Ho, Wo) -> np.ndarray:
+    """Set ``gx`` (B, H, W, C) to the sum of each tap's (B, Ho, Wo, C) piece added onto
+    the input pixels the tap read; returns ``gx``.
 
-    ``pieces(tap)`` returns the piece of tap ``i * kw + j``. The sum is taken straight
-    into an unpadded (B, H, W, C) array, each tap clipped to the pixels inside the
-    image. A tap that covers every pixel once (the centre tap of a stride-1 'same'
-    convolution) is written first by assignment, so the array needs no zeroing."""
-    B, H, W, C = shape
+    ``pieces(tap)`` returns the piece of tap ``i * kw + j``. Each tap is clipped to the
+    pixels inside the image, so no padded array is built. A tap that covers every pixel
+    once (the centre tap of a stride-1 'same' convolution) is written first by
+    assignment, so ``gx`` needs no zeroing."""
+    _, H, W, _ = gx.shape
     regions = []
     for i in range(kh):
         oh, nh, h0 = _clip(H, Ho, i, sh, ph)
@@ -81,9 +102,10 @@ def _scatter_taps(pieces, shape, dtype, kh, kw, sh, sw, ph, pw, Ho, Wo) -> np.nd
                 src = (slice(None), slice(oh, oh + nh), slice(ow, ow + nw))
                 regions.append((i * kw + j, dst, src, nh == H and nw == W and sh == sw == 1))
     cover = next((r for r in regions if r[3]), None)
-    gx = np.empty(shape, dtype=dtype) if cover else np.zeros(shape, dtype=dtype)
     if cover:
         np.copyto(gx, pieces(cover[0])[cover[2]])
+    else:
+        gx.fill(0)
     for tap, dst, src, _ in regions:
         if cover is None or tap != cover[0]:
             gx[dst] += pieces(tap)[src]
@@ -118,9 +140,18 @@ def _taps(xp: np.ndarray, kh: int, kw: int, sh: int, sw: int, Ho: int, Wo: int):
             yield xp[:, i : i + sh * (Ho - 1) + 1 : sh, j : j + sw * (Wo - 1) + 1 : sw]
 
 
+def _tiles(batch: int, image_bytes: int) -> list[slice]:
+    """Consecutive slices of whole images whose column matrix stays within the tile budget."""
+    n = max(1, min(batch, TILE_BYTES_PER_THREAD * _blas_threads // max(1, image_bytes)))
+    return [slice(start, min(start + n, batch)) for start in range(0, batch, n)]
+
+
 class Conv2d(Function):
     """Convolution, optionally fused with a ReLU on its output (``relu=True``): the
-    rectification runs in place on the GEMM's result instead of on a new array."""
+    rectification runs in place on the GEMM's result instead of on a new array.
+
+    Forward and backward walk the batch in tiles of whole images (see the module
+    docstring); backward rebuilds each tile's columns from the saved padded input."""
 
     def forward(self, x, w, b=None, stride=(1, 1), padding=(0, 0), relu=False):
         B, H, W, C = x.shape
@@ -130,68 +161,92 @@ class Conv2d(Function):
         (sh, sw), (ph, pw) = stride, padding
         Ho, Wo = _out_size(H, kh, sh, ph), _out_size(W, kw, sw, pw)
         xp = _pad(np.ascontiguousarray(x), ph, pw)  # (B, H+2ph, W+2pw, C)
-        cols = _im2col(xp, kh, kw, sh, sw, Ho, Wo)  # (N, K)
         w2 = w.reshape(kh * kw * C, F)  # (K, F)
-        out = cols @ w2  # (N, F)
-        if b is not None:
-            out += b
-        if relu:
-            np.maximum(out, 0, out=out)
-        out = out.reshape(B, Ho, Wo, F)
+        out = np.empty((B, Ho, Wo, F), dtype=np.result_type(x, w))
+        tiles = _tiles(B, Ho * Wo * kh * kw * C * xp.itemsize)
+        # the bias repeated along an output row: adding it to (rows, Wo*F) runs NumPy's
+        # inner loop over Wo*F numbers instead of F, twice as fast for F = 16
+        b_row = None if b is None else np.tile(b, Wo)  # (Wo*F,)
+        for tile in tiles:
+            cols = _im2col(xp[tile], kh, kw, sh, sw, Ho, Wo)  # (n*Ho*Wo, K)
+            o = out[tile].reshape(-1, F)  # (n*Ho*Wo, F) view into out
+            np.matmul(cols, w2, out=o)
+            if b_row is not None:
+                rows = o.reshape(-1, Wo * F)  # (n*Ho, Wo*F) view
+                rows += b_row
+            if relu:
+                np.maximum(o, 0, out=o)
         self.geometry = (x.shape, kh, kw, sh, sw, ph, pw, Ho, Wo)
-        self.cols = cols if self.needs_input_grad[1] else None
+        self.tiles = tiles
+        self.xp = xp if self.needs_input_grad[1] else None
         self.w2 = w2
         self.out = out if relu else None
         return out
 
     def backward(self, g):
         (xshape, kh, kw, sh, sw, ph, pw, Ho, Wo) = self.geometry
-        B, H, W, C = xshape
-        F = g.shape[-1]
-        if self.out is not None:
-            g = g * (self.out > 0)  # through the ReLU
-        g2 = g.reshape(-1, F)  # (N, F)
-        gx = gw = gb = None
-        if self.needs_input_grad[1]:
-            gw = (self.cols.T @ g2).reshape(kh, kw, C, F)
-        if len(self.needs_input_grad) > 2 and self.needs_input_grad[2]:
-            gb = (np.ones((1, g2.shape[0]), dtype=g2.dtype) @ g2)[0]  # column sums as a GEMV
-        if self.needs_input_grad[0]:
-            # column gradient tap-major: one (N, C) block per tap, so adding a tap's block
-            # onto its pixels moves runs of Wo*C numbers (stride 1), not C
-            w_taps = self.w2.reshape(kh * kw, C, F).transpose(0, 2, 1)  # (taps, F, C) view
-            dcols = np.matmul(g2, w_taps).reshape(kh * kw, B, Ho, Wo, C)  # (taps, B, Ho, Wo, C)
-            gx = _scatter_taps(lambda tap: dcols[tap], xshape, g.dtype, kh, kw, sh, sw, ph, pw, Ho, Wo)
-        return gx, gw, gb
+        C, F = xshape[3], g.shape[-1]
+        need_x, need_w = self.needs_input_grad[0], self.needs_input_grad[1]
+        need_b = len(self.needs_input_grad) > 2 and self.needs_input_grad[2]
+        gx = np.empty(xshape, dtype=g.dtype) if need_x else None
+        gw = np.zeros_like(self.w2) if need_w else None  # (K, F)
+        gb = np.zeros(F, dtype=g.dtype) if need_b else None
+        # column gradient tap-major: one block per tap, so adding a tap's block onto its
+        # pixels moves runs of Wo*C numbers (stride 1), not C
+        w_taps = self.w2.reshape(kh * kw, C, F).transpose(0, 2, 1)  # (taps, F, C) view
+        through_relu = None if self.out is None else np.empty(self.out[self.tiles[0]].size, g.dtype)
+        for tile in self.tiles:
+            g2 = g[tile].reshape(-1, F)  # (n*Ho*Wo, F)
+            if through_relu is not None:  # one work array reused by every tile
+                g2 = np.multiply(g2, self.out[tile].reshape(-1, F) > 0,
+                                 out=through_relu[: g2.size].reshape(g2.shape))
+            if need_w:
+                gw += _im2col(self.xp[tile], kh, kw, sh, sw, Ho, Wo).T @ g2
+            if need_b:
+                gb += np.ones(g2.shape[0], dtype=g2.dtype) @ g2  # column sums as a GEMV
+            if need_x:
+                dcols = np.matmul(g2, w_taps).reshape(kh * kw, -1, Ho, Wo, C)  # (taps, n, Ho, Wo, C)
+                _scatter_taps(lambda tap: dcols[tap], gx[tile], kh, kw, sh, sw, ph, pw, Ho, Wo)
+        return gx, (None if gw is None else gw.reshape(kh, kw, C, F)), gb
 
 
 class MaxPool2d(Function):
     """Max over each window; the gradient goes to the first maximum in row-major window
     order (as in PyTorch), so ties never double-count. Forward is kh*kw - 1 elementwise
-    maxima of strided views; backward recomputes which tap won from the saved input."""
+    maxima of strided views; backward recomputes which tap won from the saved input.
 
-    def forward(self, x, kernel, stride, padding):
+    ``relu=True`` also takes the maximum with 0. ReLU and max-pooling commute (both are
+    monotone), so ``conv -> pool(relu=True)`` equals ``conv(relu=True) -> pool`` in value
+    and gradient, but rectifies a quarter of the values and saves no mask of the
+    convolution's output."""
+
+    def forward(self, x, kernel, stride, padding, relu):
         B, H, W, C = x.shape
         (kh, kw), (sh, sw), (ph, pw) = kernel, stride, padding
         Ho, Wo = _out_size(H, kh, sh, ph), _out_size(W, kw, sw, pw)
         xp = _pad(x, ph, pw, -np.inf)
         taps = _taps(xp, kh, kw, sh, sw, Ho, Wo)
-        out = next(taps).copy()  # (B, Ho, Wo, C)
+        first = next(taps)
+        out = np.maximum(first, 0) if relu else first.copy()  # (B, Ho, Wo, C)
         for view in taps:
             np.maximum(out, view, out=out)
-        self.xp, self.out = xp, out
+        self.xp, self.out, self.relu = xp, out, relu
         self.geometry = (x.shape, kh, kw, sh, sw, ph, pw, Ho, Wo)
         return out
 
     def backward(self, g):
         (xshape, kh, kw, sh, sw, ph, pw, Ho, Wo) = self.geometry
         _, H, W, _ = xshape
-        free = np.ones(self.out.shape, dtype=bool)  # windows whose maximum is still unclaimed
         won = []  # per tap: where it holds its window's first maximum, (B, Ho, Wo, C) bool
-        for view in _taps(self.xp, kh, kw, sh, sw, Ho, Wo):
+        # windows whose maximum is still unclaimed (None: all); a rectified 0 has none
+        free = self.out > 0 if self.relu else None
+        taps = list(_taps(self.xp, kh, kw, sh, sw, Ho, Wo))
+        for k, view in enumerate(taps):
             hit = view == self.out
-            hit &= free
-            free &= ~hit
+            if free is not None:
+                hit &= free
+            if k + 1 < len(taps):
+                free = ~hit if free is None else np.logical_xor(free, hit, out=free)  # hit <= free
             won.append(hit)
         tiles = (ph == pw == 0 and (sh, sw) == (kh, kw) and (H, W) == (Ho * kh, Wo * kw))
         if tiles:  # windows tile the image: every pixel is written exactly once
@@ -199,7 +254,8 @@ class MaxPool2d(Function):
             for target, hit in zip(_taps(gx, kh, kw, sh, sw, Ho, Wo), won):
                 np.multiply(g, hit, out=target)
             return gx
-        return _scatter_taps(lambda tap: g * won[tap], xshape, g.dtype, kh, kw, sh, sw, ph, pw, Ho, Wo)
+        return _scatter_taps(lambda tap: g * won[tap], np.empty(xshape, dtype=g.dtype),
+                             kh, kw, sh, sw, ph, pw, Ho, Wo)
 
 
 class AvgPool2d(Function):
@@ -220,7 +276,7 @@ class AvgPool2d(Function):
     def backward(self, g):
         (xshape, kh, kw, sh, sw, ph, pw, Ho, Wo) = self.geometry
         share = g / (kh * kw)
-        return _scatter_taps(lambda tap: share, xshape, g.dtype, kh, kw, sh, sw, ph, pw, Ho, Wo)
+        return _scatter_taps(lambda tap: share, np.empty(xshape, dtype=g.dtype), kh, kw, sh, sw, ph, pw, Ho, Wo)
 
 
 def conv2d(x, weight, bias=None, stride=1, padding=0, relu: bool = False) -> Tensor:
@@ -233,12 +289,14 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, relu: bool = False) -> Ten
     return Conv2d.apply(*args, stride=_pair(stride), padding=_pair(padding), relu=relu)
 
 
-def max_pool2d(x, kernel_size, stride=None, padding=0) -> Tensor:
+def max_pool2d(x, kernel_size, stride=None, padding=0, relu: bool = False) -> Tensor:
+    """Max-pooling of ``x`` (B, H, W, C); ``relu=True`` applies max(0, .) to the result
+    in the same node (equal to pooling a rectified input)."""
     x = as_tensor(x)
     kernel, padding = _pair(kernel_size), _pair(padding)
     if padding[0] > kernel[0] // 2 or padding[1] > kernel[1] // 2:
         raise ValueError(f"max_pool2d: padding {padding} must be at most half the kernel {kernel}")
-    return MaxPool2d.apply(x, kernel, _pair(kernel_size if stride is None else stride), padding)
+    return MaxPool2d.apply(x, kernel, _pair(kernel_size if stride is None else stride), padding, relu)
 
 
 def avg_pool2d(x, kernel_size, stride=None, padding=0) -> Tensor:
