@@ -147,7 +147,8 @@ def _bench_ddp(args) -> int:
 
     comm = world(args.thread_level)
     ddp.run(models=args.models, rounds=args.rounds, steps=args.steps, bucket_mb=args.bucket_mb,
-            algorithm=args.allreduce, log=print if comm.rank == 0 else lambda *a: None)
+            algorithm=args.allreduce, warmup=ddp.WARMUP if args.warmup is None else args.warmup,
+            log=print if comm.rank == 0 else lambda *a: None)
     return 0
 
 
@@ -178,6 +179,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text}")
     return value
 
 
@@ -239,7 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--models", nargs="+", default=["gpt", "wide"], choices=("gpt", "wide"),
                    help="gpt: nanoGPT's small CPU GPT; wide: width 384, 32 tokens per rank (default both)")
     p.add_argument("--rounds", type=_positive, default=5, help="interleaved rounds (default 5)")
-    p.add_argument("--steps", type=_positive, default=5, help="steps per variant per round (default 5)")
+    p.add_argument("--steps", type=_positive, default=5, help="timed steps per variant per round (default 5)")
+    p.add_argument("--warmup", type=_non_negative,
+                   help="untimed steps per variant at the start of each round (default 3)")
     p.add_argument("--bucket-mb", type=float, default=4.0, help="bucket size, as parallel.bucket_mb (default 4)")
     p.add_argument("--allreduce", choices=("mpi", "ring"), default="mpi", help="algorithm (default mpi)")
     _thread_level_option(p)

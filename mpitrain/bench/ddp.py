@@ -27,7 +27,8 @@ overlap the machine allows, with little of a training step's noise.
 ``vs off`` is ``1 - exposed / exposed(off)``: the share of the non-overlapped step's
 communication that overlap removes. Speed-up is the 2-rank ddp samples/s over the
 1-rank samples/s. Every figure is the median over all timed steps (the slower rank's time
-of each), so a step that another process interrupted does not move it.
+of each), so a step that another process interrupted does not move it, and each round
+starts a variant with a few untimed steps, so the figures are those of steady training.
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ from mpitrain.allreduce import allreduce, iallreduce
 from mpitrain.comm import started_thread_level, world
 from mpitrain.parallel.data_parallel import DataParallel
 from mpitrain.runtime import limit_blas_threads, tune_allocator
+
+# Untimed steps of a variant at the start of each round. Switching variants leaves the
+# caches cold, and rank 1 comes back from sleeping through the 1-rank variant: the first
+# two-rank steps of a round measured 37-50 ms against 34 ms after three (nanoGPT model).
+WARMUP = 3
 
 MODELS = {
     "gpt": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch=12),  # nanoGPT's small CPU setting
@@ -78,12 +84,14 @@ def _stepper(spec: dict, comm, batch: int, dp_options: dict | None):
     return step, dp
 
 
-def _timed(comm, fn, steps: int, ranks: int) -> list[float]:
+def _timed(comm, fn, steps: int, ranks: int, warmup: int = 0) -> list[float]:
     """Seconds of each of ``steps`` calls of ``fn`` on the first ``ranks`` ranks, the
-    slowest rank's for each call."""
+    slowest rank's for each call, after ``warmup`` calls that are not timed."""
     comm.barrier()
     seconds = np.zeros(steps)
     if comm.rank < ranks:
+        for _ in range(warmup):
+            fn()
         for i in range(steps):
             tick = time.perf_counter()
             fn()
@@ -129,7 +137,7 @@ def _probe(comm, buckets, algorithm: str, allreduce_seconds: float, log) -> dict
 
 
 def run(models=("gpt", "wide"), rounds: int = 5, steps: int = 5, bucket_mb: float = 4.0, algorithm: str = "mpi",
-        log=print) -> dict:
+        warmup: int = WARMUP, log=print) -> dict:
     comm = world()
     if comm.size != 2:
         raise SystemExit("mpitrain bench ddp: run it under 'mpiexec -n 2'")
@@ -137,7 +145,7 @@ def run(models=("gpt", "wide"), rounds: int = 5, steps: int = 5, bucket_mb: floa
     level = started_thread_level()
     progress = ["off", "test", "none"] + (["thread"] if level in ("serialized", "multiple") else [])
     log(f"mpitrain bench ddp: 2 ranks, 1 BLAS thread each, MPI thread level {level}, {algorithm} allreduce, "
-        f"buckets <= {bucket_mb:g} MB; median step of {rounds} rounds of {steps}")
+        f"buckets <= {bucket_mb:g} MB; median step of {rounds} rounds of {steps} after {warmup} untimed")
     out = {}
     with limit_blas_threads(1):
         for name in models:
@@ -161,7 +169,7 @@ def run(models=("gpt", "wide"), rounds: int = 5, steps: int = 5, bucket_mb: floa
             times = {k: [] for k in variants}
             for _ in range(rounds):
                 for k, (fn, ranks) in variants.items():
-                    times[k] += _timed(comm, fn, steps, ranks)
+                    times[k] += _timed(comm, fn, steps, ranks, warmup)
             med = {k: float(np.median(v)) for k, v in times.items()}
             n = sum(p.size for p in _build(spec)[0].parameters())
             grad_mb = sum(b.flat.nbytes for b in buckets) / 1e6
