@@ -80,6 +80,8 @@ def relative(params, ref) -> float:
 def train_dp(kind, dtype, opt_name, comm, micro=1, **dp_options):
     from mpitrain.parallel.data_parallel import DataParallel
 
+    if B % comm.size:
+        pytest.skip(f"the global batch of {B} does not split evenly over {comm.size} ranks")
     model, opt = build(kind, dtype, opt_name)
     dp = DataParallel(model, comm, **dp_options)
     b = B // comm.size
@@ -188,6 +190,33 @@ def test_ring_sends_2_p_minus_1_over_p_of_the_gradient(n):
     assert sum(comm.allgather(comm.stats.bytes_sent)) == 2 * (P - 1) * n * 4  # 2(P-1)/P x n per rank
     if n % P == 0:
         assert comm.stats.bytes_sent == 2 * (P - 1) * n * 4 // P
+    comm.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("in_place_from", [1 << 20, 0])
+@pytest.mark.parametrize("n", [3, 1001, 65537])
+def test_ring_equals_mpi_with_partial_sums_in_work_arrays_or_in_place(monkeypatch, in_place_from, n):
+    """Both ways of keeping partial sums (see allreduce.py), repeated so the work arrays
+    are reused, and the reduce-scatter half alone."""
+    import mpitrain.allreduce as ar
+
+    monkeypatch.setattr(ar, "IN_PLACE_CHUNK_BYTES", in_place_from)
+    comm = world().dup()
+    P, r = comm.size, comm.rank
+    for seed in range(3):
+        x = np.random.default_rng(100 * seed + r).standard_normal(n)
+        expected = x.copy()
+        comm.allreduce(expected)
+        ring = x.copy()
+        request = ar.Ring(comm, ring)
+        assert request.in_place == (in_place_from == 0)
+        request.wait()
+        assert np.allclose(ring, expected, rtol=1e-12, atol=1e-12)
+        shard = x.copy()
+        ar.Ring(comm, shard, ("reduce_scatter",)).wait()
+        b = chunk_bounds(n, P)
+        assert np.allclose(shard[b[r] : b[r + 1]], expected[b[r] : b[r + 1]], rtol=1e-12, atol=1e-12)
     comm.free()
 
 
