@@ -86,10 +86,10 @@ def _clip(n_in: int, n_out: int, offset: int, s: int, p: int) -> tuple[int, int,
 
 @functools.lru_cache(maxsize=64)
 def _tap_regions(H, W, kh, kw, sh, sw, ph, pw, Ho, Wo) -> tuple:
-    """For each tap that reads pixels inside an (H, W) image: (tap, input region, output
-    region, whether it covers every pixel once), the regions as index tuples; and first,
-    the tap that covers every pixel (the centre tap of a stride-1 'same' convolution) or
-    None. Computed once per geometry."""
+    """Where each tap's piece lands in an (H, W) image, once per geometry: ``(cover,
+    others)``, each entry ``(tap, input region, piece region, covers every pixel)``.
+    ``cover`` is the tap that reads every pixel once (the centre tap of a stride-1 'same'
+    convolution) or None; ``others`` are the remaining taps that read any pixel."""
     regions = []
     for i in range(kh):
         oh, nh, h0 = _clip(H, Ho, i, sh, ph)
@@ -198,11 +198,12 @@ class Conv2d(Function):
         gx = np.empty(xshape, dtype=g.dtype) if need_x else None
         gw = np.zeros_like(self.w2) if need_w else None  # (K, F)
         gb = np.zeros(F, dtype=g.dtype) if need_b else None
-        ones = np.ones(g[self.tiles[0]].size // F, dtype=g.dtype) if need_b else None  # (rows of a tile,)
+        rows = (self.tiles[0].stop - self.tiles[0].start) * Ho * Wo if self.tiles else 0  # of a tile
+        ones = np.ones(rows, dtype=g.dtype) if need_b else None  # (rows,)
         # column gradient tap-major: one block per tap, so adding a tap's block onto its
         # pixels moves runs of Wo*C numbers (stride 1), not C
         w_taps = self.w2.reshape(kh * kw, C, F).transpose(0, 2, 1)  # (taps, F, C) view
-        through_relu = None if self.out is None else np.empty(self.out[self.tiles[0]].size, g.dtype)
+        through_relu = None if self.out is None else np.empty(rows * F, g.dtype)  # (rows*F,)
         for tile in self.tiles:
             g2 = g[tile].reshape(-1, F)  # (n*Ho*Wo, F)
             if through_relu is not None:  # one work array reused by every tile
