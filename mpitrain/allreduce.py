@@ -110,7 +110,7 @@ class Ring(Request):
         # core's cache holds; in place in buf, with one array to receive into, above that
         self.in_place = widest * buf.itemsize > IN_PLACE_CHUNK_BYTES
         work = _work(comm, widest if self.in_place else 2 * widest, buf.dtype)
-        self.partials = (work[:widest], work[-widest:] if widest else work)
+        self.partials = (work[:widest], work[widest:])  # the second is empty in place
         self.step, self.requests = 0, []
         self.done = not self.steps
         if not self.done:
