@@ -76,7 +76,20 @@ def text_file(path: Path, text: str) -> Path:
 
 
 def leftovers(parent: Path, out_name: str) -> list[str]:
+    """Temporary build directories left beside ``parent / out_name`` (none if ``parent`` is absent)."""
+    if not parent.exists():
+        return []
     return [p.name for p in parent.iterdir() if p.name.startswith(f".{out_name}.tmp-")]
+
+
+def refused(recipe: str, src, out: Path, match: str, names=(), **options) -> None:
+    """``build`` raises one DataError matching ``match`` whose message names each of
+    ``names``, and leaves neither ``out`` nor a temporary directory beside it."""
+    with pytest.raises(DataError, match=match) as e:
+        build(recipe, src, out, **options)
+    for name in names:
+        assert str(name) in str(e.value)
+    assert not out.exists() and leftovers(out.parent, out.name) == []
 
 
 def shard_files(path: Path) -> list[Path]:
@@ -137,11 +150,8 @@ def test_fashion_mnist_shards_match_the_idx_files(tmp_path):
 @pytest.mark.parametrize("gz", [True, False])
 def test_idx_wrong_magic_number_names_the_file(tmp_path, gz):
     idx_folder(tmp_path / "src", gz=gz, bad_magic=True)
-    out = tmp_path / "out"
-    with pytest.raises(DataError, match="wrong magic number 0x00000801") as e:
-        build("mnist", tmp_path / "src", out)
-    assert "train-images-idx3-ubyte" in str(e.value)
-    assert not out.exists() and leftovers(tmp_path, "out") == []
+    refused("mnist", tmp_path / "src", tmp_path / "out", "wrong magic number 0x00000801",
+            ["train-images-idx3-ubyte"])
 
 
 @pytest.mark.parametrize("gz", [True, False])
@@ -163,21 +173,15 @@ def test_small_idx_files_build_only_unverified(tmp_path, gz):
     finally:
         ds.close()
     # verified (the default): these are not the published files
-    with pytest.raises(DataError, match="train-images-idx3-ubyte"):
-        build("mnist", src, tmp_path / "verified")
-    assert not (tmp_path / "verified").exists()
+    refused("mnist", src, tmp_path / "verified", "train-images-idx3-ubyte")
 
 
 def test_idx_files_with_the_published_counts_but_other_content_fail_the_sha256(tmp_path):
     # 60,000 + 10,000 items of 2x2 pixels: the counts pass, the hash cannot
     src = tmp_path / "src"
     data = idx_folder(src, n_train=60_000, n_test=10_000, size=(2, 2))
-    with pytest.raises(DataError, match="SHA-256") as e:
-        build("mnist", src, tmp_path / "out")
-    assert "train-images-idx3-ubyte" in str(e.value) and "--unverified-source" in str(e.value)
-    with pytest.raises(DataError, match="SHA-256"):
-        build("fashion-mnist", src, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    refused("mnist", src, tmp_path / "out", "SHA-256", ["train-images-idx3-ubyte", "--unverified-source"])
+    refused("fashion-mnist", src, tmp_path / "out", "SHA-256")
     build("mnist", src, tmp_path / "out", unverified_source=True)
     ds = open_dataset(tmp_path / "out")
     try:
@@ -192,19 +196,14 @@ def test_truncated_idx_file_names_the_file(tmp_path):
     idx_folder(tmp_path / "src", gz=False)
     labels = tmp_path / "src" / "t10k-labels-idx1-ubyte"
     labels.write_bytes(labels.read_bytes()[:-3])
-    with pytest.raises(DataError, match="truncated") as e:
-        build("mnist", tmp_path / "src", tmp_path / "out", unverified_source=True)
-    assert str(labels) in str(e.value)
+    refused("mnist", tmp_path / "src", tmp_path / "out", "truncated", [labels], unverified_source=True)
 
 
 # ------------------------------------------------------------------ output directory and atomicity
 def test_non_utf8_text_names_the_file(tmp_path):
     src = tmp_path / "bad.txt"
     src.write_bytes(b"caf\xe9 au lait\n")
-    with pytest.raises(DataError, match="not UTF-8") as e:
-        build("text", src, tmp_path / "out")
-    assert str(src) in str(e.value)
-    assert not (tmp_path / "out").exists()
+    refused("text", src, tmp_path / "out", "not UTF-8", [src])
 
 
 def test_output_dir_holding_another_dataset_is_refused(tmp_path):
@@ -259,9 +258,7 @@ def test_non_empty_directory_without_manifest_is_refused(tmp_path):
 def test_a_failed_build_leaves_nothing_behind(tmp_path, monkeypatch):
     src = text_file(tmp_path / "a.txt", "hello, world\n" * 10)
     out = tmp_path / "data" / "out"
-    with pytest.raises(DataError, match="val fraction"):
-        build("text", src, out, val_fraction=1.5)
-    assert not out.exists()
+    refused("text", src, out, "val fraction", val_fraction=1.5)
 
     real = DatasetWriter.write_split
     calls = []
@@ -404,11 +401,8 @@ def test_cifar10_malicious_pickle_is_refused_not_executed(tmp_path):
     cifar_folder(src)
     marker = tmp_path / "pwned"
     (src / "data_batch_3").write_bytes(pickle.dumps({b"data": Evil(marker), b"labels": []}, protocol=2))
-    with pytest.raises(DataError, match="refusing") as e:
-        build("cifar10", src, tmp_path / "out")
-    assert "data_batch_3" in str(e.value)
+    refused("cifar10", src, tmp_path / "out", "refusing", ["data_batch_3"])
     assert not marker.exists()
-    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -429,9 +423,7 @@ def test_cifar10_damaged_batches_name_the_problem(tmp_path, damage, message):
         batch.write_bytes(py2_pickle({b"data": np.zeros((2, 3000), np.uint8), b"labels": [0, 1]}))
     else:
         batch.write_bytes(py2_pickle({b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 10]}))
-    with pytest.raises(DataError, match=message):
-        build("cifar10", src, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    refused("cifar10", src, tmp_path / "out", message)
 
 
 # ------------------------------------------------------------------ image folder
@@ -495,14 +487,9 @@ def test_image_folder_image_of_another_size_names_the_file(tmp_path):
     image_tree(root)
     odd = root / "train" / "cat" / "zzz.png"
     Image.fromarray(np.zeros((16, 24, 3), np.uint8)).save(odd)
-    with pytest.raises(DataError, match="24x16 pixels") as e:
-        build("image-folder", root, tmp_path / "out")
-    assert str(odd) in str(e.value)
+    refused("image-folder", root, tmp_path / "out", "24x16 pixels", [odd])
     odd.write_bytes(b"not a png")
-    with pytest.raises(DataError, match="not a readable image") as e:
-        build("image-folder", root, tmp_path / "out")
-    assert str(odd) in str(e.value)
-    assert not (tmp_path / "out").exists()
+    refused("image-folder", root, tmp_path / "out", "not a readable image", [odd])
 
 
 # ------------------------------------------------------------------ text
@@ -541,14 +528,10 @@ def test_text_directory_concatenates_in_name_order(tmp_path):
 
 
 def test_text_bad_inputs(tmp_path):
-    with pytest.raises(DataError, match="no such file"):
-        build("text", tmp_path / "missing.txt", tmp_path / "out")
+    refused("text", tmp_path / "missing.txt", tmp_path / "out", "no such file")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match=r"no \*\.txt files"):
-        build("text", tmp_path / "empty", tmp_path / "out")
-    with pytest.raises(DataError, match="too few"):
-        build("text", text_file(tmp_path / "one.txt", "x"), tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    refused("text", tmp_path / "empty", tmp_path / "out", r"no \*\.txt files")
+    refused("text", text_file(tmp_path / "one.txt", "x"), tmp_path / "out", "too few")
 
 
 # ------------------------------------------------------------------ embedded
@@ -577,12 +560,8 @@ def test_embedded_mnist5k_damaged_csv_fails_the_sha256(tmp_path):
     raw = gzip.decompress(embedded.mnist5k_csv().read_bytes())
     bad = tmp_path / "mnist_5k.csv.gz"
     bad.write_bytes(gzip.compress(raw.replace(b"0,", b"1,", 1)))
-    with pytest.raises(DataError, match="SHA-256") as e:
-        build("mnist5k", bad, tmp_path / "out")
-    assert str(bad) in str(e.value)
-    with pytest.raises(DataError, match="not found"):
-        build("mnist5k", tmp_path / "absent.csv.gz", tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+    refused("mnist5k", bad, tmp_path / "out", "SHA-256", [bad])
+    refused("mnist5k", tmp_path / "absent.csv.gz", tmp_path / "out", "not found")
 
 
 def test_embedded_unknown_name():

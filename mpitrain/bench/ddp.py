@@ -97,7 +97,7 @@ def _timed(comm, fn, steps: int, ranks: int, warmup: int = 0) -> list[float]:
             fn()
             seconds[i] = time.perf_counter() - tick
     comm.sleeping_barrier()
-    return np.max(comm.allgather(seconds), axis=0).tolist()
+    return np.max(comm.allgather(seconds.tolist()), axis=0).tolist()
 
 
 def _probe(comm, buckets, algorithm: str, allreduce_seconds: float, log) -> dict:

@@ -12,9 +12,8 @@ from mpitrain.tensor import Tensor
 BLOCK_ELEMENTS = 1 << 16
 
 
-def blocks(n: int, size: int | None = None) -> list[slice]:
-    """Consecutive slices covering ``range(n)``, ``size`` (default BLOCK_ELEMENTS) long."""
-    size = size or BLOCK_ELEMENTS
+def blocks(n: int, size: int = BLOCK_ELEMENTS) -> list[slice]:
+    """Consecutive slices covering ``range(n)``, ``size`` long (the last may be shorter)."""
     return [slice(start, min(start + size, n)) for start in range(0, n, size)]
 
 

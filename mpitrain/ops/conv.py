@@ -34,6 +34,7 @@ import functools
 
 import numpy as np
 
+from mpitrain.ops._util import blocks
 from mpitrain.tensor import Function, Tensor, as_tensor
 
 # Column-matrix bytes per tile of images and per BLAS thread: with the tile's input and
@@ -149,8 +150,7 @@ def _taps(xp: np.ndarray, kh: int, kw: int, sh: int, sw: int, Ho: int, Wo: int):
 
 def _tiles(batch: int, image_bytes: int) -> list[slice]:
     """Consecutive slices of whole images whose column matrix stays within the tile budget."""
-    n = max(1, min(batch, TILE_BYTES_PER_THREAD * _blas_threads // max(1, image_bytes)))
-    return [slice(start, min(start + n, batch)) for start in range(0, batch, n)]
+    return blocks(batch, max(1, TILE_BYTES_PER_THREAD * _blas_threads // max(1, image_bytes)))
 
 
 class Conv2d(Function):
