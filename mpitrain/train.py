@@ -44,12 +44,13 @@ from mpitrain.observe.timing import time_table
 from mpitrain.parallel.data_parallel import DataParallel
 from mpitrain.parallel.param_server import UNBOUNDED, ParameterServer
 from mpitrain.parallel.zero import Zero1
-from mpitrain.runtime import blas_threads, limit_blas_threads, tune_allocator
+from mpitrain.runtime import blas_threads, huge_page_heap, limit_blas_threads, tune_allocator
 from mpitrain.tensor import Tensor, default_dtype, no_grad, observe_ops
 from mpitrain.topology import ProcessGrid
 from mpitrain.watchdog import Watchdog
 
 EVAL_BATCH_PER_RANK = 250  # images per rank per evaluation batch
+HEAP_WARMUP_STEPS = 3  # training steps after which the heap has its size (runtime.huge_page_heap)
 
 
 # ---------------------------------------------------------------- building
@@ -425,6 +426,8 @@ def _train_ps(cfg: Config, model, opt, data: Dataset, comm, threads: int, log, p
                 window_steps += 1
                 result.final_loss = loss
                 step += 1
+                if step == HEAP_WARMUP_STEPS:
+                    huge_page_heap()
                 if ps.worker == 0 and step % t.log_interval == 0:
                     rate = window_steps * t.global_batch_size // W / (time.perf_counter() - window_start)
                     progress(f"worker 0: step {step} | loss {window_loss / window_steps:.4f} | "
@@ -569,6 +572,7 @@ def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: Sh
     def evaluate(step: int) -> None:
         with traced("evaluate", "evaluate"):
             _evaluate(step)
+        huge_page_heap()  # evaluation batches may have grown the heap
 
     def _evaluate(step: int) -> None:
         parallel.sync_buffers()
@@ -668,6 +672,8 @@ def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: Sh
                 window_steps += 1
             result.final_loss = loss
             step += 1
+            if step == first + HEAP_WARMUP_STEPS:
+                huge_page_heap()
             if bar is not None:
                 bar.set_postfix_str(f"loss {loss:.4f}", refresh=False)
                 bar.update(1)

@@ -28,3 +28,29 @@ def test_limit_blas_threads_applies_and_restores():
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 def test_tune_allocator_on_glibc():
     assert runtime.tune_allocator() is True
+
+
+def _thp_enabled() -> bool:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return "[never]" not in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _thp_enabled(), reason="needs Linux with transparent huge pages not 'never'")
+def test_huge_page_heap_keeps_the_data_and_asks_only_for_growth(monkeypatch):
+    monkeypatch.setattr(runtime, "_heap_done", 0)
+    runtime.tune_allocator()  # arrays of 1 MB come from the heap, and freed ones stay in it
+    arrays = [np.full(1 << 18, i, dtype=np.float32) for i in range(48)]  # 48 MB of heap
+    lo, hi = runtime._heap()
+    assert hi - lo >= 48 << 20
+    asked = runtime.huge_page_heap()
+    assert asked > 0 and asked % runtime.HUGE_PAGE == 0
+    assert all((a == i).all() for i, a in enumerate(arrays))  # collapsing moved pages, not values
+    assert runtime.huge_page_heap() == 0  # the heap did not grow since
+
+
+def test_huge_page_heap_without_a_heap_changes_nothing(monkeypatch):
+    monkeypatch.setattr(runtime, "_heap", lambda: None)
+    assert runtime.huge_page_heap() == 0

@@ -41,7 +41,7 @@ from mpitrain import nn, optim, rng
 from mpitrain.allreduce import allreduce, iallreduce
 from mpitrain.comm import started_thread_level, world
 from mpitrain.parallel.data_parallel import DataParallel
-from mpitrain.runtime import limit_blas_threads, tune_allocator
+from mpitrain.runtime import huge_page_heap, limit_blas_threads, tune_allocator
 
 # Untimed steps of a variant at the start of each round. Switching variants leaves the
 # caches cold, and rank 1 comes back from sleeping through the 1-rank variant: the first
@@ -166,6 +166,7 @@ def run(models=("gpt", "wide"), rounds: int = 5, steps: int = 5, bucket_mb: floa
                 lambda: [r.wait() for r in [iallreduce(b.comm, b.flat, algorithm) for b in buckets]], 2)
             for fn, ranks in variants.values():  # warm up: allocator, optimizer state
                 _timed(comm, fn, 2, ranks)
+            huge_page_heap()  # as the trainer does after its first steps
             times = {k: [] for k in variants}
             for _ in range(rounds):
                 for k, (fn, ranks) in variants.items():

@@ -21,7 +21,7 @@ import numpy as np
 from mpitrain import nn, ops, optim, rng
 from mpitrain.observe.flops import count_flops
 from mpitrain.tensor import Tensor
-from mpitrain.runtime import limit_blas_threads, tune_allocator
+from mpitrain.runtime import huge_page_heap, limit_blas_threads, tune_allocator
 
 MATMUL_N = 2048
 TARGETS = {"gpt": 0.45, "cnn": 0.25}
@@ -81,6 +81,7 @@ def run(threads: int = 1, rounds: int = 7, steps: int = 5, log=print) -> dict:
         for step, _ in models.values():
             _seconds(step, 3)  # warm up: allocator, caches, optimizer state
         _seconds(lambda: a @ b, 2)
+        huge_page_heap()  # as the trainer does after its first steps
 
         peak, ms, ratio = [], {n: [] for n in models}, {n: [] for n in models}
         for _ in range(rounds):
