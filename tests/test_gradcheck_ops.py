@@ -4,6 +4,8 @@ import numpy as np
 import pytest
 
 from mpitrain import ops
+from mpitrain.ops import elementwise
+from mpitrain.ops._util import BLOCK_ELEMENTS
 from mpitrain.gradcheck import gradcheck
 from mpitrain.tensor import Tensor
 
@@ -83,6 +85,25 @@ def test_sigmoid_and_gelu_large_inputs():
     x = Tensor(np.linspace(-30, 30, 13), requires_grad=True)
     check(ops.sigmoid, x)
     check(ops.gelu, x)
+
+
+def test_gelu_over_several_blocks_matches_the_formula():
+    # the op works in cache blocks and computes its derivative during forward
+    x = np.random.default_rng(0).normal(0, 3, (2, BLOCK_ELEMENTS + 7))  # float64, three blocks
+    u = np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)
+    dudx = np.sqrt(2 / np.pi) * (1 + 3 * 0.044715 * x**2)
+    expected = 0.5 * x * (1 + np.tanh(u))
+    expected_grad = 0.5 * (1 + np.tanh(u)) + 0.5 * x * (1 - np.tanh(u) ** 2) * dudx
+    xt = Tensor(x, requires_grad=True)
+    y = ops.gelu(xt)
+    g = np.random.default_rng(1).standard_normal(x.shape)
+    y.backward(g)
+    np.testing.assert_allclose(y.data, expected, rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(xt.grad, expected_grad * g, rtol=1e-10, atol=1e-12)
+    fn = elementwise.GELU()  # no gradient wanted: the same values, no derivative computed
+    fn.needs_input_grad = (False,)
+    np.testing.assert_array_equal(fn.forward(x), y.data)
+    assert fn.d is None
 
 
 # ------------------------------------------------------------------- reductions
