@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from mpitrain import ops
-from mpitrain.ops import elementwise
+from mpitrain.ops import conv, elementwise
 from mpitrain.ops._util import BLOCK_ELEMENTS
 from mpitrain.gradcheck import gradcheck
 from mpitrain.tensor import Tensor
@@ -174,7 +174,6 @@ def test_conv2d(stride, padding, k):
 @pytest.mark.parametrize("stride,padding,relu", [(1, 1, True), (2, 1, False), (1, 0, False)])
 def test_conv2d_in_tiles_of_one_image(monkeypatch, stride, padding, relu):
     """Forward and backward walk the batch one image at a time when a tile holds one."""
-    from mpitrain.ops import conv
     monkeypatch.setattr(conv, "TILE_BYTES_PER_THREAD", 1)
     assert len(conv._tiles(3, 1000)) == 3
     check(lambda x, w, b: ops.conv2d(x, w, b, stride, padding, relu=relu),
@@ -199,6 +198,24 @@ def test_conv2d_without_bias_or_input_grad():
 @pytest.mark.parametrize("k,s,p", [(2, 2, 0), (3, 1, 0), (3, 2, 1), (2, 1, 1)])
 def test_max_pool2d(k, s, p):
     check(lambda x: ops.max_pool2d(x, k, s, p), distinct(2, 6, 7, 3))
+
+
+@pytest.mark.parametrize("k,s,p,relu", [(2, 2, 0, True), (2, 2, 0, False), (3, 2, 1, True), (2, 1, 1, False)])
+def test_max_pool2d_in_tiles_of_one_image(monkeypatch, k, s, p, relu):
+    """Forward and backward walk the batch one image at a time when a tile holds one,
+    with the same values and gradients as the whole batch at once."""
+    x = np.random.default_rng(4).integers(-2, 3, (3, 6, 6, 2)).astype(np.float64)  # ties
+    results = []
+    for tile_bytes in (1 << 30, 1):
+        monkeypatch.setattr(conv, "POOL_TILE_BYTES", tile_bytes)
+        xt = Tensor(x, requires_grad=True)
+        y = ops.max_pool2d(xt, k, s, p, relu=relu)
+        assert len(y._ctx.tiles) == (1 if tile_bytes > 1 else 3)
+        y.backward(np.random.default_rng(5).standard_normal(y.shape))
+        results.append((y.data, xt.grad))
+    for whole, tiled in zip(*results):
+        np.testing.assert_array_equal(whole, tiled)
+    check(lambda x: ops.max_pool2d(x, k, s, p, relu=relu), distinct(3, 6, 7, 2))
 
 
 def test_max_pool2d_ties_go_to_first():
