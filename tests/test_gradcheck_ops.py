@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from mpitrain import ops
+from mpitrain.gradcheck import gradcheck
 from mpitrain.ops import conv, elementwise
 from mpitrain.ops._util import BLOCK_ELEMENTS
-from mpitrain.gradcheck import gradcheck
 from mpitrain.tensor import Tensor
 
 TOL = 1e-6

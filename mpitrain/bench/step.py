@@ -20,8 +20,8 @@ import numpy as np
 
 from mpitrain import nn, ops, optim, rng
 from mpitrain.observe.flops import count_flops
-from mpitrain.tensor import Tensor
 from mpitrain.runtime import huge_page_heap, limit_blas_threads, tune_allocator
+from mpitrain.tensor import Tensor
 
 MATMUL_N = 2048
 TARGETS = {"gpt": 0.45, "cnn": 0.25}

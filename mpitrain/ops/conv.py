@@ -271,7 +271,7 @@ class MaxPool2d(Function):
                     np.multiply(gt, hit, out=target)
             else:
                 won = list(winners)
-                _scatter_taps(lambda tap: gt * won[tap], gx[t], kh, kw, sh, sw, ph, pw, Ho, Wo)
+                _scatter_taps(lambda tap, gt=gt, won=won: gt * won[tap], gx[t], kh, kw, sh, sw, ph, pw, Ho, Wo)
         return gx
 
     def _first_maxima(self, t: slice, kh, kw, sh, sw, Ho, Wo):
