@@ -58,9 +58,10 @@ class CausalSelfAttention(Function):
     short axis runs row by row and is several times slower), and its sums are one GEMM
     with a row of ones. The right operand of the two products that contract over the
     head features (``k q^T`` and ``v dy^T``) is copied transposed, with the
-    ``1/sqrt(hs)`` folded into the copy: OpenBLAS's small GEMMs with a transposed right
-    operand ran at half speed here (184 against 95 us for the scores of one block), and
-    the scale then costs no pass over the (T, T) scores."""
+    ``1/sqrt(hs)`` folded into the copy: OpenBLAS's small GEMMs run slowly with a
+    transposed right operand (the scores of one benchmark block: 195 us from the view,
+    152 us with the scaled copy included, 95 us with both operands contiguous), and the
+    scale then costs no pass over the (T, T) scores."""
 
     def forward(self, qkv, n_head, causal, dropout_p, generator):
         B, T, C3 = qkv.shape
