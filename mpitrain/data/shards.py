@@ -352,7 +352,8 @@ class Split:
 
 
 class Dataset:
-    """An opened dataset directory: the manifest, checked against every shard's structure."""
+    """An opened dataset directory: the manifest, checked against every shard's structure.
+    ``with open_dataset(path) as ds:`` closes its open shard files on leaving."""
 
     def __init__(self, path):
         self.path = Path(path)
@@ -464,6 +465,12 @@ class Dataset:
     def close(self) -> None:
         for s in self.splits.values():
             s.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def open_dataset(path) -> Dataset:
