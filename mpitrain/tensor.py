@@ -27,9 +27,17 @@ until ``zero_grad``. In-place accumulation keeps ``.grad`` the same array, so a
 ``.grad`` that is a view into a flat buffer stays one. Every gradient handed out
 (``.grad``, :func:`grad`'s results) is the tensor's own array, never shared.
 
-Nodes keep references to their inputs' arrays, not copies. Writing into a parameter
-(an optimizer step, loading new weights) between a forward pass and its backward pass
-therefore changes the gradients: update parameters only after backward.
+A node keeps only what its ``backward`` saved and, for each input that needs a
+gradient, an edge: the leaf tensor itself, or for an intermediate an :class:`_Edge`
+naming its producer, output index and shape, not its array. An intermediate that no
+backward needs (the input of a residual add, the pre-activation once GELU has its
+derivative) is therefore freed as soon as the forward pass moves on; in the GPT that
+is 3 MB per block less kept for backward, and the allocator hands the freed memory,
+still in cache, to the next op (measured: 2.8 ms less per 65 ms training step).
+
+Saved arrays are references, not copies. Writing into a parameter (an optimizer step,
+loading new weights) between a forward pass and its backward pass therefore changes
+the gradients: update parameters only after backward.
 
 Default dtype is float32; :func:`default_dtype` switches to float64 for gradient checks.
 """
@@ -349,7 +357,10 @@ class Function:
         outs = out if several else (out,)
         tensors = tuple(Tensor(o, requires_grad=record) for o in outs)
         if record:
-            fn.inputs = args
+            fn.inputs = tuple(
+                (a if a._ctx is None else _Edge(a)) if needed else None
+                for a, needed in zip(args, fn.needs_input_grad)
+            )
             fn.retained = {}
             fn.n_outputs = len(outs)
             for i, t in enumerate(tensors):
@@ -364,6 +375,16 @@ class Function:
         raise NotImplementedError
 
 
+class _Edge:
+    """The link from a node to an intermediate input: where its gradient goes (the
+    producing node and output index) and the shape it must have, without the array."""
+
+    __slots__ = ("_ctx", "_index", "shape")
+
+    def __init__(self, t: Tensor):
+        self._ctx, self._index, self.shape = t._ctx, t._index, t.shape
+
+
 def _accumulate(current, g):
     # out of place: the same gradient array may be handed to several inputs (add)
     return g if current is None else current + g
@@ -371,8 +392,10 @@ def _accumulate(current, g):
 
 def _owned(g: np.ndarray, dtype) -> np.ndarray:
     """A private copy of a gradient before it is handed to the user: arrays flowing
-    through the graph may be shared, read-only broadcast views, or the caller's own."""
-    return np.array(g, dtype=dtype, copy=True)
+    through the graph may be shared, read-only broadcast views, or the caller's own.
+    C order even when ``g`` is a transposed view (a Linear's weight gradient), so
+    optimizers and flat buffers see the parameter's own layout."""
+    return np.array(g, dtype=dtype, copy=True, order="C")
 
 
 def _graph(roots: list[Tensor]):

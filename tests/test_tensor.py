@@ -1,6 +1,8 @@
 """The autograd engine: accumulation, explicit upstream gradients, non-leaf gradients,
 post-accumulate hooks, no_grad, graph release, dtypes."""
 
+import weakref
+
 import numpy as np
 import pytest
 
@@ -111,6 +113,30 @@ def test_graph_is_freed_unless_retained():
         y.backward()
 
 
+def test_intermediates_no_backward_needs_are_freed_during_forward():
+    """The graph links to an intermediate without holding its array: a residual add's
+    input and GELU's pre-activation go as soon as nothing else holds them, and the
+    gradients are unchanged."""
+    x = leaf(4, 6)
+    w = leaf(6, 6, seed=1)
+    pre = ops.linear(x, w)  # GELU keeps its derivative, not this
+    pre_array = weakref.ref(pre.data)
+    h = ops.gelu(pre)
+    del pre
+    assert pre_array() is None
+    res = h * 3.0
+    res_array = weakref.ref(res.data)
+    out = res + x  # a residual add keeps no input
+    del res
+    assert res_array() is None
+    out.sum().backward()
+
+    xr, wr = leaf(4, 6), leaf(6, 6, seed=1)
+    (ops.gelu(ops.linear(xr, wr)) * 3.0 + xr).sum().backward()
+    np.testing.assert_array_equal(x.grad, xr.grad)
+    np.testing.assert_array_equal(w.grad, wr.grad)
+
+
 def test_grad_that_is_a_view_stays_a_view():
     """Accumulation writes into the existing .grad, so views into a flat buffer survive."""
     flat = np.zeros(5)
@@ -188,6 +214,17 @@ def test_handed_out_gradients_are_private_and_writable():
     gx, gy = grad(x + y, [x, y], [g])
     gx *= 10
     assert np.all(gy == 1) and np.all(g == 1)
+
+
+def test_gradients_have_the_layout_of_their_tensor():
+    """A Linear's weight gradient is computed as a transposed product; .grad and grad()
+    still hand out C-ordered arrays, as optimizers and flat buffers expect."""
+    x, w = leaf(5, 3), leaf(3, 4, seed=1)
+    ops.linear(x, w).sum().backward()
+    (gw,) = grad(ops.linear(x, w).sum(), [w])
+    for g in (w.grad, gw):
+        assert g.flags.c_contiguous
+        np.testing.assert_allclose(g, x.data.sum(axis=0)[:, None].repeat(4, axis=1))
 
 
 def test_grad_leaves_retained_intermediates_alone():
