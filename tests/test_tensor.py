@@ -217,14 +217,15 @@ def test_handed_out_gradients_are_private_and_writable():
 
 
 def test_gradients_have_the_layout_of_their_tensor():
-    """A Linear's weight gradient is computed as a transposed product; .grad and grad()
-    still hand out C-ordered arrays, as optimizers and flat buffers expect."""
-    x, w = leaf(5, 3), leaf(3, 4, seed=1)
-    ops.linear(x, w).sum().backward()
-    (gw,) = grad(ops.linear(x, w).sum(), [w])
-    for g in (w.grad, gw):
+    """A transpose hands its input a transposed view as gradient; .grad and grad()
+    still hand out C-ordered arrays, as optimizers and flat buffers expect (an F-ordered
+    .grad made every later optimizer pass strided)."""
+    x, w = leaf(5, 3), leaf(5, 4, seed=1)
+    (x.T @ w).sum().backward()
+    (gx,) = grad((x.T @ w).sum(), [x])
+    for g in (x.grad, gx):
         assert g.flags.c_contiguous
-        np.testing.assert_allclose(g, x.data.sum(axis=0)[:, None].repeat(4, axis=1))
+        np.testing.assert_allclose(g, w.data.sum(axis=1)[:, None].repeat(3, axis=1))
 
 
 def test_grad_leaves_retained_intermediates_alone():
