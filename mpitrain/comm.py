@@ -242,6 +242,7 @@ class Comm(SingleComm):
 
     def recv_any(self, buf: np.ndarray, tag: Tag) -> int:
         """Receive one message with ``tag`` from any rank into ``buf``; returns the sender."""
+        self.stats.bytes_received += buf.nbytes
         status = _mpi().Status()
         self.mpi.Recv(buf, _mpi().ANY_SOURCE, tag, status)
         return status.Get_source()

@@ -13,9 +13,12 @@ gradient) and ``AdamW`` (Loshchilov & Hutter 2019; decoupled decay ``p -= lr * w
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
+
+from mpitrain.tensor import Tensor
 
 
 class Optimizer:
@@ -64,6 +67,26 @@ class Optimizer:
 
     def _update(self, p: np.ndarray, g: np.ndarray, state: dict, group: dict) -> None:  # pragma: no cover
         raise NotImplementedError
+
+    def over(self, views) -> Optimizer:
+        """This optimizer (its class and hyperparameters) over other arrays, with fresh
+        state: ``views(p)`` gives, for each parameter ``p`` in order, the ``(data, grad)``
+        arrays to update in its place (views into a strategy's flat buffers, never
+        copies), or None to leave ``p`` out. ZeRO-1 and the parameter servers update
+        their shards this way."""
+        other = copy.copy(self)
+        other.state, other.param_groups = {}, []
+        other.__dict__.pop("_buffer", None)  # the work array is sized for these parameters
+        for group in self.param_groups:
+            params = []
+            for p in group["params"]:
+                arrays = views(p)
+                if arrays is not None:
+                    piece = Tensor(arrays[0], requires_grad=True)  # wraps the view itself
+                    piece.grad = arrays[1]
+                    params.append(piece)
+            other.param_groups.append({**group, "params": params})
+        return other
 
     def _scratch(self, like: np.ndarray) -> np.ndarray:
         """A reusable work array shaped like ``like`` (one buffer for all parameters,

@@ -448,23 +448,13 @@ def _train_ps(cfg: Config, model, opt, data: Dataset, comm, threads: int, log, p
     ps.gather_parameters()
     ps.gather_buffers(model)
     histogram = ps.staleness_histogram()
-    if timeline is not None:
-        where = timeline.write(Path(cfg.run.dir) / "timeline.json")
-        if where is not None:
-            log(f"timeline: {where} (open it in https://ui.perfetto.dev or chrome://tracing)")
+    _write_timeline(timeline, cfg.run.dir, log)
     slowest = max(comm.allgather(train_seconds))
     steps = comm.allgather(result.steps)[S:]  # each worker's
     result.final_loss = comm.bcast(result.final_loss, root=S)
     result.steps, result.staleness = total, histogram
     result.samples_per_s = total * t.global_batch_size / slowest
-    if is_text:
-        result.val_loss = evaluate_text(model, data, cfg, comm)
-        log(f"step {total}: val loss {result.val_loss:.4f}")
-    else:
-        result.test_accuracy, result.test_loss = evaluate_images(model, data, cfg, comm)
-        log(f"step {total}: test accuracy {100 * result.test_accuracy:.2f}%, test loss {result.test_loss:.4f}")
-    result.history.append({"step": total, "val_loss": result.val_loss, "test_accuracy": result.test_accuracy})
-    metrics.write("eval", test_loss=result.test_loss, **result.history[-1])
+    _evaluate(model, data, cfg, comm, total, result, metrics, log)
     if cfg.run.dir:  # the servers write their parameters' optimizer state: the trainer's format
         if comm.rank == 0:
             Path(cfg.run.dir).mkdir(parents=True, exist_ok=True)
@@ -571,21 +561,9 @@ def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: Sh
 
     def evaluate(step: int) -> None:
         with traced("evaluate", "evaluate"):
-            _evaluate(step)
+            parallel.sync_buffers()
+            _evaluate(model, data, cfg, comm, step, result, metrics, log)
         huge_page_heap()  # evaluation batches may have grown the heap
-
-    def _evaluate(step: int) -> None:
-        parallel.sync_buffers()
-        if is_text:
-            result.val_loss = evaluate_text(model, data, cfg, comm)
-            log(f"step {step}: val loss {result.val_loss:.4f}")
-        else:
-            result.test_accuracy, result.test_loss = evaluate_images(model, data, cfg, comm)
-            log(f"step {step}: test accuracy {100 * result.test_accuracy:.2f}%, "
-                f"test loss {result.test_loss:.4f}")
-        record = {"step": step, "val_loss": result.val_loss, "test_accuracy": result.test_accuracy}
-        result.history.append(record)
-        metrics.write("eval", test_loss=result.test_loss, **record)
 
     def report_io(epoch: int) -> None:
         if epoch not in reader.stats:  # nothing read in it by this process (a resumed run)
@@ -702,23 +680,16 @@ def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: Sh
         log = print
     report_io(epoch)
 
-    def write_timeline() -> None:
-        if timeline is not None:
-            timeline.close()
-            where = timeline.write(Path(run.dir) / "timeline.json")
-            if where is not None:
-                log(f"timeline: {where} (open it in https://ui.perfetto.dev or chrome://tracing)")
-
     result.steps = step
     if result.stopped:
         how = f"resume with --resume (run directory {run.dir})" if run.dir else "nothing was saved: no run.dir"
         log(f"stopped by {result.stopped} after step {step}; {how}")
         metrics.write("stopped", step=step, signal=result.stopped)
-        write_timeline()
+        _write_timeline(timeline, run.dir, log)
         return result
 
     evaluate(total)
-    write_timeline()
+    _write_timeline(timeline, run.dir, log)
     result.seconds = time.perf_counter() - start
     done = total - first
     result.samples_per_s = done * t.global_batch_size / train_seconds if train_seconds else 0.0
@@ -750,6 +721,32 @@ def _loop(cfg: Config, model, opt, parallel, schedule, data: Dataset, reader: Sh
         f"{result.samples_per_s:,.0f} samples/s, {result.gflops_per_s:.1f} GFLOP/s; "
         f"waited for data {stall:.2f} s ({100 * result.stall_fraction:.2f}% of step time)")
     return result
+
+
+def _evaluate(model: nn.Module, data: Dataset, cfg: Config, comm, step: int, result: Result, metrics: MetricsLog,
+              log) -> None:
+    """Score the model on the held-out split (collective), print the figure and record
+    it in ``result`` and the metrics file."""
+    if data.kind == "text":
+        result.val_loss = evaluate_text(model, data, cfg, comm)
+        log(f"step {step}: val loss {result.val_loss:.4f}")
+    else:
+        result.test_accuracy, result.test_loss = evaluate_images(model, data, cfg, comm)
+        log(f"step {step}: test accuracy {100 * result.test_accuracy:.2f}%, test loss {result.test_loss:.4f}")
+    record = {"step": step, "val_loss": result.val_loss, "test_accuracy": result.test_accuracy}
+    result.history.append(record)
+    metrics.write("eval", test_loss=result.test_loss, **record)
+
+
+def _write_timeline(timeline: Timeline | None, run_dir: str, log) -> None:
+    """Gather every rank's events into ``run_dir/timeline.json`` (collective; no-op
+    without a timeline)."""
+    if timeline is None:
+        return
+    timeline.close()
+    where = timeline.write(Path(run_dir) / "timeline.json")
+    if where is not None:
+        log(f"timeline: {where} (open it in https://ui.perfetto.dev or chrome://tracing)")
 
 
 TIME_FIELDS = ("rank", "step_s", "comm_exposed_s", "comm_total_s", "read_s", "wait_s", "bytes_sent")

@@ -167,3 +167,26 @@ def test_warmup_cosine_schedule():
     assert optim.Constant(0.1, warmup_steps=1)(0) == pytest.approx(0.05)
     with pytest.raises(ValueError):
         optim.WarmupCosine(1e-3, warmup_steps=10, decay_steps=5)
+
+
+def test_over_updates_views_with_fresh_state_and_the_same_rule():
+    """``over`` (how ZeRO-1 and parameter servers update their flat shards): the pieces
+    it is given are updated in place exactly as the full optimizer updates the same
+    numbers, and the full optimizer is left alone."""
+    full_params, ref_params = make_params(), make_params()
+    full = optim.AdamW(full_params, lr=0.1, weight_decay=0.1)
+    ref = optim.AdamW(ref_params, lr=0.1, weight_decay=0.1)
+    flat = np.concatenate([p.data.reshape(-1) for p in full_params])  # (17,)
+    flat_grad = np.zeros_like(flat)
+    shard = full.over(lambda p: (flat[:12].reshape(3, 4), flat_grad[:12].reshape(3, 4))
+                      if p is full_params[0] else None)
+    assert [len(g["params"]) for g in shard.param_groups] == [1] and shard.state == {}
+    for step in range(3):
+        g = gradients(step, ref_params)
+        ref_params[0].grad = g[0]
+        ref.step()
+        flat_grad[:12] = g[0].reshape(-1)
+        shard.step()
+    np.testing.assert_allclose(flat[:12].reshape(3, 4), ref_params[0].data, rtol=1e-12)
+    np.testing.assert_array_equal(full_params[0].data, make_params()[0].data)
+    assert full.state == {} and full.param_groups[0]["params"] == full_params

@@ -100,6 +100,12 @@ def _timed(comm, fn, steps: int, ranks: int, warmup: int = 0) -> list[float]:
     return np.max(comm.allgather(seconds.tolist()), axis=0).tolist()
 
 
+def _all_started(buckets, algorithm: str) -> None:
+    """Every bucket's allreduce started, then all waited for."""
+    for request in [iallreduce(b.comm, b.flat, algorithm) for b in buckets]:
+        request.wait()
+
+
 def _probe(comm, buckets, algorithm: str, allreduce_seconds: float, log) -> dict:
     """Overlap with no model: the buckets' allreduces against fixed matrix products."""
     a = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)  # (256, 256)
@@ -121,8 +127,7 @@ def _probe(comm, buckets, algorithm: str, allreduce_seconds: float, log) -> dict
         for r in requests:
             r.wait()
 
-    variants = {"compute": compute, "allreduce": lambda: [r.wait() for r in
-                                                          [iallreduce(b.comm, b.flat, algorithm) for b in buckets]],
+    variants = {"compute": compute, "allreduce": lambda: _all_started(buckets, algorithm),
                 "test": lambda: together(True), "none": lambda: together(False)}
     times = {k: [] for k in variants}
     for _ in range(7):
@@ -162,8 +167,7 @@ def run(models=("gpt", "wide"), rounds: int = 5, steps: int = 5, bucket_mb: floa
             buckets = dps["test"].buckets
             variants["allreduce alone (blocking)"] = (
                 lambda: [allreduce(b.comm, b.flat, algorithm) for b in buckets], 2)
-            variants["allreduce alone (started)"] = (
-                lambda: [r.wait() for r in [iallreduce(b.comm, b.flat, algorithm) for b in buckets]], 2)
+            variants["allreduce alone (started)"] = (lambda: _all_started(buckets, algorithm), 2)
             for fn, ranks in variants.values():  # warm up: allocator, optimizer state
                 _timed(comm, fn, 2, ranks)
             huge_page_heap()  # as the trainer does after its first steps

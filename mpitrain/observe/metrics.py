@@ -45,15 +45,11 @@ class MetricsLog:
             return
         kept = []
         if first_step and path.exists():
-            for line in path.read_text(encoding="utf-8").splitlines():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:  # a line cut short when the run was killed
-                    continue
+            for record in read(path):
                 step, kind = record.get("step", 0), record.get("kind")
                 # the resumed run evaluates at its first step again (and ends again)
                 if step < first_step or (step == first_step and kind not in ("eval", "end")):
-                    kept.append(line + "\n")
+                    kept.append(json.dumps(record) + "\n")
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(kept), encoding="utf-8")
         os.replace(tmp, path)
@@ -67,7 +63,7 @@ class MetricsLog:
 
 
 def read(path) -> list[dict]:
-    """The records of a metrics file, skipping a last line cut short."""
+    """The records of a metrics file, skipping a line cut short when a run was killed."""
     records = []
     for line in Path(path).read_text(encoding="utf-8").splitlines():
         try:

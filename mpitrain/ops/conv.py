@@ -262,11 +262,11 @@ class MaxPool2d(Function):
         (xshape, kh, kw, sh, sw, ph, pw, Ho, Wo) = self.geometry
         _, H, W, _ = xshape
         gx = np.empty(xshape, dtype=g.dtype)
-        tiles = (ph == pw == 0 and (sh, sw) == (kh, kw) and (H, W) == (Ho * kh, Wo * kw))
+        exact = (ph == pw == 0 and (sh, sw) == (kh, kw) and (H, W) == (Ho * kh, Wo * kw))
         for t in self.tiles:
             winners = self._first_maxima(t, kh, kw, sh, sw, Ho, Wo)
             gt = g[t]  # (b, Ho, Wo, C)
-            if tiles:  # windows tile the image: every pixel is written exactly once
+            if exact:  # windows tile the image: every pixel is written exactly once
                 for target, hit in zip(_taps(gx[t], kh, kw, sh, sw, Ho, Wo), winners):
                     np.multiply(gt, hit, out=target)
             else:

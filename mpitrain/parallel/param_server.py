@@ -61,14 +61,12 @@ gradient is applied as it arrives, as its own update (``W`` updates per global s
 
 from __future__ import annotations
 
-import copy
 import time
 from collections import Counter
 
 import numpy as np
 
 from mpitrain.comm import Tag
-from mpitrain.tensor import Tensor
 
 UNBOUNDED = -1
 
@@ -145,18 +143,7 @@ class ParameterServer:
         """The user's optimizer over this server's parameters only (a copy: its state
         is this server's, its hyperparameters the user's)."""
         mine = {id(p) for p, o in zip(self.params, self.owner) if o == self.comm.rank}
-        shard = copy.copy(full)
-        shard.state, shard.param_groups = {}, []
-        shard.__dict__.pop("_buffer", None)
-        for group in full.param_groups:
-            pieces = []
-            for p in group["params"]:
-                if id(p) in mine:
-                    piece = Tensor(p.data, requires_grad=True)
-                    piece.data, piece.grad = p.data, p.grad  # views into this server's flat arrays
-                    pieces.append(piece)
-            shard.param_groups.append({**group, "params": pieces})
-        return shard
+        return full.over(lambda p: (p.data, p.grad) if id(p) in mine else None)  # views into the flat arrays
 
     def _greet(self) -> None:
         """Version 0 to every worker: the first pull."""

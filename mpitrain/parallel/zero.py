@@ -35,14 +35,12 @@ data parallelism's (:meth:`Zero1.state_bytes`).
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import math
 
 import numpy as np
 
 from mpitrain.allreduce import ALGORITHMS, Ring, chunk_bounds
-from mpitrain.tensor import Tensor
 
 
 class Zero1:
@@ -86,24 +84,18 @@ class Zero1:
     def _shard_optimizer(self, full):
         """The same optimizer over pieces: the part of each parameter inside my shard,
         as a tensor whose data and gradient are views of the flat arrays."""
-        shard = copy.copy(full)
-        shard.state, shard.param_groups = {}, []
-        shard.__dict__.pop("_buffer", None)
         index = {id(p): i for i, p in enumerate(self.params)}
         self.pieces = []  # (parameter index, lo, hi) of each piece in flat coordinates, in shard order
-        for group in full.param_groups:
-            pieces = []
-            for p in group["params"]:
-                i = index[id(p)]
-                lo, hi = max(self.lo, self.offsets[i]), min(self.hi, self.offsets[i + 1])
-                if lo < hi:
-                    piece = Tensor(self.flat_params[lo:hi], requires_grad=True)
-                    piece.data = self.flat_params[lo:hi]  # (hi - lo,) view, never a copy
-                    piece.grad = self.flat_grads[lo:hi]
-                    pieces.append(piece)
-                    self.pieces.append((i, int(lo), int(hi)))
-            shard.param_groups.append({**group, "params": pieces})
-        return shard
+
+        def views(p):
+            i = index[id(p)]
+            lo, hi = max(self.lo, self.offsets[i]), min(self.hi, self.offsets[i + 1])
+            if lo >= hi:
+                return None
+            self.pieces.append((i, int(lo), int(hi)))
+            return self.flat_params[lo:hi], self.flat_grads[lo:hi]  # (hi - lo,) views
+
+        return full.over(views)
 
     def step(self, lr: float | None = None, grad_clip: float = 0.0) -> float:
         """Average gradients, update my shard, share the parameters; returns the global
