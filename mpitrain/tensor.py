@@ -338,7 +338,14 @@ class Function:
     false, may be ``None``. Each returned gradient has the input's shape. ``backward``
     must not write into the gradients it receives: one array may be shared by several
     consumers (``add`` hands the same gradient to both inputs).
+
+    ``self.last_backward`` is true when the engine frees the node after this backward
+    (no ``retain_graph``): ``backward`` may then write over the arrays it saved in
+    forward and has read for the last time, which are still in cache, instead of
+    allocating cold memory (the fused GPT sublayers do).
     """
+
+    last_backward = False
 
     @classmethod
     def apply(cls, *args, **kwargs):
@@ -484,6 +491,7 @@ def _run(roots, grads, retain_graph: bool, capture: dict | None):
         if all(g is None for g in out_grads):
             in_grads = (None,) * len(node.inputs)
         else:
+            node.last_backward = not retain_graph
             in_grads = node.backward(*out_grads)
             if not isinstance(in_grads, tuple):
                 in_grads = (in_grads,)

@@ -126,10 +126,11 @@ class CausalSelfAttention(Module):
         self.resid_dropout = Dropout(cfg.dropout)
 
     def forward(self, x):
-        qkv = self.c_attn(x)  # (B, T, 3C)
+        # c_proj(attention(c_attn(x))) as one fused op (ops.attention.SelfAttention)
         p = self.dropout if self.training else 0.0
-        y = ops.causal_self_attention(qkv, self.n_head, dropout_p=p)  # (B, T, C)
-        return self.resid_dropout(self.c_proj(y))
+        y = ops.self_attention(x, self.c_attn.weight, self.c_attn.bias, self.c_proj.weight,
+                               self.c_proj.bias, self.n_head, dropout_p=p)  # (B, T, C)
+        return self.resid_dropout(y)
 
 
 class MLP(Module):
@@ -140,7 +141,9 @@ class MLP(Module):
         self.dropout = Dropout(cfg.dropout)
 
     def forward(self, x):
-        return self.dropout(self.c_proj(ops.gelu(self.c_fc(x))))
+        # c_proj(gelu(c_fc(x))) as one fused op (ops.linalg.GeluMLP)
+        return self.dropout(ops.gelu_mlp(x, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
+                                         self.c_proj.bias))
 
 
 class Block(Module):

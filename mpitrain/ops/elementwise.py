@@ -159,6 +159,32 @@ _GELU_S = math.sqrt(2.0 / math.pi)
 _GELU_C = 0.044715
 
 
+def gelu_blocks(x: np.ndarray, out: np.ndarray, d: np.ndarray | None = None) -> None:
+    """GELU of the flat array ``x`` into ``out`` (which may be ``x`` itself: each block
+    is written last), and its derivative into ``d`` unless None; see :class:`GELU`."""
+    h = np.empty(min(x.size, BLOCK_ELEMENTS), dtype=x.dtype)  # one block's work arrays
+    u = np.empty_like(h)
+    for b in blocks(x.size):
+        xb, hb, ub = x[b], h[: b.stop - b.start], u[: b.stop - b.start]
+        np.square(xb, out=ub)
+        np.multiply(ub, _GELU_C * _GELU_S, out=hb)
+        hb += _GELU_S
+        hb *= xb  # s (x + c x^3)
+        np.tanh(hb, out=hb)
+        hb *= 0.5
+        hb += 0.5  # h
+        if d is not None:
+            db = d[b]
+            ub *= 6 * _GELU_C * _GELU_S
+            ub += 2 * _GELU_S
+            ub *= xb  # 2 s x (1 + 3 c x^2)
+            np.subtract(1, hb, out=db)
+            db *= hb
+            db *= ub
+            db += hb
+        np.multiply(xb, hb, out=out[b])
+
+
 class GELU(Function):
     """GELU, tanh form: x * h with h = 0.5 (1 + tanh(s (x + 0.044715 x^3))),
     s = sqrt(2/pi) (Hendrycks & Gimpel 2016; the form GPT-2 uses).
@@ -174,28 +200,8 @@ class GELU(Function):
     def forward(self, x):
         xf = np.ascontiguousarray(x).reshape(-1)  # (n,)
         y = np.empty_like(xf)
-        h = np.empty(min(xf.size, BLOCK_ELEMENTS), dtype=xf.dtype)  # one block's work arrays
-        u = np.empty_like(h)
         self.d = np.empty_like(xf) if self.needs_input_grad[0] else None  # dy/dx, (n,)
-        for b in blocks(xf.size):
-            xb, hb, ub = xf[b], h[: b.stop - b.start], u[: b.stop - b.start]
-            np.multiply(xb, xb, out=ub)  # x^2
-            np.multiply(ub, _GELU_C * _GELU_S, out=hb)
-            hb += _GELU_S
-            hb *= xb  # s (x + c x^3)
-            np.tanh(hb, out=hb)
-            hb *= 0.5
-            hb += 0.5  # h
-            np.multiply(xb, hb, out=y[b])
-            if self.d is not None:
-                db = self.d[b]
-                ub *= 6 * _GELU_C * _GELU_S
-                ub += 2 * _GELU_S
-                ub *= xb  # 2 s x (1 + 3 c x^2)
-                np.subtract(1, hb, out=db)
-                db *= hb
-                db *= ub
-                db += hb
+        gelu_blocks(xf, y, self.d)
         return y.reshape(x.shape)
 
     def backward(self, g):
