@@ -200,10 +200,11 @@ def _fused_equals_unfused(fused, unfused, inputs, g):
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_gelu_mlp_equals_linear_gelu_linear(bias):
-    x, w1, b1, w2, b2 = inputs = _mlp_inputs(bias)
+    def unfused(x, w1, b1, w2, b2):
+        return ops.linear(ops.gelu(ops.linear(x, w1, b1)), w2, b2)
+
     g = np.random.default_rng(5).standard_normal((2, 3, 5))
-    _fused_equals_unfused(ops.gelu_mlp, lambda x, w1, b1, w2, b2: ops.linear(ops.gelu(ops.linear(x, w1, b1)), w2, b2),
-                          inputs, g)
+    _fused_equals_unfused(ops.gelu_mlp, unfused, _mlp_inputs(bias), g)
 
 
 def test_gelu_mlp_without_gradient_keeps_no_derivative():
@@ -409,13 +410,16 @@ def test_self_attention(bias, causal):
 
 
 def test_self_attention_dropout_is_seeded():
-    gen = lambda: np.random.default_rng(5)  # noqa: E731
-    check(lambda *a: ops.self_attention(*a, n_head=3, dropout_p=0.3, generator=gen()), *_attention_inputs(True))
+    def f(*a):
+        return ops.self_attention(*a, n_head=3, dropout_p=0.3, generator=np.random.default_rng(5))
+
+    check(f, *_attention_inputs(True))
 
 
 @pytest.mark.parametrize("bias,dropout", [(True, 0.0), (False, 0.3)])
 def test_self_attention_equals_linear_attention_linear(bias, dropout):
-    gen = lambda: np.random.default_rng(7)  # noqa: E731
+    def gen():  # the same dropout mask for both
+        return np.random.default_rng(7)
 
     def fused(x, w_qkv, b_qkv, w_proj, b_proj):
         return ops.self_attention(x, w_qkv, b_qkv, w_proj, b_proj, 3, dropout_p=dropout, generator=gen())
