@@ -5,7 +5,7 @@ import pytest
 
 from mpitrain import ops
 from mpitrain.gradcheck import gradcheck
-from mpitrain.ops import conv, elementwise, linalg
+from mpitrain.ops import conv, elementwise, transformer
 from mpitrain.ops._util import BLOCK_ELEMENTS
 from mpitrain.tensor import Tensor
 
@@ -161,59 +161,6 @@ def test_linear(bias):
 
 def test_linear_with_transposed_weight():
     check(lambda x, w: ops.linear(x, ops.transpose(w)), t(2, 3, 4), t(5, 4, seed=1))
-
-
-def _mlp_inputs(bias):
-    C, H, C_out = 4, 6, 5
-    return (t(2, 3, C), t(C, H, seed=1), t(H, seed=2) if bias else None, t(H, C_out, seed=3),
-            t(C_out, seed=4) if bias else None)
-
-
-@pytest.mark.parametrize("bias", [True, False])
-def test_gelu_mlp(bias):
-    check(ops.gelu_mlp, *_mlp_inputs(bias))
-
-
-def _fused_equals_unfused(fused, unfused, inputs, g):
-    """Values and gradients of a fused op equal those of the ops it fuses: after a plain
-    backward (the op then writes over its saved arrays) and after one with retain_graph
-    (it must not), which a second backward through the same graph then doubles."""
-    params = [a for a in inputs if isinstance(a, Tensor)]
-
-    def run(f, retain_graph=False):
-        for p in params:
-            p.grad = None
-        y = f(*inputs)
-        y.backward(g, retain_graph=retain_graph)
-        return y, [p.grad.copy() for p in params]
-
-    y_ref, g_ref = run(unfused)
-    for retain in (False, True):
-        y, grads = run(fused, retain)
-        np.testing.assert_allclose(y.data, y_ref.data, rtol=1e-12, atol=1e-12)
-        for a, b in zip(grads, g_ref):
-            np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
-    y.backward(g)
-    for p, b in zip(params, g_ref):
-        np.testing.assert_allclose(p.grad, 2 * b, rtol=1e-10, atol=1e-12)
-
-
-@pytest.mark.parametrize("bias", [True, False])
-def test_gelu_mlp_equals_linear_gelu_linear(bias):
-    def unfused(x, w1, b1, w2, b2):
-        return ops.linear(ops.gelu(ops.linear(x, w1, b1)), w2, b2)
-
-    g = np.random.default_rng(5).standard_normal((2, 3, 5))
-    _fused_equals_unfused(ops.gelu_mlp, unfused, _mlp_inputs(bias), g)
-
-
-def test_gelu_mlp_without_gradient_keeps_no_derivative():
-    x, w1, b1, w2, b2 = (a.data for a in _mlp_inputs(True))
-    fn = linalg.GeluMLP()
-    fn.needs_input_grad = (False,) * 5
-    y = fn.forward(x, w1, b1, w2, b2)
-    assert fn.d is None
-    np.testing.assert_array_equal(y, ops.gelu_mlp(x, w1, b1, w2, b2).data)
 
 
 # ------------------------------------------------------------------- conv, pool
@@ -399,44 +346,6 @@ def test_attention_dropout_is_seeded():
     check(lambda x: ops.causal_self_attention(x, 1, dropout_p=0.3, generator=gen()), qkv)
 
 
-def _attention_inputs(bias, C=6, C_out=5):
-    return (t(2, 4, C), t(C, 3 * C, seed=1), t(3 * C, seed=2) if bias else None, t(C, C_out, seed=3),
-            t(C_out, seed=4) if bias else None)
-
-
-@pytest.mark.parametrize("bias,causal", [(True, True), (False, True), (False, False)])
-def test_self_attention(bias, causal):
-    check(lambda *a: ops.self_attention(*a, n_head=2, causal=causal), *_attention_inputs(bias))
-
-
-def test_self_attention_dropout_is_seeded():
-    def f(*a):
-        return ops.self_attention(*a, n_head=3, dropout_p=0.3, generator=np.random.default_rng(5))
-
-    check(f, *_attention_inputs(True))
-
-
-@pytest.mark.parametrize("bias,dropout", [(True, 0.0), (False, 0.3)])
-def test_self_attention_equals_linear_attention_linear(bias, dropout):
-    def gen():  # the same dropout mask for both
-        return np.random.default_rng(7)
-
-    def fused(x, w_qkv, b_qkv, w_proj, b_proj):
-        return ops.self_attention(x, w_qkv, b_qkv, w_proj, b_proj, 3, dropout_p=dropout, generator=gen())
-
-    def unfused(x, w_qkv, b_qkv, w_proj, b_proj):
-        y = ops.causal_self_attention(ops.linear(x, w_qkv, b_qkv), 3, dropout_p=dropout, generator=gen())
-        return ops.linear(y, w_proj, b_proj)
-
-    g = np.random.default_rng(5).standard_normal((2, 4, 5))
-    _fused_equals_unfused(fused, unfused, _attention_inputs(bias), g)
-
-
-def test_self_attention_rejects_bad_shapes():
-    with pytest.raises(ValueError, match="n_head=4"):
-        ops.self_attention(*_attention_inputs(False), n_head=4)
-
-
 def test_embedding_with_repeated_ids():
     ids = np.array([[1, 3, 1], [0, 1, 3]])
     check(lambda w: ops.embedding(ids, w), t(5, 4))
@@ -492,3 +401,86 @@ def test_embedding_of_no_ids():
     w = t(5, 3)
     ops.embedding(np.zeros((0,), dtype=np.int64), w).backward(np.zeros((0, 3)))
     assert np.all(w.grad == 0)
+
+
+# ------------------------------------------------------------ transformer sublayers
+def _sublayer_inputs(kind, bias):
+    C, H = 6, (18 if kind == "attention" else 10)
+    ln_b = t(C, seed=2) if bias else None
+    return (t(2, 4, C), t(C, seed=1, low=0.5, high=1.5), ln_b, t(C, H, seed=3),
+            t(H, seed=4) if bias else None, t(H // 3 if kind == "attention" else H, C, seed=5),
+            t(C, seed=6) if bias else None)
+
+
+def _sublayer(kind, dropout=0.0, seed=7):
+    """The fused op, with a fresh generator of ``seed`` per call (the same dropout masks)."""
+    def f(*inputs):
+        gen = np.random.default_rng(seed)
+        if kind == "attention":
+            return ops.attention_sublayer(*inputs, n_head=3, dropout_p=dropout, generator=gen)
+        return ops.mlp_sublayer(*inputs, dropout_p=dropout, generator=gen)
+    return f
+
+
+def _op_by_op(kind, dropout=0.0, seed=7):
+    """The same computation from the separate ops, drawing masks in the same order."""
+    def f(x, ln_w, ln_b, w_in, b_in, w_proj, b_proj):
+        gen = np.random.default_rng(seed)
+        u = ops.layer_norm(x, ln_w, ln_b)
+        if kind == "attention":
+            y = ops.causal_self_attention(ops.linear(u, w_in, b_in), 3, dropout_p=dropout, generator=gen)
+        else:
+            y = ops.gelu(ops.linear(u, w_in, b_in))
+        return x + ops.dropout(ops.linear(y, w_proj, b_proj), dropout, generator=gen)
+    return f
+
+
+@pytest.mark.parametrize("kind", ["attention", "mlp"])
+@pytest.mark.parametrize("bias,dropout", [(True, 0.0), (False, 0.0), (True, 0.3)])
+def test_transformer_sublayer(kind, bias, dropout):
+    check(_sublayer(kind, dropout), *_sublayer_inputs(kind, bias))
+
+
+@pytest.mark.parametrize("kind", ["attention", "mlp"])
+@pytest.mark.parametrize("bias,dropout", [(True, 0.0), (False, 0.3)])
+def test_transformer_sublayer_equals_its_ops(kind, bias, dropout):
+    """Values and gradients equal the op-by-op form's: after a plain backward (the node
+    then writes over its saved arrays) and after one with retain_graph (it must not),
+    which a second backward through the same graph then doubles."""
+    inputs = _sublayer_inputs(kind, bias)
+    params = [a for a in inputs if a is not None]
+    g = np.random.default_rng(5).standard_normal(inputs[0].shape)
+
+    def run(f, retain_graph=False):
+        for p in params:
+            p.grad = None
+        y = f(*inputs)
+        y.backward(g, retain_graph=retain_graph)
+        return y, [p.grad.copy() for p in params]
+
+    y_ref, g_ref = run(_op_by_op(kind, dropout))
+    for retain in (False, True):
+        y, grads = run(_sublayer(kind, dropout), retain)
+        np.testing.assert_allclose(y.data, y_ref.data, rtol=1e-12, atol=1e-12)
+        for a, b in zip(grads, g_ref):
+            np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12)
+    y.backward(g)
+    for p, b in zip(params, g_ref):
+        np.testing.assert_allclose(p.grad, 2 * b, rtol=1e-10, atol=1e-12)
+
+
+def test_mlp_sublayer_without_gradient_keeps_no_derivative():
+    arrays = [None if a is None else a.data for a in _sublayer_inputs("mlp", True)]
+    fn = transformer.MLPSublayer()
+    fn.needs_input_grad = (False,) * 10
+    y = fn.forward(*arrays, 1e-5, 0.0, None)
+    assert fn.d is None
+    np.testing.assert_array_equal(y, ops.mlp_sublayer(*arrays).data)
+
+
+def test_transformer_sublayers_reject_bad_shapes():
+    x, ln_w, ln_b, w_qkv, b_qkv, w_proj, b_proj = _sublayer_inputs("attention", True)
+    with pytest.raises(ValueError, match="n_head=4"):
+        ops.attention_sublayer(x, ln_w, ln_b, w_qkv, b_qkv, w_proj, b_proj, n_head=4)
+    with pytest.raises(ValueError, match=r"x must be \(B, T, C\)"):
+        ops.mlp_sublayer(x, ln_w, ln_b, t(5, 10), None, t(10, 6), None)

@@ -138,6 +138,32 @@ def test_gpt_structure_tied_head_and_layers():
         model(np.zeros((1, 7), dtype=np.int64))
 
 
+def test_gpt_block_fused_halves_equal_its_submodules_op_by_op():
+    """Block.forward runs each half as one fused op; the submodules called as modules
+    compute the same op by op: equal outputs and gradients, with dropout in training."""
+    block = tiny_gpt(dropout=0.3).blocks[0]
+    x = image(2, 5, 8)
+    g = np.random.default_rng(3).standard_normal(x.shape)
+
+    def run(forward):
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+        rng.manual_seed(4)
+        y = forward(x)
+        y.backward(g)
+        return y.data, x.grad.copy(), {n: p.grad.copy() for n, p in block.named_parameters()}
+
+    def op_by_op(x):
+        x = x + block.attn(block.ln_1(x))
+        return x + block.mlp(block.ln_2(x))
+
+    fused, reference = run(block), run(op_by_op)
+    np.testing.assert_allclose(fused[0], reference[0], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(fused[1], reference[1], rtol=1e-10, atol=1e-12)
+    for name, grad in reference[2].items():
+        np.testing.assert_allclose(fused[2][name], grad, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
 def test_gpt_generate_is_seeded_and_keeps_the_prompt():
     model = tiny_gpt()
     prompt = np.array([[1, 2]])

@@ -126,11 +126,16 @@ class CausalSelfAttention(Module):
         self.resid_dropout = Dropout(cfg.dropout)
 
     def forward(self, x):
-        # c_proj(attention(c_attn(x))) as one fused op (ops.attention.SelfAttention)
+        qkv = self.c_attn(x)  # (B, T, 3C)
         p = self.dropout if self.training else 0.0
-        y = ops.self_attention(x, self.c_attn.weight, self.c_attn.bias, self.c_proj.weight,
-                               self.c_proj.bias, self.n_head, dropout_p=p)  # (B, T, C)
-        return self.resid_dropout(y)
+        y = ops.causal_self_attention(qkv, self.n_head, dropout_p=p)  # (B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+    def residual(self, x, ln: LayerNorm):
+        """``x + self(ln(x))`` as one op (``ops.attention_sublayer``)."""
+        p = self.dropout if self.training else 0.0
+        return ops.attention_sublayer(x, ln.weight, ln.bias, self.c_attn.weight, self.c_attn.bias,
+                                      self.c_proj.weight, self.c_proj.bias, self.n_head, ln.eps, p)
 
 
 class MLP(Module):
@@ -141,13 +146,21 @@ class MLP(Module):
         self.dropout = Dropout(cfg.dropout)
 
     def forward(self, x):
-        # c_proj(gelu(c_fc(x))) as one fused op (ops.linalg.GeluMLP)
-        return self.dropout(ops.gelu_mlp(x, self.c_fc.weight, self.c_fc.bias, self.c_proj.weight,
-                                         self.c_proj.bias))
+        return self.dropout(self.c_proj(ops.gelu(self.c_fc(x))))
+
+    def residual(self, x, ln: LayerNorm):
+        """``x + self(ln(x))`` as one op (``ops.mlp_sublayer``)."""
+        p = self.dropout.p if self.training else 0.0
+        return ops.mlp_sublayer(x, ln.weight, ln.bias, self.c_fc.weight, self.c_fc.bias,
+                                self.c_proj.weight, self.c_proj.bias, ln.eps, p)
 
 
 class Block(Module):
-    """Pre-norm transformer block: x + attn(ln(x)), then x + mlp(ln(x))."""
+    """Pre-norm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)).
+
+    Each half runs as one fused op (``ops.transformer``: it reuses its large arrays while
+    they are in cache); ``attn`` and ``mlp`` called as modules compute the same op by op.
+    """
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -157,8 +170,8 @@ class Block(Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        x = self.attn.residual(x, self.ln_1)  # x + attn(ln_1(x))
+        return self.mlp.residual(x, self.ln_2)  # x + mlp(ln_2(x))
 
 
 class GPTEmbedding(Module):

@@ -1,8 +1,8 @@
 """FLOPs of a training step, counted analytically from the shapes each op sees.
 
 Only products count (a multiply-add is 2 FLOPs): ``linear``, ``matmul``, ``conv2d``,
-attention's two batched products, and the products inside the fused GPT sublayers
-(``self_attention``, ``gelu_mlp``), counted as their unfused ops would be; elementwise work is ignored, as in the usual
+attention's two batched products, and the products inside the fused transformer
+sublayers (``ops.transformer``), counted as their ops one by one would be; elementwise work is ignored, as in the usual
 model-FLOPs convention (Kaplan et al. 2020; Chowdhery et al. 2022). The backward pass
 of a product ``Y = A B`` costs one product of the same size per operand that needs a
 gradient, so a layer whose input is data (the first convolution) costs 2x its forward
@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mpitrain.ops.attention import CausalSelfAttention, SelfAttention
+from mpitrain.ops.attention import CausalSelfAttention
 from mpitrain.ops.conv import Conv2d
-from mpitrain.ops.linalg import GeluMLP, Linear, MatMul
+from mpitrain.ops.linalg import Linear, MatMul
+from mpitrain.ops.transformer import AttentionSublayer, MLPSublayer
 from mpitrain.tensor import Tensor, is_grad_enabled, observe_ops
 
 
@@ -60,27 +61,22 @@ def _attention(args, kwargs):
     return fwd, 2 * fwd if _needs_grad(qkv) else 0  # dv, dP, dq, dk
 
 
-def _self_attention(args, kwargs):
-    x, w_qkv, b_qkv, w_proj = args[:4]
-    N, C = math.prod(x.shape[:-1]), x.shape[-1]
-    B, T = x.shape[:2]
-    qkv, proj = 2 * N * C * w_qkv.shape[1], 2 * N * w_proj.shape[0] * w_proj.shape[1]
-    att = 2 * 2 * B * T * T * (w_qkv.shape[1] // 3)
-    upstream = _needs_grad(x, w_qkv, b_qkv) > 0  # whether attention's input needs a gradient
-    bwd = qkv * _needs_grad(x, w_qkv) + (2 * att + proj) * upstream + proj * _needs_grad(w_proj)
-    return qkv + att + proj, bwd
-
-
-def _gelu_mlp(args, kwargs):
-    x, w1, b1, w2 = args[:4]
-    N = math.prod(x.shape[:-1])
-    fc, proj = 2 * N * w1.shape[0] * w1.shape[1], 2 * N * w2.shape[0] * w2.shape[1]
-    upstream = _needs_grad(x, w1, b1) > 0  # whether the hidden activation needs a gradient
-    return fc + proj, fc * _needs_grad(x, w1) + proj * (upstream + _needs_grad(w2))
+def _sublayer(args, attention: bool):
+    """The products of LN(x) W_in, attention's two (if ``attention``) and h W_proj, each
+    backward product counted when the op-by-op form's operand would need a gradient."""
+    x, ln_w, ln_b, w_in, b_in, w_proj = args[:6]
+    B, T, C = x.shape
+    first, proj = 2 * B * T * C * w_in.shape[1], 2 * B * T * w_proj.shape[0] * w_proj.shape[1]
+    middle = 2 * 2 * B * T * T * w_proj.shape[0] if attention else 0  # q k^T and P v
+    normed = _needs_grad(x, ln_w, ln_b) > 0  # LN(x) needs a gradient
+    hidden = normed or _needs_grad(w_in, b_in) > 0  # the first product's output needs one
+    bwd = first * (normed + _needs_grad(w_in)) + 2 * middle * hidden + proj * (hidden + _needs_grad(w_proj))
+    return first + middle + proj, bwd
 
 
 RULES = {Linear: _linear, MatMul: _matmul, Conv2d: _conv2d, CausalSelfAttention: _attention,
-         SelfAttention: _self_attention, GeluMLP: _gelu_mlp}
+         AttentionSublayer: lambda args, kwargs: _sublayer(args, attention=True),
+         MLPSublayer: lambda args, kwargs: _sublayer(args, attention=False)}
 
 
 @dataclass(eq=False)  # an observer: compared by identity

@@ -14,8 +14,8 @@ The backward pass is written as one function: ``dv = P^T dy``, ``dP = dy v^T``,
 get no gradient), ``dq = dS k / sqrt(hs)``, ``dk = dS^T q / sqrt(hs)``, written straight
 into the head views of one ``dqkv`` array.
 
-``self_attention`` is the whole sublayer as one node: the query/key/value projection,
-attention, and the output projection (see :class:`SelfAttention` for why).
+The same computation serves ``ops.transformer``'s fused attention sublayer, which
+passes ``qkv`` itself as the array to write ``dqkv`` into (``attend_backward``).
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ def _t(a: np.ndarray) -> np.ndarray:
     return a.transpose(0, 1, 3, 2)
 
 
-def _attend(fn, qkv, n_head, causal, dropout_p, generator) -> np.ndarray:
+def attend(fn, qkv, n_head, causal, dropout_p, generator) -> np.ndarray:
     """Attention of ``qkv`` (B, T, 3C); returns (B, T, C) with the heads merged, and
-    keeps on ``fn`` what :func:`_attend_backward` needs."""
+    keeps on ``fn`` what :func:`attend_backward` needs."""
     B, T, C3 = qkv.shape
     C = C3 // 3
     q, k, v = _heads(qkv, n_head)  # each (B, nh, T, hs)
@@ -80,7 +80,7 @@ def _attend(fn, qkv, n_head, causal, dropout_p, generator) -> np.ndarray:
     return y.reshape(B, T, C)
 
 
-def _attend_backward(fn, gy, gqkv, dq_scratch=None) -> None:
+def attend_backward(fn, gy, gqkv, dq_scratch=None) -> None:
     """Gradients of attention's input into ``gqkv`` (B, T, 3C) from ``gy`` (B, T, C).
 
     ``gqkv`` may be the saved ``qkv`` itself; each of q, k and v is then overwritten
@@ -120,60 +120,12 @@ class CausalSelfAttention(Function):
     scale then costs no pass over the (T, T) scores."""
 
     def forward(self, qkv, n_head, causal, dropout_p, generator):
-        return _attend(self, qkv, n_head, causal, dropout_p, generator)
+        return attend(self, qkv, n_head, causal, dropout_p, generator)
 
     def backward(self, g):
         gqkv = np.empty(self.qkv.shape, dtype=g.dtype)
-        _attend_backward(self, g, gqkv)
+        attend_backward(self, g, gqkv)
         return gqkv
-
-
-class SelfAttention(Function):
-    """The attention sublayer as one node: ``qkv = x W_qkv + b_qkv``, attention as
-    above, ``y W_proj + b_proj``.
-
-    Fused for the reason :class:`~mpitrain.ops.linalg.GeluMLP` is: ``qkv`` (N, 3C) and
-    the merged heads ``y`` (N, C) are then private to this node, and backward writes
-    its large gradients over them once they are read for the last time, while they are
-    still in cache, instead of into fresh memory: ``dL/dy`` over ``y`` (after
-    ``dW_proj = y^T dy``), and ``dL/dqkv`` over ``qkv`` (see ``_attend_backward``).
-    Only when the engine says this is the node's last backward (``last_backward``).
-    """
-
-    def forward(self, x, w_qkv, b_qkv, w_proj, b_proj, n_head, causal, dropout_p, generator):
-        B, T, C = x.shape
-        x2 = x.reshape(-1, C)  # (N, C)
-        qkv = x2 @ w_qkv  # (N, 3C)
-        if b_qkv is not None:
-            qkv += b_qkv
-        y2 = _attend(self, qkv.reshape(B, T, -1), n_head, causal, dropout_p, generator).reshape(-1, C)
-        out = y2 @ w_proj  # (N, C_out)
-        if b_proj is not None:
-            out += b_proj
-        self.x2, self.y2, self.w_qkv, self.w_proj = x2, y2, w_qkv, w_proj
-        return out.reshape(B, T, -1)
-
-    def backward(self, g):
-        need_x, need_wqkv, need_bqkv, need_wproj, need_bproj = self.needs_input_grad[:5]
-        g2 = g.reshape(-1, g.shape[-1])  # (N, C_out)
-        y2 = self.y2
-        gw_proj = y2.T @ g2 if need_wproj else None  # (C, C_out)
-        gb_proj = g2.sum(axis=0) if need_bproj else None
-        gx = gw_qkv = gb_qkv = None
-        if need_x or need_wqkv or need_bqkv:
-            last = self.last_backward
-            gy = y2 if last else np.empty_like(y2)  # y was read for the last time above
-            np.matmul(g2, self.w_proj.T, out=gy)  # dL/dy, (N, C)
-            gqkv = self.qkv if last else np.empty_like(self.qkv)  # (B, T, 3C)
-            _attend_backward(self, gy, gqkv, dq_scratch=gy if last else None)
-            gqkv2 = gqkv.reshape(len(g2), -1)  # (N, 3C)
-            if need_x:
-                gx = (gqkv2 @ self.w_qkv.T).reshape(self.qkv.shape[:2] + (-1,))
-            if need_wqkv:
-                gw_qkv = self.x2.T @ gqkv2  # (C, 3C)
-            if need_bqkv:
-                gb_qkv = gqkv2.sum(axis=0)
-        return gx, gw_qkv, gb_qkv, gw_proj, gb_proj
 
 
 def causal_self_attention(qkv, n_head: int, causal: bool = True, dropout_p: float = 0.0,
@@ -184,16 +136,3 @@ def causal_self_attention(qkv, n_head: int, causal: bool = True, dropout_p: floa
         raise ValueError(f"qkv must be (B, T, 3C) with C divisible by n_head={n_head}, got {qkv.shape}")
     generator = generator if generator is not None else _rng.generator()
     return CausalSelfAttention.apply(qkv, n_head, causal, float(dropout_p), generator)
-
-
-def self_attention(x, w_qkv, b_qkv, w_proj, b_proj, n_head: int, causal: bool = True,
-                   dropout_p: float = 0.0, generator=None) -> Tensor:
-    """The attention sublayer of ``x`` (B, T, C): the query/key/value projection,
-    :func:`causal_self_attention`, and the output projection; biases may be None."""
-    x = as_tensor(x)
-    if x.ndim != 3 or w_qkv.shape[-1] % (3 * n_head):
-        raise ValueError(f"x must be (B, T, C) and w_qkv (C, 3C') with C' divisible by "
-                         f"n_head={n_head}, got {x.shape} and {w_qkv.shape}")
-    generator = generator if generator is not None else _rng.generator()
-    return SelfAttention.apply(x, w_qkv, b_qkv, w_proj, b_proj, n_head, causal, float(dropout_p),
-                               generator)

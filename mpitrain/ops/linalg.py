@@ -1,5 +1,4 @@
-"""Matrix products: batched ``matmul``, the fused affine map ``linear``, and the
-transformer's GELU MLP as one node (``gelu_mlp``).
+"""Matrix products: batched ``matmul`` and the fused affine map ``linear``.
 
 Weights are stored ``(in_features, out_features)`` so that ``y = x @ W`` needs no
 transpose in the forward pass; every product below is one BLAS GEMM (or one batch of
@@ -11,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 
 from mpitrain.ops._util import unbroadcast
-from mpitrain.ops.elementwise import gelu_blocks
 from mpitrain.tensor import Function, Tensor, as_tensor
 
 
@@ -68,60 +66,6 @@ class Linear(Function):
         return gx, gw, gb
 
 
-class GeluMLP(Function):
-    """``gelu(x @ W1 + b1) @ W2 + b2``, the transformer's MLP, as one node.
-
-    The same products and GELU as ``linear``, ``gelu``, ``linear``; fused because the
-    hidden activation ``h`` (N, H), four times the width of the stream, is then private
-    to this node, and two large arrays can be written where they are still in cache
-    rather than in fresh memory, which on this machine costs a read from memory for every
-    line written:
-
-    * forward: GELU runs in place over the first GEMM's output (its derivative, kept for
-      backward, is the only new array of that size);
-    * backward: ``dL/dh = dy W2^T`` is written over ``h``, which ``dW2 = h^T dy`` has
-      just read for the last time, and the GELU derivative is applied in place.
-
-    Measured in alternating processes on the GPT bench step: 2.6 ms less per step than
-    the three ops (median of 12 pairs). ``h`` is reused only when the engine says this
-    is the node's last backward (``last_backward``), never with ``retain_graph``.
-    """
-
-    def forward(self, x, w1, b1, w2, b2):
-        self.x_shape = x.shape
-        x2 = x.reshape(-1, x.shape[-1])  # (N, C)
-        h = x2 @ w1  # (N, H)
-        if b1 is not None:
-            h += b1
-        upstream = any(self.needs_input_grad[:3])  # x, W1 or b1 needs a gradient
-        self.d = np.empty_like(h) if upstream else None  # GELU'(pre-activation), (N, H)
-        gelu_blocks(h.reshape(-1), h.reshape(-1), None if self.d is None else self.d.reshape(-1))
-        y = h @ w2  # (N, C_out)
-        if b2 is not None:
-            y += b2
-        self.x2, self.h, self.w1, self.w2 = x2, h, w1, w2
-        return y.reshape(*x.shape[:-1], w2.shape[1])
-
-    def backward(self, g):
-        need_x, need_w1, need_b1, need_w2, need_b2 = self.needs_input_grad
-        g2 = g.reshape(-1, g.shape[-1])  # (N, C_out)
-        h = self.h
-        gw2 = h.T @ g2 if need_w2 else None  # (H, C_out)
-        gb2 = g2.sum(axis=0) if need_b2 else None
-        gx = gw1 = gb1 = None
-        if self.d is not None:
-            gh = h if self.last_backward else np.empty_like(h)  # h was read for the last time above
-            np.matmul(g2, self.w2.T, out=gh)  # dL/dh, (N, H)
-            gh *= self.d  # through GELU: dL/d(pre-activation)
-            if need_x:
-                gx = (gh @ self.w1.T).reshape(self.x_shape)
-            if need_w1:
-                gw1 = self.x2.T @ gh  # (C, H)
-            if need_b1:
-                gb1 = gh.sum(axis=0)
-        return gx, gw1, gb1, gw2, gb2
-
-
 def matmul(a, b) -> Tensor:
     return MatMul.apply(as_tensor(a), as_tensor(b))
 
@@ -130,8 +74,3 @@ def linear(x, weight, bias=None) -> Tensor:
     if bias is None:
         return Linear.apply(as_tensor(x), weight)
     return Linear.apply(as_tensor(x), weight, bias)
-
-
-def gelu_mlp(x, w1, b1, w2, b2) -> Tensor:
-    """``gelu(x @ w1 + b1) @ w2 + b2`` for ``x`` of shape (..., C); biases may be None."""
-    return GeluMLP.apply(as_tensor(x), w1, b1, w2, b2)

@@ -83,6 +83,42 @@ class BatchNorm(Function):
         return gx, gw, gb
 
 
+def layer_norm_rows(x2, weight, bias, eps):
+    """Layer norm of the rows of ``x2`` (N, C): returns ``(y, xhat, rstd)``, the output
+    (a new array), the normalised input and 1/sqrt(var + eps) (N,), for backward."""
+    C = x2.shape[1]
+    xhat = x2 - x2 @ _column(C, 1.0 / C, x2.dtype)  # x - mean, (N, C)
+    var = np.einsum("nc,nc->n", xhat, xhat)  # C * variance, (N,)
+    var /= C
+    var += eps
+    rstd = 1.0 / np.sqrt(var, out=var)  # (N,)
+    xhat *= rstd[:, None]
+    y = xhat * weight
+    if bias is not None:
+        y += bias
+    return y, xhat, rstd
+
+
+def layer_norm_rows_backward(g2, xhat, rstd, weight, need, out=None, xhat_is_free=False):
+    """``(gx, gw, gb)`` of :func:`layer_norm_rows` from the output gradient ``g2`` (N, C),
+    each None unless ``need`` (three flags) asks for it. ``gx`` is computed in ``out``
+    (which may be ``g2`` itself) or a new array; ``xhat_is_free`` lets it use ``xhat`` as
+    work space (a caller that will not need it again)."""
+    N, C = xhat.shape
+    gw = np.einsum("nc,nc->c", g2, xhat) if need[1] else None
+    gb = (_column(N, 1.0, g2.dtype).T @ g2)[0] if need[2] else None
+    gx = None
+    if need[0]:
+        gx = np.multiply(g2, weight, out=out)  # dxhat, (N, C)
+        mean_d = gx @ _column(C, 1.0 / C, gx.dtype)  # (N, 1)
+        mean_dx = np.einsum("nc,nc->n", gx, xhat)  # (N,)
+        mean_dx /= C
+        gx -= np.multiply(xhat, mean_dx[:, None], out=xhat if xhat_is_free else None)
+        gx -= mean_d
+        gx *= rstd[:, None]
+    return gx, gw, gb
+
+
 class LayerNorm(Function):
     """Normalise over the last axis; ``weight`` and ``bias`` (optional) have its length.
 
@@ -91,38 +127,15 @@ class LayerNorm(Function):
     """
 
     def forward(self, x, weight, bias, eps):
-        C = x.shape[-1]
-        x2 = x.reshape(-1, C)  # (N, C)
-        xhat = x2 - x2 @ _column(C, 1.0 / C, x.dtype)  # x - mean, (N, C)
-        var = np.einsum("nc,nc->n", xhat, xhat)  # C * variance, (N,)
-        var /= C
-        var += eps
-        rstd = 1.0 / np.sqrt(var, out=var)  # (N,)
-        xhat *= rstd[:, None]
-        self.xhat, self.rstd, self.weight, self.shape = xhat, rstd, weight, x.shape
-        y = xhat * weight
-        if bias is not None:
-            y += bias
+        y, self.xhat, self.rstd = layer_norm_rows(x.reshape(-1, x.shape[-1]), weight, bias, eps)
+        self.weight = weight
         return y.reshape(x.shape)
 
     def backward(self, g):
-        xhat, rstd = self.xhat, self.rstd
-        N, C = xhat.shape
-        g2 = g.reshape(N, C)
-        gw = np.einsum("nc,nc->c", g2, xhat) if self.needs_input_grad[1] else None
-        gb = (_column(N, 1.0, g.dtype).T @ g2)[0] if self.needs_input_grad[2] else None
-        gx = None
-        if self.needs_input_grad[0]:
-            dxhat = g2 * self.weight  # (N, C)
-            mean_d = dxhat @ _column(C, 1.0 / C, g.dtype)  # (N, 1)
-            mean_dx = np.einsum("nc,nc->n", dxhat, xhat)  # (N,)
-            mean_dx /= C
-            gx = xhat * mean_dx[:, None]
-            np.subtract(dxhat, gx, out=gx)
-            gx -= mean_d
-            gx *= rstd[:, None]
-            gx = gx.reshape(self.shape)
-        return gx, gw, gb
+        g2 = g.reshape(self.xhat.shape)  # (N, C)
+        gx, gw, gb = layer_norm_rows_backward(g2, self.xhat, self.rstd, self.weight, self.needs_input_grad,
+                                              xhat_is_free=self.last_backward)
+        return (None if gx is None else gx.reshape(g.shape)), gw, gb
 
 
 def batch_norm(x, weight, bias, running_mean=None, running_var=None, training=True,
