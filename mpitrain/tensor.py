@@ -342,7 +342,7 @@ class Function:
     ``self.last_backward`` is true when the engine frees the node after this backward
     (no ``retain_graph``): ``backward`` may then write over the arrays it saved in
     forward and has read for the last time, which are still in cache, instead of
-    allocating cold memory (the fused GPT sublayers do).
+    allocating cold memory (``ops.transformer`` does).
     """
 
     last_backward = False

@@ -2,13 +2,13 @@
 
 Only products count (a multiply-add is 2 FLOPs): ``linear``, ``matmul``, ``conv2d``,
 attention's two batched products, and the products inside the fused transformer
-sublayers (``ops.transformer``), counted as their ops one by one would be; elementwise work is ignored, as in the usual
-model-FLOPs convention (Kaplan et al. 2020; Chowdhery et al. 2022). The backward pass
-of a product ``Y = A B`` costs one product of the same size per operand that needs a
-gradient, so a layer whose input is data (the first convolution) costs 2x its forward
-FLOPs rather than 3x. Counting runs one real step under an op observer, so it covers
-any model built from these ops, and recomputation (activation checkpointing) is counted
-as executed.
+sublayers (``ops.transformer``), counted as their ops one by one would be; elementwise
+work is ignored, as in the usual model-FLOPs convention (Kaplan et al. 2020; Chowdhery
+et al. 2022). The backward pass of a product ``Y = A B`` costs one product of the same
+size per operand that needs a gradient, so a layer whose input is data (the first
+convolution) costs 2x its forward FLOPs rather than 3x. Counting runs one real step
+under an op observer, so it covers any model built from these ops, and recomputation
+(activation checkpointing) is counted as executed.
 """
 
 from __future__ import annotations

@@ -49,104 +49,85 @@ def _affine(a, w, b):
 
 
 class _Sublayer(Function):
-    """The parts both sublayers share: the layer norm in front of the branch, dropout
-    and the residual add behind it. Inputs 0-2 are ``x``, the norm's weight and bias."""
+    """Both sublayers: ``x + dropout(mid(LN(x) W_in + b_in) W_proj + b_proj)``, where a
+    subclass supplies the middle, ``_middle`` (attention or GELU) and its backward
+    ``_middle_backward``. Inputs: x, the norm's weight and bias, W_in, b_in, W_proj,
+    b_proj, eps, dropout probability, generator, then the middle's own settings."""
 
-    def _norm(self, x, weight, bias, eps):
+    def forward(self, x, ln_weight, ln_bias, w_in, b_in, w_proj, b_proj, eps, dropout_p, generator,
+                *config):
         self.x_shape = x.shape
-        u2, self.xhat, self.rstd = layer_norm_rows(x.reshape(-1, x.shape[-1]), weight, bias, eps)
-        self.ln_weight = weight
-        return u2  # LN(x), (N, C)
-
-    def _residual(self, out2, x, dropout_p, generator):
-        """``x + dropout(out2)``, written over the branch output ``out2`` (N, C)."""
+        u2, self.xhat, self.rstd = layer_norm_rows(x.reshape(-1, x.shape[-1]), ln_weight, ln_bias, eps)  # LN(x), (N, C)
+        m2 = self._middle(_affine(u2, w_in, b_in), dropout_p, generator, *config)  # (N, M)
+        self.ln_weight, self.u2, self.m2, self.w_in, self.w_proj = ln_weight, u2, m2, w_in, w_proj
+        out2 = _affine(m2, w_proj, b_proj)  # the branch, (N, C)
         self.branch_keep = None
         if dropout_p > 0:
             self.branch_keep = _rng.dropout_mask(generator, out2.shape, dropout_p, out2.dtype)
             out2 *= self.branch_keep
-        out2 += x.reshape(out2.shape)
-        return out2.reshape(self.x_shape)
+        out2 += x.reshape(out2.shape)  # the residual
+        return out2.reshape(x.shape)
 
-    def _branch_grad(self, g):
-        """dL/d(branch output), (N, C): the upstream gradient through dropout."""
-        g2 = g.reshape(-1, g.shape[-1])
-        return g2 if self.branch_keep is None else g2 * self.branch_keep
+    def backward(self, g):
+        need = self.needs_input_grad
+        g2 = g.reshape(-1, g.shape[-1])  # (N, C)
+        if self.branch_keep is not None:
+            g2 = g2 * self.branch_keep  # dL/d(branch), through dropout
+        m2 = self.m2
+        gw_proj = m2.T @ g2 if need[5] else None  # (M, C)
+        gb_proj = g2.sum(axis=0) if need[6] else None
+        gx = gln_w = gln_b = gw_in = gb_in = None
+        if any(need[:5]):
+            gm = self._work(m2)  # the middle's output was read for the last time just above
+            np.matmul(g2, self.w_proj.T, out=gm)  # dL/d(middle output), (N, M)
+            ga = self._middle_backward(gm)  # dL/d(LN(x) W_in + b_in), (N, H)
+            gw_in = self.u2.T @ ga if need[3] else None  # (C, H)
+            gb_in = ga.sum(axis=0) if need[4] else None
+            if any(need[:3]):
+                gu = self._work(self.u2)  # LN(x) was read for the last time just above
+                np.matmul(ga, self.w_in.T, out=gu)  # dL/dLN(x), (N, C)
+                gx, gln_w, gln_b = layer_norm_rows_backward(gu, self.xhat, self.rstd, self.ln_weight, need[:3],
+                                                            out=gu, xhat_is_free=self.last_backward)
+                if gx is not None:
+                    gx += g.reshape(gx.shape)  # x reaches the output through the residual too
+                    gx = gx.reshape(self.x_shape)
+        return gx, gln_w, gln_b, gw_in, gb_in, gw_proj, gb_proj
 
     def _work(self, a):
         """``a`` itself when backward may write over it, else a new array like it."""
         return a if self.last_backward else np.empty_like(a)
 
-    def _norm_backward(self, gu2, g):
-        """(dx, dweight, dbias) from dL/dLN(x) ``gu2`` (N, C, this node's own array, which
-        becomes dx) and the upstream ``g``, which reaches x also through the residual."""
-        gx, gw, gb = layer_norm_rows_backward(gu2, self.xhat, self.rstd, self.ln_weight,
-                                              self.needs_input_grad[:3], out=gu2,
-                                              xhat_is_free=self.last_backward)
-        if gx is not None:
-            gx += g.reshape(gx.shape)
-            gx = gx.reshape(self.x_shape)
-        return gx, gw, gb
+    def _middle(self, a2, dropout_p, generator, *config):  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def _middle_backward(self, gm):  # pragma: no cover - interface
+        raise NotImplementedError
 
 
 class AttentionSublayer(_Sublayer):
-    def forward(self, x, ln_weight, ln_bias, w_qkv, b_qkv, w_proj, b_proj, n_head, eps, dropout_p,
-                generator):
-        B, T, _ = x.shape
-        u2 = self._norm(x, ln_weight, ln_bias, eps)  # (N, C)
-        qkv = _affine(u2, w_qkv, b_qkv).reshape(B, T, -1)  # (B, T, 3C)
-        y2 = attend(self, qkv, n_head, True, dropout_p, generator).reshape(B * T, -1)  # heads merged, (N, C)
-        self.u2, self.y2, self.w_qkv, self.w_proj = u2, y2, w_qkv, w_proj
-        return self._residual(_affine(y2, w_proj, b_proj), x, dropout_p, generator)
+    """The middle is causal multi-head attention of ``qkv = a2`` (N, 3C)."""
 
-    def backward(self, g):
-        need = self.needs_input_grad
-        g2 = self._branch_grad(g)  # (N, C)
-        y2 = self.y2
-        gw_proj = y2.T @ g2 if need[5] else None
-        gb_proj = g2.sum(axis=0) if need[6] else None
-        gx = gln_w = gln_b = gw_qkv = gb_qkv = None
-        if any(need[:5]):
-            gy = self._work(y2)  # y was read for the last time just above
-            np.matmul(g2, self.w_proj.T, out=gy)  # dL/dy, (N, C)
-            gqkv = self._work(self.qkv)  # (B, T, 3C)
-            attend_backward(self, gy, gqkv, dq_scratch=gy if self.last_backward else None)
-            gqkv2 = gqkv.reshape(len(g2), -1)  # (N, 3C)
-            gw_qkv = self.u2.T @ gqkv2 if need[3] else None
-            gb_qkv = gqkv2.sum(axis=0) if need[4] else None
-            if any(need[:3]):
-                gu = self._work(self.u2)  # LN(x) was read for the last time just above
-                np.matmul(gqkv2, self.w_qkv.T, out=gu)  # dL/dLN(x), (N, C)
-                gx, gln_w, gln_b = self._norm_backward(gu, g)
-        return gx, gln_w, gln_b, gw_qkv, gb_qkv, gw_proj, gb_proj
+    def _middle(self, a2, dropout_p, generator, n_head):
+        B, T, _ = self.x_shape
+        return attend(self, a2.reshape(B, T, -1), n_head, True, dropout_p, generator).reshape(B * T, -1)
+
+    def _middle_backward(self, gy):
+        gqkv = self._work(self.qkv)  # (B, T, 3C)
+        attend_backward(self, gy, gqkv, dq_scratch=gy if self.last_backward else None)
+        return gqkv.reshape(len(gy), -1)
 
 
 class MLPSublayer(_Sublayer):
-    def forward(self, x, ln_weight, ln_bias, w_fc, b_fc, w_proj, b_proj, eps, dropout_p, generator):
-        u2 = self._norm(x, ln_weight, ln_bias, eps)  # (N, C)
-        h = _affine(u2, w_fc, b_fc)  # (N, H)
+    """The middle is GELU, in place over the first product's output."""
+
+    def _middle(self, h, dropout_p, generator):
         self.d = np.empty_like(h) if any(self.needs_input_grad[:5]) else None  # GELU', (N, H)
         gelu_blocks(h.reshape(-1), h.reshape(-1), None if self.d is None else self.d.reshape(-1))
-        self.u2, self.h, self.w_fc, self.w_proj = u2, h, w_fc, w_proj
-        return self._residual(_affine(h, w_proj, b_proj), x, dropout_p, generator)
+        return h
 
-    def backward(self, g):
-        need = self.needs_input_grad
-        g2 = self._branch_grad(g)  # (N, C)
-        h = self.h
-        gw_proj = h.T @ g2 if need[5] else None  # (H, C)
-        gb_proj = g2.sum(axis=0) if need[6] else None
-        gx = gln_w = gln_b = gw_fc = gb_fc = None
-        if self.d is not None:
-            gh = self._work(h)  # h was read for the last time just above
-            np.matmul(g2, self.w_proj.T, out=gh)  # dL/dh, (N, H)
-            gh *= self.d  # through GELU
-            gw_fc = self.u2.T @ gh if need[3] else None
-            gb_fc = gh.sum(axis=0) if need[4] else None
-            if any(need[:3]):
-                gu = self._work(self.u2)  # LN(x) was read for the last time just above
-                np.matmul(gh, self.w_fc.T, out=gu)  # dL/dLN(x), (N, C)
-                gx, gln_w, gln_b = self._norm_backward(gu, g)
-        return gx, gln_w, gln_b, gw_fc, gb_fc, gw_proj, gb_proj
+    def _middle_backward(self, gh):
+        gh *= self.d  # gh is this node's own array
+        return gh
 
 
 def _check(x, w_in, w_proj, what: str) -> Tensor:
@@ -168,8 +149,8 @@ def attention_sublayer(x, ln_weight, ln_bias, w_qkv, b_qkv, w_proj, b_proj, n_he
         raise ValueError(f"attention_sublayer: w_qkv {w_qkv.shape} must be (C, 3C') with C' divisible "
                          f"by n_head={n_head}, and w_proj (C', C), got {w_proj.shape}")
     generator = generator if generator is not None else _rng.generator()
-    return AttentionSublayer.apply(x, ln_weight, ln_bias, w_qkv, b_qkv, w_proj, b_proj, n_head,
-                                   float(eps), float(dropout_p), generator)
+    return AttentionSublayer.apply(x, ln_weight, ln_bias, w_qkv, b_qkv, w_proj, b_proj, float(eps),
+                                   float(dropout_p), generator, n_head)
 
 
 def mlp_sublayer(x, ln_weight, ln_bias, w_fc, b_fc, w_proj, b_proj, eps: float = 1e-5,
