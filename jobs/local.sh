@@ -21,11 +21,11 @@ shift 2
 ranks=$(nproc)
 if [ $# -gt 0 ] && [[ $1 =~ ^[0-9]+$ ]]; then ranks=$1; shift; fi
 case $strategy in
-    ddp) set -- --set parallel.strategy='"ddp"' "$@" ;;
-    ddp-ring) set -- --set parallel.strategy='"ddp"' --set parallel.allreduce='"ring"' "$@" ;;
-    zero1) set -- --set parallel.strategy='"zero1"' "$@" ;;
-    ps) set -- --set parallel.strategy='"ps"' "$@" ;;
-    ps-async) set -- --set parallel.strategy='"ps"' --set parallel.staleness=-1 "$@" ;;
+    ddp) set -- --set parallel.sync='"ddp"' "$@" ;;
+    ddp-ring) set -- --set parallel.sync='"ddp"' --set parallel.allreduce='"ring"' "$@" ;;
+    zero1) set -- --set parallel.sync='"zero1"' "$@" ;;
+    ps) set -- --set parallel.sync='"ps"' "$@" ;;
+    ps-async) set -- --set parallel.sync='"ps"' --set parallel.staleness=-1 "$@" ;;
     *) echo "jobs/local.sh: unknown strategy '$strategy' (ddp, ddp-ring, zero1, ps, ps-async)" >&2; exit 2 ;;
 esac
 [ -f "$config" ] || { echo "jobs/local.sh: no config file '$config'" >&2; exit 2; }

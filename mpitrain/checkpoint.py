@@ -7,7 +7,7 @@ One file per checkpoint, ``RUN_DIR/checkpoints/step-00001234.h5``:
   (the data position: the reader's batches are a function of the step, given the
   seed, global batch, ``data.buffer_mb`` and the data; a resume that changes one of
   those is warned about, see ``DATA_ORDER``),
-  ``ranks`` and ``strategy`` at save time, ``config`` (the resolved config as JSON),
+  ``ranks`` and ``strategy`` (how the run was laid out) at save time, ``config`` (the resolved config as JSON),
   ``rng`` (the dropout and initialisation stream, :mod:`mpitrain.rng`), ``optimizer``
   (its step count and group hyperparameters, JSON), ``created``;
 * ``model/<name>``: every parameter and buffer, by its dotted name;
@@ -45,7 +45,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 
-from mpitrain import __version__, rng
+from mpitrain import __version__, flat, rng
 
 FORMAT, FORMAT_VERSION = "mpitrain-checkpoint", 1
 _NAME = re.compile(r"^step-(\d{8,})\.h5$")
@@ -78,24 +78,20 @@ def listed(run_dir) -> list[Path]:
 
 
 # --------------------------------------------------------------- layout
-def _layout(optimizer, parallel):
+def _layout(optimizer, sync):
     """(flat offsets of every parameter, the optimizer holding this rank's state, its
     pieces as (local index, parameter index, lo, hi), whether this rank writes state).
 
-    A strategy that splits the optimizer state says how with ``state_pieces(offsets)``
-    -> (its optimizer, [(parameter index, lo, hi)] in that optimizer's order) or None
-    on ranks that hold no state (ZeRO-1's shards, parameter servers); otherwise the
-    state is replicated and rank 0 writes it."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    offsets = np.cumsum([0] + [p.size for p in params])  # (n_params + 1,)
-    if hasattr(parallel, "state_pieces"):
-        split = parallel.state_pieces(offsets)
-        if split is None:
-            return offsets, optimizer, [], False
-        local, pieces = split
-        return offsets, local, [(k, i, lo, hi) for k, (i, lo, hi) in enumerate(pieces)], True
-    pieces = [(i, i, int(offsets[i]), int(offsets[i + 1])) for i in range(len(params))]
-    return offsets, optimizer, pieces, parallel.comm.rank == 0
+    The gradient sync says which part of the state this rank holds with
+    ``state_pieces(offsets)`` -> (its optimizer, [(parameter index, lo, hi)] in that
+    optimizer's order, whether this rank writes them: of replicas, one does), or None on
+    ranks that hold none (parameter-server workers)."""
+    offsets = flat.offsets([p for group in optimizer.param_groups for p in group["params"]])  # (n_params + 1,)
+    split = sync.state_pieces(offsets)
+    if split is None:
+        return offsets, optimizer, [], False
+    local, pieces, writes = split
+    return offsets, local, [(k, i, lo, hi) for k, (i, lo, hi) in enumerate(pieces)], writes
 
 
 def _kinds(local) -> dict:
@@ -129,10 +125,11 @@ def _write_state(f: h5py.File, local, pieces) -> None:
 
 
 # ----------------------------------------------------------------- save
-def save(run_dir, step: int, *, model, optimizer, parallel, cfg, comm, keep: int, epoch: int = 0,
-         epoch_step: int = 0) -> Path:
-    """Write the checkpoint of ``step`` (collective: every rank of ``comm`` calls it)."""
-    offsets, local, pieces, writes = _layout(optimizer, parallel)
+def save(run_dir, step: int, *, model, optimizer, sync, cfg, comm, keep: int, epoch: int = 0,
+         epoch_step: int = 0, layout: str = "") -> Path:
+    """Write the checkpoint of ``step`` (collective: every rank of ``comm`` calls it);
+    ``layout`` says how the run was laid out (the ``strategy`` attribute)."""
+    offsets, local, pieces, writes = _layout(optimizer, sync)
     kinds = {}
     for k in comm.allgather(_kinds(local) if writes else {}):
         kinds.update(k)
@@ -140,7 +137,7 @@ def save(run_dir, step: int, *, model, optimizer, parallel, cfg, comm, keep: int
     tmp = final.with_name(final.name + ".tmp")
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "mpitrain_version": __version__,
             "step": step, "epoch": epoch, "epoch_step": epoch_step, "ranks": comm.size,
-            "strategy": cfg.parallel.strategy, "config": json.dumps(cfg.to_dict()),
+            "strategy": layout, "config": json.dumps(cfg.to_dict()),
             "rng": json.dumps(rng.get_state()), "optimizer": _optimizer_meta(local),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
@@ -255,11 +252,11 @@ DATA_ORDER = (("train", "seed"), ("train", "global_batch_size"), ("data", "buffe
               ("data", "path"), ("data", "name"), ("model", "block_size"))
 
 
-def restore(path: Path, *, cfg, model, optimizer, parallel, comm, warn=None) -> dict:
+def restore(path: Path, *, cfg, model, optimizer, sync, comm, warn=None) -> dict:
     """Load ``path`` into the model, the optimizer state this rank owns and the random
     stream (collective); returns the checkpoint's attributes. ``warn`` hears of settings
     that change the batch order from the saved run's."""
-    offsets, local, pieces, _ = _layout(optimizer, parallel)
+    offsets, local, pieces, _ = _layout(optimizer, sync)
 
     def load():
         with h5py.File(path, "r") as f:

@@ -6,12 +6,17 @@ A config file has one table per section::
     [data]    name = "mnist5k" | "shakespeare" (embedded), or path = a shard directory
     [optim]   name = "sgd" | "adam" | "adamw", learning rate and schedule
     [train]   global_batch_size, steps or epochs, seed, evaluation and logging
-    [parallel] strategy = "ddp" | "zero1" | "ps", allreduce algorithm, buckets, servers, MPI thread level
+    [parallel] the grid dp x pp x tp, sync = "ddp" | "zero1" | "local" | "ps", allreduce, buckets, servers
     [run]     the run directory: checkpoints, metrics; what to do on a non-finite loss
 
 Everything is validated before any work starts; the first problem raises
 :class:`ConfigError` naming the field (``optim.lr: must be > 0, got -1``), which the
-command line prints as one line and exits with status 2.
+command line prints as one line and exits with status 2. The checks that need the
+number of ranks (the grid, the batch per rank and per micro-batch) are
+:func:`check_ranks`, called once MPI has started and before any collective.
+
+Renamed fields are still read, with a note (``Config.notes``) that the trainer prints:
+``parallel.strategy`` is now ``parallel.sync``.
 """
 
 from __future__ import annotations
@@ -68,12 +73,16 @@ OPTIM_FIELDS = {
     "adamw": _OPTIM_COMMON | {"betas", "eps"},
 }
 TEXT_ONLY_TRAIN_FIELDS = {"eval_batches", "sample_tokens"}
-_PARALLEL_COMMON = {"strategy", "allreduce", "thread_level"}
-PARALLEL_FIELDS = {
-    "ddp": _PARALLEL_COMMON | {"bucket_mb", "progress"},
-    "zero1": _PARALLEL_COMMON,
-    "ps": {"strategy", "thread_level", "servers", "staleness", "slow_worker", "slow_factor"},
+_PARALLEL_COMMON = {"dp", "pp", "tp", "sync", "thread_level"}
+PARALLEL_FIELDS = {  # by parallel.sync
+    "ddp": _PARALLEL_COMMON | {"allreduce", "bucket_mb", "progress"},
+    "zero1": _PARALLEL_COMMON | {"allreduce"},
+    "local": _PARALLEL_COMMON,
+    "ps": _PARALLEL_COMMON | {"servers", "staleness", "slow_worker", "slow_factor"},
 }
+RENAMED = {"parallel.strategy": "parallel.sync"}  # old spelling -> new: still read, with a note
+GRID = ("dp", "pp", "tp")
+NOT_YET = {"pp": "pipeline parallelism", "tp": "tensor slicing"}  # grid axes whose modules have not landed
 
 
 @dataclass(frozen=True)
@@ -113,11 +122,17 @@ class TrainConfig:
     eval_batches: int = 0  # text: at most this many batches of held-out windows per evaluation; 0: all
     sample_tokens: int = 300  # gpt: characters generated at the end
     threads: int = 0  # BLAS threads; 0: the cores available to this process
+    micro_batches: int = 1  # each rank's part of a global batch goes through the model in this many pieces
+    fast_paths: bool = True  # the fast ops (fused transformer halves, tiled convolution, ...); false: the plain ones
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    strategy: str = "ddp"  # ddp: data parallel | zero1: data parallel, optimizer state sharded
+    # the process grid: dp x pp x tp = the ranks (with sync = "ps": the workers); -1 is "the rest"
+    dp: int = -1  # data-parallel replicas; by default every rank that pp and tp leave
+    pp: int = 1  # pipeline stages
+    tp: int = 1  # tensor slices
+    sync: str = "ddp"  # how the dp ranks' gradients become one update: ddp | zero1 | local | ps (a role split)
     allreduce: str = "mpi"  # mpi: MPI's own collectives | ring: mpitrain's ring
     bucket_mb: float = 4.0  # ddp: gradient bucket size (an allreduce starts per full bucket)
     progress: str = "test"  # ddp: how buckets progress during backward: test | thread | none | off
@@ -148,13 +163,14 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunConfig = field(default_factory=RunConfig)
     given: frozenset = field(default=frozenset(), compare=False, repr=False)
+    notes: tuple = field(default=(), compare=False, repr=False)  # renamed fields read, for the trainer to print
 
     def to_dict(self) -> dict:
         return {s.name: dataclasses.asdict(getattr(self, s.name)) for s in _sections()}
 
 
 def _sections():
-    return [f for f in dataclasses.fields(Config) if f.name != "given"]
+    return [f for f in dataclasses.fields(Config) if f.name not in ("given", "notes")]
 
 
 # ------------------------------------------------------------------- parsing
@@ -213,6 +229,7 @@ def from_dict(raw: dict, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"{section}: expected a table")
         raw[section][name] = value
 
+    notes = _renamed(raw)
     hints = typing.get_type_hints(Config)
     sections, given = {}, set()
     known = {s.name for s in _sections()}
@@ -232,9 +249,25 @@ def from_dict(raw: dict, overrides: list[str] = ()) -> Config:
             values[name] = _coerce(key, value, field_hints[name])
             given.add(key)
         sections[s.name] = cls(**values)
-    cfg = Config(**sections, given=frozenset(given))
+    cfg = Config(**sections, given=frozenset(given), notes=tuple(notes))
     validate(cfg)
     return cfg
+
+
+def _renamed(raw: dict) -> list[str]:
+    """Move fields given under an old name (:data:`RENAMED`) to the new one, in place;
+    a note for each."""
+    notes = []
+    for old, new in RENAMED.items():
+        section, name = old.split(".")
+        new_name = new.split(".")[1]
+        table = raw.get(section)
+        if isinstance(table, dict) and name in table:
+            if new_name in table:
+                raise ConfigError(f"{old}: is the old name of {new}; give only {new}")
+            table[new_name] = table.pop(name)
+            notes.append(f"note: {old} is now spelled {new} (read as {new} = {table[new_name]!r})")
+    return notes
 
 
 def load(path, overrides: list[str] = ()) -> Config:
@@ -256,14 +289,21 @@ def _require(ok: bool, key: str, message: str, value) -> None:
 
 
 def validate(cfg: Config) -> None:
-    m, d, o, t, par = cfg.model, cfg.data, cfg.optim, cfg.train, cfg.parallel
+    """Every check that needs neither the ranks nor the data; the first problem raises."""
+    for check in (_validate_choices, _validate_data, _validate_model, _validate_optim, _validate_train,
+                  _validate_parallel, _validate_run):
+        check(cfg)
+
+
+def _validate_choices(cfg: Config) -> None:
+    """The named choices, and no field given that they do not read."""
+    m, o, par = cfg.model, cfg.optim, cfg.parallel
     _require(m.name in MODELS, "model.name", f"must be one of {list(MODELS)}", m.name)
     _require(o.name in OPTIM_FIELDS, "optim.name", f"must be one of {sorted(OPTIM_FIELDS)}", o.name)
-    _require(par.strategy in PARALLEL_FIELDS, "parallel.strategy", f"must be one of {sorted(PARALLEL_FIELDS)}",
-             par.strategy)
+    _require(par.sync in PARALLEL_FIELDS, "parallel.sync", f"must be one of {list(PARALLEL_FIELDS)}", par.sync)
     applies = {"model": (MODEL_FIELDS[m.name], f"model.name = {m.name!r}"),
                "optim": (OPTIM_FIELDS[o.name], f"optim.name = {o.name!r}"),
-               "parallel": (PARALLEL_FIELDS[par.strategy], f"parallel.strategy = {par.strategy!r}")}
+               "parallel": (PARALLEL_FIELDS[par.sync], f"parallel.sync = {par.sync!r}")}
     for key in sorted(cfg.given):
         section, name = key.split(".")
         if section in applies and name not in applies[section][0]:
@@ -272,6 +312,10 @@ def validate(cfg: Config) -> None:
             raise ConfigError(f"{key}: only the cosine schedule decays to a minimum")
         if section == "train" and name in TEXT_ONLY_TRAIN_FIELDS and m.name != "gpt":
             raise ConfigError(f"{key}: applies to text models (model.name = 'gpt') only")
+
+
+def _validate_data(cfg: Config) -> None:
+    m, d = cfg.model, cfg.data
     text_model = m.name == "gpt"
     if d.path:
         _require("data.name" not in cfg.given, "data.name",
@@ -288,6 +332,9 @@ def validate(cfg: Config) -> None:
     _require(d.buffer_mb > 0, "data.buffer_mb", "must be > 0", d.buffer_mb)
     _require(d.prefetch > 0, "data.prefetch", "must be > 0", d.prefetch)
 
+
+def _validate_model(cfg: Config) -> None:
+    m = cfg.model
     _require(len(m.channels) > 0 and all(c > 0 for c in m.channels), "model.channels",
              "must be positive channel counts", list(m.channels))
     _require(m.name != "lenet" or len(m.channels) == 2, "model.channels",
@@ -302,6 +349,9 @@ def validate(cfg: Config) -> None:
     _require(m.n_embd % m.n_head == 0, "model.n_embd", f"must be divisible by model.n_head = {m.n_head}",
              m.n_embd)
 
+
+def _validate_optim(cfg: Config) -> None:
+    o = cfg.optim
     _require(o.lr > 0, "optim.lr", "must be > 0", o.lr)
     _require(0 <= o.min_lr <= o.lr, "optim.min_lr", f"must be in [0, optim.lr = {o.lr}]", o.min_lr)
     _require(o.schedule in ("cosine", "constant"), "optim.schedule", "must be 'cosine' or 'constant'",
@@ -314,6 +364,9 @@ def validate(cfg: Config) -> None:
     _require(not o.nesterov or o.momentum > 0, "optim.nesterov", "needs optim.momentum > 0", o.nesterov)
     _require(o.grad_clip >= 0, "optim.grad_clip", "must be >= 0 (0 disables clipping)", o.grad_clip)
 
+
+def _validate_train(cfg: Config) -> None:
+    t, text_model = cfg.train, cfg.model.name == "gpt"
     _require(t.global_batch_size > 0, "train.global_batch_size", "must be > 0", t.global_batch_size)
     _require(t.seed >= 0, "train.seed", "must be >= 0", t.seed)
     _require(t.steps >= 0 and t.epochs >= 0 and (t.steps > 0) != (t.epochs > 0), "train.steps",
@@ -325,7 +378,12 @@ def validate(cfg: Config) -> None:
     _require(t.eval_batches >= 0, "train.eval_batches", "must be >= 0 (0: the whole split)", t.eval_batches)
     _require(t.sample_tokens >= 0, "train.sample_tokens", "must be >= 0", t.sample_tokens)
     _require(t.threads >= 0, "train.threads", "must be >= 0 (0: automatic)", t.threads)
+    _require(t.micro_batches >= 1, "train.micro_batches", "must be >= 1", t.micro_batches)
 
+
+def _validate_parallel(cfg: Config) -> None:
+    par, o = cfg.parallel, cfg.optim
+    _validate_grid(cfg)
     _require(par.allreduce in ("mpi", "ring"), "parallel.allreduce", "must be 'mpi' or 'ring'", par.allreduce)
     _require(par.bucket_mb > 0, "parallel.bucket_mb", "must be > 0", par.bucket_mb)
     _require(par.progress in ("test", "thread", "none", "off"), "parallel.progress",
@@ -339,12 +397,14 @@ def validate(cfg: Config) -> None:
     _require(par.servers >= 1, "parallel.servers", "must be >= 1", par.servers)
     _require(par.staleness >= -1, "parallel.staleness", "must be >= 0, or -1 for unbounded", par.staleness)
     _require(par.slow_factor >= 1, "parallel.slow_factor", "must be >= 1", par.slow_factor)
-    if par.strategy == "ps":
+    if par.sync == "ps":
         _require(o.grad_clip == 0, "optim.grad_clip", "parameter servers see only their shard of the gradient: "
-                 "global-norm clipping is not available with parallel.strategy = 'ps'", o.grad_clip)
+                 "global-norm clipping is not available with parallel.sync = 'ps'", o.grad_clip)
         _require("run.checkpoint_interval" not in cfg.given, "run.checkpoint_interval",
                  "parameter-server runs write one checkpoint, at the end", cfg.run.checkpoint_interval)
 
+
+def _validate_run(cfg: Config) -> None:
     r = cfg.run
     _require(r.checkpoint_interval >= 0, "run.checkpoint_interval", "must be >= 0 (0: at the end only)",
              r.checkpoint_interval)
@@ -358,21 +418,95 @@ def validate(cfg: Config) -> None:
              "exists and is not a directory", r.dir)
 
 
-def check_ranks(cfg: Config, ranks: int) -> None:
-    """The checks that need the number of ranks (after MPI starts, before any work)."""
-    B = cfg.train.global_batch_size
+def _validate_grid(cfg: Config) -> None:
+    """dp, pp, tp: positive, or -1 for "the rest" (one of them at most: dp, by default)."""
     par = cfg.parallel
-    if par.strategy == "ps":
-        workers = ranks - par.servers
-        if workers < 1:
-            raise ConfigError(f"parallel.servers: {par.servers} server(s) leave no worker among the {ranks} ranks "
-                              "of this job")
-        if B % workers:
-            raise ConfigError(f"train.global_batch_size: {B} is not divisible by the {workers} workers of this job "
-                              f"({ranks} ranks - {par.servers} server(s)); each worker takes B / workers")
-        if par.slow_worker >= workers:
-            raise ConfigError(f"parallel.slow_worker: {par.slow_worker} is not a worker (0 .. {workers - 1})")
+    for name in GRID:
+        value = getattr(par, name)
+        _require(value >= 1 or value == -1, f"parallel.{name}", "must be >= 1, or -1 for the ranks the others leave",
+                 value)
+        if name in NOT_YET:
+            _require(value in (1, -1), f"parallel.{name}", f"{NOT_YET[name]} is not available yet: set "
+                     f"parallel.{name} = 1", value)
+    rest = [n for n in GRID if getattr(par, n) == -1]
+    if len(rest) > 1:
+        other = rest[1]
+        how = "dp takes the rest by default: set parallel.dp to a number" if "parallel.dp" not in cfg.given else \
+            f"only one of {', '.join(GRID)} may be -1"
+        raise ConfigError(f"parallel.{other}: -1 means 'the rest', but so does parallel.{rest[0]}; {how}")
+
+
+def check_ranks(cfg: Config, ranks: int) -> tuple[int, int, int]:
+    """The checks that need the number of ranks (after MPI starts, before any
+    collective); returns the grid ``(dp, pp, tp)`` with "the rest" resolved."""
+    par = cfg.parallel
+    ps = par.sync == "ps"
+    workers = ranks - par.servers if ps else ranks
+    if workers < 1:
+        raise ConfigError(f"parallel.servers: {par.servers} server(s) leave no worker among the {ranks} ranks "
+                          "of this job")
+    who = f"{workers} workers of this job ({ranks} ranks - {par.servers} server(s))" if ps else \
+        f"{ranks} ranks of this job"
+    sizes = {n: getattr(par, n) for n in GRID}
+    rest = [n for n in GRID if sizes[n] == -1]
+    known = math.prod(v for v in sizes.values() if v != -1)
+    if rest and workers % known == 0:
+        sizes[rest[0]] = workers // known
+    if math.prod(sizes.values()) != workers:
+        if rest:
+            others = " x ".join(f"{n} {sizes[n]}" for n in GRID if n != rest[0])
+            raise ConfigError(f"parallel.{rest[0]}: -1 takes the ranks the others leave, but the {who} do not "
+                              f"divide by {others} = {known}")
+        shown = " x ".join(str(sizes[n]) for n in GRID)
+        raise ConfigError(f"parallel.dp: dp x pp x tp = {shown} = {known}, but there are the {who}: the grid must "
+                          "use every one (-1 takes the rest)")
+    for name, what in NOT_YET.items():
+        if sizes[name] > 1:
+            raise ConfigError(f"parallel.{name}: -1 gives {sizes[name]} here, but {what} is not available yet; set "
+                              f"parallel.{name} = 1")
+    _check_batch(cfg, sizes["dp"], "workers" if ps else "data-parallel ranks", who)
+    if ps and par.slow_worker >= workers:
+        raise ConfigError(f"parallel.slow_worker: {par.slow_worker} is not a worker (0 .. {workers - 1})")
+    return sizes["dp"], sizes["pp"], sizes["tp"]
+
+
+def _check_batch(cfg: Config, dp: int, ranks: str, who: str) -> None:
+    """The global batch splits over the ``dp`` replicas, each part into micro-batches."""
+    B, m = cfg.train.global_batch_size, cfg.train.micro_batches
+    if cfg.parallel.sync == "local" and dp > 1:
+        raise ConfigError(f"parallel.sync: 'local' exchanges no gradients, so {dp} data-parallel replicas would "
+                          "drift apart; use 'ddp' or 'zero1'")
+    if B % dp:
+        where = f"the {who}" if cfg.parallel.dp == -1 else f"dp = {dp} {ranks}"
+        raise ConfigError(f"train.global_batch_size: {B} is not divisible by {where}; the global batch stays the "
+                          f"same at any rank count, each of the {ranks} takes B / {dp}")
+    if (B // dp) % m:
+        raise ConfigError(f"train.micro_batches: the {B // dp} samples of each of the {dp} {ranks} "
+                          f"(train.global_batch_size {B} / {dp}) do not split into {m} equal micro-batches")
+
+
+def check_against_data(cfg: Config, data) -> None:
+    """The checks that need the data (an opened :class:`mpitrain.data.Dataset`), once it
+    is open on every rank: raise ConfigError naming the field."""
+    text_model = cfg.model.name == "gpt"
+    if text_model != (data.kind == "text"):
+        raise ConfigError(f"data.path: {data.path} holds {data.kind} data ({data.name}), but model.name "
+                          f"{cfg.model.name!r} trains on {'text' if text_model else 'images'}")
+    if text_model:
+        if "data.shift" in cfg.given:
+            raise ConfigError("data.shift: augmentation applies to image data only")
+        shortest = min(s.count for s in data.splits.values())
+        if cfg.model.block_size + 1 > shortest:
+            raise ConfigError(f"model.block_size: windows of block_size + 1 = {cfg.model.block_size + 1} "
+                              f"tokens do not fit the {shortest}-token split of {data.name}")
+        for split in ("train", "val"):
+            data.split(split)
         return
-    if B % ranks:
-        raise ConfigError(f"train.global_batch_size: {B} is not divisible by the {ranks} ranks of this job; "
-                          f"the global batch stays the same at any rank count, each rank takes B / ranks")
+    train = data.split("train")
+    data.split("test")
+    if cfg.train.global_batch_size > train.count:
+        raise ConfigError(f"train.global_batch_size: must be at most the {train.count} training images of "
+                          f"{data.name}, got {cfg.train.global_batch_size}")
+    if len(train.sample_shape) != 3 or train.sample_shape[0] != train.sample_shape[1]:
+        raise ConfigError(f"data.path: the CNNs expect square (H, W, C) images, {data.name} has "
+                          f"{train.sample_shape}")

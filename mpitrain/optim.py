@@ -223,6 +223,17 @@ def clip_grad_norm(params, max_norm: float) -> float:
     return total
 
 
+def update(optimizer: Optimizer, params, lr: float | None, grad_clip: float = 0.0) -> None:
+    """One optimizer step after backward: the gradients of ``params`` clipped together
+    to global norm ``grad_clip`` (0: no clipping; the norm sums in ``params``' order),
+    the learning rate set to ``lr`` (None: as it is), then the update."""
+    if grad_clip > 0:
+        clip_grad_norm(params, grad_clip)
+    if lr is not None:
+        optimizer.set_lr(lr)
+    optimizer.step()
+
+
 class WarmupCosine:
     """Learning rate at a step: linear warmup to ``lr``, cosine decay to ``min_lr`` at
     ``decay_steps``, then ``min_lr`` (the schedule of GPT-3 and nanoGPT).
@@ -256,4 +267,4 @@ class Constant:
 
 
 __all__ = ["SGD", "Adam", "AdamW", "Constant", "Optimizer", "WarmupCosine", "clip_grad_norm",
-           "decay_groups"]
+           "decay_groups", "update"]

@@ -22,6 +22,7 @@ from test_train import JOBS
 
 from mpitrain import checkpoint, config, train
 from mpitrain.observe.metrics import read as read_metrics
+from mpitrain.train import report
 
 
 def gpt(text_data, run_dir, *extra):
@@ -81,11 +82,11 @@ def quiet(*args):
 @pytest.mark.parametrize("strategy", ["ddp", "zero1"])
 def test_a_resumed_gpt_run_ends_bit_identical(text_data, tmp_path, strategy):
     """Dropout on, so the random stream must be restored too; AdamW state."""
-    full = train.train(gpt(text_data, tmp_path / "a", f"parallel.strategy={strategy!r}"), log=quiet)
+    full = train.train(gpt(text_data, tmp_path / "a", f"parallel.sync={strategy!r}"), log=quiet)
     assert [p.name for p in checkpoint.listed(tmp_path / "a")] == [f"step-{s:08d}.h5" for s in range(4, 25, 4)]
     resume_from(tmp_path / "a", 12, tmp_path / "b")
     lines = []
-    again = train.train(gpt(text_data, tmp_path / "b", f"parallel.strategy={strategy!r}"), log=lines.append,
+    again = train.train(gpt(text_data, tmp_path / "b", f"parallel.sync={strategy!r}"), log=lines.append,
                         resume=True)
     assert again.start_step == 12 and any("resumed from" in line and "at step 12" in line for line in lines)
     assert_identical(checkpoint.path_for(tmp_path / "a", 24), checkpoint.path_for(tmp_path / "b", 24))
@@ -209,7 +210,7 @@ def test_metrics_file_reads_as_one_run_after_a_resume(text_data, tmp_path):
         assert [r["kind"] for r in records].count("end") == 1
         r = next(r for r in records if r["kind"] == "train")
         assert {"loss", "lr", "samples_per_s", "ranks"} <= set(r)
-        assert set(r["ranks"][0]) == set(train.TIME_FIELDS)
+        assert set(r["ranks"][0]) == set(report.TIME_FIELDS)
 
 
 # ------------------------------------------------ under mpiexec, from outside
@@ -227,7 +228,16 @@ def launch(text_data, run_dir, *extra, **popen):
 
 
 def finish(proc, timeout=120):
-    out, err = proc.communicate(timeout=timeout)
+    """Wait for a launched run; past ``timeout`` end it (its whole process group, ranks
+    included, when it was started in a session of its own) and fail."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.kill()
+        proc.communicate()
+        raise
     return proc.returncode, out, err
 
 
@@ -313,3 +323,56 @@ def test_a_signal_checkpoints_and_exits_0_then_resume_is_bit_identical(reference
     code, out, err = finish(launch(data, tmp_path / "run", "--resume"))
     assert code == 0, err
     assert_identical(final, checkpoint.path_for(tmp_path / "run", 400))
+
+
+PS_ARGS = ["--set", "parallel.sync=ps", "--set", "optim.grad_clip=0.0", "--set", "model.n_layer=1",
+           "--set", "model.n_embd=16", "--set", "model.n_head=2", "--set", "model.block_size=8",
+           "--set", "train.global_batch_size=8", "--set", "train.log_interval=5", "--set", "train.eval_batches=1",
+           "--set", "train.sample_tokens=0", "--set", "train.threads=1"]
+
+
+def launch_ps(text_data, run_dir, *extra):
+    """1 server and 2 synchronous workers."""
+    cmd = [MPIEXEC, "-n", "3", sys.executable, "-m", "mpitrain", "train", str(JOBS / "tinyshakespeare_gpt.toml"),
+           "--set", f"data.path={text_data}", *PS_ARGS, "--run-dir", str(run_dir), *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+@needs_mpiexec
+def test_a_parameter_server_run_that_diverges_ends_every_rank_with_one_message(text_data, tmp_path):
+    """The workers agree the loss is not finite and say goodbye; the servers stop serving;
+    every rank raises the same error, printed once (no rank is left waiting)."""
+    code, out, err = finish(launch_ps(text_data, tmp_path / "run", "--set", "optim.lr=1e30", "--set",
+                                      "optim.warmup_steps=0", "--set", "train.steps=50"))
+    assert code == 1, err
+    assert err.count("mpitrain: training diverged: loss is") == 1, err
+    assert "Traceback" not in err
+
+
+@needs_mpiexec
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the ranks through Linux /proc")
+def test_a_signal_stops_a_parameter_server_run_whose_checkpoint_ddp_resumes(text_data, tmp_path):
+    """SIGTERM to every rank (as SLURM does): the workers stop at the same step, the
+    servers hand out the parameters and write the checkpoint; ddp resumes it."""
+    run = tmp_path / "run"
+    proc = launch_ps(text_data, run, "--set", "train.steps=100000")
+    deadline = time.monotonic() + 60
+    while not any(r["kind"] == "train" for r in (read_metrics(run / "metrics.jsonl")
+                                                  if (run / "metrics.jsonl").exists() else [])):
+        assert proc.poll() is None and time.monotonic() < deadline, "no training step was logged"
+        time.sleep(0.05)
+    for pid in ranks_of(proc):
+        os.kill(pid, signal.SIGTERM)
+    code, out, err = finish(proc)
+    assert code == 0, err
+    stopped = [line for line in out.splitlines() if line.startswith("stopped by SIGTERM after step")]
+    assert len(stopped) == 1, out
+    at = int(stopped[0].split("after step ")[1].split(";")[0])
+    assert checkpoint.listed(run) == [checkpoint.path_for(run, at)]
+    more = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpitrain", "train", str(JOBS / "tinyshakespeare_gpt.toml"),
+            "--set", f"data.path={text_data}", *PS_ARGS[2:], "--set", f"train.steps={at + 5}", "--run-dir", str(run),
+            "--resume"]
+    done = subprocess.run(more, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert f"resumed from {checkpoint.path_for(run, at)} at step {at}" in done.stdout
+    assert checkpoint.listed(run)[-1] == checkpoint.path_for(run, at + 5)

@@ -87,18 +87,29 @@ def test_bad_override_and_files(tmp_path):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["parallel.strategy=fsdp"], "parallel.strategy: must be one of"),
+    (["parallel.sync=fsdp"], "parallel.sync: must be one of"),
+    (["parallel.strategy=fsdp"], "parallel.sync: must be one of"),  # the old name, read as the new
     (["parallel.allreduce=tree"], "parallel.allreduce: must be 'mpi' or 'ring'"),
     (["parallel.bucket_mb=0"], "parallel.bucket_mb: must be > 0"),
-    (["parallel.strategy=zero1", "parallel.bucket_mb=8"], "parallel.bucket_mb: does not apply to parallel.strategy = 'zero1'"),
+    (["parallel.sync=zero1", "parallel.bucket_mb=8"], "parallel.bucket_mb: does not apply to parallel.sync = 'zero1'"),
     (["parallel.progress=thread", "parallel.thread_level=funneled"], "parallel.thread_level: the communication thread"),
-    (["parallel.servers=2"], "parallel.servers: does not apply to parallel.strategy = 'ddp'"),
-    (["parallel.strategy=ps", "parallel.allreduce=ring"], "parallel.allreduce: does not apply to parallel.strategy = 'ps'"),
-    (["parallel.strategy=ps", "parallel.servers=0"], "parallel.servers: must be >= 1"),
-    (["parallel.strategy=ps", "parallel.staleness=-2"], "parallel.staleness: must be >= 0, or -1 for unbounded"),
-    (["parallel.strategy=ps", "parallel.slow_factor=0.5"], "parallel.slow_factor: must be >= 1"),
-    (["parallel.strategy=ps", "optim.grad_clip=1.0"], "optim.grad_clip: parameter servers see only their shard"),
-    (["parallel.strategy=ps", "run.checkpoint_interval=10"], "run.checkpoint_interval: parameter-server runs write one"),
+    (["parallel.servers=2"], "parallel.servers: does not apply to parallel.sync = 'ddp'"),
+    (["parallel.sync=local", "parallel.allreduce=ring"],
+     "parallel.allreduce: does not apply to parallel.sync = 'local'"),
+    (["parallel.strategy=ps", "parallel.allreduce=ring"], "parallel.allreduce: does not apply to parallel.sync = 'ps'"),
+    (["parallel.strategy=ps", "parallel.sync=ps"], "parallel.strategy: is the old name of parallel.sync; give only"),
+    (["parallel.pp=2"], "parallel.pp: pipeline parallelism is not available yet: set parallel.pp = 1, got 2"),
+    (["parallel.tp=4"], "parallel.tp: tensor slicing is not available yet: set parallel.tp = 1, got 4"),
+    (["parallel.dp=0"], "parallel.dp: must be >= 1, or -1 for the ranks the others leave, got 0"),
+    (["parallel.pp=-1"], "parallel.pp: -1 means 'the rest', but so does parallel.dp; dp takes the rest by default"),
+    (["parallel.dp=1", "parallel.pp=-1", "parallel.tp=-1"], "parallel.tp: -1 means 'the rest', but so does "
+                                                            "parallel.pp; only one of dp, pp, tp may be -1"),
+    (["train.micro_batches=0"], "train.micro_batches: must be >= 1, got 0"),
+    (["parallel.sync=ps", "parallel.servers=0"], "parallel.servers: must be >= 1"),
+    (["parallel.sync=ps", "parallel.staleness=-2"], "parallel.staleness: must be >= 0, or -1 for unbounded"),
+    (["parallel.sync=ps", "parallel.slow_factor=0.5"], "parallel.slow_factor: must be >= 1"),
+    (["parallel.sync=ps", "optim.grad_clip=1.0"], "optim.grad_clip: parameter servers see only their shard"),
+    (["parallel.sync=ps", "run.checkpoint_interval=10"], "run.checkpoint_interval: parameter-server runs write one"),
     (["run.stall_abort_s=10", "run.stall_warn_s=20"], "run.stall_abort_s: must be more than run.stall_warn_s"),
     (["run.on_nan=ignore"], "run.on_nan: must be 'stop' or 'skip'"),
     (["run.keep=0"], "run.keep: must be >= 1"),
@@ -117,6 +128,50 @@ def test_parameter_server_rank_checks(ranks, overrides, message):
     cfg = config.from_dict({"train": {"steps": 1, "global_batch_size": 12}}, ["parallel.strategy=ps", *overrides])
     with pytest.raises(config.ConfigError, match=re.escape(message)):
         config.check_ranks(cfg, ranks)
+
+
+@pytest.mark.parametrize("ranks,overrides,message", [
+    (4, ["parallel.dp=2"], "parallel.dp: dp x pp x tp = 2 x 1 x 1 = 2, but there are the 4 ranks of this job"),
+    (2, ["parallel.dp=1", "parallel.pp=-1"], "parallel.pp: -1 gives 2 here, but pipeline parallelism is not "
+                                             "available yet"),
+    (5, [], "train.global_batch_size: 12 is not divisible by the 5 ranks of this job"),
+    (2, ["parallel.sync=local"], "parallel.sync: 'local' exchanges no gradients, so 2 data-parallel replicas"),
+    (2, ["train.micro_batches=4"], "train.micro_batches: the 6 samples of each of the 2 data-parallel ranks "
+                                   "(train.global_batch_size 12 / 2) do not split into 4 equal micro-batches"),
+    (4, ["parallel.sync=ps", "parallel.dp=2"], "parallel.dp: dp x pp x tp = 2 x 1 x 1 = 2, but there are the 3 "
+                                               "workers of this job (4 ranks - 1 server(s))"),
+])
+def test_the_grid_and_the_batch_are_checked_against_the_ranks(ranks, overrides, message):
+    cfg = config.from_dict({"train": {"steps": 1, "global_batch_size": 12}}, overrides)
+    with pytest.raises(config.ConfigError, match=re.escape(message)):
+        config.check_ranks(cfg, ranks)
+
+
+def test_the_grid_resolves_the_rest_and_the_old_spelling_still_reads():
+    cfg = config.from_dict({"train": {"steps": 1, "global_batch_size": 12}, "parallel": {"strategy": "zero1"}})
+    assert cfg.parallel.sync == "zero1" and "parallel.sync" in cfg.given
+    assert cfg.notes == ("note: parallel.strategy is now spelled parallel.sync (read as parallel.sync = 'zero1')",)
+    assert "strategy" not in cfg.to_dict()["parallel"]
+    assert config.check_ranks(cfg, 4) == (4, 1, 1)
+    assert config.check_ranks(config.from_dict({"train": {"steps": 1}}, ["parallel.dp=1", "parallel.pp=-1"]), 1) \
+        == (1, 1, 1)
+    ps = config.from_dict({"train": {"steps": 1, "global_batch_size": 12}}, ["parallel.sync=ps", "parallel.servers=2"])
+    assert config.check_ranks(ps, 5) == (3, 1, 1)  # the workers are the grid
+    micro = config.from_dict({"train": {"steps": 1, "global_batch_size": 12, "micro_batches": 3}})
+    assert config.check_ranks(micro, 2) == (2, 1, 1)
+
+
+def test_the_rest_of_a_grid_with_pipeline_and_tensor_axes(monkeypatch):
+    """How -1 resolves once pp and tp are available (today they are refused above 1)."""
+    monkeypatch.setattr(config, "NOT_YET", {})
+    cfg = config.from_dict({"train": {"steps": 1, "global_batch_size": 12}}, ["parallel.pp=2", "parallel.tp=2"])
+    assert config.check_ranks(cfg, 8) == (2, 2, 2)
+    with pytest.raises(config.ConfigError, match=re.escape("parallel.dp: -1 takes the ranks the others leave, but "
+                                                           "the 6 ranks of this job do not divide by pp 2 x tp 2 = 4")):
+        config.check_ranks(cfg, 6)
+    cfg = config.from_dict({"train": {"steps": 1, "global_batch_size": 12}},
+                           ["parallel.dp=2", "parallel.pp=-1", "parallel.tp=1"])
+    assert config.check_ranks(cfg, 6) == (2, 3, 1)
 
 
 def test_thread_level_choice():

@@ -9,6 +9,7 @@ from test_data import damaged, image_set
 
 from mpitrain import config, train
 from mpitrain.data import DataError, ShardReader, open_dataset
+from mpitrain.train import build
 
 
 def shared_dir(comm):
@@ -67,7 +68,7 @@ def test_a_damaged_dataset_fails_on_every_rank(how):
     d = comm.bcast(str(d) if d else None)
     cfg = config.from_dict({"data": {"path": d}, "train": {"epochs": 1}})
     with pytest.raises(DataError) as raised:
-        train.open_data(cfg, comm, log=lambda *a: None)
+        build.open_data(cfg, comm, log=lambda *a: None)
     assert "train-00002.h5" in str(raised.value)
     messages = comm.allgather(str(raised.value).split(" (on rank")[0])
     assert len(set(messages)) == 1  # the same error everywhere
@@ -85,7 +86,7 @@ def test_trainer_on_p_ranks_equals_one_process(strategy, algorithm):
     raw = {"model": {"name": "lenet", "channels": [4, 8], "hidden": 16}, "data": {"path": str(d)},
            "optim": {"name": "adamw", "lr": 3e-3, "grad_clip": 0.5},
            "train": {"global_batch_size": 64, "epochs": 2, "dtype": "float64", "log_interval": 8},
-           "parallel": {"strategy": strategy, "allreduce": algorithm}}
+           "parallel": {"sync": strategy, "allreduce": algorithm}}
     cfg = config.from_dict(raw)
     ours = train.train(cfg, log=lambda *a: None, comm=comm)
     alone = train.train(cfg, log=lambda *a: None, comm=SingleComm())

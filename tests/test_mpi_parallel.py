@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from mpitrain import nn, ops, optim, rng
-from mpitrain.allreduce import allreduce, chunk_bounds
 from mpitrain.comm import SingleComm
+from mpitrain.comm.ring import allreduce, chunk_bounds
 from mpitrain.tensor import Tensor, default_dtype
 
 STEPS, B = 20, 8
@@ -199,7 +199,7 @@ def test_ring_sends_2_p_minus_1_over_p_of_the_gradient(n):
 def test_ring_equals_mpi_with_partial_sums_in_work_arrays_or_in_place(monkeypatch, in_place_from, n):
     """Both ways of keeping partial sums (see allreduce.py), repeated so the work arrays
     are reused, and the reduce-scatter half alone."""
-    import mpitrain.allreduce as ar
+    import mpitrain.comm.ring as ar
 
     monkeypatch.setattr(ar, "IN_PLACE_CHUNK_BYTES", in_place_from)
     comm = world().dup()
@@ -246,3 +246,38 @@ def test_one_rank_wrappers_train_like_plain_training():
         zero.step()
         zero.zero_grad()
     assert relative(model.parameters(), ref) == 0.0
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("sync", ["ddp", "zero1"])
+def test_the_trainers_micro_batches_equal_one_pass_on_p_ranks_and_one_process(sync):
+    """`train.micro_batches = 4` on P ranks (one sample per micro-batch) against 1, and
+    against one process: float64 GPT, AdamW with clipping, model and optimizer state
+    within 1e-12 after 6 steps."""
+    from test_checkpoint import arrays, assert_close
+    from test_data import text_set
+    from test_mpi_data import shared_data
+
+    from mpitrain import checkpoint, config, train
+
+    comm = world()
+    root = shared_data(comm, text_set).parent
+
+    def run(micro, name, on):
+        cfg = config.from_dict({
+            "model": {"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 8},
+            "data": {"path": str(root / "d")}, "optim": {"name": "adamw", "grad_clip": 1.0},
+            "train": {"global_batch_size": 4 * comm.size, "steps": 6, "micro_batches": micro, "dtype": "float64",
+                      "eval_batches": 1, "sample_tokens": 0, "threads": 1},
+            "parallel": {"sync": sync}, "run": {"dir": str(root / name)}})
+        train.train(cfg, log=lambda *a: None, comm=on)
+        return checkpoint.path_for(root / name, 6)
+
+    four, one = run(4, f"{sync}-4", comm), run(1, f"{sync}-1", comm)
+    if comm.rank == 0:
+        alone = run(1, f"{sync}-alone", SingleComm())
+        assert_close(four, one, rtol=1e-12, floor=1.0)
+        assert_close(four, alone, rtol=1e-12, floor=1.0)
+        a, b = arrays(four), arrays(one)
+        assert not all(np.array_equal(a[k], b[k]) for k in a)  # the micro-batches did sum in another order
+    comm.barrier()

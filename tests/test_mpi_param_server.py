@@ -129,8 +129,10 @@ def test_partition_balances_sizes():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_the_trainer_with_synchronous_servers_equals_one_process():
-    """`mpitrain train --set parallel.strategy=ps`: the same test loss as one process."""
+@pytest.mark.parametrize("micro", [1, 2])
+def test_the_trainer_with_synchronous_servers_equals_one_process(micro):
+    """`mpitrain train --set parallel.sync=ps`: the same test loss as one process, also
+    when each worker's part goes through in two micro-batches (pushed once per step)."""
     from test_mpi_data import shared_data
 
     from mpitrain import config, train
@@ -142,7 +144,8 @@ def test_the_trainer_with_synchronous_servers_equals_one_process():
            "optim": {"name": "adamw", "lr": 3e-3}, "train": {"global_batch_size": 48, "epochs": 1, "dtype": "float64",
                                                              "log_interval": 10}}
     alone = train.train(config.from_dict(raw), log=lambda *a: None, comm=SingleComm())
-    raw["parallel"] = {"strategy": "ps", "servers": 1}
+    raw["parallel"] = {"sync": "ps", "servers": 1}
+    raw["train"]["micro_batches"] = micro
     ours = train.train(config.from_dict(raw), log=lambda *a: None, comm=comm)
     assert abs(ours.test_loss - alone.test_loss) <= 1e-10 * alone.test_loss
     assert ours.test_accuracy == alone.test_accuracy and ours.steps == alone.steps
@@ -167,7 +170,7 @@ def test_the_servers_final_checkpoint_equals_one_process_checkpoint():
            "run": {"dir": str(root / "one")}}
     if comm.rank == 0:
         train.train(config.from_dict(raw), log=lambda *a: None, comm=SingleComm())
-    raw["parallel"] = {"strategy": "ps", "servers": min(2, comm.size - 1)}
+    raw["parallel"] = {"sync": "ps", "servers": min(2, comm.size - 1)}
     raw["run"] = {"dir": str(root / "ps")}
     result = train.train(config.from_dict(raw), log=lambda *a: None, comm=comm)
     assert result.checkpoint == str(checkpoint.path_for(root / "ps", 10))
@@ -192,7 +195,7 @@ def test_a_parameter_server_timeline_shows_pushes_and_updates():
     d = shared_data(comm, n=480, test=60)
     root = d.parent
     raw = {"model": {"name": "lenet", "channels": [2, 4], "hidden": 8}, "data": {"path": str(root / "d")},
-           "train": {"global_batch_size": 48, "steps": 4}, "parallel": {"strategy": "ps", "staleness": -1},
+           "train": {"global_batch_size": 48, "steps": 4}, "parallel": {"sync": "ps", "staleness": -1},
            "run": {"dir": str(root / "run"), "timeline": True}}
     train.train(config.from_dict(raw), log=lambda *a: None, comm=comm)
     if comm.rank != 0:
@@ -203,4 +206,6 @@ def test_a_parameter_server_timeline_shows_pushes_and_updates():
     assert "waiting for pushes" in server
     for rank in range(1, comm.size):
         names = [e["name"] for e in spans if e["pid"] == rank]
-        assert names.count("push") >= 1 and "forward and backward" in names
+        # a worker runs the trainer's loop: its layers' forward and backward, the pull before and the push after
+        assert names.count("push") >= 1 and names.count("pull") >= 1
+        assert any(n.startswith("forward ") for n in names) and any(n.startswith("backward ") for n in names)

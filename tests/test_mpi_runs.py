@@ -19,7 +19,7 @@ def cfg(data, run_dir, strategy):
         "model": {"name": "lenet", "channels": [2, 4], "hidden": 8}, "data": {"path": str(data), "shift": 1},
         "optim": {"name": "adamw", "lr": 3e-3, "grad_clip": 1.0},
         "train": {"global_batch_size": 64, "steps": 16, "log_interval": 4, "threads": 1},
-        "parallel": {"strategy": strategy},
+        "parallel": {"sync": strategy},
         "run": {"dir": str(run_dir), "checkpoint_interval": 8, "keep": 5}})
 
 

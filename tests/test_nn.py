@@ -5,7 +5,8 @@ import pytest
 
 from mpitrain import nn, ops, rng
 from mpitrain.gradcheck import gradcheck
-from mpitrain.tensor import Tensor, default_dtype, no_grad
+from mpitrain.ops.transformer import AttentionSublayer
+from mpitrain.tensor import Tensor, default_dtype, no_grad, observe_ops
 
 TOL = 1e-6
 
@@ -139,29 +140,35 @@ def test_gpt_structure_tied_head_and_layers():
 
 
 def test_gpt_block_fused_halves_equal_its_submodules_op_by_op():
-    """Block.forward runs each half as one fused op; the submodules called as modules
-    compute the same op by op: equal outputs and gradients, with dropout in training."""
+    """Block.forward runs each half as one fused op with the fast paths on, and through
+    its submodules op by op with them off (nanoGPT's two lines): both routes exist and
+    give equal outputs and gradients, bit for bit, with dropout in training."""
     block = tiny_gpt(dropout=0.3).blocks[0]
     x = image(2, 5, 8)
     g = np.random.default_rng(3).standard_normal(x.shape)
 
-    def run(forward):
+    def run(forward, fast):
         block.zero_grad(set_to_none=True)
         x.grad = None
         rng.manual_seed(4)
-        y = forward(x)
-        y.backward(g)
-        return y.data, x.grad.copy(), {n: p.grad.copy() for n, p in block.named_parameters()}
+        seen = set()
+        with ops.fast_paths(fast), observe_ops(lambda cls, args, kwargs: seen.add(cls)):
+            y = forward(x)
+            y.backward(g)
+        return (y.data, x.grad.copy(), {n: p.grad.copy() for n, p in block.named_parameters()}), seen
 
     def op_by_op(x):
         x = x + block.attn(block.ln_1(x))
         return x + block.mlp(block.ln_2(x))
 
-    fused, reference = run(block), run(op_by_op)
-    np.testing.assert_allclose(fused[0], reference[0], rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(fused[1], reference[1], rtol=1e-10, atol=1e-12)
-    for name, grad in reference[2].items():
-        np.testing.assert_allclose(fused[2][name], grad, rtol=1e-10, atol=1e-12, err_msg=name)
+    (fused, fused_ops), (plain, plain_ops) = run(block, True), run(block, False)
+    reference, _ = run(op_by_op, True)
+    assert AttentionSublayer in fused_ops and AttentionSublayer not in plain_ops
+    for result in (fused, plain):
+        np.testing.assert_array_equal(result[0], reference[0])
+        np.testing.assert_array_equal(result[1], reference[1])
+        for name, grad in reference[2].items():
+            np.testing.assert_array_equal(result[2][name], grad, err_msg=name)
 
 
 def test_gpt_generate_is_seeded_and_keeps_the_prompt():

@@ -114,7 +114,8 @@ def test_cli_help_and_version():
 def test_bench_step_prints_ratios():
     out = mpitrain("bench", "step", "--rounds", "1", "--steps", "1")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.count("ratio") == 2 and "matmul" in out.stdout
+    assert out.stdout.count("ratio") == 4 and "matmul" in out.stdout
+    assert out.stdout.count("plain (fast paths off)") == 2 and out.stdout.count("target") == 2
 
 
 def test_data_dependent_config_errors_name_the_field(text_data, tmp_path):

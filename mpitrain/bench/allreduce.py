@@ -6,7 +6,7 @@ group size ``P`` (the first ``P`` ranks; the others wait) and each message of ``
 from 4 KiB to 64 MiB (float32), it times, interleaved so that both see the same machine:
 
 * **mpi**: ``MPI_Allreduce`` in place;
-* **ring**: :mod:`mpitrain.allreduce`'s ring (reduce-scatter + allgather, point to point);
+* **ring**: :mod:`mpitrain.comm.ring`'s ring (reduce-scatter + allgather, point to point);
 * **bound**: the time of the ring's data movement alone: ``2(P - 1)`` neighbour exchanges
   (``Isend`` to the right, ``Irecv`` from the left, all ranks at once) of one ring chunk
   (``n/P``), without the additions; no allreduce that sends ``2(P-1)/P x n`` per rank
@@ -22,8 +22,8 @@ import time
 
 import numpy as np
 
-from mpitrain.allreduce import allreduce, chunk_bounds
 from mpitrain.comm import Tag, started_thread_level, world
+from mpitrain.comm.ring import allreduce, chunk_bounds
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 

@@ -38,8 +38,8 @@ import time
 import numpy as np
 
 from mpitrain import nn, optim, rng
-from mpitrain.allreduce import allreduce, iallreduce
 from mpitrain.comm import started_thread_level, world
+from mpitrain.comm.ring import allreduce, iallreduce
 from mpitrain.parallel.data_parallel import DataParallel
 from mpitrain.runtime import huge_page_heap, limit_blas_threads, tune_allocator
 

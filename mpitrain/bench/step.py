@@ -6,6 +6,12 @@ matmul, interleaved round by round so that all three see the same machine state;
 reports each model's achieved GFLOP/s (FLOPs counted from shapes,
 :mod:`mpitrain.observe.flops`) as a fraction of the matmul's. Medians over rounds.
 
+Each model also runs on the plain paths (``ops.fast_paths(False)``: nanoGPT's block op
+by op with the textbook GELU; whole-batch im2col convolution and max-pooling), in the
+same rounds, printed under its fast row with its time as a multiple of the fast row's
+(the median of the per-round quotients). The plain paths' speed is a figure to know,
+not a target.
+
 * GPT: nanoGPT's small CPU setting (4 layers, 4 heads, width 128, context 64, batch 12,
   65-token vocabulary, no bias, no dropout), AdamW, gradient clipping at 1.0.
 * CNN: batch 64 of 32x32x3, conv3x3(16) ReLU conv3x3(32) ReLU maxpool2 linear(10), SGD
@@ -67,8 +73,20 @@ def _seconds(fn, repeat: int) -> float:
     return (time.perf_counter() - start) / repeat
 
 
+def _plain(make):
+    """``make()``'s step on a model of its own, run with the fast paths off."""
+    step, title = make()
+
+    def plain_step():
+        with ops.fast_paths(False):
+            step()
+
+    return plain_step, f"{title.split()[0]} plain (fast paths off)"
+
+
 def run(threads: int = 1, rounds: int = 7, steps: int = 5, log=print) -> dict:
-    """Measure and print; returns {name: {"ms", "gflops", "ratio"}} (medians)."""
+    """Measure and print; returns {name: {"ms", "gflops", "ratio", ...}} (medians), the
+    plain rows as "gpt_plain" and "cnn_plain" with "of_fast", their time over the fast one's."""
     tune_allocator()
     with limit_blas_threads(threads):
         rng.manual_seed(0)
@@ -76,7 +94,8 @@ def run(threads: int = 1, rounds: int = 7, steps: int = 5, log=print) -> dict:
         a = gen.standard_normal((MATMUL_N, MATMUL_N), dtype=np.float32)
         b = gen.standard_normal((MATMUL_N, MATMUL_N), dtype=np.float32)
         matmul_flops = 2 * MATMUL_N**3
-        models = {"gpt": _gpt_step(), "cnn": _cnn_step()}
+        models = {"gpt": _gpt_step(), "gpt_plain": _plain(_gpt_step),
+                  "cnn": _cnn_step(), "cnn_plain": _plain(_cnn_step)}
         flops = {name: count_flops(step).total for name, (step, _) in models.items()}
         for step, _ in models.values():
             _seconds(step, 3)  # warm up: allocator, caches, optimizer state
@@ -100,8 +119,14 @@ def run(threads: int = 1, rounds: int = 7, steps: int = 5, log=print) -> dict:
         m = float(np.median(ms[name]))
         r = float(np.median(ratio[name]))
         g = flops[name] / (m / 1e3) / 1e9
-        verdict = "ok" if r >= TARGETS[name] else "BELOW"
-        log(f"  {title:45s} {m:7.1f} ms/step {g:7.1f} GFLOP/s  "
-            f"{flops[name] / 1e9:.2f} GFLOP/step  ratio {r:.3f} (target >= {TARGETS[name]}: {verdict})")
         out[name] = {"ms": m, "gflops": g, "ratio": r, "gflop_per_step": flops[name] / 1e9}
+        if name in TARGETS:
+            verdict = "ok" if r >= TARGETS[name] else "BELOW"
+            note = f"target >= {TARGETS[name]}: {verdict}"
+        else:  # a plain row: its time in the same rounds as its fast row's
+            fast = name.removesuffix("_plain")
+            out[name]["of_fast"] = float(np.median(np.divide(ms[name], ms[fast])))
+            note = f"x{out[name]['of_fast']:.2f} the fast row's time"
+        log(f"  {title:45s} {m:7.1f} ms/step {g:7.1f} GFLOP/s  "
+            f"{flops[name] / 1e9:.2f} GFLOP/step  ratio {r:.3f} ({note})")
     return out

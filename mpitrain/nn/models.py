@@ -2,7 +2,8 @@
 
 The GPT is an explicit list of parts, ``model.layers() == [embed, *blocks, head]``,
 so a pipeline can cut it between any two of them and tensor slicing can replace the
-``Linear`` layers inside a block, without changing this file.
+``Linear`` layers inside a block, without changing this file: a block whose layers were
+swapped runs nanoGPT's plain two lines, not the fused fast path (see :class:`Block`).
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ class CausalSelfAttention(Module):
         return self.resid_dropout(self.c_proj(y))
 
     def residual(self, x, ln: LayerNorm):
-        """``x + self(ln(x))`` as one op (``ops.attention_sublayer``)."""
+        """``x + self(ln(x))`` as one op (``ops.attention_sublayer``): ``Block``'s fast path."""
         p = self.dropout if self.training else 0.0
         return ops.attention_sublayer(x, ln.weight, ln.bias, self.c_attn.weight, self.c_attn.bias,
                                       self.c_proj.weight, self.c_proj.bias, self.n_head, ln.eps, p)
@@ -149,17 +150,27 @@ class MLP(Module):
         return self.dropout(self.c_proj(ops.gelu(self.c_fc(x))))
 
     def residual(self, x, ln: LayerNorm):
-        """``x + self(ln(x))`` as one op (``ops.mlp_sublayer``)."""
+        """``x + self(ln(x))`` as one op (``ops.mlp_sublayer``): ``Block``'s fast path."""
         p = self.dropout.p if self.training else 0.0
         return ops.mlp_sublayer(x, ln.weight, ln.bias, self.c_fc.weight, self.c_fc.bias,
                                 self.c_proj.weight, self.c_proj.bias, ln.eps, p)
 
 
 class Block(Module):
-    """Pre-norm transformer block: x + attn(ln_1(x)), then x + mlp(ln_2(x)).
+    """Pre-norm transformer block, nanoGPT's: x + attn(ln_1(x)), then x + mlp(ln_2(x)).
 
-    Each half runs as one fused op (``ops.transformer``: it reuses its large arrays while
-    they are in cache); ``attn`` and ``mlp`` called as modules compute the same op by op.
+    Those two lines, the end of ``forward``, are the plain path: they run through the
+    ``LayerNorm`` and ``Linear`` modules, so a layer swapped in (tensor slicing's column-
+    and row-parallel ``c_attn``, ``c_fc`` and ``c_proj``) is what computes.
+
+    With the fast paths on (``ops.fast_paths``, the default) each half runs instead as
+    one fused op (``ops.transformer``: it reuses its large arrays while they are in
+    cache) that does the same arithmetic in the same order: outputs and gradients are
+    equal bit for bit. The fast path declines when a layer is not exactly the plain one
+    (``Linear`` for ``c_attn``, ``c_fc`` and both ``c_proj``, ``LayerNorm`` for ``ln_1``
+    and ``ln_2``, this file's ``CausalSelfAttention`` and ``MLP``) because the fused op
+    reads the layers' weights and does the plain layers' arithmetic itself: it would
+    silently ignore a swapped layer's own ``forward``.
     """
 
     def __init__(self, cfg: GPTConfig):
@@ -170,8 +181,21 @@ class Block(Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x):
-        x = self.attn.residual(x, self.ln_1)  # x + attn(ln_1(x))
-        return self.mlp.residual(x, self.ln_2)  # x + mlp(ln_2(x))
+        if ops.fast_paths_enabled() and self._fusable():
+            return self._fused(x)
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+    def _fusable(self) -> bool:
+        """True when every layer is the plain one whose arithmetic the fused ops do."""
+        attn, mlp = self.attn, self.mlp
+        return (type(attn) is CausalSelfAttention and type(mlp) is MLP
+                and all(type(m) is Linear for m in (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj))
+                and type(self.ln_1) is LayerNorm and type(self.ln_2) is LayerNorm)
+
+    def _fused(self, x):
+        x = self.attn.residual(x, self.ln_1)  # x + attn(ln_1(x)), one op
+        return self.mlp.residual(x, self.ln_2)  # x + mlp(ln_2(x)), one op
 
 
 class GPTEmbedding(Module):

@@ -1,9 +1,10 @@
 """FLOPs of a training step, counted analytically from the shapes each op sees.
 
-Only products count (a multiply-add is 2 FLOPs): ``linear``, ``matmul``, ``conv2d``,
-attention's two batched products, and the products inside the fused transformer
-sublayers (``ops.transformer``), counted as their ops one by one would be; elementwise
-work is ignored, as in the usual model-FLOPs convention (Kaplan et al. 2020; Chowdhery
+Only products count (a multiply-add is 2 FLOPs): ``linear``, ``matmul``, ``conv2d``
+(plain or tiled), attention's two batched products, and the products inside the fused
+transformer sublayers (``ops.transformer``), counted as their ops one by one would be,
+so the plain and fast paths (``ops.fast_paths``) count the same; elementwise work is
+ignored, as in the usual model-FLOPs convention (Kaplan et al. 2020; Chowdhery
 et al. 2022). The backward pass of a product ``Y = A B`` costs one product of the same
 size per operand that needs a gradient, so a layer whose input is data (the first
 convolution) costs 2x its forward FLOPs rather than 3x. Counting runs one real step
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpitrain.ops.attention import CausalSelfAttention
-from mpitrain.ops.conv import Conv2d
+from mpitrain.ops.conv import Conv2d, TiledConv2d
 from mpitrain.ops.linalg import Linear, MatMul
 from mpitrain.ops.transformer import AttentionSublayer, MLPSublayer
 from mpitrain.tensor import Tensor, is_grad_enabled, observe_ops
@@ -74,7 +75,8 @@ def _sublayer(args, attention: bool):
     return first + middle + proj, bwd
 
 
-RULES = {Linear: _linear, MatMul: _matmul, Conv2d: _conv2d, CausalSelfAttention: _attention,
+RULES = {Linear: _linear, MatMul: _matmul, Conv2d: _conv2d, TiledConv2d: _conv2d,
+         CausalSelfAttention: _attention,
          AttentionSublayer: lambda args, kwargs: _sublayer(args, attention=True),
          MLPSublayer: lambda args, kwargs: _sublayer(args, attention=False)}
 

@@ -94,8 +94,9 @@ def report(run_dirs, out=None, log=print) -> list[Path]:
 
 def summary(run: Run) -> str:
     c = run.config
+    sync = c["parallel"].get("sync") or c["parallel"].get("strategy")  # older runs: parallel.strategy
     lines = [(f"run {run.dir}: {c['model']['name']} on {c['data']['path'] or c['data']['name']}, "
-              f"{run.ranks} rank(s), {c['parallel']['strategy']}, global batch {c['train']['global_batch_size']}")]
+              f"{run.ranks} rank(s), {sync}, global batch {c['train']['global_batch_size']}")]
     if run.train:
         t = run.train[-1]
         lines.append(f"  step {t['step']}/{run.start['total_steps']}: loss {t['loss']:.4f}, "

@@ -1,10 +1,54 @@
-"""Helpers shared by the op modules."""
+"""Helpers shared by the op modules, and the switch between plain and fast paths."""
 
 from __future__ import annotations
+
+import contextlib
 
 import numpy as np
 
 from mpitrain.tensor import Tensor
+
+_fast_paths = True
+
+
+def set_fast_paths(enabled: bool) -> bool:
+    """Select the fast paths (True, the default) or the plain ones for the whole process;
+    returns the previous setting. The switch selects:
+
+    * ``nn.Block``: each half of a transformer block as one fused op
+      (``ops.transformer``), or nanoGPT's two lines through its ``Linear`` and
+      ``LayerNorm`` modules;
+    * ``ops.gelu``: GELU in cache-sized blocks of in-place passes (``gelu_blocks``), or
+      the textbook expression over the whole array (``gelu_plain``);
+    * ``ops.conv2d``: im2col + GEMM over cache-sized tiles of images with an opaque-row
+      copy (``TiledConv2d``), or over the whole batch at once (``Conv2d``);
+    * ``ops.max_pool2d``: the batch in cache-sized tiles, or whole.
+
+    Both do the same arithmetic in the same order except the convolution's, so results
+    are equal bit for bit (the GPT's outputs and every gradient, GELU, max-pooling);
+    the convolutions sum the same products in a different grouping (tiles change the
+    GEMMs' shapes and the order in which the weight gradient is summed), equal to
+    rounding (1e-12 relative in float64). The tests hold them to that.
+    """
+    global _fast_paths
+    previous, _fast_paths = _fast_paths, bool(enabled)
+    return previous
+
+
+def fast_paths_enabled() -> bool:
+    """True when the fast paths are selected (see :func:`set_fast_paths`)."""
+    return _fast_paths
+
+
+@contextlib.contextmanager
+def fast_paths(enabled: bool):
+    """``with fast_paths(False): ...`` runs the plain paths inside the block and restores
+    the previous setting after it (see :func:`set_fast_paths`)."""
+    previous = set_fast_paths(enabled)
+    try:
+        yield
+    finally:
+        set_fast_paths(previous)
 
 
 # Elements per block of a multi-pass elementwise op: 64K float32 numbers (256 KiB) and

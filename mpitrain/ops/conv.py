@@ -1,24 +1,31 @@
 """2-D convolution and pooling on channels-last (NHWC) images.
 
 Layout: images are ``(B, H, W, C)`` and convolution weights ``(kh, kw, C_in, C_out)``.
-Channels-last suits im2col: one row of a ``kh x kw`` window is ``kw * C_in`` contiguous
-numbers, so a strided view exposes all windows and one copy builds the
-``(rows, kh*kw*C_in)`` column matrix (:func:`_im2col`); a single GEMM with the weight
-viewed as ``(kh*kw*C_in, C_out)`` then produces the output already in NHWC order. The
-backward pass takes the weight gradient as one GEMM with the columns and the column
-gradient tap by tap (one batched GEMM), so that col2im, adding each tap's block back
-onto the pixels it read, moves long contiguous runs.
+
+The plain path (:class:`Conv2d`, the text to learn from) is im2col + GEMM over the
+whole batch: a strided view exposes every ``kh x kw`` window of the padded input, one
+copy lays them out as the ``(B*Ho*Wo, kh*kw*C_in)`` column matrix, and a single GEMM
+with the weight viewed as ``(kh*kw*C_in, C_out)`` produces the output already in NHWC
+order. Backward: the weight gradient is ``cols^T @ g``, and the input gradient is the
+column gradient ``g @ w^T`` added back (col2im) tap by tap onto the pixels each tap read.
+
+The fast path (:class:`TiledConv2d`, chosen by ``ops.fast_paths``, the default) does
+the same products in a different order and layout. Channels-last suits im2col: one row
+of a window is ``kw * C_in`` contiguous numbers, copied as one opaque element
+(:func:`_im2col`). Backward takes the column gradient tap by tap (one batched GEMM),
+so that col2im moves long contiguous runs.
 
 Tiles. Built for the whole batch at once, the column matrix of a 32x32x16 layer at
 batch 64 is 38 MB: im2col writes it to memory and the GEMM, whose packing reads it
-back, ran at 60 GFLOP/s. Forward and backward therefore walk the batch in tiles of
+back, ran at 60 GFLOP/s. The fast path therefore walks the batch in tiles of
 whole images whose columns fit a cache budget (``TILE_BYTES_PER_THREAD``): the GEMM
 then reads columns im2col has just written to cache and runs at 90 GFLOP/s, the column
 gradient is added back while it is in cache, and backward rebuilds a tile's columns
 from the saved padded input (a copy from cache) instead of keeping 38 MB alive from
 forward to backward. The loop is over tiles, each a few images and millions of numbers
 for NumPy and BLAS; no Python loop runs over single pixels or positions, and one tile
-covers a batch that fits.
+covers a batch that fits. Tiles change how the weight and bias gradients and the
+col2im sums are grouped, so the two paths agree to rounding, not bit for bit.
 
 Cost, measured on this project's 2-core AVX-512 machine for that layer (batch 64,
 32x32x16 -> 32 channels, 3x3, 0.6 GFLOP per GEMM; one BLAS thread), whole batch / in
@@ -33,8 +40,9 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
-from mpitrain.ops._util import blocks
+from mpitrain.ops._util import blocks, fast_paths_enabled
 from mpitrain.tensor import Function, Tensor, as_tensor
 
 # Column-matrix bytes per tile of images and per BLAS thread: with the tile's input and
@@ -65,6 +73,11 @@ def _out_size(n: int, k: int, s: int, p: int) -> int:
     if out < 1:
         raise ValueError(f"window {k} with padding {p} does not fit an input of size {n}")
     return out
+
+
+def _check_channels(c: int, wc: int) -> None:
+    if wc != c:
+        raise ValueError(f"conv2d: input has {c} channels, weight expects {wc}")
 
 
 def _pad(x: np.ndarray, ph: int, pw: int, value: float = 0.0) -> np.ndarray:
@@ -157,17 +170,67 @@ def _tiles(batch: int, image_bytes: int) -> list[slice]:
 
 
 class Conv2d(Function):
-    """Convolution, optionally fused with a ReLU on its output (``relu=True``): the
-    rectification runs in place on the GEMM's result instead of on a new array.
+    """Convolution as im2col + one GEMM over the whole batch (the plain path), optionally
+    fused with a ReLU on its output (``relu=True``)::
 
-    Forward and backward walk the batch in tiles of whole images (see the module
-    docstring); backward rebuilds each tile's columns from the saved padded input."""
+        cols = im2col(pad(x))       (B*Ho*Wo, kh*kw*C_in), one row per output pixel
+        y    = cols @ w2 + b        (B*Ho*Wo, C_out), w2 = w viewed (kh*kw*C_in, C_out)
+        dw2  = cols^T @ dy          db = dy summed over rows
+        dx   = col2im(dy @ w2^T)    each tap's columns added onto the pixels it read
+    """
 
     def forward(self, x, w, b=None, stride=(1, 1), padding=(0, 0), relu=False):
         B, H, W, C = x.shape
         kh, kw, wc, F = w.shape
-        if wc != C:
-            raise ValueError(f"conv2d: input has {C} channels, weight expects {wc}")
+        _check_channels(C, wc)
+        (sh, sw), (ph, pw) = stride, padding
+        Ho, Wo = _out_size(H, kh, sh, ph), _out_size(W, kw, sw, pw)
+        xp = np.pad(x, ((0, 0), (ph, ph), (pw, pw), (0, 0)))  # (B, H+2ph, W+2pw, C)
+        windows = sliding_window_view(xp, (kh, kw), axis=(1, 2))[:, ::sh, ::sw]  # (B, Ho, Wo, C, kh, kw) view
+        cols = windows.transpose(0, 1, 2, 4, 5, 3).reshape(B * Ho * Wo, kh * kw * C)  # a copy, (rows, K)
+        w2 = w.reshape(kh * kw * C, F)  # (K, F)
+        out = cols @ w2  # (rows, F)
+        if b is not None:
+            out += b
+        if relu:
+            np.maximum(out, 0, out=out)
+        self.geometry = (x.shape, kh, kw, sh, sw, ph, pw, Ho, Wo)
+        self.cols = cols if self.needs_input_grad[1] else None
+        self.w2 = w2
+        self.out = out if relu else None
+        return out.reshape(B, Ho, Wo, F)
+
+    def backward(self, g):
+        (xshape, kh, kw, sh, sw, ph, pw, Ho, Wo) = self.geometry
+        B, H, W, C = xshape
+        need = self.needs_input_grad
+        g2 = g.reshape(-1, g.shape[-1])  # (rows, F)
+        if self.out is not None:
+            g2 = g2 * (self.out > 0)  # through the ReLU
+        gw = (self.cols.T @ g2).reshape(kh, kw, C, -1) if need[1] else None  # (kh, kw, C, F)
+        gb = g2.sum(axis=0) if len(need) > 2 and need[2] else None  # (F,)
+        gx = None
+        if need[0]:
+            dcols = (g2 @ self.w2.T).reshape(B, Ho, Wo, kh * kw, C)  # column gradient (rows, K), per tap
+            gxp = np.zeros((B, H + 2 * ph, W + 2 * pw, C), dtype=dcols.dtype)  # padded input gradient
+            for tap, view in enumerate(_taps(gxp, kh, kw, sh, sw, Ho, Wo)):
+                view += dcols[:, :, :, tap]  # col2im: (B, Ho, Wo, C) onto the pixels the tap read
+            gx = gxp[:, ph : ph + H, pw : pw + W]  # un-padded, (B, H, W, C)
+        return gx, gw, gb
+
+
+class TiledConv2d(Function):
+    """Convolution, optionally fused with a ReLU on its output (``relu=True``): the
+    rectification runs in place on the GEMM's result instead of on a new array.
+
+    The fast path: forward and backward walk the batch in tiles of whole images (see
+    the module docstring); backward rebuilds each tile's columns from the saved padded
+    input."""
+
+    def forward(self, x, w, b=None, stride=(1, 1), padding=(0, 0), relu=False):
+        B, H, W, C = x.shape
+        kh, kw, wc, F = w.shape
+        _check_channels(C, wc)
         (sh, sw), (ph, pw) = stride, padding
         Ho, Wo = _out_size(H, kh, sh, ph), _out_size(W, kw, sw, pw)
         xp = _pad(np.ascontiguousarray(x), ph, pw)  # (B, H+2ph, W+2pw, C)
@@ -226,7 +289,8 @@ class MaxPool2d(Function):
     """Max over each window; the gradient goes to the first maximum in row-major window
     order (as in PyTorch), so ties never double-count. Forward is kh*kw - 1 elementwise
     maxima of strided views; backward recomputes which tap won from the saved input.
-    Both walk the batch in tiles of ``POOL_TILE_BYTES`` of input, so that every tap
+    With the fast paths on (``ops.fast_paths``), both walk the batch in tiles of
+    ``POOL_TILE_BYTES`` of input, so that every tap
     after the first reads cache: over a whole 8 MB activation (the benchmark CNN's)
     each tap read it again from memory. Measured, tile sizes side by side in one
     process: CNN bench step 52.5 ms whole-batch, 50.3 with 512 KiB tiles (256 KiB and
@@ -243,7 +307,8 @@ class MaxPool2d(Function):
         Ho, Wo = _out_size(H, kh, sh, ph), _out_size(W, kw, sw, pw)
         xp = _pad(x, ph, pw, -np.inf)
         out = np.empty((B, Ho, Wo, C), dtype=x.dtype)
-        self.tiles = blocks(B, max(1, POOL_TILE_BYTES // (xp[:1].nbytes or 1)))
+        tile = max(1, POOL_TILE_BYTES // (xp[:1].nbytes or 1)) if fast_paths_enabled() else B
+        self.tiles = blocks(B, tile)  # the plain path: one tile, the whole batch
         for t in self.tiles:
             o = out[t]  # (b, Ho, Wo, C)
             taps = _taps(xp[t], kh, kw, sh, sw, Ho, Wo)
@@ -313,12 +378,14 @@ class AvgPool2d(Function):
 
 def conv2d(x, weight, bias=None, stride=1, padding=0, relu: bool = False) -> Tensor:
     """NHWC convolution: ``x`` (B, H, W, C_in), ``weight`` (kh, kw, C_in, C_out);
-    ``relu=True`` applies max(0, .) to the result in the same node."""
+    ``relu=True`` applies max(0, .) to the result in the same node. In tiles
+    (``TiledConv2d``) with the fast paths on, else over the whole batch (``Conv2d``)."""
     x = as_tensor(x)
     if x.ndim != 4:
         raise ValueError(f"conv2d expects (B, H, W, C) input, got shape {x.shape}")
     args = (x, weight) if bias is None else (x, weight, bias)
-    return Conv2d.apply(*args, stride=_pair(stride), padding=_pair(padding), relu=relu)
+    op = TiledConv2d if fast_paths_enabled() else Conv2d
+    return op.apply(*args, stride=_pair(stride), padding=_pair(padding), relu=relu)
 
 
 def max_pool2d(x, kernel_size, stride=None, padding=0, relu: bool = False) -> Tensor:

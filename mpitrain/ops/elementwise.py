@@ -10,7 +10,7 @@ import math
 
 import numpy as np
 
-from mpitrain.ops._util import BLOCK_ELEMENTS, blocks, constant, unbroadcast
+from mpitrain.ops._util import BLOCK_ELEMENTS, blocks, constant, fast_paths_enabled, unbroadcast
 from mpitrain.tensor import Function, Tensor, as_tensor
 
 
@@ -159,9 +159,28 @@ _GELU_S = math.sqrt(2.0 / math.pi)
 _GELU_C = 0.044715
 
 
+def gelu_plain(x: np.ndarray, derivative: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
+    """GELU of ``x`` and its derivative (None unless ``derivative``), the textbook formula
+    over the whole array (the plain path; see :class:`GELU`)::
+
+        gelu(x)  = x * h,  h = 0.5 * (1 + tanh(s * (x + c x^3))),  s = sqrt(2/pi), c = 0.044715
+        gelu'(x) = h + x * 2h(1 - h) * s * (1 + 3c x^2)           (1 - tanh^2 = 4h(1 - h))
+
+    The grouping is the textbook formula rearranged so that :func:`gelu_blocks`'s in-place
+    passes do the same floating-point operations in the same order: the two are equal
+    bit for bit, and so is a GPT on either path."""
+    x2 = x * x  # x^2
+    h = 0.5 * np.tanh(x * (x2 * (_GELU_C * _GELU_S) + _GELU_S)) + 0.5  # 0.5 (1 + tanh(s (x + c x^3)))
+    d = None
+    if derivative:
+        d = (1 - h) * h * ((x2 * (6 * _GELU_C * _GELU_S) + 2 * _GELU_S) * x) + h
+    return x * h, d
+
+
 def gelu_blocks(x: np.ndarray, out: np.ndarray, d: np.ndarray | None = None) -> None:
     """GELU of the flat array ``x`` into ``out`` (which may be ``x`` itself: each block
-    is written last), and its derivative into ``d`` unless None; see :class:`GELU`."""
+    is written last), and its derivative into ``d`` unless None; the fast path of
+    :func:`gelu_plain`, equal to it bit for bit; see :class:`GELU`."""
     h = np.empty(min(x.size, BLOCK_ELEMENTS), dtype=x.dtype)  # one block's work arrays
     u = np.empty_like(h)
     for b in blocks(x.size):
@@ -187,20 +206,25 @@ def gelu_blocks(x: np.ndarray, out: np.ndarray, d: np.ndarray | None = None) -> 
 
 class GELU(Function):
     """GELU, tanh form: x * h with h = 0.5 (1 + tanh(s (x + 0.044715 x^3))),
-    s = sqrt(2/pi) (Hendrycks & Gimpel 2016; the form GPT-2 uses).
+    s = sqrt(2/pi) (Hendrycks & Gimpel 2016; the form GPT-2 uses). Forward also computes
+    the derivative when a gradient will be needed; backward is then one product, and
+    only the derivative is kept, not x and h (measured: 0.5 ms less per GPT bench step
+    than recomputing it from them in backward, nine passes).
 
-    Memory-bound, so written as in-place passes over blocks that stay in cache
-    (``_util.blocks``; over whole (768, 512) activations this halved the time): eight
-    passes for the value. When a gradient will be needed, seven more in the same block
-    give the derivative h + x * 2h(1 - h) * s (1 + 3 * 0.044715 x^2) (1 - tanh^2 is
-    4h(1 - h), so no second tanh) while x and h are still in cache; backward is then one
-    product, and only the derivative is kept, not x and h (measured: 0.5 ms less per GPT
-    bench step than recomputing it from them in backward, nine passes)."""
+    With the fast paths off (``ops.fast_paths``) it runs :func:`gelu_plain`, whole-array
+    expressions; on, :func:`gelu_blocks`, the same arithmetic as in-place passes over
+    blocks that stay in cache (``_util.blocks``; over whole (768, 512) activations this
+    halved the time): eight passes for the value, seven more in the same block for the
+    derivative while x and h are still in cache."""
 
     def forward(self, x):
+        need = self.needs_input_grad[0]
+        if not fast_paths_enabled():
+            y, self.d = gelu_plain(x, need)
+            return y
         xf = np.ascontiguousarray(x).reshape(-1)  # (n,)
         y = np.empty_like(xf)
-        self.d = np.empty_like(xf) if self.needs_input_grad[0] else None  # dy/dx, (n,)
+        self.d = np.empty_like(xf) if need else None  # dy/dx, (n,)
         gelu_blocks(xf, y, self.d)
         return y.reshape(x.shape)
 

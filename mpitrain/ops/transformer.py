@@ -3,11 +3,15 @@
     attention_sublayer(x) = x + dropout(attention(LN(x) W_qkv + b_qkv) W_proj + b_proj)
     mlp_sublayer(x)       = x + dropout(gelu(LN(x) W_fc + b_fc) W_proj + b_proj)
 
-Each does the arithmetic of the ops it stands for (``layer_norm``, ``linear``,
+They are ``nn.Block``'s fast path, chosen by ``ops.fast_paths`` (the default); the
+plain path is nanoGPT's two lines through the block's modules, op by op. Each does the
+arithmetic of the ops it stands for (``layer_norm``, ``linear``,
 ``causal_self_attention`` or ``gelu``, ``linear``, ``dropout``, ``add``), in their
-order and with their code (``norm.layer_norm_rows``, ``attention.attend``,
-``elementwise.gelu_blocks``), so its values and gradients are theirs; the tests hold
-it to them in float64, and ``nn.Block``'s submodules keep the op-by-op form.
+order, with their code (``norm.layer_norm_rows``, ``attention.attend``, the same GEMMs,
+``elementwise.gelu_blocks``, whose arithmetic ``gelu_plain`` repeats) and drawing
+dropout masks in their order, so its values and gradients are theirs bit for bit (the
+residual add is ``branch + x`` rather than ``x + branch``, equal in IEEE arithmetic);
+the tests hold a whole GPT on the two paths to that, in float32 and float64.
 
 Why one node. A new array costs, on this machine, a read from memory of every cache
 line before it is written, and the block's large intermediates, LN(x), qkv (N, 3C),

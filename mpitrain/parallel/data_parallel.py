@@ -9,18 +9,19 @@ gradients and optimizer state are replicated.
 "Horovod", 2018):
 
 * at construction, ``Bcast`` of rank 0's parameters and buffers, so every replica
-  starts equal whatever each rank initialised;
-* the gradients live in flat contiguous *bucket* buffers: each parameter's ``.grad`` is
-  a view into one, buckets are filled in reverse parameter order (the order backward
-  produces gradients) up to ``bucket_cap_mb`` each;
+  starts equal whatever each rank initialised (:func:`mpitrain.comm.replicas.broadcast`);
+* the gradients live in flat contiguous *bucket* buffers (:class:`mpitrain.flat.Flat`):
+  each parameter's ``.grad`` is a view into one, buckets are filled in reverse parameter
+  order (the order backward produces gradients) up to ``bucket_cap_mb`` each;
 * during backward, each parameter's gradient-ready hook counts down its bucket; when a
   bucket is complete (and every bucket before it has started, so all ranks start them
   in the same order) a non-blocking allreduce of the whole bucket starts: MPI's
-  ``Iallreduce`` or mpitrain's ring (:mod:`mpitrain.allreduce`), each bucket on its own
+  ``Iallreduce`` or mpitrain's ring (:mod:`mpitrain.comm.ring`), each bucket on its own
   ``Dup`` of ``dp_comm`` so concurrent rings cannot mix;
 * :meth:`DataParallel.finish` after backward starts any bucket still waiting (a
   parameter that took no part in this forward), waits for all, and divides by ``P``;
-  then every rank applies the same optimizer step to the same averaged gradients.
+  then every rank applies the same optimizer step to the same averaged gradients
+  (:meth:`DataParallel.step`, no communication).
 
 **Sum or mean.** Each rank's loss is the mean over its ``B/P`` samples; the allreduce
 sums, and the ``1/P`` is applied to the summed buckets in ``finish``, so the result is
@@ -75,15 +76,19 @@ not part of the gradient; :meth:`DataParallel.sync_buffers` averages them over r
 (the trainer does so before each evaluation), so replicas evaluate alike.
 
 **Gradient accumulation.** Inside ``with dp.no_sync():`` backward only accumulates into
-the buckets; the next backward outside it reduces the sum.
+the buckets; the next backward outside it reduces the sum (the trainer's micro-batches:
+``train.micro_batches``, every backward but the last of a step inside ``no_sync``).
 
-**Launch**: ``mpiexec -n 2 mpitrain train jobs/mnist_lenet.toml --set parallel.strategy=ddp``.
+**In the trainer** the class is one implementation of the gradient sync the loop calls
+(``mpitrain/train/sync.py``): ``begin_step``, ``no_sync``, ``finish``, ``step``,
+``zero_grad``, ``sync_buffers``, ``check_replicas``, ``state_pieces``, ``describe``.
+
+**Launch**: ``mpiexec -n 2 mpitrain train jobs/mnist_lenet.toml --set parallel.sync=ddp``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import queue
 import threading
 import time
@@ -91,7 +96,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mpitrain.allreduce import ALGORITHMS, allreduce, iallreduce
+from mpitrain import optim
+from mpitrain.comm import replicas
+from mpitrain.comm.ring import ALGORITHMS, allreduce, iallreduce
+from mpitrain.flat import Flat, buckets
 
 PROGRESS = ("test", "thread", "none", "off")
 
@@ -120,14 +128,14 @@ class DataParallel:
 
     Use::
 
-        dp = DataParallel(model, dp_comm)
+        dp = DataParallel(model, dp_comm, optimizer=opt)
         loss = loss_fn(model, x_local, y_local)
         loss.backward()      # buckets start as they complete
         dp.finish()          # wait, average: every rank now has the same .grad
-        opt.step(); opt.zero_grad()
+        dp.step(lr, grad_clip); dp.zero_grad()   # or opt.step(); opt.zero_grad()
     """
 
-    def __init__(self, model, dp_comm, bucket_cap_mb: float = 4.0, algorithm: str = "mpi",
+    def __init__(self, model, dp_comm, optimizer=None, bucket_cap_mb: float = 4.0, algorithm: str = "mpi",
                  progress: str = "test", broadcast: bool = True):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"allreduce algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
@@ -135,12 +143,14 @@ class DataParallel:
             raise ValueError(f"progress must be one of {PROGRESS}, got {progress!r}")
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
-        self.model, self.comm = model, dp_comm
-        self.algorithm, self.progress = algorithm, progress
+        self.model, self.comm, self.optimizer = model, dp_comm, optimizer
+        self.algorithm, self.progress, self.bucket_cap_mb = algorithm, progress, bucket_cap_mb
         self.params = [p for p in model.parameters() if p.requires_grad]
         if broadcast:
-            self._broadcast()
-        self.buckets = self._make_buckets(int(bucket_cap_mb * 2**20))
+            replicas.broadcast(dp_comm, [p.data for p in self.params] + [b for _, b in model.named_buffers()])
+        # backward produces gradients in reverse parameter order: buckets fill in that order
+        self.buckets = [Bucket(group, Flat(group, what="a DataParallel bucket").grad, dp_comm.dup())
+                        for group in buckets(reversed(self.params), int(bucket_cap_mb * 2**20))]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._views = {id(p): p.grad for p in self.params}
         for p in self.params:
@@ -148,42 +158,13 @@ class DataParallel:
         self._sync = True
         self._next = 0  # the first bucket not started in this pass
         self.stats = StepStats()
-        self.on_bucket = None  # called (bucket index, start, end, bytes) as each allreduce completes
+        self.on_comm = None  # called (name, start, end, bytes) as each bucket's allreduce completes (a timeline)
         self._thread = self._queue = None
         if progress == "thread" and dp_comm.size > 1:
             self._queue = queue.Queue()
             self._thread = threading.Thread(target=self._communicate, name="dp-allreduce", daemon=True)
             self._thread.start()
         self._reset()
-
-    # ---------------------------------------------------------------- set-up
-    def _broadcast(self) -> None:
-        for p in self.params:
-            self.comm.bcast_array(p.data)
-        for _, b in self.model.named_buffers():
-            self.comm.bcast_array(b)
-
-    def _make_buckets(self, cap_bytes: int) -> list[Bucket]:
-        groups: list[list] = []
-        size = 0
-        for p in reversed(self.params):
-            if not groups or size + p.data.nbytes > cap_bytes or groups[-1][0].dtype != p.dtype:
-                groups.append([])
-                size = 0
-            groups[-1].append(p)
-            size += p.data.nbytes
-        buckets = []
-        for params in groups:
-            flat = np.zeros(sum(p.size for p in params), dtype=params[0].dtype)  # (n,)
-            offset = 0
-            for p in params:
-                view = flat[offset : offset + p.size].reshape(p.shape)
-                if p.grad is not None:
-                    view[...] = p.grad
-                p.grad = view  # backward accumulates into the bucket in place
-                offset += p.size
-            buckets.append(Bucket(params, flat, self.comm.dup()))
-        return buckets
 
     # ------------------------------------------------------------- backward
     def _reset(self) -> None:
@@ -226,8 +207,8 @@ class DataParallel:
     def _completed(self, bucket: Bucket) -> None:
         end = time.perf_counter()
         self.stats.total_seconds += end - bucket.started
-        if self.on_bucket is not None:
-            self.on_bucket(self.buckets.index(bucket), bucket.started, end, bucket.flat.nbytes)
+        if self.on_comm is not None:
+            self.on_comm(f"allreduce bucket {self.buckets.index(bucket)}", bucket.started, end, bucket.flat.nbytes)
         bucket.done.set()
 
     def _communicate(self) -> None:
@@ -269,27 +250,36 @@ class DataParallel:
         finally:
             self._sync = True
 
-    # ---------------------------------------------------------------- checks
+    # ------------------------------------------------ the update, and checks
+    def begin_step(self) -> bool:
+        """Nothing to wait for before a step's forward."""
+        return True
+
+    def step(self, lr: float | None = None, grad_clip: float = 0.0) -> None:
+        """The optimizer step on the averaged gradients (the same on every replica, so
+        no communication); ``grad_clip`` > 0 clips them to that global norm first."""
+        if self.optimizer is None:
+            raise RuntimeError("DataParallel.step needs the optimizer: DataParallel(model, dp_comm, optimizer=opt)")
+        optim.update(self.optimizer, self.params, lr, grad_clip)
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.flat.fill(0)
+
     def sync_buffers(self) -> None:
         """Average floating buffers (batch-norm running statistics) over ranks."""
-        for _, b in self.model.named_buffers():
-            if b.dtype.kind == "f" and self.comm.size > 1:
-                self.comm.allreduce(b)
-                b /= self.comm.size
-
-    def replica_digest(self) -> str:
-        h = hashlib.sha256()
-        for p in self.params:
-            h.update(np.ascontiguousarray(p.data).tobytes())
-        return h.hexdigest()
+        replicas.average(self.comm, [b for _, b in self.model.named_buffers()])
 
     def check_replicas(self) -> str:
         """Raise unless every rank holds bit-identical parameters; returns the digest."""
-        digests = self.comm.allgather(self.replica_digest())
-        differ = [r for r, d in enumerate(digests) if d != digests[0]]
-        if differ:
-            raise RuntimeError(f"replicas diverged: the parameters of rank(s) {differ} differ from rank 0's")
-        return digests[0]
+        return replicas.check_same(self.comm, [p.data for p in self.params])
+
+    def state_pieces(self, offsets):
+        """For checkpoints: the optimizer, every parameter's ``(index, lo, hi)`` in the flat
+        layout ``offsets``, and whether this rank writes them: the state is replicated,
+        so rank 0 of ``dp_comm`` does."""
+        return self.optimizer, [(i, int(offsets[i]), int(offsets[i + 1])) for i in range(len(offsets) - 1)], \
+            self.comm.rank == 0
 
     @property
     def bytes_sent(self) -> int:
@@ -304,6 +294,14 @@ class DataParallel:
         """The formula: ``2 (P-1)/P x`` gradient bytes."""
         P = self.comm.size
         return 2 * (P - 1) / P * sum(b.flat.nbytes for b in self.buckets)
+
+    def describe(self) -> tuple[str, dict[str, str]]:
+        """One line for the start of a run, and the name of each call that waits for
+        the other ranks (the trainer's stall watchdog shows it)."""
+        what = (f"ddp over {self.comm.size} rank(s): {len(self.buckets)} bucket(s) of <= {self.bucket_cap_mb:g} MB, "
+                f"{self.algorithm} allreduce, progress '{self.progress}'; "
+                f"{self.bytes_per_step() / 1e6:.2f} MB sent per rank per step")
+        return what, {"finish": "gradient exchange"}
 
     def close(self) -> None:
         if self._thread is not None:

@@ -10,9 +10,12 @@ to those parameters). Each worker holds a full copy of the model and trains on i
 Networks" (DistBelief, Downpour SGD), NIPS 2012; Li et al., "Scaling Distributed
 Machine Learning with the Parameter Server" (ps-lite), OSDI 2014).
 
-**Communicator**: a ``Dup`` of the one given (all ``S + W`` ranks); point-to-point while
-training; at the end ``Bcast`` of each server's parameters, an ``Allreduce`` of the
-workers' batch-norm statistics and an allgather of the staleness counts.
+**Communicators**: a ``Dup`` of the one given (all ``S + W`` ranks), point-to-point
+while training; at the end (:meth:`ParameterServer.end`) ``Bcast`` of each server's
+parameters and an ``Allreduce`` of the workers' batch-norm statistics, then an
+allgather of the staleness counts (:meth:`ParameterServer.summary`). And ``workers``,
+split from it: the workers alone, for what they do together while the servers serve
+(averaging their batch-norm statistics before an evaluation).
 
 **The calls and when**, per worker step, for each server ``s`` (tags from
 :class:`mpitrain.comm.Tag`):
@@ -55,18 +58,26 @@ headers. Each server sends and receives ``W x N_server x s`` per step.
 the server divides the sum of the ``W`` gradients by ``W``; asynchronously every
 gradient is applied as it arrives, as its own update (``W`` updates per global step).
 
-**Launch**: ``mpiexec -n 4 mpitrain train jobs/mnist_lenet.toml --set parallel.strategy=ps
+**In the trainer** the ranks split into these two roles: servers run :meth:`serve`,
+workers run the ordinary training loop with this object as its gradient sync
+(``mpitrain/train/sync.py``): :meth:`begin_step` waits for the pull, :meth:`step`
+pushes (after the workers agree on the loss, so a step with a non-finite loss is not
+sent), and after the loop and :meth:`serve` every rank calls :meth:`end`.
+
+**Launch**: ``mpiexec -n 4 mpitrain train jobs/mnist_lenet.toml --set parallel.sync=ps
 --set parallel.servers=1 --set parallel.staleness=-1`` (1 server, 3 workers).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 
 import numpy as np
 
-from mpitrain.comm import Tag
+from mpitrain.comm import Tag, replicas
+from mpitrain.flat import Flat, one_dtype
 
 UNBOUNDED = -1
 
@@ -92,7 +103,12 @@ class ParameterServer:
             loss = loss_fn(model, x, y); loss.backward()
             ps.push(step)           # gradients out, replies requested; zeroes .grad
         ps.stop()                   # take the replies still due, say goodbye
+
+    (In the trainer: ``begin_step``, ``step`` and ``end`` make these calls.) Then every
+    rank calls :meth:`end` to receive the final parameters.
     """
+
+    on_comm = None  # the trainer's timeline shows pulls and pushes as the calls they are
 
     def __init__(self, model, optimizer, comm, servers: int = 1, staleness: int = 0, lr_at=None,
                  max_updates: int | None = None):
@@ -107,25 +123,17 @@ class ParameterServer:
         self.max_updates = max_updates  # asynchronous: stop the workers after this many applied gradients
         self.is_server = self.comm.rank < servers
         self.worker = self.comm.rank - servers  # this worker's index (negative on servers)
+        self.workers = self.comm.split(0 if self.is_server else 1, self.comm.rank)
+        self.model = model
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
-        dtypes = {p.dtype for p in self.params}
-        if len(dtypes) != 1:
-            raise ValueError(f"parameters of one dtype are kept flat, got {sorted(map(str, dtypes))}")
-        dtype = dtypes.pop()
+        dtype = one_dtype(self.params, "a parameter server")
         self.owner = partition([p.size for p in self.params], servers)
-        self.flat_params, self.flat_grads = [], []  # per server: (n_s,) arrays the parameters are views of
-        for s in range(servers):
-            mine = [p for p, o in zip(self.params, self.owner) if o == s]
-            values = np.zeros(sum(p.size for p in mine), dtype=dtype)  # (n_s,)
-            grads = np.zeros_like(values)  # (n_s,)
-            offset = 0
-            for p in mine:
-                values[offset : offset + p.size] = p.data.reshape(-1)
-                p.data = values[offset : offset + p.size].reshape(p.shape)
-                p.grad = grads[offset : offset + p.size].reshape(p.shape)
-                offset += p.size
-            self.flat_params.append(values)
-            self.flat_grads.append(grads)
+        flats = [Flat([p for p, o in zip(self.params, self.owner) if o == s], data=True, dtype=dtype)
+                 for s in range(servers)]
+        self.flat_params = [f.data for f in flats]  # per server: (n_s,) the parameters are views of
+        self.flat_grads = [f.grad for f in flats]  # (n_s,)
+        self.pushed = 0  # on a worker: steps pushed
+        self.said_goodbye = False
         self.version = 0  # on a server: the updates it has applied
         self.staleness_seen: Counter = Counter()
         if self.is_server:
@@ -176,15 +184,64 @@ class ParameterServer:
                       self.comm.isend(self.flat_grads[s], s, Tag.PS_GRAD)]
         self._post_pulls()
         self.comm.waitall(sends)  # the buffers are reused next step
-        for g in self.flat_grads:
-            g.fill(0)
+        self.zero_grad()
+        self.pushed += 1
 
     def stop(self) -> None:
-        """After the last step: take the replies still due, then tell every server goodbye."""
+        """A worker, after its last step: take the replies still due, then tell every
+        server goodbye (once; later calls, and calls on a server, do nothing)."""
+        if self.is_server or self.said_goodbye:
+            return
+        self.said_goodbye = True
         if self._pending:
             self.pull_wait()
         bye = [np.array([-1, -1], dtype=np.int64) for _ in range(self.S)]
         self.comm.waitall([self.comm.isend(bye[s], s, Tag.PS_HEADER) for s in range(self.S)])
+
+    # ----------------------------------------- a worker's side of the trainer's step
+    def begin_step(self) -> bool:
+        """Before a step's forward: wait for the pull (see :meth:`pull_wait`)."""
+        return self.pull_wait()
+
+    def no_sync(self):
+        """Gradients leave only in :meth:`step`: micro-batches just accumulate."""
+        return contextlib.nullcontext()
+
+    def finish(self) -> None:
+        """Gradients leave in :meth:`step`, once the workers agree the loss is finite."""
+
+    def step(self, lr: float | None = None, grad_clip: float = 0.0) -> None:
+        """Push this step's gradients (the servers own the update and its learning rate,
+        ``lr_at``; global-norm clipping would need every server's part of the norm)."""
+        if grad_clip > 0:
+            raise ValueError("parameter servers see only their shard of the gradient: no global-norm clipping")
+        self.push(self.pushed)
+
+    def zero_grad(self) -> None:
+        for g in self.flat_grads:
+            g.fill(0)
+
+    def sync_buffers(self) -> None:
+        """Average the workers' floating buffers over the workers (collective on ``workers``)."""
+        replicas.average(self.workers, [b for _, b in self.model.named_buffers()])
+
+    def check_replicas(self) -> str:
+        """After :meth:`end`: raise unless every rank holds bit-identical parameters."""
+        return replicas.check_same(self.comm, [p.data for p in self.model.parameters()])
+
+    def comm_seconds(self) -> tuple[float, float]:
+        """(exposed, total) seconds waiting in pulls, pushes and, on a server, for pushes:
+        every wait is exposed."""
+        return self.comm.stats.seconds, self.comm.stats.seconds
+
+    def describe(self) -> tuple[str, dict[str, str]]:
+        """One line for the start of a run, and the name of each call that waits for
+        other ranks (the trainer's stall watchdog shows it)."""
+        mode = {0: "synchronous"}.get(self.staleness, "asynchronous, unbounded" if self.staleness == UNBOUNDED
+                                      else f"asynchronous, at most {self.staleness} step(s) ahead")
+        what = (f"ps, {self.S} server(s) + {self.W} worker(s), {mode}; per worker per step "
+                f"{sum(self.bytes_per_worker_step()) / 1e6:.2f} MB (push + pull)")
+        return what, {"begin": "pull", "step": "push"}
 
     # ------------------------------------------------------------- server
     def serve(self, trace=None) -> None:
@@ -197,15 +254,17 @@ class ParameterServer:
         arrived = np.zeros(W, dtype=bool)
         done = np.zeros(W, dtype=np.int64)  # steps each worker has pushed
         waiting: list[int] = []  # workers owed a reply
+        trace = trace or (lambda *args: None)
         while listening:
             order = list(listening)
             tick = time.perf_counter()
             w = order[self.comm.waitany([listening[k] for k in order])]
-            if trace is not None:
-                trace("waiting for pushes", "communication", tick, time.perf_counter())
+            trace("waiting for pushes", "communication", tick, time.perf_counter())
             step, version = (int(v) for v in header[w])
-            if step < 0:  # goodbye: this worker is done
+            if step < 0:  # goodbye: this worker is done, and holds back nobody any more
                 del listening[w]
+                done[w] = np.iinfo(np.int64).max
+                self._release(waiting, done)
                 continue
             self.comm.recv(slots[w], self.S + w, Tag.PS_GRAD)
             listening[w] = self.comm.irecv(header[w], self.S + w, Tag.PS_HEADER)
@@ -215,33 +274,39 @@ class ParameterServer:
                 if arrived.all():
                     tick = time.perf_counter()
                     self._apply(slots.sum(axis=0) / W)  # (n,) the mean, summed in worker order
-                    if trace is not None:
-                        trace(f"apply the mean of {W} gradients", "optimizer", tick, time.perf_counter())
+                    trace(f"apply the mean of {W} gradients", "optimizer", tick, time.perf_counter())
                     arrived[:] = False
                     for k in range(W):
                         self._reply(k)
             elif self.max_updates is not None and self.version >= self.max_updates:
                 self._reply(w, stop=True)  # the run has had its gradients: this one is dropped
             else:
-                self.staleness_seen[self.version - version] += 1
-                tick = time.perf_counter()
-                self._apply(slots[w])
-                if trace is not None:
-                    trace(f"apply worker {w}'s gradient (staleness {self.version - 1 - version})", "optimizer",
-                          tick, time.perf_counter())
+                self._apply_async(w, version, slots[w], trace)
                 waiting.append(w)
-                if self.max_updates is not None and self.version >= self.max_updates:
-                    for k in waiting:  # the run has had its updates: nobody waits for the bound
-                        self._reply(k, stop=True)
-                    waiting = []
-                    continue
-                slowest = int(done.min())
-                # worker k starts step done[k] once every worker has finished step done[k] - 1 - staleness
-                ready = [k for k in waiting if self.staleness == UNBOUNDED or slowest >= done[k] - self.staleness]
-                for k in ready:
-                    waiting.remove(k)
-                    self._reply(k)
+                self._release(waiting, done)
         self.comm.waitall(self._sends)
+
+    def _apply_async(self, w: int, version: int, grad: np.ndarray, trace) -> None:
+        """Apply worker ``w``'s gradient, computed on ``version``, at once (Downpour)."""
+        self.staleness_seen[self.version - version] += 1
+        tick = time.perf_counter()
+        self._apply(grad)
+        trace(f"apply worker {w}'s gradient (staleness {self.version - 1 - version})", "optimizer",
+              tick, time.perf_counter())
+
+    def _release(self, waiting: list[int], done: np.ndarray) -> None:
+        """Reply to the waiting workers the staleness bound lets go on (``waiting`` is
+        updated); once the run has had its updates (``max_updates``), to all with stop."""
+        if self.max_updates is not None and self.version >= self.max_updates:
+            for k in waiting:  # nobody waits for the bound any more
+                self._reply(k, stop=True)
+            waiting.clear()
+            return
+        slowest = int(done.min())
+        # worker k starts step done[k] once every worker has finished step done[k] - 1 - staleness
+        for k in [k for k in waiting if self.staleness == UNBOUNDED or slowest >= done[k] - self.staleness]:
+            waiting.remove(k)
+            self._reply(k)
 
     def _apply(self, grad: np.ndarray) -> None:
         """One optimizer step of this server's parameters with ``grad`` (n,)."""
@@ -261,6 +326,37 @@ class ParameterServer:
                         self.comm.isend(self.flat_params[self.comm.rank], self.S + w, Tag.PS_PARAMS)]
 
     # ------------------------------------------------------------ afterwards
+    def end(self) -> int:
+        """After the loop (workers) or :meth:`serve` (servers), on every rank
+        (collective): a worker takes the replies still due and says goodbye; then every
+        rank receives the final parameters and the workers' batch-norm statistics.
+        Returns the global steps the applied gradients amount to (synchronously the
+        steps taken; asynchronously the applied gradients over ``W``), on every rank."""
+        self.stop()  # unless the trainer's loop has said goodbye already
+        self.traffic = (self.bytes_sent, self.bytes_received)  # the run's, without the gathers below
+        self.gather_parameters()
+        self.gather_buffers(self.model)
+        return self.comm.bcast(self.version // (1 if self.staleness == 0 else self.W), root=0)
+
+    def summary(self) -> tuple[list[str], dict[int, int]]:
+        """After :meth:`end` (collective): lines for rank 0 (the staleness of the applied
+        gradients; each worker's steps and bytes against the formula), and the
+        staleness histogram, on every rank."""
+        histogram = self.staleness_histogram()
+        rows = self.comm.gather((self.pushed, *self.traffic))
+        lines = []
+        if histogram:
+            lines.append("staleness of the applied gradients (server version - version computed on): "
+                         + ", ".join(f"{k}: {v}" for k, v in histogram.items()))
+        if self.comm.rank == 0:
+            push, pull = self.bytes_per_worker_step()
+            for w, (n, out, into) in enumerate(rows[self.S:]):
+                # a worker also sent S goodbye headers and received the first pull
+                lines.append(f"worker {w}: {n} steps, sent {out / 1e6:.2f} MB, received {into / 1e6:.2f} MB; per step "
+                             f"{(out - 16 * self.S) / max(n, 1) / 1e6:.3f} + {(into - pull) / max(n, 1) / 1e6:.3f} MB "
+                             f"(formula: {push / 1e6:.3f} + {pull / 1e6:.3f})")
+        return lines, histogram
+
     def gather_parameters(self) -> None:
         """Every rank gets every server's final parameters (collective)."""
         for s in range(self.S):
@@ -292,12 +388,13 @@ class ParameterServer:
         return n + 16 * self.S, n + 8 * self.S
 
     def state_pieces(self, offsets):
-        """For checkpoints: a server's optimizer and its parameters' (index, lo, hi) in
-        the flat layout of the optimizer's order (``offsets``); None on workers."""
+        """For checkpoints: a server's optimizer, its parameters' (index, lo, hi) in the
+        flat layout of the optimizer's order (``offsets``), and True: each server writes
+        its own; None on workers, which hold no optimizer state."""
         if not self.is_server:
             return None
         mine = [i for i, o in enumerate(self.owner) if o == self.comm.rank]
-        return self.optimizer, [(i, int(offsets[i]), int(offsets[i + 1])) for i in mine]
+        return self.optimizer, [(i, int(offsets[i]), int(offsets[i + 1])) for i in mine], True
 
     def unreceived(self) -> bool:
         """Whether a message to this rank is still waiting (after a run: never)."""
@@ -312,4 +409,5 @@ class ParameterServer:
         return self.comm.stats.bytes_received
 
     def close(self) -> None:
+        self.workers.free()
         self.comm.free()

@@ -23,24 +23,35 @@ Models", SC 2020, stage P_os).
    every parameter's ``.data`` is a view of.
 
 All blocking, after backward (no overlap: ZeRO's gain is memory, not time). At
-construction, rank 0's parameters and buffers are broadcast.
+construction, rank 0's parameters and buffers are broadcast
+(:func:`mpitrain.comm.replicas.broadcast`), and the parameters and gradients are laid
+end to end in two flat arrays (:class:`mpitrain.flat.Flat`) that every parameter's
+``.data`` and ``.grad`` are views of.
+
+**Gradient accumulation** needs nothing: gradients stay local until :meth:`Zero1.step`,
+so ``no_sync`` is empty and every micro-batch's backward adds into the flat gradient.
 
 **Bytes per rank per step**: reduce-scatter ``(P-1)/P x N x s`` plus allgather
 ``(P-1)/P x N x s``: ``2 (P-1)/P x N x s``, the same as data parallelism's allreduce,
 which is the two halves done back to back. **Optimizer state per rank**: ``1/P`` of
 data parallelism's (:meth:`Zero1.state_bytes`).
 
-**Launch**: ``mpiexec -n 2 mpitrain train jobs/tinyshakespeare_gpt.toml --set parallel.strategy=zero1``.
+**In the trainer** the class is one implementation of the gradient sync the loop calls
+(``mpitrain/train/sync.py``).
+
+**Launch**: ``mpiexec -n 2 mpitrain train jobs/tinyshakespeare_gpt.toml --set parallel.sync=zero1``.
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import math
 
 import numpy as np
 
-from mpitrain.allreduce import ALGORITHMS, Ring, chunk_bounds
+from mpitrain.comm import replicas
+from mpitrain.comm.ring import ALGORITHMS, Ring, chunk_bounds
+from mpitrain.flat import Flat
 
 
 class Zero1:
@@ -53,27 +64,17 @@ class Zero1:
         zero.zero_grad()
     """
 
+    on_comm = None  # every call blocks: nothing runs in the background for a timeline to show
+
     def __init__(self, model, optimizer, dp_comm, algorithm: str = "mpi"):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"allreduce algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         self.comm, self.algorithm, self.model = dp_comm, algorithm, model
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
-        dtypes = {p.dtype for p in self.params}
-        if len(dtypes) != 1:
-            raise ValueError(f"ZeRO-1 keeps parameters in one flat array of one dtype, got {sorted(map(str, dtypes))}")
-        dtype = dtypes.pop()
-        n = sum(p.size for p in self.params)
-        self.flat_params = np.empty(n, dtype=dtype)  # (N,) every parameter, end to end
-        self.flat_grads = np.zeros(n, dtype=dtype)  # (N,)
-        self.offsets = np.cumsum([0] + [p.size for p in self.params])  # (len(params) + 1,)
-        for p, lo, hi in zip(self.params, self.offsets[:-1], self.offsets[1:]):
-            self.flat_params[lo:hi] = p.data.reshape(-1)
-            p.data = self.flat_params[lo:hi].reshape(p.shape)
-            p.grad = self.flat_grads[lo:hi].reshape(p.shape)
-        for p in self.params:
-            dp_comm.bcast_array(p.data)
-        for _, b in model.named_buffers():
-            dp_comm.bcast_array(b)
+        flat = Flat(self.params, data=True, what="ZeRO-1")
+        self.flat_params, self.flat_grads, self.offsets = flat.data, flat.grad, flat.offsets  # (N,), (N,)
+        n, dtype = flat.data.size, flat.data.dtype
+        replicas.broadcast(dp_comm, [self.flat_params] + [b for _, b in model.named_buffers()])
         P, r = dp_comm.size, dp_comm.rank
         self.bounds = chunk_bounds(n, P)  # shard r is [bounds[r], bounds[r + 1])
         self.counts = np.diff(self.bounds)
@@ -126,29 +127,35 @@ class Zero1:
                 self.comm.allgather_array(self.flat_params, self.counts)
         return norm
 
+    def begin_step(self) -> bool:
+        """Nothing to wait for before a step's forward."""
+        return True
+
+    def no_sync(self):
+        """Gradients are exchanged only in :meth:`step`: nothing to hold back."""
+        return contextlib.nullcontext()
+
+    def finish(self) -> None:
+        """Gradients are exchanged in :meth:`step`, after the ranks agree on the loss."""
+
     def zero_grad(self) -> None:
         self.flat_grads.fill(0)
 
     def state_pieces(self, offsets):
-        """For checkpoints: the optimizer of my shard and its pieces (parameter index,
-        lo, hi) in flat coordinates (``offsets`` is this flat layout's own)."""
-        return self.optimizer, self.pieces
+        """For checkpoints: the optimizer of my shard, its pieces (parameter index, lo,
+        hi) in flat coordinates (``offsets`` is this flat layout's own), and True: every
+        rank writes its shard."""
+        return self.optimizer, self.pieces, True
 
     def sync_buffers(self) -> None:
         """Average floating buffers (batch-norm running statistics) over ranks; each
         rank's batch norm sees only its own samples."""
-        for _, b in self.model.named_buffers():
-            if b.dtype.kind == "f" and self.comm.size > 1:
-                self.comm.allreduce(b)
-                b /= self.comm.size
+        replicas.average(self.comm, [b for _, b in self.model.named_buffers()])
 
     def check_replicas(self) -> str:
-        """Raise unless every rank holds bit-identical parameters; returns the digest."""
-        digests = self.comm.allgather(hashlib.sha256(self.flat_params.tobytes()).hexdigest())
-        differ = [r for r, d in enumerate(digests) if d != digests[0]]
-        if differ:
-            raise RuntimeError(f"replicas diverged: the parameters of rank(s) {differ} differ from rank 0's")
-        return digests[0]
+        """Raise unless every rank holds bit-identical parameters; returns the digest
+        (of the parameters in the model's order, as every strategy's)."""
+        return replicas.check_same(self.comm, [p.data for p in self.model.parameters()])
 
     def state_bytes(self) -> int:
         """Optimizer-state bytes held by this rank."""
@@ -168,3 +175,14 @@ class Zero1:
     def bytes_per_step(self) -> float:
         P = self.comm.size
         return 2 * (P - 1) / P * self.flat_grads.nbytes
+
+    def describe(self) -> tuple[str, dict[str, str]]:
+        """One line for the start of a run, and the name of each call that waits for
+        the other ranks (the trainer's stall watchdog shows it)."""
+        what = (f"zero1 over {self.comm.size} rank(s): optimizer state sharded, {self.algorithm} reduce-scatter + "
+                f"allgather of {self.flat_grads.nbytes / 1e6:.2f} MB; "
+                f"{self.bytes_per_step() / 1e6:.2f} MB sent per rank per step")
+        return what, {"step": "ZeRO-1 update"}
+
+    def close(self) -> None:
+        """Nothing to release."""

@@ -14,9 +14,13 @@ background thread per rank, every ``interval`` seconds:
 * after ``abort_after`` seconds prints that it gives up and aborts every rank
   (``MPI_Abort``): a stalled job ends instead of holding its allocation.
 
-What it watches: the per-step collectives (the gradient exchange, the step agreement,
-ZeRO-1's update). Evaluations and checkpoint writes are not watched: their length is
-mostly work, not waiting, and a long one would look like a stall.
+What it watches: the phases its owner names as waits when it is made (the trainer's
+step agreement, and the calls of the gradient sync that wait for other ranks, named by
+the strategy's ``describe()``: a data-parallel gradient exchange, ZeRO-1's update, a
+parameter server's pull). Everything else is ``computing``. Evaluations and checkpoint
+writes are not watched: their length is mostly work, not waiting, and a long one would
+look like a stall. Every rank of ``comm`` must name the same waits, in the same order
+(a phase travels as its index).
 
 The thread calls MPI beside the main thread, so it needs thread level ``multiple``
 (mpitrain's default); at another level the watchdog is off and says so. Its messages
@@ -34,12 +38,17 @@ import numpy as np
 
 from mpitrain.comm import Tag, started_thread_level
 
-PHASES = ("computing", "gradient exchange", "agreeing on the step", "ZeRO-1 update")
-WAITING = set(PHASES[1:])  # collectives: where a rank waits for the others
+COMPUTING = "computing"  # the phase of everything that is not a named wait
 
 
 class Watchdog:
-    def __init__(self, comm, warn_after: float, abort_after: float, log=None, interval: float | None = None):
+    """Watch the main thread's phases on every rank of ``comm``; ``waits`` names the
+    phases that wait for other ranks (those :meth:`phase` may be given besides
+    ``computing``)."""
+
+    def __init__(self, comm, warn_after: float, abort_after: float, waits=(), log=None,
+                 interval: float | None = None):
+        self.phases = (COMPUTING, *dict.fromkeys(w for w in waits if w != COMPUTING))  # index: the code sent
         self.warn_after, self.abort_after = warn_after, abort_after
         self.log = log or (lambda m: print(m, file=sys.stderr, flush=True))
         self.state = (0, 0, time.perf_counter())  # step, phase code, since: one tuple, replaced whole
@@ -60,11 +69,12 @@ class Watchdog:
         self._thread.start()
 
     @contextlib.contextmanager
-    def phase(self, step: int, name: str):
-        """Mark the main thread as being in ``name`` (one of :data:`PHASES`) at ``step``
-        (the thread reads the state as one tuple, never half of an update)."""
+    def phase(self, step: int, name: str | None):
+        """Mark the main thread as being in ``name`` (one of the waits, or ``computing``;
+        None is ``computing``) at ``step`` (the thread reads the state as one tuple, never
+        half of an update)."""
         previous = self.state[1]
-        self.state = (step, PHASES.index(name), time.perf_counter())
+        self.state = (step, self.phases.index(name or COMPUTING), time.perf_counter())
         try:
             yield
         finally:
@@ -94,7 +104,7 @@ class Watchdog:
             else:
                 sends = [(buf, r) for buf, r in sends if not r.test()]  # keep each buffer until sent
                 sends.append((mine, comm.isend(mine, 0, Tag.WATCHDOG)))
-            if PHASES[code] not in WAITING:
+            if code == 0:  # computing
                 warned = False
                 continue
             if self.warn_after > 0 and waited > self.warn_after and not warned:
@@ -106,7 +116,7 @@ class Watchdog:
                 comm.abort(1)
 
     def _describe(self, step: int, code: int, waited: float, what: str) -> str:
-        here = f"[rank {self.comm.rank}] {what}: waited {waited:.0f} s in '{PHASES[code]}' at step {step}"
+        here = f"[rank {self.comm.rank}] {what}: waited {waited:.0f} s in '{self.phases[code]}' at step {step}"
         if self.comm.rank != 0:
             return here
         now = time.perf_counter()
@@ -114,6 +124,6 @@ class Watchdog:
         for rank, (their_step, their_code, seconds, when) in sorted(self.heard.items()):
             if rank == 0 or (int(their_step) == step and int(their_code) == code):
                 continue
-            missing.append(f"rank {rank} (step {int(their_step)}, {PHASES[int(their_code)]} for {seconds:.0f} s, "
+            missing.append(f"rank {rank} (step {int(their_step)}, {self.phases[int(their_code)]} for {seconds:.0f} s, "
                            f"heard from {now - when:.0f} s ago)")
         return here + ("; not there: " + ", ".join(missing) if missing else "; every rank is waiting there too")

@@ -56,7 +56,7 @@ import weakref
 
 import numpy as np
 
-from mpitrain.comm import Request, Tag
+from mpitrain.comm.communicator import Request, Tag
 
 ALGORITHMS = ("mpi", "ring")
 

@@ -1,5 +1,5 @@
-"""The one module that imports mpi4py: communicators, buffer collectives, counters,
-agreement on errors, abort on failure.
+"""Communicators: buffer collectives, counters, agreement on errors, abort on failure
+(the module of the comm package that imports mpi4py).
 
 ``Comm`` wraps an mpi4py communicator; ``SingleComm`` is the same interface for one
 process without MPI (every collective is then a no-op or a copy), for the unit tier and
@@ -145,7 +145,7 @@ class SingleComm:
     def sleeping_barrier(self, poll: float = 1e-3) -> None:
         pass
 
-    def agree(self, fn, *args, **kwargs):
+    def agree(self, fn, *args, share=Exception, **kwargs):
         return fn(*args, **kwargs)
 
 
@@ -275,12 +275,13 @@ class Comm(SingleComm):
         while not request.Test():
             time.sleep(poll)
 
-    def agree(self, fn, *args, **kwargs):
-        """Run ``fn`` on every rank. If it raises an :class:`Exception` on any rank, raise
-        the first such error (lowest rank) on every rank; else return this rank's result."""
+    def agree(self, fn, *args, share=Exception, **kwargs):
+        """Run ``fn`` on every rank. If it raises an exception of the kinds ``share`` on any
+        rank, raise the first such error (lowest rank) on every rank; else return this
+        rank's result. (Other exceptions propagate at once, to end the job.)"""
         try:
             result, failure = fn(*args, **kwargs), None
-        except Exception as e:  # every kind is shared so that all ranks fail together
+        except share as e:  # shared so that all ranks fail together
             result, failure = None, (type(e), str(e))
         failures = self.allgather(failure)
         for rank, f in enumerate(failures):
@@ -325,7 +326,7 @@ def thread_level(requested: str = "auto", comm_thread: bool = False) -> str:
     ``multiple`` too. (An older MPICH measured on this kind of machine did the opposite,
     see ``../shared/MEASURED.md``; re-measure with ``--thread-level`` on yours.) With more
     ranks than cores a lock-free level makes MPICH spin, another reason for the default;
-    and the trainer's stall watchdog (:mod:`mpitrain.watchdog`) calls MPI from a thread.
+    and the trainer's stall watchdog (:mod:`mpitrain.observe.watchdog`) calls MPI from a thread.
     ``comm_thread`` (a thread besides the main one calls MPI) needs ``serialized`` or more."""
     if requested not in THREAD_LEVELS:
         raise ValueError(f"thread level must be one of {THREAD_LEVELS}, got {requested!r}")

@@ -1,0 +1,22 @@
+"""The communication layer: the only package that imports mpi4py.
+
+* :mod:`~mpitrain.comm.communicator`: ``Comm`` (an mpi4py communicator with buffer
+  collectives, requests, byte and time counters) and ``SingleComm`` (the same interface
+  for one process without MPI), tags, the MPI thread level, errors agreed over ranks,
+  abort on exception;
+* :mod:`~mpitrain.comm.ring`: allreduce algorithms, MPI's and mpitrain's ring;
+* :mod:`~mpitrain.comm.grid`: the ``dp x pp x tp`` process grid and its communicators;
+* :mod:`~mpitrain.comm.replicas`: broadcast, averaging and checking of model replicas.
+
+It knows arrays, not tensors. Importing it does not start MPI; :func:`world` does.
+"""
+
+from mpitrain.comm.communicator import (
+    THREAD_LEVELS, Comm, CommStats, Request, SingleComm, Tag, abort_on_exception, started_thread_level,
+    started_world, thread_level, world,
+)
+
+__all__ = [
+    "THREAD_LEVELS", "Comm", "CommStats", "Request", "SingleComm", "Tag", "abort_on_exception",
+    "started_thread_level", "started_world", "thread_level", "world",
+]

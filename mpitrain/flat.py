@@ -1,0 +1,72 @@
+"""Flat layouts: parameters laid end to end in one contiguous array.
+
+Every strategy moves gradients, and ZeRO and the parameter servers also parameters, as
+flat contiguous buffers, so that one buffer method sends many parameters without
+pickling or copying (ARCHITECTURE.md, convention 4). A :class:`Flat` owns such a
+buffer for a list of parameters and makes each parameter's ``.grad`` (and, if asked,
+``.data``) a view into it: backward accumulates straight into the buffer, and an
+optimizer updating ``.data`` updates the buffer. Element ``offsets[i]`` of the buffer is
+the first of parameter ``i``; checkpoints store optimizer state in the same
+coordinates (:func:`offsets`), which is what makes them independent of how a run split
+the state.
+
+This module is part of the base: it knows arrays and parameters, never MPI.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def offsets(params) -> np.ndarray:
+    """(len(params) + 1,) where each parameter starts in the flat layout, and the end."""
+    return np.cumsum([0] + [p.size for p in params])
+
+
+def one_dtype(params, what: str) -> np.dtype:
+    """The dtype all ``params`` share; ``what`` names the caller in the error."""
+    dtypes = {p.dtype for p in params}
+    if len(dtypes) != 1:
+        raise ValueError(f"{what} keeps parameters in one flat array of one dtype, got {sorted(map(str, dtypes))}")
+    return dtypes.pop()
+
+
+class Flat:
+    """``params`` end to end: ``grad`` (n,) holds their gradients and each ``p.grad``
+    becomes a view into it (an existing gradient is copied in, else zero); with
+    ``data=True``, ``data`` (n,) holds their values likewise (``p.data`` a view).
+    ``dtype`` is the arrays' dtype when ``params`` is empty."""
+
+    def __init__(self, params, data: bool = False, what: str = "a flat layout", dtype=None):
+        self.params = list(params)
+        dtype = one_dtype(self.params, what) if self.params else np.dtype(dtype)
+        self.offsets = offsets(self.params)  # (len(params) + 1,)
+        n = int(self.offsets[-1])
+        self.grad = np.zeros(n, dtype=dtype)  # (n,)
+        self.data = np.empty(n, dtype=dtype) if data else None  # (n,)
+        for p, lo, hi in zip(self.params, self.offsets[:-1], self.offsets[1:]):
+            if data:
+                self.data[lo:hi] = p.data.reshape(-1)
+                p.data = self.data[lo:hi].reshape(p.shape)
+            view = self.grad[lo:hi].reshape(p.shape)
+            if p.grad is not None:
+                view[...] = p.grad
+            p.grad = view
+
+    @property
+    def nbytes(self) -> int:
+        return self.grad.nbytes
+
+
+def buckets(params, cap_bytes: int) -> list[list]:
+    """``params`` in their order, cut into consecutive groups of one dtype and at most
+    ``cap_bytes`` each (a parameter larger than the cap is a group of its own)."""
+    groups: list[list] = []
+    size = 0
+    for p in params:
+        if not groups or size + p.data.nbytes > cap_bytes or groups[-1][0].dtype != p.dtype:
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += p.data.nbytes
+    return groups

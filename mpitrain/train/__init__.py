@@ -1,0 +1,134 @@
+"""The trainer: :func:`train` runs a config on one process or on ``P`` MPI ranks.
+
+Where to read what:
+
+* :mod:`~mpitrain.train.build`: from a Config to the data, the model (every rank builds
+  the same one from the seed), the optimizer, and this rank's :class:`Role` on the
+  ``dp x pp x tp`` grid: the gradient sync of ``parallel.sync``, or a parameter
+  server's work. The only module that reads strategy names.
+* :mod:`~mpitrain.train.sync`: the seam, :class:`GradSync`: what the loop calls on any
+  strategy.
+* :mod:`~mpitrain.train.schedule`: a step as data (each micro-batch's forward and
+  backward) and the interpreter that runs it.
+* :mod:`~mpitrain.train.loop`: the loop: steps, progress lines, evaluations and
+  checkpoints between steps, stop signals, what a non-finite loss does.
+* :mod:`~mpitrain.train.evaluate` and :mod:`~mpitrain.train.report`: evaluation; what a
+  run leaves behind.
+
+A run: check the grid against the ranks; build; resume from the newest readable
+checkpoint if asked; run the loop (a parameter server serves instead); the role's end
+(the servers hand out the final parameters); then the last checkpoint, the final
+evaluation and the report: where each rank's time went (compute, communication exposed
+and total, I/O, waiting) and a check that every replica holds the same parameters.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from mpitrain import checkpoint, ops
+from mpitrain.comm import SingleComm, started_thread_level
+from mpitrain.config import Config, ConfigError, check_ranks
+from mpitrain.runtime import blas_threads, limit_blas_threads, tune_allocator
+from mpitrain.train.build import Role, Run, build_run, prepare_run_dir
+from mpitrain.train.loop import Loop, StopSignals
+from mpitrain.train.report import Outputs, Result, finish
+from mpitrain.train.sync import GradSync
+
+__all__ = ["GradSync", "Result", "Role", "train"]
+
+
+def train(cfg: Config, log=print, comm=None, resume: bool = False, warn=None) -> Result:
+    """Train as ``cfg`` says, printing progress through ``log`` and warnings through
+    ``warn`` (rank 0 only); returns the figures. ``comm`` is the world communicator
+    (:func:`mpitrain.comm.world`); without one the run is a single process with no MPI
+    at all. With ``resume`` the run continues from the newest readable checkpoint in
+    ``run.dir`` (or starts if there is none)."""
+    comm = comm or SingleComm()
+    grid = check_ranks(cfg, comm.size)
+    warn = warn or _stderr
+    loud = log is print  # the command line: a parameter server's worker 0 prints its progress too
+    if comm.rank != 0:
+        log = warn = _silent
+    for note in cfg.notes:
+        warn(note)
+    comm.agree(prepare_run_dir, cfg, resume)
+    threads = blas_threads(cfg.train.threads, comm.node_size())
+    tune_allocator()
+    with limit_blas_threads(threads), ops.fast_paths(cfg.train.fast_paths):
+        run = build_run(cfg, comm, grid, log)
+        try:
+            log(_header(run, threads))
+            first = _resume(run, log, warn) if resume else 0
+            return _work(run, first, log, print if loud and run.role.leads else log, warn)
+        finally:
+            run.close()
+
+
+def _work(run: Run, first: int, log, loop_log, warn) -> Result:
+    """This rank's part: the loop or serving, the role's end, the end of the run."""
+    role, world, cfg = run.role, run.world, run.cfg
+    result = Result(start_step=first)
+    out = Outputs(cfg, world, role.leads, first)
+    out.metrics.write("start", step=first, total_steps=run.total, steps_per_epoch=run.reader.steps_per_epoch,
+                      ranks=world.size, config=cfg.to_dict())
+    start = time.perf_counter()
+    loop = None
+    with StopSignals() as signals:
+        if role.serve is not None:
+            role.guard(lambda: role.serve(trace=None if out.timeline is None else _trace(out.timeline)))
+            times = (world.rank, time.perf_counter() - start, *role.sync.comm_seconds(), 0.0, 0.0,
+                     role.sync.bytes_sent)
+        else:
+            loop = Loop(run, first, result, out, signals, loop_log, warn)
+            role.guard(loop.execute)
+            times = loop.times()
+    steps = role.end()
+    result.steps = result.steps if steps is None else steps
+    figures = None if loop is None else loop.figures(time.perf_counter() - start)
+    figures = world.bcast(figures, root=world.allgather(role.leads).index(True))
+    result.stopped = figures["stopped"]  # a server ran no loop: the leading rank's word
+    return finish(run, result, result.steps, times, figures, out, log)
+
+
+def _header(run: Run, threads: int) -> str:
+    cfg, reader, t = run.cfg, run.reader, run.cfg.train
+    what = "windows" if run.data.kind == "text" else "samples"
+    micro = f" in {t.micro_batches} micro-batches per rank" if t.micro_batches > 1 else ""
+    level = f"; MPI thread level {started_thread_level()}" if run.world.size > 1 else ""
+    return (f"model {cfg.model.name}: {run.model.num_parameters():,} parameters; data {run.data.name} "
+            f"({run.data.path}), {reader.n:,} training {what}, {reader.steps_per_epoch} steps per epoch; "
+            f"{run.total} steps of {t.global_batch_size}{micro}; {threads} BLAS thread(s) per rank; {t.dtype}"
+            f"{'' if t.fast_paths else '; fast paths off'}\n"
+            f"parallel: {run.role.layout}; {run.role.sync.describe()[0]}{level}")
+
+
+def _resume(run: Run, log, warn) -> int:
+    """Load the newest readable checkpoint of the run directory; its step (0: none)."""
+    cfg = run.cfg
+    path = checkpoint.latest(cfg.run.dir, run.world, warn)
+    if path is None:
+        log(f"resume: no checkpoint in {checkpoint.directory(cfg.run.dir)}, starting at step 0")
+        return 0
+    attrs = checkpoint.restore(path, cfg=cfg, model=run.model, optimizer=run.optimizer, sync=run.role.sync,
+                               comm=run.world, warn=warn)
+    first = int(attrs["step"])
+    log(f"resumed from {path} at step {first} (saved by {attrs['ranks']} rank(s), {attrs['strategy']}, "
+        f"mpitrain {attrs['mpitrain_version']})")
+    if first > run.total:
+        raise ConfigError(f"train.steps: the checkpoint is at step {first}, beyond this run's {run.total} steps")
+    return first
+
+
+def _trace(timeline):
+    """A server's events on its compute track."""
+    return lambda name, category, start, end: timeline.add(name, category, "compute", start, end)
+
+
+def _silent(*args) -> None:
+    pass
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)

@@ -1,0 +1,251 @@
+"""Everything a run trains with, built from a Config: data, model, optimizer, and the role
+of this rank on the process grid.
+
+The one place where strategy names are read: ``parallel.sync`` picks a gradient sync
+(:data:`SYNCS`, each following :class:`~mpitrain.train.sync.GradSync`) over the
+data-parallel communicator of a ``dp x pp x tp`` :class:`~mpitrain.comm.grid.ProcessGrid`;
+``ps`` splits the ranks into parameter servers and workers instead
+(:func:`_ps_role`). What comes out is a :class:`Role`: the loop and the end of the run
+read only that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from typing import Callable
+
+from mpitrain import checkpoint, nn, optim, rng
+from mpitrain.comm import SingleComm
+from mpitrain.comm.grid import ProcessGrid
+from mpitrain.config import Config, ConfigError, check_against_data
+from mpitrain.data import DataError, Dataset, ShardReader, open_dataset
+from mpitrain.parallel.data_parallel import DataParallel
+from mpitrain.parallel.local import LocalSync
+from mpitrain.parallel.param_server import ParameterServer
+from mpitrain.parallel.zero import Zero1
+from mpitrain.tensor import default_dtype
+from mpitrain.train.sync import GradSync
+
+# parallel.sync -> its gradient sync over dp_comm ("ps" is a role split: _ps_role)
+SYNCS = {
+    "local": lambda cfg, model, opt, dp_comm: LocalSync(model, opt),
+    "ddp": lambda cfg, model, opt, dp_comm: DataParallel(
+        model, dp_comm, optimizer=opt, bucket_cap_mb=cfg.parallel.bucket_mb, algorithm=cfg.parallel.allreduce,
+        progress=cfg.parallel.progress),
+    "zero1": lambda cfg, model, opt, dp_comm: Zero1(model, opt, dp_comm, algorithm=cfg.parallel.allreduce),
+}
+
+
+@dataclass
+class Role:
+    """What one rank does in the run: run the training loop with ``sync``, or serve."""
+
+    sync: GradSync
+    loop_comm: object  # the ranks that run the loop in step: they agree on each step, evaluate and save together
+    leads: bool  # this rank speaks for the loop: progress lines and metrics.jsonl
+    lane: tuple[int, int]  # (lane, lanes): this rank's part of every global batch
+    ranks: int  # the ranks that train together (the grid): the loop's figures are scaled to them
+    layout: str  # the grid, for the log and checkpoints
+    serve: Callable | None = None  # a server's work instead of the loop: serve(trace)
+    # the loop's ranks take every step together, for the configured steps, evaluating on the way; False
+    # (asynchronous workers): each runs alone until begin_step() says stop, and is scored at the end only
+    lockstep: bool = True
+    prefix: str = ""  # before the loop's progress lines
+    guard: Callable = lambda work: work()  # runs the loop or serve()
+    end: Callable = lambda: None  # after them, on every rank: the steps the run has taken (None: the loop's)
+    summary: Callable = lambda: ([], {})  # lines for rank 0 and figures, after end() (collective)
+    closers: list = field(default_factory=list)
+
+    def close(self) -> None:
+        for close in self.closers:
+            close()
+
+
+@dataclass
+class Run:
+    cfg: Config
+    world: object
+    data: Dataset
+    model: nn.Module
+    optimizer: optim.Optimizer
+    role: Role
+    reader: ShardReader
+    total: int  # optimizer steps of the run
+    lr: Callable[[int], float]  # the learning rate at a step
+
+    def close(self) -> None:
+        self.data.close()
+        self.role.close()
+
+
+def build_run(cfg: Config, world, grid: tuple[int, int, int], log) -> Run:
+    """Every rank builds the same model from the seed, then its role on ``grid``
+    (``(dp, pp, tp)``, from :func:`mpitrain.config.check_ranks`). Collective."""
+    data = open_data(cfg, world, log)
+    try:
+        check_against_data(cfg, data)
+        rng.manual_seed(cfg.train.seed)
+        model = build_model(cfg, data)
+        opt = build_optimizer(cfg, model)
+        same_everywhere(cfg, model, world)
+        t = cfg.train
+        total = t.steps or t.epochs * train_reader(cfg, data, 0, 1).steps_per_epoch  # as many on every lane
+        lr = build_lr_schedule(cfg, total)
+        make = _ps_role if cfg.parallel.sync == "ps" else _replica_role
+        role = make(cfg, world, grid, model, opt, lr, total)
+    except BaseException:
+        data.close()
+        raise
+    return Run(cfg, world, data, model, opt, role, train_reader(cfg, data, *role.lane), total, lr)
+
+
+def _replica_role(cfg: Config, world, grid, model, opt, lr, total) -> Role:
+    """Every rank runs the loop; the model's replicas synchronise over ``dp_comm``. Data
+    parallelism over one rank has nothing to exchange: the local sync."""
+    g = ProcessGrid(world, *grid)
+    name = "local" if cfg.parallel.sync == "ddp" and g.dp_size == 1 else cfg.parallel.sync
+    sync = SYNCS[name](cfg, model, opt, g.dp_comm)
+    return Role(sync, loop_comm=world, leads=world.rank == 0, lane=(g.dp_rank, g.dp_size), ranks=world.size,
+                layout=_shape(grid), end=sync.sync_buffers, closers=[sync.close, g.free])
+
+
+def _ps_role(cfg: Config, world, grid, model, opt, lr, total) -> Role:
+    """Parameter servers: the first ``parallel.servers`` ranks serve, the others are the
+    grid's workers and run the loop with the server object as their sync. Synchronous
+    workers run in step (the loop's collectives span the workers); asynchronous ones
+    each run alone, until the servers have applied ``total x workers`` gradients."""
+    par = cfg.parallel
+    S, W = par.servers, world.size - par.servers
+    lockstep = par.staleness == 0
+
+    def lr_at(version):  # asynchronously, W updates (one per worker) per global step
+        return lr(version if lockstep else min(version // W, total - 1))
+
+    ps = ParameterServer(model, opt, world, servers=S, staleness=par.staleness, lr_at=lr_at,
+                         max_updates=None if lockstep else total * W)
+    g = None if ps.is_server else ProcessGrid(ps.workers, *grid)
+    role = Role(ps, loop_comm=ps.workers if lockstep else SingleComm(), leads=ps.worker == 0,
+                lane=(max(0, ps.worker), W), ranks=W, layout=f"{S} server(s), workers on {_shape(grid)}",
+                serve=ps.serve if ps.is_server else None, lockstep=lockstep,
+                prefix="" if lockstep else "worker 0: ", end=ps.end, summary=ps.summary,
+                closers=[ps.close] + ([] if g is None else [g.free]))
+
+    def guard(work):
+        """A loss that is not finite stops the workers (synchronous ones all at the same
+        step: they agree on it): the servers must still hear every goodbye, and then every
+        rank raise the same error."""
+        def work_then_goodbye():
+            try:
+                result = work()
+            except FloatingPointError:
+                ps.stop()
+                raise
+            ps.stop()
+            return result
+        return world.agree(work_then_goodbye, share=FloatingPointError)
+
+    role.guard = guard
+    return role
+
+
+def _shape(grid) -> str:
+    return "dp {} x pp {} x tp {}".format(*grid)
+
+
+# ---------------------------------------------------------------- the parts
+def open_data(cfg: Config, comm, log) -> Dataset:
+    """Open the dataset of ``cfg.data`` on every rank: an embedded default is built by
+    rank 0 on first use; every shard's structure is checked on every rank, and with
+    ``data.verify`` each shard's content is re-hashed by one rank. A problem anywhere
+    raises the same DataError on every rank."""
+    d = cfg.data
+    if d.path:
+        path = d.path
+    else:
+        from mpitrain_datasets import embedded
+
+        comm.agree(lambda: embedded.ensure(d.name, log) if comm.rank == 0 else None)
+        path = embedded.location(d.name)
+    dataset = comm.agree(open_dataset, path)
+    if d.verify:
+        def check():
+            problems = dataset.verify(comm.rank, comm.size)
+            if problems:
+                raise DataError(problems[0])
+        comm.agree(check)
+    return dataset
+
+
+def build_model(cfg: Config, data) -> nn.Module:
+    """The model of ``cfg.model`` for ``data``, initialised from the global seed."""
+    m = cfg.model
+    with default_dtype(cfg.train.dtype):
+        if m.name == "gpt":
+            gcfg = nn.GPTConfig(vocab_size=len(data.vocab), block_size=m.block_size, n_layer=m.n_layer,
+                                n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias,
+                                checkpoint_activations=m.checkpoint_activations)
+            return nn.GPT(gcfg)
+        h, _, c = data.split("train").sample_shape
+        kinds = {"lenet": lambda: nn.LeNet(c, h, len(data.classes), m.channels, m.hidden, m.dropout),
+                 "convnet": lambda: nn.ConvNet(c, h, len(data.classes), m.channels),
+                 "resnet": lambda: nn.ResNet(c, h, len(data.classes), m.widths, m.blocks)}
+        return kinds[m.name]()
+
+
+def build_optimizer(cfg: Config, model: nn.Module) -> optim.Optimizer:
+    o = cfg.optim
+    groups = optim.decay_groups(model.named_parameters(), o.weight_decay)
+    if o.name == "sgd":
+        return optim.SGD(groups, o.lr, momentum=o.momentum, nesterov=o.nesterov)
+    cls = optim.AdamW if o.name == "adamw" else optim.Adam
+    return cls(groups, o.lr, betas=o.betas, eps=o.eps)
+
+
+def train_reader(cfg: Config, data: Dataset, rank: int, size: int) -> ShardReader:
+    """Lane ``rank`` of ``size`` of the training split's global batches."""
+    text = cfg.model.name == "gpt"
+    return ShardReader(data.split("train"), rank=rank, size=size, global_batch=cfg.train.global_batch_size,
+                       seed=cfg.train.seed, window=cfg.model.block_size if text else None,
+                       buffer_mb=cfg.data.buffer_mb, prefetch=cfg.data.prefetch)
+
+
+def build_lr_schedule(cfg: Config, total_steps: int):
+    o = cfg.optim
+    if o.schedule == "constant":
+        return optim.Constant(o.lr, o.warmup_steps)
+    return optim.WarmupCosine(o.lr, min(o.warmup_steps, total_steps), total_steps, o.min_lr)
+
+
+def same_everywhere(cfg: Config, model: nn.Module, comm) -> None:
+    """Raise ConfigError on every rank unless all ranks run the same config, the same
+    mpitrain version and the same parameter shapes (different files or installs on
+    different nodes would otherwise train nonsense or hang in mismatched collectives)."""
+    import mpitrain
+
+    mine = {"config": json.dumps(cfg.to_dict(), sort_keys=True), "mpitrain version": mpitrain.__version__,
+            "model shapes": json.dumps([(n, p.shape) for n, p in model.named_parameters()])}
+    digest = {k: hashlib.sha256(v.encode()).hexdigest() for k, v in mine.items()}
+    everyone = comm.allgather(digest)
+    for rank, theirs in enumerate(everyone):
+        differ = [k for k in digest if theirs[k] != everyone[0][k]]
+        if differ:
+            raise ConfigError(f"rank {rank} differs from rank 0 in its {' and '.join(differ)}: every rank must "
+                              "read the same config and run the same mpitrain")
+
+
+def prepare_run_dir(cfg: Config, resume: bool) -> None:
+    """Refuse to mix two runs' checkpoints in one directory. (It is created when the
+    loop starts, after every check: a refused run leaves nothing behind.)"""
+    if resume and cfg.parallel.sync == "ps":
+        raise ConfigError("parallel.sync: a parameter-server run cannot be resumed (its final checkpoint "
+                          "can, with parallel.sync = 'ddp' or 'zero1')")
+    run = cfg.run.dir
+    if not run:
+        if resume:
+            raise ConfigError("run.dir: resuming needs the run directory that holds the checkpoints")
+        return
+    if not resume and checkpoint.listed(run):
+        raise ConfigError(f"run.dir: {run} already holds the checkpoints of a run; resume it (--resume) "
+                          "or choose another run directory")

@@ -1,0 +1,330 @@
+"""The training loop of one rank: batches in, optimizer steps out, evaluations and
+checkpoints in between.
+
+It knows no strategy. A step (:meth:`Loop.train_step`) reads::
+
+    sync.begin_step()                    # before the first forward
+    schedule.run(actions, micro-batches) # forward and backward of each micro-batch
+    sync.finish()                        # the gradients of the step are complete
+    agree on the loss and stop signals   # one small allreduce over the loop's ranks
+    sync.step(lr, grad_clip)             # unless the loss is not finite
+    sync.zero_grad()
+
+where ``sync`` is the role's :class:`~mpitrain.train.sync.GradSync` and ``actions`` its
+schedule (:mod:`mpitrain.train.schedule`). The loop's ranks (``role.loop_comm``) agree on
+every step, so a stop signal or a non-finite loss ends them all at the same step.
+Progress lines (the leading rank) report the loss averaged over ranks, the learning
+rate, samples/s and achieved GFLOP/s (FLOPs counted from the model's shapes on the
+first step, :mod:`mpitrain.observe.flops`); each epoch prints the per-rank I/O table.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from functools import partial
+
+import numpy as np
+from tqdm import tqdm
+
+from mpitrain import checkpoint, nn, ops
+from mpitrain.data.loader import normalize, random_shift, shifts
+from mpitrain.observe.flops import FlopCount
+from mpitrain.observe.io import io_row, io_table
+from mpitrain.observe.watchdog import Watchdog
+from mpitrain.runtime import huge_page_heap
+from mpitrain.tensor import Tensor, observe_ops
+from mpitrain.train import evaluate, report, schedule
+
+HEAP_WARMUP_STEPS = 3  # training steps after which the heap has its size (runtime.huge_page_heap)
+AGREEING = "agreeing on the step"  # the loop's own wait, for the stall watchdog
+
+
+class Loop:
+    """One rank's loop over ``run`` from step ``first``, filling ``result``; ``out`` holds
+    the metrics file and timeline, ``signals`` the stop signals received."""
+
+    def __init__(self, run, first: int, result, out, signals, log, warn):
+        self.run, self.cfg, self.first, self.result = run, run.cfg, first, result
+        self.out, self.signals, self.log, self.warn = out, signals, log, warn
+        self.role, self.sync, self.comm = run.role, run.role.sync, run.role.loop_comm
+        self.waits = self.sync.describe()[1]  # call -> the name of its wait
+        self.actions = schedule.one_stage(self.cfg.train.micro_batches)
+        self.loss_of = partial(text_loss if run.data.kind == "text" else image_loss, run.model)
+        self.flops = FlopCount()
+        self.train_seconds = 0.0  # optimizer steps only, without data and evaluation
+        self.epoch_seconds: dict[int, float] = {}
+        self.window = [0.0, 0, 0.0]  # since the last progress line: loss sum, steps, seconds
+        self.watchdog = self.bar = None
+        self.lr = 0.0
+
+    # --------------------------------------------------------------- the loop
+    def execute(self):
+        """Train from ``first`` to the run's last step (or until a stop signal, or the
+        sync says stop); returns the result."""
+        run, t = self.run, self.cfg.train
+        spe = run.reader.steps_per_epoch
+        step = self.first
+        epoch = max(0, step - 1) // spe  # a boundary just passed still evaluates
+        batches = run.reader.batches(step // spe, first_step=step % spe)
+        self.watchdog = Watchdog(self.comm, self.cfg.run.stall_warn_s, self.cfg.run.stall_abort_s,
+                                 waits=[AGREEING, *self.waits.values()])  # prints on every rank
+        self._instrument()
+        if step and step != run.total and t.eval_interval and step % t.eval_interval == 0:
+            self.evaluate(step)  # the killed run evaluated after its checkpoint; maybe not before it died
+        with contextlib.closing(self.watchdog), contextlib.closing(batches), self._progress_bar():
+            waiting = time.perf_counter()
+            for batch in batches:
+                self.out.add("data wait", "io", waiting)
+                if self.role.lockstep and step >= run.total:
+                    break
+                if batch.epoch != epoch:
+                    self.report_io(epoch)
+                    epoch = batch.epoch
+                    if not t.eval_interval and run.data.kind != "text":
+                        self.evaluate(step)
+                with self.call(step, "begin"):
+                    if not self.sync.begin_step():
+                        break
+                stopping = self.train_step(step, batch)
+                step += 1
+                self.progress(step, batch.epoch)
+                if stopping:
+                    self.result.stopped = stopping
+                    break
+                self.between_steps(step)
+                waiting = time.perf_counter()
+        self.report_io(epoch)
+        self.result.steps = step
+        return self.result
+
+    def train_step(self, step: int, batch) -> str | None:
+        """One optimizer step on this rank's part of ``batch``; returns the name of a stop
+        signal that any rank of the loop received (None: none)."""
+        cfg = self.cfg
+        x, y = inputs(cfg, self.run.data, batch)
+        self.lr = self.run.lr(step)
+        tick = time.perf_counter()
+        counting = observe_ops(self.flops) if not self.flops.total else contextlib.nullcontext()
+        with counting, self.watchdog.phase(step, None):
+            loss = schedule.run(self.actions, schedule.split(x, y, cfg.train.micro_batches), self.loss_of,
+                                self.sync, self.out.backward_starts)
+        with self.call(step, "finish"):
+            self.sync.finish()
+        with self.watchdog.phase(step, AGREEING):
+            loss, stopping = agree_on_step(self.comm, loss, self.signals.received)
+        if np.isfinite(loss):
+            with self.out.traced(self.waits.get("step", "optimizer"), "optimizer"), \
+                    self.watchdog.phase(step, self.waits.get("step")):
+                self.sync.step(self.lr, cfg.optim.grad_clip)
+        else:
+            self.non_finite(step, loss)
+        self.sync.zero_grad()
+        seconds = time.perf_counter() - tick
+        self.train_seconds += seconds
+        self.epoch_seconds[batch.epoch] = self.epoch_seconds.get(batch.epoch, 0.0) + seconds
+        if np.isfinite(loss):
+            self.window[0] += loss
+            self.window[1] += 1
+        self.window[2] += seconds
+        self.result.final_loss = loss
+        return stopping
+
+    def non_finite(self, step: int, loss: float) -> None:
+        """``run.on_nan``: skip the update, or stop naming the last good checkpoint."""
+        run = self.cfg.run
+        if run.on_nan == "skip":
+            self.result.skipped += 1
+            self.warn(f"warning: step {step}: loss is {loss}, update skipped (run.on_nan = 'skip')")
+            return
+        saved = checkpoint.listed(run.dir) if run.dir else []
+        raise FloatingPointError(f"loss is {loss} at step {step}; last good checkpoint: "
+                                 f"{saved[-1] if saved else 'none'}; lower optim.lr or set optim.grad_clip")
+
+    # ---------------------------------------------------------- around steps
+    def progress(self, step: int, epoch: int) -> None:
+        """After a step: the progress bar, and every ``train.log_interval`` steps a line
+        and a metrics record (averaged since the last one)."""
+        if step == self.first + HEAP_WARMUP_STEPS:
+            huge_page_heap()
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {self.result.final_loss:.4f}", refresh=False)
+            self.bar.update(1)
+        t, total = self.cfg.train, self.run.total
+        if step % t.log_interval and step != total:
+            return
+        loss_sum, steps, seconds = self.window
+        if steps:
+            rate = steps * t.global_batch_size / seconds
+            gflops = steps * self.flops.total * self.role.ranks / seconds / 1e9
+            self.log(f"{self.role.prefix}step {step}/{total} | loss {loss_sum / steps:.4f} | lr {self.lr:.2e} | "
+                     f"{rate:,.0f} samples/s | {gflops:.1f} GFLOP/s")
+            self.out.metrics.write("train", step=step, epoch=epoch, loss=loss_sum / steps, lr=self.lr,
+                                   samples_per_s=rate, gflops_per_s=gflops,
+                                   ranks=report.per_rank(self.comm.gather(self.times())))
+        self.window = [0.0, 0, 0.0]
+
+    def between_steps(self, step: int) -> None:
+        t, run, total = self.cfg.train, self.cfg.run, self.run.total
+        if run.checkpoint_interval and step % run.checkpoint_interval == 0 and step != total:
+            self.sync.sync_buffers()  # one set of batch-norm statistics, the same that any rank would save
+            report.save(self.run, step, f"every {run.checkpoint_interval} steps", self.result, self.out, self.log)
+        if t.eval_interval and step % t.eval_interval == 0 and step != total:
+            self.evaluate(step)
+
+    def evaluate(self, step: int) -> None:
+        """Score the model over the loop's ranks (not during a run whose ranks go their
+        own ways: the end of the run scores it)."""
+        if not self.role.lockstep:
+            return
+        with self.out.traced("evaluate", "evaluate"):
+            self.sync.sync_buffers()
+            evaluate.score(self.run, self.comm, step, self.result, self.out.metrics, self.log)
+        huge_page_heap()  # evaluation batches may have grown the heap
+
+    def report_io(self, epoch: int) -> None:
+        """The per-rank I/O table of ``epoch`` (collective over the loop's ranks)."""
+        reader = self.run.reader
+        if epoch not in reader.stats:  # nothing read in it by this process (a resumed run)
+            return
+        rows = self.comm.gather(io_row(self.run.world.rank, reader.stats[epoch], self.epoch_seconds.get(epoch, 0.0)))
+        if self.comm.rank == 0:
+            self.log(io_table(f"I/O epoch {epoch + 1}", rows, reader.sample_bytes))
+            self.result.io.append(rows)
+
+    def figures(self, wall_seconds: float) -> dict:
+        """The loop's totals, for the end of the run."""
+        stall = sum(s.stall_seconds for s in self.run.reader.epoch_stats())
+        return {"done": self.result.steps - self.first, "train_seconds": self.train_seconds, "stall": stall,
+                "final_loss": self.result.final_loss, "flops": self.flops.total, "wall_seconds": wall_seconds,
+                "stopped": self.result.stopped}
+
+    def times(self) -> tuple:
+        """This rank's row of the time table: seconds of steps, communication exposed and
+        in total, reading, waiting for data; and bytes sent."""
+        exposed, comm_total = self.sync.comm_seconds()
+        stats = self.run.reader.epoch_stats()
+        read = sum(s.read_seconds for s in stats)
+        stall = sum(s.stall_seconds for s in stats)
+        return self.run.world.rank, self.train_seconds, exposed, comm_total, read, stall, self.sync.bytes_sent
+
+    @contextlib.contextmanager
+    def call(self, step: int, which: str):
+        """Around the sync's call ``which``: if the sync names it a wait, the watchdog and
+        the timeline show it under that name."""
+        name = self.waits.get(which)
+        with self.out.traced(name, "communication") if name else contextlib.nullcontext(), \
+                self.watchdog.phase(step, name):
+            yield
+
+    def _instrument(self) -> None:
+        """Timeline events for each layer's forward and backward, each read of the
+        reader's thread, and the sync's background communication."""
+        timeline = self.out.timeline
+        if timeline is None:
+            return
+        timeline.instrument(layers(self.run.model))
+        self.run.reader.on_read = lambda start, end, nbytes: timeline.add("read", "io", "io", start, end,
+                                                                          bytes=nbytes)
+        self.sync.on_comm = lambda name, start, end, nbytes: timeline.add(name, "communication", "communication",
+                                                                          start, end, bytes=nbytes)
+
+    @contextlib.contextmanager
+    def _progress_bar(self):
+        """On a terminal, the leading rank shows a progress bar, the lines above it."""
+        if self.log is not print or not _terminal():
+            yield
+            return
+        with tqdm(total=self.run.total, initial=self.first, unit="step", dynamic_ncols=True, file=sys.stdout,
+                  leave=False) as self.bar:
+            self.log = self.bar.write
+            try:
+                yield
+            finally:
+                self.log, self.bar = print, None
+
+
+# ------------------------------------------------------------------ helpers
+def image_loss(model: nn.Module, x: np.ndarray, y: np.ndarray):
+    return ops.cross_entropy(model(Tensor(x)), y)
+
+
+def text_loss(model: nn.Module, x: np.ndarray, y: np.ndarray):
+    return model(x, y)[1]
+
+
+def inputs(cfg, data, batch) -> tuple[np.ndarray, np.ndarray]:
+    """Model inputs of a reader batch: token windows as they are; images augmented
+    (rank-count independent draws) and normalised."""
+    if data.kind == "text":
+        return batch.x, batch.y
+    x = batch.x
+    if cfg.data.shift:
+        dy, dx = shifts(cfg.train.seed, batch.epoch, batch.step, cfg.train.global_batch_size, cfg.data.shift,
+                        batch.lanes)
+        x = random_shift(x, dy, dx, cfg.data.shift)
+    return normalize(x, data.mean, data.std, cfg.train.dtype), batch.y
+
+
+def layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's layers as the timeline shows them: a GPT's embedding, blocks and
+    head; a CNN's top-level modules."""
+    if isinstance(model, nn.GPT):
+        return [("embed", model.embed), *((f"block {i}", b) for i, b in enumerate(model.blocks)),
+                ("head", model.head)]
+    return list(model._modules.items())
+
+
+def agree_on_step(comm, loss: float, received: int | None) -> tuple[float, str | None]:
+    """The global batch's loss (each rank's is the mean over equally many samples) and
+    the name of a stop signal any rank received (None: none), in one allreduce of the
+    loss and a count per stop signal (a scheduler signals every rank: counts, not
+    signal numbers, survive the sum)."""
+    buf = np.zeros(1 + len(StopSignals.SIGNALS))
+    buf[0] = loss
+    if received is not None:
+        buf[1 + StopSignals.SIGNALS.index(signal.Signals(received).name)] = 1
+    if comm.size > 1:
+        comm.allreduce(buf)
+        buf[0] /= comm.size
+    seen = [name for name, count in zip(StopSignals.SIGNALS, buf[1:]) if count > 0]
+    return float(buf[0]), (seen[0] if seen else None)
+
+
+def _terminal() -> bool:
+    """Whether stdout is a terminal with a width (not a log file, not SLURM's output)."""
+    try:
+        return sys.stdout.isatty() and os.get_terminal_size(sys.stdout.fileno()).columns > 0
+    except (OSError, ValueError):
+        return False
+
+
+class StopSignals:
+    """SIGTERM and SIGUSR1 (a scheduler's notice: SLURM sends them before preemption
+    or the time limit) only set a flag; the loop finishes the step, the run saves a
+    checkpoint and returns. Installed in the main thread only, and put back on exit."""
+
+    SIGNALS = ("SIGTERM", "SIGUSR1")
+
+    def __init__(self):
+        self.received: int | None = None
+        self._previous: dict = {}
+
+    def _handler(self, signum, frame) -> None:
+        self.received = signum
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                if hasattr(signal, name):
+                    sig = getattr(signal, name)
+                    self._previous[sig] = signal.signal(sig, self._handler)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,162 @@
+"""What a run leaves behind: its result, metrics, timeline, checkpoints and the end-of-run
+report (the per-rank time table, the replica check, a text sample)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from mpitrain import checkpoint
+from mpitrain.data.loader import SAMPLING
+from mpitrain.observe.metrics import MetricsLog
+from mpitrain.observe.timeline import Timeline
+from mpitrain.observe.timing import time_table
+from mpitrain.train import evaluate
+
+
+@dataclass
+class Result:
+    steps: int = 0
+    seconds: float = 0.0  # wall time of the loop, evaluations included
+    samples_per_s: float = 0.0  # of the training steps alone
+    gflops_per_s: float = 0.0
+    final_loss: float = float("nan")
+    test_accuracy: float | None = None
+    test_loss: float | None = None
+    val_loss: float | None = None
+    sample: str | None = None
+    stall_fraction: float = 0.0  # share of step time spent waiting for batches
+    history: list = field(default_factory=list)
+    io: list = field(default_factory=list)  # per epoch, the rows of the I/O table (rank 0)
+    timing: list = field(default_factory=list)  # per rank: the rows of the time table (rank 0)
+    start_step: int = 0  # where this run began (a resumed run: its checkpoint's step)
+    checkpoint: str | None = None  # the last checkpoint written
+    stopped: str | None = None  # the signal that stopped the run early
+    skipped: int = 0  # steps whose update was skipped for a non-finite loss (run.on_nan = "skip")
+    staleness: dict = field(default_factory=dict)  # ps: applied gradients by staleness
+
+
+TIME_FIELDS = ("rank", "step_s", "comm_exposed_s", "comm_total_s", "read_s", "wait_s", "bytes_sent")
+
+
+class Outputs:
+    """What a run writes besides checkpoints: ``metrics.jsonl`` (by the rank that leads
+    the loop) and ``timeline.json`` (every rank's events, with ``run.timeline``)."""
+
+    def __init__(self, cfg, world, leads: bool, first: int):
+        run = cfg.run
+        path = Path(run.dir) / "metrics.jsonl" if run.dir and leads else None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        self.metrics = MetricsLog(path, first)
+        self.timeline = Timeline(world) if run.timeline and run.dir else None
+
+    def traced(self, name: str, category: str):
+        """A timeline span on the compute track around a block (nothing without a timeline)."""
+        return self.timeline.span(name, category) if self.timeline is not None else contextlib.nullcontext()
+
+    def add(self, name: str, category: str, since: float) -> None:
+        if self.timeline is not None:
+            self.timeline.add(name, category, "compute", since, time.perf_counter())
+
+    def backward_starts(self) -> None:
+        if self.timeline is not None:
+            self.timeline.backward_starts()
+
+    def write_timeline(self, run_dir: str, log) -> None:
+        """Gather every rank's events into ``run_dir/timeline.json`` (collective)."""
+        if self.timeline is None:
+            return
+        self.timeline.close()
+        where = self.timeline.write(Path(run_dir) / "timeline.json")
+        if where is not None:
+            log(f"timeline: {where} (open it in https://ui.perfetto.dev or chrome://tracing)")
+
+
+def save(run, step: int, why: str, result: Result, out: Outputs, log) -> None:
+    """Write the checkpoint of ``step`` (collective over the world; nothing without a run directory)."""
+    cfg = run.cfg
+    if not cfg.run.dir:
+        return
+    epoch, epoch_step = divmod(step, run.reader.steps_per_epoch)
+    with out.traced("checkpoint", "checkpoint"):
+        path = checkpoint.save(cfg.run.dir, step, model=run.model, optimizer=run.optimizer, sync=run.role.sync,
+                               cfg=cfg, comm=run.world, keep=cfg.run.keep, epoch=epoch, epoch_step=epoch_step,
+                               layout=f"{cfg.parallel.sync}, {run.role.layout}")
+    result.checkpoint = str(path)
+    out.metrics.write("checkpoint", step=step, path=str(path), why=why)
+    log(f"step {step}: checkpoint {path} ({why})")
+
+
+def per_rank(rows) -> list[dict]:
+    """Gathered time rows as metrics records (``rows`` is None on ranks that did not gather)."""
+    return [dict(zip(TIME_FIELDS, row)) for row in rows or ()]
+
+
+def finish(run, result: Result, step: int, times: tuple, figures: dict, out: Outputs, log) -> Result:
+    """The end of a run on every rank, after the loop (or serving) and the role's end:
+    the last checkpoint; unless stopped by a signal, the final evaluation, the time
+    table, the replica check, a text sample; the metrics' last record. ``times`` is this
+    rank's time row, ``figures`` the loop's totals (the same on every rank)."""
+    cfg, world = run.cfg, run.world
+    if result.stopped or step > result.start_step:
+        save(run, step, result.stopped or "end of training", result, out, log)
+    if result.stopped:
+        how = f"resume with --resume (run directory {cfg.run.dir})" if cfg.run.dir else "nothing was saved: no run.dir"
+        log(f"stopped by {result.stopped} after step {step}; {how}")
+        out.metrics.write("stopped", step=step, signal=result.stopped)
+        out.write_timeline(cfg.run.dir, log)
+        return result
+    with out.traced("evaluate", "evaluate"):
+        evaluate.score(run, world, step, result, out.metrics, log)
+    out.write_timeline(cfg.run.dir, log)
+    digest = run.role.sync.check_replicas()
+    rows = world.allgather(times)  # rank 0 prints them, the leading rank records them
+    lines, result.staleness = run.role.summary()
+    done = figures["done"]
+    if world.rank == 0:
+        result.timing = rows
+        if done:  # a resumed run that was already finished has no steps to show
+            log(time_table(rows, done))
+        if world.size > 1:
+            log(f"replicas identical on all {world.size} ranks (parameters sha256 {digest[:16]})")
+        for line in lines:
+            log(line)
+    if run.data.kind == "text" and cfg.train.sample_tokens and world.rank == 0:
+        result.sample = sample_text(run)
+        log("sample:\n" + result.sample)
+    return _totals(run, result, figures, rows, out, log)
+
+
+def _totals(run, result: Result, figures: dict, rows, out: Outputs, log) -> Result:
+    """The run's totals into ``result``, the metrics' ``end`` record and the last line."""
+    t = run.cfg.train
+    seconds, done = figures["train_seconds"], figures["done"]
+    result.seconds = figures["wall_seconds"]
+    result.final_loss = figures["final_loss"]
+    result.samples_per_s = done * t.global_batch_size / seconds if seconds else 0.0
+    result.gflops_per_s = done * figures["flops"] * run.role.ranks / seconds / 1e9 if seconds else 0.0
+    result.stall_fraction = figures["stall"] / (seconds + figures["stall"]) if seconds else 0.0
+    out.metrics.write("end", step=run.total, steps_timed=done, steps_per_epoch=run.reader.steps_per_epoch,
+                      seconds=result.seconds, samples_per_s=result.samples_per_s, gflops_per_s=result.gflops_per_s,
+                      stall_fraction=result.stall_fraction, staleness=result.staleness, ranks=per_rank(rows))
+    log(f"done: {done} steps in {result.seconds:.1f} s; training steps {seconds:.1f} s, "
+        f"{result.samples_per_s:,.0f} samples/s, {result.gflops_per_s:.1f} GFLOP/s; "
+        f"waited for data {figures['stall']:.2f} s ({100 * result.stall_fraction:.2f}% of step time)")
+    return result
+
+
+def sample_text(run) -> str:
+    """Characters generated after the first held-out one, from the seed's own stream."""
+    t = run.cfg.train
+    prompt_split = run.data.split("val")
+    first_char = np.empty(1, dtype=prompt_split.x_dtype)
+    prompt_split.read("x", 0, 1, first_char)
+    prompt = first_char[None, :].astype(np.int64)  # (1, 1): the first held-out character
+    ids = run.model.generate(prompt, t.sample_tokens, temperature=0.8, top_k=None,
+                             generator=np.random.default_rng((t.seed, SAMPLING)))
+    return run.data.decode(ids[0, 1:])

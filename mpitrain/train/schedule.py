@@ -1,0 +1,72 @@
+"""A step as data: the order of one rank's forward and backward passes, and its interpreter.
+
+A *schedule* is a plain list of actions for one rank and one global batch: ``Forward(i)``
+runs micro-batch ``i`` through the model and keeps its loss, ``Backward(i)`` runs its
+backward pass. The list can be printed, checked and simulated without running anything;
+:func:`run` carries it out in a few lines (ShallowSpeed's and PyTorch's
+``torch.distributed.pipelining`` schedules are instruction lists of the same kind).
+
+Today there is one stage per rank, and the schedule is gradient accumulation
+(:func:`one_stage`): ``F0 B0 F1 B1 ...``. With one micro-batch it is plain training.
+Pipeline parallelism adds per-stage schedules (GPipe, 1F1B, ...) and the actions that
+receive a stage's input and send its output gradient, run by the same interpreter.
+
+**Loss scale.** Each micro-batch's loss is the mean over its ``b/m`` samples; scaled by
+``1/m``, the sum of the micro-batches' gradients is the gradient of the mean over all
+``b`` samples, the gradient of one pass over the whole batch (micro-batches are equal in
+size; batch norm sees each micro-batch's statistics, as in any gradient accumulation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Forward:
+    mb: int  # micro-batch
+
+    def __str__(self) -> str:
+        return f"F{self.mb}"
+
+
+@dataclass(frozen=True)
+class Backward:
+    mb: int
+
+    def __str__(self) -> str:
+        return f"B{self.mb}"
+
+
+def one_stage(micro_batches: int) -> list:
+    """The whole model on this rank: each micro-batch's forward, then its backward (its
+    activations are freed before the next forward)."""
+    return [a for mb in range(micro_batches) for a in (Forward(mb), Backward(mb))]
+
+
+def split(x, y, micro_batches: int) -> list[tuple]:
+    """(x, y) of this rank's part of a batch cut into equal consecutive micro-batches."""
+    b = len(x) // micro_batches
+    return [(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b]) for i in range(micro_batches)]
+
+
+def run(actions: list, micro: list[tuple], loss_of, sync, before_backward=None) -> float:
+    """Carry out ``actions`` on the micro-batches ``micro`` (``loss_of(x, y)`` gives a
+    micro-batch's mean loss as a tensor); every backward but the step's last runs inside
+    ``sync.no_sync()``. Returns this rank's loss of the step: the mean over micro-batches."""
+    scale = 1.0 / len(micro)
+    last = max(i for i, a in enumerate(actions) if isinstance(a, Backward))
+    losses, total = {}, 0.0  # micro-batch -> its scaled loss, alive from its forward to its backward
+    for i, action in enumerate(actions):
+        match action:
+            case Forward(mb):
+                losses[mb] = loss_of(*micro[mb]) * scale
+            case Backward(mb):
+                loss = losses.pop(mb)
+                total += loss.item()
+                if before_backward is not None:
+                    before_backward()
+                with contextlib.nullcontext() if i == last else sync.no_sync():
+                    loss.backward()
+    return total
