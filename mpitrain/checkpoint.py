@@ -7,7 +7,8 @@ One file per checkpoint, ``RUN_DIR/checkpoints/step-00001234.h5``:
   (the data position: the reader's batches are a function of the step, given the
   seed, global batch, ``data.buffer_mb`` and the data; a resume that changes one of
   those is warned about, see ``DATA_ORDER``),
-  ``ranks`` and ``strategy`` (how the run was laid out) at save time, ``config`` (the resolved config as JSON),
+  ``ranks`` and ``strategy`` at save time (the gradient sync and the grid: the name
+  older checkpoints gave the strategy), ``config`` (the resolved config as JSON),
   ``rng`` (the dropout and initialisation stream, :mod:`mpitrain.rng`), ``optimizer``
   (its step count and group hyperparameters, JSON), ``created``;
 * ``model/<name>``: every parameter and buffer, by its dotted name;
@@ -19,8 +20,9 @@ One file per checkpoint, ``RUN_DIR/checkpoints/step-00001234.h5``:
 
 The flat layout makes the file independent of how the state was split: with ZeRO-1
 each rank writes the ``[lo, hi)`` range of its own shard, each parameter server the
-ranges of its parameters, with data parallelism rank 0 writes it all; and a run resumes
-on any number of ranks with either strategy, each rank reading the ranges it owns then.
+ranges of its parameters, with data parallelism rank 0 writes it all (the gradient
+sync says which, ``state_pieces``); and a run resumes on any number of ranks with any
+sync (local, ddp, zero1), each rank reading the ranges it owns then.
 
 **Atomic.** Rank 0 creates ``step-XXXXXXXX.h5.tmp`` (metadata, model, empty optimizer
 datasets, its own state); the other ranks that own state write theirs one after the

@@ -464,6 +464,9 @@ def check_ranks(cfg: Config, ranks: int) -> tuple[int, int, int]:
         if sizes[name] > 1:
             raise ConfigError(f"parallel.{name}: -1 gives {sizes[name]} here, but {what} is not available yet; set "
                               f"parallel.{name} = 1")
+    if par.sync == "local" and sizes["dp"] > 1:
+        raise ConfigError(f"parallel.sync: 'local' exchanges no gradients, so {sizes['dp']} data-parallel replicas "
+                          "would drift apart; use 'ddp' or 'zero1'")
     _check_batch(cfg, sizes["dp"], "workers" if ps else "data-parallel ranks", who)
     if ps and par.slow_worker >= workers:
         raise ConfigError(f"parallel.slow_worker: {par.slow_worker} is not a worker (0 .. {workers - 1})")
@@ -473,9 +476,6 @@ def check_ranks(cfg: Config, ranks: int) -> tuple[int, int, int]:
 def _check_batch(cfg: Config, dp: int, ranks: str, who: str) -> None:
     """The global batch splits over the ``dp`` replicas, each part into micro-batches."""
     B, m = cfg.train.global_batch_size, cfg.train.micro_batches
-    if cfg.parallel.sync == "local" and dp > 1:
-        raise ConfigError(f"parallel.sync: 'local' exchanges no gradients, so {dp} data-parallel replicas would "
-                          "drift apart; use 'ddp' or 'zero1'")
     if B % dp:
         where = f"the {who}" if cfg.parallel.dp == -1 else f"dp = {dp} {ranks}"
         raise ConfigError(f"train.global_batch_size: {B} is not divisible by {where}; the global batch stays the "

@@ -23,6 +23,14 @@ def offsets(params) -> np.ndarray:
     return np.cumsum([0] + [p.size for p in params])
 
 
+def pieces(offsets: np.ndarray, indices=None) -> list[tuple[int, int, int]]:
+    """``(i, lo, hi)``: where parameter ``i`` lies in a flat layout of ``offsets``, for
+    each of ``indices`` (all by default): the pieces of optimizer state a checkpoint
+    reads and writes."""
+    indices = range(len(offsets) - 1) if indices is None else indices
+    return [(i, int(offsets[i]), int(offsets[i + 1])) for i in indices]
+
+
 def one_dtype(params, what: str) -> np.dtype:
     """The dtype all ``params`` share; ``what`` names the caller in the error."""
     dtypes = {p.dtype for p in params}

@@ -197,7 +197,7 @@ def test_ring_sends_2_p_minus_1_over_p_of_the_gradient(n):
 @pytest.mark.parametrize("in_place_from", [1 << 20, 0])
 @pytest.mark.parametrize("n", [3, 1001, 65537])
 def test_ring_equals_mpi_with_partial_sums_in_work_arrays_or_in_place(monkeypatch, in_place_from, n):
-    """Both ways of keeping partial sums (see allreduce.py), repeated so the work arrays
+    """Both ways of keeping partial sums (see comm/ring.py), repeated so the work arrays
     are reused, and the reduce-scatter half alone."""
     import mpitrain.comm.ring as ar
 

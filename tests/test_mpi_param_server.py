@@ -121,6 +121,28 @@ def test_every_rank_ends_with_the_workers_mean_batch_norm_statistics():
     ps.close()
 
 
+@pytest.mark.mpi(min_size=2)
+def test_an_evaluation_between_synchronous_steps_sees_the_pulled_parameters():
+    """The trainer syncs buffers before it evaluates: a worker first takes the pull in
+    flight, whose receives write the parameters it would score."""
+    comm = world()
+    model, opt = build("cnn", "float64", "sgd")
+    ps = ParameterServer(model, opt, comm, servers=1)
+    if ps.is_server:
+        ps.serve()
+    else:
+        x, y = batches("cnn", "float64")[0]
+        assert ps.begin_step()
+        loss_of("cnn", model, x[:2], y[:2]).backward()
+        ps.step()
+        assert list(ps.versions) == [0]  # the reply to the push is on its way
+        ps.sync_buffers()
+        assert list(ps.versions) == [1] and ps.begin_step()  # taken: the next step's wait is over at once
+    ps.end()
+    assert not ps.unreceived()
+    ps.close()
+
+
 def test_partition_balances_sizes():
     assert partition([10, 10, 10, 10], 2) == [0, 1, 0, 1]
     owner = partition([100, 1, 50, 49, 2], 2)
@@ -141,7 +163,7 @@ def test_the_trainer_with_synchronous_servers_equals_one_process(micro):
     comm = world()
     d = shared_data(comm, n=960, test=200)
     raw = {"model": {"name": "lenet", "channels": [4, 8], "hidden": 16}, "data": {"path": str(d)},
-           "optim": {"name": "adamw", "lr": 3e-3}, "train": {"global_batch_size": 48, "epochs": 1, "dtype": "float64",
+           "optim": {"name": "adamw", "lr": 3e-3}, "train": {"global_batch_size": 48, "epochs": 2, "dtype": "float64",
                                                              "log_interval": 10}}
     alone = train.train(config.from_dict(raw), log=lambda *a: None, comm=SingleComm())
     raw["parallel"] = {"sync": "ps", "servers": 1}
@@ -149,6 +171,34 @@ def test_the_trainer_with_synchronous_servers_equals_one_process(micro):
     ours = train.train(config.from_dict(raw), log=lambda *a: None, comm=comm)
     assert abs(ours.test_loss - alone.test_loss) <= 1e-10 * alone.test_loss
     assert ours.test_accuracy == alone.test_accuracy and ours.steps == alone.steps
+    if comm.rank >= 1:  # the workers also scored the model after the first epoch, between steps
+        assert [r["step"] for r in ours.history] == [r["step"] for r in alone.history] == [20, 40]
+        assert ours.history[0]["test_accuracy"] == alone.history[0]["test_accuracy"]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_straggler_sleeps_and_skipped_steps_keep_the_step_count(monkeypatch):
+    """`parallel.slow_worker`: that worker (only) sleeps before each push. With
+    `run.on_nan = "skip"` a step that is not pushed still counts: the checkpoint is at
+    the run's last step."""
+    from test_mpi_data import shared_data
+
+    from mpitrain import checkpoint, config, train
+    from mpitrain.parallel import param_server
+
+    comm = world()
+    d = shared_data(comm, n=480, test=60)
+    slept = []
+    monkeypatch.setattr(param_server.time, "sleep", slept.append)
+    raw = {"model": {"name": "lenet", "channels": [2, 4], "hidden": 8}, "data": {"path": str(d)},
+           "optim": {"name": "sgd", "lr": 1e30, "warmup_steps": 0}, "train": {"global_batch_size": 48, "steps": 8},
+           "parallel": {"sync": "ps", "slow_worker": 0, "slow_factor": 3.0},
+           "run": {"dir": str(d.parent / "run"), "on_nan": "skip"}}
+    result = train.train(config.from_dict(raw), log=lambda *a: None, comm=comm)
+    assert (len(slept) > 0) == (comm.rank == 1) and all(s > 0 for s in slept)
+    assert result.steps == 8 and result.checkpoint == str(checkpoint.path_for(d.parent / "run", 8))
+    if comm.rank == 1:  # worker 0: the loss went non-finite and the updates were skipped
+        assert result.skipped > 0
 
 
 @pytest.mark.mpi(min_size=2)

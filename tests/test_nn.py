@@ -130,6 +130,10 @@ def test_gpt_structure_tied_head_and_layers():
     assert model.head.wte is model.embed.wte.weight
     layers = model.layers()
     assert layers[0] is model.embed and layers[-1] is model.head and len(layers) == 4
+    assert [n for n, _ in model.named_layers()] == ["embed", "block 0", "block 1", "head"]
+    assert [m for _, m in model.named_layers()] == layers
+    lenet = nn.LeNet(1, 8, 5, channels=(2, 3), hidden=4)
+    assert [n for n, _ in lenet.named_layers()] == [str(i) for i in range(len(lenet))]
     ids = np.zeros((1, 6), dtype=np.int64)
     x = ids
     for layer in layers:

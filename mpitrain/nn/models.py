@@ -256,6 +256,9 @@ class GPT(Module):
         """The model as a sequence, for pipeline stages: [embed, *blocks, head]."""
         return [self.embed, *self.blocks, self.head]
 
+    def named_layers(self) -> list[tuple[str, Module]]:
+        return [("embed", self.embed), *((f"block {i}", b) for i, b in enumerate(self.blocks)), ("head", self.head)]
+
     def forward(self, ids, targets=None):
         """Logits (B, T, V), and the mean cross-entropy if ``targets`` (B, T) is given."""
         x = self.embed(ids)

@@ -85,6 +85,11 @@ class Module:
             for name, b in mod._buffers.items():
                 yield (f"{mod_name}.{name}" if mod_name else name), b
 
+    def named_layers(self) -> list[tuple[str, "Module"]]:
+        """The model as a sequence of named layers (a timeline times each; a pipeline will
+        cut between them): the top-level submodules, unless a model says otherwise."""
+        return list(self._modules.items())
+
     def num_parameters(self) -> int:
         return sum(p.size for p in self.parameters())
 

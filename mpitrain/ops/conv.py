@@ -290,11 +290,11 @@ class MaxPool2d(Function):
     order (as in PyTorch), so ties never double-count. Forward is kh*kw - 1 elementwise
     maxima of strided views; backward recomputes which tap won from the saved input.
     With the fast paths on (``ops.fast_paths``), both walk the batch in tiles of
-    ``POOL_TILE_BYTES`` of input, so that every tap
-    after the first reads cache: over a whole 8 MB activation (the benchmark CNN's)
-    each tap read it again from memory. Measured, tile sizes side by side in one
-    process: CNN bench step 52.5 ms whole-batch, 50.3 with 512 KiB tiles (256 KiB and
-    1 MiB within 0.2 ms of it, 2 MiB 51.4).
+    ``POOL_TILE_BYTES`` of input, so that every tap after the first reads cache: over a
+    whole 8 MB activation (the benchmark CNN's) each tap read it again from memory.
+    Measured, tile sizes side by side in one process: CNN bench step 52.5 ms
+    whole-batch, 50.3 with 512 KiB tiles (256 KiB and 1 MiB within 0.2 ms of it, 2 MiB
+    51.4). With them off, one tile is the whole batch: the same arithmetic.
 
     ``relu=True`` also takes the maximum with 0. ReLU and max-pooling commute (both are
     monotone), so ``conv -> pool(relu=True)`` equals ``conv(relu=True) -> pool`` in value

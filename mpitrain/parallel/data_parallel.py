@@ -96,10 +96,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mpitrain import optim
+from mpitrain import flat, optim
 from mpitrain.comm import replicas
 from mpitrain.comm.ring import ALGORITHMS, allreduce, iallreduce
-from mpitrain.flat import Flat, buckets
 
 PROGRESS = ("test", "thread", "none", "off")
 
@@ -149,8 +148,8 @@ class DataParallel:
         if broadcast:
             replicas.broadcast(dp_comm, [p.data for p in self.params] + [b for _, b in model.named_buffers()])
         # backward produces gradients in reverse parameter order: buckets fill in that order
-        self.buckets = [Bucket(group, Flat(group, what="a DataParallel bucket").grad, dp_comm.dup())
-                        for group in buckets(reversed(self.params), int(bucket_cap_mb * 2**20))]
+        self.buckets = [Bucket(group, flat.Flat(group, what="a DataParallel bucket").grad, dp_comm.dup())
+                        for group in flat.buckets(reversed(self.params), int(bucket_cap_mb * 2**20))]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._views = {id(p): p.grad for p in self.params}
         for p in self.params:
@@ -278,8 +277,7 @@ class DataParallel:
         """For checkpoints: the optimizer, every parameter's ``(index, lo, hi)`` in the flat
         layout ``offsets``, and whether this rank writes them: the state is replicated,
         so rank 0 of ``dp_comm`` does."""
-        return self.optimizer, [(i, int(offsets[i]), int(offsets[i + 1])) for i in range(len(offsets) - 1)], \
-            self.comm.rank == 0
+        return self.optimizer, flat.pieces(offsets), self.comm.rank == 0
 
     @property
     def bytes_sent(self) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 
-from mpitrain import optim
+from mpitrain import flat, optim
 from mpitrain.comm.replicas import digest
 
 
@@ -57,7 +57,7 @@ class LocalSync:
 
     def state_pieces(self, offsets) -> tuple:
         """For checkpoints: this rank holds and writes the whole optimizer state."""
-        return self.optimizer, [(i, int(offsets[i]), int(offsets[i + 1])) for i in range(len(offsets) - 1)], True
+        return self.optimizer, flat.pieces(offsets), True
 
     def comm_seconds(self) -> tuple[float, float]:
         return 0.0, 0.0

@@ -28,10 +28,11 @@ split from it: the workers alone, for what they do together while the servers se
 
   - *synchronous* (``staleness=0``): keeps it in that worker's slot; when all ``W``
     gradients of the step are in, applies their mean (summed in worker order: equal to
-    one process with batch ``B``), then replies to every worker;
+    one process with batch ``B``) at the learning rate of the header's step, then
+    replies to every worker;
   - *asynchronous* (``staleness=k > 0``, or ``-1`` for unbounded): applies it at
-    once (Downpour), records its staleness (the server's version minus the version it
-    was computed on), and replies to each waiting worker as soon as the bound allows:
+    once (Downpour) at the learning rate of its version, records its staleness (the
+    server's version minus the version it was computed on), and replies to each waiting worker as soon as the bound allows:
     a worker may start step ``t`` only when every worker has finished step
     ``t - 1 - k``, i.e. it runs at most ``k`` steps ahead of the slowest (Stale
     Synchronous Parallel, Ho et al., NIPS 2013; ``k = 0`` would be lockstep); servers
@@ -76,8 +77,8 @@ from collections import Counter
 
 import numpy as np
 
+from mpitrain import flat
 from mpitrain.comm import Tag, replicas
-from mpitrain.flat import Flat, one_dtype
 
 UNBOUNDED = -1
 
@@ -111,7 +112,7 @@ class ParameterServer:
     on_comm = None  # the trainer's timeline shows pulls and pushes as the calls they are
 
     def __init__(self, model, optimizer, comm, servers: int = 1, staleness: int = 0, lr_at=None,
-                 max_updates: int | None = None):
+                 max_updates: int | None = None, slow: float = 1.0):
         if not 1 <= servers < comm.size:
             raise ValueError(f"need 1 <= servers < ranks ({comm.size}), got {servers}")
         if staleness < UNBOUNDED:
@@ -119,21 +120,24 @@ class ParameterServer:
         self.comm = comm.dup()
         self.S, self.W = servers, comm.size - servers
         self.staleness = staleness
-        self.lr_at = lr_at
+        self.lr_at = lr_at  # learning rate at a step (synchronous) or at a version (asynchronous)
+        self.slow = slow  # on a worker: > 1 makes it a straggler (experiments), see step()
         self.max_updates = max_updates  # asynchronous: stop the workers after this many applied gradients
         self.is_server = self.comm.rank < servers
         self.worker = self.comm.rank - servers  # this worker's index (negative on servers)
         self.workers = self.comm.split(0 if self.is_server else 1, self.comm.rank)
         self.model = model
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
-        dtype = one_dtype(self.params, "a parameter server")
+        dtype = flat.one_dtype(self.params, "a parameter server")
         self.owner = partition([p.size for p in self.params], servers)
-        flats = [Flat([p for p, o in zip(self.params, self.owner) if o == s], data=True, dtype=dtype)
+        flats = [flat.Flat([p for p, o in zip(self.params, self.owner) if o == s], data=True, dtype=dtype)
                  for s in range(servers)]
         self.flat_params = [f.data for f in flats]  # per server: (n_s,) the parameters are views of
         self.flat_grads = [f.grad for f in flats]  # (n_s,)
         self.pushed = 0  # on a worker: steps pushed
+        self.begun = 0  # on a worker: steps begun (a step whose loss was not finite pushes nothing)
         self.said_goodbye = False
+        self._zeroed = False  # the gradients are zero since the last push
         self.version = 0  # on a server: the updates it has applied
         self.staleness_seen: Counter = Counter()
         if self.is_server:
@@ -184,7 +188,9 @@ class ParameterServer:
                       self.comm.isend(self.flat_grads[s], s, Tag.PS_GRAD)]
         self._post_pulls()
         self.comm.waitall(sends)  # the buffers are reused next step
-        self.zero_grad()
+        for g in self.flat_grads:
+            g.fill(0)
+        self._zeroed = True
         self.pushed += 1
 
     def stop(self) -> None:
@@ -201,7 +207,11 @@ class ParameterServer:
     # ----------------------------------------- a worker's side of the trainer's step
     def begin_step(self) -> bool:
         """Before a step's forward: wait for the pull (see :meth:`pull_wait`)."""
-        return self.pull_wait()
+        go = self.pull_wait()
+        self.begun += 1
+        self._zeroed = False
+        self._began = time.perf_counter()
+        return go
 
     def no_sync(self):
         """Gradients leave only in :meth:`step`: micro-batches just accumulate."""
@@ -215,14 +225,21 @@ class ParameterServer:
         ``lr_at``; global-norm clipping would need every server's part of the norm)."""
         if grad_clip > 0:
             raise ValueError("parameter servers see only their shard of the gradient: no global-norm clipping")
-        self.push(self.pushed)
+        if self.slow > 1:  # a straggler: this worker computes slow times as long
+            time.sleep((self.slow - 1) * (time.perf_counter() - self._began))
+        self.push(self.begun - 1)  # the step, which sets a synchronous server's learning rate
 
     def zero_grad(self) -> None:
-        for g in self.flat_grads:
-            g.fill(0)
+        """Zero the gradients, unless a push has since :meth:`begin_step` (it zeroes them)."""
+        if not self._zeroed:
+            for g in self.flat_grads:
+                g.fill(0)
 
     def sync_buffers(self) -> None:
-        """Average the workers' floating buffers over the workers (collective on ``workers``)."""
+        """Before an evaluation between synchronous steps: take the pull in flight (its
+        receives write the parameters; the next :meth:`begin_step` finds it done), then
+        average the workers' floating buffers over the workers (collective on ``workers``)."""
+        self.pull_wait()
         replicas.average(self.workers, [b for _, b in self.model.named_buffers()])
 
     def check_replicas(self) -> str:
@@ -273,7 +290,7 @@ class ParameterServer:
                 arrived[w] = True
                 if arrived.all():
                     tick = time.perf_counter()
-                    self._apply(slots.sum(axis=0) / W)  # (n,) the mean, summed in worker order
+                    self._apply(slots.sum(axis=0) / W, at=step)  # (n,) the mean, summed in worker order
                     trace(f"apply the mean of {W} gradients", "optimizer", tick, time.perf_counter())
                     arrived[:] = False
                     for k in range(W):
@@ -290,7 +307,7 @@ class ParameterServer:
         """Apply worker ``w``'s gradient, computed on ``version``, at once (Downpour)."""
         self.staleness_seen[self.version - version] += 1
         tick = time.perf_counter()
-        self._apply(grad)
+        self._apply(grad, at=self.version)
         trace(f"apply worker {w}'s gradient (staleness {self.version - 1 - version})", "optimizer",
               tick, time.perf_counter())
 
@@ -308,14 +325,15 @@ class ParameterServer:
             waiting.remove(k)
             self._reply(k)
 
-    def _apply(self, grad: np.ndarray) -> None:
-        """One optimizer step of this server's parameters with ``grad`` (n,)."""
+    def _apply(self, grad: np.ndarray, at: int) -> None:
+        """One optimizer step of this server's parameters with ``grad`` (n,), at the
+        learning rate ``lr_at(at)``."""
         self.comm.waitall(self._sends)  # replies in flight read the parameters: let them go first
         self._sends, self._keep = [], []
         mine = self.flat_grads[self.comm.rank]
         mine[...] = grad
         if self.lr_at is not None:
-            self.optimizer.set_lr(self.lr_at(self.version))
+            self.optimizer.set_lr(self.lr_at(at))
         self.optimizer.step()
         self.version += 1
 
@@ -326,17 +344,17 @@ class ParameterServer:
                         self.comm.isend(self.flat_params[self.comm.rank], self.S + w, Tag.PS_PARAMS)]
 
     # ------------------------------------------------------------ afterwards
-    def end(self) -> int:
+    def end(self) -> int | None:
         """After the loop (workers) or :meth:`serve` (servers), on every rank
         (collective): a worker takes the replies still due and says goodbye; then every
         rank receives the final parameters and the workers' batch-norm statistics.
-        Returns the global steps the applied gradients amount to (synchronously the
-        steps taken; asynchronously the applied gradients over ``W``), on every rank."""
+        Asynchronously, returns the global steps the applied gradients amount to (over
+        ``W``, on every rank); synchronously None: every worker took the loop's steps."""
         self.stop()  # unless the trainer's loop has said goodbye already
         self.traffic = (self.bytes_sent, self.bytes_received)  # the run's, without the gathers below
         self.gather_parameters()
         self.gather_buffers(self.model)
-        return self.comm.bcast(self.version // (1 if self.staleness == 0 else self.W), root=0)
+        return None if self.staleness == 0 else self.comm.bcast(self.version // self.W, root=0)
 
     def summary(self) -> tuple[list[str], dict[int, int]]:
         """After :meth:`end` (collective): lines for rank 0 (the staleness of the applied
@@ -394,7 +412,7 @@ class ParameterServer:
         if not self.is_server:
             return None
         mine = [i for i, o in enumerate(self.owner) if o == self.comm.rank]
-        return self.optimizer, [(i, int(offsets[i]), int(offsets[i + 1])) for i in mine], True
+        return self.optimizer, flat.pieces(offsets, mine), True
 
     def unreceived(self) -> bool:
         """Whether a message to this rank is still waiting (after a run: never)."""

@@ -33,7 +33,7 @@ from mpitrain.config import Config, ConfigError, check_ranks
 from mpitrain.runtime import blas_threads, limit_blas_threads, tune_allocator
 from mpitrain.train.build import Role, Run, build_run, prepare_run_dir
 from mpitrain.train.loop import Loop, StopSignals
-from mpitrain.train.report import Outputs, Result, finish
+from mpitrain.train.report import Outputs, Result, finish, time_row
 from mpitrain.train.sync import GradSync
 
 __all__ = ["GradSync", "Result", "Role", "train"]
@@ -61,12 +61,14 @@ def train(cfg: Config, log=print, comm=None, resume: bool = False, warn=None) ->
         try:
             log(_header(run, threads))
             first = _resume(run, log, warn) if resume else 0
-            return _work(run, first, log, print if loud and run.role.leads else log, warn)
+            # the loop speaks through its leading rank (with parameter servers, worker 0: not rank 0)
+            elsewhere = run.role.leads and comm.rank != 0 and loud
+            return _work(run, first, log, print if elsewhere else log, _stderr if elsewhere else warn)
         finally:
             run.close()
 
 
-def _work(run: Run, first: int, log, loop_log, warn) -> Result:
+def _work(run: Run, first: int, log, loop_log, loop_warn) -> Result:
     """This rank's part: the loop or serving, the role's end, the end of the run."""
     role, world, cfg = run.role, run.world, run.cfg
     result = Result(start_step=first)
@@ -78,18 +80,17 @@ def _work(run: Run, first: int, log, loop_log, warn) -> Result:
     with StopSignals() as signals:
         if role.serve is not None:
             role.guard(lambda: role.serve(trace=None if out.timeline is None else _trace(out.timeline)))
-            times = (world.rank, time.perf_counter() - start, *role.sync.comm_seconds(), 0.0, 0.0,
-                     role.sync.bytes_sent)
+            times = time_row(world.rank, time.perf_counter() - start, role.sync, run.reader)
         else:
-            loop = Loop(run, first, result, out, signals, loop_log, warn)
+            loop = Loop(run, first, result, out, signals, loop_log, loop_warn)
             role.guard(loop.execute)
             times = loop.times()
     steps = role.end()
-    result.steps = result.steps if steps is None else steps
     figures = None if loop is None else loop.figures(time.perf_counter() - start)
     figures = world.bcast(figures, root=world.allgather(role.leads).index(True))
-    result.stopped = figures["stopped"]  # a server ran no loop: the leading rank's word
-    return finish(run, result, result.steps, times, figures, out, log)
+    result.steps = figures["steps"] if steps is None else steps  # a server ran no loop: the leading rank's
+    result.stopped = figures["stopped"]
+    return finish(run, result, times, figures, out, log)
 
 
 def _header(run: Run, threads: int) -> str:

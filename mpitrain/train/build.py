@@ -55,6 +55,7 @@ class Role:
     prefix: str = ""  # before the loop's progress lines
     guard: Callable = lambda work: work()  # runs the loop or serve()
     end: Callable = lambda: None  # after them, on every rank: the steps the run has taken (None: the loop's)
+    resume_hint: str = "resume with --resume"  # after a stop by a signal
     summary: Callable = lambda: ([], {})  # lines for rank 0 and figures, after end() (collective)
     closers: list = field(default_factory=list)
 
@@ -120,16 +121,18 @@ def _ps_role(cfg: Config, world, grid, model, opt, lr, total) -> Role:
     S, W = par.servers, world.size - par.servers
     lockstep = par.staleness == 0
 
-    def lr_at(version):  # asynchronously, W updates (one per worker) per global step
-        return lr(version if lockstep else min(version // W, total - 1))
+    def lr_at(at):  # synchronously at a step; asynchronously at a version: W updates (one per worker) a step
+        return lr(at if lockstep else min(at // W, total - 1))
 
+    slow = par.slow_factor if 0 <= par.slow_worker == world.rank - S else 1.0
     ps = ParameterServer(model, opt, world, servers=S, staleness=par.staleness, lr_at=lr_at,
-                         max_updates=None if lockstep else total * W)
+                         max_updates=None if lockstep else total * W, slow=slow)
     g = None if ps.is_server else ProcessGrid(ps.workers, *grid)
     role = Role(ps, loop_comm=ps.workers if lockstep else SingleComm(), leads=ps.worker == 0,
-                lane=(max(0, ps.worker), W), ranks=W, layout=f"{S} server(s), workers on {_shape(grid)}",
-                serve=ps.serve if ps.is_server else None, lockstep=lockstep,
-                prefix="" if lockstep else "worker 0: ", end=ps.end, summary=ps.summary,
+                lane=(0, W) if g is None else (g.dp_rank, g.dp_size), ranks=W,  # a server reads no batch
+                layout=f"{S} server(s), workers on {_shape(grid)}", serve=ps.serve if ps.is_server else None,
+                lockstep=lockstep, prefix="" if lockstep else "worker 0: ", end=ps.end, summary=ps.summary,
+                resume_hint="its checkpoint resumes with --resume and parallel.sync = 'ddp' or 'zero1'",
                 closers=[ps.close] + ([] if g is None else [g.free]))
 
     def guard(work):

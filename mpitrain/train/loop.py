@@ -70,13 +70,13 @@ class Loop:
         spe = run.reader.steps_per_epoch
         step = self.first
         epoch = max(0, step - 1) // spe  # a boundary just passed still evaluates
-        batches = run.reader.batches(step // spe, first_step=step % spe)
         self.watchdog = Watchdog(self.comm, self.cfg.run.stall_warn_s, self.cfg.run.stall_abort_s,
                                  waits=[AGREEING, *self.waits.values()])  # prints on every rank
-        self._instrument()
-        if step and step != run.total and t.eval_interval and step % t.eval_interval == 0:
-            self.evaluate(step)  # the killed run evaluated after its checkpoint; maybe not before it died
+        batches = run.reader.batches(step // spe, first_step=step % spe)
         with contextlib.closing(self.watchdog), contextlib.closing(batches), self._progress_bar():
+            self._instrument()
+            if step and step != run.total and t.eval_interval and step % t.eval_interval == 0:
+                self.evaluate(step)  # the killed run evaluated after its checkpoint; maybe not before it died
             waiting = time.perf_counter()
             for batch in batches:
                 self.out.add("data wait", "io", waiting)
@@ -87,10 +87,11 @@ class Loop:
                     epoch = batch.epoch
                     if not t.eval_interval and run.data.kind != "text":
                         self.evaluate(step)
+                tick = time.perf_counter()  # the step's time includes waiting to begin it (a pull)
                 with self.call(step, "begin"):
                     if not self.sync.begin_step():
                         break
-                stopping = self.train_step(step, batch)
+                stopping = self.train_step(step, batch, tick)
                 step += 1
                 self.progress(step, batch.epoch)
                 if stopping:
@@ -102,13 +103,12 @@ class Loop:
         self.result.steps = step
         return self.result
 
-    def train_step(self, step: int, batch) -> str | None:
-        """One optimizer step on this rank's part of ``batch``; returns the name of a stop
-        signal that any rank of the loop received (None: none)."""
+    def train_step(self, step: int, batch, tick: float) -> str | None:
+        """One optimizer step on this rank's part of ``batch``, timed from ``tick``;
+        returns the name of a stop signal that any rank of the loop received (None: none)."""
         cfg = self.cfg
         x, y = inputs(cfg, self.run.data, batch)
         self.lr = self.run.lr(step)
-        tick = time.perf_counter()
         counting = observe_ops(self.flops) if not self.flops.total else contextlib.nullcontext()
         with counting, self.watchdog.phase(step, None):
             loss = schedule.run(self.actions, schedule.split(x, y, cfg.train.micro_batches), self.loss_of,
@@ -170,7 +170,9 @@ class Loop:
 
     def between_steps(self, step: int) -> None:
         t, run, total = self.cfg.train, self.cfg.run, self.run.total
-        if run.checkpoint_interval and step % run.checkpoint_interval == 0 and step != total:
+        if run.dir and run.checkpoint_interval and step % run.checkpoint_interval == 0 and step != total:
+            # collective over the world: the loop's ranks are all of it whenever checkpoints are taken during
+            # the run (parameter servers write theirs at the end only; the config refuses an interval)
             self.sync.sync_buffers()  # one set of batch-norm statistics, the same that any rank would save
             report.save(self.run, step, f"every {run.checkpoint_interval} steps", self.result, self.out, self.log)
         if t.eval_interval and step % t.eval_interval == 0 and step != total:
@@ -199,18 +201,13 @@ class Loop:
     def figures(self, wall_seconds: float) -> dict:
         """The loop's totals, for the end of the run."""
         stall = sum(s.stall_seconds for s in self.run.reader.epoch_stats())
-        return {"done": self.result.steps - self.first, "train_seconds": self.train_seconds, "stall": stall,
-                "final_loss": self.result.final_loss, "flops": self.flops.total, "wall_seconds": wall_seconds,
-                "stopped": self.result.stopped}
+        return {"steps": self.result.steps, "done": self.result.steps - self.first, "stall": stall,
+                "train_seconds": self.train_seconds, "final_loss": self.result.final_loss, "flops": self.flops.total,
+                "wall_seconds": wall_seconds, "stopped": self.result.stopped}
 
     def times(self) -> tuple:
-        """This rank's row of the time table: seconds of steps, communication exposed and
-        in total, reading, waiting for data; and bytes sent."""
-        exposed, comm_total = self.sync.comm_seconds()
-        stats = self.run.reader.epoch_stats()
-        read = sum(s.read_seconds for s in stats)
-        stall = sum(s.stall_seconds for s in stats)
-        return self.run.world.rank, self.train_seconds, exposed, comm_total, read, stall, self.sync.bytes_sent
+        """This rank's row of the time table (:func:`~mpitrain.train.report.time_row`)."""
+        return report.time_row(self.run.world.rank, self.train_seconds, self.sync, self.run.reader)
 
     @contextlib.contextmanager
     def call(self, step: int, which: str):
@@ -227,7 +224,7 @@ class Loop:
         timeline = self.out.timeline
         if timeline is None:
             return
-        timeline.instrument(layers(self.run.model))
+        timeline.instrument(self.run.model.named_layers())  # a GPT's embedding, blocks, head
         self.run.reader.on_read = lambda start, end, nbytes: timeline.add("read", "io", "io", start, end,
                                                                           bytes=nbytes)
         self.sync.on_comm = lambda name, start, end, nbytes: timeline.add(name, "communication", "communication",
@@ -268,15 +265,6 @@ def inputs(cfg, data, batch) -> tuple[np.ndarray, np.ndarray]:
                         batch.lanes)
         x = random_shift(x, dy, dx, cfg.data.shift)
     return normalize(x, data.mean, data.std, cfg.train.dtype), batch.y
-
-
-def layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's layers as the timeline shows them: a GPT's embedding, blocks and
-    head; a CNN's top-level modules."""
-    if isinstance(model, nn.GPT):
-        return [("embed", model.embed), *((f"block {i}", b) for i, b in enumerate(model.blocks)),
-                ("head", model.head)]
-    return list(model._modules.items())
 
 
 def agree_on_step(comm, loss: float, received: int | None) -> tuple[float, str | None]:

@@ -97,16 +97,27 @@ def per_rank(rows) -> list[dict]:
     return [dict(zip(TIME_FIELDS, row)) for row in rows or ()]
 
 
-def finish(run, result: Result, step: int, times: tuple, figures: dict, out: Outputs, log) -> Result:
+def time_row(rank: int, seconds: float, sync, reader) -> tuple:
+    """One rank's row of the time table (:data:`TIME_FIELDS`): seconds of steps (or of
+    serving), communication exposed and in total, reading, waiting for data; bytes sent."""
+    exposed, total = sync.comm_seconds()
+    stats = reader.epoch_stats()
+    read = sum(s.read_seconds for s in stats)
+    stall = sum(s.stall_seconds for s in stats)
+    return rank, seconds, exposed, total, read, stall, sync.bytes_sent
+
+
+def finish(run, result: Result, times: tuple, figures: dict, out: Outputs, log) -> Result:
     """The end of a run on every rank, after the loop (or serving) and the role's end:
     the last checkpoint; unless stopped by a signal, the final evaluation, the time
     table, the replica check, a text sample; the metrics' last record. ``times`` is this
     rank's time row, ``figures`` the loop's totals (the same on every rank)."""
-    cfg, world = run.cfg, run.world
+    cfg, world, step = run.cfg, run.world, result.steps
     if result.stopped or step > result.start_step:
         save(run, step, result.stopped or "end of training", result, out, log)
     if result.stopped:
-        how = f"resume with --resume (run directory {cfg.run.dir})" if cfg.run.dir else "nothing was saved: no run.dir"
+        how = f"{run.role.resume_hint} (run directory {cfg.run.dir})" if cfg.run.dir else \
+            "nothing was saved: no run.dir"
         log(f"stopped by {result.stopped} after step {step}; {how}")
         out.metrics.write("stopped", step=step, signal=result.stopped)
         out.write_timeline(cfg.run.dir, log)
