@@ -61,10 +61,6 @@ class Flat:
                 view[...] = p.grad
             p.grad = view
 
-    @property
-    def nbytes(self) -> int:
-        return self.grad.nbytes
-
 
 def buckets(params, cap_bytes: int) -> list[list]:
     """``params`` in their order, cut into consecutive groups of one dtype and at most

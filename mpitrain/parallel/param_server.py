@@ -32,11 +32,12 @@ split from it: the workers alone, for what they do together while the servers se
     replies to every worker;
   - *asynchronous* (``staleness=k > 0``, or ``-1`` for unbounded): applies it at
     once (Downpour) at the learning rate of its version, records its staleness (the
-    server's version minus the version it was computed on), and replies to each waiting worker as soon as the bound allows:
-    a worker may start step ``t`` only when every worker has finished step
-    ``t - 1 - k``, i.e. it runs at most ``k`` steps ahead of the slowest (Stale
-    Synchronous Parallel, Ho et al., NIPS 2013; ``k = 0`` would be lockstep); servers
-    know every worker's progress because every worker pushes to every server;
+    server's version minus the version it was computed on), and replies to each
+    waiting worker as soon as the bound allows: a worker may start step ``t`` only
+    when every worker has finished step ``t - 1 - k``, i.e. it runs at most ``k`` steps
+    ahead of the slowest (Stale Synchronous Parallel, Ho et al., NIPS 2013; ``k = 0``
+    would be lockstep); servers know every worker's progress because every worker
+    pushes to every server (a worker that has said goodbye holds back nobody);
 
 * *pull*: the reply is ``Isend`` of the version (8 bytes) and of the parameters; the
   worker ``wait``s for all servers' replies before its next forward. At the start every
