@@ -42,12 +42,13 @@ import json
 import os
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
 import numpy as np
 
-from mpitrain import __version__, flat, rng
+from mpitrain import __version__, rng
 
 FORMAT, FORMAT_VERSION = "mpitrain-checkpoint", 1
 _NAME = re.compile(r"^step-(\d{8,})\.h5$")
@@ -80,15 +81,36 @@ def listed(run_dir) -> list[Path]:
 
 
 # --------------------------------------------------------------- layout
-def _layout(optimizer, sync):
-    """(flat offsets of every parameter, the optimizer holding this rank's state, its
-    pieces as (local index, parameter index, lo, hi), whether this rank writes state).
+@dataclass(frozen=True)
+class Layout:
+    """The whole model as one process holds it: every array's name, shape and dtype, and
+    the optimizer's parameters (name, size) in its order. A checkpoint is written in
+    this layout whatever part of it each rank holds (a pipeline stage holds a slice)."""
+
+    arrays: dict  # name -> (shape, dtype string), the model's state_dict
+    params: tuple  # ((name, size), ...) in the optimizer's parameter order
+
+    @classmethod
+    def of(cls, model, optimizer) -> "Layout":
+        names = {id(q): n for n, q in model.named_parameters()}
+        arrays = {n: (a.shape, a.dtype.str) for n, a in model.state_dict().items()}
+        return cls(arrays, tuple((names[id(q)], q.size) for g in optimizer.param_groups for q in g["params"]))
+
+
+def _layout(optimizer, sync, layout: Layout | None):
+    """(flat offsets of every parameter of ``layout`` (None: the optimizer's own), the
+    optimizer holding this rank's state, its pieces as (local index, parameter index,
+    lo, hi), whether this rank writes state).
 
     The gradient sync says which part of the state this rank holds with
     ``state_pieces(offsets)`` -> (its optimizer, [(parameter index, lo, hi)] in that
     optimizer's order, whether this rank writes them: of replicas, one does), or None on
     ranks that hold none (parameter-server workers)."""
-    offsets = flat.offsets([p for group in optimizer.param_groups for p in group["params"]])  # (n_params + 1,)
+    if layout is None:
+        sizes = [p.size for group in optimizer.param_groups for p in group["params"]]
+    else:
+        sizes = [size for _, size in layout.params]
+    offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # (n_params + 1,)
     split = sync.state_pieces(offsets)
     if split is None:
         return offsets, optimizer, [], False
@@ -128,10 +150,15 @@ def _write_state(f: h5py.File, local, pieces) -> None:
 
 # ----------------------------------------------------------------- save
 def save(run_dir, step: int, *, model, optimizer, sync, cfg, comm, keep: int, epoch: int = 0,
-         epoch_step: int = 0, layout: str = "") -> Path:
+         epoch_step: int = 0, strategy: str = "", layout: Layout | None = None) -> Path:
     """Write the checkpoint of ``step`` (collective: every rank of ``comm`` calls it);
-    ``layout`` says how the run was laid out (the ``strategy`` attribute)."""
-    offsets, local, pieces, writes = _layout(optimizer, sync)
+    ``strategy`` says how the run was laid out (the attribute), ``layout`` is the whole
+    model's when ``model`` is a part of it (None: ``model`` is whole). Of a part, each
+    rank that writes state writes its arrays too."""
+    offsets, local, pieces, writes = _layout(optimizer, sync, layout)
+    mine = model.state_dict()
+    shapes = layout.arrays if layout is not None else {n: (a.shape, a.dtype.str) for n, a in mine.items()}
+    partial = set(mine) != set(shapes)
     kinds = {}
     for k in comm.allgather(_kinds(local) if writes else {}):
         kinds.update(k)
@@ -139,7 +166,7 @@ def save(run_dir, step: int, *, model, optimizer, sync, cfg, comm, keep: int, ep
     tmp = final.with_name(final.name + ".tmp")
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "mpitrain_version": __version__,
             "step": step, "epoch": epoch, "epoch_step": epoch_step, "ranks": comm.size,
-            "strategy": layout, "config": json.dumps(cfg.to_dict()),
+            "strategy": strategy, "config": json.dumps(cfg.to_dict()),
             "rng": json.dumps(rng.get_state()), "optimizer": _optimizer_meta(local),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
 
@@ -147,8 +174,11 @@ def save(run_dir, step: int, *, model, optimizer, sync, cfg, comm, keep: int, ep
         tmp.parent.mkdir(parents=True, exist_ok=True)
         with h5py.File(tmp, "w") as f:
             f.attrs.update(meta)
-            for name, array in model.state_dict().items():
-                _dataset(f, f"model/{name}", data=array)
+            for name, (shape, dtype) in shapes.items():
+                if name in mine:
+                    _dataset(f, f"model/{name}", data=mine[name])
+                else:  # held by other ranks, which write it next
+                    _dataset(f, f"model/{name}", shape=shape, dtype=np.dtype(dtype))
             n, n_params = int(offsets[-1]), len(offsets) - 1
             f.create_dataset("optim/has_state", data=np.zeros(n_params, dtype=bool))
             for key, (kind, dtype) in sorted(kinds.items()):
@@ -163,6 +193,8 @@ def save(run_dir, step: int, *, model, optimizer, sync, cfg, comm, keep: int, ep
         if comm.rank == writer:
             with h5py.File(tmp, "r+") as f:
                 _write_state(f, local, pieces)
+                for name, array in mine.items() if partial else ():
+                    f[f"model/{name}"][...] = array
 
     writers = [r for r, w in enumerate(comm.allgather(writes)) if w and r > 0]
     for writer in writers:  # one rank at a time: an HDF5 file has one writer
@@ -254,11 +286,12 @@ DATA_ORDER = (("train", "seed"), ("train", "global_batch_size"), ("data", "buffe
               ("data", "path"), ("data", "name"), ("model", "block_size"))
 
 
-def restore(path: Path, *, cfg, model, optimizer, sync, comm, warn=None) -> dict:
-    """Load ``path`` into the model, the optimizer state this rank owns and the random
-    stream (collective); returns the checkpoint's attributes. ``warn`` hears of settings
-    that change the batch order from the saved run's."""
-    offsets, local, pieces, _ = _layout(optimizer, sync)
+def restore(path: Path, *, cfg, model, optimizer, sync, comm, warn=None, layout: Layout | None = None) -> dict:
+    """Load ``path`` into the model (a part of the whole one of ``layout``, or the whole
+    one), the optimizer state this rank owns and the random stream (collective); returns
+    the checkpoint's attributes. ``warn`` hears of settings that change the batch order
+    from the saved run's."""
+    offsets, local, pieces, _ = _layout(optimizer, sync, layout)
 
     def load():
         with h5py.File(path, "r") as f:
@@ -275,7 +308,8 @@ def restore(path: Path, *, cfg, model, optimizer, sync, comm, warn=None) -> dict
                                       "the optimizer state cannot carry over")
             saved = {name: f[f"model/{name}"] for name in _names(f["model"])}
             wanted = model.state_dict()
-            missing, unexpected = sorted(set(wanted) - set(saved)), sorted(set(saved) - set(wanted))
+            whole = set(layout.arrays) if layout is not None else set(wanted)
+            missing, unexpected = sorted(whole - set(saved)), sorted(set(saved) - whole)
             if missing or unexpected:
                 raise CheckpointError(f"{path}: the model differs from the checkpoint's: missing {missing}, "
                                       f"unexpected {unexpected} (is model.* the same as when it was saved?)")

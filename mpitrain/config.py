@@ -6,7 +6,8 @@ A config file has one table per section::
     [data]    name = "mnist5k" | "shakespeare" (embedded), or path = a shard directory
     [optim]   name = "sgd" | "adam" | "adamw", learning rate and schedule
     [train]   global_batch_size, steps or epochs, seed, evaluation and logging
-    [parallel] the grid dp x pp x tp, sync = "ddp" | "zero1" | "local" | "ps", allreduce, buckets, servers
+    [parallel] the grid dp x pp x tp, sync = "ddp" | "zero1" | "local" | "ps", allreduce, buckets, servers,
+              the pipeline schedule = "gpipe" | "1f1b" | "interleaved" | "zb-h1" and its chunks per rank
     [run]     the run directory: checkpoints, metrics; what to do on a non-finite loss
 
 Everything is validated before any work starts; the first problem raises
@@ -26,6 +27,8 @@ import math
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from mpitrain.parallel.pipeline import SCHEDULES
 
 try:
     import tomllib
@@ -73,7 +76,7 @@ OPTIM_FIELDS = {
     "adamw": _OPTIM_COMMON | {"betas", "eps"},
 }
 TEXT_ONLY_TRAIN_FIELDS = {"eval_batches", "sample_tokens"}
-_PARALLEL_COMMON = {"dp", "pp", "tp", "sync", "thread_level"}
+_PARALLEL_COMMON = {"dp", "pp", "tp", "sync", "thread_level", "schedule", "chunks"}
 PARALLEL_FIELDS = {  # by parallel.sync
     "ddp": _PARALLEL_COMMON | {"allreduce", "bucket_mb", "progress"},
     "zero1": _PARALLEL_COMMON | {"allreduce"},
@@ -82,7 +85,8 @@ PARALLEL_FIELDS = {  # by parallel.sync
 }
 RENAMED = {"parallel.strategy": "parallel.sync"}  # old spelling -> new: still read, with a note
 GRID = ("dp", "pp", "tp")
-NOT_YET = {"pp": "pipeline parallelism", "tp": "tensor slicing"}  # grid axes whose modules have not landed
+NOT_YET = {"tp": "tensor slicing"}  # grid axes whose modules have not landed
+PIPELINE_SYNCS = ("ddp", "local")  # the gradient syncs a pipeline stage's replicas can use
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,8 @@ class ParallelConfig:
     dp: int = -1  # data-parallel replicas; by default every rank that pp and tp leave
     pp: int = 1  # pipeline stages
     tp: int = 1  # tensor slices
+    schedule: str = "1f1b"  # pp > 1: the pipeline schedule: gpipe | 1f1b | interleaved | zb-h1
+    chunks: int = 1  # pp > 1, schedule = "interleaved": model chunks per rank (virtual stages)
     sync: str = "ddp"  # how the dp ranks' gradients become one update: ddp | zero1 | local | ps (a role split)
     allreduce: str = "mpi"  # mpi: MPI's own collectives | ring: mpitrain's ring
     bucket_mb: float = 4.0  # ddp: gradient bucket size (an allreduce starts per full bucket)
@@ -394,6 +400,10 @@ def _validate_parallel(cfg: Config) -> None:
              "parallel.thread_level", "the communication thread (parallel.progress = 'thread') needs "
              "'serialized' or 'multiple'", par.thread_level)
 
+    _require(par.schedule in SCHEDULES, "parallel.schedule", f"must be one of {list(SCHEDULES)}", par.schedule)
+    _require(par.chunks >= 1, "parallel.chunks", "must be >= 1", par.chunks)
+    _require(par.chunks == 1 or par.schedule == "interleaved", "parallel.chunks",
+             "more than one model chunk per rank needs parallel.schedule = 'interleaved'", par.chunks)
     _require(par.servers >= 1, "parallel.servers", "must be >= 1", par.servers)
     _require(par.staleness >= -1, "parallel.staleness", "must be >= 0, or -1 for unbounded", par.staleness)
     _require(par.slow_factor >= 1, "parallel.slow_factor", "must be >= 1", par.slow_factor)
@@ -464,6 +474,7 @@ def check_ranks(cfg: Config, ranks: int) -> tuple[int, int, int]:
         if sizes[name] > 1:
             raise ConfigError(f"parallel.{name}: -1 gives {sizes[name]} here, but {what} is not available yet; set "
                               f"parallel.{name} = 1")
+    _check_pipeline(cfg, sizes["pp"])
     if par.sync == "local" and sizes["dp"] > 1:
         raise ConfigError(f"parallel.sync: 'local' exchanges no gradients, so {sizes['dp']} data-parallel replicas "
                           "would drift apart; use 'ddp' or 'zero1'")
@@ -471,6 +482,22 @@ def check_ranks(cfg: Config, ranks: int) -> tuple[int, int, int]:
     if ps and par.slow_worker >= workers:
         raise ConfigError(f"parallel.slow_worker: {par.slow_worker} is not a worker (0 .. {workers - 1})")
     return sizes["dp"], sizes["pp"], sizes["tp"]
+
+
+def _check_pipeline(cfg: Config, pp: int) -> None:
+    """A pipeline's schedule and sync; no pipeline settings without one."""
+    par, m = cfg.parallel, cfg.train.micro_batches
+    if pp == 1:
+        for name in ("schedule", "chunks"):
+            if f"parallel.{name}" in cfg.given:
+                raise ConfigError(f"parallel.{name}: applies to pipeline runs (parallel.pp > 1); this one has pp = 1")
+        return
+    if par.sync not in PIPELINE_SYNCS:
+        raise ConfigError(f"parallel.sync: {par.sync!r} does not combine with pipeline stages (parallel.pp = {pp}) "
+                          f"yet; use one of {list(PIPELINE_SYNCS)}")
+    if par.schedule == "interleaved" and m % pp:
+        raise ConfigError(f"train.micro_batches: the interleaved schedule needs a multiple of the {pp} pipeline "
+                          f"stages (as in Megatron-LM), got {m}")
 
 
 def _check_batch(cfg: Config, dp: int, ranks: str, who: str) -> None:

@@ -1,13 +1,50 @@
-"""The random stream behind dropout and weight initialisation.
+"""The random streams behind dropout and weight initialisation.
 
-One ``np.random.Generator`` per process, seeded by :func:`manual_seed`. Its state is
-plain data (:func:`get_state` / :func:`set_state`), so activation checkpointing can
-replay a block's dropout masks exactly and a checkpoint can restore the stream.
+**The process-wide stream.** One ``np.random.Generator`` per process, seeded by
+:func:`manual_seed`, draws the initial weights and, outside :func:`sample_streams`,
+every dropout mask in call order. Its state is plain data (:func:`get_state` /
+:func:`set_state`), so a checkpoint can save and restore it.
+
+**Per-sample streams.** In call order, a sample's dropout mask depends on everything
+drawn before it: on how many samples share its micro-batch, on how many micro-batches
+(m) the global batch is cut into, on how many data-parallel replicas (dp) share it, and
+on the pipeline stages (p) and their schedule (a stage on rank 1 never sees the draws
+that rank 0's layers made). Training with dropout would then change with p, m and dp.
+Inside ``with sample_streams(seed, step, samples):`` a mask is instead drawn per
+sample: each sample's share of it comes from that sample's own stream, keyed by
+``(seed, step, sample, layer)``, with ``sample`` its position in the step's *global*
+batch and ``layer`` its index in ``model.layers()`` (:func:`layer`). A sample then gets
+the same masks whatever shares its micro-batch, whichever rank runs it, and whichever
+stage runs its layers, in whatever order. Megatron-LM's ``CudaRNGStatesTracker``
+solves a related problem for tensor parallelism (which dropout must agree across the
+ranks of a tensor-parallel group and which must differ); here every key is per
+(step, sample, layer), so that the masks do not depend on the schedule at all.
+
+A stream is NumPy's SFC64 seeded by ``SeedSequence([seed, DROPOUT, step, sample,
+layer])`` (``DROPOUT`` tags these seeds apart from the data pipeline's seed tuples),
+and a sample's share of ``n`` elements of a mask is its next ``ceil(n/2)`` raw 64-bit
+words read as little-endian 32-bit halves ``u``, an element kept where
+``u >= ceil(p * 2**32)``. SeedSequence and the bit generators' raw streams are the parts
+of NumPy's random API whose output is fixed across versions (``Generator.random`` is
+not promised to be), and comparing integers needs no conversion to floats. Measured
+(2 cores, NumPy 2.4, 12 samples, the three masks of a benchmark block): SFC64 with
+SeedSequence, about 12 us to start a stream and 2.1 ns a word, was faster than Philox
+keyed directly by ``(seed, step)`` with its counter at ``(0, 0, sample, layer)`` (2 us
+to re-key a pooled one, but 3.8 ns a word) and than PCG64 (as fast to draw, slower to
+seed), and no slower than the process-wide generator's float draws. Streams start
+lazily, at a layer's first mask, so layers without dropout, and evaluation, cost
+nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import operator
+
 import numpy as np
+
+DROPOUT = 6  # seed stream tag (the data pipeline's are 1 to 5)
 
 _generator = np.random.default_rng(0)
 
@@ -24,6 +61,7 @@ def generator() -> np.random.Generator:
 
 
 def get_state() -> dict:
+    """The process-wide generator's state (JSON-able; with the per-sample streams: :func:`snapshot`)."""
     return _generator.bit_generator.state
 
 
@@ -31,9 +69,145 @@ def set_state(state: dict) -> None:
     _generator.bit_generator.state = state
 
 
-def dropout_mask(gen: np.random.Generator, shape: tuple, p: float, dtype) -> np.ndarray:
-    """Inverted-dropout mask: 0 with probability p, else 1/(1-p) (expected value 1)."""
+# ------------------------------------------------------------- per-sample streams
+class _Streams:
+    """One active :func:`sample_streams`: its keys, the current layer, and the current
+    layer's per-sample bit generators (None until the layer's first mask)."""
+
+    __slots__ = ("seed", "step", "samples", "layer", "gens")
+
+    def __init__(self, seed: int, step: int, samples: list):
+        self.seed, self.step, self.samples = seed, step, samples
+        self.layer, self.gens = 0, None
+
+    def start(self) -> list:
+        """Fresh streams of the samples for the current layer."""
+        return [np.random.SFC64(np.random.SeedSequence([self.seed, DROPOUT, self.step, s, self.layer]))
+                for s in self.samples]
+
+
+_streams: _Streams | None = None
+
+
+def _uint64(name: str, value) -> int:
+    value = operator.index(value)
+    if not 0 <= value < 1 << 64:
+        raise ValueError(f"rng: {name} must be in [0, 2**64), got {value}")
+    return value
+
+
+@contextlib.contextmanager
+def sample_streams(seed: int, step: int, samples):
+    """Draw dropout masks per sample while active.
+
+    ``samples`` (an int array or range, length B) are the positions in the step's global
+    batch of the micro-batch about to run forward, in the order of the leading dimension
+    of its activations. A mask of shape (B, ...) or (B*T, ...) (sample-major, C order)
+    is then the concatenation, sample by sample, of ``size // B`` elements from each
+    sample's own stream, keyed by (seed, step, sample, layer) (see :func:`layer`);
+    successive masks within one layer continue each sample's stream. ``seed``, ``step``
+    and the samples are integers in [0, 2**64). Nested, the inner one rules until it exits.
+    """
+    global _streams
+    samples = np.asarray(samples)
+    if samples.ndim != 1 or (samples.size and samples.dtype.kind not in "iu"):
+        raise TypeError(f"sample_streams: samples must be a 1-d integer array or range, got {samples!r}")
+    s = _Streams(_uint64("seed", seed), _uint64("step", step), [_uint64("sample", i) for i in samples.tolist()])
+    outer, _streams = _streams, s
+    try:
+        yield
+    finally:
+        _streams = outer
+
+
+class layer:
+    """``with rng.layer(i):`` the forward of layer ``i`` of ``model.layers()`` is running.
+
+    Inside :func:`sample_streams`, entering starts fresh per-sample streams keyed with
+    layer ``i`` (so a pipeline stage that runs only some layers draws exactly the masks
+    those layers draw in one process); leaving resumes the enclosing layer's streams.
+    Masks drawn under ``sample_streams`` with no ``layer`` active use layer 0. Outside
+    ``sample_streams`` this does nothing.
+    """
+
+    __slots__ = ("index", "saved")
+
+    def __init__(self, index: int):
+        self.index = _uint64("layer", index)
+
+    def __enter__(self):
+        s = _streams
+        self.saved = None if s is None else (s, s.layer, s.gens)
+        if s is not None:
+            s.layer, s.gens = self.index, None
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            s, index, gens = self.saved
+            s.layer, s.gens = index, gens
+        return False
+
+
+def snapshot():
+    """Everything a dropout mask is drawn from: the process-wide generator's state and
+    the active per-sample streams (which, their layer, how far each has drawn).
+    :func:`restore` puts it back, so activation checkpointing replays a block's masks
+    exactly, wherever its backward runs."""
+    s = _streams
+    frame = None
+    if s is not None:
+        frame = (s, s.layer, None if s.gens is None else [g.state for g in s.gens])
+    return _generator.bit_generator.state, frame
+
+
+def restore(snap) -> None:
+    """Make the streams of ``snap = snapshot()`` active again, each where it was."""
+    global _streams
+    state, frame = snap
+    _generator.bit_generator.state = state
+    if frame is None:
+        _streams = None
+        return
+    s, index, states = frame
+    s.layer, s.gens = index, None
+    if states is not None:
+        s.gens = s.start()  # then moved to where they were
+        for g, st in zip(s.gens, states):
+            g.state = st
+    _streams = s
+
+
+# ------------------------------------------------------------------------ masks
+def dropout_mask(gen: np.random.Generator | None, shape: tuple, p: float, dtype) -> np.ndarray:
+    """Inverted-dropout mask: 0 with probability p, else 1/(1-p) (expected value 1).
+
+    ``gen`` None: from the per-sample streams inside :func:`sample_streams`, else from
+    the process-wide generator. A generator given is drawn from, always."""
+    if gen is None:
+        if _streams is not None:
+            return _sample_mask(_streams, shape, p, dtype)
+        gen = _generator
     mask = gen.random(shape, dtype=np.float32) >= p
     out = mask.astype(dtype)
     out *= 1.0 / (1.0 - p)
     return out
+
+
+def _sample_mask(s: _Streams, shape: tuple, p: float, dtype) -> np.ndarray:
+    """Sample ``i``'s ``n = size // B`` elements: its next ``ceil(n/2)`` words, as
+    little-endian 32-bit halves ``u``, kept where ``u >= ceil(p * 2**32)``."""
+    B = len(s.samples)
+    if not shape or B == 0 or shape[0] % B:
+        raise ValueError(f"dropout mask of shape {tuple(shape)}: its leading dimension must be a multiple "
+                         f"of the {B} samples of sample_streams")
+    if s.gens is None:
+        s.gens = s.start()
+    n = math.prod(shape) // B
+    threshold = np.uint32(min(math.ceil(p * 2.0**32), 2**32 - 1))
+    out = np.empty((B, n), dtype=dtype)
+    for g, row in zip(s.gens, out):
+        u = g.random_raw((n + 1) // 2).astype("<u8", copy=False).view("<u4")[:n]
+        np.greater_equal(u, threshold, out=row)
+    out *= 1.0 / (1.0 - p)
+    return out.reshape(shape)

@@ -22,6 +22,15 @@ ordering is what makes the three services later modules rely on possible:
   leaf's ``.grad`` is final for this pass and its hooks fire. Data parallelism starts
   a bucket's allreduce from there, while backward continues on earlier layers.
 
+The walk can also be split in two, for zero-bubble pipeline schedules (Qi et al. 2024):
+:func:`backward_split` computes every gradient but the parameters' (what a stage sends
+upstream at once) and returns a :class:`WeightPass` whose ``run()`` computes the
+parameters' later, with the results of one ``backward`` bit for bit. A node with a
+parameter input then runs twice, asked for one side each time; the fused transformer
+sublayers reach their weight gradients only through their inner chain of gradients,
+which the second run recomputes: nearly a second backward of the sublayer, where the
+plain block's separate nodes redo nothing.
+
 Gradients accumulate: ``.grad`` of a leaf is summed in place across backward passes
 until ``zero_grad``. In-place accumulation keeps ``.grad`` the same array, so a
 ``.grad`` that is a view into a flat buffer stays one. Every gradient handed out
@@ -45,6 +54,7 @@ Default dtype is float32; :func:`default_dtype` switches to float64 for gradient
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 
@@ -437,12 +447,37 @@ def _graph(roots: list[Tensor]):
     return order, leaf_uses
 
 
-def _run(roots, grads, retain_graph: bool, capture: dict | None):
-    """The backward engine shared by :func:`backward` and :func:`grad`."""
+# The phases of a walk over the graph (see _walk): every input's gradient, or a backward
+# split in two, the inputs that are not parameters first, then the parameters.
+_WHOLE, _INPUTS, _WEIGHTS = "whole", "inputs", "weights"
+
+
+def _run(roots, grads, retain_graph: bool, capture: dict | None, phase: str = _WHOLE):
+    """The backward engine shared by :func:`backward`, :func:`grad` and the first phase of
+    :func:`backward_split`: hands the roots their gradients and walks the graph. Returns
+    what the walk kept for a second phase and the leaf use counts it left."""
     if len(grads) != len(roots):
         raise ValueError(f"{len(roots)} tensors but {len(grads)} gradients")
     order, leaf_uses = _graph(roots)
     pending: dict[int, list] = {}  # id(node) -> gradients of its outputs
+    deliver = _deliverer(pending, leaf_uses, capture)
+    for t, g in zip(roots, grads):
+        if isinstance(g, Tensor):
+            g = g.data
+        if not t.requires_grad:
+            raise RuntimeError("backward from a tensor that does not require grad")
+        g = np.asarray(g, dtype=t.data.dtype)
+        if t._ctx is None:
+            leaf_uses[id(t)] = leaf_uses.get(id(t), 0) + 1
+        deliver(t, g, "the upstream gradient")
+    steps = ((node, pending.pop(id(node), None) or [None] * node.n_outputs) for node in order)
+    return _walk(steps, deliver, phase, not retain_graph, capture), leaf_uses
+
+
+def _deliverer(pending: dict, leaf_uses: dict, capture: dict | None):
+    """``deliver(t, g, source)``, which hands the gradient ``g`` to ``t``: to ``pending``
+    for an intermediate's producer; for a leaf, to ``capture`` (:func:`grad`) or into its
+    ``.grad``, firing its hooks once its last edge (``leaf_uses``) has delivered."""
 
     def deliver(t: Tensor, g, source: str):
         if g is not None and g.shape != t.shape:
@@ -467,54 +502,89 @@ def _run(roots, grads, retain_graph: bool, capture: dict | None):
             for hook in t._hooks:
                 hook(t)
 
-    for t, g in zip(roots, grads):
-        if isinstance(g, Tensor):
-            g = g.data
-        if not t.requires_grad:
-            raise RuntimeError("backward from a tensor that does not require grad")
-        g = np.asarray(g, dtype=t.data.dtype)
-        if t._ctx is None:
-            leaf_uses[id(t)] = leaf_uses.get(id(t), 0) + 1
-        deliver(t, g, "the upstream gradient")
+    return deliver
 
-    for node in order:
-        out_grads = pending.pop(id(node), None) or [None] * node.n_outputs
-        for i, t in node.retained.items():
-            g = out_grads[i]
-            if g is None:
-                continue
-            if capture is not None:
-                if id(t) in capture:
-                    capture[id(t)] = _owned(g, t.dtype)
-            else:
-                t.grad = _owned(g, t.dtype) if t.grad is None else t.grad + g
-        if all(g is None for g in out_grads):
-            in_grads = (None,) * len(node.inputs)
-        else:
-            node.last_backward = not retain_graph
-            in_grads = node.backward(*out_grads)
-            if not isinstance(in_grads, tuple):
-                in_grads = (in_grads,)
-        source = f"{type(node).__name__}.backward"
-        for t, needed, g in zip(node.inputs, node.needs_input_grad, in_grads):
-            if needed:
-                deliver(t, g, source)
-        if not retain_graph:
+
+def _walk(steps, deliver, phase: str, free: bool, capture: dict | None = None) -> collections.deque:
+    """The engine loop: for each ``(node, out_grads)`` of ``steps`` in turn, call the
+    node's backward and deliver the gradients it returns; ``free`` frees each node after.
+
+    ``phase`` says which inputs a node is asked for: those it recorded (``_WHOLE``), its
+    Parameter leaves (``_WEIGHTS``) or all others (``_INPUTS``). An ``_INPUTS`` walk keeps,
+    unfreed, every node with a Parameter input that needs a gradient, with its
+    ``out_grads``, and returns them in the order it met them, for a ``_WEIGHTS`` walk."""
+    kept = collections.deque()
+    for node, out_grads in steps:
+        if node.retained and phase != _WEIGHTS:  # complete once the node's turn comes
+            _retain(node, out_grads, capture)
+        needs = node.needs_input_grad if phase == _WHOLE else _restricted(node, phase == _WEIGHTS)
+        keep = phase == _INPUTS and needs != node.needs_input_grad  # a Parameter input was masked off
+        node.last_backward = free and not keep
+        _call(node, out_grads, needs, deliver)
+        if keep:
+            kept.append((node, out_grads))
+        elif free:
             node.__dict__.clear()  # frees saved activations; the node can't run again
+    return kept
+
+
+def _retain(node: Function, out_grads: list, capture: dict | None) -> None:
+    """Store the gradients of the node's retained outputs (``retain_grad``, :func:`grad`)."""
+    for i, t in node.retained.items():
+        g = out_grads[i]
+        if g is None:
+            continue
+        if capture is not None:
+            if id(t) in capture:
+                capture[id(t)] = _owned(g, t.dtype)
+        else:
+            t.grad = _owned(g, t.dtype) if t.grad is None else t.grad + g
+
+
+def _restricted(node: Function, weights: bool) -> tuple:
+    """``node.needs_input_grad`` restricted to its Parameter inputs (``weights``) or to
+    the others."""
+    return tuple(needed and isinstance(t, Parameter) == weights
+                 for t, needed in zip(node.inputs, node.needs_input_grad))
+
+
+def _call(node: Function, out_grads: list, needs: tuple, deliver) -> None:
+    """Run ``node.backward`` with ``needs`` as its ``needs_input_grad`` and deliver the
+    gradients of the inputs ``needs`` flags. The node gets its recorded flags back after
+    the call; it is not called at all when it is asked for nothing or received nothing."""
+    recorded = node.needs_input_grad
+    if not any(needs) or all(g is None for g in out_grads):
+        in_grads = (None,) * len(needs)
+    elif needs is recorded:
+        in_grads = node.backward(*out_grads)
+    else:
+        node.needs_input_grad = needs
+        try:
+            in_grads = node.backward(*out_grads)
+        finally:
+            node.needs_input_grad = recorded
+    if not isinstance(in_grads, tuple):
+        in_grads = (in_grads,)
+    source = f"{type(node).__name__}.backward"
+    for t, needed, g in zip(node.inputs, needs, in_grads):
+        if needed:
+            deliver(t, g, source)
+
+
+def _upstream(tensors: list, grads) -> list:
+    """The upstream gradients, 1 for each one-element tensor when ``grads`` is None."""
+    if grads is not None:
+        return list(grads)
+    for t in tensors:
+        if t.size != 1:
+            raise RuntimeError(f"backward() without a gradient needs a one-element tensor, got shape {t.shape}")
+    return [np.ones(t.shape, dtype=t.dtype) for t in tensors]
 
 
 def backward(tensors, grads=None, retain_graph: bool = False) -> None:
     """Backpropagate from several tensors at once (``grads``: one upstream gradient each)."""
     tensors = list(tensors)
-    if grads is None:
-        grads = []
-        for t in tensors:
-            if t.size != 1:
-                raise RuntimeError(
-                    f"backward() without a gradient needs a one-element tensor, got shape {t.shape}"
-                )
-            grads.append(np.ones(t.shape, dtype=t.dtype))
-    _run(tensors, list(grads), retain_graph, None)
+    _run(tensors, _upstream(tensors, grads), retain_graph, None)
 
 
 def grad(outputs, inputs, grad_outputs=None, retain_graph: bool = False) -> list:
@@ -541,6 +611,78 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph: bool = False) -> list
                 if previous is None:
                     t._ctx.retained.pop(t._index, None)
     return [capture[id(t)] for t in inputs]
+
+
+def backward_split(tensors, grads=None) -> "WeightPass":
+    """Phase one of a backward pass split in two: every gradient but the parameters' now,
+    the parameters' when the returned :class:`WeightPass` is run.
+
+    Why: a zero-bubble pipeline schedule (Qi et al., ICLR 2024) splits a stage's backward
+    into B, the gradient of the stage's input, which the previous stage waits for, and
+    W, the weight gradients, which nothing needs before the optimizer step. The stage
+    sends B's result at once and runs W where it would otherwise wait.
+
+    The walk is :func:`backward`'s (``tensors``, ``grads`` as there; a Parameter cannot
+    be a root), in the same order, with every edge into a Parameter masked off: each
+    node's backward sees ``needs_input_grad`` restricted to its other inputs
+    (intermediates, and leaves such as a stage's received activation), and a node with
+    no such input needing a gradient is not called. On return the ``.grad`` of every leaf
+    that is not a Parameter, its hooks and every retained gradient are as after
+    ``backward``; no parameter's ``.grad`` has changed and no parameter hook has fired.
+
+    Every node with a Parameter input needing a gradient is kept for phase two, with its
+    saved arrays and the gradients of its outputs (references: do not write into
+    ``grads`` before ``run``), and sees ``last_backward`` false in phase one. The others
+    are freed at once, as by ``backward``. Between the phases the graph holds what the
+    weight gradients need and nothing else; a WeightPass dropped without being run frees
+    exactly that, the kept nodes and their output gradients.
+
+    ``WeightPass.run()`` calls the kept nodes again in the same order, asking for the
+    Parameter inputs only, with ``last_backward`` true, accumulates into ``.grad`` as
+    ``backward`` does, fires each parameter's hooks when its last edge has delivered, and
+    frees the nodes. Each gradient then receives its contributions in the order one
+    ``backward`` gives them: the results are bit for bit those of
+    ``backward(tensors, grads)``.
+
+    Cost: a node's backward runs twice, and work its input and weight gradients share is
+    done in both. The fused transformer sublayers (``ops.transformer``) are the case
+    that matters: ``W_in``'s and the layer norm's gradients lie behind the whole inner
+    chain, so asked for its weights alone a sublayer recomputes the branch's dropout,
+    ``g W_proj^T``, the attention backward (or GELU's) and ``ga W_in^T``: nearly a second
+    backward of the sublayer. The plain block (``ops.fast_paths(False)``) has each
+    ``Linear`` and ``LayerNorm`` as its own node, whose phase two is the weight products
+    and the norm's reductions alone. Activation checkpointing's node ignores the mask
+    and recomputes its block's forward and backward in each phase.
+    """
+    tensors = list(tensors)
+    if any(isinstance(t, Parameter) for t in tensors):
+        raise ValueError("backward_split from a Parameter: its gradient is not an input gradient to split off")
+    kept, leaf_uses = _run(tensors, _upstream(tensors, grads), False, None, _INPUTS)
+    return WeightPass(kept, leaf_uses)
+
+
+class WeightPass:
+    """The second phase of :func:`backward_split`: ``run()`` once to compute the
+    parameters' gradients from the nodes phase one kept."""
+
+    def __init__(self, kept: collections.deque, leaf_uses: dict):
+        self._kept, self._leaf_uses = kept, leaf_uses
+
+    def run(self) -> None:
+        """Accumulate the kept nodes' parameter gradients into ``.grad`` and free them."""
+        if self._kept is None:
+            raise RuntimeError("WeightPass.run() called twice: the weight gradients were "
+                               "delivered and the graph freed by the first call")
+        kept, self._kept = self._kept, None
+        deliver = _deliverer({}, self._leaf_uses, None)  # phase two delivers to parameters only
+        _walk(_drain(kept), deliver, _WEIGHTS, free=True)
+
+
+def _drain(items: collections.deque):
+    """Yield ``items`` from the first, dropping each from the deque (a node's output
+    gradients are freed as the walk passes it, not at its end)."""
+    while items:
+        yield items.popleft()
 
 
 from mpitrain import ops as _ops  # noqa: E402  (ops build on Tensor; operators call them)

@@ -98,7 +98,11 @@ def test_bad_override_and_files(tmp_path):
      "parallel.allreduce: does not apply to parallel.sync = 'local'"),
     (["parallel.strategy=ps", "parallel.allreduce=ring"], "parallel.allreduce: does not apply to parallel.sync = 'ps'"),
     (["parallel.strategy=ps", "parallel.sync=ps"], "parallel.strategy: is the old name of parallel.sync; give only"),
-    (["parallel.pp=2"], "parallel.pp: pipeline parallelism is not available yet: set parallel.pp = 1, got 2"),
+    (["parallel.pp=2", "parallel.schedule=pipedream"], "parallel.schedule: must be one of ['gpipe', '1f1b', "
+                                                       "'interleaved', 'zb-h1'], got 'pipedream'"),
+    (["parallel.pp=2", "parallel.chunks=2"], "parallel.chunks: more than one model chunk per rank needs "
+                                             "parallel.schedule = 'interleaved'"),
+    (["parallel.pp=2", "parallel.chunks=0"], "parallel.chunks: must be >= 1, got 0"),
     (["parallel.tp=4"], "parallel.tp: tensor slicing is not available yet: set parallel.tp = 1, got 4"),
     (["parallel.dp=0"], "parallel.dp: must be >= 1, or -1 for the ranks the others leave, got 0"),
     (["parallel.pp=-1"], "parallel.pp: -1 means 'the rest', but so does parallel.dp; dp takes the rest by default"),
@@ -132,8 +136,14 @@ def test_parameter_server_rank_checks(ranks, overrides, message):
 
 @pytest.mark.parametrize("ranks,overrides,message", [
     (4, ["parallel.dp=2"], "parallel.dp: dp x pp x tp = 2 x 1 x 1 = 2, but there are the 4 ranks of this job"),
-    (2, ["parallel.dp=1", "parallel.pp=-1"], "parallel.pp: -1 gives 2 here, but pipeline parallelism is not "
+    (2, ["parallel.dp=1", "parallel.tp=-1"], "parallel.tp: -1 gives 2 here, but tensor slicing is not "
                                              "available yet"),
+    (2, ["parallel.schedule=gpipe"], "parallel.schedule: applies to pipeline runs (parallel.pp > 1); this one has "
+                                     "pp = 1"),
+    (4, ["parallel.pp=2", "parallel.sync=zero1"], "parallel.sync: 'zero1' does not combine with pipeline stages "
+                                                  "(parallel.pp = 2) yet; use one of ['ddp', 'local']"),
+    (2, ["parallel.pp=2", "parallel.schedule=interleaved", "train.micro_batches=3"],
+     "train.micro_batches: the interleaved schedule needs a multiple of the 2 pipeline stages"),
     (5, [], "train.global_batch_size: 12 is not divisible by the 5 ranks of this job"),
     (2, ["parallel.sync=local"], "parallel.sync: 'local' exchanges no gradients, so 2 data-parallel replicas"),
     (2, ["train.micro_batches=4"], "train.micro_batches: the 6 samples of each of the 2 data-parallel ranks "
@@ -162,7 +172,7 @@ def test_the_grid_resolves_the_rest_and_the_old_spelling_still_reads():
 
 
 def test_the_rest_of_a_grid_with_pipeline_and_tensor_axes(monkeypatch):
-    """How -1 resolves once pp and tp are available (today they are refused above 1)."""
+    """How -1 resolves once tp is available too (today it is refused above 1)."""
     monkeypatch.setattr(config, "NOT_YET", {})
     cfg = config.from_dict({"train": {"steps": 1, "global_batch_size": 12}}, ["parallel.pp=2", "parallel.tp=2"])
     assert config.check_ranks(cfg, 8) == (2, 2, 2)

@@ -59,6 +59,8 @@ class Tag(enum.IntEnum):
     PS_GRAD = 4  # worker -> server: the gradient of the server's parameters
     PS_VERSION = 5  # server -> worker: the version of the parameters that follow
     PS_PARAMS = 6  # server -> worker: the server's parameters
+    PP_ACTIVATION = 7  # pipeline stage -> the next: a micro-batch's activation
+    PP_GRADIENT = 8  # pipeline stage -> the previous: the gradient of that activation
 
 
 @dataclass

@@ -9,9 +9,11 @@ parameters. The recomputation builds a private graph and takes gradients from it
 accumulates them like any other node's. So a parameter used both inside and outside
 the block (a tied embedding) gets its post-accumulate hook only when all uses are in.
 
-Replay is exact: the random stream (dropout) is rewound to where the forward pass
-began, and buffers the forward pass updated (batch-norm running statistics) are put
-back after the recomputation so they are updated once per step, not twice.
+Replay is exact: the random streams (dropout: the process-wide generator, and the
+per-sample streams of ``rng.sample_streams`` with their layer) are rewound to where the
+forward pass began (``rng.snapshot``; backward may run outside those contexts), and
+buffers the forward pass updated (batch-norm running statistics) are put back after
+the recomputation so they are updated once per step, not twice.
 """
 
 from __future__ import annotations
@@ -26,20 +28,22 @@ from mpitrain.tensor import Function, Tensor, enable_grad, grad, is_grad_enabled
 class _Checkpoint(Function):
     def forward(self, x, *param_arrays, module):
         self.module, self.x = module, x
-        self.rng_state = rng.get_state()
+        self.rng_state = rng.snapshot()
         with no_grad():
             return module(Tensor(x)).data
 
     def backward(self, g):
         module = self.module
         params = module.parameters()
-        resume_state = rng.get_state()
+        resume_state = rng.snapshot()
         updated = [np.array(b, copy=True) for _, b in module.named_buffers()]
-        rng.set_state(self.rng_state)
-        with enable_grad():
-            x = Tensor(self.x, requires_grad=self.needs_input_grad[0])
-            out = module(x)
-        rng.set_state(resume_state)
+        rng.restore(self.rng_state)
+        try:
+            with enable_grad():
+                x = Tensor(self.x, requires_grad=self.needs_input_grad[0])
+                out = module(x)
+        finally:
+            rng.restore(resume_state)
         for (_, buffer), value in zip(module.named_buffers(), updated):
             np.copyto(buffer, value)
         grads = grad([out], [x] + params, [g])

@@ -260,11 +260,18 @@ class GPT(Module):
         return [("embed", self.embed), *((f"block {i}", b) for i, b in enumerate(self.blocks)), ("head", self.head)]
 
     def forward(self, ids, targets=None):
-        """Logits (B, T, V), and the mean cross-entropy if ``targets`` (B, T) is given."""
-        x = self.embed(ids)
-        for block in self.blocks:
-            x = checkpoint(block, x) if self.config.checkpoint_activations else block(x)
-        logits = self.head(x)
+        """Logits (B, T, V), and the mean cross-entropy if ``targets`` (B, T) is given.
+
+        Each layer runs inside ``rng.layer(i)``, ``i`` its index in :meth:`layers`: under
+        ``rng.sample_streams`` its dropout masks are then keyed by layer, the same when a
+        pipeline stage runs it alone."""
+        with rng.layer(0):
+            x = self.embed(ids)
+        for i, block in enumerate(self.blocks, 1):
+            with rng.layer(i):
+                x = checkpoint(block, x) if self.config.checkpoint_activations else block(x)
+        with rng.layer(len(self.blocks) + 1):
+            logits = self.head(x)
         if targets is None:
             return logits, None
         return logits, ops.cross_entropy(logits, targets)

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 def time_table(rows, steps: int) -> str:
     """``rows``: per rank (rank, step seconds, exposed communication seconds, total
-    communication seconds, read seconds, waiting seconds, bytes sent). Step seconds are
-    the optimizer steps; compute is what is left of them after exposed communication;
-    reads run on the reader's thread beside the steps, waiting is the loop stalled on
-    data (outside the steps)."""
-    lines = ["time per rank: rank | steps s | compute s | comm exposed s | comm total s | hidden | "
+    communication seconds, read seconds, waiting seconds, bytes sent, bubble seconds).
+    Step seconds are the optimizer steps; the bubble is the part of them a pipeline
+    stage waited for its neighbours' activations and gradients; compute is what is left
+    after exposed communication and the bubble; reads run on the reader's thread beside
+    the steps, waiting is the loop stalled on data (outside the steps)."""
+    lines = ["time per rank: rank | steps s | compute s | comm exposed s | comm total s | hidden | bubble s | "
              "read s (background) | waiting s | MB sent | MB/step"]
-    for rank, step_s, exposed, total, read, wait, sent in rows:
+    for rank, step_s, exposed, total, read, wait, sent, bubble in rows:
         hidden = f"{100 * max(0.0, 1 - exposed / total):.1f}%" if total > 0 else "-"
-        lines.append(f"{rank:19d} | {step_s:7.2f} | {step_s - exposed:9.2f} | {exposed:14.3f} | {total:12.3f} | "
-                     f"{hidden:>6} | {read:19.3f} | {wait:9.3f} | {sent / 1e6:7.1f} | {sent / 1e6 / steps:7.3f}")
+        lines.append(f"{rank:19d} | {step_s:7.2f} | {step_s - exposed - bubble:9.2f} | {exposed:14.3f} | "
+                     f"{total:12.3f} | {hidden:>6} | {bubble:8.3f} | {read:19.3f} | {wait:9.3f} | "
+                     f"{sent / 1e6:7.1f} | {sent / 1e6 / steps:7.3f}")
     return "\n".join(lines)

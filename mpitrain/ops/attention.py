@@ -130,9 +130,10 @@ class CausalSelfAttention(Function):
 
 def causal_self_attention(qkv, n_head: int, causal: bool = True, dropout_p: float = 0.0,
                           generator=None) -> Tensor:
-    """Attention of ``qkv`` (B, T, 3C) with ``n_head`` heads; returns (B, T, C)."""
+    """Attention of ``qkv`` (B, T, 3C) with ``n_head`` heads; returns (B, T, C). The
+    dropout mask on the attention weights comes from ``generator`` if given, else from
+    ``mpitrain.rng`` (per sample inside ``rng.sample_streams``)."""
     qkv = as_tensor(qkv)
     if qkv.ndim != 3 or qkv.shape[-1] % (3 * n_head):
         raise ValueError(f"qkv must be (B, T, 3C) with C divisible by n_head={n_head}, got {qkv.shape}")
-    generator = generator if generator is not None else _rng.generator()
     return CausalSelfAttention.apply(qkv, n_head, causal, float(dropout_p), generator)

@@ -147,12 +147,12 @@ def attention_sublayer(x, ln_weight, ln_bias, w_qkv, b_qkv, w_proj, b_proj, n_he
     """``x + dropout(causal_self_attention(layer_norm(x) @ w_qkv + b_qkv) @ w_proj + b_proj)``
     for ``x`` (B, T, C), as one node; biases may be None. Dropout, as in GPT-2, acts on
     the attention weights and on the branch, with masks drawn from ``generator`` in that
-    order (the global generator by default)."""
+    order (by default from ``mpitrain.rng``: per sample inside ``rng.sample_streams``,
+    where the (B*T, C) branch mask is sample-major, else the process-wide generator)."""
     x = _check(x, w_qkv, w_proj, "attention_sublayer")
     if w_qkv.shape[1] % (3 * n_head) or w_proj.shape[0] != w_qkv.shape[1] // 3:
         raise ValueError(f"attention_sublayer: w_qkv {w_qkv.shape} must be (C, 3C') with C' divisible "
                          f"by n_head={n_head}, and w_proj (C', C), got {w_proj.shape}")
-    generator = generator if generator is not None else _rng.generator()
     return AttentionSublayer.apply(x, ln_weight, ln_bias, w_qkv, b_qkv, w_proj, b_proj, float(eps),
                                    float(dropout_p), generator, n_head)
 
@@ -164,6 +164,5 @@ def mlp_sublayer(x, ln_weight, ln_bias, w_fc, b_fc, w_proj, b_proj, eps: float =
     x = _check(x, w_fc, w_proj, "mlp_sublayer")
     if w_proj.shape[0] != w_fc.shape[1]:
         raise ValueError(f"mlp_sublayer: w_fc {w_fc.shape} and w_proj {w_proj.shape} do not chain")
-    generator = generator if generator is not None else _rng.generator()
     return MLPSublayer.apply(x, ln_weight, ln_bias, w_fc, b_fc, w_proj, b_proj, float(eps),
                              float(dropout_p), generator)

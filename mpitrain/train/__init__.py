@@ -80,7 +80,7 @@ def _work(run: Run, first: int, log, loop_log, loop_warn) -> Result:
     with StopSignals() as signals:
         if role.serve is not None:
             role.guard(lambda: role.serve(trace=None if out.timeline is None else _trace(out.timeline)))
-            times = time_row(world.rank, time.perf_counter() - start, role.sync, run.reader)
+            times = time_row(world.rank, time.perf_counter() - start, role, run.reader)
         else:
             loop = Loop(run, first, result, out, signals, loop_log, loop_warn)
             role.guard(loop.execute)
@@ -98,7 +98,7 @@ def _header(run: Run, threads: int) -> str:
     what = "windows" if run.data.kind == "text" else "samples"
     micro = f" in {t.micro_batches} micro-batches per rank" if t.micro_batches > 1 else ""
     level = f"; MPI thread level {started_thread_level()}" if run.world.size > 1 else ""
-    return (f"model {cfg.model.name}: {run.model.num_parameters():,} parameters; data {run.data.name} "
+    return (f"model {cfg.model.name}: {sum(size for _, size in run.layout.params):,} parameters; data {run.data.name} "
             f"({run.data.path}), {reader.n:,} training {what}, {reader.steps_per_epoch} steps per epoch; "
             f"{run.total} steps of {t.global_batch_size}{micro}; {threads} BLAS thread(s) per rank; {t.dtype}"
             f"{'' if t.fast_paths else '; fast paths off'}\n"
@@ -113,7 +113,7 @@ def _resume(run: Run, log, warn) -> int:
         log(f"resume: no checkpoint in {checkpoint.directory(cfg.run.dir)}, starting at step 0")
         return 0
     attrs = checkpoint.restore(path, cfg=cfg, model=run.model, optimizer=run.optimizer, sync=run.role.sync,
-                               comm=run.world, warn=warn)
+                               comm=run.world, warn=warn, layout=run.layout)
     first = int(attrs["step"])
     log(f"resumed from {path} at step {first} (saved by {attrs['ranks']} rank(s), {attrs['strategy']}, "
         f"mpitrain {attrs['mpitrain_version']})")

@@ -5,8 +5,9 @@ The one place where strategy names are read: ``parallel.sync`` picks a gradient 
 (:data:`SYNCS`, each following :class:`~mpitrain.train.sync.GradSync`) over the
 data-parallel communicator of a ``dp x pp x tp`` :class:`~mpitrain.comm.grid.ProcessGrid`;
 ``ps`` splits the ranks into parameter servers and workers instead
-(:func:`_ps_role`). What comes out is a :class:`Role`: the loop and the end of the run
-read only that.
+(:func:`_ps_role`); with ``parallel.pp > 1`` each rank keeps a pipeline stage of the
+model, whose replicas the sync joins (:func:`_pipeline_role`). What comes out is a
+:class:`Role`: the loop and the end of the run read only that.
 """
 
 from __future__ import annotations
@@ -16,16 +17,21 @@ import json
 from dataclasses import dataclass, field
 from typing import Callable
 
-from mpitrain import checkpoint, nn, optim, rng
+import numpy as np
+
+from mpitrain import checkpoint, nn, ops, optim, rng
 from mpitrain.comm import SingleComm
 from mpitrain.comm.grid import ProcessGrid
 from mpitrain.config import Config, ConfigError, check_against_data
 from mpitrain.data import DataError, Dataset, ShardReader, open_dataset
+from mpitrain.data.loader import normalize
 from mpitrain.parallel.data_parallel import DataParallel
 from mpitrain.parallel.local import LocalSync
 from mpitrain.parallel.param_server import ParameterServer
+from mpitrain.parallel.pipeline import PipelineStage, PipelineSync
 from mpitrain.parallel.zero import Zero1
 from mpitrain.tensor import default_dtype
+from mpitrain.train import schedule
 from mpitrain.train.sync import GradSync
 
 # parallel.sync -> its gradient sync over dp_comm ("ps" is a role split: _ps_role)
@@ -43,6 +49,9 @@ class Role:
     """What one rank does in the run: run the training loop with ``sync``, or serve."""
 
     sync: GradSync
+    model: nn.Module  # what this rank trains: the model, or its pipeline stage
+    optimizer: optim.Optimizer  # over model's parameters
+    schedule: Callable  # schedule(micro, sync, context, before_backward) -> this rank's loss of the step
     loop_comm: object  # the ranks that run the loop in step: they agree on each step, evaluate and save together
     leads: bool  # this rank speaks for the loop: progress lines and metrics.jsonl
     lane: tuple[int, int]  # (lane, lanes): this rank's part of every global batch
@@ -58,6 +67,12 @@ class Role:
     resume_hint: str = "resume with --resume"  # after a stop by a signal
     summary: Callable = lambda: ([], {})  # lines for rank 0 and figures, after end() (collective)
     closers: list = field(default_factory=list)
+    loss_ranks: int | None = None  # the loop's ranks that compute a loss (None: all; a pipeline: its last stages)
+    forward: Callable | None = None  # evaluation: x -> the model's output, None where it ends elsewhere (None: model)
+    eval_lane: tuple | None = None  # (lane, lanes) of the evaluation data (None: the communicator's rank, size)
+    whole: bool = True  # this rank holds the whole model (it can sample text at the end)
+    trace_to: Callable = lambda trace: None  # hands the schedule's recorder trace(name, category, track, start, end)
+    bubble: Callable = lambda: 0.0  # seconds this rank has waited inside its schedule for other stages
 
     def close(self) -> None:
         for close in self.closers:
@@ -69,12 +84,13 @@ class Run:
     cfg: Config
     world: object
     data: Dataset
-    model: nn.Module
+    model: nn.Module  # what this rank trains (role.model)
     optimizer: optim.Optimizer
     role: Role
     reader: ShardReader
     total: int  # optimizer steps of the run
     lr: Callable[[int], float]  # the learning rate at a step
+    layout: checkpoint.Layout  # the whole model and optimizer, as checkpoints hold them
 
     def close(self) -> None:
         self.data.close()
@@ -90,29 +106,56 @@ def build_run(cfg: Config, world, grid: tuple[int, int, int], log) -> Run:
         rng.manual_seed(cfg.train.seed)
         model = build_model(cfg, data)
         opt = build_optimizer(cfg, model)
+        layout = checkpoint.Layout.of(model, opt)
         same_everywhere(cfg, model, world)
         t = cfg.train
         total = t.steps or t.epochs * train_reader(cfg, data, 0, 1).steps_per_epoch  # as many on every lane
         lr = build_lr_schedule(cfg, total)
-        make = _ps_role if cfg.parallel.sync == "ps" else _replica_role
-        role = make(cfg, world, grid, model, opt, lr, total)
+        if cfg.parallel.sync == "ps":
+            role = _ps_role(cfg, world, grid, model, opt, lr, total, data)
+        else:
+            role = _replica_role(cfg, world, grid, model, opt, data, layout)
     except BaseException:
         data.close()
         raise
-    return Run(cfg, world, data, model, opt, role, train_reader(cfg, data, *role.lane), total, lr)
+    return Run(cfg, world, data, role.model, role.optimizer, role, train_reader(cfg, data, *role.lane), total, lr,
+               layout)
 
 
-def _replica_role(cfg: Config, world, grid, model, opt, lr, total) -> Role:
-    """Every rank runs the loop; the model's replicas synchronise over ``dp_comm``. Data
-    parallelism over one rank has nothing to exchange: the local sync."""
+def _replica_role(cfg: Config, world, grid, model, opt, data, layout) -> Role:
+    """Every rank runs the loop; the model's replicas (or its stage's) synchronise over
+    ``dp_comm``. Data parallelism over one rank has nothing to exchange: the local sync."""
     g = ProcessGrid(world, *grid)
     name = "local" if cfg.parallel.sync == "ddp" and g.dp_size == 1 else cfg.parallel.sync
+    if g.pp_size > 1:
+        return _pipeline_role(cfg, world, grid, g, model, name, data, layout)
     sync = SYNCS[name](cfg, model, opt, g.dp_comm)
-    return Role(sync, loop_comm=world, leads=world.rank == 0, lane=(g.dp_rank, g.dp_size), ranks=world.size,
-                layout=_shape(grid), end=sync.sync_buffers, closers=[sync.close, g.free])
+    run_schedule = schedule.whole_model(model, data.kind == "text", cfg.train.micro_batches)
+    return Role(sync, model, opt, run_schedule, loop_comm=world, leads=world.rank == 0, lane=(g.dp_rank, g.dp_size),
+                ranks=world.size, layout=_shape(grid), end=sync.sync_buffers, closers=[sync.close, g.free])
 
 
-def _ps_role(cfg: Config, world, grid, model, opt, lr, total) -> Role:
+def _pipeline_role(cfg: Config, world, grid, g: ProcessGrid, model, sync_name: str, data, layout) -> Role:
+    """This rank keeps its stage of the model (:class:`PipelineStage` over ``pp_comm``)
+    and trains it with an optimizer of its own; the stage's replicas synchronise over
+    ``dp_comm``. Every stage of a lane reads the lane's batches (the first needs the
+    inputs, the last the targets); the last stages' losses are the step's."""
+    par, t = cfg.parallel, cfg.train
+    try:
+        stage = PipelineStage(model, g.pp_comm, example_input(cfg, data), ops.cross_entropy,
+                              schedule_name=par.schedule, micro_batches=t.micro_batches, chunks=par.chunks)
+    except ValueError as e:
+        g.free()
+        raise ConfigError(f"parallel.pp: {e}") from None
+    opt = build_optimizer(cfg, stage)
+    sync = PipelineSync(SYNCS[sync_name](cfg, stage, opt, g.dp_comm), stage, [n for n, _ in layout.params])
+    return Role(sync, stage, opt, stage.run, loop_comm=world, leads=world.rank == 0, lane=(g.dp_rank, g.dp_size),
+                ranks=world.size, layout=_shape(grid), end=sync.sync_buffers, closers=[sync.close, g.free],
+                loss_ranks=g.dp_size, forward=stage.forward_only, eval_lane=(g.dp_rank, g.dp_size), whole=False,
+                trace_to=lambda trace: setattr(stage, "trace", trace), bubble=lambda: stage.waited)
+
+
+def _ps_role(cfg: Config, world, grid, model, opt, lr, total, data) -> Role:
     """Parameter servers: the first ``parallel.servers`` ranks serve, the others are the
     grid's workers and run the loop with the server object as their sync. Synchronous
     workers run in step (the loop's collectives span the workers); asynchronous ones
@@ -128,7 +171,8 @@ def _ps_role(cfg: Config, world, grid, model, opt, lr, total) -> Role:
     ps = ParameterServer(model, opt, world, servers=S, staleness=par.staleness, lr_at=lr_at,
                          max_updates=None if lockstep else total * W, slow=slow)
     g = None if ps.is_server else ProcessGrid(ps.workers, *grid)
-    role = Role(ps, loop_comm=ps.workers if lockstep else SingleComm(), leads=ps.worker == 0,
+    run_schedule = schedule.whole_model(model, data.kind == "text", cfg.train.micro_batches)
+    role = Role(ps, model, opt, run_schedule, loop_comm=ps.workers if lockstep else SingleComm(), leads=ps.worker == 0,
                 lane=(0, W) if g is None else (g.dp_rank, g.dp_size), ranks=W,  # a server reads no batch
                 layout=f"{S} server(s), workers on {_shape(grid)}", serve=ps.serve if ps.is_server else None,
                 lockstep=lockstep, prefix="" if lockstep else "worker 0: ", end=ps.end, summary=ps.summary,
@@ -195,6 +239,15 @@ def build_model(cfg: Config, data) -> nn.Module:
                  "convnet": lambda: nn.ConvNet(c, h, len(data.classes), m.channels),
                  "resnet": lambda: nn.ResNet(c, h, len(data.classes), m.widths, m.blocks)}
         return kinds[m.name]()
+
+
+def example_input(cfg: Config, data) -> object:
+    """One input sample with its batch axis, as the model sees it: ``(1, T)`` token ids
+    or ``(1, H, W, C)`` normalised images (a pipeline derives its boundaries from it)."""
+    if data.kind == "text":
+        return np.zeros((1, cfg.model.block_size), dtype=np.int64)
+    split = data.split("train")
+    return normalize(np.zeros((1, *split.sample_shape), dtype=split.x_dtype), data.mean, data.std, cfg.train.dtype)
 
 
 def build_optimizer(cfg: Config, model: nn.Module) -> optim.Optimizer:

@@ -4,15 +4,18 @@ checkpoints in between.
 It knows no strategy. A step (:meth:`Loop.train_step`) reads::
 
     sync.begin_step()                    # before the first forward
-    schedule.run(actions, micro-batches) # forward and backward of each micro-batch
+    role.schedule(micro-batches, sync)   # forward and backward of each micro-batch
     sync.finish()                        # the gradients of the step are complete
     agree on the loss and stop signals   # one small allreduce over the loop's ranks
     sync.step(lr, grad_clip)             # unless the loss is not finite
     sync.zero_grad()
 
-where ``sync`` is the role's :class:`~mpitrain.train.sync.GradSync` and ``actions`` its
-schedule (:mod:`mpitrain.train.schedule`). The loop's ranks (``role.loop_comm``) agree on
-every step, so a stop signal or a non-finite loss ends them all at the same step.
+where ``sync`` is the role's :class:`~mpitrain.train.sync.GradSync` and ``role.schedule``
+runs its schedule (:mod:`mpitrain.train.schedule`: the whole model, or a pipeline
+stage's). Each micro-batch's forward draws its dropout masks from per-sample streams
+(:func:`mpitrain.rng.sample_streams`), so they do not depend on how the global batch is
+split. The loop's ranks (``role.loop_comm``) agree on every step, so a stop signal or a
+non-finite loss ends them all at the same step.
 Progress lines (the leading rank) report the loss averaged over ranks, the learning
 rate, samples/s and achieved GFLOP/s (FLOPs counted from the model's shapes on the
 first step, :mod:`mpitrain.observe.flops`); each epoch prints the per-rank I/O table.
@@ -26,18 +29,17 @@ import signal
 import sys
 import threading
 import time
-from functools import partial
 
 import numpy as np
 from tqdm import tqdm
 
-from mpitrain import checkpoint, nn, ops
+from mpitrain import checkpoint, rng
 from mpitrain.data.loader import normalize, random_shift, shifts
 from mpitrain.observe.flops import FlopCount
 from mpitrain.observe.io import io_row, io_table
 from mpitrain.observe.watchdog import Watchdog
 from mpitrain.runtime import huge_page_heap
-from mpitrain.tensor import Tensor, observe_ops
+from mpitrain.tensor import observe_ops
 from mpitrain.train import evaluate, report, schedule
 
 HEAP_WARMUP_STEPS = 3  # training steps after which the heap has its size (runtime.huge_page_heap)
@@ -53,8 +55,6 @@ class Loop:
         self.out, self.signals, self.log, self.warn = out, signals, log, warn
         self.role, self.sync, self.comm = run.role, run.role.sync, run.role.loop_comm
         self.waits = self.sync.describe()[1]  # call -> the name of its wait
-        self.actions = schedule.one_stage(self.cfg.train.micro_batches)
-        self.loss_of = partial(text_loss if run.data.kind == "text" else image_loss, run.model)
         self.flops = FlopCount()
         self.train_seconds = 0.0  # optimizer steps only, without data and evaluation
         self.epoch_seconds: dict[int, float] = {}
@@ -109,14 +109,17 @@ class Loop:
         cfg = self.cfg
         x, y = inputs(cfg, self.run.data, batch)
         self.lr = self.run.lr(step)
-        counting = observe_ops(self.flops) if not self.flops.total else contextlib.nullcontext()
-        with counting, self.watchdog.phase(step, None):
-            loss = schedule.run(self.actions, schedule.split(x, y, cfg.train.micro_batches), self.loss_of,
-                                self.sync, self.out.backward_starts)
+        counting = not self.flops.total
+        m = cfg.train.micro_batches
+        with observe_ops(self.flops) if counting else contextlib.nullcontext(), self.watchdog.phase(step, None):
+            loss = self.role.schedule(schedule.split(x, y, m), self.sync, streams(cfg.train.seed, step, batch.lanes, m),
+                                      self.out.backward_starts)
+        if counting:
+            self.flops = self.rank_mean(self.flops)
         with self.call(step, "finish"):
             self.sync.finish()
         with self.watchdog.phase(step, AGREEING):
-            loss, stopping = agree_on_step(self.comm, loss, self.signals.received)
+            loss, stopping = agree_on_step(self.comm, loss, self.signals.received, self.role.loss_ranks)
         if np.isfinite(loss):
             with self.out.traced(self.waits.get("step", "optimizer"), "optimizer"), \
                     self.watchdog.phase(step, self.waits.get("step")):
@@ -133,6 +136,15 @@ class Loop:
         self.window[2] += seconds
         self.result.final_loss = loss
         return stopping
+
+    def rank_mean(self, flops: FlopCount) -> FlopCount:
+        """The FLOPs of a step per rank, averaged over the loop's ranks (pipeline stages
+        differ): times ``role.ranks``, the step's."""
+        if self.comm.size == 1:
+            return flops
+        both = np.array([flops.forward, flops.backward], dtype=np.float64)
+        self.comm.allreduce(both)
+        return FlopCount(*(both / self.comm.size))
 
     def non_finite(self, step: int, loss: float) -> None:
         """``run.on_nan``: skip the update, or stop naming the last good checkpoint."""
@@ -207,7 +219,7 @@ class Loop:
 
     def times(self) -> tuple:
         """This rank's row of the time table (:func:`~mpitrain.train.report.time_row`)."""
-        return report.time_row(self.run.world.rank, self.train_seconds, self.sync, self.run.reader)
+        return report.time_row(self.run.world.rank, self.train_seconds, self.role, self.run.reader)
 
     @contextlib.contextmanager
     def call(self, step: int, which: str):
@@ -229,6 +241,7 @@ class Loop:
                                                                           bytes=nbytes)
         self.sync.on_comm = lambda name, start, end, nbytes: timeline.add(name, "communication", "communication",
                                                                           start, end, bytes=nbytes)
+        self.role.trace_to(timeline.add)  # a pipeline stage's actions: its diagram
 
     @contextlib.contextmanager
     def _progress_bar(self):
@@ -246,12 +259,11 @@ class Loop:
 
 
 # ------------------------------------------------------------------ helpers
-def image_loss(model: nn.Module, x: np.ndarray, y: np.ndarray):
-    return ops.cross_entropy(model(Tensor(x)), y)
-
-
-def text_loss(model: nn.Module, x: np.ndarray, y: np.ndarray):
-    return model(x, y)[1]
+def streams(seed: int, step: int, lanes: np.ndarray, micro_batches: int):
+    """``context(mb)``: micro-batch ``mb``'s dropout streams, keyed by its samples'
+    places in the step's global batch (``lanes``: this rank's samples')."""
+    b = len(lanes) // micro_batches
+    return lambda mb: rng.sample_streams(seed, step, lanes[mb * b : (mb + 1) * b])
 
 
 def inputs(cfg, data, batch) -> tuple[np.ndarray, np.ndarray]:
@@ -267,18 +279,19 @@ def inputs(cfg, data, batch) -> tuple[np.ndarray, np.ndarray]:
     return normalize(x, data.mean, data.std, cfg.train.dtype), batch.y
 
 
-def agree_on_step(comm, loss: float, received: int | None) -> tuple[float, str | None]:
-    """The global batch's loss (each rank's is the mean over equally many samples) and
-    the name of a stop signal any rank received (None: none), in one allreduce of the
-    loss and a count per stop signal (a scheduler signals every rank: counts, not
-    signal numbers, survive the sum)."""
+def agree_on_step(comm, loss: float, received: int | None, loss_ranks: int | None = None) -> tuple[float, str | None]:
+    """The global batch's loss (each of ``loss_ranks`` ranks has the mean over equally
+    many samples, the others 0: a pipeline's other stages; None: every rank) and the
+    name of a stop signal any rank received (None: none), in one allreduce of the loss
+    and a count per stop signal (a scheduler signals every rank: counts, not signal
+    numbers, survive the sum)."""
     buf = np.zeros(1 + len(StopSignals.SIGNALS))
     buf[0] = loss
     if received is not None:
         buf[1 + StopSignals.SIGNALS.index(signal.Signals(received).name)] = 1
     if comm.size > 1:
         comm.allreduce(buf)
-        buf[0] /= comm.size
+        buf[0] /= loss_ranks or comm.size
     seen = [name for name, count in zip(StopSignals.SIGNALS, buf[1:]) if count > 0]
     return float(buf[0]), (seen[0] if seen else None)
 

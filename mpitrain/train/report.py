@@ -40,7 +40,7 @@ class Result:
     staleness: dict = field(default_factory=dict)  # ps: applied gradients by staleness
 
 
-TIME_FIELDS = ("rank", "step_s", "comm_exposed_s", "comm_total_s", "read_s", "wait_s", "bytes_sent")
+TIME_FIELDS = ("rank", "step_s", "comm_exposed_s", "comm_total_s", "read_s", "wait_s", "bytes_sent", "bubble_s")
 
 
 class Outputs:
@@ -86,7 +86,7 @@ def save(run, step: int, why: str, result: Result, out: Outputs, log) -> None:
     with out.traced("checkpoint", "checkpoint"):
         path = checkpoint.save(cfg.run.dir, step, model=run.model, optimizer=run.optimizer, sync=run.role.sync,
                                cfg=cfg, comm=run.world, keep=cfg.run.keep, epoch=epoch, epoch_step=epoch_step,
-                               layout=f"{cfg.parallel.sync}, {run.role.layout}")
+                               strategy=f"{cfg.parallel.sync}, {run.role.layout}", layout=run.layout)
     result.checkpoint = str(path)
     out.metrics.write("checkpoint", step=step, path=str(path), why=why)
     log(f"step {step}: checkpoint {path} ({why})")
@@ -97,14 +97,15 @@ def per_rank(rows) -> list[dict]:
     return [dict(zip(TIME_FIELDS, row)) for row in rows or ()]
 
 
-def time_row(rank: int, seconds: float, sync, reader) -> tuple:
+def time_row(rank: int, seconds: float, role, reader) -> tuple:
     """One rank's row of the time table (:data:`TIME_FIELDS`): seconds of steps (or of
-    serving), communication exposed and in total, reading, waiting for data; bytes sent."""
-    exposed, total = sync.comm_seconds()
+    serving), communication exposed and in total, reading, waiting for data; bytes sent;
+    the pipeline bubble (waiting for other stages inside the steps)."""
+    exposed, total = role.sync.comm_seconds()
     stats = reader.epoch_stats()
     read = sum(s.read_seconds for s in stats)
     stall = sum(s.stall_seconds for s in stats)
-    return rank, seconds, exposed, total, read, stall, sync.bytes_sent
+    return rank, seconds, exposed, total, read, stall, role.sync.bytes_sent, role.bubble()
 
 
 def finish(run, result: Result, times: tuple, figures: dict, out: Outputs, log) -> Result:
@@ -138,8 +139,11 @@ def finish(run, result: Result, times: tuple, figures: dict, out: Outputs, log) 
         for line in lines:
             log(line)
     if run.data.kind == "text" and cfg.train.sample_tokens and world.rank == 0:
-        result.sample = sample_text(run)
-        log("sample:\n" + result.sample)
+        if run.role.whole:
+            result.sample = sample_text(run)
+            log("sample:\n" + result.sample)
+        else:
+            log("sample: none (the model is cut into pipeline stages; sample from the final checkpoint with pp = 1)")
     return _totals(run, result, figures, rows, out, log)
 
 

@@ -2,14 +2,17 @@
 
 A *schedule* is a plain list of actions for one rank and one global batch: ``Forward(i)``
 runs micro-batch ``i`` through the model and keeps its loss, ``Backward(i)`` runs its
-backward pass. The list can be printed, checked and simulated without running anything;
-:func:`run` carries it out in a few lines (ShallowSpeed's and PyTorch's
-``torch.distributed.pipelining`` schedules are instruction lists of the same kind).
+backward pass (the action types are :mod:`mpitrain.parallel.pipeline`'s). The list can
+be printed, checked and simulated without running anything; :func:`run` carries it out
+in a few lines (PyTorch's ``torch.distributed.pipelining`` schedules are instruction
+lists of the same kind).
 
-Today there is one stage per rank, and the schedule is gradient accumulation
-(:func:`one_stage`): ``F0 B0 F1 B1 ...``. With one micro-batch it is plain training.
-Pipeline parallelism adds per-stage schedules (GPipe, 1F1B, ...) and the actions that
-receive a stage's input and send its output gradient, run by the same interpreter.
+With the whole model on the rank the schedule is gradient accumulation
+(:func:`one_stage`): ``F0 B0 F1 B1 ...``; with one micro-batch it is plain training.
+A pipeline stage's schedules (GPipe, 1F1B, interleaved, ZB-H1) add the actions that
+receive its input and send its output, and run in
+:meth:`mpitrain.parallel.pipeline.PipelineStage.run`. Either is the role's
+``schedule(micro, sync, context, before_backward) -> loss`` (:func:`whole_model`).
 
 **Loss scale.** Each micro-batch's loss is the mean over its ``b/m`` samples; scaled by
 ``1/m``, the sum of the micro-batches' gradients is the gradient of the mean over all
@@ -20,23 +23,11 @@ size; batch norm sees each micro-batch's statistics, as in any gradient accumula
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from functools import partial
 
-
-@dataclass(frozen=True)
-class Forward:
-    mb: int  # micro-batch
-
-    def __str__(self) -> str:
-        return f"F{self.mb}"
-
-
-@dataclass(frozen=True)
-class Backward:
-    mb: int
-
-    def __str__(self) -> str:
-        return f"B{self.mb}"
+from mpitrain import ops
+from mpitrain.parallel.pipeline import Backward, Forward
+from mpitrain.tensor import Tensor
 
 
 def one_stage(micro_batches: int) -> list:
@@ -51,17 +42,37 @@ def split(x, y, micro_batches: int) -> list[tuple]:
     return [(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b]) for i in range(micro_batches)]
 
 
-def run(actions: list, micro: list[tuple], loss_of, sync, before_backward=None) -> float:
+def whole_model(model, text: bool, micro_batches: int):
+    """The schedule of a rank that holds the whole model, as the role's ``schedule``."""
+    loss_of = partial(text_loss if text else image_loss, model)
+    actions = one_stage(micro_batches)
+
+    def schedule(micro, sync, context=None, before_backward=None) -> float:
+        return run(actions, micro, loss_of, sync, before_backward, context)
+    return schedule
+
+
+def image_loss(model, x, y):
+    return ops.cross_entropy(model(Tensor(x)), y)
+
+
+def text_loss(model, x, y):
+    return model(x, y)[1]
+
+
+def run(actions: list, micro: list[tuple], loss_of, sync, before_backward=None, context=None) -> float:
     """Carry out ``actions`` on the micro-batches ``micro`` (``loss_of(x, y)`` gives a
     micro-batch's mean loss as a tensor); every backward but the step's last runs inside
-    ``sync.no_sync()``. Returns this rank's loss of the step: the mean over micro-batches."""
+    ``sync.no_sync()``; ``context(mb)`` wraps each forward (the dropout streams). Returns
+    this rank's loss of the step: the mean over micro-batches."""
     scale = 1.0 / len(micro)
     last = max(i for i, a in enumerate(actions) if isinstance(a, Backward))
     losses, total = {}, 0.0  # micro-batch -> its scaled loss, alive from its forward to its backward
     for i, action in enumerate(actions):
         match action:
             case Forward(mb):
-                losses[mb] = loss_of(*micro[mb]) * scale
+                with context(mb) if context is not None else contextlib.nullcontext():
+                    losses[mb] = loss_of(*micro[mb]) * scale
             case Backward(mb):
                 loss = losses.pop(mb)
                 total += loss.item()

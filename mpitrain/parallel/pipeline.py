@@ -1,0 +1,843 @@
+"""Pipeline parallelism: consecutive layers on consecutive ranks, micro-batches streamed through.
+
+**What is cut.** The model's layer list (``model.layers()``; the GPT: embedding, blocks,
+final norm + head) is cut into ``p`` consecutive *stages*, one per rank of ``pp_comm``
+(``p * v`` *chunks* for the interleaved schedule: rank r holds chunks r, r + p, ...).
+Every rank builds the whole model from the seed and keeps its slice, so its weights are
+those of one process. The cut balances parameters (:func:`balance`); the trainer prints
+each stage's layers and parameter count at start.
+
+**Schedules are data.** For ``p`` stages and ``m`` micro-batches a schedule is, per rank,
+an ordered list of actions (:func:`schedule`): ``Forward``, ``Backward`` (or its two
+halves for zero bubble: ``BackwardInput`` then ``BackwardWeight``), and the point-to-point
+``RecvActivation``/``SendActivation`` (forward) and ``RecvGrad``/``SendGrad`` (backward).
+:func:`simulate` runs the lists with given F/B/W costs and reports each rank's idle time
+and peak micro-batches held; :class:`PipelineStage.run` runs them for real. The
+schedules (costs per stage and micro-batch F, B, W; a full backward is B + W):
+
+=================  ==========================================  ======================
+schedule           idle per rank (bubble)                      micro-batches held
+=================  ==========================================  ======================
+GPipe              (p-1)(F+B+W): (p-1)/(m+p-1) of the step     m
+1F1B               (p-1)(F+B+W), the same                      p - r on stage r
+interleaved, v     (p-1)(F+B+W)/v: (p-1)/(v m) of the work     about p - r + (v-1)p/v
+ZB-H1              (p-1)(F+B-W) (W <= B)                       at most p (1F1B's peak)
+=================  ==========================================  ======================
+
+GPipe (Huang et al. 2019) runs every forward, then every backward. 1F1B, PipeDream-Flush
+(Narayanan et al. 2021): after ``p - r - 1`` warm-up forwards, stage r alternates one
+forward and one backward, so a micro-batch's activations are freed ``p - r`` forwards
+later instead of at the end. Interleaved 1F1B (Narayanan et al., SC21) gives each rank
+``v`` chunks, so a micro-batch crosses the ranks v times in stages v times shorter; the
+warm-up and drain shrink by v (``m`` must be a multiple of ``p``, as in Megatron-LM).
+ZB-H1 (Qi et al., ICLR 2024, "Zero Bubble Pipeline Parallelism") splits each backward
+into the input gradient B, which the previous stage waits for, and the weight gradient
+W, which nobody waits for: B is sent upstream at once and W fills the drain's idle time.
+
+**Communicator and calls.** ``pp_comm`` (its own duplicate). Activations go forward and
+their gradients backward with non-blocking ``Isend``/``Irecv`` of contiguous arrays
+(no pickling, no shape on the wire: every stage knows the boundary shape
+``(b/m, T, C)`` from the config and checks the configuration with its neighbours once,
+before the first send). A receive is posted where the schedule lists it, into a buffer
+of its own (a buffer whose contents backward still needs is never reused); its wait is
+in the action that consumes it. Tags: ``Tag.PP_ACTIVATION`` and ``Tag.PP_GRADIENT``; MPI keeps
+messages between two ranks with one tag in order, and :func:`simulate` checks that every
+send meets the receive meant for it. The boundary is in the autograd graph: a stage's
+input comes out of :class:`Recv` (forward: the received activation; backward: the
+gradient to send back) and its output goes into :class:`Send` (forward: the activation
+sent; backward: the gradient received), each the other's dual.
+
+**Bytes.** Per stage boundary and micro-batch: ``b/m * T * C * itemsize`` forward and
+the same backward (the GPT's residual stream); per rank per step, ``m`` times that for
+each neighbour, ``v`` times over when interleaved.
+
+**Sum or mean.** The last stage's loss is each micro-batch's mean scaled by ``1/m``, so the
+gradients summed over micro-batches are those of the mean over the step's samples: the
+loss is normalised once, by the global count, never per micro-batch. A weight used by two
+stages (the GPT's token embedding, tied to the output head) lives on both; after the
+step's backward, its two gradients are summed with one allreduce over the ranks that hold
+it, so both copies take the same step. Batch norm sees each micro-batch's own statistics.
+
+**Launch.** ``mpiexec -n 4 mpitrain train jobs/tinyshakespeare_gpt.toml --set parallel.pp=2
+--set train.micro_batches=8 --set parallel.schedule=1f1b`` (dp = 2 x pp = 2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mpitrain import rng, tensor
+from mpitrain.comm import Tag, replicas
+from mpitrain.nn import Module
+from mpitrain.tensor import Function, Tensor, no_grad
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+
+
+# ----------------------------------------------------------------------------- actions
+@dataclass(frozen=True)
+class Action:
+    mb: int  # micro-batch
+    chunk: int = 0  # which of the rank's model chunks (interleaved schedules)
+
+    def __str__(self) -> str:
+        tail = f".{self.chunk}" if self.chunk else ""
+        return f"{self.code}{self.mb}{tail}"
+
+
+@dataclass(frozen=True)
+class Forward(Action):
+    code = "F"
+
+
+@dataclass(frozen=True)
+class Backward(Action):
+    """Input and weight gradients in one pass."""
+    code = "B"
+
+
+@dataclass(frozen=True)
+class BackwardInput(Action):
+    """The input gradient only (zero bubble's B); its weight gradients wait for W."""
+    code = "I"
+
+
+@dataclass(frozen=True)
+class BackwardWeight(Action):
+    """The weight gradients of a micro-batch whose :class:`BackwardInput` ran (W)."""
+    code = "W"
+
+
+@dataclass(frozen=True)
+class RecvActivation(Action):
+    code = "ra"
+
+
+@dataclass(frozen=True)
+class SendActivation(Action):
+    code = "sa"
+
+
+@dataclass(frozen=True)
+class RecvGrad(Action):
+    code = "rg"
+
+
+@dataclass(frozen=True)
+class SendGrad(Action):
+    code = "sg"
+
+
+COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
+FREES = (Backward, BackwardWeight)  # the actions after which a micro-batch's activations are gone
+
+
+# ----------------------------------------------------------------------------- schedules
+def schedule(name: str, p: int, m: int, rank: int, v: int = 1) -> list[Action]:
+    """Rank ``rank``'s actions for one step of ``m`` micro-batches on ``p`` stages."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    check(name, p, m, v)
+    if name == "gpipe":
+        compute = [Forward(i) for i in range(m)] + [Backward(i) for i in range(m)]
+    elif name == "1f1b":
+        compute = _one_f_one_b(p, m, rank)
+    elif name == "interleaved":
+        compute = _interleaved(p, m, v, rank)
+    else:
+        compute = _zb_h1(p, m, rank)
+    return with_comm(compute, p, v, rank)
+
+
+def check(name: str, p: int, m: int, v: int = 1) -> None:
+    """Refuse shapes a schedule cannot run, with the reason."""
+    if p < 1 or m < 1 or v < 1:
+        raise ValueError(f"pipeline needs p, m, v >= 1 (p={p}, m={m}, v={v})")
+    if v > 1 and name != "interleaved":
+        raise ValueError(f"{v} chunks per rank need the interleaved schedule, not {name!r}")
+    if name == "interleaved" and m % p:
+        raise ValueError(f"the interleaved schedule needs micro-batches ({m}) to be a multiple "
+                         f"of the pipeline stages ({p}), as in Megatron-LM")
+
+
+def _one_f_one_b(p: int, m: int, rank: int) -> list[Action]:
+    """PipeDream-Flush: ``p - rank - 1`` warm-up forwards, then one forward and one backward
+    in turn, then the backwards left."""
+    warm = min(p - rank - 1, m)
+    out = [Forward(i) for i in range(warm)]
+    for i in range(m - warm):
+        out += [Forward(warm + i), Backward(i)]
+    return out + [Backward(i) for i in range(m - warm, m)]
+
+
+def _interleaved(p: int, m: int, v: int, rank: int) -> list[Action]:
+    """Megatron's interleaved 1F1B: forwards go through the chunks in groups of ``p``
+    micro-batches (chunk 0 for micro-batches 0..p-1, chunk 1 for the same, ...), backwards
+    the same with the chunks reversed; the warm-up is ``2(p - rank - 1) + (v - 1)p``."""
+    if v == 1:
+        return _one_f_one_b(p, m, rank)
+    total = m * v
+
+    def nth(k: int, kind):
+        group, chunk = divmod(k, p * v)[0], (k // p) % v
+        mb = group * p + k % p
+        return kind(mb, chunk if kind is Forward else v - 1 - chunk)
+
+    warm = min(2 * (p - rank - 1) + (v - 1) * p, total)
+    out = [nth(k, Forward) for k in range(warm)]
+    for i in range(total - warm):
+        out += [nth(warm + i, Forward), nth(i, Backward)]
+    return out + [nth(k, Backward) for k in range(total - warm, total)]
+
+
+def _zb_h1(p: int, m: int, rank: int) -> list[Action]:
+    """ZB-H1: 1F1B's order of forwards and input-gradient passes; stage r runs the weight
+    pass of micro-batch ``i - r`` after the input gradient of ``i``, so it holds at most
+    ``p`` micro-batches (1F1B's peak, on stage 0), and ends with ``r + 1`` weight passes
+    that fill the time the last input gradients take to travel up to stage 0. The idle
+    time is (p-1)(F+B-W) for ``m >= p``; below that no schedule fills the warm-up."""
+    warm = min(p - rank - 1, m)
+    out: list[Action] = [Forward(i) for i in range(warm)]
+    for i in range(m):
+        out += [Forward(warm + i)] if warm + i < m else []
+        out += [BackwardInput(i)] + ([BackwardWeight(i - rank)] if i >= rank else [])
+    return out + [BackwardWeight(i) for i in range(max(0, m - rank), m)]
+
+
+def with_comm(compute: list[Action], p: int, v: int, rank: int) -> list[Action]:
+    """Add the point-to-point actions: a receive before each forward (backward) that needs
+    a neighbour's activation (gradient), a send after each that produces one."""
+    last = p * v - 1
+    out: list[Action] = []
+    for a in compute:
+        stage = a.chunk * p + rank  # this chunk's place among all p * v
+        if isinstance(a, Forward):
+            out += [RecvActivation(a.mb, a.chunk)] if stage > 0 else []
+            out += [a] + ([SendActivation(a.mb, a.chunk)] if stage < last else [])
+        elif isinstance(a, (Backward, BackwardInput)):
+            out += [RecvGrad(a.mb, a.chunk)] if stage < last else []
+            out += [a] + ([SendGrad(a.mb, a.chunk)] if stage > 0 else [])
+        else:
+            out.append(a)
+    return out
+
+
+def neighbour(p: int, v: int, rank: int, chunk: int, step: int) -> tuple[int, int]:
+    """(rank, chunk) of the stage ``step`` (+1 next, -1 previous) places from ``(rank, chunk)``."""
+    stage = chunk * p + rank + step
+    if not 0 <= stage < p * v:
+        raise ValueError(f"stage {stage} is outside the pipeline")
+    return stage % p, stage // p
+
+
+# ----------------------------------------------------------------------------- simulator
+@dataclass
+class Simulation:
+    """What :func:`simulate` found: the step's length and, per rank, busy and idle time,
+    peak micro-batches held (chunks count 1/v each) and the timed actions."""
+
+    makespan: float
+    busy: list[float]
+    held: list[float]
+    spans: list[list[tuple[float, float, Action]]] = field(repr=False)
+
+    @property
+    def idle(self) -> list[float]:
+        return [self.makespan - b for b in self.busy]
+
+    def bubble_fraction(self, rank: int = 0) -> float:
+        """Idle share of the step on ``rank``: ``idle / makespan``."""
+        return self.idle[rank] / self.makespan
+
+    def bubble_ratio(self, rank: int = 0) -> float:
+        """Idle time over work on ``rank``: ``idle / busy`` (Megatron's bubble fraction)."""
+        return self.idle[rank] / self.busy[rank]
+
+
+def costs_of(F: float = 1.0, B: float = 1.0, W: float = 1.0, v: int = 1) -> dict:
+    """Time of each action for one chunk (a stage's costs divided by ``v``)."""
+    return {Forward: F / v, Backward: (B + W) / v, BackwardInput: B / v, BackwardWeight: W / v}
+
+
+def simulate(ranks: list[list[Action]], p: int, v: int = 1, cost: dict | None = None,
+             latency: float = 0) -> Simulation:
+    """Run every rank's list in time: a compute action starts when its rank is free and
+    the message it consumes has arrived (``latency`` after its send); sends and posting
+    receives take no time. Raises ``ValueError`` if a list breaks a dependency (a backward
+    before its forward), a send meets a receive meant for another message (MPI matches
+    messages between two ranks with one tag in order), or the ranks wait on each other."""
+    cost = cost or costs_of(v=v)
+    sim = _Sim(ranks, p, v, cost, latency)
+    while sim.advance():
+        pass
+    stuck = [r for r in range(p) if sim.pc[r] < len(ranks[r])]
+    if stuck:
+        raise ValueError("the ranks wait on each other: " + ", ".join(
+            f"rank {r} at {ranks[r][sim.pc[r]]}" for r in stuck))
+    for r in range(p):
+        if sim.alive[r]:
+            raise ValueError(f"rank {r} ends the step still holding {sorted(sim.alive[r])}")
+    return Simulation(max(sim.clock), [sum(e - s for s, e, _ in sp) for sp in sim.spans],
+                      [h / v for h in sim.peak], sim.spans)
+
+
+class _Sim:
+    """The state of :func:`simulate`: per rank a program counter and a clock; per channel
+    (source, destination, tag) the messages sent and the receives posted, in order."""
+
+    def __init__(self, ranks, p, v, cost, latency):
+        self.ranks, self.p, self.v, self.cost, self.latency = ranks, p, v, cost, latency
+        self.pc, self.clock = [0] * p, [0] * p  # exact with Fraction costs
+        self.spans = [[] for _ in range(p)]
+        self.sent: dict[tuple, list] = {}  # channel -> [(payload, arrival time)]
+        self.posted: dict[tuple, int] = {}  # channel -> receives posted so far
+        self.inbox = [{} for _ in range(p)]  # rank -> {(kind, mb, chunk): channel index}
+        self.done = [set() for _ in range(p)]  # rank -> {(code, mb, chunk)}
+        self.alive = [set() for _ in range(p)]  # micro-batch chunks whose activations are kept
+        self.peak = [0] * p
+
+    def advance(self) -> bool:
+        moved = False
+        for r in range(self.p):
+            while self.pc[r] < len(self.ranks[r]) and self._try(r, self.ranks[r][self.pc[r]]):
+                self.pc[r] += 1
+                moved = True
+        return moved
+
+    def _try(self, r: int, a: Action) -> bool:
+        key = (a.mb, a.chunk)
+        if isinstance(a, (RecvActivation, RecvGrad)):
+            step = -1 if isinstance(a, RecvActivation) else 1
+            src = neighbour(self.p, self.v, r, a.chunk, step)[0]
+            channel = (src, r, Tag.PP_ACTIVATION if step == -1 else Tag.PP_GRADIENT)
+            index = self.posted.get(channel, 0)
+            self.posted[channel] = index + 1
+            self.inbox[r][(type(a), *key)] = (channel, index)
+            return True
+        if isinstance(a, (SendActivation, SendGrad)):
+            forward = isinstance(a, SendActivation)
+            needed = (Forward,) if forward else (Backward, BackwardInput)
+            if not any((k, *key) in self.done[r] for k in needed):
+                raise ValueError(f"rank {r} sends {a} before computing it")
+            dst, chunk = neighbour(self.p, self.v, r, a.chunk, 1 if forward else -1)
+            channel = (r, dst, Tag.PP_ACTIVATION if forward else Tag.PP_GRADIENT)
+            self.sent.setdefault(channel, []).append(((a.mb, chunk), self.clock[r] + self.latency))
+            return True
+        return self._compute(r, a, key)
+
+    def _compute(self, r: int, a: Action, key: tuple) -> bool:
+        start = self.clock[r]
+        stage, last = a.chunk * self.p + r, self.p * self.v - 1
+        if isinstance(a, Forward):
+            if stage > 0 and (arrival := self._arrival(r, RecvActivation, key)) is None:
+                return False
+            start = max(start, arrival) if stage > 0 else start
+            self.alive[r].add(key)
+            self.peak[r] = max(self.peak[r], len(self.alive[r]))
+        elif isinstance(a, (Backward, BackwardInput)):
+            if (Forward, *key) not in self.done[r]:
+                raise ValueError(f"rank {r} runs {a} before its forward")
+            if stage < last and (arrival := self._arrival(r, RecvGrad, key)) is None:
+                return False
+            start = max(start, arrival) if stage < last else start
+        elif (BackwardInput, *key) not in self.done[r]:
+            raise ValueError(f"rank {r} runs {a} before its input gradient")
+        end = start + self.cost[type(a)]
+        self.spans[r].append((start, end, a))
+        self.clock[r] = end
+        self.done[r].add((type(a), *key))
+        if isinstance(a, FREES):
+            self.alive[r].discard(key)
+        return True
+
+    def _arrival(self, r: int, kind, key: tuple):
+        """When the message this compute consumes arrives; None while it is not sent yet."""
+        if (kind, *key) not in self.inbox[r]:
+            raise ValueError(f"rank {r} needs micro-batch {key[0]} chunk {key[1]} without "
+                             f"having posted its receive")
+        channel, index = self.inbox[r][(kind, *key)]
+        sent = self.sent.get(channel, [])
+        if index >= len(sent):
+            return None
+        payload, arrival = sent[index]
+        if payload != key:
+            raise ValueError(f"rank {channel[0]}'s message {index} on tag {channel[2].name} carries "
+                             f"micro-batch {payload[0]} chunk {payload[1]}, but rank {r} receives it "
+                             f"as micro-batch {key[0]} chunk {key[1]}")
+        return arrival
+
+
+def formula(name: str, p: int, m: int, v: int = 1, F: float = 1.0, B: float = 1.0,
+            W: float = 1.0) -> float:
+    """Idle time per rank in one step, as the papers give it (units of F, B, W per stage)."""
+    if name in ("gpipe", "1f1b"):
+        return (p - 1) * (F + B + W)
+    if name == "interleaved":
+        return (p - 1) * (F + B + W) / v
+    return (p - 1) * (F + B - W)
+
+
+def bubble_fraction(name: str, p: int, m: int, v: int = 1, F: float = 1.0, B: float = 1.0,
+                    W: float = 1.0) -> float:
+    """The formula's idle share of a step: idle / (work + idle)."""
+    idle = formula(name, p, m, v, F, B, W)
+    return idle / (m * (F + B + W) + idle)
+
+
+# ----------------------------------------------------------------------------- the cut
+def balance(sizes: list[int], parts: int) -> list[int]:
+    """Bounds ``[0, b1, ..., len(sizes)]`` cutting ``sizes`` into ``parts`` consecutive,
+    non-empty pieces whose largest sum is as small as it can be (the linear partition
+    problem, by dynamic programming; ties cut later, so earlier stages, which hold more
+    micro-batches under 1F1B, get the lighter pieces)."""
+    n = len(sizes)
+    if not 1 <= parts <= n:
+        raise ValueError(f"{n} layers cannot be cut into {parts} pipeline stages (one layer at least each)")
+    prefix = [0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+    INF = float("inf")
+    best = [[INF] * (n + 1) for _ in range(parts + 1)]  # best[k][j]: first j layers in k pieces
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for j in range(k, n + 1):
+            for i in range(k - 1, j):
+                cost = max(best[k - 1][i], prefix[j] - prefix[i])
+                if cost < best[k][j]:
+                    best[k][j], cut[k][j] = cost, i
+    bounds = [n]
+    for k in range(parts, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    return bounds[::-1]
+
+
+# ----------------------------------------------------------------------------- the boundary
+class Mailbox:
+    """What one micro-batch of one chunk has in flight on this rank: the posted receive of
+    its input activation and of its output gradient (each into a buffer of its own), the
+    tensor its backward starts from, the input gradient to send back, the sends started."""
+
+    __slots__ = ("act", "grad", "root", "out", "input_grad", "weights", "sends")
+
+    def __init__(self):
+        self.act = self.grad = self.root = self.out = self.input_grad = self.weights = None
+        self.sends = []
+
+
+class Posted:
+    """A receive started into ``buf``: ``wait()`` returns the array once it is there."""
+
+    def __init__(self, comm, shape, dtype, source: int, tag):
+        self.buf = np.empty(shape, dtype=dtype)
+        self.request = comm.irecv(self.buf, source, tag)
+
+    def wait(self) -> np.ndarray:
+        self.request.wait()
+        return self.buf
+
+
+class Recv(Function):
+    """The stage's input. Forward: the activation the previous stage sent (waits for the
+    posted receive). Backward, the dual: the gradient of that activation, which goes back
+    to the previous stage (the schedule's ``SendGrad`` sends what this leaves in the box)."""
+
+    def forward(self, anchor, box: Mailbox):
+        self.box = box
+        return box.act.wait()
+
+    def backward(self, g):
+        self.box.input_grad = np.ascontiguousarray(g)
+        return None
+
+
+class Send(Function):
+    """The stage's output. Forward: send the activation to the next stage (non-blocking)
+    and return a token to run backward from. Backward, the dual: the gradient of that
+    activation, received from the next stage (waits for the posted receive)."""
+
+    def forward(self, x, box: Mailbox, comm, dest: int):
+        out = np.ascontiguousarray(x)
+        box.sends.append((comm.isend(out, dest, Tag.PP_ACTIVATION), out))  # out stays alive until sent
+        self.box = box
+        return np.zeros((), dtype=x.dtype)
+
+    def backward(self, g):
+        return self.box.grad.wait()
+
+
+# ----------------------------------------------------------------------------- the stage
+class PipelineStage(Module):
+    """This rank's chunks of ``model``'s layer list (``model.named_layers()``), cut over the
+    ranks of ``pp_comm``, and the interpreter of its schedule.
+
+    ``example`` is one input sample with its batch axis (``(1, T)`` token ids, ``(1, C, H,
+    W)`` images): one forward of it through the whole model, before anything is dropped,
+    gives every boundary's shape per sample, so no shape goes over the wire. ``loss(out,
+    y)`` is the mean loss of a micro-batch from the last layer's output. Parameters keep
+    the whole model's names (``state_dict`` is a part of the whole model's), a weight held
+    by two ranks (tied) too."""
+
+    def __init__(self, model: Module, pp_comm, example, loss, *, schedule_name: str = "1f1b",
+                 micro_batches: int = 1, chunks: int = 1):
+        super().__init__()
+        p, rank = pp_comm.size, pp_comm.rank
+        check(schedule_name, p, micro_batches, chunks)
+        named = model.named_layers()
+        layers = [m for _, m in named]
+        self.comm, self.p, self.rank, self.v, self.m = pp_comm, p, rank, chunks, micro_batches
+        self.schedule_name, self.loss, self.last = schedule_name, loss, p * chunks - 1
+        self.outputs = _boundaries(model, layers, example)  # per layer: (shape per sample, dtype)
+        self.sizes = [sum(q.size for q in layer.parameters()) for layer in layers]
+        self.bounds = balance(self.sizes, p * chunks)
+        _agree(pp_comm, {"schedule": schedule_name, "micro-batches": micro_batches, "chunks": chunks,
+                         "layers": self.sizes, "boundaries": [(s, str(d)) for s, d in self.outputs]})
+        self.names = [n for n, _ in named]
+        self._canonical = {id(q): n for n, q in model.named_parameters()}
+        path = {id(mod): n for n, mod in model.named_modules()}
+        self.chunks = []  # chunk -> [(index in the layer list, layer)]
+        for c in range(chunks):
+            lo, hi = self.bounds[c * p + rank], self.bounds[c * p + rank + 1]
+            self.chunks.append([(i, layers[i]) for i in range(lo, hi)])
+            for i in range(lo, hi):
+                self._modules[path[id(layers[i])]] = layers[i]
+        self.ties = _tie_groups(layers, self.bounds, p, pp_comm)  # [(params, comm)] held by several ranks
+        self.owner = {id(q): min(holders) for q, holders in _holders(layers, self.bounds, p)}
+        stray = [n for n, q in model.named_parameters() if id(q) not in self.owner]
+        if stray:
+            raise ValueError(f"{type(model).__name__}: parameters {stray} belong to no layer of named_layers(): "
+                             "it cannot be cut into pipeline stages")
+        # the whole model's parameters in its order: (name, size, dtype, the rank that speaks for it)
+        self.catalog = [(n, q.size, q.dtype, self.owner[id(q)]) for n, q in model.named_parameters()]
+        self.actions = schedule(schedule_name, p, micro_batches, rank, chunks)
+        self.anchor = Tensor(np.zeros(()), requires_grad=True)  # makes Recv a node of the graph
+        self.trace = None  # set to record the actions: trace(name, category, track, start, end)
+        self.waited = 0.0  # seconds this rank waited for its neighbours (the bubble, and any imbalance)
+
+    def named_parameters(self, prefix: str = ""):
+        """This stage's parameters under their names in the whole model (a tied weight
+        under the name its first user gives it)."""
+        for _, q in super().named_parameters(prefix):
+            yield self._canonical[id(q)], q
+
+    def named_layers(self) -> list:
+        return [(self.names[i], layer) for chunk in self.chunks for i, layer in chunk]
+
+    def describe(self) -> str:
+        """The cut: each stage's layers and parameters, for the start of a run."""
+        parts = []
+        for s in range(self.p * self.v):
+            lo, hi = self.bounds[s], self.bounds[s + 1]
+            span = self.names[lo] if hi - lo == 1 else f"{self.names[lo]}..{self.names[hi - 1]}"
+            parts.append(f"stage {s} (rank {s % self.p}): {span}, {sum(self.sizes[lo:hi]):,} params")
+        return "; ".join(parts)
+
+    # ------------------------------------------------------------- running
+    def run(self, micro: list, sync, context=None, before_backward=None) -> float:
+        """Carry out this rank's schedule on the micro-batches ``micro`` (``[(x, y)]``, the
+        same on every stage of the pipeline); every backward but the last that touches
+        weights runs inside ``sync.no_sync()``; ``context(mb)`` wraps each forward (the
+        dropout streams). Returns the step's loss on the last stage, 0 elsewhere."""
+        scale = 1.0 / len(micro)
+        last = max(i for i, a in enumerate(self.actions) if isinstance(a, FREES))
+        boxes: dict[tuple, Mailbox] = {}
+        total = 0.0
+        for i, a in enumerate(self.actions):
+            box = boxes.setdefault((a.mb, a.chunk), Mailbox())
+            start = time.perf_counter()
+            waited = self.waited
+            match a:
+                case RecvActivation() | RecvGrad():
+                    self._post(a, box, len(micro[a.mb][0]))
+                case Forward():
+                    total += self._forward(a, box, micro, scale, context)
+                case SendActivation():
+                    box.root, box.out = Send.apply(box.out, box, self.comm, self._peer(a, 1)), None
+                case Backward() | BackwardInput() | BackwardWeight():
+                    if before_backward is not None and not isinstance(a, BackwardWeight):
+                        before_backward()
+                    with contextlib.nullcontext() if i == last else sync.no_sync():
+                        self._backward(a, box)
+                case SendGrad():
+                    box.sends.append((self.comm.isend(box.input_grad, self._peer(a, -1), Tag.PP_GRADIENT),
+                                      box.input_grad))
+                    box.input_grad = None
+            self._record(a, start, self.waited - waited)
+        tick = time.perf_counter()
+        self.comm.waitall([req for box in boxes.values() for req, _ in box.sends])
+        self.waited += time.perf_counter() - tick
+        return total
+
+    def _post(self, a: Action, box: Mailbox, b: int) -> None:
+        """Start the receive ``a`` into a new buffer of the boundary's shape for ``b`` samples."""
+        stage = a.chunk * self.p + self.rank
+        if isinstance(a, RecvActivation):
+            shape, dtype = self.outputs[self.bounds[stage] - 1]
+            box.act = Posted(self.comm, (b, *shape), dtype, self._peer(a, -1), Tag.PP_ACTIVATION)
+        else:
+            shape, dtype = self.outputs[self.bounds[stage + 1] - 1]
+            box.grad = Posted(self.comm, (b, *shape), dtype, self._peer(a, 1), Tag.PP_GRADIENT)
+
+    def _peer(self, a: Action, step: int) -> int:
+        return neighbour(self.p, self.v, self.rank, a.chunk, step)[0]
+
+    def _forward(self, a: Action, box: Mailbox, micro, scale: float, context) -> float:
+        stage = a.chunk * self.p + self.rank
+        x, y = micro[a.mb]
+        if stage > 0:
+            tick = time.perf_counter()
+            box.act.wait()
+            self.waited += time.perf_counter() - tick
+            x = Recv.apply(self.anchor, box)
+        with context(a.mb) if context is not None else contextlib.nullcontext():
+            out = self.forward_chunk(a.chunk, x)
+        if stage < self.last:
+            box.out = out
+            return 0.0
+        box.root = self.loss(out, y) * scale
+        return box.root.item()
+
+    def _backward(self, a: Action, box: Mailbox) -> None:
+        if box.grad is not None and not isinstance(a, BackwardWeight):
+            tick = time.perf_counter()
+            box.grad.wait()
+            self.waited += time.perf_counter() - tick
+        if isinstance(a, Backward):
+            tensor.backward([box.root])
+        elif isinstance(a, BackwardInput):
+            box.weights = tensor.backward_split([box.root])
+        else:
+            box.weights.run()
+            box.weights = None
+        if not isinstance(a, BackwardWeight):
+            box.root = None
+
+    def forward_chunk(self, c: int, x):
+        """Chunk ``c``'s layers, each with its own dropout stream (:func:`mpitrain.rng.layer`)."""
+        for i, layer in self.chunks[c]:
+            with rng.layer(i):
+                x = layer(x)
+        return x
+
+    def forward_only(self, x) -> object:
+        """One forward of ``x`` through the pipeline (evaluation, under ``no_grad``): the
+        last stage's output on the rank that holds it, None elsewhere."""
+        actions = with_comm([Forward(0, c) for c in range(self.v)], self.p, self.v, self.rank)
+        box, out = Mailbox(), None
+        for a in actions:
+            match a:
+                case RecvActivation():
+                    self._post(a, box, len(x))
+                case Forward():
+                    first = a.chunk * self.p + self.rank == 0
+                    out = self.forward_chunk(a.chunk, x if first else Tensor(box.act.wait()))
+                case SendActivation():
+                    Send.apply(out, box, self.comm, self._peer(a, 1))
+                    box.act = None
+        self.comm.waitall([req for req, _ in box.sends])
+        return out if self.rank == self.last % self.p else None
+
+    def _record(self, a: Action, start: float, waited: float) -> None:
+        if self.trace is None:
+            return
+        end = time.perf_counter()
+        kind = type(a).__name__
+        if isinstance(a, COMPUTE):
+            if waited > 0:
+                self.trace(f"idle (waiting for {'activation' if isinstance(a, Forward) else 'gradient'} "
+                           f"{a.mb})", "bubble", "compute", start, start + waited)
+            self.trace(f"{a.code}{a.mb}" + (f" chunk {a.chunk}" if self.v > 1 else ""), kind.lower(), "compute",
+                       start + waited, end)
+        else:
+            self.trace(f"{kind} {a.mb}", "communication", "communication", start, end)
+
+    # ------------------------------------------------------------- after backward
+    def sum_tied_grads(self) -> None:
+        """Sum the gradient of each weight held by several stages over those stages (the
+        GPT's token embedding: the input's and the output head's uses)."""
+        for params, comm in self.ties:
+            for q in params:
+                comm.allreduce(q.grad)
+
+    def grad_norm(self) -> float:
+        """The whole model's gradient L2 norm: each stage's sum of squares (a tied weight
+        counted on its first stage only), summed over ``pp_comm``."""
+        mine = np.zeros(1)
+        for q in self.parameters():
+            if self.owner[id(q)] == self.rank and q.grad is not None:
+                g = q.grad.reshape(-1)
+                mine[0] += float(np.dot(g, g))
+        if self.p > 1:
+            self.comm.allreduce(mine)
+        return math.sqrt(mine[0])
+
+    def digest(self) -> str:
+        """SHA-256 of the whole model's parameters in its order, as one process computes
+        it (:func:`mpitrain.comm.replicas.digest`): every stage's, gathered (collective)."""
+        mine = dict(self.named_parameters())
+        counts = [sum(size for _, size, _, o in self.catalog if o == r) for r in range(self.p)]
+        flat = np.empty(sum(counts), dtype=self.catalog[0][2])  # (all parameters,) by rank, then model order
+        at = sum(counts[: self.rank])
+        for n, size, _, o in self.catalog:
+            if o == self.rank:
+                flat[at : at + size] = mine[n].data.reshape(-1)
+                at += size
+        if self.p > 1:
+            self.comm.allgather_array(flat, counts)
+        cursor = [sum(counts[:r]) for r in range(self.p)]
+        arrays = []
+        for _, size, _, o in self.catalog:
+            arrays.append(flat[cursor[o] : cursor[o] + size])
+            cursor[o] += size
+        return replicas.digest(arrays)
+
+
+def _agree(pp_comm, plan: dict) -> None:
+    """Raise ``ValueError`` on every stage unless all stages have the same ``plan``
+    (schedule, micro-batches, layers and boundaries): a mismatch would otherwise hang a
+    receive or read garbage; checked with one small allgather, before any send."""
+    plans = pp_comm.allgather(plan)
+    for r, theirs in enumerate(plans):
+        differ = [k for k in plan if theirs[k] != plans[0][k]]
+        if differ:
+            k = differ[0]
+            raise ValueError(f"pipeline stages disagree: rank {r} of pp_comm has {k} {theirs[k]}, rank 0 has "
+                             f"{plans[0][k]}; every stage must be built from the same config")
+
+
+def _boundaries(model: Module, layers: list, example) -> list[tuple]:
+    """Each layer's output (shape without the batch axis, dtype), from one forward of
+    ``example`` in evaluation mode."""
+    was = model.training
+    model.eval()
+    shapes = []
+    with no_grad():
+        x = example
+        for layer in layers:
+            x = layer(x)
+            shapes.append((tuple(x.shape[1:]), x.dtype))
+    model.train(was)
+    return shapes
+
+
+def _holders(layers: list, bounds: list[int], p: int) -> list[tuple]:
+    """``[(parameter, the ranks whose chunks use it)]``."""
+    holders: dict[int, tuple] = {}
+    for s in range(len(bounds) - 1):
+        for layer in layers[bounds[s]:bounds[s + 1]]:
+            for q in layer.parameters():
+                holders.setdefault(id(q), (q, set()))[1].add(s % p)
+    return list(holders.values())
+
+
+def _tie_groups(layers: list, bounds: list[int], p: int, pp_comm) -> list[tuple]:
+    """``[(parameters, communicator)]`` for the parameters several ranks hold, one
+    communicator per set of ranks, split from ``pp_comm`` (collective)."""
+    groups: dict[tuple, list] = {}
+    for q, ranks in _holders(layers, bounds, p):
+        if len(ranks) > 1:
+            groups.setdefault(tuple(sorted(ranks)), []).append(q)
+    ties = []
+    for ranks, params in sorted(groups.items()):
+        part = pp_comm.split(0 if pp_comm.rank in ranks else 1, pp_comm.rank)
+        if pp_comm.rank in ranks:
+            ties.append((params, part))
+        else:
+            part.free()
+    return ties
+
+
+# ----------------------------------------------------------------------------- the sync
+class PipelineSync:
+    """The gradient sync of a pipeline stage (a :class:`~mpitrain.train.sync.GradSync`):
+    ``inner`` synchronises this stage's replicas over ``dp_comm`` (ddp or local); then
+    the gradients of weights held by several stages are summed over them, the clipping
+    norm is the whole model's, and a checkpoint's pieces are placed in the whole model's
+    layout (``order``: the whole optimizer's parameter names, in its order)."""
+
+    def __init__(self, inner, stage: PipelineStage, order: list[str]):
+        self.inner, self.stage = inner, stage
+        self.index = {name: i for i, name in enumerate(order)}
+        self.tie_seconds = 0.0
+
+    @property
+    def on_comm(self):
+        return self.inner.on_comm
+
+    @on_comm.setter
+    def on_comm(self, fn) -> None:
+        self.inner.on_comm = fn
+
+    def begin_step(self) -> bool:
+        return self.inner.begin_step()
+
+    def no_sync(self):
+        return self.inner.no_sync()
+
+    def finish(self) -> None:
+        self.inner.finish()
+        tick = time.perf_counter()
+        self.stage.sum_tied_grads()
+        self.tie_seconds += time.perf_counter() - tick
+
+    def step(self, lr: float | None, grad_clip: float) -> None:
+        """Clip by the whole model's gradient norm (one allreduce over ``pp_comm``), then
+        the replicas' update."""
+        if grad_clip > 0:
+            norm = self.stage.grad_norm()
+            if math.isfinite(norm) and norm > grad_clip:
+                for q in self.stage.parameters():
+                    q.grad *= grad_clip / (norm + 1e-6)
+        self.inner.step(lr, 0.0)
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+    def sync_buffers(self) -> None:
+        self.inner.sync_buffers()
+
+    def check_replicas(self) -> str:
+        """Check this stage's replicas; return the SHA-256 of the whole model's parameters
+        in its order (as one process would print it): the stages' parameters, gathered."""
+        self.inner.check_replicas()
+        return self.stage.digest()
+
+    def state_pieces(self, offsets) -> tuple:
+        """This stage's optimizer state, placed in the whole model's flat layout; the
+        stage's first replica writes it."""
+        opt, _, writes = self.inner.state_pieces(offsets)
+        names = dict(self.stage.named_parameters())
+        where = {id(q): self.index[n] for n, q in names.items()}
+        pieces = [(where[id(q)], int(offsets[where[id(q)]]), int(offsets[where[id(q)] + 1]))
+                  for g in opt.param_groups for q in g["params"]]
+        return opt, pieces, writes
+
+    @property
+    def bytes_sent(self) -> int:
+        ties = sum(comm.stats.bytes_sent for _, comm in self.stage.ties)
+        return self.inner.bytes_sent + self.stage.comm.stats.bytes_sent + ties
+
+    def comm_seconds(self) -> tuple[float, float]:
+        """(exposed, total): the replicas' exchange and the tied weights' sum (the waits
+        for neighbours are the bubble: ``stage.waited``)."""
+        exposed, total = self.inner.comm_seconds()
+        return exposed + self.tie_seconds, total + self.tie_seconds
+
+    def describe(self) -> tuple[str, dict[str, str]]:
+        s = self.stage
+        line, waits = self.inner.describe()
+        formula = bubble_fraction(s.schedule_name, s.p, s.m, s.v)
+        what = (f"pipeline: {s.p} stages, {s.m} micro-batches, schedule {s.schedule_name}"
+                f"{f' with {s.v} chunks per rank' if s.v > 1 else ''}, bubble {100 * formula:.1f}% by the formula; "
+                f"{s.describe()}; replicas: {line}")
+        return what, {**waits, "finish": "gradient exchange and tied weights"}
+
+    def close(self) -> None:
+        self.inner.close()
+        for _, comm in self.stage.ties:
+            comm.free()

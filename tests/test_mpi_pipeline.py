@@ -1,0 +1,221 @@
+"""MPI tier: pipeline stages equal one process; the boundary's bytes and its adjoint;
+a configuration that differs between stages is refused before the first send.
+
+Every rank also trains the single-process reference (same seed, the whole global batch
+in one pass, the same per-sample dropout streams) and compares its stage's parameters
+with the reference's of the same names. GPT with its token embedding tied to the output
+head (held by the first and last stage), dropout 0.1, AdamW with clipping, 20 steps.
+"""
+
+import numpy as np
+import pytest
+
+from mpitrain import nn, ops, optim, rng
+from mpitrain.comm import Tag
+from mpitrain.comm.grid import ProcessGrid
+from mpitrain.parallel.data_parallel import DataParallel
+from mpitrain.parallel.local import LocalSync
+from mpitrain.parallel.pipeline import Mailbox, PipelineStage, PipelineSync, Posted, Recv, Send
+from mpitrain.tensor import Tensor, default_dtype
+
+STEPS, B, T, SEED, CLIP = 20, 8, 8, 3, 0.5
+
+
+def world():
+    from mpitrain.comm import world as w
+
+    return w()
+
+
+def gpt(n_layer=2, dropout=0.1):
+    rng.manual_seed(SEED)
+    return nn.GPT(nn.GPTConfig(vocab_size=13, block_size=T, n_layer=n_layer, n_head=2, n_embd=16,
+                               dropout=dropout))
+
+
+def batches():
+    g = np.random.default_rng(11)
+    x = g.integers(0, 13, (STEPS, B, T))
+    return [(x[s], np.roll(x[s], -1, axis=1)) for s in range(STEPS)]
+
+
+def adamw(model):
+    return optim.AdamW(optim.decay_groups(model.named_parameters(), 0.1), 3e-3)
+
+
+def reference(dtype, n_layer, micro=1):
+    """One process: each step's global batch in ``micro`` passes (1: one), dropout
+    streams keyed by each sample's place in the global batch."""
+    with default_dtype(dtype):
+        model = gpt(n_layer)
+    opt = adamw(model)
+    b = B // micro
+    for step, (x, y) in enumerate(batches()):
+        for k in range(micro):
+            part = slice(k * b, (k + 1) * b)
+            with rng.sample_streams(SEED, step, np.arange(B)[part]):
+                (model(x[part], y[part])[1] * (1.0 / micro)).backward()
+        optim.update(opt, model.parameters(), None, CLIP)
+        opt.zero_grad()
+    return {n: p.data.copy() for n, p in model.named_parameters()}
+
+
+def pipeline(comm, dtype, n_layer, pp, dp, schedule, m, chunks=1, clip=CLIP):
+    """Train the stage of this rank on a ``dp x pp`` grid; its parameters by name."""
+    g = ProcessGrid(comm, dp=dp, pp=pp)
+    with default_dtype(dtype):
+        model = gpt(n_layer)
+    order = [n for group in adamw(model).param_groups for q in group["params"]
+             for n, p in model.named_parameters() if p is q]
+    stage = PipelineStage(model, g.pp_comm, np.zeros((1, T), dtype=np.int64), ops.cross_entropy,
+                          schedule_name=schedule, micro_batches=m, chunks=chunks)
+    opt = adamw(stage)
+    inner = DataParallel(stage, g.dp_comm, optimizer=opt) if dp > 1 else LocalSync(stage, opt)
+    sync = PipelineSync(inner, stage, order)
+    lane = B // dp
+    b = lane // m
+    losses = []
+    for step, (x, y) in enumerate(batches()):
+        places = np.arange(g.dp_rank * lane, (g.dp_rank + 1) * lane)
+        xs, ys = x[places], y[places]
+        micro = [(xs[k * b:(k + 1) * b], ys[k * b:(k + 1) * b]) for k in range(m)]
+        losses.append(stage.run(micro, sync, lambda mb: rng.sample_streams(SEED, step, places[mb * b:(mb + 1) * b])))
+        sync.finish()
+        sync.step(None, clip)
+        sync.zero_grad()
+    params = {n: p.data.copy() for n, p in stage.named_parameters()}
+    sync.close()
+    g.free()
+    return params, stage, losses
+
+
+def relative(mine: dict, ref: dict) -> float:
+    a = np.concatenate([mine[n].reshape(-1) for n in sorted(mine)]).astype(np.float64)
+    b = np.concatenate([ref[n].reshape(-1) for n in sorted(mine)]).astype(np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def grids(size):
+    """(pp, dp) of the grids this world can hold: every rank a stage, and dp x pp."""
+    return [(size, 1)] + ([(2, size // 2)] if size >= 4 and size % 2 == 0 else [])
+
+
+CASES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("schedule,chunks", CASES)
+def test_each_schedule_equals_one_process_float64(schedule, chunks):
+    comm = world()
+    for pp, dp in grids(comm.size):
+        if dp > 1 and schedule in ("gpipe", "interleaved"):
+            continue  # dp x pp: 1F1B and ZB-H1 suffice; the schedules' own cases run on every stage count
+        n_layer = max(2, pp * chunks - 2)  # embed + blocks + head: a layer per chunk at least
+        m = 4
+        mine, stage, _ = pipeline(comm, np.float64, n_layer, pp, dp, schedule, m, chunks)
+        ref = reference(np.float64, n_layer)
+        assert set(mine) <= set(ref) and len(mine) < len(ref)  # a part of the model
+        err = relative(mine, ref)
+        assert err < 1e-12, f"pp {pp} x dp {dp} {schedule}: relative difference {err:.2e}"
+        assert err > 0 or m == 1  # the summation order differs: equal values would mean no test
+
+
+@pytest.mark.mpi(min_size=2)
+def test_float32_is_bitwise_where_the_sums_are_in_the_same_order():
+    """With one micro-batch, no clipping and two stages, every gradient is summed in the
+    same order as in one process (the tied weight's two parts are added once, and a + b
+    = b + a): bitwise. With m > 1 the tied weight's gradient is (sum of the embedding's
+    parts) + (sum of the head's) on the stages, but the sum over micro-batches of (head's
+    + embedding's) in one process; and clipping adds the stages' squares in another order."""
+    comm = world()
+    if comm.size != 2:
+        pytest.skip("two stages")
+    mine, _, _ = pipeline(comm, np.float32, 2, 2, 1, "1f1b", 1, clip=0.0)
+    with default_dtype(np.float32):
+        model = gpt(2)
+    opt = adamw(model)
+    for step, (x, y) in enumerate(batches()):
+        with rng.sample_streams(SEED, step, np.arange(B)):
+            model(x, y)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    for n, p in model.named_parameters():
+        if n in mine:
+            np.testing.assert_array_equal(mine[n], p.data, err_msg=n)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_loss_is_the_global_batch_mean_on_the_last_stage():
+    comm = world()
+    _, stage, losses = pipeline(comm, np.float64, 2 * comm.size - 2, comm.size, 1, "1f1b", 4)
+    if stage.rank != comm.size - 1:
+        assert losses == [0.0] * STEPS
+        return
+    with default_dtype(np.float64):
+        model = gpt(2 * comm.size - 2)
+    x, y = batches()[0]
+    with rng.sample_streams(SEED, 0, np.arange(B)):
+        first = model(x, y)[1].item()
+    assert losses[0] == pytest.approx(first, rel=1e-12)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bytes_per_boundary_per_micro_batch():
+    """Each boundary carries b/m x T x C x itemsize forward and the same backward."""
+    comm = world()
+    m = 4
+    g = ProcessGrid(comm, dp=1, pp=comm.size)
+    stage = PipelineStage(gpt(2 * comm.size - 2), g.pp_comm, np.zeros((1, T), dtype=np.int64), ops.cross_entropy,
+                          micro_batches=m)
+    opt = adamw(stage)
+    sync = PipelineSync(LocalSync(stage, opt), stage, [])
+    x, y = batches()[0]
+    b = B // m
+    before = g.pp_comm.stats.bytes_sent
+    stage.run([(x[k * b:(k + 1) * b], y[k * b:(k + 1) * b]) for k in range(m)], sync)
+    per = b * T * 16 * np.dtype(np.float32).itemsize
+    directions = (stage.rank > 0) + (stage.rank < comm.size - 1)  # gradients back, activations on
+    assert g.pp_comm.stats.bytes_sent - before == m * per * directions
+    g.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_send_and_receive_are_adjoint():
+    """<F x, y> = <x, F* y> for F: rank 0's x onto rank 1 (forward), F*: rank 1's
+    gradient back onto rank 0 (backward)."""
+    comm = world().dup()
+    g = np.random.default_rng(comm.rank)
+    shape = (3, 5)
+    if comm.rank == 0:
+        x = Tensor(g.standard_normal(shape), requires_grad=True)
+        box = Mailbox()
+        token = Send.apply(x, box, comm, 1)
+        box.grad = Posted(comm, shape, np.float64, 1, Tag.PP_GRADIENT)
+        token.backward()
+        comm.waitall([r for r, _ in box.sends])
+        mine = float(np.sum(x.data * x.grad))  # <x, F* y>
+    elif comm.rank == 1:
+        y = g.standard_normal(shape)
+        box = Mailbox()
+        box.act = Posted(comm, shape, np.float64, 0, Tag.PP_ACTIVATION)
+        z = Recv.apply(Tensor(np.zeros(()), requires_grad=True), box)
+        (z * Tensor(y)).sum().backward()
+        comm.waitall([comm.isend(box.input_grad, 0, Tag.PP_GRADIENT)])
+        mine = float(np.sum(z.data * y))  # <F x, y>
+    else:
+        mine = None
+    both = comm.allgather(mine)
+    assert both[0] == pytest.approx(both[1], rel=1e-14)
+    comm.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_configuration_that_differs_between_stages_is_refused_before_any_send():
+    comm = world()
+    g = ProcessGrid(comm, dp=1, pp=comm.size)
+    m = 4 if comm.rank == 0 else 2
+    with pytest.raises(ValueError, match="rank 1.*micro-batches"):
+        PipelineStage(gpt(2 * comm.size - 2), g.pp_comm, np.zeros((1, T), dtype=np.int64), ops.cross_entropy,
+                      micro_batches=m)
+    assert g.pp_comm.stats.bytes_sent == 0
+    g.free()
