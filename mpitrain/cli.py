@@ -1,5 +1,5 @@
 """The ``mpitrain`` command: ``train``, ``report``, ``data build | verify | info``,
-``bench step | io | allreduce | ddp | ps``.
+``bench step | io | allreduce | ddp | ps | pipeline``.
 
 Commands that may run under ``mpiexec`` (``train``, ``bench io``) start MPI through
 :func:`mpitrain.comm.world`. Errors about the input (config, data) are raised on every
@@ -160,6 +160,15 @@ class _failure(ValueError):
     """A problem with the input a command was given: one line, exit status 2."""
 
 
+def _bench_pipeline(args) -> int:
+    from mpitrain.bench import pipeline
+
+    if args.batch % max(args.micro_batches):
+        raise _usage(f"--batch {args.batch} does not split into {max(args.micro_batches)} micro-batches")
+    pipeline.run(rounds=args.rounds, ms=tuple(args.micro_batches), batch=args.batch)
+    return 0
+
+
 def _bench_step(args) -> int:
     from mpitrain.bench import step
 
@@ -263,6 +272,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=_positive, default=40, help="gradients per worker, on average (default 40)")
     p.add_argument("--rounds", type=_positive, default=3, help="interleaved rounds (default 3)")
     p.set_defaults(run=_bench_ps)
+
+    p = benches.add_parser("pipeline", help="pipeline schedules: step, bubble vs. the formula, activation memory "
+                                            "(run under mpiexec -n 2)",
+                           description="Cut a stack of identical GPT blocks into one stage per rank and run "
+                                       "GPipe, 1F1B, interleaved 1F1B (2 chunks per rank) and ZB-H1 at each "
+                                       "number of micro-batches; print the step time, the measured bubble "
+                                       "against the formula's, and the activation memory each stage holds.")
+    p.add_argument("--rounds", type=_positive, default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--micro-batches", type=_positive, nargs="+", default=[2, 4, 8],
+                   help="values of m (default 2 4 8)")
+    p.add_argument("--batch", type=_positive, default=64, help="global batch (default 64)")
+    p.set_defaults(run=_bench_pipeline)
 
     p = commands.add_parser("report", help="plots and a summary of finished runs",
                             description="Draw PNG plots (loss, time per rank, throughput) and a text summary "

@@ -24,6 +24,16 @@ from mpitrain.tensor import Parameter, no_grad
 
 
 # ---------------------------------------------------------------------------- CNNs
+def run_layers(model: Module, x):
+    """``x`` through ``model.named_layers()`` in order, each layer inside its own dropout
+    streams (:func:`mpitrain.rng.layer`), so that a pipeline stage running some of them
+    draws the masks they draw here."""
+    for i, (_, layer) in enumerate(model.named_layers()):
+        with rng.layer(i):
+            x = layer(x)
+    return x
+
+
 class LeNet(Sequential):
     """LeNet-5's shape (LeCun et al. 1998) with ReLU and max-pooling:
     [conv5x5 + ReLU -> maxpool2] x 2 -> linear -> ReLU -> dropout -> linear.
@@ -39,6 +49,9 @@ class LeNet(Sequential):
             Flatten(), Linear(c2 * side * side, hidden), ReLU(), Dropout(dropout),
             Linear(hidden, num_classes),
         )
+
+    def forward(self, x):
+        return run_layers(self, x)
 
 
 class ConvNet(Sequential):
@@ -56,6 +69,9 @@ class ConvNet(Sequential):
         side = image_size // 2
         layers += [MaxPool2d(2, relu=True), Flatten(), Linear(c * side * side, num_classes)]
         super().__init__(*layers)
+
+    def forward(self, x):
+        return run_layers(self, x)
 
 
 class BasicBlock(Module):
@@ -99,8 +115,13 @@ class ResNet(Module):
         self.pool = GlobalAvgPool()
         self.fc = Linear(c, num_classes)
 
+    def named_layers(self) -> list[tuple[str, Module]]:
+        """stem, each basic block, pool, fc: the sequence a pipeline cuts."""
+        return [("stem", self.stem), *((f"block {i}", b) for i, b in enumerate(self.stages)), ("pool", self.pool),
+                ("fc", self.fc)]
+
     def forward(self, x):
-        return self.fc(self.pool(self.stages(self.stem(x))))
+        return run_layers(self, x)  # fc(pool(stages(stem(x))))
 
 
 # ----------------------------------------------------------------------------- GPT

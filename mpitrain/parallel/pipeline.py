@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mpitrain import rng, tensor
+from mpitrain import ops, rng, tensor
 from mpitrain.comm import Tag, replicas
 from mpitrain.nn import Module
 from mpitrain.tensor import Function, Tensor, no_grad
@@ -515,9 +515,13 @@ class PipelineStage(Module):
         # the whole model's parameters in its order: (name, size, dtype, the rank that speaks for it)
         self.catalog = [(n, q.size, q.dtype, self.owner[id(q)]) for n, q in model.named_parameters()]
         self.actions = schedule(schedule_name, p, micro_batches, rank, chunks)
+        self.split = any(isinstance(a, BackwardInput) for a in self.actions)  # backward in two passes
         self.anchor = Tensor(np.zeros(()), requires_grad=True)  # makes Recv a node of the graph
         self.trace = None  # set to record the actions: trace(name, category, track, start, end)
         self.waited = 0.0  # seconds this rank waited for its neighbours (the bubble, and any imbalance)
+        self.in_flight: list = []  # sends not seen complete: progressed between layers (see _progress)
+        for q in self.parameters():
+            q.register_post_accumulate_grad_hook(lambda q: self._progress())
 
     def named_parameters(self, prefix: str = ""):
         """This stage's parameters under their names in the whole model (a tied weight
@@ -558,6 +562,7 @@ class PipelineStage(Module):
                     total += self._forward(a, box, micro, scale, context)
                 case SendActivation():
                     box.root, box.out = Send.apply(box.out, box, self.comm, self._peer(a, 1)), None
+                    self.in_flight.append(box.sends[-1][0])
                 case Backward() | BackwardInput() | BackwardWeight():
                     if before_backward is not None and not isinstance(a, BackwardWeight):
                         before_backward()
@@ -566,12 +571,23 @@ class PipelineStage(Module):
                 case SendGrad():
                     box.sends.append((self.comm.isend(box.input_grad, self._peer(a, -1), Tag.PP_GRADIENT),
                                       box.input_grad))
+                    self.in_flight.append(box.sends[-1][0])
                     box.input_grad = None
             self._record(a, start, self.waited - waited)
         tick = time.perf_counter()
         self.comm.waitall([req for box in boxes.values() for req, _ in box.sends])
         self.waited += time.perf_counter() - tick
+        self.in_flight = []
         return total
+
+    def _progress(self) -> None:
+        """Test the sends in flight. MPI moves a large message only while its sender is
+        inside an MPI call (a rendezvous: the receiver asks, the sender answers), so a
+        stage that sends and goes on computing would make its neighbour wait for its
+        next MPI call; testing between layers (forward) and from the gradient hooks
+        (backward) answers within a layer."""
+        if self.in_flight:
+            self.in_flight = [r for r in self.in_flight if not r.test()]
 
     def _post(self, a: Action, box: Mailbox, b: int) -> None:
         """Start the receive ``a`` into a new buffer of the boundary's shape for ``b`` samples."""
@@ -618,10 +634,14 @@ class PipelineStage(Module):
             box.root = None
 
     def forward_chunk(self, c: int, x):
-        """Chunk ``c``'s layers, each with its own dropout stream (:func:`mpitrain.rng.layer`)."""
-        for i, layer in self.chunks[c]:
-            with rng.layer(i):
-                x = layer(x)
+        """Chunk ``c``'s layers, each with its own dropout stream (:func:`mpitrain.rng.layer`).
+        Zero-bubble schedules run the plain path (``ops.fast_paths(False)``): a fused
+        sublayer is one node, whose weight pass would recompute its whole backward."""
+        with ops.fast_paths(False) if self.split else contextlib.nullcontext():
+            for i, layer in self.chunks[c]:
+                with rng.layer(i):
+                    x = layer(x)
+                self._progress()
         return x
 
     def forward_only(self, x) -> object:
