@@ -301,6 +301,30 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(reference, tmp_pa
     assert steps == list(range(50, 401, 50)), f"killed at {step}"
 
 
+
+PP_ARGS = ["--set", "parallel.pp=2", "--set", "train.micro_batches=4", "--set", "train.steps=120"]
+
+
+@needs_mpiexec
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the ranks through Linux /proc")
+def test_sigkill_during_a_pipeline_run_then_resume_is_bit_identical(reference, tmp_path):
+    """Two stages (1F1B, dropout on): killed between two checkpoints, resumed, the same
+    bits as a run that was never killed."""
+    data, _ = reference
+    code, _, err = finish(launch(data, tmp_path / "whole", *PP_ARGS))
+    assert code == 0, err
+    step = random.Random().randrange(20, 100, 10)
+    proc = launch(data, tmp_path / "run", *PP_ARGS, start_new_session=True)
+    wait_for_checkpoint(tmp_path / "run", step, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    killed_at = int(checkpoint.listed(tmp_path / "run")[-1].stem.split("-")[1])
+    assert killed_at < 120, "the run was not killed before its end"
+    code, out, err = finish(launch(data, tmp_path / "run", *PP_ARGS, "--resume"))
+    assert code == 0, err
+    assert f"at step {killed_at}" in out
+    assert_identical(checkpoint.path_for(tmp_path / "whole", 120), checkpoint.path_for(tmp_path / "run", 120))
+
 @needs_mpiexec
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the ranks through Linux /proc")
 @pytest.mark.parametrize("sig,to", [("SIGTERM", "one"), ("SIGUSR1", "one"), ("SIGUSR1", "all")])

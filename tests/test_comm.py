@@ -109,6 +109,32 @@ def test_a_rank_that_raises_mid_step_ends_the_job_within_10_s():
     assert_ended_by(run_mpi(2, code), "RuntimeError: injected failure on rank 1 at step 2", rank=1, ranks=2)
 
 
+
+@needs_mpiexec
+def test_a_pipeline_stage_that_raises_ends_the_job_within_10_s():
+    """The last stage fails in its loss at step 2; the first is waiting for a gradient in
+    the middle of its 1F1B schedule and must be ended by the abort, not left hanging."""
+    code = ("import numpy as np\n"
+            "from mpitrain import nn, ops, optim, rng\n"
+            "from mpitrain.comm import world, abort_on_exception\n"
+            "from mpitrain.parallel.local import LocalSync\n"
+            "from mpitrain.parallel.pipeline import PipelineStage\n"
+            "with abort_on_exception():\n"
+            "    comm = world()\n"
+            "    rng.manual_seed(0)\n"
+            "    model = nn.GPT(nn.GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16))\n"
+            "    step = [0]\n"
+            "    def loss(out, y):\n"
+            "        if step[0] == 2:\n"
+            "            raise RuntimeError('injected failure in the last stage at step 2')\n"
+            "        return ops.cross_entropy(out, y)\n"
+            "    stage = PipelineStage(model, comm, np.zeros((1, 8), dtype=np.int64), loss, micro_batches=4)\n"
+            "    sync = LocalSync(stage, optim.SGD(stage.parameters(), 0.1))\n"
+            "    x = np.zeros((8, 8), dtype=np.int64)\n"
+            "    for step[0] in range(5):\n"
+            "        stage.run([(x[i:i + 2], x[i:i + 2]) for i in range(0, 8, 2)], sync)\n")
+    assert_ended_by(run_mpi(2, code), "RuntimeError: injected failure in the last stage at step 2", rank=1, ranks=2)
+
 STALL = ("import sys, time\n"
          "import numpy as np\n"
          "from mpitrain.comm import world, abort_on_exception\n"

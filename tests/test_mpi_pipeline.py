@@ -219,3 +219,94 @@ def test_a_configuration_that_differs_between_stages_is_refused_before_any_send(
                       micro_batches=m)
     assert g.pp_comm.stats.bytes_sent == 0
     g.free()
+
+
+# ------------------------------------------------------------------ the trainer
+def text_set(d):
+    from mpitrain_datasets import text
+
+    d.parent.mkdir(parents=True, exist_ok=True)
+    src = d.parent / "input.txt"
+    words = np.random.default_rng(0).choice(["to be", "or not", "that is", "the question"], 2000)
+    src.write_text("\n".join(words) + "\n")
+    text.text(src, d)
+
+
+def gpt_cfg(data, run_dir, *overrides):
+    from mpitrain import config
+
+    return config.from_dict({
+        "model": {"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 16, "dropout": 0.1},
+        "data": {"path": str(data)},
+        "optim": {"name": "adamw", "lr": 3e-3, "grad_clip": 1.0, "warmup_steps": 2},
+        "train": {"global_batch_size": 8, "steps": 12, "log_interval": 4, "eval_interval": 6, "eval_batches": 2,
+                  "sample_tokens": 0, "threads": 1, "dtype": "float64"},
+        "run": {"dir": str(run_dir), "checkpoint_interval": 6, "keep": 5}}, list(overrides))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_trainer_on_a_pipeline_equals_one_process_and_its_checkpoint_resumes_on_one():
+    """``mpitrain train`` with pp = all ranks (1F1B, 4 micro-batches, dropout, float64)
+    reaches the parameters and validation loss of one process; its step-6 checkpoint,
+    resumed by one process, ends where the pipeline ended (the layouts are the same)."""
+    from test_checkpoint import assert_close
+    from test_mpi_data import shared_data
+
+    from mpitrain import checkpoint, train
+    from mpitrain.comm import SingleComm
+
+    comm = world()
+    d = shared_data(comm, make=text_set)
+    root = d.parent
+    p = comm.size
+    piped = train.train(gpt_cfg(d, root / "pp", f"parallel.pp={p}", "parallel.dp=1", "train.micro_batches=4"),
+                        log=lambda *a: None, comm=comm)
+    mine = root / f"one-{comm.rank}"
+    one = train.train(gpt_cfg(d, mine, "train.micro_batches=4"), log=lambda *a: None, comm=SingleComm())
+    assert piped.val_loss == pytest.approx(one.val_loss, rel=1e-12)
+    assert piped.final_loss == pytest.approx(one.final_loss, rel=1e-12)
+    assert_close(checkpoint.path_for(mine, 12), checkpoint.path_for(root / "pp", 12), rtol=1e-11, floor=1e-6)
+    resumed = root / f"resumed-{comm.rank}"
+    (resumed / "checkpoints").mkdir(parents=True)
+    import shutil
+
+    shutil.copy(checkpoint.path_for(root / "pp", 6), resumed / "checkpoints")
+    train.train(gpt_cfg(d, resumed, "train.micro_batches=4"), log=lambda *a: None, comm=SingleComm(), resume=True)
+    assert_close(checkpoint.path_for(root / "pp", 12), checkpoint.path_for(resumed, 12), rtol=1e-11, floor=1e-6)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_batch_norm_sees_each_micro_batch_on_a_pipeline_as_in_accumulation():
+    """A ResNet cut into stages: each micro-batch is normalised with its own statistics
+    and the running statistics are updated once per micro-batch, as when one process
+    accumulates the same micro-batches (not as one pass over the whole batch)."""
+    comm = world()
+    m, steps = 2, 5
+    g = np.random.default_rng(4)
+    data = [(g.standard_normal((B, 8, 8, 2)), g.integers(0, 5, B)) for _ in range(steps)]
+
+    def resnet():
+        rng.manual_seed(SEED)
+        with default_dtype(np.float64):
+            return nn.ResNet(2, 8, 5, widths=(4, 6), blocks=2)
+
+    grid = ProcessGrid(comm, dp=1, pp=comm.size)
+    stage = PipelineStage(resnet(), grid.pp_comm, np.zeros((1, 8, 8, 2)), ops.cross_entropy, micro_batches=m)
+    sync = LocalSync(stage, optim.SGD(stage.parameters(), 0.05, momentum=0.9))
+    whole = resnet()
+    opt = optim.SGD(whole.parameters(), 0.05, momentum=0.9)
+    b = B // m
+    for x, y in data:
+        stage.run([(Tensor(x[k * b:(k + 1) * b]), y[k * b:(k + 1) * b]) for k in range(m)], sync)
+        sync.step(None, 0.0)
+        sync.zero_grad()
+        for k in range(m):
+            (ops.cross_entropy(whole(Tensor(x[k * b:(k + 1) * b])), y[k * b:(k + 1) * b]) * (1.0 / m)).backward()
+        opt.step()
+        opt.zero_grad()
+    ref = whole.state_dict()
+    mine = stage.state_dict()
+    assert any(comm.allgather(any("running_mean" in n for n in mine)))  # some stage normalises
+    for n, a in mine.items():
+        np.testing.assert_allclose(a, ref[n], rtol=1e-12, atol=1e-14, err_msg=n)
+    grid.free()

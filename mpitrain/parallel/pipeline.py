@@ -564,10 +564,8 @@ class PipelineStage(Module):
                     box.root, box.out = Send.apply(box.out, box, self.comm, self._peer(a, 1)), None
                     self.in_flight.append(box.sends[-1][0])
                 case Backward() | BackwardInput() | BackwardWeight():
-                    if before_backward is not None and not isinstance(a, BackwardWeight):
-                        before_backward()
                     with contextlib.nullcontext() if i == last else sync.no_sync():
-                        self._backward(a, box)
+                        self._backward(a, box, before_backward)
                 case SendGrad():
                     box.sends.append((self.comm.isend(box.input_grad, self._peer(a, -1), Tag.PP_GRADIENT),
                                       box.input_grad))
@@ -618,11 +616,15 @@ class PipelineStage(Module):
         box.root = self.loss(out, y) * scale
         return box.root.item()
 
-    def _backward(self, a: Action, box: Mailbox) -> None:
+    def _backward(self, a: Action, box: Mailbox, before_backward) -> None:
+        """Wait for the output's gradient (if a stage sends it), then the pass ``a``;
+        ``before_backward()`` marks where a backward's computing starts (the timeline)."""
         if box.grad is not None and not isinstance(a, BackwardWeight):
             tick = time.perf_counter()
             box.grad.wait()
             self.waited += time.perf_counter() - tick
+        if before_backward is not None and not isinstance(a, BackwardWeight):
+            before_backward()
         if isinstance(a, Backward):
             tensor.backward([box.root])
         elif isinstance(a, BackwardInput):
