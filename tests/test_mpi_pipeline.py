@@ -273,6 +273,11 @@ def test_the_trainer_on_a_pipeline_equals_one_process_and_its_checkpoint_resumes
     shutil.copy(checkpoint.path_for(root / "pp", 6), resumed / "checkpoints")
     train.train(gpt_cfg(d, resumed, "train.micro_batches=4"), log=lambda *a: None, comm=SingleComm(), resume=True)
     assert_close(checkpoint.path_for(root / "pp", 12), checkpoint.path_for(resumed, 12), rtol=1e-11, floor=1e-6)
+    if p % 2 == 0 and p > 2:  # dp x pp, ZB-H1: each stage's replicas average, the stages pipeline
+        grid = train.train(gpt_cfg(d, root / "grid", "parallel.pp=2", "train.micro_batches=2",
+                                   "parallel.schedule=zb-h1"), log=lambda *a: None, comm=comm)
+        assert grid.val_loss == pytest.approx(one.val_loss, rel=1e-12)
+        assert_close(checkpoint.path_for(mine, 12), checkpoint.path_for(root / "grid", 12), rtol=1e-11, floor=1e-6)
 
 
 @pytest.mark.mpi(min_size=2)

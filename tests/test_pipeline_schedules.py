@@ -8,16 +8,25 @@ import pytest
 
 from mpitrain.parallel import pipeline as pl
 
-SHAPES = [(name, p, m, v) for name in pl.SCHEDULES for p in range(1, 9) for m in range(1, 17)
-          for v in (1, 2) if (v == 1 or name == "interleaved") and (name != "interleaved" or m % p == 0)]
+def shapes(name):
+    """Every (p, m, v) the schedule takes for p <= 8 stages, m <= 16 micro-batches, v <= 2 chunks."""
+    return [(p, m, v) for p in range(1, 9) for m in range(1, 17) for v in (1, 2)
+            if (v == 1 or name == "interleaved") and (name != "interleaved" or m % p == 0)]
 
 
 def ranks_of(name, p, m, v=1):
     return [pl.schedule(name, p, m, r, v) for r in range(p)]
 
 
-@pytest.mark.parametrize("name,p,m,v", SHAPES)
-def test_lists_are_consistent(name, p, m, v):
+@pytest.mark.parametrize("name", pl.SCHEDULES)
+def test_lists_are_consistent(name):
+    for p, m, v in shapes(name):
+        lists_are_consistent(name, p, m, v)
+
+
+def lists_are_consistent(name, p, m, v):
+    """Read every rank's list: each forward before its backward, each weight pass after
+    its input gradient, every pass once, every send matched by one receive; then run it."""
     ranks = ranks_of(name, p, m, v)
     sends, recvs = Counter(), Counter()
     for r, actions in enumerate(ranks):
@@ -44,32 +53,46 @@ def test_lists_are_consistent(name, p, m, v):
     pl.simulate(ranks, p, v)  # finishes: no rank waits on itself, messages meet their receives
 
 
-@pytest.mark.parametrize("name,p,m,v", SHAPES)
-def test_simulated_bubble_is_the_formula(name, p, m, v):
+@pytest.mark.parametrize("name", pl.SCHEDULES)
+def test_simulated_bubble_is_the_formula(name):
+    for p, m, v in shapes(name):
+        simulated_bubble_is_the_formula(name, p, m, v)
+
+
+def simulated_bubble_is_the_formula(name, p, m, v):
     ranks = ranks_of(name, p, m, v)
     unit = pl.simulate(ranks, p, v, pl.costs_of(Fraction(1), Fraction(1), Fraction(1), v))
     for r in range(p):
+        where = f"{name} p={p} m={m} v={v} rank {r}"
         if name in ("gpipe", "1f1b"):
-            assert unit.bubble_fraction(r) == Fraction(p - 1, m + p - 1)
+            assert unit.bubble_fraction(r) == Fraction(p - 1, m + p - 1), where
         elif name == "interleaved":
-            assert unit.bubble_ratio(r) == Fraction(p - 1, v * m)
+            assert unit.bubble_ratio(r) == Fraction(p - 1, v * m), where
         elif m >= p:
             for F, B, W in [(1, 1, 1), (2, 1, 1), (1, 1, Fraction(1, 2)), (1, 2, 1)]:
                 sim = pl.simulate(ranks, p, v, pl.costs_of(F, B, W))
-                assert sim.idle[r] == (p - 1) * (F + B - W) == pl.formula(name, p, m, v, F, B, W)
+                assert sim.idle[r] == (p - 1) * (F + B - W) == pl.formula(name, p, m, v, F, B, W), where
         else:  # fewer micro-batches than stages: no schedule fills the warm-up, still below 1F1B
-            assert unit.idle[r] < pl.formula("1f1b", p, m)
+            assert unit.idle[r] < pl.formula("1f1b", p, m), where
 
 
-@pytest.mark.parametrize("p,m", [(p, m) for p in range(1, 9) for m in range(1, 17)])
-def test_peak_micro_batches_held(p, m):
-    gpipe = pl.simulate(ranks_of("gpipe", p, m), p)
-    one = pl.simulate(ranks_of("1f1b", p, m), p)
-    zb = pl.simulate(ranks_of("zb-h1", p, m), p)
-    for r in range(p):
-        assert gpipe.held[r] == m
-        assert one.held[r] == min(m, p - r)
-        assert zb.held[r] <= min(m, p)
+@pytest.mark.parametrize("p", range(1, 9))
+def test_peak_micro_batches_held(p):
+    for m in range(1, 17):
+        gpipe = pl.simulate(ranks_of("gpipe", p, m), p)
+        one = pl.simulate(ranks_of("1f1b", p, m), p)
+        zb = pl.simulate(ranks_of("zb-h1", p, m), p)
+        for r in range(p):
+            assert gpipe.held[r] == m
+            assert one.held[r] == min(m, p - r), (p, m, r)
+            assert zb.held[r] <= min(m, p), (p, m, r)
+
+
+@pytest.mark.parametrize("p", range(1, 9))
+def test_interleaved_holds_its_warm_up_and_one(p):
+    for m in range(p, 17, p):
+        sim = pl.simulate(ranks_of("interleaved", p, m, 2), p, 2)
+        assert sim.held == [min(2 * m, 2 * (p - r - 1) + p + 1) / 2 for r in range(p)]
 
 
 def test_zero_bubble_and_interleaving_beat_1f1b():

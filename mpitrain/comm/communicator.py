@@ -132,6 +132,9 @@ class SingleComm:
     def allgather_array(self, buf: np.ndarray, counts) -> None:
         pass
 
+    def waitall(self, requests: list[Request]) -> None:
+        """One rank starts no point-to-point operation: nothing to wait for."""
+
     def allgather(self, obj):
         return [obj]
 

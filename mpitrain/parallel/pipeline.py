@@ -15,14 +15,18 @@ halves for zero bubble: ``BackwardInput`` then ``BackwardWeight``), and the poin
 and peak micro-batches held; :class:`PipelineStage.run` runs them for real. The
 schedules (costs per stage and micro-batch F, B, W; a full backward is B + W):
 
-=================  ==========================================  ======================
-schedule           idle per rank (bubble)                      micro-batches held
-=================  ==========================================  ======================
+=================  ==========================================  ==============================
+schedule           idle per rank (bubble)                      micro-batches held on stage r
+=================  ==========================================  ==============================
 GPipe              (p-1)(F+B+W): (p-1)/(m+p-1) of the step     m
-1F1B               (p-1)(F+B+W), the same                      p - r on stage r
-interleaved, v     (p-1)(F+B+W)/v: (p-1)/(v m) of the work     about p - r + (v-1)p/v
-ZB-H1              (p-1)(F+B-W) (W <= B)                       at most p (1F1B's peak)
-=================  ==========================================  ======================
+1F1B               (p-1)(F+B+W), the same                      min(m, p - r)
+interleaved, v     (p-1)(F+B+W)/v: (p-1)/(v m) of the work     (2(p-r-1) + (v-1)p + 1) / v
+ZB-H1              (p-1)(F+B-W) for m >= p                     at most p (1F1B's stage 0)
+=================  ==========================================  ==============================
+
+(Held: micro-batches whose activations a stage keeps at its peak, a chunk's counting 1/v;
+the interleaved figure for m v above the warm-up. The simulator's figures are these,
+tested for p up to 8 and m up to 16.)
 
 GPipe (Huang et al. 2019) runs every forward, then every backward. 1F1B, PipeDream-Flush
 (Narayanan et al. 2021): after ``p - r - 1`` warm-up forwards, stage r alternates one
@@ -158,6 +162,8 @@ def check(name: str, p: int, m: int, v: int = 1) -> None:
     """Refuse shapes a schedule cannot run, with the reason."""
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"pipeline needs p, m, v >= 1 (p={p}, m={m}, v={v})")
+    if v > 1 and p == 1:
+        raise ValueError(f"{v} chunks per rank need at least 2 pipeline stages (chunks interleave across ranks)")
     if v > 1 and name != "interleaved":
         raise ValueError(f"{v} chunks per rank need the interleaved schedule, not {name!r}")
     if name == "interleaved" and m % p:

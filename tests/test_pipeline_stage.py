@@ -1,0 +1,82 @@
+"""A pipeline stage on one rank (unit tier, no MPI): the whole model as one stage, run by
+each schedule, trains exactly as plain gradient accumulation does; the cut; refusals."""
+
+import numpy as np
+import pytest
+
+from mpitrain import nn, ops, optim, rng
+from mpitrain.comm import SingleComm
+from mpitrain.parallel import pipeline as pl
+from mpitrain.parallel.local import LocalSync
+from mpitrain.tensor import default_dtype
+
+B, T, M = 8, 8, 4
+
+
+def gpt(dtype):
+    rng.manual_seed(1)
+    with default_dtype(dtype):
+        return nn.GPT(nn.GPTConfig(vocab_size=13, block_size=T, n_layer=2, n_head=2, n_embd=16, dropout=0.1))
+
+
+def data(steps=3):
+    x = np.random.default_rng(2).integers(0, 13, (steps, B, T))
+    return [(x[s], np.roll(x[s], -1, axis=1)) for s in range(steps)]
+
+
+def micro(x, y):
+    b = B // M
+    return [(x[k * b:(k + 1) * b], y[k * b:(k + 1) * b]) for k in range(M)]
+
+
+def streams(step):
+    b = B // M
+    return lambda mb: rng.sample_streams(0, step, np.arange(mb * b, (mb + 1) * b))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1"])
+def test_one_stage_trains_as_gradient_accumulation_bit_for_bit(name, dtype):
+    stage = pl.PipelineStage(gpt(dtype), SingleComm(), np.zeros((1, T), dtype=np.int64), ops.cross_entropy,
+                             schedule_name=name, micro_batches=M)
+    sync = LocalSync(stage, optim.AdamW(stage.parameters(), 1e-2))
+    plain = gpt(dtype)
+    opt = optim.AdamW(plain.parameters(), 1e-2)
+    for step, (x, y) in enumerate(data()):
+        loss = stage.run(micro(x, y), sync, streams(step))
+        sync.step(None, 1.0)
+        sync.zero_grad()
+        total = 0.0
+        for k, (xm, ym) in enumerate(micro(x, y)):
+            with streams(step)(k):
+                part = plain(xm, ym)[1] * (1.0 / M)
+            total += part.item()
+            part.backward()
+        optim.update(opt, plain.parameters(), None, 1.0)
+        opt.zero_grad()
+        assert loss == total
+    for (n, a), (m, b) in zip(stage.named_parameters(), plain.named_parameters()):
+        assert n == m
+        np.testing.assert_array_equal(a.data, b.data, err_msg=n)
+
+
+def test_the_cut_balances_parameters_and_keeps_the_whole_models_names():
+    model = gpt(np.float32)
+    names = [n for n, _ in model.named_parameters()]
+    sizes = [sum(q.size for q in layer.parameters()) for _, layer in model.named_layers()]
+    assert pl.balance(sizes, 2) == [0, 2, 4]  # embed + block 0 | block 1 + head
+    assert pl.balance([1] * 6, 4) == [0, 1, 2, 4, 6]  # ties: later stages take more (1F1B keeps fewer there)
+    stage = pl.PipelineStage(model, SingleComm(), np.zeros((1, T), dtype=np.int64), ops.cross_entropy)
+    assert [n for n, _ in stage.named_parameters()] == names
+    assert "stage 0 (rank 0): embed..head" in stage.describe()
+
+
+def test_refusals():
+    with pytest.raises(ValueError, match="4 layers cannot be cut into 5"):
+        pl.balance([1, 2, 3, 4], 5)
+    with pytest.raises(ValueError, match="at least 2 pipeline stages"):
+        pl.check("interleaved", 1, 4, 2)
+    model = gpt(np.float32)
+    model.extra = nn.Linear(2, 2)  # a parameter outside the layer list
+    with pytest.raises(ValueError, match="belong to no layer"):
+        pl.PipelineStage(model, SingleComm(), np.zeros((1, T), dtype=np.int64), ops.cross_entropy)
