@@ -11,7 +11,7 @@ from mpitrain.parallel import pipeline as pl
 def shapes(name):
     """Every (p, m, v) the schedule takes for p <= 8 stages, m <= 16 micro-batches, v <= 2 chunks."""
     return [(p, m, v) for p in range(1, 9) for m in range(1, 17) for v in (1, 2)
-            if (v == 1 or name == "interleaved") and (name != "interleaved" or m % p == 0)]
+            if (v == 1 or (name == "interleaved" and p > 1)) and (name != "interleaved" or m % p == 0)]
 
 
 def ranks_of(name, p, m, v=1):
@@ -88,7 +88,7 @@ def test_peak_micro_batches_held(p):
             assert zb.held[r] <= min(m, p), (p, m, r)
 
 
-@pytest.mark.parametrize("p", range(1, 9))
+@pytest.mark.parametrize("p", range(2, 9))
 def test_interleaved_holds_its_warm_up_and_one(p):
     for m in range(p, 17, p):
         sim = pl.simulate(ranks_of("interleaved", p, m, 2), p, 2)

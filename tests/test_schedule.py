@@ -9,11 +9,12 @@ import pytest
 from test_checkpoint import arrays
 from test_train import JOBS
 
-from mpitrain import checkpoint, config, nn, optim
+from mpitrain import checkpoint, config, nn, ops, optim
 from mpitrain.comm import SingleComm
 from mpitrain.parallel.data_parallel import DataParallel
 from mpitrain.parallel.local import LocalSync
 from mpitrain.parallel.param_server import ParameterServer
+from mpitrain.parallel.pipeline import PipelineStage, PipelineSync
 from mpitrain.parallel.zero import Zero1
 from mpitrain.train import GradSync, schedule, train
 from mpitrain.train.schedule import Backward, Forward
@@ -83,7 +84,7 @@ def protocol_members() -> set[str]:
     return {n for n in vars(GradSync) if not n.startswith("_")} | set(GradSync.__annotations__)
 
 
-@pytest.mark.parametrize("cls", [LocalSync, DataParallel, Zero1, ParameterServer])
+@pytest.mark.parametrize("cls", [LocalSync, DataParallel, Zero1, ParameterServer, PipelineSync])
 def test_every_gradient_sync_has_the_whole_protocol(cls):
     members = protocol_members()
     assert {"begin_step", "no_sync", "finish", "step", "zero_grad", "describe", "state_pieces"} <= members
@@ -103,6 +104,11 @@ def test_one_rank_syncs_are_gradient_syncs_and_describe_their_waits():
     assert syncs[1].describe()[1] == {"finish": "gradient exchange"}
     assert syncs[2].describe()[1] == {"step": "ZeRO-1 update"}
     syncs[1].close()
+    gpt = nn.GPT(nn.GPTConfig(vocab_size=5, block_size=4, n_layer=1, n_head=1, n_embd=4))
+    stage = PipelineStage(gpt, SingleComm(), np.zeros((1, 4), dtype=np.int64), ops.cross_entropy)
+    piped = PipelineSync(LocalSync(stage, optim.SGD(stage.parameters(), lr=0.1)), stage, [])
+    assert isinstance(piped, GradSync)
+    assert piped.describe()[0].startswith("pipeline: 1 stages, 1 micro-batches, schedule 1f1b")
 
 
 def tiny_gpt(text_data, run_dir, *extra):

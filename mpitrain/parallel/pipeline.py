@@ -512,12 +512,12 @@ class PipelineStage(Module):
             self.chunks.append([(i, layers[i]) for i in range(lo, hi)])
             for i in range(lo, hi):
                 self._modules[path[id(layers[i])]] = layers[i]
-        self.ties = _tie_groups(layers, self.bounds, p, pp_comm)  # [(params, comm)] held by several ranks
         self.owner = {id(q): min(holders) for q, holders in _holders(layers, self.bounds, p)}
         stray = [n for n, q in model.named_parameters() if id(q) not in self.owner]
         if stray:
             raise ValueError(f"{type(model).__name__}: parameters {stray} belong to no layer of named_layers(): "
                              "it cannot be cut into pipeline stages")
+        self.ties = _tie_groups(layers, self.bounds, p, pp_comm)  # [(params, comm)] held by several ranks
         # the whole model's parameters in its order: (name, size, dtype, the rank that speaks for it)
         self.catalog = [(n, q.size, q.dtype, self.owner[id(q)]) for n, q in model.named_parameters()]
         self.actions = schedule(schedule_name, p, micro_batches, rank, chunks)
