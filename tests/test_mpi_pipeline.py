@@ -248,7 +248,8 @@ def gpt_cfg(data, run_dir, *overrides):
 def test_the_trainer_on_a_pipeline_equals_one_process_and_its_checkpoint_resumes_on_one():
     """``mpitrain train`` with pp = all ranks (1F1B, 4 micro-batches, dropout, float64)
     reaches the parameters and validation loss of one process; its step-6 checkpoint,
-    resumed by one process, ends where the pipeline ended (the layouts are the same)."""
+    resumed by one process, ends where the pipeline ended, and the one process's, resumed
+    on the pipeline, where the one process ended (the layouts are the same)."""
     from test_checkpoint import assert_close
     from test_mpi_data import shared_data
 
@@ -273,6 +274,14 @@ def test_the_trainer_on_a_pipeline_equals_one_process_and_its_checkpoint_resumes
     shutil.copy(checkpoint.path_for(root / "pp", 6), resumed / "checkpoints")
     train.train(gpt_cfg(d, resumed, "train.micro_batches=4"), log=lambda *a: None, comm=SingleComm(), resume=True)
     assert_close(checkpoint.path_for(root / "pp", 12), checkpoint.path_for(resumed, 12), rtol=1e-11, floor=1e-6)
+    # and the other way: the one process's step-6 checkpoint, resumed on the pipeline
+    (root / "back" / "checkpoints").mkdir(parents=True, exist_ok=True)
+    if comm.rank == 0:
+        shutil.copy(checkpoint.path_for(mine, 6), root / "back" / "checkpoints")
+    comm.barrier()
+    train.train(gpt_cfg(d, root / "back", f"parallel.pp={p}", "parallel.dp=1", "train.micro_batches=4"),
+                log=lambda *a: None, comm=comm, resume=True)
+    assert_close(checkpoint.path_for(mine, 12), checkpoint.path_for(root / "back", 12), rtol=1e-11, floor=1e-6)
     if p % 2 == 0 and p > 2:  # dp x pp, ZB-H1: each stage's replicas average, the stages pipeline
         grid = train.train(gpt_cfg(d, root / "grid", "parallel.pp=2", "train.micro_batches=2",
                                    "parallel.schedule=zb-h1"), log=lambda *a: None, comm=comm)

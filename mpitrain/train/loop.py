@@ -56,6 +56,7 @@ class Loop:
         self.role, self.sync, self.comm = run.role, run.role.sync, run.role.loop_comm
         self.waits = self.sync.describe()[1]  # call -> the name of its wait
         self.flops = FlopCount()
+        self.counted = False  # the FLOPs of a step are counted on the first one (the same on every rank)
         self.train_seconds = 0.0  # optimizer steps only, without data and evaluation
         self.epoch_seconds: dict[int, float] = {}
         self.window = [0.0, 0, 0.0]  # since the last progress line: loss sum, steps, seconds
@@ -109,13 +110,13 @@ class Loop:
         cfg = self.cfg
         x, y = inputs(cfg, self.run.data, batch)
         self.lr = self.run.lr(step)
-        counting = not self.flops.total
+        counting = not self.counted
         m = cfg.train.micro_batches
         with observe_ops(self.flops) if counting else contextlib.nullcontext(), self.watchdog.phase(step, None):
             loss = self.role.schedule(schedule.split(x, y, m), self.sync, streams(cfg.train.seed, step, batch.lanes, m),
                                       self.out.backward_starts)
         if counting:
-            self.flops = self.rank_mean(self.flops)
+            self.flops, self.counted = self.rank_mean(self.flops), True
         with self.call(step, "finish"):
             self.sync.finish()
         with self.watchdog.phase(step, AGREEING):
