@@ -1,5 +1,6 @@
-"""MPI tier: ``mpitrain bench allreduce`` and ``bench ddp`` run end to end on small sizes
-and report every variant (their figures are measurements, so only their form is tested)."""
+"""MPI tier: ``mpitrain bench allreduce``, ``bench ddp``, ``bench ps`` and ``bench
+pipeline`` run end to end on small sizes and report every variant (their figures are
+measurements, so only their form is tested)."""
 
 import math
 
@@ -53,3 +54,24 @@ def test_bench_ps_times_every_mode():
     assert set(med) == set(ps.MODES) and all(v > 0 for v in med.values())
     if world().rank == 0:
         assert sum("vs sync | steps per worker" in line for line in lines) == len(ps.MODES)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bench_pipeline_measures_every_schedule(monkeypatch):
+    from mpitrain.bench import pipeline
+    from mpitrain.parallel.pipeline import bubble_fraction
+
+    monkeypatch.setattr(pipeline, "C", 16)
+    monkeypatch.setattr(pipeline, "T", 8)
+    p = world().size
+    lines = []
+    rows = pipeline.run(rounds=1, ms=(p, 2 * p), batch=4 * p, log=lines.append)
+    assert [(r["schedule"], r["m"]) for r in rows] == [
+        (s, m) for m in (p, 2 * p) for s in ("gpipe", "1f1b", "interleaved v=2", "zb-h1")]
+    for r in rows:
+        assert r["step_ms"] > 0 and 0 <= r["bubble"] < 1 and len(r["held_mb"]) == p and min(r["held_mb"]) > 0
+        if r["schedule"] in ("gpipe", "1f1b"):
+            assert r["formula"] == bubble_fraction(r["schedule"], p, r["m"])
+    if world().rank == 0:
+        assert any("meas/formula" in line for line in lines)
+        assert any(f"m={2 * p}: stage 0 holds" in line for line in lines)
