@@ -28,7 +28,7 @@ import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mpitrain.parallel.pipeline import SCHEDULES
+from mpitrain.schedules import SCHEDULES
 
 try:
     import tomllib

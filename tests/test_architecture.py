@@ -7,7 +7,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mpitrain"
 BASE = ("mpitrain.tensor", "mpitrain.ops", "mpitrain.nn", "mpitrain.optim", "mpitrain.rng",
-        "mpitrain.gradcheck", "mpitrain.flat")
+        "mpitrain.gradcheck", "mpitrain.flat", "mpitrain.schedules")
 
 
 def module_name(path: Path) -> str:

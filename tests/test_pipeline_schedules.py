@@ -6,7 +6,8 @@ from fractions import Fraction
 
 import pytest
 
-from mpitrain.parallel import pipeline as pl
+from mpitrain import schedules as pl
+
 
 def shapes(name):
     """Every (p, m, v) the schedule takes for p <= 8 stages, m <= 16 micro-batches, v <= 2 chunks."""

@@ -4,7 +4,7 @@ each schedule, trains exactly as plain gradient accumulation does; the cut; refu
 import numpy as np
 import pytest
 
-from mpitrain import nn, ops, optim, rng
+from mpitrain import nn, ops, optim, rng, schedules
 from mpitrain.comm import SingleComm
 from mpitrain.parallel import pipeline as pl
 from mpitrain.parallel.local import LocalSync
@@ -75,7 +75,7 @@ def test_refusals():
     with pytest.raises(ValueError, match="4 layers cannot be cut into 5"):
         pl.balance([1, 2, 3, 4], 5)
     with pytest.raises(ValueError, match="at least 2 pipeline stages"):
-        pl.check("interleaved", 1, 4, 2)
+        schedules.check("interleaved", 1, 4, 2)
     model = gpt(np.float32)
     model.extra = nn.Linear(2, 2)  # a parameter outside the layer list
     with pytest.raises(ValueError, match="belong to no layer"):

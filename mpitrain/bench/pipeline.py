@@ -18,7 +18,7 @@ round, every variant once per round so that all see the same machine, and prints
 * **imbalance**: that wait, the mean rank's idle share minus the busiest's: stages that
   are equal on paper differ in practice (the last computes the loss, the first
   receives nothing);
-* **formula**: the schedule's idle share (:func:`~mpitrain.parallel.pipeline.bubble_fraction`);
+* **formula**: the schedule's idle share (:func:`~mpitrain.schedules.bubble_fraction`);
   for ZB-H1 at this run's measured F, B and W per micro-batch;
 * **held MB**: per stage, the most activation memory held at the end of a forward: the
   Python heap (``tracemalloc``, in a separate untimed run) above its level before the
@@ -42,6 +42,7 @@ from mpitrain.nn.models import Block
 from mpitrain.parallel import pipeline as pl
 from mpitrain.parallel.local import LocalSync
 from mpitrain.runtime import limit_blas_threads, tune_allocator
+from mpitrain.schedules import bubble_fraction
 from mpitrain.tensor import Tensor
 
 VARIANTS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
@@ -135,9 +136,9 @@ def _row(pp, key, stage, sync, data, batch, seconds, idle, kinds) -> dict:
     F, B, W = (float(np.median(pp.allgather(np.median(kinds.get(k, [0.0]))))) * v
                for k in ("forward", "backwardinput" if schedule == "zb-h1" else "backward", "backwardweight"))
     if schedule == "zb-h1":
-        formula = pl.bubble_fraction(schedule, pp.size, m, v, F, B, W)
+        formula = bubble_fraction(schedule, pp.size, m, v, F, B, W)
     else:
-        formula = pl.bubble_fraction(schedule, pp.size, m, v)
+        formula = bubble_fraction(schedule, pp.size, m, v)
     b = batch // m
     micro = [(Tensor(data[k * b:(k + 1) * b]), None) for k in range(m)]
     tracemalloc.start()

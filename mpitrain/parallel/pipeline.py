@@ -7,44 +7,25 @@ Every rank builds the whole model from the seed and keeps its slice, so its weig
 those of one process. The cut balances parameters (:func:`balance`); the trainer prints
 each stage's layers and parameter count at start.
 
-**Schedules are data.** For ``p`` stages and ``m`` micro-batches a schedule is, per rank,
-an ordered list of actions (:func:`schedule`): ``Forward``, ``Backward`` (or its two
-halves for zero bubble: ``BackwardInput`` then ``BackwardWeight``), and the point-to-point
-``RecvActivation``/``SendActivation`` (forward) and ``RecvGrad``/``SendGrad`` (backward).
-:func:`simulate` runs the lists with given F/B/W costs and reports each rank's idle time
-and peak micro-batches held; :class:`PipelineStage.run` runs them for real. The
-schedules (costs per stage and micro-batch F, B, W; a full backward is B + W):
-
-=================  ==========================================  ==============================
-schedule           idle per rank (bubble)                      micro-batches held on stage r
-=================  ==========================================  ==============================
-GPipe              (p-1)(F+B+W): (p-1)/(m+p-1) of the step     m
-1F1B               (p-1)(F+B+W), the same                      min(m, p - r)
-interleaved, v     (p-1)(F+B+W)/v: (p-1)/(v m) of the work     (2(p-r-1) + (v-1)p + 1) / v
-ZB-H1              (p-1)(F+B-W) for m >= p                     at most p (1F1B's stage 0)
-=================  ==========================================  ==============================
-
-(Held: micro-batches whose activations a stage keeps at its peak, a chunk's counting 1/v;
-the interleaved figure for m v above the warm-up. The simulator's figures are these,
-tested for p up to 8 and m up to 16.)
-
-GPipe (Huang et al. 2019) runs every forward, then every backward. 1F1B, PipeDream-Flush
-(Narayanan et al. 2021): after ``p - r - 1`` warm-up forwards, stage r alternates one
-forward and one backward, so a micro-batch's activations are freed ``p - r`` forwards
-later instead of at the end. Interleaved 1F1B (Narayanan et al., SC21) gives each rank
-``v`` chunks, so a micro-batch crosses the ranks v times in stages v times shorter; the
-warm-up and drain shrink by v (``m`` must be a multiple of ``p``, as in Megatron-LM).
-ZB-H1 (Qi et al., ICLR 2024, "Zero Bubble Pipeline Parallelism") splits each backward
-into the input gradient B, which the previous stage waits for, and the weight gradient
-W, which nobody waits for: B is sent upstream at once and W fills the drain's idle time.
+**Schedules are data** (:mod:`mpitrain.schedules`): for ``p`` stages and ``m``
+micro-batches, each rank's ordered list of actions (``Forward``, ``Backward`` or its two
+halves for zero bubble, ``BackwardInput`` then ``BackwardWeight``, and the
+point-to-point ``RecvActivation``/``SendActivation``, ``RecvGrad``/``SendGrad``) for
+GPipe, 1F1B, interleaved 1F1B and ZB-H1, with their simulator and bubble formulas
+(that module's table: GPipe and 1F1B idle ``(p-1)/(m+p-1)`` of the step, interleaved
+``(p-1)/(v m)`` of the work, ZB-H1 ``(p-1)(F+B-W)``; 1F1B keeps ``min(m, p-r)``
+micro-batches on stage r, GPipe ``m``). :meth:`PipelineStage.run` carries a list out:
+the interpreter.
 
 **Communicator and calls.** ``pp_comm`` (its own duplicate). Activations go forward and
 their gradients backward with non-blocking ``Isend``/``Irecv`` of contiguous arrays
 (no pickling, no shape on the wire: every stage knows the boundary shape
-``(b/m, T, C)`` from the config and checks the configuration with its neighbours once,
-before the first send). A receive is posted where the schedule lists it, into a buffer
-of its own (a buffer whose contents backward still needs is never reused); its wait is
-in the action that consumes it. Tags: ``Tag.PP_ACTIVATION`` and ``Tag.PP_GRADIENT``; MPI keeps
+``(b/m, T, C)``, ``b = B/dp`` the lane's samples, from the config, and checks the
+configuration with the other stages once, before the first send). A receive is posted
+where the schedule lists it, into a buffer of its own (a buffer whose contents backward
+still needs is never reused); its wait is in the action that consumes it. A send is
+tested between layers until it completes (MPI moves a large message while its sender
+is inside an MPI call). Tags: ``Tag.PP_ACTIVATION`` and ``Tag.PP_GRADIENT``; MPI keeps
 messages between two ranks with one tag in order, and :func:`simulate` checks that every
 send meets the receive meant for it. The boundary is in the autograd graph: a stage's
 input comes out of :class:`Recv` (forward: the received activation; backward: the
@@ -53,7 +34,15 @@ sent; backward: the gradient received), each the other's dual.
 
 **Bytes.** Per stage boundary and micro-batch: ``b/m * T * C * itemsize`` forward and
 the same backward (the GPT's residual stream); per rank per step, ``m`` times that for
-each neighbour, ``v`` times over when interleaved.
+each neighbour, ``v`` times over when interleaved. Once per step, the tied embedding's
+gradient (``V * C * itemsize``) is allreduced between the first and the last stage, and
+with ``dp > 1`` each stage's replicas allreduce its gradients (``data_parallel.py``).
+
+**Dropout** draws per-sample streams keyed by each layer's index in the whole layer list
+(:mod:`mpitrain.rng`): a stage draws the masks one process draws for those layers,
+whatever p, m or the schedule. Zero-bubble schedules run the plain transformer block
+(``ops.fast_paths(False)``): the fused sublayer is one node, whose weight pass would
+recompute its whole backward.
 
 **Sum or mean.** The last stage's loss is each micro-batch's mean scaled by ``1/m``, so the
 gradients summed over micro-batches are those of the mean over the step's samples: the
@@ -71,328 +60,31 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from mpitrain import ops, rng, tensor
 from mpitrain.comm import Tag, replicas
 from mpitrain.nn import Module
+from mpitrain.schedules import (
+    COMPUTE,
+    FREES,
+    Action,
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    Forward,
+    RecvActivation,
+    RecvGrad,
+    SendActivation,
+    SendGrad,
+    bubble_fraction,
+    check,
+    neighbour,
+    schedule,
+    with_comm,
+)
 from mpitrain.tensor import Function, Tensor, no_grad
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
-
-
-# ----------------------------------------------------------------------------- actions
-@dataclass(frozen=True)
-class Action:
-    mb: int  # micro-batch
-    chunk: int = 0  # which of the rank's model chunks (interleaved schedules)
-
-    def __str__(self) -> str:
-        tail = f".{self.chunk}" if self.chunk else ""
-        return f"{self.code}{self.mb}{tail}"
-
-
-@dataclass(frozen=True)
-class Forward(Action):
-    code = "F"
-
-
-@dataclass(frozen=True)
-class Backward(Action):
-    """Input and weight gradients in one pass."""
-    code = "B"
-
-
-@dataclass(frozen=True)
-class BackwardInput(Action):
-    """The input gradient only (zero bubble's B); its weight gradients wait for W."""
-    code = "I"
-
-
-@dataclass(frozen=True)
-class BackwardWeight(Action):
-    """The weight gradients of a micro-batch whose :class:`BackwardInput` ran (W)."""
-    code = "W"
-
-
-@dataclass(frozen=True)
-class RecvActivation(Action):
-    code = "ra"
-
-
-@dataclass(frozen=True)
-class SendActivation(Action):
-    code = "sa"
-
-
-@dataclass(frozen=True)
-class RecvGrad(Action):
-    code = "rg"
-
-
-@dataclass(frozen=True)
-class SendGrad(Action):
-    code = "sg"
-
-
-COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
-FREES = (Backward, BackwardWeight)  # the actions after which a micro-batch's activations are gone
-
-
-# ----------------------------------------------------------------------------- schedules
-def schedule(name: str, p: int, m: int, rank: int, v: int = 1) -> list[Action]:
-    """Rank ``rank``'s actions for one step of ``m`` micro-batches on ``p`` stages."""
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
-    check(name, p, m, v)
-    if name == "gpipe":
-        compute = [Forward(i) for i in range(m)] + [Backward(i) for i in range(m)]
-    elif name == "1f1b":
-        compute = _one_f_one_b(p, m, rank)
-    elif name == "interleaved":
-        compute = _interleaved(p, m, v, rank)
-    else:
-        compute = _zb_h1(p, m, rank)
-    return with_comm(compute, p, v, rank)
-
-
-def check(name: str, p: int, m: int, v: int = 1) -> None:
-    """Refuse shapes a schedule cannot run, with the reason."""
-    if p < 1 or m < 1 or v < 1:
-        raise ValueError(f"pipeline needs p, m, v >= 1 (p={p}, m={m}, v={v})")
-    if v > 1 and p == 1:
-        raise ValueError(f"{v} chunks per rank need at least 2 pipeline stages (chunks interleave across ranks)")
-    if v > 1 and name != "interleaved":
-        raise ValueError(f"{v} chunks per rank need the interleaved schedule, not {name!r}")
-    if name == "interleaved" and m % p:
-        raise ValueError(f"the interleaved schedule needs micro-batches ({m}) to be a multiple "
-                         f"of the pipeline stages ({p}), as in Megatron-LM")
-
-
-def _one_f_one_b(p: int, m: int, rank: int) -> list[Action]:
-    """PipeDream-Flush: ``p - rank - 1`` warm-up forwards, then one forward and one backward
-    in turn, then the backwards left."""
-    warm = min(p - rank - 1, m)
-    out = [Forward(i) for i in range(warm)]
-    for i in range(m - warm):
-        out += [Forward(warm + i), Backward(i)]
-    return out + [Backward(i) for i in range(m - warm, m)]
-
-
-def _interleaved(p: int, m: int, v: int, rank: int) -> list[Action]:
-    """Megatron's interleaved 1F1B: forwards go through the chunks in groups of ``p``
-    micro-batches (chunk 0 for micro-batches 0..p-1, chunk 1 for the same, ...), backwards
-    the same with the chunks reversed; the warm-up is ``2(p - rank - 1) + (v - 1)p``."""
-    if v == 1:
-        return _one_f_one_b(p, m, rank)
-    total = m * v
-
-    def nth(k: int, kind):
-        group, chunk = divmod(k, p * v)[0], (k // p) % v
-        mb = group * p + k % p
-        return kind(mb, chunk if kind is Forward else v - 1 - chunk)
-
-    warm = min(2 * (p - rank - 1) + (v - 1) * p, total)
-    out = [nth(k, Forward) for k in range(warm)]
-    for i in range(total - warm):
-        out += [nth(warm + i, Forward), nth(i, Backward)]
-    return out + [nth(k, Backward) for k in range(total - warm, total)]
-
-
-def _zb_h1(p: int, m: int, rank: int) -> list[Action]:
-    """ZB-H1: 1F1B's order of forwards and input-gradient passes; stage r runs the weight
-    pass of micro-batch ``i - r`` after the input gradient of ``i``, so it holds at most
-    ``p`` micro-batches (1F1B's peak, on stage 0), and ends with ``r + 1`` weight passes
-    that fill the time the last input gradients take to travel up to stage 0. The idle
-    time is (p-1)(F+B-W) for ``m >= p``; below that no schedule fills the warm-up."""
-    warm = min(p - rank - 1, m)
-    out: list[Action] = [Forward(i) for i in range(warm)]
-    for i in range(m):
-        out += [Forward(warm + i)] if warm + i < m else []
-        out += [BackwardInput(i)] + ([BackwardWeight(i - rank)] if i >= rank else [])
-    return out + [BackwardWeight(i) for i in range(max(0, m - rank), m)]
-
-
-def with_comm(compute: list[Action], p: int, v: int, rank: int) -> list[Action]:
-    """Add the point-to-point actions: a receive before each forward (backward) that needs
-    a neighbour's activation (gradient), a send after each that produces one."""
-    last = p * v - 1
-    out: list[Action] = []
-    for a in compute:
-        stage = a.chunk * p + rank  # this chunk's place among all p * v
-        if isinstance(a, Forward):
-            out += [RecvActivation(a.mb, a.chunk)] if stage > 0 else []
-            out += [a] + ([SendActivation(a.mb, a.chunk)] if stage < last else [])
-        elif isinstance(a, (Backward, BackwardInput)):
-            out += [RecvGrad(a.mb, a.chunk)] if stage < last else []
-            out += [a] + ([SendGrad(a.mb, a.chunk)] if stage > 0 else [])
-        else:
-            out.append(a)
-    return out
-
-
-def neighbour(p: int, v: int, rank: int, chunk: int, step: int) -> tuple[int, int]:
-    """(rank, chunk) of the stage ``step`` (+1 next, -1 previous) places from ``(rank, chunk)``."""
-    stage = chunk * p + rank + step
-    if not 0 <= stage < p * v:
-        raise ValueError(f"stage {stage} is outside the pipeline")
-    return stage % p, stage // p
-
-
-# ----------------------------------------------------------------------------- simulator
-@dataclass
-class Simulation:
-    """What :func:`simulate` found: the step's length and, per rank, busy and idle time,
-    peak micro-batches held (chunks count 1/v each) and the timed actions."""
-
-    makespan: float
-    busy: list[float]
-    held: list[float]
-    spans: list[list[tuple[float, float, Action]]] = field(repr=False)
-
-    @property
-    def idle(self) -> list[float]:
-        return [self.makespan - b for b in self.busy]
-
-    def bubble_fraction(self, rank: int = 0) -> float:
-        """Idle share of the step on ``rank``: ``idle / makespan``."""
-        return self.idle[rank] / self.makespan
-
-    def bubble_ratio(self, rank: int = 0) -> float:
-        """Idle time over work on ``rank``: ``idle / busy`` (Megatron's bubble fraction)."""
-        return self.idle[rank] / self.busy[rank]
-
-
-def costs_of(F: float = 1.0, B: float = 1.0, W: float = 1.0, v: int = 1) -> dict:
-    """Time of each action for one chunk (a stage's costs divided by ``v``)."""
-    return {Forward: F / v, Backward: (B + W) / v, BackwardInput: B / v, BackwardWeight: W / v}
-
-
-def simulate(ranks: list[list[Action]], p: int, v: int = 1, cost: dict | None = None,
-             latency: float = 0) -> Simulation:
-    """Run every rank's list in time: a compute action starts when its rank is free and
-    the message it consumes has arrived (``latency`` after its send); sends and posting
-    receives take no time. Raises ``ValueError`` if a list breaks a dependency (a backward
-    before its forward), a send meets a receive meant for another message (MPI matches
-    messages between two ranks with one tag in order), or the ranks wait on each other."""
-    cost = cost or costs_of(v=v)
-    sim = _Sim(ranks, p, v, cost, latency)
-    while sim.advance():
-        pass
-    stuck = [r for r in range(p) if sim.pc[r] < len(ranks[r])]
-    if stuck:
-        raise ValueError("the ranks wait on each other: " + ", ".join(
-            f"rank {r} at {ranks[r][sim.pc[r]]}" for r in stuck))
-    for r in range(p):
-        if sim.alive[r]:
-            raise ValueError(f"rank {r} ends the step still holding {sorted(sim.alive[r])}")
-    return Simulation(max(sim.clock), [sum(e - s for s, e, _ in sp) for sp in sim.spans],
-                      [h / v for h in sim.peak], sim.spans)
-
-
-class _Sim:
-    """The state of :func:`simulate`: per rank a program counter and a clock; per channel
-    (source, destination, tag) the messages sent and the receives posted, in order."""
-
-    def __init__(self, ranks, p, v, cost, latency):
-        self.ranks, self.p, self.v, self.cost, self.latency = ranks, p, v, cost, latency
-        self.pc, self.clock = [0] * p, [0] * p  # exact with Fraction costs
-        self.spans = [[] for _ in range(p)]
-        self.sent: dict[tuple, list] = {}  # channel -> [(payload, arrival time)]
-        self.posted: dict[tuple, int] = {}  # channel -> receives posted so far
-        self.inbox = [{} for _ in range(p)]  # rank -> {(kind, mb, chunk): channel index}
-        self.done = [set() for _ in range(p)]  # rank -> {(code, mb, chunk)}
-        self.alive = [set() for _ in range(p)]  # micro-batch chunks whose activations are kept
-        self.peak = [0] * p
-
-    def advance(self) -> bool:
-        moved = False
-        for r in range(self.p):
-            while self.pc[r] < len(self.ranks[r]) and self._try(r, self.ranks[r][self.pc[r]]):
-                self.pc[r] += 1
-                moved = True
-        return moved
-
-    def _try(self, r: int, a: Action) -> bool:
-        key = (a.mb, a.chunk)
-        if isinstance(a, (RecvActivation, RecvGrad)):
-            step = -1 if isinstance(a, RecvActivation) else 1
-            src = neighbour(self.p, self.v, r, a.chunk, step)[0]
-            channel = (src, r, Tag.PP_ACTIVATION if step == -1 else Tag.PP_GRADIENT)
-            index = self.posted.get(channel, 0)
-            self.posted[channel] = index + 1
-            self.inbox[r][(type(a), *key)] = (channel, index)
-            return True
-        if isinstance(a, (SendActivation, SendGrad)):
-            forward = isinstance(a, SendActivation)
-            needed = (Forward,) if forward else (Backward, BackwardInput)
-            if not any((k, *key) in self.done[r] for k in needed):
-                raise ValueError(f"rank {r} sends {a} before computing it")
-            dst, chunk = neighbour(self.p, self.v, r, a.chunk, 1 if forward else -1)
-            channel = (r, dst, Tag.PP_ACTIVATION if forward else Tag.PP_GRADIENT)
-            self.sent.setdefault(channel, []).append(((a.mb, chunk), self.clock[r] + self.latency))
-            return True
-        return self._compute(r, a, key)
-
-    def _compute(self, r: int, a: Action, key: tuple) -> bool:
-        start = self.clock[r]
-        stage, last = a.chunk * self.p + r, self.p * self.v - 1
-        if isinstance(a, Forward):
-            if stage > 0 and (arrival := self._arrival(r, RecvActivation, key)) is None:
-                return False
-            start = max(start, arrival) if stage > 0 else start
-            self.alive[r].add(key)
-            self.peak[r] = max(self.peak[r], len(self.alive[r]))
-        elif isinstance(a, (Backward, BackwardInput)):
-            if (Forward, *key) not in self.done[r]:
-                raise ValueError(f"rank {r} runs {a} before its forward")
-            if stage < last and (arrival := self._arrival(r, RecvGrad, key)) is None:
-                return False
-            start = max(start, arrival) if stage < last else start
-        elif (BackwardInput, *key) not in self.done[r]:
-            raise ValueError(f"rank {r} runs {a} before its input gradient")
-        end = start + self.cost[type(a)]
-        self.spans[r].append((start, end, a))
-        self.clock[r] = end
-        self.done[r].add((type(a), *key))
-        if isinstance(a, FREES):
-            self.alive[r].discard(key)
-        return True
-
-    def _arrival(self, r: int, kind, key: tuple):
-        """When the message this compute consumes arrives; None while it is not sent yet."""
-        if (kind, *key) not in self.inbox[r]:
-            raise ValueError(f"rank {r} needs micro-batch {key[0]} chunk {key[1]} without "
-                             f"having posted its receive")
-        channel, index = self.inbox[r][(kind, *key)]
-        sent = self.sent.get(channel, [])
-        if index >= len(sent):
-            return None
-        payload, arrival = sent[index]
-        if payload != key:
-            raise ValueError(f"rank {channel[0]}'s message {index} on tag {channel[2].name} carries "
-                             f"micro-batch {payload[0]} chunk {payload[1]}, but rank {r} receives it "
-                             f"as micro-batch {key[0]} chunk {key[1]}")
-        return arrival
-
-
-def formula(name: str, p: int, m: int, v: int = 1, F: float = 1.0, B: float = 1.0,
-            W: float = 1.0) -> float:
-    """Idle time per rank in one step, as the papers give it (units of F, B, W per stage)."""
-    if name in ("gpipe", "1f1b"):
-        return (p - 1) * (F + B + W)
-    if name == "interleaved":
-        return (p - 1) * (F + B + W) / v
-    return (p - 1) * (F + B - W)
-
-
-def bubble_fraction(name: str, p: int, m: int, v: int = 1, F: float = 1.0, B: float = 1.0,
-                    W: float = 1.0) -> float:
-    """The formula's idle share of a step: idle / (work + idle)."""
-    idle = formula(name, p, m, v, F, B, W)
-    return idle / (m * (F + B + W) + idle)
 
 
 # ----------------------------------------------------------------------------- the cut

@@ -2,7 +2,7 @@
 
 A *schedule* is a plain list of actions for one rank and one global batch: ``Forward(i)``
 runs micro-batch ``i`` through the model and keeps its loss, ``Backward(i)`` runs its
-backward pass (the action types are :mod:`mpitrain.parallel.pipeline`'s). The list can
+backward pass (the action types are :mod:`mpitrain.schedules`'). The list can
 be printed, checked and simulated without running anything; :func:`run` carries it out
 in a few lines (PyTorch's ``torch.distributed.pipelining`` schedules are instruction
 lists of the same kind).
@@ -26,7 +26,7 @@ import contextlib
 from functools import partial
 
 from mpitrain import ops
-from mpitrain.parallel.pipeline import Backward, Forward
+from mpitrain.schedules import Backward, Forward
 from mpitrain.tensor import Tensor
 
 
