@@ -324,3 +324,34 @@ def test_batch_norm_sees_each_micro_batch_on_a_pipeline_as_in_accumulation():
     for n, a in mine.items():
         np.testing.assert_allclose(a, ref[n], rtol=1e-12, atol=1e-14, err_msg=n)
     grid.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_cnn_cut_into_stages_trains_as_one_process():
+    """LeNet's layer list (convolutions, pools, the classifier with dropout) cut over all
+    ranks, through the trainer, with augmentation and evaluation: one process's figures."""
+    from test_checkpoint import assert_close
+    from test_mpi_data import shared_data
+
+    from mpitrain import checkpoint, config, train
+    from mpitrain.comm import SingleComm
+
+    comm = world()
+    d = shared_data(comm, n=480, test=64)
+
+    def cfg(run_dir, *overrides):
+        return config.from_dict({
+            "model": {"name": "lenet", "channels": [2, 4], "hidden": 8, "dropout": 0.25},
+            "data": {"path": str(d), "shift": 1},
+            "optim": {"name": "adamw", "lr": 3e-3, "grad_clip": 1.0},
+            "train": {"global_batch_size": 32, "steps": 8, "log_interval": 4, "threads": 1, "dtype": "float64",
+                      "micro_batches": 4},
+            "run": {"dir": str(run_dir)}}, list(overrides))
+
+    piped = train.train(cfg(d.parent / "lenet-pp", f"parallel.pp={comm.size}", "parallel.dp=1",
+                            "parallel.schedule=gpipe"), log=lambda *a: None, comm=comm)
+    mine = d.parent / f"lenet-one-{comm.rank}"
+    one = train.train(cfg(mine), log=lambda *a: None, comm=SingleComm())
+    assert piped.test_accuracy == one.test_accuracy
+    assert piped.test_loss == pytest.approx(one.test_loss, rel=1e-12)
+    assert_close(checkpoint.path_for(mine, 8), checkpoint.path_for(d.parent / "lenet-pp", 8), rtol=1e-11, floor=1e-6)
