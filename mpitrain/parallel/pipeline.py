@@ -174,8 +174,8 @@ class PipelineStage(Module):
     """This rank's chunks of ``model``'s layer list (``model.named_layers()``), cut over the
     ranks of ``pp_comm``, and the interpreter of its schedule.
 
-    ``example`` is one input sample with its batch axis (``(1, T)`` token ids, ``(1, C, H,
-    W)`` images): one forward of it through the whole model, before anything is dropped,
+    ``example`` is one input sample with its batch axis (``(1, T)`` token ids, ``(1, H, W,
+    C)`` images): one forward of it through the whole model, before anything is dropped,
     gives every boundary's shape per sample, so no shape goes over the wire. ``loss(out,
     y)`` is the mean loss of a micro-batch from the last layer's output. Parameters keep
     the whole model's names (``state_dict`` is a part of the whole model's), a weight held
