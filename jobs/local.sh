@@ -10,8 +10,8 @@
 #
 # STRATEGY: ddp (MPI allreduce), ddp-ring (mpitrain's ring allreduce), zero1 (optimizer
 # state sharded), ps (1 parameter server, the other ranks synchronous workers),
-# ps-async (the same, asynchronous), pp (two pipeline stages, 1F1B over 8 micro-batches,
-# the other ranks data parallel). RANKS defaults to the number of cores; each rank
+# ps-async (the same, asynchronous), pp (two pipeline stages, 1F1B over 6 micro-batches per
+# data-parallel lane: the global batch must divide by 6 x the lanes). RANKS defaults to the number of cores; each rank
 # gets cores / ranks BLAS threads (mpitrain sets them). The run directory is
 # runs/<config name> (README.md, "Checkpoints, resume and signals"); --resume continues
 # one (ddp, zero1, pp).
@@ -28,7 +28,7 @@ case $strategy in
     zero1) set -- --set parallel.sync='"zero1"' "$@" ;;
     ps) set -- --set parallel.sync='"ps"' "$@" ;;
     ps-async) set -- --set parallel.sync='"ps"' --set parallel.staleness=-1 "$@" ;;
-    pp) set -- --set parallel.pp=2 --set train.micro_batches=8 "$@" ;;
+    pp) set -- --set parallel.pp=2 --set train.micro_batches=6 "$@" ;;
     *) echo "jobs/local.sh: unknown strategy '$strategy' (ddp, ddp-ring, zero1, ps, ps-async, pp)" >&2; exit 2 ;;
 esac
 [ -f "$config" ] || { echo "jobs/local.sh: no config file '$config'" >&2; exit 2; }

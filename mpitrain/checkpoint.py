@@ -156,9 +156,10 @@ def save(run_dir, step: int, *, model, optimizer, sync, cfg, comm, keep: int, ep
     model's when ``model`` is a part of it (None: ``model`` is whole). Of a part, each
     rank that writes state writes its arrays too."""
     offsets, local, pieces, writes = _layout(optimizer, sync, layout)
-    mine = model.state_dict()
+    names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    partial = layout is not None and names != set(layout.arrays)
+    mine = model.state_dict() if comm.rank == 0 or (partial and writes) else {}  # copies: only where written
     shapes = layout.arrays if layout is not None else {n: (a.shape, a.dtype.str) for n, a in mine.items()}
-    partial = set(mine) != set(shapes)
     kinds = {}
     for k in comm.allgather(_kinds(local) if writes else {}):
         kinds.update(k)

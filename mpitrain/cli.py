@@ -163,8 +163,9 @@ class _failure(ValueError):
 def _bench_pipeline(args) -> int:
     from mpitrain.bench import pipeline
 
-    if args.batch % max(args.micro_batches):
-        raise _usage(f"--batch {args.batch} does not split into {max(args.micro_batches)} micro-batches")
+    odd = [m for m in args.micro_batches if args.batch % m]
+    if odd:
+        raise _usage(f"--batch {args.batch} does not split into {odd[0]} equal micro-batches")
     pipeline.run(rounds=args.rounds, ms=tuple(args.micro_batches), batch=args.batch)
     return 0
 

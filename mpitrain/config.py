@@ -495,6 +495,15 @@ def _check_pipeline(cfg: Config, pp: int) -> None:
     if par.sync not in PIPELINE_SYNCS:
         raise ConfigError(f"parallel.sync: {par.sync!r} does not combine with pipeline stages (parallel.pp = {pp}) "
                           f"yet; use one of {list(PIPELINE_SYNCS)}")
+    if par.schedule == "interleaved" and par.chunks < 2:
+        raise ConfigError("parallel.chunks: the interleaved schedule needs 2 or more model chunks per rank "
+                          f"(got {par.chunks}; with one it is 1F1B: parallel.schedule = '1f1b')")
+    if cfg.model.checkpoint_activations:
+        raise ConfigError("model.checkpoint_activations: not available on pipeline stages yet (parallel.pp > 1)")
+    if par.progress == "thread" and par.thread_level not in ("auto", "multiple"):
+        raise ConfigError(f"parallel.thread_level: a pipeline's sends and the communication thread call MPI at "
+                          f"the same time (parallel.progress = 'thread'): 'multiple' is needed, got "
+                          f"{par.thread_level!r}")
     if par.schedule == "interleaved" and m % pp:
         raise ConfigError(f"train.micro_batches: the interleaved schedule needs a multiple of the {pp} pipeline "
                           f"stages (as in Megatron-LM), got {m}")

@@ -13,7 +13,7 @@ that rank 0's layers made). Training with dropout would then change with p, m an
 Inside ``with sample_streams(seed, step, samples):`` a mask is instead drawn per
 sample: each sample's share of it comes from that sample's own stream, keyed by
 ``(seed, step, sample, layer)``, with ``sample`` its position in the step's *global*
-batch and ``layer`` its index in ``model.layers()`` (:func:`layer`). A sample then gets
+batch and ``layer`` its index in ``model.named_layers()`` (:func:`layer`). A sample then gets
 the same masks whatever shares its micro-batch, whichever rank runs it, and whichever
 stage runs its layers, in whatever order. Megatron-LM's ``CudaRNGStatesTracker``
 solves a related problem for tensor parallelism (which dropout must agree across the
@@ -121,7 +121,7 @@ def sample_streams(seed: int, step: int, samples):
 
 
 class layer:
-    """``with rng.layer(i):`` the forward of layer ``i`` of ``model.layers()`` is running.
+    """``with rng.layer(i):`` the forward of layer ``i`` of ``model.named_layers()`` is running.
 
     Inside :func:`sample_streams`, entering starts fresh per-sample streams keyed with
     layer ``i`` (so a pipeline stage that runs only some layers draws exactly the masks

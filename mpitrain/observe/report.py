@@ -114,10 +114,11 @@ def summary(run: Run) -> str:
         lines.append(f"  stopped by {stops[-1]['signal']} at step {stops[-1]['step']}" if stops else
                      "  not finished (killed, or still running)")
     for r in run.per_rank():
-        compute = r["step_s"] - r["comm_exposed_s"]
+        bubble = r.get("bubble_s", 0.0)  # a pipeline stage's waiting for its neighbours (older runs: none)
+        compute = r["step_s"] - r["comm_exposed_s"] - bubble
         lines.append(f"  rank {r['rank']}: compute {compute:.2f} s, communication exposed {r['comm_exposed_s']:.2f} s "
-                     f"of {r['comm_total_s']:.2f} s, waiting for data {r['wait_s']:.2f} s, "
-                     f"{r['bytes_sent'] / 1e6:.1f} MB sent")
+                     f"of {r['comm_total_s']:.2f} s, pipeline bubble {bubble:.2f} s, waiting for data "
+                     f"{r['wait_s']:.2f} s, {r['bytes_sent'] / 1e6:.1f} MB sent")
     saved = run.kinds.get("checkpoint", [])
     if saved:
         lines.append(f"  last checkpoint: {saved[-1]['path']} (step {saved[-1]['step']})")
@@ -148,7 +149,8 @@ def _loss(run: Run, path: Path) -> Path:
 def _time_per_rank(run: Run, path: Path) -> Path:
     rows = run.per_rank()
     ranks = [r["rank"] for r in rows]
-    compute = [r["step_s"] - r["comm_exposed_s"] for r in rows]
+    bubble = [r.get("bubble_s", 0.0) for r in rows]  # a pipeline stage's waiting (older runs: none)
+    compute = [r["step_s"] - r["comm_exposed_s"] - b for r, b in zip(rows, bubble)]
     exposed = [r["comm_exposed_s"] for r in rows]
     wait = [r["wait_s"] for r in rows]
     fig, ax = plt.subplots(figsize=(max(7, 1.2 * len(rows) + 5), 4))
@@ -156,7 +158,10 @@ def _time_per_rank(run: Run, path: Path) -> Path:
     left = [r - width / 2 for r in ranks]
     ax.bar(left, compute, width, label="compute", color="C0")
     ax.bar(left, exposed, width, bottom=compute, label="communication (exposed)", color="C3")
-    ax.bar(left, wait, width, bottom=[a + b for a, b in zip(compute, exposed)], label="waiting for data", color="C2")
+    ax.bar(left, bubble, width, bottom=[a + b for a, b in zip(compute, exposed)], label="pipeline bubble",
+           color="C7")
+    ax.bar(left, wait, width, bottom=[a + b + c for a, b, c in zip(compute, exposed, bubble)],
+           label="waiting for data", color="C2")
     right = [r + width / 2 for r in ranks]
     ax.bar(right, [r["comm_total_s"] for r in rows], width, label="communication (total)", color="C3", alpha=0.4)
     ax.bar(right, [r["read_s"] for r in rows], width, bottom=[r["comm_total_s"] for r in rows],

@@ -1,6 +1,6 @@
 """Pipeline parallelism: consecutive layers on consecutive ranks, micro-batches streamed through.
 
-**What is cut.** The model's layer list (``model.layers()``; the GPT: embedding, blocks,
+**What is cut.** The model's layer list (``model.named_layers()``; the GPT: embedding, blocks,
 final norm + head) is cut into ``p`` consecutive *stages*, one per rank of ``pp_comm``
 (``p * v`` *chunks* for the interleaved schedule: rank r holds chunks r, r + p, ...).
 Every rank builds the whole model from the seed and keeps its slice, so its weights are
@@ -52,7 +52,8 @@ step's backward, its two gradients are summed with one allreduce over the ranks 
 it, so both copies take the same step. Batch norm sees each micro-batch's own statistics.
 
 **Launch.** ``mpiexec -n 4 mpitrain train jobs/tinyshakespeare_gpt.toml --set parallel.pp=2
---set train.micro_batches=8 --set parallel.schedule=1f1b`` (dp = 2 x pp = 2).
+--set train.micro_batches=6 --set parallel.schedule=1f1b`` (dp = 2 x pp = 2: each lane's 6
+samples in 6 micro-batches).
 """
 
 from __future__ import annotations
@@ -119,13 +120,14 @@ def balance(sizes: list[int], parts: int) -> list[int]:
 class Mailbox:
     """What one micro-batch of one chunk has in flight on this rank: the posted receive of
     its input activation and of its output gradient (each into a buffer of its own), the
-    tensor its backward starts from, the input gradient to send back, the sends started."""
+    tensor its backward starts from, the input gradient to send back; ``sends``, the
+    stage's list of sends not known complete, each with the array it sends."""
 
     __slots__ = ("act", "grad", "root", "out", "input_grad", "weights", "sends")
 
-    def __init__(self):
+    def __init__(self, sends: list):
         self.act = self.grad = self.root = self.out = self.input_grad = self.weights = None
-        self.sends = []
+        self.sends = sends
 
 
 class Posted:
@@ -185,16 +187,17 @@ class PipelineStage(Module):
                  micro_batches: int = 1, chunks: int = 1):
         super().__init__()
         p, rank = pp_comm.size, pp_comm.rank
-        check(schedule_name, p, micro_batches, chunks)
         named = model.named_layers()
         layers = [m for _, m in named]
+        self.sizes = [sum(q.size for q in layer.parameters()) for layer in layers]
+        example = np.asarray(example)
+        _agree(pp_comm, {"schedule": schedule_name, "micro-batches": micro_batches, "chunks": chunks,
+                         "layers": self.sizes, "input": (example.shape, str(example.dtype))})
+        check(schedule_name, p, micro_batches, chunks)  # from here on every stage raises alike, or none
         self.comm, self.p, self.rank, self.v, self.m = pp_comm, p, rank, chunks, micro_batches
         self.schedule_name, self.loss, self.last = schedule_name, loss, p * chunks - 1
         self.outputs = _boundaries(model, layers, example)  # per layer: (shape per sample, dtype)
-        self.sizes = [sum(q.size for q in layer.parameters()) for layer in layers]
         self.bounds = balance(self.sizes, p * chunks)
-        _agree(pp_comm, {"schedule": schedule_name, "micro-batches": micro_batches, "chunks": chunks,
-                         "layers": self.sizes, "boundaries": [(s, str(d)) for s, d in self.outputs]})
         self.names = [n for n, _ in named]
         self._canonical = {id(q): n for n, q in model.named_parameters()}
         path = {id(mod): n for n, mod in model.named_modules()}
@@ -213,11 +216,16 @@ class PipelineStage(Module):
         # the whole model's parameters in its order: (name, size, dtype, the rank that speaks for it)
         self.catalog = [(n, q.size, q.dtype, self.owner[id(q)]) for n, q in model.named_parameters()]
         self.actions = schedule(schedule_name, p, micro_batches, rank, chunks)
+        self.last_use = {(a.mb, a.chunk): i for i, a in enumerate(self.actions)}  # each box's last action
+        # the backwards that run outside no_sync: each chunk's last that makes weight gradients, so that a
+        # data-parallel sync counts every parameter (a parameter belongs to one chunk) once per step
+        self.synced = {max(i for i, a in enumerate(self.actions) if isinstance(a, FREES) and a.chunk == c)
+                       for c in range(chunks)}
         self.split = any(isinstance(a, BackwardInput) for a in self.actions)  # backward in two passes
         self.anchor = Tensor(np.zeros(()), requires_grad=True)  # makes Recv a node of the graph
         self.trace = None  # set to record the actions: trace(name, category, track, start, end)
         self.waited = 0.0  # seconds this rank waited for its neighbours (the bubble, and any imbalance)
-        self.in_flight: list = []  # sends not seen complete: progressed between layers (see _progress)
+        self.in_flight: list = []  # [(request, array)]: sends not seen complete, tested between layers (_progress)
         for q in self.parameters():
             q.register_post_accumulate_grad_hook(lambda q: self._progress())
 
@@ -246,11 +254,10 @@ class PipelineStage(Module):
         weights runs inside ``sync.no_sync()``; ``context(mb)`` wraps each forward (the
         dropout streams). Returns the step's loss on the last stage, 0 elsewhere."""
         scale = 1.0 / len(micro)
-        last = max(i for i, a in enumerate(self.actions) if isinstance(a, FREES))
         boxes: dict[tuple, Mailbox] = {}
         total = 0.0
         for i, a in enumerate(self.actions):
-            box = boxes.setdefault((a.mb, a.chunk), Mailbox())
+            box = boxes.setdefault((a.mb, a.chunk), Mailbox(self.in_flight))
             start = time.perf_counter()
             waited = self.waited
             match a:
@@ -260,30 +267,30 @@ class PipelineStage(Module):
                     total += self._forward(a, box, micro, scale, context)
                 case SendActivation():
                     box.root, box.out = Send.apply(box.out, box, self.comm, self._peer(a, 1)), None
-                    self.in_flight.append(box.sends[-1][0])
                 case Backward() | BackwardInput() | BackwardWeight():
-                    with contextlib.nullcontext() if i == last else sync.no_sync():
+                    with contextlib.nullcontext() if i in self.synced else sync.no_sync():
                         self._backward(a, box, before_backward)
                 case SendGrad():
-                    box.sends.append((self.comm.isend(box.input_grad, self._peer(a, -1), Tag.PP_GRADIENT),
-                                      box.input_grad))
-                    self.in_flight.append(box.sends[-1][0])
+                    self.in_flight.append((self.comm.isend(box.input_grad, self._peer(a, -1), Tag.PP_GRADIENT),
+                                           box.input_grad))
                     box.input_grad = None
+            if i == self.last_use[(a.mb, a.chunk)]:
+                del boxes[(a.mb, a.chunk)]  # its buffers go as soon as the graph lets them
             self._record(a, start, self.waited - waited)
         tick = time.perf_counter()
-        self.comm.waitall([req for box in boxes.values() for req, _ in box.sends])
+        self.comm.waitall([req for req, _ in self.in_flight])
         self.waited += time.perf_counter() - tick
-        self.in_flight = []
+        self.in_flight.clear()
         return total
 
     def _progress(self) -> None:
-        """Test the sends in flight. MPI moves a large message only while its sender is
-        inside an MPI call (a rendezvous: the receiver asks, the sender answers), so a
-        stage that sends and goes on computing would make its neighbour wait for its
-        next MPI call; testing between layers (forward) and from the gradient hooks
-        (backward) answers within a layer."""
+        """Test the sends in flight and let go of the arrays of those complete. MPI moves
+        a large message only while its sender is inside an MPI call (a rendezvous: the
+        receiver asks, the sender answers), so a stage that sends and goes on computing
+        would make its neighbour wait for its next MPI call; testing between layers
+        (forward) and from the gradient hooks (backward) answers within a layer."""
         if self.in_flight:
-            self.in_flight = [r for r in self.in_flight if not r.test()]
+            self.in_flight[:] = [(r, x) for r, x in self.in_flight if not r.test()]
 
     def _post(self, a: Action, box: Mailbox, b: int) -> None:
         """Start the receive ``a`` into a new buffer of the boundary's shape for ``b`` samples."""
@@ -345,20 +352,21 @@ class PipelineStage(Module):
         return x
 
     def forward_only(self, x) -> object:
-        """One forward of ``x`` through the pipeline (evaluation, under ``no_grad``): the
-        last stage's output on the rank that holds it, None elsewhere."""
+        """One forward of ``x`` through the pipeline, without recording a graph
+        (evaluation): the last stage's output on the rank that holds it, None elsewhere."""
         actions = with_comm([Forward(0, c) for c in range(self.v)], self.p, self.v, self.rank)
-        box, out = Mailbox(), None
-        for a in actions:
-            match a:
-                case RecvActivation():
-                    self._post(a, box, len(x))
-                case Forward():
-                    first = a.chunk * self.p + self.rank == 0
-                    out = self.forward_chunk(a.chunk, x if first else Tensor(box.act.wait()))
-                case SendActivation():
-                    Send.apply(out, box, self.comm, self._peer(a, 1))
-                    box.act = None
+        box, out = Mailbox([]), None
+        with no_grad():
+            for a in actions:
+                match a:
+                    case RecvActivation():
+                        self._post(a, box, len(x))
+                    case Forward():
+                        first = a.chunk * self.p + self.rank == 0
+                        out = self.forward_chunk(a.chunk, x if first else Tensor(box.act.wait()))
+                    case SendActivation():
+                        Send.apply(out, box, self.comm, self._peer(a, 1))
+                        box.act = None
         self.comm.waitall([req for req, _ in box.sends])
         return out if self.rank == self.last % self.p else None
 
@@ -419,8 +427,9 @@ class PipelineStage(Module):
 
 def _agree(pp_comm, plan: dict) -> None:
     """Raise ``ValueError`` on every stage unless all stages have the same ``plan``
-    (schedule, micro-batches, layers and boundaries): a mismatch would otherwise hang a
-    receive or read garbage; checked with one small allgather, before any send."""
+    (schedule, micro-batches, chunks, the layers' sizes, the input's shape): a mismatch
+    would otherwise hang a receive or read garbage; one small allgather, before anything
+    else a stage computes from them (so that what raises next raises on every stage)."""
     plans = pp_comm.allgather(plan)
     for r, theirs in enumerate(plans):
         differ = [k for k in plan if theirs[k] != plans[0][k]]

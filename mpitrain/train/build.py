@@ -146,7 +146,7 @@ def _pipeline_role(cfg: Config, world, grid, g: ProcessGrid, model, sync_name: s
                               schedule_name=par.schedule, micro_batches=t.micro_batches, chunks=par.chunks)
     except ValueError as e:
         g.free()
-        raise ConfigError(f"parallel.pp: {e}") from None
+        raise ConfigError(f"{'parallel.chunks' if par.chunks > 1 else 'parallel.pp'}: {e}") from None
     opt = build_optimizer(cfg, stage)
     sync = PipelineSync(SYNCS[sync_name](cfg, stage, opt, g.dp_comm), stage, [n for n, _ in layout.params])
     return Role(sync, stage, opt, stage.run, loop_comm=world, leads=world.rank == 0, lane=(g.dp_rank, g.dp_size),

@@ -115,10 +115,10 @@ class Loop:
         with observe_ops(self.flops) if counting else contextlib.nullcontext(), self.watchdog.phase(step, None):
             loss = self.role.schedule(schedule.split(x, y, m), self.sync, streams(cfg.train.seed, step, batch.lanes, m),
                                       self.out.backward_starts)
-        if counting:
-            self.flops, self.counted = self.rank_mean(self.flops), True
         with self.call(step, "finish"):
             self.sync.finish()
+        if counting:  # after finish: a data-parallel communication thread may be in MPI before it
+            self.flops, self.counted = self.rank_mean(self.flops), True
         with self.watchdog.phase(step, AGREEING):
             loss, stopping = agree_on_step(self.comm, loss, self.signals.received, self.role.loss_ranks)
         if np.isfinite(loss):

@@ -134,8 +134,11 @@ def finish(run, result: Result, times: tuple, figures: dict, out: Outputs, log) 
         result.timing = rows
         if done:  # a resumed run that was already finished has no steps to show
             log(time_table(rows, done))
-        if world.size > 1:
+        if world.size > 1 and run.role.whole:
             log(f"replicas identical on all {world.size} ranks (parameters sha256 {digest[:16]})")
+        elif world.size > 1:
+            log(f"each stage's replicas identical; the whole model's parameters, gathered from the stages: "
+                f"sha256 {digest[:16]}")
         for line in lines:
             log(line)
     if run.data.kind == "text" and cfg.train.sample_tokens and world.rank == 0:
