@@ -250,9 +250,10 @@ class PipelineStage(Module):
     # ------------------------------------------------------------- running
     def run(self, micro: list, sync, context=None, before_backward=None) -> float:
         """Carry out this rank's schedule on the micro-batches ``micro`` (``[(x, y)]``, the
-        same on every stage of the pipeline); every backward but the last that touches
-        weights runs inside ``sync.no_sync()``; ``context(mb)`` wraps each forward (the
-        dropout streams). Returns the step's loss on the last stage, 0 elsewhere."""
+        same on every stage of the pipeline); every backward runs inside
+        ``sync.no_sync()`` but each chunk's last one that makes weight gradients
+        (``synced``); ``context(mb)`` wraps each forward (the dropout streams). Returns the
+        step's loss on the last stage, 0 elsewhere."""
         scale = 1.0 / len(micro)
         boxes: dict[tuple, Mailbox] = {}
         total = 0.0
