@@ -117,7 +117,7 @@ class SingleComm:
         pass
 
     # arrays: with one rank every reduction is the identity
-    def allreduce(self, buf: np.ndarray) -> None:
+    def allreduce(self, buf: np.ndarray, op: str = "sum") -> None:
         pass
 
     def iallreduce(self, buf: np.ndarray) -> Request:
@@ -189,9 +189,10 @@ class Comm(SingleComm):
         self.stats.add(nbytes, time.perf_counter() - tick)
         return out
 
-    def allreduce(self, buf: np.ndarray) -> None:
-        """Sum ``buf`` over ranks, in place."""
-        self._timed(_share(2, self.size, buf.nbytes), self.mpi.Allreduce, _mpi().IN_PLACE, buf)
+    def allreduce(self, buf: np.ndarray, op: str = "sum") -> None:
+        """Sum ``buf`` over ranks in place (``op = "max"``: the largest value)."""
+        self._timed(_share(2, self.size, buf.nbytes), self.mpi.Allreduce, _mpi().IN_PLACE, buf,
+                    _mpi().MAX if op == "max" else _mpi().SUM)
 
     def iallreduce(self, buf: np.ndarray) -> Request:
         """Start summing ``buf`` over ranks in place; ``buf`` must not be touched until

@@ -249,6 +249,11 @@ class GPTHead(Module):
     def forward(self, x):
         return ops.linear(self.ln_f(x), ops.transpose(self.wte))  # (B, T, V)
 
+    def loss(self, logits, targets):
+        """The mean cross-entropy of the logits (a head whose logits are sliced over ranks
+        computes it on its slices: ``parallel/tensor_parallel.py``)."""
+        return ops.cross_entropy(logits, targets)
+
 
 class GPT(Module):
     """Decoder-only transformer (Radford et al. 2019), as in nanoGPT (Karpathy)."""
@@ -295,7 +300,7 @@ class GPT(Module):
             logits = self.head(x)
         if targets is None:
             return logits, None
-        return logits, ops.cross_entropy(logits, targets)
+        return logits, self.head.loss(logits, targets)
 
     def generate(self, ids: np.ndarray, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, generator: np.random.Generator | None = None) -> np.ndarray:

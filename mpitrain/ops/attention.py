@@ -55,9 +55,11 @@ def _t(a: np.ndarray) -> np.ndarray:
     return a.transpose(0, 1, 3, 2)
 
 
-def attend(fn, qkv, n_head, causal, dropout_p, generator) -> np.ndarray:
+def attend(fn, qkv, n_head, causal, dropout_p, generator, heads=None) -> np.ndarray:
     """Attention of ``qkv`` (B, T, 3C); returns (B, T, C) with the heads merged, and
-    keeps on ``fn`` what :func:`attend_backward` needs."""
+    keeps on ``fn`` what :func:`attend_backward` needs. ``heads = (first, total)``: these
+    are heads ``first ..`` of a layer of ``total`` (sliced over ranks): the dropout mask is
+    theirs of the whole layer's."""
     B, T, C3 = qkv.shape
     C = C3 // 3
     q, k, v = _heads(qkv, n_head)  # each (B, nh, T, hs)
@@ -72,7 +74,11 @@ def attend(fn, qkv, n_head, causal, dropout_p, generator) -> np.ndarray:
     fn.keep = None
     probs = att
     if dropout_p > 0:
-        fn.keep = _rng.dropout_mask(generator, att.shape, dropout_p, att.dtype)
+        if heads is None:
+            fn.keep = _rng.dropout_mask(generator, att.shape, dropout_p, att.dtype)
+        else:  # the whole layer's mask, (B, total, T, T), then these heads'
+            whole = _rng.dropout_mask(generator, (B, heads[1], T, T), dropout_p, att.dtype)
+            fn.keep = np.ascontiguousarray(whole[:, heads[0] : heads[0] + n_head])
         probs = att * fn.keep
     y = np.empty((B, T, n_head, C // n_head), dtype=qkv.dtype)  # heads merged, (B, T, nh, hs)
     np.matmul(_t(probs), v, out=y.transpose(0, 2, 1, 3))  # P v, each head into its columns
@@ -119,8 +125,8 @@ class CausalSelfAttention(Function):
     152 us with the scaled copy included, 95 us with both operands contiguous), and the
     scale then costs no pass over the (T, T) scores."""
 
-    def forward(self, qkv, n_head, causal, dropout_p, generator):
-        return attend(self, qkv, n_head, causal, dropout_p, generator)
+    def forward(self, qkv, n_head, causal, dropout_p, generator, heads=None):
+        return attend(self, qkv, n_head, causal, dropout_p, generator, heads)
 
     def backward(self, g):
         gqkv = np.empty(self.qkv.shape, dtype=g.dtype)
@@ -129,11 +135,13 @@ class CausalSelfAttention(Function):
 
 
 def causal_self_attention(qkv, n_head: int, causal: bool = True, dropout_p: float = 0.0,
-                          generator=None) -> Tensor:
+                          generator=None, heads: tuple | None = None) -> Tensor:
     """Attention of ``qkv`` (B, T, 3C) with ``n_head`` heads; returns (B, T, C). The
     dropout mask on the attention weights comes from ``generator`` if given, else from
-    ``mpitrain.rng`` (per sample inside ``rng.sample_streams``)."""
+    ``mpitrain.rng`` (per sample inside ``rng.sample_streams``); ``heads = (first,
+    total)`` says these are heads ``first ..`` of ``total`` (a layer sliced over ranks),
+    whose masks are those heads' of the whole layer."""
     qkv = as_tensor(qkv)
     if qkv.ndim != 3 or qkv.shape[-1] % (3 * n_head):
         raise ValueError(f"qkv must be (B, T, 3C) with C divisible by n_head={n_head}, got {qkv.shape}")
-    return CausalSelfAttention.apply(qkv, n_head, causal, float(dropout_p), generator)
+    return CausalSelfAttention.apply(qkv, n_head, causal, float(dropout_p), generator, heads)

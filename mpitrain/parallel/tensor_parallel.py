@@ -1,0 +1,328 @@
+"""Tensor parallelism (Megatron-LM): each transformer layer's matrices sliced over ``tp_comm``.
+
+**What is sliced.** In every block the first matrix of each sublayer is cut by columns
+(:class:`ColumnParallelLinear`: attention's packed ``W_qkv`` by heads, ``n_head / t`` per
+rank with q, k and v cut alike; the MLP's ``W_fc`` by hidden units) and the second by
+rows (:class:`RowParallelLinear`: ``W_proj`` of each), so each rank computes its heads or
+its hidden units end to end and the sublayer needs one sum over ranks. The token
+embedding and the output head it is tied to are cut by vocabulary rows
+(:class:`VocabParallelEmbedding`, :class:`VocabParallelHead`): the cross-entropy is taken
+on the vocabulary slices (:func:`vocab_parallel_cross_entropy`) without gathering the
+logits. Layer norms, biases of row-parallel layers and the position embedding are
+replicated: every rank computes the same values and the same gradients for them. Uneven
+cuts are allowed (a vocabulary of 65 over 2 ranks: 33 and 32 rows).
+
+**The two conjugate operators** (Shoeybi et al. 2019, "Megatron-LM"), as autograd nodes:
+``f`` (:func:`copy_to`) is the identity forward and an allreduce backward, before a
+column-parallel layer (its input is whole on every rank, its gradient a partial sum);
+``g`` (:func:`reduce_from`) is an allreduce forward and the identity backward, after a
+row-parallel layer (its output is a partial sum). Sequence parallelism (Korthikanti et
+al. 2022) replaces them by a reduce-scatter along the sequence (:func:`scatter_sequence`,
+whose backward is an allgather) and an allgather (:func:`gather_sequence`, whose backward
+is a reduce-scatter), each the other's adjoint.
+
+**Calls and bytes.** Per block and micro-batch of ``b`` samples, forward: two allreduces
+of ``(b, T, C)`` (one ``g`` per sublayer); backward: two (one ``f`` per sublayer). A ring
+allreduce sends ``2 (t-1)/t`` of the array per rank, so a block moves ``8 (t-1)/t x b T C
+x itemsize`` bytes per rank per step; the embedding adds one ``g`` (forward) and the head
+one ``f`` (backward) of the same size, and the cross-entropy three allreduces of ``b T``
+numbers. Blocking collectives on ``tp_comm`` (its own duplicate), inside the layers'
+forward and backward.
+
+**Dropout.** Masks come from the per-sample streams of :mod:`mpitrain.rng`, the same on
+every rank of ``tp_comm`` (they hold the same samples): dropout after a ``g`` (the
+residual branches, the embedding) is the same on every rank, as one process draws it;
+the attention probabilities' dropout, inside the sliced region, draws the whole layer's
+mask and keeps its heads' part, so the slices together are one process's mask. (Megatron
+gives the sliced region a per-rank stream instead, which is as random but not equal to
+serial training.)
+
+**Launch.** ``mpiexec -n 2 mpitrain train jobs/tinyshakespeare_gpt.toml --set parallel.tp=2``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mpitrain import ops
+from mpitrain.nn import Module
+from mpitrain.nn.models import GPT, CausalSelfAttention
+from mpitrain.tensor import Function, Parameter, Tensor, as_tensor
+
+
+def shard(n: int, t: int, rank: int) -> tuple[int, int]:
+    """``[lo, hi)`` of rank ``rank``'s part of ``n`` things cut into ``t`` nearly equal
+    consecutive parts (the first ``n mod t`` one larger)."""
+    size, extra = divmod(n, t)
+    lo = rank * size + min(rank, extra)
+    return lo, lo + size + (rank < extra)
+
+
+# ----------------------------------------------------------------------------- operators
+class Copy(Function):
+    """``f``: forward the identity (the input is whole on every rank); backward the sum
+    over ranks of the gradients, each rank's being its slice's contribution."""
+
+    def forward(self, x, comm):
+        self.comm = comm
+        return x.view()
+
+    def backward(self, g):
+        out = np.array(g, copy=True)
+        self.comm.allreduce(out)
+        return out
+
+
+class Reduce(Function):
+    """``g``: forward the sum over ranks of the partial results; backward the identity
+    (every rank needs the whole gradient of the sum)."""
+
+    def forward(self, x, comm):
+        out = np.array(x, copy=True)
+        comm.allreduce(out)
+        return out
+
+    def backward(self, g):
+        return g
+
+
+def _along_sequence(x: np.ndarray) -> np.ndarray:
+    """(B, T, ...) -> (T, B, ...) contiguous: ranks' sequence slices are then contiguous."""
+    return np.ascontiguousarray(np.moveaxis(x, 1, 0))
+
+
+class ScatterSequence(Function):
+    """Sequence parallelism's ``g``: forward a reduce-scatter, each rank keeping the sum
+    of its slice of the sequence, (B, T, C) -> (B, T/t, C); backward an allgather of
+    the slices' gradients."""
+
+    def forward(self, x, comm):
+        self.comm, self.T = comm, x.shape[1]
+        t = comm.size
+        if self.T % t:
+            raise ValueError(f"sequence parallelism: the sequence of {self.T} does not split over {t} ranks")
+        whole = _along_sequence(x)  # (T, B, C)
+        mine = np.empty((self.T // t, *whole.shape[1:]), dtype=x.dtype)  # (T/t, B, C)
+        comm.reduce_scatter(whole.reshape(-1), mine.reshape(-1), [mine.size] * t)
+        return np.ascontiguousarray(np.moveaxis(mine, 0, 1))
+
+    def backward(self, g):
+        return _gather(g, self.comm)
+
+
+class GatherSequence(Function):
+    """Sequence parallelism's ``f``: forward an allgather of the ranks' sequence slices,
+    (B, T/t, C) -> (B, T, C); backward a reduce-scatter (each rank keeps the summed
+    gradient of its slice)."""
+
+    def forward(self, x, comm):
+        self.comm = comm
+        return _gather(x, comm)
+
+    def backward(self, g):
+        return ScatterSequence().forward(g, self.comm)
+
+
+def _gather(x: np.ndarray, comm) -> np.ndarray:
+    mine = _along_sequence(x)  # (T/t, B, C)
+    t = comm.size
+    whole = np.empty((mine.shape[0] * t, *mine.shape[1:]), dtype=x.dtype)  # (T, B, C)
+    whole[comm.rank * mine.shape[0] : (comm.rank + 1) * mine.shape[0]] = mine
+    comm.allgather_array(whole.reshape(-1), [mine.size] * t)
+    return np.ascontiguousarray(np.moveaxis(whole, 0, 1))
+
+
+def copy_to(x, comm) -> Tensor:
+    return Copy.apply(as_tensor(x), comm)
+
+
+def reduce_from(x, comm) -> Tensor:
+    return Reduce.apply(as_tensor(x), comm)
+
+
+def scatter_sequence(x, comm) -> Tensor:
+    return ScatterSequence.apply(as_tensor(x), comm)
+
+
+def gather_sequence(x, comm) -> Tensor:
+    return GatherSequence.apply(as_tensor(x), comm)
+
+
+# ----------------------------------------------------------------------------- layers
+class ColumnParallelLinear(Module):
+    """``y[:, cols] = f(x) @ W[:, cols] + b[cols]``: this rank's output features ``cols``."""
+
+    def __init__(self, weight: np.ndarray, bias: np.ndarray | None, comm):
+        super().__init__()
+        self.weight = Parameter(np.ascontiguousarray(weight))  # (in, out / t)
+        self.bias = None if bias is None else Parameter(np.ascontiguousarray(bias))
+        self.comm = comm
+
+    @classmethod
+    def from_linear(cls, linear, comm, cols: np.ndarray) -> "ColumnParallelLinear":
+        """This rank's columns ``cols`` of a whole ``Linear``, copied."""
+        bias = None if linear.bias is None else linear.bias.data[cols]
+        return cls(linear.weight.data[:, cols], bias, comm)
+
+    def forward(self, x):
+        return ops.linear(copy_to(x, self.comm), self.weight, self.bias)
+
+
+class RowParallelLinear(Module):
+    """``y = g(x[:, rows] @ W[rows, :]) + b``: this rank's input features ``rows`` (the
+    output of a column-parallel layer); the bias, whole on every rank, is added once,
+    after the sum."""
+
+    def __init__(self, weight: np.ndarray, bias: np.ndarray | None, comm):
+        super().__init__()
+        self.weight = Parameter(np.ascontiguousarray(weight))  # (in / t, out)
+        self.bias = None if bias is None else Parameter(np.array(bias, copy=True))
+        self.comm = comm
+
+    @classmethod
+    def from_linear(cls, linear, comm, rows: np.ndarray) -> "RowParallelLinear":
+        bias = None if linear.bias is None else linear.bias.data
+        return cls(linear.weight.data[rows], bias, comm)
+
+    def forward(self, x):
+        y = reduce_from(ops.matmul(x, self.weight), self.comm)
+        return y if self.bias is None else y + self.bias
+
+
+class ParallelSelfAttention(CausalSelfAttention):
+    """This rank's heads of a :class:`CausalSelfAttention`: ``c_attn`` column-parallel
+    (their q, k and v columns of the packed weight), ``c_proj`` row-parallel (their rows);
+    the attention dropout mask is theirs of the whole layer's (``heads``)."""
+
+    def __init__(self, whole: CausalSelfAttention, comm):
+        Module.__init__(self)  # the whole layer's weights are sliced, not drawn again
+        t, r = comm.size, comm.rank
+        C = whole.c_attn.weight.shape[0]
+        nh = whole.n_head
+        if nh % t:
+            raise ValueError(f"{nh} attention heads do not split over {t} tensor-parallel ranks")
+        hs, local = C // nh, nh // t
+        cols = np.arange(r * local * hs, (r + 1) * local * hs)  # this rank's heads' columns of q (or k, or v)
+        self.n_head, self.heads, self.dropout = local, (r * local, nh), whole.dropout
+        qkv = np.concatenate([cols, C + cols, 2 * C + cols])  # q, k and v alike, from the packed weight
+        self.c_attn = ColumnParallelLinear.from_linear(whole.c_attn, comm, qkv)
+        self.c_proj = RowParallelLinear.from_linear(whole.c_proj, comm, cols)
+        self.resid_dropout = whole.resid_dropout
+
+    def forward(self, x):
+        qkv = self.c_attn(x)  # (B, T, 3C / t)
+        p = self.dropout if self.training else 0.0
+        y = ops.causal_self_attention(qkv, self.n_head, dropout_p=p, heads=self.heads)  # (B, T, C / t)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class VocabParallelEmbedding(Module):
+    """Rows ``lo .. hi`` of the token embedding: each rank looks up the ids it holds (the
+    others give zeros), and ``g`` sums the ranks' parts into every id's vector."""
+
+    def __init__(self, weight: Parameter, lo: int, comm):
+        super().__init__()
+        self.weight, self.lo, self.comm = weight, lo, comm  # (V / t, C)
+
+    def forward(self, ids):
+        ids = np.asarray(ids)
+        mine = (ids >= self.lo) & (ids < self.lo + self.weight.shape[0])  # (B, T)
+        rows = ops.embedding(np.where(mine, ids - self.lo, 0), self.weight)  # (B, T, C)
+        return reduce_from(rows * mine[..., None].astype(self.weight.dtype), self.comm)
+
+
+class VocabParallelHead(Module):
+    """The final layer norm and this rank's slice of the logits, ``f(ln_f(x)) @ wte_r^T``
+    (the embedding's rows, tied); the loss is taken on the slices."""
+
+    def __init__(self, ln_f, wte: Parameter, lo: int, comm):
+        super().__init__()
+        self.ln_f, self.wte, self.lo, self.comm = ln_f, wte, lo, comm
+
+    def forward(self, x):
+        return ops.linear(copy_to(self.ln_f(x), self.comm), ops.transpose(self.wte))  # (B, T, V / t)
+
+    def loss(self, logits, targets):
+        return vocab_parallel_cross_entropy(logits, targets, self.lo, self.comm)
+
+
+class VocabParallelCrossEntropy(Function):
+    """The mean cross-entropy of logits sliced by vocabulary over ranks (rank r holds
+    columns ``lo ..``): three allreduces of one number per token forward (the maximum, the
+    target's logit, the sum of exponentials), none backward (each rank's gradient is
+    ``softmax - onehot`` on its own columns)."""
+
+    def forward(self, logits, targets, lo, comm):
+        Vr = logits.shape[-1]
+        z = logits.reshape(-1, Vr)  # (N, V / t)
+        t = np.asarray(targets).reshape(-1)  # (N,)
+        zmax = z.max(axis=1)  # (N,)
+        comm.allreduce(zmax, op="max")
+        e = z - zmax[:, None]
+        mine = (t >= lo) & (t < lo + Vr)
+        rows = np.arange(len(t))
+        target = np.where(mine, e[rows, np.where(mine, t - lo, 0)], 0.0)  # (N,) the target's shifted logit
+        comm.allreduce(target)
+        np.exp(e, out=e)
+        total = e.sum(axis=1)  # (N,)
+        comm.allreduce(total)
+        e /= total[:, None]  # this rank's columns of the softmax, kept for backward
+        self.p, self.rows, self.t, self.mine, self.shape = e, rows, np.where(mine, t - lo, 0), mine, logits.shape
+        return np.asarray((np.log(total) - target).mean(), dtype=logits.dtype)
+
+    def backward(self, g):
+        p = self.p.copy()
+        p[self.rows[self.mine], self.t[self.mine]] -= 1
+        p *= g / len(self.rows)
+        return p.reshape(self.shape)
+
+
+def vocab_parallel_cross_entropy(logits, targets, lo: int, comm) -> Tensor:
+    targets = targets.data if isinstance(targets, Tensor) else np.asarray(targets)
+    return VocabParallelCrossEntropy.apply(as_tensor(logits), targets, lo, comm)
+
+
+# ----------------------------------------------------------------------------- the swap
+def slice_gpt(model: GPT, tp_comm) -> GPT:
+    """Replace ``model``'s layers by sliced ones over ``tp_comm``, in place: every rank
+    keeps its slice of the weights the seed gave the whole model (call it right after
+    building, before anything wraps the model). Needs ``n_head`` divisible by the ranks."""
+    t, r = tp_comm.size, tp_comm.rank
+    cfg = model.config
+    if cfg.n_head % t:
+        raise ValueError(f"{cfg.n_head} attention heads do not split over {t} tensor-parallel ranks")
+    hidden = np.arange(*shard(4 * cfg.n_embd, t, r))
+    for block in model.blocks:
+        block.attn = ParallelSelfAttention(block.attn, tp_comm)
+        block.mlp.c_fc = ColumnParallelLinear.from_linear(block.mlp.c_fc, tp_comm, hidden)
+        block.mlp.c_proj = RowParallelLinear.from_linear(block.mlp.c_proj, tp_comm, hidden)
+    lo, hi = shard(cfg.vocab_size, t, r)
+    wte = Parameter(np.array(model.embed.wte.weight.data[lo:hi], copy=True))  # (V / t, C), tied
+    model.embed.wte = VocabParallelEmbedding(wte, lo, tp_comm)
+    model.head = VocabParallelHead(model.head.ln_f, wte, lo, tp_comm)
+    return model
+
+
+# ----------------------------------------------------------------------------- the norm
+def sliced_parameters(model: Module) -> set[int]:
+    """``id`` of every parameter that is a slice (the rest are whole on every rank)."""
+    out = set()
+    for m in model.modules():
+        if isinstance(m, (ColumnParallelLinear, VocabParallelEmbedding)):
+            out.update(id(q) for q in m.parameters())
+        elif isinstance(m, RowParallelLinear):
+            out.add(id(m.weight))
+    return out
+
+
+def grad_norm(model: Module, tp_comm) -> float:
+    """The whole model's gradient L2 norm: the slices' squares summed over the ranks, a
+    whole (replicated) parameter's counted once."""
+    sliced = sliced_parameters(model)
+    mine = np.zeros(1)
+    for q in model.parameters():
+        if q.grad is not None and (id(q) in sliced or tp_comm.rank == 0):
+            g = q.grad.reshape(-1)
+            mine[0] += float(np.dot(g, g))
+    tp_comm.allreduce(mine)
+    return float(np.sqrt(mine[0]))

@@ -1,0 +1,147 @@
+"""MPI tier: tensor-parallel operators by their adjoint; a GPT sliced over all ranks
+trains as one process; bytes per block against the formula.
+
+Every rank also trains the one-process reference (same seed, the same global batch and
+per-sample dropout streams) and compares its slices with the reference's same slices."""
+
+import numpy as np
+import pytest
+
+from mpitrain import nn, optim, rng
+from mpitrain.parallel import tensor_parallel as tp
+from mpitrain.tensor import Tensor, default_dtype
+
+STEPS, B, T, SEED, CLIP = 20, 8, 8, 3, 0.5
+
+
+def world():
+    from mpitrain.comm import world as w
+
+    return w()
+
+
+def gpt(vocab=13, dropout=0.1):
+    rng.manual_seed(SEED)
+    with default_dtype(np.float64):
+        return nn.GPT(nn.GPTConfig(vocab_size=vocab, block_size=T, n_layer=2, n_head=4, n_embd=16,
+                                   dropout=dropout, bias=True))
+
+
+def batches(vocab=13):
+    x = np.random.default_rng(11).integers(0, vocab, (STEPS, B, T))
+    return [(x[s], np.roll(x[s], -1, axis=1)) for s in range(STEPS)]
+
+
+def adamw(model):
+    return optim.AdamW(optim.decay_groups(model.named_parameters(), 0.1), 3e-3)
+
+
+def train(model, comm=None, clip=CLIP, vocab=13):
+    opt = adamw(model)
+    for step, (x, y) in enumerate(batches(vocab)):
+        with rng.sample_streams(SEED, step, np.arange(B)):
+            model(x, y)[1].backward()
+        if comm is None:
+            optim.clip_grad_norm(model.parameters(), clip)
+        else:
+            norm = tp.grad_norm(model, comm)
+            if norm > clip:
+                for q in model.parameters():
+                    q.grad *= clip / (norm + 1e-6)
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def slices_of(whole: nn.GPT, comm) -> dict:
+    """The reference's parameters cut as the sliced model cuts them (by the same swap)."""
+    return {n: q.data for n, q in tp.slice_gpt(whole, comm).named_parameters()}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("vocab", [13, 16])  # 13: an uneven cut of the vocabulary
+def test_a_sliced_gpt_trains_as_one_process(vocab):
+    comm = world().dup()
+    if 4 % comm.size:
+        pytest.skip("4 heads over the ranks")
+    mine = train(tp.slice_gpt(gpt(vocab), comm), comm, vocab=vocab)
+    ref = slices_of(train(gpt(vocab), vocab=vocab), comm)
+    got = {n: q.data for n, q in mine.named_parameters()}
+    assert got.keys() == ref.keys()
+    a = np.concatenate([got[n].reshape(-1) for n in sorted(got)])
+    b = np.concatenate([ref[n].reshape(-1) for n in sorted(got)])
+    err = float(np.linalg.norm(a - b) / np.linalg.norm(b))
+    assert err < 1e-10, err
+    assert err > 0  # sums in another order: equal bits would mean the test compares nothing
+    comm.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_loss_and_the_logits_slices_are_one_process_s():
+    comm = world().dup()
+    if 4 % comm.size:
+        pytest.skip("4 heads over the ranks")
+    x, y = batches()[0]
+    sliced, whole = tp.slice_gpt(gpt(), comm), gpt()
+    with rng.sample_streams(SEED, 0, np.arange(B)):
+        logits, loss = sliced(x, y)
+    with rng.sample_streams(SEED, 0, np.arange(B)):
+        ref_logits, ref_loss = whole(x, y)
+    lo, hi = tp.shard(13, comm.size, comm.rank)
+    np.testing.assert_allclose(logits.data, ref_logits.data[..., lo:hi], rtol=1e-12, atol=1e-14)
+    assert loss.item() == pytest.approx(ref_loss.item(), rel=1e-13)
+    comm.free()
+
+
+def inner(a, b):
+    return float(np.sum(a * b))
+
+
+# per operator: is its input the same on every rank, is its output's gradient? (In autograd
+# a value held whole on every rank has one gradient, the same everywhere, unless the ops
+# after it are sliced: then each rank's gradient is a partial sum, the whole being theirs.)
+SPACES = {"f": (True, False), "g": (False, True), "scatter": (False, False), "gather": (False, False)}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("op", list(SPACES))
+def test_each_operator_is_the_adjoint_of_its_backward(op):
+    """<F x, y> = <x, F* y>, F the operator's forward, F* its backward. A vector held the
+    same on every rank counts once; one held in parts (slices, or partial sums) is the
+    sum of its ranks' parts, and so is its inner product."""
+    comm = world().dup()
+    t = comm.size
+    same_x, same_y = SPACES[op]
+    shape = (2, 4 * t, 3) if op != "gather" else (2, 4, 3)
+    x = Tensor(np.random.default_rng(100 if same_x else 100 + comm.rank).standard_normal(shape), requires_grad=True)
+    fn = {"f": tp.copy_to, "g": tp.reduce_from, "scatter": tp.scatter_sequence, "gather": tp.gather_sequence}[op]
+    y = fn(x, comm)
+    w = np.random.default_rng(200 if same_y else 200 + comm.rank).standard_normal(y.shape)
+    y.backward(w)
+    once = float(comm.rank == 0)
+    totals = np.array([inner(y.data, w) * (once if same_y else 1.0), inner(x.data, x.grad) * (once if same_x else 1.0)])
+    comm.allreduce(totals)
+    assert totals[0] == pytest.approx(totals[1], rel=1e-12)
+    comm.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_block_sends_its_formula_in_bytes():
+    """Per block and step, 4 allreduces of (b, T, C): 2 forward (g), 2 backward (f)."""
+    comm = world().dup()
+    if 4 % comm.size:
+        pytest.skip("4 heads over the ranks")
+    block = nn.models.Block(nn.GPTConfig(vocab_size=13, block_size=T, n_layer=1, n_head=4, n_embd=16))
+    sliced = nn.models.Block.__new__(nn.models.Block)
+    nn.Module.__init__(sliced)
+    sliced.ln_1, sliced.ln_2, sliced.mlp = block.ln_1, block.ln_2, block.mlp
+    sliced.attn = tp.ParallelSelfAttention(block.attn, comm)
+    h = np.arange(*tp.shard(64, comm.size, comm.rank))
+    sliced.mlp.c_fc = tp.ColumnParallelLinear.from_linear(block.mlp.c_fc, comm, h)
+    sliced.mlp.c_proj = tp.RowParallelLinear.from_linear(block.mlp.c_proj, comm, h)
+    x = Tensor(np.random.default_rng(0).standard_normal((B, T, 16)).astype(np.float32), requires_grad=True)
+    before = comm.stats.bytes_sent
+    sliced(x).sum().backward()
+    t = comm.size
+    assert comm.stats.bytes_sent - before == pytest.approx(4 * 2 * (t - 1) / t * B * T * 16 * 4)
+    comm.free()
