@@ -42,7 +42,7 @@ import json
 import os
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import h5py
@@ -89,12 +89,24 @@ class Layout:
 
     arrays: dict  # name -> (shape, dtype string), the model's state_dict
     params: tuple  # ((name, size), ...) in the optimizer's parameter order
+    # name -> the index of this rank's slice in the whole array, for arrays sliced over ranks (tensor parallel)
+    parts: dict = field(default_factory=dict)
 
     @classmethod
     def of(cls, model, optimizer) -> "Layout":
         names = {id(q): n for n, q in model.named_parameters()}
         arrays = {n: (a.shape, a.dtype.str) for n, a in model.state_dict().items()}
         return cls(arrays, tuple((names[id(q)], q.size) for g in optimizer.param_groups for q in g["params"]))
+
+    def with_parts(self, parts: dict) -> "Layout":
+        """This layout, of which this rank holds the slices ``parts`` (name -> index)."""
+        return replace(self, parts=dict(parts))
+
+    def slices(self) -> dict:
+        """Parameter index (optimizer order) -> (the index of this rank's slice, the whole
+        shape), for the sliced ones."""
+        return {i: (self.parts[name], self.arrays[name][0]) for i, (name, _) in enumerate(self.params)
+                if name in self.parts}
 
 
 def _layout(optimizer, sync, layout: Layout | None):
@@ -133,7 +145,9 @@ def _optimizer_meta(local) -> str:
     return json.dumps({"step_count": local.step_count, "groups": groups})
 
 
-def _write_state(f: h5py.File, local, pieces) -> None:
+def _write_state(f: h5py.File, local, pieces, slices: dict) -> None:
+    """This rank's optimizer state into the flat arrays; a sliced parameter's into its
+    slice of the whole parameter's range (``slices``: :meth:`Layout.slices`)."""
     has = f["optim/has_state"]
     for k, i, lo, hi in pieces:
         state = local.state.get(k)
@@ -144,8 +158,23 @@ def _write_state(f: h5py.File, local, pieces) -> None:
             value = np.asarray(value)
             if value.ndim == 0:
                 f[f"optim/scalar/{key}"][i] = value
+            elif i in slices:
+                where, shape = slices[i]
+                whole = f[f"optim/state/{key}"][lo:hi].reshape(shape)
+                whole[where] = value
+                f[f"optim/state/{key}"][lo:hi] = whole.reshape(-1)
             else:
                 f[f"optim/state/{key}"][lo:hi] = value.reshape(-1)
+
+
+def _write_arrays(f: h5py.File, mine: dict, parts: dict) -> None:
+    """This rank's model arrays; a sliced one into its slice of the whole array."""
+    for name, array in mine.items():
+        if name in parts:
+            whole = f[f"model/{name}"][()]
+            whole[parts[name]] = array
+            array = whole
+        f[f"model/{name}"][...] = array
 
 
 # ----------------------------------------------------------------- save
@@ -157,7 +186,9 @@ def save(run_dir, step: int, *, model, optimizer, sync, cfg, comm, keep: int, ep
     rank that writes state writes its arrays too."""
     offsets, local, pieces, writes = _layout(optimizer, sync, layout)
     names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
-    partial = layout is not None and names != set(layout.arrays)
+    parts = layout.parts if layout is not None else {}
+    slices = layout.slices() if layout is not None else {}
+    partial = layout is not None and (names != set(layout.arrays) or bool(parts))
     mine = model.state_dict() if comm.rank == 0 or (partial and writes) else {}  # copies: only where written
     shapes = layout.arrays if layout is not None else {n: (a.shape, a.dtype.str) for n, a in mine.items()}
     kinds = {}
@@ -176,10 +207,11 @@ def save(run_dir, step: int, *, model, optimizer, sync, cfg, comm, keep: int, ep
         with h5py.File(tmp, "w") as f:
             f.attrs.update(meta)
             for name, (shape, dtype) in shapes.items():
-                if name in mine:
+                if name in mine and name not in parts:
                     _dataset(f, f"model/{name}", data=mine[name])
-                else:  # held by other ranks, which write it next
+                else:  # held, or partly held, by other ranks, which write it next
                     _dataset(f, f"model/{name}", shape=shape, dtype=np.dtype(dtype))
+            _write_arrays(f, {n: a for n, a in mine.items() if n in parts}, parts)
             n, n_params = int(offsets[-1]), len(offsets) - 1
             f.create_dataset("optim/has_state", data=np.zeros(n_params, dtype=bool))
             for key, (kind, dtype) in sorted(kinds.items()):
@@ -187,15 +219,14 @@ def save(run_dir, step: int, *, model, optimizer, sync, cfg, comm, keep: int, ep
                 _dataset(f, f"optim/{'state' if kind == 'array' else 'scalar'}/{key}", shape=(length,),
                          dtype=np.dtype(dtype))
             if writes:
-                _write_state(f, local, pieces)
+                _write_state(f, local, pieces, slices)
 
     comm.agree(lambda: create() if comm.rank == 0 else None)
     def add_mine(writer: int) -> None:
         if comm.rank == writer:
             with h5py.File(tmp, "r+") as f:
-                _write_state(f, local, pieces)
-                for name, array in mine.items() if partial else ():
-                    f[f"model/{name}"][...] = array
+                _write_state(f, local, pieces, slices)
+                _write_arrays(f, mine if partial else {}, parts)
 
     writers = [r for r, w in enumerate(comm.allgather(writes)) if w and r > 0]
     for writer in writers:  # one rank at a time: an HDF5 file has one writer
@@ -314,11 +345,17 @@ def restore(path: Path, *, cfg, model, optimizer, sync, comm, warn=None, layout:
             if missing or unexpected:
                 raise CheckpointError(f"{path}: the model differs from the checkpoint's: missing {missing}, "
                                       f"unexpected {unexpected} (is model.* the same as when it was saved?)")
+            parts = layout.parts if layout is not None else {}
+            slices = layout.slices() if layout is not None else {}
+
+            def mine(name):  # this rank's part of a saved array
+                return saved[name][()][parts[name]] if name in parts else saved[name][()]
+
             for name, array in wanted.items():
-                if saved[name].shape != array.shape:
+                if (saved[name].shape if name not in parts else mine(name).shape) != array.shape:
                     raise CheckpointError(f"{path}: {name} has shape {saved[name].shape} in the checkpoint, "
                                           f"{array.shape} in this model (is model.* the same?)")
-            model.load_state_dict({name: saved[name][()] for name in wanted})
+            model.load_state_dict({name: mine(name) for name in wanted})
             has = f["optim/has_state"][()]
             arrays = {k: f[f"optim/state/{k}"] for k in f["optim/state"]} if "optim/state" in f else {}
             scalars = {k: f[f"optim/scalar/{k}"] for k in f["optim/scalar"]} if "optim/scalar" in f else {}
@@ -329,7 +366,8 @@ def restore(path: Path, *, cfg, model, optimizer, sync, comm, warn=None, layout:
             local.state = {}
             for k, i, lo, hi in pieces:
                 if has[i]:
-                    state = {key: ds[lo:hi].reshape(shapes[k]) for key, ds in arrays.items()}
+                    state = {key: (ds[lo:hi].reshape(slices[i][1])[slices[i][0]] if i in slices else ds[lo:hi])
+                             .reshape(shapes[k]) for key, ds in arrays.items()}
                     state.update({key: np.array(ds[i]) for key, ds in scalars.items()})
                     local.state[k] = state
             opt_meta = json.loads(attrs["optimizer"])

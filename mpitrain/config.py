@@ -85,7 +85,6 @@ PARALLEL_FIELDS = {  # by parallel.sync
 }
 RENAMED = {"parallel.strategy": "parallel.sync"}  # old spelling -> new: still read, with a note
 GRID = ("dp", "pp", "tp")
-NOT_YET = {"tp": "tensor slicing"}  # grid axes whose modules have not landed
 PIPELINE_SYNCS = ("ddp", "local")  # the gradient syncs a pipeline stage's replicas can use
 
 
@@ -435,9 +434,6 @@ def _validate_grid(cfg: Config) -> None:
         value = getattr(par, name)
         _require(value >= 1 or value == -1, f"parallel.{name}", "must be >= 1, or -1 for the ranks the others leave",
                  value)
-        if name in NOT_YET:
-            _require(value in (1, -1), f"parallel.{name}", f"{NOT_YET[name]} is not available yet: set "
-                     f"parallel.{name} = 1", value)
     rest = [n for n in GRID if getattr(par, n) == -1]
     if len(rest) > 1:
         other = rest[1]
@@ -470,11 +466,8 @@ def check_ranks(cfg: Config, ranks: int) -> tuple[int, int, int]:
         shown = " x ".join(str(sizes[n]) for n in GRID)
         raise ConfigError(f"parallel.dp: dp x pp x tp = {shown} = {known}, but there are the {who}: the grid must "
                           "use every one (-1 takes the rest)")
-    for name, what in NOT_YET.items():
-        if sizes[name] > 1:
-            raise ConfigError(f"parallel.{name}: -1 gives {sizes[name]} here, but {what} is not available yet; set "
-                              f"parallel.{name} = 1")
     _check_pipeline(cfg, sizes["pp"])
+    _check_tensor(cfg, sizes)
     if par.sync == "local" and sizes["dp"] > 1:
         raise ConfigError(f"parallel.sync: 'local' exchanges no gradients, so {sizes['dp']} data-parallel replicas "
                           "would drift apart; use 'ddp' or 'zero1'")
@@ -507,6 +500,26 @@ def _check_pipeline(cfg: Config, pp: int) -> None:
     if par.schedule == "interleaved" and m % pp:
         raise ConfigError(f"train.micro_batches: the interleaved schedule needs a multiple of the {pp} pipeline "
                           f"stages (as in Megatron-LM), got {m}")
+
+
+def _check_tensor(cfg: Config, sizes: dict) -> None:
+    """Tensor slicing: the GPT's, its heads over the ranks; what it does not combine with yet."""
+    tp, par = sizes["tp"], cfg.parallel
+    if tp == 1:
+        return
+    if cfg.model.name != "gpt":
+        raise ConfigError(f"parallel.tp: tensor slicing cuts a transformer's layers; model.name is "
+                          f"{cfg.model.name!r} (use dp or pp for the CNNs)")
+    if cfg.model.n_head % tp:
+        raise ConfigError(f"parallel.tp: the {cfg.model.n_head} attention heads (model.n_head) do not split over "
+                          f"{tp} tensor-parallel ranks")
+    if sizes["pp"] > 1:
+        raise ConfigError("parallel.tp: tensor slicing does not combine with pipeline stages (parallel.pp > 1) yet")
+    if par.sync not in ("ddp", "local"):
+        raise ConfigError(f"parallel.sync: {par.sync!r} does not combine with tensor slicing (parallel.tp = {tp}) "
+                          "yet; use 'ddp' or 'local'")
+    if cfg.model.checkpoint_activations:
+        raise ConfigError("model.checkpoint_activations: not available with tensor slicing yet (parallel.tp > 1)")
 
 
 def _check_batch(cfg: Config, dp: int, ranks: str, who: str) -> None:

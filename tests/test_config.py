@@ -103,7 +103,6 @@ def test_bad_override_and_files(tmp_path):
     (["parallel.pp=2", "parallel.chunks=2"], "parallel.chunks: more than one model chunk per rank needs "
                                              "parallel.schedule = 'interleaved'"),
     (["parallel.pp=2", "parallel.chunks=0"], "parallel.chunks: must be >= 1, got 0"),
-    (["parallel.tp=4"], "parallel.tp: tensor slicing is not available yet: set parallel.tp = 1, got 4"),
     (["parallel.dp=0"], "parallel.dp: must be >= 1, or -1 for the ranks the others leave, got 0"),
     (["parallel.pp=-1"], "parallel.pp: -1 means 'the rest', but so does parallel.dp; dp takes the rest by default"),
     (["parallel.dp=1", "parallel.pp=-1", "parallel.tp=-1"], "parallel.tp: -1 means 'the rest', but so does "
@@ -136,8 +135,14 @@ def test_parameter_server_rank_checks(ranks, overrides, message):
 
 @pytest.mark.parametrize("ranks,overrides,message", [
     (4, ["parallel.dp=2"], "parallel.dp: dp x pp x tp = 2 x 1 x 1 = 2, but there are the 4 ranks of this job"),
-    (2, ["parallel.dp=1", "parallel.tp=-1"], "parallel.tp: -1 gives 2 here, but tensor slicing is not "
-                                             "available yet"),
+    (2, ["parallel.dp=1", "parallel.tp=-1"], "parallel.tp: tensor slicing cuts a transformer's layers; model.name "
+                                             "is 'lenet'"),
+    (3, ["parallel.tp=3", "model.name=gpt", "data.name=shakespeare"], "parallel.tp: the 4 attention heads "
+                                                                      "(model.n_head) do not split over 3"),
+    (4, ["parallel.tp=2", "parallel.pp=2", "model.name=gpt", "data.name=shakespeare"],
+     "parallel.tp: tensor slicing does not combine with pipeline stages"),
+    (4, ["parallel.tp=2", "parallel.sync=zero1", "model.name=gpt", "data.name=shakespeare"],
+     "parallel.sync: 'zero1' does not combine with tensor slicing (parallel.tp = 2) yet"),
     (2, ["parallel.schedule=gpipe"], "parallel.schedule: applies to pipeline runs (parallel.pp > 1); this one has "
                                      "pp = 1"),
     (4, ["parallel.pp=2", "parallel.sync=zero1"], "parallel.sync: 'zero1' does not combine with pipeline stages "
@@ -178,8 +183,8 @@ def test_the_grid_resolves_the_rest_and_the_old_spelling_still_reads():
 
 
 def test_the_rest_of_a_grid_with_pipeline_and_tensor_axes(monkeypatch):
-    """How -1 resolves once tp is available too (today it is refused above 1)."""
-    monkeypatch.setattr(config, "NOT_YET", {})
+    """How -1 resolves with all three axes (the combinations not built yet refused after)."""
+    monkeypatch.setattr(config, "_check_tensor", lambda cfg, sizes: None)
     cfg = config.from_dict({"train": {"steps": 1, "global_batch_size": 12}}, ["parallel.pp=2", "parallel.tp=2"])
     assert config.check_ranks(cfg, 8) == (2, 2, 2)
     with pytest.raises(config.ConfigError, match=re.escape("parallel.dp: -1 takes the ranks the others leave, but "

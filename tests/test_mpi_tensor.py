@@ -145,3 +145,59 @@ def test_a_block_sends_its_formula_in_bytes():
     t = comm.size
     assert comm.stats.bytes_sent - before == pytest.approx(4 * 2 * (t - 1) / t * B * T * 16 * 4)
     comm.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_trainer_on_sliced_layers_equals_one_process_and_its_checkpoints_cross_over():
+    """``mpitrain train`` with tp = all ranks (float64, dropout, clipping) reaches the
+    parameters and validation loss of one process; its step-6 checkpoint (the whole
+    model, written slice by slice) resumed on one process ends where it ended, and the
+    one process's resumed on the sliced ranks ends where the one process ended; with 4
+    ranks, dp 2 x tp 2 as well."""
+    import shutil
+
+    from test_checkpoint import assert_close
+    from test_mpi_data import shared_data
+    from test_mpi_pipeline import gpt_cfg, text_set
+
+    from mpitrain import checkpoint
+    from mpitrain import train as trainer
+    from mpitrain.comm import SingleComm
+
+    comm = world()
+    if 4 % comm.size:
+        pytest.skip("4 heads over the ranks")
+    d = shared_data(comm, make=text_set)
+    root = d.parent
+    quiet = lambda *a: None  # noqa: E731
+    four = ("model.n_head=4", "model.bias=true")
+    sliced = trainer.train(gpt_cfg(d, root / "tp", f"parallel.tp={comm.size}", *four), log=quiet, comm=comm)
+    mine = root / f"tp-one-{comm.rank}"
+    one = trainer.train(gpt_cfg(d, mine, *four), log=quiet, comm=SingleComm())
+    assert sliced.val_loss == pytest.approx(one.val_loss, rel=1e-12)
+    assert_close(checkpoint.path_for(mine, 12), checkpoint.path_for(root / "tp", 12), rtol=1e-10, floor=1e-6)
+    resumed = root / f"tp-resumed-{comm.rank}"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copy(checkpoint.path_for(root / "tp", 6), resumed / "checkpoints")
+    trainer.train(gpt_cfg(d, resumed, *four), log=quiet, comm=SingleComm(), resume=True)
+    assert_close(checkpoint.path_for(root / "tp", 12), checkpoint.path_for(resumed, 12), rtol=1e-10, floor=1e-6)
+    (root / "tp-back" / "checkpoints").mkdir(parents=True, exist_ok=True)
+    if comm.rank == 0:
+        shutil.copy(checkpoint.path_for(mine, 6), root / "tp-back" / "checkpoints")
+    comm.barrier()
+    trainer.train(gpt_cfg(d, root / "tp-back", f"parallel.tp={comm.size}", *four), log=quiet, comm=comm,
+                  resume=True)
+    assert_close(checkpoint.path_for(mine, 12), checkpoint.path_for(root / "tp-back", 12), rtol=1e-10, floor=1e-6)
+    # the sliced run's checkpoint, resumed data-parallel on all ranks
+    (root / "tp-dp" / "checkpoints").mkdir(parents=True, exist_ok=True)
+    if comm.rank == 0:
+        shutil.copy(checkpoint.path_for(root / "tp", 6), root / "tp-dp" / "checkpoints")
+    comm.barrier()
+    trainer.train(gpt_cfg(d, root / "tp-dp", *four), log=quiet, comm=comm, resume=True)
+    assert_close(checkpoint.path_for(root / "tp", 12), checkpoint.path_for(root / "tp-dp", 12), rtol=1e-10,
+                 floor=1e-6)
+    if comm.size == 4:
+        grid = trainer.train(gpt_cfg(d, root / "dp-tp", "parallel.tp=2", *four), log=quiet, comm=comm)
+        assert grid.val_loss == pytest.approx(one.val_loss, rel=1e-12)
+        assert_close(checkpoint.path_for(mine, 12), checkpoint.path_for(root / "dp-tp", 12), rtol=1e-10,
+                     floor=1e-6)

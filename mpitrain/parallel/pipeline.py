@@ -371,6 +371,15 @@ class PipelineStage(Module):
         self.comm.waitall([req for req, _ in box.sends])
         return out if self.rank == self.last % self.p else None
 
+    def loss_only(self, x, y):
+        """The mean loss of ``(x, y)`` through the pipeline (evaluation): on the rank of the
+        last stage; None elsewhere."""
+        out = self.forward_only(x)
+        if out is None:
+            return None
+        with no_grad():
+            return self.loss(out, y)
+
     def _record(self, a: Action, start: float, waited: float) -> None:
         if self.trace is None:
             return

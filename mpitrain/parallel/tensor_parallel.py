@@ -45,6 +45,7 @@ from __future__ import annotations
 import numpy as np
 
 from mpitrain import ops
+from mpitrain.comm import replicas
 from mpitrain.nn import Module
 from mpitrain.nn.models import GPT, CausalSelfAttention
 from mpitrain.tensor import Function, Parameter, Tensor, as_tensor
@@ -283,6 +284,24 @@ def vocab_parallel_cross_entropy(logits, targets, lo: int, comm) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- the swap
+def parts(cfg, t: int, r: int) -> dict:
+    """Rank ``r``'s part of each sliced parameter of a GPT of config ``cfg`` over ``t``
+    ranks, by name: the index of its slice in the whole array (the rest are whole)."""
+    C, nh = cfg.n_embd, cfg.n_head
+    hs, local = C // nh, nh // t
+    cols = np.arange(r * local * hs, (r + 1) * local * hs)  # this rank's heads' columns of q (or k, or v)
+    qkv = np.concatenate([cols, C + cols, 2 * C + cols])
+    hidden = np.arange(*shard(4 * C, t, r))
+    out = {"embed.wte.weight": (slice(*shard(cfg.vocab_size, t, r)),)}
+    for i in range(cfg.n_layer):
+        b = f"blocks.{i}"
+        out.update({f"{b}.attn.c_attn.weight": (slice(None), qkv), f"{b}.attn.c_proj.weight": (cols,),
+                    f"{b}.mlp.c_fc.weight": (slice(None), hidden), f"{b}.mlp.c_proj.weight": (hidden,)})
+        if cfg.bias:
+            out.update({f"{b}.attn.c_attn.bias": (qkv,), f"{b}.mlp.c_fc.bias": (hidden,)})
+    return out
+
+
 def slice_gpt(model: GPT, tp_comm) -> GPT:
     """Replace ``model``'s layers by sliced ones over ``tp_comm``, in place: every rank
     keeps its slice of the weights the seed gave the whole model (call it right after
@@ -326,3 +345,92 @@ def grad_norm(model: Module, tp_comm) -> float:
             mine[0] += float(np.dot(g, g))
     tp_comm.allreduce(mine)
     return float(np.sqrt(mine[0]))
+
+
+# ----------------------------------------------------------------------------- the sync
+class TensorParallelSync:
+    """The gradient sync of a sliced model (a :class:`~mpitrain.train.sync.GradSync`):
+    ``inner`` synchronises this rank's slices with their replicas over ``dp_comm`` (ddp
+    or local); clipping takes the whole model's norm (:func:`grad_norm`), and the digest
+    is the whole model's, gathered from the slices (``shapes``: each parameter's whole
+    shape, by name)."""
+
+    def __init__(self, inner, model: Module, tp_comm, shapes: dict):
+        self.inner, self.model, self.comm, self.shapes = inner, model, tp_comm, shapes
+
+    @property
+    def on_comm(self):
+        return self.inner.on_comm
+
+    @on_comm.setter
+    def on_comm(self, fn) -> None:
+        self.inner.on_comm = fn
+
+    def begin_step(self) -> bool:
+        return self.inner.begin_step()
+
+    def no_sync(self):
+        return self.inner.no_sync()
+
+    def finish(self) -> None:
+        self.inner.finish()
+
+    def step(self, lr: float | None, grad_clip: float) -> None:
+        if grad_clip > 0:
+            norm = grad_norm(self.model, self.comm)
+            if np.isfinite(norm) and norm > grad_clip:
+                for q in self.model.parameters():
+                    q.grad *= grad_clip / (norm + 1e-6)
+        self.inner.step(lr, 0.0)
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+    def sync_buffers(self) -> None:
+        self.inner.sync_buffers()
+
+    def check_replicas(self) -> str:
+        """Check the slices' replicas; the SHA-256 of the whole model's parameters in its
+        order, as one process computes it (collective over ``tp_comm``)."""
+        self.inner.check_replicas()
+        cfg, t = self.model.config, self.comm.size
+        everyone = [parts(cfg, t, r) for r in range(t)]
+        arrays = []
+        for name, q in self.model.named_parameters():
+            if name not in everyone[0]:
+                arrays.append(q.data)
+                continue
+            whole = np.empty(self.shapes[name], dtype=q.dtype)
+            counts = [whole[p[name]].size for p in everyone]
+            flat = np.empty(sum(counts), dtype=q.dtype)  # every rank's slice, end to end
+            at = sum(counts[: self.comm.rank])
+            flat[at : at + q.size] = q.data.reshape(-1)
+            self.comm.allgather_array(flat, counts)
+            for r, p in enumerate(everyone):
+                start = sum(counts[:r])
+                whole[p[name]] = flat[start : start + counts[r]].reshape(whole[p[name]].shape)
+            arrays.append(whole)
+        return replicas.digest(arrays)
+
+    def state_pieces(self, offsets):
+        return self.inner.state_pieces(offsets)
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.inner.bytes_sent + self.comm.stats.bytes_sent
+
+    def comm_seconds(self) -> tuple[float, float]:
+        """(exposed, total): the replicas' exchange and the slices' collectives (which
+        the layers wait for: all exposed)."""
+        exposed, total = self.inner.comm_seconds()
+        return exposed + self.comm.stats.seconds, total + self.comm.stats.seconds
+
+    def describe(self) -> tuple[str, dict[str, str]]:
+        line, waits = self.inner.describe()
+        cfg, t = self.model.config, self.comm.size
+        return (f"tensor parallel over {t} ranks: {cfg.n_head // t} of {cfg.n_head} heads and about "
+                f"{4 * cfg.n_embd // t} of {4 * cfg.n_embd} hidden units and 1/{t} of the vocabulary per rank; "
+                f"replicas: {line}"), waits
+
+    def close(self) -> None:
+        self.inner.close()

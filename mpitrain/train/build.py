@@ -25,10 +25,12 @@ from mpitrain.comm.grid import ProcessGrid
 from mpitrain.config import Config, ConfigError, check_against_data
 from mpitrain.data import DataError, Dataset, ShardReader, open_dataset
 from mpitrain.data.loader import normalize
+from mpitrain.parallel import tensor_parallel
 from mpitrain.parallel.data_parallel import DataParallel
 from mpitrain.parallel.local import LocalSync
 from mpitrain.parallel.param_server import ParameterServer
 from mpitrain.parallel.pipeline import PipelineStage, PipelineSync
+from mpitrain.parallel.tensor_parallel import TensorParallelSync
 from mpitrain.parallel.zero import Zero1
 from mpitrain.tensor import default_dtype
 from mpitrain.train import schedule
@@ -73,6 +75,8 @@ class Role:
     whole: bool = True  # this rank holds the whole model (it can sample text at the end)
     trace_to: Callable = lambda trace: None  # hands the schedule's recorder trace(name, category, track, start, end)
     bubble: Callable = lambda: 0.0  # seconds this rank has waited inside its schedule for other stages
+    text_loss: Callable | None = None  # evaluation: (x, y) -> mean loss, None where it ends elsewhere (None: model's)
+    parts: dict = field(default_factory=dict)  # name -> this rank's slice of a parameter sliced over ranks
 
     def close(self) -> None:
         for close in self.closers:
@@ -119,7 +123,7 @@ def build_run(cfg: Config, world, grid: tuple[int, int, int], log) -> Run:
         data.close()
         raise
     return Run(cfg, world, data, role.model, role.optimizer, role, train_reader(cfg, data, *role.lane), total, lr,
-               layout)
+               layout.with_parts(role.parts))
 
 
 def _replica_role(cfg: Config, world, grid, model, opt, data, layout) -> Role:
@@ -129,10 +133,29 @@ def _replica_role(cfg: Config, world, grid, model, opt, data, layout) -> Role:
     name = "local" if cfg.parallel.sync == "ddp" and g.dp_size == 1 else cfg.parallel.sync
     if g.pp_size > 1:
         return _pipeline_role(cfg, world, grid, g, model, name, data, layout)
+    if g.tp_size > 1:
+        return _tensor_role(cfg, world, grid, g, model, name, layout)
     sync = SYNCS[name](cfg, model, opt, g.dp_comm)
     run_schedule = schedule.whole_model(model, data.kind == "text", cfg.train.micro_batches)
     return Role(sync, model, opt, run_schedule, loop_comm=world, leads=world.rank == 0, lane=(g.dp_rank, g.dp_size),
                 ranks=world.size, layout=_shape(grid), end=sync.sync_buffers, closers=[sync.close, g.free])
+
+
+def _tensor_role(cfg: Config, world, grid, g: ProcessGrid, model, sync_name: str, layout) -> Role:
+    """This rank keeps its slices of every block, of the vocabulary and of the head
+    (:func:`~mpitrain.parallel.tensor_parallel.slice_gpt` over ``tp_comm``), with an
+    optimizer of its own; the slices' replicas synchronise over ``dp_comm``. The ranks
+    of a tensor-parallel group read the same batches (their lane) and compute the same
+    loss."""
+    tensor_parallel.slice_gpt(model, g.tp_comm)
+    opt = build_optimizer(cfg, model)
+    shapes = {name: shape for name, (shape, _) in layout.arrays.items()}
+    sync = TensorParallelSync(SYNCS[sync_name](cfg, model, opt, g.dp_comm), model, g.tp_comm, shapes)
+    run_schedule = schedule.whole_model(model, True, cfg.train.micro_batches)
+    return Role(sync, model, opt, run_schedule, loop_comm=world, leads=world.rank == 0, lane=(g.dp_rank, g.dp_size),
+                ranks=world.size, layout=_shape(grid), end=sync.sync_buffers, closers=[sync.close, g.free],
+                eval_lane=(g.dp_rank, g.dp_size), whole=False,
+                parts=tensor_parallel.parts(model.config, g.tp_size, g.tp_rank))
 
 
 def _pipeline_role(cfg: Config, world, grid, g: ProcessGrid, model, sync_name: str, data, layout) -> Role:
@@ -152,7 +175,8 @@ def _pipeline_role(cfg: Config, world, grid, g: ProcessGrid, model, sync_name: s
     return Role(sync, stage, opt, stage.run, loop_comm=world, leads=world.rank == 0, lane=(g.dp_rank, g.dp_size),
                 ranks=world.size, layout=_shape(grid), end=sync.sync_buffers, closers=[sync.close, g.free],
                 loss_ranks=g.dp_size, forward=stage.forward_only, eval_lane=(g.dp_rank, g.dp_size), whole=False,
-                trace_to=lambda trace: setattr(stage, "trace", trace), bubble=lambda: stage.waited)
+                trace_to=lambda trace: setattr(stage, "trace", trace), bubble=lambda: stage.waited,
+                text_loss=stage.loss_only)
 
 
 def _ps_role(cfg: Config, world, grid, model, opt, lr, total, data) -> Role:

@@ -4,9 +4,11 @@ Images: accuracy and mean loss over the whole test split. Text: the mean loss pe
 over the validation windows (all of them, or the first ``train.eval_batches`` global
 batches), read at a fixed stride of the context length, deterministically.
 
-The model's output comes from ``role.forward`` where a role sets one (a pipeline: the
-batch goes through the stages, and only the last one's rank scores it), and the data is
-shared by ``role.eval_lane`` (a pipeline's lanes; otherwise the communicator's ranks).
+The model's output (images) or loss (text) comes from ``role.forward`` or
+``role.text_loss`` where a role sets one (a pipeline: the batch goes through the stages,
+and only the last one's rank scores it), and the data is shared by ``role.eval_lane`` (a
+pipeline's lanes; otherwise the communicator's ranks). A sliced model (tensor parallel)
+computes its loss itself, on every rank of its group.
 """
 
 from __future__ import annotations
@@ -25,14 +27,14 @@ def score(run, comm, step: int, result, metrics, log) -> None:
     """Score ``run.model`` over ``comm`` (collective), print the figure and record it in
     ``result`` and the metrics file."""
     model, data, cfg, role = run.model, run.data, run.cfg, run.role
-    forward = role.forward or model
     lane = role.eval_lane or (comm.rank, comm.size)
     model.eval()
     try:
         if data.kind == "text":
-            result.val_loss = evaluate_text(forward, data, cfg, comm, lane)
+            loss_of = role.text_loss or (lambda x, y: model(x, y)[1])
+            result.val_loss = evaluate_text(loss_of, data, cfg, comm, lane)
         else:
-            result.test_accuracy, result.test_loss = evaluate_images(forward, data, cfg, comm, lane)
+            result.test_accuracy, result.test_loss = evaluate_images(role.forward or model, data, cfg, comm, lane)
     finally:
         model.train()
     if data.kind == "text":
@@ -65,12 +67,12 @@ def evaluate_images(forward, data: Dataset, cfg, comm, lane: tuple) -> tuple[flo
     return sums[0] / sums[2], sums[1] / sums[2]
 
 
-def evaluate_text(forward, data: Dataset, cfg, comm, lane: tuple) -> float:
+def evaluate_text(loss_of, data: Dataset, cfg, comm, lane: tuple) -> float:
     """Mean loss per token over the validation windows (all of them, or the first
     ``train.eval_batches`` global batches). A global batch is the training one, rounded
     up to a multiple of the lanes (parameter servers evaluate too: more ranks than the
-    batch was divided for). ``forward(x)``: the logits, or None on a rank that does not
-    end the model."""
+    batch was divided for). ``loss_of(x, y)``: the mean loss, or None on a rank that
+    does not end the model (a pipeline's other stages)."""
     B = -(-cfg.train.global_batch_size // lane[1]) * lane[1]
     reader = ShardReader(data.split("val"), rank=lane[0], size=lane[1],
                          global_batch=B, seed=cfg.train.seed, shuffle=False,
@@ -81,13 +83,8 @@ def evaluate_text(forward, data: Dataset, cfg, comm, lane: tuple) -> float:
         for batch in reader.epoch(0):
             if batch.step >= limit:
                 break
-            if len(batch.x) and (logits := _logits(forward(batch.x))) is not None:
-                total += ops.cross_entropy(logits, batch.y).item() * len(batch.x)
+            if len(batch.x) and (loss := loss_of(batch.x, batch.y)) is not None:
+                total += loss.item() * len(batch.x)
                 n += len(batch.x)
     sums = np.sum(comm.allgather((total, n)), axis=0)
     return sums[0] / sums[1]
-
-
-def _logits(out):
-    """A GPT returns (logits, loss); a pipeline's last stage the logits; others None."""
-    return out[0] if isinstance(out, tuple) else out

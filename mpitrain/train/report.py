@@ -137,7 +137,7 @@ def finish(run, result: Result, times: tuple, figures: dict, out: Outputs, log) 
         if world.size > 1 and run.role.whole:
             log(f"replicas identical on all {world.size} ranks (parameters sha256 {digest[:16]})")
         elif world.size > 1:
-            log(f"each stage's replicas identical; the whole model's parameters, gathered from the stages: "
+            log(f"the parts' replicas identical; the whole model's parameters, gathered from its parts: "
                 f"sha256 {digest[:16]}")
         for line in lines:
             log(line)
@@ -146,7 +146,7 @@ def finish(run, result: Result, times: tuple, figures: dict, out: Outputs, log) 
             result.sample = sample_text(run)
             log("sample:\n" + result.sample)
         else:
-            log("sample: none (the model is cut into pipeline stages; sample from the final checkpoint with pp = 1)")
+            log("sample: none (the model is cut over ranks; sample from the final checkpoint on one process)")
     return _totals(run, result, figures, rows, out, log)
 
 
