@@ -1,5 +1,5 @@
 """The ``mpitrain`` command: ``train``, ``report``, ``data build | verify | info``,
-``bench step | io | allreduce | ddp | ps | pipeline``.
+``bench step | io | allreduce | ddp | ps | pipeline | tensor``.
 
 Commands that may run under ``mpiexec`` (``train``, ``bench io``) start MPI through
 :func:`mpitrain.comm.world`. Errors about the input (config, data) are raised on every
@@ -170,6 +170,13 @@ def _bench_pipeline(args) -> int:
     return 0
 
 
+def _bench_tensor(args) -> int:
+    from mpitrain.bench import tensor
+
+    tensor.run(rounds=args.rounds, batch=args.batch)
+    return 0
+
+
 def _bench_step(args) -> int:
     from mpitrain.bench import step
 
@@ -285,6 +292,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="values of m (default 2 4 8)")
     p.add_argument("--batch", type=_positive, default=64, help="global batch (default 64)")
     p.set_defaults(run=_bench_pipeline)
+
+    p = benches.add_parser("tensor", help="transformer blocks sliced over the ranks vs. one rank: step, "
+                                          "allreduce time and bytes per block vs. the formula, activation memory "
+                                          "(run under mpiexec -n 2)",
+                           description="Time the forward and backward of GPT blocks on one rank and sliced over "
+                                       "all ranks (Megatron's tensor parallelism); print the speed-up, the "
+                                       "allreduces' seconds and bytes per block against 8 (P-1)/P B T C itemsize, "
+                                       "and the activations each rank holds.")
+    p.add_argument("--rounds", type=_positive, default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--batch", type=_positive, default=8, help="batch (default 8)")
+    p.set_defaults(run=_bench_tensor)
 
     p = commands.add_parser("report", help="plots and a summary of finished runs",
                             description="Draw PNG plots (loss, time per rank, throughput) and a text summary "

@@ -75,3 +75,18 @@ def test_bench_pipeline_measures_every_schedule(monkeypatch):
     if world().rank == 0:
         assert any("meas/formula" in line for line in lines)
         assert any(f"m={2 * p}: stage 0 holds" in line for line in lines)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bench_tensor_measures_both_variants():
+    from mpitrain.bench import tensor
+
+    if 4 % world().size:
+        pytest.skip("4 heads over the ranks")
+    lines = []
+    f = tensor.run(rounds=1, steps=1, batch=2, n_blocks=1, n_embd=16, n_head=4, seq=8, log=lines.append)
+    assert f["one_ms"] > 0 and f["tp_ms"] > 0 and f["allreduce_ms_per_block"] > 0
+    assert f["bytes_per_block"] == pytest.approx(f["formula_bytes_per_block"])
+    assert len(f["held_mb"]) == world().size and f["held_whole_mb"] > 0
+    if world().rank == 0:
+        assert any("speed-up" in line for line in lines)

@@ -131,14 +131,8 @@ def test_a_block_sends_its_formula_in_bytes():
     comm = world().dup()
     if 4 % comm.size:
         pytest.skip("4 heads over the ranks")
-    block = nn.models.Block(nn.GPTConfig(vocab_size=13, block_size=T, n_layer=1, n_head=4, n_embd=16))
-    sliced = nn.models.Block.__new__(nn.models.Block)
-    nn.Module.__init__(sliced)
-    sliced.ln_1, sliced.ln_2, sliced.mlp = block.ln_1, block.ln_2, block.mlp
-    sliced.attn = tp.ParallelSelfAttention(block.attn, comm)
-    h = np.arange(*tp.shard(64, comm.size, comm.rank))
-    sliced.mlp.c_fc = tp.ColumnParallelLinear.from_linear(block.mlp.c_fc, comm, h)
-    sliced.mlp.c_proj = tp.RowParallelLinear.from_linear(block.mlp.c_proj, comm, h)
+    sliced = tp.slice_block(nn.models.Block(nn.GPTConfig(vocab_size=13, block_size=T, n_layer=1, n_head=4,
+                                                         n_embd=16)), comm)
     x = Tensor(np.random.default_rng(0).standard_normal((B, T, 16)).astype(np.float32), requires_grad=True)
     before = comm.stats.bytes_sent
     sliced(x).sum().backward()

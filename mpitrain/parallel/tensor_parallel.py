@@ -302,6 +302,16 @@ def parts(cfg, t: int, r: int) -> dict:
     return out
 
 
+def slice_block(block, tp_comm):
+    """A transformer block's attention by heads and its MLP by hidden units, in place."""
+    block.attn = ParallelSelfAttention(block.attn, tp_comm)
+    width = block.mlp.c_fc.weight.shape[1]
+    hidden = np.arange(*shard(width, tp_comm.size, tp_comm.rank))
+    block.mlp.c_fc = ColumnParallelLinear.from_linear(block.mlp.c_fc, tp_comm, hidden)
+    block.mlp.c_proj = RowParallelLinear.from_linear(block.mlp.c_proj, tp_comm, hidden)
+    return block
+
+
 def slice_gpt(model: GPT, tp_comm) -> GPT:
     """Replace ``model``'s layers by sliced ones over ``tp_comm``, in place: every rank
     keeps its slice of the weights the seed gave the whole model (call it right after
@@ -310,11 +320,8 @@ def slice_gpt(model: GPT, tp_comm) -> GPT:
     cfg = model.config
     if cfg.n_head % t:
         raise ValueError(f"{cfg.n_head} attention heads do not split over {t} tensor-parallel ranks")
-    hidden = np.arange(*shard(4 * cfg.n_embd, t, r))
     for block in model.blocks:
-        block.attn = ParallelSelfAttention(block.attn, tp_comm)
-        block.mlp.c_fc = ColumnParallelLinear.from_linear(block.mlp.c_fc, tp_comm, hidden)
-        block.mlp.c_proj = RowParallelLinear.from_linear(block.mlp.c_proj, tp_comm, hidden)
+        slice_block(block, tp_comm)
     lo, hi = shard(cfg.vocab_size, t, r)
     wte = Parameter(np.array(model.embed.wte.weight.data[lo:hi], copy=True))  # (V / t, C), tied
     model.embed.wte = VocabParallelEmbedding(wte, lo, tp_comm)

@@ -1,0 +1,121 @@
+"""``mpitrain bench tensor``: transformer blocks sliced over the ranks against one rank.
+
+Run under ``mpiexec -n 2`` (one rank per core). A stack of GPT blocks (the plain path)
+runs forward and backward on random activations of ``(B, T, C)``, in rounds that
+alternate the two variants so both see the same machine:
+
+* **1 rank**: rank 0 alone with the whole blocks (the others wait);
+* **tp = P**: every rank with its slices (:func:`~mpitrain.parallel.tensor_parallel.slice_block`:
+  ``n_head / P`` heads and ``4C / P`` hidden units each), four allreduces per block.
+
+Printed, medians over rounds: each variant's step and the speed-up; per block and step,
+the seconds inside the allreduces and the bytes each rank sent, against the formula
+``8 (P-1)/P x B T C x itemsize`` (two allreduces forward, two backward, a ring sending
+``2 (P-1)/P`` of the array); and the activation memory each rank holds at the end of the
+forward (the Python heap above its level before, ``tracemalloc``, in separate untimed
+runs): the slices divide what lies between the two matrices of each sublayer (q, k, v,
+the attention scores, the MLP's hidden units) by ``P``, while the block's input, the
+layer norms' outputs and the residual branches stay whole on every rank.
+"""
+
+from __future__ import annotations
+
+import time
+import tracemalloc
+
+import numpy as np
+
+from mpitrain import rng
+from mpitrain.comm import world
+from mpitrain.nn import GPTConfig
+from mpitrain.nn.models import Block
+from mpitrain.parallel.tensor_parallel import slice_block
+from mpitrain.runtime import limit_blas_threads, tune_allocator
+from mpitrain.tensor import Tensor
+
+
+def _blocks(cfg: GPTConfig, n: int, comm=None) -> list:
+    rng.manual_seed(0)
+    blocks = [Block(cfg) for _ in range(n)]
+    return blocks if comm is None else [slice_block(b, comm) for b in blocks]
+
+
+def _step(blocks, x: np.ndarray) -> None:
+    h = Tensor(x, requires_grad=True)
+    for b in blocks:
+        h = b(h)
+    h.mean().backward()
+    for b in blocks:
+        for q in b.parameters():
+            q.grad = None
+
+
+def _held(blocks, x: np.ndarray) -> int:
+    """Bytes held at the end of one forward (its graph alive), above the heap before it."""
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    h = Tensor(x, requires_grad=True)
+    for b in blocks:
+        h = b(h)
+    held = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    del h
+    return held
+
+
+def run(rounds: int = 5, steps: int = 3, batch: int = 8, n_blocks: int = 4, n_embd: int = 256, n_head: int = 8,
+        seq: int = 128, log=print) -> dict:
+    tune_allocator()
+    comm = world()
+    tp = comm.dup()
+    P = tp.size
+    cfg = GPTConfig(vocab_size=2, block_size=seq, n_layer=n_blocks, n_head=n_head, n_embd=n_embd)
+    x = np.random.default_rng(0).standard_normal((batch, seq, n_embd)).astype(np.float32)  # (B, T, C)
+    whole, sliced = _blocks(cfg, n_blocks), _blocks(cfg, n_blocks, tp)
+    one, parts, comm_s, sent = [], [], [], []
+    with limit_blas_threads(1):
+        for r in range(rounds + 1):  # round 0 warms up
+            comm.barrier()
+            tick = time.perf_counter()
+            if comm.rank == 0:
+                for _ in range(steps):
+                    _step(whole, x)
+            seconds = (time.perf_counter() - tick) / steps
+            comm.sleeping_barrier()
+            seconds_before, bytes_before = tp.stats.seconds, tp.stats.bytes_sent
+            comm.barrier()
+            tick = time.perf_counter()
+            for _ in range(steps):
+                _step(sliced, x)
+            together = max(comm.allgather((time.perf_counter() - tick) / steps))
+            if r:
+                one.append(seconds)
+                parts.append(together)
+                comm_s.append((tp.stats.seconds - seconds_before) / steps / n_blocks)
+                sent.append((tp.stats.bytes_sent - bytes_before) / steps / n_blocks)
+        held_whole = _held(whole, x) if comm.rank == 0 else 0
+        held_sliced = _held(sliced, x)
+    held = comm.allgather(held_sliced)
+    figures = {"one_ms": 1e3 * float(np.median(comm.bcast(one))), "tp_ms": 1e3 * float(np.median(parts)),
+               "allreduce_ms_per_block": 1e3 * float(np.median(comm_s)),
+               "bytes_per_block": float(np.median(sent)),
+               "formula_bytes_per_block": 8 * (P - 1) / P * batch * seq * n_embd * x.itemsize,
+               "held_whole_mb": comm.bcast(held_whole) / 1e6, "held_mb": [h / 1e6 for h in held]}
+    if comm.rank == 0:
+        log(_table(figures, P, cfg, batch, rounds))
+    tp.free()
+    return figures
+
+
+def _table(f: dict, P: int, cfg: GPTConfig, batch: int, rounds: int) -> str:
+    held = " ".join(f"{h:.1f}" for h in f["held_mb"])
+    return "\n".join([
+        f"mpitrain bench tensor: {cfg.n_layer} GPT blocks (C={cfg.n_embd}, {cfg.n_head} heads, T={cfg.block_size}), "
+        f"batch {batch}, forward + backward; medians of {rounds} rounds; 1 BLAS thread per rank",
+        f"  1 rank            {f['one_ms']:8.1f} ms/step",
+        f"  tp = {P}            {f['tp_ms']:8.1f} ms/step   speed-up x{f['one_ms'] / f['tp_ms']:.2f}",
+        f"  per block, step:  allreduces {f['allreduce_ms_per_block']:.2f} ms; sent {f['bytes_per_block'] / 1e6:.3f} MB "
+        f"per rank, formula 8 (P-1)/P B T C itemsize = {f['formula_bytes_per_block'] / 1e6:.3f} MB "
+        f"(x{f['bytes_per_block'] / f['formula_bytes_per_block']:.3f})",
+        f"  activations held after forward: 1 rank {f['held_whole_mb']:.1f} MB; tp = {P}, per rank: {held} MB "
+        f"(x{f['held_mb'][0] / f['held_whole_mb']:.3f} of one rank's)"])
