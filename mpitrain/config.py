@@ -513,8 +513,6 @@ def _check_tensor(cfg: Config, sizes: dict) -> None:
     if cfg.model.n_head % tp:
         raise ConfigError(f"parallel.tp: the {cfg.model.n_head} attention heads (model.n_head) do not split over "
                           f"{tp} tensor-parallel ranks")
-    if sizes["pp"] > 1:
-        raise ConfigError("parallel.tp: tensor slicing does not combine with pipeline stages (parallel.pp > 1) yet")
     if par.sync not in ("ddp", "local"):
         raise ConfigError(f"parallel.sync: {par.sync!r} does not combine with tensor slicing (parallel.tp = {tp}) "
                           "yet; use 'ddp' or 'local'")

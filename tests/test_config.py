@@ -139,8 +139,6 @@ def test_parameter_server_rank_checks(ranks, overrides, message):
                                              "is 'lenet'"),
     (3, ["parallel.tp=3", "model.name=gpt", "data.name=shakespeare"], "parallel.tp: the 4 attention heads "
                                                                       "(model.n_head) do not split over 3"),
-    (4, ["parallel.tp=2", "parallel.pp=2", "model.name=gpt", "data.name=shakespeare"],
-     "parallel.tp: tensor slicing does not combine with pipeline stages"),
     (4, ["parallel.tp=2", "parallel.sync=zero1", "model.name=gpt", "data.name=shakespeare"],
      "parallel.sync: 'zero1' does not combine with tensor slicing (parallel.tp = 2) yet"),
     (2, ["parallel.schedule=gpipe"], "parallel.schedule: applies to pipeline runs (parallel.pp > 1); this one has "

@@ -191,7 +191,36 @@ def test_the_trainer_on_sliced_layers_equals_one_process_and_its_checkpoints_cro
     assert_close(checkpoint.path_for(root / "tp", 12), checkpoint.path_for(root / "tp-dp", 12), rtol=1e-10,
                  floor=1e-6)
     if comm.size == 4:
-        grid = trainer.train(gpt_cfg(d, root / "dp-tp", "parallel.tp=2", *four), log=quiet, comm=comm)
-        assert grid.val_loss == pytest.approx(one.val_loss, rel=1e-12)
-        assert_close(checkpoint.path_for(mine, 12), checkpoint.path_for(root / "dp-tp", 12), rtol=1e-10,
-                     floor=1e-6)
+        for name, layout in [("dp-tp", ("parallel.tp=2",)),
+                             ("pp-tp", ("parallel.tp=2", "parallel.pp=2", "train.micro_batches=4")),
+                             ("pp-tp-zb", ("parallel.tp=2", "parallel.pp=2", "train.micro_batches=4",
+                                           "parallel.schedule=zb-h1"))]:
+            grid = trainer.train(gpt_cfg(d, root / name, *layout, *four), log=quiet, comm=comm)
+            assert grid.val_loss == pytest.approx(one.val_loss, rel=1e-12), name
+            assert_close(checkpoint.path_for(mine, 12), checkpoint.path_for(root / name, 12), rtol=1e-10,
+                         floor=1e-6)
+
+
+@pytest.mark.mpi(min_size=8)
+def test_data_pipeline_and_tensor_axes_together_equal_one_process():
+    """dp 2 x pp 2 x tp 2 on 8 ranks (oversubscribed here: correctness only), through the
+    trainer: one process's validation loss and parameters."""
+    from test_checkpoint import assert_close
+    from test_mpi_data import shared_data
+    from test_mpi_pipeline import gpt_cfg, text_set
+
+    from mpitrain import checkpoint
+    from mpitrain import train as trainer
+    from mpitrain.comm import SingleComm
+
+    comm = world()
+    if comm.size != 8:
+        pytest.skip("the 2 x 2 x 2 grid")
+    d = shared_data(comm, make=text_set)
+    four = ("model.n_head=4", "model.bias=true")
+    grid = trainer.train(gpt_cfg(d, d.parent / "cube", "parallel.tp=2", "parallel.pp=2", "train.micro_batches=4",
+                                 *four), log=lambda *a: None, comm=comm)
+    mine = d.parent / f"cube-one-{comm.rank}"
+    one = trainer.train(gpt_cfg(d, mine, *four), log=lambda *a: None, comm=SingleComm())
+    assert grid.val_loss == pytest.approx(one.val_loss, rel=1e-12)
+    assert_close(checkpoint.path_for(mine, 12), checkpoint.path_for(d.parent / "cube", 12), rtol=1e-10, floor=1e-6)

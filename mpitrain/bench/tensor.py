@@ -114,8 +114,8 @@ def _table(f: dict, P: int, cfg: GPTConfig, batch: int, rounds: int) -> str:
         f"batch {batch}, forward + backward; medians of {rounds} rounds; 1 BLAS thread per rank",
         f"  1 rank            {f['one_ms']:8.1f} ms/step",
         f"  tp = {P}            {f['tp_ms']:8.1f} ms/step   speed-up x{f['one_ms'] / f['tp_ms']:.2f}",
-        f"  per block, step:  allreduces {f['allreduce_ms_per_block']:.2f} ms; sent {f['bytes_per_block'] / 1e6:.3f} MB "
-        f"per rank, formula 8 (P-1)/P B T C itemsize = {f['formula_bytes_per_block'] / 1e6:.3f} MB "
-        f"(x{f['bytes_per_block'] / f['formula_bytes_per_block']:.3f})",
+        f"  per block, step:  allreduces {f['allreduce_ms_per_block']:.2f} ms; "
+        f"sent {f['bytes_per_block'] / 1e6:.3f} MB per rank, formula 8 (P-1)/P B T C itemsize = "
+        f"{f['formula_bytes_per_block'] / 1e6:.3f} MB (x{f['bytes_per_block'] / f['formula_bytes_per_block']:.3f})",
         f"  activations held after forward: 1 rank {f['held_whole_mb']:.1f} MB; tp = {P}, per rank: {held} MB "
         f"(x{f['held_mb'][0] / f['held_whole_mb']:.3f} of one rank's)"])

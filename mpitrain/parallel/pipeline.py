@@ -184,12 +184,15 @@ class PipelineStage(Module):
     by two ranks (tied) too."""
 
     def __init__(self, model: Module, pp_comm, example, loss, *, schedule_name: str = "1f1b",
-                 micro_batches: int = 1, chunks: int = 1):
+                 micro_batches: int = 1, chunks: int = 1, sizes: list | None = None, whole=None):
         super().__init__()
         p, rank = pp_comm.size, pp_comm.rank
         named = model.named_layers()
         layers = [m for _, m in named]
-        self.sizes = [sum(q.size for q in layer.parameters()) for layer in layers]
+        # the cut follows the whole model's parameter counts, the same on every rank of a sliced model
+        self.sizes = sizes or [sum(q.size for q in layer.parameters()) for layer in layers]
+        # a model sliced over ranks: whole(name, this rank's array) -> the whole parameter, whole.shapes[name]
+        self.whole = whole
         example = np.asarray(example)
         _agree(pp_comm, {"schedule": schedule_name, "micro-batches": micro_batches, "chunks": chunks,
                          "layers": self.sizes, "input": (example.shape, str(example.dtype))})
@@ -215,6 +218,8 @@ class PipelineStage(Module):
         self.ties = _tie_groups(layers, self.bounds, p, pp_comm)  # [(params, comm)] held by several ranks
         # the whole model's parameters in its order: (name, size, dtype, the rank that speaks for it)
         self.catalog = [(n, q.size, q.dtype, self.owner[id(q)]) for n, q in model.named_parameters()]
+        if whole is not None:  # sliced: the sizes of the whole parameters, which digest() gathers
+            self.catalog = [(n, math.prod(whole.shapes[n]), d, o) for n, _, d, o in self.catalog]
         self.actions = schedule(schedule_name, p, micro_batches, rank, chunks)
         self.last_use = {(a.mb, a.chunk): i for i, a in enumerate(self.actions)}  # each box's last action
         # the backwards that run outside no_sync: each chunk's last that makes weight gradients, so that a
@@ -402,16 +407,20 @@ class PipelineStage(Module):
             for q in params:
                 comm.allreduce(q.grad)
 
-    def grad_norm(self) -> float:
+    def grad_norm(self, counted=None, across=None) -> float:
         """The whole model's gradient L2 norm: each stage's sum of squares (a tied weight
-        counted on its first stage only), summed over ``pp_comm``."""
+        counted on its first stage only), summed over ``pp_comm``; a sliced model's: only
+        the parameters ``counted(q)`` says this rank speaks for, summed over ``across``
+        too (its slices' ranks)."""
         mine = np.zeros(1)
         for q in self.parameters():
-            if self.owner[id(q)] == self.rank and q.grad is not None:
+            if self.owner[id(q)] == self.rank and q.grad is not None and (counted is None or counted(q)):
                 g = q.grad.reshape(-1)
                 mine[0] += float(np.dot(g, g))
         if self.p > 1:
             self.comm.allreduce(mine)
+        if across is not None:
+            across.allreduce(mine)
         return math.sqrt(mine[0])
 
     def digest(self) -> str:
@@ -423,7 +432,7 @@ class PipelineStage(Module):
         at = sum(counts[: self.rank])
         for n, size, _, o in self.catalog:
             if o == self.rank:
-                flat[at : at + size] = mine[n].data.reshape(-1)
+                flat[at : at + size] = (mine[n].data if self.whole is None else self.whole(n, mine[n].data)).reshape(-1)
                 at += size
         if self.p > 1:
             self.comm.allgather_array(flat, counts)
@@ -499,10 +508,12 @@ class PipelineSync:
     norm is the whole model's, and a checkpoint's pieces are placed in the whole model's
     layout (``order``: the whole optimizer's parameter names, in its order)."""
 
-    def __init__(self, inner, stage: PipelineStage, order: list[str]):
+    def __init__(self, inner, stage: PipelineStage, order: list[str], counted=None, across=None):
         self.inner, self.stage = inner, stage
         self.index = {name: i for i, name in enumerate(order)}
         self.tie_seconds = 0.0
+        # a stage of a model sliced over ``across`` (tensor parallel): the norm counts what counted(q) says
+        self.counted, self.across = counted, across
 
     @property
     def on_comm(self):
@@ -528,7 +539,7 @@ class PipelineSync:
         """Clip by the whole model's gradient norm (one allreduce over ``pp_comm``), then
         the replicas' update."""
         if grad_clip > 0:
-            norm = self.stage.grad_norm()
+            norm = self.stage.grad_norm(self.counted, self.across)
             if math.isfinite(norm) and norm > grad_clip:
                 for q in self.stage.parameters():
                     q.grad *= grad_clip / (norm + 1e-6)
@@ -559,13 +570,15 @@ class PipelineSync:
     @property
     def bytes_sent(self) -> int:
         ties = sum(comm.stats.bytes_sent for _, comm in self.stage.ties)
-        return self.inner.bytes_sent + self.stage.comm.stats.bytes_sent + ties
+        sliced = 0 if self.across is None else self.across.stats.bytes_sent
+        return self.inner.bytes_sent + self.stage.comm.stats.bytes_sent + ties + sliced
 
     def comm_seconds(self) -> tuple[float, float]:
         """(exposed, total): the replicas' exchange and the tied weights' sum (the waits
         for neighbours are the bubble: ``stage.waited``)."""
         exposed, total = self.inner.comm_seconds()
-        return exposed + self.tie_seconds, total + self.tie_seconds
+        extra = self.tie_seconds + (0.0 if self.across is None else self.across.stats.seconds)
+        return exposed + extra, total + extra
 
     def describe(self) -> tuple[str, dict[str, str]]:
         s = self.stage

@@ -354,16 +354,46 @@ def grad_norm(model: Module, tp_comm) -> float:
     return float(np.sqrt(mine[0]))
 
 
+def whole_array(name: str, mine: np.ndarray, cfg, tp_comm, shapes: dict) -> np.ndarray:
+    """The whole parameter ``name`` of a GPT of config ``cfg`` sliced over ``tp_comm``,
+    from this rank's part ``mine`` (collective for a sliced one; ``shapes``: whole shapes
+    by name)."""
+    t = tp_comm.size
+    everyone = [parts(cfg, t, r) for r in range(t)]
+    if name not in everyone[0]:
+        return mine
+    whole = np.empty(shapes[name], dtype=mine.dtype)
+    counts = [whole[p[name]].size for p in everyone]
+    flat = np.empty(sum(counts), dtype=mine.dtype)  # every rank's slice, end to end
+    at = sum(counts[: tp_comm.rank])
+    flat[at : at + mine.size] = mine.reshape(-1)
+    tp_comm.allgather_array(flat, counts)
+    for r, p in enumerate(everyone):
+        start = sum(counts[:r])
+        whole[p[name]] = flat[start : start + counts[r]].reshape(whole[p[name]].shape)
+    return whole
+
+
+class Wholes:
+    """``wholes(name, mine)``: the whole parameter from this rank's part (collective over
+    ``tp_comm`` for a sliced one); ``shapes``: the whole shapes by name."""
+
+    def __init__(self, cfg, tp_comm, shapes: dict):
+        self.cfg, self.comm, self.shapes = cfg, tp_comm, shapes
+
+    def __call__(self, name: str, mine: np.ndarray) -> np.ndarray:
+        return whole_array(name, mine, self.cfg, self.comm, self.shapes)
+
+
 # ----------------------------------------------------------------------------- the sync
 class TensorParallelSync:
     """The gradient sync of a sliced model (a :class:`~mpitrain.train.sync.GradSync`):
     ``inner`` synchronises this rank's slices with their replicas over ``dp_comm`` (ddp
     or local); clipping takes the whole model's norm (:func:`grad_norm`), and the digest
-    is the whole model's, gathered from the slices (``shapes``: each parameter's whole
-    shape, by name)."""
+    is the whole model's, gathered from the slices (``wholes``)."""
 
-    def __init__(self, inner, model: Module, tp_comm, shapes: dict):
-        self.inner, self.model, self.comm, self.shapes = inner, model, tp_comm, shapes
+    def __init__(self, inner, model: Module, tp_comm, wholes: Wholes):
+        self.inner, self.model, self.comm, self.wholes = inner, model, tp_comm, wholes
 
     @property
     def on_comm(self):
@@ -400,24 +430,7 @@ class TensorParallelSync:
         """Check the slices' replicas; the SHA-256 of the whole model's parameters in its
         order, as one process computes it (collective over ``tp_comm``)."""
         self.inner.check_replicas()
-        cfg, t = self.model.config, self.comm.size
-        everyone = [parts(cfg, t, r) for r in range(t)]
-        arrays = []
-        for name, q in self.model.named_parameters():
-            if name not in everyone[0]:
-                arrays.append(q.data)
-                continue
-            whole = np.empty(self.shapes[name], dtype=q.dtype)
-            counts = [whole[p[name]].size for p in everyone]
-            flat = np.empty(sum(counts), dtype=q.dtype)  # every rank's slice, end to end
-            at = sum(counts[: self.comm.rank])
-            flat[at : at + q.size] = q.data.reshape(-1)
-            self.comm.allgather_array(flat, counts)
-            for r, p in enumerate(everyone):
-                start = sum(counts[:r])
-                whole[p[name]] = flat[start : start + counts[r]].reshape(whole[p[name]].shape)
-            arrays.append(whole)
-        return replicas.digest(arrays)
+        return replicas.digest([self.wholes(n, q.data) for n, q in self.model.named_parameters()])
 
     def state_pieces(self, offsets):
         return self.inner.state_pieces(offsets)

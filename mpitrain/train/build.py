@@ -149,8 +149,8 @@ def _tensor_role(cfg: Config, world, grid, g: ProcessGrid, model, sync_name: str
     loss."""
     tensor_parallel.slice_gpt(model, g.tp_comm)
     opt = build_optimizer(cfg, model)
-    shapes = {name: shape for name, (shape, _) in layout.arrays.items()}
-    sync = TensorParallelSync(SYNCS[sync_name](cfg, model, opt, g.dp_comm), model, g.tp_comm, shapes)
+    wholes = tensor_parallel.Wholes(model.config, g.tp_comm, {n: s for n, (s, _) in layout.arrays.items()})
+    sync = TensorParallelSync(SYNCS[sync_name](cfg, model, opt, g.dp_comm), model, g.tp_comm, wholes)
     run_schedule = schedule.whole_model(model, True, cfg.train.micro_batches)
     return Role(sync, model, opt, run_schedule, loop_comm=world, leads=world.rank == 0, lane=(g.dp_rank, g.dp_size),
                 ranks=world.size, layout=_shape(grid), end=sync.sync_buffers, closers=[sync.close, g.free],
@@ -164,19 +164,29 @@ def _pipeline_role(cfg: Config, world, grid, g: ProcessGrid, model, sync_name: s
     ``dp_comm``. Every stage of a lane reads the lane's batches (the first needs the
     inputs, the last the targets); the last stages' losses are the step's."""
     par, t = cfg.parallel, cfg.train
+    sizes = [sum(q.size for q in layer.parameters()) for _, layer in model.named_layers()]  # cut the whole model
+    wholes, parts, counted, across = None, {}, None, None
+    if g.tp_size > 1:  # the layers sliced first, then the stage cut from them
+        tensor_parallel.slice_gpt(model, g.tp_comm)
+        wholes = tensor_parallel.Wholes(model.config, g.tp_comm, {n: s for n, (s, _) in layout.arrays.items()})
+        parts = tensor_parallel.parts(model.config, g.tp_size, g.tp_rank)
+        sliced = tensor_parallel.sliced_parameters(model)
+        counted, across = (lambda q: id(q) in sliced or g.tp_rank == 0), g.tp_comm
+    loss = model.head.loss if cfg.model.name == "gpt" else ops.cross_entropy  # a sliced head's loss is its own
     try:
-        stage = PipelineStage(model, g.pp_comm, example_input(cfg, data), ops.cross_entropy,
-                              schedule_name=par.schedule, micro_batches=t.micro_batches, chunks=par.chunks)
+        stage = PipelineStage(model, g.pp_comm, example_input(cfg, data), loss, schedule_name=par.schedule,
+                              micro_batches=t.micro_batches, chunks=par.chunks, sizes=sizes, whole=wholes)
     except ValueError as e:
         g.free()
         raise ConfigError(f"{'parallel.chunks' if par.chunks > 1 else 'parallel.pp'}: {e}") from None
     opt = build_optimizer(cfg, stage)
-    sync = PipelineSync(SYNCS[sync_name](cfg, stage, opt, g.dp_comm), stage, [n for n, _ in layout.params])
+    sync = PipelineSync(SYNCS[sync_name](cfg, stage, opt, g.dp_comm), stage, [n for n, _ in layout.params],
+                        counted, across)
     return Role(sync, stage, opt, stage.run, loop_comm=world, leads=world.rank == 0, lane=(g.dp_rank, g.dp_size),
                 ranks=world.size, layout=_shape(grid), end=sync.sync_buffers, closers=[sync.close, g.free],
-                loss_ranks=g.dp_size, forward=stage.forward_only, eval_lane=(g.dp_rank, g.dp_size), whole=False,
-                trace_to=lambda trace: setattr(stage, "trace", trace), bubble=lambda: stage.waited,
-                text_loss=stage.loss_only)
+                loss_ranks=g.dp_size * g.tp_size, forward=stage.forward_only, eval_lane=(g.dp_rank, g.dp_size),
+                whole=False, trace_to=lambda trace: setattr(stage, "trace", trace), bubble=lambda: stage.waited,
+                text_loss=stage.loss_only, parts=parts)
 
 
 def _ps_role(cfg: Config, world, grid, model, opt, lr, total, data) -> Role:
