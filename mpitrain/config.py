@@ -76,7 +76,7 @@ OPTIM_FIELDS = {
     "adamw": _OPTIM_COMMON | {"betas", "eps"},
 }
 TEXT_ONLY_TRAIN_FIELDS = {"eval_batches", "sample_tokens"}
-_PARALLEL_COMMON = {"dp", "pp", "tp", "sync", "thread_level", "schedule", "chunks"}
+_PARALLEL_COMMON = {"dp", "pp", "tp", "sync", "thread_level", "schedule", "chunks", "sequence_parallel"}
 PARALLEL_FIELDS = {  # by parallel.sync
     "ddp": _PARALLEL_COMMON | {"allreduce", "bucket_mb", "progress"},
     "zero1": _PARALLEL_COMMON | {"allreduce"},
@@ -137,6 +137,7 @@ class ParallelConfig:
     tp: int = 1  # tensor slices
     schedule: str = "1f1b"  # pp > 1: the pipeline schedule: gpipe | 1f1b | interleaved | zb-h1
     chunks: int = 1  # pp > 1, schedule = "interleaved": model chunks per rank (virtual stages)
+    sequence_parallel: bool = False  # tp > 1: layer norms and dropout on slices of the sequence (Korthikanti et al.)
     sync: str = "ddp"  # how the dp ranks' gradients become one update: ddp | zero1 | local | ps (a role split)
     allreduce: str = "mpi"  # mpi: MPI's own collectives | ring: mpitrain's ring
     bucket_mb: float = 4.0  # ddp: gradient bucket size (an allreduce starts per full bucket)
@@ -506,6 +507,9 @@ def _check_tensor(cfg: Config, sizes: dict) -> None:
     """Tensor slicing: the GPT's, its heads over the ranks; what it does not combine with yet."""
     tp, par = sizes["tp"], cfg.parallel
     if tp == 1:
+        if par.sequence_parallel:
+            raise ConfigError("parallel.sequence_parallel: slices the sequence over tensor-parallel ranks; this run "
+                              "has parallel.tp = 1")
         return
     if cfg.model.name != "gpt":
         raise ConfigError(f"parallel.tp: tensor slicing cuts a transformer's layers; model.name is "
@@ -518,6 +522,11 @@ def _check_tensor(cfg: Config, sizes: dict) -> None:
                           "yet; use 'ddp' or 'local'")
     if cfg.model.checkpoint_activations:
         raise ConfigError("model.checkpoint_activations: not available with tensor slicing yet (parallel.tp > 1)")
+    if par.sequence_parallel and cfg.model.block_size % tp:
+        raise ConfigError(f"parallel.sequence_parallel: model.block_size {cfg.model.block_size} does not split over "
+                          f"{tp} tensor-parallel ranks")
+    if par.sequence_parallel and sizes["pp"] > 1:
+        raise ConfigError("parallel.sequence_parallel: does not combine with pipeline stages (parallel.pp > 1) yet")
 
 
 def _check_batch(cfg: Config, dp: int, ranks: str, who: str) -> None:

@@ -179,11 +179,38 @@ def restore(snap) -> None:
 
 
 # ------------------------------------------------------------------------ masks
+_rows: tuple | None = None  # (lo, hi, total): the masks drawn are rows lo..hi of axis 1 of masks of `total` rows
+
+
+@contextlib.contextmanager
+def rows(lo: int, hi: int, total: int):
+    """Masks drawn inside are rows ``lo .. hi`` (axis 1, the sequence) of the masks of
+    ``total`` rows one process draws: a rank that holds a slice of the sequence
+    (sequence parallelism) drops what one process drops there."""
+    global _rows
+    outer, _rows = _rows, (lo, hi, total)
+    try:
+        yield
+    finally:
+        _rows = outer
+
+
 def dropout_mask(gen: np.random.Generator | None, shape: tuple, p: float, dtype) -> np.ndarray:
     """Inverted-dropout mask: 0 with probability p, else 1/(1-p) (expected value 1).
 
     ``gen`` None: from the per-sample streams inside :func:`sample_streams`, else from
-    the process-wide generator. A generator given is drawn from, always."""
+    the process-wide generator. A generator given is drawn from, always. Inside
+    :func:`rows`, the rows of the whole mask."""
+    if _rows is not None:
+        lo, hi, total = _rows
+        if len(shape) < 2 or shape[1] != hi - lo:
+            raise ValueError(f"dropout mask of shape {tuple(shape)} inside rng.rows({lo}, {hi}, {total})")
+        whole = _draw(gen, (shape[0], total, *shape[2:]), p, dtype)
+        return np.ascontiguousarray(whole[:, lo:hi])
+    return _draw(gen, shape, p, dtype)
+
+
+def _draw(gen, shape: tuple, p: float, dtype) -> np.ndarray:
     if gen is None:
         if _streams is not None:
             return _sample_mask(_streams, shape, p, dtype)

@@ -141,6 +141,10 @@ def test_parameter_server_rank_checks(ranks, overrides, message):
                                                                       "(model.n_head) do not split over 3"),
     (4, ["parallel.tp=2", "parallel.sync=zero1", "model.name=gpt", "data.name=shakespeare"],
      "parallel.sync: 'zero1' does not combine with tensor slicing (parallel.tp = 2) yet"),
+    (2, ["parallel.sequence_parallel=true"], "parallel.sequence_parallel: slices the sequence over tensor-parallel "
+                                             "ranks; this run has parallel.tp = 1"),
+    (4, ["parallel.tp=4", "parallel.sequence_parallel=true", "model.name=gpt", "data.name=shakespeare",
+         "model.block_size=30"], "parallel.sequence_parallel: model.block_size 30 does not split over 4"),
     (2, ["parallel.schedule=gpipe"], "parallel.schedule: applies to pipeline runs (parallel.pp > 1); this one has "
                                      "pp = 1"),
     (4, ["parallel.pp=2", "parallel.sync=zero1"], "parallel.sync: 'zero1' does not combine with pipeline stages "

@@ -36,11 +36,13 @@ def adamw(model):
     return optim.AdamW(optim.decay_groups(model.named_parameters(), 0.1), 3e-3)
 
 
-def train(model, comm=None, clip=CLIP, vocab=13):
+def train(model, comm=None, clip=CLIP, vocab=13, sequence=False):
     opt = adamw(model)
     for step, (x, y) in enumerate(batches(vocab)):
         with rng.sample_streams(SEED, step, np.arange(B)):
             model(x, y)[1].backward()
+        if sequence:
+            tp.sum_replicated_grads(model, comm)
         if comm is None:
             optim.clip_grad_norm(model.parameters(), clip)
         else:
@@ -59,12 +61,12 @@ def slices_of(whole: nn.GPT, comm) -> dict:
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("vocab", [13, 16])  # 13: an uneven cut of the vocabulary
-def test_a_sliced_gpt_trains_as_one_process(vocab):
+@pytest.mark.parametrize("vocab,sequence", [(13, False), (16, False), (13, True)])  # 13: an uneven cut
+def test_a_sliced_gpt_trains_as_one_process(vocab, sequence):
     comm = world().dup()
     if 4 % comm.size:
         pytest.skip("4 heads over the ranks")
-    mine = train(tp.slice_gpt(gpt(vocab), comm), comm, vocab=vocab)
+    mine = train(tp.slice_gpt(gpt(vocab), comm, sequence), comm, vocab=vocab, sequence=sequence)
     ref = slices_of(train(gpt(vocab), vocab=vocab), comm)
     got = {n: q.data for n, q in mine.named_parameters()}
     assert got.keys() == ref.keys()
@@ -126,17 +128,20 @@ def test_each_operator_is_the_adjoint_of_its_backward(op):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_block_sends_its_formula_in_bytes():
-    """Per block and step, 4 allreduces of (b, T, C): 2 forward (g), 2 backward (f)."""
+@pytest.mark.parametrize("sequence", [False, True])
+def test_a_block_sends_its_formula_in_bytes(sequence):
+    """Per block and step, 4 allreduces of (b, T, C): 2 forward (g), 2 backward (f); with
+    sequence parallelism a reduce-scatter and an allgather in place of each, the same bytes."""
     comm = world().dup()
     if 4 % comm.size:
         pytest.skip("4 heads over the ranks")
     sliced = tp.slice_block(nn.models.Block(nn.GPTConfig(vocab_size=13, block_size=T, n_layer=1, n_head=4,
-                                                         n_embd=16)), comm)
-    x = Tensor(np.random.default_rng(0).standard_normal((B, T, 16)).astype(np.float32), requires_grad=True)
+                                                         n_embd=16)), comm, sequence)
+    t = comm.size
+    x = Tensor(np.random.default_rng(0).standard_normal((B, T // t if sequence else T, 16)).astype(np.float32),
+               requires_grad=True)
     before = comm.stats.bytes_sent
     sliced(x).sum().backward()
-    t = comm.size
     assert comm.stats.bytes_sent - before == pytest.approx(4 * 2 * (t - 1) / t * B * T * 16 * 4)
     comm.free()
 
@@ -182,6 +187,11 @@ def test_the_trainer_on_sliced_layers_equals_one_process_and_its_checkpoints_cro
     trainer.train(gpt_cfg(d, root / "tp-back", f"parallel.tp={comm.size}", *four), log=quiet, comm=comm,
                   resume=True)
     assert_close(checkpoint.path_for(mine, 12), checkpoint.path_for(root / "tp-back", 12), rtol=1e-10, floor=1e-6)
+    # sequence parallelism: the same run with the layer norms and dropout on slices of the sequence
+    seq = trainer.train(gpt_cfg(d, root / "tp-sp", f"parallel.tp={comm.size}", "parallel.sequence_parallel=true",
+                                *four), log=quiet, comm=comm)
+    assert seq.val_loss == pytest.approx(one.val_loss, rel=1e-12)
+    assert_close(checkpoint.path_for(mine, 12), checkpoint.path_for(root / "tp-sp", 12), rtol=1e-10, floor=1e-6)
     # the sliced run's checkpoint, resumed data-parallel on all ranks
     (root / "tp-dp" / "checkpoints").mkdir(parents=True, exist_ok=True)
     if comm.rank == 0:

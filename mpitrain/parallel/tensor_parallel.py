@@ -42,12 +42,14 @@ serial training.)
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
-from mpitrain import ops
+from mpitrain import ops, rng
 from mpitrain.comm import replicas
 from mpitrain.nn import Module
-from mpitrain.nn.models import GPT, CausalSelfAttention
+from mpitrain.nn.models import GPT, MLP, CausalSelfAttention, GPTEmbedding
 from mpitrain.tensor import Function, Parameter, Tensor, as_tensor
 
 
@@ -151,42 +153,47 @@ def gather_sequence(x, comm) -> Tensor:
 
 # ----------------------------------------------------------------------------- layers
 class ColumnParallelLinear(Module):
-    """``y[:, cols] = f(x) @ W[:, cols] + b[cols]``: this rank's output features ``cols``."""
+    """``y[:, cols] = f(x) @ W[:, cols] + b[cols]``: this rank's output features ``cols``.
+    With ``sequence``, ``x`` is this rank's slice of the sequence and ``f`` the allgather
+    of the slices (sequence parallelism)."""
 
-    def __init__(self, weight: np.ndarray, bias: np.ndarray | None, comm):
+    def __init__(self, weight: np.ndarray, bias: np.ndarray | None, comm, sequence: bool = False):
         super().__init__()
         self.weight = Parameter(np.ascontiguousarray(weight))  # (in, out / t)
         self.bias = None if bias is None else Parameter(np.ascontiguousarray(bias))
-        self.comm = comm
+        self.comm, self.sequence = comm, sequence
 
     @classmethod
-    def from_linear(cls, linear, comm, cols: np.ndarray) -> "ColumnParallelLinear":
+    def from_linear(cls, linear, comm, cols: np.ndarray, sequence: bool = False) -> "ColumnParallelLinear":
         """This rank's columns ``cols`` of a whole ``Linear``, copied."""
         bias = None if linear.bias is None else linear.bias.data[cols]
-        return cls(linear.weight.data[:, cols], bias, comm)
+        return cls(linear.weight.data[:, cols], bias, comm, sequence)
 
     def forward(self, x):
-        return ops.linear(copy_to(x, self.comm), self.weight, self.bias)
+        whole = gather_sequence(x, self.comm) if self.sequence else copy_to(x, self.comm)  # (B, T, in)
+        return ops.linear(whole, self.weight, self.bias)
 
 
 class RowParallelLinear(Module):
     """``y = g(x[:, rows] @ W[rows, :]) + b``: this rank's input features ``rows`` (the
     output of a column-parallel layer); the bias, whole on every rank, is added once,
-    after the sum."""
+    after the sum. With ``sequence``, ``g`` is the reduce-scatter: ``y`` is this rank's
+    slice of the sequence."""
 
-    def __init__(self, weight: np.ndarray, bias: np.ndarray | None, comm):
+    def __init__(self, weight: np.ndarray, bias: np.ndarray | None, comm, sequence: bool = False):
         super().__init__()
         self.weight = Parameter(np.ascontiguousarray(weight))  # (in / t, out)
         self.bias = None if bias is None else Parameter(np.array(bias, copy=True))
-        self.comm = comm
+        self.comm, self.sequence = comm, sequence
 
     @classmethod
-    def from_linear(cls, linear, comm, rows: np.ndarray) -> "RowParallelLinear":
+    def from_linear(cls, linear, comm, rows: np.ndarray, sequence: bool = False) -> "RowParallelLinear":
         bias = None if linear.bias is None else linear.bias.data
-        return cls(linear.weight.data[rows], bias, comm)
+        return cls(linear.weight.data[rows], bias, comm, sequence)
 
     def forward(self, x):
-        y = reduce_from(ops.matmul(x, self.weight), self.comm)
+        part = ops.matmul(x, self.weight)  # (B, T, out), this rank's share of the sum
+        y = scatter_sequence(part, self.comm) if self.sequence else reduce_from(part, self.comm)
         return y if self.bias is None else y + self.bias
 
 
@@ -195,7 +202,7 @@ class ParallelSelfAttention(CausalSelfAttention):
     (their q, k and v columns of the packed weight), ``c_proj`` row-parallel (their rows);
     the attention dropout mask is theirs of the whole layer's (``heads``)."""
 
-    def __init__(self, whole: CausalSelfAttention, comm):
+    def __init__(self, whole: CausalSelfAttention, comm, sequence: bool = False):
         Module.__init__(self)  # the whole layer's weights are sliced, not drawn again
         t, r = comm.size, comm.rank
         C = whole.c_attn.weight.shape[0]
@@ -206,42 +213,88 @@ class ParallelSelfAttention(CausalSelfAttention):
         cols = np.arange(r * local * hs, (r + 1) * local * hs)  # this rank's heads' columns of q (or k, or v)
         self.n_head, self.heads, self.dropout = local, (r * local, nh), whole.dropout
         qkv = np.concatenate([cols, C + cols, 2 * C + cols])  # q, k and v alike, from the packed weight
-        self.c_attn = ColumnParallelLinear.from_linear(whole.c_attn, comm, qkv)
-        self.c_proj = RowParallelLinear.from_linear(whole.c_proj, comm, cols)
-        self.resid_dropout = whole.resid_dropout
+        self.c_attn = ColumnParallelLinear.from_linear(whole.c_attn, comm, qkv, sequence)
+        self.c_proj = RowParallelLinear.from_linear(whole.c_proj, comm, cols, sequence)
+        self.resid_dropout, self.comm, self.sequence = whole.resid_dropout, comm, sequence
 
     def forward(self, x):
         qkv = self.c_attn(x)  # (B, T, 3C / t)
         p = self.dropout if self.training else 0.0
         y = ops.causal_self_attention(qkv, self.n_head, dropout_p=p, heads=self.heads)  # (B, T, C / t)
-        return self.resid_dropout(self.c_proj(y))
+        with _sequence_rows(y.shape[1], self.comm) if self.sequence else contextlib.nullcontext():
+            return self.resid_dropout(self.c_proj(y))  # (B, T / t, C) with sequence parallelism
+
+
+class ParallelMLP(MLP):
+    """An MLP's hidden units sliced: ``c_fc`` column-parallel, ``c_proj`` row-parallel."""
+
+    def __init__(self, whole: MLP, comm, sequence: bool = False):
+        Module.__init__(self)
+        hidden = np.arange(*shard(whole.c_fc.weight.shape[1], comm.size, comm.rank))
+        self.c_fc = ColumnParallelLinear.from_linear(whole.c_fc, comm, hidden, sequence)
+        self.c_proj = RowParallelLinear.from_linear(whole.c_proj, comm, hidden, sequence)
+        self.dropout, self.comm, self.sequence = whole.dropout, comm, sequence
+
+    def forward(self, x):
+        h = ops.gelu(self.c_fc(x))  # (B, T, 4C / t)
+        with _sequence_rows(h.shape[1], self.comm) if self.sequence else contextlib.nullcontext():
+            return self.dropout(self.c_proj(h))
+
+
+def _sequence_rows(T: int, comm):
+    """Dropout on this rank's slice of a sequence of ``T``: its rows of one process's masks."""
+    if T % comm.size:
+        raise ValueError(f"sequence parallelism: a sequence of {T} does not split over {comm.size} ranks")
+    n = T // comm.size
+    return rng.rows(comm.rank * n, (comm.rank + 1) * n, T)
 
 
 class VocabParallelEmbedding(Module):
     """Rows ``lo .. hi`` of the token embedding: each rank looks up the ids it holds (the
-    others give zeros), and ``g`` sums the ranks' parts into every id's vector."""
+    others give zeros), and ``g`` sums the ranks' parts into every id's vector (with
+    ``sequence``, the reduce-scatter: this rank's slice of the sequence)."""
 
-    def __init__(self, weight: Parameter, lo: int, comm):
+    def __init__(self, weight: Parameter, lo: int, comm, sequence: bool = False):
         super().__init__()
-        self.weight, self.lo, self.comm = weight, lo, comm  # (V / t, C)
+        self.weight, self.lo, self.comm, self.sequence = weight, lo, comm, sequence  # (V / t, C)
 
     def forward(self, ids):
         ids = np.asarray(ids)
         mine = (ids >= self.lo) & (ids < self.lo + self.weight.shape[0])  # (B, T)
         rows = ops.embedding(np.where(mine, ids - self.lo, 0), self.weight)  # (B, T, C)
-        return reduce_from(rows * mine[..., None].astype(self.weight.dtype), self.comm)
+        part = rows * mine[..., None].astype(self.weight.dtype)
+        return scatter_sequence(part, self.comm) if self.sequence else reduce_from(part, self.comm)
+
+
+class SequenceParallelEmbedding(GPTEmbedding):
+    """The GPT's embedding on this rank's slice of the sequence: the token rows summed
+    over ranks and scattered, its rows of the position embedding added, its rows of one
+    process's dropout mask."""
+
+    def __init__(self, whole: GPTEmbedding, wte: VocabParallelEmbedding):
+        Module.__init__(self)
+        self.block_size, self.wte, self.wpe, self.drop = whole.block_size, wte, whole.wpe, whole.drop
+
+    def forward(self, ids):
+        T, comm = np.shape(ids)[-1], self.wte.comm
+        x = self.wte(ids)  # (B, T / t, C)
+        n = x.shape[1]
+        with _sequence_rows(T, comm):
+            return self.drop(x + self.wpe.weight[comm.rank * n : (comm.rank + 1) * n])
 
 
 class VocabParallelHead(Module):
     """The final layer norm and this rank's slice of the logits, ``f(ln_f(x)) @ wte_r^T``
     (the embedding's rows, tied); the loss is taken on the slices."""
 
-    def __init__(self, ln_f, wte: Parameter, lo: int, comm):
+    def __init__(self, ln_f, wte: Parameter, lo: int, comm, sequence: bool = False):
         super().__init__()
-        self.ln_f, self.wte, self.lo, self.comm = ln_f, wte, lo, comm
+        self.ln_f, self.wte, self.lo, self.comm, self.sequence = ln_f, wte, lo, comm, sequence
 
     def forward(self, x):
-        return ops.linear(copy_to(self.ln_f(x), self.comm), ops.transpose(self.wte))  # (B, T, V / t)
+        h = self.ln_f(x)  # (B, T / t, C) with sequence parallelism
+        whole = gather_sequence(h, self.comm) if self.sequence else copy_to(h, self.comm)  # (B, T, C)
+        return ops.linear(whole, ops.transpose(self.wte))  # (B, T, V / t)
 
     def loss(self, logits, targets):
         return vocab_parallel_cross_entropy(logits, targets, self.lo, self.comm)
@@ -302,17 +355,16 @@ def parts(cfg, t: int, r: int) -> dict:
     return out
 
 
-def slice_block(block, tp_comm):
-    """A transformer block's attention by heads and its MLP by hidden units, in place."""
-    block.attn = ParallelSelfAttention(block.attn, tp_comm)
-    width = block.mlp.c_fc.weight.shape[1]
-    hidden = np.arange(*shard(width, tp_comm.size, tp_comm.rank))
-    block.mlp.c_fc = ColumnParallelLinear.from_linear(block.mlp.c_fc, tp_comm, hidden)
-    block.mlp.c_proj = RowParallelLinear.from_linear(block.mlp.c_proj, tp_comm, hidden)
+def slice_block(block, tp_comm, sequence: bool = False):
+    """A transformer block's attention by heads and its MLP by hidden units, in place;
+    with ``sequence``, the block takes and gives this rank's slice of the sequence (its
+    layer norms, residual adds and dropout on the slice)."""
+    block.attn = ParallelSelfAttention(block.attn, tp_comm, sequence)
+    block.mlp = ParallelMLP(block.mlp, tp_comm, sequence)
     return block
 
 
-def slice_gpt(model: GPT, tp_comm) -> GPT:
+def slice_gpt(model: GPT, tp_comm, sequence: bool = False) -> GPT:
     """Replace ``model``'s layers by sliced ones over ``tp_comm``, in place: every rank
     keeps its slice of the weights the seed gave the whole model (call it right after
     building, before anything wraps the model). Needs ``n_head`` divisible by the ranks."""
@@ -320,13 +372,27 @@ def slice_gpt(model: GPT, tp_comm) -> GPT:
     cfg = model.config
     if cfg.n_head % t:
         raise ValueError(f"{cfg.n_head} attention heads do not split over {t} tensor-parallel ranks")
+    if sequence and cfg.block_size % t:
+        raise ValueError(f"sequence parallelism: block_size {cfg.block_size} does not split over {t} ranks")
     for block in model.blocks:
-        slice_block(block, tp_comm)
+        slice_block(block, tp_comm, sequence)
     lo, hi = shard(cfg.vocab_size, t, r)
     wte = Parameter(np.array(model.embed.wte.weight.data[lo:hi], copy=True))  # (V / t, C), tied
-    model.embed.wte = VocabParallelEmbedding(wte, lo, tp_comm)
-    model.head = VocabParallelHead(model.head.ln_f, wte, lo, tp_comm)
+    model.embed.wte = VocabParallelEmbedding(wte, lo, tp_comm, sequence)
+    if sequence:
+        model.embed = SequenceParallelEmbedding(model.embed, model.embed.wte)
+    model.head = VocabParallelHead(model.head.ln_f, wte, lo, tp_comm, sequence)
     return model
+
+
+def sum_replicated_grads(model: Module, tp_comm) -> None:
+    """With sequence parallelism each rank's gradient of a whole (replicated) weight (the
+    layer norms, the row-parallel biases, the position embedding) comes from its slice of
+    the sequence: the sum over ranks is the whole gradient, the same everywhere."""
+    sliced = sliced_parameters(model)
+    for q in model.parameters():
+        if id(q) not in sliced and q.grad is not None:
+            tp_comm.allreduce(q.grad)
 
 
 # ----------------------------------------------------------------------------- the norm
@@ -392,8 +458,8 @@ class TensorParallelSync:
     or local); clipping takes the whole model's norm (:func:`grad_norm`), and the digest
     is the whole model's, gathered from the slices (``wholes``)."""
 
-    def __init__(self, inner, model: Module, tp_comm, wholes: Wholes):
-        self.inner, self.model, self.comm, self.wholes = inner, model, tp_comm, wholes
+    def __init__(self, inner, model: Module, tp_comm, wholes: Wholes, sequence: bool = False):
+        self.inner, self.model, self.comm, self.wholes, self.sequence = inner, model, tp_comm, wholes, sequence
 
     @property
     def on_comm(self):
@@ -410,7 +476,11 @@ class TensorParallelSync:
         return self.inner.no_sync()
 
     def finish(self) -> None:
+        """The replicas' exchange; with sequence parallelism, then the sum over the slices'
+        ranks of each whole weight's gradient (:func:`sum_replicated_grads`)."""
         self.inner.finish()
+        if self.sequence:
+            sum_replicated_grads(self.model, self.comm)
 
     def step(self, lr: float | None, grad_clip: float) -> None:
         if grad_clip > 0:
@@ -448,7 +518,8 @@ class TensorParallelSync:
     def describe(self) -> tuple[str, dict[str, str]]:
         line, waits = self.inner.describe()
         cfg, t = self.model.config, self.comm.size
-        return (f"tensor parallel over {t} ranks: {cfg.n_head // t} of {cfg.n_head} heads and about "
+        return (f"tensor parallel over {t} ranks{', sequence parallel' if self.sequence else ''}: "
+                f"{cfg.n_head // t} of {cfg.n_head} heads and about "
                 f"{4 * cfg.n_embd // t} of {4 * cfg.n_embd} hidden units and 1/{t} of the vocabulary per rank; "
                 f"replicas: {line}"), waits
 

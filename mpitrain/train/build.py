@@ -147,10 +147,11 @@ def _tensor_role(cfg: Config, world, grid, g: ProcessGrid, model, sync_name: str
     optimizer of its own; the slices' replicas synchronise over ``dp_comm``. The ranks
     of a tensor-parallel group read the same batches (their lane) and compute the same
     loss."""
-    tensor_parallel.slice_gpt(model, g.tp_comm)
+    sequence = cfg.parallel.sequence_parallel
+    tensor_parallel.slice_gpt(model, g.tp_comm, sequence)
     opt = build_optimizer(cfg, model)
     wholes = tensor_parallel.Wholes(model.config, g.tp_comm, {n: s for n, (s, _) in layout.arrays.items()})
-    sync = TensorParallelSync(SYNCS[sync_name](cfg, model, opt, g.dp_comm), model, g.tp_comm, wholes)
+    sync = TensorParallelSync(SYNCS[sync_name](cfg, model, opt, g.dp_comm), model, g.tp_comm, wholes, sequence)
     run_schedule = schedule.whole_model(model, True, cfg.train.micro_batches)
     return Role(sync, model, opt, run_schedule, loop_comm=world, leads=world.rank == 0, lane=(g.dp_rank, g.dp_size),
                 ranks=world.size, layout=_shape(grid), end=sync.sync_buffers, closers=[sync.close, g.free],
