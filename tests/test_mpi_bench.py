@@ -88,5 +88,6 @@ def test_bench_tensor_measures_both_variants():
     assert f["one_ms"] > 0 and f["tp_ms"] > 0 and f["allreduce_ms_per_block"] > 0
     assert f["bytes_per_block"] == pytest.approx(f["formula_bytes_per_block"])
     assert len(f["held_mb"]) == world().size and f["held_whole_mb"] > 0
+    assert f["sp_ms"] > 0 and len(f["held_sp_mb"]) == world().size
     if world().rank == 0:
         assert any("speed-up" in line for line in lines)

@@ -6,7 +6,9 @@ alternate the two variants so both see the same machine:
 
 * **1 rank**: rank 0 alone with the whole blocks (the others wait);
 * **tp = P**: every rank with its slices (:func:`~mpitrain.parallel.tensor_parallel.slice_block`:
-  ``n_head / P`` heads and ``4C / P`` hidden units each), four allreduces per block.
+  ``n_head / P`` heads and ``4C / P`` hidden units each), four allreduces per block;
+* **tp = P, sequence**: the same with sequence parallelism: each rank's blocks take and
+  give its slice of the sequence, a reduce-scatter and an allgather for each allreduce.
 
 Printed, medians over rounds: each variant's step and the speed-up; per block and step,
 the seconds inside the allreduces and the bytes each rank sent, against the formula
@@ -15,7 +17,9 @@ the seconds inside the allreduces and the bytes each rank sent, against the form
 forward (the Python heap above its level before, ``tracemalloc``, in separate untimed
 runs): the slices divide what lies between the two matrices of each sublayer (q, k, v,
 the attention scores, the MLP's hidden units) by ``P``, while the block's input, the
-layer norms' outputs and the residual branches stay whole on every rank.
+layer norms' outputs and the residual branches stay whole on every rank, unless sequence
+parallelism slices them too; beside them, Korthikanti et al.'s ratios (their per-layer
+counts in half precision, :func:`_korthikanti`).
 """
 
 from __future__ import annotations
@@ -34,10 +38,10 @@ from mpitrain.runtime import limit_blas_threads, tune_allocator
 from mpitrain.tensor import Tensor
 
 
-def _blocks(cfg: GPTConfig, n: int, comm=None) -> list:
+def _blocks(cfg: GPTConfig, n: int, comm=None, sequence: bool = False) -> list:
     rng.manual_seed(0)
     blocks = [Block(cfg) for _ in range(n)]
-    return blocks if comm is None else [slice_block(b, comm) for b in blocks]
+    return blocks if comm is None else [slice_block(b, comm, sequence) for b in blocks]
 
 
 def _step(blocks, x: np.ndarray) -> None:
@@ -71,8 +75,10 @@ def run(rounds: int = 5, steps: int = 3, batch: int = 8, n_blocks: int = 4, n_em
     P = tp.size
     cfg = GPTConfig(vocab_size=2, block_size=seq, n_layer=n_blocks, n_head=n_head, n_embd=n_embd)
     x = np.random.default_rng(0).standard_normal((batch, seq, n_embd)).astype(np.float32)  # (B, T, C)
-    whole, sliced = _blocks(cfg, n_blocks), _blocks(cfg, n_blocks, tp)
-    one, parts, comm_s, sent = [], [], [], []
+    whole, sliced, slim = _blocks(cfg, n_blocks), _blocks(cfg, n_blocks, tp), _blocks(cfg, n_blocks, tp, True)
+    part = seq // P
+    mine = np.ascontiguousarray(x[:, tp.rank * part : (tp.rank + 1) * part])  # (B, T / P, C): this rank's slice
+    one, parts, comm_s, sent, sp = [], [], [], [], []
     with limit_blas_threads(1):
         for r in range(rounds + 1):  # round 0 warms up
             comm.barrier()
@@ -88,34 +94,55 @@ def run(rounds: int = 5, steps: int = 3, batch: int = 8, n_blocks: int = 4, n_em
             for _ in range(steps):
                 _step(sliced, x)
             together = max(comm.allgather((time.perf_counter() - tick) / steps))
+            comm_seconds, comm_bytes = tp.stats.seconds - seconds_before, tp.stats.bytes_sent - bytes_before
+            comm.barrier()
+            tick = time.perf_counter()
+            for _ in range(steps):
+                _step(slim, mine)
+            sequence = max(comm.allgather((time.perf_counter() - tick) / steps))
             if r:
                 one.append(seconds)
                 parts.append(together)
-                comm_s.append((tp.stats.seconds - seconds_before) / steps / n_blocks)
-                sent.append((tp.stats.bytes_sent - bytes_before) / steps / n_blocks)
+                sp.append(sequence)
+                comm_s.append(comm_seconds / steps / n_blocks)
+                sent.append(comm_bytes / steps / n_blocks)
         held_whole = _held(whole, x) if comm.rank == 0 else 0
-        held_sliced = _held(sliced, x)
-    held = comm.allgather(held_sliced)
+        held = comm.allgather(_held(sliced, x))
+        held_sp = comm.allgather(_held(slim, mine))
     figures = {"one_ms": 1e3 * float(np.median(comm.bcast(one))), "tp_ms": 1e3 * float(np.median(parts)),
                "allreduce_ms_per_block": 1e3 * float(np.median(comm_s)),
                "bytes_per_block": float(np.median(sent)),
                "formula_bytes_per_block": 8 * (P - 1) / P * batch * seq * n_embd * x.itemsize,
-               "held_whole_mb": comm.bcast(held_whole) / 1e6, "held_mb": [h / 1e6 for h in held]}
+               "held_whole_mb": comm.bcast(held_whole) / 1e6, "held_mb": [h / 1e6 for h in held],
+               "sp_ms": 1e3 * float(np.median(sp)), "held_sp_mb": [h / 1e6 for h in held_sp],
+               "korthikanti": _korthikanti(P, n_head, seq, n_embd)}
     if comm.rank == 0:
         log(_table(figures, P, cfg, batch, rounds))
     tp.free()
     return figures
 
 
+def _korthikanti(t: int, a: int, s: int, h: int) -> tuple[float, float]:
+    """Korthikanti et al.'s activation memory per layer, relative to one rank's: tensor
+    slicing ``(10 + 24/t + 5as/(ht)) / (34 + 5as/h)``, with sequence parallelism
+    ``(34/t + 5as/(ht)) / (34 + 5as/h)`` (their counts in half precision)."""
+    whole = 34 + 5 * a * s / h
+    return (10 + 24 / t + 5 * a * s / (h * t)) / whole, (34 / t + 5 * a * s / (h * t)) / whole
+
+
 def _table(f: dict, P: int, cfg: GPTConfig, batch: int, rounds: int) -> str:
     held = " ".join(f"{h:.1f}" for h in f["held_mb"])
+    held_sp = " ".join(f"{h:.1f}" for h in f["held_sp_mb"])
+    tp_k, sp_k = f["korthikanti"]
     return "\n".join([
         f"mpitrain bench tensor: {cfg.n_layer} GPT blocks (C={cfg.n_embd}, {cfg.n_head} heads, T={cfg.block_size}), "
         f"batch {batch}, forward + backward; medians of {rounds} rounds; 1 BLAS thread per rank",
         f"  1 rank            {f['one_ms']:8.1f} ms/step",
         f"  tp = {P}            {f['tp_ms']:8.1f} ms/step   speed-up x{f['one_ms'] / f['tp_ms']:.2f}",
+        f"  tp = {P}, sequence  {f['sp_ms']:8.1f} ms/step   speed-up x{f['one_ms'] / f['sp_ms']:.2f}",
         f"  per block, step:  allreduces {f['allreduce_ms_per_block']:.2f} ms; "
         f"sent {f['bytes_per_block'] / 1e6:.3f} MB per rank, formula 8 (P-1)/P B T C itemsize = "
         f"{f['formula_bytes_per_block'] / 1e6:.3f} MB (x{f['bytes_per_block'] / f['formula_bytes_per_block']:.3f})",
         f"  activations held after forward: 1 rank {f['held_whole_mb']:.1f} MB; tp = {P}, per rank: {held} MB "
-        f"(x{f['held_mb'][0] / f['held_whole_mb']:.3f} of one rank's)"])
+        f"(x{f['held_mb'][0] / f['held_whole_mb']:.3f} of one rank's; Korthikanti x{tp_k:.3f}); with sequence "
+        f"parallelism {held_sp} MB (x{f['held_sp_mb'][0] / f['held_whole_mb']:.3f}; Korthikanti x{sp_k:.3f})"])
