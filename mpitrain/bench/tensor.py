@@ -18,8 +18,8 @@ forward (the Python heap above its level before, ``tracemalloc``, in separate un
 runs): the slices divide what lies between the two matrices of each sublayer (q, k, v,
 the attention scores, the MLP's hidden units) by ``P``, while the block's input, the
 layer norms' outputs and the residual branches stay whole on every rank, unless sequence
-parallelism slices them too; beside them, Korthikanti et al.'s ratios (their per-layer
-counts in half precision, :func:`_korthikanti`).
+parallelism slices them too; beside them, the ratios of Korthikanti et al.'s count
+adapted to single precision (:func:`_korthikanti`).
 """
 
 from __future__ import annotations
@@ -123,11 +123,23 @@ def run(rounds: int = 5, steps: int = 3, batch: int = 8, n_blocks: int = 4, n_em
 
 
 def _korthikanti(t: int, a: int, s: int, h: int) -> tuple[float, float]:
-    """Korthikanti et al.'s activation memory per layer, relative to one rank's: tensor
-    slicing ``(10 + 24/t + 5as/(ht)) / (34 + 5as/h)``, with sequence parallelism
-    ``(34/t + 5as/(ht)) / (34 + 5as/h)`` (their counts in half precision)."""
-    whole = 34 + 5 * a * s / h
-    return (10 + 24 / t + 5 * a * s / (h * t)) / whole, (34 / t + 5 * a * s / (h * t)) / whole
+    """Activation memory per layer relative to one rank's, Korthikanti et al.'s count
+    (2022, section 4) in single precision: ``sbh (72 + 12 as/h)`` bytes unsliced.
+
+    Their half-precision terms doubled, and each dropout mask 4 bytes an element (ours
+    are float arrays, theirs bytes): the layer norms' inputs 8 sbh, the inputs of the
+    first matrices of the two sublayers 4 + 4 sbh, the two dropout masks on the residual
+    branches 4 + 4 sbh (together 24 sbh, whole on every rank under tensor slicing); q and
+    k 8, v 4, the projection's input 4, GELU's input and output 16 + 16 (48 sbh, sliced);
+    the attention scores, their dropout mask and its output 4 + 4 + 4 as^2 b (sliced).
+    Sliced: ``sbh (24 + 48/t + 12 as/(ht))``. Sequence parallelism slices the 24 too,
+    except that the gathered inputs of the two first matrices are kept whole here (for
+    their weight gradients; Megatron gathers them again in backward instead):
+    ``sbh (72/t + 8 (1 - 1/t) + 12 as/(ht))``. Returns the two ratios."""
+    whole = 72 + 12 * a * s / h
+    sliced = 24 + 48 / t + 12 * a * s / (h * t)
+    sequence = 72 / t + 8 * (1 - 1 / t) + 12 * a * s / (h * t)
+    return sliced / whole, sequence / whole
 
 
 def _table(f: dict, P: int, cfg: GPTConfig, batch: int, rounds: int) -> str:
@@ -144,5 +156,5 @@ def _table(f: dict, P: int, cfg: GPTConfig, batch: int, rounds: int) -> str:
         f"sent {f['bytes_per_block'] / 1e6:.3f} MB per rank, formula 8 (P-1)/P B T C itemsize = "
         f"{f['formula_bytes_per_block'] / 1e6:.3f} MB (x{f['bytes_per_block'] / f['formula_bytes_per_block']:.3f})",
         f"  activations held after forward: 1 rank {f['held_whole_mb']:.1f} MB; tp = {P}, per rank: {held} MB "
-        f"(x{f['held_mb'][0] / f['held_whole_mb']:.3f} of one rank's; Korthikanti x{tp_k:.3f}); with sequence "
-        f"parallelism {held_sp} MB (x{f['held_sp_mb'][0] / f['held_whole_mb']:.3f}; Korthikanti x{sp_k:.3f})"])
+        f"(x{f['held_mb'][0] / f['held_whole_mb']:.3f} of one rank's; formula x{tp_k:.3f}); with sequence "
+        f"parallelism {held_sp} MB (x{f['held_sp_mb'][0] / f['held_whole_mb']:.3f}; formula x{sp_k:.3f})"])

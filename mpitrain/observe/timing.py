@@ -9,12 +9,21 @@ def time_table(rows, steps: int) -> str:
     Step seconds are the optimizer steps; the bubble is the part of them a pipeline
     stage waited for its neighbours' activations and gradients; compute is what is left
     after exposed communication and the bubble; reads run on the reader's thread beside
-    the steps, waiting is the loop stalled on data (outside the steps)."""
+    the steps, waiting is the loop stalled on data (outside the steps). Last in a row,
+    ``{"dp" | "pp" | "tp": (bytes sent, seconds)}`` per communicator of the grid: a run
+    with stages or slices gets a second table of them."""
     lines = ["time per rank: rank | steps s | compute s | comm exposed s | comm total s | hidden | bubble s | "
              "read s (background) | waiting s | MB sent | MB/step"]
-    for rank, step_s, exposed, total, read, wait, sent, bubble in rows:
+    for rank, step_s, exposed, total, read, wait, sent, bubble, _ in rows:
         hidden = f"{100 * max(0.0, 1 - exposed / total):.1f}%" if total > 0 else "-"
         lines.append(f"{rank:19d} | {step_s:7.2f} | {step_s - exposed - bubble:9.2f} | {exposed:14.3f} | "
                      f"{total:12.3f} | {hidden:>6} | {bubble:8.3f} | {read:19.3f} | {wait:9.3f} | "
                      f"{sent / 1e6:7.1f} | {sent / 1e6 / steps:7.3f}")
+    axes = [a for a in ("dp", "pp", "tp") if any(a in row[-1] for row in rows)]
+    if axes != ["dp"]:  # a grid with stages or slices: where the bytes and seconds went
+        lines.append("per communicator: rank | " + " | ".join(f"{a} MB/step | {a} s" for a in axes))
+        for row in rows:
+            cells = [(f"{row[-1][a][0] / 1e6 / steps:9.3f} | {row[-1][a][1]:6.2f}" if a in row[-1] else
+                      f"{'-':>9} | {'-':>6}") for a in axes]
+            lines.append(f"{row[0]:22d} | " + " | ".join(cells))
     return "\n".join(lines)

@@ -580,6 +580,17 @@ class PipelineSync:
         extra = self.tie_seconds + (0.0 if self.across is None else self.across.stats.seconds)
         return exposed + extra, total + extra
 
+    def by_axis(self) -> dict:
+        """Bytes sent and seconds inside calls, per communicator of the grid: the replicas'
+        exchange (dp), the stages' messages and tied weights (pp), the slices' (tp)."""
+        exposed, total = self.inner.comm_seconds()
+        pp = [self.stage.comm.stats, *(comm.stats for _, comm in self.stage.ties)]
+        out = {"dp": (self.inner.bytes_sent, total),
+               "pp": (sum(s.bytes_sent for s in pp), sum(s.seconds for s in pp) + self.stage.waited)}
+        if self.across is not None:
+            out["tp"] = (self.across.stats.bytes_sent, self.across.stats.seconds)
+        return out
+
     def describe(self) -> tuple[str, dict[str, str]]:
         s = self.stage
         line, waits = self.inner.describe()

@@ -515,6 +515,11 @@ class TensorParallelSync:
         exposed, total = self.inner.comm_seconds()
         return exposed + self.comm.stats.seconds, total + self.comm.stats.seconds
 
+    def by_axis(self) -> dict:
+        """Bytes sent and seconds inside calls: the replicas' exchange (dp), the slices' (tp)."""
+        return {"dp": (self.inner.bytes_sent, self.inner.comm_seconds()[1]),
+                "tp": (self.comm.stats.bytes_sent, self.comm.stats.seconds)}
+
     def describe(self) -> tuple[str, dict[str, str]]:
         line, waits = self.inner.describe()
         cfg, t = self.model.config, self.comm.size

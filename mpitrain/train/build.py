@@ -77,6 +77,7 @@ class Role:
     bubble: Callable = lambda: 0.0  # seconds this rank has waited inside its schedule for other stages
     text_loss: Callable | None = None  # evaluation: (x, y) -> mean loss, None where it ends elsewhere (None: model's)
     parts: dict = field(default_factory=dict)  # name -> this rank's slice of a parameter sliced over ranks
+    axes: Callable | None = None  # () -> {"dp" | "pp" | "tp": (bytes sent, seconds)} (None: all the sync's, dp)
 
     def close(self) -> None:
         for close in self.closers:
@@ -156,7 +157,7 @@ def _tensor_role(cfg: Config, world, grid, g: ProcessGrid, model, sync_name: str
     return Role(sync, model, opt, run_schedule, loop_comm=world, leads=world.rank == 0, lane=(g.dp_rank, g.dp_size),
                 ranks=world.size, layout=_shape(grid), end=sync.sync_buffers, closers=[sync.close, g.free],
                 eval_lane=(g.dp_rank, g.dp_size), whole=False,
-                parts=tensor_parallel.parts(model.config, g.tp_size, g.tp_rank))
+                parts=tensor_parallel.parts(model.config, g.tp_size, g.tp_rank), axes=sync.by_axis)
 
 
 def _pipeline_role(cfg: Config, world, grid, g: ProcessGrid, model, sync_name: str, data, layout) -> Role:
@@ -187,7 +188,7 @@ def _pipeline_role(cfg: Config, world, grid, g: ProcessGrid, model, sync_name: s
                 ranks=world.size, layout=_shape(grid), end=sync.sync_buffers, closers=[sync.close, g.free],
                 loss_ranks=g.dp_size * g.tp_size, forward=stage.forward_only, eval_lane=(g.dp_rank, g.dp_size),
                 whole=False, trace_to=lambda trace: setattr(stage, "trace", trace), bubble=lambda: stage.waited,
-                text_loss=stage.loss_only, parts=parts)
+                text_loss=stage.loss_only, parts=parts, axes=sync.by_axis)
 
 
 def _ps_role(cfg: Config, world, grid, model, opt, lr, total, data) -> Role:
