@@ -234,3 +234,23 @@ def test_data_pipeline_and_tensor_axes_together_equal_one_process():
     one = trainer.train(gpt_cfg(d, mine, *four), log=lambda *a: None, comm=SingleComm())
     assert grid.val_loss == pytest.approx(one.val_loss, rel=1e-12)
     assert_close(checkpoint.path_for(mine, 12), checkpoint.path_for(d.parent / "cube", 12), rtol=1e-10, floor=1e-6)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_column_parallel_layer_that_gathers_is_the_whole_layer():
+    comm = world().dup()
+    with default_dtype(np.float64):
+        rng.manual_seed(1)
+        whole = nn.Linear(6, 7)  # 7 columns: an uneven cut
+    cols = np.arange(*tp.shard(7, comm.size, comm.rank))
+    layer = tp.ColumnParallelLinear(whole.weight.data[:, cols], whole.bias.data[cols], comm, gather=True)
+    x = Tensor(np.random.default_rng(0).standard_normal((2, 3, 6)), requires_grad=True)
+    y = layer(x)
+    np.testing.assert_allclose(y.data, whole(x).data, rtol=1e-13)
+    g = np.random.default_rng(5).standard_normal(y.shape)
+    y.backward(g)
+    ref = Tensor(x.data, requires_grad=True)
+    whole(ref).backward(g)
+    np.testing.assert_allclose(x.grad, ref.grad, rtol=1e-12)  # f sums the ranks' parts of the input gradient
+    np.testing.assert_allclose(layer.weight.grad, whole.weight.grad[:, cols], rtol=1e-12)
+    comm.free()

@@ -24,7 +24,8 @@ def test_shard_cuts_evenly_with_the_first_ranks_one_larger():
     assert [tp.shard(5, 3, r) for r in range(3)] == [(0, 2), (2, 4), (4, 5)]
 
 
-@pytest.mark.parametrize("op", [tp.copy_to, tp.reduce_from, tp.scatter_sequence, tp.gather_sequence])
+@pytest.mark.parametrize("op", [tp.copy_to, tp.reduce_from, tp.scatter_sequence, tp.gather_sequence,
+                                tp.gather_features])
 def test_each_operator_has_its_gradient(op):
     x = x64(2, 4, 3)
     assert max(gradcheck(lambda a: op(a, SingleComm()) * 1.0, [x]).values()) < TOL

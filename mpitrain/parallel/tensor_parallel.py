@@ -135,6 +135,33 @@ def _gather(x: np.ndarray, comm) -> np.ndarray:
     return np.ascontiguousarray(np.moveaxis(whole, 0, 1))
 
 
+class GatherFeatures(Function):
+    """Forward: every rank's slice of the last axis, end to end in rank order (an
+    allgather; the slices may differ in width); backward: this rank's slice of the
+    gradient (each rank's part of the whole)."""
+
+    def forward(self, x, comm):
+        self.comm, self.widths = comm, comm.allgather(x.shape[-1])
+        rows = np.ascontiguousarray(x).reshape(-1, x.shape[-1])  # (N, out / t)
+        flat = np.empty(sum(w * len(rows) for w in self.widths), dtype=x.dtype)  # rank by rank, (N, w_r) each
+        at = sum(self.widths[: comm.rank]) * len(rows)
+        flat[at : at + rows.size] = rows.reshape(-1)
+        comm.allgather_array(flat, [w * len(rows) for w in self.widths])
+        parts, start = [], 0
+        for w in self.widths:
+            parts.append(flat[start : start + w * len(rows)].reshape(len(rows), w))
+            start += w * len(rows)
+        return np.concatenate(parts, axis=1).reshape(*x.shape[:-1], -1)
+
+    def backward(self, g):
+        lo = sum(self.widths[: self.comm.rank])
+        return np.ascontiguousarray(g[..., lo : lo + self.widths[self.comm.rank]])
+
+
+def gather_features(x, comm) -> Tensor:
+    return GatherFeatures.apply(as_tensor(x), comm)
+
+
 def copy_to(x, comm) -> Tensor:
     return Copy.apply(as_tensor(x), comm)
 
@@ -155,13 +182,16 @@ def gather_sequence(x, comm) -> Tensor:
 class ColumnParallelLinear(Module):
     """``y[:, cols] = f(x) @ W[:, cols] + b[cols]``: this rank's output features ``cols``.
     With ``sequence``, ``x`` is this rank's slice of the sequence and ``f`` the allgather
-    of the slices (sequence parallelism)."""
+    of the slices (sequence parallelism). With ``gather``, the ranks' outputs are put
+    end to end (:func:`gather_features`): the whole ``y`` when the ranks hold consecutive
+    columns."""
 
-    def __init__(self, weight: np.ndarray, bias: np.ndarray | None, comm, sequence: bool = False):
+    def __init__(self, weight: np.ndarray, bias: np.ndarray | None, comm, sequence: bool = False,
+                 gather: bool = False):
         super().__init__()
         self.weight = Parameter(np.ascontiguousarray(weight))  # (in, out / t)
         self.bias = None if bias is None else Parameter(np.ascontiguousarray(bias))
-        self.comm, self.sequence = comm, sequence
+        self.comm, self.sequence, self.gather = comm, sequence, gather
 
     @classmethod
     def from_linear(cls, linear, comm, cols: np.ndarray, sequence: bool = False) -> "ColumnParallelLinear":
@@ -171,7 +201,8 @@ class ColumnParallelLinear(Module):
 
     def forward(self, x):
         whole = gather_sequence(x, self.comm) if self.sequence else copy_to(x, self.comm)  # (B, T, in)
-        return ops.linear(whole, self.weight, self.bias)
+        y = ops.linear(whole, self.weight, self.bias)  # (B, T, out / t)
+        return gather_features(y, self.comm) if self.gather else y
 
 
 class RowParallelLinear(Module):
