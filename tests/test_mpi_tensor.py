@@ -241,8 +241,8 @@ def test_a_column_parallel_layer_that_gathers_is_the_whole_layer():
     comm = world().dup()
     with default_dtype(np.float64):
         rng.manual_seed(1)
-        whole = nn.Linear(6, 7)  # 7 columns: an uneven cut
-    cols = np.arange(*tp.shard(7, comm.size, comm.rank))
+        whole = nn.Linear(6, 9)  # 9 columns: an uneven cut on 2, 4 and 8 ranks
+    cols = np.arange(*tp.shard(9, comm.size, comm.rank))
     layer = tp.ColumnParallelLinear(whole.weight.data[:, cols], whole.bias.data[cols], comm, gather=True)
     x = Tensor(np.random.default_rng(0).standard_normal((2, 3, 6)), requires_grad=True)
     y = layer(x)

@@ -17,17 +17,23 @@ cuts are allowed (a vocabulary of 65 over 2 ranks: 33 and 32 rows).
 column-parallel layer (its input is whole on every rank, its gradient a partial sum);
 ``g`` (:func:`reduce_from`) is an allreduce forward and the identity backward, after a
 row-parallel layer (its output is a partial sum). Sequence parallelism (Korthikanti et
-al. 2022) replaces them by a reduce-scatter along the sequence (:func:`scatter_sequence`,
-whose backward is an allgather) and an allgather (:func:`gather_sequence`, whose backward
-is a reduce-scatter), each the other's adjoint.
+al. 2022; ``slice_gpt(..., sequence=True)``, ``parallel.sequence_parallel``) replaces
+them by an allgather along the sequence (:func:`gather_sequence`, whose backward is a
+reduce-scatter) before a column-parallel layer and a reduce-scatter
+(:func:`scatter_sequence`, whose backward is an allgather) after a row-parallel one,
+each the other's adjoint: between them, the layer norms, residual adds and dropout run
+on each rank's slice of the sequence, and the gradients of the whole weights, each
+rank's from its slice, are summed over the ranks after backward
+(:func:`sum_replicated_grads`).
 
 **Calls and bytes.** Per block and micro-batch of ``b`` samples, forward: two allreduces
 of ``(b, T, C)`` (one ``g`` per sublayer); backward: two (one ``f`` per sublayer). A ring
 allreduce sends ``2 (t-1)/t`` of the array per rank, so a block moves ``8 (t-1)/t x b T C
 x itemsize`` bytes per rank per step; the embedding adds one ``g`` (forward) and the head
 one ``f`` (backward) of the same size, and the cross-entropy three allreduces of ``b T``
-numbers. Blocking collectives on ``tp_comm`` (its own duplicate), inside the layers'
-forward and backward.
+numbers. Sequence parallelism sends the same bytes (a reduce-scatter and an allgather
+each send ``(t-1)/t`` of the array). Blocking collectives on ``tp_comm`` (the grid's),
+inside the layers' forward and backward.
 
 **Dropout.** Masks come from the per-sample streams of :mod:`mpitrain.rng`, the same on
 every rank of ``tp_comm`` (they hold the same samples): dropout after a ``g`` (the
@@ -35,7 +41,8 @@ residual branches, the embedding) is the same on every rank, as one process draw
 the attention probabilities' dropout, inside the sliced region, draws the whole layer's
 mask and keeps its heads' part, so the slices together are one process's mask. (Megatron
 gives the sliced region a per-rank stream instead, which is as random but not equal to
-serial training.)
+serial training.) On a slice of the sequence, dropout takes its rows of one process's
+mask (:func:`mpitrain.rng.rows`).
 
 **Launch.** ``mpiexec -n 2 mpitrain train jobs/tinyshakespeare_gpt.toml --set parallel.tp=2``.
 """
@@ -142,7 +149,7 @@ class GatherFeatures(Function):
 
     def forward(self, x, comm):
         self.comm, self.widths = comm, comm.allgather(x.shape[-1])
-        rows = np.ascontiguousarray(x).reshape(-1, x.shape[-1])  # (N, out / t)
+        rows = np.ascontiguousarray(x).reshape(int(np.prod(x.shape[:-1])), x.shape[-1])  # (N, out / t); may be empty
         flat = np.empty(sum(w * len(rows) for w in self.widths), dtype=x.dtype)  # rank by rank, (N, w_r) each
         at = sum(self.widths[: comm.rank]) * len(rows)
         flat[at : at + rows.size] = rows.reshape(-1)
