@@ -352,9 +352,10 @@ def restore(path: Path, *, cfg, model, optimizer, sync, comm, warn=None, layout:
                 return saved[name][()][parts[name]] if name in parts else saved[name][()]
 
             for name, array in wanted.items():
-                if (saved[name].shape if name not in parts else mine(name).shape) != array.shape:
+                whole_shape = tuple(layout.arrays[name][0]) if name in parts else array.shape
+                if saved[name].shape != whole_shape:  # a slice's whole array, not the slice, against the file
                     raise CheckpointError(f"{path}: {name} has shape {saved[name].shape} in the checkpoint, "
-                                          f"{array.shape} in this model (is model.* the same?)")
+                                          f"{whole_shape} in this model (is model.* the same?)")
             model.load_state_dict({name: mine(name) for name in wanted})
             has = f["optim/has_state"][()]
             arrays = {k: f[f"optim/state/{k}"] for k in f["optim/state"]} if "optim/state" in f else {}

@@ -520,6 +520,10 @@ def _check_tensor(cfg: Config, sizes: dict) -> None:
     if par.sync not in ("ddp", "local"):
         raise ConfigError(f"parallel.sync: {par.sync!r} does not combine with tensor slicing (parallel.tp = {tp}) "
                           "yet; use 'ddp' or 'local'")
+    if par.progress == "thread" and par.thread_level not in ("auto", "multiple"):
+        raise ConfigError(f"parallel.thread_level: the slices' collectives and the communication thread call MPI "
+                          f"at the same time (parallel.progress = 'thread'): 'multiple' is needed, got "
+                          f"{par.thread_level!r}")
     if cfg.model.checkpoint_activations:
         raise ConfigError("model.checkpoint_activations: not available with tensor slicing yet (parallel.tp > 1)")
     if par.sequence_parallel and cfg.model.block_size % tp:

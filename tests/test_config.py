@@ -141,6 +141,8 @@ def test_parameter_server_rank_checks(ranks, overrides, message):
                                                                       "(model.n_head) do not split over 3"),
     (4, ["parallel.tp=2", "parallel.sync=zero1", "model.name=gpt", "data.name=shakespeare"],
      "parallel.sync: 'zero1' does not combine with tensor slicing (parallel.tp = 2) yet"),
+    (4, ["parallel.tp=2", "parallel.progress=thread", "parallel.thread_level=serialized", "model.name=gpt",
+         "data.name=shakespeare"], "parallel.thread_level: the slices' collectives and the communication thread"),
     (2, ["parallel.sequence_parallel=true"], "parallel.sequence_parallel: slices the sequence over tensor-parallel "
                                              "ranks; this run has parallel.tp = 1"),
     (4, ["parallel.tp=4", "parallel.sequence_parallel=true", "model.name=gpt", "data.name=shakespeare",

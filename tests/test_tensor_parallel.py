@@ -107,3 +107,34 @@ def test_heads_that_do_not_split_are_refused():
         gpt = nn.GPT(nn.GPTConfig(vocab_size=5, block_size=4, n_layer=1, n_head=2, n_embd=8))
     with pytest.raises(ValueError, match="2 attention heads do not split over 3"):
         tp.slice_gpt(gpt, Two())
+
+
+def test_a_slice_is_restored_only_from_an_array_of_the_whole_shape(tmp_path):
+    """The file's whole array must have the model's whole shape, not merely hold a slice
+    of the right size (a vocabulary of 80 saved, one of 65 restored)."""
+    from mpitrain import checkpoint, config, optim
+
+    cfg = config.from_dict({"model": {"name": "gpt"}, "data": {"name": "shakespeare"}, "train": {"steps": 1}})
+
+    def gpt(vocab):
+        rng.manual_seed(0)
+        with default_dtype(np.float64):
+            return nn.GPT(nn.GPTConfig(vocab_size=vocab, block_size=4, n_layer=1, n_head=2, n_embd=8))
+
+    def sgd(model):
+        return optim.SGD(model.parameters(), 0.1)
+
+    from mpitrain.parallel.local import LocalSync
+
+    saved = gpt(80)
+    opt = sgd(saved)
+    checkpoint.save(tmp_path, 1, model=saved, optimizer=opt, sync=LocalSync(saved, opt), cfg=cfg, comm=SingleComm(),
+                    keep=1)
+    whole = gpt(65)
+    layout = checkpoint.Layout.of(whole, sgd(whole)).with_parts(tp.parts(whole.config, 1, 0))
+    sliced = tp.slice_gpt(whole, SingleComm())
+    opt = sgd(sliced)
+    with pytest.raises(checkpoint.CheckpointError, match=r"embed.wte.weight has shape \(80, 8\) in the checkpoint, "
+                                                           r"\(65, 8\) in this model"):
+        checkpoint.restore(checkpoint.path_for(tmp_path, 1), cfg=cfg, model=sliced, optimizer=opt,
+                           sync=LocalSync(sliced, opt), comm=SingleComm(), layout=layout)

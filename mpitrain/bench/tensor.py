@@ -29,7 +29,7 @@ import tracemalloc
 
 import numpy as np
 
-from mpitrain import rng
+from mpitrain import ops, rng
 from mpitrain.comm import world
 from mpitrain.nn import GPTConfig
 from mpitrain.nn.models import Block
@@ -79,7 +79,7 @@ def run(rounds: int = 5, steps: int = 3, batch: int = 8, n_blocks: int = 4, n_em
     part = seq // P
     mine = np.ascontiguousarray(x[:, tp.rank * part : (tp.rank + 1) * part])  # (B, T / P, C): this rank's slice
     one, parts, comm_s, sent, sp = [], [], [], [], []
-    with limit_blas_threads(1):
+    with limit_blas_threads(1), ops.fast_paths(False):  # the plain block on one rank too: the slices' path
         for r in range(rounds + 1):  # round 0 warms up
             comm.barrier()
             tick = time.perf_counter()

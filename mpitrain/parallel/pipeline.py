@@ -514,6 +514,9 @@ class PipelineSync:
         self.tie_seconds = 0.0
         # a stage of a model sliced over ``across`` (tensor parallel): the norm counts what counted(q) says
         self.counted, self.across = counted, across
+        # per communicator, [bytes, seconds] inside the training steps (not evaluations, not the digest)
+        self.in_steps = {"pp": [0, 0.0], "tp": [0, 0.0]}
+        self._mark = None
 
     @property
     def on_comm(self):
@@ -523,7 +526,15 @@ class PipelineSync:
     def on_comm(self, fn) -> None:
         self.inner.on_comm = fn
 
+    def _totals(self) -> dict:
+        """{"pp" | "tp": (bytes sent, seconds)} on the stage's communicators so far."""
+        pp = [self.stage.comm.stats, *(comm.stats for _, comm in self.stage.ties)]
+        out = {"pp": (sum(s.bytes_sent for s in pp), sum(s.seconds for s in pp))}
+        out["tp"] = (0, 0.0) if self.across is None else (self.across.stats.bytes_sent, self.across.stats.seconds)
+        return out
+
     def begin_step(self) -> bool:
+        self._mark = self._totals()
         return self.inner.begin_step()
 
     def no_sync(self):
@@ -546,7 +557,13 @@ class PipelineSync:
         self.inner.step(lr, 0.0)
 
     def zero_grad(self) -> None:
+        """The end of a step: its traffic on the stage's communicators counted."""
         self.inner.zero_grad()
+        if self._mark is not None:
+            for axis, (sent, seconds) in self._totals().items():
+                self.in_steps[axis][0] += sent - self._mark[axis][0]
+                self.in_steps[axis][1] += seconds - self._mark[axis][1]
+            self._mark = None
 
     def sync_buffers(self) -> None:
         self.inner.sync_buffers()
@@ -569,26 +586,23 @@ class PipelineSync:
 
     @property
     def bytes_sent(self) -> int:
-        ties = sum(comm.stats.bytes_sent for _, comm in self.stage.ties)
-        sliced = 0 if self.across is None else self.across.stats.bytes_sent
-        return self.inner.bytes_sent + self.stage.comm.stats.bytes_sent + ties + sliced
+        """Bytes this rank sent in the steps: the replicas', the stages' and the slices'."""
+        return self.inner.bytes_sent + self.in_steps["pp"][0] + self.in_steps["tp"][0]
 
     def comm_seconds(self) -> tuple[float, float]:
-        """(exposed, total): the replicas' exchange and the tied weights' sum (the waits
-        for neighbours are the bubble: ``stage.waited``)."""
+        """(exposed, total): the replicas' exchange, the tied weights' sum and the slices'
+        collectives (the waits for neighbours are the bubble: ``stage.waited``)."""
         exposed, total = self.inner.comm_seconds()
-        extra = self.tie_seconds + (0.0 if self.across is None else self.across.stats.seconds)
+        extra = self.tie_seconds + self.in_steps["tp"][1]
         return exposed + extra, total + extra
 
     def by_axis(self) -> dict:
-        """Bytes sent and seconds inside calls, per communicator of the grid: the replicas'
-        exchange (dp), the stages' messages and tied weights (pp), the slices' (tp)."""
-        exposed, total = self.inner.comm_seconds()
-        pp = [self.stage.comm.stats, *(comm.stats for _, comm in self.stage.ties)]
-        out = {"dp": (self.inner.bytes_sent, total),
-               "pp": (sum(s.bytes_sent for s in pp), sum(s.seconds for s in pp) + self.stage.waited)}
+        """Bytes sent and seconds inside calls in the steps, per communicator of the grid:
+        the replicas' exchange (dp), the stages' messages and tied weights (pp), the
+        slices' collectives (tp)."""
+        out = {"dp": (self.inner.bytes_sent, self.inner.comm_seconds()[1]), "pp": tuple(self.in_steps["pp"])}
         if self.across is not None:
-            out["tp"] = (self.across.stats.bytes_sent, self.across.stats.seconds)
+            out["tp"] = tuple(self.in_steps["tp"])
         return out
 
     def describe(self) -> tuple[str, dict[str, str]]:

@@ -315,6 +315,9 @@ class SequenceParallelEmbedding(GPTEmbedding):
 
     def forward(self, ids):
         T, comm = np.shape(ids)[-1], self.wte.comm
+        if T > self.block_size or T % comm.size:  # before any collective: every rank raises alike
+            raise ValueError(f"sequence of length {T}: more than block_size {self.block_size}, or not a multiple "
+                             f"of the {comm.size} tensor-parallel ranks")
         x = self.wte(ids)  # (B, T / t, C)
         n = x.shape[1]
         with _sequence_rows(T, comm):
@@ -498,6 +501,8 @@ class TensorParallelSync:
 
     def __init__(self, inner, model: Module, tp_comm, wholes: Wholes, sequence: bool = False):
         self.inner, self.model, self.comm, self.wholes, self.sequence = inner, model, tp_comm, wholes, sequence
+        # tp_comm's bytes and seconds inside the training steps (not evaluations, not the digest)
+        self.sent, self.seconds, self._mark = 0, 0.0, None
 
     @property
     def on_comm(self):
@@ -508,6 +513,7 @@ class TensorParallelSync:
         self.inner.on_comm = fn
 
     def begin_step(self) -> bool:
+        self._mark = (self.comm.stats.bytes_sent, self.comm.stats.seconds)
         return self.inner.begin_step()
 
     def no_sync(self):
@@ -529,7 +535,12 @@ class TensorParallelSync:
         self.inner.step(lr, 0.0)
 
     def zero_grad(self) -> None:
+        """The end of a step: its tp_comm traffic counted."""
         self.inner.zero_grad()
+        if self._mark is not None:
+            self.sent += self.comm.stats.bytes_sent - self._mark[0]
+            self.seconds += self.comm.stats.seconds - self._mark[1]
+            self._mark = None
 
     def sync_buffers(self) -> None:
         self.inner.sync_buffers()
@@ -545,18 +556,18 @@ class TensorParallelSync:
 
     @property
     def bytes_sent(self) -> int:
-        return self.inner.bytes_sent + self.comm.stats.bytes_sent
+        return self.inner.bytes_sent + self.sent
 
     def comm_seconds(self) -> tuple[float, float]:
-        """(exposed, total): the replicas' exchange and the slices' collectives (which
-        the layers wait for: all exposed)."""
+        """(exposed, total): the replicas' exchange and the slices' collectives in the
+        steps (which the layers wait for: all exposed)."""
         exposed, total = self.inner.comm_seconds()
-        return exposed + self.comm.stats.seconds, total + self.comm.stats.seconds
+        return exposed + self.seconds, total + self.seconds
 
     def by_axis(self) -> dict:
-        """Bytes sent and seconds inside calls: the replicas' exchange (dp), the slices' (tp)."""
-        return {"dp": (self.inner.bytes_sent, self.inner.comm_seconds()[1]),
-                "tp": (self.comm.stats.bytes_sent, self.comm.stats.seconds)}
+        """Bytes sent and seconds inside calls in the steps: the replicas' exchange (dp),
+        the slices' (tp)."""
+        return {"dp": (self.inner.bytes_sent, self.inner.comm_seconds()[1]), "tp": (self.sent, self.seconds)}
 
     def describe(self) -> tuple[str, dict[str, str]]:
         line, waits = self.inner.describe()
