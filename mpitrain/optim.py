@@ -215,12 +215,25 @@ def clip_grad_norm(params, max_norm: float) -> float:
     product, and the sums are added in float64. A non-finite norm (an overflowed or NaN
     gradient) is returned and the gradients are left as they are, for the caller to see."""
     grads = [p.grad for p in params if p.grad is not None]
-    total = math.sqrt(sum(float(np.dot(g.reshape(-1), g.reshape(-1))) for g in grads))
-    if math.isfinite(total) and total > max_norm:
-        scale = max_norm / (total + 1e-6)
+    total = math.sqrt(sum_of_squares(grads))
+    scale_to(grads, total, max_norm)
+    return total
+
+
+def sum_of_squares(grads) -> float:
+    """The sum of the squares of the arrays' elements, each array's a BLAS dot product,
+    added in float64 in order (a strategy holding part of the model sums its part, then
+    adds the parts over ranks)."""
+    return sum(float(np.dot(g.reshape(-1), g.reshape(-1))) for g in grads)
+
+
+def scale_to(grads, norm: float, max_norm: float) -> None:
+    """Scale ``grads`` in place so that their global norm ``norm`` becomes ``max_norm``,
+    if it is larger (a non-finite norm leaves them as they are)."""
+    if math.isfinite(norm) and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
         for g in grads:
             g *= scale
-    return total
 
 
 def update(optimizer: Optimizer, params, lr: float | None, grad_clip: float = 0.0) -> None:
@@ -266,5 +279,6 @@ class Constant:
         return self.lr
 
 
-__all__ = ["SGD", "Adam", "AdamW", "Constant", "Optimizer", "WarmupCosine", "clip_grad_norm",
+__all__ = ["SGD", "Adam", "AdamW", "Constant", "Optimizer", "WarmupCosine", "clip_grad_norm", "scale_to",
+           "sum_of_squares",
            "decay_groups", "update"]

@@ -64,7 +64,7 @@ import time
 
 import numpy as np
 
-from mpitrain import ops, rng, tensor
+from mpitrain import ops, optim, rng, tensor
 from mpitrain.comm import Tag, replicas
 from mpitrain.nn import Module
 from mpitrain.schedules import (
@@ -412,11 +412,9 @@ class PipelineStage(Module):
         counted on its first stage only), summed over ``pp_comm``; a sliced model's: only
         the parameters ``counted(q)`` says this rank speaks for, summed over ``across``
         too (its slices' ranks)."""
-        mine = np.zeros(1)
-        for q in self.parameters():
-            if self.owner[id(q)] == self.rank and q.grad is not None and (counted is None or counted(q)):
-                g = q.grad.reshape(-1)
-                mine[0] += float(np.dot(g, g))
+        mine = np.array([optim.sum_of_squares(
+            q.grad for q in self.parameters()
+            if self.owner[id(q)] == self.rank and q.grad is not None and (counted is None or counted(q)))])
         if self.p > 1:
             self.comm.allreduce(mine)
         if across is not None:
@@ -551,9 +549,7 @@ class PipelineSync:
         the replicas' update."""
         if grad_clip > 0:
             norm = self.stage.grad_norm(self.counted, self.across)
-            if math.isfinite(norm) and norm > grad_clip:
-                for q in self.stage.parameters():
-                    q.grad *= grad_clip / (norm + 1e-6)
+            optim.scale_to([q.grad for q in self.stage.parameters()], norm, grad_clip)
         self.inner.step(lr, 0.0)
 
     def zero_grad(self) -> None:

@@ -53,7 +53,7 @@ import contextlib
 
 import numpy as np
 
-from mpitrain import ops, rng
+from mpitrain import ops, optim, rng
 from mpitrain.comm import replicas
 from mpitrain.nn import Module
 from mpitrain.nn.models import GPT, MLP, CausalSelfAttention, GPTEmbedding
@@ -431,9 +431,15 @@ def sum_replicated_grads(model: Module, tp_comm) -> None:
     layer norms, the row-parallel biases, the position embedding) comes from its slice of
     the sequence: the sum over ranks is the whole gradient, the same everywhere."""
     sliced = sliced_parameters(model)
-    for q in model.parameters():
-        if id(q) not in sliced and q.grad is not None:
-            tp_comm.allreduce(q.grad)
+    grads = [q.grad for q in model.parameters() if id(q) not in sliced and q.grad is not None]
+    if not grads:
+        return
+    flat = np.concatenate([g.reshape(-1) for g in grads])  # one allreduce for them all, not one each
+    tp_comm.allreduce(flat)
+    at = 0
+    for g in grads:
+        g.reshape(-1)[...] = flat[at : at + g.size]  # in place: a .grad may be a view into a bucket
+        at += g.size
 
 
 # ----------------------------------------------------------------------------- the norm
@@ -452,21 +458,16 @@ def grad_norm(model: Module, tp_comm) -> float:
     """The whole model's gradient L2 norm: the slices' squares summed over the ranks, a
     whole (replicated) parameter's counted once."""
     sliced = sliced_parameters(model)
-    mine = np.zeros(1)
-    for q in model.parameters():
-        if q.grad is not None and (id(q) in sliced or tp_comm.rank == 0):
-            g = q.grad.reshape(-1)
-            mine[0] += float(np.dot(g, g))
+    mine = np.array([optim.sum_of_squares(q.grad for q in model.parameters()
+                                          if q.grad is not None and (id(q) in sliced or tp_comm.rank == 0))])
     tp_comm.allreduce(mine)
     return float(np.sqrt(mine[0]))
 
 
-def whole_array(name: str, mine: np.ndarray, cfg, tp_comm, shapes: dict) -> np.ndarray:
-    """The whole parameter ``name`` of a GPT of config ``cfg`` sliced over ``tp_comm``,
-    from this rank's part ``mine`` (collective for a sliced one; ``shapes``: whole shapes
-    by name)."""
-    t = tp_comm.size
-    everyone = [parts(cfg, t, r) for r in range(t)]
+def whole_array(name: str, mine: np.ndarray, everyone: list, tp_comm, shapes: dict) -> np.ndarray:
+    """The whole parameter ``name`` of a GPT sliced over ``tp_comm``, from this rank's part
+    ``mine`` (collective for a sliced one; ``everyone``: every rank's :func:`parts`;
+    ``shapes``: whole shapes by name)."""
     if name not in everyone[0]:
         return mine
     whole = np.empty(shapes[name], dtype=mine.dtype)
@@ -486,10 +487,11 @@ class Wholes:
     ``tp_comm`` for a sliced one); ``shapes``: the whole shapes by name."""
 
     def __init__(self, cfg, tp_comm, shapes: dict):
-        self.cfg, self.comm, self.shapes = cfg, tp_comm, shapes
+        self.comm, self.shapes = tp_comm, shapes
+        self.everyone = [parts(cfg, tp_comm.size, r) for r in range(tp_comm.size)]
 
     def __call__(self, name: str, mine: np.ndarray) -> np.ndarray:
-        return whole_array(name, mine, self.cfg, self.comm, self.shapes)
+        return whole_array(name, mine, self.everyone, self.comm, self.shapes)
 
 
 # ----------------------------------------------------------------------------- the sync
@@ -528,10 +530,7 @@ class TensorParallelSync:
 
     def step(self, lr: float | None, grad_clip: float) -> None:
         if grad_clip > 0:
-            norm = grad_norm(self.model, self.comm)
-            if np.isfinite(norm) and norm > grad_clip:
-                for q in self.model.parameters():
-                    q.grad *= grad_clip / (norm + 1e-6)
+            optim.scale_to([q.grad for q in self.model.parameters()], grad_norm(self.model, self.comm), grad_clip)
         self.inner.step(lr, 0.0)
 
     def zero_grad(self) -> None:
