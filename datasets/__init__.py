@@ -1,7 +1,9 @@
 """Dataset recipes: read standard source files, verify them, write mpitrain shards.
 
 Installed as the package ``mpitrain_datasets`` (see setup.cfg). One module per source
-format; :data:`RECIPES` maps the names ``mpitrain data build NAME`` accepts to them.
+format; :data:`RECIPES` maps the names ``mpitrain data build NAME`` accepts to them, and
+:mod:`mpitrain_datasets.download` fetches and verifies the canonical files for
+``mpitrain data download NAME`` before running the same recipes.
 Every recipe writes through :class:`mpitrain.data.shards.DatasetWriter`, so a build is
 atomic and refuses an output directory that holds another dataset.
 """

@@ -1,16 +1,17 @@
-"""HDF5 checkpoints: everything a run needs to continue exactly, written atomically.
+"""HDF5 checkpoints: everything a run needs to continue exactly, written atomically and
+checksummed.
 
 One file per checkpoint, ``RUN_DIR/checkpoints/step-00001234.h5``:
 
 * attributes: ``format`` (``mpitrain-checkpoint``), ``format_version``,
   ``mpitrain_version``, ``step`` (optimizer steps done), ``epoch`` and ``epoch_step``
   (the data position: the reader's batches are a function of the step, given the
-  seed, global batch, ``data.buffer_mb`` and the data; a resume that changes one of
-  those is warned about, see ``DATA_ORDER``),
+  seed, global batch, ``data.buffer_mb`` and the data),
   ``ranks`` and ``strategy`` at save time (the gradient sync and the grid: the name
   older checkpoints gave the strategy), ``config`` (the resolved config as JSON),
   ``rng`` (the dropout and initialisation stream, :mod:`mpitrain.rng`), ``optimizer``
-  (its step count and group hyperparameters, JSON), ``created``;
+  (its step count and group hyperparameters, JSON), ``created``, and the two digests
+  below (``meta_sha256``, ``sha256``);
 * ``model/<name>``: every parameter and buffer, by its dotted name;
 * ``optim/state/<key>`` ``(N,)``: each array state of the optimizer (Adam's
   ``exp_avg`` and ``exp_avg_sq``, SGD's ``momentum``) *flat*: the ``N`` parameter
@@ -19,25 +20,45 @@ One file per checkpoint, ``RUN_DIR/checkpoints/step-00001234.h5``:
   and ``optim/has_state`` ``(n_params,)``.
 
 The flat layout makes the file independent of how the state was split: with ZeRO-1
-each rank writes the ``[lo, hi)`` range of its own shard, each parameter server the
-ranges of its parameters, with data parallelism rank 0 writes it all (the gradient
+each rank holds the ``[lo, hi)`` range of its own shard, each parameter server the
+ranges of its parameters, with data parallelism rank 0 holds it all (the gradient
 sync says which, ``state_pieces``); and a run resumes on any number of ranks with any
 sync (local, ddp, zero1), each rank reading the ranges it owns then.
 
-**Atomic.** Rank 0 creates ``step-XXXXXXXX.h5.tmp`` (metadata, model, empty optimizer
-datasets, its own state); the other ranks that own state write theirs one after the
-other; rank 0 flushes it to disk (``fsync``) and renames it, so a checkpoint either
-exists whole or not at all; then it deletes all but the newest ``keep``. A leftover
-``.tmp`` from a killed run is ignored and replaced.
+**Integrity.** Every byte that decides the resumed run is covered by SHA-256, checked
+before anything is used: ``meta_sha256`` covers every attribute (step, RNG state,
+config, optimizer counters, format version, ...), the list of datasets with their
+shapes, dtypes and storage, and the small datasets (``optim/has_state`` and the
+per-parameter scalars); ``sha256`` covers ``meta_sha256`` and every dataset's bytes.
+:func:`check` reads every byte of a file and recomputes both, so a flipped bit anywhere
+that matters, a truncation or a damaged header is found; a flip in bytes HDF5 does not
+read back (free space, padding) changes nothing, and so is harmless. The metadata alone
+(:func:`read_meta`) is cheap to check: the command line reads a run's saved config
+from it before MPI starts. Every array is also stored in chunks with HDF5's Fletcher-32
+checksum, which tells HDF5 itself which chunk is damaged. Files of format version 1
+(before the digests) still load, with a note that their metadata is not checksummed;
+a file of a newer version than this mpitrain's is refused, naming both versions.
 
-**Integrity.** Every array is stored in chunks with HDF5's Fletcher-32 checksum, and
-:func:`latest` reads every byte of a candidate before choosing it: a truncated file, a
-damaged header or a flipped bit makes it skip that checkpoint with a warning and take
-the one before.
+**Atomic, and safe when the disk is full.** The file is built in memory on rank 0 (the
+ranks that hold other parts of the state send them to it, one rank after the other, as
+buffers), then written with plain file I/O to ``step-XXXXXXXX.h5.tmp``, flushed to
+disk (``fsync``) and renamed: a checkpoint exists whole or not at all. HDF5 itself
+never writes to the disk, because a write that fails inside HDF5 (no space left, a
+quota, an I/O error) leaves its library in a state that crashed the process in two of
+three tries here; a failed plain write is one ``OSError``: the ``.tmp`` is removed, and
+:class:`CheckpointWriteError` says what happened and that the previous checkpoint is
+intact. Building in memory costs rank 0 one copy of the checkpoint (parameters and
+optimizer state) while it writes. After the rename rank 0 deletes all but the newest
+``keep``. A leftover ``.tmp`` from a killed run is ignored and replaced.
+
+Which checkpoint a resume takes, and what happens to the ones it cannot use, is
+:mod:`mpitrain.train.resume`.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import os
 import re
@@ -50,13 +71,24 @@ import numpy as np
 
 from mpitrain import __version__, rng
 
-FORMAT, FORMAT_VERSION = "mpitrain-checkpoint", 1
+FORMAT, FORMAT_VERSION = "mpitrain-checkpoint", 2
 _NAME = re.compile(r"^step-(\d{8,})\.h5$")
 _CHUNK = 1 << 20  # elements per HDF5 chunk of the flat arrays
+_DIGESTS = ("meta_sha256", "sha256")  # attributes that are not part of what they digest
+_JSON_ATTRS = ("config", "rng", "optimizer")
 
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be used; the message names the file."""
+
+
+class CheckpointNewer(CheckpointError):
+    """A checkpoint written by a newer format version than this mpitrain reads."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint that could not be written (no space left, permissions, I/O error);
+    the message names the file, and the previous checkpoint is intact."""
 
 
 def directory(run_dir) -> Path:
@@ -67,7 +99,7 @@ def path_for(run_dir, step: int) -> Path:
     return directory(run_dir) / f"step-{step:08d}.h5"
 
 
-def _step_of(path: Path) -> int:
+def step_of(path: Path) -> int:
     return int(_NAME.match(path.name).group(1))
 
 
@@ -145,36 +177,67 @@ def _optimizer_meta(local) -> str:
     return json.dumps({"step_count": local.step_count, "groups": groups})
 
 
-def _write_state(f: h5py.File, local, pieces, slices: dict) -> None:
-    """This rank's optimizer state into the flat arrays; a sliced parameter's into its
-    slice of the whole parameter's range (``slices``: :meth:`Layout.slices`)."""
-    has = f["optim/has_state"]
+def _contribution(local, pieces, slices: dict, arrays: dict, parts: dict) -> list:
+    """What this rank writes: ``(header, array)`` pairs, the header saying where the
+    array goes (:func:`_apply`): its model arrays (``arrays``; a sliced one, ``parts``,
+    into its slice of the whole array) and the optimizer state of its ``pieces`` (a
+    sliced parameter's into its slice of the parameter's flat range, ``slices``:
+    :meth:`Layout.slices`)."""
+    out = [((f"model/{name}", None, None, parts.get(name)), np.ascontiguousarray(a)) for name, a in arrays.items()]
     for k, i, lo, hi in pieces:
         state = local.state.get(k)
         if not state:
             continue
-        has[i] = True
+        out.append((("optim/has_state", (i, i + 1), None, None), np.ones(1, dtype=bool)))
         for key, value in state.items():
             value = np.asarray(value)
             if value.ndim == 0:
-                f[f"optim/scalar/{key}"][i] = value
+                out.append(((f"optim/scalar/{key}", (i, i + 1), None, None), value.reshape(1)))
             elif i in slices:
                 where, shape = slices[i]
-                whole = f[f"optim/state/{key}"][lo:hi].reshape(shape)
-                whole[where] = value
-                f[f"optim/state/{key}"][lo:hi] = whole.reshape(-1)
+                out.append(((f"optim/state/{key}", (lo, hi), tuple(shape), where), np.ascontiguousarray(value)))
             else:
-                f[f"optim/state/{key}"][lo:hi] = value.reshape(-1)
+                out.append(((f"optim/state/{key}", (lo, hi), None, None), np.ascontiguousarray(value).reshape(-1)))
+    return out
 
 
-def _write_arrays(f: h5py.File, mine: dict, parts: dict) -> None:
-    """This rank's model arrays; a sliced one into its slice of the whole array."""
-    for name, array in mine.items():
-        if name in parts:
-            whole = f[f"model/{name}"][()]
-            whole[parts[name]] = array
-            array = whole
-        f[f"model/{name}"][...] = array
+def _apply(f: h5py.File, header, array: np.ndarray) -> None:
+    """Write ``array`` where ``header = (dataset, rows, whole shape, where)`` says: rows
+    ``[lo, hi)`` of a flat dataset (None: all of it), and for a slice, its ``where`` in
+    the whole array of ``shape`` that those rows hold (None: the rows' own shape)."""
+    name, rows, shape, where = header
+    ds = f[name]
+    rows = slice(*rows) if rows is not None else Ellipsis
+    if where is None:
+        ds[rows] = array
+        return
+    stored = ds[rows]
+    whole = stored.reshape(shape) if shape is not None else stored  # a view: writing it writes stored
+    whole[where] = array
+    ds[rows] = stored
+
+
+def _collect(f: h5py.File, own: list, comm) -> None:
+    """Write this rank's (rank 0's) contribution, then every other rank's, received as
+    buffers one rank after the other (their headers, small, come by ``gather``)."""
+    from mpitrain.comm import Tag
+
+    headers = comm.gather([h for h, _ in own])
+    for header, array in own:
+        _apply(f, header, array)
+    for source in range(1, comm.size):
+        for header in headers[source]:
+            buf = np.empty(header[4], dtype=np.dtype(header[5]))
+            comm.recv(buf, source, Tag.CHECKPOINT)
+            _apply(f, header[:4], buf)
+
+
+def _send(own: list, comm) -> None:
+    """A rank other than 0 sends its contribution to rank 0."""
+    from mpitrain.comm import Tag
+
+    comm.gather([(*h, a.shape, a.dtype.str) for h, a in own])
+    comm.waitall([comm.isend(a, 0, Tag.CHECKPOINT) for _, a in own])
 
 
 # ----------------------------------------------------------------- save
@@ -183,7 +246,8 @@ def save(run_dir, step: int, *, model, optimizer, sync, cfg, comm, keep: int, ep
     """Write the checkpoint of ``step`` (collective: every rank of ``comm`` calls it);
     ``strategy`` says how the run was laid out (the attribute), ``layout`` is the whole
     model's when ``model`` is a part of it (None: ``model`` is whole). Of a part, each
-    rank that writes state writes its arrays too."""
+    rank that writes state sends its arrays too. Raises :class:`CheckpointWriteError`
+    on every rank if the file cannot be written."""
     offsets, local, pieces, writes = _layout(optimizer, sync, layout)
     names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
     parts = layout.parts if layout is not None else {}
@@ -194,58 +258,53 @@ def save(run_dir, step: int, *, model, optimizer, sync, cfg, comm, keep: int, ep
     kinds = {}
     for k in comm.allgather(_kinds(local) if writes else {}):
         kinds.update(k)
-    final = path_for(run_dir, step)
-    tmp = final.with_name(final.name + ".tmp")
+    own = _contribution(local, pieces if writes else [], slices, mine, parts)
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "mpitrain_version": __version__,
             "step": step, "epoch": epoch, "epoch_step": epoch_step, "ranks": comm.size,
             "strategy": strategy, "config": json.dumps(cfg.to_dict()),
             "rng": json.dumps(rng.get_state()), "optimizer": _optimizer_meta(local),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    final = path_for(run_dir, step)
+    if comm.rank != 0:
+        _send(own, comm)
+        comm.agree(lambda: None)  # rank 0's write, and its error if it fails
+        return final
+    n, n_params = int(offsets[-1]), len(offsets) - 1
+    buffer = io.BytesIO()
+    with h5py.File(buffer, "w") as f:  # in memory: see the module's docstring
+        f.attrs.update(meta)
+        for name, (shape, dtype) in shapes.items():
+            _dataset(f, f"model/{name}", shape=shape, dtype=np.dtype(dtype))
+        _dataset(f, "optim/has_state", shape=(n_params,), dtype=np.dtype(bool))
+        for key, (kind, dtype) in sorted(kinds.items()):
+            length = n if kind == "array" else n_params
+            _dataset(f, f"optim/{'state' if kind == 'array' else 'scalar'}/{key}", shape=(length,),
+                     dtype=np.dtype(dtype))
+        _collect(f, own, comm)
+        f.attrs["meta_sha256"], f.attrs["sha256"] = _digests(f)
+    comm.agree(_write, final, buffer.getbuffer(), run_dir, step, keep)
+    return final
 
-    def create():
-        tmp.parent.mkdir(parents=True, exist_ok=True)
-        with h5py.File(tmp, "w") as f:
-            f.attrs.update(meta)
-            for name, (shape, dtype) in shapes.items():
-                if name in mine and name not in parts:
-                    _dataset(f, f"model/{name}", data=mine[name])
-                else:  # held, or partly held, by other ranks, which write it next
-                    _dataset(f, f"model/{name}", shape=shape, dtype=np.dtype(dtype))
-            _write_arrays(f, {n: a for n, a in mine.items() if n in parts}, parts)
-            n, n_params = int(offsets[-1]), len(offsets) - 1
-            f.create_dataset("optim/has_state", data=np.zeros(n_params, dtype=bool))
-            for key, (kind, dtype) in sorted(kinds.items()):
-                length = n if kind == "array" else n_params
-                _dataset(f, f"optim/{'state' if kind == 'array' else 'scalar'}/{key}", shape=(length,),
-                         dtype=np.dtype(dtype))
-            if writes:
-                _write_state(f, local, pieces, slices)
 
-    comm.agree(lambda: create() if comm.rank == 0 else None)
-    def add_mine(writer: int) -> None:
-        if comm.rank == writer:
-            with h5py.File(tmp, "r+") as f:
-                _write_state(f, local, pieces, slices)
-                _write_arrays(f, mine if partial else {}, parts)
-
-    writers = [r for r, w in enumerate(comm.allgather(writes)) if w and r > 0]
-    for writer in writers:  # one rank at a time: an HDF5 file has one writer
-        comm.agree(add_mine, writer)
-
-    def commit():
-        with open(tmp, "rb+") as fh:
+def _write(final: Path, data, run_dir, step: int, keep: int) -> None:
+    """``data`` to ``final`` atomically, then all but the newest ``keep`` checkpoints go."""
+    tmp = final.with_name(final.name + ".tmp")
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, final)
-        _fsync_dir(final.parent)
-        # checkpoints of later steps belong to the run this one replaced (it resumed from an
-        # earlier one, past a damaged file): they go, then all but the newest `keep`
-        saved = listed(run_dir)
-        later = [p for p in saved if _step_of(p) > step]
-        for old in later + [p for p in saved if _step_of(p) <= step][:-keep]:
-            old.unlink()
-
-    comm.agree(lambda: commit() if comm.rank == 0 else None)
-    return final
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        before = [p for p in listed(run_dir) if step_of(p) < step]
+        intact = f"the previous checkpoint, {before[-1]}, is intact" if before else "no earlier checkpoint"
+        raise CheckpointWriteError(f"{final}: could not be written ({e.strerror or e}); {intact}") from None
+    _fsync_dir(final.parent)
+    upto = [p for p in listed(run_dir) if step_of(p) <= step]  # a later one is never this run's to delete
+    for old in upto[:-keep]:
+        old.unlink()
 
 
 def _dataset(f: h5py.File, name: str, **kwargs) -> None:
@@ -267,116 +326,156 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+# ------------------------------------------------------------- integrity
+def _plain(value):
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    return value
+
+
+def _small(name: str) -> bool:
+    """Datasets of one value per parameter: part of the metadata digest."""
+    return name == "optim/has_state" or name.startswith("optim/scalar/")
+
+
+def _digests(f: h5py.File, content: bool = True) -> tuple[str, str | None]:
+    """(``meta_sha256``, ``sha256``) of an open checkpoint, recomputed from what HDF5
+    reads back; with ``content=False`` only the first (the large arrays are not read)."""
+    attrs = {k: _plain(v) for k, v in f.attrs.items() if k not in _DIGESTS}
+    datasets = []
+    f.visititems(lambda name, obj: datasets.append((name, obj)) if isinstance(obj, h5py.Dataset) else None)
+    datasets.sort(key=lambda item: item[0])
+    meta = hashlib.sha256(json.dumps(attrs, sort_keys=True).encode())
+    for name, ds in datasets:
+        meta.update(json.dumps([name, ds.dtype.str, ds.shape, ds.chunks, ds.fletcher32, ds.compression]).encode())
+        if _small(name):
+            meta.update(np.ascontiguousarray(ds[()]).tobytes())
+    if not content:
+        return meta.hexdigest(), None
+    whole = hashlib.sha256(meta.digest())
+    for _, ds in datasets:
+        for where in (ds.iter_chunks() if ds.chunks else [()]):  # chunk by chunk: bounded memory
+            whole.update(np.ascontiguousarray(ds[where]).tobytes())
+    return meta.hexdigest(), whole.hexdigest()
+
+
 # ----------------------------------------------------------------- load
-def check(path: Path) -> dict:
-    """Read every byte of a checkpoint (checksums verified); its attributes, or raise
-    :class:`CheckpointError` saying what is wrong."""
+def _verified(path: Path, f: h5py.File, content: bool) -> dict:
+    """The attributes of an open checkpoint after checking its format, version and
+    digests (``content``: every byte; else the metadata only), JSON attributes parsed
+    into ``attrs["json"]``."""
+    attrs = {k: _plain(v) for k, v in f.attrs.items()}
+    if attrs.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not an mpitrain checkpoint (format {attrs.get('format')!r})")
+    version = attrs.get("format_version")
+    if not isinstance(version, int):
+        raise CheckpointError(f"{path}: damaged: format_version is {version!r}")
+    if version > FORMAT_VERSION:
+        raise CheckpointNewer(f"{path}: written in checkpoint format version {version} (by mpitrain "
+                              f"{attrs.get('mpitrain_version', '?')}); this mpitrain {__version__} reads versions "
+                              f"up to {FORMAT_VERSION}: upgrade mpitrain to resume it")
+    for group in ("model", "optim"):
+        if group not in f:
+            raise CheckpointError(f"{path}: damaged: no {group!r} group")
+    if version >= 2 or any(k in attrs for k in _DIGESTS):  # digests present: a version said to be 1 is damaged
+        meta, whole = _digests(f, content)
+        if meta != attrs.get("meta_sha256"):
+            raise CheckpointError(f"{path}: damaged: its metadata (attributes, dataset list, per-parameter "
+                                  "values) does not match its SHA-256")
+        if content and whole != attrs.get("sha256"):
+            raise CheckpointError(f"{path}: damaged: its arrays do not match their SHA-256")
+    elif content:
+        f.visititems(lambda name, obj: obj[()] if isinstance(obj, h5py.Dataset) else None)  # Fletcher-32 only
+    try:
+        attrs["json"] = {k: json.loads(attrs[k]) for k in _JSON_ATTRS}
+        for k in ("step", "epoch", "epoch_step"):
+            if not isinstance(attrs[k], int) or attrs[k] < 0:
+                raise ValueError(f"{k} is {attrs[k]!r}")
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{path}: damaged metadata ({type(e).__name__}: {e})") from None
+    named = _NAME.match(path.name)
+    if named and int(named.group(1)) != attrs["step"]:  # a file copied or renamed over another
+        raise CheckpointError(f"{path}: holds step {attrs['step']}, not the step its name says")
+    return attrs
+
+
+def _open(path: Path, use):
+    """``use(open file)``, every error of reading turned into a CheckpointError naming ``path``."""
     try:
         with h5py.File(path, "r") as f:
-            attrs = dict(f.attrs)
-            if attrs.get("format") != FORMAT:
-                raise CheckpointError(f"{path}: not an mpitrain checkpoint (format {attrs.get('format')!r})")
-            if int(attrs.get("format_version", -1)) > FORMAT_VERSION:
-                raise CheckpointError(f"{path}: format version {attrs['format_version']} is newer than this "
-                                      f"mpitrain's ({FORMAT_VERSION})")
-            for group in ("model", "optim"):
-                if group not in f:
-                    raise CheckpointError(f"{path}: no {group!r} group")
-
-            def read(name, obj):
-                if isinstance(obj, h5py.Dataset):
-                    obj[()]
-
-            f.visititems(read)
-            return attrs
+            return use(f)
     except CheckpointError:
         raise
-    except (OSError, KeyError, ValueError, RuntimeError, TypeError) as e:  # how h5py reports damage
+    except Exception as e:  # h5py reports damage as OSError, KeyError, ValueError, RuntimeError, ...
         raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
 
 
-def latest(run_dir, comm, warn) -> Path | None:
-    """The newest checkpoint of the run that reads back whole (chosen by rank 0, which
-    ``warn``s about each damaged one it skips), on every rank; None if there is none."""
-
-    def choose():
-        for path in reversed(listed(run_dir)):
-            try:
-                check(path)
-                return str(path)
-            except CheckpointError as e:
-                warn(f"warning: skipping damaged checkpoint: {e}")
-        return None
-
-    chosen = comm.bcast(comm.agree(lambda: choose() if comm.rank == 0 else None))
-    return Path(chosen) if chosen else None
+def check(path: Path) -> dict:
+    """Read every byte of a checkpoint and verify its digests; its attributes (JSON ones
+    parsed, under ``"json"``), or raise :class:`CheckpointError` saying what is wrong
+    (:class:`CheckpointNewer` for a newer format)."""
+    return _open(path, lambda f: _verified(path, f, content=True))
 
 
-# the settings the order of the batches follows (with the step); changing one on resume
-# trains on other batches than the saved run would have
-DATA_ORDER = (("train", "seed"), ("train", "global_batch_size"), ("data", "buffer_mb"), ("data", "shift"),
-              ("data", "path"), ("data", "name"), ("model", "block_size"))
+def read_meta(path: Path) -> dict:
+    """A checkpoint's attributes after verifying the metadata digest only (cheap: the
+    large arrays are not read), as :func:`check` returns them."""
+    return _open(path, lambda f: _verified(path, f, content=False))
 
 
-def restore(path: Path, *, cfg, model, optimizer, sync, comm, warn=None, layout: Layout | None = None) -> dict:
+def restore(path: Path, *, model, optimizer, sync, comm, check_config=None, layout: Layout | None = None) -> dict:
     """Load ``path`` into the model (a part of the whole one of ``layout``, or the whole
     one), the optimizer state this rank owns and the random stream (collective); returns
-    the checkpoint's attributes. ``warn`` hears of settings that change the batch order
-    from the saved run's."""
+    the checkpoint's attributes (verified: :func:`read_meta`). ``check_config(saved
+    config as a dict)`` may refuse the file (raising CheckpointError) before anything is
+    loaded."""
     offsets, local, pieces, _ = _layout(optimizer, sync, layout)
 
-    def load():
-        with h5py.File(path, "r") as f:
-            attrs = dict(f.attrs)
-            saved_cfg, now = json.loads(attrs["config"]), cfg.to_dict()
-            changed = [f"{a}.{b} = {now[a][b]!r} (saved: {saved_cfg[a][b]!r})" for a, b in DATA_ORDER
-                       if saved_cfg.get(a, {}).get(b) != now[a][b]]
-            if changed and warn is not None:
-                warn(f"warning: {path}: resuming with {', '.join(changed)}: the batches differ from the ones "
-                     "the saved run would have trained on")
-            was = saved_cfg["optim"]["name"]
-            if was != cfg.optim.name:
-                raise CheckpointError(f"{path}: saved with optim.name = {was!r}, this run has {cfg.optim.name!r}; "
-                                      "the optimizer state cannot carry over")
-            saved = {name: f[f"model/{name}"] for name in _names(f["model"])}
-            wanted = model.state_dict()
-            whole = set(layout.arrays) if layout is not None else set(wanted)
-            missing, unexpected = sorted(whole - set(saved)), sorted(set(saved) - whole)
-            if missing or unexpected:
-                raise CheckpointError(f"{path}: the model differs from the checkpoint's: missing {missing}, "
-                                      f"unexpected {unexpected} (is model.* the same as when it was saved?)")
-            parts = layout.parts if layout is not None else {}
-            slices = layout.slices() if layout is not None else {}
+    def load(f):
+        attrs = _verified(path, f, content=False)
+        if check_config is not None:
+            check_config(attrs["json"]["config"])
+        saved = {name: f[f"model/{name}"] for name in _names(f["model"])}
+        wanted = model.state_dict()
+        whole = set(layout.arrays) if layout is not None else set(wanted)
+        missing, unexpected = sorted(whole - set(saved)), sorted(set(saved) - whole)
+        if missing or unexpected:
+            raise CheckpointError(f"{path}: the model differs from the checkpoint's: missing {missing}, "
+                                  f"unexpected {unexpected} (is model.* the same as when it was saved?)")
+        parts = layout.parts if layout is not None else {}
+        for name, array in wanted.items():
+            whole_shape = tuple(layout.arrays[name][0]) if name in parts else array.shape
+            if saved[name].shape != whole_shape:  # a slice's whole array, not the slice, against the file
+                raise CheckpointError(f"{path}: {name} has shape {saved[name].shape} in the checkpoint, "
+                                      f"{whole_shape} in this model (is model.* the same?)")
+        model.load_state_dict({name: saved[name][()][parts[name]] if name in parts else saved[name][()]
+                               for name in wanted})
+        _load_state(path, f, local, pieces, offsets, layout.slices() if layout is not None else {})
+        local.step_count = int(attrs["json"]["optimizer"]["step_count"])
+        rng.set_state(attrs["json"]["rng"])
+        return attrs
 
-            def mine(name):  # this rank's part of a saved array
-                return saved[name][()][parts[name]] if name in parts else saved[name][()]
+    return comm.agree(_open, path, load)
 
-            for name, array in wanted.items():
-                whole_shape = tuple(layout.arrays[name][0]) if name in parts else array.shape
-                if saved[name].shape != whole_shape:  # a slice's whole array, not the slice, against the file
-                    raise CheckpointError(f"{path}: {name} has shape {saved[name].shape} in the checkpoint, "
-                                          f"{whole_shape} in this model (is model.* the same?)")
-            model.load_state_dict({name: mine(name) for name in wanted})
-            has = f["optim/has_state"][()]
-            arrays = {k: f[f"optim/state/{k}"] for k in f["optim/state"]} if "optim/state" in f else {}
-            scalars = {k: f[f"optim/scalar/{k}"] for k in f["optim/scalar"]} if "optim/scalar" in f else {}
-            if len(has) != len(offsets) - 1 or any(ds.shape[0] != offsets[-1] for ds in arrays.values()):
-                raise CheckpointError(f"{path}: the optimizer state of {len(has)} parameters does not fit this "
-                                      f"optimizer's {len(offsets) - 1} (is optim.* the same?)")
-            shapes = [p.shape for group in local.param_groups for p in group["params"]]
-            local.state = {}
-            for k, i, lo, hi in pieces:
-                if has[i]:
-                    state = {key: (ds[lo:hi].reshape(slices[i][1])[slices[i][0]] if i in slices else ds[lo:hi])
-                             .reshape(shapes[k]) for key, ds in arrays.items()}
-                    state.update({key: np.array(ds[i]) for key, ds in scalars.items()})
-                    local.state[k] = state
-            opt_meta = json.loads(attrs["optimizer"])
-            local.step_count = int(opt_meta["step_count"])
-            rng.set_state(json.loads(attrs["rng"]))
-            return attrs
 
-    return comm.agree(load)
+def _load_state(path: Path, f: h5py.File, local, pieces, offsets, slices: dict) -> None:
+    """This rank's ``pieces`` of the flat optimizer state into ``local``."""
+    has = f["optim/has_state"][()]
+    arrays = {k: f[f"optim/state/{k}"] for k in f["optim/state"]} if "optim/state" in f else {}
+    scalars = {k: f[f"optim/scalar/{k}"] for k in f["optim/scalar"]} if "optim/scalar" in f else {}
+    if len(has) != len(offsets) - 1 or any(ds.shape[0] != offsets[-1] for ds in arrays.values()):
+        raise CheckpointError(f"{path}: the optimizer state of {len(has)} parameters does not fit this "
+                              f"optimizer's {len(offsets) - 1} (is optim.* the same?)")
+    shapes = [p.shape for group in local.param_groups for p in group["params"]]
+    local.state = {}
+    for k, i, lo, hi in pieces:
+        if has[i]:
+            state = {key: (ds[lo:hi].reshape(slices[i][1])[slices[i][0]] if i in slices else ds[lo:hi])
+                     .reshape(shapes[k]) for key, ds in arrays.items()}
+            state.update({key: np.array(ds[i]) for key, ds in scalars.items()})
+            local.state[k] = state
 
 
 def _names(group: h5py.Group) -> list[str]:

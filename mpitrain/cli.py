@@ -1,4 +1,4 @@
-"""The ``mpitrain`` command: ``train``, ``report``, ``data build | verify | info``,
+"""The ``mpitrain`` command: ``train``, ``report``, ``data download | build | verify | info``,
 ``bench step | io | allreduce | ddp | ps | pipeline | tensor``.
 
 Commands that may run under ``mpiexec`` (``train``, ``bench io``) start MPI through
@@ -18,21 +18,87 @@ from pathlib import Path
 
 from mpitrain import __version__
 
+INTERRUPTED = 130  # the exit status after Ctrl-C (128 + SIGINT), as shells report it
+
 
 def _train(args) -> int:
-    from mpitrain import config, train
+    from mpitrain import train
     from mpitrain.comm import world
 
-    overrides = list(args.set)
-    if args.run_dir is not None:
-        overrides.append(f"run.dir={json.dumps(args.run_dir)}")
-    cfg = config.load(args.config, overrides)  # before any MPI work
-    if "run.dir" not in cfg.given:
-        run_dir = _default_run_dir(Path(args.config).stem, args.resume)
-        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(run_dir)))
+    cfg = _train_config(args)  # before any MPI work
+    # each progress line as it is printed, also into a pipe (mpiexec's) or a log file
+    # (SLURM's), which Python would otherwise fill 8 KB at a time
+    sys.stdout.reconfigure(line_buffering=True)
     par = cfg.parallel
-    train.train(cfg, comm=world(par.thread_level, comm_thread=par.progress == "thread"), resume=args.resume)
-    return 0
+    result = train.train(cfg, comm=world(par.thread_level, comm_thread=par.progress == "thread"),
+                         resume=args.resume is not None, start_over=args.start_over)
+    return INTERRUPTED if result.stopped == "SIGINT" else 0
+
+
+def _train_config(args):
+    """The config ``train`` runs: a new run's from CONFIG and ``--set``; a resumed run's
+    from its newest checkpoint, with ``--set`` as changes (:mod:`mpitrain.train.resume`)."""
+    from mpitrain import config
+    from mpitrain.train import resume
+
+    if args.start_over and args.resume is None:
+        raise _usage("--start-over applies with --resume")
+    if args.resume is None or args.resume is True and args.run_dir is None:
+        if args.config is None:
+            raise _usage("the CONFIG file is required (or --resume RUN_DIR)")
+        if Path(args.config).is_dir():
+            raise _usage(f"{args.config} is a directory: to resume a run, mpitrain train --resume {args.config}")
+    if args.resume is None:
+        overrides = args.set + ([f"run.dir={json.dumps(args.run_dir)}"] if args.run_dir is not None else [])
+        cfg = config.load(args.config, overrides)
+        if "run.dir" not in cfg.given:
+            run = dataclasses.replace(cfg.run, dir=str(_new_run_dir(Path(args.config).stem)))
+            cfg = dataclasses.replace(cfg, run=run)
+        return cfg
+    run_dir = _resume_dir(args)
+    overrides = args.set + [f"run.dir={json.dumps(str(run_dir))}"]
+    saved = resume.saved_config(run_dir, args.start_over)
+    if saved is None:  # nothing to resume: the run starts from CONFIG
+        if args.config is None:
+            raise _failure(f"{run_dir}: holds no checkpoint to take the config from; give the CONFIG file too")
+        return config.load(args.config, overrides)
+    path, saved_cfg = saved
+    cfg = config.from_saved(saved_cfg, overrides, where=f"{path}: the saved config")
+    if args.config is not None:
+        given = {item.split("=", 1)[0].strip() for item in args.set}
+        file = {section: {k: v for k, v in table.items() if f"{section}.{k}" not in given}
+                for section, table in config.read(args.config).items() if isinstance(table, dict)}
+        differ = [f"{k} = {new!r} in the file (saved: {old!r})" for k, old, new in
+                  resume.config_changes({s: {k: saved_cfg.get(s, {}).get(k) for k in t} for s, t in file.items()}, file)]
+        if differ:
+            _note(f"note: {args.config} differs from the config saved in {path}: {', '.join(differ)}; a resumed "
+                  "run keeps the saved values (--set changes one)")
+    return cfg
+
+
+def _resume_dir(args) -> Path:
+    """The run directory ``--resume`` continues: the one it names, ``--run-dir``, or the
+    only run of CONFIG."""
+    from mpitrain.train import resume
+
+    named = None if args.resume is True else args.resume
+    if named is not None and args.run_dir is not None and Path(named) != Path(args.run_dir):
+        raise _usage(f"--resume {named} and --run-dir {args.run_dir} name different run directories")
+    named = named or args.run_dir
+    if named is not None:
+        if Path(named).is_file():
+            raise _usage(f"--resume takes a run directory, not the file {named}: mpitrain train CONFIG --resume, "
+                         "or mpitrain train --resume RUN_DIR")
+        return Path(named)
+    run_dir, line = resume.find_run(Path(args.config).stem)
+    _note(line)
+    return run_dir
+
+
+def _note(message: str) -> None:
+    """A line about the command, printed once (before MPI starts, by rank 0 of the launcher)."""
+    if _prints_errors():
+        print(message, file=sys.stderr, flush=True)
 
 
 def _report(args) -> int:
@@ -45,15 +111,16 @@ def _report(args) -> int:
     return 0
 
 
-def _default_run_dir(stem: str, resume: bool) -> Path:
+def _new_run_dir(stem: str) -> Path:
     """``runs/<config name>``; if a run already left checkpoints there, the next free
-    ``runs/<config name>-<n>``, or with ``--resume`` the newest of them."""
+    ``runs/<config name>-<n>``."""
     from mpitrain.checkpoint import listed
 
-    candidates = [Path("runs") / stem]
-    while listed(candidates[-1]):
-        candidates.append(Path("runs") / f"{stem}-{len(candidates) + 1}")
-    return candidates[-2] if resume and len(candidates) > 1 else candidates[-1]
+    n, path = 1, Path("runs") / stem
+    while listed(path):
+        n += 1
+        path = Path("runs") / f"{stem}-{n}"
+    return path
 
 
 def _data_build(args) -> int:
@@ -73,11 +140,26 @@ def _data_build(args) -> int:
         options["unverified_source"] = True
     tick = time.perf_counter()
     writer = recipe.build(args.src, args.out, **options)
+    _print_built(args.out, writer, tick)
+    return 0
+
+
+def _data_download(args) -> int:
+    from mpitrain_datasets import download
+
+    out = args.out or download.default_out(args.name)
+    src = download.fetch(args.name, cache=args.cache, mirror=args.mirror, out=out)
+    tick = time.perf_counter()
+    writer = download.build(args.name, src, out)
+    _print_built(out, writer, tick)
+    return 0
+
+
+def _print_built(out, writer, tick: float) -> None:
     splits = ", ".join(f"{s} {v['count']:,} in {len(v['shards'])} shard(s)"
                        for s, v in writer.manifest["splits"].items())
     state = "already up to date" if writer.up_to_date else f"written in {time.perf_counter() - tick:.1f} s"
-    print(f"{args.out}: {writer.name} ({writer.kind}): {splits}; {state}")
-    return 0
+    print(f"{out}: {writer.name} ({writer.kind}): {splits}; {state}")
 
 
 def _data_verify(args) -> int:
@@ -160,6 +242,25 @@ class _failure(ValueError):
     """A problem with the input a command was given: one line, exit status 2."""
 
 
+def _prints_errors() -> bool:
+    """Whether this process prints the errors that every rank raises alike: rank 0 of
+    the MPI world, or, before MPI has started (the config and the command line are read
+    first), rank 0 by its launcher's environment, so that ``mpiexec -n 2`` prints one line."""
+    from mpitrain.comm import launcher_rank, started_world
+
+    world = started_world()
+    return (launcher_rank() if world is None else world.rank) in (None, 0)
+
+
+class _Parser(argparse.ArgumentParser):
+    """The argument parser, whose usage errors (the same on every rank) one rank prints."""
+
+    def error(self, message):
+        if _prints_errors():
+            super().error(message)  # prints the usage and the message, exits with status 2
+        self.exit(2)
+
+
 def _bench_pipeline(args) -> int:
     from mpitrain.bench import pipeline
 
@@ -207,7 +308,7 @@ def _non_negative(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="mpitrain",
         description="Distributed deep-learning training on NumPy and MPI.",
         epilog="Run 'mpitrain COMMAND --help' for a command's options.",
@@ -216,16 +317,24 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = commands.add_parser("train", help="train a model described by a TOML config",
-                            description="Train a model described by a TOML config (see jobs/).")
-    p.add_argument("config", help="path of the TOML config, e.g. jobs/mnist5k_lenet.toml")
+                            description="Train a model described by a TOML config (see jobs/), or resume a run.",
+                            epilog="Ctrl-C, SIGTERM or SIGUSR1 finish the step, save a checkpoint and stop "
+                                   "(exit 130 after Ctrl-C, 0 after the others); a second Ctrl-C aborts at once.")
+    p.add_argument("config", nargs="?", help="path of the TOML config, e.g. jobs/mnist5k_lenet.toml (a resumed "
+                                             "run takes its saved config: then optional)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one config value (TOML syntax), e.g. --set optim.lr=3e-4; repeatable")
+                   help="override one config value (TOML syntax), e.g. --set optim.lr=3e-4; repeatable; with "
+                        "--resume, a change to the saved config, listed when the run starts")
     p.add_argument("--run-dir", metavar="DIR",
                    help="where checkpoints and metrics.jsonl go (run.dir; default runs/<config name>, "
                         "or runs/<config name>-<n> when an earlier run is there)")
-    p.add_argument("--resume", action="store_true",
-                   help="continue from the newest readable checkpoint in the run directory (start if none); "
-                        "without --run-dir, the newest default run directory")
+    p.add_argument("--resume", nargs="?", const=True, metavar="RUN_DIR",
+                   help="continue RUN_DIR (or --run-dir, or the only run of CONFIG in runs/) from its newest "
+                        "usable checkpoint, with the config saved in it; a run directory without checkpoints "
+                        "starts from CONFIG")
+    p.add_argument("--start-over", action="store_true",
+                   help="with --resume: if no checkpoint of the run can be used, start it again at step 0 "
+                        "(unusable files are moved to checkpoints/unusable/, never deleted)")
     p.set_defaults(run=_train)
 
     bench = commands.add_parser("bench", help="measure speed (ratios taken side by side)",
@@ -315,7 +424,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from mpitrain_datasets import RECIPES
 
-    data = commands.add_parser("data", help="build, check and describe shard datasets",
+    data = commands.add_parser("data", help="download, build, check and describe shard datasets",
                                description="HDF5 shard datasets (format: datasets/README.md).")
     actions = data.add_subparsers(dest="action", required=True, metavar="ACTION")
     recipes = "\n".join(f"  {name:22} --src: {r.src}" for name, r in RECIPES.items())
@@ -335,6 +444,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--unverified-source", action="store_true",
                    help="IDX: accept files whose SHA-256 is not the published one")
     p.set_defaults(run=_data_build)
+    from mpitrain_datasets.download import DOWNLOADS, MIRROR_ENV
+
+    p = actions.add_parser(
+        "download", help="download a dataset's canonical files, verify them, build shards",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Download the canonical files of NAME, check their published hashes, keep them in a "
+                    "cache, and build\nshards with the recipe 'mpitrain data build' uses. An interrupted "
+                    "download continues where it\nstopped; nothing unverified is kept (details: "
+                    "datasets/download.py).\n\ndatasets:\n"
+                    + "\n".join(f"  {n:16} {s.about}" for n, s in DOWNLOADS.items())
+                    + "\n\nOffline, get the files by hand and build them with 'mpitrain data build' (a "
+                      "failed download prints\nthe command). Fashion-MNIST also comes with Debian: apt-get "
+                      "install dataset-fashion-mnist, then\nmpitrain data build fashion-mnist-debian --out "
+                      "runs/data/fashion-mnist.")
+    p.add_argument("name", choices=list(DOWNLOADS), metavar="NAME", help="the dataset (listed above)")
+    p.add_argument("--out", help="the dataset directory to write (default runs/data/NAME, where the configs "
+                                 "in jobs/ look)")
+    p.add_argument("--cache", help="where downloaded files are kept, as CACHE/NAME/FILE (default downloads/ in "
+                                   "$MPITRAIN_DATA, else in $XDG_CACHE_HOME/mpitrain or ~/.cache/mpitrain)")
+    p.add_argument("--mirror", metavar="URL",
+                   help=f"fetch from URL/NAME/FILE only, not the canonical hosts (default ${MIRROR_ENV}, "
+                        "if set); e.g. a cache directory served over HTTP")
+    p.set_defaults(run=_data_download)
     p = actions.add_parser("verify", help="re-hash every shard against the manifest",
                            description="Check the structure of every shard and re-hash its content.")
     p.add_argument("path", help="a dataset directory")
@@ -349,14 +481,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from mpitrain.checkpoint import CheckpointError
-    from mpitrain.comm import abort_on_exception, started_world
+    from mpitrain.checkpoint import CheckpointError, CheckpointWriteError
+    from mpitrain.comm import abort_on_exception
     from mpitrain.config import ConfigError
     from mpitrain.data import DataError
 
     def once(message: str) -> None:
-        world = started_world()
-        if world is None or world.rank == 0:  # raised on every rank alike: print once
+        if _prints_errors():
             print(message, file=sys.stderr)
 
     try:
@@ -365,6 +496,9 @@ def main(argv=None) -> int:
             return args.run(args)
     except _usage as e:
         parser.error(str(e))
+    except CheckpointWriteError as e:  # not the input's fault: the disk's
+        once(f"mpitrain: error: {e}")
+        return 1
     except (ConfigError, DataError, CheckpointError, _failure) as e:
         once(f"mpitrain: error: {e}")
         return 2
@@ -373,7 +507,7 @@ def main(argv=None) -> int:
         return 1
     except KeyboardInterrupt:
         print("mpitrain: interrupted", file=sys.stderr)
-        return 130
+        return INTERRUPTED
 
 
 if __name__ == "__main__":  # pragma: no cover

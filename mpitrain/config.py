@@ -158,6 +158,7 @@ class RunConfig:
     timeline: bool = False  # write RUN_DIR/timeline.json (Chrome trace: per-rank compute, communication, I/O)
     stall_warn_s: float = 60.0  # a collective waiting this long: say which ranks are not there (0: never)
     stall_abort_s: float = 600.0  # ... and this long: abort every rank (0: never)
+    progress: str = "auto"  # the leading rank's progress: a bar (tqdm) above the lines | lines | auto (see loop.show_bar)
 
 
 @dataclass(frozen=True)
@@ -278,14 +279,56 @@ def _renamed(raw: dict) -> list[str]:
 
 def load(path, overrides: list[str] = ()) -> Config:
     """Read a TOML config file and apply overrides; raises ConfigError naming the problem."""
+    return from_dict(read(path), overrides)
+
+
+def read(path) -> dict:
+    """A TOML config file's tables, unchecked; raises ConfigError naming the file."""
     path = Path(path)
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a config file") from None
+    except OSError as e:  # no permission, an I/O error, ...
+        raise ConfigError(f"{path}: cannot read the config file ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text, as TOML must be (byte 0x{e.object[e.start]:02x} at offset "
+                          f"{e.start})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path}: not valid TOML ({e})") from None
-    return from_dict(raw, overrides)
+
+
+def from_saved(saved: dict, overrides: list[str] = (), where: str = "the saved config") -> Config:
+    """The Config saved in a checkpoint (``Config.to_dict``, every field) with
+    ``overrides`` applied. Fields at their defaults are left out, so that only what
+    was set counts as given, and so are saved fields that do not apply to a model,
+    optimizer or sync the overrides choose instead (a parameter server's
+    ``parallel.staleness`` when ``--set parallel.sync=ddp`` resumes its checkpoint); an
+    error in the saved values names ``where``."""
+    defaults = Config().to_dict()
+    try:
+        raw = {section: {k: v for k, v in fields.items() if _as_tuple(v) != defaults.get(section, {}).get(k)}
+               for section, fields in saved.items()}
+    except AttributeError:
+        raise ConfigError(f"{where}: not a table of sections") from None
+    given = dict(_parse_override(item) for item in overrides)
+    for section, choice, fields in (("model", "name", MODEL_FIELDS), ("optim", "name", OPTIM_FIELDS),
+                                    ("parallel", "sync", PARALLEL_FIELDS)):
+        chosen = given.get(f"{section}.{choice}", saved.get(section, {}).get(choice))
+        if f"{section}.{choice}" in given and chosen in fields and section in raw:
+            raw[section] = {k: v for k, v in raw[section].items() if k in fields[chosen]}
+    try:
+        return from_dict(raw, overrides)
+    except ConfigError as e:
+        if str(e).split(":", 1)[0] in given:  # the user's --set, not the saved config
+            raise
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _as_tuple(value):
+    return tuple(value) if isinstance(value, list) else value
 
 
 # ---------------------------------------------------------------- validation
@@ -420,6 +463,7 @@ def _validate_run(cfg: Config) -> None:
              r.checkpoint_interval)
     _require(r.keep >= 1, "run.keep", "must be >= 1", r.keep)
     _require(r.on_nan in ("stop", "skip"), "run.on_nan", "must be 'stop' or 'skip'", r.on_nan)
+    _require(r.progress in ("auto", "bar", "lines"), "run.progress", "must be 'auto', 'bar' or 'lines'", r.progress)
     _require(r.stall_warn_s >= 0, "run.stall_warn_s", "must be >= 0 (0: never)", r.stall_warn_s)
     _require(r.stall_abort_s >= 0, "run.stall_abort_s", "must be >= 0 (0: never)", r.stall_abort_s)
     _require(not (r.stall_abort_s and r.stall_warn_s) or r.stall_abort_s > r.stall_warn_s, "run.stall_abort_s",

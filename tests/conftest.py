@@ -1,17 +1,56 @@
-"""Shared test set-up. In the MPI tier, a test failing on one rank ends the whole run.
+"""Shared test set-up.
 
-Without this, the other ranks would wait in their next collective until the time limit;
-with it, the failing rank prints its report and calls MPI_Abort (never a hang)."""
+In the MPI tier, a test failing on one rank ends the whole run. Without this, the other
+ranks would wait in their next collective until the time limit; with it, the failing
+rank prints its report and calls MPI_Abort (never a hang).
+
+A test run writes only into one scratch directory, removed when the run ends, so it
+leaves nothing in the temporary directory: pytest's ``tmp_path`` (instead of
+``/tmp/pytest-of-$USER``), whatever tests and the processes they start make with
+``tempfile``, and the embedded datasets tests build (``$MPITRAIN_DATA``, instead of the
+user's ``~/.cache``). In the MPI tier every rank uses rank 0's: the ranks of a run share
+one embedded-data cache (rank 0 builds it, atomically, and every rank reads it). A run
+that MPI_Abort ends leaves its scratch directory behind.
+"""
 
 import os
+import shutil
 import sys
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-# embedded datasets built by tests go to a scratch cache, not the user's ~/.cache
-os.environ.setdefault("MPITRAIN_DATA", tempfile.mkdtemp(prefix="mpitrain-test-data-"))
+SCRATCH: Path | None = None  # this run's (rank 0's in the MPI tier), set by pytest_configure
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's tmpdir plugin reads the basetemp
+def pytest_configure(config):
+    global SCRATCH
+    rank, comm = 0, None
+    if config.getoption("--with-mpi", default=False):  # the MPI tier: every test starts MPI anyway
+        from mpitrain.comm import world
+
+        comm = world()
+        rank = comm.rank
+    made = tempfile.mkdtemp(prefix="mpitrain-tests-") if rank == 0 else None
+    SCRATCH = Path(comm.bcast(made) if comm else made)
+    tempfile.tempdir = str(SCRATCH)  # tempfile.mkdtemp() and the like, in tests
+    os.environ["TMPDIR"] = str(SCRATCH)  # ... and in the processes they start
+    os.environ.setdefault("MPITRAIN_DATA", str(SCRATCH / "data"))
+    if config.option.basetemp is None:
+        config.option.basetemp = str(SCRATCH / f"pytest-rank{rank}")
+
+
+def pytest_unconfigure(config):
+    from mpitrain.comm import started_world
+
+    comm = started_world()
+    if comm is not None:
+        comm.barrier()  # rank 0 removes the directory once every rank is done with it
+    if SCRATCH is not None and (comm is None or comm.rank == 0):
+        shutil.rmtree(SCRATCH, ignore_errors=True)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -130,9 +130,12 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning(text_data, tmp_pa
     again = train.train(gpt(text_data, tmp_path / "a", "train.steps=12"), log=lines.append, warn=warnings.append,
                         resume=True)
     assert again.start_step == 8 and again.steps == 12
-    assert len(warnings) == 1 and warnings[0].startswith("warning: skipping damaged checkpoint:")
-    assert str(newest) in warnings[0]
-    checkpoint.check(newest)  # rewritten whole by the resumed run
+    aside = tmp_path / "a" / "checkpoints" / "unusable" / newest.name
+    assert warnings == [warnings[0]] and warnings[0].startswith(f"warning: cannot resume from {newest}: ")
+    assert warnings[0].endswith(f"; moved to {aside}")
+    checkpoint.check(newest)  # written whole by the resumed run
+    with pytest.raises(checkpoint.CheckpointError):  # the damaged file, kept
+        checkpoint.check(aside)
 
 
 def test_resuming_a_finished_run_evaluates_and_returns(text_data, tmp_path):
@@ -143,7 +146,7 @@ def test_resuming_a_finished_run_evaluates_and_returns(text_data, tmp_path):
     assert any(line.startswith("done: 0 steps") for line in lines)
 
 
-def test_a_resume_past_a_damaged_checkpoint_drops_the_abandoned_later_ones(text_data, tmp_path):
+def test_a_resume_past_a_damaged_checkpoint_keeps_it_aside_and_deletes_nothing_unread(text_data, tmp_path):
     train.train(gpt(text_data, tmp_path / "a", "train.steps=12"), log=quiet)  # checkpoints 4, 8, 12
     damage(checkpoint.path_for(tmp_path / "a", 12), "garbage")
     again = train.train(gpt(text_data, tmp_path / "a", "train.steps=12", "run.keep=1", "run.checkpoint_interval=2"),
@@ -151,6 +154,7 @@ def test_a_resume_past_a_damaged_checkpoint_drops_the_abandoned_later_ones(text_
     assert again.start_step == 8
     assert [p.name for p in checkpoint.listed(tmp_path / "a")] == ["step-00000012.h5"]
     checkpoint.check(checkpoint.path_for(tmp_path / "a", 12))
+    assert (tmp_path / "a" / "checkpoints" / "unusable" / "step-00000012.h5").read_bytes() == b"not a checkpoint"
 
 
 def test_a_resume_that_changes_the_batch_order_is_warned_about(text_data, tmp_path):
@@ -158,8 +162,10 @@ def test_a_resume_that_changes_the_batch_order_is_warned_about(text_data, tmp_pa
     warnings = []
     train.train(gpt(text_data, tmp_path / "a", "train.steps=8", "data.buffer_mb=1.0", "train.seed=5"), log=quiet,
                 warn=warnings.append, resume=True)
-    assert len(warnings) == 1 and "train.seed = 5 (saved: 1337)" in warnings[0]
-    assert "data.buffer_mb = 1.0 (saved: 32" in warnings[0]
+    assert len(warnings) == 2 and warnings[0].startswith("resume: changes to the saved config: ")
+    assert "train.seed = 5 (saved: 1337)" in warnings[0] and "data.buffer_mb = 1.0 (saved: 32" in warnings[0]
+    assert "train.steps = 8 (saved: 4)" in warnings[0]
+    assert "resuming with another data.buffer_mb, train.seed: the batches differ" in warnings[1]
 
 
 def test_a_run_directory_with_checkpoints_needs_resume(text_data, tmp_path):
@@ -173,7 +179,7 @@ def test_a_run_directory_with_checkpoints_needs_resume(text_data, tmp_path):
 
 def test_a_checkpoint_of_another_model_is_refused_naming_the_file(text_data, tmp_path):
     train.train(gpt(text_data, tmp_path / "a", "train.steps=4"), log=quiet)
-    with pytest.raises(checkpoint.CheckpointError, match=r"step-00000004\.h5: .*shape"):
+    with pytest.raises(checkpoint.CheckpointError, match=r"step-00000004\.h5: .*model.n_embd = 32 \(saved: 16\)"):
         train.train(gpt(text_data, tmp_path / "a", "train.steps=8", "model.n_embd=32"), log=quiet, resume=True)
     with pytest.raises(checkpoint.CheckpointError, match="optim.name = 'adamw'"):
         train.train(gpt(text_data, tmp_path / "a", "train.steps=8", "optim.name='adam'"), log=quiet, resume=True)
@@ -327,21 +333,25 @@ def test_sigkill_during_a_pipeline_run_then_resume_is_bit_identical(reference, t
 
 @needs_mpiexec
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the ranks through Linux /proc")
-@pytest.mark.parametrize("sig,to", [("SIGTERM", "one"), ("SIGUSR1", "one"), ("SIGUSR1", "all")])
-def test_a_signal_checkpoints_and_exits_0_then_resume_is_bit_identical(reference, tmp_path, sig, to):
-    """To one rank (mpiexec's user), or to every rank (as SLURM does)."""
+@pytest.mark.parametrize("sig,to", [("SIGTERM", "one"), ("SIGUSR1", "one"), ("SIGUSR1", "all"), ("SIGINT", "one"),
+                                    ("SIGINT", "mpiexec")])
+def test_a_signal_checkpoints_and_exits_then_resume_is_bit_identical(reference, tmp_path, sig, to):
+    """To one rank (mpiexec's user), to every rank (as SLURM does), or Ctrl-C to
+    mpiexec (a terminal sends it to mpiexec's process group, and mpiexec forwards it to
+    every rank): a checkpoint, one message, exit 0 (130 after SIGINT), no traceback."""
     data, final = reference
     proc = launch(data, tmp_path / "run")
     wait_for_checkpoint(tmp_path / "run", 60, proc)
     ranks = ranks_of(proc)
     assert len(ranks) == 2
-    for pid in ranks[1:] if to == "one" else ranks:
+    for pid in [proc.pid] if to == "mpiexec" else ranks[1:] if to == "one" else ranks:
         os.kill(pid, getattr(signal, sig))
     code, out, err = finish(proc)
-    assert code == 0, err
+    assert code == (130 if sig == "SIGINT" else 0), err
+    assert "Traceback" not in err and "error" not in err.lower(), err
     stopped = [line for line in out.splitlines() if line.startswith("stopped by")]
     assert len(stopped) == 1 and stopped[0].startswith(f"stopped by {sig} after step"), out
-    assert "resume with --resume" in stopped[0]
+    assert stopped[0].endswith(f"resume with: mpitrain train --resume {tmp_path / 'run'}")
     at = int(stopped[0].split("after step ")[1].split(";")[0])
     assert checkpoint.listed(tmp_path / "run")[-1] == checkpoint.path_for(tmp_path / "run", at)
     code, out, err = finish(launch(data, tmp_path / "run", "--resume"))
@@ -395,7 +405,7 @@ def test_a_signal_stops_a_parameter_server_run_whose_checkpoint_ddp_resumes(text
     assert checkpoint.listed(run) == [checkpoint.path_for(run, at)]
     more = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpitrain", "train", str(JOBS / "tinyshakespeare_gpt.toml"),
             "--set", f"data.path={text_data}", *PS_ARGS[2:], "--set", f"train.steps={at + 5}", "--run-dir", str(run),
-            "--resume"]
+            "--resume", "--set", "parallel.sync=ddp"]
     done = subprocess.run(more, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert f"resumed from {checkpoint.path_for(run, at)} at step {at}" in done.stdout

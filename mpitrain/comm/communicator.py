@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import os
 import sys
 import time
 import traceback
@@ -61,6 +62,7 @@ class Tag(enum.IntEnum):
     PS_PARAMS = 6  # server -> worker: the server's parameters
     PP_ACTIVATION = 7  # pipeline stage -> the next: a micro-batch's activation
     PP_GRADIENT = 8  # pipeline stage -> the previous: the gradient of that activation
+    CHECKPOINT = 9  # a rank's part of a checkpoint -> rank 0, which writes the file
 
 
 @dataclass
@@ -366,11 +368,32 @@ def started_world() -> Comm | None:
     return Comm(mpi.COMM_WORLD)
 
 
+# where launchers put a process's rank, the MPI launchers' first: under SLURM, a Hydra
+# mpiexec started in a batch script passes its SLURM_PROCID (0) on to every rank
+LAUNCHER_RANK_VARIABLES = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+
+
+def launcher_rank() -> int | None:
+    """This process's rank as its launcher (``mpiexec``, ``srun``) set it in the
+    environment, readable before MPI starts (MPICH's Hydra and Intel MPI: ``PMI_RANK``;
+    PMIx launchers: ``PMIX_RANK``; Open MPI: ``OMPI_COMM_WORLD_RANK``; SLURM:
+    ``SLURM_PROCID``); None when no launcher started it. It lets an error found before
+    MPI starts (a bad config, a command-line mistake) be printed by one rank. A process
+    that a rank starts itself inherits the variables, and with them that rank's number."""
+    for name in LAUNCHER_RANK_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
 @contextlib.contextmanager
 def abort_on_exception(expected: tuple = ()):
     """End the whole job when this rank fails with an exception not in ``expected``
     (errors the caller raises on every rank alike and reports itself). Without MPI,
-    or with one rank, the exception simply propagates."""
+    or with one rank, the exception simply propagates. A Ctrl-C that arrives where the
+    training loop does not catch it (while building, say) ends the job with one line
+    per rank, no traceback, and exit status 130."""
     try:
         yield
     except expected:
@@ -379,6 +402,9 @@ def abort_on_exception(expected: tuple = ()):
         comm = started_world()
         if comm is None or comm.size == 1 or isinstance(e, SystemExit):
             raise
+        if isinstance(e, KeyboardInterrupt):
+            sys.stderr.write(f"[rank {comm.rank}] interrupted; aborting all {comm.size} ranks\n")
+            comm.abort(130)
         sys.stderr.write(f"[rank {comm.rank}] {''.join(traceback.format_exception(e))}"
                          f"[rank {comm.rank}] aborting all {comm.size} ranks\n")
         comm.abort(1)

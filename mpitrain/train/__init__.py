@@ -31,6 +31,7 @@ from mpitrain import checkpoint, ops
 from mpitrain.comm import SingleComm, started_thread_level
 from mpitrain.config import Config, ConfigError, check_ranks
 from mpitrain.runtime import blas_threads, limit_blas_threads, tune_allocator
+from mpitrain.train import resume
 from mpitrain.train.build import Role, Run, build_run, prepare_run_dir
 from mpitrain.train.loop import Loop, StopSignals
 from mpitrain.train.report import Outputs, Result, finish, time_row
@@ -39,12 +40,13 @@ from mpitrain.train.sync import GradSync
 __all__ = ["GradSync", "Result", "Role", "train"]
 
 
-def train(cfg: Config, log=print, comm=None, resume: bool = False, warn=None) -> Result:
+def train(cfg: Config, log=print, comm=None, resume: bool = False, warn=None, start_over: bool = False) -> Result:
     """Train as ``cfg`` says, printing progress through ``log`` and warnings through
     ``warn`` (rank 0 only); returns the figures. ``comm`` is the world communicator
     (:func:`mpitrain.comm.world`); without one the run is a single process with no MPI
-    at all. With ``resume`` the run continues from the newest readable checkpoint in
-    ``run.dir`` (or starts if there is none)."""
+    at all. With ``resume`` the run continues from the newest usable checkpoint in
+    ``run.dir`` (starting if the directory has no checkpoint file; if none is usable it
+    stops, unless ``start_over``): :mod:`mpitrain.train.resume`."""
     comm = comm or SingleComm()
     grid = check_ranks(cfg, comm.size)
     warn = warn or _stderr
@@ -60,7 +62,7 @@ def train(cfg: Config, log=print, comm=None, resume: bool = False, warn=None) ->
         run = build_run(cfg, comm, grid, log)
         try:
             log(_header(run, threads))
-            first = _resume(run, log, warn) if resume else 0
+            first = _resume(run, log, warn, start_over) if resume else 0
             # the loop speaks through its leading rank (with parameter servers, worker 0: not rank 0)
             elsewhere = run.role.leads and comm.rank != 0 and loud
             return _work(run, first, log, print if elsewhere else log, _stderr if elsewhere else warn)
@@ -77,7 +79,7 @@ def _work(run: Run, first: int, log, loop_log, loop_warn) -> Result:
                       ranks=world.size, config=cfg.to_dict())
     start = time.perf_counter()
     loop = None
-    with StopSignals() as signals:
+    with StopSignals(loud=world.rank == 0) as signals:
         if role.serve is not None:
             role.guard(lambda: role.serve(trace=None if out.timeline is None else _trace(out.timeline)))
             times = time_row(world.rank, time.perf_counter() - start, role, run.reader)
@@ -105,18 +107,21 @@ def _header(run: Run, threads: int) -> str:
             f"parallel: {run.role.layout}; {run.role.sync.describe()[0]}{level}")
 
 
-def _resume(run: Run, log, warn) -> int:
-    """Load the newest readable checkpoint of the run directory; its step (0: none)."""
+def _resume(run: Run, log, warn, start_over: bool) -> int:
+    """Load the checkpoint :func:`resume.choose` picks; its step (0: none)."""
     cfg = run.cfg
-    path = checkpoint.latest(cfg.run.dir, run.world, warn)
-    if path is None:
-        log(f"resume: no checkpoint in {checkpoint.directory(cfg.run.dir)}, starting at step 0")
+    chosen = resume.choose(cfg.run.dir, run.world, warn, start_over)
+    if chosen is None:
+        log(f"resume: no usable checkpoint in {checkpoint.directory(cfg.run.dir)}, starting at step 0")
         return 0
-    attrs = checkpoint.restore(path, cfg=cfg, model=run.model, optimizer=run.optimizer, sync=run.role.sync,
-                               comm=run.world, warn=warn, layout=run.layout)
+    path, attrs = chosen
+    attrs = checkpoint.restore(path, model=run.model, optimizer=run.optimizer, sync=run.role.sync, comm=run.world,
+                               layout=run.layout,
+                               check_config=lambda saved: resume.check_config(path, saved, cfg, warn))
     first = int(attrs["step"])
+    old = "" if attrs["format_version"] >= 2 else f"; format version {attrs['format_version']}: its metadata has no checksum"
     log(f"resumed from {path} at step {first} (saved by {attrs['ranks']} rank(s), {attrs['strategy']}, "
-        f"mpitrain {attrs['mpitrain_version']})")
+        f"mpitrain {attrs['mpitrain_version']}{old})")
     if first > run.total:
         raise ConfigError(f"train.steps: the checkpoint is at step {first}, beyond this run's {run.total} steps")
     return first

@@ -34,6 +34,7 @@ import numpy as np
 from tqdm import tqdm
 
 from mpitrain import checkpoint, rng
+from mpitrain.comm import launcher_rank
 from mpitrain.data.loader import normalize, random_shift, shifts
 from mpitrain.observe.flops import FlopCount
 from mpitrain.observe.io import io_row, io_table
@@ -246,8 +247,10 @@ class Loop:
 
     @contextlib.contextmanager
     def _progress_bar(self):
-        """On a terminal, the leading rank shows a progress bar, the lines above it."""
-        if self.log is not print or not _terminal():
+        """On a terminal, the leading rank shows a progress bar, the lines above it
+        (:func:`show_bar` says when)."""
+        if self.log is not print or not show_bar(self.cfg.run.progress, terminal=_terminal(),
+                                                 launched=launcher_rank() is not None):
             yield
             return
         with tqdm(total=self.run.total, initial=self.first, unit="step", dynamic_ncols=True, file=sys.stdout,
@@ -305,19 +308,44 @@ def _terminal() -> bool:
         return False
 
 
+def show_bar(setting: str, terminal: bool, launched: bool) -> bool:
+    """Whether the leading rank draws a progress bar, whose carriage returns belong on a
+    terminal and would garble a log file. ``setting`` is ``run.progress``: ``bar`` and
+    ``lines`` decide; ``auto`` draws it when stdout is a ``terminal`` and the process was
+    not ``launched`` by mpiexec or srun. Under a launcher a rank cannot tell where its
+    output ends up: MPICH's Hydra gives it a pipe to mpiexec, in a session of its own
+    without a controlling terminal (no ``/dev/tty``), even when mpiexec runs on one; Open
+    MPI gives it a pseudo-terminal even when mpirun's output goes to a file
+    (open-mpi/ompi#7868). There ``run.progress = "bar"`` says the user watches a terminal."""
+    if setting != "auto":
+        return setting == "bar"
+    return terminal and not launched
+
+
 class StopSignals:
-    """SIGTERM and SIGUSR1 (a scheduler's notice: SLURM sends them before preemption
-    or the time limit) only set a flag; the loop finishes the step, the run saves a
-    checkpoint and returns. Installed in the main thread only, and put back on exit."""
+    """SIGINT (Ctrl-C), SIGTERM and SIGUSR1 (a scheduler's notice: SLURM sends them
+    before preemption or the time limit) only set a flag; the loop finishes the step,
+    the run saves a checkpoint and returns. Under ``mpiexec`` a Ctrl-C reaches every
+    rank (MPICH's launcher forwards it; each rank is in a session of its own, so the
+    terminal does not). The first SIGINT puts back the default action, so a second one
+    ends the process at once, even inside a blocking call (the launcher then ends the
+    others; MPICH's does so itself on a second Ctrl-C). ``loud``: this rank says so when
+    the first arrives. Installed in the main thread only, and put back on exit."""
 
-    SIGNALS = ("SIGTERM", "SIGUSR1")
+    SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
 
-    def __init__(self):
+    def __init__(self, loud: bool = False):
         self.received: int | None = None
+        self.loud = loud
         self._previous: dict = {}
 
     def _handler(self, signum, frame) -> None:
-        self.received = signum
+        self.received = self.received or signum
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            if self.loud:  # os.write: a print here could land inside another print
+                os.write(sys.stderr.fileno(), b"\nmpitrain: Ctrl-C: finishing this step, then saving a checkpoint "
+                                             b"(Ctrl-C again to abort at once, saving nothing)\n")
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():

@@ -1,0 +1,169 @@
+"""Resuming a run: which run directory, which config, which checkpoint; never a guess,
+and nothing deleted that could not be read.
+
+* **The run directory.** ``mpitrain train --resume DIR`` names it (so does ``--run-dir``).
+  ``mpitrain train CONFIG --resume`` looks for the runs of that config where new runs
+  go, ``runs/<name>``, ``runs/<name>-2``, ... (:func:`find_run`): the only one is
+  resumed, and named; several are refused with a list (each with its newest checkpoint)
+  and the command that chooses; none starts the first.
+* **The config.** A resumed run trains with the config saved in its newest checkpoint
+  whose metadata verifies (:func:`saved_config`), not with the CONFIG file's: a
+  ``--set`` on the resume command is a change the user asks for, applied and listed
+  when the run starts (:func:`check_config`); a change to ``model.*`` or
+  ``optim.name`` is refused, since the saved state would not fit it. (Where the CONFIG
+  file differs from the saved config the command line says so; the saved values win.)
+* **The checkpoint** (:func:`choose`, rank 0, before any state is loaded): the newest
+  that reads back whole with its digests intact. A newer one that cannot be used is
+  *moved* to ``checkpoints/unusable/`` with a warning, never deleted (the resumed run
+  would otherwise write over it when it reaches its step). A file written in a newer
+  format version stops the resume: taking an older checkpoint past it would drop the
+  newer run's steps on a guess. If checkpoint files are there but none can be used, the
+  run stops, listing each file and why, unless ``start_over`` (``--start-over``) says to
+  start at step 0; the files are moved aside then too. A run directory without
+  checkpoint files (stopped before its first) starts at step 0.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mpitrain import checkpoint
+from mpitrain.checkpoint import CheckpointError, CheckpointNewer
+from mpitrain.config import ConfigError
+
+UNUSABLE = "unusable"  # checkpoints/unusable/: files a resume could not use, kept for a person to look at
+
+# the settings the order of the batches follows (with the step); changing one on resume
+# trains on other batches than the saved run would have
+DATA_ORDER = ("train.seed", "train.global_batch_size", "data.buffer_mb", "data.shift", "data.path", "data.name")
+
+
+def runs_of(stem: str, root: Path = Path("runs")) -> list[Path]:
+    """The run directories of the config named ``stem`` that exist: ``root/stem``,
+    ``root/stem-2``, ... in the order new runs take them."""
+    runs, n = [], 1
+    while (path := root / (stem if n == 1 else f"{stem}-{n}")).is_dir():
+        runs.append(path)
+        n += 1
+    return runs
+
+
+def find_run(stem: str, root: Path = Path("runs")) -> tuple[Path, str]:
+    """(the run directory ``CONFIG --resume`` continues, a line saying which); raises
+    ConfigError listing the runs when there are several."""
+    runs = runs_of(stem, root)
+    if not runs:
+        return root / stem, f"resume: no run of {stem} in {root}/ yet: starting {root / stem}"
+    if len(runs) == 1:
+        return runs[0], f"resume: {runs[0]} (the only run of {stem})"
+    described = "; ".join(f"{p} ({_newest(p)})" for p in runs)
+    raise ConfigError(f"--resume: {len(runs)} runs of {stem}: {described}; say which to resume: "
+                      f"mpitrain train --resume {runs[-1]}")
+
+
+def _newest(run_dir: Path) -> str:
+    saved = checkpoint.listed(run_dir)
+    return f"newest checkpoint step {checkpoint.step_of(saved[-1])}" if saved else "no checkpoint"
+
+
+def saved_config(run_dir, start_over: bool = False) -> tuple[Path, dict] | None:
+    """(checkpoint, the config saved in it, as ``Config.to_dict``) of the newest
+    checkpoint of ``run_dir`` whose metadata verifies (the arrays are not read: every
+    rank calls this before MPI starts); None if there are no checkpoint files, or none
+    is usable and ``start_over``. Raises CheckpointError otherwise."""
+    problems = []
+    for path in reversed(checkpoint.listed(run_dir)):
+        try:
+            return path, checkpoint.read_meta(path)["json"]["config"]
+        except CheckpointNewer:
+            raise
+        except CheckpointError as e:
+            problems.append(str(e))
+    if problems and not start_over:
+        raise CheckpointError(_none_usable(run_dir, problems))
+    return None
+
+
+def _none_usable(run_dir, problems: list[str]) -> str:
+    return (f"{checkpoint.directory(run_dir)}: no checkpoint can be used: {'; '.join(problems)}. Nothing was "
+            "changed; to start this run again at step 0 (the files are kept in "
+            f"{checkpoint.directory(run_dir) / UNUSABLE}), add --start-over")
+
+
+def choose(run_dir, comm, warn, start_over: bool = False) -> tuple[Path, dict] | None:
+    """(the checkpoint to resume, its verified attributes), chosen by rank 0 and told to
+    every rank, or None (start at step 0: there is no checkpoint file, or none is usable
+    and ``start_over``). Collective; raises the same CheckpointError on every rank."""
+
+    def pick():
+        unusable = []
+        for path in reversed(checkpoint.listed(run_dir)):
+            try:
+                attrs = checkpoint.check(path)
+            except CheckpointNewer:
+                raise
+            except CheckpointError as e:
+                unusable.append((path, str(e)))
+                continue
+            _set_aside(unusable, warn)
+            return str(path), attrs
+        if unusable and not start_over:
+            raise CheckpointError(_none_usable(run_dir, [why for _, why in unusable]))
+        _set_aside(unusable, warn)
+        return None
+
+    chosen = comm.bcast(comm.agree(lambda: pick() if comm.rank == 0 else None))
+    return None if chosen is None else (Path(chosen[0]), chosen[1])
+
+
+def _set_aside(unusable: list[tuple[Path, str]], warn) -> None:
+    """Move each unusable checkpoint to ``checkpoints/unusable/`` (under a new name if
+    one is there already), saying so."""
+    for path, why in unusable:
+        aside = path.parent / UNUSABLE
+        target, n = aside / path.name, 1
+        while target.exists():
+            target, n = aside / f"{path.name}.{n}", n + 1
+        try:
+            aside.mkdir(exist_ok=True)
+            path.rename(target)
+        except OSError as e:
+            raise CheckpointError(f"cannot resume from {why}, nor move it to {aside} ({e.strerror or e})") from None
+        warn(f"warning: cannot resume from {why}; moved to {target}")
+
+
+def check_config(path: Path, saved: dict, cfg, warn) -> None:
+    """Compare the config saved in ``path`` with the run's: a change to the model or the
+    optimizer's kind is refused (raises CheckpointError); every other change is listed
+    through ``warn`` as one the user asked for, with what it means for the batches."""
+    changes = config_changes(saved, cfg.to_dict())
+    model = [f"{k} = {new!r} (saved: {old!r})" for k, old, new in changes if k.startswith("model.")]
+    if model:
+        raise CheckpointError(f"{path}: the checkpoint's model differs: {', '.join(model)}; a resumed run trains "
+                              "the saved model (start a new run to change it)")
+    for key, old, new in changes:
+        if key == "optim.name":
+            raise CheckpointError(f"{path}: saved with optim.name = {old!r}, this run has {new!r}; the optimizer "
+                                  "state cannot carry over")
+    if not changes:
+        return
+    warn("resume: changes to the saved config: "
+         + ", ".join(f"{k} = {new!r} (saved: {old!r})" for k, old, new in changes))
+    order = [k for k, _, _ in changes if k in DATA_ORDER]
+    if order:
+        warn(f"warning: {path}: resuming with another {', '.join(order)}: the batches differ from the ones the "
+             "saved run would have trained on")
+
+
+def config_changes(saved: dict, now: dict) -> list[tuple[str, object, object]]:
+    """``(section.field, saved value, value now)`` for each field of a config (as
+    ``Config.to_dict``) that differs from the saved one; the run directory is where the
+    run is now, not a change."""
+    changes = []
+    for section in sorted(set(saved) | set(now)):
+        before, after = saved.get(section, {}), now.get(section, {})
+        for key in sorted(set(before) | set(after)):
+            old, new = (tuple(v) if isinstance(v, list) else v for v in (before.get(key), after.get(key)))  # JSON, TOML
+            if (section, key) != ("run", "dir") and old != new:
+                changes.append((f"{section}.{key}", old, new))
+    return changes

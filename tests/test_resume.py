@@ -1,0 +1,258 @@
+"""Resuming never destroys or guesses: checksummed metadata, unusable checkpoints kept
+aside, newer formats refused, the run directory and the config a resume takes, write
+errors and a full disk while checkpointing.
+
+Each test here failed before the change that made it pass (issue 19): a flipped step or
+RNG state resumed silently, malformed JSON crashed every rank, a resume with no usable
+checkpoint started over and deleted the newer files, ``CONFIG --resume`` continued the
+wrong run, the saved ``--set`` values were dropped, and a full disk crashed the run.
+"""
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from test_checkpoint import arrays, assert_identical, damage, gpt, quiet
+from test_train import JOBS
+
+from mpitrain import checkpoint, cli, train
+from mpitrain.config import ConfigError
+
+
+def rewrite_attr(path, name, value):
+    """Change one attribute as a damaged disk or an editor would: without the digests."""
+    with h5py.File(path, "r+") as f:
+        f.attrs[name] = value
+
+
+def three_checkpoints(text_data, run):
+    train.train(gpt(text_data, run, "train.steps=12"), log=quiet)  # checkpoints 4, 8, 12
+    return [checkpoint.path_for(run, s) for s in (4, 8, 12)]
+
+
+@pytest.mark.parametrize("name,value", [("step", 8), ("epoch_step", 3), ("rng", '{"seed": 1}'),
+                                        ("config", "{not json"), ("format_version", 1), ("optimizer", "[]")])
+def test_changed_metadata_is_caught_and_the_resume_takes_the_previous_checkpoint(text_data, tmp_path, name, value):
+    run = tmp_path / "a"
+    newest = three_checkpoints(text_data, run)[-1]
+    rewrite_attr(newest, name, value)
+    with pytest.raises(checkpoint.CheckpointError, match=f"{newest}: damaged"):
+        checkpoint.check(newest)
+    warnings = []
+    again = train.train(gpt(text_data, run, "train.steps=12"), log=quiet, warn=warnings.append, resume=True)
+    assert again.start_step == 8 and warnings[0].startswith(f"warning: cannot resume from {newest}: damaged")
+
+
+def test_a_flag_of_the_optimizer_state_flipped_is_caught(text_data, tmp_path):
+    """optim/has_state said which parameters have Adam state: a flipped one reset it."""
+    newest = three_checkpoints(text_data, tmp_path / "a")[-1]
+    with h5py.File(newest, "r+") as f:
+        f["optim/has_state"][0] = False
+    with pytest.raises(checkpoint.CheckpointError, match="damaged: its metadata"):
+        checkpoint.check(newest)
+
+
+def test_a_file_renamed_over_another_step_is_caught(text_data, tmp_path):
+    first, _, newest = three_checkpoints(text_data, tmp_path / "a")
+    shutil.copy(first, newest)
+    with pytest.raises(checkpoint.CheckpointError, match="holds step 4, not the step its name says"):
+        checkpoint.check(newest)
+
+
+def test_a_newer_format_is_refused_naming_both_versions_and_nothing_moves(text_data, tmp_path):
+    run = tmp_path / "a"
+    paths = three_checkpoints(text_data, run)
+    with h5py.File(paths[-1], "r+") as f:  # as a future mpitrain would write it
+        f.attrs["format_version"] = checkpoint.FORMAT_VERSION + 1
+        f.attrs["meta_sha256"], f.attrs["sha256"] = checkpoint._digests(f)
+    message = f"format version {checkpoint.FORMAT_VERSION + 1} .* reads versions up to {checkpoint.FORMAT_VERSION}"
+    with pytest.raises(checkpoint.CheckpointNewer, match=message):
+        train.train(gpt(text_data, run, "train.steps=12"), log=quiet, warn=quiet, resume=True)
+    assert checkpoint.listed(run) == paths and not (run / "checkpoints" / "unusable").exists()
+
+
+def test_with_no_usable_checkpoint_a_resume_stops_listing_each_unless_asked_to_start_over(text_data, tmp_path):
+    run = tmp_path / "a"
+    paths = three_checkpoints(text_data, run)
+    for path, how in zip(paths, ["truncated", "flipped", "garbage"]):
+        damage(path, how)
+    before = {p: p.read_bytes() for p in paths}
+    with pytest.raises(checkpoint.CheckpointError) as caught:
+        train.train(gpt(text_data, run, "train.steps=12"), log=quiet, warn=quiet, resume=True)
+    message = str(caught.value)
+    assert all(str(p) in message for p in paths) and "add --start-over" in message
+    assert {p: p.read_bytes() for p in paths} == before  # nothing deleted, nothing moved
+    warnings = []
+    again = train.train(gpt(text_data, run, "train.steps=12"), log=quiet, warn=warnings.append, resume=True,
+                        start_over=True)
+    assert again.start_step == 0 and again.steps == 12 and len(warnings) == 3
+    assert {(run / "checkpoints" / "unusable" / p.name).read_bytes() for p in paths} == set(before.values())
+
+
+def test_a_checkpoint_of_format_version_1_still_resumes_with_a_note(text_data, tmp_path):
+    full = tmp_path / "full"
+    train.train(gpt(text_data, full, "train.steps=12"), log=quiet)
+    run = tmp_path / "a"
+    three_checkpoints(text_data, run)
+    for path in checkpoint.listed(run):
+        with h5py.File(path, "r+") as f:
+            f.attrs["format_version"] = 1
+            del f.attrs["meta_sha256"], f.attrs["sha256"]
+    lines = []
+    train.train(gpt(text_data, run, "train.steps=12"), log=lines.append, resume=True)
+    assert any("at step 12" in line and "format version 1: its metadata has no checksum" in line for line in lines)
+
+
+# ------------------------------------------------------------- write errors
+def test_a_failed_write_leaves_no_temporary_file_and_the_previous_checkpoint_intact(text_data, tmp_path,
+                                                                                   monkeypatch):
+    run = tmp_path / "a"
+    full = tmp_path / "full"
+    train.train(gpt(text_data, full, "train.steps=12"), log=quiet)
+    real_fsync = os.fsync
+
+    def full_disk(fd):
+        if Path(os.readlink(f"/proc/self/fd/{fd}")).name == "step-00000008.h5.tmp":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(checkpoint.CheckpointWriteError) as caught:
+        train.train(gpt(text_data, run, "train.steps=12"), log=quiet)
+    assert str(caught.value) == (f"{checkpoint.path_for(run, 8)}: could not be written (No space left on device); "
+                                 f"the previous checkpoint, {checkpoint.path_for(run, 4)}, is intact")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-00000004.h5"]
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    checkpoint.check(checkpoint.path_for(run, 4))
+    train.train(gpt(text_data, run, "train.steps=12"), log=quiet, resume=True)
+    assert_identical(checkpoint.path_for(full, 12), checkpoint.path_for(run, 12))
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 3 MiB tmpfs (root and mount needed: skipped otherwise), unmounted after."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", f"mpitrain-test-{uuid.uuid4().hex[:8]}",
+                           str(mount)], capture_output=True, text=True) if shutil.which("mount") else None
+    if made is None or made.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here (needs root and mount)")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_while_checkpointing_is_one_message_then_resume_works(text_data, tiny_disk, tmp_path):
+    """The real thing: the GPT's checkpoints are about 1 MB, so the third one does not fit."""
+    run = tiny_disk / "run"
+    cmd = [sys.executable, "-m", "mpitrain", "train", str(JOBS / "tinyshakespeare_gpt.toml"),
+           "--set", f"data.path={text_data}", "--set", "model.n_layer=2", "--set", "model.n_embd=64",
+           "--set", "model.n_head=2", "--set", "model.block_size=16", "--set", "train.steps=12",
+           "--set", "train.eval_batches=1", "--set", "train.sample_tokens=0", "--set", "run.checkpoint_interval=2",
+           "--set", "run.keep=5", "--set", "train.threads=1", "--run-dir", str(run)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and "could not be written (No space left on device); the previous checkpoint" in \
+        errors[0], done.stderr
+    kept = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert kept and not [k for k in kept if not k.endswith(".h5")], kept
+    for path in checkpoint.listed(run):
+        checkpoint.check(path)
+    # room again (the earlier ones moved away): the run resumes from the newest that fits
+    newest = checkpoint.listed(run)[-1]
+    for path in checkpoint.listed(run)[:-1]:
+        path.unlink()
+    again = subprocess.run(cmd[:4] + ["--resume", str(run), "--set", "run.keep=1"], capture_output=True,
+                           text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert f"resumed from {newest}" in again.stdout
+
+
+# ---------------------------------------------------------- the command line
+def cli_run(*argv, capsys):
+    code = cli.main(["train", *map(str, argv)])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def small(text_data):
+    return ["--set", f"data.path={text_data}", "--set", "model.n_layer=1", "--set", "model.n_embd=16",
+            "--set", "model.n_head=2", "--set", "model.block_size=8", "--set", "train.global_batch_size=8",
+            "--set", "train.eval_batches=1", "--set", "train.sample_tokens=0", "--set", "train.threads=1"]
+
+
+def test_config_resume_refuses_to_choose_between_two_runs(text_data, tmp_path, monkeypatch, capsys):
+    """A finished run in runs/<name> and one stopped before its first checkpoint in
+    runs/<name>-2: which to continue is the user's to say."""
+    monkeypatch.chdir(tmp_path)
+    config = JOBS / "tinyshakespeare_gpt.toml"
+    assert cli_run(config, *small(text_data), "--set", "train.steps=4", capsys=capsys)[0] == 0
+    (tmp_path / "runs" / "tinyshakespeare_gpt-2").mkdir()  # where the second run went
+    code, out, err = cli_run(config, *small(text_data), "--set", "train.steps=8", "--resume", capsys=capsys)
+    assert code == 2
+    assert err.strip() == ("mpitrain: error: --resume: 2 runs of tinyshakespeare_gpt: runs/tinyshakespeare_gpt "
+                           "(newest checkpoint step 4); runs/tinyshakespeare_gpt-2 (no checkpoint); say which to "
+                           "resume: mpitrain train --resume runs/tinyshakespeare_gpt-2")
+    code, out, err = cli_run("--resume", "runs/tinyshakespeare_gpt", "--set", "train.steps=8", capsys=capsys)
+    assert code == 0, err
+    assert "resumed from runs/tinyshakespeare_gpt/checkpoints/step-00000004.h5 at step 4" in out
+    assert "resume: changes to the saved config: train.steps = 8 (saved: 4)" in err
+
+
+def test_a_resume_keeps_the_saved_overrides_lists_new_ones_and_refuses_another_model(text_data, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """The README's example: a run started with --set run.checkpoint_interval=2 and
+    resumed without it still checkpoints every 2 steps."""
+    monkeypatch.chdir(tmp_path)
+    config = JOBS / "tinyshakespeare_gpt.toml"
+    code, _, err = cli_run(config, *small(text_data), "--set", "train.steps=4", "--set", "run.checkpoint_interval=2",
+                           "--run-dir", "runs/b", capsys=capsys)
+    assert code == 0, err
+    code, out, err = cli_run(config, "--resume", "runs/b", "--set", "train.steps=8", capsys=capsys)
+    assert code == 0, err
+    assert [p.name for p in checkpoint.listed("runs/b")] == [f"step-{s:08d}.h5" for s in (4, 6, 8)]
+    saved = checkpoint.check(checkpoint.path_for("runs/b", 8))["json"]["config"]
+    assert saved["run"]["checkpoint_interval"] == 2 and saved["train"]["steps"] == 8
+    assert "resume: changes to the saved config: train.steps = 8 (saved: 4)\n" in err
+    note = next(line for line in err.splitlines() if line.startswith("note: "))
+    assert "differs from the config saved in runs/b/checkpoints/step-00000004.h5: " in note
+    assert "data.path = 'runs/data/tinyshakespeare' in the file" in note and "train.steps" not in note
+    code, out, err = cli_run("--resume", "runs/b", "--set", "model.n_embd=32", capsys=capsys)
+    assert code == 2 and "the checkpoint's model differs: model.n_embd = 32 (saved: 16)" in err
+
+
+def test_resume_arguments_that_cannot_be_meant_are_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    config = str(JOBS / "tinyshakespeare_gpt.toml")
+    for argv, message in [(["--resume", config], "--resume takes a run directory, not the file"),
+                          ([config, "--start-over"], "--start-over applies with --resume"),
+                          (["--resume", "runs/a", "--run-dir", "runs/b"], "name different run directories"),
+                          ([], "the CONFIG file is required")]:
+        with pytest.raises(SystemExit) as stop:
+            cli.main(["train", *argv])
+        assert stop.value.code == 2 and message in capsys.readouterr().err
+    assert cli.main(["train", "--resume", "runs/none"]) == 2
+    assert "holds no checkpoint to take the config from; give the CONFIG file too" in capsys.readouterr().err
+
+
+def test_config_errors_in_a_saved_config_name_the_checkpoint(text_data, tmp_path):
+    from mpitrain import config
+
+    run = tmp_path / "a"
+    newest = three_checkpoints(text_data, run)[-1]
+    saved = checkpoint.check(newest)["json"]["config"]
+    saved["optim"]["lr"] = -1.0
+    with pytest.raises(ConfigError, match=r"^the saved config: optim.lr: must be > 0"):
+        config.from_saved(saved)
+    assert config.from_saved(json.loads(json.dumps(saved)), ["optim.lr=0.5"]).optim.lr == 0.5
+    assert np.isfinite(arrays(newest)["model/embed.wte.weight"]).all()
