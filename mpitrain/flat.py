@@ -2,13 +2,13 @@
 
 Every strategy moves gradients, and ZeRO and the parameter servers also parameters, as
 flat contiguous buffers, so that one buffer method sends many parameters without
-pickling or copying (ARCHITECTURE.md, convention 4). A :class:`Flat` owns such a
-buffer for a list of parameters and makes each parameter's ``.grad`` (and, if asked,
-``.data``) a view into it: backward accumulates straight into the buffer, and an
-optimizer updating ``.data`` updates the buffer. Element ``offsets[i]`` of the buffer is
-the first of parameter ``i``; checkpoints store optimizer state in the same
-coordinates (:func:`offsets`), which is what makes them independent of how a run split
-the state.
+pickling or copying; the layout helpers are here, once, for every strategy. A
+:class:`Flat` owns such a buffer for a list of parameters and makes each parameter's
+``.grad`` (and, if asked, ``.data``) a view into it: backward accumulates straight into
+the buffer, and an optimizer updating ``.data`` updates the buffer. Element
+``offsets[i]`` of the buffer is the first of parameter ``i``; checkpoints store
+optimizer state in the same coordinates (:func:`offsets`), which is what makes them
+independent of how a run split the state.
 
 This module is part of the base: it knows arrays and parameters, never MPI.
 """

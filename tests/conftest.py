@@ -11,8 +11,16 @@ leaves nothing in the temporary directory: pytest's ``tmp_path`` (instead of
 user's ``~/.cache``). In the MPI tier every rank uses rank 0's: the ranks of a run share
 one embedded-data cache (rank 0 builds it, atomically, and every rank reads it). A run
 that MPI_Abort ends leaves its scratch directory behind.
+
+MPICH's Hydra writes each job's node topology to ``/tmp/hydra_hwloc_xmlfile_*`` (a path
+it fixes, whatever ``TMPDIR`` says) and removes it when the job ends, but not when a rank
+calls MPI_Abort, as several tests make one do on purpose; the run removes the files of
+such jobs at its end: those that appeared during the run and that no process holds open
+(a running job's proxy holds its own).
 """
 
+import contextlib
+import glob
 import os
 import shutil
 import sys
@@ -23,6 +31,17 @@ import numpy as np
 import pytest
 
 SCRATCH: Path | None = None  # this run's (rank 0's in the MPI tier), set by pytest_configure
+HYDRA_TOPOLOGY_FILES = "/tmp/hydra_hwloc_xmlfile_*"
+hydra_files_before: set[str] = set()
+
+
+def open_files() -> set[str]:
+    """The paths that the processes this user may inspect hold open (Linux: /proc)."""
+    held = set()
+    for fd in glob.glob("/proc/[0-9]*/fd/*"):
+        with contextlib.suppress(OSError):  # the process or the descriptor is gone, or not ours
+            held.add(os.readlink(fd))
+    return held
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's tmpdir plugin reads the basetemp
@@ -41,6 +60,7 @@ def pytest_configure(config):
     os.environ.setdefault("MPITRAIN_DATA", str(SCRATCH / "data"))
     if config.option.basetemp is None:
         config.option.basetemp = str(SCRATCH / f"pytest-rank{rank}")
+    hydra_files_before.update(glob.glob(HYDRA_TOPOLOGY_FILES))
 
 
 def pytest_unconfigure(config):
@@ -51,6 +71,9 @@ def pytest_unconfigure(config):
         comm.barrier()  # rank 0 removes the directory once every rank is done with it
     if SCRATCH is not None and (comm is None or comm.rank == 0):
         shutil.rmtree(SCRATCH, ignore_errors=True)
+        for path in set(glob.glob(HYDRA_TOPOLOGY_FILES)) - hydra_files_before - open_files():
+            with contextlib.suppress(OSError):  # removed meanwhile, or another user's
+                os.remove(path)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -2,8 +2,9 @@
 
 A small GPT run writes checkpoints (AdamW state, dropout's random stream, the config).
 Then, one at a time: single-byte flips at offsets drawn from every region of the file
-(the superblock, HDF5's object headers and B-trees, the attributes' values, the array
-chunks, the rest), truncations, a checkpoint copied over another, and missing files.
+(mpitrain's header and the padding after it, HDF5's superblock, object headers and
+B-trees, the attributes' values, the array chunks, the rest), truncations, a checkpoint
+copied over another, and missing files.
 Each outcome must be one of:
 
 * **detected**: :func:`mpitrain.checkpoint.check` raises CheckpointError naming the
@@ -35,25 +36,28 @@ DECISIVE = ("step", "epoch", "epoch_step", "format_version")  # plus the JSON at
 
 
 def regions(path) -> dict[str, list[int]]:
-    """Byte offsets of the file by what HDF5 keeps there."""
+    """Byte offsets of the file by what is kept there."""
     data = path.read_bytes()
+    block = checkpoint._read_header(path)["userblock"]
+    header = data.index(b"\0")  # the header's text; zeros pad the userblock after it
     chunks, attr_bytes = set(), set()
     with h5py.File(path, "r") as f:
         def visit(name, obj):
             if isinstance(obj, h5py.Dataset) and obj.chunks:
                 for i in range(obj.id.get_num_chunks()):
                     info = obj.id.get_chunk_info(i)
-                    chunks.update(range(info.byte_offset, info.byte_offset + info.size))
+                    chunks.update(range(block + info.byte_offset, block + info.byte_offset + info.size))
         f.visititems(visit)
         for value in f.attrs.values():
             raw = value.encode() if isinstance(value, str) else None
-            where = data.find(raw) if raw else -1
+            where = data.find(raw, block) if raw else -1
             if where >= 0:
                 attr_bytes.update(range(where, where + len(raw)))
-    superblock = set(range(min(96, len(data))))
-    rest = [i for i in range(len(data)) if i not in chunks and i not in attr_bytes and i not in superblock]
-    return {"superblock": sorted(superblock), "attributes": sorted(attr_bytes), "array chunks": sorted(chunks),
-            "headers and the rest": rest}
+    superblock = set(range(block, block + 96))
+    rest = [i for i in range(block, len(data)) if i not in chunks | attr_bytes | superblock]
+    return {"header": list(range(header)), "userblock padding": list(range(header, block)),
+            "HDF5 superblock": sorted(superblock), "attributes": sorted(attr_bytes),
+            "array chunks": sorted(chunks), "HDF5 headers and the rest": rest}
 
 
 def loaded(path) -> dict:

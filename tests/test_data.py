@@ -165,6 +165,11 @@ def test_stopping_early_ends_the_prefetch_thread(tmp_path):
 
 # -------------------------------------------------------------- bad shards
 def damaged(tmp_path, how):
+    """A dataset with one kind of damage (or inconsistency: the manifest is re-sealed
+    after an edit, as a tool that wrote it so would have)."""
+    from mpitrain.data.integrity import file_checksums
+    from mpitrain.data.manifest import write_manifest
+
     image_set(tmp_path / "d")
     d = tmp_path / "d"
     shard = d / "train-00002.h5"
@@ -175,6 +180,12 @@ def damaged(tmp_path, how):
             offset = f["x"].id.get_chunk_info(0).byte_offset
         data[offset + 100] ^= 0xFF
         shard.write_bytes(bytes(data))
+    elif how == "object header":
+        data = bytearray(shard.read_bytes())
+        with h5py.File(shard) as f:
+            offset = h5py.h5o.get_info(f["x"].id).addr
+        data[offset] ^= 0xFF  # its version: h5py raised KeyError
+        shard.write_bytes(bytes(data))
     elif how == "truncated":
         shard.write_bytes(shard.read_bytes()[:-1000])
     elif how == "missing":
@@ -183,12 +194,12 @@ def damaged(tmp_path, how):
         manifest["version"] = 99
     elif how == "shard version":
         with h5py.File(shard, "a") as f:
-            f.attrs["format_version"] = 2
-        manifest["splits"]["train"]["shards"][2]["bytes"] = shard.stat().st_size
+            f.attrs["format_version"] = 99
+        manifest["splits"]["train"]["shards"][2].update(file_checksums(shard, ("x", "y")))
     elif how == "count mismatch":
         manifest["splits"]["train"]["shards"][2]["count"] += 1
         manifest["splits"]["train"]["count"] += 1
-    (d / "manifest.json").write_text(json.dumps(manifest))
+    write_manifest(d, manifest)
     return d, shard
 
 
@@ -196,8 +207,9 @@ def damaged(tmp_path, how):
     ("truncated", "train-00002.h5: truncated"),
     ("missing", "train-00002.h5: missing"),
     ("manifest version", "manifest.json: format version 99 is not supported"),
-    ("shard version", "train-00002.h5: shard format version 2 is not supported"),
-    ("count mismatch", "train-00002.h5: holds .* samples .* the manifest says"),
+    ("object header", "train-00002.h5: damaged: the SHA-256 of its HDF5 metadata"),
+    ("shard version", "train-00002.h5: shard format version 99 is not supported"),
+    ("count mismatch", r"train-00002.h5: x has shape \(\d+, 6, 6, 1\), the manifest says"),
 ])
 def test_opening_a_bad_dataset_names_the_file(tmp_path, how, message):
     d, _ = damaged(tmp_path, how)

@@ -56,7 +56,7 @@ def test_epoch_union_and_global_batches_across_ranks():
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("how", ["flipped byte", "missing", "truncated"])
+@pytest.mark.parametrize("how", ["flipped byte", "missing", "truncated", "object header"])
 def test_a_damaged_dataset_fails_on_every_rank(how):
     from mpitrain.comm import world
 

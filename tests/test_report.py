@@ -56,6 +56,24 @@ def test_report_errors_name_the_run_directory(text_data, tmp_path):
                                                            "(is it a run directory of 'mpitrain train'?)"
 
 
+def test_the_loss_plot_of_an_image_run_has_the_test_loss_and_accuracy(text_data, tmp_path, monkeypatch):
+    from mpitrain.observe import report as module
+
+    run(text_data, tmp_path / "a")
+    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    for r in records:  # evaluations as an image run writes them
+        if r["kind"] == "eval":
+            r.update(val_loss=None, test_accuracy=0.5 + r["step"] / 100, test_loss=2.0 - r["step"] / 10)
+    (tmp_path / "a" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    figures = []
+    monkeypatch.setattr(module, "_save", lambda fig, path: figures.append(fig) or path)
+    report([tmp_path / "a"], log=lambda *a: None)
+    loss, accuracy = figures[0].axes
+    assert [line.get_label() for line in loss.get_lines()] == ["training loss", "test loss"]
+    assert list(loss.get_lines()[1].get_ydata()) == [2.0 - 0.6, 2.0 - 1.2]
+    assert [line.get_label() for line in accuracy.get_lines()] == ["test accuracy"]
+
+
 def test_the_scaling_plot_shows_superlinear_efficiency(text_data, tmp_path, monkeypatch):
     """A 2-rank run three times as fast as one rank (cache effects can do that) is 150%
     efficient, and the efficiency axis must reach that far."""
@@ -111,10 +129,19 @@ def test_the_local_scaling_study_runs_on_1_and_2_ranks_and_plots(job, options, t
     assert "scaling: 2 rank(s):" in out.stdout and "efficiency" in out.stdout
 
 
-def test_local_job_script_refuses_an_unknown_strategy(tmp_path):
+def test_the_local_job_scripts_refuse_bad_arguments(tmp_path):
     out = subprocess.run(["bash", str(JOBS / "local.sh"), "nonsense", str(JOBS / "tinyshakespeare_gpt.toml")],
                          capture_output=True, text=True, cwd=tmp_path, timeout=60, check=False)
     assert out.returncode == 2 and "unknown strategy 'nonsense'" in out.stderr
+    out = subprocess.run(["bash", str(JOBS / "scaling_local.sh")], capture_output=True, text=True, timeout=60,
+                         check=False)
+    assert out.returncode == 2 and out.stderr.startswith("A scaling study") and "set -e" not in out.stderr
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    out = subprocess.run(["bash", str(JOBS / "scaling_local.sh"), str(JOBS / "mnist5k_lenet.toml"), "--", "--set",
+                          "optim.lr=-1"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=60,
+                         check=False)
+    assert out.returncode == 2 and out.stderr == "mpitrain: error: optim.lr: must be > 0, got -1.0\n"
+    assert out.stdout == ""  # refused before the first run
 
 
 def test_report_on_an_unfinished_parameter_server_run(text_data, tmp_path):

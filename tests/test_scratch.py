@@ -1,5 +1,6 @@
 """A test run leaves nothing in the temporary directory (conftest.py's scratch directory)."""
 
+import glob
 import os
 import subprocess
 import sys
@@ -20,11 +21,22 @@ def pytest_in(tmp: Path, *args, ranks: int = 0):
                           cwd=TESTS.parent, env=env, timeout=240, check=False)
 
 
+def hydra_files_nobody_holds() -> set[str]:
+    """MPICH's Hydra writes /tmp/hydra_hwloc_xmlfile_* whatever TMPDIR says, and a job
+    ended by MPI_Abort leaves its file behind; a running job's proxy holds its own open."""
+    from conftest import HYDRA_TOPOLOGY_FILES, open_files
+
+    return set(glob.glob(HYDRA_TOPOLOGY_FILES)) - open_files()
+
+
 def test_the_unit_tier_leaves_nothing_in_the_temporary_directory(tmp_path):
+    before = hydra_files_nobody_holds()
     out = pytest_in(tmp_path, str(TESTS / "test_train.py") + "::test_cli_help_and_version",  # mkdtemp
-                    str(TESTS / "test_report.py") + "::test_report_draws_the_plots_and_a_summary")  # tmp_path
+                    str(TESTS / "test_report.py") + "::test_report_draws_the_plots_and_a_summary",  # tmp_path
+                    str(TESTS / "test_comm.py") + "::test_an_exception_on_one_rank_ends_every_rank")  # MPI_Abort
     assert out.returncode == 0, out.stdout + out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert hydra_files_nobody_holds() <= before
 
 
 @needs_mpiexec

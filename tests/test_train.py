@@ -14,6 +14,7 @@ import pytest
 from test_comm import MPIEXEC, needs_mpiexec
 
 from mpitrain import config, train
+from mpitrain.comm.communicator import LAUNCHER_RANK_VARIABLES
 from mpitrain.train.loop import show_bar
 
 JOBS = Path(__file__).resolve().parent.parent / "jobs"
@@ -200,7 +201,9 @@ TINY_GPT = ["--set", "model.n_layer=1", "--set", "model.n_embd=16", "--set", "mo
 def test_a_progress_bar_on_a_terminal_and_plain_lines_otherwise(text_data, tmp_path):
     args = [sys.executable, "-m", "mpitrain", "train", str(JOBS / "tinyshakespeare_gpt.toml"), "--set",
             f"data.path={text_data}", *TINY_GPT]
-    status, shown = on_a_terminal(args, cwd=tmp_path)
+    # started directly, even where the tests run inside a SLURM job (SLURM_PROCID is set there)
+    direct = {k: v for k, v in os.environ.items() if k not in LAUNCHER_RANK_VARIABLES}
+    status, shown = on_a_terminal(args, cwd=tmp_path, env=direct)
     assert status == 0
     assert "20/20" in shown and "step/s" in shown and "step 10/20 | loss" in shown
     (tmp_path / "other").mkdir()

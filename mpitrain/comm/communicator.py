@@ -22,7 +22,8 @@ sends exactly.
 **Tags** come from :class:`Tag`; messages of concurrent operations are kept apart by
 giving each its own duplicated communicator (``dup``), never by tag arithmetic.
 
-Two failure rules (ARCHITECTURE.md, convention 6):
+Two failure rules, so that an error on one rank ends every rank, never leaving the
+others waiting:
 
 * **agreed errors**: a check that every rank makes (opening a dataset, building the
   embedded data) runs inside :meth:`Comm.agree`; the outcome is allgathered, and if any
@@ -331,8 +332,9 @@ def thread_level(requested: str = "auto", comm_thread: bool = False) -> str:
     cores): at ``multiple`` ``MPI_Allreduce`` reached 4.6-6.4 GB/s from 256 KiB to 4 MiB,
     at ``funneled`` 1.3-1.5 GB/s, with small messages alike (0.6-0.9 GB/s at 4 KiB);
     the data-parallel step of ``mpitrain bench ddp`` exposed less communication at
-    ``multiple`` too. (An older MPICH measured on this kind of machine did the opposite,
-    see ``../shared/MEASURED.md``; re-measure with ``--thread-level`` on yours.) With more
+    ``multiple`` too. (An older MPICH measured on this kind of machine did the opposite:
+    at ``single`` its small and medium collectives were 3-10x faster, a 4 KiB allreduce
+    2.1 us against 23 us; re-measure with ``--thread-level`` on yours.) With more
     ranks than cores a lock-free level makes MPICH spin, another reason for the default;
     and the trainer's stall watchdog (:mod:`mpitrain.observe.watchdog`) calls MPI from a thread.
     ``comm_thread`` (a thread besides the main one calls MPI) needs ``serialized`` or more."""

@@ -10,7 +10,7 @@ inside every layer), then data parallel, then pipeline stage::
 the model and average its gradients); ``pp_comm`` those that differ only in ``pp_rank``
 (consecutive stages); ``tp_comm`` those that differ only in ``tp_rank``. Each is split
 from the world communicator and then duplicated, so that every subsystem has a message
-space of its own (ARCHITECTURE.md, convention 2). Creating a grid is collective: every
+space of its own and tags cannot collide. Creating a grid is collective: every
 rank of ``world`` calls it with the same sizes.
 """
 

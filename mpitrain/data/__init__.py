@@ -5,6 +5,7 @@ gathers its I/O statistics through :mod:`mpitrain.comm`.
 """
 
 from mpitrain.data.reader import Batch, IOStats, ShardReader
-from mpitrain.data.shards import DataError, Dataset, DatasetWriter, open_dataset
+from mpitrain.data.shards import DataError, Dataset, open_dataset
+from mpitrain.data.writer import DatasetWriter
 
 __all__ = ["Batch", "DataError", "Dataset", "DatasetWriter", "IOStats", "ShardReader", "open_dataset"]

@@ -1,4 +1,4 @@
-"""The HDF5 shard format: writing a dataset directory, opening and checking one, reading rows.
+"""The HDF5 shard format: opening and checking a dataset directory, reading rows.
 
 A dataset directory holds ``manifest.json`` and one or more HDF5 shards per split
 (``train-00000.h5``, ``test-00000.h5``, ...). The full specification, with the reasons
@@ -13,11 +13,15 @@ for each choice, is ``datasets/README.md``; in short:
 * the content SHA-256 is taken over the C-order bytes of ``x`` followed by ``y``, so it
   does not depend on chunking or compression.
 
-Writing is atomic: everything goes into a hidden temporary directory next to the
-output, which is renamed into place only when complete, so a failed or interrupted
-build leaves nothing behind. Opening checks the structure of every shard (present,
-full length, readable, attributes agree with the manifest); :meth:`Dataset.verify`
-re-hashes content, split over ranks by the caller (this module never calls MPI).
+Writing, atomic and refusing values the trainer could not use, is
+:mod:`mpitrain.data.writer`.
+
+Opening checks the manifest's checksum and every field (:mod:`mpitrain.data.manifest`),
+then every shard: present, of the recorded size, its metadata's SHA-256 (before h5py
+reads it, see :mod:`mpitrain.data.integrity`), and attributes, shapes, dtypes, chunks
+and compression equal to the manifest's. :meth:`Dataset.verify` re-hashes content and
+checks values, split over ranks by the caller (this module never calls MPI). Reads check
+labels and token ids as they go. Any failure is one :class:`DataError` naming the file.
 
 Rows are read with ``os.preadv`` straight from the file offsets of unfiltered chunks
 (HDF5 records them; h5py reports them), which avoids h5py's per-call selection cost
@@ -27,194 +31,18 @@ prefetch thread. Compressed chunks are read through h5py, which decompresses the
 
 from __future__ import annotations
 
-import datetime
-import hashlib
-import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
 import numpy as np
 
-FORMAT = "mpitrain-shards"
-VERSION = 1
-MANIFEST = "manifest.json"
-KINDS = ("image", "text")
-COMPRESSIONS = (None, "gzip", "lzf")
+from mpitrain.data.errors import DataError, reading
+from mpitrain.data.integrity import check_ids, check_metadata, content_sha256
+from mpitrain.data.manifest import MANIFEST, VERSION, read_manifest
 
-
-class DataError(RuntimeError):
-    """Missing, damaged or inconsistent data; the message names the file and the problem."""
-
-
-def content_sha256(x: np.ndarray, y: np.ndarray | None) -> str:
-    h = hashlib.sha256(np.ascontiguousarray(x).data)
-    if y is not None:
-        h.update(np.ascontiguousarray(y).data)
-    return h.hexdigest()
-
-
-def label_dtype(num_classes: int) -> np.dtype:
-    return np.dtype(np.uint8 if num_classes <= 256 else np.int32)
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint8 if vocab_size <= 256 else np.uint16 if vocab_size <= 65536 else np.int32)
-
-
-# --------------------------------------------------------------------- writing
-class DatasetWriter:
-    """Write a dataset directory atomically::
-
-        with DatasetWriter(out, "mnist", "image", classes=..., mean=..., std=...) as w:
-            w.write_split("train", x_train, y_train)
-            w.write_split("test", x_test, y_test)
-
-    On leaving the block without an error the manifest is written and the directory
-    renamed into place; on an error the temporary directory is removed. If ``out``
-    already holds this same dataset (equal content hashes) the new copy is discarded
-    and :attr:`up_to_date` is set; if it holds anything else, :class:`DataError`.
-    """
-
-    def __init__(self, out, name: str, kind: str, *, shard_mb: float = 16, compression: str | None = None,
-                 chunk_kb: float = 1024, source: dict | None = None, **meta):
-        if kind not in KINDS:
-            raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
-        if compression not in COMPRESSIONS:
-            raise ValueError(f"compression must be one of {COMPRESSIONS}, got {compression!r}")
-        if shard_mb <= 0 or chunk_kb <= 0:
-            raise ValueError("shard_mb and chunk_kb must be positive")
-        self.out = Path(out)
-        self.name, self.kind = name, kind
-        self.shard_bytes, self.chunk_bytes = int(shard_mb * 2**20), int(chunk_kb * 2**10)
-        self.compression = compression
-        self.manifest = {"format": FORMAT, "version": VERSION, "name": name, "kind": kind,
-                         "compression": compression, "source": source or {}, **meta, "splits": {}}
-        self.up_to_date = False
-        check_output_dir(self.out, name)
-        self.tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}"
-
-    def __enter__(self):
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        self.tmp.mkdir()
-        return self
-
-    def write_split(self, split: str, x: np.ndarray, y: np.ndarray | None = None) -> None:
-        """Cut ``x`` (and ``y``) into shards of about ``shard_mb`` and write them."""
-        if (y is None) != (self.kind == "text"):
-            raise ValueError("image datasets need labels y; text datasets have none")
-        if y is not None and len(y) != len(x):
-            raise ValueError(f"{len(x)} samples but {len(y)} labels")
-        if len(x) == 0:
-            raise DataError(f"{self.name}: split {split!r} is empty")
-        row_bytes = max(1, x[:1].nbytes + (y[:1].nbytes if y is not None else 0))
-        per_shard = max(1, self.shard_bytes // row_bytes)
-        chunk_rows = max(1, min(per_shard, self.chunk_bytes // max(1, x[:1].nbytes)))
-        shards = []
-        for index, start in enumerate(range(0, len(x), per_shard)):
-            xs = x[start : start + per_shard]
-            ys = y[start : start + per_shard] if y is not None else None
-            file = f"{split}-{index:05d}.h5"
-            digest = content_sha256(xs, ys)
-            with h5py.File(self.tmp / file, "w") as f:
-                kw = {"chunks": (min(chunk_rows, len(xs)), *xs.shape[1:]), "compression": self.compression}
-                f.create_dataset("x", data=xs, **kw)
-                if ys is not None:
-                    f.create_dataset("y", data=ys, chunks=(min(chunk_rows, len(ys)),),
-                                     compression=self.compression)
-                f.attrs.update({"format_version": VERSION, "dataset": self.name, "split": split,
-                                "index": index, "count": len(xs), "sample_shape": list(xs.shape[1:]),
-                                "dtype": xs.dtype.str, "sha256": digest})
-            shards.append({"file": file, "count": len(xs), "bytes": (self.tmp / file).stat().st_size,
-                           "sha256": digest})
-        self.manifest["splits"][split] = {
-            "count": len(x), "sample_shape": list(x.shape[1:]), "x_dtype": x.dtype.str,
-            "y_dtype": y.dtype.str if y is not None else None, "chunk_rows": chunk_rows, "shards": shards}
-
-    def __exit__(self, kind, value, tb):
-        if kind is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return False
-        try:
-            self._commit()
-        finally:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-        return False
-
-    def _commit(self) -> None:
-        from mpitrain import __version__
-
-        self.manifest["created"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-        self.manifest["written_by"] = f"mpitrain {__version__}"
-        with open(self.tmp / MANIFEST, "w", encoding="utf-8") as f:
-            json.dump(self.manifest, f, indent=1)
-            f.write("\n")
-        for p in self.tmp.iterdir():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-        if self.out.is_dir() and not any(self.out.iterdir()):
-            self.out.rmdir()  # an empty directory the user made is replaced
-        if self.out.exists():
-            existing = read_manifest(self.out)
-            if _content(existing) != _content(self.manifest):
-                raise DataError(f"{self.out}: already holds a different build of {self.name!r} "
-                                "(other content); remove it or choose another output directory")
-            self.up_to_date = True
-            return
-        os.rename(self.tmp, self.out)  # atomic: readers see nothing or everything
-
-
-def _content(manifest: dict) -> dict:
-    return {s: [(sh["count"], sh["sha256"]) for sh in v["shards"]] for s, v in manifest["splits"].items()}
-
-
-def check_output_dir(out: Path, name: str) -> None:
-    """Refuse an output directory that holds anything but an earlier build of ``name``."""
-    if not out.exists():
-        return
-    if not out.is_dir():
-        raise DataError(f"{out}: exists and is not a directory")
-    if not (out / MANIFEST).exists():
-        if any(out.iterdir()):
-            raise DataError(f"{out}: not empty and not a dataset directory (no {MANIFEST}); "
-                            "choose another output directory")
-        return  # an empty directory: replaced by the finished one at commit
-    other = read_manifest(out).get("name")
-    if other != name:
-        raise DataError(f"{out}: already holds the dataset {other!r}, not {name!r}; "
-                        "remove it or choose another output directory")
-
-
-# --------------------------------------------------------------------- reading
-def read_manifest(path: Path) -> dict:
-    file = Path(path) / MANIFEST
-    try:
-        manifest = json.loads(file.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise DataError(f"{file}: not found; is {path} a dataset directory built by "
-                        "'mpitrain data build'?") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise DataError(f"{file}: not a valid manifest ({e})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise DataError(f"{file}: not an mpitrain shard manifest (format is not {FORMAT!r})")
-    if manifest.get("version") != VERSION:
-        raise DataError(f"{file}: format version {manifest.get('version')!r} is not supported; "
-                        f"this mpitrain reads version {VERSION}")
-    try:
-        for key in ("name", "kind", "splits"):
-            manifest[key]
-        for split in manifest["splits"].values():
-            for key in ("count", "sample_shape", "x_dtype", "y_dtype", "chunk_rows"):
-                split[key]
-            for shard in split["shards"]:
-                for key in ("file", "count", "bytes", "sha256"):
-                    shard[key]
-    except (KeyError, TypeError) as e:
-        raise DataError(f"{file}: incomplete manifest (missing {e})") from None
-    return manifest
+__all__ = ["MANIFEST", "VERSION", "DataError", "Dataset", "Split", "open_dataset"]  # the format's names, for the recipes
 
 
 class _Shard:
@@ -224,9 +52,13 @@ class _Shard:
     def __init__(self, path: Path, names: tuple[str, ...]):
         self.path = path
         self.h5 = h5py.File(path, "r")
-        self.fd = os.open(path, os.O_RDONLY)
-        self.datasets = {n: self.h5[n] for n in names}
-        self.chunks = {n: _chunk_offsets(ds) for n, ds in self.datasets.items()}
+        try:
+            self.datasets = {n: self.h5[n] for n in names}
+            self.chunks = {n: _chunk_offsets(ds) for n, ds in self.datasets.items()}
+            self.fd = os.open(path, os.O_RDONLY)
+        except BaseException:
+            self.h5.close()
+            raise
 
     def read(self, name: str, start: int, stop: int, out: np.ndarray) -> int:
         """Rows [start, stop) of dataset ``name`` into ``out`` (len stop - start); returns bytes read."""
@@ -278,30 +110,36 @@ def _chunk_offsets(ds: h5py.Dataset):
 
 @dataclass(frozen=True)
 class ShardInfo:
+    """What the manifest says of one shard file."""
+
     path: Path
+    index: int  # in its split
     first: int  # index in the split of the shard's first row
     count: int
     bytes: int
-    sha256: str
+    sha256: str  # of the content
+    data_ranges: tuple  # ((start, stop), ...): the byte ranges of the data chunks
+    metadata_sha256: str  # of every byte outside them
 
 
 class Split:
-    """One split of a dataset: its rows spread over shards, read by global row index."""
+    """One split of a dataset: its rows spread over shards, read by global row index.
+    Reads check the ids the model indexes with (labels; text: token ids)."""
 
-    def __init__(self, dataset: Dataset, name: str, meta: dict):
+    def __init__(self, dataset: Dataset, name: str, meta: dict):  # meta: checked by mpitrain.data.manifest
         self.name = name
-        self.count = int(meta["count"])
+        self.count = meta["count"]
         self.sample_shape = tuple(meta["sample_shape"])
         self.x_dtype = np.dtype(meta["x_dtype"])
         self.y_dtype = np.dtype(meta["y_dtype"]) if meta["y_dtype"] else None
-        self.chunk_rows = int(meta["chunk_rows"])
+        self.chunk_rows = meta["chunk_rows"]
+        # the dataset ("x" or "y") holding ids below self.ids, the size of what they index
+        self.checked, self.ids = ("x", len(dataset.vocab)) if self.y_dtype is None else ("y", len(dataset.classes))
         first, shards = 0, []
-        for s in meta["shards"]:
-            shards.append(ShardInfo(dataset.path / s["file"], first, int(s["count"]), int(s["bytes"]), s["sha256"]))
-            first += int(s["count"])
-        if first != self.count:
-            raise DataError(f"{dataset.path / MANIFEST}: split {name!r} has count {self.count} but its "
-                            f"shards hold {first} samples")
+        for index, s in enumerate(meta["shards"]):
+            shards.append(ShardInfo(dataset.path / s["file"], index, first, s["count"], s["bytes"], s["sha256"],
+                                    tuple(map(tuple, s["data_ranges"])), s["metadata_sha256"]))
+            first += s["count"]
         self.shards = tuple(shards)
         self._starts = np.array([s.first for s in shards], dtype=np.int64)
         self._open: dict[int, _Shard] = {}
@@ -318,26 +156,34 @@ class Split:
 
     def shard_file(self, index: int) -> _Shard:
         if index not in self._open:
-            try:
+            with reading(self.shards[index].path):
                 self._open[index] = _Shard(self.shards[index].path, self.names)
-            except OSError as e:
-                raise DataError(f"{self.shards[index].path}: cannot be read ({e})") from None
         return self._open[index]
 
-    def read(self, name: str, start: int, stop: int, out: np.ndarray) -> int:
+    def read(self, name: str, start: int, stop: int, out: np.ndarray, check: bool = True) -> int:
         """Rows [start, stop) of the split (0 <= start <= stop <= count) into ``out``;
-        returns the bytes read. Only the shards holding those rows are opened."""
+        returns the bytes read. Only the shards holding those rows are opened. With
+        ``check``, ids read (labels; text: tokens) must be in range (:meth:`check`)."""
         done, total = 0, 0
         i = int(np.searchsorted(self._starts, start, side="right")) - 1
         while start < stop:
             s = self.shards[i]
             end = min(stop, s.first + s.count)
             n = end - start
-            total += self.shard_file(i).read(name, start - s.first, end - s.first, out[done : done + n])
+            rows = out[done : done + n]
+            with reading(s.path):
+                total += self.shard_file(i).read(name, start - s.first, end - s.first, rows)
+            if check and name == self.checked:
+                self.check(rows, start, s.path)
             done += n
             start = end
             i += 1
         return total
+
+    def check(self, ids: np.ndarray, first: int, path: Path) -> None:
+        """Raise DataError unless ``ids`` (rows ``first, first + 1, ...`` of the split,
+        read from ``path``) are all in ``0..self.ids-1``: a max, and a min of signed ids."""
+        check_ids(ids, self.ids, "label" if self.checked == "y" else "token", f"{path}: split {self.name!r}", first)
 
     def read_all(self, name: str) -> np.ndarray:
         dtype = self.x_dtype if name == "x" else self.y_dtype
@@ -360,8 +206,6 @@ class Dataset:
         self.manifest = read_manifest(self.path)
         m = self.manifest
         self.name, self.kind = m["name"], m["kind"]
-        if self.kind not in KINDS:
-            raise DataError(f"{self.path / MANIFEST}: unknown kind {self.kind!r}")
         self.splits = {name: Split(self, name, meta) for name, meta in m["splits"].items()}
         for split in self.splits.values():
             for info in split.shards:
@@ -400,66 +244,79 @@ class Dataset:
         return "".join(self.vocab[i] for i in np.asarray(ids).reshape(-1))
 
     def _check_structure(self, split: Split, info: ShardInfo) -> None:
+        """The file is the one the manifest describes: present, of its size, its metadata
+        unchanged (hashed before h5py parses it), then its attributes and layout."""
         p = info.path
-        if not p.is_file():
-            raise DataError(f"{p}: missing (listed in {self.path / MANIFEST})")
-        size = p.stat().st_size
-        if size != info.bytes:
-            raise DataError(f"{p}: {'truncated' if size < info.bytes else 'wrong size'}: "
-                            f"{size} bytes, the manifest says {info.bytes}")
-        try:
-            with h5py.File(p, "r") as f:
-                attrs = dict(f.attrs)
-                shapes = {n: f[n].shape for n in split.names if n in f}
-                dtypes = {n: f[n].dtype for n in split.names if n in f}
-        except OSError as e:
-            raise DataError(f"{p}: not a readable HDF5 file ({e})") from None
-        attrs = {k: v.item() if isinstance(v, np.generic) else v for k, v in attrs.items()}
+        with reading(p):  # a file that cannot be opened (permissions, I/O errors)
+            if not p.is_file():
+                raise DataError(f"{p}: missing (listed in {self.path / MANIFEST})")
+            size = p.stat().st_size
+            if size != info.bytes:
+                raise DataError(f"{p}: {'truncated' if size < info.bytes else 'wrong size'}: "
+                                f"{size} bytes, the manifest says {info.bytes}")
+            check_metadata(p, info.bytes, info.data_ranges, info.metadata_sha256)
+        with reading(p, "not a readable HDF5 file"), h5py.File(p, "r") as f:
+            attrs = {k: v.tolist() if isinstance(v, (np.ndarray, np.generic)) else v for k, v in f.attrs.items()}
+            layout = {n: (f[n].shape, f[n].dtype, f[n].chunks, f[n].compression) for n in split.names if n in f}
         version = attrs.get("format_version")
         if version != VERSION:
             raise DataError(f"{p}: shard format version {version!r} is not supported; "
                             f"this mpitrain reads version {VERSION}")
-        for key, want in (("dataset", self.name), ("split", split.name)):
-            if attrs.get(key) != want:
-                raise DataError(f"{p}: belongs to {key} {attrs.get(key)!r}, the manifest says {want!r}")
-        for n in split.names:
-            if n not in shapes:
+        rows = min(split.chunk_rows, info.count)
+        for n, shape, dtype in (("x", (info.count, *split.sample_shape), split.x_dtype),
+                                ("y", (info.count,), split.y_dtype))[: len(split.names)]:
+            if n not in layout:
                 raise DataError(f"{p}: has no dataset {n!r}")
-        want_x = (info.count, *split.sample_shape)
-        if attrs.get("count") != info.count or shapes["x"] != want_x:
-            raise DataError(f"{p}: holds {shapes['x'][0] if shapes['x'] else 0} samples (count attribute "
-                            f"{attrs.get('count')}), the manifest says {info.count}")
-        if "y" in shapes and shapes["y"] != (info.count,):
-            raise DataError(f"{p}: holds {shapes['y'][0]} labels for {info.count} samples")
-        for n, want in (("x", split.x_dtype), ("y", split.y_dtype)):
-            if n in dtypes and dtypes[n] != want:
-                raise DataError(f"{p}: {n} has dtype {dtypes[n]}, the manifest says {want}")
-        if attrs.get("sha256") != info.sha256:
-            raise DataError(f"{p}: its SHA-256 attribute differs from the manifest's: "
-                            "the shard belongs to another build")
+            if layout[n][0] != shape:
+                raise DataError(f"{p}: {n} has shape {layout[n][0]}, the manifest says {shape}")
+            want = (shape, dtype, (rows, *shape[1:]), self.manifest["compression"])
+            if layout[n] != want:
+                raise DataError(f"{p}: {n} is stored as (shape, dtype, chunks, compression) {layout[n]}, "
+                                f"the manifest says {want}")
+        for key, want in (("dataset", self.name), ("split", split.name), ("index", info.index),
+                          ("count", info.count), ("sample_shape", list(split.sample_shape)),
+                          ("dtype", split.x_dtype.str), ("sha256", info.sha256)):
+            if attrs.get(key) != want:
+                raise DataError(f"{p}: its attribute {key} is {attrs.get(key)!r}, the manifest says {want!r}")
 
-    def shard_list(self) -> list[tuple[Split, int]]:
-        return [(s, i) for s in self.splits.values() for i in range(len(s.shards))]
+    def _shards(self, rank: int, size: int, splits=None):
+        """(split, shard) of shards ``rank, rank + size, ...`` of ``splits`` (default all)."""
+        every = [(s, info) for s in self.splits.values() if splits is None or s.name in splits for info in s.shards]
+        return every[rank::size]
 
     def verify(self, rank: int = 0, size: int = 1) -> list[str]:
         """Re-hash the content of shards ``rank, rank + size, ...`` (all of them for one
-        process) and return one message per damaged shard (empty: all good)."""
+        process) and check their labels or token ids; one message per bad shard (empty:
+        all good)."""
         problems = []
-        for split, i in self.shard_list()[rank::size]:
-            info = split.shards[i]
+        for split, info in self._shards(rank, size):
             try:
                 x = np.empty((info.count, *split.sample_shape), dtype=split.x_dtype)
-                split.read("x", info.first, info.first + info.count, x)
+                split.read("x", info.first, info.first + info.count, x, check=False)
                 y = None
                 if split.y_dtype is not None:
                     y = np.empty(info.count, dtype=split.y_dtype)
-                    split.read("y", info.first, info.first + info.count, y)
-            except (OSError, DataError) as e:
-                problems.append(f"{info.path}: damaged, cannot be read ({e})")
-                continue
-            if content_sha256(x, y) != info.sha256:
-                problems.append(f"{info.path}: damaged: the SHA-256 of its content differs from the "
-                                "manifest's; rebuild the dataset")
+                    split.read("y", info.first, info.first + info.count, y, check=False)
+                if content_sha256(x, y) != info.sha256:  # damage first: it would explain bad values
+                    problems.append(f"{info.path}: damaged: the SHA-256 of its content differs from the "
+                                    "manifest's; rebuild the dataset")
+                    continue
+                split.check(y if split.checked == "y" else x, info.first, info.path)
+            except DataError as e:
+                problems.append(str(e))
+        return problems
+
+    def check_values(self, split: str, rank: int = 0, size: int = 1) -> list[str]:
+        """Check the labels (text: token ids) of the shards ``rank, rank + size, ...`` of
+        ``split``, without re-hashing; one message per bad shard."""
+        s = self.split(split)
+        problems = []
+        for _, info in self._shards(rank, size, (split,)):
+            ids = np.empty(info.count, dtype=s.y_dtype if s.checked == "y" else s.x_dtype)
+            try:
+                s.read(s.checked, info.first, info.first + info.count, ids)
+            except DataError as e:
+                problems.append(str(e))
         return problems
 
     def close(self) -> None:

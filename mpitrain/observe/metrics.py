@@ -63,11 +63,14 @@ class MetricsLog:
 
 
 def read(path) -> list[dict]:
-    """The records of a metrics file, skipping a line cut short when a run was killed."""
+    """The records of a metrics file, skipping a line cut short when a run was killed
+    (or otherwise not a record: the file only reports, nothing about a run depends on it)."""
     records = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
+    for line in Path(path).read_text(encoding="utf-8", errors="replace").splitlines():
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(record, dict):
+            records.append(record)
     return records

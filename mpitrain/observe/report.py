@@ -2,11 +2,11 @@
 
 For each run directory it writes, into ``RUN_DIR/report/`` (or ``--out``):
 
-* ``loss.png``: the training loss against steps, with the evaluations (validation
-  loss, or test accuracy) on a second axis;
+* ``loss.png``: the training loss against steps, with the evaluations: the validation
+  loss (text), or the test loss and, on a second axis, the test accuracy (images);
 * ``time_per_rank.png``: where each rank's time went over the run: computing, exposed
-  communication, waiting for data, as stacked bars, and the reads the background thread
-  did while the rank computed beside them;
+  communication, pipeline bubble, waiting for data, as stacked bars, and the reads the
+  background thread did while the rank computed beside them;
 * ``throughput.png``: samples/s against steps;
 * ``summary.txt``: the run in a few lines (also printed).
 
@@ -136,6 +136,10 @@ def _loss(run: Run, path: Path) -> Path:
         if run.evals[-1].get("val_loss") is not None:
             handles += ax.plot(steps, [e["val_loss"] for e in run.evals], "o-", color="C1", label="validation loss")
         else:
+            # the test loss on the loss axis (runs of older versions recorded none), the accuracy on its own
+            tested = [(e["step"], e["test_loss"]) for e in run.evals if e.get("test_loss") is not None]
+            if tested:
+                handles += ax.plot(*zip(*tested), "s--", color="C2", label="test loss")
             other = ax.twinx()
             handles += other.plot(steps, [100 * e["test_accuracy"] for e in run.evals], "o-", color="C1",
                                   label="test accuracy")

@@ -12,10 +12,12 @@ Where to read what:
   backward) and the interpreter that runs it.
 * :mod:`~mpitrain.train.loop`: the loop: steps, progress lines, evaluations and
   checkpoints between steps, stop signals, what a non-finite loss does.
+* :mod:`~mpitrain.train.resume`: which run directory, config and checkpoint a resume
+  takes, and what becomes of the checkpoints it cannot use.
 * :mod:`~mpitrain.train.evaluate` and :mod:`~mpitrain.train.report`: evaluation; what a
   run leaves behind.
 
-A run: check the grid against the ranks; build; resume from the newest readable
+A run: check the grid against the ranks; build; resume from the newest usable
 checkpoint if asked; run the loop (a parameter server serves instead); the role's end
 (the servers hand out the final parameters); then the last checkpoint, the final
 evaluation and the report: where each rank's time went (compute, communication exposed

@@ -240,9 +240,13 @@ def _shape(grid) -> str:
 # ---------------------------------------------------------------- the parts
 def open_data(cfg: Config, comm, log) -> Dataset:
     """Open the dataset of ``cfg.data`` on every rank: an embedded default is built by
-    rank 0 on first use; every shard's structure is checked on every rank, and with
-    ``data.verify`` each shard's content is re-hashed by one rank. A problem anywhere
-    raises the same DataError on every rank."""
+    rank 0 on first use; the manifest's checksum and every shard's metadata and
+    structure are checked on every rank. Then, each shard by one rank: with
+    ``data.verify`` its content is re-hashed and its labels (text: token ids) checked;
+    without, every label is still checked (a byte a sample), and a text's evaluation
+    split's token ids, so that a bad one surfaces before step 0 rather than at the
+    final evaluation (a text's training tokens are checked as they are read). A problem
+    anywhere raises the same DataError on every rank."""
     d = cfg.data
     if d.path:
         path = d.path
@@ -252,12 +256,21 @@ def open_data(cfg: Config, comm, log) -> Dataset:
         comm.agree(lambda: embedded.ensure(d.name, log) if comm.rank == 0 else None)
         path = embedded.location(d.name)
     dataset = comm.agree(open_dataset, path)
-    if d.verify:
-        def check():
+
+    def check():
+        if d.verify:
             problems = dataset.verify(comm.rank, comm.size)
-            if problems:
-                raise DataError(problems[0])
+        else:  # "val": what train.evaluate scores of a text
+            names = dataset.splits if dataset.kind == "image" else [n for n in ("val",) if n in dataset.splits]
+            problems = [p for name in names for p in dataset.check_values(name, comm.rank, comm.size)]
+        if problems:
+            raise DataError(problems[0])
+
+    try:
         comm.agree(check)
+    except BaseException:
+        dataset.close()
+        raise
     return dataset
 
 
