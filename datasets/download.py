@@ -150,7 +150,7 @@ def fetch(name: str, cache=None, mirror: str | None = None, out=None, log=print)
 
 def build(name: str, src, out=None):
     """Shards from the fetched files, by the recipe ``mpitrain data build`` runs; returns
-    the :class:`~mpitrain.data.shards.DatasetWriter`."""
+    the :class:`~mpitrain.data.writer.DatasetWriter`."""
     return RECIPES[DOWNLOADS[name].recipe].build(src, out or default_out(name))
 
 

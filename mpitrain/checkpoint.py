@@ -28,8 +28,9 @@ sync (local, ddp, zero1), each rank reading the ranges it owns then.
 **Integrity: every byte, checked before HDF5 reads any.** The file begins with HDF5's
 *userblock* (512 bytes times a power of two, which HDF5 leaves to its user) holding
 plain text: the line ``mpitrain-checkpoint``, one line of JSON (format version, step,
-epoch, the config, the userblock's size, the file's size and the SHA-256 of every byte
-after the userblock), and ``sha256 <hex>`` of that JSON line. :func:`check` verifies
+epoch, the config, the dataset's name and manifest SHA-256, the userblock's size, the
+file's size and the SHA-256 of every byte after the userblock), and ``sha256 <hex>``
+of that JSON line. :func:`check` verifies
 the header, then the file's bytes, and only then lets HDF5 parse it: so a flipped bit
 anywhere in the attributes (the step, the random stream, ...), the per-parameter flags,
 the arrays or HDF5's own structures is found, truncation and growth too, and HDF5 never
@@ -246,12 +247,13 @@ def _send(own: list, comm) -> None:
 
 # ----------------------------------------------------------------- save
 def save(run_dir, step: int, *, model, optimizer, sync, cfg, comm, keep: int, epoch: int = 0,
-         epoch_step: int = 0, strategy: str = "", layout: Layout | None = None) -> Path:
+         epoch_step: int = 0, strategy: str = "", layout: Layout | None = None, data: dict | None = None) -> Path:
     """Write the checkpoint of ``step`` (collective: every rank of ``comm`` calls it);
     ``strategy`` says how the run was laid out (the attribute), ``layout`` is the whole
     model's when ``model`` is a part of it (None: ``model`` is whole). Of a part, each
-    rank that writes state sends its arrays too. Raises :class:`CheckpointWriteError`
-    on every rank if the file cannot be written."""
+    rank that writes state sends its arrays too. ``data`` says what the run trains on
+    (the header keeps it: a resume on other data is told so). Raises
+    :class:`CheckpointWriteError` on every rank if the file cannot be written."""
     offsets, local, pieces, writes = _layout(optimizer, sync, layout)
     names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
     parts = layout.parts if layout is not None else {}
@@ -275,7 +277,7 @@ def save(run_dir, step: int, *, model, optimizer, sync, cfg, comm, keep: int, ep
         return final
     n, n_params = int(offsets[-1]), len(offsets) - 1
     fields = {k: meta[k] for k in ("format", "format_version", "mpitrain_version", "step", "epoch", "epoch_step")}
-    fields["config"] = cfg.to_dict()
+    fields.update(config=cfg.to_dict(), data=data or {})
     size = _userblock_size(fields)
     buffer = io.BytesIO()
     with h5py.File(buffer, "w", userblock_size=size) as f:  # in memory: see the module's docstring
@@ -442,13 +444,15 @@ def _open(path: Path, use):
 
 def check(path: Path) -> dict:
     """Verify every byte of a checkpoint before HDF5 reads any; its attributes (JSON
-    ones parsed, under ``"json"``), or raise :class:`CheckpointError` saying what is
-    wrong (:class:`CheckpointNewer` for a newer format)."""
+    ones parsed, under ``"json"``; the header's fields under ``"header"``), or raise
+    :class:`CheckpointError` saying what is wrong (:class:`CheckpointNewer` for a newer
+    format)."""
     path = Path(path)
     fields = _read_header(path)
     if fields is not None:
         _verify_bytes(path, fields)
-    return _open(path, lambda f: _attributes(path, f, legacy=fields is None))
+    attrs = _open(path, lambda f: _attributes(path, f, legacy=fields is None))
+    return {**attrs, "header": fields or {}}
 
 
 def read_meta(path: Path) -> dict:

@@ -46,7 +46,7 @@ def regions(path) -> dict[str, list[int]]:
             if isinstance(obj, h5py.Dataset) and obj.chunks:
                 for i in range(obj.id.get_num_chunks()):
                     info = obj.id.get_chunk_info(i)
-                    chunks.update(range(block + info.byte_offset, block + info.byte_offset + info.size))
+                    chunks.update(range(info.byte_offset, info.byte_offset + info.size))  # absolute offsets
         f.visititems(visit)
         for value in f.attrs.values():
             raw = value.encode() if isinstance(value, str) else None

@@ -3,6 +3,7 @@ decides a run is covered by a checksum, every damage or inconsistency is one Dat
 naming the file, and the values the model indexes with are checked before they are used."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -404,3 +405,27 @@ def test_cli_train_on_bad_labels_is_one_line_before_step_0(tmp_path, unchecked, 
     assert code == 2 and "step" not in out.out
     assert out.err.strip().splitlines() == [f"mpitrain: error: {d}/test-00000.h5: split 'test': label 10 at index 42 "
                                             "is outside 0..9 (10 classes)"]
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec (pip install mpich)")
+def test_a_bad_token_met_by_one_rank_mid_run_ends_every_rank_with_its_message(tmp_path, unchecked):
+    """With data.verify = false the training tokens are checked as they are read: a
+    damaged one is found by the one rank that reads its window, while the other goes on
+    into the step's allreduce. That rank names itself and ends the job (no waiting for
+    the stall watchdog)."""
+    ids = (np.arange(5000) * 7 % 31).astype(np.uint8)
+    ids[2004] = 31  # inside one window of 8 (2000..2008) only: one rank reads it
+    with DatasetWriter(tmp_path / "d", "toytext", "text", shard_mb=0.002, vocab="abcdefghijklmnopqrstuvwxyz01234") as w:
+        w.write_split("train", ids[:4500])
+        w.write_split("val", ids[4500:])
+    jobs = Path(__file__).resolve().parent.parent / "jobs"
+    cmd = [shutil.which("mpiexec"), "-n", "2", sys.executable, "-m", "mpitrain", "train", str(jobs / "tinyshakespeare_gpt.toml"),
+           "--set", f"data.path={tmp_path / 'd'}", "--set", "data.verify=false", "--set", "model.n_layer=1",
+           "--set", "model.n_embd=16", "--set", "model.n_head=2", "--set", "model.block_size=8",
+           "--set", "train.global_batch_size=8", "--set", "train.steps=80", "--set", "train.eval_batches=1",
+           "--set", "train.sample_tokens=0", "--set", "train.threads=1", "--run-dir", str(tmp_path / "run")]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    said = [line for line in done.stderr.splitlines() if "mpitrain: error:" in line]
+    assert len(said) == 1 and said[0].startswith("[rank ") and "token 31 at index 2004 is outside 0..30" in said[0]
+    assert "Traceback" not in done.stderr

@@ -266,3 +266,21 @@ def test_config_errors_in_a_saved_config_name_the_checkpoint(text_data, tmp_path
     with pytest.raises(ConfigError, match=r"^the saved config: optim.lr: must be > 0"):
         config.from_saved(saved)
     assert config.from_saved(json.loads(json.dumps(saved)), ["optim.lr=0.5"]).optim.lr == 0.5
+
+
+def test_a_resume_on_other_data_is_said(text_data, tmp_path):
+    from mpitrain_datasets import text
+
+    run = tmp_path / "a"
+    train.train(gpt(text_data, run, "train.steps=4"), log=quiet)
+    src = tmp_path / "other.txt"
+    src.write_text("\n".join(["or not", "to be", "the question", "that is"] * 150) + "\n")  # the same characters
+    text.text(src, tmp_path / "other")
+    warnings = []
+    train.train(gpt(tmp_path / "other", run, "train.steps=8"), log=quiet, warn=warnings.append, resume=True)
+    said = [w for w in warnings if "other data" in w]
+    assert len(said) == 1 and said[0].startswith(f"warning: {checkpoint.path_for(run, 4)} was trained on ")
+    warnings.clear()
+    train.train(gpt(text_data, tmp_path / "b", "train.steps=4"), log=quiet)
+    train.train(gpt(text_data, tmp_path / "b", "train.steps=8"), log=quiet, warn=warnings.append, resume=True)
+    assert not [w for w in warnings if "other data" in w]

@@ -136,5 +136,5 @@ def test_a_slice_is_restored_only_from_an_array_of_the_whole_shape(tmp_path):
     opt = sgd(sliced)
     with pytest.raises(checkpoint.CheckpointError, match=r"embed.wte.weight has shape \(80, 8\) in the checkpoint, "
                                                            r"\(65, 8\) in this model"):
-        checkpoint.restore(checkpoint.path_for(tmp_path, 1), cfg=cfg, model=sliced, optimizer=opt,
+        checkpoint.restore(checkpoint.path_for(tmp_path, 1), model=sliced, optimizer=opt,
                            sync=LocalSync(sliced, opt), comm=SingleComm(), layout=layout)

@@ -12,11 +12,11 @@ It knows arrays, not tensors. Importing it does not start MPI; :func:`world` doe
 """
 
 from mpitrain.comm.communicator import (
-    THREAD_LEVELS, Comm, CommStats, Request, SingleComm, Tag, abort_on_exception, launcher_rank,
+    THREAD_LEVELS, Comm, CommStats, Request, SingleComm, Tag, abort_on_exception, alone, launcher_rank,
     started_thread_level, started_world, thread_level, world,
 )
 
 __all__ = [
-    "THREAD_LEVELS", "Comm", "CommStats", "Request", "SingleComm", "Tag", "abort_on_exception", "launcher_rank",
-    "started_thread_level", "started_world", "thread_level", "world",
+    "THREAD_LEVELS", "Comm", "CommStats", "Request", "SingleComm", "Tag", "abort_on_exception", "alone",
+    "launcher_rank", "started_thread_level", "started_world", "thread_level", "world",
 ]

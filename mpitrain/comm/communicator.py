@@ -390,6 +390,23 @@ def launcher_rank() -> int | None:
 
 
 @contextlib.contextmanager
+def alone(kinds: tuple, code: int = 2):
+    """Errors of ``kinds`` raised inside are this rank's alone: a reader that found a
+    damaged shard while the other ranks went on into the step's collectives, where
+    they would wait for it until the stall watchdog ended them. So this rank prints
+    its message, naming itself, and ends every rank with ``code``. Without MPI, or with
+    one rank, the error simply propagates (the command line prints it)."""
+    try:
+        yield
+    except kinds as e:
+        comm = started_world()
+        if comm is None or comm.size == 1:
+            raise
+        sys.stderr.write(f"[rank {comm.rank}] mpitrain: error: {e}\n")
+        comm.abort(code)
+
+
+@contextlib.contextmanager
 def abort_on_exception(expected: tuple = ()):
     """End the whole job when this rank fails with an exception not in ``expected``
     (errors the caller raises on every rank alike and reports itself). Without MPI,

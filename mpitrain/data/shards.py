@@ -42,7 +42,8 @@ from mpitrain.data.errors import DataError, reading
 from mpitrain.data.integrity import check_ids, check_metadata, content_sha256
 from mpitrain.data.manifest import MANIFEST, VERSION, read_manifest
 
-__all__ = ["MANIFEST", "VERSION", "DataError", "Dataset", "Split", "open_dataset"]  # the format's names, for the recipes
+# the format's names, imported from here by the recipes and the tests
+__all__ = ["MANIFEST", "VERSION", "DataError", "Dataset", "Split", "open_dataset"]
 
 
 class _Shard:

@@ -30,13 +30,14 @@ import sys
 import time
 
 from mpitrain import checkpoint, ops
-from mpitrain.comm import SingleComm, started_thread_level
+from mpitrain.comm import SingleComm, alone, started_thread_level
 from mpitrain.config import Config, ConfigError, check_ranks
+from mpitrain.data import DataError
 from mpitrain.runtime import blas_threads, limit_blas_threads, tune_allocator
 from mpitrain.train import resume
 from mpitrain.train.build import Role, Run, build_run, prepare_run_dir
 from mpitrain.train.loop import Loop, StopSignals
-from mpitrain.train.report import Outputs, Result, finish, time_row
+from mpitrain.train.report import Outputs, Result, data_identity, finish, time_row
 from mpitrain.train.sync import GradSync
 
 __all__ = ["GradSync", "Result", "Role", "train"]
@@ -67,7 +68,8 @@ def train(cfg: Config, log=print, comm=None, resume: bool = False, warn=None, st
             first = _resume(run, log, warn, start_over) if resume else 0
             # the loop speaks through its leading rank (with parameter servers, worker 0: not rank 0)
             elsewhere = run.role.leads and comm.rank != 0 and loud
-            return _work(run, first, log, print if elsewhere else log, _stderr if elsewhere else warn)
+            with alone(DataError):  # a shard found damaged by this rank's reader, mid-run
+                return _work(run, first, log, print if elsewhere else log, _stderr if elsewhere else warn)
         finally:
             run.close()
 
@@ -117,6 +119,7 @@ def _resume(run: Run, log, warn, start_over: bool) -> int:
         log(f"resume: no usable checkpoint in {checkpoint.directory(cfg.run.dir)}, starting at step 0")
         return 0
     path, attrs = chosen
+    resume.check_data(path, attrs["header"].get("data"), data_identity(run.data), warn)
     attrs = checkpoint.restore(path, model=run.model, optimizer=run.optimizer, sync=run.role.sync, comm=run.world,
                                layout=run.layout,
                                check_config=lambda saved: resume.check_config(path, saved, cfg, warn))

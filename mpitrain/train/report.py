@@ -87,10 +87,16 @@ def save(run, step: int, why: str, result: Result, out: Outputs, log) -> None:
     with out.traced("checkpoint", "checkpoint"):
         path = checkpoint.save(cfg.run.dir, step, model=run.model, optimizer=run.optimizer, sync=run.role.sync,
                                cfg=cfg, comm=run.world, keep=cfg.run.keep, epoch=epoch, epoch_step=epoch_step,
-                               strategy=f"{cfg.parallel.sync}, {run.role.layout}", layout=run.layout)
+                               strategy=f"{cfg.parallel.sync}, {run.role.layout}", layout=run.layout,
+                               data=data_identity(run.data))
     result.checkpoint = str(path)
     out.metrics.write("checkpoint", step=step, path=str(path), why=why)
     log(f"step {step}: checkpoint {path} ({why})")
+
+
+def data_identity(data) -> dict:
+    """What a checkpoint records of the dataset it was trained on."""
+    return {"name": data.name, "manifest_sha256": data.manifest.get("manifest_sha256", "")}
 
 
 def per_rank(rows) -> list[dict]:

@@ -155,6 +155,16 @@ def check_config(path: Path, saved: dict, cfg, warn) -> None:
              "saved run would have trained on")
 
 
+def check_data(path: Path, saved: dict | None, now: dict, warn) -> None:
+    """Warn when the run reads other data than the checkpoint was trained on (another
+    dataset, or the same one built from other files): not refused, since going on with
+    new data can be meant, but never silent. (Data that does not fit the model, another
+    number of classes or characters, is refused when the model's arrays are loaded.)"""
+    if saved and saved.get("manifest_sha256") and saved != now:
+        warn(f"warning: {path} was trained on {saved['name']} (manifest SHA-256 {saved['manifest_sha256'][:12]}); "
+             f"this run reads {now['name']} ({now['manifest_sha256'][:12]}): other data")
+
+
 def config_changes(saved: dict, now: dict) -> list[tuple[str, object, object]]:
     """``(section.field, saved value, value now)`` for each field of a config (as
     ``Config.to_dict``) that differs from the saved one; the run directory is where the
