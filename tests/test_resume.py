@@ -278,9 +278,9 @@ def test_a_resume_on_other_data_is_said(text_data, tmp_path):
     text.text(src, tmp_path / "other")
     warnings = []
     train.train(gpt(tmp_path / "other", run, "train.steps=8"), log=quiet, warn=warnings.append, resume=True)
-    said = [w for w in warnings if "other data" in w]
+    said = [w for w in warnings if "was trained on" in w]
     assert len(said) == 1 and said[0].startswith(f"warning: {checkpoint.path_for(run, 4)} was trained on ")
     warnings.clear()
     train.train(gpt(text_data, tmp_path / "b", "train.steps=4"), log=quiet)
     train.train(gpt(text_data, tmp_path / "b", "train.steps=8"), log=quiet, warn=warnings.append, resume=True)
-    assert not [w for w in warnings if "other data" in w]
+    assert not [w for w in warnings if "was trained on" in w]
