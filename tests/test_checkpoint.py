@@ -354,7 +354,7 @@ def test_a_signal_checkpoints_and_exits_then_resume_is_bit_identical(reference, 
     assert stopped[0].endswith(f"resume with: mpitrain train --resume {tmp_path / 'run'}")
     at = int(stopped[0].split("after step ")[1].split(";")[0])
     assert checkpoint.listed(tmp_path / "run")[-1] == checkpoint.path_for(tmp_path / "run", at)
-    code, out, err = finish(launch(data, tmp_path / "run", "--resume"))
+    code, _, err = finish(launch(data, tmp_path / "run", "--resume"))
     assert code == 0, err
     assert_identical(final, checkpoint.path_for(tmp_path / "run", 400))
 
@@ -410,3 +410,81 @@ def test_a_signal_stops_a_parameter_server_run_whose_checkpoint_ddp_resumes(text
     assert done.returncode == 0, done.stderr
     assert f"resumed from {checkpoint.path_for(run, at)} at step {at}" in done.stdout
     assert checkpoint.listed(run)[-1] == checkpoint.path_for(run, at + 5)
+
+
+def test_a_first_ctrl_c_asks_for_a_stop_and_a_second_one_ends_the_process_at_once(capfd):
+    """The loop stops at the end of the step after a first SIGINT; the handler then puts
+    back the default action, so a second SIGINT ends the process even inside a blocking
+    call (where a Python handler would wait for the call to return)."""
+    from mpitrain.train.loop import StopSignals
+
+    before = signal.getsignal(signal.SIGINT)
+    with StopSignals(loud=True) as signals:
+        assert signal.getsignal(signal.SIGINT) == signals._handler
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)  # the handler runs between two bytecodes of the main thread
+        assert signals.received == signal.SIGINT
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL
+    assert signal.getsignal(signal.SIGINT) == before
+    assert "Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to abort at once" in capfd.readouterr().err
+
+
+@needs_mpiexec
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+def test_ctrl_c_typed_on_a_terminal_checkpoints_once_then_resume_is_bit_identical(reference, tmp_path):
+    """The user's Ctrl-C: ``mpiexec -n 2`` runs on a pseudo-terminal that is its
+    controlling terminal, and the test types ``^C`` into it, so the terminal's line
+    discipline sends SIGINT to the whole foreground process group, as a shell's
+    terminal does. One checkpoint, one "stopped by SIGINT" line, exit 130, no traceback
+    (a rank reached twice, by the terminal and by mpiexec, would abort at the second);
+    the resumed run ends bit-identical to one never stopped."""
+    import fcntl
+    import termios
+    import threading
+
+    data, final = reference
+    master, slave = os.openpty()
+
+    def controlling_terminal():  # runs in the child after setsid (start_new_session)
+        fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpitrain", "train", str(JOBS / "tinyshakespeare_gpt.toml"),
+           "--set", f"data.path={data}", *GPT_ARGS, "--run-dir", str(tmp_path / "run")]
+    proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
+                            preexec_fn=controlling_terminal)  # noqa: PLW1509 - one ioctl, no lock
+    os.close(slave)
+    chunks = []
+
+    def drain():  # the terminal's output, until every process holding it has closed it
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: no process holds the terminal any more
+                return
+            if not chunk:
+                return
+            chunks.append(chunk)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        wait_for_checkpoint(tmp_path / "run", 60, proc)
+        assert os.tcgetpgrp(master) == proc.pid, "mpiexec is not the terminal's foreground group"
+        os.write(master, b"\x03")  # ^C
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        reader.join(timeout=10)
+        os.close(master)
+    text = b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+    assert code == 130, text
+    assert "Traceback" not in text and "error" not in text.lower(), text
+    stopped = [line for line in text.splitlines() if line.startswith("stopped by")]
+    assert len(stopped) == 1 and stopped[0].startswith("stopped by SIGINT after step"), text
+    at = int(stopped[0].split("after step ")[1].split(";")[0])
+    assert checkpoint.listed(tmp_path / "run")[-1] == checkpoint.path_for(tmp_path / "run", at)
+    code, _, err = finish(launch(data, tmp_path / "run", "--resume"))
+    assert code == 0, err
+    assert_identical(final, checkpoint.path_for(tmp_path / "run", 400))
