@@ -13,10 +13,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 import re
 import tarfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +55,24 @@ def _load_pickle(data: bytes, where: str) -> dict:
     return {k.decode() if isinstance(k, bytes) else k: v for k, v in value.items()}
 
 
+@contextlib.contextmanager
+def _damaged_archive(src: Path):
+    """A truncated or corrupted archive (its gzip stream or its tar blocks) as one
+    DataError naming it."""
+    try:
+        yield
+    except (tarfile.TarError, EOFError, zlib.error, OSError) as e:
+        raise DataError(f"{src}: damaged archive ({e or type(e).__name__})") from None
+
+
+def _to_the_end(tar: tarfile.TarFile) -> None:
+    """Read the archive's stream to its end: tarfile stops at the archive's end marker,
+    before a gzip trailer's CRC-32, and only reading past it checks that (a corrupted
+    stream can otherwise inflate to other bytes without a word)."""
+    while tar.fileobj.read(1 << 20):
+        pass
+
+
 def _pickle_members(src: Path) -> dict[str, bytes]:
     """{file name: bytes} of the batch files, from a directory or a tar archive."""
     wanted = set(BATCHES["train"] + BATCHES["test"] + ["batches.meta"])
@@ -60,11 +80,12 @@ def _pickle_members(src: Path) -> dict[str, bytes]:
         return {p.name: p.read_bytes() for p in src.iterdir() if p.name in wanted}
     if src.is_file() and tarfile.is_tarfile(src):
         found = {}
-        with tarfile.open(src) as tar:
+        with _damaged_archive(src), tarfile.open(src) as tar:
             for m in tar:
                 name = m.name.rsplit("/", 1)[-1]
                 if m.isfile() and name in wanted:
                     found[name] = tar.extractfile(m).read()
+            _to_the_end(tar)
         return found
     raise DataError(f"{src}: neither a directory nor a tar archive")
 
@@ -111,11 +132,12 @@ def _folder_members(src: Path):
             if m and p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES:
                 yield m.group(1), m.group(2), p.as_posix(), p.read_bytes()
     elif src.is_file() and tarfile.is_tarfile(src):
-        with tarfile.open(src) as tar:
+        with _damaged_archive(src), tarfile.open(src) as tar:
             for member in tar:
                 m = _LAYOUT.search(member.name)
                 if m and member.isfile() and Path(member.name).suffix.lower() in IMAGE_SUFFIXES:
                     yield m.group(1), m.group(2), f"{src}:{member.name}", tar.extractfile(member).read()
+            _to_the_end(tar)
     else:
         raise DataError(f"{src}: neither a directory nor a tar archive")
 

@@ -22,16 +22,19 @@ the data cache directory (``$MPITRAIN_DATA``, else ``$XDG_CACHE_HOME/mpitrain``,
 ``~/.cache/mpitrain``). A file already there is re-verified (it is cheap) and not
 downloaded again.
 
-**Resume.** A download writes ``FILE.part`` beside the final file. A later call finding a
-``.part`` asks for the rest with ``Range: bytes=N-``: an answer 206 whose Content-Range
-starts at N is appended; a server that ignores the range (200) sends the whole file,
-which replaces the ``.part`` from its first byte. A read that ends early keeps the
-``.part`` and says to run the command again.
+**Resume.** A download writes ``FILE.part`` beside the final file, and ``FILE.part.from``
+(the URL, and the server's ETag or Last-Modified). A later call finding a ``.part`` from
+the same URL asks for the rest with ``Range: bytes=N-`` (and ``If-Range``): an answer 206
+whose Content-Range starts at N is appended; a whole file (200: the server ignores
+ranges, or the file changed) replaces the ``.part`` from its first byte, as does any
+answer from another URL (mirrors' copies differ). A read that ends early (fewer bytes
+than Content-Length, or a dropped connection) keeps the ``.part`` and says to run the
+command again.
 
 **Atomic.** Only a complete, verified ``.part`` is renamed to FILE (``os.replace``, atomic
-within a directory); one that fails verification is deleted. So the cache holds only
-verified files, and the shards (built by the same recipe as ``mpitrain data build``,
-itself atomic) are only ever built from them.
+within a directory); one that fails verification is deleted, and the next base URL
+tried. So the cache holds only verified files, and the shards (built by the same
+recipe as ``mpitrain data build``, itself atomic) are only ever built from them.
 
 **Mirror.** ``--mirror URL`` or ``$MPITRAIN_MIRROR`` replaces the base URLs: files are
 then fetched from ``URL/NAME/FILE`` only (the cache's own layout, so a served copy of
@@ -43,10 +46,12 @@ from __future__ import annotations
 import gzip
 import hashlib
 import http.client
+import json
 import os
 import re
 import urllib.error
 import urllib.request
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -118,6 +123,10 @@ class _Unreachable(Exception):
     """No answer with the file from this URL (offline, refused, HTTP error): try the next."""
 
 
+class _WrongContent(Exception):
+    """The file from this URL fails its hash (deleted): try the next."""
+
+
 def default_cache() -> Path:
     return embedded.cache_dir() / "downloads"
 
@@ -155,81 +164,116 @@ def build(name: str, src, out=None):
 
 
 def _fetch_one(bases, dest: Path, remote: Remote, by_hand: str, log) -> None:
-    """``dest`` verified: from the cache, else from the first base URL that answers."""
+    """``dest`` verified: from the cache, else from the first base URL that answers
+    with the right content (a mirror whose copy fails the hash is skipped, said)."""
     if dest.exists():
         problem = _mismatch(dest, remote)
         if problem:
             raise DataError(f"{dest}: cached file {problem}; delete it to download it again")
         log(f"{dest}: cached, verified")
         return
-    failures = []
+    unreachable, wrong = [], []
     for base in bases:
         url = base + remote.file
         try:
             _download(url, dest, remote, log)
             return
         except _Unreachable as e:
-            failures.append(f"{url} ({e})")
-    raise DataError(f"cannot download {remote.file} from {'; '.join(failures)}: offline, or the server is "
+            unreachable.append(f"{url} ({e})")
+        except _WrongContent as e:
+            wrong.append(f"{url}: {e}")
+    if wrong:
+        raise DataError(f"{'; '.join(wrong)}; the download was deleted (a damaged mirror, or a changed file?)"
+                        + (f"; also unreachable: {'; '.join(unreachable)}" if unreachable else ""))
+    raise DataError(f"cannot download {remote.file} from {'; '.join(unreachable)}: offline, or the server is "
                     f"down? To do it by hand, {by_hand}")
 
 
 def _download(url: str, dest: Path, remote: Remote, log) -> None:
-    """``url`` into ``dest`` through ``dest.part`` (continued if present), verified, renamed."""
+    """``url`` into ``dest`` through ``dest.part``, verified, renamed. A ``.part`` is
+    continued only from the URL its bytes came from (``.part.from`` says which, with the
+    server's ETag or Last-Modified, sent back as If-Range): mirrors' copies of a file
+    may differ (MNIST's gzip timestamps), and bytes of two copies spliced fail the hash."""
     part = dest.with_name(dest.name + ".part")
+    origin = dest.with_name(dest.name + ".part.from")
     have = part.stat().st_size if part.exists() else 0
-    response = _open(url, have)
-    if response is None:  # 416: the .part is as long as the file or longer; fetch it whole
-        part.unlink()
-        have, response = 0, _open(url, 0)
+    validator = _origin(origin, url) if have else None
+    if validator is None:
+        have = 0  # nothing yet, or another URL's bytes: from the first byte
+    response = _open(url, have, validator) if have else None
+    if response is None:  # the .part cannot be continued (416, another range): the whole file
+        have, response = 0, _open(url, 0, None)
     with response:
-        if have and not _continues(response, have):
-            have = 0  # the server sent the whole file: it replaces the .part
+        if response.status != 206:
+            have = 0  # the whole file (the server ignored the range, or the file changed): it replaces the .part
+        if not have:
+            origin.write_text(json.dumps({"url": url, "validator": response.headers.get("ETag")
+                                          or response.headers.get("Last-Modified") or ""}))
         length = response.headers.get("Content-Length")
         total = have + int(length) if length is not None else None
         log(f"{'resuming' if have else 'downloading'} {url}" + (f" at byte {have:,}" if have else ""))
         try:
-            _copy(response, part, have, total)
+            whole = _copy(response, part, have, total)
         except OSError as e:  # the disk, not the network (read errors end _copy quietly)
             raise DataError(f"{part}: cannot write ({e.strerror or e})") from None
     size = part.stat().st_size
-    if total is not None and size < total:
-        raise DataError(f"{url}: download interrupted after {size:,} of {total:,} bytes; run the "
-                        f"command again to continue from {part}")
+    if not whole or (total is not None and size < total):
+        of = f" of {total:,}" if total is not None else ""
+        raise DataError(f"{url}: download interrupted after {size:,}{of} bytes; run the command again to "
+                        f"continue from {part}")
     problem = _mismatch(part, remote)
     if problem:
         part.unlink()
-        raise DataError(f"{url}: {problem}; the download was deleted (a damaged mirror, or a changed file?)")
-    os.replace(part, dest)
+    else:
+        os.replace(part, dest)
+    origin.unlink(missing_ok=True)
+    if problem:
+        raise _WrongContent(problem)
 
 
-def _copy(response, part: Path, have: int, total: int | None) -> None:
+def _origin(origin: Path, url: str) -> str | None:
+    """The validator (ETag or Last-Modified, "" if the server sent neither) of the
+    ``.part`` whose origin file is ``origin`` if its bytes came from ``url``, else None."""
+    try:
+        saved = json.loads(origin.read_text())
+        return saved["validator"] if saved["url"] == url and isinstance(saved["validator"], str) else None
+    except (OSError, ValueError, KeyError, TypeError):  # none (an older .part), or damaged: start again
+        return None
+
+
+def _copy(response, part: Path, have: int, total: int | None) -> bool:
     """Append the body of ``response`` to ``part`` (truncated first if ``have`` is 0), with
-    a progress bar; stops quietly where the connection drops."""
+    a progress bar; whether it read to the end (False: the connection dropped)."""
     bar = tqdm(total=total, initial=have, unit="B", unit_scale=True, unit_divisor=1024,
                desc=part.name.removesuffix(".part"), disable=None)  # None: no bar unless stderr is a terminal
+    whole = True
     with open(part, "ab" if have else "wb") as f, bar:
         while True:
             try:
                 block = response.read(BLOCK)
             except (OSError, http.client.HTTPException):
-                break  # the caller compares the size with Content-Length
+                whole = False
+                break
             if not block:
                 break
             f.write(block)
             bar.update(len(block))
         f.flush()
         os.fsync(f.fileno())
+    return whole
 
 
-def _open(url: str, have: int):
-    """The response to GET ``url`` (from byte ``have`` on, if > 0); None for 416 (range
-    not satisfiable); :class:`_Unreachable` for anything else that is no answer."""
+def _open(url: str, have: int, validator: str | None):
+    """The response to GET ``url`` (from byte ``have`` on, if > 0, and only if the file
+    is still ``validator``); None where a range was asked and cannot be given (416, or a
+    206 from another byte); :class:`_Unreachable` for anything else that is no answer."""
     request = urllib.request.Request(url, headers={"User-Agent": f"mpitrain/{__version__}"})
     if have:
         request.add_header("Range", f"bytes={have}-")
+        if validator:
+            request.add_header("If-Range", validator)
     try:
-        return urllib.request.urlopen(request, timeout=TIMEOUT_S)
+        response = urllib.request.urlopen(request, timeout=TIMEOUT_S)
     except urllib.error.HTTPError as e:
         e.close()
         if e.code == 416 and have:
@@ -239,13 +283,11 @@ def _open(url: str, have: int):
         raise _Unreachable(str(e.reason)) from None
     except (OSError, http.client.HTTPException, ValueError) as e:  # timeouts, resets, a bad URL
         raise _Unreachable(str(e) or type(e).__name__) from None
-
-
-def _continues(response, have: int) -> bool:
-    """Whether the answer is the rest of the file from byte ``have`` (206 with a matching
-    Content-Range), not the whole file (200: the server ignored the range)."""
     match = re.match(r"bytes (\d+)-", response.headers.get("Content-Range", ""))
-    return response.status == 206 and match is not None and int(match.group(1)) == have
+    if response.status == 206 and (match is None or int(match.group(1)) != have):
+        response.close()
+        return None
+    return response
 
 
 def _mismatch(path: Path, remote: Remote) -> str | None:
@@ -257,7 +299,7 @@ def _mismatch(path: Path, remote: Remote) -> str | None:
                 sha256.update(block)
                 if remote.md5:
                     md5.update(block)
-    except (OSError, EOFError) as e:  # not gzip, or a truncated gzip stream
+    except (OSError, EOFError, zlib.error) as e:  # not gzip, a truncated or a corrupted gzip stream
         return f"cannot be read ({e})"
     content = "of the decompressed content " if remote.gunzip else ""
     if sha256.hexdigest() != remote.sha256:

@@ -13,6 +13,7 @@ re-compressed copy such as Debian's ``dataset-fashion-mnist`` passes too.
 from __future__ import annotations
 
 import gzip
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -55,7 +56,7 @@ def read_idx(path: Path, magic: int, count: int | None, expect_sha256: str | Non
     number, its sizes and (if given) the hash."""
     try:
         data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    except (OSError, EOFError, gzip.BadGzipFile) as e:
+    except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError
         raise DataError(f"{path}: cannot be read ({e})") from None
     if len(data) < 4 or int.from_bytes(data[:4], "big") != magic:
         got = f"0x{int.from_bytes(data[:4], 'big'):08x}" if len(data) >= 4 else "too short"

@@ -54,8 +54,8 @@ three tries here; a failed plain write is one ``OSError``: the ``.tmp`` is remov
 :class:`CheckpointWriteError` says what happened and that the previous checkpoint is
 intact. Building in memory costs rank 0 one copy of the checkpoint (parameters and
 optimizer state) while it writes. After the rename rank 0 deletes all but the newest
-``keep`` (never one of a later step). A leftover ``.tmp`` from a killed run is ignored
-and replaced.
+``keep`` (never one of a later step) and any ``.tmp`` a killed write left; a resume
+ignores such a file.
 
 Which checkpoint a resume takes, and what happens to the ones it cannot use, is
 :mod:`mpitrain.train.resume`.
@@ -113,7 +113,10 @@ def listed(run_dir) -> list[Path]:
     d = directory(run_dir)
     if not d.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name))]
+    try:
+        found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name))]
+    except OSError as e:  # permissions, a file system gone away
+        raise CheckpointError(f"{d}: cannot list the checkpoints ({e.strerror or e})") from None
     return [p for _, p in sorted(found)]
 
 
@@ -309,15 +312,23 @@ def _write(final: Path, pieces, run_dir, step: int, keep: int) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, final)
-    except OSError as e:
-        tmp.unlink(missing_ok=True)
+    except BaseException as e:  # a write error, or an abort (a second Ctrl-C) while writing
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass  # a file system gone read-only or away: the write's error is the one to report
+        if not isinstance(e, OSError):
+            raise
         before = [p for p in listed(run_dir) if step_of(p) < step]
         intact = f"the previous checkpoint, {before[-1]}, is intact" if before else "no earlier checkpoint"
         raise CheckpointWriteError(f"{final}: could not be written ({e.strerror or e}); {intact}") from None
     _fsync_dir(final.parent)
     upto = [p for p in listed(run_dir) if step_of(p) <= step]  # a later one is never this run's to delete
-    for old in upto[:-keep]:
-        old.unlink()
+    for old in upto[:-keep] + list(final.parent.glob("step-*.h5.tmp")):  # and halves of killed writes
+        try:
+            old.unlink(missing_ok=True)
+        except OSError:  # kept: one more file is no harm, and this checkpoint is written
+            pass
 
 
 def _dataset(f: h5py.File, name: str, **kwargs) -> None:
@@ -335,6 +346,8 @@ def _fsync_dir(path: Path) -> None:
         return
     try:
         os.fsync(fd)
+    except OSError:  # a file system that cannot sync a directory: the rename stands all the same
+        pass
     finally:
         os.close(fd)
 
@@ -381,15 +394,45 @@ def _read_header(path: Path) -> dict | None:
     body, _, rest = head[len(_MAGIC):].partition(b"\n")
     if rest[: len(_HASH_LINE) + 64] != _HASH_LINE + hashlib.sha256(body).hexdigest().encode():
         raise CheckpointError(f"{path}: damaged: its header does not match its SHA-256")
-    fields = json.loads(body)
-    if fields.get("format_version", 0) > FORMAT_VERSION:
-        raise CheckpointNewer(f"{path}: written in checkpoint format version {fields['format_version']} (by "
-                              f"mpitrain {fields.get('mpitrain_version', '?')}); this mpitrain {__version__} reads "
-                              f"versions up to {FORMAT_VERSION}: upgrade mpitrain to resume it")
+    fields = _header_fields(path, body)
     named = _NAME.match(path.name)
     if named and int(named.group(1)) != fields["step"]:  # a file copied or renamed over another
         raise CheckpointError(f"{path}: holds step {fields['step']}, not the step its name says")
     return fields
+
+
+# what a header must hold, and of which type, before anything uses it
+_HEADER_TYPES = {"format_version": int, "step": int, "epoch": int, "epoch_step": int, "userblock": int,
+                 "file_bytes": int, "file_sha256": str, "config": dict, "data": dict}
+
+
+def _header_fields(path: Path, body: bytes) -> dict:
+    """The header's JSON, checked for the fields and types the loaders use: a header
+    whose SHA-256 matches was written by mpitrain, or edited and sealed again by hand,
+    and the second must be one message too, not a traceback."""
+    try:
+        fields = json.loads(body)
+    except ValueError as e:  # UnicodeDecodeError is a ValueError
+        raise CheckpointError(f"{path}: damaged: its header is not JSON ({e})") from None
+    if not isinstance(fields, dict):
+        raise CheckpointError(f"{path}: damaged: its header is not a JSON object")
+    _check_types(path, fields, ("format_version",))
+    if fields["format_version"] > FORMAT_VERSION:  # checked first: a newer format may hold other fields
+        raise CheckpointNewer(f"{path}: written in checkpoint format version {fields['format_version']} (by "
+                              f"mpitrain {fields.get('mpitrain_version', '?')}); this mpitrain {__version__} reads "
+                              f"versions up to {FORMAT_VERSION}: upgrade mpitrain to resume it")
+    _check_types(path, fields, _HEADER_TYPES)
+    if len(fields["file_sha256"]) != 64:
+        raise CheckpointError(f"{path}: damaged: its header's 'file_sha256' is not a SHA-256")
+    return fields
+
+
+def _check_types(path: Path, fields: dict, keys) -> None:
+    for key in keys:
+        kind, value = _HEADER_TYPES[key], fields.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):  # bool is an int
+            raise CheckpointError(f"{path}: damaged: its header's {key!r} is {value!r}, not a "
+                                  f"{'non-negative integer' if kind is int else kind.__name__}")
 
 
 def _verify_bytes(path: Path, fields: dict) -> None:
@@ -436,7 +479,7 @@ def _open(path: Path, use):
     try:
         with h5py.File(path, "r") as f:
             return use(f)
-    except CheckpointError:
+    except (CheckpointError, MemoryError):  # a file too large for this node is not a damaged one
         raise
     except Exception as e:  # h5py reports damage as OSError, KeyError, ValueError, RuntimeError, ...
         raise CheckpointError(f"{path}: unreadable ({type(e).__name__}: {e})") from None

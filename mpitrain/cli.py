@@ -26,20 +26,21 @@ def _train(args) -> int:
     from mpitrain import train
     from mpitrain.comm import world
 
-    cfg = _train_config(args)  # before any MPI work
+    cfg, config_from = _train_config(args)  # before any MPI work
     # each progress line as it is printed, also into a pipe (mpiexec's) or a log file
     # (SLURM's), which Python would otherwise fill 8 KB at a time
     if isinstance(sys.stdout, io.TextIOWrapper):  # not a stream a caller put there (a notebook's)
         sys.stdout.reconfigure(line_buffering=True)
     par = cfg.parallel
     result = train.train(cfg, comm=world(par.thread_level, comm_thread=par.progress == "thread"),
-                         resume=args.resume is not None, start_over=args.start_over)
+                         resume=args.resume is not None, start_over=args.start_over, config_from=config_from)
     return INTERRUPTED if result.stopped == "SIGINT" else 0
 
 
 def _train_config(args):
-    """The config ``train`` runs: a new run's from CONFIG and ``--set``; a resumed run's
-    from its newest checkpoint, with ``--set`` as changes (:mod:`mpitrain.train.resume`)."""
+    """(the config ``train`` runs, the checkpoint it was read from or None): a new run's
+    from CONFIG and ``--set``; a resumed run's from its newest checkpoint, with ``--set``
+    as changes (:mod:`mpitrain.train.resume`)."""
     from mpitrain import config
     from mpitrain.train import resume
 
@@ -56,14 +57,15 @@ def _train_config(args):
         if "run.dir" not in cfg.given:
             run = dataclasses.replace(cfg.run, dir=str(_new_run_dir(Path(args.config).stem)))
             cfg = dataclasses.replace(cfg, run=run)
-        return cfg
+        return cfg, None
     run_dir = _resume_dir(args)
     overrides = args.set + [f"run.dir={json.dumps(str(run_dir))}"]
     saved = resume.saved_config(run_dir, args.start_over)
     if saved is None:  # nothing to resume: the run starts from CONFIG
         if args.config is None:
-            raise _failure(f"{run_dir}: holds no checkpoint to take the config from; give the CONFIG file too")
-        return config.load(args.config, overrides)
+            raise _failure(f"{run_dir}: holds no usable checkpoint to take the config from; give the CONFIG "
+                           "file too")
+        return config.load(args.config, overrides), None
     path, saved_cfg = saved
     cfg = config.from_saved(saved_cfg, overrides, where=f"{path}: the saved config")
     if args.config is not None:
@@ -75,7 +77,7 @@ def _train_config(args):
         if differ:
             _note(f"note: {args.config} differs from the config saved in {path}: {', '.join(differ)}; a resumed "
                   "run keeps the saved values (--set changes one)")
-    return cfg
+    return cfg, path
 
 
 def _resume_dir(args) -> Path:
@@ -86,6 +88,9 @@ def _resume_dir(args) -> Path:
     named = None if args.resume is True else args.resume
     if named is not None and args.run_dir is not None and Path(named) != Path(args.run_dir):
         raise _usage(f"--resume {named} and --run-dir {args.run_dir} name different run directories")
+    if named is not None and not Path(named).exists():  # a typo must not start a new run
+        raise _failure(f"--resume {named}: no such run directory (to start a run there, or continue it if it "
+                       f"exists, as a requeued job does: mpitrain train CONFIG --run-dir {named} --resume)")
     named = named or args.run_dir
     if named is not None:
         if Path(named).is_file():
@@ -317,7 +322,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"mpitrain {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _train_parser(commands)
+    _bench_parsers(commands)
+    _report_parser(commands)
+    _data_parsers(commands)
+    return parser
 
+
+def _train_parser(commands) -> None:
     p = commands.add_parser("train", help="train a model described by a TOML config",
                             description="Train a model described by a TOML config (see jobs/), or resume a run.",
                             epilog="Ctrl-C, SIGTERM or SIGUSR1 finish the step, save a checkpoint and stop "
@@ -339,6 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(unusable files are moved to checkpoints/unusable/, never deleted)")
     p.set_defaults(run=_train)
 
+
+def _bench_parsers(commands) -> None:
     bench = commands.add_parser("bench", help="measure speed (ratios taken side by side)",
                                 description="Benchmarks that print ratios measured in one run.")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
@@ -359,7 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--buffer-mb", type=float, default=64,
                    help="reader round size over all ranks, as data.buffer_mb (default 64)")
     p.set_defaults(run=_bench_io)
+    _bench_parallel_parsers(benches)
 
+
+def _bench_parallel_parsers(benches) -> None:
     p = benches.add_parser("allreduce", help="ring vs. MPI allreduce bandwidth (run under mpiexec -n 2 or 4)",
                            description="Time mpitrain's ring allreduce and MPI_Allreduce from 4 KiB to 64 MiB "
                                        "with 2 (and 4) ranks, beside the bound of the ring's data movement.")
@@ -415,6 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=_positive, default=8, help="batch (default 8)")
     p.set_defaults(run=_bench_tensor)
 
+
+def _report_parser(commands) -> None:
     p = commands.add_parser("report", help="plots and a summary of finished runs",
                             description="Draw PNG plots (loss, time per rank, throughput) and a text summary "
                                         "from each run directory's metrics.jsonl, into RUN_DIR/report/; with "
@@ -424,6 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  "default next to the first run)")
     p.set_defaults(run=_report)
 
+
+def _data_parsers(commands) -> None:
     from mpitrain_datasets import RECIPES
 
     data = commands.add_parser("data", help="download, build, check and describe shard datasets",
@@ -446,6 +467,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--unverified-source", action="store_true",
                    help="IDX: accept files whose SHA-256 is not the published one")
     p.set_defaults(run=_data_build)
+    _download_parser(actions)
+    p = actions.add_parser("verify", help="re-hash every shard against the manifest",
+                           description="Check the structure of every shard and re-hash its content.")
+    p.add_argument("path", help="a dataset directory")
+    p.set_defaults(run=_data_verify)
+    p = actions.add_parser("info", help="describe a dataset directory",
+                           description="Print a dataset's splits, shards, sizes and metadata.")
+    p.add_argument("path", help="a dataset directory")
+    p.set_defaults(run=_data_info)
+
+
+def _download_parser(actions) -> None:
     from mpitrain_datasets.download import DOWNLOADS, MIRROR_ENV
 
     p = actions.add_parser(
@@ -469,15 +502,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"fetch from URL/NAME/FILE only, not the canonical hosts (default ${MIRROR_ENV}, "
                         "if set); e.g. a cache directory served over HTTP")
     p.set_defaults(run=_data_download)
-    p = actions.add_parser("verify", help="re-hash every shard against the manifest",
-                           description="Check the structure of every shard and re-hash its content.")
-    p.add_argument("path", help="a dataset directory")
-    p.set_defaults(run=_data_verify)
-    p = actions.add_parser("info", help="describe a dataset directory",
-                           description="Print a dataset's splits, shards, sizes and metadata.")
-    p.add_argument("path", help="a dataset directory")
-    p.set_defaults(run=_data_info)
-    return parser
 
 
 def main(argv=None) -> int:
@@ -507,8 +531,8 @@ def main(argv=None) -> int:
     except FloatingPointError as e:
         once(f"mpitrain: training diverged: {e}")
         return 1
-    except KeyboardInterrupt:
-        print("mpitrain: interrupted", file=sys.stderr)
+    except KeyboardInterrupt:  # before the training loop's handlers (building, reading data), or another command
+        once("mpitrain: interrupted")
         return INTERRUPTED
 
 

@@ -401,6 +401,7 @@ def test_a_signal_stops_a_parameter_server_run_whose_checkpoint_ddp_resumes(text
     assert code == 0, err
     stopped = [line for line in out.splitlines() if line.startswith("stopped by SIGTERM after step")]
     assert len(stopped) == 1, out
+    assert stopped[0].endswith(f"resumes with ddp or zero1: mpitrain train --resume {run} --set parallel.sync=ddp")
     at = int(stopped[0].split("after step ")[1].split(";")[0])
     assert checkpoint.listed(run) == [checkpoint.path_for(run, at)]
     more = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpitrain", "train", str(JOBS / "tinyshakespeare_gpt.toml"),

@@ -140,6 +140,31 @@ def test_fashion_mnist_shards_match_the_idx_files(tmp_path):
             np.testing.assert_array_equal(s.read_all("y"), y)
 
 
+
+DEBIAN_FASHION = Path("/usr/share/datasets/fashion-mnist")
+
+
+@pytest.mark.skipif(not DEBIAN_FASHION.is_dir(), reason="Debian's dataset-fashion-mnist is not installed "
+                    "(apt-get install dataset-fashion-mnist)")
+def test_fashion_mnist_from_debians_package_is_the_published_content(tmp_path):
+    """Debian re-gzips the four files; the recipe checks the decompressed SHA-256, so the
+    shards hold the published Fashion-MNIST."""
+    out = tmp_path / "fashion"
+    build("fashion-mnist-debian", None, out)
+    with open_dataset(out) as ds:
+        assert ds.name == "fashion-mnist" and ds.classes == FASHION_CLASSES
+        for split, n in (("train", 60_000), ("test", 10_000)):
+            x, y = reference_idx(DEBIAN_FASHION, split)
+            assert ds.split(split).count == len(x) == n
+            np.testing.assert_array_equal(ds.split(split).read_all("x")[..., 0], x)
+            np.testing.assert_array_equal(ds.split(split).read_all("y"), y)
+
+
+def test_fashion_mnist_from_debian_without_the_package_says_how_to_get_it(tmp_path):
+    refused("fashion-mnist-debian", tmp_path / "absent", tmp_path / "out",
+            "absent: not found; install Debian's package: apt-get install dataset-fashion-mnist")
+
+
 # ------------------------------------------------------------------ IDX: bad input
 @pytest.mark.parametrize("gz", [True, False])
 def test_idx_wrong_magic_number_names_the_file(tmp_path, gz):
@@ -266,6 +291,36 @@ def test_a_failed_build_leaves_nothing_behind(tmp_path, monkeypatch):
     assert leftovers(out.parent, "out") == [] and list(out.parent.iterdir()) == []
 
 
+def dead_pid() -> int:
+    import subprocess
+
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_what_a_killed_build_left_is_cleared_and_a_dataset_moved_aside_comes_back(tmp_path):
+    """SIGKILL inside a rebuild's two renames leaves the old dataset in ``.out.old-HOST-PID``
+    and no ``out``: the next build puts it back (and finds it up to date); an unfinished
+    ``.tmp-`` directory goes; another host's, or a live process's, stay."""
+    import socket
+
+    src = text_file(tmp_path / "a.txt", "hello, world\n" * 10)
+    out = tmp_path / "out"
+    build("text", src, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    host, pid = socket.gethostname(), dead_pid()
+    out.rename(tmp_path / f".out.old-{host}-{pid}")
+    (tmp_path / f".out.tmp-{host}-{pid}").mkdir()
+    (tmp_path / f".out.tmp-{host}-{pid}" / "shard.h5").write_bytes(b"half")
+    kept = [tmp_path / f".out.tmp-elsewhere-{pid}", tmp_path / f".out.tmp-{host}-{os.getppid()}"]
+    for path in kept:
+        path.mkdir()
+    assert build("text", src, out).up_to_date
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["a.txt", "out"] + [p.name for p in kept])
+
+
 def test_a_failed_rebuild_keeps_the_existing_dataset(tmp_path, monkeypatch):
     src = text_file(tmp_path / "a.txt", "hello, world\n" * 10)
     out = tmp_path / "out"
@@ -334,6 +389,36 @@ def make_tar(folder: Path, tar: Path, arcname: str) -> Path:
     with tarfile.open(tar, "w:gz") as t:
         t.add(folder, arcname=arcname)
     return tar
+
+
+@pytest.mark.parametrize("how", ["truncated", "flipped"])
+def test_a_damaged_archive_is_one_message_naming_it(tmp_path, how):
+    """A cut or corrupted download of cifar-10-python.tar.gz (the gzip stream or the tar
+    blocks), and the same for an image-folder archive."""
+    cifar_folder(tmp_path / "cifar-10-batches-py", per_batch=40)
+    tar = make_tar(tmp_path / "cifar-10-batches-py", tmp_path / "cifar.tar.gz", "cifar-10-batches-py")
+    whole = tar.read_bytes()
+    for at in (0.2, 0.35, 0.5, 0.65, 0.8):  # a flip inside a batch's pixels inflates to other pixels: the CRC says
+        raw = bytearray(whole)
+        if how == "truncated":
+            raw = raw[: int(len(raw) * at)]
+        else:
+            raw[int(len(raw) * at)] ^= 0x5A
+        tar.write_bytes(bytes(raw))
+        for recipe in ("cifar10", "image-folder"):
+            with pytest.raises(DataError) as e:
+                build(recipe, tar, tmp_path / "out")
+            assert str(tar) in str(e.value) and not (tmp_path / "out").exists()
+
+
+def test_a_corrupted_gzip_idx_file_is_one_message_naming_it(tmp_path):
+    idx_folder(tmp_path / "src")
+    labels = tmp_path / "src" / "t10k-labels-idx1-ubyte.gz"
+    raw = bytearray(labels.read_bytes())
+    for i in range(12, len(raw) - 8):  # the deflate stream, between gzip's header and trailer
+        raw[i] ^= 0xFF
+    labels.write_bytes(bytes(raw))
+    refused("mnist", tmp_path / "src", tmp_path / "out", "cannot be read", [labels], unverified_source=True)
 
 
 def check_cifar(out: Path, data: dict) -> None:

@@ -9,7 +9,9 @@ and skips where that folder is absent (a user's machine)."""
 import dataclasses
 import gzip
 import hashlib
+import http.client
 import io
+import json
 import pickle
 import re
 import socket
@@ -34,12 +36,13 @@ TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n" * 300  
 class Server:
     """An HTTP server on 127.0.0.1 (a free port) in a thread. GET /a/b answers ``files["a/b"]``,
     else the file ``root/a/b``; ``Range: bytes=N-`` gets 206 and the rest (unless
-    ``ignore_range``). ``drop_after=N``: the next answer stops after N body bytes while
-    promising them all (a dropped connection). ``requests`` records (path, Range header)."""
+    ``ignore_range``; from ``range_back`` bytes before N if set). ``drop_after=N``: the
+    next answer stops after N body bytes while promising them all (a dropped
+    connection). ``requests`` records (path, Range header)."""
 
     def __init__(self, root: Path | None = None):
         self.root, self.files, self.requests = root, {}, []
-        self.ignore_range, self.drop_after = False, None
+        self.ignore_range, self.drop_after, self.range_back = False, None, 0
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.url = f"http://127.0.0.1:{self.httpd.server_port}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05},
@@ -65,7 +68,7 @@ class Server:
                 if body is None:
                     return self.send_error(404)
                 m = re.fullmatch(r"bytes=(\d+)-", asked or "")
-                start = int(m.group(1)) if m and not server.ignore_range else 0
+                start = max(0, int(m.group(1)) - server.range_back) if m and not server.ignore_range else 0
                 if start >= len(body) > 0:
                     return self.send_error(416)
                 self.send_response(206 if m and not server.ignore_range else 200)
@@ -227,14 +230,91 @@ def test_interrupted_download_resumes_with_a_range_request(server, tmp_path, mon
     assert (tmp_path / "tinyshakespeare" / "input.txt").read_bytes() == data and not part.exists()
 
 
+def planted(cache: Path, server, content: bytes, url: str | None = None) -> Path:
+    """A ``.part`` of tiny shakespeare's input.txt as an interrupted download from ``url``
+    (the server's) left it."""
+    part = cache / "tinyshakespeare" / "input.txt.part"
+    part.parent.mkdir(exist_ok=True)
+    part.write_bytes(content)
+    url = url or f"{server.url}/tinyshakespeare/input.txt"
+    part.with_name("input.txt.part.from").write_text(json.dumps({"url": url, "validator": ""}))
+    return part
+
+
+def test_a_part_from_another_url_is_not_continued(server, tmp_path, monkeypatch):
+    """Mirrors' copies may differ (gzip timestamps): bytes of two are never spliced."""
+    data = TEXT.encode()
+    server.files["tinyshakespeare/input.txt"] = data
+    with_hashes(monkeypatch, "tinyshakespeare", **{"input.txt": data})
+    part = planted(tmp_path, server, b"y" * 999, url="http://127.0.0.1:9/elsewhere/input.txt")
+    fetch("tinyshakespeare", cache=tmp_path, mirror=server.url, log=lambda _: None)
+    assert server.requests == [("/tinyshakespeare/input.txt", None)]
+    assert (tmp_path / "tinyshakespeare" / "input.txt").read_bytes() == data
+    assert leftovers(tmp_path) == ["input.txt"] and not part.exists()
+
+
+def test_a_part_without_its_origin_starts_again(server, tmp_path, monkeypatch):
+    data = TEXT.encode()
+    server.files["tinyshakespeare/input.txt"] = data
+    with_hashes(monkeypatch, "tinyshakespeare", **{"input.txt": data})
+    part = planted(tmp_path, server, data[:100])
+    part.with_name("input.txt.part.from").unlink()
+    fetch("tinyshakespeare", cache=tmp_path, mirror=server.url, log=lambda _: None)
+    assert server.requests == [("/tinyshakespeare/input.txt", None)]
+
+
+def test_a_range_answered_from_another_byte_fetches_the_whole_file(server, tmp_path, monkeypatch):
+    """A 206 whose Content-Range does not start where the .part ends is not appended."""
+    data = TEXT.encode()
+    server.files["tinyshakespeare/input.txt"] = data
+    with_hashes(monkeypatch, "tinyshakespeare", **{"input.txt": data})
+    planted(tmp_path, server, data[:5000])
+    server.range_back = 1000  # answers bytes=5000- from byte 4000
+    fetch("tinyshakespeare", cache=tmp_path, mirror=server.url, log=lambda _: None)
+    assert [r for _, r in server.requests] == ["bytes=5000-", None]
+    assert (tmp_path / "tinyshakespeare" / "input.txt").read_bytes() == data
+
+
+def test_a_mirror_whose_copy_fails_the_hash_is_skipped_for_the_next(server, tmp_path, monkeypatch):
+    data = TEXT.encode()
+    server.files["bad/input.txt"], server.files["good/input.txt"] = b"damaged copy", data
+    with_hashes(monkeypatch, "tinyshakespeare", **{"input.txt": data})
+    source = dataclasses.replace(DOWNLOADS["tinyshakespeare"], urls=(f"{server.url}/bad/", f"{server.url}/good/"))
+    monkeypatch.setitem(DOWNLOADS, "tinyshakespeare", source)
+    fetch("tinyshakespeare", cache=tmp_path, log=lambda _: None)
+    assert [p for p, _ in server.requests] == ["/bad/input.txt", "/good/input.txt"]
+    assert leftovers(tmp_path) == ["input.txt"]
+    server.files["good/input.txt"] = b"another damaged copy"
+    (tmp_path / "tinyshakespeare" / "input.txt").unlink()
+    with pytest.raises(DataError, match=r"bad/input.txt: SHA-256 .*; .*good/input.txt: SHA-256 .*; the download "
+                                        r"was deleted"):
+        fetch("tinyshakespeare", cache=tmp_path, log=lambda _: None)
+    assert leftovers(tmp_path) == []
+
+
+def test_a_connection_dropped_without_a_length_keeps_the_part(tmp_path):
+    """A chunked answer cut short raises on read: the .part is kept for a resume, not
+    hashed and deleted."""
+    class Cut(io.BytesIO):
+        status, headers = 200, {}
+
+        def read(self, n=-1):
+            block = super().read(min(n, 100))
+            if not block:
+                raise http.client.IncompleteRead(b"")
+            return block
+
+    part = tmp_path / "f.part"
+    assert download._copy(Cut(b"x" * 250), part, 0, None) is False and part.read_bytes() == b"x" * 250
+    assert download._copy(io.BytesIO(b"y" * 10), part, 250, None) is True and part.stat().st_size == 260
+
+
 def test_a_server_ignoring_range_restarts_the_file_cleanly(server, tmp_path, monkeypatch):
     data = TEXT.encode()
     server.files["tinyshakespeare/input.txt"] = data
     server.ignore_range = True
     with_hashes(monkeypatch, "tinyshakespeare", **{"input.txt": data})
-    part = tmp_path / "tinyshakespeare" / "input.txt.part"
-    part.parent.mkdir()
-    part.write_bytes(b"x" * 1234)  # not even a prefix: appending to it would fail the hash
+    part = planted(tmp_path, server, b"x" * 1234)  # not even a prefix: appending to it would fail the hash
     fetch("tinyshakespeare", cache=tmp_path, mirror=server.url, log=lambda _: None)
     assert server.requests == [("/tinyshakespeare/input.txt", "bytes=1234-")]
     assert (tmp_path / "tinyshakespeare" / "input.txt").read_bytes() == data and not part.exists()
@@ -244,9 +324,7 @@ def test_a_part_longer_than_the_file_is_downloaded_again(server, tmp_path, monke
     data = TEXT.encode()
     server.files["tinyshakespeare/input.txt"] = data
     with_hashes(monkeypatch, "tinyshakespeare", **{"input.txt": data})
-    part = tmp_path / "tinyshakespeare" / "input.txt.part"
-    part.parent.mkdir()
-    part.write_bytes(data + b"extra")
+    planted(tmp_path, server, data + b"extra")
     fetch("tinyshakespeare", cache=tmp_path, mirror=server.url, log=lambda _: None)
     assert [r for _, r in server.requests] == [f"bytes={len(data) + 5}-", None]  # 416, then all
     assert (tmp_path / "tinyshakespeare" / "input.txt").read_bytes() == data

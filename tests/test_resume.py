@@ -94,6 +94,39 @@ def test_a_newer_format_is_refused_naming_both_versions_and_nothing_moves(text_d
     assert checkpoint.listed(run) == paths and not (run / "checkpoints" / "unusable").exists()
 
 
+def seal(path, body: bytes):
+    """Replace a checkpoint's header with ``body`` under a matching SHA-256 line: an
+    edit by hand that was sealed again."""
+    import hashlib
+
+    block = checkpoint._read_header(path)["userblock"]
+    data = path.read_bytes()
+    head = checkpoint._MAGIC + body + b"\n" + checkpoint._HASH_LINE + hashlib.sha256(body).hexdigest().encode() + b"\n"
+    path.write_bytes(head.ljust(block, b"\0") + data[block:])
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda f: [], "not a JSON object"),
+    (lambda f: {**f, "format_version": "3"}, "'format_version' is '3', not a non-negative integer"),
+    (lambda f: {k: v for k, v in f.items() if k != "step"}, "'step' is None"),
+    (lambda f: {k: v for k, v in f.items() if k != "config"}, "'config' is None, not a dict"),
+    (lambda f: {**f, "file_bytes": True}, "'file_bytes' is True"),
+    (lambda f: {**f, "file_sha256": "ab"}, "'file_sha256' is not a SHA-256"),
+    (lambda f: b"\xff{", "not JSON"),
+], ids=["list", "version string", "no step", "no config", "bool size", "short digest", "not utf-8"])
+def test_a_resealed_header_that_lacks_a_field_is_damaged_not_a_traceback(text_data, tmp_path, edit, message):
+    run = tmp_path / "a"
+    newest = three_checkpoints(text_data, run)[-1]
+    edited = edit(checkpoint._read_header(newest))
+    seal(newest, edited if isinstance(edited, bytes) else json.dumps(edited).encode())
+    for reader in (checkpoint.check, checkpoint.read_meta):
+        with pytest.raises(checkpoint.CheckpointError, match=f"{newest}: damaged: .*{message}"):
+            reader(newest)
+    warnings = []
+    again = train.train(gpt(text_data, run, "train.steps=12"), log=quiet, warn=warnings.append, resume=True)
+    assert again.start_step == 8 and warnings[0].startswith(f"warning: cannot resume from {newest}: damaged")
+
+
 def test_with_no_usable_checkpoint_a_resume_stops_listing_each_unless_asked_to_start_over(text_data, tmp_path):
     run = tmp_path / "a"
     paths = three_checkpoints(text_data, run)
@@ -145,6 +178,37 @@ def test_a_failed_write_leaves_no_temporary_file_and_the_previous_checkpoint_int
     checkpoint.check(checkpoint.path_for(run, 4))
     train.train(gpt(text_data, run, "train.steps=12"), log=quiet, resume=True)
     assert_identical(checkpoint.path_for(full, 12), checkpoint.path_for(run, 12))
+
+
+def test_a_ctrl_c_during_the_last_checkpoint_write_does_not_interrupt_it(text_data, tmp_path, monkeypatch):
+    """With checkpoint_interval = 0 the end-of-training checkpoint is the run's only
+    one: a first Ctrl-C while it is written (after the loop) waits for it."""
+    import signal
+    import time
+
+    real_write = checkpoint._write
+
+    def interrupted(*args):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.01)  # the handler runs here, between two bytecodes
+        return real_write(*args)
+
+    monkeypatch.setattr(checkpoint, "_write", interrupted)
+    done = train.train(gpt(text_data, tmp_path / "a", "train.steps=6", "run.checkpoint_interval=0"), log=quiet)
+    assert done.steps == 6 and checkpoint.listed(tmp_path / "a") == [checkpoint.path_for(tmp_path / "a", 6)]
+    checkpoint.check(checkpoint.path_for(tmp_path / "a", 6))
+
+
+def test_the_half_written_file_of_a_killed_write_goes_at_the_next_checkpoint(text_data, tmp_path):
+    """A second Ctrl-C, or SIGKILL, during a write leaves ``step-N.h5.tmp``: a resume
+    ignores it, and the next checkpoint written removes it."""
+    run = tmp_path / "a"
+    train.train(gpt(text_data, run, "train.steps=8"), log=quiet)
+    stale = run / "checkpoints" / "step-00000010.h5.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    train.train(gpt(text_data, run, "train.steps=12"), log=quiet, resume=True)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [f"step-0000000{s}.h5" for s in (4, 8)] + [
+        "step-00000012.h5"]
 
 
 @pytest.fixture
@@ -242,6 +306,29 @@ def test_a_resume_keeps_the_saved_overrides_lists_new_ones_and_refuses_another_m
     assert code == 2 and "the checkpoint's model differs: model.n_embd = 32 (saved: 16)" in err
 
 
+def test_a_config_read_from_a_checkpoint_whose_arrays_are_damaged_is_not_used(text_data, tmp_path, monkeypatch,
+                                                                               capsys):
+    """The command line reads the config from the newest checkpoint's header, which
+    verifies; its arrays do not, so the state comes from the one before: the run stops
+    (it would train that state under the newer file's config) and the same command then
+    resumes with the older checkpoint's own config."""
+    monkeypatch.chdir(tmp_path)
+    config = JOBS / "tinyshakespeare_gpt.toml"
+    code, _, err = cli_run(config, *small(text_data), "--set", "train.steps=4", "--set", "run.checkpoint_interval=2",
+                           "--run-dir", "runs/b", capsys=capsys)
+    assert code == 0, err
+    code, _, err = cli_run("--resume", "runs/b", "--set", "train.steps=6", capsys=capsys)
+    assert code == 0, err
+    newest = checkpoint.path_for("runs/b", 6)
+    damage(newest, "flipped")
+    code, _, err = cli_run("--resume", "runs/b", "--set", "train.steps=8", capsys=capsys)
+    assert code == 2 and f"{newest}: this run's config was read from it, but its content is damaged" in err
+    assert f"resume from {checkpoint.path_for('runs/b', 4)} with the config saved there" in err
+    code, _, err = cli_run("--resume", "runs/b", "--set", "train.steps=8", capsys=capsys)
+    assert code == 0, err
+    assert "resume: changes to the saved config: train.steps = 8 (saved: 4)\n" in err
+
+
 def test_resume_arguments_that_cannot_be_meant_are_refused(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     config = str(JOBS / "tinyshakespeare_gpt.toml")
@@ -252,8 +339,25 @@ def test_resume_arguments_that_cannot_be_meant_are_refused(tmp_path, monkeypatch
         with pytest.raises(SystemExit) as stop:
             cli.main(["train", *argv])
         assert stop.value.code == 2 and message in capsys.readouterr().err
+    for argv in (["--resume", "runs/typo"], [config, "--resume", "runs/typo"]):  # a typo starts nothing
+        assert cli.main(["train", *argv]) == 2
+        assert "--resume runs/typo: no such run directory" in capsys.readouterr().err
+    assert not Path("runs/typo").exists()
+    Path("runs/none").mkdir(parents=True)
     assert cli.main(["train", "--resume", "runs/none"]) == 2
-    assert "holds no checkpoint to take the config from; give the CONFIG file too" in capsys.readouterr().err
+    assert "holds no usable checkpoint to take the config from; give the CONFIG file too" in capsys.readouterr().err
+
+
+def test_config_resume_finds_a_run_past_a_gap_left_by_a_deleted_one(tmp_path):
+    from mpitrain.train import resume
+
+    for name in ("gpt-3", "gpt-x", "gpt-03", "other", "gpt-12"):
+        (tmp_path / name).mkdir()
+    assert resume.runs_of("gpt", tmp_path) == [tmp_path / "gpt-3", tmp_path / "gpt-12"]
+    with pytest.raises(ConfigError, match="2 runs of gpt"):
+        resume.find_run("gpt", tmp_path)
+    (tmp_path / "gpt-12").rmdir()
+    assert resume.find_run("gpt", tmp_path)[0] == tmp_path / "gpt-3"
 
 
 def test_config_errors_in_a_saved_config_name_the_checkpoint(text_data, tmp_path):

@@ -312,6 +312,7 @@ class Comm(SingleComm):
         sys.stderr.flush()
         time.sleep(0.2)
         self.mpi.Abort(code)
+        os._exit(code)  # MPICH's Abort can return before the launcher's kill arrives: nothing more runs here
 
 
 def _share(times: int, size: int, nbytes: int) -> float:

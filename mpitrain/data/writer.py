@@ -3,7 +3,8 @@
 The format is specified in ``datasets/README.md`` (reading and checking it:
 :mod:`mpitrain.data.shards`). Writing is atomic: everything goes into a hidden
 temporary directory next to the output, which is renamed into place only when complete,
-so a failed or interrupted build leaves nothing behind. The writer refuses values the
+so a failed or interrupted build leaves nothing behind (and what a killed one left, the
+next build of the same output clears up: :func:`_recover`). The writer refuses values the
 trainer could not use, naming the split and the index: labels outside the classes,
 token ids outside the vocabulary, images that are not uint8 pixels or not of one
 shape, statistics that are not finite and positive. It records each shard's content
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import shutil
+import socket
 from pathlib import Path
 
 import h5py
@@ -48,8 +51,9 @@ class DatasetWriter:
     On leaving the block without an error the manifest is written and the directory
     renamed into place; on an error the temporary directory is removed. If ``out``
     already holds this same dataset (equal content hashes) and it verifies, the new copy
-    is discarded and :attr:`up_to_date` is set; a damaged copy of it, or one of an older
-    format version, is replaced; anything else is a :class:`DataError`.
+    is discarded and :attr:`up_to_date` is set; a copy of it with damaged shards, or one
+    of an older format version, is replaced; anything else (a damaged manifest names no
+    dataset to trust) is a :class:`DataError`.
 
     Image datasets need ``classes``, ``mean`` and ``std`` (per channel, of the training
     pixels scaled to [0, 1]); text datasets need ``vocab``.
@@ -75,8 +79,9 @@ class DatasetWriter:
         self.manifest = {"format": FORMAT, "version": VERSION, "name": name, "kind": kind,
                          "compression": compression, "source": source or {}, **meta, "splits": {}}
         self.up_to_date = False
+        _recover(self.out)
         check_output_dir(self.out, name)
-        self.tmp = self.out.parent / f".{self.out.name}.tmp-{os.getpid()}"
+        self.tmp = self.out.parent / f".{self.out.name}.tmp-{_OWNER}"
 
     def __enter__(self):
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -180,7 +185,7 @@ class DatasetWriter:
     def _replace(self) -> None:
         """Put the new directory in place of ``out`` (two renames: a reader in between
         finds no dataset, never a mixed one)."""
-        aside = self.out.parent / f".{self.out.name}.old-{os.getpid()}"
+        aside = self.out.parent / f".{self.out.name}.old-{_OWNER}"
         os.rename(self.out, aside)
         try:
             os.rename(self.tmp, self.out)
@@ -188,6 +193,38 @@ class DatasetWriter:
             os.rename(aside, self.out)  # never leave nothing
             raise
         shutil.rmtree(aside, ignore_errors=True)
+
+
+_OWNER = f"{socket.gethostname()}-{os.getpid()}"  # in the names of a build's temporary directories
+
+
+def _recover(out: Path) -> None:
+    """What a build of ``out`` killed on this host (SIGKILL, a power cut) left beside it:
+    an unfinished ``.tmp-`` directory goes; an ``.old-`` one, the previous dataset moved
+    aside for the new one, goes back to ``out`` if the new one never got there, and goes
+    if it did. Another host's, or a live process's, are left alone."""
+    host = socket.gethostname()
+    pattern = re.compile(re.escape(f".{out.name}.") + r"(tmp|old)-" + re.escape(host) + r"-(\d+)")
+    if not out.parent.is_dir():
+        return
+    for path in sorted(out.parent.iterdir(), key=lambda p: p.name.startswith(f".{out.name}.tmp")):  # old first
+        m = pattern.fullmatch(path.name)
+        if m is None or _alive(int(m.group(2))):
+            continue
+        if m.group(1) == "old" and not out.exists():
+            os.rename(path, out)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _content(manifest: dict) -> dict:

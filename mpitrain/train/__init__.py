@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 from mpitrain import checkpoint, ops
 from mpitrain.comm import SingleComm, alone, started_thread_level
@@ -43,13 +44,16 @@ from mpitrain.train.sync import GradSync
 __all__ = ["GradSync", "Result", "Role", "train"]
 
 
-def train(cfg: Config, log=print, comm=None, resume: bool = False, warn=None, start_over: bool = False) -> Result:
+def train(cfg: Config, log=print, comm=None, resume: bool = False, warn=None, start_over: bool = False,
+          config_from: Path | None = None) -> Result:
     """Train as ``cfg`` says, printing progress through ``log`` and warnings through
     ``warn`` (rank 0 only); returns the figures. ``comm`` is the world communicator
     (:func:`mpitrain.comm.world`); without one the run is a single process with no MPI
     at all. With ``resume`` the run continues from the newest usable checkpoint in
     ``run.dir`` (starting if the directory has no checkpoint file; if none is usable it
-    stops, unless ``start_over``): :mod:`mpitrain.train.resume`."""
+    stops, unless ``start_over``): :mod:`mpitrain.train.resume`; ``config_from``: the
+    checkpoint ``cfg`` was read from (the command line's resume), which must be the one
+    resumed."""
     comm = comm or SingleComm()
     grid = check_ranks(cfg, comm.size)
     warn = warn or _stderr
@@ -65,7 +69,7 @@ def train(cfg: Config, log=print, comm=None, resume: bool = False, warn=None, st
         run = build_run(cfg, comm, grid, log)
         try:
             log(_header(run, threads))
-            first = _resume(run, log, warn, start_over) if resume else 0
+            first = _resume(run, log, warn, start_over, config_from) if resume else 0
             # the loop speaks through its leading rank (with parameter servers, worker 0: not rank 0)
             elsewhere = run.role.leads and comm.rank != 0 and loud
             with alone(DataError):  # a shard found damaged by this rank's reader, mid-run
@@ -83,6 +87,8 @@ def _work(run: Run, first: int, log, loop_log, loop_warn) -> Result:
                       ranks=world.size, config=cfg.to_dict())
     start = time.perf_counter()
     loop = None
+    # the handlers stay until the end: a Ctrl-C during the last checkpoint's write must
+    # not interrupt it (with checkpoint_interval = 0 it is the run's only one)
     with StopSignals(loud=world.rank == 0) as signals:
         if role.serve is not None:
             role.guard(lambda: role.serve(trace=None if out.timeline is None else _trace(out.timeline)))
@@ -91,12 +97,12 @@ def _work(run: Run, first: int, log, loop_log, loop_warn) -> Result:
             loop = Loop(run, first, result, out, signals, loop_log, loop_warn)
             role.guard(loop.execute)
             times = loop.times()
-    steps = role.end()
-    figures = None if loop is None else loop.figures(time.perf_counter() - start)
-    figures = world.bcast(figures, root=world.allgather(role.leads).index(True))
-    result.steps = figures["steps"] if steps is None else steps  # a server ran no loop: the leading rank's
-    result.stopped = figures["stopped"]
-    return finish(run, result, times, figures, out, log)
+        steps = role.end()
+        figures = None if loop is None else loop.figures(time.perf_counter() - start)
+        figures = world.bcast(figures, root=world.allgather(role.leads).index(True))
+        result.steps = figures["steps"] if steps is None else steps  # a server ran no loop: the leading rank's
+        result.stopped = figures["stopped"]
+        return finish(run, result, times, figures, out, log)
 
 
 def _header(run: Run, threads: int) -> str:
@@ -111,7 +117,7 @@ def _header(run: Run, threads: int) -> str:
             f"parallel: {run.role.layout}; {run.role.sync.describe()[0]}{level}")
 
 
-def _resume(run: Run, log, warn, start_over: bool) -> int:
+def _resume(run: Run, log, warn, start_over: bool, config_from: Path | None) -> int:
     """Load the checkpoint :func:`resume.choose` picks; its step (0: none)."""
     cfg = run.cfg
     chosen = resume.choose(cfg.run.dir, run.world, warn, start_over)
@@ -119,6 +125,10 @@ def _resume(run: Run, log, warn, start_over: bool) -> int:
         log(f"resume: no usable checkpoint in {checkpoint.directory(cfg.run.dir)}, starting at step 0")
         return 0
     path, attrs = chosen
+    if config_from is not None and Path(config_from) != path:  # its header verified, its arrays did not
+        raise checkpoint.CheckpointError(f"{config_from}: this run's config was read from it, but its content is damaged "
+                              f"(moved aside, above); run the same command again to resume from {path} with "
+                              "the config saved there")
     resume.check_data(path, attrs["header"].get("data"), data_identity(run.data), warn)
     attrs = checkpoint.restore(path, model=run.model, optimizer=run.optimizer, sync=run.role.sync, comm=run.world,
                                layout=run.layout,

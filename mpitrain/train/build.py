@@ -66,7 +66,7 @@ class Role:
     prefix: str = ""  # before the loop's progress lines
     guard: Callable = lambda work: work()  # runs the loop or serve()
     end: Callable = lambda: None  # after them, on every rank: the steps the run has taken (None: the loop's)
-    resume_hint: str = "resume with"  # after a stop by a signal, before the command
+    resume_hint: str = "resume with: mpitrain train --resume {dir}"  # after a stop by a signal
     summary: Callable = lambda: ([], {})  # lines for rank 0 and figures, after end() (collective)
     closers: list = field(default_factory=list)
     loss_ranks: int | None = None  # the loop's ranks that compute a loss (None: all; a pipeline: its last stages)
@@ -212,7 +212,8 @@ def _ps_role(cfg: Config, world, grid, model, opt, lr, total, data) -> Role:
                 lane=(0, W) if g is None else (g.dp_rank, g.dp_size), ranks=W,  # a server reads no batch
                 layout=f"{S} server(s), workers on {_shape(grid)}", serve=ps.serve if ps.is_server else None,
                 lockstep=lockstep, prefix="" if lockstep else "worker 0: ", end=ps.end, summary=ps.summary,
-                resume_hint="its checkpoint resumes with ddp or zero1, --set parallel.sync=ddp on",
+                resume_hint="its checkpoint resumes with ddp or zero1: mpitrain train --resume {dir} --set "
+                            "parallel.sync=ddp",
                 closers=[ps.close] + ([] if g is None else [g.free]))
 
     def guard(work):

@@ -344,8 +344,11 @@ class StopSignals:
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             if self.loud:  # os.write: a print here could land inside another print
-                os.write(sys.stderr.fileno(), b"\nmpitrain: Ctrl-C: finishing this step, then saving a checkpoint "
-                                             b"(Ctrl-C again to abort at once, saving nothing)\n")
+                try:
+                    os.write(sys.stderr.fileno(), b"\nmpitrain: Ctrl-C: finishing this step, then saving a "
+                                                 b"checkpoint (Ctrl-C again to abort at once, saving nothing)\n")
+                except (OSError, ValueError):  # no stderr file (a notebook), or a closed pipe: stop all the same
+                    pass
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():

@@ -126,7 +126,7 @@ def finish(run, result: Result, times: tuple, figures: dict, out: Outputs, log) 
     if result.stopped or step > result.start_step:
         save(run, step, result.stopped or "end of training", result, out, log)
     if result.stopped:
-        how = f"{run.role.resume_hint}: mpitrain train --resume {cfg.run.dir}" if cfg.run.dir else \
+        how = run.role.resume_hint.format(dir=cfg.run.dir) if cfg.run.dir else \
             "nothing was saved: no run.dir"
         log(f"stopped by {result.stopped} after step {step}; {how}")
         out.metrics.write("stopped", step=step, signal=result.stopped)

@@ -25,6 +25,7 @@ and nothing deleted that could not be read.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from mpitrain import checkpoint
@@ -39,13 +40,13 @@ DATA_ORDER = ("train.seed", "train.global_batch_size", "data.buffer_mb", "data.s
 
 
 def runs_of(stem: str, root: Path = Path("runs")) -> list[Path]:
-    """The run directories of the config named ``stem`` that exist: ``root/stem``,
-    ``root/stem-2``, ... in the order new runs take them."""
-    runs, n = [], 1
-    while (path := root / (stem if n == 1 else f"{stem}-{n}")).is_dir():
-        runs.append(path)
-        n += 1
-    return runs
+    """The run directories of the config named ``stem`` that exist: ``root/stem`` and
+    every ``root/stem-<n>``, by ``n`` (all of them, also past a gap a deleted run left)."""
+    numbered = re.compile(re.escape(stem) + r"-([1-9][0-9]*)")
+    found = [(0, root / stem)] if (root / stem).is_dir() else []
+    if root.is_dir():
+        found += [(int(m.group(1)), p) for p in root.iterdir() if (m := numbered.fullmatch(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
 
 
 def find_run(stem: str, root: Path = Path("runs")) -> tuple[Path, str]:
