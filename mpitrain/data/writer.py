@@ -81,7 +81,7 @@ class DatasetWriter:
         self.up_to_date = False
         _recover(self.out)
         check_output_dir(self.out, name)
-        self.tmp = self.out.parent / f".{self.out.name}.tmp-{_OWNER}"
+        self.tmp = self.out.parent / f".{self.out.name}.tmp-{_owner()}"
 
     def __enter__(self):
         self.out.parent.mkdir(parents=True, exist_ok=True)
@@ -185,7 +185,7 @@ class DatasetWriter:
     def _replace(self) -> None:
         """Put the new directory in place of ``out`` (two renames: a reader in between
         finds no dataset, never a mixed one)."""
-        aside = self.out.parent / f".{self.out.name}.old-{_OWNER}"
+        aside = self.out.parent / f".{self.out.name}.old-{_owner()}"
         os.rename(self.out, aside)
         try:
             os.rename(self.tmp, self.out)
@@ -195,7 +195,10 @@ class DatasetWriter:
         shutil.rmtree(aside, ignore_errors=True)
 
 
-_OWNER = f"{socket.gethostname()}-{os.getpid()}"  # in the names of a build's temporary directories
+def _owner() -> str:
+    """This process, in the names of its build's temporary directories (host and pid:
+    :func:`_recover` must tell a killed build's from a live one's, or another host's)."""
+    return f"{socket.gethostname()}-{os.getpid()}"
 
 
 def _recover(out: Path) -> None:

@@ -126,9 +126,9 @@ def _resume(run: Run, log, warn, start_over: bool, config_from: Path | None) -> 
         return 0
     path, attrs = chosen
     if config_from is not None and Path(config_from) != path:  # its header verified, its arrays did not
-        raise checkpoint.CheckpointError(f"{config_from}: this run's config was read from it, but its content is damaged "
-                              f"(moved aside, above); run the same command again to resume from {path} with "
-                              "the config saved there")
+        raise checkpoint.CheckpointError(f"{config_from}: this run's config was read from it, but its content is "
+                                         f"damaged (moved aside, above); run the same command again to resume "
+                                         f"from {path} with the config saved there")
     resume.check_data(path, attrs["header"].get("data"), data_identity(run.data), warn)
     attrs = checkpoint.restore(path, model=run.model, optimizer=run.optimizer, sync=run.role.sync, comm=run.world,
                                layout=run.layout,
