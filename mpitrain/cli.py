@@ -1,5 +1,5 @@
 """The ``mpitrain`` command: ``train``, ``report``, ``data download | build | verify | info``,
-``bench step | io | allreduce | ddp | ps | pipeline | tensor``.
+``bench step | io | allreduce | ddp | ps | pipeline | tensor``, ``cluster``.
 
 Commands that may run under ``mpiexec`` (``train``, ``bench io``) start MPI through
 :func:`mpitrain.comm.world`. Errors about the input (config, data) are raised on every
@@ -116,6 +116,22 @@ def _report(args) -> int:
     except ReportError as e:
         raise _failure(str(e)) from None
     return 0
+
+
+def _cluster(args) -> int:
+    from mpitrain.cluster import Cluster, ClusterError, counters_table, describe
+
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise _usage("give the command to run after --, e.g. mpitrain cluster --nodes 2 -- mpitrain bench ddp")
+    try:
+        with Cluster(args.nodes, args.ranks, args.rate, args.mtu, args.netmod) as cluster:
+            print(describe(cluster), flush=True)
+            code = cluster.run(command)
+            print(counters_table(cluster.counters()), flush=True)
+            return code
+    except ClusterError as e:
+        raise _failure(str(e)) from None
 
 
 def _new_run_dir(stem: str) -> Path:
@@ -326,6 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_parsers(commands)
     _report_parser(commands)
     _data_parsers(commands)
+    _cluster_parser(commands)
     return parser
 
 
@@ -476,6 +493,26 @@ def _data_parsers(commands) -> None:
                            description="Print a dataset's splits, shards, sizes and metadata.")
     p.add_argument("path", help="a dataset directory")
     p.set_defaults(run=_data_info)
+
+
+def _cluster_parser(commands) -> None:
+    p = commands.add_parser(
+        "cluster", help="run a command under mpiexec across emulated nodes and network links (root)",
+        description="Emulate NODES nodes of RANKS ranks each on this machine (one network namespace per node, "
+                    "veth links shaped with tc to RATE) and run COMMAND on every rank under MPICH's mpiexec; "
+                    "print each link's bytes at the end, and always tear down. An emulation: no added "
+                    "latency, and above about 2.5 Gbit/s a small machine's TCP stack is the limit "
+                    "(mpitrain/cluster.py). Needs root and iproute2.",
+        epilog="example: mpitrain cluster --nodes 2 --ranks 1 --rate 1gbit -- mpitrain bench ddp")
+    p.add_argument("--nodes", type=_positive, default=2, help="emulated nodes (default 2)")
+    p.add_argument("--ranks", type=_positive, default=1, help="MPI ranks per node (default 1)")
+    p.add_argument("--rate", default="1gbit", help="bandwidth of each link, each way, as tc writes it "
+                                                   "(default 1gbit; e.g. 100mbit, 10gbit)")
+    p.add_argument("--mtu", type=int, default=1500, help="MTU of the links (default 1500)")
+    p.add_argument("--netmod", choices=("ofi", "ucx"), default="ofi",
+                   help="MPICH's network module over the links (default ofi, its tcp provider)")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="what every rank runs")
+    p.set_defaults(run=_cluster)
 
 
 def _download_parser(actions) -> None:

@@ -1,0 +1,91 @@
+"""The emulated cluster (mpitrain/cluster.py): the MPI tier's data-parallel equivalence
+tests run across 2 emulated nodes linked at 1 Gbit/s, their bytes cross the link, and
+no namespace is left behind, also when the command fails. Skipped, with the reason,
+where namespaces cannot be made (no root, no iproute2, a container without the
+capability)."""
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from mpitrain import cluster
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _why_not() -> str | None:
+    try:
+        cluster.check_tools()
+    except cluster.ClusterError as e:
+        return str(e)
+    probe = f"mpitrain-probe-{uuid.uuid4().hex[:8]}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, check=False)
+    if made.returncode != 0:
+        return f"cannot make a network namespace here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], check=False)
+    return None
+
+
+WHY_NOT = _why_not()
+needs_namespaces = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
+
+
+def namespaces() -> set[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
+    return {line.split()[0] for line in listed.splitlines() if line.strip()}
+
+
+def run_cluster(*argv, timeout=240):
+    return subprocess.run([sys.executable, "-m", "mpitrain", "cluster", *argv], capture_output=True, text=True,
+                          cwd=ROOT, timeout=timeout, check=False)
+
+
+@needs_namespaces
+def test_the_data_parallel_equivalence_tests_pass_across_two_emulated_nodes():
+    before = namespaces()
+    done = run_cluster("--nodes", "2", "--ranks", "1", "--rate", "1gbit", "--", sys.executable, "-m", "pytest",
+                       "-q", "--with-mpi", "-m", "mpi", "-p", "no:cacheprovider", "tests/test_mpi_parallel.py")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "emulated cluster: 2 nodes x 1 rank(s), links 1gbit" in done.stdout
+    assert "failed" not in done.stdout and " passed" in done.stdout
+    rows = [line.split("|") for line in done.stdout.splitlines() if line.strip().startswith("node")]
+    assert len(rows) == 2 and all(float(sent) > 1 and float(got) > 1 for _, sent, got in rows), done.stdout
+    assert namespaces() == before
+
+
+@needs_namespaces
+def test_a_failing_command_gives_its_status_and_leaves_no_namespace():
+    before = namespaces()
+    done = run_cluster("--nodes", "3", "--", sys.executable, "-c", "import sys; sys.exit(3)", timeout=120)
+    assert done.returncode == 3, done.stderr
+    assert namespaces() == before
+
+
+@needs_namespaces
+def test_the_namespaces_of_a_killed_cluster_are_removed_by_the_next():
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = f"{cluster.PREFIX}{dead.pid}-node0"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    try:
+        assert stale in cluster.remove_stale() and stale not in namespaces()
+    finally:
+        subprocess.run(["ip", "netns", "del", stale], capture_output=True, check=False)
+
+
+def test_bad_settings_and_missing_tools_are_one_line(monkeypatch):
+    for kwargs, message in [({"nodes": 1}, "at least 2 nodes"), ({"rate": "fast"}, "expected a tc rate"),
+                            ({"mtu": 100}, "expected 576 to 65535"), ({"netmod": "shm"}, "expected one of ofi, ucx")]:
+        with pytest.raises(cluster.ClusterError, match=message):
+            cluster.Cluster(**kwargs)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(cluster.ClusterError, match="needs root"):
+        cluster.check_tools()
+    done = subprocess.run([sys.executable, "-m", "mpitrain", "cluster", "--rate", "fast", "--", "true"],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "mpitrain: error: rate 'fast': expected a tc rate such as 100mbit, 1gbit or 10gbit"]
