@@ -30,8 +30,10 @@ outright.
 **Limits** (an emulation, not a network): the kernels here have no ``netem``, so no
 latency is added, and veth's is microseconds. Above about 2.5 Gbit/s the 2-core
 machine's TCP stack, not the link, limits the throughput (10 Gbit/s gave 1.19 GB/s and
-cost 0.6 of a core per rank). Every node shares the machine's cores, so compute scales
-with the cores, not with the nodes. Figures: ``../shared/MEASURED.md`` on the developers'
+cost 0.6 of a core per rank). Each node runs on its own share of the machine's cores
+(``taskset``): with 2 cores and 2 nodes, one core each, so a node's ranks split its
+cores for their BLAS threads as on a real node (unpinned, each rank took both cores
+and two ranks ran 10x slower); with fewer cores than nodes, nodes share cores. Figures: ``../shared/MEASURED.md`` on the developers'
 machines, section "Emulated cluster".
 
 Command line: ``mpitrain cluster --nodes 2 --ranks 2 --rate 1gbit -- mpitrain bench ddp``.
@@ -61,11 +63,15 @@ NETMODS = {  # how MPICH's ch4 reaches the other nodes over IFACE
 }
 _RATE = re.compile(r"[1-9][0-9]*(\.[0-9]+)?[kmg]bit")
 
-# stands in for ssh: Hydra calls it as "SCRIPT [options] HOST COMMAND..."; HOST is node<k>
+# stands in for ssh: Hydra calls it as "SCRIPT [options] HOST COMMAND..."; HOST is node<k>,
+# whose proxy (and ranks) run in node k's namespace on node k's cores
 _LAUNCHER = """#!/bin/sh
 while [ "${{1#-}}" != "$1" ]; do shift; done
 host=$1; shift
-exec ip netns exec "{prefix}$host" /bin/sh -c "$*"
+case "$host" in
+{cases}
+esac
+exec ip netns exec "{prefix}$host" {pin} /bin/sh -c "$*"
 """
 
 
@@ -111,6 +117,15 @@ class Cluster:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def cores(self) -> list[list[int]]:
+        """Each node's cores: this process's cores split into ``nodes`` equal runs, so a
+        node's ranks divide its cores among them (BLAS threads) as on a real node, and
+        nodes do not compete for a core; with fewer cores than nodes, nodes share them."""
+        mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        if len(mine) < self.nodes:
+            return [[mine[k % len(mine)]] for k in range(self.nodes)]
+        return [mine[len(mine) * k // self.nodes : len(mine) * (k + 1) // self.nodes] for k in range(self.nodes)]
+
     def node(self, k: int) -> str:
         return f"{self.prefix}node{k}"
 
@@ -147,7 +162,9 @@ class Cluster:
         self._wait_until_up(ends)
         self._dir = Path(tempfile.mkdtemp(prefix="mpitrain-cluster-"))
         launcher = self._dir / "ssh"
-        launcher.write_text(_LAUNCHER.format(prefix=self.prefix))
+        cases = "\n".join(f"  node{k}) cpus={','.join(map(str, cpus))} ;;" for k, cpus in enumerate(self.cores()))
+        pin = 'taskset -c "$cpus"' if shutil.which("taskset") else ""
+        launcher.write_text(_LAUNCHER.format(prefix=self.prefix, cases=cases, pin=pin))
         launcher.chmod(0o755)
 
     def _wait_until_up(self, ends: list[tuple[str, str]], timeout: float = 10.0) -> None:
@@ -188,7 +205,7 @@ class Cluster:
     def command(self, argv: list[str]) -> list[str]:
         """The command line that runs ``argv`` under mpiexec on every rank of the cluster."""
         hosts = ",".join(f"node{k}:{self.ranks}" for k in range(self.nodes))
-        env = [f"{k}={v}" for k, v in NETMODS[self.netmod].items()]
+        env = [f"{k}={v}" for k, v in NETMODS[self.netmod].items()] + [f"MPITRAIN_LINK_RATE={self.rate}"]
         return ["ip", "netns", "exec", self.node(0), "env", *env, _mpiexec(), "-launcher", "ssh",
                 "-launcher-exec", str(self._dir / "ssh"), "-localhost", self.address(0), "-hosts", hosts,
                 "-n", str(self.nodes * self.ranks), *argv]
@@ -270,8 +287,10 @@ def _run(cmd: list[str]) -> str:
 
 
 def describe(cluster: Cluster) -> str:
+    cores = "; ".join(f"node{k} cores {','.join(map(str, c))}" for k, c in enumerate(cluster.cores()))
+    pinned = "" if shutil.which("taskset") else " (not pinned: no taskset)"
     return (f"emulated cluster: {cluster.nodes} nodes x {cluster.ranks} rank(s), links {cluster.rate} "
-            f"(htb), MTU {cluster.mtu}, MPICH netmod {cluster.netmod} over {IFACE}")
+            f"(htb), MTU {cluster.mtu}, MPICH netmod {cluster.netmod} over {IFACE}; {cores}{pinned}")
 
 
 def counters_table(rows: list[tuple[str, int, int]]) -> str:

@@ -139,7 +139,7 @@ class ParallelConfig:
     chunks: int = 1  # pp > 1, schedule = "interleaved": model chunks per rank (virtual stages)
     sequence_parallel: bool = False  # tp > 1: layer norms and dropout on slices of the sequence (Korthikanti et al.)
     sync: str = "ddp"  # how the dp ranks' gradients become one update: ddp | zero1 | local | ps (a role split)
-    allreduce: str = "mpi"  # mpi: MPI's own collectives | ring: mpitrain's ring
+    allreduce: str = "mpi"  # mpi: MPI's own collectives | ring: mpitrain's ring | hierarchical: node-aware (ddp)
     bucket_mb: float = 4.0  # ddp: gradient bucket size (an allreduce starts per full bucket)
     progress: str = "test"  # ddp: how buckets progress during backward: test | thread | none | off
     thread_level: str = "auto"  # MPI thread level: auto | single | funneled | serialized | multiple
@@ -433,7 +433,10 @@ def _validate_train(cfg: Config) -> None:
 def _validate_parallel(cfg: Config) -> None:
     par, o = cfg.parallel, cfg.optim
     _validate_grid(cfg)
-    _require(par.allreduce in ("mpi", "ring"), "parallel.allreduce", "must be 'mpi' or 'ring'", par.allreduce)
+    _require(par.allreduce in ("mpi", "ring", "hierarchical"), "parallel.allreduce",
+             "must be 'mpi', 'ring' or 'hierarchical'", par.allreduce)
+    _require(par.allreduce != "hierarchical" or par.sync == "ddp", "parallel.allreduce",
+             "'hierarchical' (node-aware) is for parallel.sync = 'ddp'", par.allreduce)
     _require(par.bucket_mb > 0, "parallel.bucket_mb", "must be > 0", par.bucket_mb)
     _require(par.progress in ("test", "thread", "none", "off"), "parallel.progress",
              "must be 'test', 'thread', 'none' or 'off'", par.progress)

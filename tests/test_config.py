@@ -110,7 +110,9 @@ def test_an_unreadable_config_file_gets_one_line(tmp_path, monkeypatch):
 @pytest.mark.parametrize("overrides,message", [
     (["parallel.sync=fsdp"], "parallel.sync: must be one of"),
     (["parallel.strategy=fsdp"], "parallel.sync: must be one of"),  # the old name, read as the new
-    (["parallel.allreduce=tree"], "parallel.allreduce: must be 'mpi' or 'ring'"),
+    (["parallel.allreduce=tree"], "parallel.allreduce: must be 'mpi', 'ring' or 'hierarchical'"),
+    (["parallel.sync=zero1", "parallel.allreduce=hierarchical"],
+     "parallel.allreduce: 'hierarchical' (node-aware) is for parallel.sync = 'ddp'"),
     (["parallel.bucket_mb=0"], "parallel.bucket_mb: must be > 0"),
     (["parallel.sync=zero1", "parallel.bucket_mb=8"], "parallel.bucket_mb: does not apply to parallel.sync = 'zero1'"),
     (["parallel.progress=thread", "parallel.thread_level=funneled"], "parallel.thread_level: the communication thread"),

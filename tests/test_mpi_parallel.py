@@ -103,7 +103,7 @@ def train_dp(kind, dtype, opt_name, comm, micro=1, **dp_options):
     return model, dp
 
 
-CASES = [(kind, alg, cap) for kind in ("gpt", "cnn") for alg in ("mpi", "ring") for cap in (1e-3, 25.0)]
+CASES = [(kind, alg, cap) for kind in ("gpt", "cnn") for alg in ("mpi", "ring", "hierarchical") for cap in (1e-3, 25.0)]
 
 
 @pytest.mark.mpi(min_size=2)
@@ -217,6 +217,35 @@ def test_ring_equals_mpi_with_partial_sums_in_work_arrays_or_in_place(monkeypatc
         ar.Ring(comm, shard, ("reduce_scatter",)).wait()
         b = chunk_bounds(n, P)
         assert np.allclose(shard[b[r] : b[r + 1]], expected[b[r] : b[r + 1]], rtol=1e-12, atol=1e-12)
+    comm.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("n", [1, 7, 1001, 65537])
+def test_the_node_aware_allreduce_equals_mpis_and_sends_each_byte_over_the_network_once_per_node(n):
+    """Nodes of 2 consecutive ranks (of 1 with an odd rank count): the sum equals MPI's,
+    and each rank sends the ring's bytes inside its node and, across nodes, 2 (N-1)/N of
+    its slice (MPI's allreduce, counted by the formula)."""
+    from mpitrain.comm.hierarchical import HierarchicalAllreduce, hierarchy, link_bytes
+
+    comm = world().dup()
+    L = 2 if comm.size % 2 == 0 else 1
+    N = comm.size // L
+    x = np.random.default_rng(comm.rank).standard_normal(n)
+    expected = x.copy()
+    comm.allreduce(expected)
+    request = HierarchicalAllreduce(comm, x, ranks_per_node=L)
+    while not request.test():  # as a bucket in backward is advanced
+        pass
+    assert np.allclose(x, expected, rtol=1e-12, atol=1e-12)
+    h = hierarchy(comm)
+    assert (h.node.size, h.cross.size) == (L, N)
+    lr, c = h.node.rank, np.diff(chunk_bounds(n, L))
+    intra = (2 * n - c[lr] - c[(lr + 1) % L]) * 8 if L > 1 else 0
+    assert link_bytes(comm) == {"intra-node": intra, "inter-node": int(2 * (N - 1) * c[lr] * 8 / N)}
+    y = np.full(n, float(comm.rank))
+    HierarchicalAllreduce(comm, y, ranks_per_node=L).wait()
+    assert np.all(y == comm.size * (comm.size - 1) / 2)
     comm.free()
 
 

@@ -14,15 +14,26 @@ from 4 KiB to 64 MiB (float32), it times, interleaved so that both see the same 
 
 Figures are *algorithm bandwidth* ``n / time`` (GB/s) and the ring's share of MPI's.
 Each is the median over ``--repeats`` timings of enough calls to take about 20 ms.
+
+When the ranks span several nodes (``N`` nodes of ``L`` ranks: under ``mpitrain cluster``,
+or a real cluster) a last table times, over all ranks, MPI's ``Allreduce``, the ring and
+the node-aware allreduce (:mod:`mpitrain.comm.hierarchical`) in milliseconds, beside
+its bound: the node-aware algorithm's network phase alone (``L`` allreduces of ``n/L``
+across the nodes, side by side) and, where the link's rate is known
+(``$MPITRAIN_LINK_RATE``, which ``mpitrain cluster`` sets), ``2 (N-1)/N x n`` bytes per
+node over that rate.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import time
 
 import numpy as np
 
 from mpitrain.comm import Tag, started_thread_level, world
+from mpitrain.comm.hierarchical import hierarchy
 from mpitrain.comm.ring import allreduce, chunk_bounds
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
@@ -75,7 +86,48 @@ def run(repeats: int = 5, sizes=SIZES, log=print) -> list[dict]:
                     f"{gbs['bound']:10.2f}")
         comm.free()
         everyone.sleeping_barrier()  # ranks outside the group sleep here while it is timed
+    nodes = everyone.dup()
+    if hierarchy(nodes).cross.size > 1:
+        results += _node_aware(nodes, repeats, [n for n in sizes if n >= 1 << 20], log)
+    nodes.free()
     return results
+
+
+def _node_aware(comm, repeats: int, sizes, log) -> list[dict]:
+    """All ranks, across nodes: MPI, ring, node-aware, and the node-aware bound (ms)."""
+    h = hierarchy(comm)
+    N, L = h.cross.size, h.node.size
+    rate = _bits_per_second(os.environ.get("MPITRAIN_LINK_RATE", ""))
+    log(f"{N} nodes x {L} ranks: size |  mpi ms | ring ms | node-aware ms | /mpi | network alone ms"
+        + (f" | bound ms ({os.environ['MPITRAIN_LINK_RATE']}) | /bound" if rate else ""))
+    results = []
+    for n in sizes:
+        x = np.zeros(n // 4, dtype=np.float32)  # (n/4,)
+        b = chunk_bounds(x.size, L)
+        mine = x[b[h.node.rank] : b[h.node.rank + 1]]
+        steps = {"mpi": lambda: allreduce(comm, x, "mpi"), "ring": lambda: allreduce(comm, x, "ring"),
+                 "hierarchical": lambda: allreduce(comm, x, "hierarchical"), "network": lambda: h.cross.allreduce(mine)}
+        times = {k: [] for k in steps}
+        for _ in range(repeats):
+            for k, fn in steps.items():
+                times[k].append(_time(comm, fn, 1))
+        ms = {k: 1e3 * float(np.median(v)) for k, v in times.items()}
+        row = {"nodes": N, "ranks_per_node": L, "bytes": n, **ms}
+        line = (f"{_size(n):>23} | {ms['mpi']:7.1f} | {ms['ring']:7.1f} | {ms['hierarchical']:13.1f} | "
+                f"{ms['hierarchical'] / ms['mpi']:4.2f} | {ms['network']:16.1f}")
+        if rate:
+            row["bound"] = 1e3 * 2 * (N - 1) / N * n * 8 / rate
+            line += f" | {row['bound']:{14 + len(os.environ['MPITRAIN_LINK_RATE'])}.1f} | " \
+                    f"{ms['hierarchical'] / row['bound']:6.2f}"
+        results.append(row)
+        log(line)
+    return results
+
+
+def _bits_per_second(rate: str) -> float | None:
+    """A tc rate (``1gbit``, ``100mbit``, ``2.5gbit``) in bits per second; None if not one."""
+    m = re.fullmatch(r"([0-9.]+)([kmg])bit", rate)
+    return float(m.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)] if m else None
 
 
 def _size(n: int) -> str:

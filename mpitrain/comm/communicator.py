@@ -113,6 +113,12 @@ class SingleComm:
     def dup(self) -> "SingleComm":
         return SingleComm()
 
+    def split_node(self) -> "SingleComm":
+        return self
+
+    def split(self, color: int, key: int) -> "SingleComm":
+        return self
+
     def node_size(self) -> int:
         return 1
 
@@ -177,6 +183,10 @@ class Comm(SingleComm):
     def free(self) -> None:
         if self.mpi is not _mpi().COMM_WORLD:
             self.mpi.Free()
+
+    def split_node(self) -> "Comm":
+        """The ranks of this communicator that share this node's memory (collective)."""
+        return Comm(self.mpi.Split_type(_mpi().COMM_TYPE_SHARED, key=self.rank))
 
     def node_size(self) -> int:
         """Ranks of this communicator that share this node's memory (and cores)."""

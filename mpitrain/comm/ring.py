@@ -1,4 +1,5 @@
-"""Allreduce algorithms: MPI's own, and mpitrain's ring, selectable by name.
+"""Allreduce algorithms: MPI's own, mpitrain's ring, and the node-aware one built on it
+(:mod:`mpitrain.comm.hierarchical`), selectable by name.
 
 ``allreduce(comm, buf, "mpi")`` is ``MPI_Allreduce``; ``"ring"`` is the algorithm below,
 written with point-to-point messages so that it can be read, counted and compared. Both
@@ -58,7 +59,7 @@ import numpy as np
 
 from mpitrain.comm.communicator import Request, Tag
 
-ALGORITHMS = ("mpi", "ring")
+ALGORITHMS = ("mpi", "ring", "hierarchical")  # the last: mpitrain.comm.hierarchical
 
 # Chunks above this many bytes are summed in place in the buffer (see "Partial sums"
 # above): their cache lines are no longer in the neighbour's cache, and the work-array
@@ -167,6 +168,10 @@ def iallreduce(comm, buf: np.ndarray, algorithm: str = "mpi") -> Request:
         return comm.iallreduce(buf)
     if algorithm == "ring":
         return Ring(comm, buf)
+    if algorithm == "hierarchical":
+        from mpitrain.comm.hierarchical import HierarchicalAllreduce  # it builds on the ring: imported here
+
+        return HierarchicalAllreduce(comm, buf)
     raise ValueError(f"allreduce algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
 
 

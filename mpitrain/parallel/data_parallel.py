@@ -16,8 +16,10 @@ gradients and optimizer state are replicated.
 * during backward, each parameter's gradient-ready hook counts down its bucket; when a
   bucket is complete (and every bucket before it has started, so all ranks start them
   in the same order) a non-blocking allreduce of the whole bucket starts: MPI's
-  ``Iallreduce`` or mpitrain's ring (:mod:`mpitrain.comm.ring`), each bucket on its own
-  ``Dup`` of ``dp_comm`` so concurrent rings cannot mix;
+  ``Iallreduce``, mpitrain's ring (:mod:`mpitrain.comm.ring`) or the node-aware one
+  (:mod:`mpitrain.comm.hierarchical`: inside each node over shared memory, across nodes
+  once per node), each bucket on its own ``Dup`` of ``dp_comm`` so concurrent rings
+  cannot mix;
 * :meth:`DataParallel.finish` after backward starts any bucket still waiting (a
   parameter that took no part in this forward), waits for all, and divides by ``P``;
   then every rank applies the same optimizer step to the same averaged gradients
@@ -29,7 +31,9 @@ the mean over all ``B`` samples: the gradient of one process with batch ``B``.
 
 **Bytes per rank per step**: one allreduce of all gradients, ``N`` parameters of ``s``
 bytes: ``2 (P-1)/P x N x s`` (exact for the ring, counted per rank by ``comm``; MPI's
-collectives are counted by the same formula).
+collectives are counted by the same formula). The node-aware allreduce on ``n`` nodes of
+``L`` ranks sends ``2 (L-1)/L x N x s`` inside the node and ``2 (n-1)/n x N x s / L``
+over the network per rank (:meth:`DataParallel.link_bytes`).
 
 **Overlap.** MPICH moves a non-blocking collective forward only while the process is
 inside an MPI call, so a bucket started early in backward sits still while NumPy runs,
@@ -98,6 +102,7 @@ import numpy as np
 
 from mpitrain import flat, optim
 from mpitrain.comm import replicas
+from mpitrain.comm.hierarchical import link_bytes
 from mpitrain.comm.ring import ALGORITHMS, allreduce, iallreduce
 
 PROGRESS = ("test", "thread", "none", "off")
@@ -282,7 +287,16 @@ class DataParallel:
     @property
     def bytes_sent(self) -> int:
         """Bytes this rank has sent in gradient allreduces."""
-        return sum(b.comm.stats.bytes_sent for b in self.buckets)
+        return sum(self.link_bytes().values())
+
+    def link_bytes(self) -> dict[str, int]:
+        """The same by link class: ``intra-node`` and ``inter-node`` with the node-aware
+        allreduce, ``comm`` (all of it) with the others."""
+        total: dict[str, int] = {}
+        for b in self.buckets:
+            for link, n in link_bytes(b.comm).items():
+                total[link] = total.get(link, 0) + n
+        return total
 
     def comm_seconds(self) -> tuple[float, float]:
         """(exposed, total) communication seconds so far on this rank."""
