@@ -48,7 +48,8 @@ class Hierarchy:
 
 
 def hierarchy(comm, ranks_per_node: int | None = None) -> Hierarchy:
-    """The node and cross communicators of ``comm``, made on first use (collective)."""
+    """The node and cross communicators of ``comm``, made on its first use (collective)
+    and kept with it: later calls return them whatever ``ranks_per_node`` they give."""
     made = _hierarchies.get(comm)
     if made is not None:
         return made
