@@ -224,11 +224,10 @@ def _download(url: str, dest: Path, remote: Remote, log) -> None:
     problem = _mismatch(part, remote)
     if problem:
         part.unlink()
-    else:
-        os.replace(part, dest)
-    origin.unlink(missing_ok=True)
-    if problem:
+        origin.unlink(missing_ok=True)
         raise _WrongContent(problem)
+    os.replace(part, dest)
+    origin.unlink(missing_ok=True)
 
 
 def _origin(origin: Path, url: str) -> str | None:

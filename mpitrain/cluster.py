@@ -55,6 +55,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mpitrain.runtime import process_alive
+
 PREFIX = "mpitrain-"  # every namespace this module makes: mpitrain-<pid>-node<k>, mpitrain-<pid>-switch
 IFACE = "vnet0"  # each node's interface
 NETMODS = {  # how MPICH's ch4 reaches the other nodes over IFACE
@@ -253,20 +255,10 @@ def remove_stale() -> list[str]:
     gone = []
     for line in listed.splitlines():
         m = re.match(re.escape(PREFIX) + r"(\d+)-\S+", line)
-        if m and not _alive(int(m.group(1))):
+        if m and not process_alive(int(m.group(1))):
             subprocess.run(["ip", "netns", "del", m.group(0)], capture_output=True, check=False)
             gone.append(m.group(0))
     return gone
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _mpiexec() -> str:

@@ -50,6 +50,19 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (another user's counts): what a
+    killed process left behind (a dataset build's directory, an emulated cluster's
+    namespaces) may be cleared only once it is gone."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def blas_threads(requested: int = 0, ranks_per_node: int = 1) -> int:
     """BLAS threads per process: ``requested`` if given, else this process's share of
     the cores (at least one)."""

@@ -30,6 +30,7 @@ from mpitrain.data.integrity import check_ids, check_images, content_sha256, fil
 from mpitrain.data.manifest import (COMPRESSIONS, FORMAT, KINDS, MANIFEST, VERSION, outdated, read_manifest,
                                     write_manifest)
 from mpitrain.data.shards import Dataset
+from mpitrain.runtime import process_alive
 
 
 def label_dtype(num_classes: int) -> np.dtype:
@@ -212,22 +213,12 @@ def _recover(out: Path) -> None:
         return
     for path in sorted(out.parent.iterdir(), key=lambda p: p.name.startswith(f".{out.name}.tmp")):  # old first
         m = pattern.fullmatch(path.name)
-        if m is None or _alive(int(m.group(2))):
+        if m is None or process_alive(int(m.group(2))):
             continue
         if m.group(1) == "old" and not out.exists():
             os.rename(path, out)
         else:
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def _content(manifest: dict) -> dict:
