@@ -125,7 +125,7 @@ def _cluster(args) -> int:
     if not command:
         raise _usage("give the command to run after --, e.g. mpitrain cluster --nodes 2 -- mpitrain bench ddp")
     try:
-        with Cluster(args.nodes, args.ranks, args.rate, args.mtu, args.netmod) as cluster:
+        with Cluster(args.nodes, args.ranks, args.rate, args.mtu, args.netmod, args.dilation) as cluster:
             print(describe(cluster), flush=True)
             code = cluster.run(command)
             print(counters_table(cluster.counters()), flush=True)
@@ -248,13 +248,47 @@ def _bench_ps(args) -> int:
 
 def _bench_ddp(args) -> int:
     from mpitrain.bench import ddp
+
+    if args.network is not None:
+        return _bench_ddp_network(args)
     from mpitrain.comm import world
 
     comm = world(args.thread_level)
-    ddp.run(models=args.models, rounds=args.rounds, steps=args.steps, bucket_mb=args.bucket_mb,
-            algorithm=args.allreduce, warmup=ddp.WARMUP if args.warmup is None else args.warmup,
-            log=print if comm.rank == 0 else lambda *a: None)
+    figures = {}
+    for algorithm in args.allreduce or ["mpi"]:
+        figures[algorithm] = ddp.run(
+            models=args.models or ["gpt", "wide"], rounds=args.rounds, steps=args.steps,
+            bucket_mb=4.0 if args.bucket_mb is None else args.bucket_mb, algorithm=algorithm,
+            warmup=ddp.WARMUP if args.warmup is None else args.warmup, log=print if comm.rank == 0 else lambda *a: None)
+    if args.json and comm.rank == 0:
+        Path(args.json).write_text(json.dumps(figures), encoding="utf-8")  # {algorithm: {model: figures}}
     return 0
+
+
+def _bench_ddp_network(args) -> int:
+    """``bench ddp --network RATE``: not under mpiexec; it starts its own ranks."""
+    from mpitrain.bench import ddp
+    from mpitrain.cluster import ClusterError, bits_per_second, check_tools
+    from mpitrain.comm import launcher_rank
+    from mpitrain.parallel.data_parallel import link_bucket_mb
+
+    if launcher_rank() is not None:
+        raise _usage("--network starts its own ranks (on shared memory, then across 2 emulated nodes): "
+                     "run it without mpiexec")
+    if bits_per_second(args.network) is None:
+        raise _failure(f"--network {args.network!r}: expected a link rate such as 100mbit, 1gbit or 10gbit")
+    if args.json:
+        raise _usage("--json is for one run; --network prints both runs side by side")
+    bucket_mb = link_bucket_mb(args.network) if args.bucket_mb is None else args.bucket_mb
+    options = ["--models", *(args.models or ["gpt", "gpt-ddp"]), "--rounds", str(args.rounds), "--steps",
+               str(args.steps), "--bucket-mb", f"{bucket_mb:.6g}", "--thread-level", args.thread_level]
+    if args.warmup is not None:
+        options += ["--warmup", str(args.warmup)]
+    try:
+        check_tools()
+        return ddp.network(args.network, args.mtu, options, args.allreduce or ["mpi", "ring"])
+    except ClusterError as e:
+        raise _failure(f"--network: {e}") from None
 
 
 class _usage(ValueError):
@@ -321,6 +355,15 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
+
+
+def _dilation(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or auto, got {text}") from None
 
 
 def _non_negative(text: str) -> int:
@@ -401,21 +444,7 @@ def _bench_parallel_parsers(benches) -> None:
     _thread_level_option(p)
     p.set_defaults(run=_bench_allreduce)
 
-    p = benches.add_parser("ddp", help="data-parallel step: 1 vs. 2 ranks, communication on/off, overlap "
-                                       "(run under mpiexec -n 2)",
-                           description="Time a GPT training step on 1 rank and on 2 ranks with and without "
-                                       "the gradient allreduce, for each way of progressing it, and the "
-                                       "allreduce alone; print speed-up and hidden communication.")
-    p.add_argument("--models", nargs="+", default=["gpt", "wide"], choices=("gpt", "wide"),
-                   help="gpt: nanoGPT's small CPU GPT; wide: width 384, 32 tokens per rank (default both)")
-    p.add_argument("--rounds", type=_positive, default=5, help="interleaved rounds (default 5)")
-    p.add_argument("--steps", type=_positive, default=5, help="timed steps per variant per round (default 5)")
-    p.add_argument("--warmup", type=_non_negative,
-                   help="untimed steps per variant at the start of each round (default 3)")
-    p.add_argument("--bucket-mb", type=float, default=4.0, help="bucket size, as parallel.bucket_mb (default 4)")
-    p.add_argument("--allreduce", choices=("mpi", "ring"), default="mpi", help="algorithm (default mpi)")
-    _thread_level_option(p)
-    p.set_defaults(run=_bench_ddp)
+    _bench_ddp_parser(benches)
 
     p = benches.add_parser("ps", help="parameter server with a straggler: sync vs. bounded vs. async "
                                       "(run under mpiexec -n 4)",
@@ -448,6 +477,34 @@ def _bench_parallel_parsers(benches) -> None:
     p.add_argument("--rounds", type=_positive, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--batch", type=_positive, default=8, help="batch (default 8)")
     p.set_defaults(run=_bench_tensor)
+
+
+def _bench_ddp_parser(benches) -> None:
+    p = benches.add_parser("ddp", help="data-parallel step: 1 vs. 2 ranks, communication on/off, overlap "
+                                       "(run under mpiexec -n 2, or alone with --network RATE)",
+                           description="Time a GPT training step on 1 rank and on 2 ranks with and without "
+                                       "the gradient allreduce, for each way of progressing it, and the "
+                                       "allreduce alone; print speed-up and hidden communication.")
+    p.add_argument("--models", nargs="+", choices=("gpt", "gpt-ddp", "wide"),
+                   help="gpt: nanoGPT's small CPU GPT (global batch 12); gpt-ddp: the same at nanoGPT's batch "
+                        "per process (12 per rank); wide: width 384, 32 tokens per rank (default gpt and wide; "
+                        "with --network gpt and gpt-ddp)")
+    p.add_argument("--rounds", type=_positive, default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--steps", type=_positive, default=5, help="timed steps per variant per round (default 5)")
+    p.add_argument("--warmup", type=_non_negative,
+                   help="untimed steps per variant at the start of each round (default 3)")
+    p.add_argument("--bucket-mb", type=float, help="bucket size, as parallel.bucket_mb (default 4; with --network "
+                                                    "2 ms of the link: 0.24 at 1gbit)")
+    p.add_argument("--allreduce", nargs="+", choices=("mpi", "ring"),
+                   help="algorithm(s), each timed in turn (default mpi; with --network mpi and ring)")
+    p.add_argument("--network", metavar="RATE",
+                   help="run the bench twice, on shared memory and across 2 emulated nodes linked at RATE "
+                        "(e.g. 1gbit; see mpitrain cluster: needs root), and print them side by side; "
+                        "run it without mpiexec")
+    p.add_argument("--mtu", type=int, default=1500, help="with --network: the links' MTU (default 1500)")
+    p.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON (rank 0)")
+    _thread_level_option(p)
+    p.set_defaults(run=_bench_ddp)
 
 
 def _report_parser(commands) -> None:
@@ -511,6 +568,9 @@ def _cluster_parser(commands) -> None:
     p.add_argument("--mtu", type=int, default=1500, help="MTU of the links (default 1500)")
     p.add_argument("--netmod", choices=("ofi", "ucx"), default="ofi",
                    help="MPICH's network module over the links (default ofi, its tcp provider)")
+    p.add_argument("--dilation", type=_dilation, default=1.0, metavar="D|auto",
+                   help="time dilation: links at RATE/D and each node held to RANKS/D cores, so that more ranks "
+                        "than cores emulate one core per rank; auto: ranks/cores when above 1 (default 1: none)")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="what every rank runs")
     p.set_defaults(run=_cluster)
 

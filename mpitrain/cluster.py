@@ -16,7 +16,8 @@ under the real MPICH:
   ``rate`` (``1gbit``, ``10gbit``, ...). The burst is 256 KiB: a 64 KiB one cut the
   throughput to 0.64-0.78 Gbit/s here. The MTU is set with ``mtu``.
 * **launch**: ``mpiexec`` runs in node 0's namespace with Hydra's ssh launcher. A small
-  script stands in for ssh and starts each node's proxy inside that node's namespace.
+  script stands in for ssh and starts each node's proxy inside that node's namespace
+  (``nsenter --net``).
   MPICH's network module is told the interface to use (``FI_TCP_IFACE`` /
   ``UCX_NET_DEVICES``). Without that a rank may advertise an address other nodes cannot
   reach, and UCX without ``UCX_TLS=tcp,self`` takes the other namespace for the same
@@ -33,8 +34,23 @@ machine's TCP stack, not the link, limits the throughput (10 Gbit/s gave 1.19 GB
 cost 0.6 of a core per rank). Each node runs on its own share of the machine's cores
 (``taskset``): with 2 cores and 2 nodes, one core each, so a node's ranks split its
 cores for their BLAS threads as on a real node (unpinned, each rank took both cores
-and two ranks ran 10x slower); with fewer cores than nodes, nodes share cores. Figures: ``../shared/MEASURED.md`` on the developers'
-machines, section "Emulated cluster".
+and two ranks ran 10x slower); with fewer cores than nodes, nodes share cores (see
+time dilation below). Figures: ``../shared/MEASURED.md`` on the developers' machines,
+section "Emulated cluster".
+
+**Time dilation** (Gupta et al., "To Infinity and Beyond: Time-Warped Network
+Emulation", NSDI 2006). With more ranks than cores, ranks share cores and compute runs
+slower than on the cluster being emulated while the links do not, which flatters
+communication. ``dilation=D`` runs the whole cluster ``D`` times slower instead: every
+link at ``rate / D``, and every node held to ``ranks / D`` cores by the kernel's CPU
+bandwidth control (a cgroup per node, ``cpu.cfs_quota_us`` or ``cpu.max``, in periods
+of 10 ms, short beside a training step), so a rank computes at ``1 / D`` of a core however
+its neighbours behave (a rank spinning in ``MPI_Wait`` uses its own node's share).
+Everything measured inside then takes ``D`` times as long as on ``nodes`` nodes of one
+core per rank linked at ``rate``: the trainer records ``D`` in its ``start`` record
+(``$MPITRAIN_CLUSTER``) and ``mpitrain report`` divides by it. ``"auto"`` is ranks /
+cores when above 1. What it cannot slow: the kernel's own work (the TCP stack runs
+partly outside the quota) and the latencies of the veth links.
 
 Command line: ``mpitrain cluster --nodes 2 --ranks 2 --rate 1gbit -- mpitrain bench ddp``.
 It needs root and iproute2 (``ip``, ``tc``).
@@ -59,6 +75,9 @@ from mpitrain.runtime import process_alive
 
 PREFIX = "mpitrain-"  # every namespace this module makes: mpitrain-<pid>-node<k>, mpitrain-<pid>-switch
 IFACE = "vnet0"  # each node's interface
+# where ip netns keeps its namespaces; processes enter one with nsenter --net, which
+# (unlike ip netns exec) leaves /sys as it is, cgroups included (time dilation)
+NETNS_DIR = "/run/netns"
 NETMODS = {  # how MPICH's ch4 reaches the other nodes over IFACE
     "ofi": {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": IFACE},
     "ucx": {"MPIR_CVAR_CH4_NETMOD": "ucx", "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": IFACE},
@@ -73,7 +92,7 @@ host=$1; shift
 case "$host" in
 {cases}
 esac
-exec ip netns exec "{prefix}$host" {pin} /bin/sh -c "$*"
+{enter}exec nsenter --net="{netns}/{prefix}$host" {pin} /bin/sh -c "$*"
 """
 
 
@@ -91,8 +110,10 @@ class Cluster:
     rate: str = "1gbit"
     mtu: int = 1500
     netmod: str = "ofi"
+    dilation: float | str = 1.0  # time dilation D >= 1, or "auto" (ranks / cores when above 1)
     prefix: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}-")
     _made: list = field(default_factory=list, repr=False)
+    _groups: list = field(default_factory=list, repr=False)
     _dir: Path | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -104,6 +125,11 @@ class Cluster:
             raise ClusterError(f"mtu {self.mtu}: expected 576 to 65535")
         if self.netmod not in NETMODS:
             raise ClusterError(f"netmod {self.netmod!r}: expected one of {', '.join(NETMODS)}")
+        if self.dilation == "auto":
+            self.dilation = max(1.0, self.nodes * self.ranks / len(_my_cores()))
+        if not (isinstance(self.dilation, (int, float)) and 1 <= self.dilation <= 64):
+            raise ClusterError(f"dilation {self.dilation!r}: expected a number from 1 to 64, or auto")
+        self.dilation = float(self.dilation)
 
     # -------------------------------------------------------------- set up, tear down
     def __enter__(self) -> Cluster:
@@ -123,10 +149,21 @@ class Cluster:
         """Each node's cores: this process's cores split into ``nodes`` equal runs, so a
         node's ranks divide its cores among them (BLAS threads) as on a real node, and
         nodes do not compete for a core; with fewer cores than nodes, nodes share them."""
-        mine = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        mine = _my_cores()
         if len(mine) < self.nodes:
             return [[mine[k % len(mine)]] for k in range(self.nodes)]
         return [mine[len(mine) * k // self.nodes : len(mine) * (k + 1) // self.nodes] for k in range(self.nodes)]
+
+    @property
+    def link_rate(self) -> str:
+        """What tc shapes each link to: ``rate``, slowed by the dilation."""
+        return self.rate if self.dilation == 1 else f"{bits_per_second(self.rate) / self.dilation / 1e3:.0f}kbit"
+
+    def environment(self) -> dict[str, str]:
+        """What every rank is told: MPICH's network settings, the shaped rate, and the
+        cluster as the trainer records it."""
+        what = {"nodes": self.nodes, "ranks_per_node": self.ranks, "rate": self.rate, "dilation": self.dilation}
+        return {**NETMODS[self.netmod], "MPITRAIN_LINK_RATE": self.link_rate, "MPITRAIN_CLUSTER": json.dumps(what)}
 
     def node(self, k: int) -> str:
         return f"{self.prefix}node{k}"
@@ -160,13 +197,19 @@ class Cluster:
             _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10",
                   "r2q", "1000"])
             _run(["tc", "-n", ns, "class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate",
-                  self.rate, "ceil", self.rate, "burst", "256k"])
+                  self.link_rate, "ceil", self.link_rate, "burst", "256k"])
         self._wait_until_up(ends)
         self._dir = Path(tempfile.mkdtemp(prefix="mpitrain-cluster-"))
         launcher = self._dir / "ssh"
         cases = "\n".join(f"  node{k}) cpus={','.join(map(str, cpus))} ;;" for k, cpus in enumerate(self.cores()))
         pin = 'taskset -c "$cpus"' if shutil.which("taskset") else ""
-        launcher.write_text(_LAUNCHER.format(prefix=self.prefix, cases=cases, pin=pin))
+        enter = ""
+        if self.dilation > 1:  # each node's processes in its own cgroup, held to ranks / D cores
+            base = _cgroups()
+            for k in range(self.nodes):
+                self._groups.append(_cgroup(base / self.node(k), self.ranks / self.dilation))
+            enter = f'echo $$ > "{base}/{self.prefix}$host/cgroup.procs" || exit 1\n'
+        launcher.write_text(_LAUNCHER.format(prefix=self.prefix, cases=cases, pin=pin, enter=enter, netns=NETNS_DIR))
         launcher.chmod(0o755)
 
     def _wait_until_up(self, ends: list[tuple[str, str]], timeout: float = 10.0) -> None:
@@ -190,7 +233,8 @@ class Cluster:
         self._made.append(name)
         # no duplicate address detection, which keeps an interface's IPv6 address
         # "tentative" for a second or two after the link comes up
-        no_dad = "echo 0 > /proc/sys/net/ipv6/conf/all/accept_dad && echo 0 > /proc/sys/net/ipv6/conf/default/accept_dad"
+        no_dad = ("echo 0 > /proc/sys/net/ipv6/conf/all/accept_dad && "
+                  "echo 0 > /proc/sys/net/ipv6/conf/default/accept_dad")
         _run(["ip", "netns", "exec", name, "sh", "-c", no_dad])
         _ip("-n", name, "link", "set", "lo", "up")
 
@@ -199,6 +243,9 @@ class Cluster:
         for name in reversed(self._made):
             subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
         self._made.clear()
+        for group in self._groups:
+            _remove_cgroup(group)
+        self._groups.clear()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
@@ -207,8 +254,8 @@ class Cluster:
     def command(self, argv: list[str]) -> list[str]:
         """The command line that runs ``argv`` under mpiexec on every rank of the cluster."""
         hosts = ",".join(f"node{k}:{self.ranks}" for k in range(self.nodes))
-        env = [f"{k}={v}" for k, v in NETMODS[self.netmod].items()] + [f"MPITRAIN_LINK_RATE={self.rate}"]
-        return ["ip", "netns", "exec", self.node(0), "env", *env, _mpiexec(), "-launcher", "ssh",
+        env = [f"{k}={v}" for k, v in self.environment().items()]
+        return ["nsenter", f"--net={NETNS_DIR}/{self.node(0)}", "env", *env, mpiexec(), "-launcher", "ssh",
                 "-launcher-exec", str(self._dir / "ssh"), "-localhost", self.address(0), "-hosts", hosts,
                 "-n", str(self.nodes * self.ranks), *argv]
 
@@ -238,6 +285,28 @@ class Cluster:
         return rows
 
 
+def emulated() -> dict | None:
+    """The emulated cluster this process is a rank of, as :meth:`Cluster.environment`
+    described it (nodes, ranks_per_node, rate, dilation); None outside one."""
+    text = os.environ.get("MPITRAIN_CLUSTER")
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        return None
+
+
+def bits_per_second(rate: str) -> float | None:
+    """A tc rate (``1gbit``, ``100mbit``, ``2.5gbit``) in bits per second; None if not one."""
+    m = re.fullmatch(r"([0-9.]+)([kmg])bit", rate)
+    return float(m.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)] if m else None
+
+
+def mpiexec() -> str:
+    """The mpiexec beside this Python (the mpich wheel's), else the one on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    return str(beside) if beside.exists() else shutil.which("mpiexec") or "mpiexec"
+
+
 def check_tools() -> None:
     """Root and iproute2, or one ClusterError saying which is missing."""
     if os.geteuid() != 0:
@@ -246,11 +315,13 @@ def check_tools() -> None:
     if missing:
         raise ClusterError(f"an emulated cluster needs iproute2 ({' and '.join(missing)} not found: "
                            "apt-get install iproute2)")
+    if shutil.which("nsenter") is None:
+        raise ClusterError("an emulated cluster needs nsenter (util-linux: apt-get install util-linux)")
 
 
 def remove_stale() -> list[str]:
-    """Delete the namespaces of clusters whose process is gone (killed outright, so its
-    teardown never ran); their names."""
+    """Delete the namespaces (and cgroups) of clusters whose process is gone (killed
+    outright, so its teardown never ran); their names."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
     gone = []
     for line in listed.splitlines():
@@ -258,13 +329,62 @@ def remove_stale() -> list[str]:
         if m and not process_alive(int(m.group(1))):
             subprocess.run(["ip", "netns", "del", m.group(0)], capture_output=True, check=False)
             gone.append(m.group(0))
+    for base in (CGROUP_V1, CGROUP_V2):
+        for group in base.glob(f"{PREFIX}*") if base.is_dir() else ():
+            m = re.match(re.escape(PREFIX) + r"(\d+)-", group.name)
+            if m and not process_alive(int(m.group(1))):
+                _remove_cgroup(group)
+                gone.append(str(group))
     return gone
 
 
-def _mpiexec() -> str:
-    """The mpiexec beside this Python (the mpich wheel's), else the one on PATH."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    return str(beside) if beside.exists() else shutil.which("mpiexec") or "mpiexec"
+# ------------------------------------------------------------------ cgroups (dilation)
+CGROUP_V1 = Path("/sys/fs/cgroup/cpu")  # cgroup v1's cpu controller
+CGROUP_V2 = Path("/sys/fs/cgroup")  # the unified hierarchy, when its cpu controller is on for children
+PERIOD_US = 10_000  # the CPU bandwidth period: a node runs its share of every 10 ms
+
+
+def _cgroups() -> Path:
+    """Where node cgroups with a CPU limit can be made, or one ClusterError."""
+    if (CGROUP_V1 / "cpu.cfs_quota_us").exists():
+        return CGROUP_V1
+    controls = CGROUP_V2 / "cgroup.subtree_control"
+    if controls.exists() and "cpu" in controls.read_text().split():
+        return CGROUP_V2
+    raise ClusterError("time dilation needs the kernel's CPU bandwidth control: cgroup v1's cpu controller "
+                       f"({CGROUP_V1}) or cgroup v2's with +cpu in {controls}")
+
+
+def _cgroup(path: Path, cores: float) -> Path:
+    """A cgroup at ``path`` whose processes together use at most ``cores`` cores."""
+    quota = max(1000, round(cores * PERIOD_US))  # the kernel's least quota is 1 ms
+    try:
+        path.mkdir()
+        if path.parent == CGROUP_V1:
+            (path / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+            (path / "cpu.cfs_quota_us").write_text(str(quota))
+        else:
+            (path / "cpu.max").write_text(f"{quota} {PERIOD_US}")
+    except OSError as e:
+        _remove_cgroup(path)
+        raise ClusterError(f"cannot make the cgroup {path} for time dilation: {e.strerror}") from None
+    return path
+
+
+def _remove_cgroup(path: Path) -> None:
+    """Remove an empty cgroup; its processes may take a moment to be gone after mpiexec."""
+    for _ in range(50):
+        try:
+            path.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.05)
+
+
+def _my_cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
 
 
 def _ip(*args: str) -> str:
@@ -281,8 +401,17 @@ def _run(cmd: list[str]) -> str:
 def describe(cluster: Cluster) -> str:
     cores = "; ".join(f"node{k} cores {','.join(map(str, c))}" for k, c in enumerate(cluster.cores()))
     pinned = "" if shutil.which("taskset") else " (not pinned: no taskset)"
-    return (f"emulated cluster: {cluster.nodes} nodes x {cluster.ranks} rank(s), links {cluster.rate} "
+    line = (f"emulated cluster: {cluster.nodes} nodes x {cluster.ranks} rank(s), links {cluster.rate} "
             f"(htb), MTU {cluster.mtu}, MPICH netmod {cluster.netmod} over {IFACE}; {cores}{pinned}")
+    ranks, have = cluster.nodes * cluster.ranks, len(_my_cores())
+    if cluster.dilation > 1:
+        line += (f"\ntime dilation {cluster.dilation:g}: links at {cluster.link_rate}, each node held to "
+                 f"{cluster.ranks / cluster.dilation:g} core(s); durations measured inside are {cluster.dilation:g}x "
+                 f"those of the cluster emulated (mpitrain report divides them)")
+    elif ranks > have:
+        line += f"\n{ranks} ranks share {have} core(s): compute is slower than on the cluster emulated, " \
+                "links are not (--dilation auto makes both slower alike)"
+    return line
 
 
 def counters_table(rows: list[tuple[str, int, int]]) -> str:

@@ -89,3 +89,49 @@ def test_bad_settings_and_missing_tools_are_one_line(monkeypatch):
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 2 and done.stderr.strip().splitlines() == [
         "mpitrain: error: rate 'fast': expected a tc rate such as 100mbit, 1gbit or 10gbit"]
+
+
+def _why_no_dilation() -> str | None:
+    if WHY_NOT is not None:
+        return WHY_NOT
+    try:
+        cluster._cgroups()
+    except cluster.ClusterError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.skipif(_why_no_dilation() is not None, reason=_why_no_dilation() or "")
+def test_time_dilation_slows_the_links_and_holds_each_node_to_its_share_of_a_core():
+    """--dilation 2: links at half the rate, each node's processes in a cgroup of half a
+    core per rank, every rank told the cluster; nothing left behind."""
+    before = namespaces()
+    probe = ("import os; cg = [l.split(':')[2] for l in open('/proc/self/cgroup') if 'mpitrain-' in l][0].strip(); "
+             "base = '/sys/fs/cgroup/cpu' if os.path.exists('/sys/fs/cgroup/cpu' + cg) else '/sys/fs/cgroup'; "
+             "limit = open(base + cg + '/cpu.cfs_quota_us').read().strip() if base.endswith('cpu') else "
+             "open(base + cg + '/cpu.max').read().split()[0]; "
+             "env = os.environ; print('rank', cg.rsplit('-', 1)[1], limit, env['MPITRAIN_LINK_RATE'], "
+             "env['MPITRAIN_CLUSTER'])")
+    done = run_cluster("--nodes", "2", "--ranks", "1", "--rate", "1gbit", "--dilation", "2", "--",
+                       sys.executable, "-c", probe, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "time dilation 2: links at 500000kbit, each node held to 0.5 core(s)" in done.stdout
+    ranks = sorted(line.split(" ", 4)[1:] for line in done.stdout.splitlines() if line.startswith("rank "))
+    told = '{"nodes": 2, "ranks_per_node": 1, "rate": "1gbit", "dilation": 2.0}'
+    assert ranks == [["node0", "5000", "500000kbit", told], ["node1", "5000", "500000kbit", told]]
+    assert namespaces() == before
+    assert not [p for base in (cluster.CGROUP_V1, cluster.CGROUP_V2) for p in base.glob(f"{cluster.PREFIX}*")]
+
+
+def test_bench_ddp_network_starts_its_own_ranks_and_names_a_bad_rate():
+    def bench(*args, **env):
+        return subprocess.run([sys.executable, "-m", "mpitrain", "bench", "ddp", *args], capture_output=True, text=True,
+                              timeout=60, check=False, env=dict(os.environ, **env))
+
+    done = bench("--network", "1gbit", PMI_RANK="0")
+    assert done.returncode == 2 and "run it without mpiexec" in done.stderr
+    done = bench("--network", "fast")
+    assert done.returncode == 2 and done.stderr.strip().splitlines() == [
+        "mpitrain: error: --network 'fast': expected a link rate such as 100mbit, 1gbit or 10gbit"]
+    with pytest.raises(cluster.ClusterError, match="dilation 0.5: expected a number from 1 to 64, or auto"):
+        cluster.Cluster(dilation=0.5)

@@ -222,6 +222,41 @@ def test_ring_equals_mpi_with_partial_sums_in_work_arrays_or_in_place(monkeypatc
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("n", [1, 7, 1001, 65537])
+def test_two_ranks_exchange_equals_mpi_bit_for_bit_and_is_the_ring_across_nodes(n):
+    """The one-round allreduce of two ranks (comm/ring.py, "Two ranks"): each rank adds
+    the other's buffer to its own, a + b on one and b + a on the other, the same bits;
+    by wait() or test(); n elements sent per rank, the ring's 2 (P-1)/P x n. The ring
+    takes it when the two ranks are on different nodes (under tests/test_cluster.py)."""
+    import mpitrain.comm.ring as ar
+
+    comm = world()
+    if comm.size != 2:
+        pytest.skip("an exchange is between 2 ranks")
+    comm = comm.dup()
+    for seed, finish in enumerate(("wait", "test", "wait")):  # twice wait: the scratch array is reused
+        x = np.random.default_rng(10 * seed + comm.rank).standard_normal(n)
+        expected = x.copy()
+        comm.allreduce(expected)
+        sent = comm.stats.bytes_sent
+        request = ar.Exchange(comm, x)
+        if finish == "wait":
+            request.wait()
+        else:
+            while not request.test():
+                pass
+        assert np.array_equal(x, expected) and comm.stats.bytes_sent - sent == n * 8
+        assert comm.allgather(x.tobytes()) == [x.tobytes()] * 2
+    across = comm.node_size() == 1
+    request = ar.iallreduce(comm, np.ones(n), "ring")
+    assert isinstance(request, ar.Exchange if across else ar.Ring)
+    request.wait()
+    with pytest.raises(ValueError, match="between 2 ranks"):
+        ar.Exchange(SingleComm(), np.zeros(1))
+    comm.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("n", [1, 7, 1001, 65537])
 def test_the_node_aware_allreduce_equals_mpis_and_sends_each_byte_over_the_network_once_per_node(n):
     """Nodes of 2 consecutive ranks (of 1 with an odd rank count): the sum equals MPI's,
     and each rank sends the ring's bytes inside its node and, across nodes, 2 (N-1)/N of

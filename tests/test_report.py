@@ -66,7 +66,7 @@ def test_the_loss_plot_of_an_image_run_has_the_test_loss_and_accuracy(text_data,
             r.update(val_loss=None, test_accuracy=0.5 + r["step"] / 100, test_loss=2.0 - r["step"] / 10)
     (tmp_path / "a" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     figures = []
-    monkeypatch.setattr(module, "_save", lambda fig, path: figures.append(fig) or path)
+    monkeypatch.setattr(module, "_save", lambda fig, path: figures.append(fig) or module.plt.close(fig) or path)
     report([tmp_path / "a"], log=lambda *a: None)
     loss, accuracy = figures[0].axes
     assert [line.get_label() for line in loss.get_lines()] == ["training loss", "test loss"]
@@ -86,15 +86,70 @@ def test_the_scaling_plot_shows_superlinear_efficiency(text_data, tmp_path, monk
             r["ranks"] = 2
         if r["kind"] == "end":
             r["ranks"] = [dict(r["ranks"][0], rank=rank, step_s=r["ranks"][0]["step_s"] / 3) for rank in (0, 1)]
+            r["samples_per_s"] *= 3
     (tmp_path / "p2").mkdir()
     (tmp_path / "p2" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     figures = []
-    monkeypatch.setattr(module, "_save", lambda fig, path: figures.append(fig) or path)
+    monkeypatch.setattr(module, "_save", lambda fig, path: figures.append(fig) or module.plt.close(fig) or path)
     lines = []
     report([tmp_path / "p1", tmp_path / "p2"], out=tmp_path / "s", log=lines.append)
     assert [line for line in lines if line.startswith("scaling: 2 rank(s): ")][0].endswith("efficiency 150%")
     efficiency = figures[-1].axes[1]
     assert efficiency.get_ylim()[0] == 0 and efficiency.get_ylim()[1] > 150
+
+
+def test_the_scaling_plot_has_a_row_per_link_rate_and_undoes_time_dilation(text_data, tmp_path, monkeypatch):
+    """Runs on emulated clusters (their start record names it): one row of plots per link
+    rate, the one-node runs in every row, a time-dilated run's samples/s multiplied by its
+    dilation, each point's exposed communication (workers only for parameter servers)."""
+    from mpitrain.observe import report as module
+
+    run(text_data, tmp_path / "p1")
+    records = [json.loads(line) for line in (tmp_path / "p1" / "metrics.jsonl").read_text().splitlines()]
+    base = [r for r in records if r["kind"] == "end"][0]["samples_per_s"]
+
+    def variant(name, ranks, cluster, samples_per_s, parallel):
+        for r in records:
+            if r["kind"] == "start":
+                r.update(ranks=ranks, cluster=cluster)
+                r["config"]["parallel"].update(parallel)
+            if r["kind"] == "end":
+                rank = dict(r["ranks"][0], step_s=2.0, comm_exposed_s=0.5)
+                r.update(samples_per_s=samples_per_s, ranks=[dict(rank, rank=k) for k in range(ranks)])
+                if parallel.get("sync") == "ps":  # the server is busy communicating: not counted
+                    r["ranks"][0]["comm_exposed_s"] = 2.0
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        return tmp_path / name
+
+    def link(nodes, per_node, rate, dilation):
+        return {"nodes": nodes, "ranks_per_node": per_node, "rate": rate, "dilation": dilation}
+
+    runs = [tmp_path / "p1",
+            variant("local", 2, None, 1.8 * base, {"sync": "ddp"}),
+            variant("a", 2, link(2, 1, "1gbit", 1.0), 1.5 * base, {"sync": "ddp"}),
+            variant("b", 4, link(4, 1, "1gbit", 2.0), base, {"sync": "ddp"}),  # as on the cluster: 2x
+            variant("c", 4, link(2, 2, "10gbit", 2.0), 1.6 * base, {"sync": "ddp"}),
+            variant("d", 4, link(4, 1, "10gbit", 2.0), base, {"sync": "ps", "staleness": -1, "servers": 1})]
+    figures = []
+    monkeypatch.setattr(module, "_save", lambda fig, path: figures.append(fig) or module.plt.close(fig) or path)
+    lines = []
+    report(runs, out=tmp_path / "s", log=lines.append)
+
+    def line(start):
+        found = [text for text in lines if text.startswith("scaling: " + start)]
+        assert len(found) == 1, lines
+        return found[0]
+
+    assert line("2 rank(s) (2 nodes x 1): ddp, links 1gbit:").endswith("efficiency 75%")  # 1.5 x base
+    dilated = line("4 rank(s) (4 nodes x 1): ddp, links 1gbit:")  # base measured, 2 x base emulated
+    assert dilated.endswith("efficiency 50%") and "communication 25% of step time" in dilated
+    assert line("4 rank(s) (2 nodes x 2): ddp, 2 ranks/node, links 10gbit:").endswith("efficiency 80%")
+    assert "communication 25% of step time" in line("4 rank(s) (4 nodes x 1): ps async, links 10gbit:")
+    rows = figures[-1].axes
+    assert [ax.get_title() for ax in rows[::2]] == ["throughput, links 1gbit", "throughput, links 10gbit"]
+    for row in (rows[0], rows[2]):  # the one-node 2-rank run is in both rows
+        assert "ddp, 2 ranks/node" in [line.get_label() for line in row.get_lines()]
 
 
 def test_every_job_script_parses():
@@ -142,6 +197,26 @@ def test_the_local_job_scripts_refuse_bad_arguments(tmp_path):
                          check=False)
     assert out.returncode == 2 and out.stderr == "mpitrain: error: optim.lr: must be > 0, got -1.0\n"
     assert out.stdout == ""  # refused before the first run
+
+
+def test_the_cluster_scaling_study_refuses_bad_arguments_before_any_run(tmp_path):
+    script = str(JOBS / "scaling_cluster.sh")
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+
+    def study(*args, **more):
+        return subprocess.run(["bash", script, *args], capture_output=True, text=True, cwd=tmp_path,
+                              env=dict(env, **more), timeout=60, check=False)
+
+    out = study()
+    assert out.returncode == 2 and out.stderr.startswith("A scaling study over an emulated network")
+    out = study(str(JOBS / "shakespeare_gpt.toml"), STRATEGIES="ddp ring")
+    assert out.returncode == 2
+    assert out.stderr == "jobs/scaling_cluster.sh: strategy 'ring' is not ddp, zero1 or ps-async\n"
+    out = study(str(JOBS / "shakespeare_gpt.toml"), LAYOUTS="2x1 four")
+    assert out.returncode == 2 and "layout 'four' is not NODESxRANKS" in out.stderr
+    out = study(str(JOBS / "shakespeare_gpt.toml"), "--", "--set", "optim.lr=-1")
+    assert out.returncode == 2 and out.stderr == "mpitrain: error: optim.lr: must be > 0, got -1.0\n"
+    assert out.stdout == "" and not (tmp_path / "runs").exists()  # refused before the first run
 
 
 def test_report_on_an_unfinished_parameter_server_run(text_data, tmp_path):

@@ -27,11 +27,11 @@ node over that rate.
 from __future__ import annotations
 
 import os
-import re
 import time
 
 import numpy as np
 
+from mpitrain.cluster import bits_per_second
 from mpitrain.comm import Tag, started_thread_level, world
 from mpitrain.comm.hierarchical import hierarchy
 from mpitrain.comm.ring import allreduce, chunk_bounds
@@ -97,7 +97,7 @@ def _node_aware(comm, repeats: int, sizes, log) -> list[dict]:
     """All ranks, across nodes: MPI, ring, node-aware, and the node-aware bound (ms)."""
     h = hierarchy(comm)
     N, L = h.cross.size, h.node.size
-    rate = _bits_per_second(os.environ.get("MPITRAIN_LINK_RATE", ""))
+    rate = bits_per_second(os.environ.get("MPITRAIN_LINK_RATE", ""))
     log(f"{N} nodes x {L} ranks: size |  mpi ms | ring ms | node-aware ms | /mpi | network alone ms"
         + (f" | bound ms ({os.environ['MPITRAIN_LINK_RATE']}) | /bound" if rate else ""))
     results = []
@@ -122,12 +122,6 @@ def _node_aware(comm, repeats: int, sizes, log) -> list[dict]:
         results.append(row)
         log(line)
     return results
-
-
-def _bits_per_second(rate: str) -> float | None:
-    """A tc rate (``1gbit``, ``100mbit``, ``2.5gbit``) in bits per second; None if not one."""
-    m = re.fullmatch(r"([0-9.]+)([kmg])bit", rate)
-    return float(m.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)] if m else None
 
 
 def _size(n: int) -> str:

@@ -29,15 +29,30 @@ communication that overlap removes. Speed-up is the 2-rank ddp samples/s over th
 1-rank samples/s. Every figure is the median over all timed steps (the slower rank's time
 of each), so a step that another process interrupted does not move it, and each round
 starts a variant with a few untimed steps, so the figures are those of steady training.
+
+**Across a network** (``--network RATE``, :func:`network`): run without ``mpiexec``, it
+runs the bench on shared memory (``mpiexec -n 2``) and then across 2 emulated nodes of
+one rank linked at ``RATE`` (:mod:`mpitrain.cluster`, as root), for each allreduce
+algorithm, with buckets of 2 ms of the link
+(:func:`~mpitrain.parallel.data_parallel.link_bucket_mb`) unless ``--bucket-mb`` says
+otherwise; each run writes its figures as JSON (``--json``) and the two are printed side
+by side. There the exchange is a third to a half of the step and overlap shows; the
+measurements are in ``mpitrain/parallel/data_parallel.py`` ("Across a network").
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
 from mpitrain import nn, optim, rng
+from mpitrain.cluster import Cluster, describe, mpiexec
 from mpitrain.comm import started_thread_level, world
 from mpitrain.comm.ring import allreduce, iallreduce
 from mpitrain.parallel.data_parallel import DataParallel
@@ -50,6 +65,8 @@ WARMUP = 3
 
 MODELS = {
     "gpt": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch=12),  # nanoGPT's small CPU setting
+    # the same at nanoGPT's batch per process: its DDP keeps batch_size=12 on every rank
+    "gpt-ddp": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch=24),
     # 7 M parameters on 32 tokens per rank: the allreduce is about 20% of the step
     "wide": dict(n_layer=4, n_head=6, n_embd=384, block_size=32, batch=2),
 }
@@ -198,9 +215,54 @@ def run(models=("gpt", "wide"), rounds: int = 5, steps: int = 5, bucket_mb: floa
                 log(f"  {k:26} {1e3 * v:8.1f} ms/step")
             log(f"  total communication {1e3 * total:.1f} ms = {100 * total / (med['2 ranks, no comm'] + total):.0f}% "
                 f"of a step that does not overlap it")
-            out[name] = med
-            out[name]["probe"] = _probe(comm, buckets, algorithm, total, log)
+            out[name] = dict(med, total=total, buckets=len(buckets), probe=_probe(comm, buckets, algorithm, total, log))
             for dp in dps.values():
                 dp.close()
             single.free()
     return out
+
+
+def network(rate: str, mtu: int, options: list[str], algorithms, log=print) -> int:
+    """``--network RATE``: the same bench on shared memory (``mpiexec -n 2`` here) and
+    across 2 emulated nodes of 1 rank linked at ``rate`` (:mod:`mpitrain.cluster`), for
+    each allreduce algorithm; their output as it comes, then the two side by side.
+    ``options`` are the bench's own (models, rounds, steps, warmup, bucket size)."""
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="mpitrain-bench-ddp-") as tmp:
+
+        def each_algorithm(link: str, launch) -> int:
+            for algorithm in algorithms:
+                path = Path(tmp) / f"{len(results)}.json"
+                log(f"== {link}, {algorithm} allreduce")
+                sys.stdout.flush()  # before the ranks' lines
+                code = launch([sys.executable, "-m", "mpitrain", "bench", "ddp", *options,
+                               "--allreduce", algorithm, "--json", str(path)])
+                if code != 0:
+                    log(f"mpitrain bench ddp --network: the run on {link} ({algorithm}) ended with exit status {code}")
+                    return code
+                results[link, algorithm] = json.loads(path.read_text())[algorithm]
+            return 0
+
+        code = each_algorithm("shared memory",
+                              lambda argv: subprocess.run([mpiexec(), "-n", "2", *argv], check=False).returncode)
+        if code == 0:
+            with Cluster(nodes=2, ranks=1, rate=rate, mtu=mtu) as cluster:
+                log(describe(cluster))
+                code = each_algorithm(f"2 nodes, {rate}", cluster.run)
+    if code == 0:
+        _side_by_side(results, log)
+    return code
+
+
+def _side_by_side(results: dict, log) -> None:
+    log("\noverlap on shared memory and across the network (hidden = 1 - exposed / total communication)")
+    log(f"{'model':8} {'allreduce':9} {'link':16} | {'no comm':>7} | {'comm':>5} {'of step':>7} | {'off':>5} | "
+        f"{'test':>5} {'hidden':>6} | {'none':>5} {'hidden':>6}   (ms per step)")
+    for (link, algorithm), out in results.items():
+        for name, med in out.items():
+            nocomm, total = med["2 ranks, no comm"], med["total"]
+            hidden = {m: 100 * (1 - max(0.0, med[f"2 ranks, ddp ({m})"] - nocomm) / total) for m in ("test", "none")}
+            log(f"{name:8} {algorithm:9} {link:16} | {1e3 * nocomm:7.1f} | {1e3 * total:5.1f} "
+                f"{100 * total / (nocomm + total):6.0f}% | {1e3 * med['2 ranks, ddp (off)']:5.1f} | "
+                f"{1e3 * med['2 ranks, ddp (test)']:5.1f} {hidden['test']:5.0f}% | "
+                f"{1e3 * med['2 ranks, ddp (none)']:5.1f} {hidden['none']:5.0f}%")

@@ -10,13 +10,18 @@ For each run directory it writes, into ``RUN_DIR/report/`` (or ``--out``):
 * ``throughput.png``: samples/s against steps;
 * ``summary.txt``: the run in a few lines (also printed).
 
-Given several runs of one job at different rank counts (a scaling study, see
-``jobs/scaling_local.sh``), it also writes ``scaling.png``: the epoch time and the
-parallel efficiency ``T(1) / (P x T(P))`` against the number of ranks, into ``--out``.
+Given several runs of one job at different rank counts, one of them on 1 rank (a
+scaling study: ``jobs/scaling_local.sh``, ``jobs/scaling_cluster.sh``), it also writes
+``scaling.png``: samples/s and the parallel efficiency ``X(P) / (P X(1))`` against the
+number of ranks, one line per strategy (and ranks per node), one row of plots per link
+rate of the emulated clusters the runs ran on (:mod:`mpitrain.cluster`; a time-dilated
+run's throughput is multiplied back by its dilation), each point marked with its exposed
+communication as a share of the step time, into ``--out``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -24,6 +29,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed (clusters, CI)
 import matplotlib.pyplot as plt
 
+from mpitrain.cluster import bits_per_second
 from mpitrain.observe.metrics import read
 
 
@@ -61,13 +67,6 @@ class Run:
         last progress record of an unfinished one."""
         last = self.end or (self.train[-1] if self.train else None)
         return last.get("ranks", []) if last else []  # a parameter server's progress records have none
-
-    def epoch_seconds(self) -> float:
-        """Training seconds per epoch (the slowest rank's), from the end record."""
-        if self.end is None or not self.end.get("steps_timed"):
-            raise ReportError(f"{self.dir}: the run did not finish, no epoch time")
-        slowest = max(r["step_s"] for r in self.end["ranks"])
-        return slowest / self.end["steps_timed"] * self.end["steps_per_epoch"]
 
 
 def report(run_dirs, out=None, log=print) -> list[Path]:
@@ -188,34 +187,88 @@ def _throughput(run: Run, path: Path) -> Path:
     return _save(fig, path)
 
 
+@dataclass
+class _Point:
+    """One run of a scaling study."""
+
+    ranks: int
+    link: str  # the emulated links' rate, or "one node"
+    series: str  # the strategy, and ranks per node when nodes hold several
+    samples_per_s: float  # as on the cluster emulated: a time-dilated run's figure times its dilation
+    comm: float  # exposed communication, share of the step time (mean of the ranks that step)
+    layout: str  # "", or "N nodes x R"
+
+
+def _point(run: Run) -> _Point:
+    if run.end is None or not run.end.get("samples_per_s"):
+        raise ReportError(f"{run.dir}: the run did not finish, no throughput")
+    cluster = run.start.get("cluster") or {}
+    parallel = run.config["parallel"]
+    sync = parallel.get("sync") or parallel.get("strategy")  # older runs: parallel.strategy
+    if sync == "ps":
+        sync = {0: "ps sync", -1: "ps async"}.get(parallel.get("staleness", 0), f"ps s={parallel['staleness']}")
+    per_node = cluster.get("ranks_per_node", run.ranks)
+    stepping = run.per_rank()[parallel.get("servers", 0) if sync.startswith("ps") else 0:]  # servers serve
+    comm = sum(r["comm_exposed_s"] / r["step_s"] for r in stepping if r["step_s"]) / max(1, len(stepping))
+    series = sync + (f", {per_node} ranks/node" if per_node > 1 else "")
+    samples_per_s = run.end["samples_per_s"] * cluster.get("dilation", 1.0)
+    return _Point(run.ranks, cluster.get("rate", "one node"), series, samples_per_s, comm,
+                  f" ({cluster['nodes']} nodes x {per_node})" if cluster else "")
+
+
 def _scaling(runs: list[Run], path: Path, log) -> Path:
-    runs = sorted(runs, key=lambda r: r.ranks)
-    if runs[0].ranks != 1:
+    """Throughput and efficiency against ranks: one row per link rate (runs on one node in
+    every row), one line per strategy and ranks per node; each point's exposed
+    communication written beside it. The 1-rank run is every line's first point."""
+    points = [_point(r) for r in runs]
+    single = [p for p in points if p.ranks == 1]
+    if not single:
         raise ReportError(f"a scaling plot needs a 1-rank run to compare with; the runs have "
                           f"{sorted(r.ranks for r in runs)} ranks")
-    ranks = [r.ranks for r in runs]
-    seconds = [r.epoch_seconds() for r in runs]
-    efficiency = [100 * seconds[0] / (p * s) for p, s in zip(ranks, seconds)]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.plot(ranks, seconds, "o-")
-    a.set_xlabel("ranks")
-    a.set_ylabel("seconds per epoch")
-    a.set_xticks(ranks)
-    a.set_ylim(bottom=0)
-    a.set_title("epoch time")
-    b.plot(ranks, efficiency, "o-", color="C1")
-    b.axhline(100, color="grey", lw=0.8, ls="--")
-    b.set_xlabel("ranks")
-    b.set_ylabel("parallel efficiency (%)")
-    b.set_xticks(ranks)
-    # at least 0 to 110%, so the 100% line has room; above that when a run is superlinear
-    # (its part of the data fits a faster cache, or the 1-rank run had more to contend with)
-    b.set_ylim(0, max(110, 1.1 * max(efficiency)))
-    b.set_title("efficiency T(1) / (P T(P))")
+    base = max(p.samples_per_s for p in single)
+    links = sorted({p.link for p in points if p.link != "one node"}, key=bits_per_second) or ["one node"]
+    strategies = sorted({p.series.split(",")[0] for p in points if p.ranks > 1})  # one colour each, in every row
+    fig, axes = plt.subplots(len(links), 2, figsize=(11, 4 * len(links)), squeeze=False)
+    for (a, b), link in zip(axes, links):
+        here = [p for p in points if p.ranks > 1 and p.link in (link, "one node")]
+        for k, series in enumerate(sorted({p.series for p in here})):
+            line = sorted([p for p in here if p.series == series], key=lambda p: p.ranks)
+            if "ranks/node" not in series:
+                line = [_Point(1, link, series, base, 0.0, "")] + line
+            ranks = [p.ranks for p in line]
+            efficiency = [100 * p.samples_per_s / (p.ranks * base) for p in line]
+            colour = f"C{strategies.index(series.split(',')[0])}"
+            style = dict(color=colour, marker="o", ls="--" if "ranks/node" in series else "-")
+            a.plot(ranks, [p.samples_per_s for p in line], label=series, **style)
+            b.plot(ranks, efficiency, label=series, **style)
+            for p, e in zip(line, efficiency):
+                if p.ranks > 1:
+                    b.annotate(f"{100 * p.comm:.0f}%", (p.ranks, e), textcoords="offset points", fontsize=7,
+                               xytext=(5, 9 * (k % 3) - 9), color=colour)  # staggered: points often meet
+        ticks = sorted({1, *(p.ranks for p in here)})
+        for ax in (a, b):
+            ax.set_xlabel("ranks")
+            ax.set_xticks(ticks)
+            ax.grid(alpha=0.3)
+        a.set_ylabel("samples/s")
+        a.set_ylim(bottom=0)
+        a.set_title(f"throughput, links {link}")
+        a.legend(fontsize=8)
+        b.axhline(100, color="grey", lw=0.8, ls="--")
+        b.set_ylabel("parallel efficiency (%)")
+        # at least 0 to 110%, so the 100% line has room; above that when a run is superlinear
+        # (its part of the data fits a faster cache, or the 1-rank run had more to contend with)
+        top = max([100 * p.samples_per_s / (p.ranks * base) for p in here], default=100)
+        b.set_ylim(0, max(110, 1.1 * top))
+        b.set_title(f"efficiency X(P) / (P X(1)), links {link}")
     fig.suptitle(f"scaling of {runs[0].config['model']['name']}, global batch "
-                 f"{runs[0].config['train']['global_batch_size']}")
-    for p, s, e in zip(ranks, seconds, efficiency):
-        log(f"scaling: {p} rank(s): {s:.2f} s per epoch, speed-up x{seconds[0] / s:.2f}, efficiency {e:.0f}%")
+                 f"{runs[0].config['train']['global_batch_size']} (beside each point: exposed communication, "
+                 f"share of the step time)")
+    for p in sorted(points, key=lambda p: (p.link, p.series, p.ranks)):
+        where = p.link if p.link == "one node" else f"links {p.link}"
+        log(f"scaling: {p.ranks} rank(s){p.layout}: {p.series}, {where}: {p.samples_per_s:,.1f} samples/s, "
+            f"communication {100 * p.comm:.0f}% of step time, speed-up x{p.samples_per_s / base:.2f}, "
+            f"efficiency {100 * p.samples_per_s / (p.ranks * base):.0f}%")
     return _save(fig, path)
 
 

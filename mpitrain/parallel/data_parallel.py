@@ -68,10 +68,43 @@ both cores computing, nobody else can do them: the copying is paid whoever does 
 and only the waiting can be hidden. (An earlier measurement, 93% hidden at thread level
 ``single``, compared with a blocking ``Allreduce`` that is 3-4x slower than
 ``Iallreduce`` + ``Wait`` at that level: 3.9 ms against 1.1 ms for 4 MiB, measured
-here; against the faster call there is nothing left to hide.) Across nodes the
-network adapter moves the bytes and overlap pays; that is where ``test`` and
-``thread`` matter. Defaults: ``progress="test"`` (what the probe favours, within the
-noise of the step), MPI thread level ``multiple`` (see :func:`mpitrain.comm.thread_level`).
+here; against the faster call there is nothing left to hide.)
+
+**Across a network** the link moves the bytes and overlap pays. Measured with
+``mpitrain bench ddp --network 1gbit`` (2 emulated nodes of one core and one rank each,
+:mod:`mpitrain.cluster`), nanoGPT's GPT at its batch per process (12 sequences per rank,
+``gpt-ddp``): 3.2 MB of gradients, 28-30 ms on the link, 31-33% of a step that does not
+overlap them. What the timeline of each bucket showed, and what was done:
+
+* **Bucket size: about 2 ms of the link.** The default 4 MB is one bucket for this
+  model, complete only when backward ends: nothing hidden. Buckets of 0.125, 0.25, 0.5,
+  1 MB hid 66-71%, 67-70%, 55-61% and 51-54% (``ring``): a bucket must be small enough
+  that the first starts early and the last leaves little to send after backward, and
+  large enough that its per-message costs stay small. 0.25 MB is 2 ms at 1 Gbit/s; the
+  same rule gives 2.5 MB at 10 Gbit/s and 25 MB (PyTorch DDP's default) at 100 Gbit/s.
+  :func:`link_bucket_mb` computes it (``bench ddp --network`` and
+  ``jobs/scaling_cluster.sh`` use it); set ``parallel.bucket_mb`` to it.
+* **One round per allreduce.** A rank progresses MPI only from the gradient hooks,
+  which come in bursts between layers (4-5 ms apart here), and each round of an
+  allreduce waits for the next burst on both ranks: MPICH's ``Iallreduce`` of two ranks
+  (reduce-scatter, then allgather) took 10 ms for a 0.26 MB bucket that needs 2 ms on
+  the link. mpitrain's ``ring`` on two ranks on different nodes is one exchange
+  (:class:`mpitrain.comm.ring.Exchange`): 65-70% hidden against MPI's 53-57%.
+* **Progress.** ``test`` and ``none`` do alike with the exchange (each bucket's start
+  pushes its bytes into the kernel, which sends them at line rate without the rank);
+  ``thread`` hides next to nothing (-32% to +7%), its blocking allreduce spinning on the
+  node's only core. A thread that polls with ``Test`` and sleeps between (Horovod's
+  cycle) was slower than ``test`` too: on one core it contends for the GIL and wakes.
+* **What is left** is CPU: the emulated link's TCP stack and MPI's copies cost 6-7 ms of
+  the rank's core per step (measured without compute: ``user`` + ``sys`` of a step's
+  buckets), which the backward pays when communication overlaps it (32 ms alone, 39-41
+  ms beside it). At nanoGPT's small setting on 2 ranks (``gpt``, 6 sequences per rank)
+  backward takes 17 ms against 28 ms on the link, so at most about half can hide:
+  measured 43-51%.
+
+Defaults: ``progress="test"`` (what the probe favours, within the noise of the step),
+MPI thread level ``multiple`` (see :func:`mpitrain.comm.thread_level`), buckets of 4 MB
+(for shared memory, where smaller buckets only add per-message costs).
 
 **Batch norm.** Each rank normalises with the statistics of its own ``B/P`` samples, as
 PyTorch DDP does by default: the gradients then equal those of one process that splits
@@ -101,11 +134,25 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mpitrain import flat, optim
+from mpitrain.cluster import bits_per_second
 from mpitrain.comm import replicas
 from mpitrain.comm.hierarchical import link_bytes
 from mpitrain.comm.ring import ALGORITHMS, allreduce, iallreduce
 
 PROGRESS = ("test", "thread", "none", "off")
+
+# Across a network, buckets of about this many seconds of the link (see "Across a
+# network" above for the measurements behind it)
+BUCKET_SECONDS = 0.002
+
+
+def link_bucket_mb(rate: str) -> float:
+    """The bucket size (MB, as ``bucket_cap_mb``) that takes ``BUCKET_SECONDS`` on a link
+    of ``rate`` (a tc rate: ``1gbit`` gives 0.24)."""
+    bps = bits_per_second(rate)
+    if bps is None:
+        raise ValueError(f"link rate {rate!r}: expected a rate such as 100mbit, 1gbit or 10gbit")
+    return bps / 8 * BUCKET_SECONDS / 2**20
 
 
 @dataclass

@@ -165,8 +165,12 @@ def _totals(run, result: Result, figures: dict, rows, out: Outputs, log) -> Resu
     seconds, done = figures["train_seconds"], figures["done"]
     result.seconds = figures["wall_seconds"]
     result.final_loss = figures["final_loss"]
-    result.samples_per_s = done * t.global_batch_size / seconds if seconds else 0.0
-    result.gflops_per_s = done * figures["flops"] * run.role.ranks / seconds / 1e9 if seconds else 0.0
+    steps = done  # of the global batch
+    if result.staleness:  # parameter servers: a worker's step is B / workers samples, and workers differ in
+        servers = run.cfg.parallel.servers  # steps when asynchronous; every server counted each gradient
+        steps = sum(result.staleness.values()) / servers / (run.world.size - servers)
+    result.samples_per_s = steps * t.global_batch_size / seconds if seconds else 0.0
+    result.gflops_per_s = steps * figures["flops"] * run.role.ranks / seconds / 1e9 if seconds else 0.0
     result.stall_fraction = figures["stall"] / (seconds + figures["stall"]) if seconds else 0.0
     out.metrics.write("end", step=run.total, steps_timed=done, steps_per_epoch=run.reader.steps_per_epoch,
                       seconds=result.seconds, samples_per_s=result.samples_per_s, gflops_per_s=result.gflops_per_s,
