@@ -117,7 +117,7 @@ def test_the_scaling_plot_has_a_row_per_link_rate_and_undoes_time_dilation(text_
                 rank = dict(r["ranks"][0], step_s=2.0, comm_exposed_s=0.5)
                 r.update(samples_per_s=samples_per_s, ranks=[dict(rank, rank=k) for k in range(ranks)])
                 if parallel.get("sync") == "ps":  # the server is busy communicating: not counted
-                    r["ranks"][0]["comm_exposed_s"] = 2.0
+                    r["ranks"][0].update(comm_exposed_s=2.0, serves=True)
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
         return tmp_path / name

@@ -204,11 +204,10 @@ def _point(run: Run) -> _Point:
         raise ReportError(f"{run.dir}: the run did not finish, no throughput")
     cluster = run.start.get("cluster") or {}
     parallel = run.config["parallel"]
-    sync = parallel.get("sync") or parallel.get("strategy")  # older runs: parallel.strategy
-    if sync == "ps":
-        sync = {0: "ps sync", -1: "ps async"}.get(parallel.get("staleness", 0), f"ps s={parallel['staleness']}")
+    staleness = parallel.get("staleness", 0)  # only parameter servers have one other than 0
+    sync = (parallel.get("sync") or parallel.get("strategy")) + {0: "", -1: " async"}.get(staleness, f" s={staleness}")
     per_node = cluster.get("ranks_per_node", run.ranks)
-    stepping = run.per_rank()[parallel.get("servers", 0) if sync.startswith("ps") else 0:]  # servers serve
+    stepping = [r for r in run.per_rank() if not r.get("serves")]  # a server's time is all communication
     comm = sum(r["comm_exposed_s"] / r["step_s"] for r in stepping if r["step_s"]) / max(1, len(stepping))
     series = sync + (f", {per_node} ranks/node" if per_node > 1 else "")
     samples_per_s = run.end["samples_per_s"] * cluster.get("dilation", 1.0)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 def time_table(rows, steps: int) -> str:
     """``rows``: per rank (rank, step seconds, exposed communication seconds, total
-    communication seconds, read seconds, waiting seconds, bytes sent, bubble seconds).
+    communication seconds, read seconds, waiting seconds, bytes sent, bubble seconds,
+    whether it served).
     Step seconds are the optimizer steps; the bubble is the part of them a pipeline
     stage waited for its neighbours' activations and gradients; compute is what is left
     after exposed communication and the bubble; reads run on the reader's thread beside
@@ -14,7 +15,7 @@ def time_table(rows, steps: int) -> str:
     with stages or slices gets a second table of them."""
     lines = ["time per rank: rank | steps s | compute s | comm exposed s | comm total s | hidden | bubble s | "
              "read s (background) | waiting s | MB sent | MB/step"]
-    for rank, step_s, exposed, total, read, wait, sent, bubble, _ in rows:
+    for rank, step_s, exposed, total, read, wait, sent, bubble, _, _ in rows:
         hidden = f"{100 * max(0.0, 1 - exposed / total):.1f}%" if total > 0 else "-"
         lines.append(f"{rank:19d} | {step_s:7.2f} | {step_s - exposed - bubble:9.2f} | {exposed:14.3f} | "
                      f"{total:12.3f} | {hidden:>6} | {bubble:8.3f} | {read:19.3f} | {wait:9.3f} | "

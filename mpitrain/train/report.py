@@ -41,7 +41,7 @@ class Result:
 
 
 TIME_FIELDS = ("rank", "step_s", "comm_exposed_s", "comm_total_s", "read_s", "wait_s", "bytes_sent", "bubble_s",
-               "axes")
+               "serves", "axes")
 
 
 class Outputs:
@@ -108,13 +108,14 @@ def time_row(rank: int, seconds: float, role, reader) -> tuple:
     """One rank's row of the time table (:data:`TIME_FIELDS`): seconds of steps (or of
     serving), communication exposed and in total, reading, waiting for data; bytes sent;
     the pipeline bubble (waiting for other stages inside the steps); bytes and seconds
+    whether the rank served (a parameter server) instead of stepping; bytes and seconds
     per communicator of the grid (dp, pp, tp)."""
     exposed, total = role.sync.comm_seconds()
     stats = reader.epoch_stats()
     read = sum(s.read_seconds for s in stats)
     stall = sum(s.stall_seconds for s in stats)
     axes = role.axes() if role.axes is not None else {"dp": (role.sync.bytes_sent, total)}
-    return rank, seconds, exposed, total, read, stall, role.sync.bytes_sent, role.bubble(), axes
+    return rank, seconds, exposed, total, read, stall, role.sync.bytes_sent, role.bubble(), role.serve is not None, axes
 
 
 def finish(run, result: Result, times: tuple, figures: dict, out: Outputs, log) -> Result:
