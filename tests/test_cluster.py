@@ -110,15 +110,15 @@ def test_time_dilation_slows_the_links_and_holds_each_node_to_its_share_of_a_cor
              "base = '/sys/fs/cgroup/cpu' if os.path.exists('/sys/fs/cgroup/cpu' + cg) else '/sys/fs/cgroup'; "
              "limit = open(base + cg + '/cpu.cfs_quota_us').read().strip() if base.endswith('cpu') else "
              "open(base + cg + '/cpu.max').read().split()[0]; "
-             "env = os.environ; print('rank', cg.rsplit('-', 1)[1], limit, env['MPITRAIN_LINK_RATE'], "
-             "env['MPITRAIN_CLUSTER'])")
+             "env = os.environ; line = ' '.join(['rank', cg.rsplit('-', 1)[1], limit, env['MPITRAIN_LINK_RATE'], "
+             "env['MPITRAIN_CLUSTER']]); os.write(1, (line + chr(10)).encode())")  # one write: lines cannot mix
     done = run_cluster("--nodes", "2", "--ranks", "1", "--rate", "1gbit", "--dilation", "2", "--",
                        sys.executable, "-c", probe, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "time dilation 2: links at 500000kbit, each node held to 0.5 core(s)" in done.stdout
     ranks = sorted(line.split(" ", 4)[1:] for line in done.stdout.splitlines() if line.startswith("rank "))
     told = '{"nodes": 2, "ranks_per_node": 1, "rate": "1gbit", "dilation": 2.0}'
-    assert ranks == [["node0", "5000", "500000kbit", told], ["node1", "5000", "500000kbit", told]]
+    assert ranks == [["node0", "5000", "500000kbit", told], ["node1", "5000", "500000kbit", told]], done.stdout
     assert namespaces() == before
     assert not [p for base in (cluster.CGROUP_V1, cluster.CGROUP_V2) for p in base.glob(f"{cluster.PREFIX}*")]
 
