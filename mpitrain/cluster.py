@@ -53,7 +53,7 @@ cores when above 1. What it cannot slow: the kernel's own work (the TCP stack ru
 partly outside the quota) and the latencies of the veth links.
 
 Command line: ``mpitrain cluster --nodes 2 --ranks 2 --rate 1gbit -- mpitrain bench ddp``.
-It needs root and iproute2 (``ip``, ``tc``).
+It needs root, iproute2 (``ip``, ``tc``) and ``nsenter`` (util-linux).
 """
 
 from __future__ import annotations
@@ -308,7 +308,7 @@ def mpiexec() -> str:
 
 
 def check_tools() -> None:
-    """Root and iproute2, or one ClusterError saying which is missing."""
+    """Root, iproute2 and nsenter, or one ClusterError saying which is missing."""
     if os.geteuid() != 0:
         raise ClusterError("an emulated cluster needs root (network namespaces and tc)")
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
