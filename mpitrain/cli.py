@@ -251,6 +251,8 @@ def _bench_ddp(args) -> int:
 
     if args.network is not None:
         return _bench_ddp_network(args)
+    if args.mtu is not None:
+        raise _usage("--mtu applies with --network")
     from mpitrain.comm import world
 
     comm = world(args.thread_level)
@@ -286,7 +288,7 @@ def _bench_ddp_network(args) -> int:
         options += ["--warmup", str(args.warmup)]
     try:
         check_tools()
-        return ddp.network(args.network, args.mtu, options, args.allreduce or ["mpi", "ring"])
+        return ddp.network(args.network, args.mtu or 1500, options, args.allreduce or ["mpi", "ring"])
     except ClusterError as e:
         raise _failure(f"--network: {e}") from None
 
@@ -501,7 +503,7 @@ def _bench_ddp_parser(benches) -> None:
                    help="run the bench twice, on shared memory and across 2 emulated nodes linked at RATE "
                         "(e.g. 1gbit; see mpitrain cluster: needs root), and print them side by side; "
                         "run it without mpiexec")
-    p.add_argument("--mtu", type=int, default=1500, help="with --network: the links' MTU (default 1500)")
+    p.add_argument("--mtu", type=int, help="with --network: the links' MTU (default 1500)")
     p.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON (rank 0)")
     _thread_level_option(p)
     p.set_defaults(run=_bench_ddp)

@@ -135,3 +135,17 @@ def test_bench_ddp_network_starts_its_own_ranks_and_names_a_bad_rate():
         "mpitrain: error: --network 'fast': expected a link rate such as 100mbit, 1gbit or 10gbit"]
     with pytest.raises(cluster.ClusterError, match="dilation 0.5: expected a number from 1 to 64, or auto"):
         cluster.Cluster(dilation=0.5)
+
+
+@needs_namespaces
+def test_bench_ddp_network_runs_on_shared_memory_and_across_two_nodes_and_compares():
+    before = namespaces()
+    done = subprocess.run([sys.executable, "-m", "mpitrain", "bench", "ddp", "--network", "1gbit", "--models", "gpt",
+                           "--allreduce", "ring", "--rounds", "1", "--steps", "1", "--warmup", "0"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=240, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "buckets <= 0.238419 MB" in done.stdout  # 2 ms of the link
+    table = done.stdout.split("overlap on shared memory and across the network")[1].splitlines()
+    rows = [line.split("|")[0].split() for line in table[2:] if line.strip()]
+    assert rows == [["gpt", "ring", "shared", "memory"], ["gpt", "ring", "2", "nodes,", "1gbit"]], table
+    assert namespaces() == before

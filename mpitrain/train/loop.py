@@ -92,6 +92,9 @@ class Loop:
                 tick = time.perf_counter()  # the step's time includes waiting to begin it (a pull)
                 with self.call(step, "begin"):
                     if not self.sync.begin_step():
+                        # an asynchronous worker learned that the run is over: its wait for that
+                        # answer is counted as communication, so it is step time too
+                        self.train_seconds += time.perf_counter() - tick
                         break
                 stopping = self.train_step(step, batch, tick)
                 step += 1
