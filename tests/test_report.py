@@ -96,6 +96,7 @@ def test_the_scaling_plot_shows_superlinear_efficiency(text_data, tmp_path, monk
     assert [line for line in lines if line.startswith("scaling: 2 rank(s): ")][0].endswith("efficiency 150%")
     efficiency = figures[-1].axes[1]
     assert efficiency.get_ylim()[0] == 0 and efficiency.get_ylim()[1] > 150
+    assert [list(line.get_xdata()) for line in efficiency.get_lines()[:1]] == [[1, 2]]  # one line, from 1 rank
 
 
 def test_the_scaling_plot_has_a_row_per_link_rate_and_undoes_time_dilation(text_data, tmp_path, monkeypatch):

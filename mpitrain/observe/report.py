@@ -199,7 +199,7 @@ class _Point:
     layout: str  # "", or "N nodes x R"
 
 
-def _point(run: Run) -> _Point:
+def _point(run: Run, nodes_matter: bool) -> _Point:
     if run.end is None or not run.end.get("samples_per_s"):
         raise ReportError(f"{run.dir}: the run did not finish, no throughput")
     cluster = run.start.get("cluster") or {}
@@ -209,7 +209,7 @@ def _point(run: Run) -> _Point:
     per_node = cluster.get("ranks_per_node", run.ranks)
     stepping = [r for r in run.per_rank() if not r.get("serves")]  # a server's time is all communication
     comm = sum(r["comm_exposed_s"] / r["step_s"] for r in stepping if r["step_s"]) / max(1, len(stepping))
-    series = sync + (f", {per_node} ranks/node" if per_node > 1 else "")
+    series = sync + (f", {per_node} ranks/node" if per_node > 1 and nodes_matter else "")
     samples_per_s = run.end["samples_per_s"] * cluster.get("dilation", 1.0)
     return _Point(run.ranks, cluster.get("rate", "one node"), series, samples_per_s, comm,
                   f" ({cluster['nodes']} nodes x {per_node})" if cluster else "")
@@ -219,7 +219,7 @@ def _scaling(runs: list[Run], path: Path, log) -> Path:
     """Throughput and efficiency against ranks: one row per link rate (runs on one node in
     every row), one line per strategy and ranks per node; each point's exposed
     communication written beside it. The 1-rank run is every line's first point."""
-    points = [_point(r) for r in runs]
+    points = [_point(r, any(r.start.get("cluster") for r in runs)) for r in runs]  # nodes: a line each
     single = [p for p in points if p.ranks == 1]
     if not single:
         raise ReportError(f"a scaling plot needs a 1-rank run to compare with; the runs have "
