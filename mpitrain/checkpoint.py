@@ -7,7 +7,7 @@ HDF5 file holding
 * attributes: ``format`` (``mpitrain-checkpoint``), ``format_version``,
   ``mpitrain_version``, ``step`` (optimizer steps done), ``epoch`` and ``epoch_step``
   (the data position: the reader's batches are a function of the step, given the
-  seed, global batch, ``data.buffer_mb`` and the data),
+  seed, global batch, ``data.buffer_mb``, ``data.sampling`` and the data),
   ``ranks`` and ``strategy`` at save time (the gradient sync and the grid: the name
   older checkpoints gave the strategy), ``config`` (the resolved config as JSON),
   ``rng`` (the dropout and initialisation stream, :mod:`mpitrain.rng`), ``optimizer``

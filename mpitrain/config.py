@@ -93,6 +93,7 @@ class DataConfig:
     name: str = "mnist5k"  # an embedded dataset, built into shards on first use
     path: str = ""  # or a dataset directory made by `mpitrain data build` (then no name)
     shift: int = 0  # images: random translation by up to this many pixels (augmentation)
+    sampling: str = "stride"  # text: training windows every block_size tokens, or at random tokens (reader.py)
     verify: bool = True  # re-hash every shard's content before training, shards split over ranks
     buffer_mb: float = 32  # reader: megabytes of samples per round, over all ranks
     prefetch: int = 2  # reader: rounds read ahead by the background thread
@@ -364,6 +365,8 @@ def _validate_choices(cfg: Config) -> None:
 
 
 def _validate_data(cfg: Config) -> None:
+    from mpitrain.data.reader import SAMPLING  # here: the reader brings NumPy and h5py
+
     m, d = cfg.model, cfg.data
     text_model = m.name == "gpt"
     if d.path:
@@ -378,6 +381,9 @@ def _validate_data(cfg: Config) -> None:
                  f"gpt trains on text (shakespeare), the CNNs on images (mnist5k); model.name is "
                  f"{m.name!r}", d.name)
     _require(d.shift >= 0, "data.shift", "must be >= 0", d.shift)
+    _require(d.sampling in SAMPLING, "data.sampling", f"must be one of {', '.join(SAMPLING)}", d.sampling)
+    _require(text_model or "data.sampling" not in cfg.given, "data.sampling",
+             "places text windows: applies to text models (model.name = 'gpt') only", d.sampling)
     _require(d.buffer_mb > 0, "data.buffer_mb", "must be > 0", d.buffer_mb)
     _require(d.prefetch > 0, "data.prefetch", "must be > 0", d.prefetch)
 

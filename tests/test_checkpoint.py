@@ -79,15 +79,16 @@ def quiet(*args):
     pass
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1"])
-def test_a_resumed_gpt_run_ends_bit_identical(text_data, tmp_path, strategy):
-    """Dropout on, so the random stream must be restored too; AdamW state."""
-    full = train.train(gpt(text_data, tmp_path / "a", f"parallel.sync={strategy!r}"), log=quiet)
+@pytest.mark.parametrize("strategy,sampling", [("ddp", "stride"), ("zero1", "stride"), ("ddp", "random")])
+def test_a_resumed_gpt_run_ends_bit_identical(text_data, tmp_path, strategy, sampling):
+    """Dropout on, so the random stream must be restored too; AdamW state; windows at a
+    stride or at random tokens."""
+    settings = (f"parallel.sync={strategy!r}", f"data.sampling={sampling!r}")
+    full = train.train(gpt(text_data, tmp_path / "a", *settings), log=quiet)
     assert [p.name for p in checkpoint.listed(tmp_path / "a")] == [f"step-{s:08d}.h5" for s in range(4, 25, 4)]
     resume_from(tmp_path / "a", 12, tmp_path / "b")
     lines = []
-    again = train.train(gpt(text_data, tmp_path / "b", f"parallel.sync={strategy!r}"), log=lines.append,
-                        resume=True)
+    again = train.train(gpt(text_data, tmp_path / "b", *settings), log=lines.append, resume=True)
     assert again.start_step == 12 and any("resumed from" in line and "at step 12" in line for line in lines)
     assert_identical(checkpoint.path_for(tmp_path / "a", 24), checkpoint.path_for(tmp_path / "b", 24))
     assert again.val_loss == full.val_loss

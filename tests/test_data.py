@@ -138,6 +138,52 @@ def test_text_windows_are_inputs_and_next_token_targets(tmp_path):
     assert sorted(index.tolist()) == list(range(windows))
 
 
+def test_random_windows_start_anywhere_and_do_not_depend_on_the_rank_count_or_a_resume(tmp_path):
+    """sampling="random" (nanoGPT's draws): window k of an epoch starts at a token drawn
+    from (seed, epoch, k); an epoch is as many windows as a pass in stride mode; the
+    global batches are the same on 1, 2 or 4 ranks and from a resumed step; every
+    alignment in the window shows up."""
+    from mpitrain.data.reader import random_starts
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 31, 5000).astype(np.uint8)  # windows of 17 are unique: each one's start can be checked
+    with DatasetWriter(tmp_path / "t", "toytext", "text", shard_mb=0.002, vocab="abcdefghijklmnopqrstuvwxyz01234") as w:
+        w.write_split("train", ids[:4500])
+        w.write_split("val", ids[4500:])
+    train, T = ids[:4500], 16
+    split = open_dataset(tmp_path / "t").split("train")
+    one = collect(split, 1, 8, window=T, sampling="random")
+    assert len(one) == (4500 - T) // T // 8
+    starts = []
+    for index, x, y in one:
+        s = random_starts(3, 0, index, 4500 - T)  # collect's seed, epoch 0
+        for row, target, start in zip(x, y, s):
+            np.testing.assert_array_equal(row, train[start : start + T])
+            np.testing.assert_array_equal(target, train[start + 1 : start + T + 1])
+        starts += s.tolist()
+    assert len({s % T for s in starts}) == T and min(starts) < 100 and max(starts) > 4500 - T - 100
+    for size in (2, 4):
+        for (i1, x1, y1), (i2, x2, y2) in zip(one, collect(split, size, 8, window=T, sampling="random")):
+            np.testing.assert_array_equal(i1, i2)
+            np.testing.assert_array_equal(x1, x2)
+            np.testing.assert_array_equal(y1, y2)
+    reader = ShardReader(split, rank=0, size=1, global_batch=8, seed=3, window=T, sampling="random", buffer_mb=0.01)
+    resumed = list(reader.batches(0, 1, first_step=5))
+    assert len(resumed) == len(one) - 5
+    for b, (_, x, _) in zip(resumed, one[5:]):
+        np.testing.assert_array_equal(b.x, x)
+    later = collect(split, 1, 8, window=T, sampling="random", epoch=1)
+    other_seed = collect(split, 1, 8, seed=4, window=T, sampling="random")
+    assert not np.array_equal(one[0][1], later[0][1]) and not np.array_equal(one[0][1], other_seed[0][1])
+    assert reader.sample_bytes == (T + 1) * 1  # a random window is read whole: T + 1 one-byte tokens
+    image_set(tmp_path / "i")
+    with pytest.raises(ValueError, match="places text windows"):
+        ShardReader(open_dataset(tmp_path / "i").split("train"), rank=0, size=1, global_batch=8, seed=0,
+                    sampling="random")
+    with pytest.raises(ValueError, match="sampling must be one of"):
+        ShardReader(split, rank=0, size=1, global_batch=8, seed=0, window=T, sampling="shuffled")
+
+
 def test_reader_errors_reach_the_training_loop(tmp_path):
     image_set(tmp_path / "d")
     split = open_dataset(tmp_path / "d").split("train")

@@ -23,13 +23,24 @@ boundaries. Gathered over ranks, an epoch visits every sample exactly once (with
 ``drop_last=False``; with ``drop_last`` all but ``N mod B``), and concatenating the rank
 slices of a step gives the global batch of a one-rank run.
 
-Text is read the same way with *windows* as samples: window ``k`` of an epoch is the
-``T + 1`` tokens at ``t0 + k*T`` (``t0`` random in ``[0, T)``), giving ``(input, target)``
-pairs of length ``T``.
+Text is read the same way with *windows* as samples, giving ``(input, target)`` pairs
+of length ``T``. How window ``k`` of an epoch is placed (``sampling``):
+
+* ``"stride"``: the ``T + 1`` tokens at ``t0 + k*T`` (``t0`` random in ``[0, T)`` per
+  epoch): the epoch reads the split once, each token at one place in its window;
+* ``"random"``: the ``T + 1`` tokens at a uniformly random token, a hash of (seed,
+  epoch, ``k``) (:func:`random_starts`), as nanoGPT draws its batches: over the run the
+  text is seen at every alignment. Any rank computes any window's start by itself, so
+  the global batches are the same at any rank count and after a resume. An epoch is
+  still ``n`` windows, the same number of tokens as a pass, but windows may overlap
+  and some text goes unseen in it. Each window is its own read.
+
+Evaluation reads in stride mode: the whole split, each window once.
 
 The buffer budget sets ``K``: a round holds about ``buffer_mb`` of samples over all ranks
-(``buffer_mb / P`` on each), and at most ``prefetch`` rounds wait in the queue. The shuffle therefore mixes within a lane's
-block; builders shuffle class-sorted sources once, so lanes hold mixed classes.
+(``buffer_mb / P`` on each), and at most ``prefetch`` rounds wait in the queue. The
+shuffle therefore mixes within a lane's block; builders shuffle class-sorted sources
+once, so lanes hold mixed classes.
 
 I/O accounting (:class:`IOStats`) counts, per epoch, the bytes read, the seconds spent
 in reads, the seconds spent gathering, the samples delivered, and the *stall*: seconds
@@ -49,6 +60,25 @@ import numpy as np
 from mpitrain.data.shards import DataError, Split
 
 READER = 5  # seed stream tag (see loader.py for 1-4)
+SAMPLING = ("stride", "random")  # how text windows are placed (see the module docstring)
+_STARTS = 1  # sub-stream of READER: the random windows' starts
+
+
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser (Steele et al., OOPSLA 2014) on uint64s: a bijection whose
+    outputs pass as independent uniform draws for consecutive inputs. Wrapping
+    arithmetic is meant."""
+    z = z + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def random_starts(seed: int, epoch: int, slots: np.ndarray, span: int) -> np.ndarray:
+    """(len(slots),) the first token of each window slot of ``epoch`` in ``"random"``
+    sampling, uniform in ``[0, span)``: a function of (seed, epoch, slot) alone."""
+    key = np.random.default_rng((seed, READER, epoch, _STARTS)).integers(2**63, dtype=np.uint64)
+    return (_splitmix64(np.asarray(slots, dtype=np.uint64) ^ key) % np.uint64(span)).astype(np.int64)
 
 
 @dataclass
@@ -126,7 +156,7 @@ class _Images:
         self.dtype, self.label_dtype = split.x_dtype, split.y_dtype
         self.n = split.count
 
-    def read(self, first: int, stop: int, x: np.ndarray, y: np.ndarray, plan_draw: float) -> int:
+    def read(self, first: int, stop: int, x: np.ndarray, y: np.ndarray, plan: EpochPlan) -> int:
         return self.split.read("x", first, stop, x) + self.split.read("y", first, stop, y)
 
     def split_xy(self, block: np.ndarray, labels: np.ndarray):
@@ -134,13 +164,14 @@ class _Images:
 
 
 class _Windows:
-    """Samples are windows of ``T + 1`` tokens starting every ``T`` tokens."""
+    """Samples are windows of ``T + 1`` tokens, starting every ``T`` tokens or at random
+    (``sampling``)."""
 
-    def __init__(self, split: Split, T: int):
+    def __init__(self, split: Split, T: int, sampling: str = "stride"):
         if split.count < T + 1:
             raise DataError(f"{split.shards[0].path.parent}: split {split.name!r} has {split.count} tokens, "
                             f"fewer than block_size + 1 = {T + 1}")
-        self.split, self.T = split, T
+        self.split, self.T, self.sampling = split, T, sampling
         self.sample_shape = (T + 1,)
         self.dtype, self.label_dtype = split.x_dtype, np.dtype(np.uint8)  # no labels: targets are tokens
         self.n = max(1, (split.count - T) // T)  # windows, the same number for every token offset
@@ -151,8 +182,15 @@ class _Windows:
         slack = self.split.count - 1 - self.n * self.T  # spare tokens, >= T - 1 for long texts
         return int(draw * (min(slack, self.T - 1) + 1))
 
-    def read(self, first: int, stop: int, x: np.ndarray, y: np.ndarray, plan_draw: float) -> int:
-        T, t0 = self.T, self.token_offset(plan_draw)
+    def read(self, first: int, stop: int, x: np.ndarray, y: np.ndarray, plan: EpochPlan) -> int:
+        T = self.T
+        if self.sampling == "random":
+            got = 0
+            for row, start in zip(x, random_starts(plan.seed, plan.epoch, np.arange(first, stop),
+                                                   self.split.count - T)):
+                got += self.split.read("x", int(start), int(start) + T + 1, row)
+            return got
+        t0 = self.token_offset(plan.token_offset_draw)
         tokens = np.empty((stop - first) * T + 1, dtype=self.dtype)
         got = self.split.read("x", t0 + first * T, t0 + stop * T + 1, tokens)
         x[: stop - first] = np.lib.stride_tricks.as_strided(
@@ -182,9 +220,11 @@ class ShardReader:
 
     def __init__(self, split: Split, *, rank: int, size: int, global_batch: int, seed: int,
                  shuffle: bool = True, drop_last: bool = True, window: int | None = None,
-                 buffer_mb: float = 32, prefetch: int = 2):
+                 sampling: str = "stride", buffer_mb: float = 32, prefetch: int = 2):
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not in [0, {size})")
+        if sampling not in SAMPLING:
+            raise ValueError(f"sampling must be one of {SAMPLING}, got {sampling!r}")
         if global_batch % size:
             raise ValueError(f"global batch {global_batch} is not divisible by {size} ranks")
         self.split, self.rank, self.size = split, rank, size
@@ -193,7 +233,9 @@ class ShardReader:
         if split.y_dtype is None:
             if window is None:
                 raise ValueError(f"split {split.name!r} is text: give the window (context length)")
-            self.items = _Windows(split, window)
+            self.items = _Windows(split, window, sampling)
+        elif sampling != "stride":
+            raise ValueError(f"sampling {sampling!r} places text windows; split {split.name!r} holds images")
         else:
             self.items = _Images(split)
         n = self.items.n
@@ -202,8 +244,9 @@ class ShardReader:
                             f"fewer than one global batch of {global_batch}")
         self.n = n
         self.item_bytes = int(np.prod(self.items.sample_shape, dtype=np.int64)) * self.items.dtype.itemsize
-        # what storage delivers per sample: x and label; a window adds T new tokens
-        self.sample_bytes = split.sample_bytes if window is None else window * split.x_dtype.itemsize
+        # what storage delivers per sample: x and label; a window adds T new tokens, a random one all T + 1
+        self.sample_bytes = (split.sample_bytes if window is None else
+                             (window + (sampling == "random")) * split.x_dtype.itemsize)
         # steps per round, from the global batch so that the plan is the same at any rank count
         self.block = max(1, int(buffer_mb * 2**20) // max(1, self.B * self.item_bytes))
         self.prefetch = max(1, prefetch)
@@ -259,9 +302,9 @@ class ShardReader:
             labs = labels[i:j].reshape(-1)
             start, count = int(starts[i]), (j - i) * length
             head = min(count, plan.n - start)  # rows before the split wraps around
-            nbytes += self.items.read(start, start + head, rows[:head], labs[:head], plan.token_offset_draw)
+            nbytes += self.items.read(start, start + head, rows[:head], labs[:head], plan)
             if head < count:
-                nbytes += self.items.read(0, count - head, rows[head:], labs[head:], plan.token_offset_draw)
+                nbytes += self.items.read(0, count - head, rows[head:], labs[head:], plan)
         read_s = time.perf_counter() - tick
         if self.on_read is not None:
             self.on_read(tick, tick + read_s, nbytes)

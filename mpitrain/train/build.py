@@ -314,7 +314,7 @@ def train_reader(cfg: Config, data: Dataset, rank: int, size: int) -> ShardReade
     text = cfg.model.name == "gpt"
     return ShardReader(data.split("train"), rank=rank, size=size, global_batch=cfg.train.global_batch_size,
                        seed=cfg.train.seed, window=cfg.model.block_size if text else None,
-                       buffer_mb=cfg.data.buffer_mb, prefetch=cfg.data.prefetch)
+                       sampling=cfg.data.sampling, buffer_mb=cfg.data.buffer_mb, prefetch=cfg.data.prefetch)
 
 
 def build_lr_schedule(cfg: Config, total_steps: int):

@@ -36,7 +36,8 @@ UNUSABLE = "unusable"  # checkpoints/unusable/: files a resume could not use, ke
 
 # the settings the order of the batches follows (with the step); changing one on resume
 # trains on other batches than the saved run would have
-DATA_ORDER = ("train.seed", "train.global_batch_size", "data.buffer_mb", "data.shift", "data.path", "data.name")
+DATA_ORDER = ("train.seed", "train.global_batch_size", "data.buffer_mb", "data.shift", "data.sampling", "data.path",
+              "data.name")
 
 
 def runs_of(stem: str, root: Path = Path("runs")) -> list[Path]:
