@@ -340,7 +340,7 @@ def _bench_tensor(args) -> int:
 def _bench_step(args) -> int:
     from mpitrain.bench import step
 
-    step.run(threads=args.threads, rounds=args.rounds, steps=args.steps)
+    step.run(threads=args.threads, rounds=args.rounds, steps=args.steps, torch=not args.no_torch)
     return 0
 
 
@@ -424,6 +424,8 @@ def _bench_parsers(commands) -> None:
     p.add_argument("--threads", type=_positive, default=1, help="BLAS threads (default 1)")
     p.add_argument("--rounds", type=_positive, default=7, help="interleaved measurement rounds (default 7)")
     p.add_argument("--steps", type=_positive, default=5, help="steps per model per round (default 5)")
+    p.add_argument("--no-torch", action="store_true",
+                   help="leave out PyTorch's equivalent steps, which run when PyTorch is importable")
     p.set_defaults(run=_bench_step)
     p = benches.add_parser("io", help="shard reader vs. raw sequential read (run under mpiexec -n 2)",
                            description="Read a shard set's training split through the reader with 1 and 2 "

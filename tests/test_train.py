@@ -135,10 +135,23 @@ def test_cli_help_and_version():
 
 
 def test_bench_step_prints_ratios():
-    out = mpitrain("bench", "step", "--rounds", "1", "--steps", "1")
+    out = mpitrain("bench", "step", "--rounds", "1", "--steps", "1", "--no-torch")
     assert out.returncode == 0, out.stderr
     assert out.stdout.count("ratio") == 4 and "matmul" in out.stdout
     assert out.stdout.count("plain (fast paths off)") == 2 and out.stdout.count("target") == 2
+    assert "PyTorch" not in out.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None,
+                    reason="PyTorch is not installed (a tool to compare with, not a dependency)")
+def test_bench_step_times_pytorch_in_the_same_rounds_when_it_is_importable():
+    out = mpitrain("bench", "step", "--rounds", "1", "--steps", "1")
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if "PyTorch" in line]
+    assert [row.split("  ")[1].strip() for row in rows] == [
+        "GPT PyTorch eager", "CNN PyTorch channels-first", "CNN PyTorch channels-last"]
+    assert all("mpitrain's step x" in row for row in rows)  # the same models: the same FLOPs as mpitrain's rows
+    assert "3.96 GFLOP/step" in rows[0] and all("1.96 GFLOP/step" in row for row in rows[1:])
 
 
 def test_data_dependent_config_errors_name_the_field(text_data, tmp_path):

@@ -16,6 +16,12 @@ not a target.
   65-token vocabulary, no bias, no dropout), AdamW, gradient clipping at 1.0.
 * CNN: batch 64 of 32x32x3, conv3x3(16) ReLU conv3x3(32) ReLU maxpool2 linear(10), SGD
   with momentum 0.9.
+
+When PyTorch is importable (``pip install torch``: a tool to compare with, never a
+dependency), its equivalent steps run in the same rounds (:mod:`mpitrain.bench.torch_step`:
+the GPT in eager mode, the CNN channels-first and channels-last), each printed with
+mpitrain's time as a multiple of PyTorch's (the median of the per-round quotients);
+their GFLOP/s count the same FLOPs as mpitrain's model of the same shapes.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import time
 import numpy as np
 
 from mpitrain import nn, ops, optim, rng
+from mpitrain.bench import torch_step
 from mpitrain.observe.flops import count_flops
 from mpitrain.runtime import huge_page_heap, limit_blas_threads, tune_allocator
 from mpitrain.tensor import Tensor
@@ -66,6 +73,11 @@ def _cnn_step():
     return step, "CNN conv16-conv32-pool-fc B=64 32x32x3, SGD"
 
 
+def _ours(name: str) -> str:
+    """The mpitrain row a PyTorch row compares with: ``cnn_torch_cl`` -> ``cnn``."""
+    return name.split("_")[0]
+
+
 def _seconds(fn, repeat: int) -> float:
     start = time.perf_counter()
     for _ in range(repeat):
@@ -84,9 +96,11 @@ def _plain(make):
     return plain_step, f"{title.split()[0]} plain (fast paths off)"
 
 
-def run(threads: int = 1, rounds: int = 7, steps: int = 5, log=print) -> dict:
+def run(threads: int = 1, rounds: int = 7, steps: int = 5, torch: bool = True, log=print) -> dict:
     """Measure and print; returns {name: {"ms", "gflops", "ratio", ...}} (medians), the
-    plain rows as "gpt_plain" and "cnn_plain" with "of_fast", their time over the fast one's."""
+    plain rows as "gpt_plain" and "cnn_plain" with "of_fast", their time over the fast one's;
+    with PyTorch importable and ``torch``, its rows ("gpt_torch", "cnn_torch", "cnn_torch_cl")
+    with "mpitrain_over", mpitrain's time over PyTorch's."""
     tune_allocator()
     with limit_blas_threads(threads):
         rng.manual_seed(0)
@@ -97,6 +111,9 @@ def run(threads: int = 1, rounds: int = 7, steps: int = 5, log=print) -> dict:
         models = {"gpt": _gpt_step(), "gpt_plain": _plain(_gpt_step),
                   "cnn": _cnn_step(), "cnn_plain": _plain(_cnn_step)}
         flops = {name: count_flops(step).total for name, (step, _) in models.items()}
+        if torch and torch_step.available():
+            models.update(torch_step.steps(threads))
+            flops.update({name: flops[_ours(name)] for name in models if name.endswith(("_torch", "_torch_cl"))})
         for step, _ in models.values():
             _seconds(step, 3)  # warm up: allocator, caches, optimizer state
         _seconds(lambda: a @ b, 2)
@@ -123,6 +140,9 @@ def run(threads: int = 1, rounds: int = 7, steps: int = 5, log=print) -> dict:
         if name in TARGETS:
             verdict = "ok" if r >= TARGETS[name] else "BELOW"
             note = f"target >= {TARGETS[name]}: {verdict}"
+        elif "_torch" in name:  # PyTorch's: mpitrain's time in the same rounds over this one's
+            out[name]["mpitrain_over"] = float(np.median(np.divide(ms[_ours(name)], ms[name])))
+            note = f"mpitrain's step x{out[name]['mpitrain_over']:.2f} of this"
         else:  # a plain row: its time in the same rounds as its fast row's
             fast = name.removesuffix("_plain")
             out[name]["of_fast"] = float(np.median(np.divide(ms[name], ms[fast])))
