@@ -59,6 +59,7 @@ class ModelConfig:
     block_size: int = 64
     bias: bool = False
     checkpoint_activations: bool = False
+    gelu: str = "tanh"  # the MLP's GELU: "tanh" (GPT-2's approximation) or "erf" (exact, nanoGPT today's)
 
 
 # which fields a choice of model, dataset or optimizer reads: setting another is an error
@@ -67,7 +68,7 @@ MODEL_FIELDS = {
     "convnet": {"name", "channels"},
     "resnet": {"name", "widths", "blocks"},
     "gpt": {"name", "n_layer", "n_head", "n_embd", "block_size", "bias", "dropout",
-            "checkpoint_activations"},
+            "checkpoint_activations", "gelu"},
 }
 _OPTIM_COMMON = {"name", "lr", "min_lr", "schedule", "warmup_steps", "weight_decay", "grad_clip"}
 OPTIM_FIELDS = {
@@ -403,6 +404,7 @@ def _validate_model(cfg: Config) -> None:
         _require(getattr(m, name) > 0, f"model.{name}", "must be > 0", getattr(m, name))
     _require(m.n_embd % m.n_head == 0, "model.n_embd", f"must be divisible by model.n_head = {m.n_head}",
              m.n_embd)
+    _require(m.gelu in ("tanh", "erf"), "model.gelu", "must be tanh or erf", m.gelu)
 
 
 def _validate_optim(cfg: Config) -> None:

@@ -155,11 +155,12 @@ def test_gpt_fused_equals_plain_bit_for_bit(dtype, case, training, checkpoint):
     assert_bitwise(fast, plain)
 
 
+@pytest.mark.parametrize("gelu", ["tanh", "erf"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_block_fused_equals_plain_bit_for_bit_over_several_gelu_blocks(dtype):
+def test_block_fused_equals_plain_bit_for_bit_over_several_gelu_blocks(dtype, gelu):
     """A block at the benchmark's width whose MLP activation spans several GELU blocks:
-    output, input gradient and every parameter gradient."""
-    block = gpt(dtype, n_embd=128, n_head=4, block_size=64, dropout=0.1, bias=True).blocks[0]
+    output, input gradient and every parameter gradient; either form of GELU."""
+    block = gpt(dtype, n_embd=128, n_head=4, block_size=64, dropout=0.1, bias=True, gelu=gelu).blocks[0]
     r = np.random.default_rng(2)
     x = Tensor(r.standard_normal((3, 64, 128)).astype(dtype), requires_grad=True)
     assert 3 * 64 * 4 * 128 > BLOCK_ELEMENTS

@@ -87,6 +87,35 @@ def test_sigmoid_and_gelu_large_inputs():
     check(ops.gelu, x)
 
 
+def test_gelu_erf_form():
+    """The exact GELU (nanoGPT's): its gradient against finite differences, large inputs
+    included, and its values against the formula with math.erf."""
+    import math
+
+    check(lambda x: ops.gelu(x, "erf"), t(4, 5))
+    check(lambda x: ops.gelu(x, "erf"), Tensor(np.linspace(-30, 30, 13), requires_grad=True))
+    x = np.linspace(-9, 9, 1001)
+    expected = np.array([v * (1 + math.erf(v / math.sqrt(2))) / 2 for v in x])
+    np.testing.assert_allclose(ops.gelu(Tensor(x), "erf").data, expected, rtol=0, atol=4e-15)
+    with pytest.raises(ValueError, match="GELU form must be one of"):
+        ops.gelu(Tensor(x), "exact")
+
+
+def test_erf_agrees_with_math_erf():
+    """NumPy has no erf: ours is within 2e-15 of the C library's in float64, keeps the
+    dtype, and takes infinities, NaN and signed zeros."""
+    import math
+
+    x = np.concatenate([np.linspace(-8, 8, 100001), [2.5, -2.5, 6.0, -6.0, 1e-300, -1e-300]])
+    expected = np.array([math.erf(v) for v in x])
+    np.testing.assert_allclose(elementwise.erf(x), expected, rtol=0, atol=2e-15)
+    special = elementwise.erf(np.array([np.inf, -np.inf, np.nan, 0.0, -0.0]))
+    assert special[:2].tolist() == [1.0, -1.0] and np.isnan(special[2]) and np.signbit(special[4])
+    x32 = x.astype(np.float32)
+    assert elementwise.erf(x32).dtype == np.float32
+    np.testing.assert_allclose(elementwise.erf(x32), [math.erf(v) for v in x32.astype(np.float64)], atol=2e-6)
+
+
 def test_gelu_over_several_blocks_matches_the_formula():
     # the op works in cache blocks and computes its derivative during forward
     x = np.random.default_rng(0).normal(0, 3, (2, BLOCK_ELEMENTS + 7))  # float64, three blocks

@@ -171,8 +171,12 @@ class ReLU(Module):
 
 
 class GELU(Module):
+    def __init__(self, form: str = "tanh"):
+        super().__init__()
+        self.form = form  # "tanh" or "erf" (see ops.gelu)
+
     def forward(self, x):
-        return ops.gelu(x)
+        return ops.gelu(x, self.form)
 
 
 class Flatten(Module):

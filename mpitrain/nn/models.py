@@ -135,6 +135,7 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = False
     checkpoint_activations: bool = False
+    gelu: str = "tanh"  # the MLP's GELU: "tanh" (GPT-2's approximation) or "erf" (exact; nanoGPT today)
 
 
 class CausalSelfAttention(Module):
@@ -166,15 +167,16 @@ class MLP(Module):
         self.c_fc = Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = Dropout(cfg.dropout)
+        self.gelu = cfg.gelu
 
     def forward(self, x):
-        return self.dropout(self.c_proj(ops.gelu(self.c_fc(x))))
+        return self.dropout(self.c_proj(ops.gelu(self.c_fc(x), self.gelu)))
 
     def residual(self, x, ln: LayerNorm):
         """``x + self(ln(x))`` as one op (``ops.mlp_sublayer``): ``Block``'s fast path."""
         p = self.dropout.p if self.training else 0.0
         return ops.mlp_sublayer(x, ln.weight, ln.bias, self.c_fc.weight, self.c_fc.bias,
-                                self.c_proj.weight, self.c_proj.bias, ln.eps, p)
+                                self.c_proj.weight, self.c_proj.bias, ln.eps, p, gelu=self.gelu)
 
 
 class Block(Module):

@@ -40,7 +40,7 @@ import numpy as np
 
 from mpitrain import rng as _rng
 from mpitrain.ops.attention import attend, attend_backward
-from mpitrain.ops.elementwise import gelu_blocks
+from mpitrain.ops.elementwise import gelu_blocks, gelu_erf
 from mpitrain.ops.norm import layer_norm_rows, layer_norm_rows_backward
 from mpitrain.tensor import Function, Tensor, as_tensor
 
@@ -124,8 +124,13 @@ class AttentionSublayer(_Sublayer):
 class MLPSublayer(_Sublayer):
     """The middle is GELU, in place over the first product's output."""
 
-    def _middle(self, h, dropout_p, generator):
-        self.d = np.empty_like(h) if any(self.needs_input_grad[:5]) else None  # GELU', (N, H)
+    def _middle(self, h, dropout_p, generator, form="tanh"):
+        need = any(self.needs_input_grad[:5])
+        if form == "erf":  # the exact GELU, the same function as ops.gelu's
+            y, self.d = gelu_erf(h, need)  # GELU' (N, H) or None
+            h[...] = y
+            return h
+        self.d = np.empty_like(h) if need else None  # GELU', (N, H)
         gelu_blocks(h.reshape(-1), h.reshape(-1), None if self.d is None else self.d.reshape(-1))
         return h
 
@@ -158,11 +163,11 @@ def attention_sublayer(x, ln_weight, ln_bias, w_qkv, b_qkv, w_proj, b_proj, n_he
 
 
 def mlp_sublayer(x, ln_weight, ln_bias, w_fc, b_fc, w_proj, b_proj, eps: float = 1e-5,
-                 dropout_p: float = 0.0, generator=None) -> Tensor:
+                 dropout_p: float = 0.0, generator=None, gelu: str = "tanh") -> Tensor:
     """``x + dropout(gelu(layer_norm(x) @ w_fc + b_fc) @ w_proj + b_proj)`` for ``x``
-    (B, T, C), as one node; biases may be None."""
+    (B, T, C), as one node; biases may be None; ``gelu`` is the GELU's form."""
     x = _check(x, w_fc, w_proj, "mlp_sublayer")
     if w_proj.shape[0] != w_fc.shape[1]:
         raise ValueError(f"mlp_sublayer: w_fc {w_fc.shape} and w_proj {w_proj.shape} do not chain")
     return MLPSublayer.apply(x, ln_weight, ln_bias, w_fc, b_fc, w_proj, b_proj, float(eps),
-                             float(dropout_p), generator)
+                             float(dropout_p), generator, gelu)

@@ -271,10 +271,10 @@ class ParallelMLP(MLP):
         hidden = np.arange(*shard(whole.c_fc.weight.shape[1], comm.size, comm.rank))
         self.c_fc = ColumnParallelLinear.from_linear(whole.c_fc, comm, hidden, sequence)
         self.c_proj = RowParallelLinear.from_linear(whole.c_proj, comm, hidden, sequence)
-        self.dropout, self.comm, self.sequence = whole.dropout, comm, sequence
+        self.dropout, self.comm, self.sequence, self.gelu = whole.dropout, comm, sequence, whole.gelu
 
     def forward(self, x):
-        h = ops.gelu(self.c_fc(x))  # (B, T, 4C / t)
+        h = ops.gelu(self.c_fc(x), self.gelu)  # (B, T, 4C / t)
         with _sequence_rows(h.shape[1], self.comm) if self.sequence else contextlib.nullcontext():
             return self.dropout(self.c_proj(h))
 

@@ -282,7 +282,7 @@ def build_model(cfg: Config, data) -> nn.Module:
         if m.name == "gpt":
             gcfg = nn.GPTConfig(vocab_size=len(data.vocab), block_size=m.block_size, n_layer=m.n_layer,
                                 n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias,
-                                checkpoint_activations=m.checkpoint_activations)
+                                checkpoint_activations=m.checkpoint_activations, gelu=m.gelu)
             return nn.GPT(gcfg)
         h, _, c = data.split("train").sample_shape
         kinds = {"lenet": lambda: nn.LeNet(c, h, len(data.classes), m.channels, m.hidden, m.dropout),
