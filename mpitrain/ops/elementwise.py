@@ -222,10 +222,11 @@ _TAYLOR = np.array([(-1) ** n / (math.factorial(n) * (2 * n + 1)) for n in range
 def erf(x: np.ndarray) -> np.ndarray:
     """The error function, elementwise, returned in ``x``'s dtype (NumPy has none),
     computed in float64: within 2e-15 of ``math.erf`` (tested). For ``|x| < 1``
-    Taylor's series; for ``1 <= |x| < 2.5`` the series of positive terms ``erf(x) = 2/sqrt(pi) exp(-x^2) x sum_n a_n x^(2n)``,
-    ``a_n = 2^n / (1 3 5 ... (2n+1))`` (Abramowitz & Stegun 7.1.6), which has no
-    cancellation; by Horner's rule, so no partial result is tiny (term by term, the
-    terms of small x fell into subnormal numbers and ran 30x slower). For
+    Taylor's series; for ``1 <= |x| < 2.5`` the series of positive terms
+    ``erf(x) = 2/sqrt(pi) exp(-x^2) x sum_n a_n x^(2n)``, ``a_n = 2^n / (1 3 5 ... (2n+1))``
+    (Abramowitz & Stegun 7.1.6), which has no cancellation. Both by Horner's rule, so
+    no partial result is tiny (summed term by term, the terms of small x fell into
+    subnormal numbers: 3x slower). For
     ``2.5 <= |x| < 6``, ``1 - erfc(x)`` with ``erfc(x) = exp(-x^2) / sqrt(pi) /
     (x + (1/2) / (x + 1 / (x + (3/2) / (x + ...))))`` evaluated from its last level up
     (A&S 7.1.14); beyond, ``erfc < 2e-17``: +-1."""
