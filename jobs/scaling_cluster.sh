@@ -60,7 +60,7 @@ settings() {
         ddp)
             local bucket=""
             [ -n "${3:-}" ] && bucket="--set parallel.bucket_mb=$(python3 -c 'import sys
-from mpitrain.parallel.data_parallel import link_bucket_mb
+from mpitrain.cluster import link_bucket_mb
 print(f"{link_bucket_mb(sys.argv[1]):.3g}")' "$3")"
             echo "--set parallel.sync=\"ddp\" $bucket" ;;
         zero1) echo "--set parallel.sync=\"zero1\"" ;;

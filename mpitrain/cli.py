@@ -270,9 +270,8 @@ def _bench_ddp(args) -> int:
 def _bench_ddp_network(args) -> int:
     """``bench ddp --network RATE``: not under mpiexec; it starts its own ranks."""
     from mpitrain.bench import ddp
-    from mpitrain.cluster import ClusterError, bits_per_second, check_tools
+    from mpitrain.cluster import ClusterError, bits_per_second, check_tools, link_bucket_mb
     from mpitrain.comm import launcher_rank
-    from mpitrain.parallel.data_parallel import link_bucket_mb
 
     if launcher_rank() is not None:
         raise _usage("--network starts its own ranks (on shared memory, then across 2 emulated nodes): "

@@ -48,7 +48,8 @@ of 10 ms, short beside a training step), so a rank computes at ``1 / D`` of a co
 its neighbours behave (a rank spinning in ``MPI_Wait`` uses its own node's share).
 Everything measured inside then takes ``D`` times as long as on ``nodes`` nodes of one
 core per rank linked at ``rate``: the trainer records ``D`` in its ``start`` record
-(``$MPITRAIN_CLUSTER``) and ``mpitrain report`` divides by it. ``"auto"`` is ranks /
+(``$MPITRAIN_CLUSTER``, :func:`mpitrain.runtime.emulated_cluster`) and ``mpitrain
+report`` divides by it. ``"auto"`` is ranks /
 cores when above 1. What it cannot slow: the kernel's own work (the TCP stack runs
 partly outside the quota) and the latencies of the veth links.
 
@@ -71,7 +72,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mpitrain.runtime import process_alive
+from mpitrain.runtime import CLUSTER_ENV, process_alive
 
 PREFIX = "mpitrain-"  # every namespace this module makes: mpitrain-<pid>-node<k>, mpitrain-<pid>-switch
 IFACE = "vnet0"  # each node's interface
@@ -163,7 +164,7 @@ class Cluster:
         """What every rank is told: MPICH's network settings, the shaped rate, and the
         cluster as the trainer records it."""
         what = {"nodes": self.nodes, "ranks_per_node": self.ranks, "rate": self.rate, "dilation": self.dilation}
-        return {**NETMODS[self.netmod], "MPITRAIN_LINK_RATE": self.link_rate, "MPITRAIN_CLUSTER": json.dumps(what)}
+        return {**NETMODS[self.netmod], "MPITRAIN_LINK_RATE": self.link_rate, CLUSTER_ENV: json.dumps(what)}
 
     def node(self, k: int) -> str:
         return f"{self.prefix}node{k}"
@@ -285,20 +286,24 @@ class Cluster:
         return rows
 
 
-def emulated() -> dict | None:
-    """The emulated cluster this process is a rank of, as :meth:`Cluster.environment`
-    described it (nodes, ranks_per_node, rate, dilation); None outside one."""
-    text = os.environ.get("MPITRAIN_CLUSTER")
-    try:
-        return json.loads(text) if text else None
-    except ValueError:
-        return None
-
-
 def bits_per_second(rate: str) -> float | None:
     """A tc rate (``1gbit``, ``100mbit``, ``2.5gbit``) in bits per second; None if not one."""
     m = re.fullmatch(r"([0-9.]+)([kmg])bit", rate)
     return float(m.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)] if m else None
+
+
+# Data parallelism across a network overlaps best with buckets of about this many
+# seconds of the link (mpitrain/parallel/data_parallel.py, "Across a network")
+BUCKET_SECONDS = 0.002
+
+
+def link_bucket_mb(rate: str) -> float:
+    """The bucket size (MB, as ``parallel.bucket_mb``) that takes ``BUCKET_SECONDS`` on a
+    link of ``rate`` (a tc rate: ``1gbit`` gives 0.24)."""
+    bps = bits_per_second(rate)
+    if bps is None:
+        raise ValueError(f"link rate {rate!r}: expected a rate such as 100mbit, 1gbit or 10gbit")
+    return bps / 8 * BUCKET_SECONDS / 2**20
 
 
 def mpiexec() -> str:

@@ -20,6 +20,9 @@
   ``mpitrain bench step``, which interleaves the GPT with the CNN and a 2048^3 matmul
   that evict it, gains about 1 ms of 64. NumPy already asks for huge pages for arrays
   of 4 MiB and more; this covers the many smaller ones.
+
+Also two facts about the process that others need: whether a pid still lives
+(:func:`process_alive`) and the emulated cluster it runs on (:func:`emulated_cluster`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import json
 import os
 
 from threadpoolctl import threadpool_limits
@@ -61,6 +65,19 @@ def process_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+CLUSTER_ENV = "MPITRAIN_CLUSTER"  # what mpitrain cluster tells every rank (mpitrain/cluster.py)
+
+
+def emulated_cluster() -> dict | None:
+    """The emulated cluster this process is a rank of, as ``mpitrain cluster`` described
+    it in ``$MPITRAIN_CLUSTER`` (nodes, ranks_per_node, rate, dilation); None outside one."""
+    text = os.environ.get(CLUSTER_ENV)
+    try:
+        return json.loads(text) if text else None
+    except ValueError:
+        return None
 
 
 def blas_threads(requested: int = 0, ranks_per_node: int = 1) -> int:

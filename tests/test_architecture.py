@@ -106,6 +106,18 @@ def test_parallel_modules_stand_alone():
             assert not others, f"{m} imports {others}"
 
 
+def test_only_the_tools_on_top_import_the_cluster_emulator():
+    """mpitrain.cluster builds namespaces and launches mpiexec: the command line, the
+    benches and the report use it; strategies, the trainer, comm and data only read the
+    environment it sets (mpitrain.runtime)."""
+    g = graph()
+    below = ("mpitrain.parallel", "mpitrain.train", "mpitrain.comm", "mpitrain.data", "mpitrain.tensor",
+             "mpitrain.ops", "mpitrain.nn", "mpitrain.optim", "mpitrain.runtime", "mpitrain.config")
+    for m, deps in g.items():
+        if is_under(m, below):
+            assert "mpitrain.cluster" not in deps, f"{m} imports mpitrain.cluster"
+
+
 def test_setup_cfg_lists_every_package():
     import configparser
 

@@ -34,7 +34,7 @@ starts a variant with a few untimed steps, so the figures are those of steady tr
 runs the bench on shared memory (``mpiexec -n 2``) and then across 2 emulated nodes of
 one rank linked at ``RATE`` (:mod:`mpitrain.cluster`, as root), for each allreduce
 algorithm, with buckets of 2 ms of the link
-(:func:`~mpitrain.parallel.data_parallel.link_bucket_mb`) unless ``--bucket-mb`` says
+(:func:`~mpitrain.cluster.link_bucket_mb`) unless ``--bucket-mb`` says
 otherwise; each run writes its figures as JSON (``--json``) and the two are printed side
 by side. There the exchange is a third to a half of the step and overlap shows; the
 measurements are in ``mpitrain/parallel/data_parallel.py`` ("Across a network").

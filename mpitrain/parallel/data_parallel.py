@@ -82,7 +82,7 @@ overlap them. What the timeline of each bucket showed, and what was done:
   that the first starts early and the last leaves little to send after backward, and
   large enough that its per-message costs stay small. 0.25 MB is 2 ms at 1 Gbit/s; the
   same rule gives 2.5 MB at 10 Gbit/s and 25 MB (PyTorch DDP's default) at 100 Gbit/s.
-  :func:`link_bucket_mb` computes it (``bench ddp --network`` and
+  :func:`mpitrain.cluster.link_bucket_mb` computes it (``bench ddp --network`` and
   ``jobs/scaling_cluster.sh`` use it); set ``parallel.bucket_mb`` to it.
 * **One round per allreduce.** A rank progresses MPI only from the gradient hooks,
   which come in bursts between layers (4-5 ms apart here), and each round of an
@@ -134,25 +134,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from mpitrain import flat, optim
-from mpitrain.cluster import bits_per_second
 from mpitrain.comm import replicas
 from mpitrain.comm.hierarchical import link_bytes
 from mpitrain.comm.ring import ALGORITHMS, allreduce, iallreduce
 
 PROGRESS = ("test", "thread", "none", "off")
-
-# Across a network, buckets of about this many seconds of the link (see "Across a
-# network" above for the measurements behind it)
-BUCKET_SECONDS = 0.002
-
-
-def link_bucket_mb(rate: str) -> float:
-    """The bucket size (MB, as ``bucket_cap_mb``) that takes ``BUCKET_SECONDS`` on a link
-    of ``rate`` (a tc rate: ``1gbit`` gives 0.24)."""
-    bps = bits_per_second(rate)
-    if bps is None:
-        raise ValueError(f"link rate {rate!r}: expected a rate such as 100mbit, 1gbit or 10gbit")
-    return bps / 8 * BUCKET_SECONDS / 2**20
 
 
 @dataclass

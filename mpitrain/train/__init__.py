@@ -31,11 +31,10 @@ import time
 from pathlib import Path
 
 from mpitrain import checkpoint, ops
-from mpitrain.cluster import emulated
 from mpitrain.comm import SingleComm, alone, started_thread_level
 from mpitrain.config import Config, ConfigError, check_ranks
 from mpitrain.data import DataError
-from mpitrain.runtime import blas_threads, limit_blas_threads, tune_allocator
+from mpitrain.runtime import blas_threads, emulated_cluster, limit_blas_threads, tune_allocator
 from mpitrain.train import resume
 from mpitrain.train.build import Role, Run, build_run, prepare_run_dir
 from mpitrain.train.loop import Loop, StopSignals
@@ -85,7 +84,7 @@ def _work(run: Run, first: int, log, loop_log, loop_warn) -> Result:
     result = Result(start_step=first)
     out = Outputs(cfg, world, role.leads, first)
     out.metrics.write("start", step=first, total_steps=run.total, steps_per_epoch=run.reader.steps_per_epoch,
-                      ranks=world.size, config=cfg.to_dict(), cluster=emulated())
+                      ranks=world.size, config=cfg.to_dict(), cluster=emulated_cluster())
     start = time.perf_counter()
     loop = None
     # the handlers stay until the end: a Ctrl-C during the last checkpoint's write must
