@@ -420,7 +420,8 @@ def test_a_bad_token_met_by_one_rank_mid_run_ends_every_rank_with_its_message(tm
         w.write_split("val", ids[4500:])
     jobs = Path(__file__).resolve().parent.parent / "jobs"
     cmd = [shutil.which("mpiexec"), "-n", "2", sys.executable, "-m", "mpitrain", "train", str(jobs / "tinyshakespeare_gpt.toml"),
-           "--set", f"data.path={tmp_path / 'd'}", "--set", "data.verify=false", "--set", "model.n_layer=1",
+           "--set", f"data.path={tmp_path / 'd'}", "--set", "data.verify=false", "--set", "data.sampling=stride",
+           "--set", "model.n_layer=1",
            "--set", "model.n_embd=16", "--set", "model.n_head=2", "--set", "model.block_size=8",
            "--set", "train.global_batch_size=8", "--set", "train.steps=80", "--set", "train.eval_batches=1",
            "--set", "train.sample_tokens=0", "--set", "train.threads=1", "--run-dir", str(tmp_path / "run")]

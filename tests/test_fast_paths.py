@@ -209,19 +209,25 @@ def conv_run(fast, x, w, b, stride, padding, relu, g):
 CONV_GRID = list(itertools.product((1, 2), (0, 1, 2), (1, 3, 5), (False, True), (False, True)))
 
 
+@pytest.mark.parametrize("tiling", ["image tiles", "one tile, sub-tiles of 2"])
 @pytest.mark.parametrize("dtype,rtol", [(np.float64, 1e-12), (np.float32, 1e-5)])
-def test_plain_conv_equals_tiled(monkeypatch, dtype, rtol):
+def test_plain_conv_equals_tiled(monkeypatch, dtype, rtol, tiling):
     """Values and all gradients over strides, paddings, kernels, ReLU and bias, on a
-    non-square batch that the tiled path walks in several tiles."""
-    monkeypatch.setattr(conv, "TILE_BYTES_PER_THREAD", 1)  # one image per tile
+    non-square batch of 5 that the tiled path walks in several tiles of one image, or in
+    one tile whose input gradient goes in sub-tiles of 2, 2 and 1 images."""
     for stride, padding, k, relu, bias in CONV_GRID:
         r = np.random.default_rng(k + 10 * padding)
         x, w = r.standard_normal((5, 9, 7, 3)).astype(dtype), r.standard_normal((k, k, 3, 4)).astype(dtype)
         b = r.standard_normal(4).astype(dtype) if bias else None
         Ho, Wo = (9 + 2 * padding - k) // stride + 1, (7 + 2 * padding - k) // stride + 1
+        if tiling == "image tiles":
+            monkeypatch.setattr(conv, "TILE_BYTES_PER_THREAD", 1)
+        else:
+            monkeypatch.setattr(conv, "TILE_BYTES_PER_THREAD", 1 << 30)
+            monkeypatch.setattr(conv, "COLUMN_GRAD_BYTES", 2 * k * k * Ho * Wo * 3 * x.itemsize)
         g = r.standard_normal((5, Ho, Wo, 4)).astype(dtype)
         tiled, (op, tiles) = conv_run(True, x, w, b, stride, padding, relu, g)
-        assert op is conv.TiledConv2d and len(tiles) > 1
+        assert op is conv.TiledConv2d and len(tiles) == (5 if tiling == "image tiles" else 1)
         plain, (op, _) = conv_run(False, x, w, b, stride, padding, relu, g)
         assert op is conv.Conv2d
         for name, t, p in zip(("y", "dx", "dw", "db"), tiled, plain):

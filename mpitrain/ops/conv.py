@@ -33,6 +33,22 @@ tiles: forward 16 / 9.5 ms; backward 31 / 27 ms (weight-gradient GEMM 9 / 6.5 ms
 tap-major column gradient and col2im 20 / 15 ms, its N = C_in = 16 being narrow for
 BLAS). With the tiles, the pool's fused ReLU and the opaque-row im2col,
 ``mpitrain bench step``'s CNN went from 70 to 52 ms per step.
+
+Backward computes the input gradient in sub-tiles of ``COLUMN_GRAD_BYTES`` (one image
+of that layer): the nine narrow GEMMs run faster there. The bench CNN's step, broken
+down (ms, one thread, before / after, alternated in one sitting; each part timed on
+its own, the rest being the step less the parts): conv forward 11.1 / 11.1, input
+gradient 12.9 / 11.2, weight gradient and bias 10.9 / 10.9, pooling 3.3 / 3.4, the
+rest 5.2 / 4.2; step 43.4 / 40.9.
+
+What did not beat these here, measured on the 32x32x16 -> 32 layer (forward 8.7 ms):
+Winograd F(2x2, 3x3) does 2.25x fewer multiplications, but its transforms are NumPy
+passes over strided 4x4 tiles (the input transform alone 4.7 ms; 12.2 ms in all,
+whatever the tile); the same transform along rows only, with im2col along columns,
+8.7 ms: what it saves in the GEMM its extra passes spend. NumPy's elementwise passes
+cost 0.2-0.5 ns per number, and OpenBLAS runs these narrow GEMMs (N = 16 or 32) at
+55-100 GFLOP/s, so the GEMMs set the floor: the layer's three of 0.6 GFLOP each take
+about 19 ms of the step.
 """
 
 from __future__ import annotations
@@ -46,11 +62,15 @@ from mpitrain.ops._util import blocks, fast_paths_enabled
 from mpitrain.tensor import Function, Tensor, as_tensor
 
 # Column-matrix bytes per tile of images and per BLAS thread: with the tile's input and
-# output, each thread's share stays in its core's 4 MiB L2 on this machine. 1.5 MiB was
+# output, each thread's share stays in its core's 2 MiB L2 on this machine. 1.5 MiB was
 # the fastest of 0.25-4 MiB for the benchmark CNN with one thread; with two, 3 MiB
 # tiles train the quickstart LeNet 6% faster than 1.5 MiB ones.
 TILE_BYTES_PER_THREAD = 3 << 19
 _blas_threads = 1
+# Column-gradient bytes per sub-tile in backward: its nine N = C_in GEMMs run faster on
+# one image (590 KB for the bench CNN's 32x32x16 layer) than on a whole tile of two:
+# input gradient 12.9 -> 11.2 ms in the bench CNN, measured on this machine with one thread.
+COLUMN_GRAD_BYTES = 1 << 19
 # Input bytes per tile of images for max-pooling (no BLAS): with the tile's output,
 # masks and gradient it stays in L2 while every tap of the window is visited.
 POOL_TILE_BYTES = 1 << 19
@@ -266,10 +286,15 @@ class TiledConv2d(Function):
         gb = np.zeros(F, dtype=g.dtype) if need_b else None
         rows = (self.tiles[0].stop - self.tiles[0].start) * Ho * Wo if self.tiles else 0  # of a tile
         ones = np.ones(rows, dtype=g.dtype) if need_b else None  # (rows,)
-        # column gradient tap-major: one block per tap, so adding a tap's block onto its
-        # pixels moves runs of Wo*C numbers (stride 1), not C
-        w_taps = self.w2.reshape(kh * kw, C, F).transpose(0, 2, 1)  # (taps, F, C) view
         through_relu = None if self.out is None else np.empty(rows * F, g.dtype)  # (rows*F,)
+        if need_x:
+            # column gradient tap-major: one block per tap, so adding a tap's block onto its
+            # pixels moves runs of Wo*C numbers (stride 1), not C; in sub-tiles of
+            # COLUMN_GRAD_BYTES, one work array for all of them
+            w_taps = np.ascontiguousarray(self.w2.reshape(kh * kw, C, F).transpose(0, 2, 1))  # (taps, F, C)
+            per_image = kh * kw * Ho * Wo * C * g.itemsize
+            sub = max(1, min(rows // (Ho * Wo), COLUMN_GRAD_BYTES // per_image))  # images
+            dcols = np.empty((kh * kw, sub * Ho * Wo, C), g.dtype)  # (taps, sub*Ho*Wo, C)
         for tile in self.tiles:
             g2 = g[tile].reshape(-1, F)  # (n*Ho*Wo, F)
             if through_relu is not None:  # one work array reused by every tile
@@ -280,8 +305,12 @@ class TiledConv2d(Function):
             if need_b:
                 gb += ones[: g2.shape[0]] @ g2  # column sums as a GEMV
             if need_x:
-                dcols = np.matmul(g2, w_taps).reshape(kh * kw, -1, Ho, Wo, C)  # (taps, n, Ho, Wo, C)
-                _scatter_taps(dcols.__getitem__, gx[tile], kh, kw, sh, sw, ph, pw, Ho, Wo)
+                gxt = gx[tile]
+                for s in blocks(tile.stop - tile.start, sub):
+                    part = np.matmul(g2[s.start * Ho * Wo : s.stop * Ho * Wo], w_taps,
+                                     out=dcols[:, : (s.stop - s.start) * Ho * Wo])
+                    pieces = part.reshape(kh * kw, -1, Ho, Wo, C).__getitem__  # tap -> (n, Ho, Wo, C)
+                    _scatter_taps(pieces, gxt[s], kh, kw, sh, sw, ph, pw, Ho, Wo)
         return gx, (None if gw is None else gw.reshape(kh, kw, C, F)), gb
 
 
