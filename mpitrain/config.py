@@ -6,7 +6,7 @@ A config file has one table per section::
     [data]    name = "mnist5k" | "shakespeare" (embedded), or path = a shard directory
     [optim]   name = "sgd" | "adam" | "adamw", learning rate and schedule
     [train]   global_batch_size, steps or epochs, seed, evaluation and logging
-    [parallel] the grid dp x pp x tp, sync = "ddp" | "zero1" | "local" | "ps", allreduce, buckets, servers,
+    [parallel] the grid dp x pp x tp, sync = "ddp" | "zero1" | "zero2" | "local" | "ps", allreduce, buckets, servers,
               the pipeline schedule = "gpipe" | "1f1b" | "interleaved" | "zb-h1" and its chunks per rank
     [run]     the run directory: checkpoints, metrics; what to do on a non-finite loss; the progress bar
 
@@ -81,6 +81,7 @@ _PARALLEL_COMMON = {"dp", "pp", "tp", "sync", "thread_level", "schedule", "chunk
 PARALLEL_FIELDS = {  # by parallel.sync
     "ddp": _PARALLEL_COMMON | {"allreduce", "bucket_mb", "progress"},
     "zero1": _PARALLEL_COMMON | {"allreduce"},
+    "zero2": _PARALLEL_COMMON | {"allreduce", "bucket_mb", "accumulate"},
     "local": _PARALLEL_COMMON,
     "ps": _PARALLEL_COMMON | {"servers", "staleness", "slow_worker", "slow_factor"},
 }
@@ -140,9 +141,10 @@ class ParallelConfig:
     schedule: str = "1f1b"  # pp > 1: the pipeline schedule: gpipe | 1f1b | interleaved | zb-h1
     chunks: int = 1  # pp > 1, schedule = "interleaved": model chunks per rank (virtual stages)
     sequence_parallel: bool = False  # tp > 1: layer norms and dropout on slices of the sequence (Korthikanti et al.)
-    sync: str = "ddp"  # how the dp ranks' gradients become one update: ddp | zero1 | local | ps (a role split)
+    sync: str = "ddp"  # how the dp ranks' gradients become one update: ddp | zero1 | zero2 | local | ps (a role split)
     allreduce: str = "mpi"  # mpi: MPI's own collectives | ring: mpitrain's ring | hierarchical: node-aware (ddp)
-    bucket_mb: float = 4.0  # ddp: gradient bucket size (an allreduce starts per full bucket)
+    bucket_mb: float = 4.0  # ddp, zero2: gradient bucket size (an allreduce or reduce-scatter starts per full bucket)
+    accumulate: str = "sharded"  # zero2 with micro-batches: reduce-scatter each (sharded) or their sum once (full)
     progress: str = "test"  # ddp: how buckets progress during backward: test | thread | none | off
     thread_level: str = "auto"  # MPI thread level: auto | single | funneled | serialized | multiple
     servers: int = 1  # ps: the first `servers` ranks are parameter servers, the others workers
@@ -446,6 +448,8 @@ def _validate_parallel(cfg: Config) -> None:
     _require(par.allreduce != "hierarchical" or par.sync == "ddp", "parallel.allreduce",
              "'hierarchical' (node-aware) is for parallel.sync = 'ddp'", par.allreduce)
     _require(par.bucket_mb > 0, "parallel.bucket_mb", "must be > 0", par.bucket_mb)
+    _require(par.accumulate in ("sharded", "full"), "parallel.accumulate", "must be 'sharded' or 'full'",
+             par.accumulate)
     _require(par.progress in ("test", "thread", "none", "off"), "parallel.progress",
              "must be 'test', 'thread', 'none' or 'off'", par.progress)
     _require(par.thread_level in ("auto", "single", "funneled", "serialized", "multiple"), "parallel.thread_level",

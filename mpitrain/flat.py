@@ -43,23 +43,25 @@ class Flat:
     """``params`` end to end: ``grad`` (n,) holds their gradients and each ``p.grad``
     becomes a view into it (an existing gradient is copied in, else zero); with
     ``data=True``, ``data`` (n,) holds their values likewise (``p.data`` a view).
-    ``dtype`` is the arrays' dtype when ``params`` is empty."""
+    ``grad=False`` leaves the gradients alone (``grad`` is None: ZeRO-2 keeps no whole
+    gradient). ``dtype`` is the arrays' dtype when ``params`` is empty."""
 
-    def __init__(self, params, data: bool = False, what: str = "a flat layout", dtype=None):
+    def __init__(self, params, data: bool = False, what: str = "a flat layout", dtype=None, grad: bool = True):
         self.params = list(params)
         dtype = one_dtype(self.params, what) if self.params else np.dtype(dtype)
         self.offsets = offsets(self.params)  # (len(params) + 1,)
         n = int(self.offsets[-1])
-        self.grad = np.zeros(n, dtype=dtype)  # (n,)
+        self.grad = np.zeros(n, dtype=dtype) if grad else None  # (n,)
         self.data = np.empty(n, dtype=dtype) if data else None  # (n,)
         for p, lo, hi in zip(self.params, self.offsets[:-1], self.offsets[1:]):
             if data:
                 self.data[lo:hi] = p.data.reshape(-1)
                 p.data = self.data[lo:hi].reshape(p.shape)
-            view = self.grad[lo:hi].reshape(p.shape)
-            if p.grad is not None:
-                view[...] = p.grad
-            p.grad = view
+            if grad:
+                view = self.grad[lo:hi].reshape(p.shape)
+                if p.grad is not None:
+                    view[...] = p.grad
+                p.grad = view
 
 
 def buckets(params, cap_bytes: int) -> list[list]:

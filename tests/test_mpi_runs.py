@@ -34,7 +34,8 @@ def close(a, b):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("saved_by,resumed_by", [("ddp", "ddp"), ("zero1", "ddp"), ("ddp", "zero1"),
-                                                 ("zero1", "zero1")])
+                                                 ("zero1", "zero1"), ("zero2", "ddp"), ("ddp", "zero2"),
+                                                 ("zero2", "zero1")])
 def test_a_checkpoint_resumes_on_another_number_of_ranks(saved_by, resumed_by):
     from mpitrain.comm import SingleComm, world
 

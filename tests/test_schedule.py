@@ -15,7 +15,7 @@ from mpitrain.parallel.data_parallel import DataParallel
 from mpitrain.parallel.local import LocalSync
 from mpitrain.parallel.param_server import ParameterServer
 from mpitrain.parallel.pipeline import PipelineStage, PipelineSync
-from mpitrain.parallel.zero import Zero1
+from mpitrain.parallel.zero import Zero1, Zero2
 from mpitrain.train import GradSync, schedule, train
 from mpitrain.train.schedule import Backward, Forward
 
@@ -84,7 +84,7 @@ def protocol_members() -> set[str]:
     return {n for n in vars(GradSync) if not n.startswith("_")} | set(GradSync.__annotations__)
 
 
-@pytest.mark.parametrize("cls", [LocalSync, DataParallel, Zero1, ParameterServer, PipelineSync])
+@pytest.mark.parametrize("cls", [LocalSync, DataParallel, Zero1, Zero2, ParameterServer, PipelineSync])
 def test_every_gradient_sync_has_the_whole_protocol(cls):
     members = protocol_members()
     assert {"begin_step", "no_sync", "finish", "step", "zero_grad", "describe", "state_pieces"} <= members
@@ -95,7 +95,8 @@ def test_every_gradient_sync_has_the_whole_protocol(cls):
 def test_one_rank_syncs_are_gradient_syncs_and_describe_their_waits():
     model = nn.LeNet(1, 8, 5, channels=(2, 3), hidden=4)
     opt = optim.SGD(model.parameters(), lr=0.1)
-    syncs = [LocalSync(model, opt), DataParallel(model, SingleComm(), optimizer=opt), Zero1(model, opt, SingleComm())]
+    syncs = [LocalSync(model, opt), DataParallel(model, SingleComm(), optimizer=opt), Zero1(model, opt, SingleComm()),
+             Zero2(model, opt, SingleComm())]
     for sync in syncs:
         assert isinstance(sync, GradSync)
         line, waits = sync.describe()
@@ -103,7 +104,9 @@ def test_one_rank_syncs_are_gradient_syncs_and_describe_their_waits():
         assert set(waits) <= {"begin", "finish", "step"}
     assert syncs[1].describe()[1] == {"finish": "gradient exchange"}
     assert syncs[2].describe()[1] == {"step": "ZeRO-1 update"}
+    assert syncs[3].describe()[1] == {"finish": "gradient reduce-scatter", "step": "ZeRO-2 update"}
     syncs[1].close()
+    syncs[3].close()
     gpt = nn.GPT(nn.GPTConfig(vocab_size=5, block_size=4, n_layer=1, n_head=1, n_embd=4))
     stage = PipelineStage(gpt, SingleComm(), np.zeros((1, 4), dtype=np.int64), ops.cross_entropy)
     piped = PipelineSync(LocalSync(stage, optim.SGD(stage.parameters(), lr=0.1)), stage, [])
@@ -119,7 +122,7 @@ def tiny_gpt(text_data, run_dir, *extra):
         f"run.dir={json.dumps(str(run_dir))}", *extra])
 
 
-@pytest.mark.parametrize("sync", ["ddp", "zero1"])
+@pytest.mark.parametrize("sync", ["ddp", "zero1", "zero2"])
 def test_micro_batches_equal_one_pass_over_the_same_global_batch(text_data, tmp_path, sync):
     """One process: 4 micro-batches of 2 against 1 of 8, float64: model and optimizer
     state after 6 steps of AdamW with clipping within 1e-12."""

@@ -138,6 +138,10 @@ class SingleComm:
     def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts) -> None:
         recv[...] = send[: counts[0]]
 
+    def ireduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts) -> Request:
+        self.reduce_scatter(send, recv, counts)
+        return Request()
+
     def allgather_array(self, buf: np.ndarray, counts) -> None:
         pass
 
@@ -221,6 +225,11 @@ class Comm(SingleComm):
         """Sum ``send`` (all ranks' full arrays) and leave block ``rank`` of the sum, of
         ``counts[rank]`` elements, in ``recv``."""
         self._timed(_share(1, self.size, send.nbytes), self.mpi.Reduce_scatter, send, recv, list(counts))
+
+    def ireduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts) -> Request:
+        """Start :meth:`reduce_scatter`; neither array may be touched until the request is done."""
+        self.stats.add(_share(1, self.size, send.nbytes))
+        return Request(self.mpi.Ireduce_scatter(send, recv, [int(c) for c in counts]), self.stats)
 
     def allgather_array(self, buf: np.ndarray, counts) -> None:
         """In place: every rank contributes block ``rank`` (``counts[rank]`` elements at

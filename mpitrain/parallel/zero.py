@@ -1,15 +1,18 @@
-"""ZeRO stage 1: data parallelism with the optimizer state sharded over the ranks.
+"""ZeRO stages 1 and 2: data parallelism with the optimizer state (stage 1) and also the
+gradients (stage 2) sharded over the ranks.
 
 **What is split.** As in data parallelism, the global batch (``B/P`` samples per rank of
 ``dp_comm``) with the whole model on every rank; in addition the *optimizer state*
 (Adam's two moments: 8 bytes per float32 parameter, twice the weights) and the update
-work. All ``N`` parameters are laid end to end in one flat array and cut into ``P``
-contiguous shards, shard ``r`` being elements ``[N*r//P, N*(r+1)//P)``; rank ``r`` keeps
-the optimizer state of shard ``r`` only and updates only those parameters
-(Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter
-Models", SC 2020, stage P_os).
+work, and with stage 2 the gradients (Rajbhandari et al., "ZeRO: Memory Optimizations
+Toward Training Trillion Parameter Models", SC 2020, stages P_os and P_os+g). Model
+state per float32 parameter with Adam on ``P`` ranks: data parallelism 16 bytes
+(weights 4, gradients 4, moments 8), stage 1 ``8 + 8/P``, stage 2 ``4 + 12/P``.
 
-**The calls and when**, in :meth:`Zero1.step` after backward:
+**Stage 1** (:class:`Zero1`). All ``N`` parameters are laid end to end in one flat array
+cut into ``P`` contiguous shards, shard ``r`` being elements ``[N*r//P, N*(r+1)//P)``;
+rank ``r`` keeps the optimizer state of shard ``r`` only and updates only those
+parameters. The calls, in :meth:`Zero1.step` after backward:
 
 1. ``Reduce_scatter`` of the flat gradient (MPI's, or the first half of mpitrain's ring):
    rank ``r`` receives the sum of shard ``r``, then divides it by ``P`` (the mean over
@@ -22,36 +25,52 @@ Models", SC 2020, stage P_os).
    sends its updated shard and receives the others, into the flat parameter array that
    every parameter's ``.data`` is a view of.
 
-All blocking, after backward (no overlap: ZeRO's gain is memory, not time). At
-construction, rank 0's parameters and buffers are broadcast
-(:func:`mpitrain.comm.replicas.broadcast`), and the parameters and gradients are laid
-end to end in two flat arrays (:class:`mpitrain.flat.Flat`) that every parameter's
-``.data`` and ``.grad`` are views of.
+All blocking, after backward (no overlap: stage 1's gain is memory, not time).
+Gradients stay local until :meth:`Zero1.step`, so micro-batches only add into the
+whole flat gradient (``no_sync`` is empty).
 
-**Gradient accumulation** needs nothing: gradients stay local until :meth:`Zero1.step`,
-so ``no_sync`` is empty and every micro-batch's backward adds into the flat gradient.
+**Stage 2** (:class:`Zero2`). The parameters are cut into buckets as data parallelism
+cuts its gradients (reverse order, up to ``bucket_cap_mb``), each bucket a contiguous
+range of the flat layout cut into ``P`` chunks; rank ``r`` keeps chunk ``r`` of every
+bucket: its gradient shard, its optimizer state and its part of the update. No whole
+gradient is kept: backward's gradient of a parameter lives until its bucket is
+complete, then the bucket's gradients are packed into one buffer, freed, and a
+non-blocking ``Ireduce_scatter`` (or the ring's first half) of the buffer starts, during
+backward, in the same bucket order on every rank; gradient hooks ``Test`` those in
+flight. :meth:`Zero2.finish` waits for them and divides the shard by ``P``;
+:meth:`Zero2.step` clips (as stage 1), updates the shard and allgathers the parameters
+bucket by bucket. With micro-batches there are two known choices, both here
+(``accumulate``): ``"sharded"`` (the default, DeepSpeed's) reduce-scatters every
+micro-batch and adds into the shard, so the memory stays a shard at the cost of a
+reduce-scatter per micro-batch; ``"full"`` lets the micro-batches add into whole
+gradients and reduce-scatters their sum once, stage 1's bytes with data parallelism's
+gradient memory until the last micro-batch.
 
-**Bytes per rank per step**: reduce-scatter ``(P-1)/P x N x s`` plus allgather
-``(P-1)/P x N x s``: ``2 (P-1)/P x N x s``, the same as data parallelism's allreduce,
-which is the two halves done back to back. **Optimizer state per rank**: ``1/P`` of
-data parallelism's (:meth:`Zero1.state_bytes`).
+**Bytes per rank per step**: reduce-scatter ``(P-1)/P x N x s`` (stage 2, ``"sharded"``:
+once per micro-batch) plus allgather ``(P-1)/P x N x s``: ``2 (P-1)/P x N x s``, the same
+as data parallelism's allreduce, which is the two halves done back to back
+(``bytes_per_step``). At construction rank 0's parameters and buffers are broadcast
+(:func:`mpitrain.comm.replicas.broadcast`).
 
-**In the trainer** the class is one implementation of the gradient sync the loop calls
+**In the trainer** each class is one implementation of the gradient sync the loop calls
 (``mpitrain/train/sync.py``).
 
-**Launch**: ``mpiexec -n 2 mpitrain train jobs/tinyshakespeare_gpt.toml --set parallel.sync=zero1``.
+**Launch**: ``mpiexec -n 2 mpitrain train jobs/tinyshakespeare_gpt.toml --set parallel.sync=zero1``
+(or ``zero2``; with ``--set parallel.accumulate=full`` for the other micro-batch choice).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from mpitrain.comm import replicas
 from mpitrain.comm.ring import ALGORITHMS, Ring, chunk_bounds
-from mpitrain.flat import Flat
+from mpitrain.flat import Flat, buckets, offsets
 
 
 class Zero1:
@@ -109,14 +128,7 @@ class Zero1:
                 self.comm.reduce_scatter(self.flat_grads, self.grad_shard, self.counts)
                 self.flat_grads[self.lo : self.hi] = self.grad_shard
             self.flat_grads[self.lo : self.hi] *= 1.0 / P
-        norm = float("nan")
-        if grad_clip > 0:
-            mine = self.flat_grads[self.lo : self.hi].astype(np.float64)
-            squares = np.array([np.dot(mine, mine)])
-            self.comm.allreduce(squares)
-            norm = math.sqrt(squares[0])
-            if math.isfinite(norm) and norm > grad_clip:
-                self.flat_grads[self.lo : self.hi] *= grad_clip / (norm + 1e-6)
+        norm = _clip(self.comm, self.flat_grads[self.lo : self.hi], grad_clip)
         if lr is not None:
             self.optimizer.set_lr(lr)
         self.optimizer.step()
@@ -186,3 +198,285 @@ class Zero1:
 
     def close(self) -> None:
         """Nothing to release."""
+
+
+# ----------------------------------------------------------------------------- ZeRO-2
+ACCUMULATE = ("sharded", "full")  # ZeRO-2 with micro-batches: reduce-scatter each, or the sum once
+
+
+@dataclass
+class _Bucket:
+    """Consecutive parameters (in the order backward completes them) whose gradients are
+    reduce-scattered together: elements ``[lo, hi)`` of the flat layout, cut into ``P``
+    chunks at ``bounds``; this rank keeps chunk ``rank`` at ``shard`` in its gradient shard."""
+
+    params: list
+    lo: int
+    hi: int
+    bounds: np.ndarray  # (P + 1,) chunk starts in flat coordinates, and hi
+    shard: slice  # where my chunk's gradient lies in Zero2.grad_shard
+    comm: object  # a Dup of dp_comm for this bucket alone (concurrent rings must not mix)
+    waiting: int = 0  # parameters of this pass not ready yet
+    send: np.ndarray | None = None  # (hi - lo,) the packed gradients in flight, freed when done
+    recv: np.ndarray | None = None  # MPI's reduce-scatter: my chunk's sum lands here
+    request: object = None
+    started: float = 0.0
+
+
+class Zero2:
+    """ZeRO stage 2 over ``dp_comm``: gradients are reduce-scattered bucket by bucket
+    during backward, and each rank keeps only its shard of them and of the optimizer
+    state (Rajbhandari et al., SC 2020, stage P_os+g). Use like :class:`Zero1`::
+
+        zero = Zero2(model, opt, dp_comm)
+        loss.backward()            # complete buckets start their reduce-scatter
+        zero.finish()              # wait for them, average my shard
+        zero.step(lr, grad_clip)   # update my shard, allgather the parameters
+        zero.zero_grad()
+
+    ``accumulate`` decides what micro-batches (backward passes inside ``no_sync()``)
+    do: ``"sharded"`` reduce-scatters every pass and adds into the shard (memory: one
+    shard of gradient; bytes: one reduce-scatter per micro-batch), ``"full"`` lets the
+    passes add into whole gradients and reduce-scatters their sum after the last
+    (memory: the whole gradient until then; bytes: one reduce-scatter per step)."""
+
+    on_comm = None  # called (name, start, end, bytes) as each bucket's reduce-scatter completes
+
+    def __init__(self, model, optimizer, dp_comm, algorithm: str = "mpi", bucket_cap_mb: float = 4.0,
+                 accumulate: str = "sharded"):
+        if algorithm not in ("mpi", "ring"):
+            raise ValueError(f"ZeRO-2's reduce-scatter algorithm must be 'mpi' or 'ring', got {algorithm!r}")
+        if accumulate not in ACCUMULATE:
+            raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
+        if bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        self.comm, self.algorithm, self.model, self.accumulate = dp_comm, algorithm, model, accumulate
+        self.bucket_cap_mb = bucket_cap_mb
+        self.params = [p for p in model.parameters() if p.requires_grad]  # the flat layout's order
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        opt_params = [p for group in optimizer.param_groups for p in group["params"]]
+        if {id(p) for p in opt_params} != {id(p) for p in self.params}:
+            raise ValueError("ZeRO-2 needs an optimizer over exactly the model's trainable parameters")
+        layout = Flat(self.params, data=True, grad=False, what="ZeRO-2")  # no whole gradient is ever kept
+        self.flat_params, self.offsets = layout.data, layout.offsets  # (N,), (n_params + 1,)
+        replicas.broadcast(dp_comm, [self.flat_params] + [b for _, b in model.named_buffers()])
+        for p in self.params:
+            p.grad = None
+        self.buckets = self._buckets(int(bucket_cap_mb * 2**20))
+        self.grad_shard = np.zeros(sum(b.shard.stop - b.shard.start for b in self.buckets),
+                                   dtype=self.flat_params.dtype)  # (about N/P,) my chunks, bucket by bucket
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._ready)
+        self.optimizer = self._shard_optimizer(optimizer, opt_params)
+        self._sync, self._next = True, 0
+        self.exposed = self.total = 0.0  # seconds: waited in finish() and step(); buckets in flight
+        self._reset()
+
+    def _buckets(self, cap_bytes: int) -> list:
+        """Buckets in reverse parameter order (as backward completes them), each a
+        contiguous range of the flat layout; my chunk of each, laid end to end."""
+        P, r = self.comm.size, self.comm.rank
+        out, at = [], 0
+        for group in buckets(reversed(self.params), cap_bytes):
+            first, last = self._index[id(group[-1])], self._index[id(group[0])]
+            lo, hi = int(self.offsets[first]), int(self.offsets[last + 1])
+            bounds = lo + chunk_bounds(hi - lo, P)
+            mine = int(bounds[r + 1] - bounds[r])
+            out.append(_Bucket(group, lo, hi, bounds, slice(at, at + mine), self.comm.dup()))
+            at += mine
+        return out
+
+    def _shard_optimizer(self, full, opt_params):
+        """The optimizer over my pieces: for each parameter, the part inside my chunk of
+        its bucket (at most one range), its data a view of the flat parameters and its
+        gradient a view of the shard. ``self.pieces`` says where each piece lies in the
+        flat layout of the optimizer's own order (checkpoints' coordinates)."""
+        opt_offsets = offsets(opt_params)
+        opt_index = {id(p): i for i, p in enumerate(opt_params)}
+        r = self.comm.rank
+        self.pieces = []
+
+        def views(p):
+            b, i = self._bucket_of[id(p)], self._index[id(p)]
+            lo, hi = max(int(b.bounds[r]), int(self.offsets[i])), min(int(b.bounds[r + 1]), int(self.offsets[i + 1]))
+            if lo >= hi:
+                return None
+            at = b.shard.start + lo - int(b.bounds[r])  # in the shard
+            base = int(opt_offsets[opt_index[id(p)]]) - int(self.offsets[i])
+            self.pieces.append((opt_index[id(p)], lo + base, hi + base))
+            return self.flat_params[lo:hi], self.grad_shard[at : at + hi - lo]
+
+        return full.over(views)
+
+    # ------------------------------------------------------------- backward
+    def _reset(self) -> None:
+        for b in self.buckets:
+            b.waiting = len(b.params)
+        self._next = 0
+
+    def _ready(self, p) -> None:
+        """Gradient-ready hook: count down the bucket; start complete buckets in order
+        (every rank starts them in the same order); progress those in flight."""
+        if not self._sync and self.accumulate == "full":
+            return  # the passes add into p.grad; the last one reduce-scatters the sum
+        bucket = self._bucket_of[id(p)]
+        if bucket.waiting == 0:
+            raise RuntimeError("a second backward before finish(): call finish() after each backward, "
+                               "or accumulate inside no_sync()")
+        bucket.waiting -= 1
+        while self._next < len(self.buckets) and self.buckets[self._next].waiting == 0:
+            self._start(self.buckets[self._next])
+            self._next += 1
+        for b in self.buckets[: self._next]:
+            if b.request is not None and b.request.test():
+                self._completed(b)
+
+    def _start(self, b: _Bucket) -> None:
+        """Pack the bucket's gradients (zeros for a parameter that had none), free them,
+        start the reduce-scatter of the packed copy."""
+        if b.request is not None:  # the previous micro-batch's, still in flight
+            b.request.wait()
+            self._completed(b)
+        b.send = np.zeros(b.hi - b.lo, dtype=self.flat_params.dtype)  # (hi - lo,)
+        for p in b.params:
+            i = self._index[id(p)]
+            if p.grad is not None:
+                b.send[self.offsets[i] - b.lo : self.offsets[i + 1] - b.lo] = p.grad.reshape(-1)
+                p.grad = None  # the whole gradient lives only until it is packed
+        b.started = time.perf_counter()
+        if self.algorithm == "ring":
+            b.request = Ring(b.comm, b.send, ("reduce_scatter",))
+        else:
+            b.recv = np.empty(b.shard.stop - b.shard.start, dtype=b.send.dtype)
+            b.request = b.comm.ireduce_scatter(b.send, b.recv, np.diff(b.bounds))
+
+    def _completed(self, b: _Bucket) -> None:
+        """Add my chunk's sum into the shard; free the buffers."""
+        r = self.comm.rank
+        mine = b.recv if self.algorithm == "mpi" else b.send[b.bounds[r] - b.lo : b.bounds[r + 1] - b.lo]
+        self.grad_shard[b.shard] += mine
+        end = time.perf_counter()
+        self.total += end - b.started
+        if self.on_comm is not None:
+            self.on_comm(f"reduce-scatter bucket {self.buckets.index(b)}", b.started, end, b.send.nbytes)
+        b.send = b.recv = b.request = None
+
+    def _flush(self) -> None:
+        """End of a backward pass: start every bucket not started yet (a parameter
+        that took no part in the forward leaves its bucket incomplete)."""
+        while self._next < len(self.buckets):
+            self._start(self.buckets[self._next])
+            self._next += 1
+        self._reset()
+
+    def finish(self) -> None:
+        """After the step's last backward: start what is left, wait for every bucket,
+        average my shard over the ranks."""
+        if not self._sync:
+            raise RuntimeError("finish() inside no_sync(): gradients are only accumulated there")
+        tick = time.perf_counter()
+        self._flush()
+        for b in self.buckets:
+            if b.request is not None:
+                b.request.wait()
+                self._completed(b)
+        self.grad_shard *= 1.0 / self.comm.size
+        self.exposed += time.perf_counter() - tick
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """A micro-batch's backward: with ``accumulate="sharded"`` its buckets are
+        reduce-scattered as usual (and the rest started when it ends); with ``"full"``
+        it only adds into the parameters' gradients."""
+        self._sync = False
+        try:
+            yield
+            if self.accumulate == "sharded":
+                self._flush()
+        finally:
+            self._sync = True
+
+    # ---------------------------------------------------------------- update
+    def step(self, lr: float | None = None, grad_clip: float = 0.0) -> float:
+        """Clip by the global norm, update my shard, allgather the parameters bucket by
+        bucket; returns the global gradient norm (computed only when clipping, else nan)."""
+        tick = time.perf_counter()
+        norm = _clip(self.comm, self.grad_shard, grad_clip)
+        if lr is not None:
+            self.optimizer.set_lr(lr)
+        self.optimizer.step()
+        if self.comm.size > 1:
+            for b in self.buckets:
+                if self.algorithm == "ring":
+                    Ring(b.comm, self.flat_params[b.lo : b.hi], ("allgather",)).wait()
+                else:
+                    b.comm.allgather_array(self.flat_params[b.lo : b.hi], np.diff(b.bounds))
+        seconds = time.perf_counter() - tick
+        self.exposed += seconds
+        self.total += seconds
+        return norm
+
+    def begin_step(self) -> bool:
+        return True
+
+    def zero_grad(self) -> None:
+        self.grad_shard.fill(0)
+        for p in self.params:
+            p.grad = None
+
+    def state_pieces(self, offsets):
+        """For checkpoints: the optimizer of my shard, its pieces (parameter index, lo,
+        hi) in the optimizer order's flat coordinates, and True: every rank writes its own."""
+        return self.optimizer, self.pieces, True
+
+    def sync_buffers(self) -> None:
+        replicas.average(self.comm, [b for _, b in self.model.named_buffers()])
+
+    def check_replicas(self) -> str:
+        return replicas.check_same(self.comm, [p.data for p in self.model.parameters()])
+
+    def state_bytes(self) -> int:
+        """Optimizer-state bytes held by this rank."""
+        return sum(v.nbytes for s in self.optimizer.state.values() for v in s.values()
+                   if isinstance(v, np.ndarray))
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank has sent: reduce-scatters, allgathers, norms, the broadcast."""
+        return self.comm.stats.bytes_sent + sum(b.comm.stats.bytes_sent for b in self.buckets)
+
+    def comm_seconds(self) -> tuple[float, float]:
+        return self.exposed, self.total
+
+    def bytes_per_step(self, micro_batches: int = 1) -> float:
+        """The formula: a reduce-scatter per micro-batch (``"sharded"``) or per step,
+        and an allgather: ``(m + 1) (P-1)/P`` or ``2 (P-1)/P x`` parameter bytes."""
+        P = self.comm.size
+        m = micro_batches if self.accumulate == "sharded" else 1
+        return (m + 1) * (P - 1) / P * self.flat_params.nbytes
+
+    def describe(self) -> tuple[str, dict[str, str]]:
+        what = (f"zero2 over {self.comm.size} rank(s): gradients and optimizer state sharded, "
+                f"{len(self.buckets)} bucket(s) of <= {self.bucket_cap_mb:g} MB reduce-scattered during backward "
+                f"({self.algorithm}; micro-batches {self.accumulate}), parameters allgathered after the update; "
+                f"{self.bytes_per_step() / 1e6:.2f} MB sent per rank per step")
+        return what, {"finish": "gradient reduce-scatter", "step": "ZeRO-2 update"}
+
+    def close(self) -> None:
+        for b in self.buckets:
+            b.comm.free()
+
+
+def _clip(comm, grad_shard: np.ndarray, grad_clip: float) -> float:
+    """Scale the shards so that the whole gradient's norm is at most ``grad_clip``: one
+    allreduce of each rank's sum of squares (8 bytes); returns the norm (nan: no clipping)."""
+    if grad_clip <= 0:
+        return float("nan")
+    mine = grad_shard.astype(np.float64)
+    squares = np.array([np.dot(mine, mine)])
+    comm.allreduce(squares)
+    norm = math.sqrt(squares[0])
+    if math.isfinite(norm) and norm > grad_clip:
+        grad_shard *= grad_clip / (norm + 1e-6)
+    return norm

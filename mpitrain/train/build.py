@@ -31,7 +31,7 @@ from mpitrain.parallel.local import LocalSync
 from mpitrain.parallel.param_server import ParameterServer
 from mpitrain.parallel.pipeline import PipelineStage, PipelineSync
 from mpitrain.parallel.tensor_parallel import TensorParallelSync
-from mpitrain.parallel.zero import Zero1
+from mpitrain.parallel.zero import Zero1, Zero2
 from mpitrain.tensor import default_dtype
 from mpitrain.train import schedule
 from mpitrain.train.sync import GradSync
@@ -43,6 +43,9 @@ SYNCS = {
         model, dp_comm, optimizer=opt, bucket_cap_mb=cfg.parallel.bucket_mb, algorithm=cfg.parallel.allreduce,
         progress=cfg.parallel.progress),
     "zero1": lambda cfg, model, opt, dp_comm: Zero1(model, opt, dp_comm, algorithm=cfg.parallel.allreduce),
+    "zero2": lambda cfg, model, opt, dp_comm: Zero2(model, opt, dp_comm, algorithm=cfg.parallel.allreduce,
+                                                    bucket_cap_mb=cfg.parallel.bucket_mb,
+                                                    accumulate=cfg.parallel.accumulate),
 }
 
 

@@ -20,7 +20,7 @@ line for the start of the run, and the names of the calls that wait for other ra
 which the stall watchdog and the timeline show.
 
 Implementations, in ``mpitrain/parallel/``: ``LocalSync`` (one data-parallel rank),
-``DataParallel``, ``Zero1``, ``ParameterServer`` (a worker's side), and
+``DataParallel``, ``Zero1``, ``Zero2``, ``ParameterServer`` (a worker's side), and
 ``PipelineSync`` (a pipeline stage: its replicas' sync, then the tied weights' sum over
 the stages that hold them, clipping by the whole model's norm). A ``Protocol``:
 the strategy modules import nothing of the trainer; a test checks that each has it all.

@@ -1,0 +1,111 @@
+"""MPI tier: ZeRO-2 equals data parallelism (AdamW, clipping, micro-batches both ways),
+keeps only its shard of the gradients, and sends the bytes of its formula."""
+
+import numpy as np
+import pytest
+from test_mpi_parallel import B, STEPS, batches, build, loss_of, relative, world
+
+from mpitrain.comm import SingleComm
+from mpitrain.comm.ring import chunk_bounds
+
+CLIP = 0.05  # small enough that clipping acts on most steps
+
+
+def train(kind, comm, sync, micro=1, clip=CLIP, **options):
+    """STEPS steps of AdamW on ``comm`` with ``sync`` ("ddp" or "zero2"), each rank its
+    B/P samples in ``micro`` micro-batches; returns (model, the sync object)."""
+    from mpitrain.parallel.data_parallel import DataParallel
+    from mpitrain.parallel.zero import Zero2
+
+    if B % (comm.size * micro):
+        pytest.skip(f"the global batch of {B} does not split into {comm.size} x {micro}")
+    model, opt = build(kind, "float64", "adamw")
+    if sync == "ddp":
+        s = DataParallel(model, comm, optimizer=opt, bucket_cap_mb=1e-3)
+    else:
+        s = Zero2(model, opt, comm, bucket_cap_mb=1e-3, **options)
+    b, m = B // comm.size, B // comm.size // micro
+    clipped = 0
+    for x, y in batches(kind, "float64"):
+        x, y = x[comm.rank * b : (comm.rank + 1) * b], y[comm.rank * b : (comm.rank + 1) * b]
+        for k in range(micro):
+            loss = loss_of(kind, model, x[k * m : (k + 1) * m], y[k * m : (k + 1) * m]) * (1.0 / micro)
+            if k < micro - 1:
+                with s.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        s.finish()
+        if sync == "zero2":
+            assert all(p.grad is None for p in model.parameters())  # only the shard is kept
+            clipped += s.step(None, clip) > clip
+        else:
+            s.step(None, clip)
+        s.zero_grad()
+    assert sync == "ddp" or clip == 0 or clipped >= STEPS // 2  # the clipping is tested too
+    s.check_replicas()
+    return model, s
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind,algorithm,micro,accumulate", [
+    ("gpt", "mpi", 1, "sharded"), ("gpt", "ring", 1, "sharded"), ("cnn", "mpi", 1, "sharded"),
+    ("gpt", "mpi", 2, "sharded"), ("gpt", "ring", 2, "full"), ("cnn", "mpi", 2, "full")])
+def test_zero2_equals_ddp_with_adamw_and_clipping(kind, algorithm, micro, accumulate):
+    comm = world()
+    ddp, d = train(kind, comm, "ddp", micro)
+    model, z = train(kind, comm, "zero2", micro, algorithm=algorithm, accumulate=accumulate)
+    assert relative(model.parameters(), [p.data for p in ddp.parameters()]) <= 1e-12
+    d.close()
+    z.close()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("algorithm", ["mpi", "ring"])
+@pytest.mark.parametrize("micro,accumulate", [(1, "sharded"), (2, "sharded"), (2, "full")])
+def test_zero2_sends_its_formula_and_keeps_a_shard(algorithm, micro, accumulate):
+    """(m + 1)(P-1)/P (sharded micro-batches) or 2(P-1)/P x parameter bytes per step,
+    summed over the ranks (the ring's exactly); model state (parameters, gradient shard, Adam's two
+    moments) 4 + 12/P bytes per float32 parameter, to the shard rounding."""
+    from mpitrain.parallel.zero import Zero2
+
+    comm = world()
+    model, opt = build("gpt", "float64", "adamw")
+    z = Zero2(model, opt, comm, algorithm=algorithm, bucket_cap_mb=1e-3, accumulate=accumulate)
+    start = z.bytes_sent  # the broadcast of rank 0's parameters
+    b, m = B // comm.size, B // comm.size // micro
+    for x, y in batches("gpt", "float64")[:3]:
+        x, y = x[comm.rank * b : (comm.rank + 1) * b], y[comm.rank * b : (comm.rank + 1) * b]
+        for k in range(micro):
+            loss = loss_of("gpt", model, x[k * m : (k + 1) * m], y[k * m : (k + 1) * m])
+            if k < micro - 1:
+                with z.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        z.finish()
+        z.step(None, 0.0)
+        z.zero_grad()
+    P = comm.size
+    n = sum(p.size for p in model.parameters())
+    per_step = (micro + 1 if accumulate == "sharded" else 2) * (P - 1) * n * 8
+    assert z.bytes_per_step(micro) * P == pytest.approx(per_step, rel=1e-12)
+    calls = 3 * (micro + 1) * len(z.buckets)  # MPI's collectives count whole bytes: <1 lost per call
+    assert abs(sum(comm.allgather(z.bytes_sent - start)) - 3 * per_step) < P * calls
+    if algorithm == "ring":  # counted as sent, byte for byte
+        assert sum(comm.allgather(z.bytes_sent - start)) == 3 * per_step
+    mine = sum(int(np.diff(chunk_bounds(bk.hi - bk.lo, P))[comm.rank]) for bk in z.buckets)
+    assert z.grad_shard.size == mine and abs(mine - n / P) <= len(z.buckets)
+    pieces = sum(len(g["params"]) for g in z.optimizer.param_groups)
+    assert z.state_bytes() == 2 * mine * 8 + pieces * 8
+    model_state = z.flat_params.nbytes + z.grad_shard.nbytes + z.state_bytes() - pieces * 8
+    assert model_state == pytest.approx((8 + 24 / P) * n, abs=24 * len(z.buckets))  # float64: 2 x (4 + 12/P)
+    z.close()
+
+
+def test_zero2_on_one_rank_trains_like_ddp():
+    """Unit tier: one rank, micro-batches both ways, equals data parallelism on one rank."""
+    for micro, accumulate in ((1, "sharded"), (2, "sharded"), (2, "full")):
+        ddp, _ = train("gpt", SingleComm(), "ddp", micro)
+        model, _ = train("gpt", SingleComm(), "zero2", micro, accumulate=accumulate)
+        assert relative(model.parameters(), [p.data for p in ddp.parameters()]) <= 1e-14
