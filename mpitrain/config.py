@@ -6,7 +6,7 @@ A config file has one table per section::
     [data]    name = "mnist5k" | "shakespeare" (embedded), or path = a shard directory
     [optim]   name = "sgd" | "adam" | "adamw", learning rate and schedule
     [train]   global_batch_size, steps or epochs, seed, evaluation and logging
-    [parallel] the grid dp x pp x tp, sync = "ddp" | "zero1" | "zero2" | "local" | "ps", allreduce, buckets, servers,
+    [parallel] the grid dp x pp x tp, sync = "ddp" | "zero1" | "zero2" | "zero3" | "local" | "ps", allreduce, buckets, servers,
               the pipeline schedule = "gpipe" | "1f1b" | "interleaved" | "zb-h1" and its chunks per rank
     [run]     the run directory: checkpoints, metrics; what to do on a non-finite loss; the progress bar
 
@@ -82,6 +82,7 @@ PARALLEL_FIELDS = {  # by parallel.sync
     "ddp": _PARALLEL_COMMON | {"allreduce", "bucket_mb", "progress"},
     "zero1": _PARALLEL_COMMON | {"allreduce"},
     "zero2": _PARALLEL_COMMON | {"allreduce", "bucket_mb", "accumulate"},
+    "zero3": _PARALLEL_COMMON | {"allreduce"},
     "local": _PARALLEL_COMMON,
     "ps": _PARALLEL_COMMON | {"servers", "staleness", "slow_worker", "slow_factor"},
 }
@@ -141,7 +142,7 @@ class ParallelConfig:
     schedule: str = "1f1b"  # pp > 1: the pipeline schedule: gpipe | 1f1b | interleaved | zb-h1
     chunks: int = 1  # pp > 1, schedule = "interleaved": model chunks per rank (virtual stages)
     sequence_parallel: bool = False  # tp > 1: layer norms and dropout on slices of the sequence (Korthikanti et al.)
-    sync: str = "ddp"  # how the dp ranks' gradients become one update: ddp | zero1 | zero2 | local | ps (a role split)
+    sync: str = "ddp"  # how the dp ranks' gradients become one update: ddp | zero1 | zero2 | zero3 | local | ps (a role split)
     allreduce: str = "mpi"  # mpi: MPI's own collectives | ring: mpitrain's ring | hierarchical: node-aware (ddp)
     bucket_mb: float = 4.0  # ddp, zero2: gradient bucket size (an allreduce or reduce-scatter starts per full bucket)
     accumulate: str = "sharded"  # zero2 with micro-batches: reduce-scatter each (sharded) or their sum once (full)
@@ -450,6 +451,9 @@ def _validate_parallel(cfg: Config) -> None:
     _require(par.bucket_mb > 0, "parallel.bucket_mb", "must be > 0", par.bucket_mb)
     _require(par.accumulate in ("sharded", "full"), "parallel.accumulate", "must be 'sharded' or 'full'",
              par.accumulate)
+    _require(par.sync != "zero3" or not cfg.model.checkpoint_activations, "model.checkpoint_activations",
+             "ZeRO-3 (parallel.sync = 'zero3') replays every layer in backward already; leave it false",
+             cfg.model.checkpoint_activations)
     _require(par.progress in ("test", "thread", "none", "off"), "parallel.progress",
              "must be 'test', 'thread', 'none' or 'off'", par.progress)
     _require(par.thread_level in ("auto", "single", "funneled", "serialized", "multiple"), "parallel.thread_level",

@@ -148,8 +148,8 @@ def test_importing_the_package_does_not_start_mpi():
     assert out.stdout.strip() == "False"  # mpi4py is imported by comm.world(), not at import time
 
 
-STRATEGY_CLASSES = {"DataParallel", "Zero1", "Zero2", "ParameterServer", "LocalSync"}
-STRATEGY_NAMES = {"ddp", "zero1", "zero2", "ps", "local"}  # the values of parallel.sync
+STRATEGY_CLASSES = {"DataParallel", "Zero1", "Zero2", "Zero3", "ParameterServer", "LocalSync"}
+STRATEGY_NAMES = {"ddp", "zero1", "zero2", "zero3", "ps", "local"}  # the values of parallel.sync
 BUILDING = ("mpitrain.train.build", "mpitrain.config")  # where strategy names are read
 
 

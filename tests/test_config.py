@@ -116,6 +116,9 @@ def test_an_unreadable_config_file_gets_one_line(tmp_path, monkeypatch):
     (["parallel.bucket_mb=0"], "parallel.bucket_mb: must be > 0"),
     (["parallel.sync=zero1", "parallel.bucket_mb=8"], "parallel.bucket_mb: does not apply to parallel.sync = 'zero1'"),
     (["parallel.sync=zero2", "parallel.accumulate=each"], "parallel.accumulate: must be 'sharded' or 'full'"),
+    (["parallel.sync=zero3", "parallel.bucket_mb=1"], "parallel.bucket_mb: does not apply to parallel.sync = 'zero3'"),
+    (["parallel.sync=zero3", "model.name=gpt", "data.name=shakespeare", "model.checkpoint_activations=true"],
+     "model.checkpoint_activations: ZeRO-3 (parallel.sync = 'zero3') replays every layer in backward already"),
     (["parallel.accumulate=full"], "parallel.accumulate: does not apply to parallel.sync = 'ddp'"),
     (["parallel.sync=zero2", "parallel.progress=off"], "parallel.progress: does not apply to parallel.sync = 'zero2'"),
     (["parallel.sync=zero2", "parallel.allreduce=hierarchical"],
@@ -184,6 +187,8 @@ def test_parameter_server_rank_checks(ranks, overrides, message):
                                                   "(parallel.pp = 2) yet; use one of ['ddp', 'local']"),
     (4, ["parallel.tp=2", "parallel.sync=zero2", "model.name=gpt", "data.name=shakespeare"],
      "parallel.sync: 'zero2' does not combine with tensor slicing (parallel.tp = 2) yet"),
+    (4, ["parallel.pp=2", "parallel.sync=zero3"], "parallel.sync: 'zero3' does not combine with pipeline stages "
+                                                  "(parallel.pp = 2) yet; use one of ['ddp', 'local']"),
     (2, ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.chunks=2", "train.micro_batches=3"],
      "train.micro_batches: the interleaved schedule needs a multiple of the 2 pipeline stages"),
     (2, ["parallel.pp=2", "parallel.schedule=interleaved"], "parallel.chunks: the interleaved schedule needs 2 or "

@@ -313,7 +313,7 @@ def test_one_rank_wrappers_train_like_plain_training():
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("sync", ["ddp", "zero1", "zero2"])
+@pytest.mark.parametrize("sync", ["ddp", "zero1", "zero2", "zero3"])
 def test_the_trainers_micro_batches_equal_one_pass_on_p_ranks_and_one_process(sync):
     """`train.micro_batches = 4` on P ranks (one sample per micro-batch) against 1, and
     against one process: float64 GPT, AdamW with clipping, model and optimizer state

@@ -35,7 +35,7 @@ def close(a, b):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("saved_by,resumed_by", [("ddp", "ddp"), ("zero1", "ddp"), ("ddp", "zero1"),
                                                  ("zero1", "zero1"), ("zero2", "ddp"), ("ddp", "zero2"),
-                                                 ("zero2", "zero1")])
+                                                 ("zero2", "zero1"), ("zero3", "ddp"), ("ddp", "zero3")])
 def test_a_checkpoint_resumes_on_another_number_of_ranks(saved_by, resumed_by):
     from mpitrain.comm import SingleComm, world
 

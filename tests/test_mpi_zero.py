@@ -1,29 +1,51 @@
-"""MPI tier: ZeRO-2 equals data parallelism (AdamW, clipping, micro-batches both ways),
-keeps only its shard of the gradients, and sends the bytes of its formula."""
+"""MPI tier: ZeRO-2 and ZeRO-3 equal data parallelism (AdamW, clipping, micro-batches;
+ZeRO-2's both ways), keep only their shards, and send the bytes of their formulas."""
 
 import numpy as np
 import pytest
-from test_mpi_parallel import B, STEPS, batches, build, loss_of, relative, world
+from test_mpi_parallel import STEPS, B, batches, build, loss_of, world
 
+from mpitrain import nn, optim, rng
 from mpitrain.comm import SingleComm
 from mpitrain.comm.ring import chunk_bounds
+from mpitrain.tensor import default_dtype
 
 CLIP = 0.05  # small enough that clipping acts on most steps
 
 
-def train(kind, comm, sync, micro=1, clip=CLIP, **options):
-    """STEPS steps of AdamW on ``comm`` with ``sync`` ("ddp" or "zero2"), each rank its
-    B/P samples in ``micro`` micro-batches; returns (model, the sync object)."""
+def distance(a, b) -> float:
+    """Relative L2 distance of two lists of parameter arrays."""
+    x, y = (np.concatenate([v.reshape(-1) for v in vs]) for vs in (a, b))
+    return float(np.linalg.norm(x - y) / np.linalg.norm(y))
+
+
+def build_model(kind, dropout):
+    """test_mpi_parallel's model and AdamW; the GPT with ``dropout`` if given."""
+    if not dropout:
+        return build(kind, "float64", "adamw")
+    rng.manual_seed(5)
+    with default_dtype(np.float64):
+        model = nn.GPT(nn.GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=dropout))
+    return model, optim.AdamW(optim.decay_groups(model.named_parameters(), 0.1), 3e-3)
+
+
+def train(kind, comm, sync, micro=1, clip=CLIP, dropout=0.0, **options):
+    """STEPS steps of AdamW on ``comm`` with ``sync`` ("ddp", "zero2" or "zero3"), each
+    rank its B/P samples in ``micro`` micro-batches; returns (the trained parameters, the
+    sync object)."""
     from mpitrain.parallel.data_parallel import DataParallel
     from mpitrain.parallel.zero import Zero2
+    from mpitrain.parallel.zero3 import Zero3
 
     if B % (comm.size * micro):
         pytest.skip(f"the global batch of {B} does not split into {comm.size} x {micro}")
-    model, opt = build(kind, "float64", "adamw")
+    model, opt = build_model(kind, dropout)
     if sync == "ddp":
         s = DataParallel(model, comm, optimizer=opt, bucket_cap_mb=1e-3)
-    else:
+    elif sync == "zero2":
         s = Zero2(model, opt, comm, bucket_cap_mb=1e-3, **options)
+    else:
+        s = Zero3(model, opt, comm, **options)
     b, m = B // comm.size, B // comm.size // micro
     clipped = 0
     for x, y in batches(kind, "float64"):
@@ -36,7 +58,7 @@ def train(kind, comm, sync, micro=1, clip=CLIP, **options):
             else:
                 loss.backward()
         s.finish()
-        if sync == "zero2":
+        if sync != "ddp":
             assert all(p.grad is None for p in model.parameters())  # only the shard is kept
             clipped += s.step(None, clip) > clip
         else:
@@ -44,7 +66,9 @@ def train(kind, comm, sync, micro=1, clip=CLIP, **options):
         s.zero_grad()
     assert sync == "ddp" or clip == 0 or clipped >= STEPS // 2  # the clipping is tested too
     s.check_replicas()
-    return model, s
+    if sync == "zero3":
+        return s.whole_parameters(), s
+    return [p.data for p in model.parameters()], s
 
 
 @pytest.mark.mpi(min_size=2)
@@ -54,8 +78,8 @@ def train(kind, comm, sync, micro=1, clip=CLIP, **options):
 def test_zero2_equals_ddp_with_adamw_and_clipping(kind, algorithm, micro, accumulate):
     comm = world()
     ddp, d = train(kind, comm, "ddp", micro)
-    model, z = train(kind, comm, "zero2", micro, algorithm=algorithm, accumulate=accumulate)
-    assert relative(model.parameters(), [p.data for p in ddp.parameters()]) <= 1e-12
+    zero, z = train(kind, comm, "zero2", micro, algorithm=algorithm, accumulate=accumulate)
+    assert distance(zero, ddp) <= 1e-12
     d.close()
     z.close()
 
@@ -107,5 +131,56 @@ def test_zero2_on_one_rank_trains_like_ddp():
     """Unit tier: one rank, micro-batches both ways, equals data parallelism on one rank."""
     for micro, accumulate in ((1, "sharded"), (2, "sharded"), (2, "full")):
         ddp, _ = train("gpt", SingleComm(), "ddp", micro)
-        model, _ = train("gpt", SingleComm(), "zero2", micro, accumulate=accumulate)
-        assert relative(model.parameters(), [p.data for p in ddp.parameters()]) <= 1e-14
+        zero, _ = train("gpt", SingleComm(), "zero2", micro, accumulate=accumulate)
+        assert distance(zero, ddp) <= 1e-14
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("kind,algorithm,micro,dropout", [
+    ("gpt", "mpi", 1, 0.0), ("gpt", "ring", 2, 0.0), ("gpt", "mpi", 2, 0.2), ("cnn", "mpi", 2, 0.0),
+    ("resnet", "mpi", 1, 0.0), ("resnet", "ring", 1, 0.0)])
+def test_zero3_equals_ddp_with_adamw_and_clipping(kind, algorithm, micro, dropout):
+    """The GPT's tied embedding, dropout (its masks replayed in backward), batch norm's
+    statistics (replayed, updated once), micro-batches."""
+    comm = world()
+    ddp, d = train(kind, comm, "ddp", micro, dropout=dropout)
+    zero, z = train(kind, comm, "zero3", micro, dropout=dropout, algorithm=algorithm)
+    assert distance(zero, ddp) <= 1e-12
+    d.sync_buffers()
+    z.sync_buffers()
+    mine, theirs = ([b for _, b in s.model.named_buffers()] for s in (z, d))
+    assert len(mine) == (12 if kind == "resnet" else 0) and (not mine or distance(mine, theirs) <= 1e-12)
+    d.close()
+    z.close()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("algorithm", ["mpi", "ring"])
+def test_zero3_sends_3_p_minus_1_over_p_and_keeps_16_over_p(algorithm):
+    """Two gathers and a reduce-scatter of the parameters per pass, the tied embedding once;
+    model state at rest 16/P bytes per float32 parameter (float64 here: twice), no
+    parameter whole between steps."""
+    from mpitrain.parallel.zero3 import Zero3
+
+    comm = world()
+    model, opt = build("gpt", "float64", "adamw")
+    z = Zero3(model, opt, comm, algorithm=algorithm)
+    start = z.bytes_sent
+    b = B // comm.size
+    for x, y in batches("gpt", "float64")[:3]:
+        loss_of("gpt", model, x[comm.rank * b : (comm.rank + 1) * b], y[comm.rank * b : (comm.rank + 1) * b]).backward()
+        z.finish()
+        z.step(None, 0.0)
+        z.zero_grad()
+    P, n = comm.size, sum(p.size for p in model.parameters())
+    per_step = 3 * (P - 1) * n * 8
+    assert z.bytes_per_step() * P == pytest.approx(per_step, rel=1e-12)
+    total = sum(comm.allgather(z.bytes_sent - start))
+    if algorithm == "ring":
+        assert total == 3 * per_step
+    else:
+        assert abs(total - 3 * per_step) < P * 3 * 3 * len(z.groups)
+    assert all(p.data.strides == (0,) * p.ndim for p in model.parameters())  # placeholders: no memory
+    pieces = sum(len(g["params"]) for g in z.optimizer.param_groups)
+    assert z.model_state_bytes() - pieces * 8 == pytest.approx(2 * 16 * n / P, abs=32 * len(z.groups))
+    z.close()

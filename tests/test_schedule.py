@@ -16,6 +16,7 @@ from mpitrain.parallel.local import LocalSync
 from mpitrain.parallel.param_server import ParameterServer
 from mpitrain.parallel.pipeline import PipelineStage, PipelineSync
 from mpitrain.parallel.zero import Zero1, Zero2
+from mpitrain.parallel.zero3 import Zero3
 from mpitrain.train import GradSync, schedule, train
 from mpitrain.train.schedule import Backward, Forward
 
@@ -84,7 +85,7 @@ def protocol_members() -> set[str]:
     return {n for n in vars(GradSync) if not n.startswith("_")} | set(GradSync.__annotations__)
 
 
-@pytest.mark.parametrize("cls", [LocalSync, DataParallel, Zero1, Zero2, ParameterServer, PipelineSync])
+@pytest.mark.parametrize("cls", [LocalSync, DataParallel, Zero1, Zero2, Zero3, ParameterServer, PipelineSync])
 def test_every_gradient_sync_has_the_whole_protocol(cls):
     members = protocol_members()
     assert {"begin_step", "no_sync", "finish", "step", "zero_grad", "describe", "state_pieces"} <= members
@@ -122,7 +123,7 @@ def tiny_gpt(text_data, run_dir, *extra):
         f"run.dir={json.dumps(str(run_dir))}", *extra])
 
 
-@pytest.mark.parametrize("sync", ["ddp", "zero1", "zero2"])
+@pytest.mark.parametrize("sync", ["ddp", "zero1", "zero2", "zero3"])
 def test_micro_batches_equal_one_pass_over_the_same_global_batch(text_data, tmp_path, sync):
     """One process: 4 micro-batches of 2 against 1 of 8, float64: model and optimizer
     state after 6 steps of AdamW with clipping within 1e-12."""

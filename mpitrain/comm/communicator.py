@@ -145,6 +145,9 @@ class SingleComm:
     def allgather_array(self, buf: np.ndarray, counts) -> None:
         pass
 
+    def iallgather_array(self, buf: np.ndarray, counts) -> Request:
+        return Request()
+
     def waitall(self, requests: list[Request]) -> None:
         """One rank starts no point-to-point operation: nothing to wait for."""
 
@@ -238,6 +241,14 @@ class Comm(SingleComm):
         displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
         self._timed(_share(1, self.size, buf.nbytes), self.mpi.Allgatherv, _mpi().IN_PLACE,
                     [buf, counts, displs, _mpi().Datatype.fromcode(buf.dtype.char)])
+
+    def iallgather_array(self, buf: np.ndarray, counts) -> Request:
+        """Start :meth:`allgather_array`; ``buf`` may not be touched until the request is done."""
+        counts = [int(c) for c in counts]
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
+        self.stats.add(_share(1, self.size, buf.nbytes))
+        return Request(self.mpi.Iallgatherv(_mpi().IN_PLACE, [buf, counts, displs,
+                                                             _mpi().Datatype.fromcode(buf.dtype.char)]), self.stats)
 
     def isend(self, buf: np.ndarray, dest: int, tag: Tag) -> Request:
         self.stats.add(buf.nbytes)

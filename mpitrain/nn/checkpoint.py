@@ -33,21 +33,29 @@ class _Checkpoint(Function):
             return module(Tensor(x)).data
 
     def backward(self, g):
-        module = self.module
-        params = module.parameters()
-        resume_state = rng.snapshot()
-        updated = [np.array(b, copy=True) for _, b in module.named_buffers()]
-        rng.restore(self.rng_state)
-        try:
-            with enable_grad():
-                x = Tensor(self.x, requires_grad=self.needs_input_grad[0])
-                out = module(x)
-        finally:
-            rng.restore(resume_state)
-        for (_, buffer), value in zip(module.named_buffers(), updated):
-            np.copyto(buffer, value)
-        grads = grad([out], [x] + params, [g])
+        x, out = replay(self.module, self.x, self.needs_input_grad[0], self.rng_state)
+        grads = grad([out], [x] + self.module.parameters(), [g])
         return tuple(grads)
+
+
+def replay(module: Module, x: np.ndarray, x_needs_grad: bool, rng_state) -> tuple[Tensor, Tensor]:
+    """Run ``module.forward`` on ``x`` again, recording a private graph, with the random
+    streams rewound to ``rng_state`` (taken by :func:`mpitrain.rng.snapshot` when the
+    first pass began) and the buffers that pass updated put back afterwards; returns
+    (the input tensor, the output). ZeRO-3 (``mpitrain/parallel/zero3.py``) replays its
+    layers this way too."""
+    resume_state = rng.snapshot()
+    updated = [np.array(b, copy=True) for _, b in module.named_buffers()]
+    rng.restore(rng_state)
+    try:
+        with enable_grad():
+            xt = Tensor(x, requires_grad=x_needs_grad)
+            out = module.forward(xt)
+    finally:
+        rng.restore(resume_state)
+    for (_, buffer), value in zip(module.named_buffers(), updated):
+        np.copyto(buffer, value)
+    return xt, out
 
 
 def checkpoint(module: Module, x):

@@ -17,6 +17,8 @@ class Module:
     running statistics). Subclasses implement ``forward``; calling the module calls it.
     """
 
+    _call_through = None  # see call_through()
+
     def __init__(self):
         object.__setattr__(self, "_parameters", OrderedDict())
         object.__setattr__(self, "_modules", OrderedDict())
@@ -52,7 +54,15 @@ class Module:
         raise NotImplementedError
 
     def __call__(self, *args, **kwargs):
+        if self._call_through is not None:
+            return self._call_through(self, *args, **kwargs)
         return self.forward(*args, **kwargs)
+
+    def call_through(self, fn) -> None:
+        """Route calls of this module through ``fn(module, *args, **kwargs)``, which
+        calls ``module.forward`` itself; None undoes it. A strategy wraps layers this way
+        without the model knowing (ZeRO-3 gathers a layer's parameters around its forward)."""
+        object.__setattr__(self, "_call_through", fn)
 
     # ------------------------------------------------------------------ traversal
     def named_modules(self, prefix: str = ""):

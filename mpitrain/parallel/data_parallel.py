@@ -303,6 +303,10 @@ class DataParallel:
         for b in self.buckets:
             b.flat.fill(0)
 
+    def whole_model(self):
+        """The model's parameters are whole in ``.data`` already: nothing to gather."""
+        return contextlib.nullcontext()
+
     def sync_buffers(self) -> None:
         """Average floating buffers (batch-norm running statistics) over ranks."""
         replicas.average(self.comm, [b for _, b in self.model.named_buffers()])

@@ -48,6 +48,10 @@ class LocalSync:
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
 
+    def whole_model(self):
+        """The model's parameters are whole in ``.data`` already: nothing to gather."""
+        return contextlib.nullcontext()
+
     def sync_buffers(self) -> None:
         pass
 

@@ -236,6 +236,10 @@ class ParameterServer:
             for g in self.flat_grads:
                 g.fill(0)
 
+    def whole_model(self):
+        """The model's parameters are whole in ``.data`` already: nothing to gather."""
+        return contextlib.nullcontext()
+
     def sync_buffers(self) -> None:
         """Before an evaluation between synchronous steps: take the pull in flight (its
         receives write the parameters; the next :meth:`begin_step` finds it done), then

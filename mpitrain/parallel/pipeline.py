@@ -561,6 +561,10 @@ class PipelineSync:
                 self.in_steps[axis][1] += seconds - self._mark[axis][1]
             self._mark = None
 
+    def whole_model(self):
+        """The model's parameters are whole in ``.data`` already: nothing to gather."""
+        return contextlib.nullcontext()
+
     def sync_buffers(self) -> None:
         self.inner.sync_buffers()
 

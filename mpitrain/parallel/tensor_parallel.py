@@ -541,6 +541,10 @@ class TensorParallelSync:
             self.seconds += self.comm.stats.seconds - self._mark[1]
             self._mark = None
 
+    def whole_model(self):
+        """The model's parameters are whole in ``.data`` already: nothing to gather."""
+        return contextlib.nullcontext()
+
     def sync_buffers(self) -> None:
         self.inner.sync_buffers()
 

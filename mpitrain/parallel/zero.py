@@ -159,6 +159,10 @@ class Zero1:
         rank writes its shard."""
         return self.optimizer, self.pieces, True
 
+    def whole_model(self):
+        """The model's parameters are whole in ``.data`` already: nothing to gather."""
+        return contextlib.nullcontext()
+
     def sync_buffers(self) -> None:
         """Average floating buffers (batch-norm running statistics) over ranks; each
         rank's batch norm sees only its own samples."""
@@ -429,6 +433,10 @@ class Zero2:
         """For checkpoints: the optimizer of my shard, its pieces (parameter index, lo,
         hi) in the optimizer order's flat coordinates, and True: every rank writes its own."""
         return self.optimizer, self.pieces, True
+
+    def whole_model(self):
+        """The model's parameters are whole in ``.data`` already: nothing to gather."""
+        return contextlib.nullcontext()
 
     def sync_buffers(self) -> None:
         replicas.average(self.comm, [b for _, b in self.model.named_buffers()])

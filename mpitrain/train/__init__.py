@@ -130,9 +130,10 @@ def _resume(run: Run, log, warn, start_over: bool, config_from: Path | None) -> 
                                          f"damaged (moved aside, above); run the same command again to resume "
                                          f"from {path} with the config saved there")
     resume.check_data(path, attrs["header"].get("data"), data_identity(run.data), warn)
-    attrs = checkpoint.restore(path, model=run.model, optimizer=run.optimizer, sync=run.role.sync, comm=run.world,
-                               layout=run.layout,
-                               check_config=lambda saved: resume.check_config(path, saved, cfg, warn))
+    with run.role.sync.whole_model():
+        attrs = checkpoint.restore(path, model=run.model, optimizer=run.optimizer, sync=run.role.sync,
+                                   comm=run.world, layout=run.layout,
+                                   check_config=lambda saved: resume.check_config(path, saved, cfg, warn))
     first = int(attrs["step"])
     old = "" if attrs["format_version"] >= 2 else f"; format version {attrs['format_version']}: its metadata has no checksum"
     log(f"resumed from {path} at step {first} (saved by {attrs['ranks']} rank(s), {attrs['strategy']}, "

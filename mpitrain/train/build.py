@@ -32,6 +32,7 @@ from mpitrain.parallel.param_server import ParameterServer
 from mpitrain.parallel.pipeline import PipelineStage, PipelineSync
 from mpitrain.parallel.tensor_parallel import TensorParallelSync
 from mpitrain.parallel.zero import Zero1, Zero2
+from mpitrain.parallel.zero3 import Zero3
 from mpitrain.tensor import default_dtype
 from mpitrain.train import schedule
 from mpitrain.train.sync import GradSync
@@ -46,6 +47,7 @@ SYNCS = {
     "zero2": lambda cfg, model, opt, dp_comm: Zero2(model, opt, dp_comm, algorithm=cfg.parallel.allreduce,
                                                     bucket_cap_mb=cfg.parallel.bucket_mb,
                                                     accumulate=cfg.parallel.accumulate),
+    "zero3": lambda cfg, model, opt, dp_comm: Zero3(model, opt, dp_comm, algorithm=cfg.parallel.allreduce),
 }
 
 

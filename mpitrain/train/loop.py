@@ -200,7 +200,7 @@ class Loop:
         own ways: the end of the run scores it)."""
         if not self.role.lockstep:
             return
-        with self.out.traced("evaluate", "evaluate"):
+        with self.out.traced("evaluate", "evaluate"), self.sync.whole_model():
             self.sync.sync_buffers()
             evaluate.score(self.run, self.comm, step, self.result, self.out.metrics, self.log)
         huge_page_heap()  # evaluation batches may have grown the heap

@@ -84,7 +84,7 @@ def save(run, step: int, why: str, result: Result, out: Outputs, log) -> None:
     if not cfg.run.dir:
         return
     epoch, epoch_step = divmod(step, run.reader.steps_per_epoch)
-    with out.traced("checkpoint", "checkpoint"):
+    with out.traced("checkpoint", "checkpoint"), run.role.sync.whole_model():
         path = checkpoint.save(cfg.run.dir, step, model=run.model, optimizer=run.optimizer, sync=run.role.sync,
                                cfg=cfg, comm=run.world, keep=cfg.run.keep, epoch=epoch, epoch_step=epoch_step,
                                strategy=f"{cfg.parallel.sync}, {run.role.layout}", layout=run.layout,
@@ -133,7 +133,7 @@ def finish(run, result: Result, times: tuple, figures: dict, out: Outputs, log) 
         out.metrics.write("stopped", step=step, signal=result.stopped)
         out.write_timeline(cfg.run.dir, log)
         return result
-    with out.traced("evaluate", "evaluate"):
+    with out.traced("evaluate", "evaluate"), run.role.sync.whole_model():
         evaluate.score(run, world, step, result, out.metrics, log)
     out.write_timeline(cfg.run.dir, log)
     digest = run.role.sync.check_replicas()
@@ -151,12 +151,13 @@ def finish(run, result: Result, times: tuple, figures: dict, out: Outputs, log) 
                 f"sha256 {digest[:16]}")
         for line in lines:
             log(line)
-    if run.data.kind == "text" and cfg.train.sample_tokens and world.rank == 0:
-        if run.role.whole:
-            result.sample = sample_text(run)
-            log("sample:\n" + result.sample)
-        else:
-            log("sample: none (the model is cut over ranks; sample from the final checkpoint on one process)")
+    if run.data.kind == "text" and cfg.train.sample_tokens:
+        with run.role.sync.whole_model():  # entered by every rank: ZeRO-3 gathers the model
+            if world.rank == 0 and run.role.whole:
+                result.sample = sample_text(run)
+                log("sample:\n" + result.sample)
+            elif world.rank == 0:
+                log("sample: none (the model is cut over ranks; sample from the final checkpoint on one process)")
     return _totals(run, result, figures, rows, out, log)
 
 

@@ -13,6 +13,8 @@ The loop never asks which strategy runs. Each step it calls one object that foll
    ``zero_grad()`` in any case.
 
 Around the steps: ``sync_buffers()`` before an evaluation or a checkpoint;
+``whole_model()`` around saving and loading a checkpoint (ZeRO-3 gathers the parameters
+there; for the others they are whole already);
 ``check_replicas()`` at the end; ``state_pieces(offsets)`` for checkpoints (the part of
 the optimizer state this rank holds, and whether it writes it); ``bytes_sent`` and
 ``comm_seconds()`` for the time table; ``on_comm`` for the timeline; ``describe()``: a
@@ -20,7 +22,7 @@ line for the start of the run, and the names of the calls that wait for other ra
 which the stall watchdog and the timeline show.
 
 Implementations, in ``mpitrain/parallel/``: ``LocalSync`` (one data-parallel rank),
-``DataParallel``, ``Zero1``, ``Zero2``, ``ParameterServer`` (a worker's side), and
+``DataParallel``, ``Zero1``, ``Zero2``, ``Zero3``, ``ParameterServer`` (a worker's side), and
 ``PipelineSync`` (a pipeline stage: its replicas' sync, then the tied weights' sum over
 the stages that hold them, clipping by the whole model's norm). A ``Protocol``:
 the strategy modules import nothing of the trainer; a test checks that each has it all.
@@ -41,6 +43,7 @@ class GradSync(Protocol):
     def step(self, lr: float | None, grad_clip: float) -> None: ...
     def zero_grad(self) -> None: ...
     def sync_buffers(self) -> None: ...
+    def whole_model(self) -> ContextManager: ...
     def check_replicas(self) -> str: ...
     def state_pieces(self, offsets) -> tuple | None: ...
     def comm_seconds(self) -> tuple[float, float]: ...

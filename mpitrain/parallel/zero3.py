@@ -1,0 +1,384 @@
+"""ZeRO stage 3: the parameters themselves sharded over the data-parallel ranks, each
+layer's gathered only while it runs (Rajbhandari et al., SC 2020, stage P_os+g+p; what
+PyTorch's FSDP does).
+
+**What is split.** The global batch, as in data parallelism, and every part of the model
+state: each rank of ``dp_comm`` keeps ``1/P`` of the parameters, of their gradients and
+of the optimizer state, ``16/P`` bytes per float32 parameter with Adam (against data
+parallelism's 16). At rest a parameter's ``.data`` is a placeholder of its shape that
+holds no memory (a broadcast NaN, so that any use outside its layer is loud).
+
+**Units and groups.** The model's layers (``model.named_layers()``: the GPT's embedding,
+blocks and head; a CNN's layers) are the units. The parameters a unit alone uses form
+its group; a parameter several units use (the GPT's token embedding, tied to its head)
+forms a group of its own, so that it is gathered, freed and reduced once like any
+other. Each group is one flat array cut into ``P`` chunks; rank ``r`` keeps chunk ``r``.
+
+**The calls and when.** Each unit's call goes through :meth:`Zero3._call` (installed with
+``Module.call_through``, so the model's code knows nothing of it), which runs it as one
+autograd node:
+
+* forward: wait for the unit's groups (``Iallgatherv`` of the chunks into a whole flat
+  array that the parameters' ``.data`` become views of), start gathering the next unit's
+  (prefetch), run the unit without recording a graph, free every group this was the last
+  forward use of;
+* backward: gather the unit's groups again (the next unit back prefetched), replay its
+  forward recording a private graph (:func:`mpitrain.nn.checkpoint.replay`, the random
+  streams rewound), take the gradients of its input and its parameters, free the groups
+  whose first forward use this was and start an ``Ireduce_scatter`` of their gradients:
+  each rank adds the sum of its chunk into its gradient shard;
+* :meth:`Zero3.finish` waits for those and divides the shard by ``P``; :meth:`Zero3.step`
+  clips by the global norm (one 8-byte allreduce) and updates the shard. Nothing else:
+  the next forward gathers the updated chunks.
+
+Why replay: a NumPy op keeps the arrays it read until its backward (a product keeps its
+weight), so a layer's gathered weights can be freed after its forward only if its
+activations go too. Each unit is therefore recomputed in backward, one more forward of
+compute (FSDP with activation checkpointing, Chen et al. 2016), and the activations kept
+between forward and backward are the units' inputs only.
+
+**Bytes per rank per step**: the parameters gathered twice and the gradients
+reduce-scattered once: ``3 (P-1)/P x N x s`` (``bytes_per_step``; micro-batches gather
+and reduce again each).
+
+Checkpoints are written and read, and evaluation and the text sample run, inside
+:meth:`Zero3.whole_model`: the whole model gathered once (ranks may score different
+numbers of batches, and one rank samples alone). Checkpoints keep the format of every
+strategy, so a ZeRO-3 run resumes on data parallelism or one process and back.
+
+**Launch**: ``mpiexec -n 2 mpitrain train jobs/tinyshakespeare_gpt.toml --set parallel.sync=zero3``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mpitrain.comm import replicas
+from mpitrain.comm.ring import Ring, chunk_bounds
+from mpitrain.flat import offsets
+from mpitrain.nn.checkpoint import replay
+from mpitrain.rng import snapshot
+from mpitrain.tensor import Function, Tensor, as_tensor, grad, is_grad_enabled, no_grad
+
+
+@dataclass
+class _Group:
+    """Parameters gathered and reduced together: one unit's own, or one shared parameter."""
+
+    params: list
+    first: int  # the first and last unit (in forward order) that use them
+    last: int
+    offsets: np.ndarray  # (len(params) + 1,) in the group's flat array
+    bounds: np.ndarray  # (P + 1,) the chunks
+    data: np.ndarray  # (chunk,) my chunk of the parameters: what the optimizer updates
+    grad: np.ndarray  # (chunk,) my chunk of the gradient
+    comm: object  # a Dup of dp_comm for this group's gathers
+    rs_comm: object  # and one for its reduce-scatters (one ring in flight on each at most)
+    whole: np.ndarray | None = None  # (n,) gathered, or being gathered
+    gathering: object = None  # the request of a gather in flight
+    grads: np.ndarray | None = None  # (n,) this step's gradient, summed over the units using it
+    reducing: list = field(default_factory=list)  # [(request, send, recv)] in flight
+
+
+class _Unit(Function):
+    """One unit as one autograd node: its parameters are inputs (so the node is recorded
+    even over integer input) whose gradients go to the shards, not to ``.grad``."""
+
+    def forward(self, x, *placeholders, unit, k, zero):
+        self.unit, self.k, self.zero, self.x = unit, k, zero, x
+        zero._gather(k, ahead=k + 1)
+        self.rng_state = snapshot()
+        with no_grad():
+            out = unit.forward(Tensor(x)).data
+        zero._release(k, forward=True)
+        return out
+
+    def backward(self, g):
+        zero, params = self.zero, self.unit.parameters()
+        zero._gather(self.k, ahead=self.k - 1)
+        x, out = replay(self.unit, self.x, self.needs_input_grad[0], self.rng_state)
+        wrt = ([x] if self.needs_input_grad[0] else []) + params
+        grads = grad([out], wrt, [g])
+        gx = grads[0] if self.needs_input_grad[0] else None
+        zero._reduce(self.k, dict(zip(map(id, params), grads[len(wrt) - len(params):])))
+        return (gx,) + (None,) * len(params)
+
+
+class Zero3:
+    """Shard ``model``'s parameters, gradients and optimizer state over ``dp_comm``. Use::
+
+        zero = Zero3(model, opt, dp_comm)
+        loss.backward()            # units gathered, replayed, their gradients reduce-scattered
+        zero.finish()              # wait, average my shard
+        zero.step(lr, grad_clip)   # update my shard
+        zero.zero_grad()
+    """
+
+    on_comm = None  # every wait is inside forward, backward or finish: nothing to draw yet
+
+    def __init__(self, model, optimizer, dp_comm, algorithm: str = "mpi", prefetch: bool = True):
+        if algorithm not in ("mpi", "ring"):
+            raise ValueError(f"ZeRO-3's algorithm must be 'mpi' or 'ring', got {algorithm!r}")
+        self.comm, self.model, self.algorithm, self.prefetch = dp_comm, model, algorithm, prefetch
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        opt_params = [p for group in optimizer.param_groups for p in group["params"]]
+        if {id(p) for p in opt_params} != {id(p) for p in self.params}:
+            raise ValueError("ZeRO-3 needs an optimizer over exactly the model's trainable parameters")
+        replicas.broadcast(dp_comm, [p.data for p in self.params] + [b for _, b in model.named_buffers()])
+        self.units = [m for _, m in model.named_layers()]
+        self.groups = self._groups()
+        self.unit_groups = [[g for g in self.groups if g.first <= k <= g.last and
+                             any(id(p) in {id(q) for q in u.parameters()} for p in g.params)]
+                            for k, u in enumerate(self.units)]
+        for k, unit in enumerate(self.units):
+            if self.unit_groups[k]:
+                unit.call_through(self._call)
+        self._unit_index = {id(u): k for k, u in enumerate(self.units)}
+        self.optimizer = self._shard_optimizer(optimizer, opt_params)
+        for g in self.groups:
+            self._free(g)
+        self.seconds, self._whole = 0.0, False
+
+    def _groups(self) -> list:
+        """A unit's own parameters, one group per unit; each shared parameter its own."""
+        uses: dict[int, list[int]] = {}
+        for k, unit in enumerate(self.units):
+            for p in unit.parameters():
+                uses.setdefault(id(p), []).append(k)
+        missing = [p for p in self.params if id(p) not in uses]
+        if missing:
+            raise ValueError(f"ZeRO-3 gathers parameters layer by layer: {len(missing)} parameter(s) belong to no "
+                             "layer of model.named_layers()")
+        by_unit: dict[int, list] = {}
+        shared = []
+        for p in self.params:
+            (shared.append(p) if len(uses[id(p)]) > 1 else by_unit.setdefault(uses[id(p)][0], []).append(p))
+        specs = [(ps, k, k) for k, ps in sorted(by_unit.items())]
+        specs += [([p], min(uses[id(p)]), max(uses[id(p)])) for p in shared]
+        specs.sort(key=lambda s: (s[1], s[2]))
+        P, r = self.comm.size, self.comm.rank
+        groups = []
+        for params, first, last in specs:
+            offs = offsets(params)
+            bounds = chunk_bounds(int(offs[-1]), P)
+            whole = np.concatenate([p.data.reshape(-1) for p in params])
+            data = whole[bounds[r] : bounds[r + 1]].copy()
+            groups.append(_Group(params, first, last, offs, bounds, data, np.zeros_like(data), self.comm.dup(),
+                                 self.comm.dup()))
+        return groups
+
+    def _shard_optimizer(self, full, opt_params):
+        """The optimizer over my chunks; ``self.pieces`` places them in the flat layout of
+        the optimizer's order (checkpoints' coordinates)."""
+        group_of = {id(p): (g, i) for g in self.groups for i, p in enumerate(g.params)}
+        opt_offsets = offsets(opt_params)
+        opt_index = {id(p): i for i, p in enumerate(opt_params)}
+        r = self.comm.rank
+        self.pieces = []
+
+        def views(p):
+            g, i = group_of[id(p)]
+            lo, hi = max(int(g.bounds[r]), int(g.offsets[i])), min(int(g.bounds[r + 1]), int(g.offsets[i + 1]))
+            if lo >= hi:
+                return None
+            base = int(opt_offsets[opt_index[id(p)]]) - int(g.offsets[i])
+            self.pieces.append((opt_index[id(p)], lo + base, hi + base))
+            at = lo - int(g.bounds[r])
+            return g.data[at : at + hi - lo], g.grad[at : at + hi - lo]
+
+        return full.over(views)
+
+    # --------------------------------------------------------- gather, free
+    def _start_gather(self, g: _Group) -> None:
+        if g.whole is not None:
+            return
+        r = self.comm.rank
+        g.whole = np.empty(int(g.offsets[-1]), dtype=g.data.dtype)  # (n,)
+        g.whole[g.bounds[r] : g.bounds[r + 1]] = g.data
+        if self.algorithm == "ring":
+            g.gathering = Ring(g.comm, g.whole, ("allgather",))
+        else:
+            g.gathering = g.comm.iallgather_array(g.whole, np.diff(g.bounds))
+
+    def _gather(self, k: int, ahead: int) -> None:
+        """Unit ``k``'s groups whole (waiting for them), and unit ``ahead``'s on their way."""
+        tick = time.perf_counter()
+        for g in self.unit_groups[k]:
+            self._start_gather(g)
+        if self.prefetch and 0 <= ahead < len(self.units):
+            for g in self.unit_groups[ahead]:
+                self._start_gather(g)
+        for g in self.unit_groups[k]:
+            if g.gathering is not None:
+                g.gathering.wait()
+                g.gathering = None
+                for p, lo, hi in zip(g.params, g.offsets[:-1], g.offsets[1:]):
+                    p.data = g.whole[lo:hi].reshape(p.shape)
+        self.seconds += time.perf_counter() - tick
+
+    def _free(self, g: _Group) -> None:
+        for p in g.params:
+            p.data = np.broadcast_to(np.array(np.nan, dtype=g.data.dtype), p.shape)  # no memory
+        g.whole = None
+
+    def _release(self, k: int, forward: bool) -> None:
+        """After unit ``k``: free the groups no later unit needs in this pass."""
+        for g in self.unit_groups[k]:
+            if (g.last if forward else g.first) == k:
+                self._free(g)
+
+    def _call(self, unit, x, *args, **kwargs):
+        """A unit's call: one recorded node while training; gathered and freed around a
+        plain call in evaluation."""
+        k = self._unit_index[id(unit)]
+        if self._whole:  # inside whole_model(): every parameter is there
+            return unit.forward(x, *args, **kwargs)
+        if not is_grad_enabled():
+            self._gather(k, ahead=k + 1)
+            out = unit.forward(x, *args, **kwargs)
+            self._release(k, forward=True)
+            return out
+        return _Unit.apply(as_tensor(x), *unit.parameters(), unit=unit, k=k, zero=self)
+
+    # ------------------------------------------------------------- gradients
+    def _reduce(self, k: int, grads: dict) -> None:
+        """Add unit ``k``'s gradients into its groups' whole gradients; reduce-scatter
+        those whose first unit this is (the last backward use) and free them."""
+        for g in self.unit_groups[k]:
+            if g.grads is None:
+                g.grads = np.zeros(int(g.offsets[-1]), dtype=g.data.dtype)  # (n,)
+            for p, lo, hi in zip(g.params, g.offsets[:-1], g.offsets[1:]):
+                d = grads.get(id(p))
+                if d is not None:
+                    g.grads[lo:hi] += d.reshape(-1)
+            if g.first == k:
+                if self.algorithm == "ring":
+                    self._drain(g)  # a ring's messages must not meet the previous micro-batch's
+                    g.reducing.append((Ring(g.rs_comm, g.grads, ("reduce_scatter",)), g.grads, None))
+                else:
+                    recv = np.empty_like(g.grad)
+                    g.reducing.append((g.rs_comm.ireduce_scatter(g.grads, recv, np.diff(g.bounds)), g.grads, recv))
+                g.grads = None
+        self._release(k, forward=False)
+
+    def _drain(self, g: _Group) -> None:
+        """Wait for the group's reduce-scatters in flight; add my chunk of each into the shard."""
+        r = self.comm.rank
+        for request, send, recv in g.reducing:
+            request.wait()
+            g.grad += send[g.bounds[r] : g.bounds[r + 1]] if recv is None else recv
+        g.reducing.clear()
+
+    def finish(self) -> None:
+        tick = time.perf_counter()
+        for g in self.groups:
+            self._drain(g)
+            g.grad *= 1.0 / self.comm.size
+        self.seconds += time.perf_counter() - tick
+
+    def no_sync(self):
+        """Every backward reduce-scatters its gradients (the parameters are gathered
+        again for each anyway): nothing to hold back."""
+        return contextlib.nullcontext()
+
+    def begin_step(self) -> bool:
+        return True
+
+    def step(self, lr: float | None = None, grad_clip: float = 0.0) -> float:
+        """Clip by the global norm, update my shard; returns the norm (nan: no clipping)."""
+        norm = float("nan")
+        if grad_clip > 0:
+            squares = np.array([sum(float(np.dot(g.grad.astype(np.float64), g.grad)) for g in self.groups)])
+            self.comm.allreduce(squares)
+            norm = math.sqrt(squares[0])
+            if math.isfinite(norm) and norm > grad_clip:
+                for g in self.groups:
+                    g.grad *= grad_clip / (norm + 1e-6)
+        if lr is not None:
+            self.optimizer.set_lr(lr)
+        self.optimizer.step()
+        return norm
+
+    def zero_grad(self) -> None:
+        for g in self.groups:
+            g.grad.fill(0)
+
+    # ------------------------------------------------------------ the rest
+    def whole_parameters(self) -> list[np.ndarray]:
+        """Every parameter gathered (a collective: every rank calls it), in model order."""
+        r = self.comm.rank
+        out = {}
+        for g in self.groups:
+            whole = np.empty(int(g.offsets[-1]), dtype=g.data.dtype)
+            whole[g.bounds[r] : g.bounds[r + 1]] = g.data
+            g.comm.allgather_array(whole, np.diff(g.bounds))
+            for p, lo, hi in zip(g.params, g.offsets[:-1], g.offsets[1:]):
+                out[id(p)] = whole[lo:hi].reshape(p.shape)
+        return [out[id(p)] for p in self.params]
+
+    def check_replicas(self) -> str:
+        return replicas.check_same(self.comm, self.whole_parameters())
+
+    @contextlib.contextmanager
+    def whole_model(self):
+        """Inside, every parameter whole in ``.data`` (gathered; a collective); on the way
+        out my chunk of what they then hold becomes my shard, and they are freed. A
+        checkpoint is saved and loaded inside."""
+        for g in self.groups:
+            self._start_gather(g)
+        for k in range(len(self.units)):
+            self._gather(k, ahead=-1)
+        self._whole = True
+        try:
+            yield
+        finally:
+            self._whole = False
+            r = self.comm.rank
+            for g in self.groups:
+                np.copyto(g.data, g.whole[g.bounds[r] : g.bounds[r + 1]])
+                self._free(g)
+
+    def sync_buffers(self) -> None:
+        replicas.average(self.comm, [b for _, b in self.model.named_buffers()])
+
+    def state_pieces(self, offsets):
+        return self.optimizer, self.pieces, True
+
+    def state_bytes(self) -> int:
+        return sum(v.nbytes for s in self.optimizer.state.values() for v in s.values()
+                   if isinstance(v, np.ndarray))
+
+    def model_state_bytes(self) -> int:
+        """Parameter, gradient and optimizer-state bytes this rank keeps between steps."""
+        return sum(g.data.nbytes + g.grad.nbytes for g in self.groups) + self.state_bytes()
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.comm.stats.bytes_sent + sum(g.comm.stats.bytes_sent + g.rs_comm.stats.bytes_sent
+                                                for g in self.groups)
+
+    def comm_seconds(self) -> tuple[float, float]:
+        return self.seconds, self.seconds
+
+    def bytes_per_step(self, micro_batches: int = 1) -> float:
+        """The formula: two allgathers and a reduce-scatter of the parameters per pass."""
+        P = self.comm.size
+        return 3 * micro_batches * (P - 1) / P * sum(p.data.dtype.itemsize * p.size for p in self.params)
+
+    def describe(self) -> tuple[str, dict[str, str]]:
+        what = (f"zero3 over {self.comm.size} rank(s): parameters, gradients and optimizer state sharded in "
+                f"{len(self.groups)} group(s) over {len(self.units)} layer(s), gathered layer by layer "
+                f"({self.algorithm}); {self.bytes_per_step() / 1e6:.2f} MB sent per rank per step")
+        return what, {"finish": "gradient reduce-scatter"}
+
+    def close(self) -> None:
+        for g in self.groups:
+            g.comm.free()
+            g.rs_comm.free()
+        for unit in self.units:
+            unit.call_through(None)
