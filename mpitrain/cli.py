@@ -1,5 +1,5 @@
 """The ``mpitrain`` command: ``train``, ``report``, ``data download | build | verify | info``,
-``bench step | io | allreduce | ddp | ps | pipeline | tensor``, ``cluster``.
+``bench step | memory | io | allreduce | ddp | ps | pipeline | tensor``, ``cluster``.
 
 Commands that may run under ``mpiexec`` (``train``, ``bench io``) start MPI through
 :func:`mpitrain.comm.world`. Errors about the input (config, data) are raised on every
@@ -343,6 +343,13 @@ def _bench_step(args) -> int:
     return 0
 
 
+def _bench_memory(args) -> int:
+    from mpitrain.bench import memory
+
+    memory.run(ranks=args.ranks, syncs=args.syncs, as_json=args.json)
+    return 0
+
+
 def _thread_level_option(p: argparse.ArgumentParser) -> None:
     # the constant only: importing comm starts no MPI
     from mpitrain.comm import THREAD_LEVELS
@@ -426,6 +433,16 @@ def _bench_parsers(commands) -> None:
     p.add_argument("--no-torch", action="store_true",
                    help="leave out PyTorch's equivalent steps, which run when PyTorch is importable")
     p.set_defaults(run=_bench_step)
+    p = benches.add_parser("memory", help="model state per rank of ddp and ZeRO stages 1-3 vs. the formulas "
+                                          "(not under mpiexec: it starts its own ranks)",
+                           description="Train the reference GPT for three steps with each gradient sync on "
+                                       "each number of ranks, tracing the heap, and print the model state "
+                                       "each rank holds, measured, counted and by ZeRO's formula.")
+    p.add_argument("--ranks", type=_positive, nargs="+", default=[1, 2, 4], help="values of P (default 1 2 4)")
+    p.add_argument("--syncs", nargs="+", default=["ddp", "zero1", "zero2", "zero3"],
+                   choices=["ddp", "zero1", "zero2", "zero3"], help="the gradient syncs (default: all four)")
+    p.add_argument("--json", action="store_true", help="print every rank's figures as JSON instead")
+    p.set_defaults(run=_bench_memory)
     p = benches.add_parser("io", help="shard reader vs. raw sequential read (run under mpiexec -n 2)",
                            description="Read a shard set's training split through the reader with 1 and 2 "
                                        "ranks, uncompressed and gzip, from the page cache and from the "

@@ -96,6 +96,12 @@ class Optimizer:
             buf = self._buffer = np.empty(max(like.size, 0 if buf is None else buf.size), like.dtype)
         return buf[: like.size].reshape(like.shape)
 
+    def memory(self) -> tuple[int, int]:
+        """(bytes of optimizer state, bytes of the reusable work array)."""
+        state = sum(v.nbytes for s in self.state.values() for v in s.values() if isinstance(v, np.ndarray))
+        work = getattr(self, "_buffer", None)
+        return state, 0 if work is None else work.nbytes
+
     def state_dict(self) -> dict:
         return {
             "step": self.step_count,

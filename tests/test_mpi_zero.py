@@ -1,6 +1,8 @@
 """MPI tier: ZeRO-2 and ZeRO-3 equal data parallelism (AdamW, clipping, micro-batches;
 ZeRO-2's both ways), keep only their shards, and send the bytes of their formulas."""
 
+import shutil
+
 import numpy as np
 import pytest
 from test_mpi_parallel import STEPS, B, batches, build, loss_of, world
@@ -182,5 +184,25 @@ def test_zero3_sends_3_p_minus_1_over_p_and_keeps_16_over_p(algorithm):
         assert abs(total - 3 * per_step) < P * 3 * 3 * len(z.groups)
     assert all(p.data.strides == (0,) * p.ndim for p in model.parameters())  # placeholders: no memory
     pieces = sum(len(g["params"]) for g in z.optimizer.param_groups)
-    assert z.model_state_bytes() - pieces * 8 == pytest.approx(2 * 16 * n / P, abs=32 * len(z.groups))
+    m = z.memory()
+    state = m["param_bytes"] + m["grad_bytes"] + m["optim_bytes"] - pieces * 8  # less the pieces' step counts
+    assert state == pytest.approx(2 * 16 * n / P, abs=32 * len(z.groups))
     z.close()
+
+
+@pytest.mark.skipif(shutil.which("mpiexec") is None, reason="needs mpiexec (pip install mpich)")
+def test_bench_memory_measures_each_stages_formula():
+    """Unit tier (it starts its own ranks): on 2 ranks the heap each rank holds between
+    steps is its sync's formula (16, 8 + 8/P, 4 + 12/P, 16/P bytes per parameter) within
+    5%, and the arrays counted by category are the formula's to the byte, less the
+    optimizer's per-piece step counts."""
+    from mpitrain.bench import memory
+
+    rows = memory.run(ranks=(2,), as_json=True, log=lambda *a: None)
+    assert {(r["sync"], r["rank"]) for r in rows} == {(s, r) for s in memory.SYNCS for r in (0, 1)}
+    for r in rows:
+        formula = memory.FORMULA[r["sync"]](2) * r["parameters"]
+        measured = r["rest"] - r["work_bytes"]
+        assert formula <= measured <= 1.05 * formula, r
+        counted = r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"]
+        assert abs(counted - formula) <= 8 * 200 + 4 * len(memory.SYNCS), r  # step counts; chunk rounding

@@ -307,6 +307,12 @@ class DataParallel:
         """The model's parameters are whole in ``.data`` already: nothing to gather."""
         return contextlib.nullcontext()
 
+    def memory(self) -> dict:
+        """Bytes this rank keeps between steps (``mpitrain bench memory``): parameters,
+        gradients, optimizer state and the optimizer's work array."""
+        state, work = self.optimizer.memory()
+        return {"param_bytes": sum(p.data.nbytes for p in self.params), "grad_bytes": sum(b.flat.nbytes for b in self.buckets), "optim_bytes": state, "work_bytes": work}
+
     def sync_buffers(self) -> None:
         """Average floating buffers (batch-norm running statistics) over ranks."""
         replicas.average(self.comm, [b for _, b in self.model.named_buffers()])

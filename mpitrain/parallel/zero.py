@@ -98,7 +98,6 @@ class Zero1:
         self.bounds = chunk_bounds(n, P)  # shard r is [bounds[r], bounds[r + 1])
         self.counts = np.diff(self.bounds)
         self.lo, self.hi = int(self.bounds[r]), int(self.bounds[r + 1])
-        self.grad_shard = np.empty(self.hi - self.lo, dtype=dtype)  # MPI's reduce-scatter lands here
         self.optimizer = self._shard_optimizer(optimizer)
 
     def _shard_optimizer(self, full):
@@ -125,8 +124,9 @@ class Zero1:
             if self.algorithm == "ring":
                 Ring(self.comm, self.flat_grads, ("reduce_scatter",)).wait()
             else:
-                self.comm.reduce_scatter(self.flat_grads, self.grad_shard, self.counts)
-                self.flat_grads[self.lo : self.hi] = self.grad_shard
+                shard = np.empty(self.hi - self.lo, dtype=self.flat_grads.dtype)  # for this call only
+                self.comm.reduce_scatter(self.flat_grads, shard, self.counts)
+                self.flat_grads[self.lo : self.hi] = shard
             self.flat_grads[self.lo : self.hi] *= 1.0 / P
         norm = _clip(self.comm, self.flat_grads[self.lo : self.hi], grad_clip)
         if lr is not None:
@@ -162,6 +162,12 @@ class Zero1:
     def whole_model(self):
         """The model's parameters are whole in ``.data`` already: nothing to gather."""
         return contextlib.nullcontext()
+
+    def memory(self) -> dict:
+        """Bytes this rank keeps between steps (``mpitrain bench memory``): parameters,
+        gradients, optimizer state and the optimizer's work array."""
+        state, work = self.optimizer.memory()
+        return {"param_bytes": self.flat_params.nbytes, "grad_bytes": self.flat_grads.nbytes, "optim_bytes": state, "work_bytes": work}
 
     def sync_buffers(self) -> None:
         """Average floating buffers (batch-norm running statistics) over ranks; each
@@ -437,6 +443,12 @@ class Zero2:
     def whole_model(self):
         """The model's parameters are whole in ``.data`` already: nothing to gather."""
         return contextlib.nullcontext()
+
+    def memory(self) -> dict:
+        """Bytes this rank keeps between steps (``mpitrain bench memory``): parameters,
+        gradients, optimizer state and the optimizer's work array."""
+        state, work = self.optimizer.memory()
+        return {"param_bytes": self.flat_params.nbytes, "grad_bytes": self.grad_shard.nbytes, "optim_bytes": state, "work_bytes": work}
 
     def sync_buffers(self) -> None:
         replicas.average(self.comm, [b for _, b in self.model.named_buffers()])

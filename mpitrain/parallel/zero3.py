@@ -343,6 +343,12 @@ class Zero3:
                 np.copyto(g.data, g.whole[g.bounds[r] : g.bounds[r + 1]])
                 self._free(g)
 
+    def memory(self) -> dict:
+        """Bytes this rank keeps between steps (``mpitrain bench memory``): parameters,
+        gradients, optimizer state and the optimizer's work array."""
+        state, work = self.optimizer.memory()
+        return {"param_bytes": sum(g.data.nbytes for g in self.groups), "grad_bytes": sum(g.grad.nbytes for g in self.groups), "optim_bytes": state, "work_bytes": work}
+
     def sync_buffers(self) -> None:
         replicas.average(self.comm, [b for _, b in self.model.named_buffers()])
 
@@ -352,10 +358,6 @@ class Zero3:
     def state_bytes(self) -> int:
         return sum(v.nbytes for s in self.optimizer.state.values() for v in s.values()
                    if isinstance(v, np.ndarray))
-
-    def model_state_bytes(self) -> int:
-        """Parameter, gradient and optimizer-state bytes this rank keeps between steps."""
-        return sum(g.data.nbytes + g.grad.nbytes for g in self.groups) + self.state_bytes()
 
     @property
     def bytes_sent(self) -> int:

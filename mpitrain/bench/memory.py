@@ -1,0 +1,133 @@
+"""``mpitrain bench memory``: the model state each rank holds, measured, against ZeRO's
+formulas (Rajbhandari et al., SC 2020).
+
+For each gradient sync (``ddp``, ``zero1``, ``zero2``, ``zero3``) and each number of
+ranks ``P`` (1, 2 and 4 by default) it starts ``mpiexec -n P`` on :func:`worker`, which
+trains the nanoGPT-sized GPT of ``bench step`` (0.8 M parameters, float32, AdamW,
+clipping, global batch 12) for three steps with ``tracemalloc`` tracing every NumPy
+buffer, and reports per rank:
+
+* **model state, measured**: the heap held between steps (the batch, activations and
+  gradients in flight freed) above its level before the model was built;
+* the same **counted** from the arrays the sync keeps (``sync.memory()``): parameters,
+  gradients, optimizer state, and the optimizer's one reusable work array, which is
+  not model state but is held too;
+* the **formula**: bytes per parameter with Adam in float32, ``16`` (ddp), ``8 + 8/P``
+  (zero1), ``4 + 12/P`` (zero2), ``16/P`` (zero3), times the parameters;
+* **step peak**: the most the heap held during a step, above the same level: activations,
+  gradients before their exchange, buffers in flight, on top of the model state.
+
+The table shows the largest rank's figures and measured / formula; ``--json`` prints
+them all. The measured state leaves out the work array (counted, shown beside it).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import subprocess
+import sys
+import tracemalloc
+
+import numpy as np
+
+SYNCS = ("ddp", "zero1", "zero2", "zero3")
+FORMULA = {  # bytes per float32 parameter with Adam on P ranks
+    "ddp": lambda P: 16.0, "zero1": lambda P: 8 + 8 / P, "zero2": lambda P: 4 + 12 / P, "zero3": lambda P: 16 / P,
+}
+BATCH = 12
+
+
+def _syncs() -> dict:
+    """The sync classes by name (imported before tracing starts: a module's import is
+    heap too, and not the model's)."""
+    from mpitrain.parallel.data_parallel import DataParallel
+    from mpitrain.parallel.zero import Zero1, Zero2
+    from mpitrain.parallel.zero3 import Zero3
+
+    return {"ddp": lambda model, opt, comm: DataParallel(model, comm, optimizer=opt),
+            "zero1": Zero1, "zero2": Zero2, "zero3": Zero3}
+
+
+def worker(name: str) -> None:
+    """One rank's measurement (under mpiexec); rank 0 prints every rank's as JSON."""
+    from mpitrain import nn, optim, rng
+    from mpitrain.comm import world
+    from mpitrain.runtime import limit_blas_threads
+
+    comm = world()
+    make = _syncs()[name]
+    with limit_blas_threads(1):
+        gc.collect()
+        tracemalloc.start()
+        base = tracemalloc.get_traced_memory()[0]
+        rng.manual_seed(0)
+        model = nn.GPT(nn.GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128))
+        opt = optim.AdamW(optim.decay_groups(model.named_parameters(), 0.1), lr=1e-3, betas=(0.9, 0.99))
+        sync = make(model, opt, comm)
+        n = sum(p.size for p in model.parameters())
+        b = BATCH // comm.size
+        tokens = np.random.default_rng(comm.rank).integers(0, 65, (b, 65))
+
+        def step():
+            _, loss = model(tokens[:, :-1], tokens[:, 1:])
+            loss.backward()
+            sync.finish()
+            sync.step(1e-3, 1.0)
+            sync.zero_grad()
+
+        step()
+        step()  # the optimizer's state and work array exist from the first step on
+        gc.collect()
+        rest = tracemalloc.get_traced_memory()[0] - base
+        tracemalloc.reset_peak()
+        step()
+        peak = tracemalloc.get_traced_memory()[1] - base
+        counted = sync.memory()
+        tracemalloc.stop()
+        sync.close()
+    mine = {"sync": name, "ranks": comm.size, "rank": comm.rank, "parameters": n, "rest": rest, "peak": peak,
+            **counted}
+    rows = comm.gather(mine)
+    if comm.rank == 0:
+        print(json.dumps(rows), flush=True)
+
+
+def run(ranks=(1, 2, 4), syncs=SYNCS, as_json: bool = False, log=print) -> list[dict]:
+    """Measure every sync at every rank count (each its own ``mpiexec``); print the table."""
+    from mpitrain.cluster import mpiexec
+
+    rows = []
+    for P in ranks:
+        for name in syncs:
+            cmd = [mpiexec(), "-n", str(P), sys.executable, "-m", "mpitrain.bench.memory", name]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+            if done.returncode != 0:
+                raise SystemExit(f"mpitrain bench memory: {name} on {P} rank(s) failed:\n{done.stderr[-2000:]}")
+            rows += json.loads(done.stdout.strip().splitlines()[-1])
+    if as_json:
+        log(json.dumps(rows))
+    else:
+        _table(rows, log)
+    return rows
+
+
+def _table(rows: list[dict], log) -> None:
+    log("mpitrain bench memory: GPT 4L/4H/128C, float32, AdamW; MB per rank (the largest rank's)")
+    log(f"{'sync':6s} {'P':>2s} | {'params':>7s} {'grads':>7s} {'optim':>7s} {'work':>6s} | "
+        f"{'measured':>8s} {'formula':>8s} {'ratio':>6s} | {'B/param':>7s} | {'step peak':>9s}")
+    for key in sorted({(r["ranks"], r["sync"]) for r in rows}, key=lambda k: (k[0], SYNCS.index(k[1]))):
+        P, name = key
+        mine = [r for r in rows if (r["ranks"], r["sync"]) == key]
+        top = max(mine, key=lambda r: r["rest"])
+        n = top["parameters"]
+        measured = top["rest"] - top["work_bytes"]
+        formula = FORMULA[name](P) * n
+        log(f"{name:6s} {P:2d} | {top['param_bytes'] / 1e6:7.3f} {top['grad_bytes'] / 1e6:7.3f} "
+            f"{top['optim_bytes'] / 1e6:7.3f} {top['work_bytes'] / 1e6:6.3f} | {measured / 1e6:8.3f} "
+            f"{formula / 1e6:8.3f} "
+            f"{measured / formula:6.3f} | {measured / n:7.2f} | {top['peak'] / 1e6:9.3f}")
+
+
+if __name__ == "__main__":
+    worker(sys.argv[1])
