@@ -555,8 +555,6 @@ def _check_pipeline(cfg: Config, pp: int) -> None:
     if par.schedule == "interleaved" and par.chunks < 2:
         raise ConfigError("parallel.chunks: the interleaved schedule needs 2 or more model chunks per rank "
                           f"(got {par.chunks}; with one it is 1F1B: parallel.schedule = '1f1b')")
-    if cfg.model.checkpoint_activations:
-        raise ConfigError("model.checkpoint_activations: not available on pipeline stages yet (parallel.pp > 1)")
     if par.progress == "thread" and par.thread_level not in ("auto", "multiple"):
         raise ConfigError(f"parallel.thread_level: a pipeline's sends and the communication thread call MPI at "
                           f"the same time (parallel.progress = 'thread'): 'multiple' is needed, got "
@@ -587,8 +585,6 @@ def _check_tensor(cfg: Config, sizes: dict) -> None:
         raise ConfigError(f"parallel.thread_level: the slices' collectives and the communication thread call MPI "
                           f"at the same time (parallel.progress = 'thread'): 'multiple' is needed, got "
                           f"{par.thread_level!r}")
-    if cfg.model.checkpoint_activations:
-        raise ConfigError("model.checkpoint_activations: not available with tensor slicing yet (parallel.tp > 1)")
     if par.sequence_parallel and cfg.model.block_size % tp:
         raise ConfigError(f"parallel.sequence_parallel: model.block_size {cfg.model.block_size} does not split over "
                           f"{tp} tensor-parallel ranks")

@@ -193,8 +193,6 @@ def test_parameter_server_rank_checks(ranks, overrides, message):
      "train.micro_batches: the interleaved schedule needs a multiple of the 2 pipeline stages"),
     (2, ["parallel.pp=2", "parallel.schedule=interleaved"], "parallel.chunks: the interleaved schedule needs 2 or "
                                                             "more model chunks per rank"),
-    (2, ["parallel.pp=2", "model.name=gpt", "data.name=shakespeare", "model.checkpoint_activations=true"],
-     "model.checkpoint_activations: not available on pipeline stages yet"),
     (4, ["parallel.pp=2", "parallel.progress=thread", "parallel.thread_level=serialized"],
      "parallel.thread_level: a pipeline's sends and the communication thread call MPI at the same time"),
     (5, [], "train.global_batch_size: 12 is not divisible by the 5 ranks of this job"),

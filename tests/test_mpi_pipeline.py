@@ -355,3 +355,32 @@ def test_a_cnn_cut_into_stages_trains_as_one_process():
     assert piped.test_accuracy == one.test_accuracy
     assert piped.test_loss == pytest.approx(one.test_loss, rel=1e-12)
     assert_close(checkpoint.path_for(mine, 8), checkpoint.path_for(d.parent / "lenet-pp", 8), rtol=1e-11, floor=1e-6)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("layout", [["parallel.pp=2", "train.micro_batches=4"],
+                                    ["parallel.pp=2", "train.micro_batches=2", "parallel.schedule=zb-h1"],
+                                    ["parallel.tp=2"], ["parallel.tp=2", "parallel.sequence_parallel=true"]],
+                         ids=["pp 1f1b", "pp zb-h1", "tp", "tp sequence-parallel"])
+def test_activation_checkpointing_on_stages_and_slices_equals_one_process(layout):
+    """``model.checkpoint_activations`` on pipeline stages and on sliced blocks (dropout
+    on, float64): the parameters of one process that keeps its activations, to 1e-11."""
+    from test_checkpoint import assert_close
+    from test_mpi_data import shared_data
+
+    from mpitrain import checkpoint, train
+    from mpitrain.comm import SingleComm
+
+    comm = world()
+    if comm.size % 2:
+        pytest.skip("the layouts take ranks in pairs")
+    d = shared_data(comm, make=text_set)
+    root = d.parent
+    name = "-".join(layout).replace("=", "")
+    run = train.train(gpt_cfg(d, root / f"ckpt{name}", "model.checkpoint_activations=true", *layout),
+                      log=lambda *a: None, comm=comm)
+    mine = root / f"plain{name}-{comm.rank}"
+    micro = [o for o in layout if o.startswith("train.micro_batches")]
+    one = train.train(gpt_cfg(d, mine, *micro), log=lambda *a: None, comm=SingleComm())
+    assert run.val_loss == pytest.approx(one.val_loss, rel=1e-11)
+    assert_close(checkpoint.path_for(mine, 12), checkpoint.path_for(root / f"ckpt{name}", 12), rtol=1e-11, floor=1e-6)

@@ -30,7 +30,7 @@ class _Checkpoint(Function):
         self.module, self.x = module, x
         self.rng_state = rng.snapshot()
         with no_grad():
-            return module(Tensor(x)).data
+            return module.forward(Tensor(x)).data
 
     def backward(self, g):
         x, out = replay(self.module, self.x, self.needs_input_grad[0], self.rng_state)
@@ -62,10 +62,18 @@ def checkpoint(module: Module, x):
     """``module(x)`` without storing its activations (recomputed in backward).
 
     ``x`` is one tensor and the module returns one tensor. Outside gradient recording
-    (evaluation) this is a plain call.
+    (evaluation) this is a plain call. The module's ``forward`` runs, not its call, so
+    that :func:`checkpointed` can route a module's calls here.
     """
     if not is_grad_enabled():
-        return module(x)
+        return module.forward(x)
     x = x if isinstance(x, Tensor) else Tensor(x)
     return _Checkpoint.apply(x, *module.parameters(), module=module)
 
+
+def checkpointed(module: Module) -> Module:
+    """Make every call of ``module`` a :func:`checkpoint` (``Module.call_through``): the
+    GPT's blocks with ``checkpoint_activations``, wherever they run (the whole model, a
+    pipeline stage, sliced over tensor-parallel ranks). Returns the module."""
+    module.call_through(checkpoint)
+    return module

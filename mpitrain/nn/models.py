@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpitrain import ops, rng
-from mpitrain.nn.checkpoint import checkpoint
+from mpitrain.nn.checkpoint import checkpointed
 from mpitrain.nn.layers import (
     BatchNorm2d, Conv2d, Dropout, Embedding, Flatten, GlobalAvgPool, LayerNorm, Linear,
     MaxPool2d, ReLU,
@@ -265,6 +265,9 @@ class GPT(Module):
         self.config = cfg
         self.embed = GPTEmbedding(cfg)
         self.blocks = ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        if cfg.checkpoint_activations:  # each block's activations recomputed in backward, wherever it runs
+            for block in self.blocks:
+                checkpointed(block)
         self.head = GPTHead(cfg, self.embed.wte.weight)
         self._init_weights()
 
@@ -297,7 +300,7 @@ class GPT(Module):
             x = self.embed(ids)
         for i, block in enumerate(self.blocks, 1):
             with rng.layer(i):
-                x = checkpoint(block, x) if self.config.checkpoint_activations else block(x)
+                x = block(x)  # checkpointed, with checkpoint_activations (__init__)
         with rng.layer(len(self.blocks) + 1):
             logits = self.head(x)
         if targets is None:

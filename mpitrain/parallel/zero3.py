@@ -136,6 +136,9 @@ class Zero3:
                              any(id(p) in {id(q) for q in u.parameters()} for p in g.params)]
                             for k, u in enumerate(self.units)]
         for k, unit in enumerate(self.units):
+            if unit._call_through is not None:
+                raise ValueError(f"ZeRO-3: layer {k}'s calls are routed already (activation checkpointing?); "
+                                 "ZeRO-3 replays every layer in backward itself")
             if self.unit_groups[k]:
                 unit.call_through(self._call)
         self._unit_index = {id(u): k for k, u in enumerate(self.units)}
