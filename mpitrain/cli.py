@@ -347,6 +347,9 @@ def _bench_memory(args) -> int:
     from mpitrain.bench import memory
 
     memory.run(ranks=args.ranks, syncs=args.syncs, as_json=args.json)
+    if not args.json:
+        print()
+        memory.activations()
     return 0
 
 

@@ -206,3 +206,14 @@ def test_bench_memory_measures_each_stages_formula():
         assert formula <= measured <= 1.05 * formula, r
         counted = r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"]
         assert abs(counted - formula) <= 8 * 200 + 4 * len(memory.SYNCS), r  # step counts; chunk rounding
+
+
+def test_bench_memory_activations_follow_their_formula_both_ways():
+    """Unit tier: the GPT's activations held after forward are the saved arrays' formula
+    within 2%, plain (L blocks' worth) and checkpointed (L block inputs)."""
+    from mpitrain.bench import memory
+
+    out = memory.activations(rounds=1, log=lambda *a: None)
+    for name in ("plain", "checkpointed"):
+        assert out[name]["formula"] <= out[name]["held"] <= 1.02 * out[name]["formula"], (name, out[name])
+    assert out["checkpointed"]["held"] < 0.1 * out["plain"]["held"]

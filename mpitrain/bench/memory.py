@@ -19,6 +19,20 @@ buffer, and reports per rank:
 
 The table shows the largest rank's figures and measured / formula; ``--json`` prints
 them all. The measured state leaves out the work array (counted, shown beside it).
+
+Then, in this process, the **activations** one rank's GPT holds after its forward (the
+heap after forward above the heap before, the logits dropped: what backward will read),
+with and without ``checkpoint_activations``, against the formula of this
+implementation's saved arrays, ``s`` bytes per number, ``N = B T`` rows (12 x 64):
+
+* a block keeps ``(16 N C + B H T^2 + 2 N) s``: per sublayer the layer norm's normalised
+  input and output (2 N C) and inverse deviations (N); attention's q, k, v (3 N C), its
+  probabilities (B H T^2) and output (N C); the MLP's GELU output and derivative (8 N C);
+* checkpointed, a block keeps its input only, ``N C s``, and rebuilds the rest in backward;
+* the embedding and head keep ``(2 N C + N + N V) s`` either way (the final norm's, and
+  the cross-entropy's probabilities);
+
+and the training step's time both ways (medians of interleaved rounds).
 """
 
 from __future__ import annotations
@@ -91,6 +105,65 @@ def worker(name: str) -> None:
     rows = comm.gather(mine)
     if comm.rank == 0:
         print(json.dumps(rows), flush=True)
+
+
+def activations(rounds: int = 5, log=print) -> dict:
+    """Activations held after forward, plain and checkpointed, against the formula; step
+    times side by side (one process, one BLAS thread)."""
+    import time
+
+    from mpitrain import nn, optim, rng
+    from mpitrain.runtime import limit_blas_threads
+
+    B, T, L, H, C, V = BATCH, 64, 4, 4, 128, 65
+    N, s = B * T, 4
+    block = (16 * N * C + B * H * T * T + 2 * N) * s
+    ends = (2 * N * C + N + N * V) * s
+    out = {}
+    with limit_blas_threads(1):
+        tokens = np.random.default_rng(0).integers(0, V, (B, T + 1))
+        steps = {}
+        for ckpt in (False, True):
+            rng.manual_seed(0)
+            model = nn.GPT(nn.GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C,
+                                        checkpoint_activations=ckpt))
+            opt = optim.AdamW(optim.decay_groups(model.named_parameters(), 0.1), lr=1e-3)
+            model(tokens[:, :-1], tokens[:, 1:])  # caches filled before tracing
+            gc.collect()
+            tracemalloc.start()
+            before = tracemalloc.get_traced_memory()[0]
+            loss = model(tokens[:, :-1], tokens[:, 1:])[1]  # the logits dropped at once
+            gc.collect()
+            held = tracemalloc.get_traced_memory()[0] - before
+            tracemalloc.stop()
+            loss.backward()
+            opt.zero_grad()
+
+            def step(model=model, opt=opt):
+                model(tokens[:, :-1], tokens[:, 1:])[1].backward()
+                opt.step()
+                opt.zero_grad()
+
+            steps[ckpt] = step
+            formula = ends + L * (N * C * s if ckpt else block)
+            out["checkpointed" if ckpt else "plain"] = {"held": held, "formula": formula}
+        times = {ckpt: [] for ckpt in steps}
+        for _ in range(rounds):
+            for ckpt, step in steps.items():
+                tick = time.perf_counter()
+                step()
+                times[ckpt].append(time.perf_counter() - tick)
+    cost = float(np.median(np.divide(times[True], times[False])))
+    out["step_ms"] = {k: 1e3 * float(np.median(v)) for k, v in (("plain", times[False]), ("checkpointed", times[True]))}
+    log(f"activations held after forward (GPT {L}L/{H}H/{C}C, B={B} T={T}, float32), MB:")
+    for name in ("plain", "checkpointed"):
+        r = out[name]
+        log(f"  {name:12s} measured {r['held'] / 1e6:7.3f}  formula {r['formula'] / 1e6:7.3f}  "
+            f"ratio {r['held'] / r['formula']:.3f}  step {out['step_ms'][name]:6.1f} ms")
+    log(f"  checkpointing keeps {out['checkpointed']['held'] / out['plain']['held']:.2f} of the activations "
+        f"for x{cost:.2f} the step time (one more forward of each block)")
+    out["cost"] = cost
+    return out
 
 
 def run(ranks=(1, 2, 4), syncs=SYNCS, as_json: bool = False, log=print) -> list[dict]:
