@@ -217,3 +217,31 @@ def test_bench_memory_activations_follow_their_formula_both_ways():
     for name in ("plain", "checkpointed"):
         assert out[name]["formula"] <= out[name]["held"] <= 1.02 * out[name]["formula"], (name, out[name])
     assert out["checkpointed"]["held"] < 0.1 * out["plain"]["held"]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_the_zero_stages_are_bitwise_equal_in_float32_on_two_ranks():
+    """float32, AdamW with clipping, 2 ranks: ZeRO-1, -2 and -3 end with the same bits
+    (each sums a shard of two ranks' gradients, which is order-free, and clips by the
+    same shard-wise norm); ddp agrees to rounding only (its norm adds the squares in
+    another order)."""
+    from mpitrain.parallel.zero import Zero1, Zero2
+    from mpitrain.parallel.zero3 import Zero3
+
+    comm = world()
+    if comm.size != 2:
+        pytest.skip("a sum of two is order-free; of more, MPI's order may differ between the stages")
+    ends = []
+    for make in (lambda m, o: Zero1(m, o, comm), lambda m, o: Zero2(m, o, comm, bucket_cap_mb=1e-3),
+                 lambda m, o: Zero3(m, o, comm)):
+        model, opt = build("gpt", "float32", "adamw")
+        z = make(model, opt)
+        for x, y in batches("gpt", "float32"):
+            loss_of("gpt", model, x[comm.rank * 4 : comm.rank * 4 + 4], y[comm.rank * 4 : comm.rank * 4 + 4]).backward()
+            z.finish()
+            z.step(None, CLIP)
+            z.zero_grad()
+        ends.append(z.whole_parameters() if isinstance(z, Zero3) else [p.data.copy() for p in model.parameters()])
+        z.close()
+    for other in ends[1:]:
+        assert all(np.array_equal(a, b) for a, b in zip(ends[0], other))
