@@ -6,8 +6,9 @@ A config file has one table per section::
     [data]    name = "mnist5k" | "shakespeare" (embedded), or path = a shard directory
     [optim]   name = "sgd" | "adam" | "adamw", learning rate and schedule
     [train]   global_batch_size, steps or epochs, seed, evaluation and logging
-    [parallel] the grid dp x pp x tp, sync = "ddp" | "zero1" | "zero2" | "zero3" | "local" | "ps", allreduce, buckets, servers,
-              the pipeline schedule = "gpipe" | "1f1b" | "interleaved" | "zb-h1" and its chunks per rank
+    [parallel] the grid dp x pp x tp, sync = "ddp" | "zero1" | "zero2" | "zero3" | "local" | "ps", allreduce,
+              buckets, servers, the pipeline schedule = "gpipe" | "1f1b" | "interleaved" | "zb-h1" and its
+              chunks per rank
     [run]     the run directory: checkpoints, metrics; what to do on a non-finite loss; the progress bar
 
 Everything is validated before any work starts; the first problem raises
@@ -142,7 +143,8 @@ class ParallelConfig:
     schedule: str = "1f1b"  # pp > 1: the pipeline schedule: gpipe | 1f1b | interleaved | zb-h1
     chunks: int = 1  # pp > 1, schedule = "interleaved": model chunks per rank (virtual stages)
     sequence_parallel: bool = False  # tp > 1: layer norms and dropout on slices of the sequence (Korthikanti et al.)
-    sync: str = "ddp"  # how the dp ranks' gradients become one update: ddp | zero1 | zero2 | zero3 | local | ps (a role split)
+    # how the dp ranks' gradients become one update: ddp | zero1 | zero2 | zero3 | local | ps (a role split)
+    sync: str = "ddp"
     allreduce: str = "mpi"  # mpi: MPI's own collectives | ring: mpitrain's ring | hierarchical: node-aware (ddp)
     bucket_mb: float = 4.0  # ddp, zero2: gradient bucket size (an allreduce or reduce-scatter starts per full bucket)
     accumulate: str = "sharded"  # zero2 with micro-batches: reduce-scatter each (sharded) or their sum once (full)

@@ -92,7 +92,7 @@ class Zero1:
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         flat = Flat(self.params, data=True, what="ZeRO-1")
         self.flat_params, self.flat_grads, self.offsets = flat.data, flat.grad, flat.offsets  # (N,), (N,)
-        n, dtype = flat.data.size, flat.data.dtype
+        n = flat.data.size
         replicas.broadcast(dp_comm, [self.flat_params] + [b for _, b in model.named_buffers()])
         P, r = dp_comm.size, dp_comm.rank
         self.bounds = chunk_bounds(n, P)  # shard r is [bounds[r], bounds[r + 1])
@@ -167,7 +167,8 @@ class Zero1:
         """Bytes this rank keeps between steps (``mpitrain bench memory``): parameters,
         gradients, optimizer state and the optimizer's work array."""
         state, work = self.optimizer.memory()
-        return {"param_bytes": self.flat_params.nbytes, "grad_bytes": self.flat_grads.nbytes, "optim_bytes": state, "work_bytes": work}
+        return {"param_bytes": self.flat_params.nbytes, "grad_bytes": self.flat_grads.nbytes,
+                "optim_bytes": state, "work_bytes": work}
 
     def sync_buffers(self) -> None:
         """Average floating buffers (batch-norm running statistics) over ranks; each
@@ -427,39 +428,21 @@ class Zero2:
         self.total += seconds
         return norm
 
-    def begin_step(self) -> bool:
-        return True
-
     def zero_grad(self) -> None:
         self.grad_shard.fill(0)
         for p in self.params:
             p.grad = None
 
-    def state_pieces(self, offsets):
-        """For checkpoints: the optimizer of my shard, its pieces (parameter index, lo,
-        hi) in the optimizer order's flat coordinates, and True: every rank writes its own."""
-        return self.optimizer, self.pieces, True
-
-    def whole_model(self):
-        """The model's parameters are whole in ``.data`` already: nothing to gather."""
-        return contextlib.nullcontext()
-
     def memory(self) -> dict:
         """Bytes this rank keeps between steps (``mpitrain bench memory``): parameters,
         gradients, optimizer state and the optimizer's work array."""
         state, work = self.optimizer.memory()
-        return {"param_bytes": self.flat_params.nbytes, "grad_bytes": self.grad_shard.nbytes, "optim_bytes": state, "work_bytes": work}
+        return {"param_bytes": self.flat_params.nbytes, "grad_bytes": self.grad_shard.nbytes,
+                "optim_bytes": state, "work_bytes": work}
 
-    def sync_buffers(self) -> None:
-        replicas.average(self.comm, [b for _, b in self.model.named_buffers()])
-
-    def check_replicas(self) -> str:
-        return replicas.check_same(self.comm, [p.data for p in self.model.parameters()])
-
-    def state_bytes(self) -> int:
-        """Optimizer-state bytes held by this rank."""
-        return sum(v.nbytes for s in self.optimizer.state.values() for v in s.values()
-                   if isinstance(v, np.ndarray))
+    # as stage 1's: every rank writes its optimizer pieces; the parameters are whole
+    begin_step, state_pieces, whole_model = Zero1.begin_step, Zero1.state_pieces, Zero1.whole_model
+    sync_buffers, check_replicas, state_bytes = Zero1.sync_buffers, Zero1.check_replicas, Zero1.state_bytes
 
     @property
     def bytes_sent(self) -> int:

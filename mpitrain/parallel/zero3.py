@@ -246,6 +246,8 @@ class Zero3:
             out = unit.forward(x, *args, **kwargs)
             self._release(k, forward=True)
             return out
+        if args or kwargs:
+            raise TypeError(f"ZeRO-3 runs each layer on one input; layer {k} ({type(unit).__name__}) got more")
         return _Unit.apply(as_tensor(x), *unit.parameters(), unit=unit, k=k, zero=self)
 
     # ------------------------------------------------------------- gradients
@@ -350,7 +352,8 @@ class Zero3:
         """Bytes this rank keeps between steps (``mpitrain bench memory``): parameters,
         gradients, optimizer state and the optimizer's work array."""
         state, work = self.optimizer.memory()
-        return {"param_bytes": sum(g.data.nbytes for g in self.groups), "grad_bytes": sum(g.grad.nbytes for g in self.groups), "optim_bytes": state, "work_bytes": work}
+        return {"param_bytes": sum(g.data.nbytes for g in self.groups),
+                "grad_bytes": sum(g.grad.nbytes for g in self.groups), "optim_bytes": state, "work_bytes": work}
 
     def sync_buffers(self) -> None:
         replicas.average(self.comm, [b for _, b in self.model.named_buffers()])
