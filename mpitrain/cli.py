@@ -249,6 +249,8 @@ def _bench_ps(args) -> int:
 def _bench_ddp(args) -> int:
     from mpitrain.bench import ddp
 
+    if args.wire != "fp32" and "mpi" in (args.allreduce or ["mpi"]):
+        raise _usage(f"--wire {args.wire} needs --allreduce ring: MPI cannot add 16-bit numbers in fp32")
     if args.network is not None:
         return _bench_ddp_network(args)
     if args.mtu is not None:
@@ -260,7 +262,7 @@ def _bench_ddp(args) -> int:
     for algorithm in args.allreduce or ["mpi"]:
         figures[algorithm] = ddp.run(
             models=args.models or ["gpt", "wide"], rounds=args.rounds, steps=args.steps,
-            bucket_mb=4.0 if args.bucket_mb is None else args.bucket_mb, algorithm=algorithm,
+            bucket_mb=4.0 if args.bucket_mb is None else args.bucket_mb, algorithm=algorithm, wire=args.wire,
             warmup=ddp.WARMUP if args.warmup is None else args.warmup, log=print if comm.rank == 0 else lambda *a: None)
     if args.json and comm.rank == 0:
         Path(args.json).write_text(json.dumps(figures), encoding="utf-8")  # {algorithm: {model: figures}}
@@ -282,7 +284,8 @@ def _bench_ddp_network(args) -> int:
         raise _usage("--json is for one run; --network prints both runs side by side")
     bucket_mb = link_bucket_mb(args.network) if args.bucket_mb is None else args.bucket_mb
     options = ["--models", *(args.models or ["gpt", "gpt-ddp"]), "--rounds", str(args.rounds), "--steps",
-               str(args.steps), "--bucket-mb", f"{bucket_mb:.6g}", "--thread-level", args.thread_level]
+               str(args.steps), "--bucket-mb", f"{bucket_mb:.6g}", "--thread-level", args.thread_level,
+               "--wire", args.wire]
     if args.warmup is not None:
         options += ["--warmup", str(args.warmup)]
     try:
@@ -525,6 +528,8 @@ def _bench_ddp_parser(benches) -> None:
                         "(e.g. 1gbit; see mpitrain cluster: needs root), and print them side by side; "
                         "run it without mpiexec")
     p.add_argument("--mtu", type=int, help="with --network: the links' MTU (default 1500)")
+    p.add_argument("--wire", default="fp32", choices=("fp32", "bf16", "fp16"),
+                   help="the gradients' numbers on the wire, as parallel.wire (16-bit: with the ring only)")
     p.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON (rank 0)")
     _thread_level_option(p)
     p.set_defaults(run=_bench_ddp)

@@ -80,7 +80,7 @@ OPTIM_FIELDS = {
 TEXT_ONLY_TRAIN_FIELDS = {"eval_batches", "sample_tokens"}
 _PARALLEL_COMMON = {"dp", "pp", "tp", "sync", "thread_level", "schedule", "chunks", "sequence_parallel"}
 PARALLEL_FIELDS = {  # by parallel.sync
-    "ddp": _PARALLEL_COMMON | {"allreduce", "bucket_mb", "progress"},
+    "ddp": _PARALLEL_COMMON | {"allreduce", "bucket_mb", "progress", "wire"},
     "zero1": _PARALLEL_COMMON | {"allreduce"},
     "zero2": _PARALLEL_COMMON | {"allreduce", "bucket_mb", "accumulate"},
     "zero3": _PARALLEL_COMMON | {"allreduce"},
@@ -148,6 +148,7 @@ class ParallelConfig:
     allreduce: str = "mpi"  # mpi: MPI's own collectives | ring: mpitrain's ring | hierarchical: node-aware (ddp)
     bucket_mb: float = 4.0  # ddp, zero2: gradient bucket size (an allreduce or reduce-scatter starts per full bucket)
     accumulate: str = "sharded"  # zero2 with micro-batches: reduce-scatter each (sharded) or their sum once (full)
+    wire: str = "fp32"  # ddp with the ring: the gradients' numbers on the wire, fp32 | bf16 | fp16 (added in fp32)
     progress: str = "test"  # ddp: how buckets progress during backward: test | thread | none | off
     thread_level: str = "auto"  # MPI thread level: auto | single | funneled | serialized | multiple
     servers: int = 1  # ps: the first `servers` ranks are parameter servers, the others workers
@@ -453,6 +454,9 @@ def _validate_parallel(cfg: Config) -> None:
     _require(par.bucket_mb > 0, "parallel.bucket_mb", "must be > 0", par.bucket_mb)
     _require(par.accumulate in ("sharded", "full"), "parallel.accumulate", "must be 'sharded' or 'full'",
              par.accumulate)
+    _require(par.wire in ("fp32", "bf16", "fp16"), "parallel.wire", "must be 'fp32', 'bf16' or 'fp16'", par.wire)
+    _require(par.wire == "fp32" or par.allreduce == "ring", "parallel.wire",
+             "16-bit gradients on the wire need parallel.allreduce = 'ring' (MPI cannot add them in fp32)", par.wire)
     _require(par.sync != "zero3" or not cfg.model.checkpoint_activations, "model.checkpoint_activations",
              "ZeRO-3 (parallel.sync = 'zero3') replays every layer in backward already; leave it false",
              cfg.model.checkpoint_activations)

@@ -345,3 +345,44 @@ def test_the_trainers_micro_batches_equal_one_pass_on_p_ranks_and_one_process(sy
         a, b = arrays(four), arrays(one)
         assert not all(np.array_equal(a[k], b[k]) for k in a)  # the micro-batches did sum in another order
     comm.barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("wire,tolerance", [("bf16", 2.0**-8), ("fp16", 2.0**-11)])
+@pytest.mark.parametrize("n", [1, 1001, 65537])
+def test_the_ring_in_half_precision_sends_half_the_bytes_and_agrees_on_every_rank(wire, tolerance, n):
+    """16-bit numbers on the wire, added in float32: the same bits on every rank, half
+    the fp32 ring's bytes, the float64 sum to ``P`` roundings of the largest partial sum;
+    the two-rank exchange too."""
+    from mpitrain.comm.ring import Exchange, Ring, wire_dtype
+
+    comm = world().dup()
+    P, r = comm.size, comm.rank
+    x = np.random.default_rng(100 + r).standard_normal(n).astype(np.float32)
+    exact, size = x.astype(np.float64), np.abs(x).astype(np.float64)
+    comm.allreduce(exact)
+    comm.allreduce(size)  # the sum of magnitudes bounds every partial sum
+    requests = [lambda b, w: Ring(comm, b, wire=w)] + ([lambda b, w: Exchange(comm, b, w)] if P == 2 else [])
+    for start in requests:
+        half, full = x.copy(), x.copy()
+        before = comm.stats.bytes_sent
+        start(half, wire_dtype(wire)).wait()
+        middle = comm.stats.bytes_sent
+        start(full, None).wait()
+        assert 2 * (middle - before) == comm.stats.bytes_sent - middle
+        assert len(set(comm.allgather(half.tobytes()))) == 1
+        assert np.all(np.abs(half - exact) <= P * tolerance * size)
+    comm.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("wire", ["bf16", "fp16"])
+def test_ddp_with_half_precision_gradients_on_the_wire(wire):
+    """The replicas stay identical (train_dp checks), the bytes are half of fp32's, and
+    20 steps of AdamW end near the fp32 exchange's parameters."""
+    comm = world()
+    full, dp32 = train_dp("gpt", "float32", "adamw", comm, bucket_cap_mb=1e-3, algorithm="ring")
+    half, dp16 = train_dp("gpt", "float32", "adamw", comm, bucket_cap_mb=1e-3, algorithm="ring", wire=wire)
+    assert 2 * dp16.bytes_sent == dp32.bytes_sent
+    assert 2 * dp16.bytes_per_step() == dp32.bytes_per_step()
+    assert relative(half.parameters(), [p.data for p in full.parameters()]) <= 2e-2

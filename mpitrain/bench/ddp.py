@@ -54,7 +54,7 @@ import numpy as np
 from mpitrain import nn, optim, rng
 from mpitrain.cluster import Cluster, describe, mpiexec
 from mpitrain.comm import started_thread_level, world
-from mpitrain.comm.ring import allreduce, iallreduce
+from mpitrain.comm.ring import allreduce, iallreduce, wire_dtype
 from mpitrain.parallel.data_parallel import DataParallel
 from mpitrain.runtime import huge_page_heap, limit_blas_threads, tune_allocator
 
@@ -117,9 +117,9 @@ def _timed(comm, fn, steps: int, ranks: int, warmup: int = 0) -> list[float]:
     return np.max(comm.allgather(seconds.tolist()), axis=0).tolist()
 
 
-def _all_started(buckets, algorithm: str) -> None:
+def _all_started(buckets, algorithm: str, wire=None) -> None:
     """Every bucket's allreduce started, then all waited for."""
-    for request in [iallreduce(b.comm, b.flat, algorithm) for b in buckets]:
+    for request in [iallreduce(b.comm, b.flat, algorithm, wire) for b in buckets]:
         request.wait()
 
 
@@ -159,14 +159,16 @@ def _probe(comm, buckets, algorithm: str, allreduce_seconds: float, log) -> dict
 
 
 def run(models=("gpt", "wide"), rounds: int = 5, steps: int = 5, bucket_mb: float = 4.0, algorithm: str = "mpi",
-        warmup: int = WARMUP, log=print) -> dict:
+        warmup: int = WARMUP, wire: str = "fp32", log=print) -> dict:
     comm = world()
     if comm.size != 2:
         raise SystemExit("mpitrain bench ddp: run it under 'mpiexec -n 2'")
     tune_allocator()
     level = started_thread_level()
     progress = ["off", "test", "none"] + (["thread"] if level in ("serialized", "multiple") else [])
-    log(f"mpitrain bench ddp: 2 ranks, 1 BLAS thread each, MPI thread level {level}, {algorithm} allreduce, "
+    numbers = wire_dtype(wire)
+    log(f"mpitrain bench ddp: 2 ranks, 1 BLAS thread each, MPI thread level {level}, {algorithm} allreduce"
+        f"{'' if numbers is None else ' in ' + wire}, "
         f"buckets <= {bucket_mb:g} MB; median step of {rounds} rounds of {steps} after {warmup} untimed")
     out = {}
     with limit_blas_threads(1):
@@ -179,12 +181,13 @@ def run(models=("gpt", "wide"), rounds: int = 5, steps: int = 5, bucket_mb: floa
             dps = {}
             for mode in progress:
                 step, dps[mode] = _stepper(spec, comm, B // 2,
-                                           dict(bucket_cap_mb=bucket_mb, algorithm=algorithm, progress=mode))
+                                           dict(bucket_cap_mb=bucket_mb, algorithm=algorithm, progress=mode,
+                                                wire=wire))
                 variants[f"2 ranks, ddp ({mode})"] = (step, 2)
             buckets = dps["test"].buckets
             variants["allreduce alone (blocking)"] = (
-                lambda: [allreduce(b.comm, b.flat, algorithm) for b in buckets], 2)
-            variants["allreduce alone (started)"] = (lambda: _all_started(buckets, algorithm), 2)
+                lambda: [allreduce(b.comm, b.flat, algorithm, numbers) for b in buckets], 2)
+            variants["allreduce alone (started)"] = (lambda: _all_started(buckets, algorithm, numbers), 2)
             for fn, ranks in variants.values():  # warm up: allocator, optimizer state
                 _timed(comm, fn, 2, ranks)
             huge_page_heap()  # as the trainer does after its first steps

@@ -61,6 +61,14 @@ ring does half of them per rank: from 16 MiB on 2 ranks the exchange ran at 3.3-
 GB/s and the ring at 4.2-5.6. So ``iallreduce(..., "ring")`` on two ranks exchanges
 when they are on different nodes and runs the ring when they share one.
 
+Half precision on the wire. With ``wire="bf16"`` or ``"fp16"`` the ring and the exchange
+send 16-bit numbers and add them to the buffer's own (float32) numbers: every partial
+sum is rounded to the wire's format once per hop, the additions are done in float32
+(which MPI's reductions cannot do: MPI has no bfloat16, and its float16 is an
+extension), and the finished chunks are rounded once more, on their owner too, so
+every rank ends with the same bits. Half the bytes of float32 on the wire; the sum is
+within about ``(P - 1) x 2^-8`` (bf16) or ``2^-11`` (fp16) of the float32 one, relative.
+
 Concurrent rings must not see each other's messages: every ring uses ``Tag.RING``, and a
 caller with several rings in flight gives each its own duplicated communicator.
 """
@@ -74,6 +82,18 @@ import numpy as np
 from mpitrain.comm.communicator import Request, Tag
 
 ALGORITHMS = ("mpi", "ring", "hierarchical")  # the last: mpitrain.comm.hierarchical
+WIRES = ("fp32", "bf16", "fp16")  # the numbers a ring sends (see "Half precision on the wire")
+
+
+def wire_dtype(name: str):
+    """The dtype of a wire format's name; None for fp32 (the buffer's own numbers)."""
+    if name not in WIRES:
+        raise ValueError(f"wire format must be one of {WIRES}, got {name!r}")
+    if name == "bf16":
+        import ml_dtypes  # NumPy's bfloat16 (the JAX team's package)
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(np.float16) if name == "fp16" else None
 
 # Chunks above this many bytes are summed in place in the buffer (see "Partial sums"
 # above): their cache lines are no longer in the neighbour's cache, and the work-array
@@ -107,11 +127,13 @@ class Ring(Request):
     ``("reduce_scatter",)`` leaves the sum of chunk ``rank`` in place (ZeRO's gradient
     shard); ``("allgather",)`` spreads every rank's chunk ``rank``."""
 
-    def __init__(self, comm, buf: np.ndarray, phases=("reduce_scatter", "allgather")):
+    def __init__(self, comm, buf: np.ndarray, phases=("reduce_scatter", "allgather"), wire=None):
         super().__init__()
         if buf.ndim != 1 or not buf.flags.c_contiguous:
             raise ValueError("the ring works on a flat contiguous array")
         self.comm, self.buf = comm, buf
+        self.wire = None if wire is None or np.dtype(wire) == buf.dtype else np.dtype(wire)
+        self.rounds_own = self.wire is not None and "allgather" in phases
         P, r = comm.size, comm.rank
         self.bounds = chunk_bounds(buf.size, P)
         self.right, self.left = (r + 1) % P, (r - 1) % P
@@ -123,9 +145,12 @@ class Ring(Request):
         widest = int(np.diff(self.bounds).max()) if P > 1 else 0
         # partial sums in two work arrays (step s fills partials[s % 2]) for chunks that a
         # core's cache holds; in place in buf, with one array to receive into, above that
-        self.in_place = widest * buf.itemsize > IN_PLACE_CHUNK_BYTES
-        work = _work(comm, widest if self.in_place else 2 * widest, buf.dtype)
-        self.partials = (work[:widest], work[widest:])  # the second is empty in place
+        self.in_place = widest * buf.itemsize > IN_PLACE_CHUNK_BYTES or self.wire is not None
+        if self.wire is not None:  # sums in buf; what arrives and what leaves in the wire's format
+            work = _work(comm, 2 * widest, self.wire)
+        else:
+            work = _work(comm, widest if self.in_place else 2 * widest, buf.dtype)
+        self.partials = (work[:widest], work[widest:])  # the second: empty in place, or the outgoing
         self.step, self.requests = 0, []
         self.done = not self.steps
         if not self.done:
@@ -146,19 +171,29 @@ class Ring(Request):
             into = self._partial(self.step, recv)
         else:
             source, into = self._chunk(send), self._chunk(recv)
+        if self.wire is not None:  # sent as 16-bit words: MPI knows no bfloat16
+            out = self.partials[1][: source.size]
+            np.copyto(out, source, casting="same_kind")  # rounded to the wire's format
+            source, into = out.view(np.uint16), self.partials[0][: into.size].view(np.uint16)
         self.requests = [self.comm.irecv(into, self.left, Tag.RING),
                          self.comm.isend(source, self.right, Tag.RING)]
 
     def _finish_step(self) -> None:
         _, recv, add = self.steps[self.step]
+        chunk = self._chunk(recv)
         if add:
-            chunk, partial = self._chunk(recv), self._partial(self.step, recv)
+            partial = self._partial(self.step, recv)
+            finished = self.step + 1 == len(self.steps) or not self.steps[self.step + 1][2]
             if self.in_place:
                 np.add(chunk, partial, out=chunk)
             else:
                 np.add(partial, chunk, out=partial)
-                if self.step + 1 == len(self.steps) or not self.steps[self.step + 1][2]:
+                if finished:
                     np.copyto(chunk, partial)  # the finished sum of chunk `rank`
+            if finished and self.rounds_own:  # as the other ranks will receive it
+                np.copyto(chunk, chunk.astype(self.wire))
+        elif self.wire is not None:
+            np.copyto(chunk, self.partials[0][: chunk.size])
         self.step += 1
         if self.step == len(self.steps):
             self.done = True
@@ -180,17 +215,26 @@ class Exchange(Request):
     """The allreduce of two ranks in one round: send the whole buffer to the other rank,
     receive its buffer into scratch, add (see "Two ranks" above)."""
 
-    def __init__(self, comm, buf: np.ndarray):
+    def __init__(self, comm, buf: np.ndarray, wire=None):
         super().__init__()
         if comm.size != 2:
             raise ValueError(f"an exchange is between 2 ranks, the communicator has {comm.size}")
         self.comm, self.buf = comm, buf
-        self.other = _work(comm, buf.size, buf.dtype)  # (n,) the other rank's buffer
+        self.wire = None if wire is None or np.dtype(wire) == buf.dtype else np.dtype(wire)
+        if self.wire is None:
+            self.mine, self.other = buf, _work(comm, buf.size, buf.dtype)  # (n,) the other rank's buffer
+        else:  # both ranks add the two rounded buffers: the same bits on both
+            work = _work(comm, 2 * buf.size, self.wire)
+            self.mine, self.other = work[: buf.size], work[buf.size :]
+            np.copyto(self.mine, buf, casting="same_kind")
         peer = 1 - comm.rank
-        self.requests = [comm.irecv(self.other, peer, Tag.RING), comm.isend(buf, peer, Tag.RING)]
+        words = (lambda a: a) if self.wire is None else (lambda a: a.view(np.uint16))  # MPI knows no bfloat16
+        self.requests = [comm.irecv(words(self.other), peer, Tag.RING), comm.isend(words(self.mine), peer, Tag.RING)]
         self.done = False
 
     def _add(self) -> None:
+        if self.wire is not None:
+            np.copyto(self.buf, self.mine)
         np.add(self.buf, self.other, out=self.buf)  # buf is no longer being sent: both requests are done
         self.done = True
 
@@ -216,12 +260,18 @@ def _across_nodes(comm) -> bool:
     return _across[comm]
 
 
-def iallreduce(comm, buf: np.ndarray, algorithm: str = "mpi") -> Request:
-    """Start summing the flat array ``buf`` over ``comm`` in place."""
+def iallreduce(comm, buf: np.ndarray, algorithm: str = "mpi", wire=None) -> Request:
+    """Start summing the flat array ``buf`` over ``comm`` in place; ``wire`` (a dtype, the
+    ring only) sends its numbers in that format."""
+    if wire is not None and algorithm != "ring":
+        raise ValueError(f"a wire format of 16-bit numbers needs mpitrain's ring (MPI cannot add them in float32), "
+                         f"not {algorithm!r}")
     if algorithm == "mpi":
         return comm.iallreduce(buf)
     if algorithm == "ring":
-        return Exchange(comm, buf) if comm.size == 2 and _across_nodes(comm) else Ring(comm, buf)
+        if comm.size == 2 and _across_nodes(comm):
+            return Exchange(comm, buf, wire)
+        return Ring(comm, buf, wire=wire)
     if algorithm == "hierarchical":
         from mpitrain.comm.hierarchical import HierarchicalAllreduce  # it builds on the ring: imported here
 
@@ -229,9 +279,9 @@ def iallreduce(comm, buf: np.ndarray, algorithm: str = "mpi") -> Request:
     raise ValueError(f"allreduce algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
 
 
-def allreduce(comm, buf: np.ndarray, algorithm: str = "mpi") -> None:
-    """Sum the flat array ``buf`` over ``comm`` in place."""
-    if algorithm == "mpi":
+def allreduce(comm, buf: np.ndarray, algorithm: str = "mpi", wire=None) -> None:
+    """Sum the flat array ``buf`` over ``comm`` in place (``wire``: as :func:`iallreduce`)."""
+    if algorithm == "mpi" and wire is None:
         comm.allreduce(buf)
     else:
-        iallreduce(comm, buf, algorithm).wait()
+        iallreduce(comm, buf, algorithm, wire).wait()

@@ -42,7 +42,7 @@ SYNCS = {
     "local": lambda cfg, model, opt, dp_comm: LocalSync(model, opt),
     "ddp": lambda cfg, model, opt, dp_comm: DataParallel(
         model, dp_comm, optimizer=opt, bucket_cap_mb=cfg.parallel.bucket_mb, algorithm=cfg.parallel.allreduce,
-        progress=cfg.parallel.progress),
+        progress=cfg.parallel.progress, wire=cfg.parallel.wire),
     "zero1": lambda cfg, model, opt, dp_comm: Zero1(model, opt, dp_comm, algorithm=cfg.parallel.allreduce),
     "zero2": lambda cfg, model, opt, dp_comm: Zero2(model, opt, dp_comm, algorithm=cfg.parallel.allreduce,
                                                     bucket_cap_mb=cfg.parallel.bucket_mb,
