@@ -1,6 +1,7 @@
 """MPI tier: ZeRO-2 and ZeRO-3 equal data parallelism (AdamW, clipping, micro-batches;
 ZeRO-2's both ways), keep only their shards, and send the bytes of their formulas."""
 
+import contextlib
 import shutil
 
 import numpy as np
@@ -31,6 +32,18 @@ def build_model(kind, dropout):
     return model, optim.AdamW(optim.decay_groups(model.named_parameters(), 0.1), 3e-3)
 
 
+def backward(kind, model, sync, comm, x, y, micro):
+    """This rank's B/P samples of the global batch (x, y) through forward and backward in
+    ``micro`` micro-batches, all but the last inside ``sync.no_sync()``."""
+    b = B // comm.size
+    x, y = x[comm.rank * b : (comm.rank + 1) * b], y[comm.rank * b : (comm.rank + 1) * b]
+    m = b // micro
+    for k in range(micro):
+        loss = loss_of(kind, model, x[k * m : (k + 1) * m], y[k * m : (k + 1) * m]) * (1.0 / micro)
+        with sync.no_sync() if k < micro - 1 else contextlib.nullcontext():
+            loss.backward()
+
+
 def train(kind, comm, sync, micro=1, clip=CLIP, dropout=0.0, **options):
     """STEPS steps of AdamW on ``comm`` with ``sync`` ("ddp", "zero2" or "zero3"), each
     rank its B/P samples in ``micro`` micro-batches; returns (the trained parameters, the
@@ -48,17 +61,9 @@ def train(kind, comm, sync, micro=1, clip=CLIP, dropout=0.0, **options):
         s = Zero2(model, opt, comm, bucket_cap_mb=1e-3, **options)
     else:
         s = Zero3(model, opt, comm, **options)
-    b, m = B // comm.size, B // comm.size // micro
     clipped = 0
     for x, y in batches(kind, "float64"):
-        x, y = x[comm.rank * b : (comm.rank + 1) * b], y[comm.rank * b : (comm.rank + 1) * b]
-        for k in range(micro):
-            loss = loss_of(kind, model, x[k * m : (k + 1) * m], y[k * m : (k + 1) * m]) * (1.0 / micro)
-            if k < micro - 1:
-                with s.no_sync():
-                    loss.backward()
-            else:
-                loss.backward()
+        backward(kind, model, s, comm, x, y, micro)
         s.finish()
         if sync != "ddp":
             assert all(p.grad is None for p in model.parameters())  # only the shard is kept
@@ -99,16 +104,8 @@ def test_zero2_sends_its_formula_and_keeps_a_shard(algorithm, micro, accumulate)
     model, opt = build("gpt", "float64", "adamw")
     z = Zero2(model, opt, comm, algorithm=algorithm, bucket_cap_mb=1e-3, accumulate=accumulate)
     start = z.bytes_sent  # the broadcast of rank 0's parameters
-    b, m = B // comm.size, B // comm.size // micro
     for x, y in batches("gpt", "float64")[:3]:
-        x, y = x[comm.rank * b : (comm.rank + 1) * b], y[comm.rank * b : (comm.rank + 1) * b]
-        for k in range(micro):
-            loss = loss_of("gpt", model, x[k * m : (k + 1) * m], y[k * m : (k + 1) * m])
-            if k < micro - 1:
-                with z.no_sync():
-                    loss.backward()
-            else:
-                loss.backward()
+        backward("gpt", model, z, comm, x, y, micro)
         z.finish()
         z.step(None, 0.0)
         z.zero_grad()
@@ -168,9 +165,8 @@ def test_zero3_sends_3_p_minus_1_over_p_and_keeps_16_over_p(algorithm):
     model, opt = build("gpt", "float64", "adamw")
     z = Zero3(model, opt, comm, algorithm=algorithm)
     start = z.bytes_sent
-    b = B // comm.size
     for x, y in batches("gpt", "float64")[:3]:
-        loss_of("gpt", model, x[comm.rank * b : (comm.rank + 1) * b], y[comm.rank * b : (comm.rank + 1) * b]).backward()
+        backward("gpt", model, z, comm, x, y, 1)
         z.finish()
         z.step(None, 0.0)
         z.zero_grad()
@@ -237,7 +233,7 @@ def test_the_zero_stages_are_bitwise_equal_in_float32_on_two_ranks():
         model, opt = build("gpt", "float32", "adamw")
         z = make(model, opt)
         for x, y in batches("gpt", "float32"):
-            loss_of("gpt", model, x[comm.rank * 4 : comm.rank * 4 + 4], y[comm.rank * 4 : comm.rank * 4 + 4]).backward()
+            backward("gpt", model, z, comm, x, y, 1)
             z.finish()
             z.step(None, CLIP)
             z.zero_grad()

@@ -167,8 +167,7 @@ def run(models=("gpt", "wide"), rounds: int = 5, steps: int = 5, bucket_mb: floa
     level = started_thread_level()
     progress = ["off", "test", "none"] + (["thread"] if level in ("serialized", "multiple") else [])
     numbers = wire_dtype(wire)
-    log(f"mpitrain bench ddp: 2 ranks, 1 BLAS thread each, MPI thread level {level}, {algorithm} allreduce"
-        f"{'' if numbers is None else ' in ' + wire}, "
+    log(f"mpitrain bench ddp: 2 ranks, 1 BLAS thread each, MPI thread level {level}, {algorithm} allreduce in {wire}, "
         f"buckets <= {bucket_mb:g} MB; median step of {rounds} rounds of {steps} after {warmup} untimed")
     out = {}
     with limit_blas_threads(1):
