@@ -182,7 +182,18 @@ def _kinds(local) -> dict:
 
 def _optimizer_meta(local) -> str:
     groups = [{k: v for k, v in g.items() if k != "params"} for g in local.param_groups]
-    return json.dumps({"step_count": local.step_count, "groups": groups})
+    meta = {"step_count": local.step_count, "groups": groups}
+    if getattr(local, "scaler", None) is not None:  # mixed precision: the loss scale, for an exact resume
+        meta["loss_scale"] = {"precision": local.precision, **local.scaler.state_dict()}
+    return json.dumps(meta)
+
+
+def _load_scaler(local, meta: dict) -> None:
+    """A mixed-precision optimizer's loss scale from a checkpoint of the same precision
+    (another precision's scale, or none, leaves it as it starts)."""
+    saved = meta.get("loss_scale")
+    if getattr(local, "scaler", None) is not None and saved and saved["precision"] == local.precision:
+        local.scaler.load_state_dict(saved)
 
 
 def _contribution(local, pieces, slices: dict, arrays: dict, parts: dict) -> list:
@@ -538,6 +549,7 @@ def restore(path: Path, *, model, optimizer, sync, comm, check_config=None, layo
                                for name in wanted})
         _load_state(path, f, local, pieces, offsets, layout.slices() if layout is not None else {})
         local.step_count = int(attrs["json"]["optimizer"]["step_count"])
+        _load_scaler(local, attrs["json"]["optimizer"])
         rng.set_state(attrs["json"]["rng"])
         return attrs
 

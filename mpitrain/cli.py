@@ -251,6 +251,8 @@ def _bench_ddp(args) -> int:
 
     if args.wire != "fp32" and "mpi" in (args.allreduce or ["mpi"]):
         raise _usage(f"--wire {args.wire} needs --allreduce ring: MPI cannot add 16-bit numbers in fp32")
+    if args.wire != "fp32" and args.precision != "fp32":
+        raise _usage(f"--wire is for float32 gradients; with --precision {args.precision} they are 16-bit already")
     if args.network is not None:
         return _bench_ddp_network(args)
     if args.mtu is not None:
@@ -263,7 +265,8 @@ def _bench_ddp(args) -> int:
         figures[algorithm] = ddp.run(
             models=args.models or ["gpt", "wide"], rounds=args.rounds, steps=args.steps,
             bucket_mb=4.0 if args.bucket_mb is None else args.bucket_mb, algorithm=algorithm, wire=args.wire,
-            warmup=ddp.WARMUP if args.warmup is None else args.warmup, log=print if comm.rank == 0 else lambda *a: None)
+            precision=args.precision, warmup=ddp.WARMUP if args.warmup is None else args.warmup,
+            log=print if comm.rank == 0 else lambda *a: None)
     if args.json and comm.rank == 0:
         Path(args.json).write_text(json.dumps(figures), encoding="utf-8")  # {algorithm: {model: figures}}
     return 0
@@ -285,7 +288,7 @@ def _bench_ddp_network(args) -> int:
     bucket_mb = link_bucket_mb(args.network) if args.bucket_mb is None else args.bucket_mb
     options = ["--models", *(args.models or ["gpt", "gpt-ddp"]), "--rounds", str(args.rounds), "--steps",
                str(args.steps), "--bucket-mb", f"{bucket_mb:.6g}", "--thread-level", args.thread_level,
-               "--wire", args.wire]
+               "--wire", args.wire, "--precision", args.precision]
     if args.warmup is not None:
         options += ["--warmup", str(args.warmup)]
     try:
@@ -349,7 +352,7 @@ def _bench_step(args) -> int:
 def _bench_memory(args) -> int:
     from mpitrain.bench import memory
 
-    memory.run(ranks=args.ranks, syncs=args.syncs, as_json=args.json)
+    memory.run(ranks=args.ranks, syncs=args.syncs, precisions=args.precisions, as_json=args.json)
     if not args.json:
         print()
         memory.activations()
@@ -439,7 +442,8 @@ def _bench_parsers(commands) -> None:
     p.add_argument("--no-torch", action="store_true",
                    help="leave out PyTorch's equivalent steps, which run when PyTorch is importable")
     p.set_defaults(run=_bench_step)
-    p = benches.add_parser("memory", help="model state per rank of ddp and ZeRO stages 1-3 vs. the formulas "
+    p = benches.add_parser("memory", help="model state per rank of ddp (fp32, bf16, fp16) and ZeRO stages 1-3 vs. "
+                                          "the formulas "
                                           "(not under mpiexec: it starts its own ranks)",
                            description="Train the reference GPT for three steps with each gradient sync on "
                                        "each number of ranks, tracing the heap, and print the model state "
@@ -447,6 +451,9 @@ def _bench_parsers(commands) -> None:
     p.add_argument("--ranks", type=_positive, nargs="+", default=[1, 2, 4], help="values of P (default 1 2 4)")
     p.add_argument("--syncs", nargs="+", default=["ddp", "zero1", "zero2", "zero3"],
                    choices=["ddp", "zero1", "zero2", "zero3"], help="the gradient syncs (default: all four)")
+    p.add_argument("--precisions", nargs="+", default=["fp32", "bf16", "fp16"], choices=["fp32", "bf16", "fp16"],
+                   help="ddp's number formats (default: all three; bf16 and fp16 are mixed precision); the ZeRO "
+                        "stages run in fp32")
     p.add_argument("--json", action="store_true", help="print every rank's figures as JSON instead")
     p.set_defaults(run=_bench_memory)
     p = benches.add_parser("io", help="shard reader vs. raw sequential read (run under mpiexec -n 2)",
@@ -530,6 +537,9 @@ def _bench_ddp_parser(benches) -> None:
     p.add_argument("--mtu", type=int, help="with --network: the links' MTU (default 1500)")
     p.add_argument("--wire", default="fp32", choices=("fp32", "bf16", "fp16"),
                    help="the gradients' numbers on the wire, as parallel.wire (16-bit: with the ring only)")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+                   help="as train.precision: bf16 and fp16 train in mixed precision, with 16-bit weights, "
+                        "gradients and buckets (default fp32)")
     p.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON (rank 0)")
     _thread_level_option(p)
     p.set_defaults(run=_bench_ddp)

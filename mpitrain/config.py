@@ -5,7 +5,8 @@ A config file has one table per section::
     [model]   name = "lenet" | "convnet" | "resnet" | "gpt", and that model's sizes
     [data]    name = "mnist5k" | "shakespeare" (embedded), or path = a shard directory
     [optim]   name = "sgd" | "adam" | "adamw", learning rate and schedule
-    [train]   global_batch_size, steps or epochs, seed, evaluation and logging
+    [train]   global_batch_size, steps or epochs, seed, precision = "fp32" | "bf16" | "fp16", evaluation
+              and logging
     [parallel] the grid dp x pp x tp, sync = "ddp" | "zero1" | "zero2" | "zero3" | "local" | "ps", allreduce,
               buckets, servers, the pipeline schedule = "gpipe" | "1f1b" | "interleaved" | "zb-h1" and its
               chunks per rank
@@ -90,6 +91,7 @@ PARALLEL_FIELDS = {  # by parallel.sync
 RENAMED = {"parallel.strategy": "parallel.sync"}  # old spelling -> new: still read, with a note
 GRID = ("dp", "pp", "tp")
 PIPELINE_SYNCS = ("ddp", "local")  # the gradient syncs a pipeline stage's replicas can use
+PRECISION_SYNCS = ("ddp", "local")  # the gradient syncs that train in mixed precision (train.precision)
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,9 @@ class TrainConfig:
     epochs: int = 0  # whole passes over the training split (image data)
     seed: int = 1337
     dtype: str = "float32"
+    # mixed precision: half-precision weights and gradients, float32 master weights and optimizer state,
+    # products in float32 (mpitrain/precision.py); fp16 with a dynamic loss scale
+    precision: str = "fp32"
     log_interval: int = 50  # steps between progress lines
     eval_interval: int = 0  # steps between evaluations; 0: once per epoch (images) / at the end
     eval_batches: int = 0  # text: at most this many batches of held-out windows per evaluation; 0: all
@@ -436,6 +441,10 @@ def _validate_train(cfg: Config) -> None:
              f"set exactly one of train.steps and train.epochs (epochs = {t.epochs})", t.steps)
     _require(not (text_model and t.epochs), "train.epochs", "text models train for train.steps", t.epochs)
     _require(t.dtype in ("float32", "float64"), "train.dtype", "must be 'float32' or 'float64'", t.dtype)
+    _require(t.precision in ("fp32", "bf16", "fp16"), "train.precision", "must be 'fp32', 'bf16' or 'fp16'",
+             t.precision)
+    _require(t.precision == "fp32" or t.dtype == "float32", "train.precision",
+             "mixed precision keeps float32 master weights: it needs train.dtype = 'float32'", t.precision)
     _require(t.log_interval > 0, "train.log_interval", "must be > 0", t.log_interval)
     _require(t.eval_interval >= 0, "train.eval_interval", "must be >= 0", t.eval_interval)
     _require(t.eval_batches >= 0, "train.eval_batches", "must be >= 0 (0: the whole split)", t.eval_batches)
@@ -457,6 +466,15 @@ def _validate_parallel(cfg: Config) -> None:
     _require(par.wire in ("fp32", "bf16", "fp16"), "parallel.wire", "must be 'fp32', 'bf16' or 'fp16'", par.wire)
     _require(par.wire == "fp32" or par.allreduce == "ring", "parallel.wire",
              "16-bit gradients on the wire need parallel.allreduce = 'ring' (MPI cannot add them in fp32)", par.wire)
+    _require(cfg.train.precision == "fp32" or par.sync in PRECISION_SYNCS, "train.precision",
+             f"mixed precision works with parallel.sync = {' or '.join(map(repr, PRECISION_SYNCS))} for now, "
+             f"not {par.sync!r}", cfg.train.precision)
+    _require(cfg.train.precision == "fp32" or par.wire == "fp32", "parallel.wire",
+             "with train.precision the gradients are 16-bit already; parallel.wire is for float32 training",
+             par.wire)
+    _require(cfg.train.precision == "fp32" or par.allreduce != "hierarchical", "parallel.allreduce",
+             "mixed precision works with 'ring' (16-bit words on the wire) or 'mpi' (float32), not 'hierarchical'",
+             par.allreduce)
     _require(par.sync != "zero3" or not cfg.model.checkpoint_activations, "model.checkpoint_activations",
              "ZeRO-3 (parallel.sync = 'zero3') replays every layer in backward already; leave it false",
              cfg.model.checkpoint_activations)
@@ -538,6 +556,9 @@ def check_ranks(cfg: Config, ranks: int) -> tuple[int, int, int]:
                           "use every one (-1 takes the rest)")
     _check_pipeline(cfg, sizes["pp"])
     _check_tensor(cfg, sizes)
+    if cfg.train.precision != "fp32" and (sizes["pp"] > 1 or sizes["tp"] > 1):
+        raise ConfigError(f"train.precision: mixed precision ({cfg.train.precision!r}) trains data-parallel grids "
+                          f"for now, not pipeline stages or tensor slices (pp = {sizes['pp']}, tp = {sizes['tp']})")
     if par.sync == "local" and sizes["dp"] > 1:
         raise ConfigError(f"parallel.sync: 'local' exchanges no gradients, so {sizes['dp']} data-parallel replicas "
                           "would drift apart; use 'ddp' or 'zero1'")

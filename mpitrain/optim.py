@@ -60,10 +60,18 @@ class Optimizer:
             group["lr"] = lr
 
     def step(self) -> None:
+        self.step_with(lambda i, p: p.grad)
+
+    def step_with(self, grad_of) -> None:
+        """One step in which ``grad_of(i, p)`` gives parameter ``i``'s (``p``'s) gradient (None:
+        leave it as it is) just before its update, so the array may be reused for the
+        next (:class:`mpitrain.precision.MixedPrecision` unscales a half-precision
+        gradient into one float32 work array there)."""
         self.step_count += 1
         for i, p, group in self._indexed():
-            if p.grad is not None:
-                self._update(p.data, p.grad, self.state.setdefault(i, {}), group)
+            g = grad_of(i, p)
+            if g is not None:
+                self._update(p.data, g, self.state.setdefault(i, {}), group)
 
     def _update(self, p: np.ndarray, g: np.ndarray, state: dict, group: dict) -> None:  # pragma: no cover
         raise NotImplementedError
@@ -230,7 +238,12 @@ def sum_of_squares(grads) -> float:
     """The sum of the squares of the arrays' elements, each array's a BLAS dot product,
     added in float64 in order (a strategy holding part of the model sums its part, then
     adds the parts over ranks)."""
-    return sum(float(np.dot(g.reshape(-1), g.reshape(-1))) for g in grads)
+    return sum(float(np.dot(v, v)) for v in (_float32(g).reshape(-1) for g in grads))
+
+
+def _float32(g: np.ndarray) -> np.ndarray:
+    """A half-precision gradient upcast (a dot product in bfloat16 sums in bfloat16)."""
+    return g.astype(np.float32) if g.itemsize == 2 else g
 
 
 def scale_to(grads, norm: float, max_norm: float) -> None:
@@ -245,11 +258,16 @@ def scale_to(grads, norm: float, max_norm: float) -> None:
 def update(optimizer: Optimizer, params, lr: float | None, grad_clip: float = 0.0) -> None:
     """One optimizer step after backward: the gradients of ``params`` clipped together
     to global norm ``grad_clip`` (0: no clipping; the norm sums in ``params``' order),
-    the learning rate set to ``lr`` (None: as it is), then the update."""
-    if grad_clip > 0:
-        clip_grad_norm(params, grad_clip)
+    the learning rate set to ``lr`` (None: as it is), then the update. A mixed-precision
+    optimizer (:class:`mpitrain.precision.MixedPrecision`) clips itself: its gradients
+    are scaled by the loss scale, the norm to clip is the unscaled one."""
     if lr is not None:
         optimizer.set_lr(lr)
+    if getattr(optimizer, "unscales", False):
+        optimizer.step(grad_clip)
+        return
+    if grad_clip > 0:
+        clip_grad_norm(params, grad_clip)
     optimizer.step()
 
 

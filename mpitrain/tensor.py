@@ -50,6 +50,9 @@ loading new weights) between a forward pass and its backward pass therefore chan
 the gradients: update parameters only after backward.
 
 Default dtype is float32; :func:`default_dtype` switches to float64 for gradient checks.
+A tensor may hold float16 or bfloat16 numbers (mixed precision's working copies of the
+weights): every op reads them upcast to float32, and their gradients are rounded into
+a ``.grad`` of their own dtype.
 """
 
 from __future__ import annotations
@@ -134,7 +137,7 @@ class Tensor:
             data = np.asarray(data)
             if data.dtype.kind == "f":  # Python floats become the default dtype, not float64
                 data = data.astype(_default_dtype)
-        if requires_grad and data.dtype.kind != "f":
+        if requires_grad and not (data.dtype.kind == "f" or data.dtype.name == "bfloat16"):
             raise TypeError(f"only floating tensors can require gradients, got {data.dtype}")
         self.data = data
         self.grad: np.ndarray | None = None
@@ -362,7 +365,7 @@ class Function:
         for observer in _observers:
             observer(cls, args, kwargs)
         fn = cls()
-        arrays = [a.data if isinstance(a, Tensor) else a for a in args]
+        arrays = [_computed(a.data) if isinstance(a, Tensor) else a for a in args]
         record = is_grad_enabled() and any(
             isinstance(a, Tensor) and a.requires_grad for a in args
         )
@@ -391,6 +394,16 @@ class Function:
 
     def backward(self, *grads):  # pragma: no cover - interface
         raise NotImplementedError
+
+
+def _computed(x: np.ndarray) -> np.ndarray:
+    """What an op computes with: a half-precision tensor (a mixed-precision parameter's
+    working copy, :mod:`mpitrain.precision`) upcast to float32, as NumPy's half-precision
+    products are slow or silently float32; its gradient is rounded into the half
+    ``.grad``. Any other as it is."""
+    if x.dtype.itemsize == 2 and (x.dtype.kind == "f" or x.dtype.name == "bfloat16"):
+        return x.astype(np.float32)
+    return x
 
 
 class _Edge:

@@ -119,6 +119,13 @@ def test_an_unreadable_config_file_gets_one_line(tmp_path, monkeypatch):
     (["parallel.wire=fp8"], "parallel.wire: must be 'fp32', 'bf16' or 'fp16'"),
     (["parallel.wire=bf16"], "parallel.wire: 16-bit gradients on the wire need parallel.allreduce = 'ring'"),
     (["parallel.sync=zero1", "parallel.wire=bf16"], "parallel.wire: does not apply to parallel.sync = 'zero1'"),
+    (["train.precision=fp8"], "train.precision: must be 'fp32', 'bf16' or 'fp16'"),
+    (["train.precision=bf16", "train.dtype=float64"], "train.precision: mixed precision keeps float32 master"),
+    (["train.precision=bf16", "parallel.sync=zero1"], "train.precision: mixed precision works with parallel.sync = "
+                                                       "'ddp' or 'local' for now, not 'zero1'"),
+    (["train.precision=fp16", "parallel.allreduce=ring", "parallel.wire=bf16"],
+     "parallel.wire: with train.precision the gradients are 16-bit already"),
+    (["train.precision=fp16", "parallel.allreduce=hierarchical"], "parallel.allreduce: mixed precision works with"),
     (["parallel.sync=zero3", "parallel.bucket_mb=1"], "parallel.bucket_mb: does not apply to parallel.sync = 'zero3'"),
     (["parallel.sync=zero3", "model.name=gpt", "data.name=shakespeare", "model.checkpoint_activations=true"],
      "model.checkpoint_activations: ZeRO-3 (parallel.sync = 'zero3') replays every layer in backward already"),
@@ -198,6 +205,8 @@ def test_parameter_server_rank_checks(ranks, overrides, message):
                                                             "more model chunks per rank"),
     (4, ["parallel.pp=2", "parallel.progress=thread", "parallel.thread_level=serialized"],
      "parallel.thread_level: a pipeline's sends and the communication thread call MPI at the same time"),
+    (4, ["parallel.pp=2", "train.precision=bf16"], "train.precision: mixed precision ('bf16') trains "
+                                                   "data-parallel grids for now, not pipeline stages or tensor slices"),
     (5, [], "train.global_batch_size: 12 is not divisible by the 5 ranks of this job"),
     (2, ["parallel.sync=local"], "parallel.sync: 'local' exchanges no gradients, so 2 data-parallel replicas"),
     (2, ["train.micro_batches=4"], "train.micro_batches: the 6 samples of each of the 2 data-parallel ranks "

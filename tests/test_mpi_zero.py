@@ -190,14 +190,18 @@ def test_zero3_sends_3_p_minus_1_over_p_and_keeps_16_over_p(algorithm):
 def test_bench_memory_measures_each_stages_formula():
     """Unit tier (it starts its own ranks): on 2 ranks the heap each rank holds between
     steps is its sync's formula (16, 8 + 8/P, 4 + 12/P, 16/P bytes per parameter) within
-    5%, and the arrays counted by category are the formula's to the byte, less the
-    optimizer's per-piece step counts."""
+    5%, and on one rank mixed precision's (2 + 2 + 12), and the arrays counted by category
+    are the formula's to the byte, less the optimizer's per-piece step counts."""
     from mpitrain.bench import memory
+    from mpitrain.observe.memory import bytes_per_parameter
 
-    rows = memory.run(ranks=(2,), as_json=True, log=lambda *a: None)
+    quiet = lambda *a: None  # noqa: E731
+    rows = memory.run(ranks=(2,), precisions=("fp32",), as_json=True, log=quiet)
     assert {(r["sync"], r["rank"]) for r in rows} == {(s, r) for s in memory.SYNCS for r in (0, 1)}
-    for r in rows:
-        formula = memory.FORMULA[r["sync"]](2) * r["parameters"]
+    mixed = memory.run(ranks=(1,), syncs=("ddp",), precisions=("bf16", "fp16"), as_json=True, log=quiet)
+    assert [r["precision"] for r in mixed] == ["bf16", "fp16"]
+    for r in rows + mixed:
+        formula = bytes_per_parameter(r["sync"], r["ranks"], mixed=r["precision"] != "fp32") * r["parameters"]
         measured = r["rest"] - r["work_bytes"]
         assert formula <= measured <= 1.05 * formula, r
         counted = r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"]

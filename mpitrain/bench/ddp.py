@@ -56,6 +56,7 @@ from mpitrain.cluster import Cluster, describe, mpiexec
 from mpitrain.comm import started_thread_level, world
 from mpitrain.comm.ring import allreduce, iallreduce, wire_dtype
 from mpitrain.parallel.data_parallel import DataParallel
+from mpitrain.precision import MixedPrecision
 from mpitrain.runtime import huge_page_heap, limit_blas_threads, tune_allocator
 
 # Untimed steps of a variant at the start of each round. Switching variants leaves the
@@ -72,30 +73,33 @@ MODELS = {
 }
 
 
-def _build(spec: dict):
+def _build(spec: dict, precision: str = "fp32"):
+    """The model and its AdamW; in mixed precision (``bf16``, ``fp16``) the model's weights
+    half and the optimizer over float32 masters (:mod:`mpitrain.precision`)."""
     rng.manual_seed(0)
     cfg = nn.GPTConfig(vocab_size=65, block_size=spec["block_size"], n_layer=spec["n_layer"],
                        n_head=spec["n_head"], n_embd=spec["n_embd"])
     model = nn.GPT(cfg)
     opt = optim.AdamW(optim.decay_groups(model.named_parameters(), 0.1), lr=1e-3, betas=(0.9, 0.99))
-    return model, opt
+    return model, opt if precision == "fp32" else MixedPrecision(opt, precision)
 
 
-def _stepper(spec: dict, comm, batch: int, dp_options: dict | None):
-    model, opt = _build(spec)
-    dp = DataParallel(model, comm, **dp_options) if dp_options is not None else None
+def _stepper(spec: dict, comm, batch: int, dp_options: dict | None, precision: str = "fp32"):
+    model, opt = _build(spec, precision)
+    dp = DataParallel(model, comm, optimizer=opt, **dp_options) if dp_options is not None else None
     x, y = np.random.default_rng(comm.rank).integers(0, 65, (2, batch, spec["block_size"]))
-
+    scale = np.float32(opt.scaler.scale if precision != "fp32" else 1.0)  # fp16's loss scale (no overflow here)
     meet = np.zeros(1)
 
     def step():
-        model(x, y)[1].backward()
+        model(x, y)[1].backward(scale)
         if dp is not None:
             dp.finish()
         else:
             comm.allreduce(meet)
-        optim.clip_grad_norm(model.parameters(), 1.0)
-        opt.step()
+        if precision != "fp32" and opt.check():
+            raise FloatingPointError("mpitrain bench ddp: the gradients overflowed")
+        optim.update(opt, model.parameters(), None, 1.0)
         opt.zero_grad()
 
     return step, dp
@@ -159,7 +163,7 @@ def _probe(comm, buckets, algorithm: str, allreduce_seconds: float, log) -> dict
 
 
 def run(models=("gpt", "wide"), rounds: int = 5, steps: int = 5, bucket_mb: float = 4.0, algorithm: str = "mpi",
-        warmup: int = WARMUP, wire: str = "fp32", log=print) -> dict:
+        warmup: int = WARMUP, wire: str = "fp32", precision: str = "fp32", log=print) -> dict:
     comm = world()
     if comm.size != 2:
         raise SystemExit("mpitrain bench ddp: run it under 'mpiexec -n 2'")
@@ -167,21 +171,23 @@ def run(models=("gpt", "wide"), rounds: int = 5, steps: int = 5, bucket_mb: floa
     level = started_thread_level()
     progress = ["off", "test", "none"] + (["thread"] if level in ("serialized", "multiple") else [])
     numbers = wire_dtype(wire)
-    log(f"mpitrain bench ddp: 2 ranks, 1 BLAS thread each, MPI thread level {level}, {algorithm} allreduce in {wire}, "
-        f"buckets <= {bucket_mb:g} MB; median step of {rounds} rounds of {steps} after {warmup} untimed")
+    numbers_named = wire if precision == "fp32" else f"{precision} (mixed precision)"
+    log(f"mpitrain bench ddp: 2 ranks, 1 BLAS thread each, MPI thread level {level}, {algorithm} allreduce in "
+        f"{numbers_named}, buckets <= {bucket_mb:g} MB; median step of {rounds} rounds of {steps} after {warmup} "
+        "untimed")
     out = {}
     with limit_blas_threads(1):
         for name in models:
             spec = MODELS[name]
             B = spec["batch"]
             single = comm.split(comm.rank, 0)  # a one-rank communicator for the 1-rank step
-            variants = {"1 rank": (_stepper(spec, single, B, None)[0], 1),
-                        "2 ranks, no comm": (_stepper(spec, comm, B // 2, None)[0], 2)}
+            variants = {"1 rank": (_stepper(spec, single, B, None, precision)[0], 1),
+                        "2 ranks, no comm": (_stepper(spec, comm, B // 2, None, precision)[0], 2)}
             dps = {}
             for mode in progress:
                 step, dps[mode] = _stepper(spec, comm, B // 2,
                                            dict(bucket_cap_mb=bucket_mb, algorithm=algorithm, progress=mode,
-                                                wire=wire))
+                                                wire=wire), precision)
                 variants[f"2 ranks, ddp ({mode})"] = (step, 2)
             buckets = dps["test"].buckets
             variants["allreduce alone (blocking)"] = (

@@ -12,10 +12,14 @@ buffer, and reports per rank:
 * the same **counted** from the arrays the sync keeps (``sync.memory()``): parameters,
   gradients, optimizer state, and the optimizer's one reusable work array, which is
   not model state but is held too;
-* the **formula**: bytes per parameter with Adam in float32, ``16`` (ddp), ``8 + 8/P``
-  (zero1), ``4 + 12/P`` (zero2), ``16/P`` (zero3), times the parameters;
+* the **formula** (:mod:`mpitrain.observe.memory`): bytes per parameter with Adam in
+  float32, ``16`` (ddp), ``8 + 8/P`` (zero1), ``4 + 12/P`` (zero2), ``16/P`` (zero3),
+  times the parameters; in mixed
+  precision (``bf16``, ``fp16``: :mod:`mpitrain.precision`, ddp), ``2 + 2 + 12``: half
+  weights and gradients, float32 masters and Adam's moments, 16 again;
 * **step peak**: the most the heap held during a step, above the same level: activations,
-  gradients before their exchange, buffers in flight, on top of the model state.
+  gradients before their exchange, buffers in flight (in mixed precision, the float32
+  copies the ops compute with), on top of the model state.
 
 The table shows the largest rank's figures and measured / formula; ``--json`` prints
 them all. The measured state leaves out the work array (counted, shown beside it).
@@ -45,10 +49,11 @@ import tracemalloc
 
 import numpy as np
 
+from mpitrain.config import PRECISION_SYNCS
+from mpitrain.observe.memory import bytes_per_parameter
+
 SYNCS = ("ddp", "zero1", "zero2", "zero3")
-FORMULA = {  # bytes per float32 parameter with Adam on P ranks
-    "ddp": lambda P: 16.0, "zero1": lambda P: 8 + 8 / P, "zero2": lambda P: 4 + 12 / P, "zero3": lambda P: 16 / P,
-}
+PRECISIONS = ("fp32", "bf16", "fp16")  # mixed precision with the syncs of config.PRECISION_SYNCS (ddp)
 BATCH = 12
 
 
@@ -63,14 +68,16 @@ def _syncs() -> dict:
             "zero1": Zero1, "zero2": Zero2, "zero3": Zero3}
 
 
-def worker(name: str) -> None:
+def worker(name: str, precision: str = "fp32") -> None:
     """One rank's measurement (under mpiexec); rank 0 prints every rank's as JSON."""
     from mpitrain import nn, optim, rng
     from mpitrain.comm import world
+    from mpitrain.precision import MixedPrecision, dtype_of
     from mpitrain.runtime import limit_blas_threads
 
     comm = world()
     make = _syncs()[name]
+    dtype_of(precision)  # imports ml_dtypes for bf16 before tracing (its import is heap, not the model's)
     with limit_blas_threads(1):
         gc.collect()
         tracemalloc.start()
@@ -78,6 +85,9 @@ def worker(name: str) -> None:
         rng.manual_seed(0)
         model = nn.GPT(nn.GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128))
         opt = optim.AdamW(optim.decay_groups(model.named_parameters(), 0.1), lr=1e-3, betas=(0.9, 0.99))
+        if precision != "fp32":
+            opt = MixedPrecision(opt, precision)
+        scale = np.float32(opt.scaler.scale if precision != "fp32" else 1.0)  # fp16's loss scale
         sync = make(model, opt, comm)
         n = sum(p.size for p in model.parameters())
         b = BATCH // comm.size
@@ -85,8 +95,10 @@ def worker(name: str) -> None:
 
         def step():
             _, loss = model(tokens[:, :-1], tokens[:, 1:])
-            loss.backward()
+            loss.backward(scale)
             sync.finish()
+            if precision != "fp32":
+                assert not opt.check(), "the bench's gradients overflowed"
             sync.step(1e-3, 1.0)
             sync.zero_grad()
 
@@ -100,8 +112,8 @@ def worker(name: str) -> None:
         counted = sync.memory()
         tracemalloc.stop()
         sync.close()
-    mine = {"sync": name, "ranks": comm.size, "rank": comm.rank, "parameters": n, "rest": rest, "peak": peak,
-            **counted}
+    mine = {"sync": name, "precision": precision, "ranks": comm.size, "rank": comm.rank, "parameters": n,
+            "rest": rest, "peak": peak, **counted}
     rows = comm.gather(mine)
     if comm.rank == 0:
         print(json.dumps(rows), flush=True)
@@ -166,18 +178,21 @@ def activations(rounds: int = 5, log=print) -> dict:
     return out
 
 
-def run(ranks=(1, 2, 4), syncs=SYNCS, as_json: bool = False, log=print) -> list[dict]:
-    """Measure every sync at every rank count (each its own ``mpiexec``); print the table."""
+def run(ranks=(1, 2, 4), syncs=SYNCS, precisions=PRECISIONS, as_json: bool = False, log=print) -> list[dict]:
+    """Measure every sync at every rank count (each its own ``mpiexec``), in float32 and,
+    with ddp, in each mixed precision; print the table."""
     from mpitrain.cluster import mpiexec
 
     rows = []
     for P in ranks:
         for name in syncs:
-            cmd = [mpiexec(), "-n", str(P), sys.executable, "-m", "mpitrain.bench.memory", name]
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-            if done.returncode != 0:
-                raise SystemExit(f"mpitrain bench memory: {name} on {P} rank(s) failed:\n{done.stderr[-2000:]}")
-            rows += json.loads(done.stdout.strip().splitlines()[-1])
+            for precision in precisions if name in PRECISION_SYNCS else [p for p in precisions if p == "fp32"]:
+                cmd = [mpiexec(), "-n", str(P), sys.executable, "-m", "mpitrain.bench.memory", name, precision]
+                done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+                if done.returncode != 0:
+                    raise SystemExit(f"mpitrain bench memory: {name} in {precision} on {P} rank(s) failed:\n"
+                                     f"{done.stderr[-2000:]}")
+                rows += json.loads(done.stdout.strip().splitlines()[-1])
     if as_json:
         log(json.dumps(rows))
     else:
@@ -186,21 +201,22 @@ def run(ranks=(1, 2, 4), syncs=SYNCS, as_json: bool = False, log=print) -> list[
 
 
 def _table(rows: list[dict], log) -> None:
-    log("mpitrain bench memory: GPT 4L/4H/128C, float32, AdamW; MB per rank (the largest rank's)")
-    log(f"{'sync':6s} {'P':>2s} | {'params':>7s} {'grads':>7s} {'optim':>7s} {'work':>6s} | "
+    log("mpitrain bench memory: GPT 4L/4H/128C, AdamW; MB per rank (the largest rank's)")
+    log(f"{'sync':6s} {'prec':4s} {'P':>2s} | {'params':>7s} {'grads':>7s} {'optim':>7s} {'work':>6s} | "
         f"{'measured':>8s} {'formula':>8s} {'ratio':>6s} | {'B/param':>7s} | {'step peak':>9s}")
-    for key in sorted({(r["ranks"], r["sync"]) for r in rows}, key=lambda k: (k[0], SYNCS.index(k[1]))):
-        P, name = key
-        mine = [r for r in rows if (r["ranks"], r["sync"]) == key]
+    keys = {(r["ranks"], r["sync"], r["precision"]) for r in rows}
+    for key in sorted(keys, key=lambda k: (k[0], SYNCS.index(k[1]), PRECISIONS.index(k[2]))):
+        P, name, precision = key
+        mine = [r for r in rows if (r["ranks"], r["sync"], r["precision"]) == key]
         top = max(mine, key=lambda r: r["rest"])
         n = top["parameters"]
         measured = top["rest"] - top["work_bytes"]
-        formula = FORMULA[name](P) * n
-        log(f"{name:6s} {P:2d} | {top['param_bytes'] / 1e6:7.3f} {top['grad_bytes'] / 1e6:7.3f} "
+        formula = bytes_per_parameter(name, P, mixed=precision != "fp32") * n
+        log(f"{name:6s} {precision:4s} {P:2d} | {top['param_bytes'] / 1e6:7.3f} {top['grad_bytes'] / 1e6:7.3f} "
             f"{top['optim_bytes'] / 1e6:7.3f} {top['work_bytes'] / 1e6:6.3f} | {measured / 1e6:8.3f} "
             f"{formula / 1e6:8.3f} "
             f"{measured / formula:6.3f} | {measured / n:7.2f} | {top['peak'] / 1e6:9.3f}")
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1])
+    worker(*sys.argv[1:])

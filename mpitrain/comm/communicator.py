@@ -81,6 +81,13 @@ class CommStats:
         self.seconds += seconds
 
 
+def _words(buf: np.ndarray) -> np.ndarray:
+    """``buf`` as MPI can move it: bfloat16 numbers (mixed precision's, :mod:`mpitrain.precision`)
+    as the 16-bit words they are, since MPI knows no bfloat16 (copies only: a sum of
+    them is added in float32 by mpitrain's ring)."""
+    return buf.view(np.uint16) if buf.dtype.name == "bfloat16" else buf
+
+
 class Request:
     """A started operation: ``test()`` progresses it and says whether it is done,
     ``wait()`` finishes it (its seconds are counted on the communicator)."""
@@ -222,7 +229,7 @@ class Comm(SingleComm):
 
     def bcast_array(self, buf: np.ndarray, root: int = 0) -> None:
         """Overwrite ``buf`` with rank ``root``'s."""
-        self._timed(buf.nbytes if self.rank == root else 0, self.mpi.Bcast, buf, root)
+        self._timed(buf.nbytes if self.rank == root else 0, self.mpi.Bcast, _words(buf), root)
 
     def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts) -> None:
         """Sum ``send`` (all ranks' full arrays) and leave block ``rank`` of the sum, of
@@ -252,11 +259,11 @@ class Comm(SingleComm):
 
     def isend(self, buf: np.ndarray, dest: int, tag: Tag) -> Request:
         self.stats.add(buf.nbytes)
-        return Request(self.mpi.Isend(buf, dest, tag), self.stats)
+        return Request(self.mpi.Isend(_words(buf), dest, tag), self.stats)
 
     def irecv(self, buf: np.ndarray, source: int, tag: Tag) -> Request:
         self.stats.bytes_received += buf.nbytes
-        return Request(self.mpi.Irecv(buf, source, tag), self.stats)
+        return Request(self.mpi.Irecv(_words(buf), source, tag), self.stats)
 
     def recv(self, buf: np.ndarray, source: int, tag: Tag) -> None:
         """Blocking receive of exactly ``buf.nbytes`` bytes."""

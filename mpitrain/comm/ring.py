@@ -80,20 +80,11 @@ import weakref
 import numpy as np
 
 from mpitrain.comm.communicator import Request, Tag
+from mpitrain.precision import FORMATS, dtype_of
 
 ALGORITHMS = ("mpi", "ring", "hierarchical")  # the last: mpitrain.comm.hierarchical
-WIRES = ("fp32", "bf16", "fp16")  # the numbers a ring sends (see "Half precision on the wire")
-
-
-def wire_dtype(name: str):
-    """The dtype of a wire format's name; None for fp32 (the buffer's own numbers)."""
-    if name not in WIRES:
-        raise ValueError(f"wire format must be one of {WIRES}, got {name!r}")
-    if name == "bf16":
-        import ml_dtypes  # NumPy's bfloat16 (the JAX team's package)
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(np.float16) if name == "fp16" else None
+WIRES = FORMATS  # the numbers a ring sends (see "Half precision on the wire")
+wire_dtype = dtype_of  # a wire format's dtype; None for fp32 (the buffer's own numbers)
 
 # Chunks above this many bytes are summed in place in the buffer (see "Partial sums"
 # above): their cache lines are no longer in the neighbour's cache, and the work-array
@@ -260,14 +251,40 @@ def _across_nodes(comm) -> bool:
     return _across[comm]
 
 
+class Float32Sum(Request):
+    """MPI's allreduce of a half-precision array (mixed precision's gradient buckets): MPI
+    cannot add bfloat16 (it has no such type) nor, portably, float16, so a float32 copy
+    is summed and rounded back: the ring's arithmetic, twice its bytes."""
+
+    def __init__(self, comm, buf: np.ndarray):
+        super().__init__()
+        self.buf, self.wide = buf, buf.astype(np.float32)
+        self.request, self.done = comm.iallreduce(self.wide), False
+
+    def _round(self) -> None:
+        np.copyto(self.buf, self.wide, casting="same_kind")
+        self.done = True
+
+    def test(self) -> bool:
+        if not self.done and self.request.test():
+            self._round()
+        return self.done
+
+    def wait(self) -> None:
+        if not self.done:
+            self.request.wait()
+            self._round()
+
+
 def iallreduce(comm, buf: np.ndarray, algorithm: str = "mpi", wire=None) -> Request:
     """Start summing the flat array ``buf`` over ``comm`` in place; ``wire`` (a dtype, the
-    ring only) sends its numbers in that format."""
+    ring only) sends its numbers in that format. A half-precision ``buf`` is added in
+    float32 at each step: by the ring, or as a float32 copy by MPI (:class:`Float32Sum`)."""
     if wire is not None and algorithm != "ring":
         raise ValueError(f"a wire format of 16-bit numbers needs mpitrain's ring (MPI cannot add them in float32), "
                          f"not {algorithm!r}")
     if algorithm == "mpi":
-        return comm.iallreduce(buf)
+        return Float32Sum(comm, buf) if buf.itemsize == 2 else comm.iallreduce(buf)
     if algorithm == "ring":
         if comm.size == 2 and _across_nodes(comm):
             return Exchange(comm, buf, wire)
@@ -281,7 +298,7 @@ def iallreduce(comm, buf: np.ndarray, algorithm: str = "mpi", wire=None) -> Requ
 
 def allreduce(comm, buf: np.ndarray, algorithm: str = "mpi", wire=None) -> None:
     """Sum the flat array ``buf`` over ``comm`` in place (``wire``: as :func:`iallreduce`)."""
-    if algorithm == "mpi" and wire is None:
+    if algorithm == "mpi" and wire is None and buf.itemsize != 2:
         comm.allreduce(buf)
     else:
         iallreduce(comm, buf, algorithm, wire).wait()

@@ -102,6 +102,13 @@ overlap them. What the timeline of each bucket showed, and what was done:
   backward takes 17 ms against 28 ms on the link, so at most about half can hide:
   measured 43-51%.
 
+**Mixed precision** (:class:`mpitrain.precision.MixedPrecision` as the optimizer): the
+parameters and their gradients, so the buckets too, are half-precision arrays; the ring
+sends them as they are, adding in float32 at each hop, and MPI's allreduce sums a float32
+copy of each (MPI cannot add bfloat16); the average's ``1/P`` is one more float32
+product, rounded (exact when ``P`` is a power of two). The construction broadcasts the
+float32 masters with the parameters.
+
 **Half the bytes.** With ``wire="bf16"`` or ``"fp16"`` (and the ring) the buckets stay
 float32 but travel as 16-bit numbers, added in float32 at each hop and rounded alike on
 every rank (:mod:`mpitrain.comm.ring`, "Half precision on the wire"): half the bytes per
@@ -198,8 +205,9 @@ class DataParallel:
         if self.wire is not None and algorithm != "ring":
             raise ValueError(f"gradients in {wire} on the wire need the ring (algorithm='ring'), not {algorithm!r}")
         self.params = [p for p in model.parameters() if p.requires_grad]
-        if broadcast:
-            replicas.broadcast(dp_comm, [p.data for p in self.params] + [b for _, b in model.named_buffers()])
+        if broadcast:  # and a mixed-precision optimizer's float32 masters (mpitrain.precision)
+            replicas.broadcast(dp_comm, [p.data for p in self.params] + [b for _, b in model.named_buffers()]
+                               + list(getattr(optimizer, "masters", [])))
         # backward produces gradients in reverse parameter order: buckets fill in that order
         self.buckets = [Bucket(group, flat.Flat(group, what="a DataParallel bucket").grad, dp_comm.dup())
                         for group in flat.buckets(reversed(self.params), int(bucket_cap_mb * 2**20))]
@@ -288,8 +296,9 @@ class DataParallel:
                     self._completed(b)
                 else:
                     b.done.wait()
-            if self.comm.size > 1:
-                b.flat *= scale
+            if self.comm.size > 1:  # a half bucket in float32 arithmetic: 1/P rounded to bf16 would be 2^-9 off
+                np.multiply(b.flat, np.float32(scale) if b.flat.itemsize == 2 else scale, out=b.flat,
+                            casting="same_kind")
         self.stats.exposed_seconds += time.perf_counter() - tick
         self._reset()
 
@@ -362,10 +371,12 @@ class DataParallel:
         return self.stats.exposed_seconds, self.stats.total_seconds
 
     def bytes_per_step(self) -> float:
-        """The formula: ``2 (P-1)/P x`` gradient bytes (in the wire's format)."""
+        """The formula: ``2 (P-1)/P x`` gradient bytes (in the wire's format; half-precision
+        buckets, mixed precision's, as they are on the ring and in float32 through MPI)."""
         P = self.comm.size
         numbers = sum(b.flat.size for b in self.buckets)
-        return 2 * (P - 1) / P * numbers * (self.buckets[0].flat.itemsize if self.wire is None else self.wire.itemsize)
+        size = self.buckets[0].flat.itemsize if self.wire is None else self.wire.itemsize
+        return 2 * (P - 1) / P * numbers * (4 if size == 2 and self.algorithm == "mpi" else size)
 
     def describe(self) -> tuple[str, dict[str, str]]:
         """One line for the start of a run, and the name of each call that waits for

@@ -34,6 +34,7 @@ from mpitrain import checkpoint, ops
 from mpitrain.comm import SingleComm, alone, started_thread_level
 from mpitrain.config import Config, ConfigError, check_ranks
 from mpitrain.data import DataError
+from mpitrain.precision import masters_in_model
 from mpitrain.runtime import blas_threads, emulated_cluster, limit_blas_threads, tune_allocator
 from mpitrain.train import resume
 from mpitrain.train.build import Role, Run, build_run, prepare_run_dir
@@ -112,7 +113,8 @@ def _header(run: Run, threads: int) -> str:
     level = f"; MPI thread level {started_thread_level()}" if run.world.size > 1 else ""
     return (f"model {cfg.model.name}: {sum(size for _, size in run.layout.params):,} parameters; data {run.data.name} "
             f"({run.data.path}), {reader.n:,} training {what}, {reader.steps_per_epoch} steps per epoch; "
-            f"{run.total} steps of {t.global_batch_size}{micro}; {threads} BLAS thread(s) per rank; {t.dtype}"
+            f"{run.total} steps of {t.global_batch_size}{micro}; {threads} BLAS thread(s) per rank; "
+            f"{run.optimizer.describe() if t.precision != 'fp32' else t.dtype}"
             f"{'' if t.fast_paths else '; fast paths off'}\n"
             f"parallel: {run.role.layout}; {run.role.sync.describe()[0]}{level}")
 
@@ -130,7 +132,7 @@ def _resume(run: Run, log, warn, start_over: bool, config_from: Path | None) -> 
                                          f"damaged (moved aside, above); run the same command again to resume "
                                          f"from {path} with the config saved there")
     resume.check_data(path, attrs["header"].get("data"), data_identity(run.data), warn)
-    with run.role.sync.whole_model():
+    with run.role.sync.whole_model(), masters_in_model(run.optimizer):  # a mixed-precision run's are float32
         attrs = checkpoint.restore(path, model=run.model, optimizer=run.optimizer, sync=run.role.sync,
                                    comm=run.world, layout=run.layout,
                                    check_config=lambda saved: resume.check_config(path, saved, cfg, warn))

@@ -33,6 +33,7 @@ from mpitrain.parallel.pipeline import PipelineStage, PipelineSync
 from mpitrain.parallel.tensor_parallel import TensorParallelSync
 from mpitrain.parallel.zero import Zero1, Zero2
 from mpitrain.parallel.zero3 import Zero3
+from mpitrain.precision import MixedPrecision
 from mpitrain.tensor import default_dtype
 from mpitrain.train import schedule
 from mpitrain.train.sync import GradSync
@@ -141,8 +142,11 @@ def _replica_role(cfg: Config, world, grid, model, opt, data, layout) -> Role:
         return _pipeline_role(cfg, world, grid, g, model, name, data, layout)
     if g.tp_size > 1:
         return _tensor_role(cfg, world, grid, g, model, name, layout)
+    if cfg.train.precision != "fp32":  # the model's weights become half precision, the optimizer keeps float32
+        opt = MixedPrecision(opt, cfg.train.precision)
     sync = SYNCS[name](cfg, model, opt, g.dp_comm)
-    run_schedule = schedule.whole_model(model, data.kind == "text", cfg.train.micro_batches)
+    run_schedule = schedule.whole_model(model, data.kind == "text", cfg.train.micro_batches,
+                                        getattr(opt, "scaler", None))
     return Role(sync, model, opt, run_schedule, loop_comm=world, leads=world.rank == 0, lane=(g.dp_rank, g.dp_size),
                 ranks=world.size, layout=_shape(grid), end=sync.sync_buffers, closers=[sync.close, g.free])
 

@@ -7,7 +7,7 @@ It knows no strategy. A step (:meth:`Loop.train_step`) reads::
     role.schedule(micro-batches, sync)   # forward and backward of each micro-batch
     sync.finish()                        # the gradients of the step are complete
     agree on the loss and stop signals   # one small allreduce over the loop's ranks
-    sync.step(lr, grad_clip)             # unless the loss is not finite
+    sync.step(lr, grad_clip)             # unless the loss is not finite, or a gradient overflowed
     sync.zero_grad()
 
 where ``sync`` is the role's :class:`~mpitrain.train.sync.GradSync` and ``role.schedule``
@@ -15,7 +15,9 @@ runs its schedule (:mod:`mpitrain.train.schedule`: the whole model, or a pipelin
 stage's). Each micro-batch's forward draws its dropout masks from per-sample streams
 (:func:`mpitrain.rng.sample_streams`), so they do not depend on how the global batch is
 split. The loop's ranks (``role.loop_comm``) agree on every step, so a stop signal or a
-non-finite loss ends them all at the same step.
+non-finite loss ends them all at the same step. In mixed precision
+(:mod:`mpitrain.precision`) the same allreduce carries whether any rank's gradients
+overflowed: then every rank skips the step, and the loss scale halves on every rank.
 Progress lines (the leading rank) report the loss averaged over ranks, the learning
 rate, samples/s and achieved GFLOP/s (FLOPs counted from the model's shapes on the
 first step, :mod:`mpitrain.observe.flops`); each epoch prints the per-rank I/O table.
@@ -39,6 +41,7 @@ from mpitrain.data.loader import normalize, random_shift, shifts
 from mpitrain.observe.flops import FlopCount
 from mpitrain.observe.io import io_row, io_table
 from mpitrain.observe.watchdog import Watchdog
+from mpitrain.precision import MixedPrecision
 from mpitrain.runtime import huge_page_heap
 from mpitrain.tensor import observe_ops
 from mpitrain.train import evaluate, report, schedule
@@ -55,6 +58,7 @@ class Loop:
         self.run, self.cfg, self.first, self.result = run, run.cfg, first, result
         self.out, self.signals, self.log, self.warn = out, signals, log, warn
         self.role, self.sync, self.comm = run.role, run.role.sync, run.role.loop_comm
+        self.mixed = run.optimizer if isinstance(run.optimizer, MixedPrecision) else None
         self.waits = self.sync.describe()[1]  # call -> the name of its wait
         self.flops = FlopCount()
         self.counted = False  # the FLOPs of a step are counted on the first one (the same on every rank)
@@ -123,14 +127,20 @@ class Loop:
             self.sync.finish()
         if counting:  # after finish: a data-parallel communication thread may be in MPI before it
             self.flops, self.counted = self.rank_mean(self.flops), True
+        overflow = self.mixed is not None and self.mixed.check()  # this rank's gradients
         with self.watchdog.phase(step, AGREEING):
-            loss, stopping = agree_on_step(self.comm, loss, self.signals.received, self.role.loss_ranks)
-        if np.isfinite(loss):
+            loss, stopping, overflow = agree_on_step(self.comm, loss, self.signals.received, self.role.loss_ranks,
+                                                     overflow)
+        if not np.isfinite(loss):
+            self.non_finite(step, loss)
+        elif overflow:  # any rank's: skipped on every rank, the scale halved on every rank
+            self.mixed.scaler.update(overflow=True)
+        else:
             with self.out.traced(self.waits.get("step", "optimizer"), "optimizer"), \
                     self.watchdog.phase(step, self.waits.get("step")):
                 self.sync.step(self.lr, cfg.optim.grad_clip)
-        else:
-            self.non_finite(step, loss)
+            if self.mixed is not None:
+                self.mixed.scaler.update(overflow=False)
         self.sync.zero_grad()
         seconds = time.perf_counter() - tick
         self.train_seconds += seconds
@@ -286,21 +296,24 @@ def inputs(cfg, data, batch) -> tuple[np.ndarray, np.ndarray]:
     return normalize(x, data.mean, data.std, cfg.train.dtype), batch.y
 
 
-def agree_on_step(comm, loss: float, received: int | None, loss_ranks: int | None = None) -> tuple[float, str | None]:
+def agree_on_step(comm, loss: float, received: int | None, loss_ranks: int | None = None,
+                  overflow: bool = False) -> tuple[float, str | None, bool]:
     """The global batch's loss (each of ``loss_ranks`` ranks has the mean over equally
-    many samples, the others 0: a pipeline's other stages; None: every rank) and the
-    name of a stop signal any rank received (None: none), in one allreduce of the loss
-    and a count per stop signal (a scheduler signals every rank: counts, not signal
-    numbers, survive the sum)."""
-    buf = np.zeros(1 + len(StopSignals.SIGNALS))
-    buf[0] = loss
+    many samples, the others 0: a pipeline's other stages; None: every rank), the name
+    of a stop signal any rank received (None: none) and whether any rank's gradients
+    ``overflow``-ed, in one allreduce of the loss, a count per stop signal (a scheduler
+    signals every rank: counts, not signal numbers, survive the sum) and a count of
+    overflows."""
+    signals = len(StopSignals.SIGNALS)
+    buf = np.zeros(2 + signals)
+    buf[0], buf[-1] = loss, overflow
     if received is not None:
         buf[1 + StopSignals.SIGNALS.index(signal.Signals(received).name)] = 1
     if comm.size > 1:
         comm.allreduce(buf)
         buf[0] /= loss_ranks or comm.size
-    seen = [name for name, count in zip(StopSignals.SIGNALS, buf[1:]) if count > 0]
-    return float(buf[0]), (seen[0] if seen else None)
+    seen = [name for name, count in zip(StopSignals.SIGNALS, buf[1 : 1 + signals]) if count > 0]
+    return float(buf[0]), (seen[0] if seen else None), bool(buf[-1] > 0)
 
 
 def _terminal() -> bool:

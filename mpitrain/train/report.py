@@ -4,6 +4,7 @@ report (the per-rank time table, the replica check, a text sample)."""
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,9 +13,11 @@ import numpy as np
 
 from mpitrain import checkpoint
 from mpitrain.data.loader import SAMPLING
+from mpitrain.observe.memory import CATEGORIES, bytes_per_parameter, state_line
 from mpitrain.observe.metrics import MetricsLog
 from mpitrain.observe.timeline import Timeline
 from mpitrain.observe.timing import time_table
+from mpitrain.precision import MixedPrecision, masters_in_model
 from mpitrain.train import evaluate
 
 
@@ -84,7 +87,7 @@ def save(run, step: int, why: str, result: Result, out: Outputs, log) -> None:
     if not cfg.run.dir:
         return
     epoch, epoch_step = divmod(step, run.reader.steps_per_epoch)
-    with out.traced("checkpoint", "checkpoint"), run.role.sync.whole_model():
+    with out.traced("checkpoint", "checkpoint"), run.role.sync.whole_model(), masters_in_model(run.optimizer):
         path = checkpoint.save(cfg.run.dir, step, model=run.model, optimizer=run.optimizer, sync=run.role.sync,
                                cfg=cfg, comm=run.world, keep=cfg.run.keep, epoch=epoch, epoch_step=epoch_step,
                                strategy=f"{cfg.parallel.sync}, {run.role.layout}", layout=run.layout,
@@ -138,6 +141,7 @@ def finish(run, result: Result, times: tuple, figures: dict, out: Outputs, log) 
     out.write_timeline(cfg.run.dir, log)
     digest = run.role.sync.check_replicas()
     rows = world.allgather(times)  # rank 0 prints them, the leading rank records them
+    states = world.allgather(run.role.sync.memory() if hasattr(run.role.sync, "memory") else None)
     lines, result.staleness = run.role.summary()
     done = figures["done"]
     if world.rank == 0:
@@ -150,6 +154,8 @@ def finish(run, result: Result, times: tuple, figures: dict, out: Outputs, log) 
             log(f"the parts' replicas identical; the whole model's parameters, gathered from its parts: "
                 f"sha256 {digest[:16]}")
         for line in lines:
+            log(line)
+        for line in state_lines(run, states):
             log(line)
     if run.data.kind == "text" and cfg.train.sample_tokens:
         with run.role.sync.whole_model():  # entered by every rank: ZeRO-3 gathers the model
@@ -181,6 +187,27 @@ def _totals(run, result: Result, figures: dict, rows, out: Outputs, log) -> Resu
         f"{result.samples_per_s:,.0f} samples/s, {result.gflops_per_s:.1f} GFLOP/s; "
         f"waited for data {figures['stall']:.2f} s ({100 * result.stall_fraction:.2f}% of step time)")
     return result
+
+
+def state_lines(run, states: list) -> list[str]:
+    """The end of a run's lines on memory: the model state of the rank that holds the most
+    (``states``: every rank's ``sync.memory()``, None where its sync counts none) beside
+    ZeRO's formula (:mod:`mpitrain.observe.memory`), and in mixed precision the loss scale."""
+    cfg, lines = run.cfg, []
+    states = [s for s in states if s is not None]
+    if states:
+        top = max(states, key=lambda c: sum(c[key] for key, _ in CATEGORIES))
+        o, mixed = cfg.optim, isinstance(run.optimizer, MixedPrecision)
+        moments = 2 if o.name in ("adam", "adamw") else int(o.momentum > 0)
+        itemsize = np.dtype(cfg.train.dtype).itemsize
+        formula = bytes_per_parameter(cfg.parallel.sync, run.role.lane[1], moments, itemsize, mixed)
+        lines.append(state_line(top, sum(size for _, size in run.layout.params), formula))
+    if isinstance(run.optimizer, MixedPrecision):
+        scaler = run.optimizer.scaler
+        lines.append(f"mixed precision {run.optimizer.precision}: loss scale {scaler.scale:g}"
+                     f"{f' (2^{math.log2(scaler.scale):g})' if scaler.dynamic else ''}; {scaler.skipped} step(s) "
+                     f"skipped for overflowing gradients")
+    return lines
 
 
 def sample_text(run) -> str:

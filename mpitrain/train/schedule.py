@@ -25,6 +25,8 @@ from __future__ import annotations
 import contextlib
 from functools import partial
 
+import numpy as np
+
 from mpitrain import ops
 from mpitrain.schedules import Backward, Forward
 from mpitrain.tensor import Tensor
@@ -42,13 +44,15 @@ def split(x, y, micro_batches: int) -> list[tuple]:
     return [(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b]) for i in range(micro_batches)]
 
 
-def whole_model(model, text: bool, micro_batches: int):
-    """The schedule of a rank that holds the whole model, as the role's ``schedule``."""
+def whole_model(model, text: bool, micro_batches: int, scaler=None):
+    """The schedule of a rank that holds the whole model, as the role's ``schedule``;
+    ``scaler``: a mixed-precision run's :class:`~mpitrain.precision.LossScaler`, whose
+    scale multiplies the loss that backward starts from (None: 1)."""
     loss_of = partial(text_loss if text else image_loss, model)
     actions = one_stage(micro_batches)
 
     def schedule(micro, sync, context=None, before_backward=None) -> float:
-        return run(actions, micro, loss_of, sync, before_backward, context)
+        return run(actions, micro, loss_of, sync, before_backward, context, 1.0 if scaler is None else scaler.scale)
     return schedule
 
 
@@ -60,11 +64,13 @@ def text_loss(model, x, y):
     return model(x, y)[1]
 
 
-def run(actions: list, micro: list[tuple], loss_of, sync, before_backward=None, context=None) -> float:
+def run(actions: list, micro: list[tuple], loss_of, sync, before_backward=None, context=None,
+        loss_scale: float = 1.0) -> float:
     """Carry out ``actions`` on the micro-batches ``micro`` (``loss_of(x, y)`` gives a
     micro-batch's mean loss as a tensor); every backward but the step's last runs inside
-    ``sync.no_sync()``; ``context(mb)`` wraps each forward (the dropout streams). Returns
-    this rank's loss of the step: the mean over micro-batches."""
+    ``sync.no_sync()``; ``context(mb)`` wraps each forward (the dropout streams);
+    backward starts from the loss times ``loss_scale`` (mixed precision's). Returns this
+    rank's loss of the step: the mean over micro-batches, unscaled."""
     scale = 1.0 / len(micro)
     last = max(i for i, a in enumerate(actions) if isinstance(a, Backward))
     losses, total = {}, 0.0  # micro-batch -> its scaled loss, alive from its forward to its backward
@@ -79,5 +85,8 @@ def run(actions: list, micro: list[tuple], loss_of, sync, before_backward=None, 
                 if before_backward is not None:
                     before_backward()
                 with contextlib.nullcontext() if i == last else sync.no_sync():
-                    loss.backward()
+                    if loss_scale == 1.0:
+                        loss.backward()
+                    else:  # every gradient loss_scale times larger (mpitrain.precision)
+                        loss.backward(np.array(loss_scale, dtype=loss.dtype))
     return total

@@ -1,0 +1,266 @@
+"""Mixed precision: half-precision weights and gradients, float32 master weights, a loss scale.
+
+Micikevicius et al., "Mixed Precision Training" (ICLR 2018); the bytes are the ZeRO
+paper's (Rajbhandari et al., SC 2020). With Adam, per parameter:
+
+* the model's parameter holds a **working copy** in half precision (``bf16`` or ``fp16``): 2 B;
+* its ``.grad`` is half too: 2 B;
+* the optimizer keeps the **master** weight in float32 and Adam's two moments: 4 + 8 B;
+
+16 bytes in all, as float32 training with Adam (4 + 4 + 8); what halves is what moves
+and what a layer reads: the weights, the gradients and their exchange.
+
+**Products in float32.** Every op sees a half-precision tensor upcast to float32
+(:meth:`mpitrain.tensor.Function.apply`): NumPy's half-precision matrix products are
+slow or silently float32 (``../shared/MEASURED.md``, "Half precision in NumPy": bf16
+elementwise about 10x slower than fp32, fp16 matmul 0.6 GFLOP/s), so half precision is a
+storage and wire format here and compute stays float32, as on hardware whose half
+products accumulate in float32. An upcast copy lives while the op's backward needs it:
+up to 4 B per parameter during a step, on top of the 16, like an activation.
+
+**Gradients.** Each op's float32 gradient is rounded once as it is added into the half
+``.grad`` (one rounding per micro-batch with gradient accumulation). Data parallelism's
+buckets are then half-precision arrays: mpitrain's ring sends them as 16-bit words and
+adds in float32 at each hop (:mod:`mpitrain.comm.ring`); MPI's allreduce cannot add a
+bfloat16 (MPI has no such type), so on ``parallel.allreduce = "mpi"`` each bucket is summed
+as a float32 copy and rounded back: the same arithmetic, twice the bytes.
+
+**The loss scale** (fp16). float16's smallest normal number is 6.1e-5 and its smallest
+subnormal 6e-8: most of a small model's gradients would round to zero. The loss is
+multiplied by ``S`` before backward (:class:`LossScaler`; ``S`` = 2^16 to start), so every
+gradient is ``S`` times larger; the update divides by ``S`` in float32, never in half
+precision, where the small gradients would vanish again. A gradient that overflows
+(inf or NaN anywhere, on any rank) skips the step on every rank and halves ``S``; after
+``growth_interval`` clean steps ``S`` doubles. The ranks agree on the overflow in the
+training loop's allreduce of the step's loss, so a rank whose shard overflowed stops the
+others. bfloat16 has float32's exponent range: no scale (``S = 1``), and a non-finite
+gradient still skips its step.
+
+**The update** (:meth:`MixedPrecision.step`), per parameter: its unscaled float32
+gradient ``fp32(g) x c/S`` in one reused work array (``c``: the clipping factor, from the
+norm of the unscaled gradients), the optimizer's update of the master, and the master
+rounded (to nearest even) into the working copy.
+
+**Checkpoints** hold the float32 masters (:meth:`MixedPrecision.masters` puts them in
+the model while a checkpoint is saved or loaded) and the loss scale, so a run resumes
+exactly, and in any precision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import numpy as np
+
+from mpitrain.optim import sum_of_squares
+
+FORMATS = ("fp32", "bf16", "fp16")  # the numbers of a parameter, a gradient or a message
+
+
+def dtype_of(name: str):
+    """The dtype of a format's name; None for fp32 (float32 as it is)."""
+    if name not in FORMATS:
+        raise ValueError(f"a number format must be one of {FORMATS}, got {name!r}")
+    if name == "bf16":
+        import ml_dtypes  # NumPy's bfloat16 (the JAX team's package)
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(np.float16) if name == "fp16" else None
+
+
+def is_half(dtype) -> bool:
+    """Whether ``dtype`` is a 16-bit float (float16 or bfloat16)."""
+    dtype = np.dtype(dtype)
+    return dtype.itemsize == 2 and (dtype.kind == "f" or dtype.name == "bfloat16")
+
+
+class LossScaler:
+    """The loss scale ``S`` of mixed-precision training: ``update(overflow)`` after each
+    step halves it on an overflow (``dynamic``) and doubles it after ``growth_interval``
+    clean steps in a row (PyTorch's ``GradScaler`` defaults). Not ``dynamic``: ``S`` stays
+    as it is (bf16: 1)."""
+
+    def __init__(self, scale: float = 2.0**16, growth_interval: int = 2000, dynamic: bool = True):
+        if not scale > 0 or growth_interval < 1:
+            raise ValueError(f"need scale > 0 and growth_interval >= 1, got {scale} and {growth_interval}")
+        self.scale, self.growth_interval, self.dynamic = float(scale), growth_interval, dynamic
+        self.clean = 0  # steps since the last overflow or growth
+        self.skipped = 0  # steps skipped for an overflow
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.skipped += 1
+            self.clean = 0
+            if self.dynamic:
+                self.scale /= 2
+            return
+        self.clean += 1
+        if self.dynamic and self.clean == self.growth_interval:
+            self.scale *= 2
+            self.clean = 0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean": self.clean, "skipped": self.skipped}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.clean, self.skipped = float(state["scale"]), int(state["clean"]), int(state["skipped"])
+
+
+def scaler_for(precision: str) -> LossScaler:
+    """fp16: a dynamic scale from 2^16; bf16 and fp32: a fixed scale of 1."""
+    return LossScaler() if precision == "fp16" else LossScaler(1.0, dynamic=False)
+
+
+class MixedPrecision:
+    """``optimizer``'s parameters turned into half-precision working copies, and the
+    optimizer itself over float32 master copies of them (see the module's docstring).
+
+    Use (the trainer does this for ``train.precision``)::
+
+        opt = MixedPrecision(AdamW(model.parameters(), ...), "bf16")   # the model is now half
+        loss = loss_fn(model, x, y) * opt.scaler.scale
+        loss.backward()
+        overflow = opt.check()      # any rank's True skips every rank's step (agree on it)
+        if not overflow:
+            opt.step(grad_clip)
+        opt.scaler.update(overflow); opt.zero_grad()
+
+    It answers what syncs and checkpoints ask of an optimizer (``set_lr``, ``zero_grad``,
+    ``state``, ``param_groups``, ``step_count``, ``memory``): its state is the masters'
+    optimizer's, parameter for parameter as the float32 optimizer's would be."""
+
+    unscales = True  # optim.update hands it the clipping: the norm is the unscaled gradients'
+
+    def __init__(self, optimizer, precision: str, scaler: LossScaler | None = None):
+        self.dtype = dtype_of(precision)
+        if self.dtype is None:
+            raise ValueError("MixedPrecision needs bf16 or fp16; float32 training needs no wrapper")
+        self.precision, self.scaler = precision, scaler or scaler_for(precision)
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        if any(p.dtype != np.float32 for p in self.params):
+            raise ValueError(f"mixed precision starts from float32 parameters, got "
+                             f"{sorted({str(p.dtype) for p in self.params})}")
+        self._masters = {id(p): np.ascontiguousarray(p.data) for p in self.params}
+        self.inner = optimizer.over(lambda p: (self._masters[id(p)], None))
+        for p in self.params:
+            p.data = p.data.astype(self.dtype)  # the working copy, rounded to nearest even
+            p.grad = None if p.grad is None else p.grad.astype(self.dtype)
+        self._work = None  # one float32 array, as large as the largest parameter: its unscaled gradient
+        self.norm = None  # the unscaled gradients' norm, from check()
+
+    def describe(self) -> str:
+        scale = (f"loss scale 2^{math.log2(self.scaler.scale):g}, dynamic" if self.scaler.dynamic
+                 else "no loss scale")
+        return (f"mixed precision {self.precision}: {self.precision} weights and gradients, float32 master weights "
+                f"and optimizer state, products in float32; {scale}")
+
+    @property
+    def masters(self) -> list[np.ndarray]:
+        """The float32 master weights, in the parameters' order."""
+        return [self._masters[id(p)] for p in self.params]
+
+    # -------------------------------------------------------------- a step
+    def check(self) -> bool:
+        """After the gradients of a step are complete: whether any of this rank's is not
+        finite (an overflow); keeps the unscaled norm for clipping."""
+        self.norm = math.sqrt(sum_of_squares(p.grad for p in self.params if p.grad is not None)) / self.scaler.scale
+        return not math.isfinite(self.norm)
+
+    def step(self, grad_clip: float = 0.0) -> None:
+        """Update the masters with the unscaled gradients, clipped to global norm
+        ``grad_clip`` (0: not clipped), and round them into the working copies."""
+        norm = self.norm if self.norm is not None else self._norm()
+        self.norm = None
+        if not math.isfinite(norm):
+            raise FloatingPointError(f"gradient norm is {norm}: skip the step (check() said so) instead")
+        factor = 1.0 / self.scaler.scale
+        if grad_clip > 0 and norm > grad_clip:
+            factor *= grad_clip / (norm + 1e-6)  # as optim.scale_to does for float32 gradients
+        params = self.params
+
+        def unscaled(i, master):
+            g = params[i].grad
+            if g is None:
+                return None
+            if self._work is None or self._work.size < g.size:
+                self._work = np.empty(max(q.size for q in params), np.float32)
+            out = self._work[: g.size].reshape(g.shape)
+            np.copyto(out, g)
+            out *= factor
+            return out
+        self.inner.step_with(unscaled)
+        for p in params:
+            np.copyto(p.data, self._masters[id(p)], casting="same_kind")
+
+    def _norm(self) -> float:
+        self.check()
+        return self.norm
+
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.zero_grad()
+
+    def set_lr(self, lr: float) -> None:
+        self.inner.set_lr(lr)
+
+    # --------------------------------------------------- as an optimizer
+    @property
+    def state(self) -> dict:
+        return self.inner.state
+
+    @state.setter
+    def state(self, value: dict) -> None:
+        self.inner.state = value
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @property
+    def step_count(self) -> int:
+        return self.inner.step_count
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self.inner.step_count = value
+
+    def over(self, views):
+        """ZeRO and the parameter servers give each rank an optimizer over its shard
+        (:meth:`mpitrain.optim.Optimizer.over`); mixed precision does not shard yet."""
+        raise TypeError("mixed precision (train.precision) works with ddp and local for now: ZeRO and parameter "
+                        "servers need a float32 optimizer")
+
+    def memory(self) -> tuple[int, int]:
+        """(bytes of optimizer state, the masters included; bytes of the work arrays)."""
+        state, work = self.inner.memory()
+        masters = sum(m.nbytes for m in self._masters.values())
+        return state + masters, work + (0 if self._work is None else self._work.nbytes)
+
+    def state_dict(self) -> dict:
+        return {**self.inner.state_dict(), "scaler": self.scaler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        state = dict(state)
+        self.scaler.load_state_dict(state.pop("scaler"))
+        self.inner.load_state_dict(state)
+
+    @contextlib.contextmanager
+    def masters_in_model(self):
+        """The float32 masters in the parameters' ``.data`` (checkpoints save and load
+        them there); on the way out the working copies are rounded from them."""
+        halves = [p.data for p in self.params]
+        for p in self.params:
+            p.data = self._masters[id(p)]
+        try:
+            yield
+        finally:
+            for p, half in zip(self.params, halves):
+                np.copyto(half, p.data, casting="same_kind")
+                p.data = half
+
+
+def masters_in_model(optimizer):
+    """:meth:`MixedPrecision.masters_in_model` of a mixed-precision optimizer; nothing to
+    do for any other."""
+    return optimizer.masters_in_model() if isinstance(optimizer, MixedPrecision) else contextlib.nullcontext()
