@@ -172,6 +172,10 @@ class RunConfig:
     stall_warn_s: float = 60.0  # a collective waiting this long: say which ranks are not there (0: never)
     stall_abort_s: float = 600.0  # ... and this long: abort every rank (0: never)
     progress: str = "auto"  # bar: a progress bar (tqdm) under the lines | lines: none | auto: see loop.show_bar
+    # trace NumPy's heap (tracemalloc) over the build and the first 3 steps: the end of the run prints it by
+    # category beside the model-state formula (mpitrain/observe/memory.py). It slows those steps, the data
+    # reader's first reads most (10 s more for the embedded shakespeare); false: the counted arrays only
+    trace_memory: bool = False
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -60,10 +61,15 @@ def test_a_mixed_precision_run_learns_and_reports_its_state_against_the_formula(
     lines = []
     steps = ["train.steps=100", "train.sample_tokens=0", "train.eval_interval=0"]
     base = train.train(tiny_gpt(text_data, *steps), log=lambda s: None)
-    mixed = train.train(tiny_gpt(text_data, *steps, f"train.precision={precision}"), log=lines.append)
+    mixed = train.train(tiny_gpt(text_data, *steps, f"train.precision={precision}", "run.trace_memory=true"),
+                        log=lines.append)
     assert mixed.val_loss == pytest.approx(base.val_loss, abs=0.02)
     state = next(line for line in lines if line.startswith("model state per rank"))
     assert "16.00 B/parameter; formula 16.00 B/parameter (1.000 of it)" in state, state
+    heap = next(line for line in lines if line.startswith("heap per rank"))  # traced: the model state measured
+    counted = float(re.search(r"= ([0-9.]+) MB, 16.00 B/parameter", state).group(1))
+    measured = float(re.search(r"less the work array ([0-9.]+) MB", heap).group(1))
+    assert counted <= measured <= counted + 0.1, heap  # and the modules' Python objects
     assert any(line.startswith(f"mixed precision {precision}: loss scale") for line in lines)
 
 

@@ -201,33 +201,41 @@ def run(models=("gpt", "wide"), rounds: int = 5, steps: int = 5, bucket_mb: floa
                 for k, (fn, ranks) in variants.items():
                     times[k] += _timed(comm, fn, steps, ranks, warmup)
             med = {k: float(np.median(v)) for k, v in times.items()}
-            n = sum(p.size for p in _build(spec)[0].parameters())
-            grad_mb = sum(b.flat.nbytes for b in buckets) / 1e6
-            log(f"{name}: GPT {spec['n_layer']}L/{spec['n_head']}H/{spec['n_embd']}C T={spec['block_size']} B={B}, "
-                f"{n / 1e6:.2f} M parameters, {grad_mb:.1f} MB of gradients in {len(buckets)} bucket(s)")
-            alone = {k: v for k, v in med.items() if k.startswith("allreduce alone")}
-            total = min(alone.values())
-            exposed = {k: max(0.0, v - med["2 ranks, no comm"]) for k, v in med.items() if k.startswith("2 ranks, ddp")}
-            for k in variants:
-                if k in alone:
-                    continue
-                line = f"  {k:26} {1e3 * med[k]:8.1f} ms/step {B / med[k]:8.1f} samples/s"
-                if k in exposed:
-                    off = exposed["2 ranks, ddp (off)"]
-                    line += (f"  x{med['1 rank'] / med[k]:.2f} | exposed {1e3 * exposed[k]:6.1f} ms, "
-                             f"hidden {100 * (1 - exposed[k] / total):4.0f}%")
-                    if k != "2 ranks, ddp (off)":
-                        line += f", vs off {100 * (1 - exposed[k] / off):4.0f}%" if off > 0 else ", vs off     -"
-                log(line)
-            for k, v in alone.items():
-                log(f"  {k:26} {1e3 * v:8.1f} ms/step")
-            log(f"  total communication {1e3 * total:.1f} ms = {100 * total / (med['2 ranks, no comm'] + total):.0f}% "
-                f"of a step that does not overlap it")
+            total = _table(name, spec, med, buckets, log)
             out[name] = dict(med, total=total, buckets=len(buckets), probe=_probe(comm, buckets, algorithm, total, log))
             for dp in dps.values():
                 dp.close()
             single.free()
     return out
+
+
+def _table(name: str, spec: dict, med: dict, buckets, log) -> float:
+    """The lines of one model's variants (``med``: median seconds per step of each);
+    returns the communication of a step alone, its total."""
+    B = spec["batch"]
+    n = sum(p.size for p in _build(spec)[0].parameters())
+    grad_mb = sum(b.flat.nbytes for b in buckets) / 1e6
+    log(f"{name}: GPT {spec['n_layer']}L/{spec['n_head']}H/{spec['n_embd']}C T={spec['block_size']} B={B}, "
+        f"{n / 1e6:.2f} M parameters, {grad_mb:.1f} MB of gradients in {len(buckets)} bucket(s)")
+    alone = {k: v for k, v in med.items() if k.startswith("allreduce alone")}
+    total = min(alone.values())
+    exposed = {k: max(0.0, v - med["2 ranks, no comm"]) for k, v in med.items() if k.startswith("2 ranks, ddp")}
+    for k in med:
+        if k in alone:
+            continue
+        line = f"  {k:26} {1e3 * med[k]:8.1f} ms/step {B / med[k]:8.1f} samples/s"
+        if k in exposed:
+            off = exposed["2 ranks, ddp (off)"]
+            line += (f"  x{med['1 rank'] / med[k]:.2f} | exposed {1e3 * exposed[k]:6.1f} ms, "
+                     f"hidden {100 * (1 - exposed[k] / total):4.0f}%")
+            if k != "2 ranks, ddp (off)":
+                line += f", vs off {100 * (1 - exposed[k] / off):4.0f}%" if off > 0 else ", vs off     -"
+        log(line)
+    for k, v in alone.items():
+        log(f"  {k:26} {1e3 * v:8.1f} ms/step")
+    log(f"  total communication {1e3 * total:.1f} ms = {100 * total / (med['2 ranks, no comm'] + total):.0f}% "
+        f"of a step that does not overlap it")
+    return total
 
 
 def network(rate: str, mtu: int, options: list[str], algorithms, log=print) -> int:

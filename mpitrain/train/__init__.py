@@ -34,6 +34,7 @@ from mpitrain import checkpoint, ops
 from mpitrain.comm import SingleComm, alone, started_thread_level
 from mpitrain.config import Config, ConfigError, check_ranks
 from mpitrain.data import DataError
+from mpitrain.observe.memory import HeapTrace
 from mpitrain.precision import masters_in_model
 from mpitrain.runtime import blas_threads, emulated_cluster, limit_blas_threads, tune_allocator
 from mpitrain.train import resume
@@ -67,23 +68,29 @@ def train(cfg: Config, log=print, comm=None, resume: bool = False, warn=None, st
     threads = blas_threads(cfg.train.threads, comm.node_size())
     tune_allocator()
     with limit_blas_threads(threads), ops.fast_paths(cfg.train.fast_paths):
-        run = build_run(cfg, comm, grid, log)
+        heap = HeapTrace(cfg.run.trace_memory)  # from before the model exists
+        try:
+            run = build_run(cfg, comm, grid, log)
+        except BaseException:
+            heap.stop()
+            raise
         try:
             log(_header(run, threads))
             first = _resume(run, log, warn, start_over, config_from) if resume else 0
             # the loop speaks through its leading rank (with parameter servers, worker 0: not rank 0)
             elsewhere = run.role.leads and comm.rank != 0 and loud
             with alone(DataError):  # a shard found damaged by this rank's reader, mid-run
-                return _work(run, first, log, print if elsewhere else log, _stderr if elsewhere else warn)
+                return _work(run, first, heap, log, print if elsewhere else log, _stderr if elsewhere else warn)
         finally:
+            heap.stop()
             run.close()
 
 
-def _work(run: Run, first: int, log, loop_log, loop_warn) -> Result:
+def _work(run: Run, first: int, heap: HeapTrace, log, loop_log, loop_warn) -> Result:
     """This rank's part: the loop or serving, the role's end, the end of the run."""
     role, world, cfg = run.role, run.world, run.cfg
     result = Result(start_step=first)
-    out = Outputs(cfg, world, role.leads, first)
+    out = Outputs(cfg, world, role.leads, first, heap)
     out.metrics.write("start", step=first, total_steps=run.total, steps_per_epoch=run.reader.steps_per_epoch,
                       ranks=world.size, config=cfg.to_dict(), cluster=emulated_cluster())
     start = time.perf_counter()

@@ -102,6 +102,7 @@ class Loop:
                         break
                 stopping = self.train_step(step, batch, tick)
                 step += 1
+                self.out.heap.after_step(step - self.first)
                 self.progress(step, batch.epoch)
                 if stopping:
                     self.result.stopped = stopping

@@ -13,7 +13,7 @@ import numpy as np
 
 from mpitrain import checkpoint
 from mpitrain.data.loader import SAMPLING
-from mpitrain.observe.memory import CATEGORIES, bytes_per_parameter, state_line
+from mpitrain.observe.memory import CATEGORIES, HeapTrace, bytes_per_parameter, heap_line, state_line
 from mpitrain.observe.metrics import MetricsLog
 from mpitrain.observe.timeline import Timeline
 from mpitrain.observe.timing import time_table
@@ -49,10 +49,12 @@ TIME_FIELDS = ("rank", "step_s", "comm_exposed_s", "comm_total_s", "read_s", "wa
 
 class Outputs:
     """What a run writes besides checkpoints: ``metrics.jsonl`` (by the rank that leads
-    the loop) and ``timeline.json`` (every rank's events, with ``run.timeline``)."""
+    the loop) and ``timeline.json`` (every rank's events, with ``run.timeline``); what it
+    measures of itself beside them: the heap of its first steps (``run.trace_memory``)."""
 
-    def __init__(self, cfg, world, leads: bool, first: int):
+    def __init__(self, cfg, world, leads: bool, first: int, heap: HeapTrace | None = None):
         run = cfg.run
+        self.heap = heap or HeapTrace(enabled=False)  # the heap over the first steps (the loop says when)
         path = Path(run.dir) / "metrics.jsonl" if run.dir and leads else None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -141,7 +143,9 @@ def finish(run, result: Result, times: tuple, figures: dict, out: Outputs, log) 
     out.write_timeline(cfg.run.dir, log)
     digest = run.role.sync.check_replicas()
     rows = world.allgather(times)  # rank 0 prints them, the leading rank records them
-    states = world.allgather(run.role.sync.memory() if hasattr(run.role.sync, "memory") else None)
+    out.heap.stop()
+    states = world.allgather((run.role.sync.memory() if hasattr(run.role.sync, "memory") else None,
+                              out.heap.figures()))
     lines, result.staleness = run.role.summary()
     done = figures["done"]
     if world.rank == 0:
@@ -190,18 +194,23 @@ def _totals(run, result: Result, figures: dict, rows, out: Outputs, log) -> Resu
 
 
 def state_lines(run, states: list) -> list[str]:
-    """The end of a run's lines on memory: the model state of the rank that holds the most
-    (``states``: every rank's ``sync.memory()``, None where its sync counts none) beside
-    ZeRO's formula (:mod:`mpitrain.observe.memory`), and in mixed precision the loss scale."""
+    """The end of a run's lines on memory (:mod:`mpitrain.observe.memory`), of the rank
+    that holds the most (``states``: every rank's ``(sync.memory(), heap figures)``, None
+    where its sync counts none or nothing was traced): its model state counted beside
+    ZeRO's formula, the heap measured, and in mixed precision the loss scale."""
     cfg, lines = run.cfg, []
-    states = [s for s in states if s is not None]
-    if states:
-        top = max(states, key=lambda c: sum(c[key] for key, _ in CATEGORIES))
-        o, mixed = cfg.optim, isinstance(run.optimizer, MixedPrecision)
-        moments = 2 if o.name in ("adam", "adamw") else int(o.momentum > 0)
-        itemsize = np.dtype(cfg.train.dtype).itemsize
-        formula = bytes_per_parameter(cfg.parallel.sync, run.role.lane[1], moments, itemsize, mixed)
-        lines.append(state_line(top, sum(size for _, size in run.layout.params), formula))
+    n = sum(size for _, size in run.layout.params)
+    o, mixed = cfg.optim, isinstance(run.optimizer, MixedPrecision)
+    moments = 2 if o.name in ("adam", "adamw") else int(o.momentum > 0)
+    formula = bytes_per_parameter(cfg.parallel.sync, run.role.lane[1], moments, np.dtype(cfg.train.dtype).itemsize,
+                                  mixed)
+    counted = [c for c, _ in states if c is not None]
+    if counted:
+        lines.append(state_line(max(counted, key=lambda c: sum(c[key] for key, _ in CATEGORIES)), n, formula))
+    traced = [(c, h) for c, h in states if h is not None]
+    if traced:
+        c, h = max(traced, key=lambda ch: ch[1]["rest"])
+        lines.append(heap_line(h, c, n, formula))
     if isinstance(run.optimizer, MixedPrecision):
         scaler = run.optimizer.scaler
         lines.append(f"mixed precision {run.optimizer.precision}: loss scale {scaler.scale:g}"
