@@ -14,8 +14,8 @@ float32 master weight), on ``P`` data-parallel ranks:
 A run also measures what it holds (:class:`HeapTrace`): ``tracemalloc``, which sees
 NumPy's buffers, traces the heap from before the model is built through the first
 steps, then stops (``run.trace_memory``; tracing costs about 9% of a GPT step while it
-runs, and much more of the data reader's first reads, allocation-heavy Python): the heap at rest
-after the second step (the optimizer's state exists from the first on), split by where
+runs, and much more of the data reader's first reads, allocation-heavy Python): the heap
+at rest after the second step (the optimizer's state exists from the first on), split by where
 it was allocated (the data reader's buffers, communication work arrays, the rest: the
 model state, whose formula is above), and the peak of the third step above it
 (activations, gradients in flight, buffers of the exchange).
@@ -43,7 +43,7 @@ def bytes_per_parameter(sync: str, P: int, moments: int = 2, itemsize: int = 4, 
 
 class HeapTrace:
     """The heap of this process from its construction (before the model is built) to the
-    end of step :data:`PEAK_STEP` of the run (``after_step``), by ``tracemalloc``; does
+    end of step ``REST_STEP + 1`` of the run (``after_step``), by ``tracemalloc``; does
     nothing if ``enabled`` is false or something else traces already."""
 
     REST_STEP = 2  # the heap at rest after this many steps: the optimizer's state exists after the first
