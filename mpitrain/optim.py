@@ -18,6 +18,7 @@ import math
 
 import numpy as np
 
+from mpitrain.dtypes import is_half
 from mpitrain.tensor import Tensor
 
 
@@ -104,11 +105,12 @@ class Optimizer:
             buf = self._buffer = np.empty(max(like.size, 0 if buf is None else buf.size), like.dtype)
         return buf[: like.size].reshape(like.shape)
 
-    def memory(self) -> tuple[int, int]:
-        """(bytes of optimizer state, bytes of the reusable work array)."""
+    def memory(self) -> dict:
+        """Bytes of optimizer state (``optim_bytes``) and of the reusable work array
+        (``work_bytes``): the optimizer's part of a gradient sync's ``memory()``."""
         state = sum(v.nbytes for s in self.state.values() for v in s.values() if isinstance(v, np.ndarray))
         work = getattr(self, "_buffer", None)
-        return state, 0 if work is None else work.nbytes
+        return {"optim_bytes": state, "work_bytes": 0 if work is None else work.nbytes}
 
     def state_dict(self) -> dict:
         return {
@@ -243,7 +245,7 @@ def sum_of_squares(grads) -> float:
 
 def _float32(g: np.ndarray) -> np.ndarray:
     """A half-precision gradient upcast (a dot product in bfloat16 sums in bfloat16)."""
-    return g.astype(np.float32) if g.itemsize == 2 else g
+    return g.astype(np.float32) if is_half(g.dtype) else g
 
 
 def scale_to(grads, norm: float, max_norm: float) -> None:

@@ -53,27 +53,8 @@ import math
 
 import numpy as np
 
+from mpitrain.dtypes import dtype_of
 from mpitrain.optim import sum_of_squares
-
-FORMATS = ("fp32", "bf16", "fp16")  # the numbers of a parameter, a gradient or a message
-
-
-def dtype_of(name: str):
-    """The dtype of a format's name; None for fp32 (float32 as it is)."""
-    if name not in FORMATS:
-        raise ValueError(f"a number format must be one of {FORMATS}, got {name!r}")
-    if name == "bf16":
-        import ml_dtypes  # NumPy's bfloat16 (the JAX team's package)
-
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype(np.float16) if name == "fp16" else None
-
-
-def is_half(dtype) -> bool:
-    """Whether ``dtype`` is a 16-bit float (float16 or bfloat16)."""
-    dtype = np.dtype(dtype)
-    return dtype.itemsize == 2 and (dtype.kind == "f" or dtype.name == "bfloat16")
-
 
 class LossScaler:
     """The loss scale ``S`` of mixed-precision training: ``update(overflow)`` after each
@@ -170,8 +151,9 @@ class MixedPrecision:
     def step(self, grad_clip: float = 0.0) -> None:
         """Update the masters with the unscaled gradients, clipped to global norm
         ``grad_clip`` (0: not clipped), and round them into the working copies."""
-        norm = self.norm if self.norm is not None else self._norm()
-        self.norm = None
+        if self.norm is None:
+            self.check()
+        norm, self.norm = self.norm, None
         if not math.isfinite(norm):
             raise FloatingPointError(f"gradient norm is {norm}: skip the step (check() said so) instead")
         factor = 1.0 / self.scaler.scale
@@ -192,10 +174,6 @@ class MixedPrecision:
         self.inner.step_with(unscaled)
         for p in params:
             np.copyto(p.data, self._masters[id(p)], casting="same_kind")
-
-    def _norm(self) -> float:
-        self.check()
-        return self.norm
 
     def zero_grad(self) -> None:
         for p in self.params:
@@ -231,11 +209,11 @@ class MixedPrecision:
         raise TypeError("mixed precision (train.precision) works with ddp and local for now: ZeRO and parameter "
                         "servers need a float32 optimizer")
 
-    def memory(self) -> tuple[int, int]:
-        """(bytes of optimizer state, the masters included; bytes of the work arrays)."""
-        state, work = self.inner.memory()
-        masters = sum(m.nbytes for m in self._masters.values())
-        return state + masters, work + (0 if self._work is None else self._work.nbytes)
+    def memory(self) -> dict:
+        """Bytes of optimizer state, the masters included, and of the work arrays."""
+        inner = self.inner.memory()
+        return {"optim_bytes": inner["optim_bytes"] + sum(m.nbytes for m in self._masters.values()),
+                "work_bytes": inner["work_bytes"] + (0 if self._work is None else self._work.nbytes)}
 
     def state_dict(self) -> dict:
         return {**self.inner.state_dict(), "scaler": self.scaler.state_dict()}

@@ -63,6 +63,8 @@ import threading
 
 import numpy as np
 
+from mpitrain.dtypes import is_half
+
 _state = threading.local()
 
 
@@ -137,7 +139,7 @@ class Tensor:
             data = np.asarray(data)
             if data.dtype.kind == "f":  # Python floats become the default dtype, not float64
                 data = data.astype(_default_dtype)
-        if requires_grad and not (data.dtype.kind == "f" or data.dtype.name == "bfloat16"):
+        if requires_grad and not (data.dtype.kind == "f" or is_half(data.dtype)):
             raise TypeError(f"only floating tensors can require gradients, got {data.dtype}")
         self.data = data
         self.grad: np.ndarray | None = None
@@ -401,9 +403,7 @@ def _computed(x: np.ndarray) -> np.ndarray:
     working copy, :mod:`mpitrain.precision`) upcast to float32, as NumPy's half-precision
     products are slow or silently float32; its gradient is rounded into the half
     ``.grad``. Any other as it is."""
-    if x.dtype.itemsize == 2 and (x.dtype.kind == "f" or x.dtype.name == "bfloat16"):
-        return x.astype(np.float32)
-    return x
+    return x.astype(np.float32) if is_half(x.dtype) else x
 
 
 class _Edge:

@@ -14,7 +14,8 @@ from test_mpi_data import shared_data
 
 from mpitrain import checkpoint, config, nn, optim, rng, train
 from mpitrain.comm.replicas import digest
-from mpitrain.precision import MixedPrecision, dtype_of
+from mpitrain.dtypes import dtype_of
+from mpitrain.precision import MixedPrecision
 
 
 def quiet(*args):

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from mpitrain import nn, optim, rng
-from mpitrain.precision import LossScaler, MixedPrecision, dtype_of, is_half, masters_in_model
+from mpitrain.dtypes import dtype_of, is_half
+from mpitrain.precision import LossScaler, MixedPrecision, masters_in_model
 from mpitrain.tensor import Parameter, Tensor
 
 PRECISIONS = ("bf16", "fp16")

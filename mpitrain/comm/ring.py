@@ -80,7 +80,7 @@ import weakref
 import numpy as np
 
 from mpitrain.comm.communicator import Request, Tag
-from mpitrain.precision import FORMATS, dtype_of
+from mpitrain.dtypes import FORMATS, dtype_of, is_half
 
 ALGORITHMS = ("mpi", "ring", "hierarchical")  # the last: mpitrain.comm.hierarchical
 WIRES = FORMATS  # the numbers a ring sends (see "Half precision on the wire")
@@ -284,7 +284,7 @@ def iallreduce(comm, buf: np.ndarray, algorithm: str = "mpi", wire=None) -> Requ
         raise ValueError(f"a wire format of 16-bit numbers needs mpitrain's ring (MPI cannot add them in float32), "
                          f"not {algorithm!r}")
     if algorithm == "mpi":
-        return Float32Sum(comm, buf) if buf.itemsize == 2 else comm.iallreduce(buf)
+        return Float32Sum(comm, buf) if is_half(buf.dtype) else comm.iallreduce(buf)
     if algorithm == "ring":
         if comm.size == 2 and _across_nodes(comm):
             return Exchange(comm, buf, wire)
@@ -298,7 +298,7 @@ def iallreduce(comm, buf: np.ndarray, algorithm: str = "mpi", wire=None) -> Requ
 
 def allreduce(comm, buf: np.ndarray, algorithm: str = "mpi", wire=None) -> None:
     """Sum the flat array ``buf`` over ``comm`` in place (``wire``: as :func:`iallreduce`)."""
-    if algorithm == "mpi" and wire is None and buf.itemsize != 2:
+    if algorithm == "mpi" and wire is None and not is_half(buf.dtype):
         comm.allreduce(buf)
     else:
         iallreduce(comm, buf, algorithm, wire).wait()

@@ -334,9 +334,8 @@ class DataParallel:
     def memory(self) -> dict:
         """Bytes this rank keeps between steps (``mpitrain bench memory``): parameters,
         gradients, optimizer state and the optimizer's work array."""
-        state, work = self.optimizer.memory()
         return {"param_bytes": sum(p.data.nbytes for p in self.params),
-                "grad_bytes": sum(b.flat.nbytes for b in self.buckets), "optim_bytes": state, "work_bytes": work}
+                "grad_bytes": sum(b.flat.nbytes for b in self.buckets), **self.optimizer.memory()}
 
     def sync_buffers(self) -> None:
         """Average floating buffers (batch-norm running statistics) over ranks."""

@@ -55,10 +55,9 @@ class LocalSync:
     def memory(self) -> dict:
         """Bytes this rank keeps between steps: parameters, gradients, optimizer state
         and the optimizer's work array."""
-        state, work = self.optimizer.memory()
         return {"param_bytes": sum(p.data.nbytes for p in self.params),
-                "grad_bytes": sum(p.grad.nbytes for p in self.params if p.grad is not None), "optim_bytes": state,
-                "work_bytes": work}
+                "grad_bytes": sum(p.grad.nbytes for p in self.params if p.grad is not None),
+                **self.optimizer.memory()}
 
     def sync_buffers(self) -> None:
         pass

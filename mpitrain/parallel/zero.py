@@ -166,9 +166,8 @@ class Zero1:
     def memory(self) -> dict:
         """Bytes this rank keeps between steps (``mpitrain bench memory``): parameters,
         gradients, optimizer state and the optimizer's work array."""
-        state, work = self.optimizer.memory()
         return {"param_bytes": self.flat_params.nbytes, "grad_bytes": self.flat_grads.nbytes,
-                "optim_bytes": state, "work_bytes": work}
+                **self.optimizer.memory()}
 
     def sync_buffers(self) -> None:
         """Average floating buffers (batch-norm running statistics) over ranks; each
@@ -436,9 +435,8 @@ class Zero2:
     def memory(self) -> dict:
         """Bytes this rank keeps between steps (``mpitrain bench memory``): parameters,
         gradients, optimizer state and the optimizer's work array."""
-        state, work = self.optimizer.memory()
         return {"param_bytes": self.flat_params.nbytes, "grad_bytes": self.grad_shard.nbytes,
-                "optim_bytes": state, "work_bytes": work}
+                **self.optimizer.memory()}
 
     # as stage 1's: every rank writes its optimizer pieces; the parameters are whole
     begin_step, state_pieces, whole_model = Zero1.begin_step, Zero1.state_pieces, Zero1.whole_model

@@ -351,9 +351,8 @@ class Zero3:
     def memory(self) -> dict:
         """Bytes this rank keeps between steps (``mpitrain bench memory``): parameters,
         gradients, optimizer state and the optimizer's work array."""
-        state, work = self.optimizer.memory()
         return {"param_bytes": sum(g.data.nbytes for g in self.groups),
-                "grad_bytes": sum(g.grad.nbytes for g in self.groups), "optim_bytes": state, "work_bytes": work}
+                "grad_bytes": sum(g.grad.nbytes for g in self.groups), **self.optimizer.memory()}
 
     def sync_buffers(self) -> None:
         replicas.average(self.comm, [b for _, b in self.model.named_buffers()])
