@@ -2,7 +2,8 @@
 (:mod:`mpitrain.comm.hierarchical`), selectable by name.
 
 ``allreduce(comm, buf, "mpi")`` is ``MPI_Allreduce``; ``"ring"`` is the algorithm below,
-written with point-to-point messages so that it can be read, counted and compared. Both
+written with point-to-point messages so that it can be read, counted and compared (read
+:func:`ring_allreduce` first: the same algorithm, blocking, step by step). Both
 sum in place; ``iallreduce`` starts either without waiting and returns a request whose
 ``test()`` moves it forward (the ring posts its next step from inside ``test()``).
 
@@ -108,6 +109,44 @@ def _work(comm, n: int, dtype) -> np.ndarray:
 def chunk_bounds(n: int, parts: int) -> np.ndarray:
     """(parts + 1,) start of each chunk and the end: chunk i is [b[i], b[i + 1])."""
     return np.array([n * i // parts for i in range(parts + 1)], dtype=np.int64)
+
+
+def ring_allreduce(comm, buf: np.ndarray) -> None:
+    """Sum the flat contiguous array ``buf`` over ``comm`` in place: the textbook ring,
+    blocking, to read before :class:`Ring`.
+
+    Rank ``r`` sends to ``r + 1`` and receives from ``r - 1``; ``buf`` is cut into ``P``
+    chunks (:func:`chunk_bounds`). **Reduce-scatter**: at step ``s`` rank ``r`` sends chunk
+    ``r - s - 1`` and adds the chunk ``r - s - 2`` it receives to its own copy; a chunk
+    gathers one addend per hop, so after ``P - 1`` steps rank ``r`` holds the full sum of
+    chunk ``r``. **Allgather**: at step ``s`` it sends chunk ``r - s`` (its finished one
+    first, then the one just received) and stores the chunk ``r - s - 1`` it receives;
+    after ``P - 1`` steps every rank holds every sum.
+
+    Rank ``r`` sends every chunk but its own, then every chunk but ``r + 1``'s:
+    ``2n - c_r - c_{r+1}`` elements, ``2(P - 1)/P x n`` when ``P`` divides ``n``: under
+    ``2n`` however many ranks there are. No allreduce can send less per rank (Patarasuk
+    & Yuan 2009: a rank's data must reach the ``(P - 1)/P`` of the sum that others
+    finish, and the part it finishes must reach them), so the ring is bandwidth-optimal;
+    what grows with ``P`` is the number of steps, ``2(P - 1)`` message latencies.
+
+    :class:`Ring` below computes the same sums, in the same order, bit for bit (tested,
+    ``tests/test_mpi_ring.py``); it does not block: ``test()`` posts each next step, so
+    the ring moves forward while backward computes, and it keeps partial sums in work
+    arrays for the cache's sake ("Partial sums" above)."""
+    P, r = comm.size, comm.rank
+    bounds = chunk_bounds(buf.size, P)
+    chunk = [buf[bounds[i] : bounds[i + 1]] for i in range(P)]  # views into buf
+    incoming = np.empty(int(np.diff(bounds).max()), dtype=buf.dtype)  # (widest chunk,)
+    right, left = (r + 1) % P, (r - 1) % P
+    for s in range(P - 1):  # reduce-scatter
+        send, recv = chunk[(r - s - 1) % P], chunk[(r - s - 2) % P]
+        into = incoming[: recv.size]
+        comm.waitall([comm.irecv(into, left, Tag.RING), comm.isend(send, right, Tag.RING)])
+        np.add(recv, into, out=recv)  # one more rank's addend in this partial sum
+    for s in range(P - 1):  # allgather: received straight into place, nothing to add
+        send, recv = chunk[(r - s) % P], chunk[(r - s - 1) % P]
+        comm.waitall([comm.irecv(recv, left, Tag.RING), comm.isend(send, right, Tag.RING)])
 
 
 class Ring(Request):

@@ -1,0 +1,108 @@
+"""MPI tier: the plain ring (``ring_allreduce``) is the oracle of the fast one.
+
+Every way mpitrain runs its ring, ``Ring`` waited or tested, ``allreduce(..., "ring")``,
+``iallreduce(..., "ring")`` and two ranks' ``Exchange``, gives the plain ring's sums bit
+for bit and sends its bytes, on whatever number of ranks the run has (2 and 4 in the
+suite; 3 by hand: ``mpiexec -n 3 python -m pytest -q --with-mpi -m mpi tests/test_mpi_ring.py``).
+"""
+
+import numpy as np
+import pytest
+
+import mpitrain.comm.ring as ar
+from mpitrain.comm.ring import chunk_bounds, ring_allreduce
+
+
+def world():
+    from mpitrain.comm import world as w
+
+    return w()
+
+
+def sizes(P: int, dtype) -> dict:
+    """Buffer sizes: fewer elements than ranks, a few, P not dividing n, and chunks above
+    ``IN_PLACE_CHUNK_BYTES`` (the fast ring then sums in place, not in work arrays)."""
+    above = P * (ar.IN_PLACE_CHUNK_BYTES // np.dtype(dtype).itemsize) + P + 1
+    return {"1": 1, "2": 2, "7": 7, "1001": 1001, "in_place": above}
+
+
+def data(n: int, dtype, rank: int, seed: int = 0) -> np.ndarray:
+    """(n,) numbers of spread magnitudes, different on every rank, so that a sum taken in
+    another order rounds differently."""
+    g = np.random.default_rng(1000 * seed + rank)
+    return (g.standard_normal(n) * 10.0 ** g.uniform(-4, 4, n)).astype(dtype)
+
+
+def plain(comm, x: np.ndarray) -> tuple[np.ndarray, int]:
+    """The plain ring's sum of ``x`` (a copy) and the bytes this rank sent for it."""
+    out, sent = x.copy(), comm.stats.bytes_sent
+    ring_allreduce(comm, out)
+    return out, comm.stats.bytes_sent - sent
+
+
+def ring_bytes(comm, n: int, itemsize: int) -> int:
+    """What rank r sends in a ring allreduce: every chunk but two, 2n - c_r - c_{r+1}."""
+    c = np.diff(chunk_bounds(n, comm.size))
+    return int(2 * n - c[comm.rank] - c[(comm.rank + 1) % comm.size]) * itemsize
+
+
+def fast_ways(comm):
+    """(name, run(buf)) for each way to run the fast ring on ``comm``."""
+
+    def tested(buf):
+        request = ar.Ring(comm, buf)
+        while not request.test():
+            pass
+
+    ways = [("Ring.wait", lambda buf: ar.Ring(comm, buf).wait()), ("Ring.test", tested),
+            ("allreduce", lambda buf: ar.allreduce(comm, buf, "ring")),
+            ("iallreduce", lambda buf: ar.iallreduce(comm, buf, "ring").wait())]
+    if comm.size == 2:  # what iallreduce runs when the two ranks are on different nodes
+        ways.append(("Exchange", lambda buf: ar.Exchange(comm, buf).wait()))
+    return ways
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("size", ["1", "2", "7", "1001", "in_place"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_the_fast_ring_equals_the_plain_ring_bit_for_bit_and_sends_its_bytes(dtype, size):
+    comm = world().dup()
+    n = sizes(comm.size, dtype)[size]
+    assert ar.Ring(comm, np.zeros(n, dtype)).in_place == (size == "in_place")  # both ways of keeping partial sums
+    for seed in range(2):  # twice: the work arrays are reused
+        x = data(n, dtype, comm.rank, seed)
+        expected, sent = plain(comm, x)
+        assert sent == ring_bytes(comm, n, x.itemsize)
+        assert comm.allgather(expected.tobytes()) == [expected.tobytes()] * comm.size  # one sum everywhere
+        for name, run in fast_ways(comm):
+            fast, before = x.copy(), comm.stats.bytes_sent
+            run(fast)
+            assert fast.tobytes() == expected.tobytes(), name
+            assert comm.stats.bytes_sent - before == sent, name  # on 2 ranks the exchange's n too
+    comm.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_the_plain_ring_adds_each_chunk_from_the_rank_after_its_owner_around_the_ring(dtype):
+    """The order of the additions, which both rings share: chunk c starts at rank c + 1
+    (it sends it at step 0), and every rank it reaches adds its own, ending at c:
+    ((x_{c+1} + x_{c+2}) + ...) + x_c. With 3 or more ranks another order (rank 0's
+    addend first) rounds differently; with 2 there is one addition, and a + b == b + a."""
+    comm = world().dup()
+    P, n = comm.size, 1001
+    x = data(n, dtype, comm.rank)
+    out, _ = plain(comm, x)
+    every = [data(n, dtype, rank) for rank in range(P)]  # P x (n,): each rank's addend
+    b = chunk_bounds(n, P)
+    for c in range(P):
+        part = slice(b[c], b[c + 1])
+        total = every[(c + 1) % P][part].copy()
+        for hop in range(2, P + 1):
+            total += every[(c + hop) % P][part]
+        assert total.tobytes() == out[part].tobytes(), c
+    in_rank_order = np.sum(every, axis=0)  # (n,) x_0 + x_1 + ... for every chunk
+    assert np.array_equal(in_rank_order, out) == (P == 2)  # the data can tell the orders apart
+    comm.free()
