@@ -626,6 +626,56 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph: bool = False) -> list
     return [capture[id(t)] for t in inputs]
 
 
+def reference_backward(root: Tensor, grad=None) -> None:
+    """Accumulate d(root)/d(leaf) into every leaf's ``.grad``: the whole idea of
+    :func:`backward` in a page (micrograd's shape), to read first, and the oracle the
+    engine is tested against (its gradients bit for bit, ``tests/test_tensor.py``).
+    ``root`` is an op's output; ``grad`` is d(loss)/d(root), ones when omitted.
+
+    1. Order the nodes so that each comes after every node that consumes its outputs: a
+       depth-first walk from ``root``'s node appends a node once all its inputs' nodes
+       are appended, and the reverse of that list is the order.
+    2. Walk it: each node's ``backward`` gets the summed gradients of its outputs (it is
+       skipped if none reached it) and returns one per input, added to the producing
+       node's pending output gradient (an intermediate) or to ``.grad`` (a leaf).
+
+    What the engine adds: hooks, freeing each node as it is passed, :func:`grad`'s
+    capture, retained gradients, the split of :func:`backward_split`, a walk that
+    needs no recursion. This walk frees nothing: the graph can be walked again."""
+    order, seen = [], set()
+
+    def visit(node):
+        if id(node) not in seen:
+            seen.add(id(node))
+            # Last input first. Any topological order gives the gradients, but one summed
+            # from three or more contributions rounds by their order, and this is the
+            # engine's (its stack pops a node's inputs last first): bit for bit the same.
+            for t, needed in reversed(list(zip(node.inputs, node.needs_input_grad))):
+                if needed and t._ctx is not None:
+                    visit(t._ctx)
+            order.append(node)
+
+    visit(root._ctx)
+    pending = {id(root._ctx): [None] * root._ctx.n_outputs}  # id(node) -> its outputs' gradients
+    pending[id(root._ctx)][root._index] = np.ones(root.shape, root.dtype) if grad is None else np.asarray(grad)
+    for node in reversed(order):
+        out_grads = pending.pop(id(node), [None] * node.n_outputs)
+        if all(g is None for g in out_grads):
+            continue
+        in_grads = node.backward(*out_grads)
+        in_grads = in_grads if isinstance(in_grads, tuple) else (in_grads,)
+        for t, needed, g in zip(node.inputs, node.needs_input_grad, in_grads):
+            if not needed or g is None:
+                continue
+            if t._ctx is not None:  # out of place: backward may hand one array to two inputs
+                slot = pending.setdefault(id(t._ctx), [None] * t._ctx.n_outputs)
+                slot[t._index] = g if slot[t._index] is None else slot[t._index] + g
+            elif t.grad is None:
+                t.grad = _owned(g, t.dtype)  # the leaf's own copy: g may be shared or read-only
+            else:
+                t.grad += g
+
+
 def backward_split(tensors, grads=None) -> "WeightPass":
     """Phase one of a backward pass split in two: every gradient but the parameters' now,
     the parameters' when the returned :class:`WeightPass` is run.
