@@ -76,3 +76,49 @@ def buckets(params, cap_bytes: int) -> list[list]:
         groups[-1].append(p)
         size += p.data.nbytes
     return groups
+
+
+class Buckets:
+    """Gradients exchanged in buckets, started during backward: ``params`` grouped as
+    backward completes them (reverse order, of one dtype, up to ``cap_bytes`` each,
+    :func:`buckets`), and the gradient-ready hook that counts each bucket down and calls
+    ``start(i)`` for bucket ``i`` once it is complete and every bucket before it has
+    started, so that every rank starts them in the same order (their collectives must
+    match). After each hook ``progress()``, if given, lets what is in flight move.
+    ``early=False`` only counts: everything starts in :meth:`flush`. While ``counting``
+    is false (micro-batches accumulating) the hooks do nothing. Data parallelism and
+    ZeRO-2 share it."""
+
+    def __init__(self, params, cap_bytes: int, start, progress=None, early: bool = True):
+        params = list(params)
+        self.groups = buckets(reversed(params), cap_bytes)  # bucket i's parameters, as backward completes them
+        self._of = {id(p): i for i, group in enumerate(self.groups) for p in group}
+        self.start, self.progress, self.early, self.counting = start, progress, early, True
+        self.waiting = [len(group) for group in self.groups]  # parameters of this pass not ready yet
+        self.next = 0  # the first bucket not started in this pass
+        for p in params:
+            p.register_post_accumulate_grad_hook(self.ready)
+
+    def ready(self, p) -> None:
+        """The gradient of ``p`` is complete for this backward pass."""
+        if not self.counting:
+            return
+        i = self._of[id(p)]
+        if self.waiting[i] == 0:
+            raise RuntimeError("a second backward before finish(): call finish() after each backward, "
+                               "or accumulate inside no_sync()")
+        self.waiting[i] -= 1
+        while self.early and self.next < len(self.groups) and self.waiting[self.next] == 0:
+            self.start(self.next)
+            self.next += 1
+        if self.progress is not None:
+            self.progress()
+
+    def flush(self) -> None:
+        """The end of a backward pass: start every bucket not started yet (a parameter that
+        took no part in the forward leaves its bucket incomplete); count afresh."""
+        while self.next < len(self.groups):
+            self.start(self.next)
+            self.next += 1
+        self.waiting = [len(group) for group in self.groups]
+        self.next = 0

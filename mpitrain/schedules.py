@@ -1,5 +1,5 @@
 """Schedules as data: the order of each rank's forward and backward passes in one step of
-a pipeline, a simulator that runs them in time, and the bubble formulas.
+a pipeline, and a simulator that runs them in time.
 
 For ``p`` stages and ``m`` micro-batches a schedule is, per rank, an ordered list of
 actions (:func:`schedule`): ``Forward``, ``Backward`` (or its two halves for zero bubble:
@@ -19,7 +19,8 @@ ZB-H1              (p-1)(F+B-W) for m >= p                     at most p (1F1B's
 =================  ==========================================  ==============================
 
 (Held: micro-batches whose activations a stage keeps at its peak, a chunk's counting 1/v;
-the interleaved figure for m v above the warm-up. The simulator's figures are these,
+the interleaved figure for m v above the warm-up. The simulator's figures are these
+formulas, :func:`mpitrain.cost.pipeline_idle` and :func:`mpitrain.cost.micro_batches_held`,
 tested for p up to 8 and m up to 16.)
 
 GPipe (Huang et al. 2019) runs every forward, then every backward. 1F1B, PipeDream-Flush
@@ -131,6 +132,13 @@ def check(name: str, p: int, m: int, v: int = 1) -> None:
     if name == "interleaved" and m % p:
         raise ValueError(f"the interleaved schedule needs micro-batches ({m}) to be a multiple "
                          f"of the pipeline stages ({p}), as in Megatron-LM")
+
+
+def micro_batches(arrays: tuple, m: int) -> list[tuple]:
+    """``arrays`` (a lane's batch: inputs, targets, the samples' places in the global
+    batch) cut along their first axis into ``m`` equal consecutive micro-batches."""
+    b = len(arrays[0]) // m
+    return [tuple(a[i * b : (i + 1) * b] for a in arrays) for i in range(m)]
 
 
 def _one_f_one_b(p: int, m: int, rank: int) -> list[Action]:
@@ -338,20 +346,3 @@ class _Sim:
                              f"micro-batch {payload[0]} chunk {payload[1]}, but rank {r} receives it "
                              f"as micro-batch {key[0]} chunk {key[1]}")
         return arrival
-
-
-def formula(name: str, p: int, m: int, v: int = 1, F: float = 1.0, B: float = 1.0,
-            W: float = 1.0) -> float:
-    """Idle time per rank in one step, as the papers give it (units of F, B, W per stage)."""
-    if name in ("gpipe", "1f1b"):
-        return (p - 1) * (F + B + W)
-    if name == "interleaved":
-        return (p - 1) * (F + B + W) / v
-    return (p - 1) * (F + B - W)
-
-
-def bubble_fraction(name: str, p: int, m: int, v: int = 1, F: float = 1.0, B: float = 1.0,
-                    W: float = 1.0) -> float:
-    """The formula's idle share of a step: idle / (work + idle)."""
-    idle = formula(name, p, m, v, F, B, W)
-    return idle / (m * (F + B + W) + idle)

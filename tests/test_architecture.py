@@ -99,10 +99,12 @@ def test_data_never_calls_mpi():
 
 
 def test_parallel_modules_stand_alone():
+    """A strategy's module imports no other; the seam they share (``GradSync``, in the
+    package's ``__init__``) is not a module of its own."""
     g = graph()
     for m, deps in g.items():
         if is_under(m, ("mpitrain.parallel",)) and m != "mpitrain.parallel":
-            others = [d for d in deps if is_under(d, ("mpitrain.parallel",)) and d != "mpitrain.parallel"]
+            others = [d for d in deps if is_under(d, ("mpitrain.parallel",)) and d != "mpitrain.parallel" and d in g]
             assert not others, f"{m} imports {others}"
 
 

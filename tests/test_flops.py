@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from mpitrain import nn, ops, rng
+from mpitrain import cost, nn, ops, rng
 from mpitrain.observe.flops import count_flops
 from mpitrain.tensor import Tensor
 
@@ -17,11 +17,10 @@ def test_gpt_flops_formula(fast):
     ids = np.zeros((B, T), dtype=np.int64)
     with ops.fast_paths(fast):
         count = count_flops(lambda: model(ids, ids)[1].backward())
-    N = B * T
-    per_layer = 2 * N * C * 3 * C + 2 * N * C * C + 2 * 2 * N * C * 4 * C + 2 * 2 * B * T * T * C
-    forward = L * per_layer + 2 * N * C * V
-    assert count.forward == forward
-    assert count.backward == 2 * forward
+    step = cost.gpt_step_flops(B, T, C, L, V)  # Megatron's 72 B T L C^2 (1 + T/6C + V/12LC)
+    assert step == pytest.approx(72 * B * T * L * C**2 * (1 + T / (6 * C) + V / (12 * L * C)), rel=1e-12)
+    assert count.forward == step // 3
+    assert count.backward == 2 * step // 3
 
 
 @pytest.mark.parametrize("fast", [True, False])
@@ -31,8 +30,9 @@ def test_cnn_flops_skip_the_input_gradient_of_the_first_layer(fast):
     x = np.zeros((2, 8, 8, 3), dtype=np.float32)
     with ops.fast_paths(fast):
         count = count_flops(lambda: ops.cross_entropy(model(Tensor(x)), np.zeros(2, dtype=int)).backward())
-    conv1 = 2 * 2 * 8 * 8 * 9 * 3 * 4
-    conv2 = 2 * 2 * 8 * 8 * 9 * 4 * 6
-    fc = 2 * 2 * (4 * 4 * 6) * 10
+    conv1 = cost.conv2d_flops(2, 8, 8, 3, 3, 3, 4)
+    conv2 = cost.conv2d_flops(2, 8, 8, 3, 3, 4, 6)
+    fc = cost.matmul_flops(2, 4 * 4 * 6, 10)
+    assert (conv1, conv2, fc) == (2 * 2 * 8 * 8 * 9 * 3 * 4, 2 * 2 * 8 * 8 * 9 * 4 * 6, 2 * 2 * (4 * 4 * 6) * 10)
     assert count.forward == conv1 + conv2 + fc
     assert count.backward == conv1 + 2 * conv2 + 2 * fc

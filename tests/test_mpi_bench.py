@@ -59,7 +59,7 @@ def test_bench_ps_times_every_mode():
 @pytest.mark.mpi(min_size=2)
 def test_bench_pipeline_measures_every_schedule(monkeypatch):
     from mpitrain.bench import pipeline
-    from mpitrain.schedules import bubble_fraction
+    from mpitrain.cost import bubble_fraction
 
     monkeypatch.setattr(pipeline, "C", 16)
     monkeypatch.setattr(pipeline, "T", 8)

@@ -7,7 +7,7 @@ parameters (L2 norm over all of them) at most 1e-10 in float64, 1e-5 in float32.
 import numpy as np
 import pytest
 
-from mpitrain import nn, ops, optim, rng
+from mpitrain import cost, nn, ops, optim, rng
 from mpitrain.comm import SingleComm
 from mpitrain.comm.ring import allreduce, chunk_bounds
 from mpitrain.tensor import Tensor, default_dtype
@@ -112,7 +112,7 @@ def test_ddp_equals_one_process_float64(kind, algorithm, cap):
     comm = world()
     ref = reference(kind, "float64", "sgd")
     model, dp = train_dp(kind, "float64", "sgd", comm, bucket_cap_mb=cap, algorithm=algorithm)
-    assert (len(dp.buckets) > 3) == (cap < 1)
+    assert (len(dp.flats) > 3) == (cap < 1)
     assert relative(model.parameters(), ref) <= 1e-10
 
 
@@ -174,7 +174,7 @@ def test_zero1_equals_ddp_with_adamw(kind, algorithm):
     n = sum(p.size for p in model.parameters())
     mine = np.diff(chunk_bounds(n, comm.size))[comm.rank]
     pieces = sum(len(g["params"]) for g in zero.optimizer.param_groups)
-    assert zero.state_bytes() == 2 * mine * 8 + pieces * 8  # two moments of my shard, a step count per piece
+    assert zero.optimizer.memory()["optim_bytes"] == 2 * mine * 8 + pieces * 8  # two moments of my shard, a step count per piece
 
 
 @pytest.mark.mpi(min_size=2)
@@ -185,11 +185,10 @@ def test_ring_sends_2_p_minus_1_over_p_of_the_gradient(n):
     x = np.full(n, float(r + 1), dtype=np.float32)
     allreduce(comm, x, "ring")
     assert np.all(x == P * (P + 1) / 2)
-    c = np.diff(chunk_bounds(n, P))
-    assert comm.stats.bytes_sent == (2 * n - c[r] - c[(r + 1) % P]) * 4  # every chunk but two
+    assert comm.stats.bytes_sent == cost.ring_elements(n, P, r) * 4  # every chunk but two
     assert sum(comm.allgather(comm.stats.bytes_sent)) == 2 * (P - 1) * n * 4  # 2(P-1)/P x n per rank
     if n % P == 0:
-        assert comm.stats.bytes_sent == 2 * (P - 1) * n * 4 // P
+        assert comm.stats.bytes_sent == cost.collective_bytes("allreduce", n * 4, P)
     comm.free()
 
 
@@ -276,8 +275,8 @@ def test_the_node_aware_allreduce_equals_mpis_and_sends_each_byte_over_the_netwo
     h = hierarchy(comm)
     assert (h.node.size, h.cross.size) == (L, N)
     lr, c = h.node.rank, np.diff(chunk_bounds(n, L))
-    intra = (2 * n - c[lr] - c[(lr + 1) % L]) * 8 if L > 1 else 0
-    assert link_bytes(comm) == {"intra-node": intra, "inter-node": int(2 * (N - 1) * c[lr] * 8 / N)}
+    intra = cost.ring_elements(n, L, lr) * 8 if L > 1 else 0
+    assert link_bytes(comm) == {"intra-node": intra, "inter-node": int(cost.collective_bytes("allreduce", c[lr] * 8, N))}
     y = np.full(n, float(comm.rank))
     HierarchicalAllreduce(comm, y, ranks_per_node=L).wait()
     assert np.all(y == comm.size * (comm.size - 1) / 2)
@@ -288,12 +287,12 @@ def test_the_node_aware_allreduce_equals_mpis_and_sends_each_byte_over_the_netwo
 def test_ddp_counts_its_bytes_by_the_formula():
     comm = world()
     _, dp = train_dp("cnn", "float32", "sgd", comm, bucket_cap_mb=25.0, algorithm="ring")
-    (bucket,) = dp.buckets
-    P, r, n = comm.size, comm.rank, bucket.flat.size
-    c = np.diff(chunk_bounds(n, P))
-    assert dp.bytes_sent == STEPS * (2 * n - c[r] - c[(r + 1) % P]) * 4
-    assert sum(comm.allgather(dp.bytes_sent)) == STEPS * 2 * (P - 1) * n * 4
-    assert dp.bytes_per_step() * P == 2 * (P - 1) * n * 4
+    (bucket,) = dp.flats
+    P, r, n = comm.size, comm.rank, bucket.size
+    sent = sum(c.stats.bytes_sent for c in dp.comms)  # the buckets' allreduces (not the first broadcast)
+    assert sent == STEPS * cost.ring_elements(n, P, r) * 4
+    assert sum(comm.allgather(sent)) == STEPS * 2 * (P - 1) * n * 4
+    assert cost.collective_bytes("allreduce", n * 4, P) * P == 2 * (P - 1) * n * 4
 
 
 def test_one_rank_wrappers_train_like_plain_training():
@@ -383,6 +382,6 @@ def test_ddp_with_half_precision_gradients_on_the_wire(wire):
     comm = world()
     full, dp32 = train_dp("gpt", "float32", "adamw", comm, bucket_cap_mb=1e-3, algorithm="ring")
     half, dp16 = train_dp("gpt", "float32", "adamw", comm, bucket_cap_mb=1e-3, algorithm="ring", wire=wire)
-    assert 2 * dp16.bytes_sent == dp32.bytes_sent
-    assert 2 * dp16.bytes_per_step() == dp32.bytes_per_step()
+    sent = [sum(c.stats.bytes_sent for c in dp.comms) for dp in (dp16, dp32)]  # the buckets' allreduces
+    assert 2 * sent[0] == sent[1]
     assert relative(half.parameters(), [p.data for p in full.parameters()]) <= 2e-2

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from test_mpi_parallel import STEPS, build, loss_of, relative
 
+from mpitrain import cost
 from mpitrain.parallel.param_server import ParameterServer, partition
 
 
@@ -54,8 +55,8 @@ def run(kind, servers, staleness, comm, opt_name="adamw", dtype="float64"):
             ps.pull_wait()
             loss_of(kind, model, x[lanes], y[lanes]).backward()
             ps.push(t)
-        ps.stop()
-    sent, received = ps.bytes_sent, ps.bytes_received
+        ps.leave()
+    sent, received = ps.comm.stats.bytes_sent, ps.comm.stats.bytes_received
     left = ps.unreceived()
     ps.gather_parameters()
     return model, ps, sent, received, left
@@ -74,8 +75,8 @@ def test_synchronous_parameter_servers_equal_one_process(kind, opt_name):
         assert relative(model.parameters(), reference(kind, "float64", opt_name)) <= 1e-10, f"{servers} server(s)"
         assert not left
         if not ps.is_server:  # push and pull per step, the first pull, the goodbye
-            push, pull = ps.bytes_per_worker_step()
             n = sum(p.data.nbytes for p in model.parameters())
+            push, pull = cost.parameter_server_bytes(n, servers)
             assert (push, pull) == (n + 16 * servers, n + 8 * servers)
             assert sent == STEPS * push + 16 * servers
             assert received == (STEPS + 1) * pull
@@ -110,7 +111,7 @@ def test_every_rank_ends_with_the_workers_mean_batch_norm_statistics():
         ps.pull_wait()
         loss_of("resnet", model, x, np.zeros(4, dtype=np.int64)).backward()
         ps.push(0)
-        ps.stop()
+        ps.leave()
     mine = {n: np.array(b, copy=True) for n, b in model.named_buffers()}
     everyone = comm.allgather(mine)
     ps.gather_buffers(model)

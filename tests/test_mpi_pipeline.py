@@ -10,13 +10,14 @@ head (held by the first and last stage), dropout 0.1, AdamW with clipping, 20 st
 import numpy as np
 import pytest
 
-from mpitrain import nn, ops, optim, rng
+from mpitrain import checkpoint, nn, ops, optim, rng
 from mpitrain.comm import Tag
 from mpitrain.comm.grid import ProcessGrid
 from mpitrain.parallel.data_parallel import DataParallel
 from mpitrain.parallel.local import LocalSync
-from mpitrain.parallel.pipeline import Mailbox, PipelineStage, PipelineSync, Posted, Recv, Send
+from mpitrain.parallel.pipeline import Mailbox, PipelineStage, Posted, Recv, Send
 from mpitrain.tensor import Tensor, default_dtype
+from mpitrain.train.parts import PartSync
 
 STEPS, B, T, SEED, CLIP = 20, 8, 8, 3, 0.5
 
@@ -65,21 +66,18 @@ def pipeline(comm, dtype, n_layer, pp, dp, schedule, m, chunks=1, clip=CLIP):
     g = ProcessGrid(comm, dp=dp, pp=pp)
     with default_dtype(dtype):
         model = gpt(n_layer)
-    order = [n for group in adamw(model).param_groups for q in group["params"]
-             for n, p in model.named_parameters() if p is q]
+    layout = checkpoint.Layout.of(model, adamw(model))
     stage = PipelineStage(model, g.pp_comm, np.zeros((1, T), dtype=np.int64), ops.cross_entropy,
                           schedule_name=schedule, micro_batches=m, chunks=chunks)
     opt = adamw(stage)
     inner = DataParallel(stage, g.dp_comm, optimizer=opt) if dp > 1 else LocalSync(stage, opt)
-    sync = PipelineSync(inner, stage, order)
+    sync = PartSync(inner, stage, layout, stage=stage)
     lane = B // dp
-    b = lane // m
     losses = []
     for step, (x, y) in enumerate(batches()):
         places = np.arange(g.dp_rank * lane, (g.dp_rank + 1) * lane)
-        xs, ys = x[places], y[places]
-        micro = [(xs[k * b:(k + 1) * b], ys[k * b:(k + 1) * b]) for k in range(m)]
-        losses.append(stage.run(micro, sync, lambda mb: rng.sample_streams(SEED, step, places[mb * b:(mb + 1) * b])))
+        streams = lambda samples, step=step: rng.sample_streams(SEED, step, samples)  # noqa: E731
+        losses.append(stage.run(x[places], y[places], places, sync, streams))
         sync.finish()
         sync.step(None, clip)
         sync.zero_grad()
@@ -149,7 +147,7 @@ def test_the_loss_is_the_global_batch_mean_on_the_last_stage():
     comm = world()
     _, stage, losses = pipeline(comm, np.float64, 2 * comm.size - 2, comm.size, 1, "1f1b", 4)
     if stage.rank != comm.size - 1:
-        assert losses == [0.0] * STEPS
+        assert losses == [None] * STEPS
         return
     with default_dtype(np.float64):
         model = gpt(2 * comm.size - 2)
@@ -168,11 +166,11 @@ def test_bytes_per_boundary_per_micro_batch():
     stage = PipelineStage(gpt(2 * comm.size - 2), g.pp_comm, np.zeros((1, T), dtype=np.int64), ops.cross_entropy,
                           micro_batches=m)
     opt = adamw(stage)
-    sync = PipelineSync(LocalSync(stage, opt), stage, [])
+    sync = LocalSync(stage, opt)
     x, y = batches()[0]
     b = B // m
     before = g.pp_comm.stats.bytes_sent
-    stage.run([(x[k * b:(k + 1) * b], y[k * b:(k + 1) * b]) for k in range(m)], sync)
+    stage.run(x, y, np.arange(B), sync)
     per = b * T * 16 * np.dtype(np.float32).itemsize
     directions = (stage.rank > 0) + (stage.rank < comm.size - 1)  # gradients back, activations on
     assert g.pp_comm.stats.bytes_sent - before == m * per * directions
@@ -260,8 +258,14 @@ def test_the_trainer_on_a_pipeline_equals_one_process_and_its_checkpoint_resumes
     d = shared_data(comm, make=text_set)
     root = d.parent
     p = comm.size
+    lines = []
     piped = train.train(gpt_cfg(d, root / "pp", f"parallel.pp={p}", "parallel.dp=1", "train.micro_batches=4"),
-                        log=lambda *a: None, comm=comm)
+                        log=lines.append, comm=comm)
+    if comm.rank == 0:  # the header: the schedule, its bubble by the formula, the cut
+        parallel = lines[0].splitlines()[1]
+        assert parallel.startswith(f"parallel: dp 1 x pp {p} x tp 1; pipeline: {p} stages, 4 micro-batches, "
+                                   f"schedule 1f1b, bubble "), parallel
+        assert "stage 0 (rank 0): embed" in parallel and "head, " in parallel, parallel
     mine = root / f"one-{comm.rank}"
     one = train.train(gpt_cfg(d, mine, "train.micro_batches=4"), log=lambda *a: None, comm=SingleComm())
     assert piped.val_loss == pytest.approx(one.val_loss, rel=1e-12)
@@ -311,7 +315,7 @@ def test_batch_norm_sees_each_micro_batch_on_a_pipeline_as_in_accumulation():
     opt = optim.SGD(whole.parameters(), 0.05, momentum=0.9)
     b = B // m
     for x, y in data:
-        stage.run([(Tensor(x[k * b:(k + 1) * b]), y[k * b:(k + 1) * b]) for k in range(m)], sync)
+        stage.run(Tensor(x), y, np.arange(B), sync)
         sync.step(None, 0.0)
         sync.zero_grad()
         for k in range(m):

@@ -12,7 +12,7 @@ import pytest
 from test_data import text_set
 from test_mpi_data import shared_data
 
-from mpitrain import checkpoint, config, nn, optim, rng, train
+from mpitrain import checkpoint, config, cost, nn, optim, rng, train
 from mpitrain.comm.replicas import digest
 from mpitrain.dtypes import dtype_of
 from mpitrain.precision import MixedPrecision
@@ -35,7 +35,7 @@ def test_half_gradients_are_averaged_in_float32_alike_on_every_rank(algorithm, p
     model = nn.GPT(nn.GPTConfig(vocab_size=13, block_size=8, n_layer=2, n_head=2, n_embd=16))
     mixed = MixedPrecision(optim.AdamW(model.parameters(), lr=1e-3), precision)
     dp = DataParallel(model, comm, optimizer=mixed, bucket_cap_mb=2e-3, algorithm=algorithm)  # several buckets
-    assert len(dp.buckets) > 2 and {b.flat.dtype for b in dp.buckets} == {half}
+    assert len(dp.flats) > 2 and {f.dtype for f in dp.flats} == {half}
     r = np.random.default_rng(10 + comm.rank)  # each rank its own batch
     x, y = r.integers(0, 13, (2, 8)), r.integers(0, 13, (2, 8))
     with dp.no_sync():  # this rank's own half gradients
@@ -43,13 +43,14 @@ def test_half_gradients_are_averaged_in_float32_alike_on_every_rank(algorithm, p
     mine = [p.grad.astype(np.float32) for p in model.parameters()]
     everyone = comm.allgather(mine)
     dp.zero_grad()
-    sent = dp.bytes_sent
+    sent = dp.comm.stats.bytes_sent
     model(x, y)[1].backward(np.float32(mixed.scaler.scale))
     dp.finish()
     # half the bytes on the ring (each bucket's share of P ranks rounds to whole bytes)
-    assert dp.bytes_sent - sent == pytest.approx(dp.bytes_per_step(), abs=4 * len(dp.buckets))
-    assert dp.bytes_per_step() == 2 * (P - 1) / P * sum(p.size for p in model.parameters()) * (
-        4 if algorithm == "mpi" else 2)
+    n = sum(p.size for p in model.parameters())
+    formula = cost.data_parallel_bytes(n, P, 2, algorithm=algorithm)
+    assert dp.comm.stats.bytes_sent - sent == pytest.approx(formula, abs=4 * len(dp.flats))
+    assert formula == 2 * (P - 1) / P * n * (4 if algorithm == "mpi" else 2)
     # MPI sums a float32 copy, the ring rounds at each hop; the 1/P rounds too unless P is a power of 2
     roundings = (1 if algorithm == "mpi" else P - 1) + (P & (P - 1) != 0)
     eps = 2.0**-8 if precision == "bf16" else 2.0**-11

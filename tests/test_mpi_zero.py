@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from test_mpi_parallel import STEPS, B, batches, build, loss_of, world
 
-from mpitrain import nn, optim, rng
+from mpitrain import cost, nn, optim, rng
 from mpitrain.comm import SingleComm
 from mpitrain.comm.ring import chunk_bounds
+from mpitrain.observe.memory import model_state
 from mpitrain.tensor import default_dtype
 
 CLIP = 0.05  # small enough that clipping acts on most steps
@@ -103,7 +104,7 @@ def test_zero2_sends_its_formula_and_keeps_a_shard(algorithm, micro, accumulate)
     comm = world()
     model, opt = build("gpt", "float64", "adamw")
     z = Zero2(model, opt, comm, algorithm=algorithm, bucket_cap_mb=1e-3, accumulate=accumulate)
-    start = z.bytes_sent  # the broadcast of rank 0's parameters
+    start = z.comm.stats.bytes_sent  # after the broadcast of rank 0's parameters
     for x, y in batches("gpt", "float64")[:3]:
         backward("gpt", model, z, comm, x, y, micro)
         z.finish()
@@ -112,17 +113,19 @@ def test_zero2_sends_its_formula_and_keeps_a_shard(algorithm, micro, accumulate)
     P = comm.size
     n = sum(p.size for p in model.parameters())
     per_step = (micro + 1 if accumulate == "sharded" else 2) * (P - 1) * n * 8
-    assert z.bytes_per_step(micro) * P == pytest.approx(per_step, rel=1e-12)
-    calls = 3 * (micro + 1) * len(z.buckets)  # MPI's collectives count whole bytes: <1 lost per call
-    assert abs(sum(comm.allgather(z.bytes_sent - start)) - 3 * per_step) < P * calls
+    assert cost.zero_bytes(2, n * 8, P, micro, accumulate == "sharded") * P == pytest.approx(per_step, rel=1e-12)
+    calls = 3 * (micro + 1) * len(z.parts)  # MPI's collectives count whole bytes: <1 lost per call
+    total = sum(comm.allgather(z.comm.stats.bytes_sent - start))
+    assert abs(total - 3 * per_step) < P * calls
     if algorithm == "ring":  # counted as sent, byte for byte
-        assert sum(comm.allgather(z.bytes_sent - start)) == 3 * per_step
-    mine = sum(int(np.diff(chunk_bounds(bk.hi - bk.lo, P))[comm.rank]) for bk in z.buckets)
-    assert z.grad_shard.size == mine and abs(mine - n / P) <= len(z.buckets)
+        assert total == 3 * per_step
+    mine = sum(int(np.diff(chunk_bounds(bk.hi - bk.lo, P))[comm.rank]) for bk in z.parts)
+    assert z.grad_shard.size == mine and abs(mine - n / P) <= len(z.parts)
     pieces = sum(len(g["params"]) for g in z.optimizer.param_groups)
-    assert z.state_bytes() == 2 * mine * 8 + pieces * 8
-    model_state = z.flat_params.nbytes + z.grad_shard.nbytes + z.state_bytes() - pieces * 8
-    assert model_state == pytest.approx((8 + 24 / P) * n, abs=24 * len(z.buckets))  # float64: 2 x (4 + 12/P)
+    state = z.optimizer.memory()["optim_bytes"]
+    assert state == 2 * mine * 8 + pieces * 8
+    model_state = z.flat_params.nbytes + z.grad_shard.nbytes + state - pieces * 8
+    assert model_state == pytest.approx((8 + 24 / P) * n, abs=24 * len(z.parts))  # float64: 2 x (4 + 12/P)
     z.close()
 
 
@@ -164,7 +167,7 @@ def test_zero3_sends_3_p_minus_1_over_p_and_keeps_16_over_p(algorithm):
     comm = world()
     model, opt = build("gpt", "float64", "adamw")
     z = Zero3(model, opt, comm, algorithm=algorithm)
-    start = z.bytes_sent
+    start = z.comm.stats.bytes_sent
     for x, y in batches("gpt", "float64")[:3]:
         backward("gpt", model, z, comm, x, y, 1)
         z.finish()
@@ -172,15 +175,15 @@ def test_zero3_sends_3_p_minus_1_over_p_and_keeps_16_over_p(algorithm):
         z.zero_grad()
     P, n = comm.size, sum(p.size for p in model.parameters())
     per_step = 3 * (P - 1) * n * 8
-    assert z.bytes_per_step() * P == pytest.approx(per_step, rel=1e-12)
-    total = sum(comm.allgather(z.bytes_sent - start))
+    assert cost.zero_bytes(3, n * 8, P) * P == pytest.approx(per_step, rel=1e-12)
+    total = sum(comm.allgather(z.comm.stats.bytes_sent - start))
     if algorithm == "ring":
         assert total == 3 * per_step
     else:
         assert abs(total - 3 * per_step) < P * 3 * 3 * len(z.groups)
     assert all(p.data.strides == (0,) * p.ndim for p in model.parameters())  # placeholders: no memory
     pieces = sum(len(g["params"]) for g in z.optimizer.param_groups)
-    m = z.memory()
+    m = model_state(z.model, z.optimizer)
     state = m["param_bytes"] + m["grad_bytes"] + m["optim_bytes"] - pieces * 8  # less the pieces' step counts
     assert state == pytest.approx(2 * 16 * n / P, abs=32 * len(z.groups))
     z.close()
@@ -193,7 +196,7 @@ def test_bench_memory_measures_each_stages_formula():
     5%, and on one rank mixed precision's (2 + 2 + 12), and the arrays counted by category
     are the formula's to the byte, less the optimizer's per-piece step counts."""
     from mpitrain.bench import memory
-    from mpitrain.observe.memory import bytes_per_parameter
+    from mpitrain.cost import bytes_per_parameter
 
     quiet = lambda *a: None  # noqa: E731
     rows = memory.run(ranks=(2,), precisions=("fp32",), as_json=True, log=quiet)

@@ -6,6 +6,7 @@ from fractions import Fraction
 
 import pytest
 
+from mpitrain import cost
 from mpitrain import schedules as pl
 
 
@@ -62,19 +63,22 @@ def test_simulated_bubble_is_the_formula(name):
 
 def simulated_bubble_is_the_formula(name, p, m, v):
     ranks = ranks_of(name, p, m, v)
-    unit = pl.simulate(ranks, p, v, pl.costs_of(Fraction(1), Fraction(1), Fraction(1), v))
+    one = Fraction(1)
+    unit = pl.simulate(ranks, p, v, pl.costs_of(one, one, one, v))
     for r in range(p):
         where = f"{name} p={p} m={m} v={v} rank {r}"
-        if name in ("gpipe", "1f1b"):
+        if name in ("gpipe", "1f1b"):  # (p-1)/(m+p-1) of the step
+            assert unit.bubble_fraction(r) == cost.bubble_fraction(name, p, m, v, one, one, one), where
             assert unit.bubble_fraction(r) == Fraction(p - 1, m + p - 1), where
-        elif name == "interleaved":
+        elif name == "interleaved":  # (p-1)/(v m) of the work
+            assert unit.bubble_ratio(r) == cost.pipeline_idle(name, p, m, v, one, one, one) / (3 * m), where
             assert unit.bubble_ratio(r) == Fraction(p - 1, v * m), where
         elif m >= p:
             for F, B, W in [(1, 1, 1), (2, 1, 1), (1, 1, Fraction(1, 2)), (1, 2, 1)]:
                 sim = pl.simulate(ranks, p, v, pl.costs_of(F, B, W))
-                assert sim.idle[r] == (p - 1) * (F + B - W) == pl.formula(name, p, m, v, F, B, W), where
+                assert sim.idle[r] == (p - 1) * (F + B - W) == cost.pipeline_idle(name, p, m, v, F, B, W), where
         else:  # fewer micro-batches than stages: no schedule fills the warm-up, still below 1F1B
-            assert unit.idle[r] < pl.formula("1f1b", p, m), where
+            assert unit.idle[r] < cost.pipeline_idle("1f1b", p, m), where
 
 
 @pytest.mark.parametrize("p", range(1, 9))
@@ -84,16 +88,16 @@ def test_peak_micro_batches_held(p):
         one = pl.simulate(ranks_of("1f1b", p, m), p)
         zb = pl.simulate(ranks_of("zb-h1", p, m), p)
         for r in range(p):
-            assert gpipe.held[r] == m
-            assert one.held[r] == min(m, p - r), (p, m, r)
-            assert zb.held[r] <= min(m, p), (p, m, r)
+            assert gpipe.held[r] == m == cost.micro_batches_held("gpipe", p, m, r)
+            assert one.held[r] == min(m, p - r) == cost.micro_batches_held("1f1b", p, m, r), (p, m, r)
+            assert zb.held[r] <= cost.micro_batches_held("zb-h1", p, m, r), (p, m, r)
 
 
 @pytest.mark.parametrize("p", range(2, 9))
 def test_interleaved_holds_its_warm_up_and_one(p):
     for m in range(p, 17, p):
         sim = pl.simulate(ranks_of("interleaved", p, m, 2), p, 2)
-        assert sim.held == [min(2 * m, 2 * (p - r - 1) + p + 1) / 2 for r in range(p)]
+        assert sim.held == [cost.micro_batches_held("interleaved", p, m, r, 2) for r in range(p)]
 
 
 def test_zero_bubble_and_interleaving_beat_1f1b():

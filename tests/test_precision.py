@@ -132,7 +132,7 @@ def test_checkpoints_see_the_float32_masters():
 
 
 def test_the_model_state_formula_is_zeros_and_mixed_precisions():
-    from mpitrain.observe.memory import bytes_per_parameter
+    from mpitrain.cost import bytes_per_parameter
 
     for P in (1, 2, 4):
         assert [bytes_per_parameter(s, P) for s in ("ddp", "zero1", "zero2", "zero3")] == \

@@ -9,15 +9,16 @@ import pytest
 from test_checkpoint import arrays
 from test_train import JOBS
 
-from mpitrain import checkpoint, config, nn, ops, optim
+from mpitrain import checkpoint, config, nn, ops, optim, schedules
 from mpitrain.comm import SingleComm
 from mpitrain.parallel.data_parallel import DataParallel
 from mpitrain.parallel.local import LocalSync
 from mpitrain.parallel.param_server import ParameterServer
-from mpitrain.parallel.pipeline import PipelineStage, PipelineSync
+from mpitrain.parallel.pipeline import PipelineStage
 from mpitrain.parallel.zero import Zero1, Zero2
 from mpitrain.parallel.zero3 import Zero3
 from mpitrain.train import GradSync, schedule, train
+from mpitrain.train.parts import PartSync
 from mpitrain.train.schedule import Backward, Forward
 
 
@@ -61,58 +62,60 @@ def test_one_stage_is_each_micro_batch_forward_then_backward():
     assert schedule.one_stage(1) == [Forward(0), Backward(0)]
 
 
-def test_split_cuts_a_batch_into_equal_consecutive_micro_batches():
-    x, y = np.arange(12).reshape(6, 2), np.arange(6)
-    parts = schedule.split(x, y, 3)
+def test_micro_batches_cut_a_batch_into_equal_consecutive_parts():
+    x, y, lanes = np.arange(12).reshape(6, 2), np.arange(6), np.arange(10, 16)
+    parts = schedules.micro_batches((x, y, lanes), 3)
     assert [p[1].tolist() for p in parts] == [[0, 1], [2, 3], [4, 5]]
+    assert [p[2].tolist() for p in parts] == [[10, 11], [12, 13], [14, 15]]
     np.testing.assert_array_equal(np.concatenate([p[0] for p in parts]), x)
+
+
+class Recorded(schedule.WholeModel):
+    """The whole-model schedule with each micro-batch's loss a :class:`Loss` stand-in."""
+
+    def __init__(self, sync, m):
+        super().__init__(model=None, micro_batches=m)
+        self.sync = sync
+
+    def loss_only(self, x, y):
+        return Loss(float(x[0]), self.sync, int(x[0]))
 
 
 def test_the_interpreter_holds_back_every_backward_but_the_last_and_averages_the_loss():
     sync = Recorder()
-    micro = [(np.array([k]), None) for k in (2.0, 4.0, 6.0, 8.0)]
-    loss = schedule.run(schedule.one_stage(4), micro, lambda x, y: Loss(float(x[0]), sync, int(x[0])), sync)
+    x = np.array([2.0, 4.0, 6.0, 8.0])
+    loss = Recorded(sync, 4).run(x, np.zeros(4), np.arange(4), sync)
     assert loss == pytest.approx(5.0)  # the mean of the micro-batches' losses
     assert sync.events == [(2, True), (4, True), (6, True), (8, False)]
     # an order where the last action is not a backward: the last backward still reduces
     sync = Recorder()
-    actions = [Forward(0), Forward(1), Backward(1), Backward(0)]
-    schedule.run(actions, micro[:2], lambda x, y: Loss(float(x[0]), sync, int(x[0])), sync)
+    crossed = Recorded(sync, 2)
+    crossed.actions = [Forward(0), Forward(1), Backward(1), Backward(0)]
+    crossed.run(x[:2], np.zeros(2), np.arange(2), sync)
     assert sync.events == [(4, True), (2, False)]
 
 
-def protocol_members() -> set[str]:
-    return {n for n in vars(GradSync) if not n.startswith("_")} | set(GradSync.__annotations__)
+@pytest.mark.parametrize("cls", [LocalSync, DataParallel, Zero1, Zero2, Zero3, ParameterServer, PartSync])
+def test_every_gradient_sync_is_one_and_names_its_waits(cls):
+    assert issubclass(cls, GradSync)
+    assert set(cls.waits) <= {"begin", "finish", "step"} and all(isinstance(v, str) for v in cls.waits.values())
 
 
-@pytest.mark.parametrize("cls", [LocalSync, DataParallel, Zero1, Zero2, Zero3, ParameterServer, PipelineSync])
-def test_every_gradient_sync_has_the_whole_protocol(cls):
-    members = protocol_members()
-    assert {"begin_step", "no_sync", "finish", "step", "zero_grad", "describe", "state_pieces"} <= members
-    missing = [m for m in members if not hasattr(cls, m) and m not in ("on_comm", "bytes_sent")]
-    assert not missing, f"{cls.__name__} lacks {missing}"
-
-
-def test_one_rank_syncs_are_gradient_syncs_and_describe_their_waits():
+def test_one_rank_syncs_name_the_calls_that_wait():
     model = nn.LeNet(1, 8, 5, channels=(2, 3), hidden=4)
     opt = optim.SGD(model.parameters(), lr=0.1)
     syncs = [LocalSync(model, opt), DataParallel(model, SingleComm(), optimizer=opt), Zero1(model, opt, SingleComm()),
              Zero2(model, opt, SingleComm())]
-    for sync in syncs:
-        assert isinstance(sync, GradSync)
-        line, waits = sync.describe()
-        assert isinstance(line, str) and all(isinstance(v, str) for v in waits.values())
-        assert set(waits) <= {"begin", "finish", "step"}
-    assert syncs[1].describe()[1] == {"finish": "gradient exchange"}
-    assert syncs[2].describe()[1] == {"step": "ZeRO-1 update"}
-    assert syncs[3].describe()[1] == {"finish": "gradient reduce-scatter", "step": "ZeRO-2 update"}
+    assert [sync.waits for sync in syncs] == [
+        {}, {"finish": "gradient exchange"}, {"step": "ZeRO-1 update"},
+        {"finish": "gradient reduce-scatter", "step": "ZeRO-2 update"}]
     syncs[1].close()
     syncs[3].close()
     gpt = nn.GPT(nn.GPTConfig(vocab_size=5, block_size=4, n_layer=1, n_head=1, n_embd=4))
+    layout = checkpoint.Layout.of(gpt, optim.SGD(gpt.parameters(), lr=0.1))
     stage = PipelineStage(gpt, SingleComm(), np.zeros((1, 4), dtype=np.int64), ops.cross_entropy)
-    piped = PipelineSync(LocalSync(stage, optim.SGD(stage.parameters(), lr=0.1)), stage, [])
-    assert isinstance(piped, GradSync)
-    assert piped.describe()[0].startswith("pipeline: 1 stages, 1 micro-batches, schedule 1f1b")
+    piped = PartSync(LocalSync(stage, optim.SGD(stage.parameters(), lr=0.1)), stage, layout, stage=stage)
+    assert piped.waits == {"finish": "gradient exchange and tied weights"}
 
 
 def tiny_gpt(text_data, run_dir, *extra):

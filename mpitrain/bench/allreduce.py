@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 
+from mpitrain import cost
 from mpitrain.cluster import bits_per_second
 from mpitrain.comm import Tag, started_thread_level, world
 from mpitrain.comm.hierarchical import hierarchy
@@ -116,7 +117,7 @@ def _node_aware(comm, repeats: int, sizes, log) -> list[dict]:
         line = (f"{_size(n):>23} | {ms['mpi']:7.1f} | {ms['ring']:7.1f} | {ms['hierarchical']:13.1f} | "
                 f"{ms['hierarchical'] / ms['mpi']:4.2f} | {ms['network']:16.1f}")
         if rate:
-            row["bound"] = 1e3 * 2 * (N - 1) / N * n * 8 / rate
+            row["bound"] = 1e3 * cost.collective_bytes("allreduce", n * 8, N) / rate
             line += f" | {row['bound']:{14 + len(os.environ['MPITRAIN_LINK_RATE'])}.1f} | " \
                     f"{ms['hierarchical'] / row['bound']:6.2f}"
         results.append(row)

@@ -123,7 +123,7 @@ def _timed(comm, fn, steps: int, ranks: int, warmup: int = 0) -> list[float]:
 
 def _all_started(buckets, algorithm: str, wire=None) -> None:
     """Every bucket's allreduce started, then all waited for."""
-    for request in [iallreduce(b.comm, b.flat, algorithm, wire) for b in buckets]:
+    for request in [iallreduce(comm, flat, algorithm, wire) for comm, flat in buckets]:
         request.wait()
 
 
@@ -143,7 +143,7 @@ def _probe(comm, buckets, algorithm: str, allreduce_seconds: float, log) -> dict
                 r.test()
 
     def together(test: bool):
-        requests = [iallreduce(b.comm, b.flat, algorithm) for b in buckets]
+        requests = [iallreduce(c, flat, algorithm) for c, flat in buckets]
         compute(requests if test else None)
         for r in requests:
             r.wait()
@@ -189,9 +189,9 @@ def run(models=("gpt", "wide"), rounds: int = 5, steps: int = 5, bucket_mb: floa
                                            dict(bucket_cap_mb=bucket_mb, algorithm=algorithm, progress=mode,
                                                 wire=wire), precision)
                 variants[f"2 ranks, ddp ({mode})"] = (step, 2)
-            buckets = dps["test"].buckets
+            buckets = list(zip(dps["test"].comms, dps["test"].flats))  # (communicator, gradients) of each
             variants["allreduce alone (blocking)"] = (
-                lambda: [allreduce(b.comm, b.flat, algorithm, numbers) for b in buckets], 2)
+                lambda: [allreduce(c, flat, algorithm, numbers) for c, flat in buckets], 2)
             variants["allreduce alone (started)"] = (lambda: _all_started(buckets, algorithm, numbers), 2)
             for fn, ranks in variants.values():  # warm up: allocator, optimizer state
                 _timed(comm, fn, 2, ranks)
@@ -214,7 +214,7 @@ def _table(name: str, spec: dict, med: dict, buckets, log) -> float:
     returns the communication of a step alone, its total."""
     B = spec["batch"]
     n = sum(p.size for p in _build(spec)[0].parameters())
-    grad_mb = sum(b.flat.nbytes for b in buckets) / 1e6
+    grad_mb = sum(flat.nbytes for _, flat in buckets) / 1e6
     log(f"{name}: GPT {spec['n_layer']}L/{spec['n_head']}H/{spec['n_embd']}C T={spec['block_size']} B={B}, "
         f"{n / 1e6:.2f} M parameters, {grad_mb:.1f} MB of gradients in {len(buckets)} bucket(s)")
     alone = {k: v for k, v in med.items() if k.startswith("allreduce alone")}

@@ -9,7 +9,8 @@ buffer, and reports per rank:
 
 * **model state, measured**: the heap held between steps (the batch, activations and
   gradients in flight freed) above its level before the model was built;
-* the same **counted** from the arrays the sync keeps (``sync.memory()``): parameters,
+* the same **counted** from the arrays the sync keeps
+  (:func:`mpitrain.observe.memory.model_state`): parameters,
   gradients, optimizer state, and the optimizer's one reusable work array, which is
   not model state but is held too;
 * the **formula** (:mod:`mpitrain.observe.memory`): bytes per parameter with Adam in
@@ -50,7 +51,8 @@ import tracemalloc
 import numpy as np
 
 from mpitrain.config import PRECISION_SYNCS
-from mpitrain.observe.memory import bytes_per_parameter
+from mpitrain.cost import bytes_per_parameter, gpt_block_activation_bytes, gpt_ends_activation_bytes
+from mpitrain.observe.memory import model_state
 
 SYNCS = ("ddp", "zero1", "zero2", "zero3")
 PRECISIONS = ("fp32", "bf16", "fp16")  # mixed precision with the syncs of config.PRECISION_SYNCS (ddp)
@@ -110,7 +112,7 @@ def worker(name: str, precision: str = "fp32") -> None:
         tracemalloc.reset_peak()
         step()
         peak = tracemalloc.get_traced_memory()[1] - base
-        counted = sync.memory()
+        counted = model_state(sync.model, sync.optimizer)
         tracemalloc.stop()
         sync.close()
     mine = {"sync": name, "precision": precision, "ranks": comm.size, "rank": comm.rank, "parameters": n,
@@ -129,9 +131,7 @@ def activations(rounds: int = 5, log=print) -> dict:
     from mpitrain.runtime import limit_blas_threads
 
     B, T, L, H, C, V = BATCH, 64, 4, 4, 128, 65
-    N, s = B * T, 4
-    block = (16 * N * C + B * H * T * T + 2 * N) * s
-    ends = (2 * N * C + N + N * V) * s
+    ends = gpt_ends_activation_bytes(B, T, C, V, 4)
     out = {}
     with limit_blas_threads(1):
         tokens = np.random.default_rng(0).integers(0, V, (B, T + 1))
@@ -158,7 +158,7 @@ def activations(rounds: int = 5, log=print) -> dict:
                 opt.zero_grad()
 
             steps[ckpt] = step
-            formula = ends + L * (N * C * s if ckpt else block)
+            formula = ends + L * gpt_block_activation_bytes(B, T, C, H, 4, checkpointed=ckpt)
             out["checkpointed" if ckpt else "plain"] = {"held": held, "formula": formula}
         times = {ckpt: [] for ckpt in steps}
         for _ in range(rounds):

@@ -12,13 +12,14 @@ round, every variant once per round so that all see the same machine, and prints
 * **step ms**: the median over rounds of the slowest rank's run;
 * **bubble**: the median over rounds of the busiest rank's idle share of the step (idle:
   blocked waiting for a neighbour's activation or gradient or for its own sends to
-  complete, ``PipelineStage.waited``, and waiting for the last stage to finish: the step
+  complete, the seconds ``pp_comm``'s counter says it was blocked, and waiting for the
+  last stage to finish: the step
   ends for all ranks together; starting sends and receives is work). The busiest rank
   idles only while the pipeline fills and drains; the others also wait for it:
 * **imbalance**: that wait, the mean rank's idle share minus the busiest's: stages that
   are equal on paper differ in practice (the last computes the loss, the first
   receives nothing);
-* **formula**: the schedule's idle share (:func:`~mpitrain.schedules.bubble_fraction`);
+* **formula**: the schedule's idle share (:func:`mpitrain.cost.bubble_fraction`);
   for ZB-H1 at this run's measured F, B and W per micro-batch;
 * **held MB**: per stage, the most activation memory held at the end of a forward: the
   Python heap (``tracemalloc``, in a separate untimed run) above its level before the
@@ -42,7 +43,7 @@ from mpitrain.nn.models import Block
 from mpitrain.parallel import pipeline as pl
 from mpitrain.parallel.local import LocalSync
 from mpitrain.runtime import limit_blas_threads, tune_allocator
-from mpitrain.schedules import bubble_fraction
+from mpitrain.cost import bubble_fraction
 from mpitrain.tensor import Tensor
 
 VARIANTS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
@@ -76,17 +77,17 @@ class _Clock:
                 self.held = max(self.held, tracemalloc.get_traced_memory()[0])
 
 
-def _once(comm, stage, sync, micro, clock) -> tuple[float, float]:
-    """(seconds of the run, seconds of it spent waiting) on this rank."""
+def _once(comm, stage, sync, x, clock) -> tuple[float, float]:
+    """(seconds of the run on the batch ``x``, seconds of it spent waiting) on this rank."""
     stage.trace = clock
-    waited = stage.waited
+    waited = comm.stats.seconds
     comm.barrier()
     tick = time.perf_counter()
-    stage.run(micro, sync)
+    stage.run(x, np.zeros(len(x)), np.arange(len(x)), sync)
     seconds = time.perf_counter() - tick
     sync.zero_grad()
     stage.trace = None
-    return seconds, stage.waited - waited
+    return seconds, comm.stats.seconds - waited
 
 
 def run(rounds: int = 5, ms: tuple = (2, 4, 8), batch: int = 64, log=print) -> list[dict]:
@@ -109,10 +110,8 @@ def run(rounds: int = 5, ms: tuple = (2, 4, 8), batch: int = 64, log=print) -> l
         for r in range(rounds + 1):  # round 0 warms up
             for key in variants:
                 stage, sync = built[key]
-                b = batch // key[2]
-                micro = [(Tensor(data[k * b:(k + 1) * b]), None) for k in range(key[2])]
                 clock = _Clock()
-                wall, waited = _once(pp, stage, sync, micro, clock)
+                wall, waited = _once(pp, stage, sync, Tensor(data), clock)
                 if r:
                     step = max(pp.allgather(wall))  # the step ends when its last stage does
                     idles = np.array(pp.allgather(waited + step - wall)) / step
@@ -123,7 +122,7 @@ def run(rounds: int = 5, ms: tuple = (2, 4, 8), batch: int = 64, log=print) -> l
                         kinds[key].setdefault(kind, []).extend(spans)
         for key in variants:
             stage, sync = built[key]
-            row = _row(pp, key, stage, sync, data, batch, seconds[key], idle[key], kinds[key])
+            row = _row(pp, key, stage, sync, data, seconds[key], idle[key], kinds[key])
             rows.append({**row, "imbalance": float(np.median(imbalance[key]))})
     if pp.rank == 0:
         log(_table(rows, p, blocks, batch, rounds))
@@ -131,7 +130,7 @@ def run(rounds: int = 5, ms: tuple = (2, 4, 8), batch: int = 64, log=print) -> l
     return rows
 
 
-def _row(pp, key, stage, sync, data, batch, seconds, idle, kinds) -> dict:
+def _row(pp, key, stage, sync, data, seconds, idle, kinds) -> dict:
     schedule, v, m = key
     F, B, W = (float(np.median(pp.allgather(np.median(kinds.get(k, [0.0]))))) * v
                for k in ("forward", "backwardinput" if schedule == "zb-h1" else "backward", "backwardweight"))
@@ -139,12 +138,10 @@ def _row(pp, key, stage, sync, data, batch, seconds, idle, kinds) -> dict:
         formula = bubble_fraction(schedule, pp.size, m, v, F, B, W)
     else:
         formula = bubble_fraction(schedule, pp.size, m, v)
-    b = batch // m
-    micro = [(Tensor(data[k * b:(k + 1) * b]), None) for k in range(m)]
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     clock = _Clock(memory=True)
-    _once(pp, stage, sync, micro, clock)
+    _once(pp, stage, sync, Tensor(data), clock)
     tracemalloc.stop()
     return {"schedule": schedule if v == 1 else f"{schedule} v={v}", "m": m,
             "step_ms": 1e3 * float(np.median(seconds)), "bubble": float(np.median(idle)), "formula": formula,

@@ -63,7 +63,7 @@ def _run(comm, staleness: int, slow: float, moving: bool, steps: int, batch: int
                 time.sleep((slow - 1) * (time.perf_counter() - start))
             ps.push(taken)
             taken += 1
-        ps.stop()
+        ps.leave()
     seconds = max(comm.allgather(time.perf_counter() - tick))
     taken_by = comm.allgather(taken)[1:]
     histogram = ps.staleness_histogram()

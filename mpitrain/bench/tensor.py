@@ -19,7 +19,7 @@ runs): the slices divide what lies between the two matrices of each sublayer (q,
 the attention scores, the MLP's hidden units) by ``P``, while the block's input, the
 layer norms' outputs and the residual branches stay whole on every rank, unless sequence
 parallelism slices them too; beside them, the ratios of Korthikanti et al.'s count
-adapted to single precision (:func:`_korthikanti`).
+adapted to single precision (:func:`mpitrain.cost.sliced_activation_ratios`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import tracemalloc
 
 import numpy as np
 
-from mpitrain import ops, rng
+from mpitrain import cost, ops, rng
 from mpitrain.comm import world
 from mpitrain.nn import GPTConfig
 from mpitrain.nn.models import Block
@@ -112,34 +112,14 @@ def run(rounds: int = 5, steps: int = 3, batch: int = 8, n_blocks: int = 4, n_em
     figures = {"one_ms": 1e3 * float(np.median(comm.bcast(one))), "tp_ms": 1e3 * float(np.median(parts)),
                "allreduce_ms_per_block": 1e3 * float(np.median(comm_s)),
                "bytes_per_block": float(np.median(sent)),
-               "formula_bytes_per_block": 8 * (P - 1) / P * batch * seq * n_embd * x.itemsize,
+               "formula_bytes_per_block": cost.tensor_parallel_bytes(batch, seq, n_embd, x.itemsize, P),
                "held_whole_mb": comm.bcast(held_whole) / 1e6, "held_mb": [h / 1e6 for h in held],
                "sp_ms": 1e3 * float(np.median(sp)), "held_sp_mb": [h / 1e6 for h in held_sp],
-               "korthikanti": _korthikanti(P, n_head, seq, n_embd)}
+               "korthikanti": cost.sliced_activation_ratios(P, n_head, seq, n_embd)}
     if comm.rank == 0:
         log(_table(figures, P, cfg, batch, rounds))
     tp.free()
     return figures
-
-
-def _korthikanti(t: int, a: int, s: int, h: int) -> tuple[float, float]:
-    """Activation memory per layer relative to one rank's, Korthikanti et al.'s count
-    (2022, section 4) in single precision: ``sbh (72 + 12 as/h)`` bytes unsliced.
-
-    Their half-precision terms doubled, and each dropout mask 4 bytes an element (ours
-    are float arrays, theirs bytes): the layer norms' inputs 8 sbh, the inputs of the
-    first matrices of the two sublayers 4 + 4 sbh, the two dropout masks on the residual
-    branches 4 + 4 sbh (together 24 sbh, whole on every rank under tensor slicing); q and
-    k 8, v 4, the projection's input 4, GELU's input and output 16 + 16 (48 sbh, sliced);
-    the attention scores, their dropout mask and its output 4 + 4 + 4 as^2 b (sliced).
-    Sliced: ``sbh (24 + 48/t + 12 as/(ht))``. Sequence parallelism slices the 24 too,
-    except that the gathered inputs of the two first matrices are kept whole here (for
-    their weight gradients; Megatron gathers them again in backward instead):
-    ``sbh (72/t + 8 (1 - 1/t) + 12 as/(ht))``. Returns the two ratios."""
-    whole = 72 + 12 * a * s / h
-    sliced = 24 + 48 / t + 12 * a * s / (h * t)
-    sequence = 72 / t + 8 * (1 - 1 / t) + 12 * a * s / (h * t)
-    return sliced / whole, sequence / whole
 
 
 def _table(f: dict, P: int, cfg: GPTConfig, batch: int, rounds: int) -> str:

@@ -1,9 +1,10 @@
 """The communication layer: the only package that imports mpi4py.
 
 * :mod:`~mpitrain.comm.communicator`: ``Comm`` (an mpi4py communicator with buffer
-  collectives, requests, byte and time counters) and ``SingleComm`` (the same interface
-  for one process without MPI), tags, the MPI thread level, errors agreed over ranks,
-  abort on exception;
+  collectives) and ``SingleComm`` (the same interface for one process without MPI),
+  tags, the MPI thread level, errors agreed over ranks, abort on exception;
+* :mod:`~mpitrain.comm.requests`: started operations, the counters every communicator
+  keeps (bytes, seconds blocked and busy, per axis of the grid), the communication thread;
 * :mod:`~mpitrain.comm.ring`: allreduce algorithms, MPI's and mpitrain's ring;
 * :mod:`~mpitrain.comm.grid`: the ``dp x pp x tp`` process grid and its communicators;
 * :mod:`~mpitrain.comm.replicas`: broadcast, averaging and checking of model replicas.
@@ -12,11 +13,12 @@ It knows arrays, not tensors. Importing it does not start MPI; :func:`world` doe
 """
 
 from mpitrain.comm.communicator import (
-    THREAD_LEVELS, Comm, CommStats, Request, SingleComm, Tag, abort_on_exception, alone, launcher_rank,
-    started_thread_level, started_world, thread_level, world,
+    THREAD_LEVELS, Comm, SingleComm, Tag, abort_on_exception, alone, launcher_rank, started_thread_level,
+    started_world, thread_level, world,
 )
+from mpitrain.comm.requests import CommStats, CommThread, Request, trace_operations
 
 __all__ = [
-    "THREAD_LEVELS", "Comm", "CommStats", "Request", "SingleComm", "Tag", "abort_on_exception", "alone",
-    "launcher_rank", "started_thread_level", "started_world", "thread_level", "world",
+    "THREAD_LEVELS", "Comm", "CommStats", "CommThread", "Request", "SingleComm", "Tag", "abort_on_exception",
+    "alone", "launcher_rank", "started_thread_level", "started_world", "thread_level", "trace_operations", "world",
 ]

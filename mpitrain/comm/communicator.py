@@ -9,15 +9,12 @@ call, at the thread level asked for (see :func:`thread_level`).
 **Arrays** go through the buffer methods (uppercase mpi4py calls on contiguous NumPy
 arrays, no pickling): ``allreduce``, ``iallreduce``, ``bcast_array``,
 ``reduce_scatter``, ``allgather_array``, ``isend``/``irecv``. A method that returns a
-:class:`Request` never waits inside; ``request.test()`` lets MPI progress it (MPICH moves
-non-blocking collectives forward only inside MPI calls) and ``request.wait()`` finishes it.
+request (:mod:`mpitrain.comm.requests`) never waits inside.
 
-**Counters** (:class:`CommStats`, one per communicator): calls, bytes sent by this rank,
-and seconds spent inside blocking calls and waits. Point-to-point bytes are exact; for
-MPI's own collectives the algorithm is MPI's choice, so they count the bytes a
-bandwidth-optimal algorithm sends (allreduce ``2(P-1)/P x n``, reduce-scatter and
-allgather ``(P-1)/P x n``, broadcast ``n`` from the root), which is what mpitrain's ring
-sends exactly.
+**Counters** (:class:`~mpitrain.comm.requests.CommStats`; a duplicate's or a split's
+adds into the counter of the communicator it was made from): point-to-point bytes exactly; MPI's own
+collectives by the bytes a bandwidth-optimal algorithm sends
+(:func:`mpitrain.cost.collective_bytes`), which is what mpitrain's ring sends exactly.
 
 **Tags** come from :class:`Tag`; messages of concurrent operations are kept apart by
 giving each its own duplicated communicator (``dup``), never by tag arithmetic.
@@ -45,9 +42,10 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import dataclass
-
 import numpy as np
+
+from mpitrain.comm.requests import CommStats, MPIRequest, Request, blocking
+from mpitrain.cost import collective_bytes
 
 THREAD_LEVELS = ("auto", "single", "funneled", "serialized", "multiple")
 
@@ -66,21 +64,6 @@ class Tag(enum.IntEnum):
     CHECKPOINT = 9  # a rank's part of a checkpoint -> rank 0, which writes the file
 
 
-@dataclass
-class CommStats:
-    """What one rank did on one communicator."""
-
-    calls: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0  # point-to-point receives only (collectives count what they send)
-    seconds: float = 0.0  # inside blocking calls and waits
-
-    def add(self, nbytes: float, seconds: float = 0.0) -> None:
-        self.calls += 1
-        self.bytes_sent += int(nbytes)
-        self.seconds += seconds
-
-
 def _words(buf: np.ndarray) -> np.ndarray:
     """``buf`` as MPI can move it: bfloat16 numbers (mixed precision's, :mod:`mpitrain.precision`)
     as the 16-bit words they are, since MPI knows no bfloat16 (copies only: a sum of
@@ -88,37 +71,16 @@ def _words(buf: np.ndarray) -> np.ndarray:
     return buf.view(np.uint16) if buf.dtype.name == "bfloat16" else buf
 
 
-class Request:
-    """A started operation: ``test()`` progresses it and says whether it is done,
-    ``wait()`` finishes it (its seconds are counted on the communicator)."""
-
-    def __init__(self, mpi_request=None, stats: CommStats | None = None):
-        self._req, self._stats = mpi_request, stats
-        self.done = mpi_request is None  # no request: nothing to do (one rank)
-
-    def test(self) -> bool:
-        if not self.done:
-            self.done = bool(self._req.Test())
-        return self.done
-
-    def wait(self) -> None:
-        if not self.done:
-            tick = time.perf_counter()
-            self._req.Wait()
-            self._stats.seconds += time.perf_counter() - tick
-            self.done = True
-
-
 class SingleComm:
     """A communicator of one rank, without MPI."""
 
     rank, size = 0, 1
 
-    def __init__(self):
-        self.stats = CommStats()
+    def __init__(self, stats: CommStats | None = None):
+        self.stats = stats or CommStats()
 
     def dup(self) -> "SingleComm":
-        return SingleComm()
+        return SingleComm(CommStats(parent=self.stats))
 
     def split_node(self) -> "SingleComm":
         return self
@@ -137,7 +99,7 @@ class SingleComm:
         pass
 
     def iallreduce(self, buf: np.ndarray) -> Request:
-        return Request()
+        return Request(done=True)
 
     def bcast_array(self, buf: np.ndarray, root: int = 0) -> None:
         pass
@@ -147,13 +109,13 @@ class SingleComm:
 
     def ireduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts) -> Request:
         self.reduce_scatter(send, recv, counts)
-        return Request()
+        return Request(done=True)
 
     def allgather_array(self, buf: np.ndarray, counts) -> None:
         pass
 
     def iallgather_array(self, buf: np.ndarray, counts) -> Request:
-        return Request()
+        return Request(done=True)
 
     def waitall(self, requests: list[Request]) -> None:
         """One rank starts no point-to-point operation: nothing to wait for."""
@@ -181,18 +143,20 @@ class Comm(SingleComm):
     """An mpi4py communicator: buffer collectives on arrays, a few object collectives
     for small control messages, and counters."""
 
-    def __init__(self, mpi_comm):
+    def __init__(self, mpi_comm, stats: CommStats | None = None):
         self.mpi = mpi_comm
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
-        self.stats = CommStats()
+        self.stats = stats or CommStats()
 
     def dup(self) -> "Comm":
-        """A duplicate: same ranks, its own message space (collective call)."""
-        return Comm(self.mpi.Dup())
+        """A duplicate: same ranks, its own message space; its counter adds into this
+        one's (collective call)."""
+        return Comm(self.mpi.Dup(), CommStats(parent=self.stats))
 
     def split(self, color: int, key: int) -> "Comm":
-        """Ranks of equal ``color`` form a new communicator, ordered by ``key``."""
-        return Comm(self.mpi.Split(color, key))
+        """Ranks of equal ``color`` form a new communicator, ordered by ``key``; its
+        counter adds into this one's."""
+        return Comm(self.mpi.Split(color, key), CommStats(parent=self.stats))
 
     def free(self) -> None:
         if self.mpi is not _mpi().COMM_WORLD:
@@ -200,7 +164,7 @@ class Comm(SingleComm):
 
     def split_node(self) -> "Comm":
         """The ranks of this communicator that share this node's memory (collective)."""
-        return Comm(self.mpi.Split_type(_mpi().COMM_TYPE_SHARED, key=self.rank))
+        return Comm(self.mpi.Split_type(_mpi().COMM_TYPE_SHARED, key=self.rank), CommStats(parent=self.stats))
 
     def node_size(self) -> int:
         """Ranks of this communicator that share this node's memory (and cores)."""
@@ -210,74 +174,70 @@ class Comm(SingleComm):
         return size
 
     # ------------------------------------------------------------ arrays
-    def _timed(self, nbytes: float, call, *args):
-        tick = time.perf_counter()
-        out = call(*args)
-        self.stats.add(nbytes, time.perf_counter() - tick)
-        return out
+    def _collective(self, name: str, nbytes: int, call, *args, root: int = 0) -> None:
+        """A blocking collective on an array of ``nbytes``: counted by the bytes one rank
+        sends in a bandwidth-optimal algorithm (MPI chooses its own; mpitrain's ring sends
+        exactly these), and timed."""
+        self.stats.add(sent=collective_bytes(name, nbytes, self.size, root=root == self.rank))
+        with blocking(self.stats, name, nbytes):
+            call(*args)
+
+    def _started(self, name: str, nbytes: int, mpi_request) -> Request:
+        self.stats.add(sent=collective_bytes(name, nbytes, self.size))
+        return MPIRequest(mpi_request, self.stats, name, nbytes)
 
     def allreduce(self, buf: np.ndarray, op: str = "sum") -> None:
         """Sum ``buf`` over ranks in place (``op = "max"``: the largest value)."""
-        self._timed(_share(2, self.size, buf.nbytes), self.mpi.Allreduce, _mpi().IN_PLACE, buf,
-                    _mpi().MAX if op == "max" else _mpi().SUM)
+        self._collective("allreduce", buf.nbytes, self.mpi.Allreduce, _mpi().IN_PLACE, buf,
+                         _mpi().MAX if op == "max" else _mpi().SUM)
 
     def iallreduce(self, buf: np.ndarray) -> Request:
         """Start summing ``buf`` over ranks in place; ``buf`` must not be touched until
         the request is done."""
-        self.stats.add(_share(2, self.size, buf.nbytes))
-        return Request(self.mpi.Iallreduce(_mpi().IN_PLACE, buf), self.stats)
+        return self._started("allreduce", buf.nbytes, self.mpi.Iallreduce(_mpi().IN_PLACE, buf))
 
     def bcast_array(self, buf: np.ndarray, root: int = 0) -> None:
         """Overwrite ``buf`` with rank ``root``'s."""
-        self._timed(buf.nbytes if self.rank == root else 0, self.mpi.Bcast, _words(buf), root)
+        self._collective("broadcast", buf.nbytes, self.mpi.Bcast, _words(buf), root, root=root)
 
     def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts) -> None:
         """Sum ``send`` (all ranks' full arrays) and leave block ``rank`` of the sum, of
         ``counts[rank]`` elements, in ``recv``."""
-        self._timed(_share(1, self.size, send.nbytes), self.mpi.Reduce_scatter, send, recv, list(counts))
+        self._collective("reduce_scatter", send.nbytes, self.mpi.Reduce_scatter, send, recv, list(counts))
 
     def ireduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts) -> Request:
         """Start :meth:`reduce_scatter`; neither array may be touched until the request is done."""
-        self.stats.add(_share(1, self.size, send.nbytes))
-        return Request(self.mpi.Ireduce_scatter(send, recv, [int(c) for c in counts]), self.stats)
+        return self._started("reduce_scatter", send.nbytes,
+                             self.mpi.Ireduce_scatter(send, recv, [int(c) for c in counts]))
 
     def allgather_array(self, buf: np.ndarray, counts) -> None:
         """In place: every rank contributes block ``rank`` (``counts[rank]`` elements at
         offset ``sum(counts[:rank])``) of ``buf`` and receives everyone's."""
-        counts = [int(c) for c in counts]
-        displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
-        self._timed(_share(1, self.size, buf.nbytes), self.mpi.Allgatherv, _mpi().IN_PLACE,
-                    [buf, counts, displs, _mpi().Datatype.fromcode(buf.dtype.char)])
+        self._collective("allgather", buf.nbytes, self.mpi.Allgatherv, _mpi().IN_PLACE, _vector(buf, counts))
 
     def iallgather_array(self, buf: np.ndarray, counts) -> Request:
         """Start :meth:`allgather_array`; ``buf`` may not be touched until the request is done."""
-        counts = [int(c) for c in counts]
-        displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
-        self.stats.add(_share(1, self.size, buf.nbytes))
-        return Request(self.mpi.Iallgatherv(_mpi().IN_PLACE, [buf, counts, displs,
-                                                             _mpi().Datatype.fromcode(buf.dtype.char)]), self.stats)
+        return self._started("allgather", buf.nbytes, self.mpi.Iallgatherv(_mpi().IN_PLACE, _vector(buf, counts)))
 
     def isend(self, buf: np.ndarray, dest: int, tag: Tag) -> Request:
-        self.stats.add(buf.nbytes)
-        return Request(self.mpi.Isend(_words(buf), dest, tag), self.stats)
+        self.stats.add(sent=buf.nbytes)
+        return MPIRequest(self.mpi.Isend(_words(buf), dest, tag), self.stats)
 
     def irecv(self, buf: np.ndarray, source: int, tag: Tag) -> Request:
-        self.stats.bytes_received += buf.nbytes
-        return Request(self.mpi.Irecv(_words(buf), source, tag), self.stats)
+        self.stats.add(received=buf.nbytes)
+        return MPIRequest(self.mpi.Irecv(_words(buf), source, tag), self.stats)
 
     def recv(self, buf: np.ndarray, source: int, tag: Tag) -> None:
         """Blocking receive of exactly ``buf.nbytes`` bytes."""
-        self.stats.bytes_received += buf.nbytes
-        tick = time.perf_counter()
-        self.mpi.Recv(buf, source, tag)
-        self.stats.seconds += time.perf_counter() - tick
+        self.stats.add(received=buf.nbytes)
+        with blocking(self.stats):
+            self.mpi.Recv(buf, source, tag)
 
     def waitany(self, requests: list[Request]) -> int:
         """Block until one of ``requests`` (none done yet) completes; its index."""
-        tick = time.perf_counter()
-        index = _mpi().Request.Waitany([r._req for r in requests])
-        self.stats.seconds += time.perf_counter() - tick
-        requests[index].done = True
+        with blocking(self.stats):
+            index = _mpi().Request.Waitany([r.mpi for r in requests])
+        requests[index]._complete()
         return index
 
     def poll(self, source: int = -1, tag: Tag | None = None) -> bool:
@@ -288,19 +248,19 @@ class Comm(SingleComm):
 
     def recv_any(self, buf: np.ndarray, tag: Tag) -> int:
         """Receive one message with ``tag`` from any rank into ``buf``; returns the sender."""
-        self.stats.bytes_received += buf.nbytes
+        self.stats.add(received=buf.nbytes)
         status = _mpi().Status()
-        self.mpi.Recv(buf, _mpi().ANY_SOURCE, tag, status)
+        with blocking(self.stats):
+            self.mpi.Recv(buf, _mpi().ANY_SOURCE, tag, status)
         return status.Get_source()
 
     def waitall(self, requests: list[Request]) -> None:
         live = [r for r in requests if not r.done]
         if live:
-            tick = time.perf_counter()
-            _mpi().Request.Waitall([r._req for r in live])
-            self.stats.seconds += time.perf_counter() - tick
+            with blocking(self.stats):
+                _mpi().Request.Waitall([r.mpi for r in live])
             for r in live:
-                r.done = True
+                r._complete()
 
     def allgather(self, obj):
         return self.mpi.allgather(obj)
@@ -352,9 +312,11 @@ class Comm(SingleComm):
         os._exit(code)  # MPICH's Abort can return before the launcher's kill arrives: nothing more runs here
 
 
-def _share(times: int, size: int, nbytes: int) -> float:
-    """Bytes one rank sends in a bandwidth-optimal collective: ``times x (P-1)/P x n``."""
-    return times * (size - 1) * nbytes / size
+def _vector(buf: np.ndarray, counts) -> list:
+    """``buf`` as an MPI vector of blocks of ``counts`` elements, end to end."""
+    counts = [int(c) for c in counts]
+    displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
+    return [buf, counts, displs, _mpi().Datatype.fromcode(buf.dtype.char)]
 
 
 def _mpi():

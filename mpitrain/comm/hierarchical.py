@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mpitrain.comm.communicator import Request
+from mpitrain.comm.requests import Request
 from mpitrain.comm.ring import Ring, chunk_bounds
 
 _hierarchies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -73,7 +73,7 @@ class HierarchicalAllreduce(Request):
     and starts the next when it is done, so it overlaps with compute like the ring."""
 
     def __init__(self, comm, buf: np.ndarray, ranks_per_node: int | None = None):
-        super().__init__()
+        super().__init__(comm.stats)  # its phases are the collectives that are busy, counted on node and cross
         if buf.ndim != 1 or not buf.flags.c_contiguous:
             raise ValueError("the node-aware allreduce works on a flat contiguous array")
         h = hierarchy(comm, ranks_per_node)
@@ -83,24 +83,17 @@ class HierarchicalAllreduce(Request):
                        lambda: h.cross.iallreduce(mine),
                        lambda: Ring(h.node, buf, ("allgather",))]
         self.current = self.phases.pop(0)()
-        self.done = False
 
-    def _advance(self) -> None:
+    def _progress(self) -> bool:
         while self.current.done or self.current.test():
             if not self.phases:
-                self.done = True
-                return
+                return True
             self.current = self.phases.pop(0)()
+        return False
 
-    def test(self) -> bool:
-        if not self.done:
-            self._advance()
-        return self.done
-
-    def wait(self) -> None:
-        while not self.done:
+    def _block(self) -> None:
+        while not self._progress():
             self.current.wait()
-            self._advance()
 
 
 def link_bytes(comm) -> dict[str, int]:

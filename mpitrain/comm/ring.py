@@ -80,7 +80,8 @@ import weakref
 
 import numpy as np
 
-from mpitrain.comm.communicator import Request, Tag
+from mpitrain.comm.communicator import Tag
+from mpitrain.comm.requests import Request
 from mpitrain.dtypes import FORMATS, dtype_of, is_half
 
 ALGORITHMS = ("mpi", "ring", "hierarchical")  # the last: mpitrain.comm.hierarchical
@@ -158,7 +159,7 @@ class Ring(Request):
     shard); ``("allgather",)`` spreads every rank's chunk ``rank``."""
 
     def __init__(self, comm, buf: np.ndarray, phases=("reduce_scatter", "allgather"), wire=None):
-        super().__init__()
+        super().__init__(comm.stats, "ring " + " + ".join(phases), buf.nbytes)
         if buf.ndim != 1 or not buf.flags.c_contiguous:
             raise ValueError("the ring works on a flat contiguous array")
         self.comm, self.buf = comm, buf
@@ -182,9 +183,10 @@ class Ring(Request):
             work = _work(comm, widest if self.in_place else 2 * widest, buf.dtype)
         self.partials = (work[:widest], work[widest:])  # the second: empty in place, or the outgoing
         self.step, self.requests = 0, []
-        self.done = not self.steps
-        if not self.done:
+        if self.steps:
             self._post()
+        else:
+            self.done = True
 
     def _chunk(self, i: int) -> np.ndarray:
         return self.buf[self.bounds[i] : self.bounds[i + 1]]
@@ -225,18 +227,16 @@ class Ring(Request):
         elif self.wire is not None:
             np.copyto(chunk, self.partials[0][: chunk.size])
         self.step += 1
-        if self.step == len(self.steps):
-            self.done = True
-        else:
+        if self.step < len(self.steps):
             self._post()
 
-    def test(self) -> bool:
-        while not self.done and all(r.test() for r in self.requests):
+    def _progress(self) -> bool:
+        while self.step < len(self.steps) and all(r.test() for r in self.requests):
             self._finish_step()
-        return self.done
+        return self.step == len(self.steps)
 
-    def wait(self) -> None:
-        while not self.done:
+    def _block(self) -> None:
+        while self.step < len(self.steps):
             self.comm.waitall(self.requests)
             self._finish_step()
 
@@ -246,7 +246,7 @@ class Exchange(Request):
     receive its buffer into scratch, add (see "Two ranks" above)."""
 
     def __init__(self, comm, buf: np.ndarray, wire=None):
-        super().__init__()
+        super().__init__(comm.stats, "exchange", buf.nbytes)
         if comm.size != 2:
             raise ValueError(f"an exchange is between 2 ranks, the communicator has {comm.size}")
         self.comm, self.buf = comm, buf
@@ -260,23 +260,21 @@ class Exchange(Request):
         peer = 1 - comm.rank
         words = (lambda a: a) if self.wire is None else (lambda a: a.view(np.uint16))  # MPI knows no bfloat16
         self.requests = [comm.irecv(words(self.other), peer, Tag.RING), comm.isend(words(self.mine), peer, Tag.RING)]
-        self.done = False
 
     def _add(self) -> None:
         if self.wire is not None:
             np.copyto(self.buf, self.mine)
         np.add(self.buf, self.other, out=self.buf)  # buf is no longer being sent: both requests are done
-        self.done = True
 
-    def test(self) -> bool:
-        if not self.done and all([r.test() for r in self.requests]):  # a list: test both, each progresses
+    def _progress(self) -> bool:
+        if all([r.test() for r in self.requests]):  # a list: test both, each progresses
             self._add()
-        return self.done
+            return True
+        return False
 
-    def wait(self) -> None:
-        if not self.done:
-            self.comm.waitall(self.requests)
-            self._add()
+    def _block(self) -> None:
+        self.comm.waitall(self.requests)
+        self._add()
 
 
 _across: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -296,23 +294,19 @@ class Float32Sum(Request):
     is summed and rounded back: the ring's arithmetic, twice its bytes."""
 
     def __init__(self, comm, buf: np.ndarray):
-        super().__init__()
+        super().__init__(comm.stats)  # the float32 allreduce inside is the collective that is busy
         self.buf, self.wide = buf, buf.astype(np.float32)
-        self.request, self.done = comm.iallreduce(self.wide), False
+        self.request = comm.iallreduce(self.wide)
 
-    def _round(self) -> None:
+    def _progress(self) -> bool:
+        if self.request.test():
+            np.copyto(self.buf, self.wide, casting="same_kind")
+            return True
+        return False
+
+    def _block(self) -> None:
+        self.request.wait()
         np.copyto(self.buf, self.wide, casting="same_kind")
-        self.done = True
-
-    def test(self) -> bool:
-        if not self.done and self.request.test():
-            self._round()
-        return self.done
-
-    def wait(self) -> None:
-        if not self.done:
-            self.request.wait()
-            self._round()
 
 
 def iallreduce(comm, buf: np.ndarray, algorithm: str = "mpi", wire=None) -> Request:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mpitrain.cost import attention_flops, backward_flops, conv2d_flops, matmul_flops
 from mpitrain.ops.attention import CausalSelfAttention
 from mpitrain.ops.conv import Conv2d, TiledConv2d
 from mpitrain.ops.linalg import Linear, MatMul
@@ -34,15 +35,15 @@ def _needs_grad(*tensors) -> int:
 
 def _linear(args, kwargs):
     x, w = args[0], args[1]
-    fwd = 2 * math.prod(x.shape[:-1]) * w.shape[0] * w.shape[1]
-    return fwd, fwd * _needs_grad(x, w)
+    fwd = matmul_flops(math.prod(x.shape[:-1]), w.shape[0], w.shape[1])
+    return fwd, backward_flops(fwd, _needs_grad(x, w))
 
 
 def _matmul(args, kwargs):
     a, b = args
     batch = math.prod(np.broadcast_shapes(a.shape[:-2], b.shape[:-2]))
-    fwd = 2 * batch * a.shape[-2] * a.shape[-1] * b.shape[-1]
-    return fwd, fwd * _needs_grad(a, b)
+    fwd = batch * matmul_flops(a.shape[-2], a.shape[-1], b.shape[-1])
+    return fwd, backward_flops(fwd, _needs_grad(a, b))
 
 
 def _conv2d(args, kwargs):
@@ -50,16 +51,15 @@ def _conv2d(args, kwargs):
     (sh, sw), (ph, pw) = kwargs["stride"], kwargs["padding"]
     B, H, W, _ = x.shape
     kh, kw, cin, cout = w.shape
-    ho, wo = (H + 2 * ph - kh) // sh + 1, (W + 2 * pw - kw) // sw + 1
-    fwd = 2 * B * ho * wo * kh * kw * cin * cout
-    return fwd, fwd * _needs_grad(x, w)
+    fwd = conv2d_flops(B, (H + 2 * ph - kh) // sh + 1, (W + 2 * pw - kw) // sw + 1, kh, kw, cin, cout)
+    return fwd, backward_flops(fwd, _needs_grad(x, w))
 
 
 def _attention(args, kwargs):
     qkv = args[0]
     B, T, C3 = qkv.shape
-    fwd = 2 * 2 * B * T * T * (C3 // 3)  # q k^T and P v over all heads
-    return fwd, 2 * fwd if _needs_grad(qkv) else 0  # dv, dP, dq, dk
+    fwd = attention_flops(B, T, C3 // 3)
+    return fwd, backward_flops(fwd, 2) if _needs_grad(qkv) else 0  # dv and dP; dq and dk
 
 
 def _sublayer(args, attention: bool):
@@ -67,11 +67,12 @@ def _sublayer(args, attention: bool):
     backward product counted when the op-by-op form's operand would need a gradient."""
     x, ln_w, ln_b, w_in, b_in, w_proj = args[:6]
     B, T, C = x.shape
-    first, proj = 2 * B * T * C * w_in.shape[1], 2 * B * T * w_proj.shape[0] * w_proj.shape[1]
-    middle = 2 * 2 * B * T * T * w_proj.shape[0] if attention else 0  # q k^T and P v
+    first, proj = matmul_flops(B * T, C, w_in.shape[1]), matmul_flops(B * T, w_proj.shape[0], w_proj.shape[1])
+    middle = attention_flops(B, T, w_proj.shape[0]) if attention else 0
     normed = _needs_grad(x, ln_w, ln_b) > 0  # LN(x) needs a gradient
     hidden = normed or _needs_grad(w_in, b_in) > 0  # the first product's output needs one
-    bwd = first * (normed + _needs_grad(w_in)) + 2 * middle * hidden + proj * (hidden + _needs_grad(w_proj))
+    bwd = backward_flops(first, normed + _needs_grad(w_in)) + backward_flops(middle, 2 * hidden) \
+        + backward_flops(proj, hidden + _needs_grad(w_proj))
     return first + middle + proj, bwd
 
 

@@ -8,6 +8,8 @@ time, so a stall share above 10% means storage (or the reader) is the bottleneck
 
 from __future__ import annotations
 
+from mpitrain.cost import storage_bandwidth
+
 
 def io_row(rank: int, stats, busy_seconds: float) -> dict:
     """One rank's figures for one epoch; ``busy_seconds`` is the time of its training
@@ -27,7 +29,7 @@ def io_table(title: str, rows: list[dict], sample_bytes: int) -> str:
                      f"{r['mb_s']:8.0f} | {r['samples_s']:9.0f} | {r['stall_s']:7.3f} | {r['stall_pct']:6.2f}%")
     slowest = min(rows, key=lambda r: r["mb_s"])
     rate = max(r["samples_s"] for r in rows)
-    need = sample_bytes * rate / 1e6
+    need = storage_bandwidth(sample_bytes, rate) / 1e6
     headroom = slowest["mb_s"] / need if need else float("inf")
     lines.append(f"{'':>{len(title)}}  needs {need:.2f} MB/s per rank ({sample_bytes} B/sample x {rate:,.0f} "
                  f"samples/s); slowest read {slowest['mb_s']:,.0f} MB/s: headroom {headroom:,.0f}x")

@@ -1,44 +1,58 @@
-"""The model state a rank holds, by category, against ZeRO's formula (Rajbhandari et al.,
-SC 2020): the end of a training run prints it, and ``mpitrain bench memory`` measures it.
+"""The model state a rank holds, by category, against ZeRO's formula: the end of a training
+run prints it, and ``mpitrain bench memory`` measures it.
 
-Per parameter, with weights of ``w`` bytes, gradients of ``g`` bytes and optimizer
-state of ``s`` bytes (Adam's two moments, SGD's momentum, and in mixed precision the
-float32 master weight), on ``P`` data-parallel ranks:
-
-* ``ddp`` (and ``local``): ``w + g + s``, everything replicated: 4 + 4 + 8 = 16 with Adam in
-  float32; mixed precision 2 + 2 + (4 + 8) = 16 as well (:mod:`mpitrain.precision`);
-* ``zero1``: ``w + g + s/P`` (8 + 8/P with Adam);
-* ``zero2``: ``w + (g + s)/P`` (4 + 12/P);
-* ``zero3``: ``(w + g + s)/P`` (16/P).
+:func:`model_state` counts what a gradient sync keeps, read from the arrays themselves:
+the distinct buffers behind the model's and the optimizer's parameters and gradients
+(a view counts its buffer once: a bucket, a flat shard, a ZeRO-3 group's chunk) and the
+optimizer's state. The formula it is set beside, bytes per parameter for each sync, is
+:func:`mpitrain.cost.bytes_per_parameter` (Rajbhandari et al., SC 2020).
 
 A run also measures what it holds (:class:`HeapTrace`): ``tracemalloc``, which sees
 NumPy's buffers, traces the heap from before the model is built through the first
-steps, then stops (``run.trace_memory``; tracing costs about 9% of a GPT step while it
-runs, and much more of the data reader's first reads, allocation-heavy Python): the heap
-at rest after the second step (the optimizer's state exists from the first on), split by where
-it was allocated (the data reader's buffers, communication work arrays, the rest: the
-model state, whose formula is above), and the peak of the third step above it
-(activations, gradients in flight, buffers of the exchange).
+steps, then stops (``run.trace_memory``; tracing slows the steps it covers, the data
+reader's first reads most, allocation-heavy Python): the heap at rest after the second
+step (the optimizer's state exists from the first on), split by where it was allocated
+(the data reader's buffers, communication work arrays, the rest: the model state, whose
+formula is above), and the peak of the third step above it (activations, gradients in
+flight, buffers of the exchange).
 """
 
 from __future__ import annotations
 
 import tracemalloc
 
-FORMULA_SYNCS = ("ddp", "local", "zero1", "zero2", "zero3")  # the layouts with a formula below
+import numpy as np
+
 CATEGORIES = (("param_bytes", "parameters"), ("grad_bytes", "gradients"), ("optim_bytes", "optimizer state"))
 
 
-def bytes_per_parameter(sync: str, P: int, moments: int = 2, itemsize: int = 4, mixed: bool = False) -> float | None:
-    """The formula: bytes per parameter that one of ``P`` ranks holds with ``sync``, an
-    optimizer of ``moments`` arrays per parameter (Adam 2, SGD with momentum 1) and
-    parameters of ``itemsize`` bytes (float32 4, float64 8), or ``mixed`` precision's
-    (half weights and gradients, float32 master and state). None for a layout without
-    one here (parameter servers)."""
-    w = g = 2 if mixed else itemsize
-    s = moments * (4 if mixed else itemsize) + (4 if mixed else 0)
-    shares = dict(zip(FORMULA_SYNCS, (w + g + s, w + g + s, w + g + s / P, w + (g + s) / P, (w + g + s) / P)))
-    return shares.get(sync)
+def model_state(model, optimizer) -> dict:
+    """Bytes a rank keeps between steps: ``param_bytes`` and ``grad_bytes`` (the buffers
+    behind ``model``'s parameters and gradients and those of the pieces ``optimizer``
+    updates, each buffer once), ``optim_bytes`` (its state; in mixed precision with the
+    float32 masters) and ``work_bytes`` (its reusable work array, not model state); and
+    ``parameters``, how many of the model's this rank's part has (all, or a stage's, or
+    slices' sizes)."""
+    pieces = [] if optimizer is None else [q for group in optimizer.param_groups for q in group["params"]]
+    masters = getattr(optimizer, "masters", None) is not None  # mixed precision: pieces are its float32 state
+    held = [q for q in model.parameters()] + ([] if masters else pieces)
+    memory = {} if optimizer is None else optimizer.memory()
+    return {"param_bytes": _buffers(q.data for q in held), "grad_bytes": _buffers(q.grad for q in held),
+            "optim_bytes": memory.get("optim_bytes", 0), "work_bytes": memory.get("work_bytes", 0),
+            "parameters": sum(q.size for q in model.parameters())}
+
+
+def _buffers(arrays) -> int:
+    """Bytes of the distinct buffers behind ``arrays`` (views counted once; a broadcast
+    placeholder, which holds no memory, not at all)."""
+    seen = {}
+    for a in arrays:
+        if a is None or (a.size > 1 and 0 in a.strides):
+            continue
+        while isinstance(a.base, np.ndarray):
+            a = a.base
+        seen[id(a)] = a.nbytes
+    return sum(seen.values())
 
 
 class HeapTrace:

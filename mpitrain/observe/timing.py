@@ -1,6 +1,43 @@
-"""Where each rank's training time went: the end-of-run table."""
+"""Where each rank's training time went: what its communicators counted in the training
+steps, and the end-of-run table."""
 
 from __future__ import annotations
+
+
+class Traffic:
+    """Bytes sent and seconds blocked and busy on each of a rank's communicators inside its
+    training steps, not evaluations, checkpoints or the checks at the end: the growth of
+    their counters (:class:`mpitrain.comm.CommStats`, ``axes``: "dp" | "pp" | "tp" -> the
+    counter) from each step's :meth:`begin` to its :meth:`end`."""
+
+    def __init__(self, axes: dict):
+        self.axes = axes
+        self.in_steps = {name: [0, 0.0, 0.0] for name in axes}  # name -> [bytes, seconds blocked, seconds busy]
+        self._mark: dict | None = None
+
+    def begin(self) -> None:
+        self._mark = {name: stats.totals() for name, stats in self.axes.items()}
+
+    def end(self) -> None:
+        if self._mark is None:
+            return
+        for name, stats in self.axes.items():
+            for k, (now, then) in enumerate(zip(stats.totals(), self._mark[name])):
+                self.in_steps[name][k] += now - then
+        self._mark = None
+
+    def seconds(self) -> tuple[float, float, float]:
+        """(exposed, total, bubble): the seconds blocked on the data- and tensor-parallel
+        communicators; the larger of those and the seconds their collectives were busy
+        (what overlap hid, and did not); the seconds blocked on the pipeline's (waiting
+        for the neighbouring stages, and the sums over them)."""
+        exposed = sum(v[1] for name, v in self.in_steps.items() if name != "pp")
+        busy = sum(v[2] for name, v in self.in_steps.items() if name != "pp")
+        return exposed, max(exposed, busy), self.in_steps.get("pp", [0, 0.0, 0.0])[1]
+
+    def by_axis(self) -> dict:
+        """{axis: (bytes sent, seconds blocked)}."""
+        return {name: (v[0], v[1]) for name, v in self.in_steps.items()}
 
 
 def time_table(rows, steps: int) -> str:

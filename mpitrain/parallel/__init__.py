@@ -1,2 +1,106 @@
-"""One module per way of spreading training over ranks; each stands alone: it imports the base and
-:mod:`mpitrain.comm`, never another strategy (``tests/test_architecture.py`` checks the imports)."""
+"""The ways of spreading training over ranks, one module each, and the seam they share.
+
+Each module spreads training one way and stands alone (it imports no other module of
+this package): :mod:`~.local`, :mod:`~.data_parallel`, :mod:`~.zero` (stages 1 and 2),
+:mod:`~.zero3`, :mod:`~.param_server` over the data-parallel ranks; :mod:`~.pipeline`
+(a stage of consecutive layers) and :mod:`~.tensor_parallel` (layers sliced) cut the
+model itself. The trainer (:mod:`mpitrain.train.build`) stacks them on one
+``dp x pp x tp`` grid.
+
+What the training loop calls on the data-parallel strategy, whichever it is, is a
+:class:`GradSync`: how the gradients of a step become an update. Each step:
+
+1. ``begin_step()`` before the first forward (a parameter-server worker waits for its
+   pull; False ends its loop: the servers have had their updates);
+2. the schedule's backward passes, all but the step's last inside ``no_sync()`` (data
+   parallelism then only accumulates);
+3. ``finish()`` after the last backward: the exchange completes;
+4. once the ranks agree that the loss is finite, ``step(lr, grad_clip)``; ``zero_grad()``
+   in any case.
+
+Around the steps: ``sync_buffers()`` (batch-norm statistics) before an evaluation or a
+checkpoint; ``whole_model()`` around what needs every parameter whole (ZeRO-3 gathers
+them there); ``state_pieces(offsets)`` for checkpoints; after the loop ``leave()`` on
+every rank of it, then ``end()`` and ``check_replicas()`` on every rank. ``waits`` names
+the calls that wait for other ranks (the stall watchdog and the timeline show them).
+
+A strategy counts nothing: its communicators count bytes and seconds
+(:mod:`mpitrain.comm.requests`), its memory is read from the arrays it keeps
+(:func:`mpitrain.observe.memory.model_state`), and every formula is in
+:mod:`mpitrain.cost`. The defaults below are one replica's that holds the whole model
+and its whole optimizer state; :mod:`~.local` is this class alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from mpitrain import flat, optim
+from mpitrain.comm import replicas
+
+
+class GradSync:
+    """The seam between the loop and a strategy, with the defaults most strategies share."""
+
+    waits: dict[str, str] = {}  # a call -> what it waits for on other ranks ("finish": "gradient exchange")
+    lockstep = True  # the loop's ranks take every step together (asynchronous parameter-server workers: not)
+    pieces: list | None = None  # a sharded optimizer's (parameter index, lo, hi) in the checkpoints' flat layout
+
+    def __init__(self, model, optimizer, dp_comm):
+        self.model, self.optimizer, self.comm = model, optimizer, dp_comm
+        self.params = [p for p in model.parameters() if p.requires_grad]
+
+    def begin_step(self) -> bool:
+        return True
+
+    def no_sync(self):
+        return contextlib.nullcontext()
+
+    def finish(self) -> None:
+        """Nothing to exchange: the gradients backward left are the step's."""
+
+    def step(self, lr: float | None = None, grad_clip: float = 0.0) -> None:
+        """The optimizer's step; ``grad_clip`` > 0 clips to that global norm first."""
+        if self.optimizer is None:
+            raise RuntimeError(f"{type(self).__name__}.step needs the optimizer it was built with")
+        optim.update(self.optimizer, self.params, lr, grad_clip)
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def sync_buffers(self) -> None:
+        """Average floating buffers (batch-norm running statistics) over the replicas,
+        each of which normalised with its own samples."""
+        replicas.average(self.comm, [b for _, b in self.model.named_buffers()])
+
+    def whole_model(self):
+        """Every parameter is whole in ``.data`` already: nothing to gather."""
+        return contextlib.nullcontext()
+
+    def check_replicas(self) -> str:
+        """Raise unless every replica holds bit-identical parameters; their SHA-256."""
+        return replicas.check_same(self.comm, [p.data for p in self.model.parameters()])
+
+    def state_pieces(self, offsets) -> tuple | None:
+        """For checkpoints: the optimizer, the pieces ``(parameter index, lo, hi)`` of the
+        flat layout ``offsets`` it holds the state of, and whether this rank writes them:
+        replicated state is written by rank 0 of ``dp_comm``, sharded state by every rank."""
+        if self.pieces is None:
+            return self.optimizer, flat.pieces(offsets), self.comm.rank == 0
+        return self.optimizer, self.pieces, True
+
+    def leave(self) -> None:
+        """This rank's loop is over, normally or by an error."""
+
+    def end(self) -> int | None:
+        """After the loop, on every rank: one set of buffers. Returns the steps the run
+        took when they are not the loop's (None)."""
+        self.sync_buffers()
+        return None
+
+    def summary(self) -> tuple[list[str], dict]:
+        """Lines for the end of the run and figures for its result (collective)."""
+        return [], {}
+
+    def close(self) -> None:
+        """Release communicators and threads."""

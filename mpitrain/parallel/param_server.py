@@ -10,12 +10,12 @@ to those parameters). Each worker holds a full copy of the model and trains on i
 Networks" (DistBelief, Downpour SGD), NIPS 2012; Li et al., "Scaling Distributed
 Machine Learning with the Parameter Server" (ps-lite), OSDI 2014).
 
-**Communicators**: a ``Dup`` of the one given (all ``S + W`` ranks), point-to-point
-while training; at the end (:meth:`ParameterServer.end`) ``Bcast`` of each server's
-parameters and an ``Allreduce`` of the workers' batch-norm statistics, then an
-allgather of the staleness counts (:meth:`ParameterServer.summary`). And ``workers``,
-split from it: the workers alone, for what they do together while the servers serve
-(averaging their batch-norm statistics before an evaluation).
+**Communicators**: one of its own over all ``S + W`` ranks of the one given,
+point-to-point while training; at the end (:meth:`ParameterServer.end`) ``Bcast`` of each
+server's parameters and an ``Allreduce`` of the workers' batch-norm statistics, then an
+allgather of the staleness counts (:meth:`ParameterServer.summary`). And ``workers``: the
+workers alone, for what they do together while the servers serve (averaging their
+batch-norm statistics before an evaluation, the training loop's agreement on each step).
 
 **The calls and when**, per worker step, for each server ``s`` (tags from
 :class:`mpitrain.comm.Tag`):
@@ -53,8 +53,9 @@ Pushes to all servers go out before any reply is awaited, so a push to one serve
 overlaps the pull from another. Servers block in ``Waitany``/``Recv``: no polling loop.
 
 **Bytes per worker per step**: push ``N x s + 16 S``, pull ``N x s + 8 S`` (``N``
-parameters of ``s`` bytes, ``S`` servers): two copies of the parameters per step, plus
-headers. Each server sends and receives ``W x N_server x s`` per step.
+parameters of ``s`` bytes, ``S`` servers; :func:`mpitrain.cost.parameter_server_bytes`):
+two copies of the parameters per step, plus headers. Each server sends and receives
+``W x N_server x s`` per step.
 
 **Mean.** Each worker's loss is the mean over its ``B/W`` samples; in synchronous mode
 the server divides the sum of the ``W`` gradients by ``W``; asynchronously every
@@ -62,9 +63,10 @@ gradient is applied as it arrives, as its own update (``W`` updates per global s
 
 **In the trainer** the ranks split into these two roles: servers run :meth:`serve`,
 workers run the ordinary training loop with this object as its gradient sync
-(``mpitrain/train/sync.py``): :meth:`begin_step` waits for the pull, :meth:`step`
+(:class:`mpitrain.parallel.GradSync`): :meth:`begin_step` waits for the pull, :meth:`step`
 pushes (after the workers agree on the loss, so a step with a non-finite loss is not
-sent), and after the loop and :meth:`serve` every rank calls :meth:`end`.
+sent), :meth:`leave` says goodbye when the loop is over, however it ends, and after the
+loop and :meth:`serve` every rank calls :meth:`end`.
 
 **Launch**: ``mpiexec -n 4 mpitrain train jobs/mnist_lenet.toml --set parallel.sync=ps
 --set parallel.servers=1 --set parallel.staleness=-1`` (1 server, 3 workers).
@@ -72,7 +74,6 @@ sent), and after the loop and :meth:`serve` every rank calls :meth:`end`.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from collections import Counter
 
@@ -80,6 +81,7 @@ import numpy as np
 
 from mpitrain import flat
 from mpitrain.comm import Tag, replicas
+from mpitrain.parallel import GradSync
 
 UNBOUNDED = -1
 
@@ -96,7 +98,7 @@ def partition(sizes: list[int], servers: int) -> list[int]:
     return owner
 
 
-class ParameterServer:
+class ParameterServer(GradSync):
     """Both roles of the parameter-server strategy; every rank of ``comm`` builds one.
 
     Servers call :meth:`serve` (returns when every worker has stopped). Workers::
@@ -104,13 +106,13 @@ class ParameterServer:
         while ps.pull_wait():       # parameters of the newest allowed version (False: done)
             loss = loss_fn(model, x, y); loss.backward()
             ps.push(step)           # gradients out, replies requested; zeroes .grad
-        ps.stop()                   # take the replies still due, say goodbye
+        ps.leave()                  # take the replies still due, say goodbye
 
-    (In the trainer: ``begin_step``, ``step`` and ``end`` make these calls.) Then every
+    (In the trainer: ``begin_step``, ``step`` and ``leave`` make these calls.) Then every
     rank calls :meth:`end` to receive the final parameters.
     """
 
-    on_comm = None  # the trainer's timeline shows pulls and pushes as the calls they are
+    waits = {"begin": "pull", "step": "push"}
 
     def __init__(self, model, optimizer, comm, servers: int = 1, staleness: int = 0, lr_at=None,
                  max_updates: int | None = None, slow: float = 1.0):
@@ -118,16 +120,15 @@ class ParameterServer:
             raise ValueError(f"need 1 <= servers < ranks ({comm.size}), got {servers}")
         if staleness < UNBOUNDED:
             raise ValueError(f"staleness must be >= 0, or -1 for unbounded, got {staleness}")
-        self.comm = comm.dup()
+        super().__init__(model, optimizer, comm.split(0, comm.rank))  # its own counter, as the workers' below
         self.S, self.W = servers, comm.size - servers
-        self.staleness = staleness
+        self.staleness, self.lockstep = staleness, staleness == 0
         self.lr_at = lr_at  # learning rate at a step (synchronous) or at a version (asynchronous)
         self.slow = slow  # on a worker: > 1 makes it a straggler (experiments), see step()
         self.max_updates = max_updates  # asynchronous: stop the workers after this many applied gradients
         self.is_server = self.comm.rank < servers
         self.worker = self.comm.rank - servers  # this worker's index (negative on servers)
-        self.workers = self.comm.split(0 if self.is_server else 1, self.comm.rank)
-        self.model = model
+        self.workers = comm.split(0 if self.is_server else 1, self.comm.rank)
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         dtype = flat.one_dtype(self.params, "a parameter server")
         self.owner = partition([p.size for p in self.params], servers)
@@ -194,9 +195,10 @@ class ParameterServer:
         self._zeroed = True
         self.pushed += 1
 
-    def stop(self) -> None:
-        """A worker, after its last step: take the replies still due, then tell every
-        server goodbye (once; later calls, and calls on a server, do nothing)."""
+    def leave(self) -> None:
+        """A worker, after its last step (or a failed one): take the replies still due,
+        then tell every server goodbye (once; later calls, and calls on a server, do
+        nothing)."""
         if self.is_server or self.said_goodbye:
             return
         self.said_goodbye = True
@@ -214,13 +216,6 @@ class ParameterServer:
         self._began = time.perf_counter()
         return go
 
-    def no_sync(self):
-        """Gradients leave only in :meth:`step`: micro-batches just accumulate."""
-        return contextlib.nullcontext()
-
-    def finish(self) -> None:
-        """Gradients leave in :meth:`step`, once the workers agree the loss is finite."""
-
     def step(self, lr: float | None = None, grad_clip: float = 0.0) -> None:
         """Push this step's gradients (the servers own the update and its learning rate,
         ``lr_at``; global-norm clipping would need every server's part of the norm)."""
@@ -236,10 +231,6 @@ class ParameterServer:
             for g in self.flat_grads:
                 g.fill(0)
 
-    def whole_model(self):
-        """The model's parameters are whole in ``.data`` already: nothing to gather."""
-        return contextlib.nullcontext()
-
     def sync_buffers(self) -> None:
         """Before an evaluation between synchronous steps: take the pull in flight (its
         receives write the parameters; the next :meth:`begin_step` finds it done), then
@@ -247,23 +238,6 @@ class ParameterServer:
         self.pull_wait()
         replicas.average(self.workers, [b for _, b in self.model.named_buffers()])
 
-    def check_replicas(self) -> str:
-        """After :meth:`end`: raise unless every rank holds bit-identical parameters."""
-        return replicas.check_same(self.comm, [p.data for p in self.model.parameters()])
-
-    def comm_seconds(self) -> tuple[float, float]:
-        """(exposed, total) seconds waiting in pulls, pushes and, on a server, for pushes:
-        every wait is exposed."""
-        return self.comm.stats.seconds, self.comm.stats.seconds
-
-    def describe(self) -> tuple[str, dict[str, str]]:
-        """One line for the start of a run, and the name of each call that waits for
-        other ranks (the trainer's stall watchdog shows it)."""
-        mode = {0: "synchronous"}.get(self.staleness, "asynchronous, unbounded" if self.staleness == UNBOUNDED
-                                      else f"asynchronous, at most {self.staleness} step(s) ahead")
-        what = (f"ps, {self.S} server(s) + {self.W} worker(s), {mode}; per worker per step "
-                f"{sum(self.bytes_per_worker_step()) / 1e6:.2f} MB (push + pull)")
-        return what, {"begin": "pull", "step": "push"}
 
     # ------------------------------------------------------------- server
     def serve(self, trace=None) -> None:
@@ -355,30 +329,17 @@ class ParameterServer:
         rank receives the final parameters and the workers' batch-norm statistics.
         Asynchronously, returns the global steps the applied gradients amount to (over
         ``W``, on every rank); synchronously None: every worker took the loop's steps."""
-        self.stop()  # unless the trainer's loop has said goodbye already
-        self.traffic = (self.bytes_sent, self.bytes_received)  # the run's, without the gathers below
+        self.leave()  # unless the trainer's loop has said goodbye already
         self.gather_parameters()
         self.gather_buffers(self.model)
         return None if self.staleness == 0 else self.comm.bcast(self.version // self.W, root=0)
 
     def summary(self) -> tuple[list[str], dict[int, int]]:
-        """After :meth:`end` (collective): lines for rank 0 (the staleness of the applied
-        gradients; each worker's steps and bytes against the formula), and the
-        staleness histogram, on every rank."""
+        """After :meth:`end` (collective): a line on the staleness of the applied
+        gradients (asynchronous runs), and the histogram, on every rank."""
         histogram = self.staleness_histogram()
-        rows = self.comm.gather((self.pushed, *self.traffic))
-        lines = []
-        if histogram:
-            lines.append("staleness of the applied gradients (server version - version computed on): "
-                         + ", ".join(f"{k}: {v}" for k, v in histogram.items()))
-        if self.comm.rank == 0:
-            push, pull = self.bytes_per_worker_step()
-            for w, (n, out, into) in enumerate(rows[self.S:]):
-                # a worker also sent S goodbye headers and received the first pull
-                lines.append(f"worker {w}: {n} steps, sent {out / 1e6:.2f} MB, received {into / 1e6:.2f} MB; per step "
-                             f"{(out - 16 * self.S) / max(n, 1) / 1e6:.3f} + {(into - pull) / max(n, 1) / 1e6:.3f} MB "
-                             f"(formula: {push / 1e6:.3f} + {pull / 1e6:.3f})")
-        return lines, histogram
+        return ([f"staleness of the applied gradients (server version - version computed on): "
+                 + ", ".join(f"{k}: {v}" for k, v in histogram.items())] if histogram else []), histogram
 
     def gather_parameters(self) -> None:
         """Every rank gets every server's final parameters (collective)."""
@@ -405,11 +366,6 @@ class ParameterServer:
             total.update(seen)
         return dict(sorted(total.items()))
 
-    def bytes_per_worker_step(self) -> tuple[int, int]:
-        """(sent, received) by a worker per step: the formula."""
-        n = sum(f.nbytes for f in self.flat_params)
-        return n + 16 * self.S, n + 8 * self.S
-
     def state_pieces(self, offsets):
         """For checkpoints: a server's optimizer, its parameters' (index, lo, hi) in the
         flat layout of the optimizer's order (``offsets``), and True: each server writes
@@ -422,14 +378,6 @@ class ParameterServer:
     def unreceived(self) -> bool:
         """Whether a message to this rank is still waiting (after a run: never)."""
         return self.comm.poll()
-
-    @property
-    def bytes_sent(self) -> int:
-        return self.comm.stats.bytes_sent
-
-    @property
-    def bytes_received(self) -> int:
-        return self.comm.stats.bytes_received
 
     def close(self) -> None:
         self.workers.free()

@@ -12,8 +12,9 @@ micro-batches, each rank's ordered list of actions (``Forward``, ``Backward`` or
 halves for zero bubble, ``BackwardInput`` then ``BackwardWeight``, and the
 point-to-point ``RecvActivation``/``SendActivation``, ``RecvGrad``/``SendGrad``) for
 GPipe, 1F1B, interleaved 1F1B and ZB-H1, with their simulator and bubble formulas
-(that module's table: GPipe and 1F1B idle ``(p-1)/(m+p-1)`` of the step, interleaved
-``(p-1)/(v m)`` of the work, ZB-H1 ``(p-1)(F+B-W)``; 1F1B keeps ``min(m, p-r)``
+(that module's table; :func:`mpitrain.cost.bubble_fraction`: GPipe and 1F1B idle
+``(p-1)/(m+p-1)`` of the step, interleaved ``(p-1)/(v m)`` of the work, ZB-H1
+``(p-1)(F+B-W)``; :func:`mpitrain.cost.micro_batches_held`: 1F1B keeps ``min(m, p-r)``
 micro-batches on stage r, GPipe ``m``). :meth:`PipelineStage.run` carries a list out:
 the interpreter.
 
@@ -59,13 +60,12 @@ samples in 6 micro-batches).
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 
 import numpy as np
 
-from mpitrain import ops, optim, rng, tensor
-from mpitrain.comm import Tag, replicas
+from mpitrain import ops, rng, tensor
+from mpitrain.comm import Tag
 from mpitrain.nn import Module
 from mpitrain.schedules import (
     COMPUTE,
@@ -79,8 +79,8 @@ from mpitrain.schedules import (
     RecvGrad,
     SendActivation,
     SendGrad,
-    bubble_fraction,
     check,
+    micro_batches,
     neighbour,
     schedule,
     with_comm,
@@ -179,20 +179,19 @@ class PipelineStage(Module):
     ``example`` is one input sample with its batch axis (``(1, T)`` token ids, ``(1, H, W,
     C)`` images): one forward of it through the whole model, before anything is dropped,
     gives every boundary's shape per sample, so no shape goes over the wire. ``loss(out,
-    y)`` is the mean loss of a micro-batch from the last layer's output. Parameters keep
-    the whole model's names (``state_dict`` is a part of the whole model's), a weight held
-    by two ranks (tied) too."""
+    y)`` is the mean loss of a micro-batch from the last layer's output. ``sizes``: the
+    whole model's parameter counts per layer, which the cut balances (those of a model
+    sliced over tensor-parallel ranks are its slices'). Parameters keep the whole model's
+    names (``state_dict`` is a part of the whole model's), a weight held by two ranks
+    (tied) too."""
 
     def __init__(self, model: Module, pp_comm, example, loss, *, schedule_name: str = "1f1b",
-                 micro_batches: int = 1, chunks: int = 1, sizes: list | None = None, whole=None):
+                 micro_batches: int = 1, chunks: int = 1, sizes: list | None = None):
         super().__init__()
         p, rank = pp_comm.size, pp_comm.rank
         named = model.named_layers()
         layers = [m for _, m in named]
-        # the cut follows the whole model's parameter counts, the same on every rank of a sliced model
         self.sizes = sizes or [sum(q.size for q in layer.parameters()) for layer in layers]
-        # a model sliced over ranks: whole(name, this rank's array) -> the whole parameter, whole.shapes[name]
-        self.whole = whole
         example = np.asarray(example)
         _agree(pp_comm, {"schedule": schedule_name, "micro-batches": micro_batches, "chunks": chunks,
                          "layers": self.sizes, "input": (example.shape, str(example.dtype))})
@@ -216,10 +215,6 @@ class PipelineStage(Module):
             raise ValueError(f"{type(model).__name__}: parameters {stray} belong to no layer of named_layers(): "
                              "it cannot be cut into pipeline stages")
         self.ties = _tie_groups(layers, self.bounds, p, pp_comm)  # [(params, comm)] held by several ranks
-        # the whole model's parameters in its order: (name, size, dtype, the rank that speaks for it)
-        self.catalog = [(n, q.size, q.dtype, self.owner[id(q)]) for n, q in model.named_parameters()]
-        if whole is not None:  # sliced: the sizes of the whole parameters, which digest() gathers
-            self.catalog = [(n, math.prod(whole.shapes[n]), d, o) for n, _, d, o in self.catalog]
         self.actions = schedule(schedule_name, p, micro_batches, rank, chunks)
         self.last_use = {(a.mb, a.chunk): i for i, a in enumerate(self.actions)}  # each box's last action
         # the backwards that run outside no_sync: each chunk's last that makes weight gradients, so that a
@@ -229,7 +224,6 @@ class PipelineStage(Module):
         self.split = any(isinstance(a, BackwardInput) for a in self.actions)  # backward in two passes
         self.anchor = Tensor(np.zeros(()), requires_grad=True)  # makes Recv a node of the graph
         self.trace = None  # set to record the actions: trace(name, category, track, start, end)
-        self.waited = 0.0  # seconds this rank waited for its neighbours (the bubble, and any imbalance)
         self.in_flight: list = []  # [(request, array)]: sends not seen complete, tested between layers (_progress)
         for q in self.parameters():
             q.register_post_accumulate_grad_hook(lambda q: self._progress())
@@ -243,37 +237,35 @@ class PipelineStage(Module):
     def named_layers(self) -> list:
         return [(self.names[i], layer) for chunk in self.chunks for i, layer in chunk]
 
-    def describe(self) -> str:
-        """The cut: each stage's layers and parameters, for the start of a run."""
-        parts = []
-        for s in range(self.p * self.v):
-            lo, hi = self.bounds[s], self.bounds[s + 1]
-            span = self.names[lo] if hi - lo == 1 else f"{self.names[lo]}..{self.names[hi - 1]}"
-            parts.append(f"stage {s} (rank {s % self.p}): {span}, {sum(self.sizes[lo:hi]):,} params")
-        return "; ".join(parts)
+    def speaks_for(self, q) -> bool:
+        """Whether this rank counts parameter ``q`` for the whole model (a tied weight: on
+        its first stage only)."""
+        return self.owner[id(q)] == self.rank
 
     # ------------------------------------------------------------- running
-    def run(self, micro: list, sync, context=None, before_backward=None) -> float:
-        """Carry out this rank's schedule on the micro-batches ``micro`` (``[(x, y)]``, the
-        same on every stage of the pipeline); every backward runs inside
+    def run(self, x, y, lanes, sync, streams=None, before_backward=None) -> float | None:
+        """Carry out this rank's schedule on this lane's batch ``(x, y)`` (the same on every
+        stage of the pipeline) cut into its micro-batches; every backward runs inside
         ``sync.no_sync()`` but each chunk's last one that makes weight gradients
-        (``synced``); ``context(mb)`` wraps each forward (the dropout streams). Returns the
-        step's loss on the last stage, 0 elsewhere."""
-        scale = 1.0 / len(micro)
+        (``synced``); ``streams(samples)`` wraps each forward (the dropout streams of those
+        of the step's samples, ``lanes``). Returns the step's loss on the last stage, None
+        elsewhere."""
+        micro = micro_batches((x, y, lanes), self.m)
         boxes: dict[tuple, Mailbox] = {}
         total = 0.0
         for i, a in enumerate(self.actions):
             box = boxes.setdefault((a.mb, a.chunk), Mailbox(self.in_flight))
             start = time.perf_counter()
-            waited = self.waited
             match a:
                 case RecvActivation() | RecvGrad():
                     self._post(a, box, len(micro[a.mb][0]))
                 case Forward():
-                    total += self._forward(a, box, micro, scale, context)
+                    start = self._arrived(a, box.act, start)
+                    total += self._forward(a, box, micro, streams)
                 case SendActivation():
                     box.root, box.out = Send.apply(box.out, box, self.comm, self._peer(a, 1)), None
                 case Backward() | BackwardInput() | BackwardWeight():
+                    start = self._arrived(a, None if isinstance(a, BackwardWeight) else box.grad, start)
                     with contextlib.nullcontext() if i in self.synced else sync.no_sync():
                         self._backward(a, box, before_backward)
                 case SendGrad():
@@ -282,12 +274,10 @@ class PipelineStage(Module):
                     box.input_grad = None
             if i == self.last_use[(a.mb, a.chunk)]:
                 del boxes[(a.mb, a.chunk)]  # its buffers go as soon as the graph lets them
-            self._record(a, start, self.waited - waited)
-        tick = time.perf_counter()
+            self._record(a, start)
         self.comm.waitall([req for req, _ in self.in_flight])
-        self.waited += time.perf_counter() - tick
         self.in_flight.clear()
-        return total
+        return total if self.last % self.p == self.rank else None
 
     def _progress(self) -> None:
         """Test the sends in flight and let go of the arrays of those complete. MPI moves
@@ -311,29 +301,34 @@ class PipelineStage(Module):
     def _peer(self, a: Action, step: int) -> int:
         return neighbour(self.p, self.v, self.rank, a.chunk, step)[0]
 
-    def _forward(self, a: Action, box: Mailbox, micro, scale: float, context) -> float:
+    def _arrived(self, a: Action, posted, start: float) -> float:
+        """Wait for what a compute action consumes from a neighbour (``posted``; None:
+        nothing), drawn on the timeline as idle; when the computing starts."""
+        if posted is None:
+            return start
+        posted.wait()
+        end = time.perf_counter()
+        if self.trace is not None and end > start:
+            what = "activation" if isinstance(a, Forward) else "gradient"
+            self.trace(f"idle (waiting for {what} {a.mb})", "bubble", "compute", start, end)
+        return end
+
+    def _forward(self, a: Action, box: Mailbox, micro, streams) -> float:
         stage = a.chunk * self.p + self.rank
-        x, y = micro[a.mb]
+        x, y, lanes = micro[a.mb]
         if stage > 0:
-            tick = time.perf_counter()
-            box.act.wait()
-            self.waited += time.perf_counter() - tick
             x = Recv.apply(self.anchor, box)
-        with context(a.mb) if context is not None else contextlib.nullcontext():
+        with streams(lanes) if streams is not None else contextlib.nullcontext():
             out = self.forward_chunk(a.chunk, x)
         if stage < self.last:
             box.out = out
             return 0.0
-        box.root = self.loss(out, y) * scale
+        box.root = self.loss(out, y) * (1.0 / len(micro))
         return box.root.item()
 
     def _backward(self, a: Action, box: Mailbox, before_backward) -> None:
-        """Wait for the output's gradient (if a stage sends it), then the pass ``a``;
-        ``before_backward()`` marks where a backward's computing starts (the timeline)."""
-        if box.grad is not None and not isinstance(a, BackwardWeight):
-            tick = time.perf_counter()
-            box.grad.wait()
-            self.waited += time.perf_counter() - tick
+        """The pass ``a`` (its output's gradient has arrived); ``before_backward()`` marks
+        where a backward's computing starts (the timeline)."""
         if before_backward is not None and not isinstance(a, BackwardWeight):
             before_backward()
         if isinstance(a, Backward):
@@ -385,17 +380,14 @@ class PipelineStage(Module):
         with no_grad():
             return self.loss(out, y)
 
-    def _record(self, a: Action, start: float, waited: float) -> None:
+    def _record(self, a: Action, start: float) -> None:
         if self.trace is None:
             return
         end = time.perf_counter()
         kind = type(a).__name__
         if isinstance(a, COMPUTE):
-            if waited > 0:
-                self.trace(f"idle (waiting for {'activation' if isinstance(a, Forward) else 'gradient'} "
-                           f"{a.mb})", "bubble", "compute", start, start + waited)
             self.trace(f"{a.code}{a.mb}" + (f" chunk {a.chunk}" if self.v > 1 else ""), kind.lower(), "compute",
-                       start + waited, end)
+                       start, end)
         else:
             self.trace(f"{kind} {a.mb}", "communication", "communication", start, end)
 
@@ -406,40 +398,6 @@ class PipelineStage(Module):
         for params, comm in self.ties:
             for q in params:
                 comm.allreduce(q.grad)
-
-    def grad_norm(self, counted=None, across=None) -> float:
-        """The whole model's gradient L2 norm: each stage's sum of squares (a tied weight
-        counted on its first stage only), summed over ``pp_comm``; a sliced model's: only
-        the parameters ``counted(q)`` says this rank speaks for, summed over ``across``
-        too (its slices' ranks)."""
-        mine = np.array([optim.sum_of_squares(
-            q.grad for q in self.parameters()
-            if self.owner[id(q)] == self.rank and q.grad is not None and (counted is None or counted(q)))])
-        if self.p > 1:
-            self.comm.allreduce(mine)
-        if across is not None:
-            across.allreduce(mine)
-        return math.sqrt(mine[0])
-
-    def digest(self) -> str:
-        """SHA-256 of the whole model's parameters in its order, as one process computes
-        it (:func:`mpitrain.comm.replicas.digest`): every stage's, gathered (collective)."""
-        mine = dict(self.named_parameters())
-        counts = [sum(size for _, size, _, o in self.catalog if o == r) for r in range(self.p)]
-        flat = np.empty(sum(counts), dtype=self.catalog[0][2])  # (all parameters,) by rank, then model order
-        at = sum(counts[: self.rank])
-        for n, size, _, o in self.catalog:
-            if o == self.rank:
-                flat[at : at + size] = (mine[n].data if self.whole is None else self.whole(n, mine[n].data)).reshape(-1)
-                at += size
-        if self.p > 1:
-            self.comm.allgather_array(flat, counts)
-        cursor = [sum(counts[:r]) for r in range(self.p)]
-        arrays = []
-        for _, size, _, o in self.catalog:
-            arrays.append(flat[cursor[o] : cursor[o] + size])
-            cursor[o] += size
-        return replicas.digest(arrays)
 
 
 def _agree(pp_comm, plan: dict) -> None:
@@ -496,125 +454,3 @@ def _tie_groups(layers: list, bounds: list[int], p: int, pp_comm) -> list[tuple]
         else:
             part.free()
     return ties
-
-
-# ----------------------------------------------------------------------------- the sync
-class PipelineSync:
-    """The gradient sync of a pipeline stage (a :class:`~mpitrain.train.sync.GradSync`):
-    ``inner`` synchronises this stage's replicas over ``dp_comm`` (ddp or local); then
-    the gradients of weights held by several stages are summed over them, the clipping
-    norm is the whole model's, and a checkpoint's pieces are placed in the whole model's
-    layout (``order``: the whole optimizer's parameter names, in its order)."""
-
-    def __init__(self, inner, stage: PipelineStage, order: list[str], counted=None, across=None):
-        self.inner, self.stage = inner, stage
-        self.index = {name: i for i, name in enumerate(order)}
-        self.tie_seconds = 0.0
-        # a stage of a model sliced over ``across`` (tensor parallel): the norm counts what counted(q) says
-        self.counted, self.across = counted, across
-        # per communicator, [bytes, seconds] inside the training steps (not evaluations, not the digest)
-        self.in_steps = {"pp": [0, 0.0], "tp": [0, 0.0]}
-        self._mark = None
-
-    @property
-    def on_comm(self):
-        return self.inner.on_comm
-
-    @on_comm.setter
-    def on_comm(self, fn) -> None:
-        self.inner.on_comm = fn
-
-    def _totals(self) -> dict:
-        """{"pp" | "tp": (bytes sent, seconds)} on the stage's communicators so far."""
-        pp = [self.stage.comm.stats, *(comm.stats for _, comm in self.stage.ties)]
-        out = {"pp": (sum(s.bytes_sent for s in pp), sum(s.seconds for s in pp))}
-        out["tp"] = (0, 0.0) if self.across is None else (self.across.stats.bytes_sent, self.across.stats.seconds)
-        return out
-
-    def begin_step(self) -> bool:
-        self._mark = self._totals()
-        return self.inner.begin_step()
-
-    def no_sync(self):
-        return self.inner.no_sync()
-
-    def finish(self) -> None:
-        self.inner.finish()
-        tick = time.perf_counter()
-        self.stage.sum_tied_grads()
-        self.tie_seconds += time.perf_counter() - tick
-
-    def step(self, lr: float | None, grad_clip: float) -> None:
-        """Clip by the whole model's gradient norm (one allreduce over ``pp_comm``), then
-        the replicas' update."""
-        if grad_clip > 0:
-            norm = self.stage.grad_norm(self.counted, self.across)
-            optim.scale_to([q.grad for q in self.stage.parameters()], norm, grad_clip)
-        self.inner.step(lr, 0.0)
-
-    def zero_grad(self) -> None:
-        """The end of a step: its traffic on the stage's communicators counted."""
-        self.inner.zero_grad()
-        if self._mark is not None:
-            for axis, (sent, seconds) in self._totals().items():
-                self.in_steps[axis][0] += sent - self._mark[axis][0]
-                self.in_steps[axis][1] += seconds - self._mark[axis][1]
-            self._mark = None
-
-    def whole_model(self):
-        """The model's parameters are whole in ``.data`` already: nothing to gather."""
-        return contextlib.nullcontext()
-
-    def sync_buffers(self) -> None:
-        self.inner.sync_buffers()
-
-    def check_replicas(self) -> str:
-        """Check this stage's replicas; return the SHA-256 of the whole model's parameters
-        in its order (as one process would print it): the stages' parameters, gathered."""
-        self.inner.check_replicas()
-        return self.stage.digest()
-
-    def state_pieces(self, offsets) -> tuple:
-        """This stage's optimizer state, placed in the whole model's flat layout; the
-        stage's first replica writes it."""
-        opt, _, writes = self.inner.state_pieces(offsets)
-        names = dict(self.stage.named_parameters())
-        where = {id(q): self.index[n] for n, q in names.items()}
-        pieces = [(where[id(q)], int(offsets[where[id(q)]]), int(offsets[where[id(q)] + 1]))
-                  for g in opt.param_groups for q in g["params"]]
-        return opt, pieces, writes
-
-    @property
-    def bytes_sent(self) -> int:
-        """Bytes this rank sent in the steps: the replicas', the stages' and the slices'."""
-        return self.inner.bytes_sent + self.in_steps["pp"][0] + self.in_steps["tp"][0]
-
-    def comm_seconds(self) -> tuple[float, float]:
-        """(exposed, total): the replicas' exchange, the tied weights' sum and the slices'
-        collectives (the waits for neighbours are the bubble: ``stage.waited``)."""
-        exposed, total = self.inner.comm_seconds()
-        extra = self.tie_seconds + self.in_steps["tp"][1]
-        return exposed + extra, total + extra
-
-    def by_axis(self) -> dict:
-        """Bytes sent and seconds inside calls in the steps, per communicator of the grid:
-        the replicas' exchange (dp), the stages' messages and tied weights (pp), the
-        slices' collectives (tp)."""
-        out = {"dp": (self.inner.bytes_sent, self.inner.comm_seconds()[1]), "pp": tuple(self.in_steps["pp"])}
-        if self.across is not None:
-            out["tp"] = tuple(self.in_steps["tp"])
-        return out
-
-    def describe(self) -> tuple[str, dict[str, str]]:
-        s = self.stage
-        line, waits = self.inner.describe()
-        formula = bubble_fraction(s.schedule_name, s.p, s.m, s.v)
-        what = (f"pipeline: {s.p} stages, {s.m} micro-batches, schedule {s.schedule_name}"
-                f"{f' with {s.v} chunks per rank' if s.v > 1 else ''}, bubble {100 * formula:.1f}% by the formula; "
-                f"{s.describe()}; replicas: {line}")
-        return what, {**waits, "finish": "gradient exchange and tied weights"}
-
-    def close(self) -> None:
-        self.inner.close()
-        for _, comm in self.stage.ties:
-            comm.free()

@@ -29,7 +29,7 @@ rank's from its slice, are summed over the ranks after backward
 **Calls and bytes.** Per block and micro-batch of ``b`` samples, forward: two allreduces
 of ``(b, T, C)`` (one ``g`` per sublayer); backward: two (one ``f`` per sublayer). A ring
 allreduce sends ``2 (t-1)/t`` of the array per rank, so a block moves ``8 (t-1)/t x b T C
-x itemsize`` bytes per rank per step; the embedding adds one ``g`` (forward) and the head
+x itemsize`` bytes per rank per step (:func:`mpitrain.cost.tensor_parallel_bytes`); the embedding adds one ``g`` (forward) and the head
 one ``f`` (backward) of the same size, and the cross-entropy three allreduces of ``b T``
 numbers. Sequence parallelism sends the same bytes (a reduce-scatter and an allgather
 each send ``(t-1)/t`` of the array). Blocking collectives on ``tp_comm`` (the grid's),
@@ -53,8 +53,7 @@ import contextlib
 
 import numpy as np
 
-from mpitrain import ops, optim, rng
-from mpitrain.comm import replicas
+from mpitrain import ops, rng
 from mpitrain.nn import Module
 from mpitrain.nn.models import GPT, MLP, CausalSelfAttention, GPTEmbedding
 from mpitrain.tensor import Function, Parameter, Tensor, as_tensor
@@ -442,7 +441,7 @@ def sum_replicated_grads(model: Module, tp_comm) -> None:
         at += g.size
 
 
-# ----------------------------------------------------------------------------- the norm
+# ----------------------------------------------------------------------------- the whole
 def sliced_parameters(model: Module) -> set[int]:
     """``id`` of every parameter that is a slice (the rest are whole on every rank)."""
     out = set()
@@ -452,16 +451,6 @@ def sliced_parameters(model: Module) -> set[int]:
         elif isinstance(m, RowParallelLinear):
             out.add(id(m.weight))
     return out
-
-
-def grad_norm(model: Module, tp_comm) -> float:
-    """The whole model's gradient L2 norm: the slices' squares summed over the ranks, a
-    whole (replicated) parameter's counted once."""
-    sliced = sliced_parameters(model)
-    mine = np.array([optim.sum_of_squares(q.grad for q in model.parameters()
-                                          if q.grad is not None and (id(q) in sliced or tp_comm.rank == 0))])
-    tp_comm.allreduce(mine)
-    return float(np.sqrt(mine[0]))
 
 
 def whole_array(name: str, mine: np.ndarray, everyone: list, tp_comm, shapes: dict) -> np.ndarray:
@@ -480,105 +469,3 @@ def whole_array(name: str, mine: np.ndarray, everyone: list, tp_comm, shapes: di
         start = sum(counts[:r])
         whole[p[name]] = flat[start : start + counts[r]].reshape(whole[p[name]].shape)
     return whole
-
-
-class Wholes:
-    """``wholes(name, mine)``: the whole parameter from this rank's part (collective over
-    ``tp_comm`` for a sliced one); ``shapes``: the whole shapes by name."""
-
-    def __init__(self, cfg, tp_comm, shapes: dict):
-        self.comm, self.shapes = tp_comm, shapes
-        self.everyone = [parts(cfg, tp_comm.size, r) for r in range(tp_comm.size)]
-
-    def __call__(self, name: str, mine: np.ndarray) -> np.ndarray:
-        return whole_array(name, mine, self.everyone, self.comm, self.shapes)
-
-
-# ----------------------------------------------------------------------------- the sync
-class TensorParallelSync:
-    """The gradient sync of a sliced model (a :class:`~mpitrain.train.sync.GradSync`):
-    ``inner`` synchronises this rank's slices with their replicas over ``dp_comm`` (ddp
-    or local); clipping takes the whole model's norm (:func:`grad_norm`), and the digest
-    is the whole model's, gathered from the slices (``wholes``)."""
-
-    def __init__(self, inner, model: Module, tp_comm, wholes: Wholes, sequence: bool = False):
-        self.inner, self.model, self.comm, self.wholes, self.sequence = inner, model, tp_comm, wholes, sequence
-        # tp_comm's bytes and seconds inside the training steps (not evaluations, not the digest)
-        self.sent, self.seconds, self._mark = 0, 0.0, None
-
-    @property
-    def on_comm(self):
-        return self.inner.on_comm
-
-    @on_comm.setter
-    def on_comm(self, fn) -> None:
-        self.inner.on_comm = fn
-
-    def begin_step(self) -> bool:
-        self._mark = (self.comm.stats.bytes_sent, self.comm.stats.seconds)
-        return self.inner.begin_step()
-
-    def no_sync(self):
-        return self.inner.no_sync()
-
-    def finish(self) -> None:
-        """The replicas' exchange; with sequence parallelism, then the sum over the slices'
-        ranks of each whole weight's gradient (:func:`sum_replicated_grads`)."""
-        self.inner.finish()
-        if self.sequence:
-            sum_replicated_grads(self.model, self.comm)
-
-    def step(self, lr: float | None, grad_clip: float) -> None:
-        if grad_clip > 0:
-            optim.scale_to([q.grad for q in self.model.parameters()], grad_norm(self.model, self.comm), grad_clip)
-        self.inner.step(lr, 0.0)
-
-    def zero_grad(self) -> None:
-        """The end of a step: its tp_comm traffic counted."""
-        self.inner.zero_grad()
-        if self._mark is not None:
-            self.sent += self.comm.stats.bytes_sent - self._mark[0]
-            self.seconds += self.comm.stats.seconds - self._mark[1]
-            self._mark = None
-
-    def whole_model(self):
-        """The model's parameters are whole in ``.data`` already: nothing to gather."""
-        return contextlib.nullcontext()
-
-    def sync_buffers(self) -> None:
-        self.inner.sync_buffers()
-
-    def check_replicas(self) -> str:
-        """Check the slices' replicas; the SHA-256 of the whole model's parameters in its
-        order, as one process computes it (collective over ``tp_comm``)."""
-        self.inner.check_replicas()
-        return replicas.digest([self.wholes(n, q.data) for n, q in self.model.named_parameters()])
-
-    def state_pieces(self, offsets):
-        return self.inner.state_pieces(offsets)
-
-    @property
-    def bytes_sent(self) -> int:
-        return self.inner.bytes_sent + self.sent
-
-    def comm_seconds(self) -> tuple[float, float]:
-        """(exposed, total): the replicas' exchange and the slices' collectives in the
-        steps (which the layers wait for: all exposed)."""
-        exposed, total = self.inner.comm_seconds()
-        return exposed + self.seconds, total + self.seconds
-
-    def by_axis(self) -> dict:
-        """Bytes sent and seconds inside calls in the steps: the replicas' exchange (dp),
-        the slices' (tp)."""
-        return {"dp": (self.inner.bytes_sent, self.inner.comm_seconds()[1]), "tp": (self.sent, self.seconds)}
-
-    def describe(self) -> tuple[str, dict[str, str]]:
-        line, waits = self.inner.describe()
-        cfg, t = self.model.config, self.comm.size
-        return (f"tensor parallel over {t} ranks{', sequence parallel' if self.sequence else ''}: "
-                f"{cfg.n_head // t} of {cfg.n_head} heads and about "
-                f"{4 * cfg.n_embd // t} of {4 * cfg.n_embd} hidden units and 1/{t} of the vocabulary per rank; "
-                f"replicas: {line}"), waits
-
-    def close(self) -> None:
-        self.inner.close()

@@ -49,11 +49,8 @@ gradient memory until the last micro-batch.
 **Bytes per rank per step**: reduce-scatter ``(P-1)/P x N x s`` (stage 2, ``"sharded"``:
 once per micro-batch) plus allgather ``(P-1)/P x N x s``: ``2 (P-1)/P x N x s``, the same
 as data parallelism's allreduce, which is the two halves done back to back
-(``bytes_per_step``). At construction rank 0's parameters and buffers are broadcast
-(:func:`mpitrain.comm.replicas.broadcast`).
-
-**In the trainer** each class is one implementation of the gradient sync the loop calls
-(``mpitrain/train/sync.py``).
+(:func:`mpitrain.cost.zero_bytes`). At construction rank 0's parameters and buffers are
+broadcast (:func:`mpitrain.comm.replicas.broadcast`).
 
 **Launch**: ``mpiexec -n 2 mpitrain train jobs/tinyshakespeare_gpt.toml --set parallel.sync=zero1``
 (or ``zero2``; with ``--set parallel.accumulate=full`` for the other micro-batch choice).
@@ -63,17 +60,17 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from mpitrain.comm import replicas
 from mpitrain.comm.ring import ALGORITHMS, Ring, chunk_bounds
-from mpitrain.flat import Flat, buckets, offsets
+from mpitrain.flat import Buckets, Flat, offsets
+from mpitrain.parallel import GradSync
 
 
-class Zero1:
+class Zero1(GradSync):
     """Wrap ``optimizer`` (built on ``model``'s parameters) so that each rank of
     ``dp_comm`` keeps and updates one shard. Use::
 
@@ -83,19 +80,19 @@ class Zero1:
         zero.zero_grad()
     """
 
-    on_comm = None  # every call blocks: nothing runs in the background for a timeline to show
+    waits = {"step": "ZeRO-1 update"}
 
     def __init__(self, model, optimizer, dp_comm, algorithm: str = "mpi"):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"allreduce algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-        self.comm, self.algorithm, self.model = dp_comm, algorithm, model
+        super().__init__(model, optimizer, dp_comm)
+        self.algorithm = algorithm
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         flat = Flat(self.params, data=True, what="ZeRO-1")
         self.flat_params, self.flat_grads, self.offsets = flat.data, flat.grad, flat.offsets  # (N,), (N,)
-        n = flat.data.size
         replicas.broadcast(dp_comm, [self.flat_params] + [b for _, b in model.named_buffers()])
         P, r = dp_comm.size, dp_comm.rank
-        self.bounds = chunk_bounds(n, P)  # shard r is [bounds[r], bounds[r + 1])
+        self.bounds = chunk_bounds(flat.data.size, P)  # shard r is [bounds[r], bounds[r + 1])
         self.counts = np.diff(self.bounds)
         self.lo, self.hi = int(self.bounds[r]), int(self.bounds[r + 1])
         self.optimizer = self._shard_optimizer(optimizer)
@@ -139,75 +136,8 @@ class Zero1:
                 self.comm.allgather_array(self.flat_params, self.counts)
         return norm
 
-    def begin_step(self) -> bool:
-        """Nothing to wait for before a step's forward."""
-        return True
-
-    def no_sync(self):
-        """Gradients are exchanged only in :meth:`step`: nothing to hold back."""
-        return contextlib.nullcontext()
-
-    def finish(self) -> None:
-        """Gradients are exchanged in :meth:`step`, after the ranks agree on the loss."""
-
     def zero_grad(self) -> None:
         self.flat_grads.fill(0)
-
-    def state_pieces(self, offsets):
-        """For checkpoints: the optimizer of my shard, its pieces (parameter index, lo,
-        hi) in flat coordinates (``offsets`` is this flat layout's own), and True: every
-        rank writes its shard."""
-        return self.optimizer, self.pieces, True
-
-    def whole_model(self):
-        """The model's parameters are whole in ``.data`` already: nothing to gather."""
-        return contextlib.nullcontext()
-
-    def memory(self) -> dict:
-        """Bytes this rank keeps between steps (``mpitrain bench memory``): parameters,
-        gradients, optimizer state and the optimizer's work array."""
-        return {"param_bytes": self.flat_params.nbytes, "grad_bytes": self.flat_grads.nbytes,
-                **self.optimizer.memory()}
-
-    def sync_buffers(self) -> None:
-        """Average floating buffers (batch-norm running statistics) over ranks; each
-        rank's batch norm sees only its own samples."""
-        replicas.average(self.comm, [b for _, b in self.model.named_buffers()])
-
-    def check_replicas(self) -> str:
-        """Raise unless every rank holds bit-identical parameters; returns the digest
-        (of the parameters in the model's order, as every strategy's)."""
-        return replicas.check_same(self.comm, [p.data for p in self.model.parameters()])
-
-    def state_bytes(self) -> int:
-        """Optimizer-state bytes held by this rank."""
-        return sum(v.nbytes for s in self.optimizer.state.values() for v in s.values()
-                   if isinstance(v, np.ndarray))
-
-    @property
-    def bytes_sent(self) -> int:
-        """Bytes this rank has sent on ``dp_comm`` (broadcast, shards, norms)."""
-        return self.comm.stats.bytes_sent
-
-    def comm_seconds(self) -> tuple[float, float]:
-        """(exposed, total) communication seconds so far: every call blocks, so both
-        are the time inside them."""
-        return self.comm.stats.seconds, self.comm.stats.seconds
-
-    def bytes_per_step(self) -> float:
-        P = self.comm.size
-        return 2 * (P - 1) / P * self.flat_grads.nbytes
-
-    def describe(self) -> tuple[str, dict[str, str]]:
-        """One line for the start of a run, and the name of each call that waits for
-        the other ranks (the trainer's stall watchdog shows it)."""
-        what = (f"zero1 over {self.comm.size} rank(s): optimizer state sharded, {self.algorithm} reduce-scatter + "
-                f"allgather of {self.flat_grads.nbytes / 1e6:.2f} MB; "
-                f"{self.bytes_per_step() / 1e6:.2f} MB sent per rank per step")
-        return what, {"step": "ZeRO-1 update"}
-
-    def close(self) -> None:
-        """Nothing to release."""
 
 
 # ----------------------------------------------------------------------------- ZeRO-2
@@ -216,24 +146,21 @@ ACCUMULATE = ("sharded", "full")  # ZeRO-2 with micro-batches: reduce-scatter ea
 
 @dataclass
 class _Bucket:
-    """Consecutive parameters (in the order backward completes them) whose gradients are
-    reduce-scattered together: elements ``[lo, hi)`` of the flat layout, cut into ``P``
-    chunks at ``bounds``; this rank keeps chunk ``rank`` at ``shard`` in its gradient shard."""
+    """Elements ``[lo, hi)`` of the flat layout, whose gradients are reduce-scattered
+    together, cut into ``P`` chunks at ``bounds``; this rank keeps chunk ``rank`` at
+    ``shard`` in its gradient shard."""
 
-    params: list
     lo: int
     hi: int
     bounds: np.ndarray  # (P + 1,) chunk starts in flat coordinates, and hi
     shard: slice  # where my chunk's gradient lies in Zero2.grad_shard
     comm: object  # a Dup of dp_comm for this bucket alone (concurrent rings must not mix)
-    waiting: int = 0  # parameters of this pass not ready yet
     send: np.ndarray | None = None  # (hi - lo,) the packed gradients in flight, freed when done
     recv: np.ndarray | None = None  # MPI's reduce-scatter: my chunk's sum lands here
     request: object = None
-    started: float = 0.0
 
 
-class Zero2:
+class Zero2(GradSync):
     """ZeRO stage 2 over ``dp_comm``: gradients are reduce-scattered bucket by bucket
     during backward, and each rank keeps only its shard of them and of the optimizer
     state (Rajbhandari et al., SC 2020, stage P_os+g). Use like :class:`Zero1`::
@@ -250,7 +177,7 @@ class Zero2:
     passes add into whole gradients and reduce-scatters their sum after the last
     (memory: the whole gradient until then; bytes: one reduce-scatter per step)."""
 
-    on_comm = None  # called (name, start, end, bytes) as each bucket's reduce-scatter completes
+    waits = {"finish": "gradient reduce-scatter", "step": "ZeRO-2 update"}
 
     def __init__(self, model, optimizer, dp_comm, algorithm: str = "mpi", bucket_cap_mb: float = 4.0,
                  accumulate: str = "sharded"):
@@ -260,9 +187,8 @@ class Zero2:
             raise ValueError(f"accumulate must be one of {ACCUMULATE}, got {accumulate!r}")
         if bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
-        self.comm, self.algorithm, self.model, self.accumulate = dp_comm, algorithm, model, accumulate
-        self.bucket_cap_mb = bucket_cap_mb
-        self.params = [p for p in model.parameters() if p.requires_grad]  # the flat layout's order
+        super().__init__(model, optimizer, dp_comm)  # self.params: the flat layout's order
+        self.algorithm, self.accumulate, self.accumulating = algorithm, accumulate, False
         self._index = {id(p): i for i, p in enumerate(self.params)}
         opt_params = [p for group in optimizer.param_groups for p in group["params"]]
         if {id(p) for p in opt_params} != {id(p) for p in self.params}:
@@ -272,28 +198,22 @@ class Zero2:
         replicas.broadcast(dp_comm, [self.flat_params] + [b for _, b in model.named_buffers()])
         for p in self.params:
             p.grad = None
-        self.buckets = self._buckets(int(bucket_cap_mb * 2**20))
-        self.grad_shard = np.zeros(sum(b.shard.stop - b.shard.start for b in self.buckets),
+        self.buckets = Buckets(self.params, int(bucket_cap_mb * 2**20), self._start, progress=self._test)
+        self.parts = self._parts()
+        self.grad_shard = np.zeros(sum(b.shard.stop - b.shard.start for b in self.parts),
                                    dtype=self.flat_params.dtype)  # (about N/P,) my chunks, bucket by bucket
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._ready)
         self.optimizer = self._shard_optimizer(optimizer, opt_params)
-        self._sync, self._next = True, 0
-        self.exposed = self.total = 0.0  # seconds: waited in finish() and step(); buckets in flight
-        self._reset()
 
-    def _buckets(self, cap_bytes: int) -> list:
-        """Buckets in reverse parameter order (as backward completes them), each a
-        contiguous range of the flat layout; my chunk of each, laid end to end."""
+    def _parts(self) -> list:
+        """Each bucket's contiguous range of the flat layout; my chunk of each, laid end to end."""
         P, r = self.comm.size, self.comm.rank
         out, at = [], 0
-        for group in buckets(reversed(self.params), cap_bytes):
+        for group in self.buckets.groups:
             first, last = self._index[id(group[-1])], self._index[id(group[0])]
             lo, hi = int(self.offsets[first]), int(self.offsets[last + 1])
             bounds = lo + chunk_bounds(hi - lo, P)
             mine = int(bounds[r + 1] - bounds[r])
-            out.append(_Bucket(group, lo, hi, bounds, slice(at, at + mine), self.comm.dup()))
+            out.append(_Bucket(lo, hi, bounds, slice(at, at + mine), self.comm.dup()))
             at += mine
         return out
 
@@ -304,11 +224,12 @@ class Zero2:
         flat layout of the optimizer's own order (checkpoints' coordinates)."""
         opt_offsets = offsets(opt_params)
         opt_index = {id(p): i for i, p in enumerate(opt_params)}
+        bucket_of = {id(p): b for b, group in zip(self.parts, self.buckets.groups) for p in group}
         r = self.comm.rank
         self.pieces = []
 
         def views(p):
-            b, i = self._bucket_of[id(p)], self._index[id(p)]
+            b, i = bucket_of[id(p)], self._index[id(p)]
             lo, hi = max(int(b.bounds[r]), int(self.offsets[i])), min(int(b.bounds[r + 1]), int(self.offsets[i + 1]))
             if lo >= hi:
                 return None
@@ -320,111 +241,78 @@ class Zero2:
         return full.over(views)
 
     # ------------------------------------------------------------- backward
-    def _reset(self) -> None:
-        for b in self.buckets:
-            b.waiting = len(b.params)
-        self._next = 0
-
-    def _ready(self, p) -> None:
-        """Gradient-ready hook: count down the bucket; start complete buckets in order
-        (every rank starts them in the same order); progress those in flight."""
-        if not self._sync and self.accumulate == "full":
-            return  # the passes add into p.grad; the last one reduce-scatters the sum
-        bucket = self._bucket_of[id(p)]
-        if bucket.waiting == 0:
-            raise RuntimeError("a second backward before finish(): call finish() after each backward, "
-                               "or accumulate inside no_sync()")
-        bucket.waiting -= 1
-        while self._next < len(self.buckets) and self.buckets[self._next].waiting == 0:
-            self._start(self.buckets[self._next])
-            self._next += 1
-        for b in self.buckets[: self._next]:
-            if b.request is not None and b.request.test():
-                self._completed(b)
-
-    def _start(self, b: _Bucket) -> None:
-        """Pack the bucket's gradients (zeros for a parameter that had none), free them,
-        start the reduce-scatter of the packed copy."""
+    def _start(self, i: int) -> None:
+        """Bucket ``i`` is complete: pack its gradients (zeros for a parameter that had
+        none), free them, start the reduce-scatter of the packed copy."""
+        b = self.parts[i]
         if b.request is not None:  # the previous micro-batch's, still in flight
             b.request.wait()
             self._completed(b)
         b.send = np.zeros(b.hi - b.lo, dtype=self.flat_params.dtype)  # (hi - lo,)
-        for p in b.params:
-            i = self._index[id(p)]
+        for p in self.buckets.groups[i]:
+            j = self._index[id(p)]
             if p.grad is not None:
-                b.send[self.offsets[i] - b.lo : self.offsets[i + 1] - b.lo] = p.grad.reshape(-1)
+                b.send[self.offsets[j] - b.lo : self.offsets[j + 1] - b.lo] = p.grad.reshape(-1)
                 p.grad = None  # the whole gradient lives only until it is packed
-        b.started = time.perf_counter()
         if self.algorithm == "ring":
             b.request = Ring(b.comm, b.send, ("reduce_scatter",))
         else:
             b.recv = np.empty(b.shard.stop - b.shard.start, dtype=b.send.dtype)
             b.request = b.comm.ireduce_scatter(b.send, b.recv, np.diff(b.bounds))
 
+    def _test(self) -> None:
+        """From every gradient-ready hook: progress the reduce-scatters in flight."""
+        for b in self.parts:
+            if b.request is not None and b.request.test():
+                self._completed(b)
+
     def _completed(self, b: _Bucket) -> None:
         """Add my chunk's sum into the shard; free the buffers."""
         r = self.comm.rank
         mine = b.recv if self.algorithm == "mpi" else b.send[b.bounds[r] - b.lo : b.bounds[r + 1] - b.lo]
         self.grad_shard[b.shard] += mine
-        end = time.perf_counter()
-        self.total += end - b.started
-        if self.on_comm is not None:
-            self.on_comm(f"reduce-scatter bucket {self.buckets.index(b)}", b.started, end, b.send.nbytes)
         b.send = b.recv = b.request = None
-
-    def _flush(self) -> None:
-        """End of a backward pass: start every bucket not started yet (a parameter
-        that took no part in the forward leaves its bucket incomplete)."""
-        while self._next < len(self.buckets):
-            self._start(self.buckets[self._next])
-            self._next += 1
-        self._reset()
 
     def finish(self) -> None:
         """After the step's last backward: start what is left, wait for every bucket,
         average my shard over the ranks."""
-        if not self._sync:
+        if self.accumulating:
             raise RuntimeError("finish() inside no_sync(): gradients are only accumulated there")
-        tick = time.perf_counter()
-        self._flush()
-        for b in self.buckets:
+        self.buckets.flush()
+        for b in self.parts:
             if b.request is not None:
                 b.request.wait()
                 self._completed(b)
         self.grad_shard *= 1.0 / self.comm.size
-        self.exposed += time.perf_counter() - tick
 
     @contextlib.contextmanager
     def no_sync(self):
         """A micro-batch's backward: with ``accumulate="sharded"`` its buckets are
         reduce-scattered as usual (and the rest started when it ends); with ``"full"``
         it only adds into the parameters' gradients."""
-        self._sync = False
+        self.accumulating = True
+        self.buckets.counting = self.accumulate == "sharded"
         try:
             yield
             if self.accumulate == "sharded":
-                self._flush()
+                self.buckets.flush()
         finally:
-            self._sync = True
+            self.accumulating, self.buckets.counting = False, True
 
     # ---------------------------------------------------------------- update
     def step(self, lr: float | None = None, grad_clip: float = 0.0) -> float:
         """Clip by the global norm, update my shard, allgather the parameters bucket by
         bucket; returns the global gradient norm (computed only when clipping, else nan)."""
-        tick = time.perf_counter()
         norm = _clip(self.comm, self.grad_shard, grad_clip)
         if lr is not None:
             self.optimizer.set_lr(lr)
         self.optimizer.step()
         if self.comm.size > 1:
-            for b in self.buckets:
+            for b in self.parts:
                 if self.algorithm == "ring":
                     Ring(b.comm, self.flat_params[b.lo : b.hi], ("allgather",)).wait()
                 else:
                     b.comm.allgather_array(self.flat_params[b.lo : b.hi], np.diff(b.bounds))
-        seconds = time.perf_counter() - tick
-        self.exposed += seconds
-        self.total += seconds
         return norm
 
     def zero_grad(self) -> None:
@@ -432,40 +320,8 @@ class Zero2:
         for p in self.params:
             p.grad = None
 
-    def memory(self) -> dict:
-        """Bytes this rank keeps between steps (``mpitrain bench memory``): parameters,
-        gradients, optimizer state and the optimizer's work array."""
-        return {"param_bytes": self.flat_params.nbytes, "grad_bytes": self.grad_shard.nbytes,
-                **self.optimizer.memory()}
-
-    # as stage 1's: every rank writes its optimizer pieces; the parameters are whole
-    begin_step, state_pieces, whole_model = Zero1.begin_step, Zero1.state_pieces, Zero1.whole_model
-    sync_buffers, check_replicas, state_bytes = Zero1.sync_buffers, Zero1.check_replicas, Zero1.state_bytes
-
-    @property
-    def bytes_sent(self) -> int:
-        """Bytes this rank has sent: reduce-scatters, allgathers, norms, the broadcast."""
-        return self.comm.stats.bytes_sent + sum(b.comm.stats.bytes_sent for b in self.buckets)
-
-    def comm_seconds(self) -> tuple[float, float]:
-        return self.exposed, self.total
-
-    def bytes_per_step(self, micro_batches: int = 1) -> float:
-        """The formula: a reduce-scatter per micro-batch (``"sharded"``) or per step,
-        and an allgather: ``(m + 1) (P-1)/P`` or ``2 (P-1)/P x`` parameter bytes."""
-        P = self.comm.size
-        m = micro_batches if self.accumulate == "sharded" else 1
-        return (m + 1) * (P - 1) / P * self.flat_params.nbytes
-
-    def describe(self) -> tuple[str, dict[str, str]]:
-        what = (f"zero2 over {self.comm.size} rank(s): gradients and optimizer state sharded, "
-                f"{len(self.buckets)} bucket(s) of <= {self.bucket_cap_mb:g} MB reduce-scattered during backward "
-                f"({self.algorithm}; micro-batches {self.accumulate}), parameters allgathered after the update; "
-                f"{self.bytes_per_step() / 1e6:.2f} MB sent per rank per step")
-        return what, {"finish": "gradient reduce-scatter", "step": "ZeRO-2 update"}
-
     def close(self) -> None:
-        for b in self.buckets:
+        for b in self.parts:
             b.comm.free()
 
 

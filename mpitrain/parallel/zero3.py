@@ -38,8 +38,8 @@ compute (FSDP with activation checkpointing, Chen et al. 2016), and the activati
 between forward and backward are the units' inputs only.
 
 **Bytes per rank per step**: the parameters gathered twice and the gradients
-reduce-scattered once: ``3 (P-1)/P x N x s`` (``bytes_per_step``; micro-batches gather
-and reduce again each).
+reduce-scattered once: ``3 (P-1)/P x N x s`` (:func:`mpitrain.cost.zero_bytes`;
+micro-batches gather and reduce again each).
 
 Checkpoints are written and read, and evaluation and the text sample run, inside
 :meth:`Zero3.whole_model`: the whole model gathered once (ranks may score different
@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -62,6 +61,7 @@ from mpitrain.comm import replicas
 from mpitrain.comm.ring import Ring, chunk_bounds
 from mpitrain.flat import offsets
 from mpitrain.nn.checkpoint import replay
+from mpitrain.parallel import GradSync
 from mpitrain.rng import snapshot
 from mpitrain.tensor import Function, Tensor, as_tensor, grad, is_grad_enabled, no_grad
 
@@ -109,7 +109,7 @@ class _Unit(Function):
         return (gx,) + (None,) * len(params)
 
 
-class Zero3:
+class Zero3(GradSync):
     """Shard ``model``'s parameters, gradients and optimizer state over ``dp_comm``. Use::
 
         zero = Zero3(model, opt, dp_comm)
@@ -119,13 +119,13 @@ class Zero3:
         zero.zero_grad()
     """
 
-    on_comm = None  # every wait is inside forward, backward or finish: nothing to draw yet
+    waits = {"finish": "gradient reduce-scatter"}
 
     def __init__(self, model, optimizer, dp_comm, algorithm: str = "mpi", prefetch: bool = True):
         if algorithm not in ("mpi", "ring"):
             raise ValueError(f"ZeRO-3's algorithm must be 'mpi' or 'ring', got {algorithm!r}")
-        self.comm, self.model, self.algorithm, self.prefetch = dp_comm, model, algorithm, prefetch
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        super().__init__(model, optimizer, dp_comm)
+        self.algorithm, self.prefetch = algorithm, prefetch
         opt_params = [p for group in optimizer.param_groups for p in group["params"]]
         if {id(p) for p in opt_params} != {id(p) for p in self.params}:
             raise ValueError("ZeRO-3 needs an optimizer over exactly the model's trainable parameters")
@@ -145,7 +145,7 @@ class Zero3:
         self.optimizer = self._shard_optimizer(optimizer, opt_params)
         for g in self.groups:
             self._free(g)
-        self.seconds, self._whole = 0.0, False
+        self._whole = False
 
     def _groups(self) -> list:
         """A unit's own parameters, one group per unit; each shared parameter its own."""
@@ -210,7 +210,6 @@ class Zero3:
 
     def _gather(self, k: int, ahead: int) -> None:
         """Unit ``k``'s groups whole (waiting for them), and unit ``ahead``'s on their way."""
-        tick = time.perf_counter()
         for g in self.unit_groups[k]:
             self._start_gather(g)
         if self.prefetch and 0 <= ahead < len(self.units):
@@ -222,7 +221,6 @@ class Zero3:
                 g.gathering = None
                 for p, lo, hi in zip(g.params, g.offsets[:-1], g.offsets[1:]):
                     p.data = g.whole[lo:hi].reshape(p.shape)
-        self.seconds += time.perf_counter() - tick
 
     def _free(self, g: _Group) -> None:
         for p in g.params:
@@ -280,19 +278,12 @@ class Zero3:
         g.reducing.clear()
 
     def finish(self) -> None:
-        tick = time.perf_counter()
+        """Wait for the reduce-scatters, average my shard. (``no_sync`` holds nothing
+        back: every backward reduce-scatters, the parameters are gathered again for each
+        anyway.)"""
         for g in self.groups:
             self._drain(g)
             g.grad *= 1.0 / self.comm.size
-        self.seconds += time.perf_counter() - tick
-
-    def no_sync(self):
-        """Every backward reduce-scatters its gradients (the parameters are gathered
-        again for each anyway): nothing to hold back."""
-        return contextlib.nullcontext()
-
-    def begin_step(self) -> bool:
-        return True
 
     def step(self, lr: float | None = None, grad_clip: float = 0.0) -> float:
         """Clip by the global norm, update my shard; returns the norm (nan: no clipping)."""
@@ -347,41 +338,6 @@ class Zero3:
             for g in self.groups:
                 np.copyto(g.data, g.whole[g.bounds[r] : g.bounds[r + 1]])
                 self._free(g)
-
-    def memory(self) -> dict:
-        """Bytes this rank keeps between steps (``mpitrain bench memory``): parameters,
-        gradients, optimizer state and the optimizer's work array."""
-        return {"param_bytes": sum(g.data.nbytes for g in self.groups),
-                "grad_bytes": sum(g.grad.nbytes for g in self.groups), **self.optimizer.memory()}
-
-    def sync_buffers(self) -> None:
-        replicas.average(self.comm, [b for _, b in self.model.named_buffers()])
-
-    def state_pieces(self, offsets):
-        return self.optimizer, self.pieces, True
-
-    def state_bytes(self) -> int:
-        return sum(v.nbytes for s in self.optimizer.state.values() for v in s.values()
-                   if isinstance(v, np.ndarray))
-
-    @property
-    def bytes_sent(self) -> int:
-        return self.comm.stats.bytes_sent + sum(g.comm.stats.bytes_sent + g.rs_comm.stats.bytes_sent
-                                                for g in self.groups)
-
-    def comm_seconds(self) -> tuple[float, float]:
-        return self.seconds, self.seconds
-
-    def bytes_per_step(self, micro_batches: int = 1) -> float:
-        """The formula: two allgathers and a reduce-scatter of the parameters per pass."""
-        P = self.comm.size
-        return 3 * micro_batches * (P - 1) / P * sum(p.data.dtype.itemsize * p.size for p in self.params)
-
-    def describe(self) -> tuple[str, dict[str, str]]:
-        what = (f"zero3 over {self.comm.size} rank(s): parameters, gradients and optimizer state sharded in "
-                f"{len(self.groups)} group(s) over {len(self.units)} layer(s), gathered layer by layer "
-                f"({self.algorithm}); {self.bytes_per_step() / 1e6:.2f} MB sent per rank per step")
-        return what, {"finish": "gradient reduce-scatter"}
 
     def close(self) -> None:
         for g in self.groups:

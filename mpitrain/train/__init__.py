@@ -4,12 +4,13 @@ Where to read what:
 
 * :mod:`~mpitrain.train.build`: from a Config to the data, the model (every rank builds
   the same one from the seed), the optimizer, and this rank's :class:`Role` on the
-  ``dp x pp x tp`` grid: the gradient sync of ``parallel.sync``, or a parameter
-  server's work. The only module that reads strategy names.
-* :mod:`~mpitrain.train.sync`: the seam, :class:`GradSync`: what the loop calls on any
-  strategy.
+  ``dp x pp x tp`` grid, stacked in one sequence (:func:`~.build.build_role`: slices,
+  stage, the replicas' sync), or a parameter server's work. The only module that reads
+  strategy names. The seam it hands the loop is :class:`mpitrain.parallel.GradSync`.
+* :mod:`~mpitrain.train.parts`: the sync of a rank that holds a part of the model (a
+  stage, slices): the whole model's sums, norm and digest over the other axes.
 * :mod:`~mpitrain.train.schedule`: a step as data (each micro-batch's forward and
-  backward) and the interpreter that runs it.
+  backward) and the interpreter that runs it; the one owner of the micro-batches.
 * :mod:`~mpitrain.train.loop`: the loop: steps, progress lines, evaluations and
   checkpoints between steps, stop signals, what a non-finite loss does.
 * :mod:`~mpitrain.train.resume`: which run directory, config and checkpoint a resume
@@ -35,13 +36,14 @@ from mpitrain.comm import SingleComm, alone, started_thread_level
 from mpitrain.config import Config, ConfigError, check_ranks
 from mpitrain.data import DataError
 from mpitrain.observe.memory import HeapTrace
+from mpitrain.observe.timing import Traffic
+from mpitrain.parallel import GradSync
 from mpitrain.precision import masters_in_model
 from mpitrain.runtime import blas_threads, emulated_cluster, limit_blas_threads, tune_allocator
 from mpitrain.train import resume
-from mpitrain.train.build import Role, Run, build_run, prepare_run_dir
+from mpitrain.train.build import Role, Run, build_run, describe, prepare_run_dir
 from mpitrain.train.loop import Loop, StopSignals
 from mpitrain.train.report import Outputs, Result, data_identity, finish, time_row
-from mpitrain.train.sync import GradSync
 
 __all__ = ["GradSync", "Result", "Role", "train"]
 
@@ -99,18 +101,34 @@ def _work(run: Run, first: int, heap: HeapTrace, log, loop_log, loop_warn) -> Re
     # not interrupt it (with checkpoint_interval = 0 it is the run's only one)
     with StopSignals(loud=world.rank == 0) as signals:
         if role.serve is not None:
-            role.guard(lambda: role.serve(trace=None if out.timeline is None else _trace(out.timeline)))
-            times = time_row(world.rank, time.perf_counter() - start, role, run.reader)
+            traffic = Traffic(role.axes)
+            traffic.begin()
+            _agreed(world, role.sync, lambda: role.serve(trace=None if out.timeline is None else _trace(out.timeline)))
+            traffic.end()
+            times = time_row(world.rank, time.perf_counter() - start, traffic, run.reader, serves=True)
         else:
             loop = Loop(run, first, result, out, signals, loop_log, loop_warn)
-            role.guard(loop.execute)
+            _agreed(world, role.sync, loop.execute)
             times = loop.times()
-        steps = role.end()
+        steps = role.sync.end()
         figures = None if loop is None else loop.figures(time.perf_counter() - start)
         figures = world.bcast(figures, root=world.allgather(role.leads).index(True))
         result.steps = figures["steps"] if steps is None else steps  # a server ran no loop: the leading rank's
         result.stopped = figures["stopped"]
         return finish(run, result, times, figures, out, log)
+
+
+def _agreed(world, sync: GradSync, work) -> None:
+    """Run this rank's ``work`` (the loop, or serving); then, however it ended, the sync
+    hears that this rank's loop is over (a parameter-server worker says goodbye, so that
+    the servers finish too). A loss that is not finite raises FloatingPointError where
+    the loop runs: every rank raises the same one (servers included)."""
+    def work_then_leave():
+        try:
+            return work()
+        finally:
+            sync.leave()
+    world.agree(work_then_leave, share=FloatingPointError)
 
 
 def _header(run: Run, threads: int) -> str:
@@ -123,7 +141,7 @@ def _header(run: Run, threads: int) -> str:
             f"{run.total} steps of {t.global_batch_size}{micro}; {threads} BLAS thread(s) per rank; "
             f"{run.optimizer.describe() if t.precision != 'fp32' else t.dtype}"
             f"{'' if t.fast_paths else '; fast paths off'}\n"
-            f"parallel: {run.role.layout}; {run.role.sync.describe()[0]}{level}")
+            f"parallel: {describe(run.cfg, run.role)}{level}")
 
 
 def _resume(run: Run, log, warn, start_over: bool, config_from: Path | None) -> int:

@@ -1,13 +1,16 @@
-"""Everything a run trains with, built from a Config: data, model, optimizer, and the role
-of this rank on the process grid.
+"""Everything a run trains with, built from a Config: data, model, optimizer, and this
+rank's part of the ``dp x pp x tp`` grid, its :class:`Role`.
 
-The one place where strategy names are read: ``parallel.sync`` picks a gradient sync
-(:data:`SYNCS`, each following :class:`~mpitrain.train.sync.GradSync`) over the
-data-parallel communicator of a ``dp x pp x tp`` :class:`~mpitrain.comm.grid.ProcessGrid`;
-``ps`` splits the ranks into parameter servers and workers instead
-(:func:`_ps_role`); with ``parallel.pp > 1`` each rank keeps a pipeline stage of the
-model, whose replicas the sync joins (:func:`_pipeline_role`). What comes out is a
-:class:`Role`: the loop and the end of the run read only that.
+The one place where strategy names are read. :func:`build_role` stacks the grid in one
+sequence, the order in which the axes wrap the model: every rank builds the whole model
+from the seed; ``tp`` swaps each layer for this rank's slice of it
+(:func:`~mpitrain.parallel.tensor_parallel.slice_gpt`); ``pp`` keeps this rank's stage
+of the layers (:class:`~mpitrain.parallel.pipeline.PipelineStage`); ``dp`` wraps the
+replicas' gradient sync of ``parallel.sync`` (:data:`SYNCS`) around what is left, and a
+rank holding a part of the model adds the whole model's view over the other axes
+(:class:`~mpitrain.train.parts.PartSync`). ``ps`` splits the ranks into parameter
+servers and workers instead (:func:`_ps_role`). The loop and the end of the run read
+only the Role.
 """
 
 from __future__ import annotations
@@ -19,28 +22,27 @@ from typing import Callable
 
 import numpy as np
 
-from mpitrain import checkpoint, nn, ops, optim, rng
+from mpitrain import checkpoint, cost, flat, nn, ops, optim, rng
 from mpitrain.comm import SingleComm
-from mpitrain.comm.grid import ProcessGrid
+from mpitrain.comm.grid import GridShape, ProcessGrid
 from mpitrain.config import Config, ConfigError, check_against_data
 from mpitrain.data import DataError, Dataset, ShardReader, open_dataset
 from mpitrain.data.loader import normalize
-from mpitrain.parallel import tensor_parallel
+from mpitrain.parallel import GradSync, tensor_parallel
 from mpitrain.parallel.data_parallel import DataParallel
 from mpitrain.parallel.local import LocalSync
 from mpitrain.parallel.param_server import ParameterServer
-from mpitrain.parallel.pipeline import PipelineStage, PipelineSync
-from mpitrain.parallel.tensor_parallel import TensorParallelSync
+from mpitrain.parallel.pipeline import PipelineStage
 from mpitrain.parallel.zero import Zero1, Zero2
 from mpitrain.parallel.zero3 import Zero3
 from mpitrain.precision import MixedPrecision
 from mpitrain.tensor import default_dtype
-from mpitrain.train import schedule
-from mpitrain.train.sync import GradSync
+from mpitrain.train.parts import PartSync
+from mpitrain.train.schedule import WholeModel
 
 # parallel.sync -> its gradient sync over dp_comm ("ps" is a role split: _ps_role)
 SYNCS = {
-    "local": lambda cfg, model, opt, dp_comm: LocalSync(model, opt),
+    "local": lambda cfg, model, opt, dp_comm: LocalSync(model, opt, dp_comm),
     "ddp": lambda cfg, model, opt, dp_comm: DataParallel(
         model, dp_comm, optimizer=opt, bucket_cap_mb=cfg.parallel.bucket_mb, algorithm=cfg.parallel.allreduce,
         progress=cfg.parallel.progress, wire=cfg.parallel.wire),
@@ -54,36 +56,19 @@ SYNCS = {
 
 @dataclass
 class Role:
-    """What one rank does in the run: run the training loop with ``sync``, or serve."""
+    """What one rank does in the run: run the training loop with ``sync`` and ``schedule``, or serve."""
 
     sync: GradSync
-    model: nn.Module  # what this rank trains: the model, or its pipeline stage
+    model: nn.Module  # what this rank trains: the model, its slices, or its pipeline stage
     optimizer: optim.Optimizer  # over model's parameters
-    schedule: Callable  # schedule(micro, sync, context, before_backward) -> this rank's loss of the step
+    schedule: object  # how a lane's batch becomes gradients (train.schedule.WholeModel, or the PipelineStage)
+    grid: GridShape  # the ranks that train together, dp x pp x tp
+    axes: dict  # "dp" | "pp" | "tp" -> the counter of this rank's communicator on that axis
     loop_comm: object  # the ranks that run the loop in step: they agree on each step, evaluate and save together
-    leads: bool  # this rank speaks for the loop: progress lines and metrics.jsonl
     lane: tuple[int, int]  # (lane, lanes): this rank's part of every global batch
-    ranks: int  # the ranks that train together (the grid): the loop's figures are scaled to them
-    layout: str  # the grid, for the log and checkpoints
+    leads: bool  # this rank speaks for the loop: progress lines and metrics.jsonl
     serve: Callable | None = None  # a server's work instead of the loop: serve(trace)
-    # the loop's ranks take every step together, for the configured steps, evaluating on the way; False
-    # (asynchronous workers): each runs alone until begin_step() says stop, and is scored at the end only
-    lockstep: bool = True
-    prefix: str = ""  # before the loop's progress lines
-    guard: Callable = lambda work: work()  # runs the loop or serve()
-    end: Callable = lambda: None  # after them, on every rank: the steps the run has taken (None: the loop's)
-    resume_hint: str = "resume with: mpitrain train --resume {dir}"  # after a stop by a signal
-    summary: Callable = lambda: ([], {})  # lines for rank 0 and figures, after end() (collective)
     closers: list = field(default_factory=list)
-    loss_ranks: int | None = None  # the loop's ranks that compute a loss (None: all; a pipeline: its last stages)
-    forward: Callable | None = None  # evaluation: x -> the model's output, None where it ends elsewhere (None: model)
-    eval_lane: tuple | None = None  # (lane, lanes) of the evaluation data (None: the communicator's rank, size)
-    whole: bool = True  # this rank holds the whole model (it can sample text at the end)
-    trace_to: Callable = lambda trace: None  # hands the schedule's recorder trace(name, category, track, start, end)
-    bubble: Callable = lambda: 0.0  # seconds this rank has waited inside its schedule for other stages
-    text_loss: Callable | None = None  # evaluation: (x, y) -> mean loss, None where it ends elsewhere (None: model's)
-    parts: dict = field(default_factory=dict)  # name -> this rank's slice of a parameter sliced over ranks
-    axes: Callable | None = None  # () -> {"dp" | "pp" | "tp": (bytes sent, seconds)} (None: all the sync's, dp)
 
     def close(self) -> None:
         for close in self.closers:
@@ -116,91 +101,64 @@ def build_run(cfg: Config, world, grid: tuple[int, int, int], log) -> Run:
         check_against_data(cfg, data)
         rng.manual_seed(cfg.train.seed)
         model = build_model(cfg, data)
-        opt = build_optimizer(cfg, model)
-        layout = checkpoint.Layout.of(model, opt)
+        layout = checkpoint.Layout.of(model, build_optimizer(cfg, model))
         same_everywhere(cfg, model, world)
         t = cfg.train
         total = t.steps or t.epochs * train_reader(cfg, data, 0, 1).steps_per_epoch  # as many on every lane
         lr = build_lr_schedule(cfg, total)
         if cfg.parallel.sync == "ps":
-            role = _ps_role(cfg, world, grid, model, opt, lr, total, data)
+            role = _ps_role(cfg, world, grid, model, lr, total, data)
         else:
-            role = _replica_role(cfg, world, grid, model, opt, data, layout)
+            role, layout = build_role(cfg, world, grid, model, data, layout)
     except BaseException:
         data.close()
         raise
     return Run(cfg, world, data, role.model, role.optimizer, role, train_reader(cfg, data, *role.lane), total, lr,
-               layout.with_parts(role.parts))
+               layout)
 
 
-def _replica_role(cfg: Config, world, grid, model, opt, data, layout) -> Role:
-    """Every rank runs the loop; the model's replicas (or its stage's) synchronise over
-    ``dp_comm``. Data parallelism over one rank has nothing to exchange: the local sync."""
-    g = ProcessGrid(world, *grid)
-    name = "local" if cfg.parallel.sync == "ddp" and g.dp_size == 1 else cfg.parallel.sync
-    if g.pp_size > 1:
-        return _pipeline_role(cfg, world, grid, g, model, name, data, layout)
-    if g.tp_size > 1:
-        return _tensor_role(cfg, world, grid, g, model, name, layout)
-    if cfg.train.precision != "fp32":  # the model's weights become half precision, the optimizer keeps float32
-        opt = MixedPrecision(opt, cfg.train.precision)
-    sync = SYNCS[name](cfg, model, opt, g.dp_comm)
-    run_schedule = schedule.whole_model(model, data.kind == "text", cfg.train.micro_batches,
-                                        getattr(opt, "scaler", None))
-    return Role(sync, model, opt, run_schedule, loop_comm=world, leads=world.rank == 0, lane=(g.dp_rank, g.dp_size),
-                ranks=world.size, layout=_shape(grid), end=sync.sync_buffers, closers=[sync.close, g.free])
-
-
-def _tensor_role(cfg: Config, world, grid, g: ProcessGrid, model, sync_name: str, layout) -> Role:
-    """This rank keeps its slices of every block, of the vocabulary and of the head
-    (:func:`~mpitrain.parallel.tensor_parallel.slice_gpt` over ``tp_comm``), with an
-    optimizer of its own; the slices' replicas synchronise over ``dp_comm``. The ranks
-    of a tensor-parallel group read the same batches (their lane) and compute the same
-    loss."""
-    sequence = cfg.parallel.sequence_parallel
-    tensor_parallel.slice_gpt(model, g.tp_comm, sequence)
-    opt = build_optimizer(cfg, model)
-    wholes = tensor_parallel.Wholes(model.config, g.tp_comm, {n: s for n, (s, _) in layout.arrays.items()})
-    sync = TensorParallelSync(SYNCS[sync_name](cfg, model, opt, g.dp_comm), model, g.tp_comm, wholes, sequence)
-    run_schedule = schedule.whole_model(model, True, cfg.train.micro_batches)
-    return Role(sync, model, opt, run_schedule, loop_comm=world, leads=world.rank == 0, lane=(g.dp_rank, g.dp_size),
-                ranks=world.size, layout=_shape(grid), end=sync.sync_buffers, closers=[sync.close, g.free],
-                eval_lane=(g.dp_rank, g.dp_size), whole=False,
-                parts=tensor_parallel.parts(model.config, g.tp_size, g.tp_rank), axes=sync.by_axis)
-
-
-def _pipeline_role(cfg: Config, world, grid, g: ProcessGrid, model, sync_name: str, data, layout) -> Role:
-    """This rank keeps its stage of the model (:class:`PipelineStage` over ``pp_comm``)
-    and trains it with an optimizer of its own; the stage's replicas synchronise over
-    ``dp_comm``. Every stage of a lane reads the lane's batches (the first needs the
-    inputs, the last the targets); the last stages' losses are the step's."""
+def build_role(cfg: Config, world, grid, model, data, layout: checkpoint.Layout) -> tuple[Role, checkpoint.Layout]:
+    """This rank's part of the grid, in the order the axes wrap the whole ``model``: its
+    slice of every layer (tp), its stage of the layers (pp), the replicas' sync (dp).
+    Returns the role, and ``layout`` with the slices this rank holds."""
     par, t = cfg.parallel, cfg.train
-    sizes = [sum(q.size for q in layer.parameters()) for _, layer in model.named_layers()]  # cut the whole model
-    wholes, parts, counted, across = None, {}, None, None
-    if g.tp_size > 1:  # the layers sliced first, then the stage cut from them
-        tensor_parallel.slice_gpt(model, g.tp_comm)
-        wholes = tensor_parallel.Wholes(model.config, g.tp_comm, {n: s for n, (s, _) in layout.arrays.items()})
-        parts = tensor_parallel.parts(model.config, g.tp_size, g.tp_rank)
-        sliced = tensor_parallel.sliced_parameters(model)
-        counted, across = (lambda q: id(q) in sliced or g.tp_rank == 0), g.tp_comm
+    g = ProcessGrid(world, *grid)
+    sizes = [sum(q.size for q in layer.parameters()) for _, layer in model.named_layers()]  # the cut: whole layers
+    stage, everyone = None, None
+    if g.tp_size > 1:  # tp: this rank's slice of every layer
+        tensor_parallel.slice_gpt(model, g.tp_comm, par.sequence_parallel)
+        everyone = [tensor_parallel.parts(model.config, g.tp_size, r) for r in range(g.tp_size)]
+        layout = layout.with_parts(everyone[g.tp_rank])
+    if g.pp_size > 1:  # pp: this rank's stage of the layers
+        model = stage = _stage(cfg, g, model, data, sizes)
+    opt = build_optimizer(cfg, model)
+    if t.precision != "fp32":  # the model's weights become half precision, the optimizer keeps float32
+        opt = MixedPrecision(opt, t.precision)
+    sync = SYNCS["local" if par.sync == "ddp" and g.dp_size == 1 else par.sync](cfg, model, opt, g.dp_comm)  # dp
+    if stage is not None or everyone is not None:
+        sync = PartSync(sync, model, layout, stage, g.tp_comm if everyone else None, everyone,
+                        par.sequence_parallel)
+    schedule = stage or WholeModel(model, t.micro_batches, data.kind == "text", getattr(opt, "scaler", None))
+    axes = {"dp": g.dp_comm.stats, **{name: comm.stats for name, comm, size in
+                                      (("pp", g.pp_comm, g.pp_size), ("tp", g.tp_comm, g.tp_size)) if size > 1}}
+    role = Role(sync, model, opt, schedule, g.shape, axes, loop_comm=world, lane=(g.dp_rank, g.dp_size),
+                leads=world.rank == 0, closers=[sync.close, g.free])
+    return role, layout
+
+
+def _stage(cfg: Config, g: ProcessGrid, model, data, sizes: list[int]) -> PipelineStage:
+    """This rank's pipeline stage of ``model``'s layers (``sizes``: the whole layers' parameter
+    counts, which the cut balances); a schedule the shapes cannot run is a config error."""
     loss = model.head.loss if cfg.model.name == "gpt" else ops.cross_entropy  # a sliced head's loss is its own
     try:
-        stage = PipelineStage(model, g.pp_comm, example_input(cfg, data), loss, schedule_name=par.schedule,
-                              micro_batches=t.micro_batches, chunks=par.chunks, sizes=sizes, whole=wholes)
+        return PipelineStage(model, g.pp_comm, example_input(cfg, data), loss, schedule_name=cfg.parallel.schedule,
+                             micro_batches=cfg.train.micro_batches, chunks=cfg.parallel.chunks, sizes=sizes)
     except ValueError as e:
         g.free()
-        raise ConfigError(f"{'parallel.chunks' if par.chunks > 1 else 'parallel.pp'}: {e}") from None
-    opt = build_optimizer(cfg, stage)
-    sync = PipelineSync(SYNCS[sync_name](cfg, stage, opt, g.dp_comm), stage, [n for n, _ in layout.params],
-                        counted, across)
-    return Role(sync, stage, opt, stage.run, loop_comm=world, leads=world.rank == 0, lane=(g.dp_rank, g.dp_size),
-                ranks=world.size, layout=_shape(grid), end=sync.sync_buffers, closers=[sync.close, g.free],
-                loss_ranks=g.dp_size * g.tp_size, forward=stage.forward_only, eval_lane=(g.dp_rank, g.dp_size),
-                whole=False, trace_to=lambda trace: setattr(stage, "trace", trace), bubble=lambda: stage.waited,
-                text_loss=stage.loss_only, parts=parts, axes=sync.by_axis)
+        raise ConfigError(f"{'parallel.chunks' if cfg.parallel.chunks > 1 else 'parallel.pp'}: {e}") from None
 
 
-def _ps_role(cfg: Config, world, grid, model, opt, lr, total, data) -> Role:
+def _ps_role(cfg: Config, world, grid, model, lr, total, data) -> Role:
     """Parameter servers: the first ``parallel.servers`` ranks serve, the others are the
     grid's workers and run the loop with the server object as their sync. Synchronous
     workers run in step (the loop's collectives span the workers); asynchronous ones
@@ -213,38 +171,89 @@ def _ps_role(cfg: Config, world, grid, model, opt, lr, total, data) -> Role:
         return lr(at if lockstep else min(at // W, total - 1))
 
     slow = par.slow_factor if 0 <= par.slow_worker == world.rank - S else 1.0
+    opt = build_optimizer(cfg, model)
     ps = ParameterServer(model, opt, world, servers=S, staleness=par.staleness, lr_at=lr_at,
                          max_updates=None if lockstep else total * W, slow=slow)
     g = None if ps.is_server else ProcessGrid(ps.workers, *grid)
-    run_schedule = schedule.whole_model(model, data.kind == "text", cfg.train.micro_batches)
-    role = Role(ps, model, opt, run_schedule, loop_comm=ps.workers if lockstep else SingleComm(), leads=ps.worker == 0,
-                lane=(0, W) if g is None else (g.dp_rank, g.dp_size), ranks=W,  # a server reads no batch
-                layout=f"{S} server(s), workers on {_shape(grid)}", serve=ps.serve if ps.is_server else None,
-                lockstep=lockstep, prefix="" if lockstep else "worker 0: ", end=ps.end, summary=ps.summary,
-                resume_hint="its checkpoint resumes with ddp or zero1: mpitrain train --resume {dir} --set "
-                            "parallel.sync=ddp",
-                closers=[ps.close] + ([] if g is None else [g.free]))
-
-    def guard(work):
-        """A loss that is not finite stops the workers (synchronous ones all at the same
-        step: they agree on it): the servers must still hear every goodbye, and then every
-        rank raise the same error."""
-        def work_then_goodbye():
-            try:
-                result = work()
-            except FloatingPointError:
-                ps.stop()
-                raise
-            ps.stop()
-            return result
-        return world.agree(work_then_goodbye, share=FloatingPointError)
-
-    role.guard = guard
-    return role
+    return Role(ps, model, opt, WholeModel(model, cfg.train.micro_batches, data.kind == "text"), GridShape(*grid),
+                {"dp": ps.comm.stats}, loop_comm=ps.workers if lockstep else SingleComm(),
+                lane=(0, W) if g is None else (g.dp_rank, g.dp_size), leads=ps.worker == 0,  # a server reads no batch
+                serve=ps.serve if ps.is_server else None, closers=[ps.close] + ([] if g is None else [g.free]))
 
 
-def _shape(grid) -> str:
-    return "dp {} x pp {} x tp {}".format(*grid)
+# ---------------------------------------------------------------- what it says
+def describe(cfg: Config, role: Role) -> str:
+    """The start of a run's line on its grid: what each axis splits, and the bytes one rank
+    sends per step by the formulas (:mod:`mpitrain.cost`); the end of the run sets what
+    its communicators counted beside them (the time table)."""
+    par, (dp, pp, tp) = cfg.parallel, (role.grid.dp, role.grid.pp, role.grid.tp)
+    if par.sync == "ps":
+        S, W = par.servers, role.grid.size
+        mode = {0: "synchronous"}.get(par.staleness, "asynchronous, unbounded" if par.staleness == -1
+                                      else f"asynchronous, at most {par.staleness} step(s) ahead")
+        nbytes = sum(q.data.nbytes for q in role.model.parameters())
+        return (f"{grid_line(cfg, role)}; ps, {S} server(s) + {W} worker(s), {mode}; per worker per step "
+                f"{sum(cost.parameter_server_bytes(nbytes, S)) / 1e6:.2f} MB (push + pull)")
+    line = _replicas(cfg, role)
+    if tp > 1:
+        C, nh = cfg.model.n_embd, cfg.model.n_head
+        line = (f"tensor parallel over {tp} ranks{', sequence parallel' if par.sequence_parallel else ''}: "
+                f"{nh // tp} of {nh} heads and about {4 * C // tp} of {4 * C} hidden units and 1/{tp} of the "
+                f"vocabulary per rank; replicas: {line}")
+    if pp > 1:
+        s, m, v = role.schedule, cfg.train.micro_batches, par.chunks
+        cut = "; ".join(f"stage {k} (rank {k % pp}): {_span(s.names, s.bounds[k], s.bounds[k + 1])}, "
+                        f"{sum(s.sizes[s.bounds[k] : s.bounds[k + 1]]):,} params" for k in range(pp * v))
+        line = (f"pipeline: {pp} stages, {m} micro-batches, schedule {par.schedule}"
+                f"{f' with {v} chunks per rank' if v > 1 else ''}, bubble "
+                f"{100 * cost.bubble_fraction(par.schedule, pp, m, v):.1f}% by the formula; {cut}; replicas: {line}")
+    return f"{grid_line(cfg, role)}; {line}"
+
+
+def grid_line(cfg: Config, role: Role) -> str:
+    """The grid the ranks train on, as the log and checkpoints name it."""
+    grid = f"dp {role.grid.dp} x pp {role.grid.pp} x tp {role.grid.tp}"
+    return f"{cfg.parallel.servers} server(s), workers on {grid}" if cfg.parallel.sync == "ps" else grid
+
+
+def _replicas(cfg: Config, role: Role) -> str:
+    """The data-parallel sync's part of the line: its layout and bytes per rank per step."""
+    par, P, m = cfg.parallel, role.grid.dp, cfg.train.micro_batches
+    params = [q for q in role.model.parameters() if q.requires_grad]
+    nbytes = sum(q.data.nbytes for q in params)
+    buckets = len(flat.buckets(reversed(params), int(par.bucket_mb * 2**20)))
+    if par.sync in ("local", "ddp") and P == 1:
+        return "local: one data-parallel rank, no gradient exchange"
+    if par.sync == "ddp":
+        what = (f"ddp over {P} rank(s): {buckets} bucket(s) of <= {par.bucket_mb:g} MB, {par.allreduce} allreduce"
+                f"{'' if par.wire == 'fp32' else ' in ' + par.wire}, progress '{par.progress}'")
+        sent = cost.data_parallel_bytes(sum(q.size for q in params), P, params[0].data.itemsize,
+                                        2 if par.wire != "fp32" else None, par.allreduce)
+    elif par.sync == "zero1":
+        what = (f"zero1 over {P} rank(s): optimizer state sharded, {par.allreduce} reduce-scatter + allgather of "
+                f"{nbytes / 1e6:.2f} MB")
+        sent = cost.zero_bytes(1, nbytes, P)
+    elif par.sync == "zero2":
+        what = (f"zero2 over {P} rank(s): gradients and optimizer state sharded, {buckets} bucket(s) of <= "
+                f"{par.bucket_mb:g} MB reduce-scattered during backward ({par.allreduce}; micro-batches "
+                f"{par.accumulate}), parameters allgathered after the update")
+        sent = cost.zero_bytes(2, nbytes, P, m, par.accumulate == "sharded")
+    else:
+        what = (f"zero3 over {P} rank(s): parameters, gradients and optimizer state sharded, gathered layer by "
+                f"layer over {len(role.model.named_layers())} layer(s) ({par.allreduce})")
+        sent = cost.zero_bytes(3, nbytes, P, m)
+    return f"{what}; {sent / 1e6:.2f} MB sent per rank per step"
+
+
+def _span(names: list[str], lo: int, hi: int) -> str:
+    return names[lo] if hi - lo == 1 else f"{names[lo]}..{names[hi - 1]}"
+
+
+def resume_hint(cfg: Config, run_dir: str) -> str:
+    """What the stop line says to resume a run."""
+    if cfg.parallel.sync == "ps":
+        return f"its checkpoint resumes with ddp or zero1: mpitrain train --resume {run_dir} --set parallel.sync=ddp"
+    return f"resume with: mpitrain train --resume {run_dir}"
 
 
 # ---------------------------------------------------------------- the parts

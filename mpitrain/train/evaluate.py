@@ -4,11 +4,11 @@ Images: accuracy and mean loss over the whole test split. Text: the mean loss pe
 over the validation windows (all of them, or the first ``train.eval_batches`` global
 batches), read at a fixed stride of the context length, deterministically.
 
-The model's output (images) or loss (text) comes from ``role.forward`` or
-``role.text_loss`` where a role sets one (a pipeline: the batch goes through the stages,
-and only the last one's rank scores it), and the data is shared by ``role.eval_lane`` (a
-pipeline's lanes; otherwise the communicator's ranks). A sliced model (tensor parallel)
-computes its loss itself, on every rank of its group.
+The model's output (images) or loss (text) comes from the role's schedule
+(``forward_only``, ``loss_only``: a pipeline's batch goes through the stages, and only
+the last one's rank scores it; a sliced model computes its loss on every rank of its
+group). A rank that holds the whole model scores its share of the communicator's ranks;
+ranks that hold parts of it score their lane's (every part of a lane sees its batches).
 """
 
 from __future__ import annotations
@@ -27,14 +27,13 @@ def score(run, comm, step: int, result, metrics, log) -> None:
     """Score ``run.model`` over ``comm`` (collective), print the figure and record it in
     ``result`` and the metrics file."""
     model, data, cfg, role = run.model, run.data, run.cfg, run.role
-    lane = role.eval_lane or (comm.rank, comm.size)
+    lane = (comm.rank, comm.size) if role.grid.pp == role.grid.tp == 1 else role.lane
     model.eval()
     try:
         if data.kind == "text":
-            loss_of = role.text_loss or (lambda x, y: model(x, y)[1])
-            result.val_loss = evaluate_text(loss_of, data, cfg, comm, lane)
+            result.val_loss = evaluate_text(role.schedule.loss_only, data, cfg, comm, lane)
         else:
-            result.test_accuracy, result.test_loss = evaluate_images(role.forward or model, data, cfg, comm, lane)
+            result.test_accuracy, result.test_loss = evaluate_images(role.schedule.forward_only, data, cfg, comm, lane)
     finally:
         model.train()
     if data.kind == "text":

@@ -4,15 +4,15 @@ checkpoints in between.
 It knows no strategy. A step (:meth:`Loop.train_step`) reads::
 
     sync.begin_step()                    # before the first forward
-    role.schedule(micro-batches, sync)   # forward and backward of each micro-batch
+    role.schedule.run(x, y, lanes, sync) # forward and backward of each micro-batch
     sync.finish()                        # the gradients of the step are complete
     agree on the loss and stop signals   # one small allreduce over the loop's ranks
     sync.step(lr, grad_clip)             # unless the loss is not finite, or a gradient overflowed
     sync.zero_grad()
 
-where ``sync`` is the role's :class:`~mpitrain.train.sync.GradSync` and ``role.schedule``
-runs its schedule (:mod:`mpitrain.train.schedule`: the whole model, or a pipeline
-stage's). Each micro-batch's forward draws its dropout masks from per-sample streams
+where ``sync`` is the role's :class:`~mpitrain.parallel.GradSync` and ``role.schedule``
+owns the micro-batches and runs them (:mod:`mpitrain.train.schedule`: the whole model,
+or a pipeline stage's). Each micro-batch's forward draws its dropout masks from per-sample streams
 (:func:`mpitrain.rng.sample_streams`), so they do not depend on how the global batch is
 split. The loop's ranks (``role.loop_comm``) agree on every step, so a stop signal or a
 non-finite loss ends them all at the same step. In mixed precision
@@ -21,6 +21,8 @@ overflowed: then every rank skips the step, and the loss scale halves on every r
 Progress lines (the leading rank) report the loss averaged over ranks, the learning
 rate, samples/s and achieved GFLOP/s (FLOPs counted from the model's shapes on the
 first step, :mod:`mpitrain.observe.flops`); each epoch prints the per-rank I/O table.
+What each step sent and waited for is read from the communicators' counters
+(:class:`~mpitrain.observe.timing.Traffic`).
 """
 
 from __future__ import annotations
@@ -38,13 +40,15 @@ from tqdm import tqdm
 from mpitrain import checkpoint, rng
 from mpitrain.comm import launcher_rank
 from mpitrain.data.loader import normalize, random_shift, shifts
+from mpitrain.comm import trace_operations
 from mpitrain.observe.flops import FlopCount
 from mpitrain.observe.io import io_row, io_table
+from mpitrain.observe.timing import Traffic
 from mpitrain.observe.watchdog import Watchdog
 from mpitrain.precision import MixedPrecision
 from mpitrain.runtime import huge_page_heap
 from mpitrain.tensor import observe_ops
-from mpitrain.train import evaluate, report, schedule
+from mpitrain.train import evaluate, report
 
 HEAP_WARMUP_STEPS = 3  # training steps after which the heap has its size (runtime.huge_page_heap)
 AGREEING = "agreeing on the step"  # the loop's own wait, for the stall watchdog
@@ -59,7 +63,8 @@ class Loop:
         self.out, self.signals, self.log, self.warn = out, signals, log, warn
         self.role, self.sync, self.comm = run.role, run.role.sync, run.role.loop_comm
         self.mixed = run.optimizer if isinstance(run.optimizer, MixedPrecision) else None
-        self.waits = self.sync.describe()[1]  # call -> the name of its wait
+        self.waits = self.sync.waits  # call -> the name of its wait
+        self.traffic = Traffic(run.role.axes)
         self.flops = FlopCount()
         self.counted = False  # the FLOPs of a step are counted on the first one (the same on every rank)
         self.train_seconds = 0.0  # optimizer steps only, without data and evaluation
@@ -79,14 +84,14 @@ class Loop:
         self.watchdog = Watchdog(self.comm, self.cfg.run.stall_warn_s, self.cfg.run.stall_abort_s,
                                  waits=[AGREEING, *self.waits.values()])  # prints on every rank
         batches = run.reader.batches(step // spe, first_step=step % spe)
-        with contextlib.closing(self.watchdog), contextlib.closing(batches), self._progress_bar():
-            self._instrument()
+        with contextlib.closing(self.watchdog), contextlib.closing(batches), self._progress_bar(), \
+                self._instrumented():
             if step and step != run.total and t.eval_interval and step % t.eval_interval == 0:
                 self.evaluate(step)  # the killed run evaluated after its checkpoint; maybe not before it died
             waiting = time.perf_counter()
             for batch in batches:
                 self.out.add("data wait", "io", waiting)
-                if self.role.lockstep and step >= run.total:
+                if self.sync.lockstep and step >= run.total:
                     break
                 if batch.epoch != epoch:
                     self.report_io(epoch)
@@ -94,12 +99,13 @@ class Loop:
                     if not t.eval_interval and run.data.kind != "text":
                         self.evaluate(step)
                 tick = time.perf_counter()  # the step's time includes waiting to begin it (a pull)
+                self.traffic.begin()
                 with self.call(step, "begin"):
-                    if not self.sync.begin_step():
-                        # an asynchronous worker learned that the run is over: its wait for that
-                        # answer is counted as communication, so it is step time too
-                        self.train_seconds += time.perf_counter() - tick
-                        break
+                    go = self.sync.begin_step()
+                if not go:  # an asynchronous worker learned that the run is over: its wait for that
+                    self.traffic.end()  # answer is counted as communication, so it is step time too
+                    self.train_seconds += time.perf_counter() - tick
+                    break
                 stopping = self.train_step(step, batch, tick)
                 step += 1
                 self.out.heap.after_step(step - self.first)
@@ -120,18 +126,16 @@ class Loop:
         x, y = inputs(cfg, self.run.data, batch)
         self.lr = self.run.lr(step)
         counting = not self.counted
-        m = cfg.train.micro_batches
         with observe_ops(self.flops) if counting else contextlib.nullcontext(), self.watchdog.phase(step, None):
-            loss = self.role.schedule(schedule.split(x, y, m), self.sync, streams(cfg.train.seed, step, batch.lanes, m),
-                                      self.out.backward_starts)
+            loss = self.role.schedule.run(x, y, batch.lanes, self.sync, streams(cfg.train.seed, step),
+                                          self.out.backward_starts)
         with self.call(step, "finish"):
             self.sync.finish()
         if counting:  # after finish: a data-parallel communication thread may be in MPI before it
             self.flops, self.counted = self.rank_mean(self.flops), True
         overflow = self.mixed is not None and self.mixed.check()  # this rank's gradients
         with self.watchdog.phase(step, AGREEING):
-            loss, stopping, overflow = agree_on_step(self.comm, loss, self.signals.received, self.role.loss_ranks,
-                                                     overflow)
+            loss, stopping, overflow = agree_on_step(self.comm, loss, self.signals.received, overflow)
         if not np.isfinite(loss):
             self.non_finite(step, loss)
         elif overflow:  # any rank's: skipped on every rank, the scale halved on every rank
@@ -143,6 +147,7 @@ class Loop:
             if self.mixed is not None:
                 self.mixed.scaler.update(overflow=False)
         self.sync.zero_grad()
+        self.traffic.end()
         seconds = time.perf_counter() - tick
         self.train_seconds += seconds
         self.epoch_seconds[batch.epoch] = self.epoch_seconds.get(batch.epoch, 0.0) + seconds
@@ -155,7 +160,7 @@ class Loop:
 
     def rank_mean(self, flops: FlopCount) -> FlopCount:
         """The FLOPs of a step per rank, averaged over the loop's ranks (pipeline stages
-        differ): times ``role.ranks``, the step's."""
+        differ): times the grid's ranks, the step's."""
         if self.comm.size == 1:
             return flops
         both = np.array([flops.forward, flops.backward], dtype=np.float64)
@@ -188,8 +193,9 @@ class Loop:
         loss_sum, steps, seconds = self.window
         if steps:
             rate = steps * t.global_batch_size / seconds
-            gflops = steps * self.flops.total * self.role.ranks / seconds / 1e9
-            self.log(f"{self.role.prefix}step {step}/{total} | loss {loss_sum / steps:.4f} | lr {self.lr:.2e} | "
+            gflops = steps * self.flops.total * self.role.grid.size / seconds / 1e9
+            prefix = "" if self.sync.lockstep else "worker 0: "  # asynchronous workers each run alone
+            self.log(f"{prefix}step {step}/{total} | loss {loss_sum / steps:.4f} | lr {self.lr:.2e} | "
                      f"{rate:,.0f} samples/s | {gflops:.1f} GFLOP/s")
             self.out.metrics.write("train", step=step, epoch=epoch, loss=loss_sum / steps, lr=self.lr,
                                    samples_per_s=rate, gflops_per_s=gflops,
@@ -209,7 +215,7 @@ class Loop:
     def evaluate(self, step: int) -> None:
         """Score the model over the loop's ranks (not during a run whose ranks go their
         own ways: the end of the run scores it)."""
-        if not self.role.lockstep:
+        if not self.sync.lockstep:
             return
         with self.out.traced("evaluate", "evaluate"), self.sync.whole_model():
             self.sync.sync_buffers()
@@ -235,7 +241,7 @@ class Loop:
 
     def times(self) -> tuple:
         """This rank's row of the time table (:func:`~mpitrain.train.report.time_row`)."""
-        return report.time_row(self.run.world.rank, self.train_seconds, self.role, self.run.reader)
+        return report.time_row(self.run.world.rank, self.train_seconds, self.traffic, self.run.reader)
 
     @contextlib.contextmanager
     def call(self, step: int, which: str):
@@ -246,18 +252,22 @@ class Loop:
                 self.watchdog.phase(step, name):
             yield
 
-    def _instrument(self) -> None:
-        """Timeline events for each layer's forward and backward, each read of the
-        reader's thread, and the sync's background communication."""
+    @contextlib.contextmanager
+    def _instrumented(self):
+        """Timeline events for each layer's forward and backward, the schedule's actions
+        (a pipeline stage's: its diagram), each read of the reader's thread, and every
+        collective from its start to its completion."""
         timeline = self.out.timeline
         if timeline is None:
+            yield
             return
         timeline.instrument(self.run.model.named_layers())  # a GPT's embedding, blocks, head
         self.run.reader.on_read = lambda start, end, nbytes: timeline.add("read", "io", "io", start, end,
                                                                           bytes=nbytes)
-        self.sync.on_comm = lambda name, start, end, nbytes: timeline.add(name, "communication", "communication",
-                                                                          start, end, bytes=nbytes)
-        self.role.trace_to(timeline.add)  # a pipeline stage's actions: its diagram
+        self.role.schedule.trace = timeline.add
+        with trace_operations(lambda name, start, end, nbytes: timeline.add(
+                name, "communication", "communication", start, end, bytes=nbytes)):
+            yield
 
     @contextlib.contextmanager
     def _progress_bar(self):
@@ -277,11 +287,10 @@ class Loop:
 
 
 # ------------------------------------------------------------------ helpers
-def streams(seed: int, step: int, lanes: np.ndarray, micro_batches: int):
-    """``context(mb)``: micro-batch ``mb``'s dropout streams, keyed by its samples'
-    places in the step's global batch (``lanes``: this rank's samples')."""
-    b = len(lanes) // micro_batches
-    return lambda mb: rng.sample_streams(seed, step, lanes[mb * b : (mb + 1) * b])
+def streams(seed: int, step: int):
+    """``streams(samples)``: the dropout streams of a micro-batch, keyed by its samples'
+    places in the step's global batch, so they do not depend on how it is split."""
+    return lambda samples: rng.sample_streams(seed, step, samples)
 
 
 def inputs(cfg, data, batch) -> tuple[np.ndarray, np.ndarray]:
@@ -297,23 +306,23 @@ def inputs(cfg, data, batch) -> tuple[np.ndarray, np.ndarray]:
     return normalize(x, data.mean, data.std, cfg.train.dtype), batch.y
 
 
-def agree_on_step(comm, loss: float, received: int | None, loss_ranks: int | None = None,
-                  overflow: bool = False) -> tuple[float, str | None, bool]:
-    """The global batch's loss (each of ``loss_ranks`` ranks has the mean over equally
-    many samples, the others 0: a pipeline's other stages; None: every rank), the name
-    of a stop signal any rank received (None: none) and whether any rank's gradients
-    ``overflow``-ed, in one allreduce of the loss, a count per stop signal (a scheduler
-    signals every rank: counts, not signal numbers, survive the sum) and a count of
-    overflows."""
+def agree_on_step(comm, loss: float | None, received: int | None, overflow: bool = False
+                  ) -> tuple[float, str | None, bool]:
+    """The global batch's loss (each rank that computes one has the mean over equally many
+    samples; None on a rank that computes none: a pipeline's other stages), the name of
+    a stop signal any rank received (None: none) and whether any rank's gradients
+    ``overflow``-ed, in one allreduce of the loss and a count of the ranks that have
+    one, a count per stop signal (a scheduler signals every rank: counts, not signal
+    numbers, survive the sum) and a count of overflows."""
     signals = len(StopSignals.SIGNALS)
-    buf = np.zeros(2 + signals)
-    buf[0], buf[-1] = loss, overflow
+    buf = np.zeros(3 + signals)
+    buf[0], buf[1], buf[-1] = loss or 0.0, loss is not None, overflow
     if received is not None:
-        buf[1 + StopSignals.SIGNALS.index(signal.Signals(received).name)] = 1
+        buf[2 + StopSignals.SIGNALS.index(signal.Signals(received).name)] = 1
     if comm.size > 1:
         comm.allreduce(buf)
-        buf[0] /= loss_ranks or comm.size
-    seen = [name for name, count in zip(StopSignals.SIGNALS, buf[1 : 1 + signals]) if count > 0]
+        buf[0] /= buf[1]
+    seen = [name for name, count in zip(StopSignals.SIGNALS, buf[2 : 2 + signals]) if count > 0]
     return float(buf[0]), (seen[0] if seen else None), bool(buf[-1] > 0)
 
 

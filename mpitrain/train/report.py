@@ -12,13 +12,15 @@ from pathlib import Path
 import numpy as np
 
 from mpitrain import checkpoint
+from mpitrain.cost import bytes_per_parameter
 from mpitrain.data.loader import SAMPLING
-from mpitrain.observe.memory import CATEGORIES, HeapTrace, bytes_per_parameter, heap_line, state_line
+from mpitrain.observe.memory import CATEGORIES, HeapTrace, heap_line, model_state, state_line
 from mpitrain.observe.metrics import MetricsLog
 from mpitrain.observe.timeline import Timeline
 from mpitrain.observe.timing import time_table
 from mpitrain.precision import MixedPrecision, masters_in_model
 from mpitrain.train import evaluate
+from mpitrain.train.build import grid_line, resume_hint
 
 
 @dataclass
@@ -92,7 +94,7 @@ def save(run, step: int, why: str, result: Result, out: Outputs, log) -> None:
     with out.traced("checkpoint", "checkpoint"), run.role.sync.whole_model(), masters_in_model(run.optimizer):
         path = checkpoint.save(cfg.run.dir, step, model=run.model, optimizer=run.optimizer, sync=run.role.sync,
                                cfg=cfg, comm=run.world, keep=cfg.run.keep, epoch=epoch, epoch_step=epoch_step,
-                               strategy=f"{cfg.parallel.sync}, {run.role.layout}", layout=run.layout,
+                               strategy=f"{cfg.parallel.sync}, {grid_line(cfg, run.role)}", layout=run.layout,
                                data=data_identity(run.data))
     result.checkpoint = str(path)
     out.metrics.write("checkpoint", step=step, path=str(path), why=why)
@@ -109,18 +111,18 @@ def per_rank(rows) -> list[dict]:
     return [dict(zip(TIME_FIELDS, row)) for row in rows or ()]
 
 
-def time_row(rank: int, seconds: float, role, reader) -> tuple:
+def time_row(rank: int, seconds: float, traffic, reader, serves: bool = False) -> tuple:
     """One rank's row of the time table (:data:`TIME_FIELDS`): seconds of steps (or of
     serving), communication exposed and in total, reading, waiting for data; bytes sent;
-    the pipeline bubble (waiting for other stages inside the steps); bytes and seconds
-    whether the rank served (a parameter server) instead of stepping; bytes and seconds
-    per communicator of the grid (dp, pp, tp)."""
-    exposed, total = role.sync.comm_seconds()
+    the pipeline bubble (waiting for other stages inside the steps); whether the rank
+    served (a parameter server) instead of stepping; bytes and seconds per communicator
+    of the grid (dp, pp, tp). ``traffic``: its :class:`~mpitrain.observe.timing.Traffic`."""
+    exposed, total, bubble = traffic.seconds()
     stats = reader.epoch_stats()
     read = sum(s.read_seconds for s in stats)
     stall = sum(s.stall_seconds for s in stats)
-    axes = role.axes() if role.axes is not None else {"dp": (role.sync.bytes_sent, total)}
-    return rank, seconds, exposed, total, read, stall, role.sync.bytes_sent, role.bubble(), role.serve is not None, axes
+    axes = traffic.by_axis()
+    return rank, seconds, exposed, total, read, stall, sum(v[0] for v in axes.values()), bubble, serves, axes
 
 
 def finish(run, result: Result, times: tuple, figures: dict, out: Outputs, log) -> Result:
@@ -129,11 +131,11 @@ def finish(run, result: Result, times: tuple, figures: dict, out: Outputs, log) 
     table, the replica check, a text sample; the metrics' last record. ``times`` is this
     rank's time row, ``figures`` the loop's totals (the same on every rank)."""
     cfg, world, step = run.cfg, run.world, result.steps
+    whole = run.role.grid.pp == run.role.grid.tp == 1  # this rank holds the whole model
     if result.stopped or step > result.start_step:
         save(run, step, result.stopped or "end of training", result, out, log)
     if result.stopped:
-        how = run.role.resume_hint.format(dir=cfg.run.dir) if cfg.run.dir else \
-            "nothing was saved: no run.dir"
+        how = resume_hint(cfg, cfg.run.dir) if cfg.run.dir else "nothing was saved: no run.dir"
         log(f"stopped by {result.stopped} after step {step}; {how}")
         out.metrics.write("stopped", step=step, signal=result.stopped)
         out.write_timeline(cfg.run.dir, log)
@@ -144,15 +146,14 @@ def finish(run, result: Result, times: tuple, figures: dict, out: Outputs, log) 
     digest = run.role.sync.check_replicas()
     rows = world.allgather(times)  # rank 0 prints them, the leading rank records them
     out.heap.stop()
-    states = world.allgather((run.role.sync.memory() if hasattr(run.role.sync, "memory") else None,
-                              out.heap.figures()))
-    lines, result.staleness = run.role.summary()
+    states = world.allgather((model_state(run.role.sync.model, run.role.sync.optimizer), out.heap.figures()))
+    lines, result.staleness = run.role.sync.summary()
     done = figures["done"]
     if world.rank == 0:
         result.timing = rows
         if done:  # a resumed run that was already finished has no steps to show
             log(time_table(rows, done))
-        if world.size > 1 and run.role.whole:
+        if world.size > 1 and whole:
             log(f"replicas identical on all {world.size} ranks (parameters sha256 {digest[:16]})")
         elif world.size > 1:
             log(f"the parts' replicas identical; the whole model's parameters, gathered from its parts: "
@@ -163,7 +164,7 @@ def finish(run, result: Result, times: tuple, figures: dict, out: Outputs, log) 
             log(line)
     if run.data.kind == "text" and cfg.train.sample_tokens:
         with run.role.sync.whole_model():  # entered by every rank: ZeRO-3 gathers the model
-            if world.rank == 0 and run.role.whole:
+            if world.rank == 0 and whole:
                 result.sample = sample_text(run)
                 log("sample:\n" + result.sample)
             elif world.rank == 0:
@@ -182,7 +183,7 @@ def _totals(run, result: Result, figures: dict, rows, out: Outputs, log) -> Resu
         servers = run.cfg.parallel.servers  # steps when asynchronous; every server counted each gradient
         steps = sum(result.staleness.values()) / servers / (run.world.size - servers)
     result.samples_per_s = steps * t.global_batch_size / seconds if seconds else 0.0
-    result.gflops_per_s = steps * figures["flops"] * run.role.ranks / seconds / 1e9 if seconds else 0.0
+    result.gflops_per_s = steps * figures["flops"] * run.role.grid.size / seconds / 1e9 if seconds else 0.0
     result.stall_fraction = figures["stall"] / (seconds + figures["stall"]) if seconds else 0.0
     out.metrics.write("end", step=run.total, steps_timed=done, steps_per_epoch=run.reader.steps_per_epoch,
                       seconds=result.seconds, samples_per_s=result.samples_per_s, gflops_per_s=result.gflops_per_s,
@@ -195,22 +196,21 @@ def _totals(run, result: Result, figures: dict, rows, out: Outputs, log) -> Resu
 
 def state_lines(run, states: list) -> list[str]:
     """The end of a run's lines on memory (:mod:`mpitrain.observe.memory`), of the rank
-    that holds the most (``states``: every rank's ``(sync.memory(), heap figures)``, None
-    where its sync counts none or nothing was traced): its model state counted beside
-    ZeRO's formula, the heap measured, and in mixed precision the loss scale."""
+    that holds the most (``states``: every rank's ``(model state, heap figures)``, the
+    latter None where nothing was traced): its model state counted beside ZeRO's formula
+    for the parameters of its part, the heap measured, and in mixed precision the loss
+    scale."""
     cfg, lines = run.cfg, []
-    n = sum(size for _, size in run.layout.params)
     o, mixed = cfg.optim, isinstance(run.optimizer, MixedPrecision)
     moments = 2 if o.name in ("adam", "adamw") else int(o.momentum > 0)
     formula = bytes_per_parameter(cfg.parallel.sync, run.role.lane[1], moments, np.dtype(cfg.train.dtype).itemsize,
                                   mixed)
-    counted = [c for c, _ in states if c is not None]
-    if counted:
-        lines.append(state_line(max(counted, key=lambda c: sum(c[key] for key, _ in CATEGORIES)), n, formula))
+    top = max((c for c, _ in states), key=lambda c: sum(c[key] for key, _ in CATEGORIES))
+    lines.append(state_line(top, top["parameters"], formula))
     traced = [(c, h) for c, h in states if h is not None]
     if traced:
         c, h = max(traced, key=lambda ch: ch[1]["rest"])
-        lines.append(heap_line(h, c, n, formula))
+        lines.append(heap_line(h, c, c["parameters"], formula))
     if isinstance(run.optimizer, MixedPrecision):
         scaler = run.optimizer.scaler
         lines.append(f"mixed precision {run.optimizer.precision}: loss scale {scaler.scale:g}"

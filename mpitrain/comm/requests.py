@@ -1,0 +1,197 @@
+"""Started operations and what communication costs a rank: requests, the counters of each
+communicator, the communication thread.
+
+**Requests.** A method that starts an operation returns a :class:`Request` and never
+waits inside: ``test()`` lets it move forward (MPICH progresses a non-blocking operation
+only while the process is inside an MPI call) and says whether it is done; ``wait()``
+finishes it. mpitrain's own algorithms (the ring, the two-rank exchange, the node-aware
+allreduce) are requests too, advanced step by step from ``test()``.
+
+**Counters.** Every communicator counts, in its :class:`CommStats`, the bytes this rank
+sends, the bytes it receives point to point, the seconds it is *blocked* (inside a
+blocking call or a wait: exposed communication), and the seconds its collectives are
+*busy* (from each one's start until it is seen complete, whether the rank waited for it
+or computed meanwhile, collectives in flight together counted once: blocked and busy
+together say how much overlap hid). A communicator made from another (``dup``,
+``split``) has a counter of its own, which adds into its parent's too. So the grid's
+``dp_comm``, ``pp_comm`` and ``tp_comm`` each count everything done on their axis, by
+whichever duplicate, bucket or sub-group, and a strategy counts nothing itself.
+
+A blocked second is counted once, by the outermost call (a ring's ``wait`` waits for its
+messages inside it), and only on the training thread: a communication thread's calls
+are busy, not blocked; the training thread's wait for them is what blocks it.
+
+**Tracing.** :func:`trace_operations` installs a function called with ``(name, start,
+end, bytes)`` as each collective completes (the timeline's communication track), as
+:func:`mpitrain.tensor.observe_ops` does for ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+_local = threading.local()  # per thread: how deep in blocking calls; whether a communication thread
+_tracers: list = []  # called (name, start, end, nbytes) as each collective completes
+
+
+@dataclass
+class CommStats:
+    """What one rank did on one communicator and on everything made from it."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0  # point-to-point receives only (collectives count what they send)
+    seconds: float = 0.0  # blocked: inside blocking calls and waits
+    busy: float = 0.0  # some collective in progress: from each one's start until seen complete
+    parent: CommStats | None = field(default=None, repr=False)  # a split adds into the communicator it came from
+    _busy_until: float = field(default=0.0, repr=False)  # the end of the busy time counted so far
+
+    def add(self, sent: float = 0, received: float = 0, seconds: float = 0.0, span: tuple | None = None) -> None:
+        """Count bytes, blocked seconds, and a collective's ``span`` (start, end) as busy
+        time, where it does not overlap the spans counted before it (collectives complete
+        nearly in the order they start); here and in every parent."""
+        stats = self
+        while stats is not None:
+            stats.bytes_sent += int(sent)
+            stats.bytes_received += int(received)
+            stats.seconds += seconds
+            if span is not None:
+                stats.busy += max(0.0, span[1] - max(span[0], stats._busy_until))
+                stats._busy_until = max(stats._busy_until, span[1])
+            stats = stats.parent
+
+    def totals(self) -> tuple[int, float, float]:
+        """(bytes sent, seconds blocked, seconds busy) so far."""
+        return self.bytes_sent, self.seconds, self.busy
+
+
+@contextlib.contextmanager
+def trace_operations(tracer):
+    """Call ``tracer(name, start, end, nbytes)`` as each collective completes inside the block."""
+    _tracers.append(tracer)
+    try:
+        yield tracer
+    finally:
+        del _tracers[next(i for i, t in enumerate(_tracers) if t is tracer)]
+
+
+def _traced(name: str, start: float, end: float, nbytes: int) -> None:
+    for tracer in _tracers:
+        tracer(name, start, end, nbytes)
+
+
+@contextlib.contextmanager
+def blocking(stats: CommStats | None, name: str = "", nbytes: int = 0):
+    """Around a call that blocks: its seconds are blocked time (unless an outer call
+    counts them already, or this is a communication thread); ``name``d, it is a
+    blocking collective, whose seconds are also busy, and traced."""
+    depth = getattr(_local, "depth", 0)
+    _local.depth = depth + 1
+    tick = time.perf_counter()
+    try:
+        yield
+    finally:
+        _local.depth = depth
+        end = time.perf_counter()
+        if depth == 0 and stats is not None:
+            blocked = 0.0 if getattr(_local, "background", False) else end - tick
+            stats.add(seconds=blocked, span=(tick, end) if name else None)
+            if name:
+                _traced(name, tick, end, nbytes)
+
+
+class Request:
+    """A started operation. ``stats`` counts the seconds a ``wait()`` blocks; a ``name``d
+    request is a collective whose time from start to completion is busy time (and
+    traced). Subclasses move forward in ``_progress()`` (True once done) and finish in
+    ``_block()``; the base is an operation with nothing left to do (one rank)."""
+
+    def __init__(self, stats: CommStats | None = None, name: str = "", nbytes: int = 0, done: bool = False):
+        self.stats, self.name, self.nbytes, self.done = stats, name, nbytes, done
+        self.started = time.perf_counter()
+
+    def test(self) -> bool:
+        if not self.done and self._progress():
+            self._complete()
+        return self.done
+
+    def wait(self) -> None:
+        if not self.done:
+            with blocking(self.stats):
+                self._block()
+            self._complete()
+
+    def _complete(self) -> None:
+        self.done = True
+        if self.name and self.stats is not None:
+            end = time.perf_counter()
+            self.stats.add(span=(self.started, end))
+            _traced(self.name, self.started, end, self.nbytes)
+
+    def _progress(self) -> bool:
+        return True
+
+    def _block(self) -> None:
+        pass
+
+
+class MPIRequest(Request):
+    """An MPI request (``Isend``, ``Iallreduce``, ...)."""
+
+    def __init__(self, mpi_request, stats: CommStats, name: str = "", nbytes: int = 0):
+        super().__init__(stats, name, nbytes)
+        self.mpi = mpi_request
+
+    def _progress(self) -> bool:
+        return bool(self.mpi.Test())
+
+    def _block(self) -> None:
+        self.mpi.Wait()
+
+
+class CommThread:
+    """A thread that runs the blocking communication handed to it, one call at a time,
+    while the training thread computes (Horovod's design); MPI must run at thread level
+    ``serialized`` or ``multiple``. :meth:`submit` returns a request whose ``wait()``
+    blocks the training thread until the call has run (and raises what it raised)."""
+
+    def __init__(self, stats: CommStats, name: str):
+        self.stats, self._queue = stats, queue.Queue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, call) -> Request:
+        handed = _Handed(self.stats)
+        self._queue.put((call, handed))
+        return handed
+
+    def _serve(self) -> None:
+        _local.background = True  # its blocked seconds are not the training thread's
+        while (item := self._queue.get()) is not None:
+            call, handed = item
+            try:
+                call()
+            except BaseException as e:  # handed to the waiting thread, which raises it
+                handed.error = e
+            handed.event.set()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+
+class _Handed(Request):
+    def __init__(self, stats: CommStats):
+        super().__init__(stats)
+        self.event, self.error = threading.Event(), None
+
+    def _progress(self) -> bool:
+        return self.event.is_set()
+
+    def _block(self) -> None:
+        self.event.wait()
+        if self.error is not None:
+            raise self.error

@@ -1,0 +1,244 @@
+"""What training costs, once: every formula the code, the tests, the benchmarks and the
+end-of-run tables use, as pure functions of shapes and sizes (no MPI, no arrays).
+
+A formula written twice drifts; here each is written once, with its source, and every
+place that predicts a cost calls it: the communicators count MPI's collectives by
+:func:`collective_bytes`, the start of a run states each strategy's bytes per step, the
+end of a run sets the model state it counted beside :func:`bytes_per_parameter`, the
+benchmarks and the tests hold what they measure against these functions.
+
+Sizes: ``n`` numbers of ``itemsize`` bytes, ``P`` ranks; "bytes" are what one rank
+sends (each rank sends as much in these algorithms); ``B`` samples of ``T`` tokens,
+width ``C``, ``H`` heads, ``L`` layers, vocabulary ``V``.
+"""
+
+from __future__ import annotations
+
+PFLOP_S_DAY = 1e15 * 86_400  # FLOPs in a day at one PFLOP/s
+
+
+# ----------------------------------------------------------------------------- memory
+def bytes_per_parameter(sync: str, P: int, moments: int = 2, itemsize: int = 4, mixed: bool = False) -> float | None:
+    """Model state one of ``P`` data-parallel ranks holds per parameter (Rajbhandari et
+    al., "ZeRO", SC 2020): weights ``w``, gradients ``g`` and optimizer state ``s`` bytes
+    (``moments`` arrays: Adam 2, SGD with momentum 1; in ``mixed`` precision half
+    weights and gradients, a float32 master and float32 moments). ``ddp``/``local``
+    ``w + g + s`` (16 with Adam, float32 or mixed), ``zero1`` ``w + g + s/P`` (8 + 8/P),
+    ``zero2`` ``w + (g + s)/P`` (4 + 12/P), ``zero3`` ``(w + g + s)/P`` (16/P); None for a
+    layout without a formula here (parameter servers)."""
+    w = g = 2 if mixed else itemsize
+    s = moments * (4 if mixed else itemsize) + (4 if mixed else 0)
+    return {"ddp": w + g + s, "local": w + g + s, "zero1": w + g + s / P, "zero2": w + (g + s) / P,
+            "zero3": (w + g + s) / P}.get(sync)
+
+
+# ------------------------------------------------------------------ communication
+def collective_bytes(kind: str, nbytes: float, P: int, root: bool = False) -> float:
+    """Bytes one rank sends in a bandwidth-optimal collective on an array of ``nbytes``
+    (Patarasuk & Yuan 2009): ``allreduce`` ``2 (P-1)/P x n``; ``reduce_scatter`` and
+    ``allgather`` ``(P-1)/P x n``; ``broadcast`` ``n`` from the ``root``, 0 elsewhere.
+    mpitrain's ring sends exactly this when ``P`` divides ``n``; MPI's own collectives
+    are counted by it."""
+    if kind == "broadcast":
+        return float(nbytes) if root else 0.0
+    times = {"allreduce": 2, "reduce_scatter": 1, "allgather": 1}[kind]
+    return times * (P - 1) * nbytes / P
+
+
+def ring_elements(n: int, P: int, rank: int) -> int:
+    """Numbers rank ``rank`` sends in a ring allreduce of ``n`` in ``P`` chunks (chunk
+    ``i`` is ``[n i / P, n (i+1) / P)``): every chunk but its own in the reduce-scatter,
+    every chunk but its right neighbour's in the allgather, ``2n - c_r - c_{r+1}``;
+    summed over the ranks, exactly ``2 (P-1) n``."""
+    chunk = [n * (i + 1) // P - n * i // P for i in range(P)]
+    return 2 * n - chunk[rank] - chunk[(rank + 1) % P]
+
+
+def node_aware_bytes(nbytes: float, nodes: int, per_node: int) -> dict[str, float]:
+    """Bytes one rank sends in the node-aware allreduce (:mod:`mpitrain.comm.hierarchical`)
+    on ``nodes`` nodes of ``per_node`` ranks: ``2 (L-1)/L x n`` over shared memory, and
+    over the network its slice's allreduce, ``2 (N-1)/N x n/L``."""
+    return {"intra-node": collective_bytes("allreduce", nbytes, per_node),
+            "inter-node": collective_bytes("allreduce", nbytes / per_node, nodes)}
+
+
+def data_parallel_bytes(n: int, P: int, itemsize: int, wire: int | None = None, algorithm: str = "mpi") -> float:
+    """Bytes one rank sends per step with data parallelism (Li et al., VLDB 2020): one
+    allreduce of the ``n`` gradients, ``2 (P-1)/P x n x s``, where ``s`` is the bytes of a
+    number on the wire: the gradients' own, or ``wire``'s (mpitrain's ring sends 16-bit
+    numbers of float32 gradients), or 4 for half-precision gradients through MPI, which
+    sums a float32 copy (MPI cannot add bfloat16)."""
+    s = wire or (4 if itemsize == 2 and algorithm == "mpi" else itemsize)
+    return collective_bytes("allreduce", n * s, P)
+
+
+def zero_bytes(stage: int, nbytes: float, P: int, micro_batches: int = 1, sharded: bool = True) -> float:
+    """Bytes one rank sends per step with ZeRO ``stage`` on parameters of ``nbytes``:
+    stage 1 a reduce-scatter and an allgather, ``2 (P-1)/P x n``, data parallelism's
+    allreduce in two halves; stage 2 a reduce-scatter per micro-batch (``sharded``
+    accumulation) or per step, and the allgather, ``(m + 1) (P-1)/P x n``; stage 3 the
+    parameters gathered in forward and again in backward and the gradients
+    reduce-scattered, per micro-batch, ``3 m (P-1)/P x n``."""
+    half = collective_bytes("allgather", nbytes, P)
+    if stage == 1:
+        return 2 * half
+    if stage == 2:
+        return (micro_batches + 1 if sharded else 2) * half
+    return 3 * micro_batches * half
+
+
+def parameter_server_bytes(nbytes: float, servers: int) -> tuple[float, float]:
+    """(sent, received) by a worker per step (Li et al., OSDI 2014): it pushes the
+    gradients with a 16-byte header (step, version) to each server and pulls the
+    parameters with an 8-byte version from each."""
+    return nbytes + 16 * servers, nbytes + 8 * servers
+
+
+def tensor_parallel_bytes(B: int, T: int, C: int, itemsize: int, t: int) -> float:
+    """Bytes one rank sends per transformer block per step with the block sliced over ``t``
+    ranks (Shoeybi et al. 2019): two allreduces of ``(B, T, C)`` forward and two
+    backward, ``8 (t-1)/t x B T C s``; sequence parallelism (Korthikanti et al. 2022)
+    turns each into a reduce-scatter and an allgather, the same bytes."""
+    return 4 * collective_bytes("allreduce", B * T * C * itemsize, t)
+
+
+# ----------------------------------------------------------------------- pipelines
+def pipeline_idle(name: str, p: int, m: int, v: int = 1, F: float = 1.0, B: float = 1.0, W: float = 1.0) -> float:
+    """Idle time per rank in one step of ``m`` micro-batches on ``p`` stages, in units of
+    one stage's forward ``F``, input-gradient ``B`` and weight-gradient ``W`` passes:
+    GPipe (Huang et al. 2019) and 1F1B (Narayanan et al. 2021) ``(p-1)(F+B+W)``,
+    interleaved with ``v`` chunks (Narayanan et al., SC21) ``(p-1)(F+B+W)/v``, ZB-H1
+    (Qi et al., ICLR 2024) ``(p-1)(F+B-W)`` for ``m >= p``. The simulator in
+    :mod:`mpitrain.schedules` is the authority for a given list; it equals these."""
+    if name in ("gpipe", "1f1b"):
+        return (p - 1) * (F + B + W)
+    if name == "interleaved":
+        return (p - 1) * (F + B + W) / v
+    return (p - 1) * (F + B - W)
+
+
+def bubble_fraction(name: str, p: int, m: int, v: int = 1, F: float = 1.0, B: float = 1.0, W: float = 1.0) -> float:
+    """The idle share of a step: idle / (work + idle); GPipe and 1F1B ``(p-1)/(m+p-1)``."""
+    idle = pipeline_idle(name, p, m, v, F, B, W)
+    return idle / (m * (F + B + W) + idle)
+
+
+def micro_batches_held(name: str, p: int, m: int, rank: int, v: int = 1) -> float:
+    """Micro-batches whose activations stage ``rank`` keeps at its peak (a chunk counts
+    ``1/v``): GPipe ``m``; 1F1B ``min(m, p - r)``; interleaved ``(2(p-r-1) + (v-1)p + 1)/v``
+    above the warm-up; ZB-H1 at most ``min(m, p)``, 1F1B's stage 0."""
+    if name == "gpipe":
+        return m
+    if name == "1f1b" or (name == "interleaved" and v == 1):
+        return min(m, p - rank)
+    if name == "interleaved":
+        return min(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1) / v
+    return min(m, p)
+
+
+# --------------------------------------------------------------------- activations
+def gpt_block_activation_bytes(B: int, T: int, C: int, H: int, itemsize: int, checkpointed: bool = False) -> int:
+    """Bytes one of mpitrain's transformer blocks keeps from forward for backward: per
+    sublayer the layer norm's normalised input and output and inverse deviations
+    (``2NC + N``), attention's q, k, v (``3NC``), probabilities (``B H T^2``) and output
+    (``NC``), the MLP's GELU output and derivative (``8NC``): ``(16NC + BHT^2 + 2N) s``
+    with ``N = B T``; checkpointed, its input only, ``N C s``."""
+    N = B * T
+    return N * C * itemsize if checkpointed else (16 * N * C + B * H * T * T + 2 * N) * itemsize
+
+
+def gpt_ends_activation_bytes(B: int, T: int, C: int, V: int, itemsize: int) -> int:
+    """Bytes mpitrain's GPT keeps outside its blocks: the final norm's (``2NC + N``) and the
+    cross-entropy's probabilities (``N V``)."""
+    N = B * T
+    return (2 * N * C + N + N * V) * itemsize
+
+
+def transformer_block_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence: bool = False) -> float:
+    """Activation bytes of one transformer block in 16-bit training without recomputation
+    (Korthikanti et al. 2022, "Reducing Activation Recomputation"): ``s b h (34 + 5 a s/h)``
+    for sequence ``s``, micro-batch ``b``, width ``h``, ``a`` heads; sliced over ``t``
+    ranks ``s b h (10 + 24/t + 5 a s/(h t))``, and with sequence parallelism all of it
+    over ``t``."""
+    if sequence:
+        return s * b * h * (34 + 5 * a * s / h) / t
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def sliced_activation_ratios(t: int, a: int, s: int, h: int) -> tuple[float, float]:
+    """Activation bytes per block of one of ``t`` tensor-parallel ranks, and with sequence
+    parallelism, relative to one rank's: Korthikanti et al.'s count (2022, section 4) for
+    mpitrain's float32 blocks, ``s b h (72 + 12 a s/h)`` unsliced. Their half-precision
+    terms doubled, and each dropout mask 4 bytes an element (mpitrain's are float arrays,
+    theirs bytes): the layer norms' inputs 8 sbh, the inputs of the first matrices of the
+    two sublayers 4 + 4 sbh, the two dropout masks on the residual branches 4 + 4 sbh
+    (together 24 sbh, whole on every rank under tensor slicing); q and k 8, v 4, the
+    projection's input 4, GELU's input and output 16 + 16 (48 sbh, sliced); the attention
+    scores, their dropout mask and its output 4 + 4 + 4 a s^2 b (sliced). Sliced:
+    ``s b h (24 + 48/t + 12 a s/(h t))``. Sequence parallelism slices the 24 too, except
+    that the gathered inputs of the two first matrices are kept whole (for their weight
+    gradients; Megatron gathers them again in backward instead):
+    ``s b h (72/t + 8 (1 - 1/t) + 12 a s/(h t))``."""
+    whole = 72 + 12 * a * s / h
+    sliced = 24 + 48 / t + 12 * a * s / (h * t)
+    sequence = 72 / t + 8 * (1 - 1 / t) + 12 * a * s / (h * t)
+    return sliced / whole, sequence / whole
+
+
+# --------------------------------------------------------------------------- FLOPs
+def matmul_flops(rows: int, inner: int, cols: int) -> int:
+    """A ``(rows, inner) @ (inner, cols)`` product: a multiply-add is 2 FLOPs."""
+    return 2 * rows * inner * cols
+
+
+def conv2d_flops(B: int, Ho: int, Wo: int, kh: int, kw: int, cin: int, cout: int) -> int:
+    """A convolution: one ``kh kw cin``-long dot product per output number."""
+    return matmul_flops(B * Ho * Wo, kh * kw * cin, cout)
+
+
+def attention_flops(B: int, T: int, C: int) -> int:
+    """Attention's two batched products over all heads, ``q k^T`` and ``P v``: ``4 B T^2 C``
+    (causal masking not subtracted, as Megatron counts it)."""
+    return 2 * matmul_flops(B * T, C, T)
+
+
+def backward_flops(forward: int, operands_needing_gradient: int) -> int:
+    """The backward of a product costs one product of its size per operand that needs a
+    gradient: twice the forward, or once when one operand is data."""
+    return forward * operands_needing_gradient
+
+
+def gpt_step_flops(B: int, T: int, C: int, L: int, V: int) -> int:
+    """Model FLOPs of a GPT training step without recomputation (Narayanan et al., SC21):
+    ``72 B T L C^2 (1 + T/6C + V/12LC)``, the products of forward (QKV, attention, the
+    projection, the 4C-wide MLP, the logits) three times over."""
+    per_layer = matmul_flops(B * T, C, 3 * C) + attention_flops(B, T, C) + matmul_flops(B * T, C, C) \
+        + 2 * matmul_flops(B * T, C, 4 * C)
+    return 3 * (L * per_layer + matmul_flops(B * T, C, V))
+
+
+def dense_training_flops(parameters: int, tokens: int) -> float:
+    """The usual estimate of a dense model's training compute (Kaplan et al. 2020):
+    ``6 N D``, two FLOPs per parameter and token forward, four backward."""
+    return 6.0 * parameters * tokens
+
+
+def pflops_days(flops: float) -> float:
+    """Compute in PFLOP/s-days: FLOPs over ``10^15 x 86,400``."""
+    return flops / PFLOP_S_DAY
+
+
+def machine_seconds(flops: float, devices: int, peak_flops: float, utilization: float) -> float:
+    """Wall time of ``flops`` on ``devices`` of ``peak_flops`` each at ``utilization``."""
+    return flops / (devices * peak_flops * utilization)
+
+
+# ------------------------------------------------------------------------- storage
+def storage_bandwidth(bytes_per_sample: float, samples_per_second: float) -> float:
+    """Bytes per second a reader must deliver (Ibrahim et al., PMBS 2021)."""
+    return bytes_per_sample * samples_per_second
+
+
+def accelerator_storage_bandwidth(bytes_per_sample: float, flops_per_sample: float, flops_per_second: float) -> float:
+    """Bytes per second that keep a device busy: ``bytes/sample / FLOPs/sample x FLOP/s``."""
+    return storage_bandwidth(bytes_per_sample, flops_per_second / flops_per_sample)
