@@ -1,5 +1,6 @@
 """Schedules as data: the order of each rank's forward and backward passes in one step of
-a pipeline, and a simulator that runs them in time.
+a pipeline, a simulator that runs them in time, and the cut of a model's layers into
+stages (:func:`balance`). No MPI: the pipeline runs these, the planner reads them.
 
 For ``p`` stages and ``m`` micro-batches a schedule is, per rank, an ordered list of
 actions (:func:`schedule`): ``Forward``, ``Backward`` (or its two halves for zero bubble:
@@ -41,6 +42,7 @@ tests read and simulate every list for p up to 8 and m up to 16.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
@@ -201,6 +203,45 @@ def with_comm(compute: list[Action], p: int, v: int, rank: int) -> list[Action]:
         else:
             out.append(a)
     return out
+
+
+def balance(sizes: list[int], parts: int) -> list[int]:
+    """Bounds ``[0, b1, ..., len(sizes)]`` cutting ``sizes`` into ``parts`` consecutive,
+    non-empty pieces whose largest sum is as small as it can be (the linear partition
+    problem, by dynamic programming; ties cut later, so earlier stages, which hold more
+    micro-batches under 1F1B, get the lighter pieces)."""
+    n = len(sizes)
+    if not 1 <= parts <= n:
+        raise ValueError(f"{n} layers cannot be cut into {parts} pipeline stages (one layer at least each)")
+    prefix = [0]
+    for s in sizes:
+        prefix.append(prefix[-1] + s)
+    INF = float("inf")
+    best = [[INF] * (n + 1) for _ in range(parts + 1)]  # best[k][j]: first j layers in k pieces
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for j in range(k, n + 1):
+            for i in range(k - 1, j):
+                cost = max(best[k - 1][i], prefix[j] - prefix[i])
+                if cost < best[k][j]:
+                    best[k][j], cut[k][j] = cost, i
+    bounds = [n]
+    for k in range(parts, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    return bounds[::-1]
+
+
+def record(trace, a: Action, start: float, v: int = 1) -> None:
+    """``trace(name, category, track, start, end)`` the action ``a`` that ran from ``start``
+    until now: a pass on the compute track (``F3``, or ``F3 chunk 1``), a message on the
+    communication track (the timeline's diagram of a schedule)."""
+    end = time.perf_counter()
+    kind = type(a).__name__
+    if isinstance(a, COMPUTE):
+        trace(f"{a.code}{a.mb}" + (f" chunk {a.chunk}" if v > 1 else ""), kind.lower(), "compute", start, end)
+    else:
+        trace(f"{kind} {a.mb}", "communication", "communication", start, end)
 
 
 def neighbour(p: int, v: int, rank: int, chunk: int, step: int) -> tuple[int, int]:

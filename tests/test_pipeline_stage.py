@@ -63,8 +63,8 @@ def test_the_cut_balances_parameters_and_keeps_the_whole_models_names():
     model = gpt(np.float32)
     names = [n for n, _ in model.named_parameters()]
     sizes = [sum(q.size for q in layer.parameters()) for _, layer in model.named_layers()]
-    assert pl.balance(sizes, 2) == [0, 2, 4]  # embed + block 0 | block 1 + head
-    assert pl.balance([1] * 6, 4) == [0, 1, 2, 4, 6]  # ties: later stages take more (1F1B keeps fewer there)
+    assert schedules.balance(sizes, 2) == [0, 2, 4]  # embed + block 0 | block 1 + head
+    assert schedules.balance([1] * 6, 4) == [0, 1, 2, 4, 6]  # ties: later stages take more (1F1B keeps fewer there)
     stage = pl.PipelineStage(model, SingleComm(), np.zeros((1, T), dtype=np.int64), ops.cross_entropy)
     assert [n for n, _ in stage.named_parameters()] == names
     assert stage.bounds == [0, len(sizes)] and stage.names[0] == "embed" and stage.names[-1] == "head"
@@ -72,7 +72,7 @@ def test_the_cut_balances_parameters_and_keeps_the_whole_models_names():
 
 def test_refusals():
     with pytest.raises(ValueError, match="4 layers cannot be cut into 5"):
-        pl.balance([1, 2, 3, 4], 5)
+        schedules.balance([1, 2, 3, 4], 5)
     with pytest.raises(ValueError, match="at least 2 pipeline stages"):
         schedules.check("interleaved", 1, 4, 2)
     model = gpt(np.float32)

@@ -10,7 +10,7 @@ from mpitrain.comm import SingleComm
 from mpitrain.gradcheck import gradcheck
 from mpitrain.parallel import tensor_parallel as tp
 from mpitrain.tensor import Tensor, default_dtype
-from mpitrain.train.parts import grad_norm
+from mpitrain.train.parts import grad_norm, slices
 
 TOL = 1e-6
 
@@ -132,7 +132,7 @@ def test_a_slice_is_restored_only_from_an_array_of_the_whole_shape(tmp_path):
     checkpoint.save(tmp_path, 1, model=saved, optimizer=opt, sync=LocalSync(saved, opt), cfg=cfg, comm=SingleComm(),
                     keep=1)
     whole = gpt(65)
-    layout = checkpoint.Layout.of(whole, sgd(whole)).with_parts(tp.parts(whole.config, 1, 0))
+    layout = checkpoint.Layout.of(whole, sgd(whole)).with_parts(slices(whole.config, 1, 0))
     sliced = tp.slice_gpt(whole, SingleComm())
     opt = sgd(sliced)
     with pytest.raises(checkpoint.CheckpointError, match=r"embed.wte.weight has shape \(80, 8\) in the checkpoint, "

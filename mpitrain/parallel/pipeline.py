@@ -4,19 +4,16 @@
 final norm + head) is cut into ``p`` consecutive *stages*, one per rank of ``pp_comm``
 (``p * v`` *chunks* for the interleaved schedule: rank r holds chunks r, r + p, ...).
 Every rank builds the whole model from the seed and keeps its slice, so its weights are
-those of one process. The cut balances parameters (:func:`balance`); the trainer prints
-each stage's layers and parameter count at start.
+those of one process. The cut balances parameters (:func:`mpitrain.schedules.balance`);
+the trainer prints each stage's layers and parameter count at start.
 
-**Schedules are data** (:mod:`mpitrain.schedules`): for ``p`` stages and ``m``
-micro-batches, each rank's ordered list of actions (``Forward``, ``Backward`` or its two
-halves for zero bubble, ``BackwardInput`` then ``BackwardWeight``, and the
-point-to-point ``RecvActivation``/``SendActivation``, ``RecvGrad``/``SendGrad``) for
-GPipe, 1F1B, interleaved 1F1B and ZB-H1, with their simulator and bubble formulas
-(that module's table; :func:`mpitrain.cost.bubble_fraction`: GPipe and 1F1B idle
-``(p-1)/(m+p-1)`` of the step, interleaved ``(p-1)/(v m)`` of the work, ZB-H1
-``(p-1)(F+B-W)``; :func:`mpitrain.cost.micro_batches_held`: 1F1B keeps ``min(m, p-r)``
-micro-batches on stage r, GPipe ``m``). :meth:`PipelineStage.run` carries a list out:
-the interpreter.
+**Schedules are data** (:mod:`mpitrain.schedules`, with their simulator): for ``p``
+stages and ``m`` micro-batches, each rank's ordered list of actions (``Forward``,
+``Backward`` or zero bubble's two halves, ``BackwardInput`` and ``BackwardWeight``, and
+the point-to-point ``RecvActivation``/``SendActivation``, ``RecvGrad``/``SendGrad``) for
+GPipe, 1F1B, interleaved 1F1B and ZB-H1; their bubbles and the micro-batches each stage
+holds are :func:`mpitrain.cost.bubble_fraction` and :func:`mpitrain.cost.micro_batches_held`.
+:meth:`PipelineStage.run` carries a list out: the interpreter.
 
 **Communicator and calls.** ``pp_comm`` (its own duplicate). Activations go forward and
 their gradients backward with non-blocking ``Isend``/``Irecv`` of contiguous arrays
@@ -67,53 +64,10 @@ import numpy as np
 from mpitrain import ops, rng, tensor
 from mpitrain.comm import Tag
 from mpitrain.nn import Module
-from mpitrain.schedules import (
-    COMPUTE,
-    FREES,
-    Action,
-    Backward,
-    BackwardInput,
-    BackwardWeight,
-    Forward,
-    RecvActivation,
-    RecvGrad,
-    SendActivation,
-    SendGrad,
-    check,
-    micro_batches,
-    neighbour,
-    schedule,
-    with_comm,
-)
+from mpitrain.schedules import (FREES, Action, Backward, BackwardInput, BackwardWeight, Forward,
+                                 RecvActivation, RecvGrad, SendActivation, SendGrad, balance, check, micro_batches,
+                                 neighbour, record, schedule, with_comm)
 from mpitrain.tensor import Function, Tensor, no_grad
-
-
-# ----------------------------------------------------------------------------- the cut
-def balance(sizes: list[int], parts: int) -> list[int]:
-    """Bounds ``[0, b1, ..., len(sizes)]`` cutting ``sizes`` into ``parts`` consecutive,
-    non-empty pieces whose largest sum is as small as it can be (the linear partition
-    problem, by dynamic programming; ties cut later, so earlier stages, which hold more
-    micro-batches under 1F1B, get the lighter pieces)."""
-    n = len(sizes)
-    if not 1 <= parts <= n:
-        raise ValueError(f"{n} layers cannot be cut into {parts} pipeline stages (one layer at least each)")
-    prefix = [0]
-    for s in sizes:
-        prefix.append(prefix[-1] + s)
-    INF = float("inf")
-    best = [[INF] * (n + 1) for _ in range(parts + 1)]  # best[k][j]: first j layers in k pieces
-    cut = [[0] * (n + 1) for _ in range(parts + 1)]
-    best[0][0] = 0
-    for k in range(1, parts + 1):
-        for j in range(k, n + 1):
-            for i in range(k - 1, j):
-                cost = max(best[k - 1][i], prefix[j] - prefix[i])
-                if cost < best[k][j]:
-                    best[k][j], cut[k][j] = cost, i
-    bounds = [n]
-    for k in range(parts, 0, -1):
-        bounds.append(cut[k][bounds[-1]])
-    return bounds[::-1]
 
 
 # ----------------------------------------------------------------------------- the boundary
@@ -274,7 +228,8 @@ class PipelineStage(Module):
                     box.input_grad = None
             if i == self.last_use[(a.mb, a.chunk)]:
                 del boxes[(a.mb, a.chunk)]  # its buffers go as soon as the graph lets them
-            self._record(a, start)
+            if self.trace is not None:
+                record(self.trace, a, start, self.v)
         self.comm.waitall([req for req, _ in self.in_flight])
         self.in_flight.clear()
         return total if self.last % self.p == self.rank else None
@@ -379,17 +334,6 @@ class PipelineStage(Module):
             return None
         with no_grad():
             return self.loss(out, y)
-
-    def _record(self, a: Action, start: float) -> None:
-        if self.trace is None:
-            return
-        end = time.perf_counter()
-        kind = type(a).__name__
-        if isinstance(a, COMPUTE):
-            self.trace(f"{a.code}{a.mb}" + (f" chunk {a.chunk}" if self.v > 1 else ""), kind.lower(), "compute",
-                       start, end)
-        else:
-            self.trace(f"{kind} {a.mb}", "communication", "communication", start, end)
 
     # ------------------------------------------------------------- after backward
     def sum_tied_grads(self) -> None:

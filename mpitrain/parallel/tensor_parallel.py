@@ -1,48 +1,37 @@
 """Tensor parallelism (Megatron-LM): each transformer layer's matrices sliced over ``tp_comm``.
 
-**What is sliced.** In every block the first matrix of each sublayer is cut by columns
-(:class:`ColumnParallelLinear`: attention's packed ``W_qkv`` by heads, ``n_head / t`` per
-rank with q, k and v cut alike; the MLP's ``W_fc`` by hidden units) and the second by
-rows (:class:`RowParallelLinear`: ``W_proj`` of each), so each rank computes its heads or
-its hidden units end to end and the sublayer needs one sum over ranks. The token
-embedding and the output head it is tied to are cut by vocabulary rows
-(:class:`VocabParallelEmbedding`, :class:`VocabParallelHead`): the cross-entropy is taken
-on the vocabulary slices (:func:`vocab_parallel_cross_entropy`) without gathering the
-logits. Layer norms, biases of row-parallel layers and the position embedding are
-replicated: every rank computes the same values and the same gradients for them. Uneven
-cuts are allowed (a vocabulary of 65 over 2 ranks: 33 and 32 rows).
+**What is sliced** (Shoeybi et al. 2019, "Megatron-LM"). In every block the first matrix
+of each sublayer by columns (:class:`ColumnParallelLinear`: attention's packed ``W_qkv``
+by heads, ``n_head / t`` per rank; the MLP's ``W_fc`` by hidden units), the second by
+rows (:class:`RowParallelLinear`), so each rank computes its heads or hidden units end
+to end and a sublayer needs one sum over ranks. The token embedding and the head tied to
+it by vocabulary rows (:class:`VocabParallelEmbedding`, :class:`VocabParallelHead`), the
+cross-entropy taken on the slices (:func:`vocab_parallel_cross_entropy`). Layer norms,
+row-parallel biases and the position embedding are whole on every rank. Cuts may be
+uneven (a vocabulary of 65 over 2 ranks: 33 and 32 rows).
 
-**The two conjugate operators** (Shoeybi et al. 2019, "Megatron-LM"), as autograd nodes:
-``f`` (:func:`copy_to`) is the identity forward and an allreduce backward, before a
-column-parallel layer (its input is whole on every rank, its gradient a partial sum);
-``g`` (:func:`reduce_from`) is an allreduce forward and the identity backward, after a
-row-parallel layer (its output is a partial sum). Sequence parallelism (Korthikanti et
-al. 2022; ``slice_gpt(..., sequence=True)``, ``parallel.sequence_parallel``) replaces
-them by an allgather along the sequence (:func:`gather_sequence`, whose backward is a
-reduce-scatter) before a column-parallel layer and a reduce-scatter
-(:func:`scatter_sequence`, whose backward is an allgather) after a row-parallel one,
-each the other's adjoint: between them, the layer norms, residual adds and dropout run
-on each rank's slice of the sequence, and the gradients of the whole weights, each
-rank's from its slice, are summed over the ranks after backward
-(:func:`sum_replicated_grads`).
+**The two conjugate operators**, autograd nodes: ``f`` (:func:`copy_to`), the identity
+forward and an allreduce backward, before a column-parallel layer (its input is whole,
+its gradient a partial sum); ``g`` (:func:`reduce_from`), an allreduce forward and the
+identity backward, after a row-parallel layer (its output is a partial sum). Sequence
+parallelism (Korthikanti et al. 2022, ``parallel.sequence_parallel``) replaces them by an
+allgather along the sequence (:func:`gather_sequence`, a reduce-scatter backward) and a
+reduce-scatter (:func:`scatter_sequence`, an allgather backward), each the other's
+adjoint: between them the layer norms, residual adds and dropout run on each rank's
+slice of the sequence, and the whole weights' gradients, each rank's from its slice, are
+summed over the ranks after backward (:func:`sum_replicated_grads`).
 
-**Calls and bytes.** Per block and micro-batch of ``b`` samples, forward: two allreduces
-of ``(b, T, C)`` (one ``g`` per sublayer); backward: two (one ``f`` per sublayer). A ring
-allreduce sends ``2 (t-1)/t`` of the array per rank, so a block moves ``8 (t-1)/t x b T C
-x itemsize`` bytes per rank per step (:func:`mpitrain.cost.tensor_parallel_bytes`); the embedding adds one ``g`` (forward) and the head
-one ``f`` (backward) of the same size, and the cross-entropy three allreduces of ``b T``
-numbers. Sequence parallelism sends the same bytes (a reduce-scatter and an allgather
-each send ``(t-1)/t`` of the array). Blocking collectives on ``tp_comm`` (the grid's),
-inside the layers' forward and backward.
+**Calls and bytes.** Blocking collectives on ``tp_comm`` inside forward and backward: per
+block and micro-batch of ``b`` samples two allreduces of ``(b, T, C)`` forward (a ``g``
+per sublayer) and two backward (an ``f`` each), ``8 (t-1)/t x b T C x itemsize`` bytes per
+rank (:func:`mpitrain.cost.tensor_parallel_bytes`, sequence parallelism the same); the
+embedding adds a ``g``, the head an ``f``, the cross-entropy three allreduces of ``b T``.
 
-**Dropout.** Masks come from the per-sample streams of :mod:`mpitrain.rng`, the same on
-every rank of ``tp_comm`` (they hold the same samples): dropout after a ``g`` (the
-residual branches, the embedding) is the same on every rank, as one process draws it;
-the attention probabilities' dropout, inside the sliced region, draws the whole layer's
-mask and keeps its heads' part, so the slices together are one process's mask. (Megatron
-gives the sliced region a per-rank stream instead, which is as random but not equal to
-serial training.) On a slice of the sequence, dropout takes its rows of one process's
-mask (:func:`mpitrain.rng.rows`).
+**Dropout** draws :mod:`mpitrain.rng`'s per-sample streams, the same on every rank of
+``tp_comm``: after a ``g`` each rank draws one process's mask; in the sliced region
+attention's dropout keeps its heads' part of the whole layer's mask (Megatron gives it a
+stream per rank: as random, not equal to serial training); on a slice of the sequence,
+dropout takes its rows of one process's mask (:func:`mpitrain.rng.rows`).
 
 **Launch.** ``mpiexec -n 2 mpitrain train jobs/tinyshakespeare_gpt.toml --set parallel.tp=2``.
 """
@@ -50,6 +39,7 @@ mask (:func:`mpitrain.rng.rows`).
 from __future__ import annotations
 
 import contextlib
+import math
 
 import numpy as np
 
@@ -67,10 +57,17 @@ def shard(n: int, t: int, rank: int) -> tuple[int, int]:
     return lo, lo + size + (rank < extra)
 
 
+def heads(C: int, n_head: int, t: int, rank: int) -> np.ndarray:
+    """The columns of q (or k, or v) of rank ``rank``'s heads: ``n_head / t`` of them."""
+    if n_head % t:
+        raise ValueError(f"{n_head} attention heads do not split over {t} tensor-parallel ranks")
+    width = C // n_head * (n_head // t)
+    return np.arange(rank * width, (rank + 1) * width)
+
+
 # ----------------------------------------------------------------------------- operators
 class Copy(Function):
-    """``f``: forward the identity (the input is whole on every rank); backward the sum
-    over ranks of the gradients, each rank's being its slice's contribution."""
+    """``f``: forward the identity; backward the sum over ranks (each rank's gradient is its slice's part)."""
 
     def forward(self, x, comm):
         self.comm = comm
@@ -83,8 +80,7 @@ class Copy(Function):
 
 
 class Reduce(Function):
-    """``g``: forward the sum over ranks of the partial results; backward the identity
-    (every rank needs the whole gradient of the sum)."""
+    """``g``: forward the sum over ranks of the partial results; backward the identity."""
 
     def forward(self, x, comm):
         out = np.array(x, copy=True)
@@ -95,93 +91,68 @@ class Reduce(Function):
         return g
 
 
-def _along_sequence(x: np.ndarray) -> np.ndarray:
-    """(B, T, ...) -> (T, B, ...) contiguous: ranks' sequence slices are then contiguous."""
-    return np.ascontiguousarray(np.moveaxis(x, 1, 0))
+def _gather_along(x: np.ndarray, comm, axis: int, widths: list[int]) -> np.ndarray:
+    """Every rank's ``x`` end to end along ``axis``, in rank order (an allgather; rank
+    ``r``'s is ``widths[r]`` wide there)."""
+    mine = np.ascontiguousarray(np.moveaxis(x, axis, 0))  # (w_r, ...): the ranks' parts contiguous
+    whole = np.empty((sum(widths), *mine.shape[1:]), dtype=x.dtype)  # (sum w_r, ...)
+    lo = sum(widths[: comm.rank])
+    whole[lo : lo + len(mine)] = mine
+    comm.allgather_array(whole.reshape(-1), [w * math.prod(mine.shape[1:]) for w in widths])
+    return np.ascontiguousarray(np.moveaxis(whole, 0, axis))
 
 
 class ScatterSequence(Function):
-    """Sequence parallelism's ``g``: forward a reduce-scatter, each rank keeping the sum
-    of its slice of the sequence, (B, T, C) -> (B, T/t, C); backward an allgather of
-    the slices' gradients."""
+    """Sequence parallelism's ``g``: forward a reduce-scatter, each rank keeping the sum of
+    its slice of the sequence, (B, T, C) -> (B, T/t, C); backward an allgather."""
 
     def forward(self, x, comm):
         self.comm, self.T = comm, x.shape[1]
         t = comm.size
         if self.T % t:
             raise ValueError(f"sequence parallelism: the sequence of {self.T} does not split over {t} ranks")
-        whole = _along_sequence(x)  # (T, B, C)
+        whole = np.ascontiguousarray(np.moveaxis(x, 1, 0))  # (T, B, C): each rank's slice contiguous
         mine = np.empty((self.T // t, *whole.shape[1:]), dtype=x.dtype)  # (T/t, B, C)
         comm.reduce_scatter(whole.reshape(-1), mine.reshape(-1), [mine.size] * t)
         return np.ascontiguousarray(np.moveaxis(mine, 0, 1))
 
     def backward(self, g):
-        return _gather(g, self.comm)
+        return _gather_along(g, self.comm, 1, [self.T // self.comm.size] * self.comm.size)
 
 
 class GatherSequence(Function):
     """Sequence parallelism's ``f``: forward an allgather of the ranks' sequence slices,
-    (B, T/t, C) -> (B, T, C); backward a reduce-scatter (each rank keeps the summed
-    gradient of its slice)."""
+    (B, T/t, C) -> (B, T, C); backward a reduce-scatter."""
 
     def forward(self, x, comm):
         self.comm = comm
-        return _gather(x, comm)
+        return _gather_along(x, comm, 1, [x.shape[1]] * comm.size)
 
     def backward(self, g):
         return ScatterSequence().forward(g, self.comm)
 
 
-def _gather(x: np.ndarray, comm) -> np.ndarray:
-    mine = _along_sequence(x)  # (T/t, B, C)
-    t = comm.size
-    whole = np.empty((mine.shape[0] * t, *mine.shape[1:]), dtype=x.dtype)  # (T, B, C)
-    whole[comm.rank * mine.shape[0] : (comm.rank + 1) * mine.shape[0]] = mine
-    comm.allgather_array(whole.reshape(-1), [mine.size] * t)
-    return np.ascontiguousarray(np.moveaxis(whole, 0, 1))
-
-
 class GatherFeatures(Function):
-    """Forward: every rank's slice of the last axis, end to end in rank order (an
-    allgather; the slices may differ in width); backward: this rank's slice of the
-    gradient (each rank's part of the whole)."""
+    """Forward: every rank's slice of the last axis (widths may differ), end to end in
+    rank order; backward: this rank's slice of the gradient."""
 
     def forward(self, x, comm):
         self.comm, self.widths = comm, comm.allgather(x.shape[-1])
-        rows = np.ascontiguousarray(x).reshape(int(np.prod(x.shape[:-1])), x.shape[-1])  # (N, out / t); may be empty
-        flat = np.empty(sum(w * len(rows) for w in self.widths), dtype=x.dtype)  # rank by rank, (N, w_r) each
-        at = sum(self.widths[: comm.rank]) * len(rows)
-        flat[at : at + rows.size] = rows.reshape(-1)
-        comm.allgather_array(flat, [w * len(rows) for w in self.widths])
-        parts, start = [], 0
-        for w in self.widths:
-            parts.append(flat[start : start + w * len(rows)].reshape(len(rows), w))
-            start += w * len(rows)
-        return np.concatenate(parts, axis=1).reshape(*x.shape[:-1], -1)
+        return _gather_along(x, comm, -1, self.widths)
 
     def backward(self, g):
         lo = sum(self.widths[: self.comm.rank])
         return np.ascontiguousarray(g[..., lo : lo + self.widths[self.comm.rank]])
 
 
-def gather_features(x, comm) -> Tensor:
-    return GatherFeatures.apply(as_tensor(x), comm)
+def _applied(node):
+    """``node`` as a function of ``(x, comm)``: ``x`` a tensor (or array), recorded in the graph."""
+    return lambda x, comm: node.apply(as_tensor(x), comm)
 
 
-def copy_to(x, comm) -> Tensor:
-    return Copy.apply(as_tensor(x), comm)
-
-
-def reduce_from(x, comm) -> Tensor:
-    return Reduce.apply(as_tensor(x), comm)
-
-
-def scatter_sequence(x, comm) -> Tensor:
-    return ScatterSequence.apply(as_tensor(x), comm)
-
-
-def gather_sequence(x, comm) -> Tensor:
-    return GatherSequence.apply(as_tensor(x), comm)
+copy_to, reduce_from = _applied(Copy), _applied(Reduce)  # f and g
+scatter_sequence, gather_sequence = _applied(ScatterSequence), _applied(GatherSequence)  # and with the sequence sliced
+gather_features = _applied(GatherFeatures)
 
 
 # ----------------------------------------------------------------------------- layers
@@ -241,14 +212,9 @@ class ParallelSelfAttention(CausalSelfAttention):
 
     def __init__(self, whole: CausalSelfAttention, comm, sequence: bool = False):
         Module.__init__(self)  # the whole layer's weights are sliced, not drawn again
-        t, r = comm.size, comm.rank
-        C = whole.c_attn.weight.shape[0]
-        nh = whole.n_head
-        if nh % t:
-            raise ValueError(f"{nh} attention heads do not split over {t} tensor-parallel ranks")
-        hs, local = C // nh, nh // t
-        cols = np.arange(r * local * hs, (r + 1) * local * hs)  # this rank's heads' columns of q (or k, or v)
-        self.n_head, self.heads, self.dropout = local, (r * local, nh), whole.dropout
+        C, nh, local = whole.c_attn.weight.shape[0], whole.n_head, whole.n_head // comm.size
+        cols = heads(C, nh, comm.size, comm.rank)
+        self.n_head, self.heads, self.dropout = local, (comm.rank * local, nh), whole.dropout
         qkv = np.concatenate([cols, C + cols, 2 * C + cols])  # q, k and v alike, from the packed weight
         self.c_attn = ColumnParallelLinear.from_linear(whole.c_attn, comm, qkv, sequence)
         self.c_proj = RowParallelLinear.from_linear(whole.c_proj, comm, cols, sequence)
@@ -280,9 +246,7 @@ class ParallelMLP(MLP):
 
 def _sequence_rows(T: int, comm):
     """Dropout on this rank's slice of a sequence of ``T``: its rows of one process's masks."""
-    if T % comm.size:
-        raise ValueError(f"sequence parallelism: a sequence of {T} does not split over {comm.size} ranks")
-    n = T // comm.size
+    n = T // comm.size  # T divides: the layers' reduce-scatter refused it otherwise
     return rng.rows(comm.rank * n, (comm.rank + 1) * n, T)
 
 
@@ -377,24 +341,6 @@ def vocab_parallel_cross_entropy(logits, targets, lo: int, comm) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- the swap
-def parts(cfg, t: int, r: int) -> dict:
-    """Rank ``r``'s part of each sliced parameter of a GPT of config ``cfg`` over ``t``
-    ranks, by name: the index of its slice in the whole array (the rest are whole)."""
-    C, nh = cfg.n_embd, cfg.n_head
-    hs, local = C // nh, nh // t
-    cols = np.arange(r * local * hs, (r + 1) * local * hs)  # this rank's heads' columns of q (or k, or v)
-    qkv = np.concatenate([cols, C + cols, 2 * C + cols])
-    hidden = np.arange(*shard(4 * C, t, r))
-    out = {"embed.wte.weight": (slice(*shard(cfg.vocab_size, t, r)),)}
-    for i in range(cfg.n_layer):
-        b = f"blocks.{i}"
-        out.update({f"{b}.attn.c_attn.weight": (slice(None), qkv), f"{b}.attn.c_proj.weight": (cols,),
-                    f"{b}.mlp.c_fc.weight": (slice(None), hidden), f"{b}.mlp.c_proj.weight": (hidden,)})
-        if cfg.bias:
-            out.update({f"{b}.attn.c_attn.bias": (qkv,), f"{b}.mlp.c_fc.bias": (hidden,)})
-    return out
-
-
 def slice_block(block, tp_comm, sequence: bool = False):
     """A transformer block's attention by heads and its MLP by hidden units, in place;
     with ``sequence``, the block takes and gives this rank's slice of the sequence (its
@@ -406,12 +352,11 @@ def slice_block(block, tp_comm, sequence: bool = False):
 
 def slice_gpt(model: GPT, tp_comm, sequence: bool = False) -> GPT:
     """Replace ``model``'s layers by sliced ones over ``tp_comm``, in place: every rank
-    keeps its slice of the weights the seed gave the whole model (call it right after
-    building, before anything wraps the model). Needs ``n_head`` divisible by the ranks."""
+    keeps its slice of the weights the seed gave the whole model (call it before anything
+    wraps the model)."""
     t, r = tp_comm.size, tp_comm.rank
     cfg = model.config
-    if cfg.n_head % t:
-        raise ValueError(f"{cfg.n_head} attention heads do not split over {t} tensor-parallel ranks")
+    heads(cfg.n_embd, cfg.n_head, t, r)  # refused before anything is sliced unless the heads split
     if sequence and cfg.block_size % t:
         raise ValueError(f"sequence parallelism: block_size {cfg.block_size} does not split over {t} ranks")
     for block in model.blocks:
@@ -451,21 +396,3 @@ def sliced_parameters(model: Module) -> set[int]:
         elif isinstance(m, RowParallelLinear):
             out.add(id(m.weight))
     return out
-
-
-def whole_array(name: str, mine: np.ndarray, everyone: list, tp_comm, shapes: dict) -> np.ndarray:
-    """The whole parameter ``name`` of a GPT sliced over ``tp_comm``, from this rank's part
-    ``mine`` (collective for a sliced one; ``everyone``: every rank's :func:`parts`;
-    ``shapes``: whole shapes by name)."""
-    if name not in everyone[0]:
-        return mine
-    whole = np.empty(shapes[name], dtype=mine.dtype)
-    counts = [whole[p[name]].size for p in everyone]
-    flat = np.empty(sum(counts), dtype=mine.dtype)  # every rank's slice, end to end
-    at = sum(counts[: tp_comm.rank])
-    flat[at : at + mine.size] = mine.reshape(-1)
-    tp_comm.allgather_array(flat, counts)
-    for r, p in enumerate(everyone):
-        start = sum(counts[:r])
-        whole[p[name]] = flat[start : start + counts[r]].reshape(whole[p[name]].shape)
-    return whole

@@ -37,7 +37,7 @@ from mpitrain.parallel.zero import Zero1, Zero2
 from mpitrain.parallel.zero3 import Zero3
 from mpitrain.precision import MixedPrecision
 from mpitrain.tensor import default_dtype
-from mpitrain.train.parts import PartSync
+from mpitrain.train.parts import PartSync, slices
 from mpitrain.train.schedule import WholeModel
 
 # parallel.sync -> its gradient sync over dp_comm ("ps" is a role split: _ps_role)
@@ -127,7 +127,7 @@ def build_role(cfg: Config, world, grid, model, data, layout: checkpoint.Layout)
     stage, everyone = None, None
     if g.tp_size > 1:  # tp: this rank's slice of every layer
         tensor_parallel.slice_gpt(model, g.tp_comm, par.sequence_parallel)
-        everyone = [tensor_parallel.parts(model.config, g.tp_size, r) for r in range(g.tp_size)]
+        everyone = [slices(model.config, g.tp_size, r) for r in range(g.tp_size)]
         layout = layout.with_parts(everyone[g.tp_rank])
     if g.pp_size > 1:  # pp: this rank's stage of the layers
         model = stage = _stage(cfg, g, model, data, sizes)

@@ -29,7 +29,7 @@ from mpitrain.parallel import tensor_parallel as tp
 class PartSync(GradSync):
     """``inner`` (the replicas' sync of ``model``, this rank's part) with the whole model's
     sums, norm and digest. ``stage``: this rank's :class:`PipelineStage` (None: the whole
-    layer list); ``tp_comm`` and ``everyone`` (every slice's :func:`~tp.parts`): the
+    layer list); ``tp_comm`` and ``everyone`` (every slice's :func:`slices`): the
     slices' communicator (None: not sliced); ``layout``: the whole model's
     :class:`~mpitrain.checkpoint.Layout`."""
 
@@ -89,7 +89,7 @@ class PartSync(GradSync):
         if self.tp is None:
             return mine
         shapes = {n: shape for n, (shape, _) in self.layout.arrays.items()}
-        return tp.whole_array(name, mine, self.everyone, self.tp, shapes)
+        return whole_array(name, mine, self.everyone, self.tp, shapes)
 
     def _gathered(self, wholes: list) -> list:
         """Every stage's whole parameters (``wholes``: this stage's, by name), in the whole
@@ -139,3 +139,40 @@ def grad_norm(params, speaks_for, comms) -> float:
     for comm in comms:
         comm.allreduce(mine)
     return float(np.sqrt(mine[0]))
+
+
+def whole_array(name: str, mine: np.ndarray, everyone: list, tp_comm, shapes: dict) -> np.ndarray:
+    """The whole parameter ``name`` of a GPT sliced over ``tp_comm``, from this rank's part
+    ``mine`` (collective for a sliced one; ``everyone``: every rank's
+    :func:`slices`; ``shapes``: whole shapes by name)."""
+    if name not in everyone[0]:
+        return mine
+    whole = np.empty(shapes[name], dtype=mine.dtype)
+    counts = [whole[p[name]].size for p in everyone]
+    flat = np.empty(sum(counts), dtype=mine.dtype)  # every rank's slice, end to end
+    at = sum(counts[: tp_comm.rank])
+    flat[at : at + mine.size] = mine.reshape(-1)
+    tp_comm.allgather_array(flat, counts)
+    for r, p in enumerate(everyone):
+        start = sum(counts[:r])
+        whole[p[name]] = flat[start : start + counts[r]].reshape(whole[p[name]].shape)
+    return whole
+
+
+def slices(cfg, t: int, r: int) -> dict:
+    """Rank ``r``'s part of each parameter of a GPT of config ``cfg`` sliced over ``t``
+    ranks (:func:`~mpitrain.parallel.tensor_parallel.slice_gpt`), by name: the index of
+    its slice in the whole array (the rest are whole). Checkpoints and the digest put the
+    whole parameters together by it."""
+    C = cfg.n_embd
+    cols = tp.heads(C, cfg.n_head, t, r)
+    qkv = np.concatenate([cols, C + cols, 2 * C + cols])
+    hidden = np.arange(*tp.shard(4 * C, t, r))
+    out = {"embed.wte.weight": (slice(*tp.shard(cfg.vocab_size, t, r)),)}
+    for i in range(cfg.n_layer):
+        b = f"blocks.{i}"
+        out.update({f"{b}.attn.c_attn.weight": (slice(None), qkv), f"{b}.attn.c_proj.weight": (cols,),
+                    f"{b}.mlp.c_fc.weight": (slice(None), hidden), f"{b}.mlp.c_proj.weight": (hidden,)})
+        if cfg.bias:
+            out.update({f"{b}.attn.c_attn.bias": (qkv,), f"{b}.mlp.c_fc.bias": (hidden,)})
+    return out

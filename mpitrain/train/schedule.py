@@ -31,7 +31,7 @@ import time
 import numpy as np
 
 from mpitrain import ops
-from mpitrain.schedules import Backward, Forward, micro_batches
+from mpitrain.schedules import Backward, Forward, micro_batches, record
 from mpitrain.tensor import Tensor, no_grad
 
 
@@ -87,7 +87,7 @@ class WholeModel:
                     with contextlib.nullcontext() if i == last else sync.no_sync():
                         self._backward(loss)
             if self.trace is not None:
-                self.trace(str(action), type(action).__name__.lower(), "compute", start, time.perf_counter())
+                record(self.trace, action, start)
         return total
 
     def _backward(self, loss) -> None:
