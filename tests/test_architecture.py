@@ -190,3 +190,49 @@ def test_the_strategy_check_sees_what_it_looks_for():
             "ok = kind == 'gpt'\n")
     found = strategy_choices(ast.parse(code))
     assert len(found) == 4 and not any("gpt" in f for f in found), found
+
+
+# The shapes cost formulas take in code: a collective's share (P-1)/P, the pipeline bubble
+# (p-1)/(m+p-1), ZeRO's bytes per parameter, Korthikanti's activation count, Megatron's
+# FLOPs, the product FLOPs 2 x m x k x n. Each lives in mpitrain/cost.py alone.
+FORMULA_SHAPES = {
+    "a collective's share (P-1)/P": r"\(\s*(\w+)\s*-\s*1\s*\)\s*(\*[^*\n]*)?/\s*\(?\s*\1\b",
+    "the bubble (p-1)/(m+p-1)": r"/\s*\(\s*\w+\s*\+\s*\w+\s*-\s*1\s*\)",
+    "ZeRO's bytes per parameter": r"\b(8\s*\+\s*8|4\s*\+\s*12|16)\s*/\s*(P|ranks|size)\b",
+    "Korthikanti's 34 + 5 a s / h": r"\b34\s*\+\s*5\s*\*",
+    "Megatron's 72 B s L h^2": r"\b72\s*\*",
+    "a product's 2 x m x k x n FLOPs": r"\b2\s*\*\s*2\s*\*\s*\w+\s*\*|\bfwd\s*=\s*2\s*\*",
+}
+
+
+def code_of(path: Path) -> str:
+    """The file's code without its strings and comments (docstrings state formulas in words)."""
+    import io
+    import tokenize
+
+    kept = [t.string if t.type not in (tokenize.STRING, tokenize.COMMENT) else '""'
+            for t in tokenize.generate_tokens(io.StringIO(path.read_text(encoding="utf-8")).readline)]
+    return " ".join(kept)
+
+
+def formulas_in(code: str) -> list[str]:
+    import re
+
+    return [name for name, shape in FORMULA_SHAPES.items() if re.search(shape, code)]
+
+
+def test_the_formula_check_sees_each_shape():
+    samples = ["2 * (P - 1) / P * n", "(p - 1) / (m + p - 1)", "8 + 8 / P", "s * b * h * (34 + 5 * a * s / h)",
+               "72 * B * s", "fwd = 2 * B * T * C"]
+    assert [formulas_in(s) for s in samples] == [[name] for name in FORMULA_SHAPES]
+    assert not formulas_in("for s in range(P - 1): pass") and not formulas_in("x = (n - 1) // 2")
+
+
+def test_no_formula_outside_the_cost_module():
+    """Cost knowledge lives once: the code, the tests' assertions, the benchmarks and the
+    planner call mpitrain.cost; no other module of the package writes a formula."""
+    for path in PACKAGE.rglob("*.py"):
+        if path.name == "cost.py" and path.parent == PACKAGE:
+            continue
+        found = formulas_in(code_of(path))
+        assert not found, f"{path.relative_to(PACKAGE.parent)} writes {found}: call mpitrain.cost"
