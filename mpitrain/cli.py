@@ -1,5 +1,6 @@
 """The ``mpitrain`` command: ``train``, ``report``, ``data download | build | verify | info``,
-``bench step | memory | io | allreduce | ddp | ps | pipeline | tensor``, ``cluster``.
+``bench step | memory | io | allreduce | ddp | ps | pipeline | tensor``, ``cluster``,
+``config reference``.
 
 Commands that may run under ``mpiexec`` (``train``, ``bench io``) start MPI through
 :func:`mpitrain.comm.world`. Errors about the input (config, data) are raised on every
@@ -132,6 +133,16 @@ def _cluster(args) -> int:
             return code
     except ClusterError as e:
         raise _failure(str(e)) from None
+
+
+def _config_reference(args) -> int:
+    from mpitrain.config import reference
+
+    if args.out:
+        Path(args.out).write_text(reference(), encoding="utf-8")
+    else:
+        sys.stdout.write(reference())
+    return 0
 
 
 def _new_run_dir(stem: str) -> Path:
@@ -403,6 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     _report_parser(commands)
     _data_parsers(commands)
     _cluster_parser(commands)
+    _config_parser(commands)
     return parser
 
 
@@ -611,6 +623,20 @@ def _cluster_parser(commands) -> None:
                         "than cores emulate one core per rank; auto: ranks/cores when above 1 (default 1: none)")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="what every rank runs")
     p.set_defaults(run=_cluster)
+
+
+def _config_parser(commands) -> None:
+    config = commands.add_parser("config", help="the configuration reference: every field of a TOML config",
+                                 description="Configs are TOML files with [model], [data], [optim], [train], "
+                                             "[parallel] and [run] tables (jobs/CONFIG.md).")
+    actions = config.add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = actions.add_parser("reference", help="print every field: type, default, meaning, what reads it",
+                           description="Print the configuration reference in Markdown, generated from "
+                                       "mpitrain/config.py: every field of every section, its type, default and "
+                                       "meaning, and which models, optimizers and syncs read it. jobs/CONFIG.md "
+                                       "is its output (a unit test keeps the two equal).")
+    p.add_argument("--out", metavar="PATH", help="write it to PATH (e.g. jobs/CONFIG.md) instead of printing it")
+    p.set_defaults(run=_config_reference)
 
 
 def _download_parser(actions) -> None:
