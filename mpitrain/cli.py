@@ -493,7 +493,7 @@ def _bench_parallel_parsers(benches) -> None:
 
     p = benches.add_parser("ps", help="parameter server with a straggler: sync vs. bounded vs. async "
                                       "(run under mpiexec -n 4)",
-                           description="1 server + 3 workers, one worker 3x slower: time to apply the same "
+                           description="1 server + 3 workers, one of them three times as slow: time to apply the same "
                                        "number of gradients synchronously, with staleness bound 2, and "
                                        "asynchronously.")
     p.add_argument("--steps", type=_positive, default=40, help="gradients per worker, on average (default 40)")
@@ -608,7 +608,7 @@ def _cluster_parser(commands) -> None:
         description="Emulate NODES nodes of RANKS ranks each on this machine (one network namespace per node, "
                     "veth links shaped with tc to RATE) and run COMMAND on every rank under MPICH's mpiexec; "
                     "print each link's bytes at the end, and always tear down. An emulation: no added "
-                    "latency, and above about 2.5 Gbit/s a small machine's TCP stack is the limit "
+                    "latency, and at high rates a small machine's TCP stack, not the link, is the limit "
                     "(mpitrain/cluster.py). Needs root and iproute2.",
         epilog="example: mpitrain cluster --nodes 2 --ranks 1 --rate 1gbit -- mpitrain bench ddp")
     p.add_argument("--nodes", type=_positive, default=2, help="emulated nodes (default 2)")

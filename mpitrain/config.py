@@ -1,19 +1,15 @@
 """Run configuration: frozen dataclasses loaded from TOML, with ``--set key=value`` overrides.
 
-A config file has one table per section: ``[model]``, ``[data]``, ``[optim]``, ``[train]``,
-``[parallel]`` and ``[run]``, one dataclass each. The comment that starts with ``#:`` at
-each field says what it means: :func:`reference` turns those, the types, the defaults and
-the tables of which choice reads which field into ``jobs/CONFIG.md`` (``mpitrain config
-reference``), and a unit test keeps that page equal to what the code generates.
+One dataclass per section of a config file (``[model]``, ``[data]``, ``[optim]``, ``[train]``,
+``[parallel]``, ``[run]``); the ``#:`` comment at each field says what it means, and
+:func:`reference` turns those into ``jobs/CONFIG.md`` (``mpitrain config reference``).
 
 Everything is validated before any work starts; the first problem raises
 :class:`ConfigError` naming the field (``optim.lr: must be > 0, got -1``), which the
 command line prints as one line and exits with status 2. The checks that need the
 number of ranks (the grid, the batch per rank and per micro-batch) are
-:func:`check_ranks`, called once MPI has started and before any collective.
-
-Renamed fields are still read, with a note (``Config.notes``) that the trainer prints:
-``parallel.strategy`` is now ``parallel.sync``.
+:func:`check_ranks`, called once MPI has started and before any collective. Renamed
+fields (:data:`RENAMED`) are still read, with a note (``Config.notes``) that the trainer prints.
 """
 
 from __future__ import annotations
@@ -21,6 +17,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import io
+import json
 import math
 import tokenize
 import typing
@@ -123,9 +120,7 @@ class TrainConfig:
     epochs: int = 0  #: passes over the training split (image models); exactly one of the two
     seed: int = 1337  #: seeds the initial weights, the data order and dropout
     dtype: str = "float32"  #: "float32", or "float64" (for exact comparisons in tests)
-    #: "fp32", or mixed precision: "bf16" or "fp16" weights and gradients, float32 master weights
-    #: and optimizer state, products in float32; fp16 with a dynamic loss scale
-    precision: str = "fp32"
+    precision: str = "fp32"  #: "fp32", or mixed precision: "bf16" or "fp16" weights and gradients, float32 masters
     log_interval: int = 50  #: steps between progress lines and metrics records
     eval_interval: int = 0  #: steps between evaluations; 0: after every epoch (images) or at the end (text)
     eval_batches: int = 0  #: text: at most this many global batches of validation windows per evaluation; 0: all
@@ -168,9 +163,7 @@ class RunConfig:
     stall_warn_s: float = 60.0  #: a collective waiting this long: print which ranks are not there (0: never)
     stall_abort_s: float = 600.0  #: ... and this long: abort every rank (0: never)
     progress: str = "auto"  #: "bar": a progress bar under the lines; "lines": no bar; "auto": a bar on a terminal
-    #: trace the heap (tracemalloc) over the build and the first 3 steps and print it at the end by category,
-    #: beside the model-state formula; slows those steps, the data reader's first reads most
-    trace_memory: bool = False
+    trace_memory: bool = False  #: trace the heap over the build and the first 3 steps, print it at the end (slower)
 
 
 @dataclass(frozen=True)
@@ -662,64 +655,54 @@ def check_against_data(cfg: Config, data) -> None:
 
 
 # ----------------------------------------------------------------- reference
+_TYPE_NAMES = {str: "string", int: "integer", float: "number", bool: "boolean", tuple[int, ...]: "list of integers",
+               tuple[float, float]: "list of 2 numbers"}
+_INTRO = ("Generated from `mpitrain/config.py` by `mpitrain config reference --out jobs/CONFIG.md` (edit the code; a "
+          "test compares the two). A field left out takes its default; `--set section.field=VALUE` sets one (TOML "
+          "syntax). How to run a config: [README.md](README.md).")
+
+
 def reference() -> str:
     """The configuration reference, ``jobs/CONFIG.md``, in Markdown: every field with its
-    type, its default, the ``#:`` comment at it (ValueError if there is none), and in the
-    sections with a choice (``model.name``, ``optim.name``, ``parallel.sync``) the choices
-    that read it."""
+    type, its default (as TOML), its meaning (the ``#:`` comment at it, on its line or on
+    the lines above; ValueError if there is none), and, in the sections with a choice
+    (``model.name``, ``optim.name``, ``parallel.sync``), the choices that read it."""
     source = Path(__file__).read_text(encoding="utf-8")
-    comments = {t.start[0]: (t.string[2:].strip(), t.line.lstrip().startswith("#"))
+    comments = {t.start[0]: (t.string[2:].strip(), t.line.lstrip().startswith("#"))  # line: (text, on its own)
                 for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.string.startswith("#:")}
-    nodes = {(c.name, n.target.id): n for c in ast.parse(source).body if isinstance(c, ast.ClassDef)
-             for n in c.body if isinstance(n, ast.AnnAssign)}
-    out = ["# Configuration reference", "", "Generated from `mpitrain/config.py` by `mpitrain config reference "
-           "--out jobs/CONFIG.md`; edit the code, not this page (a unit test compares the two). How to run a "
-           "config: [README.md](README.md).", "", "A config is a TOML file with one table per section; a field "
-           "left out takes its default. `mpitrain train CONFIG --set section.field=VALUE` sets one field (TOML "
-           "syntax; a bare word is a string). Every field is checked before any work starts, and one that the "
-           "chosen model, optimizer or sync does not read is an error.", ""]
+    fields = {(c.name, n.target.id): n for c in ast.parse(source).body if isinstance(c, ast.ClassDef)
+              for n in c.body if isinstance(n, ast.AnnAssign)}
     choices = {"model": ("name", MODEL_FIELDS), "optim": ("name", OPTIM_FIELDS), "parallel": ("sync", PARALLEL_FIELDS)}
-    for s in _sections():
-        cls, (choice, table) = typing.get_type_hints(Config)[s.name], choices.get(s.name, (None, None))
-        out += [f"## [{s.name}]", ""] + ([f"*applies to*: the values of `{s.name}.{choice}` that read the field.",
-                                         ""] if choice else [])
+    out = ["# Configuration reference", "", _INTRO, ""]
+    for section in _sections():
+        cls = typing.get_type_hints(Config)[section.name]
+        choice, table = choices.get(section.name, (None, {}))
+        out += [f"## [{section.name}]", ""]
+        if choice:
+            out += [f"*applies to*: the values of `{section.name}.{choice}` that read the field (to set it for "
+                    "another is an error).", ""]
         out += ["| field | type | default |" + " applies to |" * bool(choice) + " meaning |",
                 "|---|---|---|" + "---|" * bool(choice) + "---|"]
-        for f, annotation in typing.get_type_hints(cls).items():
-            node, above = nodes[cls.__name__, f], []
+        for name, annotation in typing.get_type_hints(cls).items():
+            node, above = fields[cls.__name__, name], []
             while comments.get(node.lineno - 1 - len(above), ("", False))[1]:
                 above.insert(0, comments[node.lineno - 1 - len(above)][0])
             meaning = " ".join(above) or comments.get(node.end_lineno, ("",))[0]
             if not meaning:
-                raise ValueError(f"{s.name}.{f}: no '#:' comment at the field says what it means")
-            readers = [c for c, fields in (table or {}).items() if f in fields]
+                raise ValueError(f"{section.name}.{name}: no '#:' comment at the field says what it means")
+            readers = [value for value, read in table.items() if name in read]
             applies = f" {'all' if len(readers) == len(table) else ', '.join(readers)} |" if choice else ""
-            out.append(f"| `{f}` | {_type_name(annotation)} | `{_toml(getattr(cls(), f))}` |{applies} "
+            out.append(f"| `{name}` | {_TYPE_NAMES[annotation]} | `{json.dumps(getattr(cls(), name))}` |{applies} "
                        f"{meaning.replace('|', chr(92) + '|')} |")
         out.append("")
     either = lambda names: " or ".join(f'`"{n}"`' for n in names)  # noqa: E731
     return "\n".join(out + [
-        "## Combinations", "", f"- `train.{'`, `train.'.join(sorted(TEXT_ONLY_TRAIN_FIELDS))}`: text models "
-        f"(`model.name = \"gpt\"`).", f"- `parallel.pp` > 1: `parallel.sync` is {either(PIPELINE_SYNCS)}.",
+        "## Combinations", "",
+        f"- `train.{'`, `train.'.join(sorted(TEXT_ONLY_TRAIN_FIELDS))}`: text models (`model.name = \"gpt\"`).",
+        f"- `parallel.pp` > 1: `parallel.sync` is {either(PIPELINE_SYNCS)}.",
         f"- `parallel.tp` > 1: `model.name = \"gpt\"`, and `parallel.sync` is {either(TENSOR_SYNCS)}.",
         f"- `train.precision` other than `\"fp32\"`: `parallel.sync` is {either(PRECISION_SYNCS)}, with no "
         "pipeline stages or tensor slices.",
         *(f"- `{old}` is the old name of `{new}`: still read, with a note." for old, new in RENAMED.items()), "",
         "Every check, each with its message, is in `mpitrain/config.py`: `validate`, and, once the ranks and the "
         "data are known, `check_ranks` and `check_against_data`.", ""])
-
-
-def _type_name(annotation) -> str:
-    args = typing.get_args(annotation)
-    names = {str: "string", int: "integer", float: "number", bool: "boolean"}
-    if not args:
-        return names[annotation]
-    return f"list of {names[args[0]]}s" if args[-1] is Ellipsis else f"list of {len(args)} {names[args[0]]}s"
-
-
-def _toml(value) -> str:
-    if isinstance(value, bool):
-        return str(value).lower()
-    if isinstance(value, tuple):
-        return "[" + ", ".join(map(_toml, value)) + "]"
-    return f'"{value}"' if isinstance(value, str) else repr(value)
