@@ -98,3 +98,39 @@ def test_no_measured_figures_in_docstrings():
 ])
 def test_figure_pattern_tells_measurements_from_formulas(text, figure):
     assert bool(FIGURE.search(text)) == figure
+
+
+PAGES = ("README.md", "jobs/README.md", "jobs/CONFIG.md", "datasets/README.md", "mpitrain/README.md",
+         "mpitrain/bench/README.md", "tests/README.md")
+
+
+def _anchors(page: Path) -> set:
+    """GitHub's anchors of a page's headings: lower case, punctuation but '-' dropped,
+    spaces as '-'."""
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S),
+                          flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in headings}
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_documentation_links_resolve(name):
+    """Every relative link of the documentation pages names a file that exists, and an
+    anchor that is one of that page's headings."""
+    page = ROOT / name
+    text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+://", target):
+            continue
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        if not linked.exists() or anchor and anchor not in _anchors(linked):
+            broken.append(target)
+    assert not broken, f"{name}: broken links {broken}"
+
+
+def test_the_readme_holds_the_test_command_that_ci_runs():
+    """.ci/run takes the first line starting `python3 -m venv` after the marker."""
+    after = (ROOT / "README.md").read_text(encoding="utf-8").split("<!-- test-command -->\n", 1)[1]
+    command = next(line for line in after.splitlines() if line.startswith("python3 -m venv"))
+    assert "python -m pytest -q" in command and "mpiexec -n 2 python -m pytest -q --with-mpi -m mpi" in command
