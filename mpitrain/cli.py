@@ -627,14 +627,12 @@ def _cluster_parser(commands) -> None:
 
 def _config_parser(commands) -> None:
     config = commands.add_parser("config", help="the configuration reference: every field of a TOML config",
-                                 description="Configs are TOML files with [model], [data], [optim], [train], "
-                                             "[parallel] and [run] tables (jobs/CONFIG.md).")
+                                 description="The fields of a config's TOML tables (jobs/CONFIG.md).")
     actions = config.add_subparsers(dest="action", required=True, metavar="ACTION")
     p = actions.add_parser("reference", help="print every field: type, default, meaning, what reads it",
                            description="Print the configuration reference in Markdown, generated from "
-                                       "mpitrain/config.py: every field of every section, its type, default and "
-                                       "meaning, and which models, optimizers and syncs read it. jobs/CONFIG.md "
-                                       "is its output (a unit test keeps the two equal).")
+                                       "mpitrain/config.py: every field, its type, default and meaning, and which "
+                                       "models, optimizers and syncs read it (jobs/CONFIG.md is its output).")
     p.add_argument("--out", metavar="PATH", help="write it to PATH (e.g. jobs/CONFIG.md) instead of printing it")
     p.set_defaults(run=_config_reference)
 

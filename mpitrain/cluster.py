@@ -27,12 +27,12 @@ After the command, each node's link shows the bytes it sent and received. Teardo
 or Ctrl-C; a later cluster deletes the namespaces of one whose process was killed.
 
 **Limits** (an emulation, not a network): the kernels here have no ``netem``, so no
-latency is added, and veth's is microseconds. At high rates a small machine's TCP
-stack, not the link, limits the throughput, and costs the ranks' cores. Each node runs
-on its own share of the machine's cores (``taskset``), so a node's ranks split its
-cores for their BLAS threads as on a real node (unpinned, each rank took every core and
-ran many times slower); with fewer cores than nodes, nodes share cores (see time
-dilation below). Figures: ``mpitrain/bench/README.md``, "A cluster on one machine".
+latency is added, and veth's is microseconds. At high rates a small machine's TCP stack,
+not the link, limits the throughput, and costs the ranks' cores. Each node runs on its
+own share of the machine's cores (``taskset``), so a node's ranks split its cores for
+their BLAS threads as on a real node (unpinned, each rank took every core and ran many
+times slower); with fewer cores than nodes, nodes share cores (see time dilation below).
+Figures: ``mpitrain/bench/README.md``, "A cluster on one machine".
 
 **Time dilation** (Gupta et al., "To Infinity and Beyond: Time-Warped Network
 Emulation", NSDI 2006). With more ranks than cores, ranks share cores and compute runs

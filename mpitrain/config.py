@@ -138,16 +138,14 @@ class ParallelConfig:
     schedule: str = "1f1b"  #: pp > 1: the pipeline schedule: "gpipe", "1f1b", "interleaved" or "zb-h1"
     chunks: int = 1  #: pp > 1, schedule "interleaved": model chunks per rank (virtual stages)
     sequence_parallel: bool = False  #: tp > 1: layer norms, residual adds and dropout on slices of the sequence
-    #: how the dp replicas' gradients become one update: "ddp", "zero1", "zero2", "zero3", "local"
-    #: (dp = 1: no exchange) or "ps" (the first `servers` ranks are parameter servers, the others workers)
-    sync: str = "ddp"
+    sync: str = "ddp"  #: the gradient sync: "ddp", "zero1", "zero2", "zero3", "local" (dp = 1) or "ps" (servers)
     allreduce: str = "mpi"  #: "mpi" (MPI's collectives), "ring" (mpitrain's) or "hierarchical" (node-aware; ddp)
     bucket_mb: float = 4.0  #: gradient bucket size: an allreduce (zero2: a reduce-scatter) starts per full bucket
     accumulate: str = "sharded"  #: with micro-batches: reduce-scatter each ("sharded") or their sum once ("full")
     wire: str = "fp32"  #: allreduce "ring": the gradients' format on the wire, "fp32", "bf16" or "fp16" (added in fp32)
     progress: str = "test"  #: how buckets advance during backward: "test", "thread" or "none"; "off": started after it
     thread_level: str = "auto"  #: MPI thread level: "auto" (multiple), "single", "funneled", "serialized" or "multiple"
-    servers: int = 1  #: the number of parameter-server ranks
+    servers: int = 1  #: the first this many ranks are parameter servers, the others workers
     staleness: int = 0  #: 0: synchronous; k > 0: a worker runs at most k steps ahead of the slowest; -1: unbounded
     slow_worker: int = -1  #: make this worker a straggler (for experiments); -1: none
     slow_factor: float = 1.0  #: ... this many times slower than its compute
@@ -679,8 +677,7 @@ def reference() -> str:
         choice, table = choices.get(section.name, (None, {}))
         out += [f"## [{section.name}]", ""]
         if choice:
-            out += [f"*applies to*: the values of `{section.name}.{choice}` that read the field (to set it for "
-                    "another is an error).", ""]
+            out += [f"*applies to*: the values of `{section.name}.{choice}` that read the field; others refuse it.", ""]
         out += ["| field | type | default |" + " applies to |" * bool(choice) + " meaning |",
                 "|---|---|---|" + "---|" * bool(choice) + "---|"]
         for name, annotation in typing.get_type_hints(cls).items():

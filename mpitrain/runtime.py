@@ -11,14 +11,12 @@
   memory (trim threshold 1 GiB) makes them reuse heap memory instead (im2col columns of
   a CNN step, 38 MB, included).
 * Huge pages: a step then walks the same heap, thousands of 4 KiB pages, more than the
-  core's second-level TLB maps (about 2,000 pages), so most array passes pay page
-  walks. After a few warm-up steps the heap has its steady size, and
-  :func:`huge_page_heap` asks Linux to back it with 2 MiB transparent huge pages
-  (``MADV_HUGEPAGE``, then ``MADV_COLLAPSE`` to do it now rather than when
-  ``khugepaged`` gets to it), a one-off cost. NumPy already asks for huge pages for
-  arrays of 4 MiB and more; this covers the many smaller ones.
-
-What each of these gained: ``mpitrain/bench/README.md``.
+  core's second-level TLB maps (about 2,000 pages), so most array passes pay page walks.
+  After a few warm-up steps the heap has its steady size, and :func:`huge_page_heap`
+  asks Linux to back it with 2 MiB transparent huge pages (``MADV_HUGEPAGE``, then
+  ``MADV_COLLAPSE`` to do it now rather than when ``khugepaged`` gets to it), a one-off
+  cost. NumPy already asks for huge pages for arrays of 4 MiB and more; this covers the
+  many smaller ones. (What each of these gained: ``mpitrain/bench/README.md``.)
 
 Also two facts about the process that others need: whether a pid still lives
 (:func:`process_alive`) and the emulated cluster it runs on (:func:`emulated_cluster`).

@@ -36,8 +36,7 @@ one rank linked at ``RATE`` (:mod:`mpitrain.cluster`, as root), for each allredu
 algorithm, with buckets of 2 ms of the link
 (:func:`~mpitrain.cluster.link_bucket_mb`) unless ``--bucket-mb`` says
 otherwise; each run writes its figures as JSON (``--json``) and the two are printed side
-by side. There the exchange is a large part of the step and overlap shows; the figures
-are in ``mpitrain/bench/README.md``.
+by side (figures: ``mpitrain/bench/README.md``).
 """
 
 from __future__ import annotations
@@ -59,9 +58,8 @@ from mpitrain.parallel.data_parallel import DataParallel
 from mpitrain.precision import MixedPrecision
 from mpitrain.runtime import huge_page_heap, limit_blas_threads, tune_allocator
 
-# Untimed steps of a variant at the start of each round. Switching variants leaves the
-# caches cold, and rank 1 comes back from sleeping through the 1-rank variant: the first
-# two-rank steps of a round were the slower ones.
+# Untimed steps of a variant at the start of each round: switching variants leaves the caches
+# cold, and rank 1 comes back from sleeping through the 1-rank variant.
 WARMUP = 3
 
 MODELS = {

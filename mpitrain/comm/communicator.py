@@ -366,12 +366,11 @@ def _mpi():
 def thread_level(requested: str = "auto", comm_thread: bool = False) -> str:
     """The MPI thread level to start with; ``auto`` is ``multiple`` (mpi4py's default).
 
-    With the MPICH wheel, ``MPI_Allreduce`` was faster at ``multiple`` than at
-    ``funneled`` (``mpitrain bench allreduce --thread-level``), and the data-parallel step
-    of ``mpitrain bench ddp`` exposed less communication there; an older MPICH did the
-    opposite, so re-measure on your MPI (``mpitrain/bench/README.md``). With more ranks
-    than cores a lock-free level makes MPICH spin, another reason for the default; and
-    the trainer's stall watchdog (:mod:`mpitrain.observe.watchdog`) calls MPI from a thread.
+    With the MPICH wheel, ``MPI_Allreduce`` and the data-parallel step were faster at
+    ``multiple`` than at ``funneled``; an older MPICH did the opposite, so re-measure on
+    yours (``mpitrain bench allreduce --thread-level``; ``mpitrain/bench/README.md``). With
+    more ranks than cores a lock-free level makes MPICH spin, another reason for the
+    default; and the stall watchdog (:mod:`mpitrain.observe.watchdog`) calls MPI from a thread.
     ``comm_thread`` (a thread besides the main one calls MPI) needs ``serialized`` or more."""
     if requested not in THREAD_LEVELS:
         raise ValueError(f"thread level must be one of {THREAD_LEVELS}, got {requested!r}")

@@ -17,8 +17,8 @@ labels and token ids as they go. Any failure is one :class:`DataError` naming th
 
 Rows are read with ``os.preadv`` straight from the file offsets of unfiltered chunks
 (HDF5 records them; h5py reports them), which avoids h5py's per-call selection cost
-(large beside a read of a few hundred kilobytes: ``mpitrain/bench/README.md``) and
-releases the GIL for the prefetch thread. Compressed chunks are read through h5py, which decompresses them.
+(``mpitrain/bench/README.md``) and releases the GIL for the prefetch thread.
+Compressed chunks are read through h5py, which decompresses them.
 """
 
 from __future__ import annotations

@@ -12,12 +12,12 @@ float32 master weight), on ``P`` data-parallel ranks:
 * ``zero3``: ``(w + g + s)/P`` (16/P).
 
 A run also measures what it holds (:class:`HeapTrace`): ``tracemalloc``, which sees
-NumPy's buffers, traces the heap from before the model is built through the first
-steps, then stops (``run.trace_memory``; tracing slows the steps it covers, the data
-reader's first reads most, allocation-heavy Python: ``mpitrain/bench/README.md``): the
-heap at rest after the second step (the optimizer's state exists from the first on),
-split by where it was allocated (the data reader's buffers, communication work arrays, the rest: the
-model state, whose formula is above), and the peak of the third step above it
+NumPy's buffers, traces the heap from before the model is built through the first steps,
+then stops (``run.trace_memory``; tracing slows the steps it covers, the data reader's
+first reads most, allocation-heavy Python: ``mpitrain/bench/README.md``): the heap at
+rest after the second step (the optimizer's state exists from the first on), split by
+where it was allocated (the data reader's buffers, communication work arrays, the rest:
+the model state, whose formula is above), and the peak of the third step above it
 (activations, gradients in flight, buffers of the exchange).
 """
 

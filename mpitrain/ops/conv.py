@@ -28,13 +28,9 @@ covers a batch that fits. Tiles change how the weight and bias gradients and the
 col2im sums are grouped, so the two paths agree to rounding, not bit for bit.
 
 Backward computes the input gradient in sub-tiles of ``COLUMN_GRAD_BYTES`` (one image
-of that layer): the nine narrow GEMMs (``N = C_in``) run faster there.
-
-Winograd's F(2x2, 3x3) does fewer multiplications, but its transforms are NumPy passes
-over strided 4x4 tiles, and it lost to im2col here, as did the transform along rows
-only: what it saves in the GEMM its extra passes spend. The narrow GEMMs set the floor.
-The cost of each part, before and after each change, and what did not win:
-``mpitrain/bench/README.md``.
+of that layer): the nine narrow GEMMs (``N = C_in``) run faster there. Winograd's
+F(2x2, 3x3), fewer multiplications but NumPy passes over strided 4x4 tiles, lost to
+im2col: the narrow GEMMs set the floor. Each part's cost: ``mpitrain/bench/README.md``.
 """
 
 from __future__ import annotations
@@ -47,9 +43,8 @@ from numpy.lib.stride_tricks import sliding_window_view
 from mpitrain.ops._util import blocks, fast_paths_enabled
 from mpitrain.tensor import Function, Tensor, as_tensor
 
-# Column-matrix bytes per tile of images and per BLAS thread: with the tile's input and
-# output, each thread's share stays in its core's L2 (2 MiB on the developers' machine);
-# the size that measured fastest (mpitrain/bench/README.md).
+# Column-matrix bytes per tile of images and per BLAS thread, so that with the tile's input
+# and output each thread's share stays in its core's L2: the size measured fastest.
 TILE_BYTES_PER_THREAD = 3 << 19
 _blas_threads = 1
 # Column-gradient bytes per sub-tile in backward: its nine N = C_in GEMMs run faster on
