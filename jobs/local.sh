@@ -13,7 +13,7 @@
 # ps-async (the same, asynchronous), pp (two pipeline stages, 1F1B over 6 micro-batches per
 # data-parallel lane: the global batch must divide by 6 x the lanes). RANKS defaults to the number of cores; each rank
 # gets cores / ranks BLAS threads (mpitrain sets them). The run directory is
-# runs/<config name> (README.md, "Checkpoints, resume and signals"); --resume continues
+# runs/<config name> (jobs/README.md, "Checkpoints, resume and signals"); --resume continues
 # one (ddp, zero1, pp).
 set -euo pipefail
 usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }

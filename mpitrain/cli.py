@@ -1,5 +1,6 @@
 """The ``mpitrain`` command: ``train``, ``report``, ``data download | build | verify | info``,
-``bench step | memory | io | allreduce | ddp | ps | pipeline | tensor``, ``cluster``.
+``bench step | memory | io | allreduce | ddp | ps | pipeline | tensor``, ``cluster``,
+``config reference``.
 
 Commands that may run under ``mpiexec`` (``train``, ``bench io``) start MPI through
 :func:`mpitrain.comm.world`. Errors about the input (config, data) are raised on every
@@ -132,6 +133,16 @@ def _cluster(args) -> int:
             return code
     except ClusterError as e:
         raise _failure(str(e)) from None
+
+
+def _config_reference(args) -> int:
+    from mpitrain.config import reference
+
+    if args.out:
+        Path(args.out).write_text(reference(), encoding="utf-8")
+    else:
+        sys.stdout.write(reference())
+    return 0
 
 
 def _new_run_dir(stem: str) -> Path:
@@ -403,6 +414,7 @@ def build_parser() -> argparse.ArgumentParser:
     _report_parser(commands)
     _data_parsers(commands)
     _cluster_parser(commands)
+    _config_parser(commands)
     return parser
 
 
@@ -481,7 +493,7 @@ def _bench_parallel_parsers(benches) -> None:
 
     p = benches.add_parser("ps", help="parameter server with a straggler: sync vs. bounded vs. async "
                                       "(run under mpiexec -n 4)",
-                           description="1 server + 3 workers, one worker 3x slower: time to apply the same "
+                           description="1 server + 3 workers, one of them three times as slow: time to apply the same "
                                        "number of gradients synchronously, with staleness bound 2, and "
                                        "asynchronously.")
     p.add_argument("--steps", type=_positive, default=40, help="gradients per worker, on average (default 40)")
@@ -596,7 +608,7 @@ def _cluster_parser(commands) -> None:
         description="Emulate NODES nodes of RANKS ranks each on this machine (one network namespace per node, "
                     "veth links shaped with tc to RATE) and run COMMAND on every rank under MPICH's mpiexec; "
                     "print each link's bytes at the end, and always tear down. An emulation: no added "
-                    "latency, and above about 2.5 Gbit/s a small machine's TCP stack is the limit "
+                    "latency, and at high rates a small machine's TCP stack, not the link, is the limit "
                     "(mpitrain/cluster.py). Needs root and iproute2.",
         epilog="example: mpitrain cluster --nodes 2 --ranks 1 --rate 1gbit -- mpitrain bench ddp")
     p.add_argument("--nodes", type=_positive, default=2, help="emulated nodes (default 2)")
@@ -611,6 +623,18 @@ def _cluster_parser(commands) -> None:
                         "than cores emulate one core per rank; auto: ranks/cores when above 1 (default 1: none)")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND", help="what every rank runs")
     p.set_defaults(run=_cluster)
+
+
+def _config_parser(commands) -> None:
+    config = commands.add_parser("config", help="the configuration reference: every field of a TOML config",
+                                 description="The fields of a config's TOML tables (jobs/CONFIG.md).")
+    actions = config.add_subparsers(dest="action", required=True, metavar="ACTION")
+    p = actions.add_parser("reference", help="print every field: type, default, meaning, what reads it",
+                           description="Print the configuration reference in Markdown, generated from "
+                                       "mpitrain/config.py: every field, its type, default and meaning, and which "
+                                       "models, optimizers and syncs read it (jobs/CONFIG.md is its output).")
+    p.add_argument("--out", metavar="PATH", help="write it to PATH (e.g. jobs/CONFIG.md) instead of printing it")
+    p.set_defaults(run=_config_reference)
 
 
 def _download_parser(actions) -> None:

@@ -13,30 +13,26 @@ under the real MPICH:
   ``10.231.0.<k+1>/24`` on its interface ``vnet0``. Those addresses exist only inside
   these namespaces, so no traffic can leave them.
 * **bandwidth**: every link is shaped on egress, in both directions, with ``tc`` htb at
-  ``rate`` (``1gbit``, ``10gbit``, ...). The burst is 256 KiB: a 64 KiB one cut the
-  throughput to 0.64-0.78 Gbit/s here. The MTU is set with ``mtu``.
-* **launch**: ``mpiexec`` runs in node 0's namespace with Hydra's ssh launcher. A small
+  ``rate`` (``1gbit``, ``10gbit``, ...). The burst is 256 KiB: a 64 KiB one kept the
+  throughput well below the rate. The MTU is set with ``mtu``.
+* **launch**: ``mpiexec`` runs in node 0's namespace with Hydra's ssh launcher; a small
   script stands in for ssh and starts each node's proxy inside that node's namespace
-  (``nsenter --net``).
-  MPICH's network module is told the interface to use (``FI_TCP_IFACE`` /
-  ``UCX_NET_DEVICES``). Without that a rank may advertise an address other nodes cannot
+  (``nsenter --net``). MPICH's network module is told the interface (``FI_TCP_IFACE`` /
+  ``UCX_NET_DEVICES``): without it a rank may advertise an address other nodes cannot
   reach, and UCX without ``UCX_TLS=tcp,self`` takes the other namespace for the same
   host and uses shared memory.
 
 After the command, each node's link shows the bytes it sent and received. Teardown
 (``ip netns del``, which removes the links with them) always runs, also after an error
-or Ctrl-C. A later cluster also deletes the namespaces of one whose process was killed
-outright.
+or Ctrl-C; a later cluster deletes the namespaces of one whose process was killed.
 
 **Limits** (an emulation, not a network): the kernels here have no ``netem``, so no
-latency is added, and veth's is microseconds. Above about 2.5 Gbit/s the 2-core
-machine's TCP stack, not the link, limits the throughput (10 Gbit/s gave 1.19 GB/s and
-cost 0.6 of a core per rank). Each node runs on its own share of the machine's cores
-(``taskset``): with 2 cores and 2 nodes, one core each, so a node's ranks split its
-cores for their BLAS threads as on a real node (unpinned, each rank took both cores
-and two ranks ran 10x slower); with fewer cores than nodes, nodes share cores (see
-time dilation below). Figures: ``../shared/MEASURED.md`` on the developers' machines,
-section "Emulated cluster".
+latency is added, and veth's is microseconds. At high rates a small machine's TCP stack,
+not the link, limits the throughput, and costs the ranks' cores. Each node runs on its
+own share of the machine's cores (``taskset``), so a node's ranks split its cores for
+their BLAS threads as on a real node (unpinned, each rank took every core and ran many
+times slower); with fewer cores than nodes, nodes share cores (see time dilation below).
+Figures: ``mpitrain/bench/README.md``, "A cluster on one machine".
 
 **Time dilation** (Gupta et al., "To Infinity and Beyond: Time-Warped Network
 Emulation", NSDI 2006). With more ranks than cores, ranks share cores and compute runs
@@ -44,17 +40,17 @@ slower than on the cluster being emulated while the links do not, which flatters
 communication. ``dilation=D`` runs the whole cluster ``D`` times slower instead: every
 link at ``rate / D``, and every node held to ``ranks / D`` cores by the kernel's CPU
 bandwidth control (a cgroup per node, ``cpu.cfs_quota_us`` or ``cpu.max``, in periods
-of 10 ms, short beside a training step), so a rank computes at ``1 / D`` of a core however
-its neighbours behave (a rank spinning in ``MPI_Wait`` uses its own node's share).
-Everything measured inside then takes ``D`` times as long as on ``nodes`` nodes of one
-core per rank linked at ``rate``: the trainer records ``D`` in its ``start`` record
-(``$MPITRAIN_CLUSTER``, :func:`mpitrain.runtime.emulated_cluster`) and ``mpitrain
-report`` divides by it. ``"auto"`` is ranks /
-cores when above 1. What it cannot slow: the kernel's own work (the TCP stack runs
-partly outside the quota) and the latencies of the veth links.
+of ``PERIOD_US``, short beside a training step), so a rank computes at ``1 / D`` of a
+core however its neighbours behave (a rank spinning in ``MPI_Wait`` uses its own node's
+share). Everything measured inside then takes ``D`` times as long as on ``nodes`` nodes
+of one core per rank linked at ``rate``: the trainer records ``D`` in its ``start``
+record (``$MPITRAIN_CLUSTER``, :func:`mpitrain.runtime.emulated_cluster`) and
+``mpitrain report`` divides by it. ``"auto"`` is ranks / cores when above 1. What it
+cannot slow: the kernel's own work (the TCP stack runs partly outside the quota) and
+the latencies of the veth links.
 
-Command line: ``mpitrain cluster --nodes 2 --ranks 2 --rate 1gbit -- mpitrain bench ddp``.
-It needs root, iproute2 (``ip``, ``tc``) and ``nsenter`` (util-linux).
+Command line: ``mpitrain cluster --nodes 2 --ranks 2 --rate 1gbit -- mpitrain bench ddp``;
+it needs root, iproute2 (``ip``, ``tc``) and ``nsenter`` (util-linux).
 """
 
 from __future__ import annotations

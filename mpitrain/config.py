@@ -1,31 +1,25 @@
 """Run configuration: frozen dataclasses loaded from TOML, with ``--set key=value`` overrides.
 
-A config file has one table per section::
-
-    [model]   name = "lenet" | "convnet" | "resnet" | "gpt", and that model's sizes
-    [data]    name = "mnist5k" | "shakespeare" (embedded), or path = a shard directory
-    [optim]   name = "sgd" | "adam" | "adamw", learning rate and schedule
-    [train]   global_batch_size, steps or epochs, seed, precision = "fp32" | "bf16" | "fp16", evaluation
-              and logging
-    [parallel] the grid dp x pp x tp, sync = "ddp" | "zero1" | "zero2" | "zero3" | "local" | "ps", allreduce,
-              buckets, servers, the pipeline schedule = "gpipe" | "1f1b" | "interleaved" | "zb-h1" and its
-              chunks per rank
-    [run]     the run directory: checkpoints, metrics; what to do on a non-finite loss; the progress bar
+One dataclass per section of a config file (``[model]``, ``[data]``, ``[optim]``, ``[train]``,
+``[parallel]``, ``[run]``); the ``#:`` comment at each field says what it means, and
+:func:`reference` turns those into ``jobs/CONFIG.md`` (``mpitrain config reference``).
 
 Everything is validated before any work starts; the first problem raises
 :class:`ConfigError` naming the field (``optim.lr: must be > 0, got -1``), which the
 command line prints as one line and exits with status 2. The checks that need the
 number of ranks (the grid, the batch per rank and per micro-batch) are
-:func:`check_ranks`, called once MPI has started and before any collective.
-
-Renamed fields are still read, with a note (``Config.notes``) that the trainer prints:
-``parallel.strategy`` is now ``parallel.sync``.
+:func:`check_ranks`, called once MPI has started and before any collective. Renamed
+fields (:data:`RENAMED`) are still read, with a note (``Config.notes``) that the trainer prints.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import io
+import json
 import math
+import tokenize
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,21 +41,19 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    name: str = "lenet"
-    # CNNs (lenet: two conv layers + hidden linear; convnet: 3x3 convs; resnet: widths x blocks)
-    channels: tuple[int, ...] = (16, 32)
-    hidden: int = 128
-    widths: tuple[int, ...] = (16, 32, 64)
-    blocks: int = 1
-    dropout: float = 0.0
-    # GPT
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    block_size: int = 64
-    bias: bool = False
-    checkpoint_activations: bool = False
-    gelu: str = "tanh"  # the MLP's GELU: "tanh" (GPT-2's approximation) or "erf" (exact, nanoGPT today's)
+    name: str = "lenet"  #: the model: "lenet", "convnet", "resnet" (CNNs, on images) or "gpt" (on text)
+    channels: tuple[int, ...] = (16, 32)  #: convolution widths: lenet's two 5x5 layers, convnet's 3x3 layers
+    hidden: int = 128  #: units of the hidden linear layer
+    widths: tuple[int, ...] = (16, 32, 64)  #: the width of each stage (stride 2 between stages)
+    blocks: int = 1  #: basic blocks per stage (1: ResNet-8, 3: ResNet-20)
+    dropout: float = 0.0  #: dropout probability (lenet: before the classifier; gpt: attention and residuals)
+    n_layer: int = 4  #: transformer blocks
+    n_head: int = 4  #: attention heads per block; n_embd, and with tensor slices parallel.tp, divide by it
+    n_embd: int = 128  #: the width of the residual stream
+    block_size: int = 64  #: the context: tokens per training window
+    bias: bool = False  #: biases in the linear layers and layer norms
+    checkpoint_activations: bool = False  #: recompute each block's activations in backward instead of keeping them
+    gelu: str = "tanh"  #: the MLP's GELU: "tanh" (GPT-2's approximation) or "erf" (exact, as nanoGPT today)
 
 
 # which fields a choice of model, dataset or optimizer reads: setting another is an error
@@ -92,90 +84,84 @@ RENAMED = {"parallel.strategy": "parallel.sync"}  # old spelling -> new: still r
 GRID = ("dp", "pp", "tp")
 PIPELINE_SYNCS = ("ddp", "local")  # the gradient syncs a pipeline stage's replicas can use
 PRECISION_SYNCS = ("ddp", "local")  # the gradient syncs that train in mixed precision (train.precision)
+TENSOR_SYNCS = ("ddp", "local")  # the gradient syncs that combine with tensor slices (parallel.tp > 1)
 
 
 @dataclass(frozen=True)
 class DataConfig:
-    name: str = "mnist5k"  # an embedded dataset, built into shards on first use
-    path: str = ""  # or a dataset directory made by `mpitrain data build` (then no name)
-    shift: int = 0  # images: random translation by up to this many pixels (augmentation)
-    sampling: str = "stride"  # text: training windows every block_size tokens, or at random tokens (reader.py)
-    verify: bool = True  # re-hash every shard's content before training, shards split over ranks
-    buffer_mb: float = 32  # reader: megabytes of samples per round, over all ranks
-    prefetch: int = 2  # reader: rounds read ahead by the background thread
+    name: str = "mnist5k"  #: an embedded dataset, built into shards on first use: "mnist5k" or "shakespeare"
+    path: str = ""  #: or a shard directory made by `mpitrain data build` or `data download` (then no name)
+    shift: int = 0  #: images: random translation by up to this many pixels (augmentation)
+    sampling: str = "stride"  #: text: training windows every block_size tokens ("stride") or anywhere ("random")
+    verify: bool = True  #: re-hash every shard's content before step 0, the shards split over the ranks
+    buffer_mb: float = 32  #: reader: megabytes of samples per read round, over all ranks
+    prefetch: int = 2  #: reader: rounds read ahead by the background thread
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    name: str = "adamw"
-    lr: float = 1e-3
-    min_lr: float = 0.0  # cosine schedule floor
-    schedule: str = "cosine"  # cosine | constant
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    momentum: float = 0.9  # sgd
-    nesterov: bool = False  # sgd
-    grad_clip: float = 0.0  # global gradient-norm limit; 0 disables
+    name: str = "adamw"  #: the optimizer: "sgd", "adam" or "adamw" (decoupled weight decay)
+    lr: float = 1e-3  #: the peak learning rate
+    min_lr: float = 0.0  #: the floor the cosine schedule decays to
+    schedule: str = "cosine"  #: after warmup: "cosine" (decay to min_lr at the last step) or "constant"
+    warmup_steps: int = 0  #: steps of linear warmup up to lr
+    weight_decay: float = 0.0  #: weight decay of the matrices and embeddings (biases and norm scales: none)
+    betas: tuple[float, float] = (0.9, 0.999)  #: the decay rates of the two moments
+    eps: float = 1e-8  #: added to the square root of the second moment
+    momentum: float = 0.9  #: momentum (0: none)
+    nesterov: bool = False  #: Nesterov's momentum
+    grad_clip: float = 0.0  #: clip the gradients to this global L2 norm; 0: no clipping
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    global_batch_size: int = 64
-    steps: int = 0  # total optimizer steps; or
-    epochs: int = 0  # whole passes over the training split (image data)
-    seed: int = 1337
-    dtype: str = "float32"
-    # mixed precision: half-precision weights and gradients, float32 master weights and optimizer state,
-    # products in float32 (mpitrain/precision.py); fp16 with a dynamic loss scale
-    precision: str = "fp32"
-    log_interval: int = 50  # steps between progress lines
-    eval_interval: int = 0  # steps between evaluations; 0: once per epoch (images) / at the end
-    eval_batches: int = 0  # text: at most this many batches of held-out windows per evaluation; 0: all
-    sample_tokens: int = 300  # gpt: characters generated at the end
-    threads: int = 0  # BLAS threads; 0: the cores available to this process
-    micro_batches: int = 1  # each rank's part of a global batch goes through the model in this many pieces
-    fast_paths: bool = True  # the fast ops (fused transformer halves, tiled convolution, ...); false: the plain ones
+    global_batch_size: int = 64  #: samples per step over all ranks, the same at any rank count
+    steps: int = 0  #: optimizer steps to train for (text models); or
+    epochs: int = 0  #: passes over the training split (image models); exactly one of the two
+    seed: int = 1337  #: seeds the initial weights, the data order and dropout
+    dtype: str = "float32"  #: "float32", or "float64" (for exact comparisons in tests)
+    precision: str = "fp32"  #: "fp32", or mixed precision: "bf16" or "fp16" weights and gradients, float32 masters
+    log_interval: int = 50  #: steps between progress lines and metrics records
+    eval_interval: int = 0  #: steps between evaluations; 0: after every epoch (images) or at the end (text)
+    eval_batches: int = 0  #: text: at most this many global batches of validation windows per evaluation; 0: all
+    sample_tokens: int = 300  #: text: characters the model generates at the end of the run
+    threads: int = 0  #: BLAS threads per rank; 0: the cores available divided by the ranks on the node
+    micro_batches: int = 1  #: each rank's part of the global batch goes through the model in this many pieces
+    fast_paths: bool = True  #: the fast ops (fused transformer halves, tiled convolution, ...); false: the plain ones
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    # the process grid: dp x pp x tp = the ranks (with sync = "ps": the workers); -1 is "the rest"
-    dp: int = -1  # data-parallel replicas; by default every rank that pp and tp leave
-    pp: int = 1  # pipeline stages
-    tp: int = 1  # tensor slices
-    schedule: str = "1f1b"  # pp > 1: the pipeline schedule: gpipe | 1f1b | interleaved | zb-h1
-    chunks: int = 1  # pp > 1, schedule = "interleaved": model chunks per rank (virtual stages)
-    sequence_parallel: bool = False  # tp > 1: layer norms and dropout on slices of the sequence (Korthikanti et al.)
-    # how the dp ranks' gradients become one update: ddp | zero1 | zero2 | zero3 | local | ps (a role split)
-    sync: str = "ddp"
-    allreduce: str = "mpi"  # mpi: MPI's own collectives | ring: mpitrain's ring | hierarchical: node-aware (ddp)
-    bucket_mb: float = 4.0  # ddp, zero2: gradient bucket size (an allreduce or reduce-scatter starts per full bucket)
-    accumulate: str = "sharded"  # zero2 with micro-batches: reduce-scatter each (sharded) or their sum once (full)
-    wire: str = "fp32"  # ddp with the ring: the gradients' numbers on the wire, fp32 | bf16 | fp16 (added in fp32)
-    progress: str = "test"  # ddp: how buckets progress during backward: test | thread | none | off
-    thread_level: str = "auto"  # MPI thread level: auto | single | funneled | serialized | multiple
-    servers: int = 1  # ps: the first `servers` ranks are parameter servers, the others workers
-    staleness: int = 0  # ps: 0 synchronous; k > 0 a worker runs at most k steps ahead; -1 unbounded (async)
-    slow_worker: int = -1  # ps: slow this worker down (a straggler, for benchmarks); -1: none
-    slow_factor: float = 1.0  # ps: ... by this factor of its compute time
+    dp: int = -1  #: data-parallel replicas; -1: the ranks that pp and tp leave (with sync = ps: the workers)
+    pp: int = 1  #: pipeline stages (-1: the ranks dp and tp leave)
+    tp: int = 1  #: tensor slices of the GPT's layers (-1: the ranks dp and pp leave)
+    schedule: str = "1f1b"  #: pp > 1: the pipeline schedule: "gpipe", "1f1b", "interleaved" or "zb-h1"
+    chunks: int = 1  #: pp > 1, schedule "interleaved": model chunks per rank (virtual stages)
+    sequence_parallel: bool = False  #: tp > 1: layer norms, residual adds and dropout on slices of the sequence
+    sync: str = "ddp"  #: the gradient sync: "ddp", "zero1", "zero2", "zero3", "local" (dp = 1) or "ps" (servers)
+    allreduce: str = "mpi"  #: "mpi" (MPI's collectives), "ring" (mpitrain's) or "hierarchical" (node-aware; ddp)
+    bucket_mb: float = 4.0  #: gradient bucket size: an allreduce (zero2: a reduce-scatter) starts per full bucket
+    accumulate: str = "sharded"  #: with micro-batches: reduce-scatter each ("sharded") or their sum once ("full")
+    wire: str = "fp32"  #: allreduce "ring": the gradients' format on the wire, "fp32", "bf16" or "fp16" (added in fp32)
+    progress: str = "test"  #: how buckets advance during backward: "test", "thread" or "none"; "off": started after it
+    thread_level: str = "auto"  #: MPI thread level: "auto" (multiple), "single", "funneled", "serialized" or "multiple"
+    servers: int = 1  #: the first this many ranks are parameter servers, the others workers
+    staleness: int = 0  #: 0: synchronous; k > 0: a worker runs at most k steps ahead of the slowest; -1: unbounded
+    slow_worker: int = -1  #: make this worker a straggler (for experiments); -1: none
+    slow_factor: float = 1.0  #: ... this many times slower than its compute
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    dir: str = ""  # run directory (checkpoints/, metrics.jsonl); "" writes nothing (the CLI: runs/<config name>)
-    checkpoint_interval: int = 0  # steps between checkpoints; 0: only at the end and on SIGTERM/SIGUSR1
-    keep: int = 3  # checkpoints kept (the newest ones)
-    on_nan: str = "stop"  # a non-finite loss: stop (exit 1, naming the last good checkpoint) | skip the step
-    timeline: bool = False  # write RUN_DIR/timeline.json (Chrome trace: per-rank compute, communication, I/O)
-    stall_warn_s: float = 60.0  # a collective waiting this long: say which ranks are not there (0: never)
-    stall_abort_s: float = 600.0  # ... and this long: abort every rank (0: never)
-    progress: str = "auto"  # bar: a progress bar (tqdm) under the lines | lines: none | auto: see loop.show_bar
-    # trace NumPy's heap (tracemalloc) over the build and the first 3 steps: the end of the run prints it by
-    # category beside the model-state formula (mpitrain/observe/memory.py). It slows those steps, the data
-    # reader's first reads most (10 s more for the embedded shakespeare); false: the counted arrays only
-    trace_memory: bool = False
+    dir: str = ""  #: run directory (checkpoints, metrics.jsonl); "" writes nothing; the CLI: `runs/<config name>`
+    checkpoint_interval: int = 0  #: steps between checkpoints; 0: only at the end and when stopped by a signal
+    keep: int = 3  #: the newest checkpoints kept
+    on_nan: str = "stop"  #: a non-finite loss: "stop" (exit 1, naming the last good checkpoint) or "skip" the update
+    timeline: bool = False  #: write timeline.json, a Chrome trace of every rank's compute, communication and I/O
+    stall_warn_s: float = 60.0  #: a collective waiting this long: print which ranks are not there (0: never)
+    stall_abort_s: float = 600.0  #: ... and this long: abort every rank (0: never)
+    progress: str = "auto"  #: "bar": a progress bar under the lines; "lines": no bar; "auto": a bar on a terminal
+    trace_memory: bool = False  #: trace the heap over the build and the first 3 steps, print it at the end (slower)
 
 
 @dataclass(frozen=True)
@@ -609,9 +595,9 @@ def _check_tensor(cfg: Config, sizes: dict) -> None:
     if cfg.model.n_head % tp:
         raise ConfigError(f"parallel.tp: the {cfg.model.n_head} attention heads (model.n_head) do not split over "
                           f"{tp} tensor-parallel ranks")
-    if par.sync not in ("ddp", "local"):
+    if par.sync not in TENSOR_SYNCS:
         raise ConfigError(f"parallel.sync: {par.sync!r} does not combine with tensor slicing (parallel.tp = {tp}) "
-                          "yet; use 'ddp' or 'local'")
+                          f"yet; use {' or '.join(map(repr, TENSOR_SYNCS))}")
     if par.progress == "thread" and par.thread_level not in ("auto", "multiple"):
         raise ConfigError(f"parallel.thread_level: the slices' collectives and the communication thread call MPI "
                           f"at the same time (parallel.progress = 'thread'): 'multiple' is needed, got "
@@ -664,3 +650,56 @@ def check_against_data(cfg: Config, data) -> None:
     if train.sample_shape[0] != train.sample_shape[1]:  # (H, W, C): the dataset checked
         raise ConfigError(f"data.path: the CNNs expect square (H, W, C) images, {data.name} has "
                           f"{train.sample_shape}")
+
+
+# ----------------------------------------------------------------- reference
+_TYPE_NAMES = {str: "string", int: "integer", float: "number", bool: "boolean", tuple[int, ...]: "list of integers",
+               tuple[float, float]: "list of 2 numbers"}
+_INTRO = ("Generated from `mpitrain/config.py` by `mpitrain config reference --out jobs/CONFIG.md` (edit the code; a "
+          "test compares the two). A field left out takes its default; `--set section.field=VALUE` sets one (TOML "
+          "syntax). How to run a config: [README.md](README.md).")
+
+
+def reference() -> str:
+    """The configuration reference, ``jobs/CONFIG.md``, in Markdown: every field with its
+    type, its default (as TOML), its meaning (the ``#:`` comment at it, on its line or on
+    the lines above; ValueError if there is none), and, in the sections with a choice
+    (``model.name``, ``optim.name``, ``parallel.sync``), the choices that read it."""
+    source = Path(__file__).read_text(encoding="utf-8")
+    comments = {t.start[0]: (t.string[2:].strip(), t.line.lstrip().startswith("#"))  # line: (text, on its own)
+                for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.string.startswith("#:")}
+    fields = {(c.name, n.target.id): n for c in ast.parse(source).body if isinstance(c, ast.ClassDef)
+              for n in c.body if isinstance(n, ast.AnnAssign)}
+    choices = {"model": ("name", MODEL_FIELDS), "optim": ("name", OPTIM_FIELDS), "parallel": ("sync", PARALLEL_FIELDS)}
+    out = ["# Configuration reference", "", _INTRO, ""]
+    for section in _sections():
+        cls = typing.get_type_hints(Config)[section.name]
+        choice, table = choices.get(section.name, (None, {}))
+        out += [f"## [{section.name}]", ""]
+        if choice:
+            out += [f"*applies to*: the values of `{section.name}.{choice}` that read the field; others refuse it.", ""]
+        out += ["| field | type | default |" + " applies to |" * bool(choice) + " meaning |",
+                "|---|---|---|" + "---|" * bool(choice) + "---|"]
+        for name, annotation in typing.get_type_hints(cls).items():
+            node, above = fields[cls.__name__, name], []
+            while comments.get(node.lineno - 1 - len(above), ("", False))[1]:
+                above.insert(0, comments[node.lineno - 1 - len(above)][0])
+            meaning = " ".join(above) or comments.get(node.end_lineno, ("",))[0]
+            if not meaning:
+                raise ValueError(f"{section.name}.{name}: no '#:' comment at the field says what it means")
+            readers = [value for value, read in table.items() if name in read]
+            applies = f" {'all' if len(readers) == len(table) else ', '.join(readers)} |" if choice else ""
+            out.append(f"| `{name}` | {_TYPE_NAMES[annotation]} | `{json.dumps(getattr(cls(), name))}` |{applies} "
+                       f"{meaning.replace('|', chr(92) + '|')} |")
+        out.append("")
+    either = lambda names: " or ".join(f'`"{n}"`' for n in names)  # noqa: E731
+    return "\n".join(out + [
+        "## Combinations", "",
+        f"- `train.{'`, `train.'.join(sorted(TEXT_ONLY_TRAIN_FIELDS))}`: text models (`model.name = \"gpt\"`).",
+        f"- `parallel.pp` > 1: `parallel.sync` is {either(PIPELINE_SYNCS)}.",
+        f"- `parallel.tp` > 1: `model.name = \"gpt\"`, and `parallel.sync` is {either(TENSOR_SYNCS)}.",
+        f"- `train.precision` other than `\"fp32\"`: `parallel.sync` is {either(PRECISION_SYNCS)}, with no "
+        "pipeline stages or tensor slices.",
+        *(f"- `{old}` is the old name of `{new}`: still read, with a note." for old, new in RENAMED.items()), "",
+        "Every check, each with its message, is in `mpitrain/config.py`: `validate`, and, once the ranks and the "
+        "data are known, `check_ranks` and `check_against_data`.", ""])

@@ -11,12 +11,11 @@ paper's (Rajbhandari et al., SC 2020). With Adam, per parameter:
 and what a layer reads: the weights, the gradients and their exchange.
 
 **Products in float32.** Every op sees a half-precision tensor upcast to float32
-(:meth:`mpitrain.tensor.Function.apply`): NumPy's half-precision matrix products are
-slow or silently float32 (``../shared/MEASURED.md``, "Half precision in NumPy": bf16
-elementwise about 10x slower than fp32, fp16 matmul 0.6 GFLOP/s), so half precision is a
-storage and wire format here and compute stays float32, as on hardware whose half
-products accumulate in float32. An upcast copy lives while the op's backward needs it:
-up to 4 B per parameter during a step, on top of the 16, like an activation.
+(:meth:`mpitrain.tensor.Function.apply`): NumPy's half-precision arithmetic is slow or
+silently float32 (``mpitrain/bench/README.md``), so half precision is a storage and wire
+format here and compute stays float32, as on hardware whose half products accumulate in
+float32. An upcast copy lives while the op's backward needs it: up to 4 B per parameter
+during a step, on top of the 16, like an activation.
 
 **Gradients.** Each op's float32 gradient is rounded once as it is added into the half
 ``.grad`` (one rounding per micro-batch with gradient accumulation). Data parallelism's

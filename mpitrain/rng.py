@@ -26,14 +26,10 @@ and a sample's share of ``n`` elements of a mask is its next ``ceil(n/2)`` raw 6
 words read as little-endian 32-bit halves ``u``, an element kept where
 ``u >= ceil(p * 2**32)``. SeedSequence and the bit generators' raw streams are the parts
 of NumPy's random API whose output is fixed across versions (``Generator.random`` is
-not promised to be), and comparing integers needs no conversion to floats. Measured
-(2 cores, NumPy 2.4, 12 samples, the three masks of a benchmark block): SFC64 with
-SeedSequence, about 12 us to start a stream and 2.1 ns a word, was faster than Philox
-keyed directly by ``(seed, step)`` with its counter at ``(0, 0, sample, layer)`` (2 us
-to re-key a pooled one, but 3.8 ns a word) and than PCG64 (as fast to draw, slower to
-seed), and no slower than the process-wide generator's float draws. Streams start
-lazily, at a layer's first mask, so layers without dropout, and evaluation, cost
-nothing.
+not promised to be), and comparing integers needs no conversion to floats; SFC64 so
+seeded drew masks faster than a keyed Philox or PCG64 (``mpitrain/bench/README.md``).
+Streams start lazily, at a layer's first mask, so layers without dropout, and
+evaluation, cost nothing.
 """
 
 from __future__ import annotations

@@ -1,25 +1,22 @@
 """Per-process settings that decide speed: BLAS threads and the memory allocator.
 
 * BLAS threads: one process's GEMMs may use the cores it has divided by the ranks that
-  share them. More threads than cores make OpenBLAS threads spin against each other
-  (measured here: batched matmuls fell from ~50 to 2-7 GFLOP/s). The convolution's
-  cache tiles grow with the threads (``ops.conv.set_blas_threads``).
+  share them. More threads than cores make OpenBLAS threads spin against each other,
+  and small batched matmuls collapse. The convolution's cache tiles grow with the
+  threads (``ops.conv.set_blas_threads``).
 * Allocator: every training step allocates and frees the same activation-sized arrays.
   glibc serves arrays above its mmap threshold (128 KiB at start) with fresh ``mmap``
-  pages and returns them on free, so each step pays a page fault per 4 KiB touched
-  (measured: 11,000 faults, 45 MB, per GPT step; about 15% of the step). Raising the
-  threshold to 256 MiB and keeping freed memory (trim threshold 1 GiB) makes them
-  reuse heap memory instead (im2col columns of a CNN step, 38 MB, included).
-* Huge pages: a step then walks the same ~60 MB of heap (the GPT bench step: 15,000
-  pages of 4 KiB), far more than the core's second-level TLB maps (about 2,000 pages),
-  so most array passes pay page walks. After a few warm-up steps the heap has its
-  steady size, and :func:`huge_page_heap` asks Linux to back it with 2 MiB transparent
-  huge pages (``MADV_HUGEPAGE``, then ``MADV_COLLAPSE`` to do it now rather than when
-  ``khugepaged`` gets to it). Measured here, in a loop of GPT bench steps: 63.4 -> 60.6
-  and 65.4 -> 62.5 ms (two pairs of runs), for about 140 ms once to collapse 60 MB.
-  ``mpitrain bench step``, which interleaves the GPT with the CNN and a 2048^3 matmul
-  that evict it, gains about 1 ms of 64. NumPy already asks for huge pages for arrays
-  of 4 MiB and more; this covers the many smaller ones.
+  pages and returns them on free, so each step pays a page fault per 4 KiB touched, a
+  sizeable share of a GPT step. Raising the threshold to 256 MiB and keeping freed
+  memory (trim threshold 1 GiB) makes them reuse heap memory instead (im2col columns of
+  a CNN step, 38 MB, included).
+* Huge pages: a step then walks the same heap, thousands of 4 KiB pages, more than the
+  core's second-level TLB maps (about 2,000 pages), so most array passes pay page walks.
+  After a few warm-up steps the heap has its steady size, and :func:`huge_page_heap`
+  asks Linux to back it with 2 MiB transparent huge pages (``MADV_HUGEPAGE``, then
+  ``MADV_COLLAPSE`` to do it now rather than when ``khugepaged`` gets to it), a one-off
+  cost. NumPy already asks for huge pages for arrays of 4 MiB and more; this covers the
+  many smaller ones. (What each of these gained: ``mpitrain/bench/README.md``.)
 
 Also two facts about the process that others need: whether a pid still lives
 (:func:`process_alive`) and the emulated cluster it runs on (:func:`emulated_cluster`).

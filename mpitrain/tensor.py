@@ -40,10 +40,9 @@ A node keeps only what its ``backward`` saved and, for each input that needs a
 gradient, an edge: the leaf tensor itself, or for an intermediate an :class:`_Edge`
 naming its producer, output index and shape, not its array. An intermediate that no
 backward needs (the input of a residual add, the pre-activation once GELU has its
-derivative) is therefore freed as soon as the forward pass moves on; in the GPT that
-is 3 MB per block less kept for backward, and the allocator hands the freed memory,
-still in cache, to the next op (measured, ten pairs of processes: 72.1 -> 70.2 ms
-median per GPT training step of ``mpitrain bench step``).
+derivative) is therefore freed as soon as the forward pass moves on, and the allocator
+hands the freed memory, still in cache, to the next op (measured faster:
+``mpitrain/bench/README.md``).
 
 Saved arrays are references, not copies. Writing into a parameter (an optimizer step,
 loading new weights) between a forward pass and its backward pass therefore changes

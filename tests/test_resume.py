@@ -286,7 +286,7 @@ def test_config_resume_refuses_to_choose_between_two_runs(text_data, tmp_path, m
 
 def test_a_resume_keeps_the_saved_overrides_lists_new_ones_and_refuses_another_model(text_data, tmp_path,
                                                                                    monkeypatch, capsys):
-    """The README's example: a run started with --set run.checkpoint_interval=2 and
+    """jobs/README.md's example: a run started with --set run.checkpoint_interval=2 and
     resumed without it still checkpoints every 2 steps."""
     monkeypatch.chdir(tmp_path)
     config = JOBS / "tinyshakespeare_gpt.toml"

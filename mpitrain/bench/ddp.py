@@ -36,8 +36,7 @@ one rank linked at ``RATE`` (:mod:`mpitrain.cluster`, as root), for each allredu
 algorithm, with buckets of 2 ms of the link
 (:func:`~mpitrain.cluster.link_bucket_mb`) unless ``--bucket-mb`` says
 otherwise; each run writes its figures as JSON (``--json``) and the two are printed side
-by side. There the exchange is a third to a half of the step and overlap shows; the
-measurements are in ``mpitrain/parallel/data_parallel.py`` ("Across a network").
+by side (figures: ``mpitrain/bench/README.md``).
 """
 
 from __future__ import annotations
@@ -59,16 +58,15 @@ from mpitrain.parallel.data_parallel import DataParallel
 from mpitrain.precision import MixedPrecision
 from mpitrain.runtime import huge_page_heap, limit_blas_threads, tune_allocator
 
-# Untimed steps of a variant at the start of each round. Switching variants leaves the
-# caches cold, and rank 1 comes back from sleeping through the 1-rank variant: the first
-# two-rank steps of a round measured 37-50 ms against 34 ms after three (nanoGPT model).
+# Untimed steps of a variant at the start of each round: switching variants leaves the caches
+# cold, and rank 1 comes back from sleeping through the 1-rank variant.
 WARMUP = 3
 
 MODELS = {
     "gpt": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch=12),  # nanoGPT's small CPU setting
     # the same at nanoGPT's batch per process: its DDP keeps batch_size=12 on every rank
     "gpt-ddp": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch=24),
-    # 7 M parameters on 32 tokens per rank: the allreduce is about 20% of the step
+    # 7 M parameters on 32 tokens per rank: the allreduce is a sizeable part of the step
     "wide": dict(n_layer=4, n_head=6, n_embd=384, block_size=32, batch=2),
 }
 

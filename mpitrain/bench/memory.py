@@ -13,11 +13,8 @@ buffer, and reports per rank:
   (:func:`mpitrain.observe.memory.model_state`): parameters,
   gradients, optimizer state, and the optimizer's one reusable work array, which is
   not model state but is held too;
-* the **formula** (:mod:`mpitrain.observe.memory`): bytes per parameter with Adam in
-  float32, ``16`` (ddp), ``8 + 8/P`` (zero1), ``4 + 12/P`` (zero2), ``16/P`` (zero3),
-  times the parameters; in mixed
-  precision (``bf16``, ``fp16``: :mod:`mpitrain.precision`, ddp), ``2 + 2 + 12``: half
-  weights and gradients, float32 masters and Adam's moments, 16 again;
+* the **formula** (:mod:`mpitrain.observe.memory`): bytes per parameter with Adam, times
+  the parameters, in float32 and in mixed precision (``bf16``, ``fp16``, ddp);
 * **step peak**: the most the heap held during a step, above the same level: activations,
   gradients before their exchange, buffers in flight (in mixed precision, the float32
   copies the ops compute with), on top of the model state.

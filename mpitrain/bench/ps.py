@@ -4,7 +4,7 @@ Run under ``mpiexec -n 4``: rank 0 is the parameter server, ranks 1-3 the worker
 BLAS thread each). A LeNet-style CNN trains on random 28x28 images, 16 per worker per
 step, until ``3 x steps`` gradients have been applied: the same number of samples in
 every mode. Worker 0 is a straggler: after each step's compute it sleeps twice that
-long (3x slower). Timed, interleaved round by round:
+long, so its steps take three times as long. Timed, interleaved round by round:
 
 * **sync** (``staleness=0``): every step waits for all three workers;
 * **bounded s=2**: a worker may run at most 2 steps ahead of the slowest;

@@ -17,11 +17,9 @@ not a target.
 * CNN: batch 64 of 32x32x3, conv3x3(16) ReLU conv3x3(32) ReLU maxpool2 linear(10), SGD
   with momentum 0.9.
 
-When PyTorch is importable (``pip install torch``: a tool to compare with, never a
-dependency), its equivalent steps run in the same rounds (:mod:`mpitrain.bench.torch_step`:
-the GPT in eager mode, the CNN channels-first and channels-last), each printed with
-mpitrain's time as a multiple of PyTorch's (the median of the per-round quotients);
-their GFLOP/s count the same FLOPs as mpitrain's model of the same shapes.
+When PyTorch is importable (a tool to compare with, never a dependency), its equivalent
+steps (:mod:`mpitrain.bench.torch_step`) run in the same rounds, each printed with
+mpitrain's time as a multiple of PyTorch's; their GFLOP/s count the same FLOPs.
 """
 
 from __future__ import annotations

@@ -328,15 +328,11 @@ def _mpi():
 def thread_level(requested: str = "auto", comm_thread: bool = False) -> str:
     """The MPI thread level to start with; ``auto`` is ``multiple`` (mpi4py's default).
 
-    Measured here with ``mpitrain bench allreduce`` (MPICH 5.0.2 wheel, 2 ranks on 2
-    cores): at ``multiple`` ``MPI_Allreduce`` reached 4.6-6.4 GB/s from 256 KiB to 4 MiB,
-    at ``funneled`` 1.3-1.5 GB/s, with small messages alike (0.6-0.9 GB/s at 4 KiB);
-    the data-parallel step of ``mpitrain bench ddp`` exposed less communication at
-    ``multiple`` too. (An older MPICH measured on this kind of machine did the opposite:
-    at ``single`` its small and medium collectives were 3-10x faster, a 4 KiB allreduce
-    2.1 us against 23 us; re-measure with ``--thread-level`` on yours.) With more
-    ranks than cores a lock-free level makes MPICH spin, another reason for the default;
-    and the trainer's stall watchdog (:mod:`mpitrain.observe.watchdog`) calls MPI from a thread.
+    With the MPICH wheel, ``MPI_Allreduce`` and the data-parallel step were faster at
+    ``multiple`` than at ``funneled``; an older MPICH did the opposite, so re-measure on
+    yours (``mpitrain bench allreduce --thread-level``; ``mpitrain/bench/README.md``). With
+    more ranks than cores a lock-free level makes MPICH spin, another reason for the
+    default; and the stall watchdog (:mod:`mpitrain.observe.watchdog`) calls MPI from a thread.
     ``comm_thread`` (a thread besides the main one calls MPI) needs ``serialized`` or more."""
     if requested not in THREAD_LEVELS:
         raise ValueError(f"thread level must be one of {THREAD_LEVELS}, got {requested!r}")

@@ -41,12 +41,11 @@ then written once, by that copy or by the allgather's receive. The reason is the
 MPICH moves large intra-node messages in one copy (CMA), the receiving process reading
 the sender's pages, which leaves those cache lines shared between the two cores; the
 next ``np.add`` into such a line must first invalidate the other core's copy. Adding
-in place into ``buf``, which the neighbour read in the previous allreduce, took 150 us
-for a 512 KB chunk; adding into the work array and copying the result (``memcpy``)
-took 45. At 1 MiB on 2 ranks this lifted the ring from 0.7 to about 1.0 of MPICH's
-``Allreduce``. Larger chunks no longer sit in the neighbour's cache, and there the
-copy costs more than it saves, so they are received into one work array and added in
-place.
+in place into ``buf``, which the neighbour read in the previous allreduce, was several
+times slower than adding into the work array and copying the result (``memcpy``), and
+medium buffers gained the most (``mpitrain/bench/README.md``). Larger chunks no longer
+sit in the neighbour's cache, and there the copy costs more than it saves, so they are
+received into one work array and added in place.
 
 Two ranks. With ``P = 2`` the ring's two steps (each rank sends half, adds what it
 gets; then sends its finished half back) move the same ``n`` elements per rank as one
@@ -54,13 +53,13 @@ gets; then sends its finished half back) move the same ``n`` elements per rank a
 (:class:`Exchange`). The sum is the same bits on both (``a + b == b + a`` in IEEE
 arithmetic), and it takes one round instead of two. Across a network that is what
 counts: beside compute, each round waits for a progress call on both ranks, and during
-backward those come in bursts between layers. Across two emulated nodes at 1 Gbit/s,
-overlapped with the nanoGPT-sized GPT's backward, the exchange hid 65-70% of the
-communication where the two-step ring and MPICH's ``Iallreduce`` hid 51-57%
-(``mpitrain bench ddp --network``). On one node the additions count instead, and the
-ring does half of them per rank: from 16 MiB on 2 ranks the exchange ran at 3.3-3.7
-GB/s and the ring at 4.2-5.6. So ``iallreduce(..., "ring")`` on two ranks exchanges
-when they are on different nodes and runs the ring when they share one.
+backward those come in bursts between layers. Across two emulated nodes, overlapped
+with a GPT's backward, the exchange hid more of the communication than the two-step
+ring and MPICH's ``Iallreduce`` (``mpitrain bench ddp --network``). On one node the
+additions count instead, and the ring does half of them per rank: there the ring was
+the faster for large buffers (both: ``mpitrain/bench/README.md``). So
+``iallreduce(..., "ring")`` on two ranks exchanges when they are on different nodes and
+runs the ring when they share one.
 
 Half precision on the wire. With ``wire="bf16"`` or ``"fp16"`` the ring and the exchange
 send 16-bit numbers and add them to the buffer's own (float32) numbers: every partial

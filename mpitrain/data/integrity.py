@@ -5,14 +5,11 @@ content SHA-256 (``sha256``) covers them, re-hashed by :meth:`Dataset.verify`. E
 else is its **metadata**: the HDF5 superblock, object headers, attributes, chunk index,
 heaps and free space. The builder records in the manifest the byte ranges of the data
 chunks (``data_ranges``) and the SHA-256 of every byte outside them (``metadata_sha256``),
-and opening a shard hashes those few kilobytes *before* h5py reads the file. HDF5 trusts
-its metadata: a single flipped byte in the datatype of an attribute made the HDF5 2.0
-library end the process with a segmentation fault when the attributes were read, and
-others gave every kind of exception. So h5py only ever parses verified metadata, and a
-damaged one is one :class:`DataError` naming the file, at open, at the cost of reading a
-few kilobytes per shard (with or without ``data.verify``). Together the two checksums
-cover every byte of the file but the unused tail of a dataset's last chunk, which no
-reader reads.
+and opening a shard hashes those few kilobytes *before* h5py reads the file: HDF5 trusts
+its metadata, and one flipped byte there can end the process (``datasets/README.md``,
+"Why these choices"). So h5py only ever parses verified metadata, and a damaged one is
+one :class:`DataError` naming the file, at open. Together the two checksums cover every
+byte of the file but the unused tail of a dataset's last chunk, which no reader reads.
 
 Values are checked where the model would index with them: labels in ``0..classes-1``,
 token ids below the vocabulary size (:func:`check_ids`, a min and a max per read), and

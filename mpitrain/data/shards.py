@@ -1,17 +1,9 @@
 """The HDF5 shard format: opening and checking a dataset directory, reading rows.
 
 A dataset directory holds ``manifest.json`` and one or more HDF5 shards per split
-(``train-00000.h5``, ``test-00000.h5``, ...). The full specification, with the reasons
-for each choice, is ``datasets/README.md``; in short:
-
-* a shard holds ``x`` (samples, first axis = sample) and, for labelled data, ``y``
-  (one integer label per sample), both chunked along the first axis and optionally
-  compressed; its attributes repeat what the manifest says about it (format version,
-  dataset, split, index, count, sample shape, dtype, SHA-256 of its content);
-* a text dataset stores its split as one token-id stream in ``x`` (sample shape ``()``,
-  one row per token) and has no ``y``: targets are the next tokens;
-* the content SHA-256 is taken over the C-order bytes of ``x`` followed by ``y``, so it
-  does not depend on chunking or compression.
+(``train-00000.h5``, ``test-00000.h5``, ...), each with ``x`` (samples; for text, one
+token-id stream) and, for labelled data, ``y``, chunked along the first axis. The full
+specification, with the reasons for each choice, is ``datasets/README.md``.
 
 Writing, atomic and refusing values the trainer could not use, is
 :mod:`mpitrain.data.writer`.
@@ -25,8 +17,8 @@ labels and token ids as they go. Any failure is one :class:`DataError` naming th
 
 Rows are read with ``os.preadv`` straight from the file offsets of unfiltered chunks
 (HDF5 records them; h5py reports them), which avoids h5py's per-call selection cost
-(about 80 us, a third of the time of a 0.5 MB read) and releases the GIL for the
-prefetch thread. Compressed chunks are read through h5py, which decompresses them.
+(``mpitrain/bench/README.md``) and releases the GIL for the prefetch thread.
+Compressed chunks are read through h5py, which decompresses them.
 """
 
 from __future__ import annotations

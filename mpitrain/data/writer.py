@@ -1,15 +1,12 @@
 """Writing a shard dataset directory: atomically, and only values the trainer can use.
 
 The format is specified in ``datasets/README.md`` (reading and checking it:
-:mod:`mpitrain.data.shards`). Writing is atomic: everything goes into a hidden
-temporary directory next to the output, which is renamed into place only when complete,
-so a failed or interrupted build leaves nothing behind (and what a killed one left, the
-next build of the same output clears up: :func:`_recover`). The writer refuses values the
-trainer could not use, naming the split and the index: labels outside the classes,
-token ids outside the vocabulary, images that are not uint8 pixels or not of one
-shape, statistics that are not finite and positive. It records each shard's content
-SHA-256 and metadata SHA-256 (:mod:`mpitrain.data.integrity`) and seals the manifest
-with its own checksum (:mod:`mpitrain.data.manifest`).
+:mod:`mpitrain.data.shards`). Everything goes into a hidden temporary directory next to
+the output, renamed into place only when complete (what a killed build left, the next
+build of the same output clears up: :func:`_recover`). The writer refuses values the
+trainer could not use, naming the split and the index; it records each shard's content
+and metadata SHA-256 (:mod:`mpitrain.data.integrity`) and seals the manifest with its
+own checksum (:mod:`mpitrain.data.manifest`).
 """
 
 from __future__ import annotations

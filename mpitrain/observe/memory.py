@@ -8,13 +8,13 @@ optimizer's state. The formula it is set beside, bytes per parameter for each sy
 :func:`mpitrain.cost.bytes_per_parameter` (Rajbhandari et al., SC 2020).
 
 A run also measures what it holds (:class:`HeapTrace`): ``tracemalloc``, which sees
-NumPy's buffers, traces the heap from before the model is built through the first
-steps, then stops (``run.trace_memory``; tracing slows the steps it covers, the data
-reader's first reads most, allocation-heavy Python): the heap at rest after the second
-step (the optimizer's state exists from the first on), split by where it was allocated
-(the data reader's buffers, communication work arrays, the rest: the model state, whose
-formula is above), and the peak of the third step above it (activations, gradients in
-flight, buffers of the exchange).
+NumPy's buffers, traces the heap from before the model is built through the first steps,
+then stops (``run.trace_memory``; tracing slows the steps it covers, the data reader's
+first reads most, allocation-heavy Python: ``mpitrain/bench/README.md``): the heap at
+rest after the second step (the optimizer's state exists from the first on), split by
+where it was allocated (the data reader's buffers, communication work arrays, the rest:
+the model state, whose formula is above), and the peak of the third step above it
+(activations, gradients in flight, buffers of the exchange).
 """
 
 from __future__ import annotations

@@ -121,9 +121,8 @@ class CausalSelfAttention(Function):
     with a row of ones. The right operand of the two products that contract over the
     head features (``k q^T`` and ``v dy^T``) is copied transposed, with the
     ``1/sqrt(hs)`` folded into the copy: OpenBLAS's small GEMMs run slowly with a
-    transposed right operand (the scores of one benchmark block: 195 us from the view,
-    152 us with the scaled copy included, 95 us with both operands contiguous), and the
-    scale then costs no pass over the (T, T) scores."""
+    transposed right operand (the copy included, the scores measured faster:
+    ``mpitrain/bench/README.md``), and the scale then costs no pass over the (T, T) scores."""
 
     def forward(self, qkv, n_head, causal, dropout_p, generator, heads=None):
         return attend(self, qkv, n_head, causal, dropout_p, generator, heads)

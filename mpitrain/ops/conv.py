@@ -17,9 +17,9 @@ so that col2im moves long contiguous runs.
 
 Tiles. Built for the whole batch at once, the column matrix of a 32x32x16 layer at
 batch 64 is 38 MB: im2col writes it to memory and the GEMM, whose packing reads it
-back, ran at 60 GFLOP/s. The fast path therefore walks the batch in tiles of
+back, waits on memory. The fast path therefore walks the batch in tiles of
 whole images whose columns fit a cache budget (``TILE_BYTES_PER_THREAD``): the GEMM
-then reads columns im2col has just written to cache and runs at 90 GFLOP/s, the column
+then reads columns im2col has just written to cache and runs faster, the column
 gradient is added back while it is in cache, and backward rebuilds a tile's columns
 from the saved padded input (a copy from cache) instead of keeping 38 MB alive from
 forward to backward. The loop is over tiles, each a few images and millions of numbers
@@ -27,28 +27,10 @@ for NumPy and BLAS; no Python loop runs over single pixels or positions, and one
 covers a batch that fits. Tiles change how the weight and bias gradients and the
 col2im sums are grouped, so the two paths agree to rounding, not bit for bit.
 
-Cost, measured on this project's 2-core AVX-512 machine for that layer (batch 64,
-32x32x16 -> 32 channels, 3x3, 0.6 GFLOP per GEMM; one BLAS thread), whole batch / in
-tiles: forward 16 / 9.5 ms; backward 31 / 27 ms (weight-gradient GEMM 9 / 6.5 ms;
-tap-major column gradient and col2im 20 / 15 ms, its N = C_in = 16 being narrow for
-BLAS). With the tiles, the pool's fused ReLU and the opaque-row im2col,
-``mpitrain bench step``'s CNN went from 70 to 52 ms per step.
-
 Backward computes the input gradient in sub-tiles of ``COLUMN_GRAD_BYTES`` (one image
-of that layer): the nine narrow GEMMs run faster there. The bench CNN's step, broken
-down (ms, one thread, before / after, alternated in one sitting; each part timed on
-its own, the rest being the step less the parts): conv forward 11.1 / 11.1, input
-gradient 12.9 / 11.2, weight gradient and bias 10.9 / 10.9, pooling 3.3 / 3.4, the
-rest 5.2 / 4.2; step 43.4 / 40.9.
-
-What did not beat these here, measured on the 32x32x16 -> 32 layer (forward 8.7 ms):
-Winograd F(2x2, 3x3) does 2.25x fewer multiplications, but its transforms are NumPy
-passes over strided 4x4 tiles (the input transform alone 4.7 ms; 12.2 ms in all,
-whatever the tile); the same transform along rows only, with im2col along columns,
-8.7 ms: what it saves in the GEMM its extra passes spend. NumPy's elementwise passes
-cost 0.2-0.5 ns per number, and OpenBLAS runs these narrow GEMMs (N = 16 or 32) at
-55-100 GFLOP/s, so the GEMMs set the floor: the layer's three of 0.6 GFLOP each take
-about 19 ms of the step.
+of that layer): the nine narrow GEMMs (``N = C_in``) run faster there. Winograd's
+F(2x2, 3x3), fewer multiplications but NumPy passes over strided 4x4 tiles, lost to
+im2col: the narrow GEMMs set the floor. Each part's cost: ``mpitrain/bench/README.md``.
 """
 
 from __future__ import annotations
@@ -61,15 +43,12 @@ from numpy.lib.stride_tricks import sliding_window_view
 from mpitrain.ops._util import blocks, fast_paths_enabled
 from mpitrain.tensor import Function, Tensor, as_tensor
 
-# Column-matrix bytes per tile of images and per BLAS thread: with the tile's input and
-# output, each thread's share stays in its core's 2 MiB L2 on this machine. 1.5 MiB was
-# the fastest of 0.25-4 MiB for the benchmark CNN with one thread; with two, 3 MiB
-# tiles train the quickstart LeNet 6% faster than 1.5 MiB ones.
+# Column-matrix bytes per tile of images and per BLAS thread, so that with the tile's input
+# and output each thread's share stays in its core's L2: the size measured fastest.
 TILE_BYTES_PER_THREAD = 3 << 19
 _blas_threads = 1
 # Column-gradient bytes per sub-tile in backward: its nine N = C_in GEMMs run faster on
-# one image (590 KB for the bench CNN's 32x32x16 layer) than on a whole tile of two:
-# input gradient 12.9 -> 11.2 ms in the bench CNN, measured on this machine with one thread.
+# one image (590 KB for the bench CNN's 32x32x16 layer) than on a whole tile of two.
 COLUMN_GRAD_BYTES = 1 << 19
 # Input bytes per tile of images for max-pooling (no BLAS): with the tile's output,
 # masks and gradient it stays in L2 while every tap of the window is visited.
@@ -166,7 +145,7 @@ def _im2col(xp: np.ndarray, kh, kw, sh, sw, Ho, Wo) -> np.ndarray:
     A window row, kw pixels of C channels, is kw*C contiguous numbers in channels-last
     memory. The copy moves it as one opaque element of kw*C*itemsize bytes, so NumPy's
     inner loop runs along output pixels rather than along the 48 (or, for RGB input, 9)
-    numbers of one row: 35-40% faster here than copying the same view number by number."""
+    numbers of one row: faster than copying the same view number by number."""
     n, _, _, C = xp.shape
     xp = np.ascontiguousarray(xp)  # a buffer for the view below
     row = np.dtype((np.void, kw * C * xp.itemsize))
@@ -321,9 +300,7 @@ class MaxPool2d(Function):
     With the fast paths on (``ops.fast_paths``), both walk the batch in tiles of
     ``POOL_TILE_BYTES`` of input, so that every tap after the first reads cache: over a
     whole 8 MB activation (the benchmark CNN's) each tap read it again from memory.
-    Measured, tile sizes side by side in one process: CNN bench step 52.5 ms
-    whole-batch, 50.3 with 512 KiB tiles (256 KiB and 1 MiB within 0.2 ms of it, 2 MiB
-    51.4). With them off, one tile is the whole batch: the same arithmetic.
+    With them off, one tile is the whole batch: the same arithmetic.
 
     ``relu=True`` also takes the maximum with 0. ReLU and max-pooling commute (both are
     monotone), so ``conv -> pool(relu=True)`` equals ``conv(relu=True) -> pool`` in value

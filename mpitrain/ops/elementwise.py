@@ -226,7 +226,7 @@ def erf(x: np.ndarray) -> np.ndarray:
     ``erf(x) = 2/sqrt(pi) exp(-x^2) x sum_n a_n x^(2n)``, ``a_n = 2^n / (1 3 5 ... (2n+1))``
     (Abramowitz & Stegun 7.1.6), which has no cancellation. Both by Horner's rule, so
     no partial result is tiny (summed term by term, the terms of small x fell into
-    subnormal numbers: 3x slower). For
+    subnormal numbers, which are slow). For
     ``2.5 <= |x| < 6``, ``1 - erfc(x)`` with ``erfc(x) = exp(-x^2) / sqrt(pi) /
     (x + (1/2) / (x + 1 / (x + (3/2) / (x + ...))))`` evaluated from its last level up
     (A&S 7.1.14); beyond, ``erfc < 2e-17``: +-1."""
@@ -271,14 +271,13 @@ class GELU(Function):
     """GELU, tanh form: x * h with h = 0.5 (1 + tanh(s (x + 0.044715 x^3))),
     s = sqrt(2/pi) (Hendrycks & Gimpel 2016; the form GPT-2 uses). Forward also computes
     the derivative when a gradient will be needed; backward is then one product, and
-    only the derivative is kept, not x and h (measured: 0.5 ms less per GPT bench step
-    than recomputing it from them in backward, nine passes).
+    only the derivative is kept, not x and h (faster than recomputing it from them in
+    backward, nine passes: ``mpitrain/bench/README.md``).
 
     With the fast paths off (``ops.fast_paths``) it runs :func:`gelu_plain`, whole-array
     expressions; on, :func:`gelu_blocks`, the same arithmetic as in-place passes over
-    blocks that stay in cache (``_util.blocks``; over whole (768, 512) activations this
-    halved the time): eight passes for the value, seven more in the same block for the
-    derivative while x and h are still in cache.
+    blocks that stay in cache (``_util.blocks``): eight passes for the value, seven more in
+    the same block for the derivative while x and h are still in cache.
 
     ``form="erf"`` is the exact form instead (:func:`gelu_erf`), on both paths."""
 

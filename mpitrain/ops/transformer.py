@@ -13,10 +13,10 @@ dropout masks in their order, so its values and gradients are theirs bit for bit
 residual add is ``branch + x`` rather than ``x + branch``, equal in IEEE arithmetic);
 the tests hold a whole GPT on the two paths to that, in float32 and float64.
 
-Why one node. A new array costs, on this machine, a read from memory of every cache
-line before it is written, and the block's large intermediates, LN(x), qkv (N, 3C),
-the merged heads (N, C) and the MLP's hidden activation (N, 4C), are written once and
-read in backward long after they have left the cache. Private to one node, they can be
+Why one node. A new array costs a read from memory of every cache line before it is
+written, and the block's large intermediates, LN(x), qkv (N, 3C), the merged heads
+(N, C) and the MLP's hidden activation (N, 4C), are written once and read in backward
+long after they have left the cache. Private to one node, they can be
 reused while they are still in cache:
 
 * forward: GELU runs in place over the fc output, and dropout and the residual add
@@ -28,10 +28,9 @@ reused while they are still in cache:
   new array.
 
 Only when the engine says this is the node's last backward (``Function.last_backward``);
-with ``retain_graph`` every gradient gets a new array instead. Measured on the GPT
-bench step, 12 rounds of three separate processes side by side (medians): 59.4 ms op
-by op; 56.4 with attention and MLP fused but layer norm and residual left out (faster
-in 12 of 12); 54.9 as here (faster than that in 11 of 12).
+with ``retain_graph`` every gradient gets a new array instead. The GPT bench step
+measured faster this way than op by op, and than with attention and MLP fused but layer
+norm and residual left out (``mpitrain/bench/README.md``).
 """
 
 from __future__ import annotations
