@@ -1,37 +1,25 @@
-"""Communicators: buffer collectives, counters, agreement on errors, abort on failure
-(the module of the comm package that imports mpi4py).
+"""Communicators: buffer collectives, agreement on errors, abort on failure (the module
+of the comm package that imports mpi4py).
 
 ``Comm`` wraps an mpi4py communicator; ``SingleComm`` is the same interface for one
-process without MPI (every collective is then a no-op or a copy), for the unit tier and
-library use. Importing this module does not start MPI; :func:`world` does, on first
-call, at the thread level asked for (see :func:`thread_level`).
+process without MPI (every collective a no-op or a copy), for the unit tier and library
+use. Importing this module does not start MPI; :func:`world` does, at the thread level
+asked for (:func:`thread_level`).
 
 **Arrays** go through the buffer methods (uppercase mpi4py calls on contiguous NumPy
-arrays, no pickling): ``allreduce``, ``iallreduce``, ``bcast_array``,
-``reduce_scatter``, ``allgather_array``, ``isend``/``irecv``. A method that returns a
-request (:mod:`mpitrain.comm.requests`) never waits inside.
+arrays, no pickling: ``allreduce``, ``iallreduce``, ``bcast_array``, ``reduce_scatter``,
+``allgather_array``, ``isend``/``irecv``); only small control messages (error texts, I/O
+statistics) use the pickling lowercase ones. A method that returns a request
+(:mod:`mpitrain.comm.requests`) never waits inside. **Counters**: every communicator has
+one (:class:`~mpitrain.comm.requests.CommStats`; a duplicate's or a split's adds into its
+parent's): point-to-point bytes exactly, MPI's own collectives by the bytes a
+bandwidth-optimal algorithm sends (:func:`mpitrain.cost.collective_bytes`), which is
+what mpitrain's ring sends exactly. **Tags** come from :class:`Tag`; concurrent operations
+are kept apart by a duplicated communicator each (``dup``), never by tag arithmetic.
 
-**Counters** (:class:`~mpitrain.comm.requests.CommStats`; a duplicate's or a split's
-adds into the counter of the communicator it was made from): point-to-point bytes exactly; MPI's own
-collectives by the bytes a bandwidth-optimal algorithm sends
-(:func:`mpitrain.cost.collective_bytes`), which is what mpitrain's ring sends exactly.
-
-**Tags** come from :class:`Tag`; messages of concurrent operations are kept apart by
-giving each its own duplicated communicator (``dup``), never by tag arithmetic.
-
-Two failure rules, so that an error on one rank ends every rank, never leaving the
-others waiting:
-
-* **agreed errors**: a check that every rank makes (opening a dataset, building the
-  embedded data) runs inside :meth:`Comm.agree`; the outcome is allgathered, and if any
-  rank failed, every rank raises the same error, naming the rank that saw it. No rank is
-  left waiting in a collective that the others skipped.
-* **abort on exception**: any other exception on any rank prints that rank's traceback
-  and calls ``MPI_Abort``, which ends every rank of the job at once instead of leaving
-  the others to hang (:func:`abort_on_exception`).
-
-Only small control messages (error texts, I/O statistics) use the pickling lowercase
-methods here; arrays go through the buffer methods.
+An error on one rank ends every rank, never leaving the others waiting: a check every
+rank makes runs inside :meth:`Comm.agree` (every rank raises the first failure, naming
+its rank); any other exception aborts the job (:func:`abort_on_exception`).
 """
 
 from __future__ import annotations
@@ -42,6 +30,7 @@ import os
 import sys
 import time
 import traceback
+
 import numpy as np
 
 from mpitrain.comm.requests import CommStats, MPIRequest, Request, blocking
@@ -91,18 +80,15 @@ class SingleComm:
     def node_size(self) -> int:
         return 1
 
-    def free(self) -> None:
-        pass
+    def _nothing(self, *args, **kwargs) -> None:
+        """With one rank a sum, a broadcast or a gather leaves the array as it is, and
+        there is nothing to wait for or free."""
 
-    # arrays: with one rank every reduction is the identity
-    def allreduce(self, buf: np.ndarray, op: str = "sum") -> None:
-        pass
-
-    def iallreduce(self, buf: np.ndarray) -> Request:
+    def _done(self, *args, **kwargs) -> Request:
         return Request(done=True)
 
-    def bcast_array(self, buf: np.ndarray, root: int = 0) -> None:
-        pass
+    allreduce = bcast_array = allgather_array = waitall = barrier = sleeping_barrier = free = _nothing
+    iallreduce = iallgather_array = _done
 
     def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts) -> None:
         recv[...] = send[: counts[0]]
@@ -110,15 +96,6 @@ class SingleComm:
     def ireduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts) -> Request:
         self.reduce_scatter(send, recv, counts)
         return Request(done=True)
-
-    def allgather_array(self, buf: np.ndarray, counts) -> None:
-        pass
-
-    def iallgather_array(self, buf: np.ndarray, counts) -> Request:
-        return Request(done=True)
-
-    def waitall(self, requests: list[Request]) -> None:
-        """One rank starts no point-to-point operation: nothing to wait for."""
 
     def allgather(self, obj):
         return [obj]
@@ -128,12 +105,6 @@ class SingleComm:
 
     def bcast(self, obj, root: int = 0):
         return obj
-
-    def barrier(self) -> None:
-        pass
-
-    def sleeping_barrier(self, poll: float = 1e-3) -> None:
-        pass
 
     def agree(self, fn, *args, share=Exception, **kwargs):
         return fn(*args, **kwargs)

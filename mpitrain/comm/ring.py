@@ -1,39 +1,16 @@
 """Allreduce algorithms: MPI's own, mpitrain's ring, and the node-aware one built on it
 (:mod:`mpitrain.comm.hierarchical`), selectable by name.
 
-``allreduce(comm, buf, "mpi")`` is ``MPI_Allreduce``; ``"ring"`` is the algorithm below,
-written with point-to-point messages so that it can be read, counted and compared (read
-:func:`ring_allreduce` first: the same algorithm, blocking, step by step). Both
-sum in place; ``iallreduce`` starts either without waiting and returns a request whose
-``test()`` moves it forward (the ring posts its next step from inside ``test()``).
+``allreduce(comm, buf, "mpi")`` is ``MPI_Allreduce``; ``"ring"`` is mpitrain's ring
+(Patarasuk & Yuan 2009; Baidu's and Horovod's allreduce), written with point-to-point
+messages so that it can be read, counted and compared. Read :func:`ring_allreduce`
+first: the textbook ring, blocking, step by step, with why it is bandwidth-optimal and
+what each rank sends (:func:`mpitrain.cost.ring_elements`). :class:`Ring` computes the
+same sums, in the same order, bit for bit, but as a request: ``iallreduce`` starts it
+without waiting and ``test()`` posts each next step, so it moves while backward
+computes. What the fast version adds:
 
-The ring (Patarasuk & Yuan 2009; Baidu's and Horovod's allreduce)
------------------------------------------------------------------
-``P`` ranks stand in a ring: rank ``r`` sends to ``r + 1`` and receives from ``r - 1``
-(mod ``P``). The buffer of ``n`` elements is cut into ``P`` chunks, chunk ``i`` being
-elements ``[n*i//P, n*(i+1)//P)`` (sizes differ by at most one; some are empty when
-``n < P``).
-
-1. **Reduce-scatter**, ``P - 1`` steps. At step ``s`` rank ``r`` sends chunk
-   ``r - s - 1`` and receives chunk ``r - s - 2``, which it adds to its own copy. Each
-   chunk travels once around the ring gathering one addend per hop, so after the last
-   step rank ``r`` holds the full sum of chunk ``r``.
-2. **Allgather**, ``P - 1`` steps. At step ``s`` rank ``r`` sends chunk ``r - s`` (its
-   own finished chunk at ``s = 0``, afterwards the one it just received) and receives
-   chunk ``r - s - 1``, which it stores. After ``P - 1`` steps every rank has every
-   finished chunk.
-
-Cost: every step moves one chunk per rank, all ranks at once. Rank ``r`` sends every
-chunk but its own in phase 1 and every chunk but ``r + 1``'s in phase 2:
-``2n - c_r - c_{r+1}`` elements, which sums over ranks to exactly ``2(P - 1) n`` and is
-``2(P - 1)/P x n`` per rank when ``P`` divides ``n``. No algorithm can send less per
-rank (each rank must send out ``(P-1)/P`` of its data and receive everyone's share of
-its result), so the ring is bandwidth-optimal; its ``2(P - 1)`` steps each pay one
-message latency ``alpha``, so small buffers are latency-bound:
-``T = 2(P - 1) (alpha + n/P x bytes/element / bandwidth)``. The additions (``n (P-1)/P``
-per rank) are done with ``np.add(..., out=...)``, in place.
-
-Partial sums. For chunks up to ``IN_PLACE_CHUNK_BYTES`` they travel in two work arrays,
+**Partial sums.** For chunks up to ``IN_PLACE_CHUNK_BYTES`` they travel in two work arrays,
 not in ``buf``: at reduce-scatter step ``s`` the chunk received goes into work array
 ``s % 2``, this rank's addend is added to it there, and step ``s + 1`` sends it on from
 there; only the finished chunk ``r`` is copied into ``buf``. Each element of ``buf`` is
@@ -47,7 +24,7 @@ medium buffers gained the most (``mpitrain/bench/README.md``). Larger chunks no 
 sit in the neighbour's cache, and there the copy costs more than it saves, so they are
 received into one work array and added in place.
 
-Two ranks. With ``P = 2`` the ring's two steps (each rank sends half, adds what it
+**Two ranks.** With ``P = 2`` the ring's two steps (each rank sends half, adds what it
 gets; then sends its finished half back) move the same ``n`` elements per rank as one
 *exchange*: each rank sends its whole buffer and adds the one it receives
 (:class:`Exchange`). The sum is the same bits on both (``a + b == b + a`` in IEEE
@@ -61,7 +38,7 @@ the faster for large buffers (both: ``mpitrain/bench/README.md``). So
 ``iallreduce(..., "ring")`` on two ranks exchanges when they are on different nodes and
 runs the ring when they share one.
 
-Half precision on the wire. With ``wire="bf16"`` or ``"fp16"`` the ring and the exchange
+**Half precision on the wire.** With ``wire="bf16"`` or ``"fp16"`` the ring and the exchange
 send 16-bit numbers and add them to the buffer's own (float32) numbers: every partial
 sum is rounded to the wire's format once per hop, the additions are done in float32
 (which MPI's reductions cannot do: MPI has no bfloat16, and its float16 is an
@@ -128,12 +105,8 @@ def ring_allreduce(comm, buf: np.ndarray) -> None:
     ``2n`` however many ranks there are. No allreduce can send less per rank (Patarasuk
     & Yuan 2009: a rank's data must reach the ``(P - 1)/P`` of the sum that others
     finish, and the part it finishes must reach them), so the ring is bandwidth-optimal;
-    what grows with ``P`` is the number of steps, ``2(P - 1)`` message latencies.
-
-    :class:`Ring` below computes the same sums, in the same order, bit for bit (tested,
-    ``tests/test_mpi_ring.py``); it does not block: ``test()`` posts each next step, so
-    the ring moves forward while backward computes, and it keeps partial sums in work
-    arrays for the cache's sake ("Partial sums" above)."""
+    what grows with ``P`` is the number of steps, ``2(P - 1)`` message latencies, so
+    small buffers are latency-bound. (Tested bit for bit equal to :class:`Ring`.)"""
     P, r = comm.size, comm.rank
     bounds = chunk_bounds(buf.size, P)
     chunk = [buf[bounds[i] : bounds[i + 1]] for i in range(P)]  # views into buf
