@@ -1,8 +1,7 @@
 """``mpitrain bench ddp``: what data parallelism buys, and how much communication overlap hides.
 
-Run under ``mpiexec -n 2`` (one BLAS thread per rank). For each GPT it times, interleaved
-round by round so that every variant sees the same machine, the training step of one
-global batch ``B`` (AdamW, clipping at 1.0, random tokens):
+Run under ``mpiexec -n 2`` (one BLAS thread per rank). For each GPT it times, round by
+round, the training step of one global batch ``B`` (AdamW, clipping at 1.0, random tokens):
 
 * **1 rank**: rank 0 alone with all ``B`` samples (rank 1 sleeps);
 * **2 ranks, no comm**: each rank steps on its ``B/2`` samples and the ranks meet once
@@ -27,16 +26,15 @@ overlap the machine allows, with little of a training step's noise.
 ``vs off`` is ``1 - exposed / exposed(off)``: the share of the non-overlapped step's
 communication that overlap removes. Speed-up is the 2-rank ddp samples/s over the
 1-rank samples/s. Every figure is the median over all timed steps (the slower rank's time
-of each), so a step that another process interrupted does not move it, and each round
-starts a variant with a few untimed steps, so the figures are those of steady training.
+of each), so a step that another process interrupted does not move it; each round
+starts a variant with a few untimed steps (:data:`WARMUP`): steady training.
 
 **Across a network** (``--network RATE``, :func:`network`): run without ``mpiexec``, it
 runs the bench on shared memory (``mpiexec -n 2``) and then across 2 emulated nodes of
 one rank linked at ``RATE`` (:mod:`mpitrain.cluster`, as root), for each allreduce
-algorithm, with buckets of 2 ms of the link
-(:func:`~mpitrain.cluster.link_bucket_mb`) unless ``--bucket-mb`` says
-otherwise; each run writes its figures as JSON (``--json``) and the two are printed side
-by side (figures: ``mpitrain/bench/README.md``).
+algorithm, with buckets of 2 ms of the link (:func:`~mpitrain.cluster.link_bucket_mb`)
+unless ``--bucket-mb`` says otherwise; each run writes its figures as JSON (``--json``)
+and the two are printed side by side.
 """
 
 from __future__ import annotations
@@ -51,6 +49,7 @@ from pathlib import Path
 import numpy as np
 
 from mpitrain import nn, optim, rng
+from mpitrain.bench.measure import interleaved, medians, seconds
 from mpitrain.cluster import Cluster, describe, mpiexec
 from mpitrain.comm import started_thread_level, world
 from mpitrain.comm.ring import allreduce, iallreduce, wire_dtype
@@ -129,10 +128,7 @@ def _probe(comm, buckets, algorithm: str, allreduce_seconds: float, log) -> dict
     """Overlap with no model: the buckets' allreduces against fixed matrix products."""
     a = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)  # (256, 256)
     product = np.empty_like(a)  # (256, 256)
-    tick = time.perf_counter()
-    for _ in range(8):
-        np.matmul(a, a, out=product)
-    pieces = max(8, int(4 * allreduce_seconds / ((time.perf_counter() - tick) / 8)))
+    pieces = max(8, int(4 * allreduce_seconds / seconds(lambda: np.matmul(a, a, out=product), 8)))
 
     def compute(requests=None):
         for _ in range(pieces):
@@ -148,11 +144,7 @@ def _probe(comm, buckets, algorithm: str, allreduce_seconds: float, log) -> dict
 
     variants = {"compute": compute, "allreduce": lambda: _all_started(buckets, algorithm),
                 "test": lambda: together(True), "none": lambda: together(False)}
-    times = {k: [] for k in variants}
-    for _ in range(7):
-        for k, fn in variants.items():
-            times[k] += _timed(comm, fn, 3, 2)
-    med = {k: float(np.median(v)) for k, v in times.items()}
+    med = medians(interleaved(variants, 7, lambda fn: _timed(comm, fn, 3, 2)))
     hidden = {k: (med["compute"] + med["allreduce"] - med[k]) / med["allreduce"] for k in ("test", "none")}
     log(f"  probe: allreduce {1e3 * med['allreduce']:.1f} ms, {pieces} products {1e3 * med['compute']:.1f} ms; "
         f"together {1e3 * med['test']:.1f} ms with Test (hidden {100 * hidden['test']:.0f}%), "
@@ -194,11 +186,7 @@ def run(models=("gpt", "wide"), rounds: int = 5, steps: int = 5, bucket_mb: floa
             for fn, ranks in variants.values():  # warm up: allocator, optimizer state
                 _timed(comm, fn, 2, ranks)
             huge_page_heap()  # as the trainer does after its first steps
-            times = {k: [] for k in variants}
-            for _ in range(rounds):
-                for k, (fn, ranks) in variants.items():
-                    times[k] += _timed(comm, fn, steps, ranks, warmup)
-            med = {k: float(np.median(v)) for k, v in times.items()}
+            med = medians(interleaved(variants, rounds, lambda v: _timed(comm, v[0], steps, v[1], warmup)))
             total = _table(name, spec, med, buckets, log)
             out[name] = dict(med, total=total, buckets=len(buckets), probe=_probe(comm, buckets, algorithm, total, log))
             for dp in dps.values():
@@ -237,10 +225,8 @@ def _table(name: str, spec: dict, med: dict, buckets, log) -> float:
 
 
 def network(rate: str, mtu: int, options: list[str], algorithms, log=print) -> int:
-    """``--network RATE``: the same bench on shared memory (``mpiexec -n 2`` here) and
-    across 2 emulated nodes of 1 rank linked at ``rate`` (:mod:`mpitrain.cluster`), for
-    each allreduce algorithm; their output as it comes, then the two side by side.
-    ``options`` are the bench's own (models, rounds, steps, warmup, bucket size)."""
+    """``--network RATE`` (above): each run's output as it comes, then the two side by
+    side. ``options`` are the bench's own (models, rounds, steps, warmup, bucket size)."""
     results = {}
     with tempfile.TemporaryDirectory(prefix="mpitrain-bench-ddp-") as tmp:
 

@@ -9,12 +9,11 @@ buffer, and reports per rank:
 
 * **model state, measured**: the heap held between steps (the batch, activations and
   gradients in flight freed) above its level before the model was built;
-* the same **counted** from the arrays the sync keeps
-  (:func:`mpitrain.observe.memory.model_state`): parameters,
-  gradients, optimizer state, and the optimizer's one reusable work array, which is
-  not model state but is held too;
-* the **formula** (:mod:`mpitrain.observe.memory`): bytes per parameter with Adam, times
-  the parameters, in float32 and in mixed precision (``bf16``, ``fp16``, ddp);
+* the same **counted** (:func:`~mpitrain.observe.memory.model_state`) from the arrays the
+  sync keeps: parameters, gradients, optimizer state, and the optimizer's one reusable
+  work array, which is not model state but is held too;
+* the **formula** (:func:`~mpitrain.cost.bytes_per_parameter`): bytes per parameter with
+  Adam, times the parameters, in float32 and in mixed precision (``bf16``, ``fp16``, ddp);
 * **step peak**: the most the heap held during a step, above the same level: activations,
   gradients before their exchange, buffers in flight (in mixed precision, the float32
   copies the ops compute with), on top of the model state.
@@ -25,16 +24,10 @@ them all. The measured state leaves out the work array (counted, shown beside it
 Then, in this process, the **activations** one rank's GPT holds after its forward (the
 heap after forward above the heap before, the logits dropped: what backward will read),
 with and without ``checkpoint_activations``, against the formula of this
-implementation's saved arrays, ``s`` bytes per number, ``N = B T`` rows (12 x 64):
-
-* a block keeps ``(16 N C + B H T^2 + 2 N) s``: per sublayer the layer norm's normalised
-  input and output (2 N C) and inverse deviations (N); attention's q, k, v (3 N C), its
-  probabilities (B H T^2) and output (N C); the MLP's GELU output and derivative (8 N C);
-* checkpointed, a block keeps its input only, ``N C s``, and rebuilds the rest in backward;
-* the embedding and head keep ``(2 N C + N + N V) s`` either way (the final norm's, and
-  the cross-entropy's probabilities);
-
-and the training step's time both ways (medians of interleaved rounds).
+implementation's saved arrays (:func:`~mpitrain.cost.gpt_block_activation_bytes`: a
+checkpointed block keeps its input only and rebuilds the rest in backward;
+:func:`~mpitrain.cost.gpt_ends_activation_bytes`, the same either way), and the training
+step's time both ways (medians of rounds).
 """
 
 from __future__ import annotations
@@ -47,6 +40,7 @@ import tracemalloc
 
 import numpy as np
 
+from mpitrain.bench.measure import interleaved, seconds
 from mpitrain.config import PRECISION_SYNCS
 from mpitrain.cost import bytes_per_parameter, gpt_block_activation_bytes, gpt_ends_activation_bytes
 from mpitrain.observe.memory import model_state
@@ -122,8 +116,6 @@ def worker(name: str, precision: str = "fp32") -> None:
 def activations(rounds: int = 5, log=print) -> dict:
     """Activations held after forward, plain and checkpointed, against the formula; step
     times side by side (one process, one BLAS thread)."""
-    import time
-
     from mpitrain import nn, optim, rng
     from mpitrain.runtime import limit_blas_threads
 
@@ -157,12 +149,7 @@ def activations(rounds: int = 5, log=print) -> dict:
             steps[ckpt] = step
             formula = ends + L * gpt_block_activation_bytes(B, T, C, H, 4, checkpointed=ckpt)
             out["checkpointed" if ckpt else "plain"] = {"held": held, "formula": formula}
-        times = {ckpt: [] for ckpt in steps}
-        for _ in range(rounds):
-            for ckpt, step in steps.items():
-                tick = time.perf_counter()
-                step()
-                times[ckpt].append(time.perf_counter() - tick)
+        times = interleaved(steps, rounds, seconds)
     cost = float(np.median(np.divide(times[True], times[False])))
     out["step_ms"] = {k: 1e3 * float(np.median(v)) for k, v in (("plain", times[False]), ("checkpointed", times[True]))}
     log(f"activations held after forward (GPT {L}L/{H}H/{C}C, B={B} T={T}, float32), MB:")
