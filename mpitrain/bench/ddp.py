@@ -48,13 +48,12 @@ from pathlib import Path
 
 import numpy as np
 
-from mpitrain import nn, optim, rng
-from mpitrain.bench.measure import interleaved, medians, seconds
+from mpitrain import optim
+from mpitrain.bench.measure import NANOGPT, gpt, interleaved, medians, seconds
 from mpitrain.cluster import Cluster, describe, mpiexec
 from mpitrain.comm import started_thread_level, world
 from mpitrain.comm.ring import allreduce, iallreduce, wire_dtype
 from mpitrain.parallel.data_parallel import DataParallel
-from mpitrain.precision import MixedPrecision
 from mpitrain.runtime import huge_page_heap, limit_blas_threads, tune_allocator
 
 # Untimed steps of a variant at the start of each round: switching variants leaves the caches
@@ -62,27 +61,15 @@ from mpitrain.runtime import huge_page_heap, limit_blas_threads, tune_allocator
 WARMUP = 3
 
 MODELS = {
-    "gpt": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch=12),  # nanoGPT's small CPU setting
-    # the same at nanoGPT's batch per process: its DDP keeps batch_size=12 on every rank
-    "gpt-ddp": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch=24),
+    "gpt": dict(NANOGPT, batch=12),
+    "gpt-ddp": dict(NANOGPT, batch=24),  # nanoGPT's batch per process: its DDP keeps batch_size=12 on every rank
     # 7 M parameters on 32 tokens per rank: the allreduce is a sizeable part of the step
     "wide": dict(n_layer=4, n_head=6, n_embd=384, block_size=32, batch=2),
 }
 
 
-def _build(spec: dict, precision: str = "fp32"):
-    """The model and its AdamW; in mixed precision (``bf16``, ``fp16``) the model's weights
-    half and the optimizer over float32 masters (:mod:`mpitrain.precision`)."""
-    rng.manual_seed(0)
-    cfg = nn.GPTConfig(vocab_size=65, block_size=spec["block_size"], n_layer=spec["n_layer"],
-                       n_head=spec["n_head"], n_embd=spec["n_embd"])
-    model = nn.GPT(cfg)
-    opt = optim.AdamW(optim.decay_groups(model.named_parameters(), 0.1), lr=1e-3, betas=(0.9, 0.99))
-    return model, opt if precision == "fp32" else MixedPrecision(opt, precision)
-
-
 def _stepper(spec: dict, comm, batch: int, dp_options: dict | None, precision: str = "fp32"):
-    model, opt = _build(spec, precision)
+    model, opt = gpt(spec, precision)
     dp = DataParallel(model, comm, optimizer=opt, **dp_options) if dp_options is not None else None
     x, y = np.random.default_rng(comm.rank).integers(0, 65, (2, batch, spec["block_size"]))
     scale = np.float32(opt.scaler.scale if precision != "fp32" else 1.0)  # fp16's loss scale (no overflow here)
@@ -106,16 +93,16 @@ def _timed(comm, fn, steps: int, ranks: int, warmup: int = 0) -> list[float]:
     """Seconds of each of ``steps`` calls of ``fn`` on the first ``ranks`` ranks, the
     slowest rank's for each call, after ``warmup`` calls that are not timed."""
     comm.barrier()
-    seconds = np.zeros(steps)
+    each = np.zeros(steps)
     if comm.rank < ranks:
         for _ in range(warmup):
             fn()
         for i in range(steps):
             tick = time.perf_counter()
             fn()
-            seconds[i] = time.perf_counter() - tick
+            each[i] = time.perf_counter() - tick
     comm.sleeping_barrier()
-    return np.max(comm.allgather(seconds.tolist()), axis=0).tolist()
+    return np.max(comm.allgather(each.tolist()), axis=0).tolist()
 
 
 def _all_started(buckets, algorithm: str, wire=None) -> None:
@@ -199,7 +186,7 @@ def _table(name: str, spec: dict, med: dict, buckets, log) -> float:
     """The lines of one model's variants (``med``: median seconds per step of each);
     returns the communication of a step alone, its total."""
     B = spec["batch"]
-    n = sum(p.size for p in _build(spec)[0].parameters())
+    n = sum(p.size for p in gpt(spec)[0].parameters())
     grad_mb = sum(flat.nbytes for _, flat in buckets) / 1e6
     log(f"{name}: GPT {spec['n_layer']}L/{spec['n_head']}H/{spec['n_embd']}C T={spec['block_size']} B={B}, "
         f"{n / 1e6:.2f} M parameters, {grad_mb:.1f} MB of gradients in {len(buckets)} bucket(s)")

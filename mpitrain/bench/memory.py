@@ -40,7 +40,7 @@ import tracemalloc
 
 import numpy as np
 
-from mpitrain.bench.measure import interleaved, seconds
+from mpitrain.bench.measure import NANOGPT, gpt, interleaved, seconds
 from mpitrain.config import PRECISION_SYNCS
 from mpitrain.cost import bytes_per_parameter, gpt_block_activation_bytes, gpt_ends_activation_bytes
 from mpitrain.observe.memory import model_state
@@ -63,10 +63,8 @@ def _syncs() -> dict:
 
 def worker(name: str, precision: str = "fp32") -> None:
     """One rank's measurement (under mpiexec); rank 0 prints every rank's as JSON."""
-    from mpitrain import nn, optim, rng
     from mpitrain.comm import world
     from mpitrain.dtypes import dtype_of
-    from mpitrain.precision import MixedPrecision
     from mpitrain.runtime import limit_blas_threads
 
     comm = world()
@@ -76,11 +74,7 @@ def worker(name: str, precision: str = "fp32") -> None:
         gc.collect()
         tracemalloc.start()
         base = tracemalloc.get_traced_memory()[0]
-        rng.manual_seed(0)
-        model = nn.GPT(nn.GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128))
-        opt = optim.AdamW(optim.decay_groups(model.named_parameters(), 0.1), lr=1e-3, betas=(0.9, 0.99))
-        if precision != "fp32":
-            opt = MixedPrecision(opt, precision)
+        model, opt = gpt(NANOGPT, precision)
         scale = np.float32(opt.scaler.scale if precision != "fp32" else 1.0)  # fp16's loss scale
         sync = make(model, opt, comm)
         n = sum(p.size for p in model.parameters())

@@ -27,7 +27,7 @@ import numpy as np
 
 from mpitrain import nn, ops, optim, rng
 from mpitrain.bench import torch_step
-from mpitrain.bench.measure import interleaved, seconds
+from mpitrain.bench.measure import gpt, interleaved, seconds
 from mpitrain.observe.flops import count_flops
 from mpitrain.runtime import huge_page_heap, limit_blas_threads, tune_allocator
 from mpitrain.tensor import Tensor
@@ -37,9 +37,7 @@ TARGETS = {"gpt": 0.45, "cnn": 0.25}
 
 
 def _gpt_step():
-    cfg = nn.GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128)
-    model = nn.GPT(cfg)
-    opt = optim.AdamW(optim.decay_groups(model.named_parameters(), 0.1), lr=1e-3, betas=(0.9, 0.99))
+    model, opt = gpt()
     gen = np.random.default_rng(1)
     x, y = gen.integers(0, 65, (2, 12, 64))
 

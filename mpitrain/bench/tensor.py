@@ -27,39 +27,32 @@ import tracemalloc
 
 import numpy as np
 
-from mpitrain import cost, ops, rng
+from mpitrain import cost, nn, ops, rng
 from mpitrain.bench.measure import slowest
 from mpitrain.comm import world
-from mpitrain.nn import GPTConfig
 from mpitrain.nn.models import Block
 from mpitrain.parallel.tensor_parallel import slice_block
 from mpitrain.runtime import limit_blas_threads, tune_allocator
 from mpitrain.tensor import Tensor
 
 
-def _blocks(cfg: GPTConfig, n: int, comm=None, sequence: bool = False) -> list:
+def _blocks(cfg: nn.GPTConfig, n: int, comm=None, sequence: bool = False) -> nn.Sequential:
     rng.manual_seed(0)
     blocks = [Block(cfg) for _ in range(n)]
-    return blocks if comm is None else [slice_block(b, comm, sequence) for b in blocks]
+    return nn.Sequential(*(blocks if comm is None else [slice_block(b, comm, sequence) for b in blocks]))
 
 
 def _step(blocks, x: np.ndarray) -> None:
-    h = Tensor(x, requires_grad=True)
-    for b in blocks:
-        h = b(h)
-    h.mean().backward()
-    for b in blocks:
-        for q in b.parameters():
-            q.grad = None
+    blocks(Tensor(x, requires_grad=True)).mean().backward()
+    for q in blocks.parameters():
+        q.grad = None
 
 
 def _held(blocks, x: np.ndarray) -> int:
     """Bytes held at the end of one forward (its graph alive), above the heap before it."""
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    h = Tensor(x, requires_grad=True)
-    for b in blocks:
-        h = b(h)
+    h = blocks(Tensor(x, requires_grad=True))
     held = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
     del h
@@ -72,7 +65,7 @@ def run(rounds: int = 5, steps: int = 3, batch: int = 8, n_blocks: int = 4, n_em
     comm = world()
     tp = comm.dup()
     P = tp.size
-    cfg = GPTConfig(vocab_size=2, block_size=seq, n_layer=n_blocks, n_head=n_head, n_embd=n_embd)
+    cfg = nn.GPTConfig(vocab_size=2, block_size=seq, n_layer=n_blocks, n_head=n_head, n_embd=n_embd)
     x = np.random.default_rng(0).standard_normal((batch, seq, n_embd)).astype(np.float32)  # (B, T, C)
     whole, sliced, slim = _blocks(cfg, n_blocks), _blocks(cfg, n_blocks, tp), _blocks(cfg, n_blocks, tp, True)
     part = seq // P
@@ -103,7 +96,7 @@ def run(rounds: int = 5, steps: int = 3, batch: int = 8, n_blocks: int = 4, n_em
     return figures
 
 
-def _table(f: dict, P: int, cfg: GPTConfig, batch: int, rounds: int) -> str:
+def _table(f: dict, P: int, cfg: nn.GPTConfig, batch: int, rounds: int) -> str:
     held = " ".join(f"{h:.1f}" for h in f["held_mb"])
     held_sp = " ".join(f"{h:.1f}" for h in f["held_sp_mb"])
     tp_k, sp_k = f["korthikanti"]
