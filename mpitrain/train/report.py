@@ -158,9 +158,7 @@ def finish(run, result: Result, times: tuple, figures: dict, out: Outputs, log) 
         elif world.size > 1:
             log(f"the parts' replicas identical; the whole model's parameters, gathered from its parts: "
                 f"sha256 {digest[:16]}")
-        for line in lines:
-            log(line)
-        for line in state_lines(run, states):
+        for line in lines + state_lines(run, states):
             log(line)
     if run.data.kind == "text" and cfg.train.sample_tokens:
         with run.role.sync.whole_model():  # entered by every rank: ZeRO-3 gathers the model
@@ -211,7 +209,7 @@ def state_lines(run, states: list) -> list[str]:
     if traced:
         c, h = max(traced, key=lambda ch: ch[1]["rest"])
         lines.append(heap_line(h, c, c["parameters"], formula))
-    if isinstance(run.optimizer, MixedPrecision):
+    if mixed:
         scaler = run.optimizer.scaler
         lines.append(f"mixed precision {run.optimizer.precision}: loss scale {scaler.scale:g}"
                      f"{f' (2^{math.log2(scaler.scale):g})' if scaler.dynamic else ''}; {scaler.skipped} step(s) "
