@@ -14,11 +14,12 @@ from mpitrain.precision import MixedPrecision
 NANOGPT = dict(n_layer=4, n_head=4, n_embd=128, block_size=64)  # nanoGPT's small CPU setting (65 characters)
 
 
-def gpt(spec: dict = NANOGPT, precision: str = "fp32"):
-    """A GPT of ``spec``'s shape, seeded, and its AdamW; in mixed precision (``bf16``,
-    ``fp16``) the model's weights half and the optimizer over float32 masters."""
+def gpt(spec: dict = NANOGPT, precision: str = "fp32", **config):
+    """A GPT of ``spec``'s shape (and ``config``'s other settings), seeded, and its AdamW; in
+    mixed precision (``bf16``, ``fp16``) the model's weights half and the optimizer over
+    float32 masters."""
     rng.manual_seed(0)
-    model = nn.GPT(nn.GPTConfig(vocab_size=65, **{k: spec[k] for k in NANOGPT}))
+    model = nn.GPT(nn.GPTConfig(vocab_size=65, **{k: spec[k] for k in NANOGPT}, **config))
     opt = optim.AdamW(optim.decay_groups(model.named_parameters(), 0.1), lr=1e-3, betas=(0.9, 0.99))
     return model, opt if precision == "fp32" else MixedPrecision(opt, precision)
 

@@ -110,20 +110,16 @@ def worker(name: str, precision: str = "fp32") -> None:
 def activations(rounds: int = 5, log=print) -> dict:
     """Activations held after forward, plain and checkpointed, against the formula; step
     times side by side (one process, one BLAS thread)."""
-    from mpitrain import nn, optim, rng
     from mpitrain.runtime import limit_blas_threads
 
-    B, T, L, H, C, V = BATCH, 64, 4, 4, 128, 65
+    B, T, L, H, C, V = BATCH, 64, 4, 4, 128, 65  # NANOGPT's
     ends = gpt_ends_activation_bytes(B, T, C, V, 4)
     out = {}
     with limit_blas_threads(1):
         tokens = np.random.default_rng(0).integers(0, V, (B, T + 1))
         steps = {}
         for ckpt in (False, True):
-            rng.manual_seed(0)
-            model = nn.GPT(nn.GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C,
-                                        checkpoint_activations=ckpt))
-            opt = optim.AdamW(optim.decay_groups(model.named_parameters(), 0.1), lr=1e-3)
+            model, opt = gpt(checkpoint_activations=ckpt)
             model(tokens[:, :-1], tokens[:, 1:])  # caches filled before tracing
             gc.collect()
             tracemalloc.start()

@@ -46,11 +46,8 @@ class Run:
         self.end = (self.kinds.get("end") or [None])[-1]
         self.ranks = int(self.start["ranks"])
         self.config = self.start["config"]
+        self.name = self.dir.name
         self.sync = self.config["parallel"].get("sync") or self.config["parallel"].get("strategy")  # older: strategy
-
-    @property
-    def name(self) -> str:
-        return self.dir.name
 
     def per_rank(self) -> list[dict]:
         """Each rank's cumulative seconds and bytes: from the end of the run, or the
