@@ -100,18 +100,15 @@ def run(path, batch: int = 256, window: int = 64, repeats: int = 5, buffer_mb: f
     results = []
     try:
         comm.agree(lambda: _compressed_copy(path, tmp / "gzip") if comm.rank == 0 else None)
-        layouts = [("uncompressed", path), ("gzip", tmp / "gzip")]
-        sizes = [1] + ([2] if comm.size >= 2 else [])
         for state in ("page cache", "device"):
-            for layout, where in layouts:
+            for layout, where in (("uncompressed", path), ("gzip", tmp / "gzip")):
                 data = comm.agree(open_dataset, where)
-                split = data.split("train")
-                files = [str(s.path) for s in split.shards]
-                file_bytes = sum(s.bytes for s in split.shards)
-                for size in sizes:
+                shards = data.split("train").shards
+                files = [str(s.path) for s in shards]
+                for size in (1, 2)[: comm.size]:  # the two-rank rows where there are two ranks
                     row = _measure(comm, data, files, size, state, batch, window, repeats, buffer_mb)
                     if comm.rank == 0:
-                        row.update(state=state, layout=layout, ranks=size, file_mb=file_bytes / 1e6)
+                        row.update(state=state, layout=layout, ranks=size, file_mb=sum(s.bytes for s in shards) / 1e6)
                         results.append(row)
                         log(f"{state:>10} | {layout:>12} | {size} rank{'s' if size > 1 else ' '} | "
                             f"raw reused {row['raw_reused']:6.0f} kept {row['raw']:6.0f} MB/s | "

@@ -82,8 +82,7 @@ def worker(name: str, precision: str = "fp32") -> None:
         tokens = np.random.default_rng(comm.rank).integers(0, 65, (b, 65))
 
         def step():
-            _, loss = model(tokens[:, :-1], tokens[:, 1:])
-            loss.backward(scale)
+            model(tokens[:, :-1], tokens[:, 1:])[1].backward(scale)
             sync.finish()
             if precision != "fp32" and opt.check():
                 raise FloatingPointError("mpitrain bench memory: the gradients overflowed")
@@ -100,9 +99,8 @@ def worker(name: str, precision: str = "fp32") -> None:
         counted = model_state(sync.model, sync.optimizer)
         tracemalloc.stop()
         sync.close()
-    mine = {"sync": name, "precision": precision, "ranks": comm.size, "rank": comm.rank, "parameters": n,
-            "rest": rest, "peak": peak, **counted}
-    rows = comm.gather(mine)
+    rows = comm.gather({"sync": name, "precision": precision, "ranks": comm.size, "rank": comm.rank, "parameters": n,
+                        "rest": rest, "peak": peak, **counted})
     if comm.rank == 0:
         print(json.dumps(rows), flush=True)
 
@@ -182,15 +180,13 @@ def _table(rows: list[dict], log) -> None:
     keys = {(r["ranks"], r["sync"], r["precision"]) for r in rows}
     for key in sorted(keys, key=lambda k: (k[0], SYNCS.index(k[1]), PRECISIONS.index(k[2]))):
         P, name, precision = key
-        mine = [r for r in rows if (r["ranks"], r["sync"], r["precision"]) == key]
-        top = max(mine, key=lambda r: r["rest"])
+        top = max((r for r in rows if (r["ranks"], r["sync"], r["precision"]) == key), key=lambda r: r["rest"])
         n = top["parameters"]
         measured = top["rest"] - top["work_bytes"]
         formula = bytes_per_parameter(name, P, mixed=precision != "fp32") * n
         log(f"{name:6s} {precision:4s} {P:2d} | {top['param_bytes'] / 1e6:7.3f} {top['grad_bytes'] / 1e6:7.3f} "
             f"{top['optim_bytes'] / 1e6:7.3f} {top['work_bytes'] / 1e6:6.3f} | {measured / 1e6:8.3f} "
-            f"{formula / 1e6:8.3f} "
-            f"{measured / formula:6.3f} | {measured / n:7.2f} | {top['peak'] / 1e6:9.3f}")
+            f"{formula / 1e6:8.3f} {measured / formula:6.3f} | {measured / n:7.2f} | {top['peak'] / 1e6:9.3f}")
 
 
 if __name__ == "__main__":

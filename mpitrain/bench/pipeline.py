@@ -31,12 +31,12 @@ whose step is slower than the fused one: compare bubbles, not step times, across
 
 from __future__ import annotations
 
-import time
 import tracemalloc
 
 import numpy as np
 
 from mpitrain import nn, optim, rng
+from mpitrain.bench.measure import seconds
 from mpitrain.comm import world
 from mpitrain.comm.grid import ProcessGrid
 from mpitrain.nn.models import Block
@@ -50,15 +50,11 @@ VARIANTS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
 C, T, HEADS = 128, 64, 4
 
 
-def _square_mean(out, y):
-    return (out * out).mean()
-
-
 def _stage(comm, schedule: str, chunks: int, m: int, blocks: int):
     rng.manual_seed(0)
     cfg = nn.GPTConfig(vocab_size=2, block_size=T, n_layer=1, n_head=HEADS, n_embd=C)
     model = nn.Sequential(*[Block(cfg) for _ in range(blocks)])
-    stage = pl.PipelineStage(model, comm, np.zeros((1, T, C), dtype=np.float32), _square_mean,
+    stage = pl.PipelineStage(model, comm, np.zeros((1, T, C), dtype=np.float32), lambda out, y: (out * out).mean(),
                              schedule_name=schedule, micro_batches=m, chunks=chunks)
     return stage, LocalSync(stage, optim.SGD(stage.parameters(), 0.0))
 
@@ -82,12 +78,10 @@ def _once(comm, stage, sync, x, clock) -> tuple[float, float]:
     stage.trace = clock
     waited = comm.stats.seconds
     comm.barrier()
-    tick = time.perf_counter()
-    stage.run(x, np.zeros(len(x)), np.arange(len(x)), sync)
-    seconds = time.perf_counter() - tick
+    wall = seconds(lambda: stage.run(x, np.zeros(len(x)), np.arange(len(x)), sync))
     sync.zero_grad()
     stage.trace = None
-    return seconds, comm.stats.seconds - waited
+    return wall, comm.stats.seconds - waited
 
 
 def run(rounds: int = 5, ms: tuple = (2, 4, 8), batch: int = 64, log=print) -> list[dict]:

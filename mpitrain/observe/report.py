@@ -186,8 +186,7 @@ def _point(run: Run, nodes_matter: bool) -> _Point:
     if run.end is None or not run.end.get("samples_per_s"):
         raise ReportError(f"{run.dir}: the run did not finish, no throughput")
     cluster = run.start.get("cluster") or {}
-    parallel = run.config["parallel"]
-    staleness = parallel.get("staleness", 0)  # only parameter servers have one other than 0
+    staleness = run.config["parallel"].get("staleness", 0)  # only parameter servers have one other than 0
     sync = run.sync + {0: "", -1: " async"}.get(staleness, f" s={staleness}")
     per_node = cluster.get("ranks_per_node", run.ranks)
     stepping = [r for r in run.per_rank() if not r.get("serves")]  # a server's time is all communication

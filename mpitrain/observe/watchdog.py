@@ -57,8 +57,7 @@ class Watchdog:
             on = False
         if not on:
             return
-        limits = [x for x in (warn_after, abort_after) if x > 0]
-        self.interval = interval or min(1.0, min(limits) / 4)
+        self.interval = interval or min(1.0, min(x for x in (warn_after, abort_after) if x > 0) / 4)
         self.comm = comm.dup()
         self.heard = {r: (0.0, 0.0, 0.0, time.perf_counter()) for r in range(comm.size)}  # step, code, waited, when
         self._stop = threading.Event()

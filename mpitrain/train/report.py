@@ -57,10 +57,7 @@ class Outputs:
     def __init__(self, cfg, world, leads: bool, first: int, heap: HeapTrace | None = None):
         run = cfg.run
         self.heap = heap or HeapTrace(enabled=False)  # the heap over the first steps (the loop says when)
-        path = Path(run.dir) / "metrics.jsonl" if run.dir and leads else None
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        self.metrics = MetricsLog(path, first)
+        self.metrics = MetricsLog(Path(run.dir) / "metrics.jsonl" if run.dir and leads else None, first)
         self.timeline = Timeline(world) if run.timeline and run.dir else None
 
     def traced(self, name: str, category: str):
@@ -172,15 +169,13 @@ def finish(run, result: Result, times: tuple, figures: dict, out: Outputs, log) 
 
 def _totals(run, result: Result, figures: dict, rows, out: Outputs, log) -> Result:
     """The run's totals into ``result``, the metrics' ``end`` record and the last line."""
-    t = run.cfg.train
     seconds, done = figures["train_seconds"], figures["done"]
-    result.seconds = figures["wall_seconds"]
-    result.final_loss = figures["final_loss"]
+    result.seconds, result.final_loss = figures["wall_seconds"], figures["final_loss"]
     steps = done  # of the global batch
     if result.staleness:  # parameter servers: a worker's step is B / workers samples, and workers differ in
         servers = run.cfg.parallel.servers  # steps when asynchronous; every server counted each gradient
         steps = sum(result.staleness.values()) / servers / (run.world.size - servers)
-    result.samples_per_s = steps * t.global_batch_size / seconds if seconds else 0.0
+    result.samples_per_s = steps * run.cfg.train.global_batch_size / seconds if seconds else 0.0
     result.gflops_per_s = steps * figures["flops"] * run.role.grid.size / seconds / 1e9 if seconds else 0.0
     result.stall_fraction = figures["stall"] / (seconds + figures["stall"]) if seconds else 0.0
     out.metrics.write("end", step=run.total, steps_timed=done, steps_per_epoch=run.reader.steps_per_epoch,
