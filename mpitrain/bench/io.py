@@ -54,8 +54,7 @@ def _evict(files) -> None:
 
 def _raw_read(files, rank: int, size: int, keep: bool, passes: int = 1) -> tuple[int, float]:
     """Read this rank's share (a contiguous 1/size of the concatenated bytes) ``passes``
-    times in ``RAW_BUFFER`` pieces, into one reused buffer or (``keep``) into a buffer of
-    the whole share, touched beforehand so that page faults are not timed."""
+    times as *raw* above, into a buffer touched beforehand so that page faults are not timed."""
     sizes = [os.path.getsize(f) for f in files]
     total = sum(sizes)
     lo, hi = total * rank // size, total * (rank + 1) // size

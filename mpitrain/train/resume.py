@@ -79,18 +79,17 @@ def _newest_usable(run_dir, read, start_over: bool) -> tuple[Path | None, object
 
 
 def saved_config(run_dir, start_over: bool = False) -> tuple[Path, dict] | None:
-    """(checkpoint, the config saved in it, as ``Config.to_dict``) of the newest
-    checkpoint of ``run_dir`` whose metadata verifies (the arrays are not read: every
-    rank calls this before MPI starts); None if there are no checkpoint files, or none
-    is usable and ``start_over``. Raises CheckpointError otherwise."""
+    """(checkpoint, the config saved in it, as ``Config.to_dict``) of the newest checkpoint
+    whose metadata verifies (the arrays are not read: every rank calls this before MPI
+    starts), or None (:func:`_newest_usable`)."""
     path, meta, _ = _newest_usable(run_dir, checkpoint.read_meta, start_over)
     return None if path is None else (path, meta["json"]["config"])
 
 
 def choose(run_dir, comm, warn, start_over: bool = False) -> tuple[Path, dict] | None:
     """(the checkpoint to resume, its verified attributes), chosen by rank 0 and told to
-    every rank, or None (start at step 0: there is no checkpoint file, or none is usable
-    and ``start_over``). Collective; raises the same CheckpointError on every rank."""
+    every rank, or None: start at step 0 (:func:`_newest_usable`). Collective; raises the
+    same CheckpointError on every rank."""
 
     def pick():
         path, attrs, unusable = _newest_usable(run_dir, checkpoint.check, start_over)
