@@ -160,11 +160,9 @@ def run(models=("gpt", "wide"), rounds: int = 5, steps: int = 5, bucket_mb: floa
             single = comm.split(comm.rank, 0)  # a one-rank communicator for the 1-rank step
             variants = {"1 rank": (_stepper(spec, single, B, None, precision)[0], 1),
                         "2 ranks, no comm": (_stepper(spec, comm, B // 2, None, precision)[0], 2)}
-            dps = {}
+            dps, options = {}, dict(bucket_cap_mb=bucket_mb, algorithm=algorithm, wire=wire)
             for mode in progress:
-                step, dps[mode] = _stepper(spec, comm, B // 2,
-                                           dict(bucket_cap_mb=bucket_mb, algorithm=algorithm, progress=mode,
-                                                wire=wire), precision)
+                step, dps[mode] = _stepper(spec, comm, B // 2, dict(options, progress=mode), precision)
                 variants[f"2 ranks, ddp ({mode})"] = (step, 2)
             buckets = list(zip(dps["test"].comms, dps["test"].flats))  # (communicator, gradients) of each
             variants["allreduce alone (blocking)"] = (
@@ -193,9 +191,7 @@ def _table(name: str, spec: dict, med: dict, buckets, log) -> float:
     alone = {k: v for k, v in med.items() if k.startswith("allreduce alone")}
     total = min(alone.values())
     exposed = {k: max(0.0, v - med["2 ranks, no comm"]) for k, v in med.items() if k.startswith("2 ranks, ddp")}
-    for k in med:
-        if k in alone:
-            continue
+    for k in [k for k in med if k not in alone]:
         line = f"  {k:26} {1e3 * med[k]:8.1f} ms/step {B / med[k]:8.1f} samples/s"
         if k in exposed:
             off = exposed["2 ranks, ddp (off)"]

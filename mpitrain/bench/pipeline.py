@@ -122,7 +122,8 @@ def _row(pp, key, stage, sync, data, step: float, bubble: float, kinds) -> dict:
     schedule, v, m = key
     F, B, W = (float(np.median(pp.allgather(np.median(kinds.get(k, [0.0]))))) * v
                for k in ("forward", "backwardinput" if schedule == "zb-h1" else "backward", "backwardweight"))
-    formula = bubble_fraction(schedule, pp.size, m, v, *((F, B, W) if schedule == "zb-h1" else ()))  # ZB-H1's: measured
+    passes = (F, B, W) if schedule == "zb-h1" else ()  # ZB-H1's formula at the passes measured
+    formula = bubble_fraction(schedule, pp.size, m, v, *passes)
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     clock = _Clock(memory=True)
