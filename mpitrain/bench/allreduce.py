@@ -3,35 +3,34 @@
 Run under ``mpiexec -n 2`` (or ``-n 4`` for the 2- and 4-rank tables; with more ranks
 than cores the 4-rank figures measure the oversubscription, not the algorithms). For each
 group size ``P`` (the first ``P`` ranks; the others wait) and each message of ``n`` bytes
-from 4 KiB to 64 MiB (float32), it times, interleaved so that both see the same machine:
+from 4 KiB to 64 MiB (float32), it times, round by round:
 
 * **mpi**: ``MPI_Allreduce`` in place;
 * **ring**: :mod:`mpitrain.comm.ring`'s ring (reduce-scatter + allgather, point to point);
-* **bound**: the time of the ring's data movement alone: ``2(P - 1)`` neighbour exchanges
-  (``Isend`` to the right, ``Irecv`` from the left, all ranks at once) of one ring chunk
-  (``n/P``), without the additions; no allreduce that sends ``2(P-1)/P x n`` per rank
-  over these links can beat it by much (a shared-memory algorithm can, by not sending).
+* **bound**: the ring's data movement alone, with its own calls: ``2(P - 1)`` neighbour
+  exchanges (``Isend`` right, ``Irecv`` left, all ranks at once) of one ring chunk
+  (``n/P``), without the additions; no allreduce sending ``2(P-1)/P x n`` per rank over
+  these links can beat it by much (a shared-memory algorithm can, by not sending).
 
-Figures are *algorithm bandwidth* ``n / time`` (GB/s) and the ring's share of MPI's.
-Each is the median over ``--repeats`` timings of enough calls to take about 20 ms.
+Figures are *algorithm bandwidth* ``n / time`` (GB/s) and the ring's share of MPI's,
+each the median over ``--repeats`` timings of enough calls to take about 20 ms.
 
-When the ranks span several nodes (``N`` nodes of ``L`` ranks: under ``mpitrain cluster``,
-or a real cluster) a last table times, over all ranks, MPI's ``Allreduce``, the ring and
-the node-aware allreduce (:mod:`mpitrain.comm.hierarchical`) in milliseconds, beside
-its bound: the node-aware algorithm's network phase alone (``L`` allreduces of ``n/L``
-across the nodes, side by side) and, where the link's rate is known
-(``$MPITRAIN_LINK_RATE``, which ``mpitrain cluster`` sets), ``2 (N-1)/N x n`` bytes per
-node over that rate.
+Across ``N`` nodes of ``L`` ranks (``mpitrain cluster``, or a real cluster) a last table
+times MPI's, the ring's and the node-aware allreduce (:mod:`mpitrain.comm.hierarchical`)
+over all ranks, in ms, beside its bound: its network phase alone (``L`` allreduces of
+``n/L`` across the nodes, side by side) and, where the link's rate is known
+(``$MPITRAIN_LINK_RATE``, set by ``mpitrain cluster``), ``2 (N-1)/N x n`` bytes per node
+over that rate.
 """
 
 from __future__ import annotations
 
 import os
-import time
 
 import numpy as np
 
 from mpitrain import cost
+from mpitrain.bench.measure import interleaved, medians, slowest
 from mpitrain.cluster import bits_per_second
 from mpitrain.comm import Tag, started_thread_level, world
 from mpitrain.comm.hierarchical import hierarchy
@@ -41,20 +40,10 @@ SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 
 
 
 def _exchange(comm, buf: np.ndarray, recv: np.ndarray) -> None:
-    """The ring's data movement alone: 2(P-1) neighbour exchanges of one chunk, with
-    the ring's own calls."""
+    """The bound's data movement (above)."""
     right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
     for _ in range(2 * (comm.size - 1)):
         comm.waitall([comm.irecv(recv, left, Tag.RING), comm.isend(buf, right, Tag.RING)])
-
-
-def _time(comm, fn, calls: int) -> float:
-    comm.barrier()
-    tick = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    seconds = time.perf_counter() - tick
-    return max(comm.allgather(seconds)) / calls
 
 
 def run(repeats: int = 5, sizes=SIZES, log=print) -> list[dict]:
@@ -74,15 +63,11 @@ def run(repeats: int = 5, sizes=SIZES, log=print) -> list[dict]:
             send, recv = np.zeros(chunk, np.float32), np.zeros(chunk, np.float32)
             steps = {"mpi": lambda: allreduce(comm, x, "mpi"), "ring": lambda: allreduce(comm, x, "ring"),
                      "bound": lambda: _exchange(comm, send, recv)}
-            times = {k: [] for k in steps}
             if inside:
-                calls = max(1, int(0.02 / max(_time(comm, steps["mpi"], 1), 1e-6)))
-                for _ in range(repeats):
-                    for k, fn in steps.items():
-                        times[k].append(_time(comm, fn, calls))
-                gbs = {k: n / float(np.median(v)) / 1e9 for k, v in times.items()}
-                row = {"ranks": P, "bytes": n, **gbs}
-                results.append(row)
+                calls = max(1, int(0.02 / max(slowest(comm, steps["mpi"]), 1e-6)))
+                times = medians(interleaved(steps, repeats, lambda fn: slowest(comm, fn, calls)))
+                gbs = {k: n / t / 1e9 for k, t in times.items()}
+                results.append({"ranks": P, "bytes": n, **gbs})
                 log(f"{_size(n):>18} | {gbs['mpi']:10.2f} | {gbs['ring']:10.2f} | {gbs['ring'] / gbs['mpi']:8.2f} | "
                     f"{gbs['bound']:10.2f}")
         comm.free()
@@ -108,11 +93,7 @@ def _node_aware(comm, repeats: int, sizes, log) -> list[dict]:
         mine = x[b[h.node.rank] : b[h.node.rank + 1]]
         steps = {"mpi": lambda: allreduce(comm, x, "mpi"), "ring": lambda: allreduce(comm, x, "ring"),
                  "hierarchical": lambda: allreduce(comm, x, "hierarchical"), "network": lambda: h.cross.allreduce(mine)}
-        times = {k: [] for k in steps}
-        for _ in range(repeats):
-            for k, fn in steps.items():
-                times[k].append(_time(comm, fn, 1))
-        ms = {k: 1e3 * float(np.median(v)) for k, v in times.items()}
+        ms = {k: 1e3 * t for k, t in medians(interleaved(steps, repeats, lambda fn: slowest(comm, fn))).items()}
         row = {"nodes": N, "ranks_per_node": L, "bytes": n, **ms}
         line = (f"{_size(n):>23} | {ms['mpi']:7.1f} | {ms['ring']:7.1f} | {ms['hierarchical']:13.1f} | "
                 f"{ms['hierarchical'] / ms['mpi']:4.2f} | {ms['network']:16.1f}")

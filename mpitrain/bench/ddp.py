@@ -1,8 +1,7 @@
 """``mpitrain bench ddp``: what data parallelism buys, and how much communication overlap hides.
 
-Run under ``mpiexec -n 2`` (one BLAS thread per rank). For each GPT it times, interleaved
-round by round so that every variant sees the same machine, the training step of one
-global batch ``B`` (AdamW, clipping at 1.0, random tokens):
+Run under ``mpiexec -n 2`` (one BLAS thread per rank). For each GPT it times, round by
+round, the training step of one global batch ``B`` (AdamW, clipping at 1.0, random tokens):
 
 * **1 rank**: rank 0 alone with all ``B`` samples (rank 1 sleeps);
 * **2 ranks, no comm**: each rank steps on its ``B/2`` samples and the ranks meet once
@@ -27,16 +26,15 @@ overlap the machine allows, with little of a training step's noise.
 ``vs off`` is ``1 - exposed / exposed(off)``: the share of the non-overlapped step's
 communication that overlap removes. Speed-up is the 2-rank ddp samples/s over the
 1-rank samples/s. Every figure is the median over all timed steps (the slower rank's time
-of each), so a step that another process interrupted does not move it, and each round
-starts a variant with a few untimed steps, so the figures are those of steady training.
+of each), so a step that another process interrupted does not move it; each round
+starts a variant with a few untimed steps (:data:`WARMUP`): steady training.
 
 **Across a network** (``--network RATE``, :func:`network`): run without ``mpiexec``, it
 runs the bench on shared memory (``mpiexec -n 2``) and then across 2 emulated nodes of
 one rank linked at ``RATE`` (:mod:`mpitrain.cluster`, as root), for each allreduce
-algorithm, with buckets of 2 ms of the link
-(:func:`~mpitrain.cluster.link_bucket_mb`) unless ``--bucket-mb`` says
-otherwise; each run writes its figures as JSON (``--json``) and the two are printed side
-by side (figures: ``mpitrain/bench/README.md``).
+algorithm, with buckets of 2 ms of the link (:func:`~mpitrain.cluster.link_bucket_mb`)
+unless ``--bucket-mb`` says otherwise; each run writes its figures as JSON (``--json``)
+and the two are printed side by side.
 """
 
 from __future__ import annotations
@@ -50,12 +48,12 @@ from pathlib import Path
 
 import numpy as np
 
-from mpitrain import nn, optim, rng
+from mpitrain import optim
+from mpitrain.bench.measure import NANOGPT, gpt, interleaved, medians, seconds
 from mpitrain.cluster import Cluster, describe, mpiexec
 from mpitrain.comm import started_thread_level, world
 from mpitrain.comm.ring import allreduce, iallreduce, wire_dtype
 from mpitrain.parallel.data_parallel import DataParallel
-from mpitrain.precision import MixedPrecision
 from mpitrain.runtime import huge_page_heap, limit_blas_threads, tune_allocator
 
 # Untimed steps of a variant at the start of each round: switching variants leaves the caches
@@ -63,27 +61,15 @@ from mpitrain.runtime import huge_page_heap, limit_blas_threads, tune_allocator
 WARMUP = 3
 
 MODELS = {
-    "gpt": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch=12),  # nanoGPT's small CPU setting
-    # the same at nanoGPT's batch per process: its DDP keeps batch_size=12 on every rank
-    "gpt-ddp": dict(n_layer=4, n_head=4, n_embd=128, block_size=64, batch=24),
+    "gpt": dict(NANOGPT, batch=12),
+    "gpt-ddp": dict(NANOGPT, batch=24),  # nanoGPT's batch per process: its DDP keeps batch_size=12 on every rank
     # 7 M parameters on 32 tokens per rank: the allreduce is a sizeable part of the step
     "wide": dict(n_layer=4, n_head=6, n_embd=384, block_size=32, batch=2),
 }
 
 
-def _build(spec: dict, precision: str = "fp32"):
-    """The model and its AdamW; in mixed precision (``bf16``, ``fp16``) the model's weights
-    half and the optimizer over float32 masters (:mod:`mpitrain.precision`)."""
-    rng.manual_seed(0)
-    cfg = nn.GPTConfig(vocab_size=65, block_size=spec["block_size"], n_layer=spec["n_layer"],
-                       n_head=spec["n_head"], n_embd=spec["n_embd"])
-    model = nn.GPT(cfg)
-    opt = optim.AdamW(optim.decay_groups(model.named_parameters(), 0.1), lr=1e-3, betas=(0.9, 0.99))
-    return model, opt if precision == "fp32" else MixedPrecision(opt, precision)
-
-
 def _stepper(spec: dict, comm, batch: int, dp_options: dict | None, precision: str = "fp32"):
-    model, opt = _build(spec, precision)
+    model, opt = gpt(spec, precision)
     dp = DataParallel(model, comm, optimizer=opt, **dp_options) if dp_options is not None else None
     x, y = np.random.default_rng(comm.rank).integers(0, 65, (2, batch, spec["block_size"]))
     scale = np.float32(opt.scaler.scale if precision != "fp32" else 1.0)  # fp16's loss scale (no overflow here)
@@ -107,16 +93,16 @@ def _timed(comm, fn, steps: int, ranks: int, warmup: int = 0) -> list[float]:
     """Seconds of each of ``steps`` calls of ``fn`` on the first ``ranks`` ranks, the
     slowest rank's for each call, after ``warmup`` calls that are not timed."""
     comm.barrier()
-    seconds = np.zeros(steps)
+    each = np.zeros(steps)
     if comm.rank < ranks:
         for _ in range(warmup):
             fn()
         for i in range(steps):
             tick = time.perf_counter()
             fn()
-            seconds[i] = time.perf_counter() - tick
+            each[i] = time.perf_counter() - tick
     comm.sleeping_barrier()
-    return np.max(comm.allgather(seconds.tolist()), axis=0).tolist()
+    return np.max(comm.allgather(each.tolist()), axis=0).tolist()
 
 
 def _all_started(buckets, algorithm: str, wire=None) -> None:
@@ -129,10 +115,7 @@ def _probe(comm, buckets, algorithm: str, allreduce_seconds: float, log) -> dict
     """Overlap with no model: the buckets' allreduces against fixed matrix products."""
     a = np.random.default_rng(0).standard_normal((256, 256)).astype(np.float32)  # (256, 256)
     product = np.empty_like(a)  # (256, 256)
-    tick = time.perf_counter()
-    for _ in range(8):
-        np.matmul(a, a, out=product)
-    pieces = max(8, int(4 * allreduce_seconds / ((time.perf_counter() - tick) / 8)))
+    pieces = max(8, int(4 * allreduce_seconds / seconds(lambda: np.matmul(a, a, out=product), 8)))
 
     def compute(requests=None):
         for _ in range(pieces):
@@ -148,11 +131,7 @@ def _probe(comm, buckets, algorithm: str, allreduce_seconds: float, log) -> dict
 
     variants = {"compute": compute, "allreduce": lambda: _all_started(buckets, algorithm),
                 "test": lambda: together(True), "none": lambda: together(False)}
-    times = {k: [] for k in variants}
-    for _ in range(7):
-        for k, fn in variants.items():
-            times[k] += _timed(comm, fn, 3, 2)
-    med = {k: float(np.median(v)) for k, v in times.items()}
+    med = medians(interleaved(variants, 7, lambda fn: _timed(comm, fn, 3, 2)))
     hidden = {k: (med["compute"] + med["allreduce"] - med[k]) / med["allreduce"] for k in ("test", "none")}
     log(f"  probe: allreduce {1e3 * med['allreduce']:.1f} ms, {pieces} products {1e3 * med['compute']:.1f} ms; "
         f"together {1e3 * med['test']:.1f} ms with Test (hidden {100 * hidden['test']:.0f}%), "
@@ -181,11 +160,9 @@ def run(models=("gpt", "wide"), rounds: int = 5, steps: int = 5, bucket_mb: floa
             single = comm.split(comm.rank, 0)  # a one-rank communicator for the 1-rank step
             variants = {"1 rank": (_stepper(spec, single, B, None, precision)[0], 1),
                         "2 ranks, no comm": (_stepper(spec, comm, B // 2, None, precision)[0], 2)}
-            dps = {}
+            dps, options = {}, dict(bucket_cap_mb=bucket_mb, algorithm=algorithm, wire=wire)
             for mode in progress:
-                step, dps[mode] = _stepper(spec, comm, B // 2,
-                                           dict(bucket_cap_mb=bucket_mb, algorithm=algorithm, progress=mode,
-                                                wire=wire), precision)
+                step, dps[mode] = _stepper(spec, comm, B // 2, dict(options, progress=mode), precision)
                 variants[f"2 ranks, ddp ({mode})"] = (step, 2)
             buckets = list(zip(dps["test"].comms, dps["test"].flats))  # (communicator, gradients) of each
             variants["allreduce alone (blocking)"] = (
@@ -194,11 +171,7 @@ def run(models=("gpt", "wide"), rounds: int = 5, steps: int = 5, bucket_mb: floa
             for fn, ranks in variants.values():  # warm up: allocator, optimizer state
                 _timed(comm, fn, 2, ranks)
             huge_page_heap()  # as the trainer does after its first steps
-            times = {k: [] for k in variants}
-            for _ in range(rounds):
-                for k, (fn, ranks) in variants.items():
-                    times[k] += _timed(comm, fn, steps, ranks, warmup)
-            med = {k: float(np.median(v)) for k, v in times.items()}
+            med = medians(interleaved(variants, rounds, lambda v: _timed(comm, v[0], steps, v[1], warmup)))
             total = _table(name, spec, med, buckets, log)
             out[name] = dict(med, total=total, buckets=len(buckets), probe=_probe(comm, buckets, algorithm, total, log))
             for dp in dps.values():
@@ -211,16 +184,14 @@ def _table(name: str, spec: dict, med: dict, buckets, log) -> float:
     """The lines of one model's variants (``med``: median seconds per step of each);
     returns the communication of a step alone, its total."""
     B = spec["batch"]
-    n = sum(p.size for p in _build(spec)[0].parameters())
+    n = sum(p.size for p in gpt(spec)[0].parameters())
     grad_mb = sum(flat.nbytes for _, flat in buckets) / 1e6
     log(f"{name}: GPT {spec['n_layer']}L/{spec['n_head']}H/{spec['n_embd']}C T={spec['block_size']} B={B}, "
         f"{n / 1e6:.2f} M parameters, {grad_mb:.1f} MB of gradients in {len(buckets)} bucket(s)")
     alone = {k: v for k, v in med.items() if k.startswith("allreduce alone")}
     total = min(alone.values())
     exposed = {k: max(0.0, v - med["2 ranks, no comm"]) for k, v in med.items() if k.startswith("2 ranks, ddp")}
-    for k in med:
-        if k in alone:
-            continue
+    for k in [k for k in med if k not in alone]:
         line = f"  {k:26} {1e3 * med[k]:8.1f} ms/step {B / med[k]:8.1f} samples/s"
         if k in exposed:
             off = exposed["2 ranks, ddp (off)"]
@@ -237,10 +208,8 @@ def _table(name: str, spec: dict, med: dict, buckets, log) -> float:
 
 
 def network(rate: str, mtu: int, options: list[str], algorithms, log=print) -> int:
-    """``--network RATE``: the same bench on shared memory (``mpiexec -n 2`` here) and
-    across 2 emulated nodes of 1 rank linked at ``rate`` (:mod:`mpitrain.cluster`), for
-    each allreduce algorithm; their output as it comes, then the two side by side.
-    ``options`` are the bench's own (models, rounds, steps, warmup, bucket size)."""
+    """``--network RATE`` (above): each run's output as it comes, then the two side by
+    side. ``options`` are the bench's own (models, rounds, steps, warmup, bucket size)."""
     results = {}
     with tempfile.TemporaryDirectory(prefix="mpitrain-bench-ddp-") as tmp:
 

@@ -1,8 +1,7 @@
 """``mpitrain bench io``: the shard reader against a plain sequential read of the same files.
 
-Run it under ``mpiexec -n 2`` to get the one-rank and two-rank rows in one run (with a
-single process only the one-rank rows are printed). For each storage state and each
-layout it measures, side by side:
+Under ``mpiexec -n 2`` it prints the one-rank and the two-rank rows (one process: the
+one-rank rows). For each storage state and each layout it measures, side by side:
 
 * **raw**: the shard files read front to back in 4 MiB pieces (with two ranks, each
   reads half the bytes at once; MB/s is the total over the slowest rank's time), twice:
@@ -55,8 +54,7 @@ def _evict(files) -> None:
 
 def _raw_read(files, rank: int, size: int, keep: bool, passes: int = 1) -> tuple[int, float]:
     """Read this rank's share (a contiguous 1/size of the concatenated bytes) ``passes``
-    times in ``RAW_BUFFER`` pieces, into one reused buffer or (``keep``) into a buffer of
-    the whole share, touched beforehand so that page faults are not timed."""
+    times as *raw* above, into a buffer touched beforehand so that page faults are not timed."""
     sizes = [os.path.getsize(f) for f in files]
     total = sum(sizes)
     lo, hi = total * rank // size, total * (rank + 1) // size
@@ -97,25 +95,19 @@ def run(path, batch: int = 256, window: int = 64, repeats: int = 5, buffer_mb: f
     comm = world()
     tune_allocator()
     path = Path(path)
-    tmp = None
-    if comm.rank == 0:
-        tmp = Path(tempfile.mkdtemp(prefix=".bench-io-", dir=path.parent))
-    tmp = Path(comm.bcast(str(tmp) if tmp else None))
+    tmp = Path(comm.bcast(tempfile.mkdtemp(prefix=".bench-io-", dir=path.parent) if comm.rank == 0 else None))
     results = []
     try:
         comm.agree(lambda: _compressed_copy(path, tmp / "gzip") if comm.rank == 0 else None)
-        layouts = [("uncompressed", path), ("gzip", tmp / "gzip")]
-        sizes = [1] + ([2] if comm.size >= 2 else [])
         for state in ("page cache", "device"):
-            for layout, where in layouts:
+            for layout, where in (("uncompressed", path), ("gzip", tmp / "gzip")):
                 data = comm.agree(open_dataset, where)
-                split = data.split("train")
-                files = [str(s.path) for s in split.shards]
-                file_bytes = sum(s.bytes for s in split.shards)
-                for size in sizes:
+                shards = data.split("train").shards
+                files = [str(s.path) for s in shards]
+                for size in (1, 2)[: comm.size]:  # the two-rank rows where there are two ranks
                     row = _measure(comm, data, files, size, state, batch, window, repeats, buffer_mb)
                     if comm.rank == 0:
-                        row.update(state=state, layout=layout, ranks=size, file_mb=file_bytes / 1e6)
+                        row.update(state=state, layout=layout, ranks=size, file_mb=sum(s.bytes for s in shards) / 1e6)
                         results.append(row)
                         log(f"{state:>10} | {layout:>12} | {size} rank{'s' if size > 1 else ' '} | "
                             f"raw reused {row['raw_reused']:6.0f} kept {row['raw']:6.0f} MB/s | "
@@ -140,10 +132,8 @@ def _measure(comm, data, files, size, state, batch, window, repeats, buffer_mb) 
     active = comm.rank < size
     split = data.split("train")
     passes = 1 if state == "device" else max(1, -(-PAGE_CACHE_BYTES // (split.count * split.sample_bytes)))
-    reader = None
-    if active:
-        reader = ShardReader(split, rank=comm.rank, size=size, global_batch=batch, seed=0, buffer_mb=buffer_mb,
-                             window=window if split.y_dtype is None else None)
+    reader = ShardReader(split, rank=comm.rank, size=size, global_batch=batch, seed=0, buffer_mb=buffer_mb,
+                         window=window if split.y_dtype is None else None) if active else None
     if state == "page cache" and comm.rank == 0:
         _raw_read(files, 0, 1, keep=False)  # warm up: every file in memory
     best = {"raw_reused": 0.0, "raw": 0.0, "read": 0.0, "delivered": 0.0, "rows": None}

@@ -9,12 +9,11 @@ buffer, and reports per rank:
 
 * **model state, measured**: the heap held between steps (the batch, activations and
   gradients in flight freed) above its level before the model was built;
-* the same **counted** from the arrays the sync keeps
-  (:func:`mpitrain.observe.memory.model_state`): parameters,
-  gradients, optimizer state, and the optimizer's one reusable work array, which is
-  not model state but is held too;
-* the **formula** (:mod:`mpitrain.observe.memory`): bytes per parameter with Adam, times
-  the parameters, in float32 and in mixed precision (``bf16``, ``fp16``, ddp);
+* the same **counted** (:func:`~mpitrain.observe.memory.model_state`) from the arrays the
+  sync keeps: parameters, gradients, optimizer state, and the optimizer's one reusable
+  work array, which is not model state but is held too;
+* the **formula** (:func:`~mpitrain.cost.bytes_per_parameter`): bytes per parameter with
+  Adam, times the parameters, in float32 and in mixed precision (``bf16``, ``fp16``, ddp);
 * **step peak**: the most the heap held during a step, above the same level: activations,
   gradients before their exchange, buffers in flight (in mixed precision, the float32
   copies the ops compute with), on top of the model state.
@@ -25,16 +24,10 @@ them all. The measured state leaves out the work array (counted, shown beside it
 Then, in this process, the **activations** one rank's GPT holds after its forward (the
 heap after forward above the heap before, the logits dropped: what backward will read),
 with and without ``checkpoint_activations``, against the formula of this
-implementation's saved arrays, ``s`` bytes per number, ``N = B T`` rows (12 x 64):
-
-* a block keeps ``(16 N C + B H T^2 + 2 N) s``: per sublayer the layer norm's normalised
-  input and output (2 N C) and inverse deviations (N); attention's q, k, v (3 N C), its
-  probabilities (B H T^2) and output (N C); the MLP's GELU output and derivative (8 N C);
-* checkpointed, a block keeps its input only, ``N C s``, and rebuilds the rest in backward;
-* the embedding and head keep ``(2 N C + N + N V) s`` either way (the final norm's, and
-  the cross-entropy's probabilities);
-
-and the training step's time both ways (medians of interleaved rounds).
+implementation's saved arrays (:func:`~mpitrain.cost.gpt_block_activation_bytes`: a
+checkpointed block keeps its input only and rebuilds the rest in backward;
+:func:`~mpitrain.cost.gpt_ends_activation_bytes`, the same either way), and the training
+step's time both ways (medians of rounds).
 """
 
 from __future__ import annotations
@@ -47,6 +40,7 @@ import tracemalloc
 
 import numpy as np
 
+from mpitrain.bench.measure import NANOGPT, gpt, interleaved, seconds
 from mpitrain.config import PRECISION_SYNCS
 from mpitrain.cost import bytes_per_parameter, gpt_block_activation_bytes, gpt_ends_activation_bytes
 from mpitrain.observe.memory import model_state
@@ -69,10 +63,8 @@ def _syncs() -> dict:
 
 def worker(name: str, precision: str = "fp32") -> None:
     """One rank's measurement (under mpiexec); rank 0 prints every rank's as JSON."""
-    from mpitrain import nn, optim, rng
     from mpitrain.comm import world
     from mpitrain.dtypes import dtype_of
-    from mpitrain.precision import MixedPrecision
     from mpitrain.runtime import limit_blas_threads
 
     comm = world()
@@ -82,11 +74,7 @@ def worker(name: str, precision: str = "fp32") -> None:
         gc.collect()
         tracemalloc.start()
         base = tracemalloc.get_traced_memory()[0]
-        rng.manual_seed(0)
-        model = nn.GPT(nn.GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128))
-        opt = optim.AdamW(optim.decay_groups(model.named_parameters(), 0.1), lr=1e-3, betas=(0.9, 0.99))
-        if precision != "fp32":
-            opt = MixedPrecision(opt, precision)
+        model, opt = gpt(NANOGPT, precision)
         scale = np.float32(opt.scaler.scale if precision != "fp32" else 1.0)  # fp16's loss scale
         sync = make(model, opt, comm)
         n = sum(p.size for p in model.parameters())
@@ -94,8 +82,7 @@ def worker(name: str, precision: str = "fp32") -> None:
         tokens = np.random.default_rng(comm.rank).integers(0, 65, (b, 65))
 
         def step():
-            _, loss = model(tokens[:, :-1], tokens[:, 1:])
-            loss.backward(scale)
+            model(tokens[:, :-1], tokens[:, 1:])[1].backward(scale)
             sync.finish()
             if precision != "fp32" and opt.check():
                 raise FloatingPointError("mpitrain bench memory: the gradients overflowed")
@@ -112,9 +99,8 @@ def worker(name: str, precision: str = "fp32") -> None:
         counted = model_state(sync.model, sync.optimizer)
         tracemalloc.stop()
         sync.close()
-    mine = {"sync": name, "precision": precision, "ranks": comm.size, "rank": comm.rank, "parameters": n,
-            "rest": rest, "peak": peak, **counted}
-    rows = comm.gather(mine)
+    rows = comm.gather({"sync": name, "precision": precision, "ranks": comm.size, "rank": comm.rank, "parameters": n,
+                        "rest": rest, "peak": peak, **counted})
     if comm.rank == 0:
         print(json.dumps(rows), flush=True)
 
@@ -122,22 +108,16 @@ def worker(name: str, precision: str = "fp32") -> None:
 def activations(rounds: int = 5, log=print) -> dict:
     """Activations held after forward, plain and checkpointed, against the formula; step
     times side by side (one process, one BLAS thread)."""
-    import time
-
-    from mpitrain import nn, optim, rng
     from mpitrain.runtime import limit_blas_threads
 
-    B, T, L, H, C, V = BATCH, 64, 4, 4, 128, 65
+    B, T, L, H, C, V = BATCH, 64, 4, 4, 128, 65  # NANOGPT's
     ends = gpt_ends_activation_bytes(B, T, C, V, 4)
     out = {}
     with limit_blas_threads(1):
         tokens = np.random.default_rng(0).integers(0, V, (B, T + 1))
         steps = {}
         for ckpt in (False, True):
-            rng.manual_seed(0)
-            model = nn.GPT(nn.GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C,
-                                        checkpoint_activations=ckpt))
-            opt = optim.AdamW(optim.decay_groups(model.named_parameters(), 0.1), lr=1e-3)
+            model, opt = gpt(checkpoint_activations=ckpt)
             model(tokens[:, :-1], tokens[:, 1:])  # caches filled before tracing
             gc.collect()
             tracemalloc.start()
@@ -157,12 +137,7 @@ def activations(rounds: int = 5, log=print) -> dict:
             steps[ckpt] = step
             formula = ends + L * gpt_block_activation_bytes(B, T, C, H, 4, checkpointed=ckpt)
             out["checkpointed" if ckpt else "plain"] = {"held": held, "formula": formula}
-        times = {ckpt: [] for ckpt in steps}
-        for _ in range(rounds):
-            for ckpt, step in steps.items():
-                tick = time.perf_counter()
-                step()
-                times[ckpt].append(time.perf_counter() - tick)
+        times = interleaved(steps, rounds, seconds)
     cost = float(np.median(np.divide(times[True], times[False])))
     out["step_ms"] = {k: 1e3 * float(np.median(v)) for k, v in (("plain", times[False]), ("checkpointed", times[True]))}
     log(f"activations held after forward (GPT {L}L/{H}H/{C}C, B={B} T={T}, float32), MB:")
@@ -205,15 +180,13 @@ def _table(rows: list[dict], log) -> None:
     keys = {(r["ranks"], r["sync"], r["precision"]) for r in rows}
     for key in sorted(keys, key=lambda k: (k[0], SYNCS.index(k[1]), PRECISIONS.index(k[2]))):
         P, name, precision = key
-        mine = [r for r in rows if (r["ranks"], r["sync"], r["precision"]) == key]
-        top = max(mine, key=lambda r: r["rest"])
+        top = max((r for r in rows if (r["ranks"], r["sync"], r["precision"]) == key), key=lambda r: r["rest"])
         n = top["parameters"]
         measured = top["rest"] - top["work_bytes"]
         formula = bytes_per_parameter(name, P, mixed=precision != "fp32") * n
         log(f"{name:6s} {precision:4s} {P:2d} | {top['param_bytes'] / 1e6:7.3f} {top['grad_bytes'] / 1e6:7.3f} "
             f"{top['optim_bytes'] / 1e6:7.3f} {top['work_bytes'] / 1e6:6.3f} | {measured / 1e6:8.3f} "
-            f"{formula / 1e6:8.3f} "
-            f"{measured / formula:6.3f} | {measured / n:7.2f} | {top['peak'] / 1e6:9.3f}")
+            f"{formula / 1e6:8.3f} {measured / formula:6.3f} | {measured / n:7.2f} | {top['peak'] / 1e6:9.3f}")
 
 
 if __name__ == "__main__":

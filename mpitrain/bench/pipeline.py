@@ -7,15 +7,15 @@ the figures only). The model is a stack of identical GPT blocks cut into equal s
 activations with the mean square of the output as the loss, so that every stage does the
 same work: the condition of the bubble formulas. For each schedule and ``m`` it times
 the schedule's run (forward and backward of one global batch; no optimizer), round by
-round, every variant once per round so that all see the same machine, and prints:
+round, and prints:
 
 * **step ms**: the median over rounds of the slowest rank's run;
 * **bubble**: the median over rounds of the busiest rank's idle share of the step (idle:
   blocked waiting for a neighbour's activation or gradient or for its own sends to
   complete, the seconds ``pp_comm``'s counter says it was blocked, and waiting for the
-  last stage to finish: the step
-  ends for all ranks together; starting sends and receives is work). The busiest rank
-  idles only while the pipeline fills and drains; the others also wait for it:
+  last stage to finish: the step ends for all ranks together; starting sends and
+  receives is work). The busiest rank idles only while the pipeline fills and drains;
+  the others also wait for it:
 * **imbalance**: that wait, the mean rank's idle share minus the busiest's: stages that
   are equal on paper differ in practice (the last computes the loss, the first
   receives nothing);
@@ -31,12 +31,12 @@ whose step is slower than the fused one: compare bubbles, not step times, across
 
 from __future__ import annotations
 
-import time
 import tracemalloc
 
 import numpy as np
 
 from mpitrain import nn, optim, rng
+from mpitrain.bench.measure import seconds
 from mpitrain.comm import world
 from mpitrain.comm.grid import ProcessGrid
 from mpitrain.nn.models import Block
@@ -50,15 +50,11 @@ VARIANTS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
 C, T, HEADS = 128, 64, 4
 
 
-def _square_mean(out, y):
-    return (out * out).mean()
-
-
 def _stage(comm, schedule: str, chunks: int, m: int, blocks: int):
     rng.manual_seed(0)
     cfg = nn.GPTConfig(vocab_size=2, block_size=T, n_layer=1, n_head=HEADS, n_embd=C)
     model = nn.Sequential(*[Block(cfg) for _ in range(blocks)])
-    stage = pl.PipelineStage(model, comm, np.zeros((1, T, C), dtype=np.float32), _square_mean,
+    stage = pl.PipelineStage(model, comm, np.zeros((1, T, C), dtype=np.float32), lambda out, y: (out * out).mean(),
                              schedule_name=schedule, micro_batches=m, chunks=chunks)
     return stage, LocalSync(stage, optim.SGD(stage.parameters(), 0.0))
 
@@ -82,12 +78,10 @@ def _once(comm, stage, sync, x, clock) -> tuple[float, float]:
     stage.trace = clock
     waited = comm.stats.seconds
     comm.barrier()
-    tick = time.perf_counter()
-    stage.run(x, np.zeros(len(x)), np.arange(len(x)), sync)
-    seconds = time.perf_counter() - tick
+    wall = seconds(lambda: stage.run(x, np.zeros(len(x)), np.arange(len(x)), sync))
     sync.zero_grad()
     stage.trace = None
-    return seconds, comm.stats.seconds - waited
+    return wall, comm.stats.seconds - waited
 
 
 def run(rounds: int = 5, ms: tuple = (2, 4, 8), batch: int = 64, log=print) -> list[dict]:
@@ -102,49 +96,41 @@ def run(rounds: int = 5, ms: tuple = (2, 4, 8), batch: int = 64, log=print) -> l
     rows = []
     with limit_blas_threads(1):
         variants = [(s, v, m) for m in ms for s, v in VARIANTS if s != "interleaved" or m % p == 0]
-        built = {key: _stage(pp, key[0], key[1], key[2], blocks) for key in variants}
-        seconds = {key: [] for key in variants}
-        idle = {key: [] for key in variants}
-        imbalance = {key: [] for key in variants}
+        built = {key: _stage(pp, *key, blocks) for key in variants}
+        kept = {key: [] for key in variants}  # each round's (step, bubble, imbalance)
         kinds = {key: {} for key in variants}
         for r in range(rounds + 1):  # round 0 warms up
             for key in variants:
-                stage, sync = built[key]
                 clock = _Clock()
-                wall, waited = _once(pp, stage, sync, Tensor(data), clock)
+                wall, waited = _once(pp, *built[key], Tensor(data), clock)
                 if r:
                     step = max(pp.allgather(wall))  # the step ends when its last stage does
                     idles = np.array(pp.allgather(waited + step - wall)) / step
-                    seconds[key].append(step)
-                    idle[key].append(float(idles.min()))
-                    imbalance[key].append(float(idles.mean() - idles.min()))
+                    kept[key].append((step, idles.min(), idles.mean() - idles.min()))
                     for kind, spans in clock.kinds.items():
                         kinds[key].setdefault(kind, []).extend(spans)
         for key in variants:
-            stage, sync = built[key]
-            row = _row(pp, key, stage, sync, data, seconds[key], idle[key], kinds[key])
-            rows.append({**row, "imbalance": float(np.median(imbalance[key]))})
+            step, bubble, imbalance = (float(v) for v in np.median(kept[key], axis=0))
+            rows.append({**_row(pp, key, *built[key], data, step, bubble, kinds[key]), "imbalance": imbalance})
     if pp.rank == 0:
         log(_table(rows, p, blocks, batch, rounds))
     grid.free()
     return rows
 
 
-def _row(pp, key, stage, sync, data, seconds, idle, kinds) -> dict:
+def _row(pp, key, stage, sync, data, step: float, bubble: float, kinds) -> dict:
     schedule, v, m = key
     F, B, W = (float(np.median(pp.allgather(np.median(kinds.get(k, [0.0]))))) * v
                for k in ("forward", "backwardinput" if schedule == "zb-h1" else "backward", "backwardweight"))
-    if schedule == "zb-h1":
-        formula = bubble_fraction(schedule, pp.size, m, v, F, B, W)
-    else:
-        formula = bubble_fraction(schedule, pp.size, m, v)
+    passes = (F, B, W) if schedule == "zb-h1" else ()  # ZB-H1's formula at the passes measured
+    formula = bubble_fraction(schedule, pp.size, m, v, *passes)
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     clock = _Clock(memory=True)
     _once(pp, stage, sync, Tensor(data), clock)
     tracemalloc.stop()
     return {"schedule": schedule if v == 1 else f"{schedule} v={v}", "m": m,
-            "step_ms": 1e3 * float(np.median(seconds)), "bubble": float(np.median(idle)), "formula": formula,
+            "step_ms": 1e3 * step, "bubble": bubble, "formula": formula,
             "held_mb": [h / 1e6 for h in pp.allgather(clock.held - base)], "F_B_W_ms": (1e3 * F, 1e3 * B, 1e3 * W)}
 
 

@@ -1,9 +1,8 @@
 """``mpitrain bench step``: training-step speed against the machine's matmul speed.
 
 Times full training steps (forward, backward, optimizer update; the GPT's with
-gradient clipping) of two reference models on random data, and a large float32
-matmul, interleaved round by round so that all three see the same machine state;
-reports each model's achieved GFLOP/s (FLOPs counted from shapes,
+gradient clipping) of two reference models on random data, and a large float32 matmul,
+round by round; reports each model's achieved GFLOP/s (FLOPs counted from shapes,
 :mod:`mpitrain.observe.flops`) as a fraction of the matmul's. Medians over rounds.
 
 Each model also runs on the plain paths (``ops.fast_paths(False)``: nanoGPT's block op
@@ -24,12 +23,11 @@ mpitrain's time as a multiple of PyTorch's; their GFLOP/s count the same FLOPs.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from mpitrain import nn, ops, optim, rng
 from mpitrain.bench import torch_step
+from mpitrain.bench.measure import gpt, interleaved, seconds
 from mpitrain.observe.flops import count_flops
 from mpitrain.runtime import huge_page_heap, limit_blas_threads, tune_allocator
 from mpitrain.tensor import Tensor
@@ -39,15 +37,11 @@ TARGETS = {"gpt": 0.45, "cnn": 0.25}
 
 
 def _gpt_step():
-    cfg = nn.GPTConfig(vocab_size=65, block_size=64, n_layer=4, n_head=4, n_embd=128)
-    model = nn.GPT(cfg)
-    opt = optim.AdamW(optim.decay_groups(model.named_parameters(), 0.1), lr=1e-3, betas=(0.9, 0.99))
-    gen = np.random.default_rng(1)
-    x, y = gen.integers(0, 65, (2, 12, 64))
+    model, opt = gpt()
+    x, y = np.random.default_rng(1).integers(0, 65, (2, 12, 64))
 
     def step():
-        _, loss = model(x, y)
-        loss.backward()
+        model(x, y)[1].backward()
         optim.clip_grad_norm(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad()
@@ -63,8 +57,7 @@ def _cnn_step():
     y = gen.integers(0, 10, 64)
 
     def step():
-        loss = ops.cross_entropy(model(Tensor(x)), y)
-        loss.backward()
+        ops.cross_entropy(model(Tensor(x)), y).backward()
         opt.step()
         opt.zero_grad()
 
@@ -74,13 +67,6 @@ def _cnn_step():
 def _ours(name: str) -> str:
     """The mpitrain row a PyTorch row compares with: ``cnn_torch_cl`` -> ``cnn``."""
     return name.split("_")[0]
-
-
-def _seconds(fn, repeat: int) -> float:
-    start = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    return (time.perf_counter() - start) / repeat
 
 
 def _plain(make):
@@ -113,37 +99,29 @@ def run(threads: int = 1, rounds: int = 7, steps: int = 5, torch: bool = True, l
             models.update(torch_step.steps(threads))
             flops.update({name: flops[_ours(name)] for name in models if name.endswith(("_torch", "_torch_cl"))})
         for step, _ in models.values():
-            _seconds(step, 3)  # warm up: allocator, caches, optimizer state
-        _seconds(lambda: a @ b, 2)
+            seconds(step, 3)  # warm up: allocator, caches, optimizer state
+        seconds(lambda: a @ b, 2)
         huge_page_heap()  # as the trainer does after its first steps
-
-        peak, ms, ratio = [], {n: [] for n in models}, {n: [] for n in models}
-        for _ in range(rounds):
-            p = matmul_flops / _seconds(lambda: a @ b, 3)
-            peak.append(p)
-            for name, (step, _) in models.items():
-                s = _seconds(step, steps)
-                ms[name].append(1e3 * s)
-                ratio[name].append(flops[name] / s / p)
-
+        calls = {"matmul": (lambda: a @ b, 3), **{name: (step, steps) for name, (step, _) in models.items()}}
+        times = interleaved(calls, rounds, lambda call: seconds(*call))  # matmul first in each round
+    peak = [matmul_flops / s for s in times["matmul"]]
     med = float(np.median(peak))
     log(f"mpitrain bench step: {threads} BLAS thread(s), {rounds} rounds of {steps} steps, medians")
     log(f"  float32 matmul {MATMUL_N}^3                          {med / 1e9:7.1f} GFLOP/s")
     out = {"matmul_gflops": med / 1e9}
     for name, (_, title) in models.items():
-        m = float(np.median(ms[name]))
-        r = float(np.median(ratio[name]))
+        m = 1e3 * float(np.median(times[name]))
+        r = float(np.median([flops[name] / s / p for s, p in zip(times[name], peak)]))
         g = flops[name] / (m / 1e3) / 1e9
         out[name] = {"ms": m, "gflops": g, "ratio": r, "gflop_per_step": flops[name] / 1e9}
         if name in TARGETS:
-            verdict = "ok" if r >= TARGETS[name] else "BELOW"
-            note = f"target >= {TARGETS[name]}: {verdict}"
+            note = f"target >= {TARGETS[name]}: {'ok' if r >= TARGETS[name] else 'BELOW'}"
         elif "_torch" in name:  # PyTorch's: mpitrain's time in the same rounds over this one's
-            out[name]["mpitrain_over"] = float(np.median(np.divide(ms[_ours(name)], ms[name])))
+            out[name]["mpitrain_over"] = float(np.median(np.divide(times[_ours(name)], times[name])))
             note = f"mpitrain's step x{out[name]['mpitrain_over']:.2f} of this"
         else:  # a plain row: its time in the same rounds as its fast row's
             fast = name.removesuffix("_plain")
-            out[name]["of_fast"] = float(np.median(np.divide(ms[name], ms[fast])))
+            out[name]["of_fast"] = float(np.median(np.divide(times[name], times[fast])))
             note = f"x{out[name]['of_fast']:.2f} the fast row's time"
         log(f"  {title:45s} {m:7.1f} ms/step {g:7.1f} GFLOP/s  "
             f"{flops[name] / 1e9:.2f} GFLOP/step  ratio {r:.3f} ({note})")

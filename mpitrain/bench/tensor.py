@@ -1,8 +1,7 @@
 """``mpitrain bench tensor``: transformer blocks sliced over the ranks against one rank.
 
 Run under ``mpiexec -n 2`` (one rank per core). A stack of GPT blocks (the plain path)
-runs forward and backward on random activations of ``(B, T, C)``, in rounds that
-alternate the two variants so both see the same machine:
+runs forward and backward on random activations of ``(B, T, C)``, round by round:
 
 * **1 rank**: rank 0 alone with the whole blocks (the others wait);
 * **tp = P**: every rank with its slices (:func:`~mpitrain.parallel.tensor_parallel.slice_block`:
@@ -12,55 +11,48 @@ alternate the two variants so both see the same machine:
 
 Printed, medians over rounds: each variant's step and the speed-up; per block and step,
 the seconds inside the allreduces and the bytes each rank sent, against the formula
-``8 (P-1)/P x B T C x itemsize`` (two allreduces forward, two backward, a ring sending
-``2 (P-1)/P`` of the array); and the activation memory each rank holds at the end of the
-forward (the Python heap above its level before, ``tracemalloc``, in separate untimed
-runs): the slices divide what lies between the two matrices of each sublayer (q, k, v,
-the attention scores, the MLP's hidden units) by ``P``, while the block's input, the
-layer norms' outputs and the residual branches stay whole on every rank, unless sequence
-parallelism slices them too; beside them, the ratios of Korthikanti et al.'s count
-adapted to single precision (:func:`mpitrain.cost.sliced_activation_ratios`).
+(:func:`mpitrain.cost.tensor_parallel_bytes`); and the activation memory each rank holds
+at the end of the forward (the Python heap above its level before, ``tracemalloc``, in
+separate untimed runs): the slices divide what lies between the two matrices of each
+sublayer (q, k, v, the attention scores, the MLP's hidden units) by ``P``, while the
+block's input, the layer norms' outputs and the residual branches stay whole on every
+rank, unless sequence parallelism slices them too; beside them, the ratios of
+Korthikanti et al.'s count adapted to single precision
+(:func:`mpitrain.cost.sliced_activation_ratios`).
 """
 
 from __future__ import annotations
 
-import time
 import tracemalloc
 
 import numpy as np
 
-from mpitrain import cost, ops, rng
+from mpitrain import cost, nn, ops, rng
+from mpitrain.bench.measure import slowest
 from mpitrain.comm import world
-from mpitrain.nn import GPTConfig
 from mpitrain.nn.models import Block
 from mpitrain.parallel.tensor_parallel import slice_block
 from mpitrain.runtime import limit_blas_threads, tune_allocator
 from mpitrain.tensor import Tensor
 
 
-def _blocks(cfg: GPTConfig, n: int, comm=None, sequence: bool = False) -> list:
+def _blocks(cfg: nn.GPTConfig, n: int, comm=None, sequence: bool = False) -> nn.Sequential:
     rng.manual_seed(0)
     blocks = [Block(cfg) for _ in range(n)]
-    return blocks if comm is None else [slice_block(b, comm, sequence) for b in blocks]
+    return nn.Sequential(*(blocks if comm is None else [slice_block(b, comm, sequence) for b in blocks]))
 
 
 def _step(blocks, x: np.ndarray) -> None:
-    h = Tensor(x, requires_grad=True)
-    for b in blocks:
-        h = b(h)
-    h.mean().backward()
-    for b in blocks:
-        for q in b.parameters():
-            q.grad = None
+    blocks(Tensor(x, requires_grad=True)).mean().backward()
+    for q in blocks.parameters():
+        q.grad = None
 
 
 def _held(blocks, x: np.ndarray) -> int:
     """Bytes held at the end of one forward (its graph alive), above the heap before it."""
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    h = Tensor(x, requires_grad=True)
-    for b in blocks:
-        h = b(h)
+    h = blocks(Tensor(x, requires_grad=True))
     held = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
     del h
@@ -73,48 +65,30 @@ def run(rounds: int = 5, steps: int = 3, batch: int = 8, n_blocks: int = 4, n_em
     comm = world()
     tp = comm.dup()
     P = tp.size
-    cfg = GPTConfig(vocab_size=2, block_size=seq, n_layer=n_blocks, n_head=n_head, n_embd=n_embd)
+    cfg = nn.GPTConfig(vocab_size=2, block_size=seq, n_layer=n_blocks, n_head=n_head, n_embd=n_embd)
     x = np.random.default_rng(0).standard_normal((batch, seq, n_embd)).astype(np.float32)  # (B, T, C)
     whole, sliced, slim = _blocks(cfg, n_blocks), _blocks(cfg, n_blocks, tp), _blocks(cfg, n_blocks, tp, True)
     part = seq // P
     mine = np.ascontiguousarray(x[:, tp.rank * part : (tp.rank + 1) * part])  # (B, T / P, C): this rank's slice
-    one, parts, comm_s, sent, sp = [], [], [], [], []
+    kept = []  # each round's (1 rank, tp, sequence, allreduce seconds, bytes sent), the last two per block
     with limit_blas_threads(1), ops.fast_paths(False):  # the plain block on one rank too: the slices' path
         for r in range(rounds + 1):  # round 0 warms up
-            comm.barrier()
-            tick = time.perf_counter()
-            if comm.rank == 0:
-                for _ in range(steps):
-                    _step(whole, x)
-            seconds = (time.perf_counter() - tick) / steps
-            comm.sleeping_barrier()
+            alone = slowest(comm, lambda: _step(whole, x), steps, ranks=1)
             seconds_before, bytes_before = tp.stats.seconds, tp.stats.bytes_sent
-            comm.barrier()
-            tick = time.perf_counter()
-            for _ in range(steps):
-                _step(sliced, x)
-            together = max(comm.allgather((time.perf_counter() - tick) / steps))
+            together = slowest(comm, lambda: _step(sliced, x), steps)
             comm_seconds, comm_bytes = tp.stats.seconds - seconds_before, tp.stats.bytes_sent - bytes_before
-            comm.barrier()
-            tick = time.perf_counter()
-            for _ in range(steps):
-                _step(slim, mine)
-            sequence = max(comm.allgather((time.perf_counter() - tick) / steps))
+            sequence = slowest(comm, lambda: _step(slim, mine), steps)
             if r:
-                one.append(seconds)
-                parts.append(together)
-                sp.append(sequence)
-                comm_s.append(comm_seconds / steps / n_blocks)
-                sent.append(comm_bytes / steps / n_blocks)
+                kept.append((alone, together, sequence, comm_seconds / steps / n_blocks, comm_bytes / steps / n_blocks))
         held_whole = _held(whole, x) if comm.rank == 0 else 0
         held = comm.allgather(_held(sliced, x))
         held_sp = comm.allgather(_held(slim, mine))
-    figures = {"one_ms": 1e3 * float(np.median(comm.bcast(one))), "tp_ms": 1e3 * float(np.median(parts)),
-               "allreduce_ms_per_block": 1e3 * float(np.median(comm_s)),
-               "bytes_per_block": float(np.median(sent)),
+    one, tp_s, sp_s, comm_s, sent = (float(v) for v in np.median(kept, axis=0))
+    figures = {"one_ms": 1e3 * one, "tp_ms": 1e3 * tp_s, "allreduce_ms_per_block": 1e3 * comm_s,
+               "bytes_per_block": sent,
                "formula_bytes_per_block": cost.tensor_parallel_bytes(batch, seq, n_embd, x.itemsize, P),
                "held_whole_mb": comm.bcast(held_whole) / 1e6, "held_mb": [h / 1e6 for h in held],
-               "sp_ms": 1e3 * float(np.median(sp)), "held_sp_mb": [h / 1e6 for h in held_sp],
+               "sp_ms": 1e3 * sp_s, "held_sp_mb": [h / 1e6 for h in held_sp],
                "korthikanti": cost.sliced_activation_ratios(P, n_head, seq, n_embd)}
     if comm.rank == 0:
         log(_table(figures, P, cfg, batch, rounds))
@@ -122,7 +96,7 @@ def run(rounds: int = 5, steps: int = 3, batch: int = 8, n_blocks: int = 4, n_em
     return figures
 
 
-def _table(f: dict, P: int, cfg: GPTConfig, batch: int, rounds: int) -> str:
+def _table(f: dict, P: int, cfg: nn.GPTConfig, batch: int, rounds: int) -> str:
     held = " ".join(f"{h:.1f}" for h in f["held_mb"])
     held_sp = " ".join(f"{h:.1f}" for h in f["held_sp_mb"])
     tp_k, sp_k = f["korthikanti"]

@@ -7,14 +7,10 @@ the distinct buffers behind the model's and the optimizer's parameters and gradi
 optimizer's state. The formula it is set beside, bytes per parameter for each sync, is
 :func:`mpitrain.cost.bytes_per_parameter` (Rajbhandari et al., SC 2020).
 
-A run also measures what it holds (:class:`HeapTrace`): ``tracemalloc``, which sees
-NumPy's buffers, traces the heap from before the model is built through the first steps,
-then stops (``run.trace_memory``; tracing slows the steps it covers, the data reader's
-first reads most, allocation-heavy Python: ``mpitrain/bench/README.md``): the heap at
-rest after the second step (the optimizer's state exists from the first on), split by
-where it was allocated (the data reader's buffers, communication work arrays, the rest:
-the model state, whose formula is above), and the peak of the third step above it
-(activations, gradients in flight, buffers of the exchange).
+A run also measures what it holds (:class:`HeapTrace`, ``run.trace_memory``) with
+``tracemalloc``, which sees NumPy's buffers, over its first steps only: tracing slows the
+steps it covers (the data reader's first reads most, allocation-heavy Python:
+``mpitrain/bench/README.md``).
 """
 
 from __future__ import annotations
@@ -35,7 +31,7 @@ def model_state(model, optimizer) -> dict:
     slices' sizes)."""
     pieces = [] if optimizer is None else [q for group in optimizer.param_groups for q in group["params"]]
     masters = getattr(optimizer, "masters", None) is not None  # mixed precision: pieces are its float32 state
-    held = [q for q in model.parameters()] + ([] if masters else pieces)
+    held = list(model.parameters()) + ([] if masters else pieces)
     memory = {} if optimizer is None else optimizer.memory()
     return {"param_bytes": _buffers(q.data for q in held), "grad_bytes": _buffers(q.grad for q in held),
             "optim_bytes": memory.get("optim_bytes", 0), "work_bytes": memory.get("work_bytes", 0),
@@ -57,8 +53,11 @@ def _buffers(arrays) -> int:
 
 class HeapTrace:
     """The heap of this process from its construction (before the model is built) to the
-    end of step ``REST_STEP + 1`` of the run (``after_step``), by ``tracemalloc``; does
-    nothing if ``enabled`` is false or something else traces already."""
+    end of step ``REST_STEP + 1`` of the run (``after_step``), by ``tracemalloc``: at rest
+    after step ``REST_STEP``, split by where it was allocated (``PLACES``; the model state,
+    whose formula is above, is the rest), and the peak of the next step above it
+    (activations, gradients in flight, buffers of the exchange). Does nothing if
+    ``enabled`` is false or something else traces already."""
 
     REST_STEP = 2  # the heap at rest after this many steps: the optimizer's state exists after the first
     FRAMES = 12  # of each allocation's stack: enough to get from NumPy's Python code back into mpitrain's

@@ -6,12 +6,10 @@ Every record has ``kind`` and ``time`` (Unix seconds); the kinds the trainer wri
   checkpoint's), ``total_steps``, ``steps_per_epoch``, ``ranks``, the resolved ``config``;
 * ``train``, each ``train.log_interval`` steps: ``step``, ``epoch``, ``loss`` (mean over
   the steps since the last record), ``lr``, ``samples_per_s``, ``gflops_per_s``, and
-  ``ranks``: per rank, the seconds so far of training steps (``step_s``), of
-  communication exposed and in total, of reading and of waiting for data, and bytes sent;
+  ``ranks``: each rank's time-table row so far (:data:`mpitrain.train.report.TIME_FIELDS`);
 * ``eval``: ``step``, ``val_loss`` (text) or ``test_accuracy`` and ``test_loss`` (images);
 * ``checkpoint``: ``step``, ``path``, ``why``; ``stopped``: ``step``, ``signal``;
-* ``end``: the run's totals (``steps_timed`` by this process), with the same per-rank
-  figures.
+* ``end``: the run's totals (``steps_timed`` by this process) and the same ``ranks``.
 
 A resumed run keeps the records up to its checkpoint's step and drops the later ones
 (the killed run's steps, which it does again), so the file reads as one run. In a
@@ -43,6 +41,7 @@ class MetricsLog:
         self.path = path
         if path is None:
             return
+        path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if first_step and path.exists():
             for record in read(path):

@@ -1,22 +1,12 @@
-"""``mpitrain report RUN_DIR [RUN_DIR ...]``: plots and a summary from ``metrics.jsonl``.
+"""``mpitrain report RUN_DIR [RUN_DIR ...]``: plots and a summary from ``metrics.jsonl``
+(what each plot shows: ``jobs/README.md``, "Metrics, timeline and reports").
 
-For each run directory it writes, into ``RUN_DIR/report/`` (or ``--out``):
-
-* ``loss.png``: the training loss against steps, with the evaluations: the validation
-  loss (text), or the test loss and, on a second axis, the test accuracy (images);
-* ``time_per_rank.png``: where each rank's time went over the run: computing, exposed
-  communication, pipeline bubble, waiting for data, as stacked bars, and the reads the
-  background thread did while the rank computed beside them;
-* ``throughput.png``: samples/s against steps;
-* ``summary.txt``: the run in a few lines (also printed).
-
-Given several runs of one job at different rank counts, one of them on 1 rank (a
-scaling study: ``jobs/scaling_local.sh``, ``jobs/scaling_cluster.sh``), it also writes
-``scaling.png``: samples/s and the parallel efficiency ``X(P) / (P X(1))`` against the
-number of ranks, one line per strategy (and ranks per node), one row of plots per link
-rate of the emulated clusters the runs ran on (:mod:`mpitrain.cluster`; a time-dilated
-run's throughput is multiplied back by its dilation), each point marked with its exposed
-communication as a share of the step time, into ``--out``.
+For each run directory, into ``RUN_DIR/report/`` (or ``--out``): ``loss.png`` (the
+training loss and the evaluations against steps), ``time_per_rank.png`` (where each
+rank's time went), ``throughput.png`` (samples/s against steps) and ``summary.txt`` (also
+printed). Given several runs of one job at different rank counts, one of them on 1 rank
+(a scaling study: ``jobs/scaling_local.sh``, ``jobs/scaling_cluster.sh``), also
+``scaling.png`` (:func:`_scaling`) into ``--out``.
 """
 
 from __future__ import annotations
@@ -45,9 +35,8 @@ class Run:
         path = self.dir / "metrics.jsonl"
         if not path.is_file():
             raise ReportError(f"{self.dir}: no metrics.jsonl (is it a run directory of 'mpitrain train'?)")
-        records = read(path)
         self.kinds: dict[str, list] = {}
-        for r in records:
+        for r in read(path):
             self.kinds.setdefault(r.get("kind"), []).append(r)
         if not self.kinds.get("start"):
             raise ReportError(f"{path}: no 'start' record: not written by this mpitrain, or empty")
@@ -57,10 +46,8 @@ class Run:
         self.end = (self.kinds.get("end") or [None])[-1]
         self.ranks = int(self.start["ranks"])
         self.config = self.start["config"]
-
-    @property
-    def name(self) -> str:
-        return self.dir.name
+        self.name = self.dir.name
+        self.sync = self.config["parallel"].get("sync") or self.config["parallel"].get("strategy")  # older: strategy
 
     def per_rank(self) -> list[dict]:
         """Each rank's cumulative seconds and bytes: from the end of the run, or the
@@ -93,9 +80,8 @@ def report(run_dirs, out=None, log=print) -> list[Path]:
 
 def summary(run: Run) -> str:
     c = run.config
-    sync = c["parallel"].get("sync") or c["parallel"].get("strategy")  # older runs: parallel.strategy
     lines = [(f"run {run.dir}: {c['model']['name']} on {c['data']['path'] or c['data']['name']}, "
-              f"{run.ranks} rank(s), {sync}, global batch {c['train']['global_batch_size']}")]
+              f"{run.ranks} rank(s), {run.sync}, global batch {c['train']['global_batch_size']}")]
     if run.train:
         t = run.train[-1]
         lines.append(f"  step {t['step']}/{run.start['total_steps']}: loss {t['loss']:.4f}, "
@@ -154,17 +140,14 @@ def _time_per_rank(run: Run, path: Path) -> Path:
     ranks = [r["rank"] for r in rows]
     bubble = [r.get("bubble_s", 0.0) for r in rows]  # a pipeline stage's waiting (older runs: none)
     compute = [r["step_s"] - r["comm_exposed_s"] - b for r, b in zip(rows, bubble)]
-    exposed = [r["comm_exposed_s"] for r in rows]
-    wait = [r["wait_s"] for r in rows]
+    exposed, wait = [r["comm_exposed_s"] for r in rows], [r["wait_s"] for r in rows]
     fig, ax = plt.subplots(figsize=(max(7, 1.2 * len(rows) + 5), 4))
     width = 0.38
-    left = [r - width / 2 for r in ranks]
-    ax.bar(left, compute, width, label="compute", color="C0")
-    ax.bar(left, exposed, width, bottom=compute, label="communication (exposed)", color="C3")
-    ax.bar(left, bubble, width, bottom=[a + b for a, b in zip(compute, exposed)], label="pipeline bubble",
-           color="C7")
-    ax.bar(left, wait, width, bottom=[a + b + c for a, b, c in zip(compute, exposed, bubble)],
-           label="waiting for data", color="C2")
+    left, bottom = [r - width / 2 for r in ranks], [0.0] * len(rows)
+    for part, label, colour in ((compute, "compute", "C0"), (exposed, "communication (exposed)", "C3"),
+                                (bubble, "pipeline bubble", "C7"), (wait, "waiting for data", "C2")):
+        ax.bar(left, part, width, bottom=bottom, label=label, color=colour)  # stacked
+        bottom = [a + b for a, b in zip(bottom, part)]
     right = [r + width / 2 for r in ranks]
     ax.bar(right, [r["comm_total_s"] for r in rows], width, label="communication (total)", color="C3", alpha=0.4)
     ax.bar(right, [r["read_s"] for r in rows], width, bottom=[r["comm_total_s"] for r in rows],
@@ -203,9 +186,8 @@ def _point(run: Run, nodes_matter: bool) -> _Point:
     if run.end is None or not run.end.get("samples_per_s"):
         raise ReportError(f"{run.dir}: the run did not finish, no throughput")
     cluster = run.start.get("cluster") or {}
-    parallel = run.config["parallel"]
-    staleness = parallel.get("staleness", 0)  # only parameter servers have one other than 0
-    sync = (parallel.get("sync") or parallel.get("strategy")) + {0: "", -1: " async"}.get(staleness, f" s={staleness}")
+    staleness = run.config["parallel"].get("staleness", 0)  # only parameter servers have one other than 0
+    sync = run.sync + {0: "", -1: " async"}.get(staleness, f" s={staleness}")
     per_node = cluster.get("ranks_per_node", run.ranks)
     stepping = [r for r in run.per_rank() if not r.get("serves")]  # a server's time is all communication
     comm = sum(r["comm_exposed_s"] / r["step_s"] for r in stepping if r["step_s"]) / max(1, len(stepping))

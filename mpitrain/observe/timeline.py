@@ -1,22 +1,17 @@
 """A per-rank timeline of a run, merged into one Chrome trace file.
 
 With ``run.timeline = true`` every rank records what it does, and the end of the run
-(or a stop by signal) writes ``RUN_DIR/timeline.json`` in the Chrome trace event format,
-which https://ui.perfetto.dev and ``chrome://tracing`` open: one process per rank, with
-three tracks each:
+(or a stop by signal) writes ``RUN_DIR/timeline.json`` in the Chrome trace event format
+(https://ui.perfetto.dev, ``chrome://tracing``): a process per rank, with three tracks:
 
 * ``compute``: ``forward`` and ``backward`` of each layer (a GPT's embedding, blocks and
-  head; a CNN's top-level layers), the wait for the gradient exchange after backward
-  (``finish``), the ``optimizer`` step, waiting for the next batch (``data wait``),
-  evaluations and checkpoints;
+  head; a CNN's top-level layers), the wait for the gradient exchange (``finish``), the
+  ``optimizer`` step, ``data wait``, evaluations and checkpoints; with parameter servers,
+  a worker's pulls, passes and pushes, a server's waits for pushes and updates (with the
+  gradient's staleness);
 * ``communication``: each gradient bucket's allreduce, from its start in a gradient
-  hook to the moment the rank sees it complete: where it overlaps ``backward`` on the
-  compute track, communication is hidden;
+  hook until the rank sees it complete: where it overlaps ``backward``, it is hidden;
 * ``io``: each read of the shard reader's background thread.
-
-In a parameter-server run the compute track holds, on a worker, each pull (waiting for
-the servers' replies), forward and backward, and push; on a server, each wait for
-pushes and each update it applies (with the gradient's staleness).
 
 A layer's backward is timed by gradient-ready hooks: it ends when the last of its
 parameters' gradients is final, and starts where the layer before it in backward order

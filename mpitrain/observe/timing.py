@@ -41,15 +41,12 @@ class Traffic:
 
 
 def time_table(rows, steps: int) -> str:
-    """``rows``: per rank (rank, step seconds, exposed communication seconds, total
-    communication seconds, read seconds, waiting seconds, bytes sent, bubble seconds,
-    whether it served).
-    Step seconds are the optimizer steps; the bubble is the part of them a pipeline
-    stage waited for its neighbours' activations and gradients; compute is what is left
-    after exposed communication and the bubble; reads run on the reader's thread beside
-    the steps, waiting is the loop stalled on data (outside the steps). Last in a row,
-    ``{"dp" | "pp" | "tp": (bytes sent, seconds)}`` per communicator of the grid: a run
-    with stages or slices gets a second table of them."""
+    """The table of every rank's row (:func:`mpitrain.train.report.time_row`) over ``steps``
+    steps. Compute is what is left of the step seconds (the optimizer steps) after exposed
+    communication and the bubble (a pipeline stage waiting for its neighbours' activations
+    and gradients); reads run on the reader's thread beside the steps, waiting is the loop
+    stalled on data (outside the steps). A run with stages or slices gets a second table:
+    each communicator of the grid's bytes and seconds."""
     lines = ["time per rank: rank | steps s | compute s | comm exposed s | comm total s | hidden | bubble s | "
              "read s (background) | waiting s | MB sent | MB/step"]
     for rank, step_s, exposed, total, read, wait, sent, bubble, _, _ in rows:

@@ -3,16 +3,13 @@
 A rank that hangs (an endless loop, a dead node, a deadlock) leaves the others blocked
 in their next collective with nothing printed. Following Horovod's stall inspector,
 each rank's training loop marks what it is doing (:meth:`Watchdog.phase`), and a
-background thread per rank, every ``interval`` seconds:
-
-* sends the rank's state (step, phase, seconds in it) to rank 0 on its own
-  duplicated communicator (``Isend``, tag ``WATCHDOG``);
-* on rank 0, collects every rank's latest state (``Iprobe`` + ``Recv``);
-* when this rank has waited in one collective phase longer than ``warn_after`` seconds,
-  prints the stall once: what it waits in, and for each rank that is not waiting there,
-  its step, its phase and how long ago it was heard from;
-* after ``abort_after`` seconds prints that it gives up and aborts every rank
-  (``MPI_Abort``): a stalled job ends instead of holding its allocation.
+background thread per rank, every ``interval`` seconds, sends the rank's state (step,
+phase, seconds in it) to rank 0 on its own duplicated communicator, where rank 0 keeps
+every rank's latest. A rank that has waited in one collective phase longer than
+``warn_after`` seconds prints the stall once: what it waits in and (rank 0) each rank
+not waiting there, with its step, its phase and how long ago it was heard from; after
+``abort_after`` seconds it aborts every rank (``MPI_Abort``): a stalled job ends instead
+of holding its allocation.
 
 What it watches: the phases its owner names as waits when it is made (the trainer's
 step agreement, and the calls of the gradient sync that wait for other ranks, named by
@@ -60,8 +57,7 @@ class Watchdog:
             on = False
         if not on:
             return
-        limits = [x for x in (warn_after, abort_after) if x > 0]
-        self.interval = interval or min(1.0, min(limits) / 4)
+        self.interval = interval or min(1.0, min(x for x in (warn_after, abort_after) if x > 0) / 4)
         self.comm = comm.dup()
         self.heard = {r: (0.0, 0.0, 0.0, time.perf_counter()) for r in range(comm.size)}  # step, code, waited, when
         self._stop = threading.Event()
@@ -120,10 +116,8 @@ class Watchdog:
         if self.comm.rank != 0:
             return here
         now = time.perf_counter()
-        missing = []
-        for rank, (their_step, their_code, seconds, when) in sorted(self.heard.items()):
-            if rank == 0 or (int(their_step) == step and int(their_code) == code):
-                continue
-            missing.append(f"rank {rank} (step {int(their_step)}, {self.phases[int(their_code)]} for {seconds:.0f} s, "
-                           f"heard from {now - when:.0f} s ago)")
+        missing = [f"rank {rank} (step {int(their_step)}, {self.phases[int(their_code)]} for {seconds:.0f} s, "
+                   f"heard from {now - when:.0f} s ago)"
+                   for rank, (their_step, their_code, seconds, when) in sorted(self.heard.items())
+                   if rank != 0 and (int(their_step) != step or int(their_code) != code)]
         return here + ("; not there: " + ", ".join(missing) if missing else "; every rank is waiting there too")

@@ -1,8 +1,5 @@
-"""Evaluation on the held-out split, each rank of a communicator scoring its share.
-
-Images: accuracy and mean loss over the whole test split. Text: the mean loss per token
-over the validation windows (all of them, or the first ``train.eval_batches`` global
-batches), read at a fixed stride of the context length, deterministically.
+"""Evaluation on the held-out split (:func:`evaluate_images`, :func:`evaluate_text`), each
+rank of a communicator scoring its share.
 
 The model's output (images) or loss (text) comes from the role's schedule
 (``forward_only``, ``loss_only``: a pipeline's batch goes through the stages, and only
@@ -32,14 +29,12 @@ def score(run, comm, step: int, result, metrics, log) -> None:
     try:
         if data.kind == "text":
             result.val_loss = evaluate_text(role.schedule.loss_only, data, cfg, comm, lane)
+            log(f"step {step}: val loss {result.val_loss:.4f}")
         else:
             result.test_accuracy, result.test_loss = evaluate_images(role.schedule.forward_only, data, cfg, comm, lane)
+            log(f"step {step}: test accuracy {100 * result.test_accuracy:.2f}%, test loss {result.test_loss:.4f}")
     finally:
         model.train()
-    if data.kind == "text":
-        log(f"step {step}: val loss {result.val_loss:.4f}")
-    else:
-        log(f"step {step}: test accuracy {100 * result.test_accuracy:.2f}%, test loss {result.test_loss:.4f}")
     record = {"step": step, "val_loss": result.val_loss, "test_accuracy": result.test_accuracy}
     result.history.append(record)
     metrics.write("eval", test_loss=result.test_loss, **record)
@@ -67,15 +62,15 @@ def evaluate_images(forward, data: Dataset, cfg, comm, lane: tuple) -> tuple[flo
 
 
 def evaluate_text(loss_of, data: Dataset, cfg, comm, lane: tuple) -> float:
-    """Mean loss per token over the validation windows (all of them, or the first
-    ``train.eval_batches`` global batches). A global batch is the training one, rounded
-    up to a multiple of the lanes (parameter servers evaluate too: more ranks than the
-    batch was divided for). ``loss_of(x, y)``: the mean loss, or None on a rank that
-    does not end the model (a pipeline's other stages)."""
+    """Mean loss per token over the validation windows, read deterministically at a fixed
+    stride of the context length (all of them, or the first ``train.eval_batches`` global
+    batches). A global batch is the training one, rounded up to a multiple of the lanes
+    (parameter servers evaluate too: more ranks than the batch was divided for).
+    ``loss_of(x, y)``: the mean loss, or None on a rank that does not end the model (a
+    pipeline's other stages)."""
     B = -(-cfg.train.global_batch_size // lane[1]) * lane[1]
-    reader = ShardReader(data.split("val"), rank=lane[0], size=lane[1],
-                         global_batch=B, seed=cfg.train.seed, shuffle=False,
-                         drop_last=False, window=cfg.model.block_size, prefetch=1)
+    reader = ShardReader(data.split("val"), rank=lane[0], size=lane[1], global_batch=B, seed=cfg.train.seed,
+                         shuffle=False, drop_last=False, window=cfg.model.block_size, prefetch=1)
     limit = cfg.train.eval_batches or reader.steps_per_epoch
     total, n = 0.0, 0
     with no_grad():

@@ -57,10 +57,7 @@ class Outputs:
     def __init__(self, cfg, world, leads: bool, first: int, heap: HeapTrace | None = None):
         run = cfg.run
         self.heap = heap or HeapTrace(enabled=False)  # the heap over the first steps (the loop says when)
-        path = Path(run.dir) / "metrics.jsonl" if run.dir and leads else None
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-        self.metrics = MetricsLog(path, first)
+        self.metrics = MetricsLog(Path(run.dir) / "metrics.jsonl" if run.dir and leads else None, first)
         self.timeline = Timeline(world) if run.timeline and run.dir else None
 
     def traced(self, name: str, category: str):
@@ -158,9 +155,7 @@ def finish(run, result: Result, times: tuple, figures: dict, out: Outputs, log) 
         elif world.size > 1:
             log(f"the parts' replicas identical; the whole model's parameters, gathered from its parts: "
                 f"sha256 {digest[:16]}")
-        for line in lines:
-            log(line)
-        for line in state_lines(run, states):
+        for line in lines + state_lines(run, states):
             log(line)
     if run.data.kind == "text" and cfg.train.sample_tokens:
         with run.role.sync.whole_model():  # entered by every rank: ZeRO-3 gathers the model
@@ -174,15 +169,13 @@ def finish(run, result: Result, times: tuple, figures: dict, out: Outputs, log) 
 
 def _totals(run, result: Result, figures: dict, rows, out: Outputs, log) -> Result:
     """The run's totals into ``result``, the metrics' ``end`` record and the last line."""
-    t = run.cfg.train
     seconds, done = figures["train_seconds"], figures["done"]
-    result.seconds = figures["wall_seconds"]
-    result.final_loss = figures["final_loss"]
+    result.seconds, result.final_loss = figures["wall_seconds"], figures["final_loss"]
     steps = done  # of the global batch
     if result.staleness:  # parameter servers: a worker's step is B / workers samples, and workers differ in
         servers = run.cfg.parallel.servers  # steps when asynchronous; every server counted each gradient
         steps = sum(result.staleness.values()) / servers / (run.world.size - servers)
-    result.samples_per_s = steps * t.global_batch_size / seconds if seconds else 0.0
+    result.samples_per_s = steps * run.cfg.train.global_batch_size / seconds if seconds else 0.0
     result.gflops_per_s = steps * figures["flops"] * run.role.grid.size / seconds / 1e9 if seconds else 0.0
     result.stall_fraction = figures["stall"] / (seconds + figures["stall"]) if seconds else 0.0
     out.metrics.write("end", step=run.total, steps_timed=done, steps_per_epoch=run.reader.steps_per_epoch,
@@ -211,7 +204,7 @@ def state_lines(run, states: list) -> list[str]:
     if traced:
         c, h = max(traced, key=lambda ch: ch[1]["rest"])
         lines.append(heap_line(h, c, c["parameters"], formula))
-    if isinstance(run.optimizer, MixedPrecision):
+    if mixed:
         scaler = run.optimizer.scaler
         lines.append(f"mixed precision {run.optimizer.precision}: loss scale {scaler.scale:g}"
                      f"{f' (2^{math.log2(scaler.scale):g})' if scaler.dynamic else ''}; {scaler.skipped} step(s) "

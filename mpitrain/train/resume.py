@@ -1,26 +1,15 @@
-"""Resuming a run: which run directory, which config, which checkpoint; never a guess,
-and nothing deleted that could not be read.
+"""Resuming a run: which run directory (:func:`find_run`), which config
+(:func:`saved_config`, :func:`check_config`), which checkpoint (:func:`choose`); never a
+guess, and nothing deleted that could not be read (what the user sees: ``jobs/README.md``,
+"Checkpoints, resume and signals").
 
-* **The run directory.** ``mpitrain train --resume DIR`` names it (so does ``--run-dir``).
-  ``mpitrain train CONFIG --resume`` looks for the runs of that config where new runs
-  go, ``runs/<name>``, ``runs/<name>-2``, ... (:func:`find_run`): the only one is
-  resumed, and named; several are refused with a list (each with its newest checkpoint)
-  and the command that chooses; none starts the first.
-* **The config.** A resumed run trains with the config saved in its newest checkpoint
-  whose metadata verifies (:func:`saved_config`), not with the CONFIG file's: a
-  ``--set`` on the resume command is a change the user asks for, applied and listed
-  when the run starts (:func:`check_config`); a change to ``model.*`` or
-  ``optim.name`` is refused, since the saved state would not fit it. (Where the CONFIG
-  file differs from the saved config the command line says so; the saved values win.)
-* **The checkpoint** (:func:`choose`, rank 0, before any state is loaded): the newest
-  that reads back whole with its digests intact. A newer one that cannot be used is
-  *moved* to ``checkpoints/unusable/`` with a warning, never deleted (the resumed run
-  would otherwise write over it when it reaches its step). A file written in a newer
-  format version stops the resume: taking an older checkpoint past it would drop the
-  newer run's steps on a guess. If checkpoint files are there but none can be used, the
-  run stops, listing each file and why, unless ``start_over`` (``--start-over``) says to
-  start at step 0; the files are moved aside then too. A run directory without
-  checkpoint files (stopped before its first) starts at step 0.
+A resumed run trains with the config saved in its checkpoint, not the CONFIG file's: a
+``--set`` on the resume command is a change the user asks for, listed; a change to
+``model.*`` or ``optim.name`` is refused, since the saved state would not fit it. A
+checkpoint that cannot be used is *moved* to ``checkpoints/unusable/``, never deleted
+(the resumed run would otherwise write over it when it reaches its step). A file written
+in a newer format version stops the resume: taking an older checkpoint past it would drop
+the newer run's steps on a guess.
 """
 
 from __future__ import annotations
@@ -68,51 +57,44 @@ def _newest(run_dir: Path) -> str:
     return f"newest checkpoint step {checkpoint.step_of(saved[-1])}" if saved else "no checkpoint"
 
 
-def saved_config(run_dir, start_over: bool = False) -> tuple[Path, dict] | None:
-    """(checkpoint, the config saved in it, as ``Config.to_dict``) of the newest
-    checkpoint of ``run_dir`` whose metadata verifies (the arrays are not read: every
-    rank calls this before MPI starts); None if there are no checkpoint files, or none
-    is usable and ``start_over``. Raises CheckpointError otherwise."""
-    problems = []
+def _newest_usable(run_dir, read, start_over: bool) -> tuple[Path | None, object, list[tuple[Path, str]]]:
+    """(the newest checkpoint of ``run_dir`` that ``read`` accepts, what it read, the newer
+    ones it refused with why); (None, None, refused) when there is no checkpoint file, or
+    none is usable and ``start_over``. Raises CheckpointError when none is usable
+    otherwise; CheckpointNewer (a newer format version) passes through."""
+    unusable = []
     for path in reversed(checkpoint.listed(run_dir)):
         try:
-            return path, checkpoint.read_meta(path)["json"]["config"]
+            return path, read(path), unusable
         except CheckpointNewer:
             raise
         except CheckpointError as e:
-            problems.append(str(e))
-    if problems and not start_over:
-        raise CheckpointError(_none_usable(run_dir, problems))
-    return None
+            unusable.append((path, str(e)))
+    if unusable and not start_over:
+        raise CheckpointError(f"{checkpoint.directory(run_dir)}: no checkpoint can be used: "
+                              f"{'; '.join(why for _, why in unusable)}. Nothing was changed; to start this run again "
+                              f"at step 0 (the files are kept in {checkpoint.directory(run_dir) / UNUSABLE}), "
+                              "add --start-over")
+    return None, None, unusable
 
 
-def _none_usable(run_dir, problems: list[str]) -> str:
-    return (f"{checkpoint.directory(run_dir)}: no checkpoint can be used: {'; '.join(problems)}. Nothing was "
-            "changed; to start this run again at step 0 (the files are kept in "
-            f"{checkpoint.directory(run_dir) / UNUSABLE}), add --start-over")
+def saved_config(run_dir, start_over: bool = False) -> tuple[Path, dict] | None:
+    """(checkpoint, the config saved in it, as ``Config.to_dict``) of the newest checkpoint
+    whose metadata verifies (the arrays are not read: every rank calls this before MPI
+    starts), or None (:func:`_newest_usable`)."""
+    path, meta, _ = _newest_usable(run_dir, checkpoint.read_meta, start_over)
+    return None if path is None else (path, meta["json"]["config"])
 
 
 def choose(run_dir, comm, warn, start_over: bool = False) -> tuple[Path, dict] | None:
     """(the checkpoint to resume, its verified attributes), chosen by rank 0 and told to
-    every rank, or None (start at step 0: there is no checkpoint file, or none is usable
-    and ``start_over``). Collective; raises the same CheckpointError on every rank."""
+    every rank, or None: start at step 0 (:func:`_newest_usable`). Collective; raises the
+    same CheckpointError on every rank."""
 
     def pick():
-        unusable = []
-        for path in reversed(checkpoint.listed(run_dir)):
-            try:
-                attrs = checkpoint.check(path)
-            except CheckpointNewer:
-                raise
-            except CheckpointError as e:
-                unusable.append((path, str(e)))
-                continue
-            _set_aside(unusable, warn)
-            return str(path), attrs
-        if unusable and not start_over:
-            raise CheckpointError(_none_usable(run_dir, [why for _, why in unusable]))
+        path, attrs, unusable = _newest_usable(run_dir, checkpoint.check, start_over)
         _set_aside(unusable, warn)
-        return None
+        return None if path is None else (str(path), attrs)
 
     chosen = comm.bcast(comm.agree(lambda: pick() if comm.rank == 0 else None))
     return None if chosen is None else (Path(chosen[0]), chosen[1])
