@@ -174,7 +174,8 @@ def test_zero1_equals_ddp_with_adamw(kind, algorithm):
     n = sum(p.size for p in model.parameters())
     mine = np.diff(chunk_bounds(n, comm.size))[comm.rank]
     pieces = sum(len(g["params"]) for g in zero.optimizer.param_groups)
-    assert zero.optimizer.memory()["optim_bytes"] == 2 * mine * 8 + pieces * 8  # two moments of my shard, a step count per piece
+    # two moments of my shard, a step count per piece
+    assert zero.optimizer.memory()["optim_bytes"] == 2 * mine * 8 + pieces * 8
 
 
 @pytest.mark.mpi(min_size=2)
@@ -276,7 +277,8 @@ def test_the_node_aware_allreduce_equals_mpis_and_sends_each_byte_over_the_netwo
     assert (h.node.size, h.cross.size) == (L, N)
     lr, c = h.node.rank, np.diff(chunk_bounds(n, L))
     intra = cost.ring_elements(n, L, lr) * 8 if L > 1 else 0
-    assert link_bytes(comm) == {"intra-node": intra, "inter-node": int(cost.collective_bytes("allreduce", c[lr] * 8, N))}
+    inter = int(cost.collective_bytes("allreduce", c[lr] * 8, N))
+    assert link_bytes(comm) == {"intra-node": intra, "inter-node": inter}
     y = np.full(n, float(comm.rank))
     HierarchicalAllreduce(comm, y, ranks_per_node=L).wait()
     assert np.all(y == comm.size * (comm.size - 1) / 2)

@@ -162,7 +162,8 @@ def _resume(run: Run, log, warn, start_over: bool, config_from: Path | None) -> 
                                    comm=run.world, layout=run.layout,
                                    check_config=lambda saved: resume.check_config(path, saved, cfg, warn))
     first = int(attrs["step"])
-    old = "" if attrs["format_version"] >= 2 else f"; format version {attrs['format_version']}: its metadata has no checksum"
+    old = "" if attrs["format_version"] >= 2 else \
+        f"; format version {attrs['format_version']}: its metadata has no checksum"
     log(f"resumed from {path} at step {first} (saved by {attrs['ranks']} rank(s), {attrs['strategy']}, "
         f"mpitrain {attrs['mpitrain_version']}{old})")
     if first > run.total:
