@@ -104,19 +104,18 @@ def _resume_dir(args) -> Path:
 
 
 def _note(message: str) -> None:
-    """A line about the command, printed once (before MPI starts, by rank 0 of the launcher)."""
+    """A line about the command or its error, printed once: by rank 0 (:func:`_prints_errors`)."""
     if _prints_errors():
         print(message, file=sys.stderr, flush=True)
 
 
-def _report(args) -> int:
+def _report(args) -> None:
     from mpitrain.observe.report import ReportError, report
 
     try:
         report(args.run_dirs, out=args.out)
     except ReportError as e:
         raise _failure(str(e)) from None
-    return 0
 
 
 def _cluster(args) -> int:
@@ -135,14 +134,13 @@ def _cluster(args) -> int:
         raise _failure(str(e)) from None
 
 
-def _config_reference(args) -> int:
+def _config_reference(args) -> None:
     from mpitrain.config import reference
 
     if args.out:
         Path(args.out).write_text(reference(), encoding="utf-8")
     else:
         sys.stdout.write(reference())
-    return 0
 
 
 def _new_run_dir(stem: str) -> Path:
@@ -157,7 +155,7 @@ def _new_run_dir(stem: str) -> Path:
     return path
 
 
-def _data_build(args) -> int:
+def _data_build(args) -> None:
     from mpitrain_datasets import RECIPES
 
     recipe = RECIPES[args.name]
@@ -172,24 +170,21 @@ def _data_build(args) -> int:
         if not recipe.idx:
             raise _usage(f"data build {args.name}: --unverified-source applies to IDX recipes only")
         options["unverified_source"] = True
-    tick = time.perf_counter()
-    writer = recipe.build(args.src, args.out, **options)
-    _print_built(args.out, writer, tick)
-    return 0
+    _built(args.out, lambda: recipe.build(args.src, args.out, **options))
 
 
-def _data_download(args) -> int:
+def _data_download(args) -> None:
     from mpitrain_datasets import download
 
     out = args.out or download.default_out(args.name)
     src = download.fetch(args.name, cache=args.cache, mirror=args.mirror, out=out)
+    _built(out, lambda: download.build(args.name, src, out))
+
+
+def _built(out, build) -> None:
+    """Run ``build`` (a recipe's, returning its DatasetWriter) and print what is in ``out`` now."""
     tick = time.perf_counter()
-    writer = download.build(args.name, src, out)
-    _print_built(out, writer, tick)
-    return 0
-
-
-def _print_built(out, writer, tick: float) -> None:
+    writer = build()
     splits = ", ".join(f"{s} {v['count']:,} in {len(v['shards'])} shard(s)"
                        for s, v in writer.manifest["splits"].items())
     state = "already up to date" if writer.up_to_date else f"written in {time.perf_counter() - tick:.1f} s"
@@ -210,7 +205,7 @@ def _data_verify(args) -> int:
     return 0
 
 
-def _data_info(args) -> int:
+def _data_info(args) -> None:
     from mpitrain.data import open_dataset
 
     data = open_dataset(args.path)
@@ -226,38 +221,34 @@ def _data_info(args) -> int:
         print(f"  mean {list(data.mean)}, std {list(data.std)}")
     else:
         print(f"  vocabulary of {len(data.vocab)}: {data.vocab!r}")
-    return 0
 
 
-def _bench_io(args) -> int:
+def _bench_io(args) -> None:
     from mpitrain.bench import io
     from mpitrain.comm import world
 
     comm = world()
     io.run(args.path, batch=args.batch, repeats=args.repeats, buffer_mb=args.buffer_mb,
            log=print if comm.rank == 0 else lambda *a: None)
-    return 0
 
 
-def _bench_allreduce(args) -> int:
+def _bench_allreduce(args) -> None:
     from mpitrain.bench import allreduce
     from mpitrain.comm import world
 
     comm = world(args.thread_level)
     allreduce.run(repeats=args.repeats, log=print if comm.rank == 0 else lambda *a: None)
-    return 0
 
 
-def _bench_ps(args) -> int:
+def _bench_ps(args) -> None:
     from mpitrain.bench import ps
     from mpitrain.comm import world
 
     comm = world()
     ps.run(steps=args.steps, rounds=args.rounds, log=print if comm.rank == 0 else lambda *a: None)
-    return 0
 
 
-def _bench_ddp(args) -> int:
+def _bench_ddp(args) -> int | None:
     from mpitrain.bench import ddp
 
     if args.wire != "fp32" and "mpi" in (args.allreduce or ["mpi"]):
@@ -271,16 +262,14 @@ def _bench_ddp(args) -> int:
     from mpitrain.comm import world
 
     comm = world(args.thread_level)
-    figures = {}
-    for algorithm in args.allreduce or ["mpi"]:
-        figures[algorithm] = ddp.run(
-            models=args.models or ["gpt", "wide"], rounds=args.rounds, steps=args.steps,
-            bucket_mb=4.0 if args.bucket_mb is None else args.bucket_mb, algorithm=algorithm, wire=args.wire,
-            precision=args.precision, warmup=ddp.WARMUP if args.warmup is None else args.warmup,
-            log=print if comm.rank == 0 else lambda *a: None)
+    figures = {algorithm: ddp.run(models=args.models or ["gpt", "wide"], rounds=args.rounds, steps=args.steps,
+                                  bucket_mb=4.0 if args.bucket_mb is None else args.bucket_mb, algorithm=algorithm,
+                                  wire=args.wire, precision=args.precision,
+                                  warmup=ddp.WARMUP if args.warmup is None else args.warmup,
+                                  log=print if comm.rank == 0 else lambda *a: None)
+               for algorithm in args.allreduce or ["mpi"]}
     if args.json and comm.rank == 0:
         Path(args.json).write_text(json.dumps(figures), encoding="utf-8")  # {algorithm: {model: figures}}
-    return 0
 
 
 def _bench_ddp_network(args) -> int:
@@ -336,38 +325,34 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2)
 
 
-def _bench_pipeline(args) -> int:
+def _bench_pipeline(args) -> None:
     from mpitrain.bench import pipeline
 
     odd = [m for m in args.micro_batches if args.batch % m]
     if odd:
         raise _usage(f"--batch {args.batch} does not split into {odd[0]} equal micro-batches")
     pipeline.run(rounds=args.rounds, ms=tuple(args.micro_batches), batch=args.batch)
-    return 0
 
 
-def _bench_tensor(args) -> int:
+def _bench_tensor(args) -> None:
     from mpitrain.bench import tensor
 
     tensor.run(rounds=args.rounds, batch=args.batch)
-    return 0
 
 
-def _bench_step(args) -> int:
+def _bench_step(args) -> None:
     from mpitrain.bench import step
 
     step.run(threads=args.threads, rounds=args.rounds, steps=args.steps, torch=not args.no_torch)
-    return 0
 
 
-def _bench_memory(args) -> int:
+def _bench_memory(args) -> None:
     from mpitrain.bench import memory
 
     memory.run(ranks=args.ranks, syncs=args.syncs, precisions=args.precisions, as_json=args.json)
     if not args.json:
         print()
         memory.activations()
-    return 0
 
 
 def _thread_level_option(p: argparse.ArgumentParser) -> None:
@@ -455,8 +440,7 @@ def _bench_parsers(commands) -> None:
                    help="leave out PyTorch's equivalent steps, which run when PyTorch is importable")
     p.set_defaults(run=_bench_step)
     p = benches.add_parser("memory", help="model state per rank of ddp (fp32, bf16, fp16) and ZeRO stages 1-3 vs. "
-                                          "the formulas "
-                                          "(not under mpiexec: it starts its own ranks)",
+                                          "the formulas (not under mpiexec: it starts its own ranks)",
                            description="Train the reference GPT for three steps with each gradient sync on "
                                        "each number of ranks, tracing the heap, and print the model state "
                                        "each rank holds, measured, counted and by ZeRO's formula.")
@@ -671,27 +655,23 @@ def main(argv=None) -> int:
     from mpitrain.config import ConfigError
     from mpitrain.data import DataError
 
-    def once(message: str) -> None:
-        if _prints_errors():
-            print(message, file=sys.stderr)
-
     try:
         expected = (ConfigError, DataError, CheckpointError, FloatingPointError, _usage, _failure)
         with abort_on_exception(expected=expected):
-            return args.run(args)
+            return args.run(args) or 0  # a command's exit status; None: 0
     except _usage as e:
         parser.error(str(e))
     except CheckpointWriteError as e:  # not the input's fault: the disk's
-        once(f"mpitrain: error: {e}")
+        _note(f"mpitrain: error: {e}")
         return 1
     except (ConfigError, DataError, CheckpointError, _failure) as e:
-        once(f"mpitrain: error: {e}")
+        _note(f"mpitrain: error: {e}")
         return 2
     except FloatingPointError as e:
-        once(f"mpitrain: training diverged: {e}")
+        _note(f"mpitrain: training diverged: {e}")
         return 1
     except KeyboardInterrupt:  # before the training loop's handlers (building, reading data), or another command
-        once("mpitrain: interrupted")
+        _note("mpitrain: interrupted")
         return INTERRUPTED
 
 
