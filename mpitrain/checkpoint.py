@@ -357,10 +357,7 @@ def _userblock_size(fields: dict) -> int:
     """The smallest userblock HDF5 allows (512 bytes times a power of two) that holds
     the header of ``fields`` once the file's size and digest are added."""
     longest = _header_bytes({**fields, "userblock": 1 << 40, "file_bytes": 1 << 60, "file_sha256": "0" * 64})
-    size = 512
-    while size < len(longest):
-        size *= 2
-    return size
+    return max(512, 1 << (len(longest) - 1).bit_length())  # the smallest power of two that holds it
 
 
 def _read_header(path: Path) -> dict | None:

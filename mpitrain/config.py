@@ -504,10 +504,9 @@ def _validate_grid(cfg: Config) -> None:
                  value)
     rest = [n for n in GRID if getattr(par, n) == -1]
     if len(rest) > 1:
-        other = rest[1]
         how = "dp takes the rest by default: set parallel.dp to a number" if "parallel.dp" not in cfg.given else \
             f"only one of {', '.join(GRID)} may be -1"
-        raise ConfigError(f"parallel.{other}: -1 means 'the rest', but so does parallel.{rest[0]}; {how}")
+        raise ConfigError(f"parallel.{rest[1]}: -1 means 'the rest', but so does parallel.{rest[0]}; {how}")
 
 
 def check_ranks(cfg: Config, ranks: int) -> tuple[int, int, int]:
