@@ -73,8 +73,9 @@ def _train_config(args):
         given = {item.split("=", 1)[0].strip() for item in args.set}
         file = {section: {k: v for k, v in table.items() if f"{section}.{k}" not in given}
                 for section, table in config.read(args.config).items() if isinstance(table, dict)}
+        saved_values = {s: {k: saved_cfg.get(s, {}).get(k) for k in t} for s, t in file.items()}
         differ = [f"{k} = {new!r} in the file (saved: {old!r})" for k, old, new in
-                  resume.config_changes({s: {k: saved_cfg.get(s, {}).get(k) for k in t} for s, t in file.items()}, file)]
+                  resume.config_changes(saved_values, file)]
         if differ:
             _note(f"note: {args.config} differs from the config saved in {path}: {', '.join(differ)}; a resumed "
                   "run keeps the saved values (--set changes one)")
@@ -223,29 +224,16 @@ def _data_info(args) -> None:
         print(f"  vocabulary of {len(data.vocab)}: {data.vocab!r}")
 
 
-def _bench_io(args) -> None:
-    from mpitrain.bench import io
-    from mpitrain.comm import world
+def _bench(name: str, thread_level: str | None = None, **options) -> None:
+    """``mpitrain bench NAME``: ``mpitrain.bench.NAME.run(**options)``, imported only now; given a
+    ``thread_level``, under MPI started at that level, printing on rank 0 only."""
+    import importlib
 
-    comm = world()
-    io.run(args.path, batch=args.batch, repeats=args.repeats, buffer_mb=args.buffer_mb,
-           log=print if comm.rank == 0 else lambda *a: None)
+    if thread_level is not None:
+        from mpitrain.comm import world
 
-
-def _bench_allreduce(args) -> None:
-    from mpitrain.bench import allreduce
-    from mpitrain.comm import world
-
-    comm = world(args.thread_level)
-    allreduce.run(repeats=args.repeats, log=print if comm.rank == 0 else lambda *a: None)
-
-
-def _bench_ps(args) -> None:
-    from mpitrain.bench import ps
-    from mpitrain.comm import world
-
-    comm = world()
-    ps.run(steps=args.steps, rounds=args.rounds, log=print if comm.rank == 0 else lambda *a: None)
+        options["log"] = print if world(thread_level).rank == 0 else lambda *a: None
+    importlib.import_module(f"mpitrain.bench.{name}").run(**options)
 
 
 def _bench_ddp(args) -> int | None:
@@ -332,18 +320,6 @@ def _bench_pipeline(args) -> None:
     if odd:
         raise _usage(f"--batch {args.batch} does not split into {odd[0]} equal micro-batches")
     pipeline.run(rounds=args.rounds, ms=tuple(args.micro_batches), batch=args.batch)
-
-
-def _bench_tensor(args) -> None:
-    from mpitrain.bench import tensor
-
-    tensor.run(rounds=args.rounds, batch=args.batch)
-
-
-def _bench_step(args) -> None:
-    from mpitrain.bench import step
-
-    step.run(threads=args.threads, rounds=args.rounds, steps=args.steps, torch=not args.no_torch)
 
 
 def _bench_memory(args) -> None:
@@ -438,7 +414,8 @@ def _bench_parsers(commands) -> None:
     p.add_argument("--steps", type=_positive, default=5, help="steps per model per round (default 5)")
     p.add_argument("--no-torch", action="store_true",
                    help="leave out PyTorch's equivalent steps, which run when PyTorch is importable")
-    p.set_defaults(run=_bench_step)
+    p.set_defaults(run=lambda a: _bench("step", threads=a.threads, rounds=a.rounds, steps=a.steps,
+                                        torch=not a.no_torch))
     p = benches.add_parser("memory", help="model state per rank of ddp (fp32, bf16, fp16) and ZeRO stages 1-3 vs. "
                                           "the formulas (not under mpiexec: it starts its own ranks)",
                            description="Train the reference GPT for three steps with each gradient sync on "
@@ -461,7 +438,8 @@ def _bench_parsers(commands) -> None:
     p.add_argument("--repeats", type=_positive, default=5, help="measurements per row, best kept (default 5)")
     p.add_argument("--buffer-mb", type=float, default=64,
                    help="reader round size over all ranks, as data.buffer_mb (default 64)")
-    p.set_defaults(run=_bench_io)
+    p.set_defaults(run=lambda a: _bench("io", thread_level="auto", path=a.path, batch=a.batch, repeats=a.repeats,
+                                        buffer_mb=a.buffer_mb))
     _bench_parallel_parsers(benches)
 
 
@@ -471,7 +449,7 @@ def _bench_parallel_parsers(benches) -> None:
                                        "with 2 (and 4) ranks, beside the bound of the ring's data movement.")
     p.add_argument("--repeats", type=_positive, default=5, help="timings per size, median kept (default 5)")
     _thread_level_option(p)
-    p.set_defaults(run=_bench_allreduce)
+    p.set_defaults(run=lambda a: _bench("allreduce", thread_level=a.thread_level, repeats=a.repeats))
 
     _bench_ddp_parser(benches)
 
@@ -482,7 +460,7 @@ def _bench_parallel_parsers(benches) -> None:
                                        "asynchronously.")
     p.add_argument("--steps", type=_positive, default=40, help="gradients per worker, on average (default 40)")
     p.add_argument("--rounds", type=_positive, default=3, help="interleaved rounds (default 3)")
-    p.set_defaults(run=_bench_ps)
+    p.set_defaults(run=lambda a: _bench("ps", thread_level="auto", steps=a.steps, rounds=a.rounds))
 
     p = benches.add_parser("pipeline", help="pipeline schedules: step, bubble vs. the formula, activation memory "
                                             "(run under mpiexec -n 2)",
@@ -505,7 +483,7 @@ def _bench_parallel_parsers(benches) -> None:
                                        "and the activations each rank holds.")
     p.add_argument("--rounds", type=_positive, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--batch", type=_positive, default=8, help="batch (default 8)")
-    p.set_defaults(run=_bench_tensor)
+    p.set_defaults(run=lambda a: _bench("tensor", rounds=a.rounds, batch=a.batch))
 
 
 def _bench_ddp_parser(benches) -> None:
