@@ -24,31 +24,27 @@ sync says which ``[lo, hi)`` ranges a rank holds, ``state_pieces``), so a run re
 any number of ranks with any sync, each rank reading the ranges it owns then.
 
 **Integrity: every byte, checked before HDF5 reads any.** The file begins with HDF5's
-*userblock* (512 bytes times a power of two, which HDF5 leaves to its user) holding
-plain text: the line ``mpitrain-checkpoint``, one line of JSON (format version, step,
-epoch, the config, the dataset's name and manifest SHA-256, the userblock's size, the
-file's size and the SHA-256 of every byte after the userblock), and ``sha256 <hex>``
-of that JSON line. :func:`check` verifies the header, then the file's bytes, and only
-then lets HDF5 parse it: a flipped bit anywhere after the header, truncation and growth
-are found, and HDF5 never parses a damaged file (one flipped byte in its heap of strings
-made it loop forever). Only the zeros that pad the userblock are covered by nothing:
-nothing reads them. The header's format stays the same in every later version, so a
-newer file is recognised as newer: refused, naming both versions. The arrays also carry
-HDF5's Fletcher-32, which names a damaged chunk to HDF5's own tools; files of format
-version 1 (before the header) still load, checked as then (by Fletcher-32), with a note.
+*userblock* (512 bytes times a power of two, left to its user) holding the plain-text
+header (:func:`_header_bytes`): the line ``mpitrain-checkpoint``, one line of JSON (the
+format version, the data position, the config and the data, the userblock's and the
+file's size, the SHA-256 of every byte after the userblock), and ``sha256 <hex>`` of that
+line. HDF5 parses a file only once both digests match, since a damaged file can make it
+loop forever (one flipped byte in its heap of strings did); only the zeros padding the
+userblock are covered by nothing, and read by nothing. The header's layout stays in every
+later version, so a newer file is refused, naming both versions. The arrays also carry
+HDF5's Fletcher-32, which names a damaged chunk to HDF5's own tools, and by which files
+of format version 1 (no header) are still checked as they load, with a note.
 
-**Atomic, and safe when the disk is full.** Rank 0 builds the file in memory (the ranks
-that hold other parts of the state send them, one rank after the other, as buffers),
-writes it with plain file I/O to ``step-XXXXXXXX.h5.tmp``, flushes it to disk (``fsync``)
-and renames it: a checkpoint exists whole or not at all. HDF5 itself never writes to
-the disk, because a write that fails inside HDF5 (no space left, a quota, an I/O error)
-leaves its library in a state that crashed the process; a failed plain write is one
-``OSError``: the ``.tmp`` is removed, and :class:`CheckpointWriteError` says so and that
-the previous checkpoint is intact. The cost: one copy of the checkpoint in rank 0's
-memory while it writes. After the rename rank 0 deletes all but the newest ``keep``
-(never one of a later step) and any ``.tmp`` a killed write left (a resume ignores it).
-Which checkpoint a resume takes, and what happens to the ones it cannot use:
-:mod:`mpitrain.train.resume`.
+**Atomic, and safe when the disk is full.** Rank 0 builds the file in memory (the other
+ranks send their parts as buffers, one rank after the other), writes it with plain file
+I/O to ``step-XXXXXXXX.h5.tmp``, syncs it (``fsync``) and renames it. HDF5 never writes
+to disk: a write failing inside it (no space left, a quota, an I/O error) left its library in a
+state that crashed the process, while a failed plain write is one ``OSError``
+(:class:`CheckpointWriteError`: the ``.tmp`` removed, the previous checkpoint intact).
+The cost: one copy of the checkpoint in rank 0's memory while it writes. After the
+rename rank 0 deletes all but the newest ``keep`` (never one of a later step) and any
+``.tmp`` a killed write left (a resume ignores it). Which checkpoint a resume takes, and
+what becomes of those it cannot use: :mod:`mpitrain.train.resume`.
 """
 
 from __future__ import annotations

@@ -363,19 +363,12 @@ def _non_negative(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="mpitrain",
-        description="Distributed deep-learning training on NumPy and MPI.",
-        epilog="Run 'mpitrain COMMAND --help' for a command's options.",
-    )
+    parser = _Parser(prog="mpitrain", description="Distributed deep-learning training on NumPy and MPI.",
+                     epilog="Run 'mpitrain COMMAND --help' for a command's options.")
     parser.add_argument("--version", action="version", version=f"mpitrain {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _train_parser(commands)
-    _bench_parsers(commands)
-    _report_parser(commands)
-    _data_parsers(commands)
-    _cluster_parser(commands)
-    _config_parser(commands)
+    for add in (_train_parser, _bench_parsers, _report_parser, _data_parsers, _cluster_parser, _config_parser):
+        add(commands)
     return parser
 
 

@@ -227,8 +227,7 @@ def from_dict(raw: dict, overrides: list[str] = ()) -> Config:
         if key.count(".") != 1:
             raise ConfigError(f"--set {key}: expected section.key (e.g. optim.lr)")
         section, name = key.split(".")
-        raw.setdefault(section, {})
-        if not isinstance(raw[section], dict):
+        if not isinstance(raw.setdefault(section, {}), dict):
             raise ConfigError(f"{section}: expected a table")
         raw[section][name] = value
 

@@ -228,11 +228,10 @@ class ShardReader:
             raise ValueError(f"sampling {sampling!r} places text windows; split {split.name!r} holds images")
         else:
             self.items = _Images(split)
-        n = self.items.n
-        if n < global_batch and drop_last:
-            raise DataError(f"{split.shards[0].path.parent}: split {split.name!r} has {n} samples, "
+        self.n = self.items.n
+        if self.n < global_batch and drop_last:
+            raise DataError(f"{split.shards[0].path.parent}: split {split.name!r} has {self.n} samples, "
                             f"fewer than one global batch of {global_batch}")
-        self.n = n
         self.item_bytes = int(np.prod(self.items.sample_shape, dtype=np.int64)) * self.items.dtype.itemsize
         # what storage delivers per sample: x and label; a window adds T new tokens, a random one all T + 1
         self.sample_bytes = (split.sample_bytes if window is None else

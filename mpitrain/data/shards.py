@@ -17,6 +17,7 @@ Compressed chunks are read through h5py, which decompresses them.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,13 +123,11 @@ class Split:
         self.chunk_rows = meta["chunk_rows"]
         # the dataset ("x" or "y") holding ids below self.ids, the size of what they index
         self.checked, self.ids = ("x", len(dataset.vocab)) if self.y_dtype is None else ("y", len(dataset.classes))
-        first, shards = 0, []
-        for index, s in enumerate(meta["shards"]):
-            shards.append(ShardInfo(dataset.path / s["file"], index, first, s["count"], s["bytes"], s["sha256"],
-                                    tuple(map(tuple, s["data_ranges"])), s["metadata_sha256"]))
-            first += s["count"]
-        self.shards = tuple(shards)
-        self._starts = np.array([s.first for s in shards], dtype=np.int64)
+        firsts = [0, *itertools.accumulate(s["count"] for s in meta["shards"])]  # of each shard's rows in the split
+        self.shards = tuple(ShardInfo(dataset.path / s["file"], index, firsts[index], s["count"], s["bytes"],
+                                      s["sha256"], tuple(map(tuple, s["data_ranges"])), s["metadata_sha256"])
+                            for index, s in enumerate(meta["shards"]))
+        self._starts = np.array(firsts[:-1], dtype=np.int64)
         self._open: dict[int, _Shard] = {}
 
     @property

@@ -147,11 +147,9 @@ class DatasetWriter:
         return x, y.astype(label_dtype(classes), copy=False)
 
     def __exit__(self, kind, value, tb):
-        if kind is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return False
         try:
-            self._commit()
+            if kind is None:
+                self._commit()
         finally:
             shutil.rmtree(self.tmp, ignore_errors=True)
         return False
