@@ -468,10 +468,9 @@ def _open(path: Path, use):
 
 
 def check(path: Path) -> dict:
-    """Verify every byte of a checkpoint before HDF5 reads any; its attributes (JSON
-    ones parsed, under ``"json"``; the header's fields under ``"header"``), or raise
-    :class:`CheckpointError` saying what is wrong (:class:`CheckpointNewer` for a newer
-    format)."""
+    """Verify every byte of a checkpoint before HDF5 reads any; its attributes (JSON ones
+    parsed, under ``"json"``; the header's fields under ``"header"``), or raise
+    :class:`CheckpointError` saying what is wrong (:class:`CheckpointNewer`: a newer format)."""
     path = Path(path)
     fields = _verified_header(path)
     attrs = _open(path, lambda f: _attributes(path, f, legacy=fields is None))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import io
+import itertools
 import json
 import sys
 import time
@@ -149,11 +150,8 @@ def _new_run_dir(stem: str) -> Path:
     ``runs/<config name>-<n>``."""
     from mpitrain.checkpoint import listed
 
-    n, path = 1, Path("runs") / stem
-    while listed(path):
-        n += 1
-        path = Path("runs") / f"{stem}-{n}"
-    return path
+    paths = (Path("runs") / (stem if n == 1 else f"{stem}-{n}") for n in itertools.count(1))
+    return next(path for path in paths if not listed(path))
 
 
 def _data_build(args) -> None:
@@ -314,12 +312,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _bench_pipeline(args) -> None:
-    from mpitrain.bench import pipeline
-
     odd = [m for m in args.micro_batches if args.batch % m]
     if odd:
         raise _usage(f"--batch {args.batch} does not split into {odd[0]} equal micro-batches")
-    pipeline.run(rounds=args.rounds, ms=tuple(args.micro_batches), batch=args.batch)
+    _bench("pipeline", rounds=args.rounds, ms=tuple(args.micro_batches), batch=args.batch)
 
 
 def _bench_memory(args) -> None:

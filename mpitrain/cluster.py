@@ -8,10 +8,9 @@ have no ``netem``), and at high rates a small machine's TCP stack, not the link,
 limit. How to use it: ``jobs/README.md``, "A cluster on one machine"; figures:
 ``mpitrain/bench/README.md``, the same section.
 
-* **nodes**: one network namespace per node, ``mpitrain-<pid>-node<k>``, whose ranks meet
-  over shared memory, as on a real node. Node ``k`` has the address ``10.231.0.<k+1>/24``
-  on its interface ``vnet0``; it exists only inside these namespaces, so no traffic can
-  leave them.
+* **nodes**: one network namespace per node, whose ranks meet over shared memory, as on a
+  real node. Node ``k``'s address, ``10.231.0.<k+1>/24`` on ``vnet0``, exists only inside
+  these namespaces, so no traffic can leave them.
 * **links**: a veth pair between two nodes; with more nodes each node's veth goes to a
   bridge in a namespace of its own (``...-switch``), a switch. Every link is shaped on
   egress, both ways, with ``tc`` htb at ``rate``; the burst is 256 KiB, as a 64 KiB one
@@ -27,17 +26,16 @@ limit. How to use it: ``jobs/README.md``, "A cluster on one machine"; figures:
   error or Ctrl-C; a later cluster deletes the namespaces of one whose process was killed.
 
 **Time dilation** (Gupta et al., "To Infinity and Beyond: Time-Warped Network
-Emulation", NSDI 2006). With more ranks than cores, compute runs slower than on the
-cluster being emulated while the links do not, which flatters communication.
-``dilation=D`` runs the whole cluster ``D`` times slower instead: every link at
-``rate / D``, and every node held to ``ranks / D`` cores by the kernel's CPU bandwidth
-control (a cgroup per node, ``cpu.cfs_quota_us`` or ``cpu.max``, in periods of
-``PERIOD_US``, short beside a training step), so a rank computes at ``1 / D`` of a core
-however its neighbours behave (a rank spinning in ``MPI_Wait`` uses its own node's
-share). The trainer records ``D`` in its ``start`` record (``$MPITRAIN_CLUSTER``,
-:func:`mpitrain.runtime.emulated_cluster`) and ``mpitrain report`` divides by it. What it
-cannot slow: the kernel's own work (the TCP stack runs partly outside the quota) and the
-latencies of the veth links.
+Emulation", NSDI 2006): with more ranks than cores, compute runs slower than on the
+cluster emulated while the links do not, which flatters communication. ``dilation=D``
+runs the whole cluster ``D`` times slower instead: links at ``rate / D``, each node held
+to ``ranks / D`` cores by the kernel's CPU bandwidth control (a cgroup per node,
+``cpu.cfs_quota_us`` or ``cpu.max``, in periods of ``PERIOD_US``, short beside a training
+step), so a rank computes at ``1 / D`` of a core however its neighbours behave (one
+spinning in ``MPI_Wait`` uses its own node's share). The trainer records ``D``
+(``$MPITRAIN_CLUSTER``, :func:`mpitrain.runtime.emulated_cluster`) and ``mpitrain report``
+divides by it. Not slowed: the kernel's own work (TCP runs partly outside the quota) and
+the veth links' latencies.
 """
 
 from __future__ import annotations

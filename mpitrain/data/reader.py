@@ -201,12 +201,10 @@ def _runs(starts: np.ndarray, length: int, n: int):
 
 
 class ShardReader:
-    """This rank's batches of a split, read ahead by a background thread.
-
-    ``global_batch`` must be divisible by ``size``; every rank yields the same number
-    of batches per epoch (:attr:`steps_per_epoch`). ``window`` (the context length)
-    switches a text split to (input, target) windows.
-    """
+    """This rank's batches of a split, read ahead by a background thread. ``global_batch``
+    must be divisible by ``size``; every rank yields the same number of batches per epoch
+    (:attr:`steps_per_epoch`). ``window`` (the context length) makes a text split's
+    samples (input, target) windows."""
 
     def __init__(self, split: Split, *, rank: int, size: int, global_batch: int, seed: int,
                  shuffle: bool = True, drop_last: bool = True, window: int | None = None,
@@ -265,11 +263,9 @@ class ShardReader:
 
     # ------------------------------------------------------------- producer
     def _round(self, plan: EpochPlan, round_id: int, first: int, length: int, buffers: dict):
-        """Read this rank's blocks of one round and gather them into ``length`` batches.
-
-        The blocks are read into buffers reused from round to round (fresh ones would
-        cost a page fault per 4 KiB); the gathered batches are new arrays, since the
-        training loop may keep them."""
+        """Read this rank's blocks of one round and gather them into ``length`` batches. The
+        blocks go into buffers reused from round to round (fresh ones would cost a page
+        fault per 4 KiB); the batches are new arrays, since the training loop may keep them."""
         lanes = self.lanes
         if first >= plan.L:  # the extra step: only lanes g < R have a sample
             lanes = lanes[lanes < plan.R]
