@@ -42,6 +42,7 @@ a batch. Nothing here calls MPI; the trainer gathers the statistics over ranks.
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -196,8 +197,7 @@ def _runs(starts: np.ndarray, length: int, n: int):
     """(i, j) ranges of consecutive lanes whose blocks follow each other in the split."""
     follows = (starts[1:] - starts[:-1]) % n == length  # (b - 1,)
     cuts = np.flatnonzero(~follows) + 1
-    bounds = [0, *cuts.tolist(), len(starts)]
-    return list(zip(bounds[:-1], bounds[1:]))
+    return list(itertools.pairwise([0, *cuts.tolist(), len(starts)]))
 
 
 class ShardReader:
