@@ -1,5 +1,5 @@
 """HDF5 checkpoints: everything a run needs to continue exactly, written atomically and
-checksummed.
+checksummed (what a user sees of them: ``jobs/README.md``, "Checkpoints, resume and signals").
 
 One file per checkpoint, ``RUN_DIR/checkpoints/step-00001234.h5``: a header, then an
 HDF5 file holding
@@ -19,50 +19,37 @@ HDF5 file holding
 * ``optim/scalar/<key>`` ``(n_params,)``: each per-parameter scalar (Adam's ``step``),
   and ``optim/has_state`` ``(n_params,)``.
 
-The flat layout makes the file independent of how the state was split: with ZeRO-1
-each rank holds the ``[lo, hi)`` range of its own shard, each parameter server the
-ranges of its parameters, with data parallelism rank 0 holds it all (the gradient
-sync says which, ``state_pieces``); and a run resumes on any number of ranks with any
-sync (local, ddp, zero1), each rank reading the ranges it owns then.
+The flat layout makes the file independent of how the state was split (the gradient
+sync says which ``[lo, hi)`` ranges a rank holds, ``state_pieces``), so a run resumes on
+any number of ranks with any sync, each rank reading the ranges it owns then.
 
 **Integrity: every byte, checked before HDF5 reads any.** The file begins with HDF5's
-*userblock* (512 bytes times a power of two, which HDF5 leaves to its user) holding
-plain text: the line ``mpitrain-checkpoint``, one line of JSON (format version, step,
-epoch, the config, the dataset's name and manifest SHA-256, the userblock's size, the
-file's size and the SHA-256 of every byte after the userblock), and ``sha256 <hex>``
-of that JSON line. :func:`check` verifies
-the header, then the file's bytes, and only then lets HDF5 parse it: so a flipped bit
-anywhere in the attributes (the step, the random stream, ...), the per-parameter flags,
-the arrays or HDF5's own structures is found, truncation and growth too, and HDF5 never
-parses a damaged file (one flipped byte in its heap of strings made it loop forever
-here). Only the zeros that pad the userblock are covered by nothing: nothing reads
-them. :func:`read_meta` verifies the header alone (the command line reads the saved
-config from it on every rank, before MPI starts), and :func:`restore` verifies the
-whole file on every rank before reading it. The header's format (magic line, JSON line,
-hash line) stays the same in every later version, so a newer file is recognised as
-newer: refused, naming both versions. Files of format version 1 (before the header)
-still load, checked as then (Fletcher-32 on each array), with a note. The arrays also
-carry HDF5's Fletcher-32 checksum, which names the damaged chunk to HDF5's own tools.
+*userblock* (512 bytes times a power of two, left to its user) holding the plain-text
+header (:func:`_header_bytes`): the line ``mpitrain-checkpoint``, one line of JSON (the
+format version, the data position, the config and the data, the userblock's and the
+file's size, the SHA-256 of every byte after the userblock), and ``sha256 <hex>`` of that
+line. HDF5 parses a file only once both digests match, since a damaged file can make it
+loop forever (one flipped byte in its heap of strings did); only the zeros padding the
+userblock are covered by nothing, and read by nothing. The header's layout stays in every
+later version, so a newer file is refused, naming both versions. The arrays also carry
+HDF5's Fletcher-32, which names a damaged chunk to HDF5's own tools, and by which files
+of format version 1 (no header) are still checked as they load, with a note.
 
-**Atomic, and safe when the disk is full.** The file is built in memory on rank 0 (the
-ranks that hold other parts of the state send them to it, one rank after the other, as
-buffers), then written with plain file I/O to ``step-XXXXXXXX.h5.tmp``, flushed to
-disk (``fsync``) and renamed: a checkpoint exists whole or not at all. HDF5 itself
-never writes to the disk, because a write that fails inside HDF5 (no space left, a
-quota, an I/O error) leaves its library in a state that crashed the process in two of
-three tries here; a failed plain write is one ``OSError``: the ``.tmp`` is removed, and
-:class:`CheckpointWriteError` says what happened and that the previous checkpoint is
-intact. Building in memory costs rank 0 one copy of the checkpoint (parameters and
-optimizer state) while it writes. After the rename rank 0 deletes all but the newest
-``keep`` (never one of a later step) and any ``.tmp`` a killed write left; a resume
-ignores such a file.
-
-Which checkpoint a resume takes, and what happens to the ones it cannot use, is
-:mod:`mpitrain.train.resume`.
+**Atomic, and safe when the disk is full.** Rank 0 builds the file in memory (the other
+ranks send their parts as buffers, one rank after the other), writes it with plain file
+I/O to ``step-XXXXXXXX.h5.tmp``, syncs it (``fsync``) and renames it. HDF5 never writes
+to disk: a write failing inside it (no space left, a quota, an I/O error) left its library in a
+state that crashed the process, while a failed plain write is one ``OSError``
+(:class:`CheckpointWriteError`: the ``.tmp`` removed, the previous checkpoint intact).
+The cost: one copy of the checkpoint in rank 0's memory while it writes. After the
+rename rank 0 deletes all but the newest ``keep`` (never one of a later step) and any
+``.tmp`` a killed write left (a resume ignores it). Which checkpoint a resume takes, and
+what becomes of those it cannot use: :mod:`mpitrain.train.resume`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -152,16 +139,12 @@ class Layout:
 def _layout(optimizer, sync, layout: Layout | None):
     """(flat offsets of every parameter of ``layout`` (None: the optimizer's own), the
     optimizer holding this rank's state, its pieces as (local index, parameter index,
-    lo, hi), whether this rank writes state).
-
-    The gradient sync says which part of the state this rank holds with
-    ``state_pieces(offsets)`` -> (its optimizer, [(parameter index, lo, hi)] in that
+    lo, hi), whether this rank writes state), as the gradient sync's
+    ``state_pieces(offsets)`` says: (its optimizer, [(parameter index, lo, hi)] in that
     optimizer's order, whether this rank writes them: of replicas, one does), or None on
     ranks that hold none (parameter-server workers)."""
-    if layout is None:
-        sizes = [p.size for group in optimizer.param_groups for p in group["params"]]
-    else:
-        sizes = [size for _, size in layout.params]
+    sizes = ([p.size for group in optimizer.param_groups for p in group["params"]] if layout is None
+             else [size for _, size in layout.params])
     offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # (n_params + 1,)
     split = sync.state_pieces(offsets)
     if split is None:
@@ -275,9 +258,7 @@ def save(run_dir, step: int, *, model, optimizer, sync, cfg, comm, keep: int, ep
     partial = layout is not None and (names != set(layout.arrays) or bool(parts))
     mine = model.state_dict() if comm.rank == 0 or (partial and writes) else {}  # copies: only where written
     shapes = layout.arrays if layout is not None else {n: (a.shape, a.dtype.str) for n, a in mine.items()}
-    kinds = {}
-    for k in comm.allgather(_kinds(local) if writes else {}):
-        kinds.update(k)
+    kinds = {key: kind for held in comm.allgather(_kinds(local) if writes else {}) for key, kind in held.items()}
     own = _contribution(local, pieces if writes else [], slices, mine, parts)
     meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "mpitrain_version": __version__,
             "step": step, "epoch": epoch, "epoch_step": epoch_step, "ranks": comm.size,
@@ -297,12 +278,11 @@ def save(run_dir, step: int, *, model, optimizer, sync, cfg, comm, keep: int, ep
     with h5py.File(buffer, "w", userblock_size=size) as f:  # in memory: see the module's docstring
         f.attrs.update(meta)
         for name, (shape, dtype) in shapes.items():
-            _dataset(f, f"model/{name}", shape=shape, dtype=np.dtype(dtype))
-        _dataset(f, "optim/has_state", shape=(n_params,), dtype=np.dtype(bool))
+            _dataset(f, f"model/{name}", shape, dtype)
+        _dataset(f, "optim/has_state", (n_params,), bool)
         for key, (kind, dtype) in sorted(kinds.items()):
-            length = n if kind == "array" else n_params
-            _dataset(f, f"optim/{'state' if kind == 'array' else 'scalar'}/{key}", shape=(length,),
-                     dtype=np.dtype(dtype))
+            group, length = ("state", n) if kind == "array" else ("scalar", n_params)
+            _dataset(f, f"optim/{group}/{key}", (length,), dtype)
         _collect(f, own, comm)
     image = buffer.getbuffer()
     body = image[size:]  # the HDF5 file proper, after the userblock HDF5 leaves to us
@@ -324,10 +304,8 @@ def _write(final: Path, pieces, run_dir, step: int, keep: int) -> None:
             os.fsync(fh.fileno())
         os.replace(tmp, final)
     except BaseException as e:  # a write error, or an abort (a second Ctrl-C) while writing
-        try:
+        with contextlib.suppress(OSError):  # a file system gone read-only or away: report the write's error
             tmp.unlink(missing_ok=True)
-        except OSError:
-            pass  # a file system gone read-only or away: the write's error is the one to report
         if not isinstance(e, OSError):
             raise
         before = [p for p in listed(run_dir) if step_of(p) < step]
@@ -336,18 +314,15 @@ def _write(final: Path, pieces, run_dir, step: int, keep: int) -> None:
     _fsync_dir(final.parent)
     upto = [p for p in listed(run_dir) if step_of(p) <= step]  # a later one is never this run's to delete
     for old in upto[:-keep] + list(final.parent.glob("step-*.h5.tmp")):  # and halves of killed writes
-        try:
+        with contextlib.suppress(OSError):  # kept: one more file is no harm, and this checkpoint is written
             old.unlink(missing_ok=True)
-        except OSError:  # kept: one more file is no harm, and this checkpoint is written
-            pass
 
 
-def _dataset(f: h5py.File, name: str, **kwargs) -> None:
-    shape = np.shape(kwargs["data"]) if "data" in kwargs else kwargs["shape"]
+def _dataset(f: h5py.File, name: str, shape, dtype) -> None:
+    guard = {}
     if len(shape) and int(np.prod(shape)) > 0:  # chunked, so that Fletcher-32 can guard it
-        chunks = (min(shape[0], _CHUNK),) + tuple(shape[1:]) if len(shape) == 1 else True
-        kwargs.update(chunks=chunks, fletcher32=True)
-    f.create_dataset(name, **kwargs)
+        guard = {"chunks": (min(shape[0], _CHUNK),) + tuple(shape[1:]) if len(shape) == 1 else True, "fletcher32": True}
+    f.create_dataset(name, shape=shape, dtype=np.dtype(dtype), **guard)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -356,9 +331,8 @@ def _fsync_dir(path: Path) -> None:
     except OSError:  # a platform without directory file descriptors
         return
     try:
-        os.fsync(fd)
-    except OSError:  # a file system that cannot sync a directory: the rename stands all the same
-        pass
+        with contextlib.suppress(OSError):  # a file system that cannot sync a directory: the rename stands
+            os.fsync(fd)
     finally:
         os.close(fd)
 
@@ -379,20 +353,12 @@ def _userblock_size(fields: dict) -> int:
     """The smallest userblock HDF5 allows (512 bytes times a power of two) that holds
     the header of ``fields`` once the file's size and digest are added."""
     longest = _header_bytes({**fields, "userblock": 1 << 40, "file_bytes": 1 << 60, "file_sha256": "0" * 64})
-    size = 512
-    while size < len(longest):
-        size *= 2
-    return size
-
-
-def _plain(value):
-    return value.item() if isinstance(value, np.generic) else value
+    return max(512, 1 << (len(longest) - 1).bit_length())  # the smallest power of two that holds it
 
 
 def _read_header(path: Path) -> dict | None:
-    """The header of a checkpoint, read and verified without HDF5 (a damaged file can
-    make HDF5's parser loop forever: one flipped byte in its heap of strings did, here);
-    None for a format-1 file, which has none."""
+    """The header of a checkpoint, read and verified without HDF5 (which a damaged file
+    can make loop forever: the module's docstring); None for a format-1 file, which has none."""
     try:
         with open(path, "rb") as fh:
             head = fh.read(_MAX_HEADER)
@@ -446,8 +412,12 @@ def _check_types(path: Path, fields: dict, keys) -> None:
                                   f"{'non-negative integer' if kind is int else kind.__name__}")
 
 
-def _verify_bytes(path: Path, fields: dict) -> None:
-    """Every byte after the header against the header's SHA-256 (read in 4 MiB pieces)."""
+def _verified_header(path: Path) -> dict | None:
+    """The header (:func:`_read_header`), with every byte after it checked against its
+    SHA-256 (read in 4 MiB pieces); None for a format-1 file."""
+    fields = _read_header(path)
+    if fields is None:
+        return None
     size = path.stat().st_size
     if size != fields["file_bytes"]:
         raise CheckpointError(f"{path}: damaged: {size} bytes, its header says {fields['file_bytes']} "
@@ -459,6 +429,7 @@ def _verify_bytes(path: Path, fields: dict) -> None:
             digest.update(piece)
     if digest.hexdigest() != fields["file_sha256"]:
         raise CheckpointError(f"{path}: damaged: its bytes do not match the SHA-256 in its header")
+    return fields
 
 
 # ----------------------------------------------------------------- load
@@ -466,7 +437,7 @@ def _attributes(path: Path, f: h5py.File, legacy: bool) -> dict:
     """The attributes of an open checkpoint, JSON ones parsed into ``attrs["json"]``. A
     format-1 file (``legacy``, no header) is checked as it was then: its format, and
     its arrays' Fletcher-32 checksums, read whole."""
-    attrs = {k: _plain(v) for k, v in f.attrs.items()}
+    attrs = {k: v.item() if isinstance(v, np.generic) else v for k, v in f.attrs.items()}
     if attrs.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not an mpitrain checkpoint (format {attrs.get('format')!r})")
     if legacy:
@@ -497,14 +468,11 @@ def _open(path: Path, use):
 
 
 def check(path: Path) -> dict:
-    """Verify every byte of a checkpoint before HDF5 reads any; its attributes (JSON
-    ones parsed, under ``"json"``; the header's fields under ``"header"``), or raise
-    :class:`CheckpointError` saying what is wrong (:class:`CheckpointNewer` for a newer
-    format)."""
+    """Verify every byte of a checkpoint before HDF5 reads any; its attributes (JSON ones
+    parsed, under ``"json"``; the header's fields under ``"header"``), or raise
+    :class:`CheckpointError` saying what is wrong (:class:`CheckpointNewer`: a newer format)."""
     path = Path(path)
-    fields = _read_header(path)
-    if fields is not None:
-        _verify_bytes(path, fields)
+    fields = _verified_header(path)
     attrs = _open(path, lambda f: _attributes(path, f, legacy=fields is None))
     return {**attrs, "header": fields or {}}
 
@@ -528,8 +496,8 @@ def restore(path: Path, *, model, optimizer, sync, comm, check_config=None, layo
     (raising CheckpointError) before anything is loaded."""
     offsets, local, pieces, _ = _layout(optimizer, sync, layout)
 
-    def load(f):
-        attrs = _attributes(path, f, legacy=fields is None)
+    def load(f, legacy: bool):
+        attrs = _attributes(path, f, legacy)
         if check_config is not None:
             check_config(attrs["json"]["config"])
         saved = {name: f[f"model/{name}"] for name in _names(f["model"])}
@@ -554,13 +522,9 @@ def restore(path: Path, *, model, optimizer, sync, comm, check_config=None, layo
         return attrs
 
     def verify_then_load():
-        nonlocal fields
-        fields = _read_header(path)
-        if fields is not None:
-            _verify_bytes(path, fields)  # on every rank: each reads the file itself
-        return _open(path, load)
+        legacy = _verified_header(path) is None  # on every rank: each reads the file itself
+        return _open(path, lambda f: load(f, legacy))
 
-    fields = None
     return comm.agree(verify_then_load)
 
 

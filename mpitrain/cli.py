@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import io
+import itertools
 import json
 import sys
 import time
@@ -73,8 +74,9 @@ def _train_config(args):
         given = {item.split("=", 1)[0].strip() for item in args.set}
         file = {section: {k: v for k, v in table.items() if f"{section}.{k}" not in given}
                 for section, table in config.read(args.config).items() if isinstance(table, dict)}
+        saved_values = {s: {k: saved_cfg.get(s, {}).get(k) for k in t} for s, t in file.items()}
         differ = [f"{k} = {new!r} in the file (saved: {old!r})" for k, old, new in
-                  resume.config_changes({s: {k: saved_cfg.get(s, {}).get(k) for k in t} for s, t in file.items()}, file)]
+                  resume.config_changes(saved_values, file)]
         if differ:
             _note(f"note: {args.config} differs from the config saved in {path}: {', '.join(differ)}; a resumed "
                   "run keeps the saved values (--set changes one)")
@@ -104,19 +106,18 @@ def _resume_dir(args) -> Path:
 
 
 def _note(message: str) -> None:
-    """A line about the command, printed once (before MPI starts, by rank 0 of the launcher)."""
+    """A line about the command or its error, printed once: by rank 0 (:func:`_prints_errors`)."""
     if _prints_errors():
         print(message, file=sys.stderr, flush=True)
 
 
-def _report(args) -> int:
+def _report(args) -> None:
     from mpitrain.observe.report import ReportError, report
 
     try:
         report(args.run_dirs, out=args.out)
     except ReportError as e:
         raise _failure(str(e)) from None
-    return 0
 
 
 def _cluster(args) -> int:
@@ -135,14 +136,13 @@ def _cluster(args) -> int:
         raise _failure(str(e)) from None
 
 
-def _config_reference(args) -> int:
+def _config_reference(args) -> None:
     from mpitrain.config import reference
 
     if args.out:
         Path(args.out).write_text(reference(), encoding="utf-8")
     else:
         sys.stdout.write(reference())
-    return 0
 
 
 def _new_run_dir(stem: str) -> Path:
@@ -150,14 +150,11 @@ def _new_run_dir(stem: str) -> Path:
     ``runs/<config name>-<n>``."""
     from mpitrain.checkpoint import listed
 
-    n, path = 1, Path("runs") / stem
-    while listed(path):
-        n += 1
-        path = Path("runs") / f"{stem}-{n}"
-    return path
+    paths = (Path("runs") / (stem if n == 1 else f"{stem}-{n}") for n in itertools.count(1))
+    return next(path for path in paths if not listed(path))
 
 
-def _data_build(args) -> int:
+def _data_build(args) -> None:
     from mpitrain_datasets import RECIPES
 
     recipe = RECIPES[args.name]
@@ -172,24 +169,21 @@ def _data_build(args) -> int:
         if not recipe.idx:
             raise _usage(f"data build {args.name}: --unverified-source applies to IDX recipes only")
         options["unverified_source"] = True
-    tick = time.perf_counter()
-    writer = recipe.build(args.src, args.out, **options)
-    _print_built(args.out, writer, tick)
-    return 0
+    _built(args.out, lambda: recipe.build(args.src, args.out, **options))
 
 
-def _data_download(args) -> int:
+def _data_download(args) -> None:
     from mpitrain_datasets import download
 
     out = args.out or download.default_out(args.name)
     src = download.fetch(args.name, cache=args.cache, mirror=args.mirror, out=out)
+    _built(out, lambda: download.build(args.name, src, out))
+
+
+def _built(out, build) -> None:
+    """Run ``build`` (a recipe's, returning its DatasetWriter) and print what is in ``out`` now."""
     tick = time.perf_counter()
-    writer = download.build(args.name, src, out)
-    _print_built(out, writer, tick)
-    return 0
-
-
-def _print_built(out, writer, tick: float) -> None:
+    writer = build()
     splits = ", ".join(f"{s} {v['count']:,} in {len(v['shards'])} shard(s)"
                        for s, v in writer.manifest["splits"].items())
     state = "already up to date" if writer.up_to_date else f"written in {time.perf_counter() - tick:.1f} s"
@@ -210,7 +204,7 @@ def _data_verify(args) -> int:
     return 0
 
 
-def _data_info(args) -> int:
+def _data_info(args) -> None:
     from mpitrain.data import open_dataset
 
     data = open_dataset(args.path)
@@ -226,38 +220,21 @@ def _data_info(args) -> int:
         print(f"  mean {list(data.mean)}, std {list(data.std)}")
     else:
         print(f"  vocabulary of {len(data.vocab)}: {data.vocab!r}")
-    return 0
 
 
-def _bench_io(args) -> int:
-    from mpitrain.bench import io
-    from mpitrain.comm import world
+def _bench(name: str, thread_level: str | None = None, **options) -> None:
+    """``mpitrain bench NAME``: ``mpitrain.bench.NAME.run(**options)``, imported only now; given a
+    ``thread_level``, under MPI started at that level, printing on rank 0 only."""
+    import importlib
 
-    comm = world()
-    io.run(args.path, batch=args.batch, repeats=args.repeats, buffer_mb=args.buffer_mb,
-           log=print if comm.rank == 0 else lambda *a: None)
-    return 0
+    if thread_level is not None:
+        from mpitrain.comm import world
 
-
-def _bench_allreduce(args) -> int:
-    from mpitrain.bench import allreduce
-    from mpitrain.comm import world
-
-    comm = world(args.thread_level)
-    allreduce.run(repeats=args.repeats, log=print if comm.rank == 0 else lambda *a: None)
-    return 0
+        options["log"] = print if world(thread_level).rank == 0 else lambda *a: None
+    importlib.import_module(f"mpitrain.bench.{name}").run(**options)
 
 
-def _bench_ps(args) -> int:
-    from mpitrain.bench import ps
-    from mpitrain.comm import world
-
-    comm = world()
-    ps.run(steps=args.steps, rounds=args.rounds, log=print if comm.rank == 0 else lambda *a: None)
-    return 0
-
-
-def _bench_ddp(args) -> int:
+def _bench_ddp(args) -> int | None:
     from mpitrain.bench import ddp
 
     if args.wire != "fp32" and "mpi" in (args.allreduce or ["mpi"]):
@@ -271,16 +248,14 @@ def _bench_ddp(args) -> int:
     from mpitrain.comm import world
 
     comm = world(args.thread_level)
-    figures = {}
-    for algorithm in args.allreduce or ["mpi"]:
-        figures[algorithm] = ddp.run(
-            models=args.models or ["gpt", "wide"], rounds=args.rounds, steps=args.steps,
-            bucket_mb=4.0 if args.bucket_mb is None else args.bucket_mb, algorithm=algorithm, wire=args.wire,
-            precision=args.precision, warmup=ddp.WARMUP if args.warmup is None else args.warmup,
-            log=print if comm.rank == 0 else lambda *a: None)
+    figures = {algorithm: ddp.run(models=args.models or ["gpt", "wide"], rounds=args.rounds, steps=args.steps,
+                                  bucket_mb=4.0 if args.bucket_mb is None else args.bucket_mb, algorithm=algorithm,
+                                  wire=args.wire, precision=args.precision,
+                                  warmup=ddp.WARMUP if args.warmup is None else args.warmup,
+                                  log=print if comm.rank == 0 else lambda *a: None)
+               for algorithm in args.allreduce or ["mpi"]}
     if args.json and comm.rank == 0:
         Path(args.json).write_text(json.dumps(figures), encoding="utf-8")  # {algorithm: {model: figures}}
-    return 0
 
 
 def _bench_ddp_network(args) -> int:
@@ -336,38 +311,20 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2)
 
 
-def _bench_pipeline(args) -> int:
-    from mpitrain.bench import pipeline
-
+def _bench_pipeline(args) -> None:
     odd = [m for m in args.micro_batches if args.batch % m]
     if odd:
         raise _usage(f"--batch {args.batch} does not split into {odd[0]} equal micro-batches")
-    pipeline.run(rounds=args.rounds, ms=tuple(args.micro_batches), batch=args.batch)
-    return 0
+    _bench("pipeline", rounds=args.rounds, ms=tuple(args.micro_batches), batch=args.batch)
 
 
-def _bench_tensor(args) -> int:
-    from mpitrain.bench import tensor
-
-    tensor.run(rounds=args.rounds, batch=args.batch)
-    return 0
-
-
-def _bench_step(args) -> int:
-    from mpitrain.bench import step
-
-    step.run(threads=args.threads, rounds=args.rounds, steps=args.steps, torch=not args.no_torch)
-    return 0
-
-
-def _bench_memory(args) -> int:
+def _bench_memory(args) -> None:
     from mpitrain.bench import memory
 
     memory.run(ranks=args.ranks, syncs=args.syncs, precisions=args.precisions, as_json=args.json)
     if not args.json:
         print()
         memory.activations()
-    return 0
 
 
 def _thread_level_option(p: argparse.ArgumentParser) -> None:
@@ -402,19 +359,12 @@ def _non_negative(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="mpitrain",
-        description="Distributed deep-learning training on NumPy and MPI.",
-        epilog="Run 'mpitrain COMMAND --help' for a command's options.",
-    )
+    parser = _Parser(prog="mpitrain", description="Distributed deep-learning training on NumPy and MPI.",
+                     epilog="Run 'mpitrain COMMAND --help' for a command's options.")
     parser.add_argument("--version", action="version", version=f"mpitrain {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    _train_parser(commands)
-    _bench_parsers(commands)
-    _report_parser(commands)
-    _data_parsers(commands)
-    _cluster_parser(commands)
-    _config_parser(commands)
+    for add in (_train_parser, _bench_parsers, _report_parser, _data_parsers, _cluster_parser, _config_parser):
+        add(commands)
     return parser
 
 
@@ -453,10 +403,10 @@ def _bench_parsers(commands) -> None:
     p.add_argument("--steps", type=_positive, default=5, help="steps per model per round (default 5)")
     p.add_argument("--no-torch", action="store_true",
                    help="leave out PyTorch's equivalent steps, which run when PyTorch is importable")
-    p.set_defaults(run=_bench_step)
+    p.set_defaults(run=lambda a: _bench("step", threads=a.threads, rounds=a.rounds, steps=a.steps,
+                                        torch=not a.no_torch))
     p = benches.add_parser("memory", help="model state per rank of ddp (fp32, bf16, fp16) and ZeRO stages 1-3 vs. "
-                                          "the formulas "
-                                          "(not under mpiexec: it starts its own ranks)",
+                                          "the formulas (not under mpiexec: it starts its own ranks)",
                            description="Train the reference GPT for three steps with each gradient sync on "
                                        "each number of ranks, tracing the heap, and print the model state "
                                        "each rank holds, measured, counted and by ZeRO's formula.")
@@ -477,7 +427,8 @@ def _bench_parsers(commands) -> None:
     p.add_argument("--repeats", type=_positive, default=5, help="measurements per row, best kept (default 5)")
     p.add_argument("--buffer-mb", type=float, default=64,
                    help="reader round size over all ranks, as data.buffer_mb (default 64)")
-    p.set_defaults(run=_bench_io)
+    p.set_defaults(run=lambda a: _bench("io", thread_level="auto", path=a.path, batch=a.batch, repeats=a.repeats,
+                                        buffer_mb=a.buffer_mb))
     _bench_parallel_parsers(benches)
 
 
@@ -487,7 +438,7 @@ def _bench_parallel_parsers(benches) -> None:
                                        "with 2 (and 4) ranks, beside the bound of the ring's data movement.")
     p.add_argument("--repeats", type=_positive, default=5, help="timings per size, median kept (default 5)")
     _thread_level_option(p)
-    p.set_defaults(run=_bench_allreduce)
+    p.set_defaults(run=lambda a: _bench("allreduce", thread_level=a.thread_level, repeats=a.repeats))
 
     _bench_ddp_parser(benches)
 
@@ -498,7 +449,7 @@ def _bench_parallel_parsers(benches) -> None:
                                        "asynchronously.")
     p.add_argument("--steps", type=_positive, default=40, help="gradients per worker, on average (default 40)")
     p.add_argument("--rounds", type=_positive, default=3, help="interleaved rounds (default 3)")
-    p.set_defaults(run=_bench_ps)
+    p.set_defaults(run=lambda a: _bench("ps", thread_level="auto", steps=a.steps, rounds=a.rounds))
 
     p = benches.add_parser("pipeline", help="pipeline schedules: step, bubble vs. the formula, activation memory "
                                             "(run under mpiexec -n 2)",
@@ -521,7 +472,7 @@ def _bench_parallel_parsers(benches) -> None:
                                        "and the activations each rank holds.")
     p.add_argument("--rounds", type=_positive, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--batch", type=_positive, default=8, help="batch (default 8)")
-    p.set_defaults(run=_bench_tensor)
+    p.set_defaults(run=lambda a: _bench("tensor", rounds=a.rounds, batch=a.batch))
 
 
 def _bench_ddp_parser(benches) -> None:
@@ -671,27 +622,23 @@ def main(argv=None) -> int:
     from mpitrain.config import ConfigError
     from mpitrain.data import DataError
 
-    def once(message: str) -> None:
-        if _prints_errors():
-            print(message, file=sys.stderr)
-
     try:
         expected = (ConfigError, DataError, CheckpointError, FloatingPointError, _usage, _failure)
         with abort_on_exception(expected=expected):
-            return args.run(args)
+            return args.run(args) or 0  # a command's exit status; None: 0
     except _usage as e:
         parser.error(str(e))
     except CheckpointWriteError as e:  # not the input's fault: the disk's
-        once(f"mpitrain: error: {e}")
+        _note(f"mpitrain: error: {e}")
         return 1
     except (ConfigError, DataError, CheckpointError, _failure) as e:
-        once(f"mpitrain: error: {e}")
+        _note(f"mpitrain: error: {e}")
         return 2
     except FloatingPointError as e:
-        once(f"mpitrain: training diverged: {e}")
+        _note(f"mpitrain: training diverged: {e}")
         return 1
     except KeyboardInterrupt:  # before the training loop's handlers (building, reading data), or another command
-        once("mpitrain: interrupted")
+        _note("mpitrain: interrupted")
         return INTERRUPTED
 
 

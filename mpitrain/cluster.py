@@ -3,54 +3,39 @@
 On one node an MPI allreduce is memory copies done by the cores that compute, so it
 shows neither what a network costs nor how much of it overlap can hide. This module
 builds a small cluster out of the Linux kernel's own parts and runs any command on it
-under the real MPICH:
+under the real MPICH. An emulation, not a network: no latency is added (these kernels
+have no ``netem``), and at high rates a small machine's TCP stack, not the link, is the
+limit. How to use it: ``jobs/README.md``, "A cluster on one machine"; figures:
+``mpitrain/bench/README.md``, the same section.
 
-* **nodes**: one network namespace per node (``ip netns add``), named
-  ``mpitrain-<pid>-node<k>``. The ranks of a node run in its namespace and meet over
-  shared memory, as on a real node.
-* **links**: a veth pair between two nodes; with more nodes each node's veth goes to a
-  bridge in a namespace of its own (``...-switch``), a switch. Node ``k`` has the address
-  ``10.231.0.<k+1>/24`` on its interface ``vnet0``. Those addresses exist only inside
+* **nodes**: one network namespace per node, whose ranks meet over shared memory, as on a
+  real node. Node ``k``'s address, ``10.231.0.<k+1>/24`` on ``vnet0``, exists only inside
   these namespaces, so no traffic can leave them.
-* **bandwidth**: every link is shaped on egress, in both directions, with ``tc`` htb at
-  ``rate`` (``1gbit``, ``10gbit``, ...). The burst is 256 KiB: a 64 KiB one kept the
-  throughput well below the rate. The MTU is set with ``mtu``.
+* **links**: a veth pair between two nodes; with more nodes each node's veth goes to a
+  bridge in a namespace of its own (``...-switch``), a switch. Every link is shaped on
+  egress, both ways, with ``tc`` htb at ``rate``; the burst is 256 KiB, as a 64 KiB one
+  kept the throughput well below the rate.
 * **launch**: ``mpiexec`` runs in node 0's namespace with Hydra's ssh launcher; a small
   script stands in for ssh and starts each node's proxy inside that node's namespace
-  (``nsenter --net``). MPICH's network module is told the interface (``FI_TCP_IFACE`` /
-  ``UCX_NET_DEVICES``): without it a rank may advertise an address other nodes cannot
-  reach, and UCX without ``UCX_TLS=tcp,self`` takes the other namespace for the same
-  host and uses shared memory.
-
-After the command, each node's link shows the bytes it sent and received. Teardown
-(``ip netns del``, which removes the links with them) always runs, also after an error
-or Ctrl-C; a later cluster deletes the namespaces of one whose process was killed.
-
-**Limits** (an emulation, not a network): the kernels here have no ``netem``, so no
-latency is added, and veth's is microseconds. At high rates a small machine's TCP stack,
-not the link, limits the throughput, and costs the ranks' cores. Each node runs on its
-own share of the machine's cores (``taskset``), so a node's ranks split its cores for
-their BLAS threads as on a real node (unpinned, each rank took every core and ran many
-times slower); with fewer cores than nodes, nodes share cores (see time dilation below).
-Figures: ``mpitrain/bench/README.md``, "A cluster on one machine".
+  (``nsenter --net``), on that node's share of the cores (``taskset``: unpinned, each rank
+  took every core for its BLAS threads and ran many times slower). MPICH's network
+  module is told the interface (``FI_TCP_IFACE`` / ``UCX_NET_DEVICES``): without it a rank
+  may advertise an address other nodes cannot reach, and UCX without
+  ``UCX_TLS=tcp,self`` takes the other namespace for the same host and uses shared memory.
+* **teardown** (``ip netns del``, which removes the links too) always runs, also after an
+  error or Ctrl-C; a later cluster deletes the namespaces of one whose process was killed.
 
 **Time dilation** (Gupta et al., "To Infinity and Beyond: Time-Warped Network
-Emulation", NSDI 2006). With more ranks than cores, ranks share cores and compute runs
-slower than on the cluster being emulated while the links do not, which flatters
-communication. ``dilation=D`` runs the whole cluster ``D`` times slower instead: every
-link at ``rate / D``, and every node held to ``ranks / D`` cores by the kernel's CPU
-bandwidth control (a cgroup per node, ``cpu.cfs_quota_us`` or ``cpu.max``, in periods
-of ``PERIOD_US``, short beside a training step), so a rank computes at ``1 / D`` of a
-core however its neighbours behave (a rank spinning in ``MPI_Wait`` uses its own node's
-share). Everything measured inside then takes ``D`` times as long as on ``nodes`` nodes
-of one core per rank linked at ``rate``: the trainer records ``D`` in its ``start``
-record (``$MPITRAIN_CLUSTER``, :func:`mpitrain.runtime.emulated_cluster`) and
-``mpitrain report`` divides by it. ``"auto"`` is ranks / cores when above 1. What it
-cannot slow: the kernel's own work (the TCP stack runs partly outside the quota) and
-the latencies of the veth links.
-
-Command line: ``mpitrain cluster --nodes 2 --ranks 2 --rate 1gbit -- mpitrain bench ddp``;
-it needs root, iproute2 (``ip``, ``tc``) and ``nsenter`` (util-linux).
+Emulation", NSDI 2006): with more ranks than cores, compute runs slower than on the
+cluster emulated while the links do not, which flatters communication. ``dilation=D``
+runs the whole cluster ``D`` times slower instead: links at ``rate / D``, each node held
+to ``ranks / D`` cores by the kernel's CPU bandwidth control (a cgroup per node,
+``cpu.cfs_quota_us`` or ``cpu.max``, in periods of ``PERIOD_US``, short beside a training
+step), so a rank computes at ``1 / D`` of a core however its neighbours behave (one
+spinning in ``MPI_Wait`` uses its own node's share). The trainer records ``D``
+(``$MPITRAIN_CLUSTER``, :func:`mpitrain.runtime.emulated_cluster`) and ``mpitrain report``
+divides by it. Not slowed: the kernel's own work (TCP runs partly outside the quota) and
+the veth links' latencies.
 """
 
 from __future__ import annotations
@@ -274,12 +259,9 @@ class Cluster:
 
     def counters(self) -> list[tuple[str, int, int]]:
         """(node, bytes sent, bytes received) of each node's link."""
-        rows = []
-        for k in range(self.nodes):
-            out = _run(["ip", "-n", self.node(k), "-s", "-j", "link", "show", IFACE])
-            stats = json.loads(out)[0]["stats64"]
-            rows.append((f"node{k}", stats["tx"]["bytes"], stats["rx"]["bytes"]))
-        return rows
+        stats = [json.loads(_ip("-n", self.node(k), "-s", "-j", "link", "show", IFACE))[0]["stats64"]
+                 for k in range(self.nodes)]
+        return [(f"node{k}", s["tx"]["bytes"], s["rx"]["bytes"]) for k, s in enumerate(stats)]
 
 
 def bits_per_second(rate: str) -> float | None:

@@ -3,13 +3,10 @@
 One dataclass per section of a config file (``[model]``, ``[data]``, ``[optim]``, ``[train]``,
 ``[parallel]``, ``[run]``); the ``#:`` comment at each field says what it means, and
 :func:`reference` turns those into ``jobs/CONFIG.md`` (``mpitrain config reference``).
-
 Everything is validated before any work starts; the first problem raises
 :class:`ConfigError` naming the field (``optim.lr: must be > 0, got -1``), which the
-command line prints as one line and exits with status 2. The checks that need the
-number of ranks (the grid, the batch per rank and per micro-batch) are
-:func:`check_ranks`, called once MPI has started and before any collective. Renamed
-fields (:data:`RENAMED`) are still read, with a note (``Config.notes``) that the trainer prints.
+command line prints as one line, exiting with status 2. Renamed fields (:data:`RENAMED`)
+are still read, with a note (``Config.notes``) that the trainer prints.
 """
 
 from __future__ import annotations
@@ -80,6 +77,8 @@ PARALLEL_FIELDS = {  # by parallel.sync
     "local": _PARALLEL_COMMON,
     "ps": _PARALLEL_COMMON | {"servers", "staleness", "slow_worker", "slow_factor"},
 }
+# the field that makes a section's choice, and the fields each value reads
+CHOICES = {"model": ("name", MODEL_FIELDS), "optim": ("name", OPTIM_FIELDS), "parallel": ("sync", PARALLEL_FIELDS)}
 RENAMED = {"parallel.strategy": "parallel.sync"}  # old spelling -> new: still read, with a note
 GRID = ("dp", "pp", "tp")
 PIPELINE_SYNCS = ("ddp", "local")  # the gradient syncs a pipeline stage's replicas can use
@@ -184,34 +183,28 @@ def _sections():
 
 
 # ------------------------------------------------------------------- parsing
+# what a TOML value must be for a field of each scalar type, as the error says it (a bool is an int in Python)
+_SCALARS = {
+    bool: (lambda v: isinstance(v, bool), "true or false"),
+    int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), "a finite number"),
+    str: (lambda v: isinstance(v, str), "a string"),
+}
+
+
 def _coerce(key: str, value, annotation):
     """Check a TOML value against a field's annotation and convert lists to tuples."""
-    origin = typing.get_origin(annotation)
-    if origin is tuple:
+    if typing.get_origin(annotation) is tuple:
         args = typing.get_args(annotation)
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{key}: expected a list, got {value!r}")
-        item = args[0]
         if args[-1] is not Ellipsis and len(value) != len(args):
             raise ConfigError(f"{key}: expected a list of {len(args)} values, got {len(value)}")
-        return tuple(_coerce(key, v, item) for v in value)
-    if annotation is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {value!r}")
-        return value
-    if annotation is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {value!r}")
-        return value
-    if annotation is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
-        return float(value)
-    if annotation is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {value!r}")
-        return value
-    raise TypeError(f"unsupported annotation {annotation}")  # pragma: no cover
+        return tuple(_coerce(key, v, args[0]) for v in value)
+    ok, expected = _SCALARS[annotation]
+    if not ok(value):
+        raise ConfigError(f"{key}: expected {expected}, got {value!r}")
+    return float(value) if annotation is float else value
 
 
 def _parse_override(item: str) -> tuple[str, object]:
@@ -234,8 +227,7 @@ def from_dict(raw: dict, overrides: list[str] = ()) -> Config:
         if key.count(".") != 1:
             raise ConfigError(f"--set {key}: expected section.key (e.g. optim.lr)")
         section, name = key.split(".")
-        raw.setdefault(section, {})
-        if not isinstance(raw[section], dict):
+        if not isinstance(raw.setdefault(section, {}), dict):
             raise ConfigError(f"{section}: expected a table")
         raw[section][name] = value
 
@@ -265,8 +257,7 @@ def from_dict(raw: dict, overrides: list[str] = ()) -> Config:
 
 
 def _renamed(raw: dict) -> list[str]:
-    """Move fields given under an old name (:data:`RENAMED`) to the new one, in place;
-    a note for each."""
+    """Move fields given under an old name (:data:`RENAMED`) to the new one, in place; a note for each."""
     notes = []
     for old, new in RENAMED.items():
         section, name = old.split(".")
@@ -304,12 +295,11 @@ def read(path) -> dict:
 
 
 def from_saved(saved: dict, overrides: list[str] = (), where: str = "the saved config") -> Config:
-    """The Config saved in a checkpoint (``Config.to_dict``, every field) with
-    ``overrides`` applied. Fields at their defaults are left out, so that only what
-    was set counts as given, and so are saved fields that do not apply to a model,
-    optimizer or sync the overrides choose instead (a parameter server's
-    ``parallel.staleness`` when ``--set parallel.sync=ddp`` resumes its checkpoint); an
-    error in the saved values names ``where``."""
+    """The Config saved in a checkpoint (``Config.to_dict``, every field) with ``overrides``
+    applied. Fields at their defaults are left out, so that only what was set counts as
+    given, and so are saved fields that do not apply to a choice the overrides make (a
+    parameter server's ``parallel.staleness`` when ``--set parallel.sync=ddp`` resumes its
+    checkpoint); an error in the saved values names ``where``."""
     defaults = Config().to_dict()
     try:
         raw = {section: {k: v for k, v in fields.items() if _as_tuple(v) != defaults.get(section, {}).get(k)}
@@ -317,8 +307,7 @@ def from_saved(saved: dict, overrides: list[str] = (), where: str = "the saved c
     except AttributeError:
         raise ConfigError(f"{where}: not a table of sections") from None
     given = dict(_parse_override(item) for item in overrides)
-    for section, choice, fields in (("model", "name", MODEL_FIELDS), ("optim", "name", OPTIM_FIELDS),
-                                    ("parallel", "sync", PARALLEL_FIELDS)):
+    for section, (choice, fields) in CHOICES.items():
         chosen = given.get(f"{section}.{choice}", saved.get(section, {}).get(choice))
         if f"{section}.{choice}" in given and chosen in fields and section in raw:
             raw[section] = {k: v for k, v in raw[section].items() if k in fields[chosen]}
@@ -353,13 +342,13 @@ def _validate_choices(cfg: Config) -> None:
     _require(m.name in MODELS, "model.name", f"must be one of {list(MODELS)}", m.name)
     _require(o.name in OPTIM_FIELDS, "optim.name", f"must be one of {sorted(OPTIM_FIELDS)}", o.name)
     _require(par.sync in PARALLEL_FIELDS, "parallel.sync", f"must be one of {list(PARALLEL_FIELDS)}", par.sync)
-    applies = {"model": (MODEL_FIELDS[m.name], f"model.name = {m.name!r}"),
-               "optim": (OPTIM_FIELDS[o.name], f"optim.name = {o.name!r}"),
-               "parallel": (PARALLEL_FIELDS[par.sync], f"parallel.sync = {par.sync!r}")}
     for key in sorted(cfg.given):
         section, name = key.split(".")
-        if section in applies and name not in applies[section][0]:
-            raise ConfigError(f"{key}: does not apply to {applies[section][1]}")
+        if section in CHOICES:
+            choice, table = CHOICES[section]
+            chosen = getattr(getattr(cfg, section), choice)
+            if name not in table[chosen]:
+                raise ConfigError(f"{key}: does not apply to {section}.{choice} = {chosen!r}")
         if key == "optim.min_lr" and o.schedule != "cosine":
             raise ConfigError(f"{key}: only the cosine schedule decays to a minimum")
         if section == "train" and name in TEXT_ONLY_TRAIN_FIELDS and m.name != "gpt":
@@ -514,10 +503,9 @@ def _validate_grid(cfg: Config) -> None:
                  value)
     rest = [n for n in GRID if getattr(par, n) == -1]
     if len(rest) > 1:
-        other = rest[1]
         how = "dp takes the rest by default: set parallel.dp to a number" if "parallel.dp" not in cfg.given else \
             f"only one of {', '.join(GRID)} may be -1"
-        raise ConfigError(f"parallel.{other}: -1 means 'the rest', but so does parallel.{rest[0]}; {how}")
+        raise ConfigError(f"parallel.{rest[1]}: -1 means 'the rest', but so does parallel.{rest[0]}; {how}")
 
 
 def check_ranks(cfg: Config, ranks: int) -> tuple[int, int, int]:
@@ -622,12 +610,10 @@ def _check_batch(cfg: Config, dp: int, ranks: str, who: str) -> None:
 
 
 def check_against_data(cfg: Config, data) -> None:
-    """The checks that need the data (an opened :class:`mpitrain.data.Dataset`), once it
-    is open on every rank: raise ConfigError naming the field. The model is built from
-    the training split's sample shape, the number of classes and the vocabulary size
-    (``build_model``); the opened dataset guarantees that these fit every split (one
-    sample shape and dtype throughout, statistics one per channel, labels and token ids
-    in range: before step 0, see ``open_data``)."""
+    """The checks that need the data (an opened :class:`mpitrain.data.Dataset`, open on
+    every rank): raise ConfigError naming the field. What the model is built from (the
+    training split's sample shape, the classes, the vocabulary) the opened dataset
+    guarantees to fit every split (``open_data`` checks the values before step 0)."""
     text_model = cfg.model.name == "gpt"
     if text_model != (data.kind == "text"):
         raise ConfigError(f"data.path: {data.path} holds {data.kind} data ({data.name}), but model.name "
@@ -670,11 +656,10 @@ def reference() -> str:
                 for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.string.startswith("#:")}
     fields = {(c.name, n.target.id): n for c in ast.parse(source).body if isinstance(c, ast.ClassDef)
               for n in c.body if isinstance(n, ast.AnnAssign)}
-    choices = {"model": ("name", MODEL_FIELDS), "optim": ("name", OPTIM_FIELDS), "parallel": ("sync", PARALLEL_FIELDS)}
     out = ["# Configuration reference", "", _INTRO, ""]
     for section in _sections():
         cls = typing.get_type_hints(Config)[section.name]
-        choice, table = choices.get(section.name, (None, {}))
+        choice, table = CHOICES.get(section.name, (None, {}))
         out += [f"## [{section.name}]", ""]
         if choice:
             out += [f"*applies to*: the values of `{section.name}.{choice}` that read the field; others refuse it.", ""]

@@ -1,20 +1,16 @@
 """What makes a shard's bytes and values trustworthy: its two checksums, and value checks.
 
-A shard file is two kinds of bytes. Its **data chunks** hold the samples and labels; the
-content SHA-256 (``sha256``) covers them, re-hashed by :meth:`Dataset.verify`. Everything
-else is its **metadata**: the HDF5 superblock, object headers, attributes, chunk index,
-heaps and free space. The builder records in the manifest the byte ranges of the data
-chunks (``data_ranges``) and the SHA-256 of every byte outside them (``metadata_sha256``),
-and opening a shard hashes those few kilobytes *before* h5py reads the file: HDF5 trusts
-its metadata, and one flipped byte there can end the process (``datasets/README.md``,
-"Why these choices"). So h5py only ever parses verified metadata, and a damaged one is
-one :class:`DataError` naming the file, at open. Together the two checksums cover every
-byte of the file but the unused tail of a dataset's last chunk, which no reader reads.
+A shard file is two kinds of bytes (``datasets/README.md``, "Format, version 2"): its
+**data chunks**, covered by the content SHA-256 (``sha256``) that :meth:`Dataset.verify`
+re-hashes, and everything else, its **metadata**, covered by ``metadata_sha256`` (of
+every byte outside the chunks' ``data_ranges``). Opening a shard hashes those few
+kilobytes *before* h5py reads the file: HDF5 trusts its metadata, and one flipped byte
+there can end the process ("Why these choices"), so h5py only ever parses verified
+metadata, and a damaged one is one :class:`DataError` naming the file, at open.
 
-Values are checked where the model would index with them: labels in ``0..classes-1``,
-token ids below the vocabulary size (:func:`check_ids`, a min and a max per read), and
-images as uint8 pixel values 0-255 (:func:`check_images`), which is what
-:func:`mpitrain.data.loader.normalize` scales.
+Values are checked where the model would index with them: labels and token ids in range
+(:func:`check_ids`, a min and a max per read), and images as uint8 pixel values 0-255
+(:func:`check_images`), which is what :func:`mpitrain.data.loader.normalize` scales.
 """
 
 from __future__ import annotations

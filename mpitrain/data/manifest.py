@@ -1,21 +1,16 @@
 """The manifest of a shard dataset: its checksum, its format version, and a check of every field.
 
-``manifest.json`` decides what a run does: the class names and the normalisation
-statistics, the vocabulary, the splits, their counts, shapes and dtypes, and the shard
-files with their hashes. All of it is covered by ``manifest_sha256``: the SHA-256 of the
-manifest's *canonical JSON* without that key (keys sorted, no whitespace, non-ASCII
-characters escaped: ``json.dumps(m, sort_keys=True, separators=(",", ":"))`` in Python),
-verified before any field is used. A swapped vocabulary character, an extra class or a
-changed mean is then a damaged manifest, not a silently different run; the file's
-whitespace and key order do not matter. After the checksum every field is checked for
-type and range (a manifest written by another tool, or edited and re-sealed, can still be
-wrong), each error naming the field: ``splits.train.count must be an integer >= 1, got None``.
+``manifest.json`` decides what a run does (the classes and statistics, the vocabulary,
+the splits, the shard files and their hashes), so all of it is covered by
+``manifest_sha256``, the SHA-256 of its canonical JSON without that key
+(``datasets/README.md``, "The manifest's checksum"), verified before any field is used.
+Then every field is checked for type and range (a manifest written by another tool, or
+edited and re-sealed, can still be wrong), each error naming the field:
+``splits.train.count must be an integer >= 1, got None``.
 
-Format version 2 added the checksums (this one, and each shard's ``metadata_sha256``,
-see :mod:`mpitrain.data.integrity`). A version 1 directory has nothing to check its
-metadata against, so it is refused with the command that rebuilds it; ``mpitrain data
-build`` into it replaces it (:func:`outdated` finds it), and the embedded quickstart
-cache is rebuilt by itself.
+A format version 1 directory has no checksums to check its metadata against, so it is
+refused with the command that rebuilds it; ``mpitrain data build`` into it replaces it
+(:func:`outdated` finds it), and the embedded quickstart cache is rebuilt by itself.
 """
 
 from __future__ import annotations

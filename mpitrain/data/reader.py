@@ -1,13 +1,12 @@
 """Per-rank shard reader: rank-count-independent global batches, read ahead by a thread.
 
-The problem: every rank must see its slice of the same global batches whether the job
-has 1, 2 or 4 ranks (so runs are comparable and resumable at any size), yet each rank
-should read only its own part of the data, in large sequential reads.
-
-The answer is **lanes**. Position ``g`` of every global batch (``0 <= g < B``) is a lane
-that owns a contiguous region of the split; rank ``r`` of ``P`` serves positions
-``[r*B/P, (r+1)*B/P)`` and so reads only its lanes' regions, ``N/P`` contiguous samples
-per epoch. Which samples fill which batch is fixed by ``(seed, epoch)`` alone:
+Every rank must see its slice of the same global batches whether the job has 1, 2 or 4
+ranks (so runs are comparable and resumable at any size), yet read only its own part of
+the data, in large sequential reads. The answer is **lanes**: position ``g`` of every
+global batch (``0 <= g < B``) is a lane that owns a contiguous region of the split; rank
+``r`` of ``P`` serves positions ``[r*B/P, (r+1)*B/P)`` and so reads only its lanes'
+regions, ``N/P`` contiguous samples per epoch. Which samples fill which batch is fixed
+by ``(seed, epoch)`` alone (:class:`EpochPlan`):
 
 1. rotate the split by a random offset ``o`` (so the ``N mod B`` samples left out by
    ``drop_last`` differ from epoch to epoch);
@@ -18,38 +17,32 @@ per epoch. Which samples fill which batch is fixed by ``(seed, epoch)`` alone:
 
 A *round* is one block: ``K`` steps for which each rank reads ``B/P`` blocks of ``K``
 contiguous samples (a few large ``preadv`` calls) and gathers them into ``K`` batches with
-one ``take``. A background thread reads rounds ahead into a bounded queue, across epoch
-boundaries. Gathered over ranks, an epoch visits every sample exactly once (with
-``drop_last=False``; with ``drop_last`` all but ``N mod B``), and concatenating the rank
-slices of a step gives the global batch of a one-rank run.
+one ``take``. A background thread reads up to ``prefetch`` rounds ahead into a queue,
+across epoch boundaries; ``K`` makes a round about ``buffer_mb`` of samples over all ranks.
+The shuffle therefore mixes within a lane's block; builders shuffle class-sorted sources
+once, so lanes hold mixed classes. Gathered over ranks, an epoch visits every sample
+exactly once (with ``drop_last``, all but ``N mod B``), and the rank slices of a step,
+concatenated, are the global batch of a one-rank run.
 
-Text is read the same way with *windows* as samples, giving ``(input, target)`` pairs
-of length ``T``. How window ``k`` of an epoch is placed (``sampling``):
+Text is read the same way with *windows* of ``T + 1`` tokens as samples, giving
+``(input, target)`` pairs of length ``T``. Window ``k`` of an epoch starts (``sampling``)
 
-* ``"stride"``: the ``T + 1`` tokens at ``t0 + k*T`` (``t0`` random in ``[0, T)`` per
-  epoch): the epoch reads the split once, each token at one place in its window;
-* ``"random"``: the ``T + 1`` tokens at a uniformly random token, a hash of (seed,
-  epoch, ``k``) (:func:`random_starts`), as nanoGPT draws its batches: over the run the
-  text is seen at every alignment. Any rank computes any window's start by itself, so
-  the global batches are the same at any rank count and after a resume. An epoch is
-  still ``n`` windows, the same number of tokens as a pass, but windows may overlap
-  and some text goes unseen in it. Each window is its own read.
+* ``"stride"``: at ``t0 + k*T`` (``t0`` random in ``[0, T)`` per epoch): the epoch reads
+  the split once, each token at one place in its window; evaluation reads this way;
+* ``"random"``: at a uniformly random token, a hash of (seed, epoch, ``k``)
+  (:func:`random_starts`), as nanoGPT draws its batches: over the run the text is seen
+  at every alignment, and any rank computes any window's start by itself (the same
+  batches at any rank count and after a resume). An epoch is still ``n`` windows, but
+  they may overlap and some text goes unseen in it; each window is its own read.
 
-Evaluation reads in stride mode: the whole split, each window once.
-
-The buffer budget sets ``K``: a round holds about ``buffer_mb`` of samples over all ranks
-(``buffer_mb / P`` on each), and at most ``prefetch`` rounds wait in the queue. The
-shuffle therefore mixes within a lane's block; builders shuffle class-sorted sources
-once, so lanes hold mixed classes.
-
-I/O accounting (:class:`IOStats`) counts, per epoch, the bytes read, the seconds spent
-in reads, the seconds spent gathering, the samples delivered, and the *stall*: seconds
-the training loop waited for a batch. Nothing here calls MPI; the trainer gathers the
-statistics over ranks.
+:class:`IOStats` counts, per epoch, the bytes read, the seconds spent reading and
+gathering, the samples delivered, and the *stall*: seconds the training loop waited for
+a batch. Nothing here calls MPI; the trainer gathers the statistics over ranks.
 """
 
 from __future__ import annotations
 
+import itertools
 import queue
 import threading
 import time
@@ -95,6 +88,7 @@ class IOStats:
     @property
     def read_mb_per_s(self) -> float:
         return self.bytes_read / self.read_seconds / 1e6 if self.read_seconds else float("inf")
+
 
 @dataclass
 class Batch:
@@ -185,11 +179,8 @@ class _Windows:
     def read(self, first: int, stop: int, x: np.ndarray, y: np.ndarray, plan: EpochPlan) -> int:
         T = self.T
         if self.sampling == "random":
-            got = 0
-            for row, start in zip(x, random_starts(plan.seed, plan.epoch, np.arange(first, stop),
-                                                   self.split.count - T)):
-                got += self.split.read("x", int(start), int(start) + T + 1, row)
-            return got
+            starts = random_starts(plan.seed, plan.epoch, np.arange(first, stop), self.split.count - T)
+            return sum(self.split.read("x", int(start), int(start) + T + 1, row) for row, start in zip(x, starts))
         t0 = self.token_offset(plan.token_offset_draw)
         tokens = np.empty((stop - first) * T + 1, dtype=self.dtype)
         got = self.split.read("x", t0 + first * T, t0 + stop * T + 1, tokens)
@@ -206,17 +197,14 @@ def _runs(starts: np.ndarray, length: int, n: int):
     """(i, j) ranges of consecutive lanes whose blocks follow each other in the split."""
     follows = (starts[1:] - starts[:-1]) % n == length  # (b - 1,)
     cuts = np.flatnonzero(~follows) + 1
-    bounds = [0, *cuts.tolist(), len(starts)]
-    return list(zip(bounds[:-1], bounds[1:]))
+    return list(itertools.pairwise([0, *cuts.tolist(), len(starts)]))
 
 
 class ShardReader:
-    """This rank's batches of a split, read ahead by a background thread.
-
-    ``global_batch`` must be divisible by ``size``; every rank yields the same number
-    of batches per epoch (:attr:`steps_per_epoch`). ``window`` (the context length)
-    switches a text split to (input, target) windows.
-    """
+    """This rank's batches of a split, read ahead by a background thread. ``global_batch``
+    must be divisible by ``size``; every rank yields the same number of batches per epoch
+    (:attr:`steps_per_epoch`). ``window`` (the context length) makes a text split's
+    samples (input, target) windows."""
 
     def __init__(self, split: Split, *, rank: int, size: int, global_batch: int, seed: int,
                  shuffle: bool = True, drop_last: bool = True, window: int | None = None,
@@ -238,11 +226,10 @@ class ShardReader:
             raise ValueError(f"sampling {sampling!r} places text windows; split {split.name!r} holds images")
         else:
             self.items = _Images(split)
-        n = self.items.n
-        if n < global_batch and drop_last:
-            raise DataError(f"{split.shards[0].path.parent}: split {split.name!r} has {n} samples, "
+        self.n = self.items.n
+        if self.n < global_batch and drop_last:
+            raise DataError(f"{split.shards[0].path.parent}: split {split.name!r} has {self.n} samples, "
                             f"fewer than one global batch of {global_batch}")
-        self.n = n
         self.item_bytes = int(np.prod(self.items.sample_shape, dtype=np.int64)) * self.items.dtype.itemsize
         # what storage delivers per sample: x and label; a window adds T new tokens, a random one all T + 1
         self.sample_bytes = (split.sample_bytes if window is None else
@@ -276,11 +263,9 @@ class ShardReader:
 
     # ------------------------------------------------------------- producer
     def _round(self, plan: EpochPlan, round_id: int, first: int, length: int, buffers: dict):
-        """Read this rank's blocks of one round and gather them into ``length`` batches.
-
-        The blocks are read into buffers reused from round to round (fresh ones would
-        cost a page fault per 4 KiB); the gathered batches are new arrays, since the
-        training loop may keep them."""
+        """Read this rank's blocks of one round and gather them into ``length`` batches. The
+        blocks go into buffers reused from round to round (fresh ones would cost a page
+        fault per 4 KiB); the batches are new arrays, since the training loop may keep them."""
         lanes = self.lanes
         if first >= plan.L:  # the extra step: only lanes g < R have a sample
             lanes = lanes[lanes < plan.R]

@@ -1,19 +1,13 @@
 """The HDF5 shard format: opening and checking a dataset directory, reading rows.
 
 A dataset directory holds ``manifest.json`` and one or more HDF5 shards per split
-(``train-00000.h5``, ``test-00000.h5``, ...), each with ``x`` (samples; for text, one
-token-id stream) and, for labelled data, ``y``, chunked along the first axis. The full
-specification, with the reasons for each choice, is ``datasets/README.md``.
-
-Writing, atomic and refusing values the trainer could not use, is
-:mod:`mpitrain.data.writer`.
-
-Opening checks the manifest's checksum and every field (:mod:`mpitrain.data.manifest`),
-then every shard: present, of the recorded size, its metadata's SHA-256 (before h5py
-reads it, see :mod:`mpitrain.data.integrity`), and attributes, shapes, dtypes, chunks
-and compression equal to the manifest's. :meth:`Dataset.verify` re-hashes content and
-checks values, split over ranks by the caller (this module never calls MPI). Reads check
-labels and token ids as they go. Any failure is one :class:`DataError` naming the file.
+(``train-00000.h5``, ...), each with ``x`` (samples; for text, one token-id stream) and,
+for labelled data, ``y``. The specification, what opening checks and the reasons for
+each choice: ``datasets/README.md``. The manifest's fields are checked by
+:mod:`mpitrain.data.manifest`, a shard's bytes by :mod:`mpitrain.data.integrity` (its
+metadata before h5py reads it); writing is :mod:`mpitrain.data.writer`.
+:meth:`Dataset.verify` re-hashes content and checks values, split over ranks by the
+caller (this module never calls MPI). Any failure is one :class:`DataError` naming the file.
 
 Rows are read with ``os.preadv`` straight from the file offsets of unfiltered chunks
 (HDF5 records them; h5py reports them), which avoids h5py's per-call selection cost
@@ -23,6 +17,7 @@ Compressed chunks are read through h5py, which decompresses them.
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,13 +123,11 @@ class Split:
         self.chunk_rows = meta["chunk_rows"]
         # the dataset ("x" or "y") holding ids below self.ids, the size of what they index
         self.checked, self.ids = ("x", len(dataset.vocab)) if self.y_dtype is None else ("y", len(dataset.classes))
-        first, shards = 0, []
-        for index, s in enumerate(meta["shards"]):
-            shards.append(ShardInfo(dataset.path / s["file"], index, first, s["count"], s["bytes"], s["sha256"],
-                                    tuple(map(tuple, s["data_ranges"])), s["metadata_sha256"]))
-            first += s["count"]
-        self.shards = tuple(shards)
-        self._starts = np.array([s.first for s in shards], dtype=np.int64)
+        firsts = [0, *itertools.accumulate(s["count"] for s in meta["shards"])]  # of each shard's rows in the split
+        self.shards = tuple(ShardInfo(dataset.path / s["file"], index, firsts[index], s["count"], s["bytes"],
+                                      s["sha256"], tuple(map(tuple, s["data_ranges"])), s["metadata_sha256"])
+                            for index, s in enumerate(meta["shards"]))
+        self._starts = np.array(firsts[:-1], dtype=np.int64)
         self._open: dict[int, _Shard] = {}
 
     @property
@@ -178,10 +171,12 @@ class Split:
         read from ``path``) are all in ``0..self.ids-1``: a max, and a min of signed ids."""
         check_ids(ids, self.ids, "label" if self.checked == "y" else "token", f"{path}: split {self.name!r}", first)
 
-    def read_all(self, name: str) -> np.ndarray:
-        dtype = self.x_dtype if name == "x" else self.y_dtype
-        out = np.empty((self.count, *(self.sample_shape if name == "x" else ())), dtype=dtype)
-        self.read(name, 0, self.count, out)
+    def read_all(self, name: str, shard: ShardInfo | None = None, check: bool = True) -> np.ndarray:
+        """Dataset ``name`` ("x" or "y") of the whole split, or of one ``shard`` of it, as a new array."""
+        first, count = (0, self.count) if shard is None else (shard.first, shard.count)
+        out = np.empty((count, *self.sample_shape) if name == "x" else (count,),
+                       dtype=self.x_dtype if name == "x" else self.y_dtype)
+        self.read(name, first, first + count, out, check)
         return out
 
     def close(self) -> None:
@@ -196,30 +191,15 @@ class Dataset:
 
     def __init__(self, path):
         self.path = Path(path)
-        self.manifest = read_manifest(self.path)
-        m = self.manifest
+        self.manifest = m = read_manifest(self.path)
         self.name, self.kind = m["name"], m["kind"]
+        # what the trainer uses: image datasets have classes and statistics, text ones a vocabulary
+        self.classes, self.vocab = tuple(m.get("classes", ())), m.get("vocab", "")
+        self.mean, self.std = tuple(m.get("mean", ())), tuple(m.get("std", ()))
         self.splits = {name: Split(self, name, meta) for name, meta in m["splits"].items()}
         for split in self.splits.values():
             for info in split.shards:
                 self._check_structure(split, info)
-
-    # metadata the trainer uses
-    @property
-    def classes(self) -> tuple[str, ...]:
-        return tuple(self.manifest.get("classes", ()))
-
-    @property
-    def vocab(self) -> str:
-        return self.manifest.get("vocab", "")
-
-    @property
-    def mean(self) -> tuple[float, ...]:
-        return tuple(self.manifest.get("mean", ()))
-
-    @property
-    def std(self) -> tuple[float, ...]:
-        return tuple(self.manifest.get("std", ()))
 
     def split(self, name: str) -> Split:
         if name not in self.splits:
@@ -284,12 +264,8 @@ class Dataset:
         problems = []
         for split, info in self._shards(rank, size):
             try:
-                x = np.empty((info.count, *split.sample_shape), dtype=split.x_dtype)
-                split.read("x", info.first, info.first + info.count, x, check=False)
-                y = None
-                if split.y_dtype is not None:
-                    y = np.empty(info.count, dtype=split.y_dtype)
-                    split.read("y", info.first, info.first + info.count, y, check=False)
+                x = split.read_all("x", info, check=False)
+                y = split.read_all("y", info, check=False) if split.y_dtype is not None else None
                 if content_sha256(x, y) != info.sha256:  # damage first: it would explain bad values
                     problems.append(f"{info.path}: damaged: the SHA-256 of its content differs from the "
                                     "manifest's; rebuild the dataset")
@@ -305,9 +281,8 @@ class Dataset:
         s = self.split(split)
         problems = []
         for _, info in self._shards(rank, size, (split,)):
-            ids = np.empty(info.count, dtype=s.y_dtype if s.checked == "y" else s.x_dtype)
             try:
-                s.read(s.checked, info.first, info.first + info.count, ids)
+                s.read_all(s.checked, info)
             except DataError as e:
                 problems.append(str(e))
         return problems

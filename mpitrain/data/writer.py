@@ -1,12 +1,9 @@
 """Writing a shard dataset directory: atomically, and only values the trainer can use.
 
-The format is specified in ``datasets/README.md`` (reading and checking it:
-:mod:`mpitrain.data.shards`). Everything goes into a hidden temporary directory next to
-the output, renamed into place only when complete (what a killed build left, the next
-build of the same output clears up: :func:`_recover`). The writer refuses values the
-trainer could not use, naming the split and the index; it records each shard's content
-and metadata SHA-256 (:mod:`mpitrain.data.integrity`) and seals the manifest with its
-own checksum (:mod:`mpitrain.data.manifest`).
+The format and what the writer promises: ``datasets/README.md`` ("Atomic and safe",
+"Only values the trainer can use"); reading and checking it: :mod:`mpitrain.data.shards`.
+The writer records each shard's content and metadata SHA-256 (:mod:`mpitrain.data.integrity`)
+and seals the manifest with its own checksum (:mod:`mpitrain.data.manifest`).
 """
 
 from __future__ import annotations
@@ -46,12 +43,13 @@ class DatasetWriter:
             w.write_split("train", x_train, y_train)
             w.write_split("test", x_test, y_test)
 
-    On leaving the block without an error the manifest is written and the directory
-    renamed into place; on an error the temporary directory is removed. If ``out``
-    already holds this same dataset (equal content hashes) and it verifies, the new copy
-    is discarded and :attr:`up_to_date` is set; a copy of it with damaged shards, or one
-    of an older format version, is replaced; anything else (a damaged manifest names no
-    dataset to trust) is a :class:`DataError`.
+    Everything goes into a hidden temporary directory beside ``out``: on leaving the
+    block without an error the manifest is written and the directory renamed into place
+    (what a killed build left, the next build of ``out`` clears up: :func:`_recover`); on
+    an error it is removed. If ``out`` already holds this same dataset (equal content
+    hashes) and it verifies, the new copy is discarded and :attr:`up_to_date` is set; a
+    copy of it with damaged shards, or of an older format version, is replaced; anything
+    else (a damaged manifest names no dataset to trust) is a :class:`DataError`.
 
     Image datasets need ``classes``, ``mean`` and ``std`` (per channel, of the training
     pixels scaled to [0, 1]); text datasets need ``vocab``.
@@ -147,11 +145,9 @@ class DatasetWriter:
         return x, y.astype(label_dtype(classes), copy=False)
 
     def __exit__(self, kind, value, tb):
-        if kind is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return False
         try:
-            self._commit()
+            if kind is None:
+                self._commit()
         finally:
             shutil.rmtree(self.tmp, ignore_errors=True)
         return False
