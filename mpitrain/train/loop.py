@@ -38,9 +38,8 @@ import numpy as np
 from tqdm import tqdm
 
 from mpitrain import checkpoint, rng
-from mpitrain.comm import launcher_rank
+from mpitrain.comm import launcher_rank, trace_operations
 from mpitrain.data.loader import normalize, random_shift, shifts
-from mpitrain.comm import trace_operations
 from mpitrain.observe.flops import FlopCount
 from mpitrain.observe.io import io_row, io_table
 from mpitrain.observe.timing import Traffic
