@@ -1,52 +1,42 @@
 """Tensors and reverse-mode automatic differentiation on NumPy arrays.
 
 A :class:`Tensor` wraps an ``np.ndarray``. Every differentiable operation is a
-:class:`Function` subclass with a hand-written ``forward`` (arrays in, array out) and
-``backward`` (gradient of the output in, gradients of the inputs out). Calling an
-operation on tensors that require gradients records one ``Function`` node per call;
-the nodes form a directed acyclic graph from the leaves (parameters, inputs) to the
-result.
+:class:`Function` with a hand-written ``forward`` and ``backward``; each call on tensors
+that require gradients records one node, and the nodes form a directed acyclic graph
+from the leaves (parameters, inputs) to the result.
 
 :func:`backward` walks that graph once in reverse topological order, so every node's
-backward runs exactly once, after all gradients of its outputs have been summed. That
-ordering is what makes the three services later modules rely on possible:
+backward runs once, after all gradients of its outputs have been summed. That ordering
+gives the three services later modules rely on:
 
-* an explicit upstream gradient (``y.backward(dy)``): a pipeline stage receives
-  ``dy`` from the next rank instead of starting from a scalar loss;
+* an explicit upstream gradient (``y.backward(dy)``): a pipeline stage receives ``dy``
+  from the next rank instead of starting from a scalar loss;
 * gradients of tensors that are not parameters: a leaf created with
   ``requires_grad=True`` (a stage's received activation) gets ``.grad`` like a
-  parameter, and :meth:`Tensor.retain_grad` keeps the gradient of an intermediate;
-  :func:`grad` returns gradients without touching ``.grad`` at all;
-* post-accumulate hooks on leaves: before the walk, the engine counts how many graph
-  edges lead into each leaf; when the last of them has delivered its gradient, the
-  leaf's ``.grad`` is final for this pass and its hooks fire. Data parallelism starts
-  a bucket's allreduce from there, while backward continues on earlier layers.
+  parameter, :meth:`Tensor.retain_grad` keeps an intermediate's, and :func:`grad`
+  returns gradients without touching ``.grad`` at all;
+* post-accumulate hooks on leaves: the engine counts the graph edges into each leaf
+  before the walk, and when the last has delivered, the leaf's ``.grad`` is final for
+  this pass and its hooks fire. Data parallelism starts a bucket's allreduce there,
+  while backward continues on earlier layers.
 
-The walk can also be split in two, for zero-bubble pipeline schedules (Qi et al. 2024):
-:func:`backward_split` computes every gradient but the parameters' (what a stage sends
-upstream at once) and returns a :class:`WeightPass` whose ``run()`` computes the
-parameters' later, with the results of one ``backward`` bit for bit. A node with a
-parameter input then runs twice, asked for one side each time; the fused transformer
-sublayers reach their weight gradients only through their inner chain of gradients,
-which the second run recomputes: nearly a second backward of the sublayer, where the
-plain block's separate nodes redo nothing.
+:func:`backward_split` cuts the walk in two for zero-bubble pipeline schedules (Qi et
+al. 2024): the parameters' gradients come later, bit for bit as from one ``backward``.
 
 Gradients accumulate: ``.grad`` of a leaf is summed in place across backward passes
-until ``zero_grad``. In-place accumulation keeps ``.grad`` the same array, so a
-``.grad`` that is a view into a flat buffer stays one. Every gradient handed out
-(``.grad``, :func:`grad`'s results) is the tensor's own array, never shared.
+until ``zero_grad``, so a ``.grad`` that is a view into a flat buffer stays one. Every
+gradient handed out (``.grad``, :func:`grad`'s results) is the tensor's own array.
 
 A node keeps only what its ``backward`` saved and, for each input that needs a
-gradient, an edge: the leaf tensor itself, or for an intermediate an :class:`_Edge`
-naming its producer, output index and shape, not its array. An intermediate that no
-backward needs (the input of a residual add, the pre-activation once GELU has its
+gradient, an edge: the leaf tensor itself, or an :class:`_Edge` naming an
+intermediate's producer, output index and shape, not its array. An intermediate that
+no backward needs (the input of a residual add, the pre-activation once GELU has its
 derivative) is therefore freed as soon as the forward pass moves on, and the allocator
 hands the freed memory, still in cache, to the next op (measured faster:
 ``mpitrain/bench/README.md``).
 
-Saved arrays are references, not copies. Writing into a parameter (an optimizer step,
-loading new weights) between a forward pass and its backward pass therefore changes
-the gradients: update parameters only after backward.
+Saved arrays are references, not copies: writing into a parameter (an optimizer step,
+loading weights) between a forward pass and its backward changes the gradients.
 
 Default dtype is float32; :func:`default_dtype` switches to float64 for gradient checks.
 A tensor may hold float16 or bfloat16 numbers (mixed precision's working copies of the
@@ -73,25 +63,23 @@ def is_grad_enabled() -> bool:
 
 
 @contextlib.contextmanager
+def _grad_mode(enabled: bool):
+    previous = is_grad_enabled()
+    _state.grad_enabled = enabled
+    try:
+        yield
+    finally:
+        _state.grad_enabled = previous
+
+
 def no_grad():
     """Run operations without recording the graph (evaluation, optimizer updates)."""
-    previous = is_grad_enabled()
-    _state.grad_enabled = False
-    try:
-        yield
-    finally:
-        _state.grad_enabled = previous
+    return _grad_mode(False)
 
 
-@contextlib.contextmanager
 def enable_grad():
     """Record the graph even inside :func:`no_grad` (activation checkpointing uses it)."""
-    previous = is_grad_enabled()
-    _state.grad_enabled = True
-    try:
-        yield
-    finally:
-        _state.grad_enabled = previous
+    return _grad_mode(True)
 
 
 _default_dtype = np.dtype(np.float32)
@@ -342,21 +330,21 @@ class Function:
     """One recorded operation: subclass it and write ``forward`` and ``backward``.
 
     ``forward(*args, **kwargs)`` receives the positional inputs as arrays (tensors are
-    unwrapped; other values such as Python numbers or index arrays pass through as
-    constants) and returns an array, or a tuple of arrays for several outputs. It may
-    keep whatever ``backward`` needs on ``self``.
+    unwrapped; other values, Python numbers or index arrays, pass through as constants)
+    and returns an array, or a tuple of arrays for several outputs; it may keep on
+    ``self`` whatever ``backward`` needs.
 
     ``backward(*grads)`` receives one gradient per output (``None`` for an output that
-    got none) and returns one gradient per positional input (a tuple, or a single array
-    for one input); entries for constants, or where ``self.needs_input_grad[i]`` is
-    false, may be ``None``. Each returned gradient has the input's shape. ``backward``
-    must not write into the gradients it receives: one array may be shared by several
-    consumers (``add`` hands the same gradient to both inputs).
+    got none) and returns one per positional input, of the input's shape (a tuple, or an
+    array for one input); it may return ``None`` for constants and where
+    ``self.needs_input_grad[i]`` is false. It must not write into the gradients it
+    receives: one array may be shared by several consumers (``add`` hands the same
+    gradient to both inputs).
 
     ``self.last_backward`` is true when the engine frees the node after this backward
-    (no ``retain_graph``): ``backward`` may then write over the arrays it saved in
-    forward and has read for the last time, which are still in cache, instead of
-    allocating cold memory (``ops.transformer`` does).
+    (no ``retain_graph``): ``backward`` may then write over arrays it saved in forward
+    and has read for the last time, still in cache, instead of allocating cold memory
+    (``ops.transformer`` does).
     """
 
     last_backward = False
@@ -367,22 +355,16 @@ class Function:
             observer(cls, args, kwargs)
         fn = cls()
         arrays = [_computed(a.data) if isinstance(a, Tensor) else a for a in args]
-        record = is_grad_enabled() and any(
-            isinstance(a, Tensor) and a.requires_grad for a in args
-        )
-        if record:
-            fn.needs_input_grad = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
-        else:
-            fn.needs_input_grad = (False,) * len(args)
+        wanted = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
+        record = is_grad_enabled() and any(wanted)
+        fn.needs_input_grad = wanted if record else (False,) * len(args)
         out = fn.forward(*arrays, **kwargs)
         several = isinstance(out, tuple)
         outs = out if several else (out,)
         tensors = tuple(Tensor(o, requires_grad=record) for o in outs)
         if record:
-            fn.inputs = tuple(
-                (a if a._ctx is None else _Edge(a)) if needed else None
-                for a, needed in zip(args, fn.needs_input_grad)
-            )
+            fn.inputs = tuple((a if a._ctx is None else _Edge(a)) if needed else None
+                              for a, needed in zip(args, wanted))
             fn.retained = {}
             fn.n_outputs = len(outs)
             for i, t in enumerate(tensors):
@@ -415,11 +397,6 @@ class _Edge:
         self._ctx, self._index, self.shape = t._ctx, t._index, t.shape
 
 
-def _accumulate(current, g):
-    # out of place: the same gradient array may be handed to several inputs (add)
-    return g if current is None else current + g
-
-
 def _owned(g: np.ndarray, dtype) -> np.ndarray:
     """A private copy of a gradient before it is handed to the user: arrays flowing
     through the graph may be shared, read-only broadcast views, or the caller's own.
@@ -443,10 +420,8 @@ def _graph(roots: list[Tensor]):
             continue
         visited.add(id(node))
         if not hasattr(node, "inputs"):
-            raise RuntimeError(
-                "backward through a graph that was already freed; "
-                "pass retain_graph=True to the first backward"
-            )
+            raise RuntimeError("backward through a graph that was already freed; "
+                               "pass retain_graph=True to the first backward")
         stack.append((node, True))
         for t, needed in zip(node.inputs, node.needs_input_grad):
             if not needed:
@@ -497,7 +472,7 @@ def _deliverer(pending: dict, leaf_uses: dict, capture: dict | None):
                                f"for a tensor of shape {t.shape}")
         if t._ctx is not None:
             slot = pending.setdefault(id(t._ctx), [None] * t._ctx.n_outputs)
-            slot[t._index] = _accumulate(slot[t._index], g)
+            slot[t._index] = g if slot[t._index] is None else slot[t._index] + g  # out of place: g may be shared (add)
             return
         key = id(t)
         if capture is not None:
@@ -619,9 +594,8 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph: bool = False) -> list
         _run(outputs, list(grad_outputs), retain_graph, capture)
     finally:
         for t, previous in saved:
-            if hasattr(t._ctx, "retained"):
-                if previous is None:
-                    t._ctx.retained.pop(t._index, None)
+            if previous is None and hasattr(t._ctx, "retained"):
+                t._ctx.retained.pop(t._index, None)
     return [capture[id(t)] for t in inputs]
 
 
@@ -685,36 +659,28 @@ def backward_split(tensors, grads=None) -> "WeightPass":
     sends B's result at once and runs W where it would otherwise wait.
 
     The walk is :func:`backward`'s (``tensors``, ``grads`` as there; a Parameter cannot
-    be a root), in the same order, with every edge into a Parameter masked off: each
-    node's backward sees ``needs_input_grad`` restricted to its other inputs
-    (intermediates, and leaves such as a stage's received activation), and a node with
-    no such input needing a gradient is not called. On return the ``.grad`` of every leaf
-    that is not a Parameter, its hooks and every retained gradient are as after
-    ``backward``; no parameter's ``.grad`` has changed and no parameter hook has fired.
+    be a root), in the same order, with every edge into a Parameter masked off: a node's
+    backward sees ``needs_input_grad`` restricted to its other inputs, and a node with
+    none of them needing a gradient is not called. On return the other leaves' ``.grad``,
+    their hooks and every retained gradient are as after ``backward``; no parameter's
+    ``.grad`` has changed and no parameter hook has fired.
 
     Every node with a Parameter input needing a gradient is kept for phase two, with its
-    saved arrays and the gradients of its outputs (references: do not write into
-    ``grads`` before ``run``), and sees ``last_backward`` false in phase one. The others
-    are freed at once, as by ``backward``. Between the phases the graph holds what the
-    weight gradients need and nothing else; a WeightPass dropped without being run frees
-    exactly that, the kept nodes and their output gradients.
-
-    ``WeightPass.run()`` calls the kept nodes again in the same order, asking for the
-    Parameter inputs only, with ``last_backward`` true, accumulates into ``.grad`` as
-    ``backward`` does, fires each parameter's hooks when its last edge has delivered, and
-    frees the nodes. Each gradient then receives its contributions in the order one
-    ``backward`` gives them: the results are bit for bit those of
-    ``backward(tensors, grads)``.
+    saved arrays and its output gradients (references: do not write into ``grads``
+    before ``run``), and sees ``last_backward`` false in phase one; the others are freed
+    at once. A WeightPass dropped without being run frees exactly what it kept.
+    ``WeightPass.run()`` calls the kept nodes again in the same order for their Parameter
+    inputs only, with ``last_backward`` true, accumulating and firing hooks as
+    ``backward`` does: each gradient receives its contributions in one ``backward``'s
+    order, so the results are bit for bit those of ``backward(tensors, grads)``.
 
     Cost: a node's backward runs twice, and work its input and weight gradients share is
-    done in both. The fused transformer sublayers (``ops.transformer``) are the case
-    that matters: ``W_in``'s and the layer norm's gradients lie behind the whole inner
-    chain, so asked for its weights alone a sublayer recomputes the branch's dropout,
-    ``g W_proj^T``, the attention backward (or GELU's) and ``ga W_in^T``: nearly a second
-    backward of the sublayer. The plain block (``ops.fast_paths(False)``) has each
-    ``Linear`` and ``LayerNorm`` as its own node, whose phase two is the weight products
-    and the norm's reductions alone. Activation checkpointing's node ignores the mask
-    and recomputes its block's forward and backward in each phase.
+    done in both. The fused transformer sublayers (``ops.transformer``) reach ``W_in``'s
+    and the layer norm's gradients only through the whole inner chain: asked for its
+    weights alone, a sublayer redoes nearly a second backward. The plain block
+    (``ops.fast_paths(False)``) has each ``Linear`` and ``LayerNorm`` as its own node,
+    whose phase two is the weight products and the norm's reductions alone. Activation
+    checkpointing's node ignores the mask and recomputes its block in each phase.
     """
     tensors = list(tensors)
     if any(isinstance(t, Parameter) for t in tensors):
