@@ -1,34 +1,28 @@
-"""2-D convolution and pooling on channels-last (NHWC) images.
+"""2-D convolution and pooling on channels-last (NHWC) images: images are ``(B, H, W, C)``
+and convolution weights ``(kh, kw, C_in, C_out)``.
 
-Layout: images are ``(B, H, W, C)`` and convolution weights ``(kh, kw, C_in, C_out)``.
-
-The plain path (:class:`Conv2d`, the text to learn from) is im2col + GEMM over the
-whole batch: a strided view exposes every ``kh x kw`` window of the padded input, one
-copy lays them out as the ``(B*Ho*Wo, kh*kw*C_in)`` column matrix, and a single GEMM
-with the weight viewed as ``(kh*kw*C_in, C_out)`` produces the output already in NHWC
-order. Backward: the weight gradient is ``cols^T @ g``, and the input gradient is the
-column gradient ``g @ w^T`` added back (col2im) tap by tap onto the pixels each tap read.
-
-The fast path (:class:`TiledConv2d`, chosen by ``ops.fast_paths``, the default) does
-the same products in a different order and layout. Channels-last suits im2col: one row
-of a window is ``kw * C_in`` contiguous numbers, copied as one opaque element
-(:func:`_im2col`). Backward takes the column gradient tap by tap (one batched GEMM),
-so that col2im moves long contiguous runs.
+The plain path (:class:`Conv2d`, the text to learn from) is im2col + one GEMM over the
+whole batch: a strided view exposes every ``kh x kw`` window of the padded input, and
+one copy lays them out as the column matrix, whose product with the weight is the
+output already in NHWC order. The fast path (:class:`TiledConv2d`, chosen by
+``ops.fast_paths``, the default) does the same products in another order and layout.
+Channels-last suits im2col: one row of a window is ``kw * C_in`` contiguous numbers,
+copied as one opaque element (:func:`_im2col`). Backward takes the column gradient tap
+by tap (one batched GEMM), so that col2im moves long contiguous runs.
 
 Tiles. Built for the whole batch at once, the column matrix of a 32x32x16 layer at
 batch 64 is 38 MB: im2col writes it to memory and the GEMM, whose packing reads it
-back, waits on memory. The fast path therefore walks the batch in tiles of
-whole images whose columns fit a cache budget (``TILE_BYTES_PER_THREAD``): the GEMM
-then reads columns im2col has just written to cache and runs faster, the column
-gradient is added back while it is in cache, and backward rebuilds a tile's columns
-from the saved padded input (a copy from cache) instead of keeping 38 MB alive from
-forward to backward. The loop is over tiles, each a few images and millions of numbers
-for NumPy and BLAS; no Python loop runs over single pixels or positions, and one tile
-covers a batch that fits. Tiles change how the weight and bias gradients and the
-col2im sums are grouped, so the two paths agree to rounding, not bit for bit.
+back, waits on memory. The fast path therefore walks the batch in tiles of whole images
+whose columns fit a cache budget (``TILE_BYTES_PER_THREAD``): the GEMM reads columns
+im2col has just written to cache, the column gradient is added back while it is in
+cache, and backward rebuilds a tile's columns from the saved padded input (a copy from
+cache) instead of keeping 38 MB alive from forward to backward. No Python loop runs
+over single pixels or positions, and one tile covers a batch that fits. Tiles group
+the weight and bias gradients and the col2im sums differently, so the two paths agree
+to rounding, not bit for bit.
 
 Backward computes the input gradient in sub-tiles of ``COLUMN_GRAD_BYTES`` (one image
-of that layer): the nine narrow GEMMs (``N = C_in``) run faster there. Winograd's
+of that layer), where its nine narrow GEMMs (``N = C_in``) run faster. Winograd's
 F(2x2, 3x3), fewer multiplications but NumPy passes over strided 4x4 tiles, lost to
 im2col: the narrow GEMMs set the floor. Each part's cost: ``mpitrain/bench/README.md``.
 """
@@ -219,12 +213,8 @@ class Conv2d(Function):
 
 
 class TiledConv2d(Function):
-    """Convolution, optionally fused with a ReLU on its output (``relu=True``): the
-    rectification runs in place on the GEMM's result instead of on a new array.
-
-    The fast path: forward and backward walk the batch in tiles of whole images (see
-    the module docstring); backward rebuilds each tile's columns from the saved padded
-    input."""
+    """The fast path: :class:`Conv2d` in tiles of whole images (the module docstring says
+    why); ``relu=True`` rectifies in place on the GEMM's result, not on a new array."""
 
     def forward(self, x, w, b=None, stride=(1, 1), padding=(0, 0), relu=False):
         B, H, W, C = x.shape
@@ -298,9 +288,8 @@ class MaxPool2d(Function):
     order (as in PyTorch), so ties never double-count. Forward is kh*kw - 1 elementwise
     maxima of strided views; backward recomputes which tap won from the saved input.
     With the fast paths on (``ops.fast_paths``), both walk the batch in tiles of
-    ``POOL_TILE_BYTES`` of input, so that every tap after the first reads cache: over a
-    whole 8 MB activation (the benchmark CNN's) each tap read it again from memory.
-    With them off, one tile is the whole batch: the same arithmetic.
+    ``POOL_TILE_BYTES`` of input, so that every tap after the first reads cache, not
+    memory; off, one tile is the whole batch: the same arithmetic.
 
     ``relu=True`` also takes the maximum with 0. ReLU and max-pooling commute (both are
     monotone), so ``conv -> pool(relu=True)`` equals ``conv(relu=True) -> pool`` in value
