@@ -34,22 +34,14 @@ class Optimizer:
         if not params:
             raise ValueError("optimizer got an empty parameter list")
         groups = params if isinstance(params[0], dict) else [{"params": params}]
-        self.param_groups = []
-        for g in groups:
-            group = dict(defaults)
-            group.update(g)
-            group["params"] = list(g["params"])
-            self.param_groups.append(group)
+        self.param_groups = [{**defaults, **g, "params": list(g["params"])} for g in groups]
         self.state: dict[int, dict[str, np.ndarray]] = {}
         self.step_count = 0
 
     def _indexed(self):
         """(index, parameter, group) for every parameter; the index keys its state."""
-        i = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                yield i, p, group
-                i += 1
+        pairs = ((p, group) for group in self.param_groups for p in group["params"])
+        return ((i, p, group) for i, (p, group) in enumerate(pairs))
 
     def zero_grad(self) -> None:
         for _, p, _ in self._indexed():
@@ -305,6 +297,5 @@ class Constant:
         return self.lr
 
 
-__all__ = ["SGD", "Adam", "AdamW", "Constant", "Optimizer", "WarmupCosine", "clip_grad_norm", "scale_to",
-           "sum_of_squares",
-           "decay_groups", "update"]
+__all__ = ["SGD", "Adam", "AdamW", "Constant", "Optimizer", "WarmupCosine", "clip_grad_norm", "decay_groups",
+           "scale_to", "sum_of_squares", "update"]

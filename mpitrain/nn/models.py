@@ -293,16 +293,10 @@ class GPT(Module):
     def forward(self, ids, targets=None):
         """Logits (B, T, V), and the mean cross-entropy if ``targets`` (B, T) is given.
 
-        Each layer runs inside ``rng.layer(i)``, ``i`` its index in :meth:`layers`: under
-        ``rng.sample_streams`` its dropout masks are then keyed by layer, the same when a
-        pipeline stage runs it alone."""
-        with rng.layer(0):
-            x = self.embed(ids)
-        for i, block in enumerate(self.blocks, 1):
-            with rng.layer(i):
-                x = block(x)  # checkpointed, with checkpoint_activations (__init__)
-        with rng.layer(len(self.blocks) + 1):
-            logits = self.head(x)
+        Each layer of :meth:`layers` runs inside its own dropout streams (:func:`run_layers`),
+        the same when a pipeline stage runs it alone; with ``checkpoint_activations`` the
+        blocks are checkpointed (``__init__``)."""
+        logits = run_layers(self, ids)
         if targets is None:
             return logits, None
         return logits, self.head.loss(logits, targets)
@@ -315,10 +309,9 @@ class GPT(Module):
         was_training = self.training
         self.eval()
         try:
-            ids = self._sample(ids, max_new_tokens, temperature, top_k, gen)
+            return self._sample(ids, max_new_tokens, temperature, top_k, gen)
         finally:
             self.train(was_training)
-        return ids
 
     def _sample(self, ids, max_new_tokens, temperature, top_k, gen) -> np.ndarray:
         with no_grad():

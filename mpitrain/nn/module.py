@@ -32,17 +32,12 @@ class Module:
             if not isinstance(value, np.ndarray):
                 raise TypeError(f"buffer {name!r} must stay an array, got {type(value).__name__}")
             self._buffers[name] = value  # re-assigned in place: the order of entries stays
-        elif isinstance(value, Parameter) and name in self._parameters:
-            self._parameters[name] = value
-        elif isinstance(value, Module) and name in self._modules:
-            self._modules[name] = value
         else:
-            for registry in (self._parameters, self._modules):
-                registry.pop(name, None)
-            if isinstance(value, Parameter):
-                self._parameters[name] = value
-            elif isinstance(value, Module):
-                self._modules[name] = value
+            for registry, kind in ((self._parameters, Parameter), (self._modules, Module)):
+                if isinstance(value, kind):
+                    registry[name] = value  # a name re-assigned keeps its place in the order
+                else:
+                    registry.pop(name, None)
         object.__setattr__(self, name, value)
 
     def register_buffer(self, name: str, array: np.ndarray) -> None:
@@ -71,8 +66,7 @@ class Module:
             yield from child.named_modules(f"{prefix}.{name}" if prefix else name)
 
     def modules(self):
-        for _, m in self.named_modules():
-            yield m
+        return (m for _, m in self.named_modules())
 
     def children(self):
         return iter(self._modules.values())

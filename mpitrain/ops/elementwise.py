@@ -28,10 +28,8 @@ class Add(Function):
 
     def backward(self, g):
         sa, sb = self.shapes
-        return (
-            unbroadcast(g, sa) if self.needs_input_grad[0] else None,
-            unbroadcast(g, sb) if self.needs_input_grad[1] else None,
-        )
+        return (unbroadcast(g, sa) if self.needs_input_grad[0] else None,
+                unbroadcast(g, sb) if self.needs_input_grad[1] else None)
 
 
 class Sub(Function):
@@ -41,10 +39,8 @@ class Sub(Function):
 
     def backward(self, g):
         sa, sb = self.shapes
-        return (
-            unbroadcast(g, sa) if self.needs_input_grad[0] else None,
-            unbroadcast(-g, sb) if self.needs_input_grad[1] else None,
-        )
+        return (unbroadcast(g, sa) if self.needs_input_grad[0] else None,
+                unbroadcast(-g, sb) if self.needs_input_grad[1] else None)
 
 
 class Mul(Function):
@@ -54,10 +50,8 @@ class Mul(Function):
 
     def backward(self, g):
         a, b = self.a, self.b
-        return (
-            unbroadcast(g * b, np.shape(a)) if self.needs_input_grad[0] else None,
-            unbroadcast(g * a, np.shape(b)) if self.needs_input_grad[1] else None,
-        )
+        return (unbroadcast(g * b, np.shape(a)) if self.needs_input_grad[0] else None,
+                unbroadcast(g * a, np.shape(b)) if self.needs_input_grad[1] else None)
 
 
 class Div(Function):
