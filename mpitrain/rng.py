@@ -111,7 +111,8 @@ def sample_streams(seed: int, step: int, samples):
         _streams = outer
 
 
-class layer:
+@contextlib.contextmanager
+def layer(index: int):
     """``with rng.layer(i):`` the forward of layer ``i`` of ``model.named_layers()`` is running.
 
     Inside :func:`sample_streams`, entering starts fresh per-sample streams keyed with
@@ -120,24 +121,16 @@ class layer:
     Masks drawn under ``sample_streams`` with no ``layer`` active use layer 0. Outside
     ``sample_streams`` this does nothing.
     """
-
-    __slots__ = ("index", "saved")
-
-    def __init__(self, index: int):
-        self.index = _uint64("layer", index)
-
-    def __enter__(self):
-        s = _streams
-        self.saved = None if s is None else (s, s.layer, s.gens)
-        if s is not None:
-            s.layer, s.gens = self.index, None
-        return self
-
-    def __exit__(self, *exc):
-        if self.saved is not None:
-            s, index, gens = self.saved
-            s.layer, s.gens = index, gens
-        return False
+    index, s = _uint64("layer", index), _streams
+    if s is None:
+        yield
+        return
+    saved = s.layer, s.gens
+    s.layer, s.gens = index, None
+    try:
+        yield
+    finally:
+        s.layer, s.gens = saved
 
 
 def snapshot():

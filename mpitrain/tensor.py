@@ -137,25 +137,11 @@ class Tensor:
         self.name = name
 
     # ----------------------------------------------------------------- properties
-    @property
-    def shape(self) -> tuple:
-        return self.data.shape
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.data.dtype
-
-    @property
-    def ndim(self) -> int:
-        return self.data.ndim
-
-    @property
-    def size(self) -> int:
-        return self.data.size
-
-    @property
-    def is_leaf(self) -> bool:
-        return self._ctx is None
+    shape = property(lambda self: self.data.shape)
+    dtype = property(lambda self: self.data.dtype)
+    ndim = property(lambda self: self.data.ndim)
+    size = property(lambda self: self.data.size)
+    is_leaf = property(lambda self: self._ctx is None)
 
     def __len__(self) -> int:
         return len(self.data)
@@ -274,9 +260,7 @@ class Tensor:
             axes = tuple(axes[0])
         return _ops.transpose(self, axes or None)
 
-    @property
-    def T(self):
-        return _ops.transpose(self, None)
+    T = property(lambda self: _ops.transpose(self, None))
 
     def exp(self):
         return _ops.exp(self)

@@ -9,11 +9,10 @@ parameters. The recomputation builds a private graph and takes gradients from it
 accumulates them like any other node's. So a parameter used both inside and outside
 the block (a tied embedding) gets its post-accumulate hook only when all uses are in.
 
-Replay is exact: the random streams (dropout: the process-wide generator, and the
-per-sample streams of ``rng.sample_streams`` with their layer) are rewound to where the
-forward pass began (``rng.snapshot``; backward may run outside those contexts), and
-buffers the forward pass updated (batch-norm running statistics) are put back after
-the recomputation so they are updated once per step, not twice.
+Replay is exact: the random streams (the process-wide generator, and the per-sample
+streams with their layer) are rewound to where the forward pass began (backward may run
+outside those contexts), and buffers the forward pass updated (batch-norm running
+statistics) are put back after it, so they are updated once per step, not twice.
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
-"""Differentiable operations on :class:`~mpitrain.tensor.Tensor`.
-
-Every operation is a :class:`~mpitrain.tensor.Function` with a hand-written, vectorised
-backward pass, grouped by kind:
-
-* ``elementwise``: add, sub, mul, div, neg, pow, exp, log, tanh, sigmoid, relu, gelu
-* ``reduce``: sum, mean, max over axes
-* ``shape``: reshape, transpose, getitem, concat, split
-* ``linalg``: matmul (batched), linear (fused x @ W + b)
-* ``conv``: conv2d, max_pool2d, avg_pool2d on channels-last images
-* ``norm``: batch_norm, layer_norm
-* ``loss``: softmax, log_softmax, cross_entropy (fused, with ignore_index)
-* ``attention``: causal_self_attention (fused multi-head attention)
-* ``embedding``: embedding lookup, dropout
-* ``transformer``: attention_sublayer, mlp_sublayer (a pre-norm transformer block's two
-  halves, each one node)
+"""Differentiable operations on :class:`~mpitrain.tensor.Tensor`, one module per kind
+(the imports below name each one's), every one a :class:`~mpitrain.tensor.Function`
+with a hand-written, vectorised backward pass.
 
 Some ideas have a plain version, the text to learn from, and a fast one beside it,
 tested equal to it; ``fast_paths`` / ``set_fast_paths`` choose between them for the

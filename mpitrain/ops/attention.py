@@ -12,10 +12,8 @@ and each head's output is written straight into its columns of ``(B, T, C)``.
 The backward pass is written as one function: ``dv = P^T dy``, ``dP = dy v^T``,
 ``dS = P * (dP - rowsum(dP * P))`` (softmax Jacobian; masked entries have P = 0 and so
 get no gradient), ``dq = dS k / sqrt(hs)``, ``dk = dS^T q / sqrt(hs)``, written straight
-into the head views of one ``dqkv`` array.
-
-The same computation serves ``ops.transformer``'s fused attention sublayer, which
-passes ``qkv`` itself as the array to write ``dqkv`` into (``attend_backward``).
+into the head views of one ``dqkv`` array (``ops.transformer``'s attention sublayer
+passes ``qkv`` itself, :func:`attend_backward`).
 """
 
 from __future__ import annotations
