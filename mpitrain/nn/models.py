@@ -184,16 +184,11 @@ class Block(Module):
 
     Those two lines, the end of ``forward``, are the plain path: they run through the
     ``LayerNorm`` and ``Linear`` modules, so a layer swapped in (tensor slicing's column-
-    and row-parallel ``c_attn``, ``c_fc`` and ``c_proj``) is what computes.
-
-    With the fast paths on (``ops.fast_paths``, the default) each half runs instead as
-    one fused op (``ops.transformer``: it reuses its large arrays while they are in
-    cache) that does the same arithmetic in the same order: outputs and gradients are
-    equal bit for bit. The fast path declines when a layer is not exactly the plain one
-    (``Linear`` for ``c_attn``, ``c_fc`` and both ``c_proj``, ``LayerNorm`` for ``ln_1``
-    and ``ln_2``, this file's ``CausalSelfAttention`` and ``MLP``) because the fused op
-    reads the layers' weights and does the plain layers' arithmetic itself: it would
-    silently ignore a swapped layer's own ``forward``.
+    and row-parallel ``c_attn``, ``c_fc`` and ``c_proj``) is what computes. With the fast
+    paths on (``ops.fast_paths``, the default) each half runs instead as one fused op
+    (``ops.transformer``), equal bit for bit, but only when every layer is the plain one
+    (:meth:`_fusable`): the fused op reads the layers' weights and does their arithmetic
+    itself, so it would silently ignore a swapped layer's own ``forward``.
     """
 
     def __init__(self, cfg: GPTConfig):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import numpy as np
 
@@ -59,6 +60,15 @@ BLOCK_ELEMENTS = 1 << 16
 def blocks(n: int, size: int = BLOCK_ELEMENTS) -> list[slice]:
     """Consecutive slices covering ``range(n)``, ``size`` long (the last may be shorter)."""
     return [slice(start, min(start + size, n)) for start in range(0, n, size)]
+
+
+@functools.lru_cache(maxsize=64)
+def cached_full(shape: tuple, value: float, dtype: np.dtype) -> np.ndarray:
+    """A read-only array of ``value``, made once per shape: a product with a row or a
+    column of ones (or of 1/n) is a sum (a mean) as one GEMM."""
+    a = np.full(shape, value, dtype=dtype)
+    a.flags.writeable = False
+    return a
 
 
 def unbroadcast(grad: np.ndarray, shape: tuple) -> np.ndarray:

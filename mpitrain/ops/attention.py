@@ -24,6 +24,7 @@ import math
 import numpy as np
 
 from mpitrain import rng as _rng
+from mpitrain.ops._util import cached_full
 from mpitrain.tensor import Function, Tensor, as_tensor
 
 
@@ -34,13 +35,6 @@ def _causal_bias_t(T: int, dtype: np.dtype) -> np.ndarray:
     bias[np.tril_indices(T, k=-1)] = -np.inf
     bias.flags.writeable = False
     return bias
-
-
-@functools.lru_cache(maxsize=16)
-def _ones_row(T: int, dtype: np.dtype) -> np.ndarray:
-    ones = np.ones((1, T), dtype=dtype)
-    ones.flags.writeable = False
-    return ones
 
 
 def _heads(a: np.ndarray, n_head: int) -> np.ndarray:
@@ -67,7 +61,7 @@ def attend(fn, qkv, n_head, causal, dropout_p, generator, heads=None) -> np.ndar
         att += _causal_bias_t(T, att.dtype)
     att -= att.max(axis=-2, keepdims=True)
     np.exp(att, out=att)
-    inv = _ones_row(T, att.dtype) @ att  # column sums, (B, nh, 1, T_query)
+    inv = cached_full((1, T), 1.0, att.dtype) @ att  # column sums, (B, nh, 1, T_query)
     att *= np.reciprocal(inv, out=inv)  # a multiply is cheaper than a divide
     fn.keep = None
     probs = att

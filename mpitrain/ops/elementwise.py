@@ -262,18 +262,14 @@ def gelu_erf(x: np.ndarray, derivative: bool = True) -> tuple[np.ndarray, np.nda
 
 
 class GELU(Function):
-    """GELU, tanh form: x * h with h = 0.5 (1 + tanh(s (x + 0.044715 x^3))),
-    s = sqrt(2/pi) (Hendrycks & Gimpel 2016; the form GPT-2 uses). Forward also computes
-    the derivative when a gradient will be needed; backward is then one product, and
-    only the derivative is kept, not x and h (faster than recomputing it from them in
-    backward, nine passes: ``mpitrain/bench/README.md``).
-
-    With the fast paths off (``ops.fast_paths``) it runs :func:`gelu_plain`, whole-array
-    expressions; on, :func:`gelu_blocks`, the same arithmetic as in-place passes over
-    blocks that stay in cache (``_util.blocks``): eight passes for the value, seven more in
-    the same block for the derivative while x and h are still in cache.
-
-    ``form="erf"`` is the exact form instead (:func:`gelu_erf`), on both paths."""
+    """GELU, tanh form (Hendrycks & Gimpel 2016; the form GPT-2 uses; :func:`gelu_plain`
+    has the formula). Forward also computes the derivative when a gradient will be
+    needed and keeps only it, not x and h: backward is one product (faster than
+    recomputing it there, nine passes: ``mpitrain/bench/README.md``). With the fast paths
+    off (``ops.fast_paths``) it runs :func:`gelu_plain`, whole-array expressions; on,
+    :func:`gelu_blocks`, the same arithmetic as in-place passes over blocks that stay in
+    cache (``_util.blocks``), the derivative's seven in the same block as the value's
+    eight. ``form="erf"`` is the exact form instead (:func:`gelu_erf`), on both paths."""
 
     def forward(self, x, form="tanh"):
         need = self.needs_input_grad[0]

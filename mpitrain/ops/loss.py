@@ -65,13 +65,8 @@ class CrossEntropy(Function):
         rows = np.arange(z.shape[0])
         nll = (np.log(total) + zmax)[:, 0] - z[rows, safe_t]  # logsumexp - z[target], (N,)
         nll *= keep
-        count = int(keep.sum())
-        self.p, self.rows, self.t, self.keep = p, rows, safe_t, keep
-        self.shape, self.reduction = logits.shape, reduction
-        if reduction == "sum":
-            self.scale = 1.0
-            return np.asarray(nll.sum(), dtype=logits.dtype)
-        self.scale = 1.0 / max(count, 1)
+        self.p, self.rows, self.t, self.keep, self.shape = p, rows, safe_t, keep, logits.shape
+        self.scale = 1.0 if reduction == "sum" else 1.0 / max(int(keep.sum()), 1)  # the mean over counted targets
         return np.asarray(nll.sum() * self.scale, dtype=logits.dtype)
 
     def backward(self, g):

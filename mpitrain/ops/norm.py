@@ -9,19 +9,10 @@ closed form, with ``dxhat = g * weight`` and ``m`` elements per statistic:
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
+from mpitrain.ops._util import cached_full
 from mpitrain.tensor import Function, Tensor, as_tensor
-
-
-@functools.lru_cache(maxsize=32)
-def _column(n: int, value: float, dtype: np.dtype) -> np.ndarray:
-    """Read-only (n, 1) column of ``value``: ``a @ column(n, 1/n)`` is a row mean."""
-    col = np.full((n, 1), value, dtype=dtype)
-    col.flags.writeable = False
-    return col
 
 
 def _dot_per_channel(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -87,7 +78,7 @@ def layer_norm_rows(x2, weight, bias, eps):
     """Layer norm of the rows of ``x2`` (N, C): returns ``(y, xhat, rstd)``, the output
     (a new array), the normalised input and 1/sqrt(var + eps) (N,), for backward."""
     C = x2.shape[1]
-    xhat = x2 - x2 @ _column(C, 1.0 / C, x2.dtype)  # x - mean, (N, C)
+    xhat = x2 - x2 @ cached_full((C, 1), 1.0 / C, x2.dtype)  # x - mean, (N, C)
     var = np.einsum("nc,nc->n", xhat, xhat)  # C * variance, (N,)
     var /= C
     var += eps
@@ -106,11 +97,11 @@ def layer_norm_rows_backward(g2, xhat, rstd, weight, need, out=None, xhat_is_fre
     work space (a caller that will not need it again)."""
     N, C = xhat.shape
     gw = np.einsum("nc,nc->c", g2, xhat) if need[1] else None
-    gb = (_column(N, 1.0, g2.dtype).T @ g2)[0] if need[2] else None
+    gb = (cached_full((N, 1), 1.0, g2.dtype).T @ g2)[0] if need[2] else None
     gx = None
     if need[0]:
         gx = np.multiply(g2, weight, out=out)  # dxhat, (N, C)
-        mean_d = gx @ _column(C, 1.0 / C, gx.dtype)  # (N, 1)
+        mean_d = gx @ cached_full((C, 1), 1.0 / C, gx.dtype)  # (N, 1)
         mean_dx = np.einsum("nc,nc->n", gx, xhat)  # (N,)
         mean_dx /= C
         gx -= np.multiply(xhat, mean_dx[:, None], out=xhat if xhat_is_free else None)

@@ -33,15 +33,9 @@ import numpy as np
 from mpitrain import rng as _rng
 from mpitrain.ops.attention import attend, attend_backward
 from mpitrain.ops.elementwise import gelu_blocks, gelu_erf
+from mpitrain.ops.linalg import affine
 from mpitrain.ops.norm import layer_norm_rows, layer_norm_rows_backward
 from mpitrain.tensor import Function, Tensor, as_tensor
-
-
-def _affine(a, w, b):
-    y = a @ w
-    if b is not None:
-        y += b
-    return y
 
 
 class _Sublayer(Function):
@@ -54,9 +48,9 @@ class _Sublayer(Function):
                 *config):
         self.x_shape = x.shape
         u2, self.xhat, self.rstd = layer_norm_rows(x.reshape(-1, x.shape[-1]), ln_weight, ln_bias, eps)  # LN(x), (N, C)
-        m2 = self._middle(_affine(u2, w_in, b_in), dropout_p, generator, *config)  # (N, M)
+        m2 = self._middle(affine(u2, w_in, b_in), dropout_p, generator, *config)  # (N, M)
         self.ln_weight, self.u2, self.m2, self.w_in, self.w_proj = ln_weight, u2, m2, w_in, w_proj
-        out2 = _affine(m2, w_proj, b_proj)  # the branch, (N, C)
+        out2 = affine(m2, w_proj, b_proj)  # the branch, (N, C)
         self.branch_keep = None
         if dropout_p > 0:
             self.branch_keep = _rng.dropout_mask(generator, out2.shape, dropout_p, out2.dtype)
