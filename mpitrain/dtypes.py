@@ -28,3 +28,9 @@ def is_half(dtype) -> bool:
     """Whether ``dtype`` is a 16-bit float: float16, or bfloat16."""
     dtype = np.dtype(dtype)
     return dtype.itemsize == 2 and (dtype.kind == "f" or dtype.name == "bfloat16")
+
+
+def upcast(x: np.ndarray) -> np.ndarray:
+    """A half-precision array as float32 (NumPy's half products are slow or silently
+    float32, and a dot product in bfloat16 sums in bfloat16); any other as it is."""
+    return x.astype(np.float32) if is_half(x.dtype) else x

@@ -18,7 +18,7 @@ import math
 
 import numpy as np
 
-from mpitrain.dtypes import is_half
+from mpitrain.dtypes import upcast
 from mpitrain.tensor import Tensor
 
 
@@ -232,12 +232,7 @@ def sum_of_squares(grads) -> float:
     """The sum of the squares of the arrays' elements, each array's a BLAS dot product,
     added in float64 in order (a strategy holding part of the model sums its part, then
     adds the parts over ranks)."""
-    return sum(float(np.dot(v, v)) for v in (_float32(g).reshape(-1) for g in grads))
-
-
-def _float32(g: np.ndarray) -> np.ndarray:
-    """A half-precision gradient upcast (a dot product in bfloat16 sums in bfloat16)."""
-    return g.astype(np.float32) if is_half(g.dtype) else g
+    return sum(float(np.dot(v, v)) for v in (upcast(g).reshape(-1) for g in grads))
 
 
 def scale_to(grads, norm: float, max_norm: float) -> None:

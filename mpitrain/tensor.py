@@ -52,7 +52,7 @@ import threading
 
 import numpy as np
 
-from mpitrain.dtypes import is_half
+from mpitrain.dtypes import is_half, upcast
 
 _state = threading.local()
 
@@ -338,7 +338,7 @@ class Function:
         for observer in _observers:
             observer(cls, args, kwargs)
         fn = cls()
-        arrays = [_computed(a.data) if isinstance(a, Tensor) else a for a in args]
+        arrays = [upcast(a.data) if isinstance(a, Tensor) else a for a in args]  # half computed in float32
         wanted = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
         record = is_grad_enabled() and any(wanted)
         fn.needs_input_grad = wanted if record else (False,) * len(args)
@@ -361,14 +361,6 @@ class Function:
 
     def backward(self, *grads):  # pragma: no cover - interface
         raise NotImplementedError
-
-
-def _computed(x: np.ndarray) -> np.ndarray:
-    """What an op computes with: a half-precision tensor (a mixed-precision parameter's
-    working copy, :mod:`mpitrain.precision`) upcast to float32, as NumPy's half-precision
-    products are slow or silently float32; its gradient is rounded into the half
-    ``.grad``. Any other as it is."""
-    return x.astype(np.float32) if is_half(x.dtype) else x
 
 
 class _Edge:

@@ -200,7 +200,8 @@ class Block(Module):
 
     def forward(self, x):
         if ops.fast_paths_enabled() and self._fusable():
-            return self._fused(x)
+            x = self.attn.residual(x, self.ln_1)  # x + attn(ln_1(x)), one op
+            return self.mlp.residual(x, self.ln_2)  # x + mlp(ln_2(x)), one op
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
@@ -210,10 +211,6 @@ class Block(Module):
         return (type(attn) is CausalSelfAttention and type(mlp) is MLP
                 and all(type(m) is Linear for m in (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj))
                 and type(self.ln_1) is LayerNorm and type(self.ln_2) is LayerNorm)
-
-    def _fused(self, x):
-        x = self.attn.residual(x, self.ln_1)  # x + attn(ln_1(x)), one op
-        return self.mlp.residual(x, self.ln_2)  # x + mlp(ln_2(x)), one op
 
 
 class GPTEmbedding(Module):

@@ -7,18 +7,14 @@ import numpy as np
 from mpitrain.tensor import Function, Tensor, as_tensor
 
 
-def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
-    e = x - x.max(axis=axis, keepdims=True)  # shift by the max: exp never overflows
-    np.exp(e, out=e)
-    e /= e.sum(axis=axis, keepdims=True)
-    return e
-
-
 class Softmax(Function):
     def forward(self, x, axis):
         self.axis = axis
-        self.out = _softmax(x, axis)
-        return self.out
+        e = x - x.max(axis=axis, keepdims=True)  # shift by the max: exp never overflows
+        np.exp(e, out=e)
+        e /= e.sum(axis=axis, keepdims=True)
+        self.out = e
+        return e
 
     def backward(self, g):
         y = self.out
