@@ -280,16 +280,11 @@ class WarmupCosine:
         return self.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (self.lr - self.min_lr)
 
 
-class Constant:
-    """A constant learning rate, with optional linear warmup."""
+class Constant(WarmupCosine):
+    """A constant learning rate, with optional linear warmup: no decay, ``min_lr = lr``."""
 
     def __init__(self, lr: float, warmup_steps: int = 0):
-        self.lr, self.warmup = lr, warmup_steps
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup:
-            return self.lr * (step + 1) / (self.warmup + 1)
-        return self.lr
+        super().__init__(lr, warmup_steps, warmup_steps, min_lr=lr)
 
 
 __all__ = ["SGD", "Adam", "AdamW", "Constant", "Optimizer", "WarmupCosine", "clip_grad_norm", "decay_groups",

@@ -425,11 +425,9 @@ def _run(roots, grads, retain_graph: bool, capture: dict | None, phase: str = _W
     pending: dict[int, list] = {}  # id(node) -> gradients of its outputs
     deliver = _deliverer(pending, leaf_uses, capture)
     for t, g in zip(roots, grads):
-        if isinstance(g, Tensor):
-            g = g.data
         if not t.requires_grad:
             raise RuntimeError("backward from a tensor that does not require grad")
-        g = np.asarray(g, dtype=t.data.dtype)
+        g = np.asarray(g.data if isinstance(g, Tensor) else g, dtype=t.data.dtype)
         if t._ctx is None:
             leaf_uses[id(t)] = leaf_uses.get(id(t), 0) + 1
         deliver(t, g, "the upstream gradient")
@@ -453,8 +451,7 @@ def _deliverer(pending: dict, leaf_uses: dict, capture: dict | None):
         key = id(t)
         if capture is not None:
             if key in capture and g is not None:
-                current = capture[key]
-                capture[key] = _owned(g, t.dtype) if current is None else current + g
+                capture[key] = _owned(g, t.dtype) if capture[key] is None else capture[key] + g
         elif g is not None:
             if t.grad is None:
                 t.grad = _owned(g, t.data.dtype)

@@ -394,6 +394,5 @@ def max_pool2d(x, kernel_size, stride=None, padding=0, relu: bool = False) -> Te
 
 
 def avg_pool2d(x, kernel_size, stride=None, padding=0) -> Tensor:
-    x = as_tensor(x)
     stride = kernel_size if stride is None else stride
-    return AvgPool2d.apply(x, _pair(kernel_size), _pair(stride), _pair(padding))
+    return AvgPool2d.apply(as_tensor(x), _pair(kernel_size), _pair(stride), _pair(padding))

@@ -62,9 +62,7 @@ class Div(Function):
     def backward(self, g):
         a, b = self.a, self.b
         ga = g / b
-        gb = None
-        if self.needs_input_grad[1]:
-            gb = unbroadcast(-ga * a / b, np.shape(b))  # d(a/b)/db = -a/b^2
+        gb = unbroadcast(-ga * a / b, np.shape(b)) if self.needs_input_grad[1] else None  # d(a/b)/db = -a/b^2
         return (unbroadcast(ga, np.shape(a)) if self.needs_input_grad[0] else None, gb)
 
 
@@ -141,9 +139,8 @@ class Sigmoid(Function):
 
 class ReLU(Function):
     def forward(self, a):
-        out = np.maximum(a, 0)
-        self.out = out
-        return out
+        self.out = np.maximum(a, 0)
+        return self.out
 
     def backward(self, g):
         return g * (self.out > 0)

@@ -66,10 +66,7 @@ class Split(Function):
     def backward(self, *grads):
         gx = np.empty(self.shape, dtype=self.dtype)
         for part, g in zip(np.split(gx, self.bounds, axis=self.axis), grads):
-            if g is None:
-                part.fill(0)
-            else:
-                part[...] = g
+            part[...] = 0 if g is None else g
         return gx
 
 
