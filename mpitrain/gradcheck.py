@@ -34,8 +34,7 @@ def gradcheck(f, inputs, *, h: float = 1e-6, seed: int = 20160101, max_points: i
     ``inputs`` are tensors (those with ``requires_grad`` are checked); ``params`` are
     further tensors that ``f`` uses internally (a module's parameters), checked too.
     ``f`` must be deterministic (seed any dropout inside it). ``max_points`` limits how
-    many elements per tensor are perturbed (chosen at random); by default all are.
-    """
+    many elements per tensor are perturbed (chosen at random); by default all are."""
     rng = np.random.default_rng(seed)
     checked = [(f"input{i}", t) for i, t in enumerate(inputs)
                if isinstance(t, Tensor) and t.requires_grad]

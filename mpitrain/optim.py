@@ -24,10 +24,8 @@ from mpitrain.tensor import Tensor
 
 class Optimizer:
     """Base class: parameter groups with their own hyperparameters, and per-parameter state.
-
-    ``params`` is a list of parameters or a list of groups ``{"params": [...], "lr": ...}``;
-    a group's keys override the optimizer's defaults.
-    """
+    ``params`` is a list of parameters or of groups ``{"params": [...], "lr": ...}``, whose
+    keys override the optimizer's defaults."""
 
     def __init__(self, params, defaults: dict):
         params = list(params)
@@ -204,9 +202,8 @@ class AdamW(Adam):
 
 
 def decay_groups(named_params, weight_decay: float) -> list[dict]:
-    """Two groups: matrices (weights, embeddings) decay, vectors (biases, norm scales) don't.
-
-    The split nanoGPT and most transformer recipes use."""
+    """Two groups, the split nanoGPT and most transformer recipes use: matrices (weights,
+    embeddings) decay, vectors (biases, norm scales) don't."""
     decay, no_decay = [], []
     for _, p in named_params:
         (decay if p.ndim >= 2 else no_decay).append(p)
@@ -217,11 +214,9 @@ def decay_groups(named_params, weight_decay: float) -> list[dict]:
 
 
 def clip_grad_norm(params, max_norm: float) -> float:
-    """Scale all gradients together so their global L2 norm is at most ``max_norm``.
-
-    Returns the norm before clipping; each parameter's sum of squares is a BLAS dot
-    product, and the sums are added in float64. A non-finite norm (an overflowed or NaN
-    gradient) is returned and the gradients are left as they are, for the caller to see."""
+    """Scale all gradients together so their global L2 norm (:func:`sum_of_squares`) is at
+    most ``max_norm``; returns the norm before clipping. A non-finite norm (an overflowed
+    or NaN gradient) is returned and the gradients are left as they are, for the caller."""
     grads = [p.grad for p in params if p.grad is not None]
     total = math.sqrt(sum_of_squares(grads))
     scale_to(grads, total, max_norm)
@@ -261,10 +256,9 @@ def update(optimizer: Optimizer, params, lr: float | None, grad_clip: float = 0.
 
 
 class WarmupCosine:
-    """Learning rate at a step: linear warmup to ``lr``, cosine decay to ``min_lr`` at
-    ``decay_steps``, then ``min_lr`` (the schedule of GPT-3 and nanoGPT).
-
-    Warmup starts at lr / (warmup + 1), never 0, so step 0 already moves the weights."""
+    """Learning rate at a step (the schedule of GPT-3 and nanoGPT): linear warmup to ``lr``
+    from lr / (warmup + 1), never 0, so step 0 already moves the weights; cosine decay to
+    ``min_lr`` at ``decay_steps``, then ``min_lr``."""
 
     def __init__(self, lr: float, warmup_steps: int, decay_steps: int, min_lr: float = 0.0):
         if warmup_steps < 0 or decay_steps < warmup_steps:

@@ -119,8 +119,7 @@ def layer(index: int):
     layer ``i`` (so a pipeline stage that runs only some layers draws exactly the masks
     those layers draw in one process); leaving resumes the enclosing layer's streams.
     Masks drawn under ``sample_streams`` with no ``layer`` active use layer 0. Outside
-    ``sample_streams`` this does nothing.
-    """
+    ``sample_streams`` this does nothing."""
     index, s = _uint64("layer", index), _streams
     if s is None:
         yield

@@ -11,14 +11,12 @@ gives the three services later modules rely on:
 
 * an explicit upstream gradient (``y.backward(dy)``): a pipeline stage receives ``dy``
   from the next rank instead of starting from a scalar loss;
-* gradients of tensors that are not parameters: a leaf created with
-  ``requires_grad=True`` (a stage's received activation) gets ``.grad`` like a
-  parameter, :meth:`Tensor.retain_grad` keeps an intermediate's, and :func:`grad`
-  returns gradients without touching ``.grad`` at all;
-* post-accumulate hooks on leaves: the engine counts the graph edges into each leaf
-  before the walk, and when the last has delivered, the leaf's ``.grad`` is final for
-  this pass and its hooks fire. Data parallelism starts a bucket's allreduce there,
-  while backward continues on earlier layers.
+* gradients of tensors that are not parameters: a leaf created with ``requires_grad=True``
+  (a stage's received activation) gets ``.grad`` like a parameter,
+  :meth:`Tensor.retain_grad` keeps an intermediate's, :func:`grad` leaves ``.grad`` alone;
+* post-accumulate hooks on leaves, fired once a leaf's ``.grad`` is final for the pass
+  (the engine counts the edges into each leaf first): data parallelism starts a bucket's
+  allreduce there, while backward continues on earlier layers.
 
 :func:`backward_split` cuts the walk in two for zero-bubble pipeline schedules (Qi et
 al. 2024): the parameters' gradients come later, bit for bit as from one ``backward``.
@@ -28,15 +26,13 @@ until ``zero_grad``, so a ``.grad`` that is a view into a flat buffer stays one.
 gradient handed out (``.grad``, :func:`grad`'s results) is the tensor's own array.
 
 A node keeps only what its ``backward`` saved and, for each input that needs a
-gradient, an edge: the leaf tensor itself, or an :class:`_Edge` naming an
-intermediate's producer, output index and shape, not its array. An intermediate that
-no backward needs (the input of a residual add, the pre-activation once GELU has its
-derivative) is therefore freed as soon as the forward pass moves on, and the allocator
-hands the freed memory, still in cache, to the next op (measured faster:
-``mpitrain/bench/README.md``).
-
-Saved arrays are references, not copies: writing into a parameter (an optimizer step,
-loading weights) between a forward pass and its backward changes the gradients.
+gradient, an edge: the leaf itself, or an :class:`_Edge` (an intermediate's producer,
+output index and shape, not its array). An intermediate that no backward needs (a
+residual add's input, the pre-activation once GELU has its derivative) is therefore
+freed as soon as the forward pass moves on, and the allocator hands the memory, still
+in cache, to the next op (measured faster: ``mpitrain/bench/README.md``). Saved arrays
+are references, not copies: writing into a parameter (an optimizer step, loading
+weights) between a forward pass and its backward changes the gradients.
 
 Default dtype is float32; :func:`default_dtype` switches to float64 for gradient checks.
 A tensor may hold float16 or bfloat16 numbers (mixed precision's working copies of the
@@ -165,8 +161,7 @@ class Tensor:
         """Accumulate d(self)/d(leaf) into every leaf's ``.grad``.
 
         ``grad`` is the upstream gradient d(loss)/d(self); it may be omitted only for a
-        single-element tensor (then it is 1).
-        """
+        single-element tensor (then it is 1)."""
         backward([self], None if grad is None else [grad], retain_graph=retain_graph)
 
     def retain_grad(self) -> None:
@@ -184,8 +179,7 @@ class Tensor:
         contribution; hooks fire in the order gradients become final, which for a
         sequential model is the reverse of the forward order. A leaf that is in the
         graph but got no gradient this pass (its only consumers returned none) still
-        fires, with ``.grad`` as it was: a bucket waiting on it always completes.
-        """
+        fires, with ``.grad`` as it was: a bucket waiting on it always completes."""
         if self._ctx is not None:
             raise RuntimeError("post-accumulate hooks are for leaf tensors (parameters)")
         if not self.requires_grad:
@@ -328,8 +322,7 @@ class Function:
     ``self.last_backward`` is true when the engine frees the node after this backward
     (no ``retain_graph``): ``backward`` may then write over arrays it saved in forward
     and has read for the last time, still in cache, instead of allocating cold memory
-    (``ops.transformer`` does).
-    """
+    (``ops.transformer`` does)."""
 
     last_backward = False
 
@@ -551,8 +544,7 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph: bool = False) -> list
     """Gradients of ``outputs`` with respect to ``inputs``, leaving every ``.grad`` alone.
 
     ``inputs`` may be leaves or intermediates (an intermediate's gradient is taken when
-    its producing node runs). Inputs that the outputs do not depend on get ``None``.
-    """
+    its producing node runs). Inputs that the outputs do not depend on get ``None``."""
     outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     inputs = list(inputs)
     if grad_outputs is None:
@@ -653,8 +645,7 @@ def backward_split(tensors, grads=None) -> "WeightPass":
     weights alone, a sublayer redoes nearly a second backward. The plain block
     (``ops.fast_paths(False)``) has each ``Linear`` and ``LayerNorm`` as its own node,
     whose phase two is the weight products and the norm's reductions alone. Activation
-    checkpointing's node ignores the mask and recomputes its block in each phase.
-    """
+    checkpointing's node ignores the mask and recomputes its block in each phase."""
     tensors = list(tensors)
     if any(isinstance(t, Parameter) for t in tensors):
         raise ValueError("backward_split from a Parameter: its gradient is not an input gradient to split off")

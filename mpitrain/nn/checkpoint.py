@@ -58,12 +58,10 @@ def replay(module: Module, x: np.ndarray, x_needs_grad: bool, rng_state) -> tupl
 
 
 def checkpoint(module: Module, x):
-    """``module(x)`` without storing its activations (recomputed in backward).
-
-    ``x`` is one tensor and the module returns one tensor. Outside gradient recording
-    (evaluation) this is a plain call. The module's ``forward`` runs, not its call, so
-    that :func:`checkpointed` can route a module's calls here.
-    """
+    """``module(x)`` without storing its activations (recomputed in backward); ``x`` is one
+    tensor and the module returns one. Outside gradient recording (evaluation) this is a
+    plain call. The module's ``forward`` runs, not its call, so that :func:`checkpointed`
+    can route a module's calls here."""
     if not is_grad_enabled():
         return module.forward(x)
     x = x if isinstance(x, Tensor) else Tensor(x)

@@ -188,8 +188,7 @@ class Block(Module):
     paths on (``ops.fast_paths``, the default) each half runs instead as one fused op
     (``ops.transformer``), equal bit for bit, but only when every layer is the plain one
     (:meth:`_fusable`): the fused op reads the layers' weights and does their arithmetic
-    itself, so it would silently ignore a swapped layer's own ``forward``.
-    """
+    itself, so it would silently ignore a swapped layer's own ``forward``."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()

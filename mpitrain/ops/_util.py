@@ -29,8 +29,7 @@ def set_fast_paths(enabled: bool) -> bool:
     are equal bit for bit (the GPT's outputs and every gradient, GELU, max-pooling);
     the convolutions sum the same products in a different grouping (tiles change the
     GEMMs' shapes and the order in which the weight gradient is summed), equal to
-    rounding (1e-12 relative in float64). The tests hold them to that.
-    """
+    rounding (1e-12 relative in float64). The tests hold them to that."""
     global _fast_paths
     previous, _fast_paths = _fast_paths, bool(enabled)
     return previous

@@ -202,7 +202,6 @@ _SQRT_PI = math.sqrt(math.pi)
 # on [2.5, 6] (more change nothing)
 SERIES_TERMS, FRACTION_LEVELS = 40, 30
 
-
 # the series' coefficients a_n = 2^n / (1 3 5 ... (2n+1)), a_0 = 1
 _SERIES = np.cumprod([1.0] + [2 / (2 * n + 1) for n in range(1, SERIES_TERMS)])
 # |x| < 1: Taylor's series, erf(x) = 2/sqrt(pi) x sum_n (-1)^n x^(2n) / (n! (2n+1)); 17
@@ -212,15 +211,14 @@ _TAYLOR = np.array([(-1) ** n / (math.factorial(n) * (2 * n + 1)) for n in range
 
 def erf(x: np.ndarray) -> np.ndarray:
     """The error function, elementwise, returned in ``x``'s dtype (NumPy has none),
-    computed in float64: within 2e-15 of ``math.erf`` (tested). For ``|x| < 1``
-    Taylor's series; for ``1 <= |x| < 2.5`` the series of positive terms
-    ``erf(x) = 2/sqrt(pi) exp(-x^2) x sum_n a_n x^(2n)``, ``a_n = 2^n / (1 3 5 ... (2n+1))``
-    (Abramowitz & Stegun 7.1.6), which has no cancellation. Both by Horner's rule, so
-    no partial result is tiny (summed term by term, the terms of small x fell into
-    subnormal numbers, which are slow). For
-    ``2.5 <= |x| < 6``, ``1 - erfc(x)`` with ``erfc(x) = exp(-x^2) / sqrt(pi) /
-    (x + (1/2) / (x + 1 / (x + (3/2) / (x + ...))))`` evaluated from its last level up
-    (A&S 7.1.14); beyond, ``erfc < 2e-17``: +-1."""
+    computed in float64: within 2e-15 of ``math.erf`` (tested). For ``|x| < 1`` Taylor's
+    series; for ``1 <= |x| < 2.5`` the series of positive terms ``erf(x) = 2/sqrt(pi)
+    exp(-x^2) x sum_n a_n x^(2n)`` (``_SERIES``; Abramowitz & Stegun 7.1.6), which has no
+    cancellation. Both by Horner's rule, so no partial result is tiny (summed term by
+    term, small x's terms fell into slow subnormal numbers). For ``2.5 <= |x| < 6``,
+    ``1 - erfc(x)`` with ``erfc(x) = exp(-x^2) / sqrt(pi) / (x + (1/2) / (x + 1 / (x +
+    (3/2) / (x + ...))))`` evaluated from its last level up (A&S 7.1.14); beyond,
+    ``erfc < 2e-17``: +-1."""
     a = np.abs(np.asarray(x, dtype=np.float64))
     out = np.ones_like(a)  # |x| >= 6 (and inf)
     near = a < 1

@@ -9,12 +9,10 @@ from mpitrain.tensor import Function, Tensor, as_tensor
 
 
 class Embedding(Function):
-    """``weight[ids]``: rows of a (V, C) table for integer ids of any shape.
-
-    The backward pass sums the gradients of repeated ids: sort the ids once, then one
-    ``np.add.reduceat`` adds each run of equal ids (faster than ``np.add.at``, and
-    independent of V, unlike a one-hot matrix product).
-    """
+    """``weight[ids]``: rows of a (V, C) table for integer ids of any shape. Backward sums
+    the gradients of repeated ids: the ids sorted once, one ``np.add.reduceat`` adds each
+    run of equal ids (faster than ``np.add.at``, and independent of V, unlike a one-hot
+    matrix product)."""
 
     def forward(self, weight, ids):
         self.ids, self.wshape = ids, weight.shape

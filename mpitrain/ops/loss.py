@@ -40,8 +40,7 @@ class CrossEntropy(Function):
 
     ``logits`` is ``(..., V)`` and ``targets`` integer ``(...)``. Targets equal to
     ``ignore_index`` contribute neither loss nor gradient, and the mean divides by the
-    number of counted targets. The gradient is ``(softmax - onehot) / count``.
-    """
+    number of counted targets. The gradient is ``(softmax - onehot) / count``."""
 
     def forward(self, logits, targets, ignore_index, reduction):
         V = logits.shape[-1]

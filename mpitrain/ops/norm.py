@@ -26,8 +26,7 @@ class BatchNorm(Function):
 
     Training mode uses the batch statistics and updates ``running_mean`` and
     ``running_var`` in place (``running = (1 - momentum) * running + momentum * batch``,
-    with the unbiased batch variance, as PyTorch does); eval mode uses the running ones.
-    """
+    with the unbiased batch variance, as PyTorch does); eval mode uses the running ones."""
 
     def forward(self, x, weight, bias, running_mean, running_var, training, momentum, eps):
         axes = tuple(range(x.ndim - 1))
@@ -112,10 +111,8 @@ def layer_norm_rows_backward(g2, xhat, rstd, weight, need, out=None, xhat_is_fre
 
 class LayerNorm(Function):
     """Normalise over the last axis; ``weight`` and ``bias`` (optional) have its length.
-
     Row sums are GEMVs with a vector of ones (BLAS is several times faster than NumPy's
-    reduction over a short last axis) and row dot products are ``einsum``.
-    """
+    reduction over a short last axis) and row dot products are ``einsum``."""
 
     def forward(self, x, weight, bias, eps):
         y, self.xhat, self.rstd = layer_norm_rows(x.reshape(-1, x.shape[-1]), weight, bias, eps)
