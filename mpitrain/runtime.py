@@ -99,9 +99,8 @@ def tune_allocator(mmap_threshold: int = 256 << 20, trim_threshold: int = 1 << 3
     """Make glibc keep and reuse freed activation memory; returns False where the C
     library is not glibc (macOS, musl), where nothing is changed."""
     mallopt = _libc_function("mallopt")
-    if mallopt is None:
-        return False
-    return bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
+    return (mallopt is not None and bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold))
+            and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold)))
 
 
 @functools.cache
@@ -118,12 +117,10 @@ def _heap() -> tuple[int, int] | None:
     """(start, end) of this process's C heap (the ``brk`` area), or None. The kernel
     lists it as several ``[heap]`` mappings once parts of it carry other advice (NumPy
     advises huge pages for its arrays of 4 MiB and more)."""
-    spans = []
     try:
         with open("/proc/self/maps") as maps:
-            for line in maps:
-                if line.rstrip().endswith("[heap]"):
-                    spans.append([int(a, 16) for a in line.split()[0].split("-")])
+            spans = [[int(a, 16) for a in line.split()[0].split("-")]
+                     for line in maps if line.rstrip().endswith("[heap]")]
     except OSError:  # not Linux
         return None
     return (spans[0][0], spans[-1][1]) if spans else None

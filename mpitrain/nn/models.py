@@ -15,10 +15,8 @@ import numpy as np
 
 from mpitrain import ops, rng
 from mpitrain.nn.checkpoint import checkpointed
-from mpitrain.nn.layers import (
-    BatchNorm2d, Conv2d, Dropout, Embedding, Flatten, GlobalAvgPool, LayerNorm, Linear,
-    MaxPool2d, ReLU,
-)
+from mpitrain.nn.layers import (BatchNorm2d, Conv2d, Dropout, Embedding, Flatten, GlobalAvgPool, LayerNorm, Linear,
+                                 MaxPool2d, ReLU)
 from mpitrain.nn.module import Module, ModuleList, Sequential
 from mpitrain.tensor import Parameter, no_grad
 

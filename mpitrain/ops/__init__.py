@@ -19,10 +19,8 @@ from mpitrain.ops.reduce import max, mean, sum
 from mpitrain.ops.shape import concat, getitem, reshape, split, transpose
 from mpitrain.ops.transformer import attention_sublayer, mlp_sublayer
 
-__all__ = [
-    "add", "attention_sublayer", "avg_pool2d", "batch_norm", "causal_self_attention", "concat",
-    "conv2d", "cross_entropy", "div", "dropout", "embedding", "exp", "fast_paths",
-    "fast_paths_enabled", "gelu", "getitem", "layer_norm", "linear", "log", "log_softmax",
-    "matmul", "max", "max_pool2d", "mean", "mlp_sublayer", "mul", "neg", "pow", "relu",
-    "reshape", "set_fast_paths", "sigmoid", "softmax", "split", "sub", "sum", "tanh", "transpose",
-]
+__all__ = ["add", "attention_sublayer", "avg_pool2d", "batch_norm", "causal_self_attention", "concat", "conv2d",
+           "cross_entropy", "div", "dropout", "embedding", "exp", "fast_paths", "fast_paths_enabled", "gelu", "getitem",
+           "layer_norm", "linear", "log", "log_softmax", "matmul", "max", "max_pool2d", "mean", "mlp_sublayer", "mul",
+           "neg", "pow", "relu", "reshape", "set_fast_paths", "sigmoid", "softmax", "split", "sub", "sum", "tanh",
+           "transpose"]

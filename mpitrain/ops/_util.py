@@ -25,11 +25,10 @@ def set_fast_paths(enabled: bool) -> bool:
       copy (``TiledConv2d``), or over the whole batch at once (``Conv2d``);
     * ``ops.max_pool2d``: the batch in cache-sized tiles, or whole.
 
-    Both do the same arithmetic in the same order except the convolution's, so results
-    are equal bit for bit (the GPT's outputs and every gradient, GELU, max-pooling);
-    the convolutions sum the same products in a different grouping (tiles change the
-    GEMMs' shapes and the order in which the weight gradient is summed), equal to
-    rounding (1e-12 relative in float64). The tests hold them to that."""
+    Both do the same arithmetic in the same order, equal bit for bit (the GPT's outputs
+    and every gradient, GELU, max-pooling), except the convolutions: tiles change the
+    GEMMs' shapes and the order in which the weight gradient is summed, equal to rounding
+    (1e-12 relative in float64). The tests hold them to that."""
     global _fast_paths
     previous, _fast_paths = _fast_paths, bool(enabled)
     return previous

@@ -127,11 +127,10 @@ class CausalSelfAttention(Function):
 
 def causal_self_attention(qkv, n_head: int, causal: bool = True, dropout_p: float = 0.0,
                           generator=None, heads: tuple | None = None) -> Tensor:
-    """Attention of ``qkv`` (B, T, 3C) with ``n_head`` heads; returns (B, T, C). The
-    dropout mask on the attention weights comes from ``generator`` if given, else from
-    ``mpitrain.rng`` (per sample inside ``rng.sample_streams``); ``heads = (first,
-    total)`` says these are heads ``first ..`` of ``total`` (a layer sliced over ranks),
-    whose masks are those heads' of the whole layer."""
+    """Attention of ``qkv`` (B, T, 3C) with ``n_head`` heads; returns (B, T, C). Dropout on
+    the attention weights draws from ``generator`` (:func:`mpitrain.rng.dropout_mask`);
+    ``heads = (first, total)``: these are heads ``first ..`` of a layer of ``total`` sliced
+    over ranks, whose masks are those heads' of the whole layer."""
     qkv = as_tensor(qkv)
     if qkv.ndim != 3 or qkv.shape[-1] % (3 * n_head):
         raise ValueError(f"qkv must be (B, T, 3C) with C divisible by n_head={n_head}, got {qkv.shape}")

@@ -137,9 +137,8 @@ def attention_sublayer(x, ln_weight, ln_bias, w_qkv, b_qkv, w_proj, b_proj, n_he
                        eps: float = 1e-5, dropout_p: float = 0.0, generator=None) -> Tensor:
     """``x + dropout(causal_self_attention(layer_norm(x) @ w_qkv + b_qkv) @ w_proj + b_proj)``
     for ``x`` (B, T, C), as one node; biases may be None. Dropout, as in GPT-2, acts on
-    the attention weights and on the branch, with masks drawn from ``generator`` in that
-    order (by default from ``mpitrain.rng``: per sample inside ``rng.sample_streams``,
-    where the (B*T, C) branch mask is sample-major, else the process-wide generator)."""
+    the attention weights and on the branch, masks drawn in that order from ``generator``
+    (:func:`mpitrain.rng.dropout_mask`; the (B*T, C) branch mask is sample-major)."""
     x = _check(x, w_qkv, w_proj, "attention_sublayer")
     if w_qkv.shape[1] % (3 * n_head) or w_proj.shape[0] != w_qkv.shape[1] // 3:
         raise ValueError(f"attention_sublayer: w_qkv {w_qkv.shape} must be (C, 3C') with C' divisible "
