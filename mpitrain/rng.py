@@ -196,8 +196,7 @@ def _draw(gen, shape: tuple, p: float, dtype) -> np.ndarray:
         if _streams is not None:
             return _sample_mask(_streams, shape, p, dtype)
         gen = _generator
-    mask = gen.random(shape, dtype=np.float32) >= p
-    out = mask.astype(dtype)
+    out = (gen.random(shape, dtype=np.float32) >= p).astype(dtype)
     out *= 1.0 / (1.0 - p)
     return out
 

@@ -166,11 +166,10 @@ class Tensor:
 
     def retain_grad(self) -> None:
         """Keep this intermediate tensor's gradient in ``.grad`` after backward."""
-        if self._ctx is None:
-            if not self.requires_grad:
-                raise RuntimeError("retain_grad() on a tensor that does not require grad")
-            return
-        self._ctx.retained[self._index] = self
+        if self._ctx is None and not self.requires_grad:
+            raise RuntimeError("retain_grad() on a tensor that does not require grad")
+        if self._ctx is not None:  # a leaf keeps its gradient anyway
+            self._ctx.retained[self._index] = self
 
     def register_post_accumulate_grad_hook(self, hook) -> None:
         """Call ``hook(tensor)`` once this leaf's ``.grad`` is complete in a backward pass.
@@ -184,9 +183,7 @@ class Tensor:
             raise RuntimeError("post-accumulate hooks are for leaf tensors (parameters)")
         if not self.requires_grad:
             raise RuntimeError("hook on a tensor that does not require grad")
-        if self._hooks is None:
-            self._hooks = []
-        self._hooks.append(hook)
+        self._hooks = [*(self._hooks or ()), hook]
 
     def zero_grad(self) -> None:
         if self.grad is not None:
@@ -487,11 +484,10 @@ def _retain(node: Function, out_grads: list, capture: dict | None) -> None:
         g = out_grads[i]
         if g is None:
             continue
-        if capture is not None:
-            if id(t) in capture:
-                capture[id(t)] = _owned(g, t.dtype)
-        else:
+        if capture is None:
             t.grad = _owned(g, t.dtype) if t.grad is None else t.grad + g
+        elif id(t) in capture:
+            capture[id(t)] = _owned(g, t.dtype)
 
 
 def _restricted(node: Function, weights: bool) -> tuple:
@@ -508,8 +504,6 @@ def _call(node: Function, out_grads: list, needs: tuple, deliver) -> None:
     recorded = node.needs_input_grad
     if not any(needs) or all(g is None for g in out_grads):
         in_grads = (None,) * len(needs)
-    elif needs is recorded:
-        in_grads = node.backward(*out_grads)
     else:
         node.needs_input_grad = needs
         try:

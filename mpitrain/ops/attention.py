@@ -96,14 +96,11 @@ def attend_backward(fn, gy, gqkv, dq_scratch=None) -> None:
     att = fn.att
     gatt -= np.einsum("bhji,bhji->bhi", gatt, att)[:, :, None, :]
     gatt *= att  # dS^T / sqrt(hs): the scale of both dq and dk
-    if dq_scratch is None:
-        np.matmul(_t(gatt), k, out=gq)  # dq = dS k
-        np.matmul(gatt, q, out=gk)  # dk = dS^T q
-        return
-    dq = dq_scratch.reshape(B, T, nh, -1).transpose(0, 2, 1, 3)  # (B, nh, T, hs)
+    dq = gq if dq_scratch is None else dq_scratch.reshape(B, T, nh, -1).transpose(0, 2, 1, 3)  # (B, nh, T, hs)
     np.matmul(_t(gatt), k, out=dq)  # dq = dS k
-    np.matmul(gatt, q, out=gk)  # dk = dS^T q, over k
-    np.copyto(gq, dq)  # over q, which dk has read
+    np.matmul(gatt, q, out=gk)  # dk = dS^T q (over k where gqkv is qkv)
+    if dq is not gq:
+        np.copyto(gq, dq)  # over q, which dk has read
 
 
 class CausalSelfAttention(Function):
