@@ -127,8 +127,7 @@ class Optimizer:
                 if k != "step" and np.shape(v) != shapes[i]:
                     raise ValueError(f"optimizer state {i}.{k}: shape {np.shape(v)}, parameter {shapes[i]}")
         self.step_count = int(state["step"])
-        self.state = {int(i): {k: np.array(v, copy=True) for k, v in s.items()}
-                      for i, s in state["state"].items()}
+        self.state = {int(i): {k: np.array(v, copy=True) for k, v in s.items()} for i, s in state["state"].items()}
         for group, saved in zip(self.param_groups, state["groups"]):
             group.update({k: v for k, v in saved.items() if k != "size"})
 
@@ -159,8 +158,7 @@ class SGD(Optimizer):
 class Adam(Optimizer):
     decoupled = False
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0):
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
     def _update(self, p, g, state, group):
@@ -196,8 +194,7 @@ class Adam(Optimizer):
 class AdamW(Adam):
     decoupled = True
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01):
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01):
         super().__init__(params, lr, betas, eps, weight_decay)
 
 

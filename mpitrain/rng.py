@@ -91,14 +91,13 @@ def _uint64(name: str, value) -> int:
 
 @contextlib.contextmanager
 def sample_streams(seed: int, step: int, samples):
-    """Draw dropout masks per sample while active; nested, the inner one rules until it exits.
-
-    ``samples`` (an int array or range, length B) are the positions in the step's global
-    batch of the micro-batch about to run forward, in the order of its activations'
-    leading dimension. A mask of shape (B, ...) or (B*T, ...) (sample-major, C order) is
-    then the concatenation, sample by sample, of ``size // B`` elements of each sample's
-    stream; successive masks within one layer continue the streams. ``seed``, ``step`` and
-    the samples are integers in [0, 2**64)."""
+    """Draw dropout masks per sample while active; nested, the inner one rules until it
+    exits. ``samples`` (an int array or range, length B) are the positions in the step's
+    global batch of the micro-batch about to run forward, in the order of its
+    activations' leading dimension. A mask of shape (B, ...) or (B*T, ...) (sample-major,
+    C order) is then the concatenation, sample by sample, of ``size // B`` elements of
+    each sample's stream; successive masks within one layer continue the streams.
+    ``seed``, ``step`` and the samples are integers in [0, 2**64)."""
     global _streams
     samples = np.asarray(samples)
     if samples.ndim != 1 or (samples.size and samples.dtype.kind not in "iu"):
@@ -113,13 +112,12 @@ def sample_streams(seed: int, step: int, samples):
 
 @contextlib.contextmanager
 def layer(index: int):
-    """``with rng.layer(i):`` the forward of layer ``i`` of ``model.named_layers()`` is running.
-
-    Inside :func:`sample_streams`, entering starts fresh per-sample streams keyed with
-    layer ``i`` (so a pipeline stage that runs only some layers draws exactly the masks
-    those layers draw in one process); leaving resumes the enclosing layer's streams.
-    Masks drawn under ``sample_streams`` with no ``layer`` active use layer 0. Outside
-    ``sample_streams`` this does nothing."""
+    """``with rng.layer(i):`` the forward of layer ``i`` of ``model.named_layers()`` is
+    running. Inside :func:`sample_streams`, entering starts fresh per-sample streams keyed
+    with layer ``i`` (so a pipeline stage that runs only some layers draws exactly the
+    masks those layers draw in one process); leaving resumes the enclosing layer's
+    streams. Masks drawn under ``sample_streams`` with no ``layer`` active use layer 0.
+    Outside ``sample_streams`` this does nothing."""
     index, s = _uint64("layer", index), _streams
     if s is None:
         yield
@@ -177,11 +175,9 @@ def rows(lo: int, hi: int, total: int):
 
 
 def dropout_mask(gen: np.random.Generator | None, shape: tuple, p: float, dtype) -> np.ndarray:
-    """Inverted-dropout mask: 0 with probability p, else 1/(1-p) (expected value 1).
-
-    ``gen`` None: from the per-sample streams inside :func:`sample_streams`, else from
-    the process-wide generator. A generator given is drawn from, always. Inside
-    :func:`rows`, the rows of the whole mask."""
+    """Inverted-dropout mask: 0 with probability p, else 1/(1-p) (expected value 1), drawn
+    from ``gen`` if given, else from the per-sample streams inside :func:`sample_streams`,
+    else from the process-wide generator; inside :func:`rows`, the rows of the whole mask."""
     if _rows is not None:
         lo, hi, total = _rows
         if len(shape) < 2 or shape[1] != hi - lo:

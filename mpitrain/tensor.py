@@ -158,10 +158,8 @@ class Tensor:
 
     # ------------------------------------------------------------------- autograd
     def backward(self, grad=None, retain_graph: bool = False) -> None:
-        """Accumulate d(self)/d(leaf) into every leaf's ``.grad``.
-
-        ``grad`` is the upstream gradient d(loss)/d(self); it may be omitted only for a
-        single-element tensor (then it is 1)."""
+        """Accumulate d(self)/d(leaf) into every leaf's ``.grad``; ``grad`` is the upstream
+        gradient d(loss)/d(self), which only a single-element tensor may omit (then 1)."""
         backward([self], None if grad is None else [grad], retain_graph=retain_graph)
 
     def retain_grad(self) -> None:
@@ -172,13 +170,11 @@ class Tensor:
             self._ctx.retained[self._index] = self
 
     def register_post_accumulate_grad_hook(self, hook) -> None:
-        """Call ``hook(tensor)`` once this leaf's ``.grad`` is complete in a backward pass.
-
-        Complete means every use of the leaf in the graph has delivered its
-        contribution; hooks fire in the order gradients become final, which for a
-        sequential model is the reverse of the forward order. A leaf that is in the
-        graph but got no gradient this pass (its only consumers returned none) still
-        fires, with ``.grad`` as it was: a bucket waiting on it always completes."""
+        """Call ``hook(tensor)`` once this leaf's ``.grad`` is complete in a backward pass:
+        every use of the leaf in the graph has delivered its contribution. Hooks fire in the
+        order gradients become final, for a sequential model the reverse of the forward
+        order. A leaf in the graph that got no gradient this pass (its only consumers
+        returned none) still fires, ``.grad`` as it was: a bucket waiting on it completes."""
         if self._ctx is not None:
             raise RuntimeError("post-accumulate hooks are for leaf tensors (parameters)")
         if not self.requires_grad:
@@ -400,9 +396,7 @@ def _graph(roots: list[Tensor]):
     return order, leaf_uses
 
 
-# The phases of a walk over the graph (see _walk): every input's gradient, or a backward
-# split in two, the inputs that are not parameters first, then the parameters.
-_WHOLE, _INPUTS, _WEIGHTS = "whole", "inputs", "weights"
+_WHOLE, _INPUTS, _WEIGHTS = "whole", "inputs", "weights"  # the phases of a walk (_walk says which)
 
 
 def _run(roots, grads, retain_graph: bool, capture: dict | None, phase: str = _WHOLE):
@@ -458,7 +452,6 @@ def _deliverer(pending: dict, leaf_uses: dict, capture: dict | None):
 def _walk(steps, deliver, phase: str, free: bool, capture: dict | None = None) -> collections.deque:
     """The engine loop: for each ``(node, out_grads)`` of ``steps`` in turn, call the
     node's backward and deliver the gradients it returns; ``free`` frees each node after.
-
     ``phase`` says which inputs a node is asked for: those it recorded (``_WHOLE``), its
     Parameter leaves (``_WEIGHTS``) or all others (``_INPUTS``). An ``_INPUTS`` walk keeps,
     unfreed, every node with a Parameter input that needs a gradient, with its
@@ -535,10 +528,9 @@ def backward(tensors, grads=None, retain_graph: bool = False) -> None:
 
 
 def grad(outputs, inputs, grad_outputs=None, retain_graph: bool = False) -> list:
-    """Gradients of ``outputs`` with respect to ``inputs``, leaving every ``.grad`` alone.
-
-    ``inputs`` may be leaves or intermediates (an intermediate's gradient is taken when
-    its producing node runs). Inputs that the outputs do not depend on get ``None``."""
+    """Gradients of ``outputs`` with respect to ``inputs``, leaving every ``.grad`` alone:
+    leaves or intermediates (an intermediate's gradient is taken when its producing node
+    runs); inputs that the outputs do not depend on get ``None``."""
     outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     inputs = list(inputs)
     if grad_outputs is None:

@@ -57,8 +57,7 @@ class ConvNet(Sequential):
     classifier. ``channels=(16, 32)`` is the benchmark model of ``mpitrain bench step``.
     The last convolution's ReLU runs after the pool, inside the pool op (the same function)."""
 
-    def __init__(self, in_channels: int = 3, image_size: int = 32, num_classes: int = 10,
-                 channels: tuple = (16, 32)):
+    def __init__(self, in_channels: int = 3, image_size: int = 32, num_classes: int = 10, channels: tuple = (16, 32)):
         layers: list[Module] = []
         c = in_channels
         for n, width in enumerate(channels, 1):
@@ -83,8 +82,7 @@ class BasicBlock(Module):
         self.bn2 = BatchNorm2d(c_out)
         self.shortcut = None
         if stride != 1 or c_in != c_out:
-            self.shortcut = Sequential(Conv2d(c_in, c_out, 1, stride=stride, bias=False),
-                                       BatchNorm2d(c_out))
+            self.shortcut = Sequential(Conv2d(c_in, c_out, 1, stride=stride, bias=False), BatchNorm2d(c_out))
 
     def forward(self, x):
         h = ops.relu(self.bn1(self.conv1(x)))
@@ -280,11 +278,8 @@ class GPT(Module):
         return [("embed", self.embed), *((f"block {i}", b) for i, b in enumerate(self.blocks)), ("head", self.head)]
 
     def forward(self, ids, targets=None):
-        """Logits (B, T, V), and the mean cross-entropy if ``targets`` (B, T) is given.
-
-        Each layer of :meth:`layers` runs inside its own dropout streams (:func:`run_layers`),
-        the same when a pipeline stage runs it alone; with ``checkpoint_activations`` the
-        blocks are checkpointed (``__init__``)."""
+        """Logits (B, T, V), and the mean cross-entropy if ``targets`` (B, T) is given; the
+        layers run through :func:`run_layers`, the blocks checkpointed if ``__init__`` says."""
         logits = run_layers(self, ids)
         if targets is None:
             return logits, None

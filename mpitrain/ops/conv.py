@@ -2,13 +2,11 @@
 and convolution weights ``(kh, kw, C_in, C_out)``.
 
 The plain path (:class:`Conv2d`, the text to learn from) is im2col + one GEMM over the
-whole batch: a strided view exposes every ``kh x kw`` window of the padded input, and
-one copy lays them out as the column matrix, whose product with the weight is the
-output already in NHWC order. The fast path (:class:`TiledConv2d`, chosen by
-``ops.fast_paths``, the default) does the same products in another order and layout.
-Channels-last suits im2col: one row of a window is ``kw * C_in`` contiguous numbers,
-copied as one opaque element (:func:`_im2col`). Backward takes the column gradient tap
-by tap (one batched GEMM), so that col2im moves long contiguous runs.
+whole batch, the output already in NHWC order. The fast path (:class:`TiledConv2d`,
+chosen by ``ops.fast_paths``, the default) does the same products in another order and
+layout. Channels-last suits im2col: one row of a window is ``kw * C_in`` contiguous
+numbers, copied as one opaque element (:func:`_im2col`). Backward takes the column
+gradient tap by tap (one batched GEMM), so that col2im moves long contiguous runs.
 
 Tiles. Built for the whole batch at once, the column matrix of a 32x32x16 layer at
 batch 64 is 38 MB: im2col writes it to memory and the GEMM, whose packing reads it
@@ -21,10 +19,9 @@ over single pixels or positions, and one tile covers a batch that fits. Tiles gr
 the weight and bias gradients and the col2im sums differently, so the two paths agree
 to rounding, not bit for bit.
 
-Backward computes the input gradient in sub-tiles of ``COLUMN_GRAD_BYTES`` (one image
-of that layer), where its nine narrow GEMMs (``N = C_in``) run faster. Winograd's
-F(2x2, 3x3), fewer multiplications but NumPy passes over strided 4x4 tiles, lost to
-im2col: the narrow GEMMs set the floor. Each part's cost: ``mpitrain/bench/README.md``.
+Winograd's F(2x2, 3x3), fewer multiplications but NumPy passes over strided 4x4 tiles,
+lost to im2col, whose narrow backward GEMMs (``COLUMN_GRAD_BYTES``) set the floor. Each
+part's cost: ``mpitrain/bench/README.md``.
 """
 
 from __future__ import annotations
@@ -106,8 +103,7 @@ def _tap_regions(H, W, kh, kw, sh, sw, ph, pw, Ho, Wo) -> tuple:
         for j in range(kw):
             ow, nw, w0 = _clip(W, Wo, j, sw, pw)
             if nh and nw:
-                dst = (slice(None), slice(h0, h0 + sh * (nh - 1) + 1, sh),
-                       slice(w0, w0 + sw * (nw - 1) + 1, sw))
+                dst = (slice(None), slice(h0, h0 + sh * (nh - 1) + 1, sh), slice(w0, w0 + sw * (nw - 1) + 1, sw))
                 src = (slice(None), slice(oh, oh + nh), slice(ow, ow + nw))
                 regions.append((i * kw + j, dst, src, nh == H and nw == W and sh == sw == 1))
     cover = next((r for r in regions if r[3]), None)
@@ -115,12 +111,10 @@ def _tap_regions(H, W, kh, kw, sh, sw, ph, pw, Ho, Wo) -> tuple:
 
 
 def _scatter_taps(pieces, gx, kh, kw, sh, sw, ph, pw, Ho, Wo) -> np.ndarray:
-    """Set ``gx`` (B, H, W, C) to the sum of each tap's (B, Ho, Wo, C) piece added onto
-    the input pixels the tap read; returns ``gx``.
-
-    ``pieces(tap)`` returns the piece of tap ``i * kw + j``. Each tap is clipped to the
-    pixels inside the image, so no padded array is built. A tap that covers every pixel
-    once is written first by assignment, so ``gx`` needs no zeroing."""
+    """Set ``gx`` (B, H, W, C) to the sum of each tap's (B, Ho, Wo, C) piece, ``pieces(tap)``
+    for tap ``i * kw + j``, added onto the input pixels the tap read; returns ``gx``. Each
+    tap is clipped to the pixels inside the image, so no padded array is built. A tap that
+    covers every pixel once is written first by assignment, so ``gx`` needs no zeroing."""
     _, H, W, _ = gx.shape
     cover, others = _tap_regions(H, W, kh, kw, sh, sw, ph, pw, Ho, Wo)
     if cover:
@@ -135,7 +129,6 @@ def _scatter_taps(pieces, gx, kh, kw, sh, sw, ph, pw, Ho, Wo) -> np.ndarray:
 def _im2col(xp: np.ndarray, kh, kw, sh, sw, Ho, Wo) -> np.ndarray:
     """(n*Ho*Wo, kh*kw*C) column matrix of ``xp`` (n, Hp, Wp, C), one row per output
     pixel, in one copy: ``cols[b, ho, wo, i, q] = xp[b, ho*sh + i, wo*sw + q // C, q % C]``.
-
     A window row, kw pixels of C channels, is kw*C contiguous numbers in channels-last
     memory. The copy moves it as one opaque element of kw*C*itemsize bytes, so NumPy's
     inner loop runs along output pixels rather than along the 48 (or, for RGB input, 9)

@@ -36,11 +36,10 @@ class LogSoftmax(Function):
 
 
 class CrossEntropy(Function):
-    """Mean over counted targets of -log softmax(logits)[target], in one node.
-
-    ``logits`` is ``(..., V)`` and ``targets`` integer ``(...)``. Targets equal to
-    ``ignore_index`` contribute neither loss nor gradient, and the mean divides by the
-    number of counted targets. The gradient is ``(softmax - onehot) / count``."""
+    """-log softmax(logits)[target] over the counted targets, in one node: their mean, or
+    with ``reduction="sum"`` their sum. ``logits`` is ``(..., V)`` and ``targets`` integer
+    ``(...)``; targets equal to ``ignore_index`` contribute neither loss nor gradient. The
+    mean's gradient is ``(softmax - onehot) / count``."""
 
     def forward(self, logits, targets, ignore_index, reduction):
         V = logits.shape[-1]

@@ -23,7 +23,6 @@ def _dot_per_channel(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 class BatchNorm(Function):
     """Normalise over every axis but the last (channels-last), e.g. (B, H, W, C) or (B, C).
-
     Training mode uses the batch statistics and updates ``running_mean`` and
     ``running_var`` in place (``running = (1 - momentum) * running + momentum * batch``,
     with the unbiased batch variance, as PyTorch does); eval mode uses the running ones."""
@@ -126,12 +125,10 @@ class LayerNorm(Function):
         return (None if gx is None else gx.reshape(g.shape)), gw, gb
 
 
-def batch_norm(x, weight, bias, running_mean=None, running_var=None, training=True,
-               momentum=0.1, eps=1e-5) -> Tensor:
+def batch_norm(x, weight, bias, running_mean=None, running_var=None, training=True, momentum=0.1, eps=1e-5) -> Tensor:
     if not training and running_mean is None:
         raise ValueError("batch_norm in eval mode needs running statistics")
-    return BatchNorm.apply(as_tensor(x), weight, bias, running_mean, running_var,
-                           training, momentum, eps)
+    return BatchNorm.apply(as_tensor(x), weight, bias, running_mean, running_var, training, momentum, eps)
 
 
 def layer_norm(x, weight, bias=None, eps=1e-5) -> Tensor:

@@ -40,12 +40,10 @@ from mpitrain.tensor import Function, Tensor, as_tensor
 
 class _Sublayer(Function):
     """Both sublayers: ``x + dropout(mid(LN(x) W_in + b_in) W_proj + b_proj)``, where a
-    subclass supplies the middle, ``_middle`` (attention or GELU) and its backward
-    ``_middle_backward``. Inputs: x, the norm's weight and bias, W_in, b_in, W_proj,
-    b_proj, eps, dropout probability, generator, then the middle's own settings."""
+    subclass supplies the middle, ``_middle`` (attention or GELU), its own settings last
+    among the inputs, and its backward ``_middle_backward``."""
 
-    def forward(self, x, ln_weight, ln_bias, w_in, b_in, w_proj, b_proj, eps, dropout_p, generator,
-                *config):
+    def forward(self, x, ln_weight, ln_bias, w_in, b_in, w_proj, b_proj, eps, dropout_p, generator, *config):
         self.x_shape = x.shape
         u2, self.xhat, self.rstd = layer_norm_rows(x.reshape(-1, x.shape[-1]), ln_weight, ln_bias, eps)  # LN(x), (N, C)
         m2 = self._middle(affine(u2, w_in, b_in), dropout_p, generator, *config)  # (N, M)
