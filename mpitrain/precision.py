@@ -152,20 +152,19 @@ class MixedPrecision:
         factor = 1.0 / self.scaler.scale
         if grad_clip > 0 and norm > grad_clip:
             factor *= grad_clip / (norm + 1e-6)  # as optim.scale_to does for float32 gradients
-        params = self.params
 
         def unscaled(i, master):
-            g = params[i].grad
+            g = self.params[i].grad
             if g is None:
                 return None
             if self._work is None or self._work.size < g.size:
-                self._work = np.empty(max(q.size for q in params), np.float32)
+                self._work = np.empty(max(q.size for q in self.params), np.float32)
             out = self._work[: g.size].reshape(g.shape)
             np.copyto(out, g)
             out *= factor
             return out
         self.inner.step_with(unscaled)
-        for p in params:
+        for p in self.params:
             np.copyto(p.data, self._masters[id(p)], casting="same_kind")
 
     def zero_grad(self) -> None:

@@ -536,11 +536,9 @@ def grad(outputs, inputs, grad_outputs=None, retain_graph: bool = False) -> list
     if grad_outputs is None:
         grad_outputs = [np.ones(o.shape, dtype=o.dtype) for o in outputs]
     capture = {id(t): None for t in inputs}
-    saved = []
-    for t in inputs:
-        if t._ctx is not None:
-            saved.append((t, t._ctx.retained.get(t._index)))
-            t._ctx.retained[t._index] = t
+    saved = [(t, t._ctx.retained.get(t._index)) for t in inputs if t._ctx is not None]  # to restore after
+    for t, _ in saved:
+        t._ctx.retained[t._index] = t
     try:
         _run(outputs, list(grad_outputs), retain_graph, capture)
     finally:

@@ -21,7 +21,7 @@ import numpy as np
 
 from mpitrain import rng
 from mpitrain.nn.module import Module
-from mpitrain.tensor import Function, Tensor, enable_grad, grad, is_grad_enabled, no_grad
+from mpitrain.tensor import Function, Tensor, as_tensor, enable_grad, grad, is_grad_enabled, no_grad
 
 
 class _Checkpoint(Function):
@@ -33,8 +33,7 @@ class _Checkpoint(Function):
 
     def backward(self, g):
         x, out = replay(self.module, self.x, self.needs_input_grad[0], self.rng_state)
-        grads = grad([out], [x] + self.module.parameters(), [g])
-        return tuple(grads)
+        return tuple(grad([out], [x] + self.module.parameters(), [g]))
 
 
 def replay(module: Module, x: np.ndarray, x_needs_grad: bool, rng_state) -> tuple[Tensor, Tensor]:
@@ -64,8 +63,7 @@ def checkpoint(module: Module, x):
     can route a module's calls here."""
     if not is_grad_enabled():
         return module.forward(x)
-    x = x if isinstance(x, Tensor) else Tensor(x)
-    return _Checkpoint.apply(x, *module.parameters(), module=module)
+    return _Checkpoint.apply(as_tensor(x), *module.parameters(), module=module)
 
 
 def checkpointed(module: Module) -> Module:

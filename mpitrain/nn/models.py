@@ -58,14 +58,11 @@ class ConvNet(Sequential):
     The last convolution's ReLU runs after the pool, inside the pool op (the same function)."""
 
     def __init__(self, in_channels: int = 3, image_size: int = 32, num_classes: int = 10, channels: tuple = (16, 32)):
-        layers: list[Module] = []
-        c = in_channels
-        for n, width in enumerate(channels, 1):
-            layers += [Conv2d(c, width, 3, padding=1, relu=n < len(channels))]
-            c = width
+        ins = (in_channels, *channels[:-1])
+        convs = [Conv2d(c, width, 3, padding=1, relu=n < len(channels))
+                 for n, (c, width) in enumerate(zip(ins, channels), 1)]
         side = image_size // 2
-        layers += [MaxPool2d(2, relu=True), Flatten(), Linear(c * side * side, num_classes)]
-        super().__init__(*layers)
+        super().__init__(*convs, MaxPool2d(2, relu=True), Flatten(), Linear(channels[-1] * side * side, num_classes))
 
     def forward(self, x):
         return run_layers(self, x)

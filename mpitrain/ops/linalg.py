@@ -76,6 +76,4 @@ def matmul(a, b) -> Tensor:
 
 
 def linear(x, weight, bias=None) -> Tensor:
-    if bias is None:
-        return Linear.apply(as_tensor(x), weight)
-    return Linear.apply(as_tensor(x), weight, bias)
+    return Linear.apply(as_tensor(x), weight, *(() if bias is None else (bias,)))
