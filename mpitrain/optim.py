@@ -164,9 +164,7 @@ class Adam(Optimizer):
     def _update(self, p, g, state, group):
         lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         if not state:
-            state["exp_avg"] = np.zeros_like(p)
-            state["exp_avg_sq"] = np.zeros_like(p)
-            state["step"] = np.zeros((), dtype=np.int64)
+            state.update(exp_avg=np.zeros_like(p), exp_avg_sq=np.zeros_like(p), step=np.zeros((), dtype=np.int64))
         state["step"] += 1
         t = int(state["step"])
         if wd and self.decoupled:

@@ -78,9 +78,7 @@ def emulated_cluster() -> dict | None:
 def blas_threads(requested: int = 0, ranks_per_node: int = 1) -> int:
     """BLAS threads per process: ``requested`` if given, else this process's share of
     the cores (at least one)."""
-    if requested > 0:
-        return requested
-    return max(1, available_cores() // max(1, ranks_per_node))
+    return requested if requested > 0 else max(1, available_cores() // max(1, ranks_per_node))
 
 
 @contextlib.contextmanager

@@ -335,11 +335,9 @@ class Function:
         if record:
             fn.inputs = tuple((a if a._ctx is None else _Edge(a)) if needed else None
                               for a, needed in zip(args, wanted))
-            fn.retained = {}
-            fn.n_outputs = len(outs)
+            fn.retained, fn.n_outputs = {}, len(outs)
             for i, t in enumerate(tensors):
-                t._ctx = fn
-                t._index = i
+                t._ctx, t._index = fn, i
         return tensors if several else tensors[0]
 
     def forward(self, *args, **kwargs):  # pragma: no cover - interface

@@ -18,10 +18,8 @@ class Module:
     _call_through = None  # see call_through()
 
     def __init__(self):
-        object.__setattr__(self, "_parameters", OrderedDict())
-        object.__setattr__(self, "_modules", OrderedDict())
-        object.__setattr__(self, "_buffers", OrderedDict())
-        object.__setattr__(self, "training", True)
+        # around __setattr__, which reads the registries
+        self.__dict__.update(_parameters=OrderedDict(), _modules=OrderedDict(), _buffers=OrderedDict(), training=True)
 
     def __setattr__(self, name, value):
         if "_parameters" not in self.__dict__:

@@ -23,9 +23,7 @@ class Transpose(Function):
         return np.transpose(x, axes)
 
     def backward(self, g):
-        if self.axes is None:
-            return np.transpose(g)
-        return np.transpose(g, np.argsort(self.axes))
+        return np.transpose(g, None if self.axes is None else np.argsort(self.axes))
 
 
 def _is_basic(index) -> bool:
