@@ -19,7 +19,6 @@ def dtype_of(name: str):
         raise ValueError(f"a number format must be one of {FORMATS}, got {name!r}")
     if name == "bf16":
         import ml_dtypes  # imported on first use: a float32 run never needs it
-
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(np.float16) if name == "fp16" else None
 

@@ -88,8 +88,7 @@ class Optimizer:
         return other
 
     def _scratch(self, like: np.ndarray) -> np.ndarray:
-        """A reusable work array shaped like ``like`` (one buffer for all parameters,
-        so an update allocates nothing)."""
+        """A reusable work array shaped like ``like``: one buffer for all parameters, so an update allocates nothing."""
         buf = getattr(self, "_buffer", None)
         if buf is None or buf.size < like.size or buf.dtype != like.dtype:
             buf = self._buffer = np.empty(max(like.size, 0 if buf is None else buf.size), like.dtype)
@@ -219,15 +218,13 @@ def clip_grad_norm(params, max_norm: float) -> float:
 
 
 def sum_of_squares(grads) -> float:
-    """The sum of the squares of the arrays' elements, each array's a BLAS dot product,
-    added in float64 in order (a strategy holding part of the model sums its part, then
-    adds the parts over ranks)."""
+    """The sum of the squares of the arrays' elements, each array's a BLAS dot product, added in float64 in
+    order (a strategy holding part of the model sums its part, then adds the parts over ranks)."""
     return sum(float(np.dot(v, v)) for v in (upcast(g).reshape(-1) for g in grads))
 
 
 def scale_to(grads, norm: float, max_norm: float) -> None:
-    """Scale ``grads`` in place so that their global norm ``norm`` becomes ``max_norm``,
-    if it is larger (a non-finite norm leaves them as they are)."""
+    """Scale ``grads`` in place from their global norm ``norm`` to ``max_norm`` if larger (and finite)."""
     if math.isfinite(norm) and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         for g in grads:

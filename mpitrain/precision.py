@@ -63,14 +63,11 @@ class LossScaler:
         self.skipped = 0  # steps skipped for an overflow
 
     def update(self, overflow: bool) -> None:
-        if overflow:
-            self.skipped += 1
-            self.clean = 0
-            if self.dynamic:
-                self.scale /= 2
-            return
-        self.clean += 1
-        if self.dynamic and self.clean == self.growth_interval:
+        self.skipped += 1 if overflow else 0
+        self.clean = 0 if overflow else self.clean + 1
+        if self.dynamic and overflow:
+            self.scale /= 2
+        elif self.dynamic and self.clean == self.growth_interval:
             self.scale *= 2
             self.clean = 0
 
@@ -216,6 +213,5 @@ class MixedPrecision:
 
 
 def masters_in_model(optimizer):
-    """:meth:`MixedPrecision.masters_in_model` of a mixed-precision optimizer; nothing to
-    do for any other."""
+    """:meth:`MixedPrecision.masters_in_model` of a mixed-precision optimizer; nothing for any other."""
     return optimizer.masters_in_model() if isinstance(optimizer, MixedPrecision) else contextlib.nullcontext()

@@ -6,10 +6,9 @@ every dropout mask in call order. Its state is plain data (:func:`get_state` /
 :func:`set_state`), so a checkpoint can save and restore it.
 
 **Per-sample streams.** In call order, a sample's dropout mask depends on everything
-drawn before it: on how many samples share its micro-batch, into how many
-micro-batches (m) the global batch is cut, how many data-parallel replicas (dp) share
-it, and the pipeline stages (p) and their schedule (a stage on rank 1 never sees rank
-0's draws): training with dropout would change with p, m and dp. Inside
+drawn before it, so training with dropout would change with the samples sharing its
+micro-batch, the micro-batches (m), the data-parallel replicas (dp), and the pipeline
+stages (p) and their schedule (a stage on rank 1 never sees rank 0's draws). Inside
 :func:`sample_streams` a mask is instead drawn per sample, each sample's share from its
 own stream, keyed by ``(seed, step, sample, layer)``: ``sample`` its position in the
 step's *global* batch, ``layer`` its index in ``model.named_layers()`` (:func:`layer`).
@@ -163,9 +162,8 @@ _rows: tuple | None = None  # (lo, hi, total): the masks drawn are rows lo..hi o
 
 @contextlib.contextmanager
 def rows(lo: int, hi: int, total: int):
-    """Masks drawn inside are rows ``lo .. hi`` (axis 1, the sequence) of the masks of
-    ``total`` rows one process draws: a rank that holds a slice of the sequence
-    (sequence parallelism) drops what one process drops there."""
+    """Masks drawn inside are rows ``lo .. hi`` (axis 1, the sequence) of the masks of ``total`` rows one
+    process draws: a rank that holds a slice of the sequence (sequence parallelism) drops what one process does."""
     global _rows
     outer, _rows = _rows, (lo, hi, total)
     try:

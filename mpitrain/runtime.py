@@ -50,9 +50,8 @@ def available_cores() -> int:
 
 
 def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host (another user's counts): what a
-    killed process left behind (a dataset build's directory, an emulated cluster's
-    namespaces) may be cleared only once it is gone."""
+    """Whether process ``pid`` exists on this host (another user's counts): what a killed process left behind
+    (a dataset build's directory, an emulated cluster's namespaces) may be cleared only once it is gone."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -76,15 +75,13 @@ def emulated_cluster() -> dict | None:
 
 
 def blas_threads(requested: int = 0, ranks_per_node: int = 1) -> int:
-    """BLAS threads per process: ``requested`` if given, else this process's share of
-    the cores (at least one)."""
+    """BLAS threads per process: ``requested`` if given, else this process's share of the cores (at least one)."""
     return requested if requested > 0 else max(1, available_cores() // max(1, ranks_per_node))
 
 
 @contextlib.contextmanager
 def limit_blas_threads(n: int):
-    """Limit BLAS (OpenBLAS, MKL, BLIS) in this process to ``n`` threads while the
-    context is open, and size the convolution's tiles for them."""
+    """Limit BLAS (OpenBLAS, MKL, BLIS) to ``n`` threads while open, and size the convolution's tiles for them."""
     with threadpool_limits(limits=n, user_api="blas"):
         previous = conv.set_blas_threads(n)
         try:
@@ -94,8 +91,7 @@ def limit_blas_threads(n: int):
 
 
 def tune_allocator(mmap_threshold: int = 256 << 20, trim_threshold: int = 1 << 30) -> bool:
-    """Make glibc keep and reuse freed activation memory; returns False where the C
-    library is not glibc (macOS, musl), where nothing is changed."""
+    """Make glibc keep and reuse freed activation memory; returns False, changing nothing, elsewhere (macOS, musl)."""
     mallopt = _libc_function("mallopt")
     return (mallopt is not None and bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold))
             and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold)))
@@ -112,9 +108,8 @@ def _libc_function(name: str):
 
 
 def _heap() -> tuple[int, int] | None:
-    """(start, end) of this process's C heap (the ``brk`` area), or None. The kernel
-    lists it as several ``[heap]`` mappings once parts of it carry other advice (NumPy
-    advises huge pages for its arrays of 4 MiB and more)."""
+    """(start, end) of this process's C heap (the ``brk`` area), or None. The kernel lists it as several
+    ``[heap]`` mappings once parts of it carry other advice (NumPy's huge pages for arrays of 4 MiB and more)."""
     try:
         with open("/proc/self/maps") as maps:
             spans = [[int(a, 16) for a in line.split()[0].split("-")]

@@ -283,8 +283,8 @@ _observers: list = []  # called with (function class, args, kwargs) before each 
 
 @contextlib.contextmanager
 def observe_ops(observer):
-    """Call ``observer(cls, args, kwargs)`` for every op applied inside the block (FLOP
-    counting, tracing); costs nothing when no observer is installed."""
+    """Call ``observer(cls, args, kwargs)`` for every op applied inside the block (FLOP counting, tracing);
+    costs nothing when no observer is installed."""
     _observers.append(observer)
     try:
         yield observer
@@ -358,10 +358,9 @@ class _Edge:
 
 
 def _owned(g: np.ndarray, dtype) -> np.ndarray:
-    """A private copy of a gradient before it is handed to the user: arrays flowing
-    through the graph may be shared, read-only broadcast views, or the caller's own.
-    C order even when ``g`` is a transposed view (a transpose's backward), so
-    optimizers and flat buffers see the parameter's own layout."""
+    """A private copy of a gradient handed to the user (arrays in the graph may be shared,
+    read-only broadcast views, or the caller's own), in C order even from a transposed
+    view (a transpose's backward), so optimizers and flat buffers see the parameter's."""
     return np.array(g, dtype=dtype, copy=True, order="C")
 
 
@@ -482,8 +481,7 @@ def _retain(node: Function, out_grads: list, capture: dict | None) -> None:
 
 
 def _restricted(node: Function, weights: bool) -> tuple:
-    """``node.needs_input_grad`` restricted to its Parameter inputs (``weights``) or to
-    the others."""
+    """``node.needs_input_grad`` restricted to its Parameter inputs (``weights``) or to the others."""
     return tuple(needed and isinstance(t, Parameter) == weights
                  for t, needed in zip(node.inputs, node.needs_input_grad))
 
@@ -622,12 +620,11 @@ def backward_split(tensors, grads=None) -> "WeightPass":
     order, so the results are bit for bit those of ``backward(tensors, grads)``.
 
     Cost: a node's backward runs twice, and work its input and weight gradients share is
-    done in both. The fused transformer sublayers (``ops.transformer``) reach ``W_in``'s
-    and the layer norm's gradients only through the whole inner chain: asked for its
-    weights alone, a sublayer redoes nearly a second backward. The plain block
-    (``ops.fast_paths(False)``) has each ``Linear`` and ``LayerNorm`` as its own node,
-    whose phase two is the weight products and the norm's reductions alone. Activation
-    checkpointing's node ignores the mask and recomputes its block in each phase."""
+    done in both: nearly a second backward for a fused transformer sublayer
+    (``ops.transformer``), whose ``W_in`` and layer norm gradients lie behind its whole
+    inner chain, the weight products and the norm's reductions alone for the plain
+    block's separate ``Linear`` and ``LayerNorm`` nodes (``ops.fast_paths(False)``).
+    Activation checkpointing's node ignores the mask and recomputes its block each time."""
     tensors = list(tensors)
     if any(isinstance(t, Parameter) for t in tensors):
         raise ValueError("backward_split from a Parameter: its gradient is not an input gradient to split off")
@@ -636,8 +633,7 @@ def backward_split(tensors, grads=None) -> "WeightPass":
 
 
 class WeightPass:
-    """The second phase of :func:`backward_split`: ``run()`` once to compute the
-    parameters' gradients from the nodes phase one kept."""
+    """Phase two of :func:`backward_split`: ``run()`` it once for the parameters' gradients."""
 
     def __init__(self, kept: collections.deque, leaf_uses: dict):
         self._kept, self._leaf_uses = kept, leaf_uses
@@ -653,8 +649,7 @@ class WeightPass:
 
 
 def _drain(items: collections.deque):
-    """Yield ``items`` from the first, dropping each from the deque (a node's output
-    gradients are freed as the walk passes it, not at its end)."""
+    """Yield ``items`` from the first, popping each: a node's output gradients are freed as the walk passes it."""
     while items:
         yield items.popleft()
 

@@ -23,9 +23,8 @@ from mpitrain.tensor import Parameter, no_grad
 
 # ---------------------------------------------------------------------------- CNNs
 def run_layers(model: Module, x):
-    """``x`` through ``model.named_layers()`` in order, each layer inside its own dropout
-    streams (:func:`mpitrain.rng.layer`), so that a pipeline stage running some of them
-    draws the masks they draw here."""
+    """``x`` through ``model.named_layers()`` in order, each layer inside its own dropout streams
+    (:func:`mpitrain.rng.layer`), so that a pipeline stage running some of them draws the masks they draw here."""
     for i, (_, layer) in enumerate(model.named_layers()):
         with rng.layer(i):
             x = layer(x)

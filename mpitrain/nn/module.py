@@ -68,8 +68,7 @@ class Module:
         return iter(self._modules.values())
 
     def named_parameters(self, prefix: str = ""):
-        """(name, parameter) pairs in registration order; a shared (tied) parameter is
-        listed once, under its first name."""
+        """(name, parameter) pairs in registration order; a shared (tied) parameter once, under its first name."""
         seen: set[int] = set()
         for mod_name, mod in self.named_modules(prefix):
             for name, p in mod._parameters.items():
@@ -128,8 +127,7 @@ class Module:
         return self.train(False)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        """Clear gradients. By default they are zeroed in place (keeping any views into
-        flat gradient buffers); ``set_to_none`` drops them instead."""
+        """Zero the gradients in place (views into flat gradient buffers stay), or drop them (``set_to_none``)."""
         for p in self.parameters():
             if set_to_none:
                 p.grad = None

@@ -41,8 +41,7 @@ def fast_paths_enabled() -> bool:
 
 @contextlib.contextmanager
 def fast_paths(enabled: bool):
-    """``with fast_paths(False): ...`` runs the plain paths inside the block and restores
-    the previous setting after it (see :func:`set_fast_paths`)."""
+    """``with fast_paths(False): ...`` runs the plain paths inside the block (:func:`set_fast_paths`)."""
     previous = set_fast_paths(enabled)
     try:
         yield
@@ -62,8 +61,7 @@ def blocks(n: int, size: int = BLOCK_ELEMENTS) -> list[slice]:
 
 @functools.lru_cache(maxsize=64)
 def cached_full(shape: tuple, value: float, dtype: np.dtype) -> np.ndarray:
-    """A read-only array of ``value``, made once per shape: a product with a row or a
-    column of ones (or of 1/n) is a sum (a mean) as one GEMM."""
+    """A read-only array of ``value``, made once per shape: a product with ones (1/n) is a sum (mean) as a GEMM."""
     a = np.full(shape, value, dtype=dtype)
     a.flags.writeable = False
     return a

@@ -47,8 +47,7 @@ POOL_TILE_BYTES = 1 << 19
 
 
 def set_blas_threads(n: int) -> int:
-    """Size tiles for GEMMs that run on ``n`` BLAS threads (``runtime.limit_blas_threads``
-    calls this); returns the previous number."""
+    """Size tiles for GEMMs on ``n`` BLAS threads (``runtime.limit_blas_threads`` calls this); returns the last."""
     global _blas_threads
     previous, _blas_threads = _blas_threads, max(1, int(n))
     return previous
@@ -281,8 +280,7 @@ class MaxPool2d(Function):
     order (as in PyTorch), so ties never double-count. Forward is kh*kw - 1 elementwise
     maxima of strided views; backward recomputes which tap won from the saved input.
     With the fast paths on (``ops.fast_paths``), both walk the batch in tiles of
-    ``POOL_TILE_BYTES`` of input, so that every tap after the first reads cache, not
-    memory; off, one tile is the whole batch: the same arithmetic.
+    ``POOL_TILE_BYTES``; off, one tile is the whole batch: the same arithmetic.
 
     ``relu=True`` also takes the maximum with 0. ReLU and max-pooling commute (both are
     monotone), so ``conv -> pool(relu=True)`` equals ``conv(relu=True) -> pool`` in value
@@ -365,9 +363,8 @@ class AvgPool2d(Function):
 
 
 def conv2d(x, weight, bias=None, stride=1, padding=0, relu: bool = False) -> Tensor:
-    """NHWC convolution: ``x`` (B, H, W, C_in), ``weight`` (kh, kw, C_in, C_out);
-    ``relu=True`` applies max(0, .) to the result in the same node. In tiles
-    (``TiledConv2d``) with the fast paths on, else over the whole batch (``Conv2d``)."""
+    """NHWC convolution: ``x`` (B, H, W, C_in), ``weight`` (kh, kw, C_in, C_out); ``relu=True`` rectifies the
+    result in the same node. In tiles (``TiledConv2d``) with the fast paths on, else whole (``Conv2d``)."""
     x = as_tensor(x)
     if x.ndim != 4:
         raise ValueError(f"conv2d expects (B, H, W, C) input, got shape {x.shape}")
@@ -377,8 +374,7 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, relu: bool = False) -> Ten
 
 
 def max_pool2d(x, kernel_size, stride=None, padding=0, relu: bool = False) -> Tensor:
-    """Max-pooling of ``x`` (B, H, W, C); ``relu=True`` applies max(0, .) to the result
-    in the same node (equal to pooling a rectified input)."""
+    """Max-pooling of ``x`` (B, H, W, C); ``relu=True`` rectifies the result in the same node (ReLU commutes)."""
     x = as_tensor(x)
     kernel, padding = _pair(kernel_size), _pair(padding)
     if padding[0] > kernel[0] // 2 or padding[1] > kernel[1] // 2:

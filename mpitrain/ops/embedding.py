@@ -52,9 +52,8 @@ def embedding(ids, weight) -> Tensor:
 
 
 def dropout(x, p: float, training: bool = True, generator=None) -> Tensor:
-    """Inverted dropout: zero each element with probability ``p`` and scale the rest by
-    1/(1-p), so evaluation needs no rescaling; masks from ``generator`` as
-    :func:`mpitrain.rng.dropout_mask` draws them."""
+    """Inverted dropout: zero each element with probability ``p`` and scale the rest by 1/(1-p), so
+    evaluation needs no rescaling; masks from ``generator`` as :func:`mpitrain.rng.dropout_mask` draws them."""
     x = as_tensor(x)
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")

@@ -16,13 +16,13 @@ written, and the block's large intermediates, LN(x), qkv (N, 3C), the merged hea
 (N, C) and the MLP's hidden activation (N, 4C), are written once and read in backward
 long after they have left the cache. Private to one node, they are reused while still
 in cache. Forward: GELU runs in place over the fc output, dropout and the residual add
-over the output projection's result. Backward: each large gradient is written over the
-array it is computed from, or over one just read for the last time (dL/dh over h, dL/dy
-over the merged heads, dL/dqkv over qkv, dL/dLN(x) over LN(x), the layer norm's work
-over its xhat), and the residual's gradient is added in place, not by the engine into a
-new array; this only on the node's last backward (``Function.last_backward``), with
-``retain_graph`` every gradient gets a new array. Measured faster than op by op, and
-than with attention and MLP fused but layer norm and residual left out
+over the output projection's result. Backward, on the node's last
+(``Function.last_backward``; with ``retain_graph`` every gradient gets a new array):
+each large gradient is written over the array it is computed from, or over one just
+read for the last time (dL/dh over h, dL/dy over the merged heads, dL/dqkv over qkv,
+dL/dLN(x) over LN(x), the layer norm's work over its xhat), and the residual's gradient
+is added in place, not by the engine into a new array. Measured faster than op by op,
+and than with attention and MLP fused but layer norm and residual left out
 (``mpitrain/bench/README.md``).
 """
 
