@@ -67,8 +67,7 @@ def checkpoint(module: Module, x):
 
 
 def checkpointed(module: Module) -> Module:
-    """Make every call of ``module`` a :func:`checkpoint` (``Module.call_through``): the
-    GPT's blocks with ``checkpoint_activations``, wherever they run (the whole model, a
-    pipeline stage, sliced over tensor-parallel ranks). Returns the module."""
+    """Make every call of ``module`` a :func:`checkpoint` (``Module.call_through``), wherever it runs (the whole
+    model, a pipeline stage, sliced over tensor-parallel ranks): the GPT's blocks with ``checkpoint_activations``."""
     module.call_through(checkpoint)
     return module

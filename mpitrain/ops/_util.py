@@ -16,9 +16,8 @@ def set_fast_paths(enabled: bool) -> bool:
     """Select the fast paths (True, the default) or the plain ones for the whole process;
     returns the previous setting. The switch selects:
 
-    * ``nn.Block``: each half of a transformer block as one fused op
-      (``ops.transformer``), or nanoGPT's two lines through its ``Linear`` and
-      ``LayerNorm`` modules;
+    * ``nn.Block``: each half of a transformer block as one fused op (``ops.transformer``),
+      or nanoGPT's two lines through its ``Linear`` and ``LayerNorm`` modules;
     * ``ops.gelu``: GELU in cache-sized blocks of in-place passes (``gelu_blocks``), or
       the textbook expression over the whole array (``gelu_plain``);
     * ``ops.conv2d``: im2col + GEMM over cache-sized tiles of images with an opaque-row

@@ -123,11 +123,9 @@ class Tanh(Function):
 
 class Sigmoid(Function):
     def forward(self, a):
-        # 1/(1+exp(-a)) written through tanh: no overflow for large |a|
-        out = np.tanh(0.5 * a)
+        self.out = out = np.tanh(0.5 * a)  # 1/(1+exp(-a)) written through tanh: no overflow for large |a|
         out *= 0.5
         out += 0.5
-        self.out = out
         return out
 
     def backward(self, g):
@@ -268,11 +266,8 @@ class GELU(Function):
 
     def forward(self, x, form="tanh"):
         need = self.needs_input_grad[0]
-        if form == "erf":
-            y, self.d = gelu_erf(x, need)
-            return y
-        if not fast_paths_enabled():
-            y, self.d = gelu_plain(x, need)
+        if form == "erf" or not fast_paths_enabled():  # the exact form, or the plain path's whole-array tanh form
+            y, self.d = (gelu_erf if form == "erf" else gelu_plain)(x, need)
             return y
         xf = np.ascontiguousarray(x).reshape(-1)  # (n,)
         y = np.empty_like(xf)

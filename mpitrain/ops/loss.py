@@ -10,10 +10,9 @@ from mpitrain.tensor import Function, Tensor, as_tensor
 class Softmax(Function):
     def forward(self, x, axis):
         self.axis = axis
-        e = x - x.max(axis=axis, keepdims=True)  # shift by the max: exp never overflows
+        self.out = e = x - x.max(axis=axis, keepdims=True)  # shift by the max: exp never overflows
         np.exp(e, out=e)
         e /= e.sum(axis=axis, keepdims=True)
-        self.out = e
         return e
 
     def backward(self, g):
@@ -26,9 +25,8 @@ class Softmax(Function):
 class LogSoftmax(Function):
     def forward(self, x, axis):
         self.axis = axis
-        shifted = x - x.max(axis=axis, keepdims=True)
+        self.out = shifted = x - x.max(axis=axis, keepdims=True)
         shifted -= np.log(np.exp(shifted).sum(axis=axis, keepdims=True))
-        self.out = shifted
         return shifted
 
     def backward(self, g):
