@@ -15,10 +15,11 @@ float32. An upcast copy lives while the op's backward needs it, like an activati
 to 4 B per parameter during a step, on top of the 16.
 
 **Gradients.** Each op's float32 gradient is rounded once as it is added into the half
-``.grad``. Data parallelism's buckets are then half-precision arrays: mpitrain's ring
-sends 16-bit words and adds in float32 at each hop (:mod:`mpitrain.comm.ring`); MPI has
-no bfloat16 to add, so with ``parallel.allreduce = "mpi"`` each bucket is summed as a
-float32 copy and rounded back: the same arithmetic, twice the bytes.
+``.grad`` (once per micro-batch with gradient accumulation). Data parallelism's buckets
+are then half-precision arrays: the ring sends 16-bit words and adds in float32 at each
+hop (:mod:`mpitrain.comm.ring`); MPI has no bfloat16 to add, so with
+``parallel.allreduce = "mpi"`` each bucket is summed as a float32 copy and rounded
+back: the same arithmetic, twice the bytes.
 
 **The loss scale** (fp16). float16's smallest normal number is 6.1e-5 and its smallest
 subnormal 6e-8: most of a small model's gradients would round to zero. The loss is

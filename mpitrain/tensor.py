@@ -283,8 +283,8 @@ _observers: list = []  # called with (function class, args, kwargs) before each 
 
 @contextlib.contextmanager
 def observe_ops(observer):
-    """Call ``observer(cls, args, kwargs)`` for every op applied inside the block (FLOP counting, tracing);
-    costs nothing when no observer is installed."""
+    """Call ``observer(cls, args, kwargs)`` for every op applied inside the block (FLOP
+    counting, tracing); costs nothing when no observer is installed."""
     _observers.append(observer)
     try:
         yield observer
@@ -360,7 +360,7 @@ class _Edge:
 def _owned(g: np.ndarray, dtype) -> np.ndarray:
     """A private copy of a gradient handed to the user (arrays in the graph may be shared,
     read-only broadcast views, or the caller's own), in C order even from a transposed
-    view (a transpose's backward), so optimizers and flat buffers see the parameter's."""
+    view (a transpose's backward): optimizers and flat buffers see the parameter's layout."""
     return np.array(g, dtype=dtype, copy=True, order="C")
 
 
@@ -620,10 +620,10 @@ def backward_split(tensors, grads=None) -> "WeightPass":
     order, so the results are bit for bit those of ``backward(tensors, grads)``.
 
     Cost: a node's backward runs twice, and work its input and weight gradients share is
-    done in both: nearly a second backward for a fused transformer sublayer
-    (``ops.transformer``), whose ``W_in`` and layer norm gradients lie behind its whole
-    inner chain, the weight products and the norm's reductions alone for the plain
-    block's separate ``Linear`` and ``LayerNorm`` nodes (``ops.fast_paths(False)``).
+    done in both: for a fused transformer sublayer (``ops.transformer``), whose ``W_in``
+    and layer norm gradients lie behind its whole inner chain, nearly a second backward;
+    for the plain block's separate ``Linear`` and ``LayerNorm`` nodes
+    (``ops.fast_paths(False)``), the weight products and the norm's reductions alone.
     Activation checkpointing's node ignores the mask and recomputes its block each time."""
     tensors = list(tensors)
     if any(isinstance(t, Parameter) for t in tensors):

@@ -275,7 +275,7 @@ class GPT(Module):
 
     def forward(self, ids, targets=None):
         """Logits (B, T, V), and the mean cross-entropy if ``targets`` (B, T) is given; the
-        layers run through :func:`run_layers`, the blocks checkpointed if ``__init__`` says."""
+        layers run through :func:`run_layers` (blocks checkpointed with ``checkpoint_activations``)."""
         logits = run_layers(self, ids)
         if targets is None:
             return logits, None

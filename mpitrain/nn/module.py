@@ -18,7 +18,7 @@ class Module:
     _call_through = None  # see call_through()
 
     def __init__(self):
-        # around __setattr__, which reads the registries
+        # set around __setattr__, which needs the registries to exist
         self.__dict__.update(_parameters=OrderedDict(), _modules=OrderedDict(), _buffers=OrderedDict(), training=True)
 
     def __setattr__(self, name, value):

@@ -47,7 +47,7 @@ POOL_TILE_BYTES = 1 << 19
 
 
 def set_blas_threads(n: int) -> int:
-    """Size tiles for GEMMs on ``n`` BLAS threads (``runtime.limit_blas_threads`` calls this); returns the last."""
+    """Size tiles for GEMMs on ``n`` BLAS threads (``runtime.limit_blas_threads`` calls this); returns the previous."""
     global _blas_threads
     previous, _blas_threads = _blas_threads, max(1, int(n))
     return previous
