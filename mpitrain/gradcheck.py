@@ -18,27 +18,22 @@ SCALE_FLOOR = 1e-3
 
 
 def _relative_error(analytic: np.ndarray, numeric: np.ndarray) -> float:
-    """Largest absolute difference, relative to the larger gradient's largest entry.
-
-    The scale never goes below ``SCALE_FLOOR``: a gradient that is exactly zero (a bias
+    """Largest absolute difference, relative to the larger gradient's largest entry. The
+    scale never goes below ``SCALE_FLOOR``: a gradient that is exactly zero (a bias
     followed by batch norm) has only round-off, about 1e-10, in its difference quotient,
     which is not an error; a wrong gradient of any size that matters still fails."""
     scale = max(np.abs(analytic).max(initial=0.0), np.abs(numeric).max(initial=0.0), SCALE_FLOOR)
     return float(np.abs(analytic - numeric).max(initial=0.0) / scale)
 
 
-def gradcheck(f, inputs, *, h: float = 1e-6, seed: int = 20160101, max_points: int | None = None,
-              params=()) -> dict:
+def gradcheck(f, inputs, *, h: float = 1e-6, seed: int = 20160101, max_points: int | None = None, params=()) -> dict:
     """Check d f(*inputs) against finite differences; return relative errors by name.
-
     ``inputs`` are tensors (those with ``requires_grad`` are checked); ``params`` are
     further tensors that ``f`` uses internally (a module's parameters), checked too.
     ``f`` must be deterministic (seed any dropout inside it). ``max_points`` limits how
-    many elements per tensor are perturbed (chosen at random); by default all are.
-    """
+    many elements per tensor are perturbed (chosen at random); by default all are."""
     rng = np.random.default_rng(seed)
-    checked = [(f"input{i}", t) for i, t in enumerate(inputs)
-               if isinstance(t, Tensor) and t.requires_grad]
+    checked = [(f"input{i}", t) for i, t in enumerate(inputs) if isinstance(t, Tensor) and t.requires_grad]
     checked += [(getattr(p, "name", None) or f"param{i}", p) for i, p in enumerate(params)]
     for _, t in checked:
         if t.dtype != np.float64 or not t.data.flags.c_contiguous:
@@ -55,8 +50,7 @@ def gradcheck(f, inputs, *, h: float = 1e-6, seed: int = 20160101, max_points: i
     outs = [first[i] for i in used]
     upstream = [rng.standard_normal(o.shape) for o in outs]
     backward(outs, upstream)
-    analytic = {name: (t.grad.copy() if t.grad is not None else np.zeros(t.shape))
-                for name, t in checked}
+    analytic = {name: (t.grad.copy() if t.grad is not None else np.zeros(t.shape)) for name, t in checked}
 
     def loss() -> float:
         with no_grad():

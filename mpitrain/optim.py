@@ -18,38 +18,28 @@ import math
 
 import numpy as np
 
-from mpitrain.dtypes import is_half
+from mpitrain.dtypes import upcast
 from mpitrain.tensor import Tensor
 
 
 class Optimizer:
     """Base class: parameter groups with their own hyperparameters, and per-parameter state.
-
-    ``params`` is a list of parameters or a list of groups ``{"params": [...], "lr": ...}``;
-    a group's keys override the optimizer's defaults.
-    """
+    ``params`` is a list of parameters or of groups ``{"params": [...], "lr": ...}``, whose
+    keys override the optimizer's defaults."""
 
     def __init__(self, params, defaults: dict):
         params = list(params)
         if not params:
             raise ValueError("optimizer got an empty parameter list")
         groups = params if isinstance(params[0], dict) else [{"params": params}]
-        self.param_groups = []
-        for g in groups:
-            group = dict(defaults)
-            group.update(g)
-            group["params"] = list(g["params"])
-            self.param_groups.append(group)
+        self.param_groups = [{**defaults, **g, "params": list(g["params"])} for g in groups]
         self.state: dict[int, dict[str, np.ndarray]] = {}
         self.step_count = 0
 
     def _indexed(self):
         """(index, parameter, group) for every parameter; the index keys its state."""
-        i = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                yield i, p, group
-                i += 1
+        pairs = ((p, group) for group in self.param_groups for p in group["params"])
+        return ((i, p, group) for i, (p, group) in enumerate(pairs))
 
     def zero_grad(self) -> None:
         for _, p, _ in self._indexed():
@@ -98,8 +88,7 @@ class Optimizer:
         return other
 
     def _scratch(self, like: np.ndarray) -> np.ndarray:
-        """A reusable work array shaped like ``like`` (one buffer for all parameters,
-        so an update allocates nothing)."""
+        """A reusable work array shaped like ``like``: one buffer for all parameters, so an update allocates nothing."""
         buf = getattr(self, "_buffer", None)
         if buf is None or buf.size < like.size or buf.dtype != like.dtype:
             buf = self._buffer = np.empty(max(like.size, 0 if buf is None else buf.size), like.dtype)
@@ -137,8 +126,7 @@ class Optimizer:
                 if k != "step" and np.shape(v) != shapes[i]:
                     raise ValueError(f"optimizer state {i}.{k}: shape {np.shape(v)}, parameter {shapes[i]}")
         self.step_count = int(state["step"])
-        self.state = {int(i): {k: np.array(v, copy=True) for k, v in s.items()}
-                      for i, s in state["state"].items()}
+        self.state = {int(i): {k: np.array(v, copy=True) for k, v in s.items()} for i, s in state["state"].items()}
         for group, saved in zip(self.param_groups, state["groups"]):
             group.update({k: v for k, v in saved.items() if k != "size"})
 
@@ -169,16 +157,13 @@ class SGD(Optimizer):
 class Adam(Optimizer):
     decoupled = False
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0):
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
 
     def _update(self, p, g, state, group):
         lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         if not state:
-            state["exp_avg"] = np.zeros_like(p)
-            state["exp_avg_sq"] = np.zeros_like(p)
-            state["step"] = np.zeros((), dtype=np.int64)
+            state.update(exp_avg=np.zeros_like(p), exp_avg_sq=np.zeros_like(p), step=np.zeros((), dtype=np.int64))
         state["step"] += 1
         t = int(state["step"])
         if wd and self.decoupled:
@@ -206,15 +191,13 @@ class Adam(Optimizer):
 class AdamW(Adam):
     decoupled = True
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01):
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01):
         super().__init__(params, lr, betas, eps, weight_decay)
 
 
 def decay_groups(named_params, weight_decay: float) -> list[dict]:
-    """Two groups: matrices (weights, embeddings) decay, vectors (biases, norm scales) don't.
-
-    The split nanoGPT and most transformer recipes use."""
+    """Two groups, the split nanoGPT and most transformer recipes use: matrices (weights,
+    embeddings) decay, vectors (biases, norm scales) don't."""
     decay, no_decay = [], []
     for _, p in named_params:
         (decay if p.ndim >= 2 else no_decay).append(p)
@@ -225,11 +208,9 @@ def decay_groups(named_params, weight_decay: float) -> list[dict]:
 
 
 def clip_grad_norm(params, max_norm: float) -> float:
-    """Scale all gradients together so their global L2 norm is at most ``max_norm``.
-
-    Returns the norm before clipping; each parameter's sum of squares is a BLAS dot
-    product, and the sums are added in float64. A non-finite norm (an overflowed or NaN
-    gradient) is returned and the gradients are left as they are, for the caller to see."""
+    """Scale all gradients together so their global L2 norm (:func:`sum_of_squares`) is at
+    most ``max_norm``; returns the norm before clipping. A non-finite norm (an overflowed
+    or NaN gradient) is returned and the gradients are left as they are, for the caller."""
     grads = [p.grad for p in params if p.grad is not None]
     total = math.sqrt(sum_of_squares(grads))
     scale_to(grads, total, max_norm)
@@ -237,20 +218,13 @@ def clip_grad_norm(params, max_norm: float) -> float:
 
 
 def sum_of_squares(grads) -> float:
-    """The sum of the squares of the arrays' elements, each array's a BLAS dot product,
-    added in float64 in order (a strategy holding part of the model sums its part, then
-    adds the parts over ranks)."""
-    return sum(float(np.dot(v, v)) for v in (_float32(g).reshape(-1) for g in grads))
-
-
-def _float32(g: np.ndarray) -> np.ndarray:
-    """A half-precision gradient upcast (a dot product in bfloat16 sums in bfloat16)."""
-    return g.astype(np.float32) if is_half(g.dtype) else g
+    """The sum of the squares of the arrays' elements, each array's a BLAS dot product, added in float64 in
+    order (a strategy holding part of the model sums its part, then adds the parts over ranks)."""
+    return sum(float(np.dot(v, v)) for v in (upcast(g).reshape(-1) for g in grads))
 
 
 def scale_to(grads, norm: float, max_norm: float) -> None:
-    """Scale ``grads`` in place so that their global norm ``norm`` becomes ``max_norm``,
-    if it is larger (a non-finite norm leaves them as they are)."""
+    """Scale ``grads`` in place from their global norm ``norm`` to ``max_norm`` if larger (and finite)."""
     if math.isfinite(norm) and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         for g in grads:
@@ -274,10 +248,9 @@ def update(optimizer: Optimizer, params, lr: float | None, grad_clip: float = 0.
 
 
 class WarmupCosine:
-    """Learning rate at a step: linear warmup to ``lr``, cosine decay to ``min_lr`` at
-    ``decay_steps``, then ``min_lr`` (the schedule of GPT-3 and nanoGPT).
-
-    Warmup starts at lr / (warmup + 1), never 0, so step 0 already moves the weights."""
+    """Learning rate at a step (the schedule of GPT-3 and nanoGPT): linear warmup to ``lr``
+    from lr / (warmup + 1), never 0, so step 0 already moves the weights; cosine decay to
+    ``min_lr`` at ``decay_steps``, then ``min_lr``."""
 
     def __init__(self, lr: float, warmup_steps: int, decay_steps: int, min_lr: float = 0.0):
         if warmup_steps < 0 or decay_steps < warmup_steps:
@@ -293,18 +266,12 @@ class WarmupCosine:
         return self.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (self.lr - self.min_lr)
 
 
-class Constant:
-    """A constant learning rate, with optional linear warmup."""
+class Constant(WarmupCosine):
+    """A constant learning rate, with optional linear warmup: no decay, ``min_lr = lr``."""
 
     def __init__(self, lr: float, warmup_steps: int = 0):
-        self.lr, self.warmup = lr, warmup_steps
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup:
-            return self.lr * (step + 1) / (self.warmup + 1)
-        return self.lr
+        super().__init__(lr, warmup_steps, warmup_steps, min_lr=lr)
 
 
-__all__ = ["SGD", "Adam", "AdamW", "Constant", "Optimizer", "WarmupCosine", "clip_grad_norm", "scale_to",
-           "sum_of_squares",
-           "decay_groups", "update"]
+__all__ = ["SGD", "Adam", "AdamW", "Constant", "Optimizer", "WarmupCosine", "clip_grad_norm", "decay_groups",
+           "scale_to", "sum_of_squares", "update"]

@@ -1,47 +1,41 @@
 """Mixed precision: half-precision weights and gradients, float32 master weights, a loss scale.
 
 Micikevicius et al., "Mixed Precision Training" (ICLR 2018); the bytes are the ZeRO
-paper's (Rajbhandari et al., SC 2020). With Adam, per parameter:
-
-* the model's parameter holds a **working copy** in half precision (``bf16`` or ``fp16``): 2 B;
-* its ``.grad`` is half too: 2 B;
-* the optimizer keeps the **master** weight in float32 and Adam's two moments: 4 + 8 B;
-
-16 bytes in all, as float32 training with Adam (4 + 4 + 8); what halves is what moves
+paper's (Rajbhandari et al., SC 2020). With Adam, per parameter: the model holds a
+half-precision **working copy** (``bf16`` or ``fp16``, 2 B) and its half ``.grad`` (2 B);
+the optimizer keeps the float32 **master** weight and Adam's two moments (4 + 8 B). That
+is 16 bytes, as in float32 training with Adam (4 + 4 + 8); what halves is what moves
 and what a layer reads: the weights, the gradients and their exchange.
 
-**Products in float32.** Every op sees a half-precision tensor upcast to float32
+**Products in float32.** Every op reads a half-precision tensor upcast to float32
 (:meth:`mpitrain.tensor.Function.apply`): NumPy's half-precision arithmetic is slow or
 silently float32 (``mpitrain/bench/README.md``), so half precision is a storage and wire
-format here and compute stays float32, as on hardware whose half products accumulate in
-float32. An upcast copy lives while the op's backward needs it: up to 4 B per parameter
-during a step, on top of the 16, like an activation.
+format and compute stays float32, as on hardware whose half products accumulate in
+float32. An upcast copy lives while the op's backward needs it, like an activation: up
+to 4 B per parameter during a step, on top of the 16.
 
 **Gradients.** Each op's float32 gradient is rounded once as it is added into the half
-``.grad`` (one rounding per micro-batch with gradient accumulation). Data parallelism's
-buckets are then half-precision arrays: mpitrain's ring sends them as 16-bit words and
-adds in float32 at each hop (:mod:`mpitrain.comm.ring`); MPI's allreduce cannot add a
-bfloat16 (MPI has no such type), so on ``parallel.allreduce = "mpi"`` each bucket is summed
-as a float32 copy and rounded back: the same arithmetic, twice the bytes.
+``.grad`` (once per micro-batch with gradient accumulation). Data parallelism's buckets
+are then half-precision arrays: the ring sends 16-bit words and adds in float32 at each
+hop (:mod:`mpitrain.comm.ring`); MPI has no bfloat16 to add, so with
+``parallel.allreduce = "mpi"`` each bucket is summed as a float32 copy and rounded
+back: the same arithmetic, twice the bytes.
 
 **The loss scale** (fp16). float16's smallest normal number is 6.1e-5 and its smallest
 subnormal 6e-8: most of a small model's gradients would round to zero. The loss is
-multiplied by ``S`` before backward (:class:`LossScaler`; ``S`` = 2^16 to start), so every
-gradient is ``S`` times larger; the update divides by ``S`` in float32, never in half
-precision, where the small gradients would vanish again. A gradient that overflows
-(inf or NaN anywhere, on any rank) skips the step on every rank and halves ``S``; after
-``growth_interval`` clean steps ``S`` doubles. The ranks agree on the overflow in the
-training loop's allreduce of the step's loss, so a rank whose shard overflowed stops the
-others. bfloat16 has float32's exponent range: no scale (``S = 1``), and a non-finite
-gradient still skips its step.
+multiplied by ``S`` before backward (:class:`LossScaler`), so every gradient is ``S``
+times larger; the update divides by ``S`` in float32, never in half precision, where
+the small gradients would vanish again. A gradient that overflows (inf or NaN anywhere,
+on any rank) skips the step on every rank, agreed in the training loop's allreduce of
+the step's loss, and halves ``S``; after ``growth_interval`` clean steps ``S`` doubles.
+bfloat16 has float32's exponent range: no scale (``S = 1``), and a non-finite gradient
+still skips its step.
 
 **The update** (:meth:`MixedPrecision.step`), per parameter: its unscaled float32
 gradient ``fp32(g) x c/S`` in one reused work array (``c``: the clipping factor, from the
 norm of the unscaled gradients), the optimizer's update of the master, and the master
-rounded (to nearest even) into the working copy.
-
-**Checkpoints** hold the float32 masters (:meth:`MixedPrecision.masters` puts them in
-the model while a checkpoint is saved or loaded) and the loss scale, so a run resumes
+rounded (to nearest even) into the working copy. **Checkpoints** hold the float32
+masters (:meth:`MixedPrecision.masters_in_model`) and the loss scale, so a run resumes
 exactly, and in any precision.
 """
 
@@ -54,6 +48,7 @@ import numpy as np
 
 from mpitrain.dtypes import dtype_of
 from mpitrain.optim import sum_of_squares
+
 
 class LossScaler:
     """The loss scale ``S`` of mixed-precision training: ``update(overflow)`` after each
@@ -69,14 +64,11 @@ class LossScaler:
         self.skipped = 0  # steps skipped for an overflow
 
     def update(self, overflow: bool) -> None:
-        if overflow:
-            self.skipped += 1
-            self.clean = 0
-            if self.dynamic:
-                self.scale /= 2
-            return
-        self.clean += 1
-        if self.dynamic and self.clean == self.growth_interval:
+        self.skipped += 1 if overflow else 0
+        self.clean = 0 if overflow else self.clean + 1
+        if self.dynamic and overflow:
+            self.scale /= 2
+        elif self.dynamic and self.clean == self.growth_interval:
             self.scale *= 2
             self.clean = 0
 
@@ -158,20 +150,19 @@ class MixedPrecision:
         factor = 1.0 / self.scaler.scale
         if grad_clip > 0 and norm > grad_clip:
             factor *= grad_clip / (norm + 1e-6)  # as optim.scale_to does for float32 gradients
-        params = self.params
 
         def unscaled(i, master):
-            g = params[i].grad
+            g = self.params[i].grad
             if g is None:
                 return None
             if self._work is None or self._work.size < g.size:
-                self._work = np.empty(max(q.size for q in params), np.float32)
+                self._work = np.empty(max(q.size for q in self.params), np.float32)
             out = self._work[: g.size].reshape(g.shape)
             np.copyto(out, g)
             out *= factor
             return out
         self.inner.step_with(unscaled)
-        for p in params:
+        for p in self.params:
             np.copyto(p.data, self._masters[id(p)], casting="same_kind")
 
     def zero_grad(self) -> None:
@@ -181,26 +172,11 @@ class MixedPrecision:
     def set_lr(self, lr: float) -> None:
         self.inner.set_lr(lr)
 
-    # --------------------------------------------------- as an optimizer
-    @property
-    def state(self) -> dict:
-        return self.inner.state
-
-    @state.setter
-    def state(self, value: dict) -> None:
-        self.inner.state = value
-
-    @property
-    def param_groups(self) -> list[dict]:
-        return self.inner.param_groups
-
-    @property
-    def step_count(self) -> int:
-        return self.inner.step_count
-
-    @step_count.setter
-    def step_count(self, value: int) -> None:
-        self.inner.step_count = value
+    # --------------------------------------------------- as an optimizer: the masters' optimizer's
+    state = property(lambda self: self.inner.state, lambda self, value: setattr(self.inner, "state", value))
+    param_groups = property(lambda self: self.inner.param_groups)
+    step_count = property(lambda self: self.inner.step_count,
+                          lambda self, value: setattr(self.inner, "step_count", value))
 
     def over(self, views):
         """ZeRO and the parameter servers give each rank an optimizer over its shard
@@ -238,6 +214,5 @@ class MixedPrecision:
 
 
 def masters_in_model(optimizer):
-    """:meth:`MixedPrecision.masters_in_model` of a mixed-precision optimizer; nothing to
-    do for any other."""
+    """:meth:`MixedPrecision.masters_in_model` of a mixed-precision optimizer; nothing for any other."""
     return optimizer.masters_in_model() if isinstance(optimizer, MixedPrecision) else contextlib.nullcontext()

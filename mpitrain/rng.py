@@ -6,30 +6,26 @@ every dropout mask in call order. Its state is plain data (:func:`get_state` /
 :func:`set_state`), so a checkpoint can save and restore it.
 
 **Per-sample streams.** In call order, a sample's dropout mask depends on everything
-drawn before it: on how many samples share its micro-batch, on how many micro-batches
-(m) the global batch is cut into, on how many data-parallel replicas (dp) share it, and
-on the pipeline stages (p) and their schedule (a stage on rank 1 never sees the draws
-that rank 0's layers made). Training with dropout would then change with p, m and dp.
-Inside ``with sample_streams(seed, step, samples):`` a mask is instead drawn per
-sample: each sample's share of it comes from that sample's own stream, keyed by
-``(seed, step, sample, layer)``, with ``sample`` its position in the step's *global*
-batch and ``layer`` its index in ``model.named_layers()`` (:func:`layer`). A sample then gets
-the same masks whatever shares its micro-batch, whichever rank runs it, and whichever
-stage runs its layers, in whatever order. Megatron-LM's ``CudaRNGStatesTracker``
-solves a related problem for tensor parallelism (which dropout must agree across the
-ranks of a tensor-parallel group and which must differ); here every key is per
+drawn before it, so training with dropout would change with the samples sharing its
+micro-batch, the micro-batches (m), the data-parallel replicas (dp), and the pipeline
+stages (p) and their schedule (a stage on rank 1 never sees rank 0's draws). Inside
+:func:`sample_streams` a mask is instead drawn per sample, each sample's share from its
+own stream, keyed by ``(seed, step, sample, layer)``: ``sample`` its position in the
+step's *global* batch, ``layer`` its index in ``model.named_layers()`` (:func:`layer`).
+A sample then gets the same masks whatever shares its micro-batch, whichever rank runs
+it, and whichever stage runs its layers, in whatever order. Megatron-LM's
+``CudaRNGStatesTracker`` solves a related problem for tensor parallelism (which dropout
+must agree across a tensor-parallel group and which must differ); here every key is per
 (step, sample, layer), so that the masks do not depend on the schedule at all.
 
 A stream is NumPy's SFC64 seeded by ``SeedSequence([seed, DROPOUT, step, sample,
 layer])`` (``DROPOUT`` tags these seeds apart from the data pipeline's seed tuples),
-and a sample's share of ``n`` elements of a mask is its next ``ceil(n/2)`` raw 64-bit
-words read as little-endian 32-bit halves ``u``, an element kept where
-``u >= ceil(p * 2**32)``. SeedSequence and the bit generators' raw streams are the parts
-of NumPy's random API whose output is fixed across versions (``Generator.random`` is
-not promised to be), and comparing integers needs no conversion to floats; SFC64 so
-seeded drew masks faster than a keyed Philox or PCG64 (``mpitrain/bench/README.md``).
-Streams start lazily, at a layer's first mask, so layers without dropout, and
-evaluation, cost nothing.
+whose raw 64-bit words are compared with an integer threshold (:func:`_sample_mask`).
+SeedSequence and the bit generators' raw streams are the parts of NumPy's random API
+whose output is fixed across versions (``Generator.random`` is not promised to be), and
+comparing integers needs no conversion to floats; SFC64 so seeded drew masks faster
+than a keyed Philox or PCG64 (``mpitrain/bench/README.md``). Streams start lazily, at a
+layer's first mask, so layers without dropout, and evaluation, cost nothing.
 """
 
 from __future__ import annotations
@@ -94,16 +90,13 @@ def _uint64(name: str, value) -> int:
 
 @contextlib.contextmanager
 def sample_streams(seed: int, step: int, samples):
-    """Draw dropout masks per sample while active.
-
-    ``samples`` (an int array or range, length B) are the positions in the step's global
-    batch of the micro-batch about to run forward, in the order of the leading dimension
-    of its activations. A mask of shape (B, ...) or (B*T, ...) (sample-major, C order)
-    is then the concatenation, sample by sample, of ``size // B`` elements from each
-    sample's own stream, keyed by (seed, step, sample, layer) (see :func:`layer`);
-    successive masks within one layer continue each sample's stream. ``seed``, ``step``
-    and the samples are integers in [0, 2**64). Nested, the inner one rules until it exits.
-    """
+    """Draw dropout masks per sample while active; nested, the inner one rules until it
+    exits. ``samples`` (an int array or range, length B) are the positions in the step's
+    global batch of the micro-batch about to run forward, in the order of its
+    activations' leading dimension. A mask of shape (B, ...) or (B*T, ...) (sample-major,
+    C order) is then the concatenation, sample by sample, of ``size // B`` elements of
+    each sample's stream; successive masks within one layer continue the streams.
+    ``seed``, ``step`` and the samples are integers in [0, 2**64)."""
     global _streams
     samples = np.asarray(samples)
     if samples.ndim != 1 or (samples.size and samples.dtype.kind not in "iu"):
@@ -116,33 +109,24 @@ def sample_streams(seed: int, step: int, samples):
         _streams = outer
 
 
-class layer:
-    """``with rng.layer(i):`` the forward of layer ``i`` of ``model.named_layers()`` is running.
-
-    Inside :func:`sample_streams`, entering starts fresh per-sample streams keyed with
-    layer ``i`` (so a pipeline stage that runs only some layers draws exactly the masks
-    those layers draw in one process); leaving resumes the enclosing layer's streams.
-    Masks drawn under ``sample_streams`` with no ``layer`` active use layer 0. Outside
-    ``sample_streams`` this does nothing.
-    """
-
-    __slots__ = ("index", "saved")
-
-    def __init__(self, index: int):
-        self.index = _uint64("layer", index)
-
-    def __enter__(self):
-        s = _streams
-        self.saved = None if s is None else (s, s.layer, s.gens)
-        if s is not None:
-            s.layer, s.gens = self.index, None
-        return self
-
-    def __exit__(self, *exc):
-        if self.saved is not None:
-            s, index, gens = self.saved
-            s.layer, s.gens = index, gens
-        return False
+@contextlib.contextmanager
+def layer(index: int):
+    """``with rng.layer(i):`` the forward of layer ``i`` of ``model.named_layers()`` is
+    running. Inside :func:`sample_streams`, entering starts fresh per-sample streams keyed
+    with layer ``i`` (so a pipeline stage that runs only some layers draws exactly the
+    masks those layers draw in one process); leaving resumes the enclosing layer's
+    streams. Masks drawn under ``sample_streams`` with no ``layer`` active use layer 0.
+    Outside ``sample_streams`` this does nothing."""
+    index, s = _uint64("layer", index), _streams
+    if s is None:
+        yield
+        return
+    saved = s.layer, s.gens
+    s.layer, s.gens = index, None
+    try:
+        yield
+    finally:
+        s.layer, s.gens = saved
 
 
 def snapshot():
@@ -151,9 +135,7 @@ def snapshot():
     :func:`restore` puts it back, so activation checkpointing replays a block's masks
     exactly, wherever its backward runs."""
     s = _streams
-    frame = None
-    if s is not None:
-        frame = (s, s.layer, None if s.gens is None else [g.state for g in s.gens])
+    frame = None if s is None else (s, s.layer, None if s.gens is None else [g.state for g in s.gens])
     return _generator.bit_generator.state, frame
 
 
@@ -180,9 +162,8 @@ _rows: tuple | None = None  # (lo, hi, total): the masks drawn are rows lo..hi o
 
 @contextlib.contextmanager
 def rows(lo: int, hi: int, total: int):
-    """Masks drawn inside are rows ``lo .. hi`` (axis 1, the sequence) of the masks of
-    ``total`` rows one process draws: a rank that holds a slice of the sequence
-    (sequence parallelism) drops what one process drops there."""
+    """Masks drawn inside are rows ``lo .. hi`` (axis 1, the sequence) of the masks of ``total`` rows one
+    process draws: a rank that holds a slice of the sequence (sequence parallelism) drops what one process does."""
     global _rows
     outer, _rows = _rows, (lo, hi, total)
     try:
@@ -192,11 +173,9 @@ def rows(lo: int, hi: int, total: int):
 
 
 def dropout_mask(gen: np.random.Generator | None, shape: tuple, p: float, dtype) -> np.ndarray:
-    """Inverted-dropout mask: 0 with probability p, else 1/(1-p) (expected value 1).
-
-    ``gen`` None: from the per-sample streams inside :func:`sample_streams`, else from
-    the process-wide generator. A generator given is drawn from, always. Inside
-    :func:`rows`, the rows of the whole mask."""
+    """Inverted-dropout mask: 0 with probability p, else 1/(1-p) (expected value 1), drawn
+    from ``gen`` if given, else from the per-sample streams inside :func:`sample_streams`,
+    else from the process-wide generator; inside :func:`rows`, the rows of the whole mask."""
     if _rows is not None:
         lo, hi, total = _rows
         if len(shape) < 2 or shape[1] != hi - lo:
@@ -211,8 +190,7 @@ def _draw(gen, shape: tuple, p: float, dtype) -> np.ndarray:
         if _streams is not None:
             return _sample_mask(_streams, shape, p, dtype)
         gen = _generator
-    mask = gen.random(shape, dtype=np.float32) >= p
-    out = mask.astype(dtype)
+    out = (gen.random(shape, dtype=np.float32) >= p).astype(dtype)
     out *= 1.0 / (1.0 - p)
     return out
 

@@ -1,4 +1,4 @@
-"""Per-process settings that decide speed: BLAS threads and the memory allocator.
+"""Per-process settings that decide speed: BLAS threads, the memory allocator, huge pages.
 
 * BLAS threads: one process's GEMMs may use the cores it has divided by the ranks that
   share them. More threads than cores make OpenBLAS threads spin against each other,
@@ -6,17 +6,15 @@
   threads (``ops.conv.set_blas_threads``).
 * Allocator: every training step allocates and frees the same activation-sized arrays.
   glibc serves arrays above its mmap threshold (128 KiB at start) with fresh ``mmap``
-  pages and returns them on free, so each step pays a page fault per 4 KiB touched, a
-  sizeable share of a GPT step. Raising the threshold to 256 MiB and keeping freed
-  memory (trim threshold 1 GiB) makes them reuse heap memory instead (im2col columns of
-  a CNN step, 38 MB, included).
-* Huge pages: a step then walks the same heap, thousands of 4 KiB pages, more than the
-  core's second-level TLB maps (about 2,000 pages), so most array passes pay page walks.
-  After a few warm-up steps the heap has its steady size, and :func:`huge_page_heap`
-  asks Linux to back it with 2 MiB transparent huge pages (``MADV_HUGEPAGE``, then
-  ``MADV_COLLAPSE`` to do it now rather than when ``khugepaged`` gets to it), a one-off
-  cost. NumPy already asks for huge pages for arrays of 4 MiB and more; this covers the
-  many smaller ones. (What each of these gained: ``mpitrain/bench/README.md``.)
+  pages and returns them on free, so each step pays a page fault per 4 KiB touched.
+  Raising the threshold to 256 MiB and keeping freed memory (trim threshold 1 GiB)
+  makes them reuse heap memory instead (im2col columns of a CNN step, 38 MB, included).
+* Huge pages: a step then walks the same heap, more 4 KiB pages than the core's
+  second-level TLB maps (about 2,000), so most array passes pay page walks. Once the
+  heap has its steady size, :func:`huge_page_heap` asks Linux to back it with 2 MiB
+  transparent huge pages. NumPy already asks for huge pages for arrays of 4 MiB and
+  more; this covers the many smaller ones. (What each of these gained:
+  ``mpitrain/bench/README.md``.)
 
 Also two facts about the process that others need: whether a pid still lives
 (:func:`process_alive`) and the emulated cluster it runs on (:func:`emulated_cluster`).
@@ -52,9 +50,8 @@ def available_cores() -> int:
 
 
 def process_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host (another user's counts): what a
-    killed process left behind (a dataset build's directory, an emulated cluster's
-    namespaces) may be cleared only once it is gone."""
+    """Whether process ``pid`` exists on this host (another user's counts): what a killed process left behind
+    (a dataset build's directory, an emulated cluster's namespaces) may be cleared only once it is gone."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -78,17 +75,13 @@ def emulated_cluster() -> dict | None:
 
 
 def blas_threads(requested: int = 0, ranks_per_node: int = 1) -> int:
-    """BLAS threads per process: ``requested`` if given, else this process's share of
-    the cores (at least one)."""
-    if requested > 0:
-        return requested
-    return max(1, available_cores() // max(1, ranks_per_node))
+    """BLAS threads per process: ``requested`` if given, else this process's share of the cores (at least one)."""
+    return requested if requested > 0 else max(1, available_cores() // max(1, ranks_per_node))
 
 
 @contextlib.contextmanager
 def limit_blas_threads(n: int):
-    """Limit BLAS (OpenBLAS, MKL, BLIS) in this process to ``n`` threads while the
-    context is open, and size the convolution's tiles for them."""
+    """Limit BLAS (OpenBLAS, MKL, BLIS) to ``n`` threads while open, and size the convolution's tiles for them."""
     with threadpool_limits(limits=n, user_api="blas"):
         previous = conv.set_blas_threads(n)
         try:
@@ -98,12 +91,10 @@ def limit_blas_threads(n: int):
 
 
 def tune_allocator(mmap_threshold: int = 256 << 20, trim_threshold: int = 1 << 30) -> bool:
-    """Make glibc keep and reuse freed activation memory; returns False where the C
-    library is not glibc (macOS, musl), where nothing is changed."""
+    """Make glibc keep and reuse freed activation memory; returns False, changing nothing, elsewhere (macOS, musl)."""
     mallopt = _libc_function("mallopt")
-    if mallopt is None:
-        return False
-    return bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold))
+    return (mallopt is not None and bool(mallopt(M_MMAP_THRESHOLD, mmap_threshold))
+            and bool(mallopt(M_TRIM_THRESHOLD, trim_threshold)))
 
 
 @functools.cache
@@ -117,28 +108,24 @@ def _libc_function(name: str):
 
 
 def _heap() -> tuple[int, int] | None:
-    """(start, end) of this process's C heap (the ``brk`` area), or None. The kernel
-    lists it as several ``[heap]`` mappings once parts of it carry other advice (NumPy
-    advises huge pages for its arrays of 4 MiB and more)."""
-    spans = []
+    """(start, end) of this process's C heap (the ``brk`` area), or None. The kernel lists it as several
+    ``[heap]`` mappings once parts of it carry other advice (NumPy's huge pages for arrays of 4 MiB and more)."""
     try:
         with open("/proc/self/maps") as maps:
-            for line in maps:
-                if line.rstrip().endswith("[heap]"):
-                    spans.append([int(a, 16) for a in line.split()[0].split("-")])
+            spans = [[int(a, 16) for a in line.split()[0].split("-")]
+                     for line in maps if line.rstrip().endswith("[heap]")]
     except OSError:  # not Linux
         return None
     return (spans[0][0], spans[-1][1]) if spans else None
 
 
 def huge_page_heap() -> int:
-    """Back the C heap with 2 MiB transparent huge pages, now; returns the bytes asked for.
-
-    Call it once the heap has its steady size (after a few training steps; the
-    trainer and the benchmarks do). Only the part of the heap that grew since the last
-    call is asked for, so calling it again is cheap. Returns 0, changing nothing, where
-    there is no ``[heap]`` (not Linux), no ``madvise``, or the kernel refuses
-    ``MADV_HUGEPAGE`` (huge pages disabled). A kernel older than 6.1 has no
+    """Back the C heap with 2 MiB transparent huge pages now (``MADV_HUGEPAGE``, then
+    ``MADV_COLLAPSE``, a one-off cost); returns the bytes asked for. Call it once the heap
+    has its steady size (after a few training steps; the trainer and the benchmarks do);
+    only what grew since the last call is asked for, so calling again is cheap. Returns
+    0, changing nothing, where there is no ``[heap]`` (not Linux), no ``madvise``, or the
+    kernel refuses ``MADV_HUGEPAGE`` (huge pages disabled). A kernel older than 6.1 has no
     ``MADV_COLLAPSE``; there ``khugepaged`` collapses the range later."""
     global _heap_done
     heap = _heap()

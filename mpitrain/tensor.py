@@ -1,52 +1,38 @@
 """Tensors and reverse-mode automatic differentiation on NumPy arrays.
 
 A :class:`Tensor` wraps an ``np.ndarray``. Every differentiable operation is a
-:class:`Function` subclass with a hand-written ``forward`` (arrays in, array out) and
-``backward`` (gradient of the output in, gradients of the inputs out). Calling an
-operation on tensors that require gradients records one ``Function`` node per call;
-the nodes form a directed acyclic graph from the leaves (parameters, inputs) to the
-result.
+:class:`Function` with a hand-written ``forward`` and ``backward``; each call on tensors
+that require gradients records one node, and the nodes form a directed acyclic graph
+from the leaves (parameters, inputs) to the result.
 
 :func:`backward` walks that graph once in reverse topological order, so every node's
-backward runs exactly once, after all gradients of its outputs have been summed. That
-ordering is what makes the three services later modules rely on possible:
+backward runs once, after all gradients of its outputs have been summed. That ordering
+gives the three services later modules rely on:
 
-* an explicit upstream gradient (``y.backward(dy)``): a pipeline stage receives
-  ``dy`` from the next rank instead of starting from a scalar loss;
-* gradients of tensors that are not parameters: a leaf created with
-  ``requires_grad=True`` (a stage's received activation) gets ``.grad`` like a
-  parameter, and :meth:`Tensor.retain_grad` keeps the gradient of an intermediate;
-  :func:`grad` returns gradients without touching ``.grad`` at all;
-* post-accumulate hooks on leaves: before the walk, the engine counts how many graph
-  edges lead into each leaf; when the last of them has delivered its gradient, the
-  leaf's ``.grad`` is final for this pass and its hooks fire. Data parallelism starts
-  a bucket's allreduce from there, while backward continues on earlier layers.
+* an explicit upstream gradient (``y.backward(dy)``): a pipeline stage receives ``dy``
+  from the next rank instead of starting from a scalar loss;
+* gradients of tensors that are not parameters: a leaf created with ``requires_grad=True``
+  (a stage's received activation) gets ``.grad`` like a parameter,
+  :meth:`Tensor.retain_grad` keeps an intermediate's, :func:`grad` leaves ``.grad`` alone;
+* post-accumulate hooks on leaves, fired once a leaf's ``.grad`` is final for the pass
+  (the engine counts the edges into each leaf first): data parallelism starts a bucket's
+  allreduce there, while backward continues on earlier layers.
 
-The walk can also be split in two, for zero-bubble pipeline schedules (Qi et al. 2024):
-:func:`backward_split` computes every gradient but the parameters' (what a stage sends
-upstream at once) and returns a :class:`WeightPass` whose ``run()`` computes the
-parameters' later, with the results of one ``backward`` bit for bit. A node with a
-parameter input then runs twice, asked for one side each time; the fused transformer
-sublayers reach their weight gradients only through their inner chain of gradients,
-which the second run recomputes: nearly a second backward of the sublayer, where the
-plain block's separate nodes redo nothing.
+:func:`backward_split` cuts the walk in two for zero-bubble pipeline schedules (Qi et
+al. 2024): the parameters' gradients come later, bit for bit as from one ``backward``.
 
 Gradients accumulate: ``.grad`` of a leaf is summed in place across backward passes
-until ``zero_grad``. In-place accumulation keeps ``.grad`` the same array, so a
-``.grad`` that is a view into a flat buffer stays one. Every gradient handed out
-(``.grad``, :func:`grad`'s results) is the tensor's own array, never shared.
+until ``zero_grad``, so a ``.grad`` that is a view into a flat buffer stays one. Every
+gradient handed out (``.grad``, :func:`grad`'s results) is the tensor's own array.
 
 A node keeps only what its ``backward`` saved and, for each input that needs a
-gradient, an edge: the leaf tensor itself, or for an intermediate an :class:`_Edge`
-naming its producer, output index and shape, not its array. An intermediate that no
-backward needs (the input of a residual add, the pre-activation once GELU has its
-derivative) is therefore freed as soon as the forward pass moves on, and the allocator
-hands the freed memory, still in cache, to the next op (measured faster:
-``mpitrain/bench/README.md``).
-
-Saved arrays are references, not copies. Writing into a parameter (an optimizer step,
-loading new weights) between a forward pass and its backward pass therefore changes
-the gradients: update parameters only after backward.
+gradient, an edge: the leaf itself, or an :class:`_Edge` (an intermediate's producer,
+output index and shape, not its array). An intermediate that no backward needs (a
+residual add's input, the pre-activation once GELU has its derivative) is therefore
+freed as soon as the forward pass moves on, and the allocator hands the memory, still
+in cache, to the next op (measured faster: ``mpitrain/bench/README.md``). Saved arrays
+are references, not copies: writing into a parameter (an optimizer step, loading
+weights) between a forward pass and its backward changes the gradients.
 
 Default dtype is float32; :func:`default_dtype` switches to float64 for gradient checks.
 A tensor may hold float16 or bfloat16 numbers (mixed precision's working copies of the
@@ -62,7 +48,7 @@ import threading
 
 import numpy as np
 
-from mpitrain.dtypes import is_half
+from mpitrain.dtypes import is_half, upcast
 
 _state = threading.local()
 
@@ -73,25 +59,23 @@ def is_grad_enabled() -> bool:
 
 
 @contextlib.contextmanager
+def _grad_mode(enabled: bool):
+    previous = is_grad_enabled()
+    _state.grad_enabled = enabled
+    try:
+        yield
+    finally:
+        _state.grad_enabled = previous
+
+
 def no_grad():
     """Run operations without recording the graph (evaluation, optimizer updates)."""
-    previous = is_grad_enabled()
-    _state.grad_enabled = False
-    try:
-        yield
-    finally:
-        _state.grad_enabled = previous
+    return _grad_mode(False)
 
 
-@contextlib.contextmanager
 def enable_grad():
     """Record the graph even inside :func:`no_grad` (activation checkpointing uses it)."""
-    previous = is_grad_enabled()
-    _state.grad_enabled = True
-    try:
-        yield
-    finally:
-        _state.grad_enabled = previous
+    return _grad_mode(True)
 
 
 _default_dtype = np.dtype(np.float32)
@@ -149,25 +133,11 @@ class Tensor:
         self.name = name
 
     # ----------------------------------------------------------------- properties
-    @property
-    def shape(self) -> tuple:
-        return self.data.shape
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.data.dtype
-
-    @property
-    def ndim(self) -> int:
-        return self.data.ndim
-
-    @property
-    def size(self) -> int:
-        return self.data.size
-
-    @property
-    def is_leaf(self) -> bool:
-        return self._ctx is None
+    shape = property(lambda self: self.data.shape)
+    dtype = property(lambda self: self.data.dtype)
+    ndim = property(lambda self: self.data.ndim)
+    size = property(lambda self: self.data.size)
+    is_leaf = property(lambda self: self._ctx is None)
 
     def __len__(self) -> int:
         return len(self.data)
@@ -188,37 +158,28 @@ class Tensor:
 
     # ------------------------------------------------------------------- autograd
     def backward(self, grad=None, retain_graph: bool = False) -> None:
-        """Accumulate d(self)/d(leaf) into every leaf's ``.grad``.
-
-        ``grad`` is the upstream gradient d(loss)/d(self); it may be omitted only for a
-        single-element tensor (then it is 1).
-        """
+        """Accumulate d(self)/d(leaf) into every leaf's ``.grad``; ``grad`` is the upstream
+        gradient d(loss)/d(self), which only a single-element tensor may omit (then 1)."""
         backward([self], None if grad is None else [grad], retain_graph=retain_graph)
 
     def retain_grad(self) -> None:
         """Keep this intermediate tensor's gradient in ``.grad`` after backward."""
-        if self._ctx is None:
-            if not self.requires_grad:
-                raise RuntimeError("retain_grad() on a tensor that does not require grad")
-            return
-        self._ctx.retained[self._index] = self
+        if self._ctx is None and not self.requires_grad:
+            raise RuntimeError("retain_grad() on a tensor that does not require grad")
+        if self._ctx is not None:  # a leaf keeps its gradient anyway
+            self._ctx.retained[self._index] = self
 
     def register_post_accumulate_grad_hook(self, hook) -> None:
-        """Call ``hook(tensor)`` once this leaf's ``.grad`` is complete in a backward pass.
-
-        Complete means every use of the leaf in the graph has delivered its
-        contribution; hooks fire in the order gradients become final, which for a
-        sequential model is the reverse of the forward order. A leaf that is in the
-        graph but got no gradient this pass (its only consumers returned none) still
-        fires, with ``.grad`` as it was: a bucket waiting on it always completes.
-        """
+        """Call ``hook(tensor)`` once this leaf's ``.grad`` is complete in a backward pass:
+        every use of the leaf in the graph has delivered its contribution. Hooks fire in the
+        order gradients become final, for a sequential model the reverse of the forward
+        order. A leaf in the graph that got no gradient this pass (its only consumers
+        returned none) still fires, ``.grad`` as it was: a bucket waiting on it completes."""
         if self._ctx is not None:
             raise RuntimeError("post-accumulate hooks are for leaf tensors (parameters)")
         if not self.requires_grad:
             raise RuntimeError("hook on a tensor that does not require grad")
-        if self._hooks is None:
-            self._hooks = []
-        self._hooks.append(hook)
+        self._hooks = [*(self._hooks or ()), hook]
 
     def zero_grad(self) -> None:
         if self.grad is not None:
@@ -286,9 +247,7 @@ class Tensor:
             axes = tuple(axes[0])
         return _ops.transpose(self, axes or None)
 
-    @property
-    def T(self):
-        return _ops.transpose(self, None)
+    T = property(lambda self: _ops.transpose(self, None))
 
     def exp(self):
         return _ops.exp(self)
@@ -342,22 +301,21 @@ class Function:
     """One recorded operation: subclass it and write ``forward`` and ``backward``.
 
     ``forward(*args, **kwargs)`` receives the positional inputs as arrays (tensors are
-    unwrapped; other values such as Python numbers or index arrays pass through as
-    constants) and returns an array, or a tuple of arrays for several outputs. It may
-    keep whatever ``backward`` needs on ``self``.
+    unwrapped; other values, Python numbers or index arrays, pass through as constants)
+    and returns an array, or a tuple of arrays for several outputs; it may keep on
+    ``self`` whatever ``backward`` needs.
 
     ``backward(*grads)`` receives one gradient per output (``None`` for an output that
-    got none) and returns one gradient per positional input (a tuple, or a single array
-    for one input); entries for constants, or where ``self.needs_input_grad[i]`` is
-    false, may be ``None``. Each returned gradient has the input's shape. ``backward``
-    must not write into the gradients it receives: one array may be shared by several
-    consumers (``add`` hands the same gradient to both inputs).
+    got none) and returns one per positional input, of the input's shape (a tuple, or an
+    array for one input); it may return ``None`` for constants and where
+    ``self.needs_input_grad[i]`` is false. It must not write into the gradients it
+    receives: one array may be shared by several consumers (``add`` hands the same
+    gradient to both inputs).
 
     ``self.last_backward`` is true when the engine frees the node after this backward
-    (no ``retain_graph``): ``backward`` may then write over the arrays it saved in
-    forward and has read for the last time, which are still in cache, instead of
-    allocating cold memory (``ops.transformer`` does).
-    """
+    (no ``retain_graph``): ``backward`` may then write over arrays it saved in forward
+    and has read for the last time, still in cache, instead of allocating cold memory
+    (``ops.transformer`` does)."""
 
     last_backward = False
 
@@ -366,28 +324,20 @@ class Function:
         for observer in _observers:
             observer(cls, args, kwargs)
         fn = cls()
-        arrays = [_computed(a.data) if isinstance(a, Tensor) else a for a in args]
-        record = is_grad_enabled() and any(
-            isinstance(a, Tensor) and a.requires_grad for a in args
-        )
-        if record:
-            fn.needs_input_grad = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
-        else:
-            fn.needs_input_grad = (False,) * len(args)
+        arrays = [upcast(a.data) if isinstance(a, Tensor) else a for a in args]  # half computed in float32
+        wanted = tuple(isinstance(a, Tensor) and a.requires_grad for a in args)
+        record = is_grad_enabled() and any(wanted)
+        fn.needs_input_grad = wanted if record else (False,) * len(args)
         out = fn.forward(*arrays, **kwargs)
         several = isinstance(out, tuple)
         outs = out if several else (out,)
         tensors = tuple(Tensor(o, requires_grad=record) for o in outs)
         if record:
-            fn.inputs = tuple(
-                (a if a._ctx is None else _Edge(a)) if needed else None
-                for a, needed in zip(args, fn.needs_input_grad)
-            )
-            fn.retained = {}
-            fn.n_outputs = len(outs)
+            fn.inputs = tuple((a if a._ctx is None else _Edge(a)) if needed else None
+                              for a, needed in zip(args, wanted))
+            fn.retained, fn.n_outputs = {}, len(outs)
             for i, t in enumerate(tensors):
-                t._ctx = fn
-                t._index = i
+                t._ctx, t._index = fn, i
         return tensors if several else tensors[0]
 
     def forward(self, *args, **kwargs):  # pragma: no cover - interface
@@ -395,14 +345,6 @@ class Function:
 
     def backward(self, *grads):  # pragma: no cover - interface
         raise NotImplementedError
-
-
-def _computed(x: np.ndarray) -> np.ndarray:
-    """What an op computes with: a half-precision tensor (a mixed-precision parameter's
-    working copy, :mod:`mpitrain.precision`) upcast to float32, as NumPy's half-precision
-    products are slow or silently float32; its gradient is rounded into the half
-    ``.grad``. Any other as it is."""
-    return x.astype(np.float32) if is_half(x.dtype) else x
 
 
 class _Edge:
@@ -415,16 +357,10 @@ class _Edge:
         self._ctx, self._index, self.shape = t._ctx, t._index, t.shape
 
 
-def _accumulate(current, g):
-    # out of place: the same gradient array may be handed to several inputs (add)
-    return g if current is None else current + g
-
-
 def _owned(g: np.ndarray, dtype) -> np.ndarray:
-    """A private copy of a gradient before it is handed to the user: arrays flowing
-    through the graph may be shared, read-only broadcast views, or the caller's own.
-    C order even when ``g`` is a transposed view (a transpose's backward), so
-    optimizers and flat buffers see the parameter's own layout."""
+    """A private copy of a gradient handed to the user (arrays in the graph may be shared,
+    read-only broadcast views, or the caller's own), in C order even from a transposed
+    view (a transpose's backward): optimizers and flat buffers see the parameter's layout."""
     return np.array(g, dtype=dtype, copy=True, order="C")
 
 
@@ -443,10 +379,8 @@ def _graph(roots: list[Tensor]):
             continue
         visited.add(id(node))
         if not hasattr(node, "inputs"):
-            raise RuntimeError(
-                "backward through a graph that was already freed; "
-                "pass retain_graph=True to the first backward"
-            )
+            raise RuntimeError("backward through a graph that was already freed; "
+                               "pass retain_graph=True to the first backward")
         stack.append((node, True))
         for t, needed in zip(node.inputs, node.needs_input_grad):
             if not needed:
@@ -459,9 +393,7 @@ def _graph(roots: list[Tensor]):
     return order, leaf_uses
 
 
-# The phases of a walk over the graph (see _walk): every input's gradient, or a backward
-# split in two, the inputs that are not parameters first, then the parameters.
-_WHOLE, _INPUTS, _WEIGHTS = "whole", "inputs", "weights"
+_WHOLE, _INPUTS, _WEIGHTS = "whole", "inputs", "weights"  # the phases of a walk (_walk says which)
 
 
 def _run(roots, grads, retain_graph: bool, capture: dict | None, phase: str = _WHOLE):
@@ -474,11 +406,9 @@ def _run(roots, grads, retain_graph: bool, capture: dict | None, phase: str = _W
     pending: dict[int, list] = {}  # id(node) -> gradients of its outputs
     deliver = _deliverer(pending, leaf_uses, capture)
     for t, g in zip(roots, grads):
-        if isinstance(g, Tensor):
-            g = g.data
         if not t.requires_grad:
             raise RuntimeError("backward from a tensor that does not require grad")
-        g = np.asarray(g, dtype=t.data.dtype)
+        g = np.asarray(g.data if isinstance(g, Tensor) else g, dtype=t.data.dtype)
         if t._ctx is None:
             leaf_uses[id(t)] = leaf_uses.get(id(t), 0) + 1
         deliver(t, g, "the upstream gradient")
@@ -497,13 +427,12 @@ def _deliverer(pending: dict, leaf_uses: dict, capture: dict | None):
                                f"for a tensor of shape {t.shape}")
         if t._ctx is not None:
             slot = pending.setdefault(id(t._ctx), [None] * t._ctx.n_outputs)
-            slot[t._index] = _accumulate(slot[t._index], g)
+            slot[t._index] = g if slot[t._index] is None else slot[t._index] + g  # out of place: g may be shared (add)
             return
         key = id(t)
         if capture is not None:
             if key in capture and g is not None:
-                current = capture[key]
-                capture[key] = _owned(g, t.dtype) if current is None else current + g
+                capture[key] = _owned(g, t.dtype) if capture[key] is None else capture[key] + g
         elif g is not None:
             if t.grad is None:
                 t.grad = _owned(g, t.data.dtype)
@@ -520,7 +449,6 @@ def _deliverer(pending: dict, leaf_uses: dict, capture: dict | None):
 def _walk(steps, deliver, phase: str, free: bool, capture: dict | None = None) -> collections.deque:
     """The engine loop: for each ``(node, out_grads)`` of ``steps`` in turn, call the
     node's backward and deliver the gradients it returns; ``free`` frees each node after.
-
     ``phase`` says which inputs a node is asked for: those it recorded (``_WHOLE``), its
     Parameter leaves (``_WEIGHTS``) or all others (``_INPUTS``). An ``_INPUTS`` walk keeps,
     unfreed, every node with a Parameter input that needs a gradient, with its
@@ -546,16 +474,14 @@ def _retain(node: Function, out_grads: list, capture: dict | None) -> None:
         g = out_grads[i]
         if g is None:
             continue
-        if capture is not None:
-            if id(t) in capture:
-                capture[id(t)] = _owned(g, t.dtype)
-        else:
+        if capture is None:
             t.grad = _owned(g, t.dtype) if t.grad is None else t.grad + g
+        elif id(t) in capture:
+            capture[id(t)] = _owned(g, t.dtype)
 
 
 def _restricted(node: Function, weights: bool) -> tuple:
-    """``node.needs_input_grad`` restricted to its Parameter inputs (``weights``) or to
-    the others."""
+    """``node.needs_input_grad`` restricted to its Parameter inputs (``weights``) or to the others."""
     return tuple(needed and isinstance(t, Parameter) == weights
                  for t, needed in zip(node.inputs, node.needs_input_grad))
 
@@ -567,8 +493,6 @@ def _call(node: Function, out_grads: list, needs: tuple, deliver) -> None:
     recorded = node.needs_input_grad
     if not any(needs) or all(g is None for g in out_grads):
         in_grads = (None,) * len(needs)
-    elif needs is recorded:
-        in_grads = node.backward(*out_grads)
     else:
         node.needs_input_grad = needs
         try:
@@ -600,28 +524,23 @@ def backward(tensors, grads=None, retain_graph: bool = False) -> None:
 
 
 def grad(outputs, inputs, grad_outputs=None, retain_graph: bool = False) -> list:
-    """Gradients of ``outputs`` with respect to ``inputs``, leaving every ``.grad`` alone.
-
-    ``inputs`` may be leaves or intermediates (an intermediate's gradient is taken when
-    its producing node runs). Inputs that the outputs do not depend on get ``None``.
-    """
+    """Gradients of ``outputs`` with respect to ``inputs``, leaving every ``.grad`` alone:
+    leaves or intermediates (an intermediate's gradient is taken when its producing node
+    runs); inputs that the outputs do not depend on get ``None``."""
     outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     inputs = list(inputs)
     if grad_outputs is None:
         grad_outputs = [np.ones(o.shape, dtype=o.dtype) for o in outputs]
     capture = {id(t): None for t in inputs}
-    saved = []
-    for t in inputs:
-        if t._ctx is not None:
-            saved.append((t, t._ctx.retained.get(t._index)))
-            t._ctx.retained[t._index] = t
+    saved = [(t, t._ctx.retained.get(t._index)) for t in inputs if t._ctx is not None]  # to restore after
+    for t, _ in saved:
+        t._ctx.retained[t._index] = t
     try:
         _run(outputs, list(grad_outputs), retain_graph, capture)
     finally:
         for t, previous in saved:
-            if hasattr(t._ctx, "retained"):
-                if previous is None:
-                    t._ctx.retained.pop(t._index, None)
+            if previous is None and hasattr(t._ctx, "retained"):
+                t._ctx.retained.pop(t._index, None)
     return [capture[id(t)] for t in inputs]
 
 
@@ -685,37 +604,27 @@ def backward_split(tensors, grads=None) -> "WeightPass":
     sends B's result at once and runs W where it would otherwise wait.
 
     The walk is :func:`backward`'s (``tensors``, ``grads`` as there; a Parameter cannot
-    be a root), in the same order, with every edge into a Parameter masked off: each
-    node's backward sees ``needs_input_grad`` restricted to its other inputs
-    (intermediates, and leaves such as a stage's received activation), and a node with
-    no such input needing a gradient is not called. On return the ``.grad`` of every leaf
-    that is not a Parameter, its hooks and every retained gradient are as after
-    ``backward``; no parameter's ``.grad`` has changed and no parameter hook has fired.
+    be a root), in the same order, with every edge into a Parameter masked off: a node's
+    backward sees ``needs_input_grad`` restricted to its other inputs, and a node with
+    none of them needing a gradient is not called. On return the other leaves' ``.grad``,
+    their hooks and every retained gradient are as after ``backward``; no parameter's
+    ``.grad`` has changed and no parameter hook has fired.
 
     Every node with a Parameter input needing a gradient is kept for phase two, with its
-    saved arrays and the gradients of its outputs (references: do not write into
-    ``grads`` before ``run``), and sees ``last_backward`` false in phase one. The others
-    are freed at once, as by ``backward``. Between the phases the graph holds what the
-    weight gradients need and nothing else; a WeightPass dropped without being run frees
-    exactly that, the kept nodes and their output gradients.
-
-    ``WeightPass.run()`` calls the kept nodes again in the same order, asking for the
-    Parameter inputs only, with ``last_backward`` true, accumulates into ``.grad`` as
-    ``backward`` does, fires each parameter's hooks when its last edge has delivered, and
-    frees the nodes. Each gradient then receives its contributions in the order one
-    ``backward`` gives them: the results are bit for bit those of
-    ``backward(tensors, grads)``.
+    saved arrays and its output gradients (references: do not write into ``grads``
+    before ``run``), and sees ``last_backward`` false in phase one; the others are freed
+    at once. A WeightPass dropped without being run frees exactly what it kept.
+    ``WeightPass.run()`` calls the kept nodes again in the same order for their Parameter
+    inputs only, with ``last_backward`` true, accumulating and firing hooks as
+    ``backward`` does: each gradient receives its contributions in one ``backward``'s
+    order, so the results are bit for bit those of ``backward(tensors, grads)``.
 
     Cost: a node's backward runs twice, and work its input and weight gradients share is
-    done in both. The fused transformer sublayers (``ops.transformer``) are the case
-    that matters: ``W_in``'s and the layer norm's gradients lie behind the whole inner
-    chain, so asked for its weights alone a sublayer recomputes the branch's dropout,
-    ``g W_proj^T``, the attention backward (or GELU's) and ``ga W_in^T``: nearly a second
-    backward of the sublayer. The plain block (``ops.fast_paths(False)``) has each
-    ``Linear`` and ``LayerNorm`` as its own node, whose phase two is the weight products
-    and the norm's reductions alone. Activation checkpointing's node ignores the mask
-    and recomputes its block's forward and backward in each phase.
-    """
+    done in both: for a fused transformer sublayer (``ops.transformer``), whose ``W_in``
+    and layer norm gradients lie behind its whole inner chain, nearly a second backward;
+    for the plain block's separate ``Linear`` and ``LayerNorm`` nodes
+    (``ops.fast_paths(False)``), the weight products and the norm's reductions alone.
+    Activation checkpointing's node ignores the mask and recomputes its block each time."""
     tensors = list(tensors)
     if any(isinstance(t, Parameter) for t in tensors):
         raise ValueError("backward_split from a Parameter: its gradient is not an input gradient to split off")
@@ -724,8 +633,7 @@ def backward_split(tensors, grads=None) -> "WeightPass":
 
 
 class WeightPass:
-    """The second phase of :func:`backward_split`: ``run()`` once to compute the
-    parameters' gradients from the nodes phase one kept."""
+    """Phase two of :func:`backward_split`: ``run()`` it once for the parameters' gradients."""
 
     def __init__(self, kept: collections.deque, leaf_uses: dict):
         self._kept, self._leaf_uses = kept, leaf_uses
@@ -741,8 +649,7 @@ class WeightPass:
 
 
 def _drain(items: collections.deque):
-    """Yield ``items`` from the first, dropping each from the deque (a node's output
-    gradients are freed as the walk passes it, not at its end)."""
+    """Yield ``items`` from the first, popping each: a node's output gradients are freed as the walk passes it."""
     while items:
         yield items.popleft()
 

@@ -9,11 +9,10 @@ parameters. The recomputation builds a private graph and takes gradients from it
 accumulates them like any other node's. So a parameter used both inside and outside
 the block (a tied embedding) gets its post-accumulate hook only when all uses are in.
 
-Replay is exact: the random streams (dropout: the process-wide generator, and the
-per-sample streams of ``rng.sample_streams`` with their layer) are rewound to where the
-forward pass began (``rng.snapshot``; backward may run outside those contexts), and
-buffers the forward pass updated (batch-norm running statistics) are put back after
-the recomputation so they are updated once per step, not twice.
+Replay is exact: the random streams (the process-wide generator, and the per-sample
+streams with their layer) are rewound to where the forward pass began (backward may run
+outside those contexts), and buffers the forward pass updated (batch-norm running
+statistics) are put back after it, so they are updated once per step, not twice.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import numpy as np
 
 from mpitrain import rng
 from mpitrain.nn.module import Module
-from mpitrain.tensor import Function, Tensor, enable_grad, grad, is_grad_enabled, no_grad
+from mpitrain.tensor import Function, Tensor, as_tensor, enable_grad, grad, is_grad_enabled, no_grad
 
 
 class _Checkpoint(Function):
@@ -34,8 +33,7 @@ class _Checkpoint(Function):
 
     def backward(self, g):
         x, out = replay(self.module, self.x, self.needs_input_grad[0], self.rng_state)
-        grads = grad([out], [x] + self.module.parameters(), [g])
-        return tuple(grads)
+        return tuple(grad([out], [x] + self.module.parameters(), [g]))
 
 
 def replay(module: Module, x: np.ndarray, x_needs_grad: bool, rng_state) -> tuple[Tensor, Tensor]:
@@ -59,21 +57,17 @@ def replay(module: Module, x: np.ndarray, x_needs_grad: bool, rng_state) -> tupl
 
 
 def checkpoint(module: Module, x):
-    """``module(x)`` without storing its activations (recomputed in backward).
-
-    ``x`` is one tensor and the module returns one tensor. Outside gradient recording
-    (evaluation) this is a plain call. The module's ``forward`` runs, not its call, so
-    that :func:`checkpointed` can route a module's calls here.
-    """
+    """``module(x)`` without storing its activations (recomputed in backward); ``x`` is one
+    tensor and the module returns one. Outside gradient recording (evaluation) this is a
+    plain call. The module's ``forward`` runs, not its call, so that :func:`checkpointed`
+    can route a module's calls here."""
     if not is_grad_enabled():
         return module.forward(x)
-    x = x if isinstance(x, Tensor) else Tensor(x)
-    return _Checkpoint.apply(x, *module.parameters(), module=module)
+    return _Checkpoint.apply(as_tensor(x), *module.parameters(), module=module)
 
 
 def checkpointed(module: Module) -> Module:
-    """Make every call of ``module`` a :func:`checkpoint` (``Module.call_through``): the
-    GPT's blocks with ``checkpoint_activations``, wherever they run (the whole model, a
-    pipeline stage, sliced over tensor-parallel ranks). Returns the module."""
+    """Make every call of ``module`` a :func:`checkpoint` (``Module.call_through``), wherever it runs (the whole
+    model, a pipeline stage, sliced over tensor-parallel ranks): the GPT's blocks with ``checkpoint_activations``."""
     module.call_through(checkpoint)
     return module

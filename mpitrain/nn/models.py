@@ -15,19 +15,16 @@ import numpy as np
 
 from mpitrain import ops, rng
 from mpitrain.nn.checkpoint import checkpointed
-from mpitrain.nn.layers import (
-    BatchNorm2d, Conv2d, Dropout, Embedding, Flatten, GlobalAvgPool, LayerNorm, Linear,
-    MaxPool2d, ReLU,
-)
+from mpitrain.nn.layers import (BatchNorm2d, Conv2d, Dropout, Embedding, Flatten, GlobalAvgPool, LayerNorm, Linear,
+                                 MaxPool2d, ReLU)
 from mpitrain.nn.module import Module, ModuleList, Sequential
 from mpitrain.tensor import Parameter, no_grad
 
 
 # ---------------------------------------------------------------------------- CNNs
 def run_layers(model: Module, x):
-    """``x`` through ``model.named_layers()`` in order, each layer inside its own dropout
-    streams (:func:`mpitrain.rng.layer`), so that a pipeline stage running some of them
-    draws the masks they draw here."""
+    """``x`` through ``model.named_layers()`` in order, each layer inside its own dropout streams
+    (:func:`mpitrain.rng.layer`), so that a pipeline stage running some of them draws the masks they draw here."""
     for i, (_, layer) in enumerate(model.named_layers()):
         with rng.layer(i):
             x = layer(x)
@@ -59,16 +56,12 @@ class ConvNet(Sequential):
     classifier. ``channels=(16, 32)`` is the benchmark model of ``mpitrain bench step``.
     The last convolution's ReLU runs after the pool, inside the pool op (the same function)."""
 
-    def __init__(self, in_channels: int = 3, image_size: int = 32, num_classes: int = 10,
-                 channels: tuple = (16, 32)):
-        layers: list[Module] = []
-        c = in_channels
-        for n, width in enumerate(channels, 1):
-            layers += [Conv2d(c, width, 3, padding=1, relu=n < len(channels))]
-            c = width
+    def __init__(self, in_channels: int = 3, image_size: int = 32, num_classes: int = 10, channels: tuple = (16, 32)):
+        ins = (in_channels, *channels[:-1])
+        convs = [Conv2d(c, width, 3, padding=1, relu=n < len(channels))
+                 for n, (c, width) in enumerate(zip(ins, channels), 1)]
         side = image_size // 2
-        layers += [MaxPool2d(2, relu=True), Flatten(), Linear(c * side * side, num_classes)]
-        super().__init__(*layers)
+        super().__init__(*convs, MaxPool2d(2, relu=True), Flatten(), Linear(channels[-1] * side * side, num_classes))
 
     def forward(self, x):
         return run_layers(self, x)
@@ -85,8 +78,7 @@ class BasicBlock(Module):
         self.bn2 = BatchNorm2d(c_out)
         self.shortcut = None
         if stride != 1 or c_in != c_out:
-            self.shortcut = Sequential(Conv2d(c_in, c_out, 1, stride=stride, bias=False),
-                                       BatchNorm2d(c_out))
+            self.shortcut = Sequential(Conv2d(c_in, c_out, 1, stride=stride, bias=False), BatchNorm2d(c_out))
 
     def forward(self, x):
         h = ops.relu(self.bn1(self.conv1(x)))
@@ -184,17 +176,11 @@ class Block(Module):
 
     Those two lines, the end of ``forward``, are the plain path: they run through the
     ``LayerNorm`` and ``Linear`` modules, so a layer swapped in (tensor slicing's column-
-    and row-parallel ``c_attn``, ``c_fc`` and ``c_proj``) is what computes.
-
-    With the fast paths on (``ops.fast_paths``, the default) each half runs instead as
-    one fused op (``ops.transformer``: it reuses its large arrays while they are in
-    cache) that does the same arithmetic in the same order: outputs and gradients are
-    equal bit for bit. The fast path declines when a layer is not exactly the plain one
-    (``Linear`` for ``c_attn``, ``c_fc`` and both ``c_proj``, ``LayerNorm`` for ``ln_1``
-    and ``ln_2``, this file's ``CausalSelfAttention`` and ``MLP``) because the fused op
-    reads the layers' weights and does the plain layers' arithmetic itself: it would
-    silently ignore a swapped layer's own ``forward``.
-    """
+    and row-parallel ``c_attn``, ``c_fc`` and ``c_proj``) is what computes. With the fast
+    paths on (``ops.fast_paths``, the default) each half runs instead as one fused op
+    (``ops.transformer``), equal bit for bit, but only when every layer is the plain one
+    (:meth:`_fusable`): the fused op reads the layers' weights and does their arithmetic
+    itself, so it would silently ignore a swapped layer's own ``forward``."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -205,7 +191,8 @@ class Block(Module):
 
     def forward(self, x):
         if ops.fast_paths_enabled() and self._fusable():
-            return self._fused(x)
+            x = self.attn.residual(x, self.ln_1)  # x + attn(ln_1(x)), one op
+            return self.mlp.residual(x, self.ln_2)  # x + mlp(ln_2(x)), one op
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
@@ -215,10 +202,6 @@ class Block(Module):
         return (type(attn) is CausalSelfAttention and type(mlp) is MLP
                 and all(type(m) is Linear for m in (attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj))
                 and type(self.ln_1) is LayerNorm and type(self.ln_2) is LayerNorm)
-
-    def _fused(self, x):
-        x = self.attn.residual(x, self.ln_1)  # x + attn(ln_1(x)), one op
-        return self.mlp.residual(x, self.ln_2)  # x + mlp(ln_2(x)), one op
 
 
 class GPTEmbedding(Module):
@@ -291,18 +274,9 @@ class GPT(Module):
         return [("embed", self.embed), *((f"block {i}", b) for i, b in enumerate(self.blocks)), ("head", self.head)]
 
     def forward(self, ids, targets=None):
-        """Logits (B, T, V), and the mean cross-entropy if ``targets`` (B, T) is given.
-
-        Each layer runs inside ``rng.layer(i)``, ``i`` its index in :meth:`layers`: under
-        ``rng.sample_streams`` its dropout masks are then keyed by layer, the same when a
-        pipeline stage runs it alone."""
-        with rng.layer(0):
-            x = self.embed(ids)
-        for i, block in enumerate(self.blocks, 1):
-            with rng.layer(i):
-                x = block(x)  # checkpointed, with checkpoint_activations (__init__)
-        with rng.layer(len(self.blocks) + 1):
-            logits = self.head(x)
+        """Logits (B, T, V), and the mean cross-entropy if ``targets`` (B, T) is given; the
+        layers run through :func:`run_layers` (blocks checkpointed with ``checkpoint_activations``)."""
+        logits = run_layers(self, ids)
         if targets is None:
             return logits, None
         return logits, self.head.loss(logits, targets)
@@ -315,10 +289,9 @@ class GPT(Module):
         was_training = self.training
         self.eval()
         try:
-            ids = self._sample(ids, max_new_tokens, temperature, top_k, gen)
+            return self._sample(ids, max_new_tokens, temperature, top_k, gen)
         finally:
             self.train(was_training)
-        return ids
 
     def _sample(self, ids, max_new_tokens, temperature, top_k, gen) -> np.ndarray:
         with no_grad():

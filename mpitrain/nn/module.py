@@ -10,20 +10,16 @@ from mpitrain.tensor import Parameter
 
 
 class Module:
-    """Base class of layers and models.
-
-    Assigning a :class:`~mpitrain.tensor.Parameter` or a ``Module`` to an attribute
-    registers it; :meth:`register_buffer` registers a non-trained array (batch-norm
-    running statistics). Subclasses implement ``forward``; calling the module calls it.
-    """
+    """Base class of layers and models. Assigning a :class:`~mpitrain.tensor.Parameter` or
+    a ``Module`` to an attribute registers it; :meth:`register_buffer` registers a
+    non-trained array (batch-norm running statistics). Subclasses implement ``forward``;
+    calling the module calls it."""
 
     _call_through = None  # see call_through()
 
     def __init__(self):
-        object.__setattr__(self, "_parameters", OrderedDict())
-        object.__setattr__(self, "_modules", OrderedDict())
-        object.__setattr__(self, "_buffers", OrderedDict())
-        object.__setattr__(self, "training", True)
+        # set around __setattr__, which needs the registries to exist
+        self.__dict__.update(_parameters=OrderedDict(), _modules=OrderedDict(), _buffers=OrderedDict(), training=True)
 
     def __setattr__(self, name, value):
         if "_parameters" not in self.__dict__:
@@ -32,17 +28,12 @@ class Module:
             if not isinstance(value, np.ndarray):
                 raise TypeError(f"buffer {name!r} must stay an array, got {type(value).__name__}")
             self._buffers[name] = value  # re-assigned in place: the order of entries stays
-        elif isinstance(value, Parameter) and name in self._parameters:
-            self._parameters[name] = value
-        elif isinstance(value, Module) and name in self._modules:
-            self._modules[name] = value
         else:
-            for registry in (self._parameters, self._modules):
-                registry.pop(name, None)
-            if isinstance(value, Parameter):
-                self._parameters[name] = value
-            elif isinstance(value, Module):
-                self._modules[name] = value
+            for registry, kind in ((self._parameters, Parameter), (self._modules, Module)):
+                if isinstance(value, kind):
+                    registry[name] = value  # a name re-assigned keeps its place in the order
+                else:
+                    registry.pop(name, None)
         object.__setattr__(self, name, value)
 
     def register_buffer(self, name: str, array: np.ndarray) -> None:
@@ -71,15 +62,13 @@ class Module:
             yield from child.named_modules(f"{prefix}.{name}" if prefix else name)
 
     def modules(self):
-        for _, m in self.named_modules():
-            yield m
+        return (m for _, m in self.named_modules())
 
     def children(self):
         return iter(self._modules.values())
 
     def named_parameters(self, prefix: str = ""):
-        """(name, parameter) pairs in registration order; a shared (tied) parameter is
-        listed once, under its first name."""
+        """(name, parameter) pairs in registration order; a shared (tied) parameter once, under its first name."""
         seen: set[int] = set()
         for mod_name, mod in self.named_modules(prefix):
             for name, p in mod._parameters.items():
@@ -138,8 +127,7 @@ class Module:
         return self.train(False)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
-        """Clear gradients. By default they are zeroed in place (keeping any views into
-        flat gradient buffers); ``set_to_none`` drops them instead."""
+        """Zero the gradients in place (views into flat gradient buffers stay), or drop them (``set_to_none``)."""
         for p in self.parameters():
             if set_to_none:
                 p.grad = None

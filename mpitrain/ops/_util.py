@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import numpy as np
 
@@ -15,21 +16,18 @@ def set_fast_paths(enabled: bool) -> bool:
     """Select the fast paths (True, the default) or the plain ones for the whole process;
     returns the previous setting. The switch selects:
 
-    * ``nn.Block``: each half of a transformer block as one fused op
-      (``ops.transformer``), or nanoGPT's two lines through its ``Linear`` and
-      ``LayerNorm`` modules;
+    * ``nn.Block``: each half of a transformer block as one fused op (``ops.transformer``),
+      or nanoGPT's two lines through its ``Linear`` and ``LayerNorm`` modules;
     * ``ops.gelu``: GELU in cache-sized blocks of in-place passes (``gelu_blocks``), or
       the textbook expression over the whole array (``gelu_plain``);
     * ``ops.conv2d``: im2col + GEMM over cache-sized tiles of images with an opaque-row
       copy (``TiledConv2d``), or over the whole batch at once (``Conv2d``);
     * ``ops.max_pool2d``: the batch in cache-sized tiles, or whole.
 
-    Both do the same arithmetic in the same order except the convolution's, so results
-    are equal bit for bit (the GPT's outputs and every gradient, GELU, max-pooling);
-    the convolutions sum the same products in a different grouping (tiles change the
-    GEMMs' shapes and the order in which the weight gradient is summed), equal to
-    rounding (1e-12 relative in float64). The tests hold them to that.
-    """
+    Both do the same arithmetic in the same order, equal bit for bit (the GPT's outputs
+    and every gradient, GELU, max-pooling), except the convolutions: tiles change the
+    GEMMs' shapes and the order in which the weight gradient is summed, equal to rounding
+    (1e-12 relative in float64). The tests hold them to that."""
     global _fast_paths
     previous, _fast_paths = _fast_paths, bool(enabled)
     return previous
@@ -42,8 +40,7 @@ def fast_paths_enabled() -> bool:
 
 @contextlib.contextmanager
 def fast_paths(enabled: bool):
-    """``with fast_paths(False): ...`` runs the plain paths inside the block and restores
-    the previous setting after it (see :func:`set_fast_paths`)."""
+    """``with fast_paths(False): ...`` runs the plain paths inside the block (:func:`set_fast_paths`)."""
     previous = set_fast_paths(enabled)
     try:
         yield
@@ -59,6 +56,14 @@ BLOCK_ELEMENTS = 1 << 16
 def blocks(n: int, size: int = BLOCK_ELEMENTS) -> list[slice]:
     """Consecutive slices covering ``range(n)``, ``size`` long (the last may be shorter)."""
     return [slice(start, min(start + size, n)) for start in range(0, n, size)]
+
+
+@functools.lru_cache(maxsize=64)
+def cached_full(shape: tuple, value: float, dtype: np.dtype) -> np.ndarray:
+    """A read-only array of ``value``, made once per shape: a product with ones (1/n) is a sum (mean) as a GEMM."""
+    a = np.full(shape, value, dtype=dtype)
+    a.flags.writeable = False
+    return a
 
 
 def unbroadcast(grad: np.ndarray, shape: tuple) -> np.ndarray:

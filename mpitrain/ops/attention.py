@@ -12,10 +12,8 @@ and each head's output is written straight into its columns of ``(B, T, C)``.
 The backward pass is written as one function: ``dv = P^T dy``, ``dP = dy v^T``,
 ``dS = P * (dP - rowsum(dP * P))`` (softmax Jacobian; masked entries have P = 0 and so
 get no gradient), ``dq = dS k / sqrt(hs)``, ``dk = dS^T q / sqrt(hs)``, written straight
-into the head views of one ``dqkv`` array.
-
-The same computation serves ``ops.transformer``'s fused attention sublayer, which
-passes ``qkv`` itself as the array to write ``dqkv`` into (``attend_backward``).
+into the head views of one ``dqkv`` array (``ops.transformer``'s attention sublayer
+passes ``qkv`` itself, :func:`attend_backward`).
 """
 
 from __future__ import annotations
@@ -26,6 +24,7 @@ import math
 import numpy as np
 
 from mpitrain import rng as _rng
+from mpitrain.ops._util import cached_full
 from mpitrain.tensor import Function, Tensor, as_tensor
 
 
@@ -36,13 +35,6 @@ def _causal_bias_t(T: int, dtype: np.dtype) -> np.ndarray:
     bias[np.tril_indices(T, k=-1)] = -np.inf
     bias.flags.writeable = False
     return bias
-
-
-@functools.lru_cache(maxsize=16)
-def _ones_row(T: int, dtype: np.dtype) -> np.ndarray:
-    ones = np.ones((1, T), dtype=dtype)
-    ones.flags.writeable = False
-    return ones
 
 
 def _heads(a: np.ndarray, n_head: int) -> np.ndarray:
@@ -69,7 +61,7 @@ def attend(fn, qkv, n_head, causal, dropout_p, generator, heads=None) -> np.ndar
         att += _causal_bias_t(T, att.dtype)
     att -= att.max(axis=-2, keepdims=True)
     np.exp(att, out=att)
-    inv = _ones_row(T, att.dtype) @ att  # column sums, (B, nh, 1, T_query)
+    inv = cached_full((1, T), 1.0, att.dtype) @ att  # column sums, (B, nh, 1, T_query)
     att *= np.reciprocal(inv, out=inv)  # a multiply is cheaper than a divide
     fn.keep = None
     probs = att
@@ -88,10 +80,9 @@ def attend(fn, qkv, n_head, causal, dropout_p, generator, heads=None) -> np.ndar
 
 def attend_backward(fn, gy, gqkv, dq_scratch=None) -> None:
     """Gradients of attention's input into ``gqkv`` (B, T, 3C) from ``gy`` (B, T, C).
-
-    ``gqkv`` may be the saved ``qkv`` itself; each of q, k and v is then overwritten
-    only after its last read, and dq, whose slot ``q`` is read by dk, waits in
-    ``dq_scratch`` (the (B, T, C) buffer of ``gy``, which is dead by then)."""
+    ``gqkv`` may be the saved ``qkv`` itself: each of q, k and v is then overwritten only
+    after its last read, and dq, whose slot ``q`` is read by dk, waits in ``dq_scratch``
+    (the (B, T, C) buffer of ``gy``, which is dead by then)."""
     B, T, C3 = gqkv.shape
     nh = fn.n_head
     q, k, v = _heads(fn.qkv, nh)
@@ -104,14 +95,11 @@ def attend_backward(fn, gy, gqkv, dq_scratch=None) -> None:
     att = fn.att
     gatt -= np.einsum("bhji,bhji->bhi", gatt, att)[:, :, None, :]
     gatt *= att  # dS^T / sqrt(hs): the scale of both dq and dk
-    if dq_scratch is None:
-        np.matmul(_t(gatt), k, out=gq)  # dq = dS k
-        np.matmul(gatt, q, out=gk)  # dk = dS^T q
-        return
-    dq = dq_scratch.reshape(B, T, nh, -1).transpose(0, 2, 1, 3)  # (B, nh, T, hs)
+    dq = gq if dq_scratch is None else dq_scratch.reshape(B, T, nh, -1).transpose(0, 2, 1, 3)  # (B, nh, T, hs)
     np.matmul(_t(gatt), k, out=dq)  # dq = dS k
-    np.matmul(gatt, q, out=gk)  # dk = dS^T q, over k
-    np.copyto(gq, dq)  # over q, which dk has read
+    np.matmul(gatt, q, out=gk)  # dk = dS^T q (over k where gqkv is qkv)
+    if dq is not gq:
+        np.copyto(gq, dq)  # over q, which dk has read
 
 
 class CausalSelfAttention(Function):
@@ -135,11 +123,10 @@ class CausalSelfAttention(Function):
 
 def causal_self_attention(qkv, n_head: int, causal: bool = True, dropout_p: float = 0.0,
                           generator=None, heads: tuple | None = None) -> Tensor:
-    """Attention of ``qkv`` (B, T, 3C) with ``n_head`` heads; returns (B, T, C). The
-    dropout mask on the attention weights comes from ``generator`` if given, else from
-    ``mpitrain.rng`` (per sample inside ``rng.sample_streams``); ``heads = (first,
-    total)`` says these are heads ``first ..`` of ``total`` (a layer sliced over ranks),
-    whose masks are those heads' of the whole layer."""
+    """Attention of ``qkv`` (B, T, 3C) with ``n_head`` heads; returns (B, T, C). Dropout on
+    the attention weights draws from ``generator`` (:func:`mpitrain.rng.dropout_mask`);
+    ``heads = (first, total)``: these are heads ``first ..`` of a layer of ``total`` sliced
+    over ranks, whose masks are those heads' of the whole layer."""
     qkv = as_tensor(qkv)
     if qkv.ndim != 3 or qkv.shape[-1] % (3 * n_head):
         raise ValueError(f"qkv must be (B, T, 3C) with C divisible by n_head={n_head}, got {qkv.shape}")

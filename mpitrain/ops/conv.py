@@ -1,36 +1,27 @@
-"""2-D convolution and pooling on channels-last (NHWC) images.
+"""2-D convolution and pooling on channels-last (NHWC) images: images are ``(B, H, W, C)``
+and convolution weights ``(kh, kw, C_in, C_out)``.
 
-Layout: images are ``(B, H, W, C)`` and convolution weights ``(kh, kw, C_in, C_out)``.
-
-The plain path (:class:`Conv2d`, the text to learn from) is im2col + GEMM over the
-whole batch: a strided view exposes every ``kh x kw`` window of the padded input, one
-copy lays them out as the ``(B*Ho*Wo, kh*kw*C_in)`` column matrix, and a single GEMM
-with the weight viewed as ``(kh*kw*C_in, C_out)`` produces the output already in NHWC
-order. Backward: the weight gradient is ``cols^T @ g``, and the input gradient is the
-column gradient ``g @ w^T`` added back (col2im) tap by tap onto the pixels each tap read.
-
-The fast path (:class:`TiledConv2d`, chosen by ``ops.fast_paths``, the default) does
-the same products in a different order and layout. Channels-last suits im2col: one row
-of a window is ``kw * C_in`` contiguous numbers, copied as one opaque element
-(:func:`_im2col`). Backward takes the column gradient tap by tap (one batched GEMM),
-so that col2im moves long contiguous runs.
+The plain path (:class:`Conv2d`, the text to learn from) is im2col + one GEMM over the
+whole batch, the output already in NHWC order. The fast path (:class:`TiledConv2d`,
+chosen by ``ops.fast_paths``, the default) does the same products in another order and
+layout. Channels-last suits im2col: one row of a window is ``kw * C_in`` contiguous
+numbers, copied as one opaque element (:func:`_im2col`). Backward takes the column
+gradient tap by tap (one batched GEMM), so that col2im moves long contiguous runs.
 
 Tiles. Built for the whole batch at once, the column matrix of a 32x32x16 layer at
 batch 64 is 38 MB: im2col writes it to memory and the GEMM, whose packing reads it
-back, waits on memory. The fast path therefore walks the batch in tiles of
-whole images whose columns fit a cache budget (``TILE_BYTES_PER_THREAD``): the GEMM
-then reads columns im2col has just written to cache and runs faster, the column
-gradient is added back while it is in cache, and backward rebuilds a tile's columns
-from the saved padded input (a copy from cache) instead of keeping 38 MB alive from
-forward to backward. The loop is over tiles, each a few images and millions of numbers
-for NumPy and BLAS; no Python loop runs over single pixels or positions, and one tile
-covers a batch that fits. Tiles change how the weight and bias gradients and the
-col2im sums are grouped, so the two paths agree to rounding, not bit for bit.
+back, waits on memory. The fast path therefore walks the batch in tiles of whole images
+whose columns fit a cache budget (``TILE_BYTES_PER_THREAD``): the GEMM reads columns
+im2col has just written to cache, the column gradient is added back while it is in
+cache, and backward rebuilds a tile's columns from the saved padded input (a copy from
+cache) instead of keeping 38 MB alive from forward to backward. No Python loop runs
+over single pixels or positions, and one tile covers a batch that fits. Tiles group
+the weight and bias gradients and the col2im sums differently, so the two paths agree
+to rounding, not bit for bit.
 
-Backward computes the input gradient in sub-tiles of ``COLUMN_GRAD_BYTES`` (one image
-of that layer): the nine narrow GEMMs (``N = C_in``) run faster there. Winograd's
-F(2x2, 3x3), fewer multiplications but NumPy passes over strided 4x4 tiles, lost to
-im2col: the narrow GEMMs set the floor. Each part's cost: ``mpitrain/bench/README.md``.
+Winograd's F(2x2, 3x3), fewer multiplications but NumPy passes over strided 4x4 tiles,
+lost to im2col, whose narrow backward GEMMs (``COLUMN_GRAD_BYTES``) set the floor. Each
+part's cost: ``mpitrain/bench/README.md``.
 """
 
 from __future__ import annotations
@@ -56,8 +47,7 @@ POOL_TILE_BYTES = 1 << 19
 
 
 def set_blas_threads(n: int) -> int:
-    """Size tiles for GEMMs that run on ``n`` BLAS threads (``runtime.limit_blas_threads``
-    calls this); returns the previous number."""
+    """Size tiles for GEMMs on ``n`` BLAS threads (``runtime.limit_blas_threads`` calls this); returns the previous."""
     global _blas_threads
     previous, _blas_threads = _blas_threads, max(1, int(n))
     return previous
@@ -112,8 +102,7 @@ def _tap_regions(H, W, kh, kw, sh, sw, ph, pw, Ho, Wo) -> tuple:
         for j in range(kw):
             ow, nw, w0 = _clip(W, Wo, j, sw, pw)
             if nh and nw:
-                dst = (slice(None), slice(h0, h0 + sh * (nh - 1) + 1, sh),
-                       slice(w0, w0 + sw * (nw - 1) + 1, sw))
+                dst = (slice(None), slice(h0, h0 + sh * (nh - 1) + 1, sh), slice(w0, w0 + sw * (nw - 1) + 1, sw))
                 src = (slice(None), slice(oh, oh + nh), slice(ow, ow + nw))
                 regions.append((i * kw + j, dst, src, nh == H and nw == W and sh == sw == 1))
     cover = next((r for r in regions if r[3]), None)
@@ -121,12 +110,10 @@ def _tap_regions(H, W, kh, kw, sh, sw, ph, pw, Ho, Wo) -> tuple:
 
 
 def _scatter_taps(pieces, gx, kh, kw, sh, sw, ph, pw, Ho, Wo) -> np.ndarray:
-    """Set ``gx`` (B, H, W, C) to the sum of each tap's (B, Ho, Wo, C) piece added onto
-    the input pixels the tap read; returns ``gx``.
-
-    ``pieces(tap)`` returns the piece of tap ``i * kw + j``. Each tap is clipped to the
-    pixels inside the image, so no padded array is built. A tap that covers every pixel
-    once is written first by assignment, so ``gx`` needs no zeroing."""
+    """Set ``gx`` (B, H, W, C) to the sum of each tap's (B, Ho, Wo, C) piece, ``pieces(tap)``
+    for tap ``i * kw + j``, added onto the input pixels the tap read; returns ``gx``. Each
+    tap is clipped to the pixels inside the image, so no padded array is built. A tap that
+    covers every pixel once is written first by assignment, so ``gx`` needs no zeroing."""
     _, H, W, _ = gx.shape
     cover, others = _tap_regions(H, W, kh, kw, sh, sw, ph, pw, Ho, Wo)
     if cover:
@@ -141,7 +128,6 @@ def _scatter_taps(pieces, gx, kh, kw, sh, sw, ph, pw, Ho, Wo) -> np.ndarray:
 def _im2col(xp: np.ndarray, kh, kw, sh, sw, Ho, Wo) -> np.ndarray:
     """(n*Ho*Wo, kh*kw*C) column matrix of ``xp`` (n, Hp, Wp, C), one row per output
     pixel, in one copy: ``cols[b, ho, wo, i, q] = xp[b, ho*sh + i, wo*sw + q // C, q % C]``.
-
     A window row, kw pixels of C channels, is kw*C contiguous numbers in channels-last
     memory. The copy moves it as one opaque element of kw*C*itemsize bytes, so NumPy's
     inner loop runs along output pixels rather than along the 48 (or, for RGB input, 9)
@@ -219,12 +205,8 @@ class Conv2d(Function):
 
 
 class TiledConv2d(Function):
-    """Convolution, optionally fused with a ReLU on its output (``relu=True``): the
-    rectification runs in place on the GEMM's result instead of on a new array.
-
-    The fast path: forward and backward walk the batch in tiles of whole images (see
-    the module docstring); backward rebuilds each tile's columns from the saved padded
-    input."""
+    """The fast path: :class:`Conv2d` in tiles of whole images (the module docstring says
+    why); ``relu=True`` rectifies in place on the GEMM's result, not on a new array."""
 
     def forward(self, x, w, b=None, stride=(1, 1), padding=(0, 0), relu=False):
         B, H, W, C = x.shape
@@ -298,9 +280,7 @@ class MaxPool2d(Function):
     order (as in PyTorch), so ties never double-count. Forward is kh*kw - 1 elementwise
     maxima of strided views; backward recomputes which tap won from the saved input.
     With the fast paths on (``ops.fast_paths``), both walk the batch in tiles of
-    ``POOL_TILE_BYTES`` of input, so that every tap after the first reads cache: over a
-    whole 8 MB activation (the benchmark CNN's) each tap read it again from memory.
-    With them off, one tile is the whole batch: the same arithmetic.
+    ``POOL_TILE_BYTES``; off, one tile is the whole batch: the same arithmetic.
 
     ``relu=True`` also takes the maximum with 0. ReLU and max-pooling commute (both are
     monotone), so ``conv -> pool(relu=True)`` equals ``conv(relu=True) -> pool`` in value
@@ -383,9 +363,8 @@ class AvgPool2d(Function):
 
 
 def conv2d(x, weight, bias=None, stride=1, padding=0, relu: bool = False) -> Tensor:
-    """NHWC convolution: ``x`` (B, H, W, C_in), ``weight`` (kh, kw, C_in, C_out);
-    ``relu=True`` applies max(0, .) to the result in the same node. In tiles
-    (``TiledConv2d``) with the fast paths on, else over the whole batch (``Conv2d``)."""
+    """NHWC convolution: ``x`` (B, H, W, C_in), ``weight`` (kh, kw, C_in, C_out); ``relu=True`` rectifies the
+    result in the same node. In tiles (``TiledConv2d``) with the fast paths on, else whole (``Conv2d``)."""
     x = as_tensor(x)
     if x.ndim != 4:
         raise ValueError(f"conv2d expects (B, H, W, C) input, got shape {x.shape}")
@@ -395,8 +374,7 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, relu: bool = False) -> Ten
 
 
 def max_pool2d(x, kernel_size, stride=None, padding=0, relu: bool = False) -> Tensor:
-    """Max-pooling of ``x`` (B, H, W, C); ``relu=True`` applies max(0, .) to the result
-    in the same node (equal to pooling a rectified input)."""
+    """Max-pooling of ``x`` (B, H, W, C); ``relu=True`` rectifies the result in the same node (ReLU commutes)."""
     x = as_tensor(x)
     kernel, padding = _pair(kernel_size), _pair(padding)
     if padding[0] > kernel[0] // 2 or padding[1] > kernel[1] // 2:
@@ -405,6 +383,5 @@ def max_pool2d(x, kernel_size, stride=None, padding=0, relu: bool = False) -> Te
 
 
 def avg_pool2d(x, kernel_size, stride=None, padding=0) -> Tensor:
-    x = as_tensor(x)
     stride = kernel_size if stride is None else stride
-    return AvgPool2d.apply(x, _pair(kernel_size), _pair(stride), _pair(padding))
+    return AvgPool2d.apply(as_tensor(x), _pair(kernel_size), _pair(stride), _pair(padding))

@@ -28,10 +28,8 @@ class Add(Function):
 
     def backward(self, g):
         sa, sb = self.shapes
-        return (
-            unbroadcast(g, sa) if self.needs_input_grad[0] else None,
-            unbroadcast(g, sb) if self.needs_input_grad[1] else None,
-        )
+        return (unbroadcast(g, sa) if self.needs_input_grad[0] else None,
+                unbroadcast(g, sb) if self.needs_input_grad[1] else None)
 
 
 class Sub(Function):
@@ -41,10 +39,8 @@ class Sub(Function):
 
     def backward(self, g):
         sa, sb = self.shapes
-        return (
-            unbroadcast(g, sa) if self.needs_input_grad[0] else None,
-            unbroadcast(-g, sb) if self.needs_input_grad[1] else None,
-        )
+        return (unbroadcast(g, sa) if self.needs_input_grad[0] else None,
+                unbroadcast(-g, sb) if self.needs_input_grad[1] else None)
 
 
 class Mul(Function):
@@ -54,10 +50,8 @@ class Mul(Function):
 
     def backward(self, g):
         a, b = self.a, self.b
-        return (
-            unbroadcast(g * b, np.shape(a)) if self.needs_input_grad[0] else None,
-            unbroadcast(g * a, np.shape(b)) if self.needs_input_grad[1] else None,
-        )
+        return (unbroadcast(g * b, np.shape(a)) if self.needs_input_grad[0] else None,
+                unbroadcast(g * a, np.shape(b)) if self.needs_input_grad[1] else None)
 
 
 class Div(Function):
@@ -68,9 +62,7 @@ class Div(Function):
     def backward(self, g):
         a, b = self.a, self.b
         ga = g / b
-        gb = None
-        if self.needs_input_grad[1]:
-            gb = unbroadcast(-ga * a / b, np.shape(b))  # d(a/b)/db = -a/b^2
+        gb = unbroadcast(-ga * a / b, np.shape(b)) if self.needs_input_grad[1] else None  # d(a/b)/db = -a/b^2
         return (unbroadcast(ga, np.shape(a)) if self.needs_input_grad[0] else None, gb)
 
 
@@ -131,11 +123,9 @@ class Tanh(Function):
 
 class Sigmoid(Function):
     def forward(self, a):
-        # 1/(1+exp(-a)) written through tanh: no overflow for large |a|
-        out = np.tanh(0.5 * a)
+        self.out = out = np.tanh(0.5 * a)  # 1/(1+exp(-a)) written through tanh: no overflow for large |a|
         out *= 0.5
         out += 0.5
-        self.out = out
         return out
 
     def backward(self, g):
@@ -147,9 +137,8 @@ class Sigmoid(Function):
 
 class ReLU(Function):
     def forward(self, a):
-        out = np.maximum(a, 0)
-        self.out = out
-        return out
+        self.out = np.maximum(a, 0)
+        return self.out
 
     def backward(self, g):
         return g * (self.out > 0)
@@ -211,7 +200,6 @@ _SQRT_PI = math.sqrt(math.pi)
 # on [2.5, 6] (more change nothing)
 SERIES_TERMS, FRACTION_LEVELS = 40, 30
 
-
 # the series' coefficients a_n = 2^n / (1 3 5 ... (2n+1)), a_0 = 1
 _SERIES = np.cumprod([1.0] + [2 / (2 * n + 1) for n in range(1, SERIES_TERMS)])
 # |x| < 1: Taylor's series, erf(x) = 2/sqrt(pi) x sum_n (-1)^n x^(2n) / (n! (2n+1)); 17
@@ -221,15 +209,14 @@ _TAYLOR = np.array([(-1) ** n / (math.factorial(n) * (2 * n + 1)) for n in range
 
 def erf(x: np.ndarray) -> np.ndarray:
     """The error function, elementwise, returned in ``x``'s dtype (NumPy has none),
-    computed in float64: within 2e-15 of ``math.erf`` (tested). For ``|x| < 1``
-    Taylor's series; for ``1 <= |x| < 2.5`` the series of positive terms
-    ``erf(x) = 2/sqrt(pi) exp(-x^2) x sum_n a_n x^(2n)``, ``a_n = 2^n / (1 3 5 ... (2n+1))``
-    (Abramowitz & Stegun 7.1.6), which has no cancellation. Both by Horner's rule, so
-    no partial result is tiny (summed term by term, the terms of small x fell into
-    subnormal numbers, which are slow). For
-    ``2.5 <= |x| < 6``, ``1 - erfc(x)`` with ``erfc(x) = exp(-x^2) / sqrt(pi) /
-    (x + (1/2) / (x + 1 / (x + (3/2) / (x + ...))))`` evaluated from its last level up
-    (A&S 7.1.14); beyond, ``erfc < 2e-17``: +-1."""
+    computed in float64: within 2e-15 of ``math.erf`` (tested). For ``|x| < 1`` Taylor's
+    series; for ``1 <= |x| < 2.5`` the series of positive terms ``erf(x) = 2/sqrt(pi)
+    exp(-x^2) x sum_n a_n x^(2n)`` (``_SERIES``; Abramowitz & Stegun 7.1.6), which has no
+    cancellation. Both by Horner's rule, so no partial result is tiny (summed term by
+    term, small x's terms fell into slow subnormal numbers). For ``2.5 <= |x| < 6``,
+    ``1 - erfc(x)`` with ``erfc(x) = exp(-x^2) / sqrt(pi) / (x + (1/2) / (x + 1 / (x +
+    (3/2) / (x + ...))))`` evaluated from its last level up (A&S 7.1.14); beyond,
+    ``erfc < 2e-17``: +-1."""
     a = np.abs(np.asarray(x, dtype=np.float64))
     out = np.ones_like(a)  # |x| >= 6 (and inf)
     near = a < 1
@@ -268,26 +255,19 @@ def gelu_erf(x: np.ndarray, derivative: bool = True) -> tuple[np.ndarray, np.nda
 
 
 class GELU(Function):
-    """GELU, tanh form: x * h with h = 0.5 (1 + tanh(s (x + 0.044715 x^3))),
-    s = sqrt(2/pi) (Hendrycks & Gimpel 2016; the form GPT-2 uses). Forward also computes
-    the derivative when a gradient will be needed; backward is then one product, and
-    only the derivative is kept, not x and h (faster than recomputing it from them in
-    backward, nine passes: ``mpitrain/bench/README.md``).
-
-    With the fast paths off (``ops.fast_paths``) it runs :func:`gelu_plain`, whole-array
-    expressions; on, :func:`gelu_blocks`, the same arithmetic as in-place passes over
-    blocks that stay in cache (``_util.blocks``): eight passes for the value, seven more in
-    the same block for the derivative while x and h are still in cache.
-
-    ``form="erf"`` is the exact form instead (:func:`gelu_erf`), on both paths."""
+    """GELU, tanh form (Hendrycks & Gimpel 2016; the form GPT-2 uses; :func:`gelu_plain`
+    has the formula). Forward also computes the derivative when a gradient will be
+    needed and keeps only it, not x and h: backward is one product (faster than
+    recomputing it there, nine passes: ``mpitrain/bench/README.md``). With the fast paths
+    off (``ops.fast_paths``) it runs :func:`gelu_plain`, whole-array expressions; on,
+    :func:`gelu_blocks`, the same arithmetic as in-place passes over blocks that stay in
+    cache (``_util.blocks``), the derivative's seven in the same block as the value's
+    eight. ``form="erf"`` is the exact form instead (:func:`gelu_erf`), on both paths."""
 
     def forward(self, x, form="tanh"):
         need = self.needs_input_grad[0]
-        if form == "erf":
-            y, self.d = gelu_erf(x, need)
-            return y
-        if not fast_paths_enabled():
-            y, self.d = gelu_plain(x, need)
+        if form == "erf" or not fast_paths_enabled():  # the exact form, or the plain path's whole-array tanh form
+            y, self.d = (gelu_erf if form == "erf" else gelu_plain)(x, need)
             return y
         xf = np.ascontiguousarray(x).reshape(-1)  # (n,)
         y = np.empty_like(xf)

@@ -9,12 +9,10 @@ from mpitrain.tensor import Function, Tensor, as_tensor
 
 
 class Embedding(Function):
-    """``weight[ids]``: rows of a (V, C) table for integer ids of any shape.
-
-    The backward pass sums the gradients of repeated ids: sort the ids once, then one
-    ``np.add.reduceat`` adds each run of equal ids (faster than ``np.add.at``, and
-    independent of V, unlike a one-hot matrix product).
-    """
+    """``weight[ids]``: rows of a (V, C) table for integer ids of any shape. Backward sums
+    the gradients of repeated ids: the ids sorted once, one ``np.add.reduceat`` adds each
+    run of equal ids (faster than ``np.add.at``, and independent of V, unlike a one-hot
+    matrix product)."""
 
     def forward(self, weight, ids):
         self.ids, self.wshape = ids, weight.shape
@@ -54,10 +52,8 @@ def embedding(ids, weight) -> Tensor:
 
 
 def dropout(x, p: float, training: bool = True, generator=None) -> Tensor:
-    """Inverted dropout: zero each element with probability ``p`` and scale the rest by
-    1/(1-p), so evaluation needs no rescaling. Masks come from ``generator`` if given, else
-    from the per-sample streams inside ``rng.sample_streams``, else from the process-wide
-    generator (``mpitrain.rng``)."""
+    """Inverted dropout: zero each element with probability ``p`` and scale the rest by 1/(1-p), so
+    evaluation needs no rescaling; masks from ``generator`` as :func:`mpitrain.rng.dropout_mask` draws them."""
     x = as_tensor(x)
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")

@@ -13,6 +13,14 @@ from mpitrain.ops._util import unbroadcast
 from mpitrain.tensor import Function, Tensor, as_tensor
 
 
+def affine(a: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+    """``a @ w + b`` for ``a`` (N, in), the bias (None: none) added in place."""
+    y = a @ w  # (N, out)
+    if b is not None:
+        y += b
+    return y
+
+
 class MatMul(Function):
     """``a @ b`` for arrays of two or more dimensions, batch dimensions broadcasting."""
 
@@ -49,10 +57,7 @@ class Linear(Function):
         self.x_shape = x.shape
         x2 = x.reshape(-1, x.shape[-1])  # (N, in)
         self.x2, self.w = x2, w
-        y = x2 @ w  # (N, out)
-        if b is not None:
-            y += b
-        return y.reshape(*x.shape[:-1], w.shape[1])
+        return affine(x2, w, b).reshape(*x.shape[:-1], w.shape[1])  # (N, out) -> (..., out)
 
     def backward(self, g):
         g2 = g.reshape(-1, g.shape[-1])  # (N, out)
@@ -71,6 +76,4 @@ def matmul(a, b) -> Tensor:
 
 
 def linear(x, weight, bias=None) -> Tensor:
-    if bias is None:
-        return Linear.apply(as_tensor(x), weight)
-    return Linear.apply(as_tensor(x), weight, bias)
+    return Linear.apply(as_tensor(x), weight, *(() if bias is None else (bias,)))

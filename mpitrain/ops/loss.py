@@ -7,18 +7,13 @@ import numpy as np
 from mpitrain.tensor import Function, Tensor, as_tensor
 
 
-def _softmax(x: np.ndarray, axis: int) -> np.ndarray:
-    e = x - x.max(axis=axis, keepdims=True)  # shift by the max: exp never overflows
-    np.exp(e, out=e)
-    e /= e.sum(axis=axis, keepdims=True)
-    return e
-
-
 class Softmax(Function):
     def forward(self, x, axis):
         self.axis = axis
-        self.out = _softmax(x, axis)
-        return self.out
+        self.out = e = x - x.max(axis=axis, keepdims=True)  # shift by the max: exp never overflows
+        np.exp(e, out=e)
+        e /= e.sum(axis=axis, keepdims=True)
+        return e
 
     def backward(self, g):
         y = self.out
@@ -30,9 +25,8 @@ class Softmax(Function):
 class LogSoftmax(Function):
     def forward(self, x, axis):
         self.axis = axis
-        shifted = x - x.max(axis=axis, keepdims=True)
+        self.out = shifted = x - x.max(axis=axis, keepdims=True)
         shifted -= np.log(np.exp(shifted).sum(axis=axis, keepdims=True))
-        self.out = shifted
         return shifted
 
     def backward(self, g):
@@ -40,12 +34,10 @@ class LogSoftmax(Function):
 
 
 class CrossEntropy(Function):
-    """Mean over counted targets of -log softmax(logits)[target], in one node.
-
-    ``logits`` is ``(..., V)`` and ``targets`` integer ``(...)``. Targets equal to
-    ``ignore_index`` contribute neither loss nor gradient, and the mean divides by the
-    number of counted targets. The gradient is ``(softmax - onehot) / count``.
-    """
+    """-log softmax(logits)[target] over the counted targets, in one node: their mean, or
+    with ``reduction="sum"`` their sum. ``logits`` is ``(..., V)`` and ``targets`` integer
+    ``(...)``; targets equal to ``ignore_index`` contribute neither loss nor gradient. The
+    mean's gradient is ``(softmax - onehot) / count``."""
 
     def forward(self, logits, targets, ignore_index, reduction):
         V = logits.shape[-1]
@@ -65,13 +57,8 @@ class CrossEntropy(Function):
         rows = np.arange(z.shape[0])
         nll = (np.log(total) + zmax)[:, 0] - z[rows, safe_t]  # logsumexp - z[target], (N,)
         nll *= keep
-        count = int(keep.sum())
-        self.p, self.rows, self.t, self.keep = p, rows, safe_t, keep
-        self.shape, self.reduction = logits.shape, reduction
-        if reduction == "sum":
-            self.scale = 1.0
-            return np.asarray(nll.sum(), dtype=logits.dtype)
-        self.scale = 1.0 / max(count, 1)
+        self.p, self.rows, self.t, self.keep, self.shape = p, rows, safe_t, keep, logits.shape
+        self.scale = 1.0 if reduction == "sum" else 1.0 / max(int(keep.sum()), 1)  # the mean over counted targets
         return np.asarray(nll.sum() * self.scale, dtype=logits.dtype)
 
     def backward(self, g):

@@ -9,19 +9,10 @@ closed form, with ``dxhat = g * weight`` and ``m`` elements per statistic:
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
+from mpitrain.ops._util import cached_full
 from mpitrain.tensor import Function, Tensor, as_tensor
-
-
-@functools.lru_cache(maxsize=32)
-def _column(n: int, value: float, dtype: np.dtype) -> np.ndarray:
-    """Read-only (n, 1) column of ``value``: ``a @ column(n, 1/n)`` is a row mean."""
-    col = np.full((n, 1), value, dtype=dtype)
-    col.flags.writeable = False
-    return col
 
 
 def _dot_per_channel(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -32,11 +23,9 @@ def _dot_per_channel(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 class BatchNorm(Function):
     """Normalise over every axis but the last (channels-last), e.g. (B, H, W, C) or (B, C).
-
     Training mode uses the batch statistics and updates ``running_mean`` and
     ``running_var`` in place (``running = (1 - momentum) * running + momentum * batch``,
-    with the unbiased batch variance, as PyTorch does); eval mode uses the running ones.
-    """
+    with the unbiased batch variance, as PyTorch does); eval mode uses the running ones."""
 
     def forward(self, x, weight, bias, running_mean, running_var, training, momentum, eps):
         axes = tuple(range(x.ndim - 1))
@@ -87,7 +76,7 @@ def layer_norm_rows(x2, weight, bias, eps):
     """Layer norm of the rows of ``x2`` (N, C): returns ``(y, xhat, rstd)``, the output
     (a new array), the normalised input and 1/sqrt(var + eps) (N,), for backward."""
     C = x2.shape[1]
-    xhat = x2 - x2 @ _column(C, 1.0 / C, x2.dtype)  # x - mean, (N, C)
+    xhat = x2 - x2 @ cached_full((C, 1), 1.0 / C, x2.dtype)  # x - mean, (N, C)
     var = np.einsum("nc,nc->n", xhat, xhat)  # C * variance, (N,)
     var /= C
     var += eps
@@ -106,11 +95,11 @@ def layer_norm_rows_backward(g2, xhat, rstd, weight, need, out=None, xhat_is_fre
     work space (a caller that will not need it again)."""
     N, C = xhat.shape
     gw = np.einsum("nc,nc->c", g2, xhat) if need[1] else None
-    gb = (_column(N, 1.0, g2.dtype).T @ g2)[0] if need[2] else None
+    gb = (cached_full((N, 1), 1.0, g2.dtype).T @ g2)[0] if need[2] else None
     gx = None
     if need[0]:
         gx = np.multiply(g2, weight, out=out)  # dxhat, (N, C)
-        mean_d = gx @ _column(C, 1.0 / C, gx.dtype)  # (N, 1)
+        mean_d = gx @ cached_full((C, 1), 1.0 / C, gx.dtype)  # (N, 1)
         mean_dx = np.einsum("nc,nc->n", gx, xhat)  # (N,)
         mean_dx /= C
         gx -= np.multiply(xhat, mean_dx[:, None], out=xhat if xhat_is_free else None)
@@ -121,10 +110,8 @@ def layer_norm_rows_backward(g2, xhat, rstd, weight, need, out=None, xhat_is_fre
 
 class LayerNorm(Function):
     """Normalise over the last axis; ``weight`` and ``bias`` (optional) have its length.
-
     Row sums are GEMVs with a vector of ones (BLAS is several times faster than NumPy's
-    reduction over a short last axis) and row dot products are ``einsum``.
-    """
+    reduction over a short last axis) and row dot products are ``einsum``."""
 
     def forward(self, x, weight, bias, eps):
         y, self.xhat, self.rstd = layer_norm_rows(x.reshape(-1, x.shape[-1]), weight, bias, eps)
@@ -138,12 +125,10 @@ class LayerNorm(Function):
         return (None if gx is None else gx.reshape(g.shape)), gw, gb
 
 
-def batch_norm(x, weight, bias, running_mean=None, running_var=None, training=True,
-               momentum=0.1, eps=1e-5) -> Tensor:
+def batch_norm(x, weight, bias, running_mean=None, running_var=None, training=True, momentum=0.1, eps=1e-5) -> Tensor:
     if not training and running_mean is None:
         raise ValueError("batch_norm in eval mode needs running statistics")
-    return BatchNorm.apply(as_tensor(x), weight, bias, running_mean, running_var,
-                           training, momentum, eps)
+    return BatchNorm.apply(as_tensor(x), weight, bias, running_mean, running_var, training, momentum, eps)
 
 
 def layer_norm(x, weight, bias=None, eps=1e-5) -> Tensor:

@@ -29,8 +29,7 @@ class Mean(Function):
 
 
 class Max(Function):
-    """Maximum over axes. Tied maxima share the gradient equally, so the gradient is
-    the same whichever of the equal elements one calls the maximum."""
+    """Maximum over axes; tied maxima share the gradient equally, whichever one calls the maximum."""
 
     def forward(self, x, axes, keepdims):
         self.axes, self.keepdims = axes, keepdims

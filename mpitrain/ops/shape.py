@@ -23,9 +23,7 @@ class Transpose(Function):
         return np.transpose(x, axes)
 
     def backward(self, g):
-        if self.axes is None:
-            return np.transpose(g)
-        return np.transpose(g, np.argsort(self.axes))
+        return np.transpose(g, None if self.axes is None else np.argsort(self.axes))
 
 
 def _is_basic(index) -> bool:
@@ -66,10 +64,7 @@ class Split(Function):
     def backward(self, *grads):
         gx = np.empty(self.shape, dtype=self.dtype)
         for part, g in zip(np.split(gx, self.bounds, axis=self.axis), grads):
-            if g is None:
-                part.fill(0)
-            else:
-                part[...] = g
+            part[...] = 0 if g is None else g
         return gx
 
 

@@ -3,34 +3,27 @@
     attention_sublayer(x) = x + dropout(attention(LN(x) W_qkv + b_qkv) W_proj + b_proj)
     mlp_sublayer(x)       = x + dropout(gelu(LN(x) W_fc + b_fc) W_proj + b_proj)
 
-They are ``nn.Block``'s fast path, chosen by ``ops.fast_paths`` (the default); the
-plain path is nanoGPT's two lines through the block's modules, op by op. Each does the
-arithmetic of the ops it stands for (``layer_norm``, ``linear``,
-``causal_self_attention`` or ``gelu``, ``linear``, ``dropout``, ``add``), in their
-order, with their code (``norm.layer_norm_rows``, ``attention.attend``, the same GEMMs,
-``elementwise.gelu_blocks``, whose arithmetic ``gelu_plain`` repeats) and drawing
-dropout masks in their order, so its values and gradients are theirs bit for bit (the
-residual add is ``branch + x`` rather than ``x + branch``, equal in IEEE arithmetic);
-the tests hold a whole GPT on the two paths to that, in float32 and float64.
+They are ``nn.Block``'s fast path, chosen by ``ops.fast_paths`` (the default; the plain
+path is nanoGPT's two lines, op by op). Each does the arithmetic of the ops it stands
+for, in their order, with their code (``norm.layer_norm_rows``, ``attention.attend``,
+the same GEMMs, ``elementwise.gelu_blocks``) and drawing dropout masks in their order,
+so its values and gradients are theirs bit for bit (the residual add is ``branch + x``
+rather than ``x + branch``, equal in IEEE arithmetic); the tests hold a whole GPT on the
+two paths to that, in float32 and float64.
 
 Why one node. A new array costs a read from memory of every cache line before it is
 written, and the block's large intermediates, LN(x), qkv (N, 3C), the merged heads
 (N, C) and the MLP's hidden activation (N, 4C), are written once and read in backward
-long after they have left the cache. Private to one node, they can be
-reused while they are still in cache:
-
-* forward: GELU runs in place over the fc output, and dropout and the residual add
-  over the output projection's result;
-* backward: each large gradient is written over the array it is computed from, or over
-  one just read for the last time: dL/dh over h, dL/dy over the merged heads, dL/dqkv
-  over qkv (``attention.attend_backward``), dL/dLN(x) over LN(x), the layer norm's work
-  over its xhat; the residual's gradient is added in place, not by the engine into a
-  new array.
-
-Only when the engine says this is the node's last backward (``Function.last_backward``);
-with ``retain_graph`` every gradient gets a new array instead. The GPT bench step
-measured faster this way than op by op, and than with attention and MLP fused but layer
-norm and residual left out (``mpitrain/bench/README.md``).
+long after they have left the cache. Private to one node, they are reused while still
+in cache. Forward: GELU runs in place over the fc output, dropout and the residual add
+over the output projection's result. Backward, on the node's last
+(``Function.last_backward``; with ``retain_graph`` every gradient gets a new array):
+each large gradient is written over the array it is computed from, or over one just
+read for the last time (dL/dh over h, dL/dy over the merged heads, dL/dqkv over qkv,
+dL/dLN(x) over LN(x), the layer norm's work over its xhat), and the residual's gradient
+is added in place, not by the engine into a new array. Measured faster than op by op,
+and than with attention and MLP fused but layer norm and residual left out
+(``mpitrain/bench/README.md``).
 """
 
 from __future__ import annotations
@@ -40,30 +33,22 @@ import numpy as np
 from mpitrain import rng as _rng
 from mpitrain.ops.attention import attend, attend_backward
 from mpitrain.ops.elementwise import gelu_blocks, gelu_erf
+from mpitrain.ops.linalg import affine
 from mpitrain.ops.norm import layer_norm_rows, layer_norm_rows_backward
 from mpitrain.tensor import Function, Tensor, as_tensor
 
 
-def _affine(a, w, b):
-    y = a @ w
-    if b is not None:
-        y += b
-    return y
-
-
 class _Sublayer(Function):
     """Both sublayers: ``x + dropout(mid(LN(x) W_in + b_in) W_proj + b_proj)``, where a
-    subclass supplies the middle, ``_middle`` (attention or GELU) and its backward
-    ``_middle_backward``. Inputs: x, the norm's weight and bias, W_in, b_in, W_proj,
-    b_proj, eps, dropout probability, generator, then the middle's own settings."""
+    subclass supplies the middle, ``_middle`` (attention or GELU), its own settings last
+    among the inputs, and its backward ``_middle_backward``."""
 
-    def forward(self, x, ln_weight, ln_bias, w_in, b_in, w_proj, b_proj, eps, dropout_p, generator,
-                *config):
+    def forward(self, x, ln_weight, ln_bias, w_in, b_in, w_proj, b_proj, eps, dropout_p, generator, *config):
         self.x_shape = x.shape
         u2, self.xhat, self.rstd = layer_norm_rows(x.reshape(-1, x.shape[-1]), ln_weight, ln_bias, eps)  # LN(x), (N, C)
-        m2 = self._middle(_affine(u2, w_in, b_in), dropout_p, generator, *config)  # (N, M)
+        m2 = self._middle(affine(u2, w_in, b_in), dropout_p, generator, *config)  # (N, M)
         self.ln_weight, self.u2, self.m2, self.w_in, self.w_proj = ln_weight, u2, m2, w_in, w_proj
-        out2 = _affine(m2, w_proj, b_proj)  # the branch, (N, C)
+        out2 = affine(m2, w_proj, b_proj)  # the branch, (N, C)
         self.branch_keep = None
         if dropout_p > 0:
             self.branch_keep = _rng.dropout_mask(generator, out2.shape, dropout_p, out2.dtype)
@@ -150,9 +135,8 @@ def attention_sublayer(x, ln_weight, ln_bias, w_qkv, b_qkv, w_proj, b_proj, n_he
                        eps: float = 1e-5, dropout_p: float = 0.0, generator=None) -> Tensor:
     """``x + dropout(causal_self_attention(layer_norm(x) @ w_qkv + b_qkv) @ w_proj + b_proj)``
     for ``x`` (B, T, C), as one node; biases may be None. Dropout, as in GPT-2, acts on
-    the attention weights and on the branch, with masks drawn from ``generator`` in that
-    order (by default from ``mpitrain.rng``: per sample inside ``rng.sample_streams``,
-    where the (B*T, C) branch mask is sample-major, else the process-wide generator)."""
+    the attention weights and on the branch, masks drawn in that order from ``generator``
+    (:func:`mpitrain.rng.dropout_mask`; the (B*T, C) branch mask is sample-major)."""
     x = _check(x, w_qkv, w_proj, "attention_sublayer")
     if w_qkv.shape[1] % (3 * n_head) or w_proj.shape[0] != w_qkv.shape[1] // 3:
         raise ValueError(f"attention_sublayer: w_qkv {w_qkv.shape} must be (C, 3C') with C' divisible "
