@@ -305,20 +305,10 @@ class Zero3(GradSync):
             g.grad.fill(0)
 
     # ------------------------------------------------------------ the rest
-    def whole_parameters(self) -> list[np.ndarray]:
-        """Every parameter gathered (a collective: every rank calls it), in model order."""
-        r = self.comm.rank
-        out = {}
-        for g in self.groups:
-            whole = np.empty(int(g.offsets[-1]), dtype=g.data.dtype)
-            whole[g.bounds[r] : g.bounds[r + 1]] = g.data
-            g.comm.allgather_array(whole, np.diff(g.bounds))
-            for p, lo, hi in zip(g.params, g.offsets[:-1], g.offsets[1:]):
-                out[id(p)] = whole[lo:hi].reshape(p.shape)
-        return [out[id(p)] for p in self.params]
-
     def check_replicas(self) -> str:
-        return replicas.check_same(self.comm, self.whole_parameters())
+        """The replicas' check, on the whole parameters (gathered: a collective)."""
+        with self.whole_model():
+            return super().check_replicas()
 
     @contextlib.contextmanager
     def whole_model(self):

@@ -1,22 +1,11 @@
 """The trainer: :func:`train` runs a config on one process or on ``P`` MPI ranks.
 
-Where to read what:
-
-* :mod:`~mpitrain.train.build`: from a Config to the data, the model (every rank builds
-  the same one from the seed), the optimizer, and this rank's :class:`Role` on the
-  ``dp x pp x tp`` grid, stacked in one sequence (:func:`~.build.build_role`: slices,
-  stage, the replicas' sync), or a parameter server's work. The only module that reads
-  strategy names. The seam it hands the loop is :class:`mpitrain.parallel.GradSync`.
-* :mod:`~mpitrain.train.parts`: the sync of a rank that holds a part of the model (a
-  stage, slices): the whole model's sums, norm and digest over the other axes.
-* :mod:`~mpitrain.train.schedule`: a step as data (each micro-batch's forward and
-  backward) and the interpreter that runs it; the one owner of the micro-batches.
-* :mod:`~mpitrain.train.loop`: the loop: steps, progress lines, evaluations and
-  checkpoints between steps, stop signals, what a non-finite loss does.
-* :mod:`~mpitrain.train.resume`: which run directory, config and checkpoint a resume
-  takes, and what becomes of the checkpoints it cannot use.
-* :mod:`~mpitrain.train.evaluate` and :mod:`~mpitrain.train.report`: evaluation; what a
-  run leaves behind.
+Its modules, in the order a run meets them (``mpitrain/README.md`` maps them all):
+:mod:`~.build` stacks this rank's part of the ``dp x pp x tp`` grid in one sequence
+(:func:`~.build.build_role`) and is the only reader of strategy names; :mod:`~.parts`
+is the sync of a rank that holds a part of the model; :mod:`~.schedule` owns the
+micro-batches; :mod:`~.loop` runs the steps; :mod:`~.resume`, :mod:`~.evaluate` and
+:mod:`~.report` continue, score and finish runs.
 
 A run: check the grid against the ranks; build; resume from the newest usable
 checkpoint if asked; run the loop (a parameter server serves instead); the role's end
