@@ -1,12 +1,11 @@
 """``mpitrain report RUN_DIR [RUN_DIR ...]``: plots and a summary from ``metrics.jsonl``
 (what each plot shows: ``jobs/README.md``, "Metrics, timeline and reports").
 
-For each run directory, into ``RUN_DIR/report/`` (or ``--out``): ``loss.png`` (the
-training loss and the evaluations against steps), ``time_per_rank.png`` (where each
-rank's time went), ``throughput.png`` (samples/s against steps) and ``summary.txt`` (also
-printed). Given several runs of one job at different rank counts, one of them on 1 rank
-(a scaling study: ``jobs/scaling_local.sh``, ``jobs/scaling_cluster.sh``), also
-``scaling.png`` (:func:`_scaling`) into ``--out``.
+For each run directory, into ``RUN_DIR/report/`` (or ``--out``): ``loss.png``,
+``time_per_rank.png``, ``throughput.png`` and ``summary.txt`` (also printed). Given runs
+of one job at several rank counts, one of them on 1 rank (``jobs/scaling_local.sh``,
+``jobs/scaling_cluster.sh``), also ``scaling.png`` (:func:`_scaling`), into ``--out`` or
+``scaling/`` beside the first run.
 """
 
 from __future__ import annotations
