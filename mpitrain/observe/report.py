@@ -103,8 +103,7 @@ def summary(run: Run) -> str:
         lines.append(f"  rank {r['rank']}: compute {compute:.2f} s, communication exposed {r['comm_exposed_s']:.2f} s "
                      f"of {r['comm_total_s']:.2f} s, pipeline bubble {bubble:.2f} s, waiting for data "
                      f"{r['wait_s']:.2f} s, {r['bytes_sent'] / 1e6:.1f} MB sent")
-    saved = run.kinds.get("checkpoint", [])
-    if saved:
+    if saved := run.kinds.get("checkpoint"):
         lines.append(f"  last checkpoint: {saved[-1]['path']} (step {saved[-1]['step']})")
     return "\n".join(lines)
 

@@ -36,9 +36,8 @@ COMPUTING = "computing"  # the phase of everything that is not a named wait
 
 
 class Watchdog:
-    """Watch the main thread's phases on every rank of ``comm``; ``waits`` names the
-    phases that wait for other ranks (those :meth:`phase` may be given besides
-    ``computing``)."""
+    """Watch the main thread's phases on every rank of ``comm``; ``waits``: the phases
+    that wait for other ranks, which :meth:`phase` may be given besides ``computing``."""
 
     def __init__(self, comm, warn_after: float, abort_after: float, waits=(), log=None,
                  interval: float | None = None):
@@ -63,9 +62,8 @@ class Watchdog:
 
     @contextlib.contextmanager
     def phase(self, step: int, name: str | None):
-        """Mark the main thread as being in ``name`` (one of the waits, or ``computing``;
-        None is ``computing``) at ``step`` (the thread reads the state as one tuple, never
-        half of an update)."""
+        """Mark the main thread as in ``name`` (one of the waits, or None: ``computing``) at
+        ``step``; the thread reads the state as one tuple, never half of an update."""
         previous = self.state[1]
         self.state = (step, self.phases.index(name or COMPUTING), time.perf_counter())
         try:

@@ -111,9 +111,8 @@ def per_rank(rows) -> list[dict]:
 def time_row(rank: int, seconds: float, traffic, reader, serves: bool = False) -> tuple:
     """One rank's row of the time table (:data:`TIME_FIELDS`): seconds of steps (or of
     serving), communication exposed and in total, reading, waiting for data; bytes sent;
-    the pipeline bubble (waiting for other stages inside the steps); whether the rank
-    served (a parameter server) instead of stepping; bytes and seconds per communicator
-    of the grid (dp, pp, tp). ``traffic``: its :class:`~mpitrain.observe.timing.Traffic`."""
+    the pipeline bubble; whether it served (a parameter server); bytes and seconds per
+    communicator of the grid, from ``traffic`` (:class:`~mpitrain.observe.timing.Traffic`)."""
     exposed, total, bubble = traffic.seconds()
     stats = reader.epoch_stats()
     read = sum(s.read_seconds for s in stats)

@@ -126,10 +126,9 @@ def check_config(path: Path, saved: dict, cfg, warn) -> None:
         if key == "optim.name":
             raise CheckpointError(f"{path}: saved with optim.name = {old!r}, this run has {new!r}; the optimizer "
                                   "state cannot carry over")
-    if not changes:
-        return
-    warn("resume: changes to the saved config: "
-         + ", ".join(f"{k} = {new!r} (saved: {old!r})" for k, old, new in changes))
+    if changes:
+        warn("resume: changes to the saved config: "
+             + ", ".join(f"{k} = {new!r} (saved: {old!r})" for k, old, new in changes))
     if order := [k for k, _, _ in changes if k in DATA_ORDER]:
         warn(f"warning: {path}: resuming with another {', '.join(order)}: the batches differ from the ones the "
              "saved run would have trained on")
