@@ -20,10 +20,9 @@ every NumPy buffer. The table gives the largest rank's figures (``--json``: ever
 
 Then, in this process, the **activations** one rank's GPT holds after its forward (the
 heap after forward above the heap before, the logits dropped: what backward will read),
-with and without ``checkpoint_activations``, against the formula of this
-implementation's saved arrays (:func:`~mpitrain.cost.gpt_block_activation_bytes`,
-:func:`~mpitrain.cost.gpt_ends_activation_bytes`), and the step's time both ways
-(medians of rounds).
+with and without ``checkpoint_activations``, against the formula of the arrays mpitrain
+saves (:func:`~mpitrain.cost.gpt_block_activation_bytes`, ``gpt_ends_activation_bytes``),
+and the step's time both ways (medians of rounds).
 """
 
 from __future__ import annotations
@@ -67,8 +66,7 @@ def worker(name: str, precision: str = "fp32") -> None:
         scale = np.float32(opt.scaler.scale if precision != "fp32" else 1.0)  # fp16's loss scale
         sync = MAKE[name](model, opt, comm)
         n = sum(p.size for p in model.parameters())
-        b = BATCH // comm.size
-        tokens = np.random.default_rng(comm.rank).integers(0, 65, (b, 65))
+        tokens = np.random.default_rng(comm.rank).integers(0, 65, (BATCH // comm.size, 65))
 
         def step():
             model(tokens[:, :-1], tokens[:, 1:])[1].backward(scale)

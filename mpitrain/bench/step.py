@@ -86,9 +86,7 @@ def run(threads: int = 1, rounds: int = 7, steps: int = 5, torch: bool = True, l
     tune_allocator()
     with limit_blas_threads(threads):
         rng.manual_seed(0)
-        gen = np.random.default_rng(0)
-        a = gen.standard_normal((MATMUL_N, MATMUL_N), dtype=np.float32)
-        b = gen.standard_normal((MATMUL_N, MATMUL_N), dtype=np.float32)
+        a, b = np.random.default_rng(0).standard_normal((2, MATMUL_N, MATMUL_N), dtype=np.float32)
         product_flops = cost.matmul_flops(MATMUL_N, MATMUL_N, MATMUL_N)
         models = {"gpt": _gpt_step(), "gpt_plain": _plain(_gpt_step),
                   "cnn": _cnn_step(), "cnn_plain": _plain(_cnn_step)}
