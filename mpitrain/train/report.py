@@ -77,8 +77,7 @@ class Outputs:
         if self.timeline is None:
             return
         self.timeline.close()
-        where = self.timeline.write(Path(run_dir) / "timeline.json")
-        if where is not None:
+        if (where := self.timeline.write(Path(run_dir) / "timeline.json")) is not None:
             log(f"timeline: {where} (open it in https://ui.perfetto.dev or chrome://tracing)")
 
 
