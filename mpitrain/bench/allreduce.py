@@ -17,10 +17,9 @@ each the median over ``--repeats`` timings of enough calls to take about 20 ms.
 
 Across ``N`` nodes of ``L`` ranks (``mpitrain cluster``, or a real cluster) a last table
 times MPI's, the ring's and the node-aware allreduce (:mod:`mpitrain.comm.hierarchical`)
-over all ranks, in ms, beside its bound: its network phase alone (``L`` allreduces of
-``n/L`` across the nodes, side by side) and, where the link's rate is known
-(``$MPITRAIN_LINK_RATE``, set by ``mpitrain cluster``), ``2 (N-1)/N x n`` bytes per node
-over that rate.
+over all ranks, in ms, beside its bounds: its network phase alone (``L`` allreduces of
+``n/L`` across the nodes, side by side) and, where ``$MPITRAIN_LINK_RATE`` gives the
+link's rate (``mpitrain cluster`` sets it), ``2 (N-1)/N x n`` bytes per node over it.
 """
 
 from __future__ import annotations
@@ -83,9 +82,10 @@ def _node_aware(comm, repeats: int, sizes, log) -> list[dict]:
     """All ranks, across nodes: MPI, ring, node-aware, and the node-aware bound (ms)."""
     h = hierarchy(comm)
     N, L = h.cross.size, h.node.size
-    rate = bits_per_second(os.environ.get("MPITRAIN_LINK_RATE", ""))
+    link = os.environ.get("MPITRAIN_LINK_RATE", "")
+    rate = bits_per_second(link)
     log(f"{N} nodes x {L} ranks: size |  mpi ms | ring ms | node-aware ms | /mpi | network alone ms"
-        + (f" | bound ms ({os.environ['MPITRAIN_LINK_RATE']}) | /bound" if rate else ""))
+        + (f" | bound ms ({link}) | /bound" if rate else ""))
     results = []
     for n in sizes:
         x = np.zeros(n // 4, dtype=np.float32)  # (n/4,)
@@ -99,8 +99,7 @@ def _node_aware(comm, repeats: int, sizes, log) -> list[dict]:
                 f"{ms['hierarchical'] / ms['mpi']:4.2f} | {ms['network']:16.1f}")
         if rate:
             row["bound"] = 1e3 * cost.collective_bytes("allreduce", n * 8, N) / rate
-            line += f" | {row['bound']:{14 + len(os.environ['MPITRAIN_LINK_RATE'])}.1f} | " \
-                    f"{ms['hierarchical'] / row['bound']:6.2f}"
+            line += f" | {row['bound']:{14 + len(link)}.1f} | {ms['hierarchical'] / row['bound']:6.2f}"
         results.append(row)
         log(line)
     return results

@@ -12,9 +12,8 @@ round, the training step of one global batch ``B`` (AdamW, clipping at 1.0, rand
 * **2 ranks, ddp (progress)**: the buckets start during backward, progressed by ``test``
   (``Test`` calls from the gradient hooks), ``none``, or ``thread`` (a communication
   thread, only when MPI runs at thread level ``serialized`` or ``multiple``);
-* **allreduce alone**: the same buckets allreduced with no compute, the faster of
-  back-to-back blocking calls and all started then all waited: the communication time
-  of a step, its *total*.
+* **allreduce alone**: the buckets allreduced with no compute, the faster of back-to-back
+  blocking calls and all started then all waited: a step's communication, its *total*.
 
 Last, a **probe** without the model: the same buckets' allreduces started, then pieces of
 matrix multiplication (about four times the allreduce's duration) with a ``Test`` after
@@ -22,19 +21,17 @@ each piece (or none), then a wait; against the multiplications alone and the all
 alone. Its hidden share ``(compute + allreduce - together) / allreduce`` is the most
 overlap the machine allows, with little of a training step's noise.
 
-*Exposed* communication is ``ddp - no comm``. *Hidden* is ``1 - exposed / total``, and
-``vs off`` is ``1 - exposed / exposed(off)``: the share of the non-overlapped step's
-communication that overlap removes. Speed-up is the 2-rank ddp samples/s over the
-1-rank samples/s. Every figure is the median over all timed steps (the slower rank's time
-of each), so a step that another process interrupted does not move it; each round
-starts a variant with a few untimed steps (:data:`WARMUP`): steady training.
+*Exposed* communication is ``ddp - no comm``; *hidden* ``1 - exposed / total``; ``vs off``
+``1 - exposed / exposed(off)``, the share of the unoverlapped step's communication that
+overlap removes; ``x`` the speed-up over 1 rank. Every figure is the median of all timed
+steps (the slower rank's time of each), which a step that another process interrupted
+does not move; each round starts a variant with :data:`WARMUP` untimed steps.
 
 **Across a network** (``--network RATE``, :func:`network`): run without ``mpiexec``, it
-runs the bench on shared memory (``mpiexec -n 2``) and then across 2 emulated nodes of
-one rank linked at ``RATE`` (:mod:`mpitrain.cluster`, as root), for each allreduce
-algorithm, with buckets of 2 ms of the link (:func:`~mpitrain.cluster.link_bucket_mb`)
-unless ``--bucket-mb`` says otherwise; each run writes its figures as JSON (``--json``)
-and the two are printed side by side.
+runs the bench on shared memory (``mpiexec -n 2``), then across 2 emulated nodes of one
+rank linked at ``RATE`` (:mod:`mpitrain.cluster`, as root), for each allreduce algorithm,
+with buckets of 2 ms of the link (:func:`~mpitrain.cluster.link_bucket_mb`) unless
+``--bucket-mb`` says otherwise, and prints the two runs' figures (``--json``) side by side.
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """``mpitrain bench io``: the shard reader against a plain sequential read of the same files.
 
-Under ``mpiexec -n 2`` it prints the one-rank and the two-rank rows (one process: the
-one-rank rows). For each storage state and each layout it measures, side by side:
+For each storage state and layout (uncompressed, and a gzip copy written beside the shard
+set, removed at the end) it prints a one-rank row and, under ``mpiexec -n 2``, a two-rank
+row with the per-rank table the trainer prints (:func:`~mpitrain.observe.io.io_table`):
 
 * **raw**: the shard files read front to back in 4 MiB pieces (with two ranks, each
   reads half the bytes at once; MB/s is the total over the slowest rank's time), twice:
-  *reused*, every piece into the same 4 MiB buffer (what ``dd`` or ``cat`` measure; the
-  buffer stays in the CPU cache), and *kept*, each piece into its own place in one
-  buffer of the rank's share, as a reader must, since the bytes are wanted afterwards.
-  From the page cache, *kept* is limited by writing to main memory and is the
-  baseline for the reader's ratio; from the device the two agree;
+  *reused*, every piece into the same 4 MiB buffer (what ``dd`` or ``cat`` measure: the
+  buffer stays in the CPU cache), and *kept*, each piece into its own place in a buffer
+  of the rank's share, as a reader must, which keeps the bytes: the baseline of the
+  reader's ratio (``of kept``);
 * **reader**: the training split read through :class:`~mpitrain.data.ShardReader`
   (global batch ``--batch``, shuffled as in training). *read MB/s* is what its I/O
   accounting reports (sample bytes over seconds inside reads, decompression included);
@@ -17,9 +17,7 @@ one-rank rows). For each storage state and each layout it measures, side by side
   gather into batches and the hand-over between threads.
 
 Storage states: *page cache* (files read once before timing) and *device* (each file
-evicted from the page cache with ``posix_fadvise(DONTNEED)`` before each timing). The
-compressed copy (gzip) is written to a temporary directory next to the shard set and
-removed at the end.
+evicted from the page cache with ``posix_fadvise(DONTNEED)`` before each timing).
 """
 
 from __future__ import annotations

@@ -1,33 +1,28 @@
 """``mpitrain bench memory``: the model state each rank holds, measured, against ZeRO's
-formulas (Rajbhandari et al., SC 2020).
+formulas (:func:`~mpitrain.cost.bytes_per_parameter`).
 
 For each gradient sync (``ddp``, ``zero1``, ``zero2``, ``zero3``) and each number of
 ranks ``P`` (1, 2 and 4 by default) it starts ``mpiexec -n P`` on :func:`worker`, which
-trains the nanoGPT-sized GPT of ``bench step`` (0.8 M parameters, float32, AdamW,
-clipping, global batch 12) for three steps with ``tracemalloc`` tracing every NumPy
-buffer, and reports per rank:
+trains the GPT of ``bench step`` (float32, and with ddp mixed precision ``bf16``,
+``fp16``; AdamW, clipping, global batch 12) for three steps with ``tracemalloc`` tracing
+every NumPy buffer. The table gives the largest rank's figures (``--json``: every rank's):
 
-* **model state, measured**: the heap held between steps (the batch, activations and
-  gradients in flight freed) above its level before the model was built;
-* the same **counted** (:func:`~mpitrain.observe.memory.model_state`) from the arrays the
-  sync keeps: parameters, gradients, optimizer state, and the optimizer's one reusable
-  work array, which is not model state but is held too;
-* the **formula** (:func:`~mpitrain.cost.bytes_per_parameter`): bytes per parameter with
-  Adam, times the parameters, in float32 and in mixed precision (``bf16``, ``fp16``, ddp);
+* **params**, **grads**, **optim**, **work**: the state counted from the arrays the sync
+  keeps (:func:`~mpitrain.observe.memory.model_state`); *work* is the optimizer's one
+  reusable work array, held but not model state;
+* **measured**: the heap held between steps (the batch, activations and gradients in
+  flight freed) above its level before the model was built, less the work array;
+* **formula**: bytes per parameter times the parameters; **ratio** measured / formula,
+  **B/param** measured / parameters;
 * **step peak**: the most the heap held during a step, above the same level: activations,
   gradients before their exchange, buffers in flight (in mixed precision, the float32
   copies the ops compute with), on top of the model state.
 
-The table shows the largest rank's figures and measured / formula; ``--json`` prints
-them all. The measured state leaves out the work array (counted, shown beside it).
-
 Then, in this process, the **activations** one rank's GPT holds after its forward (the
 heap after forward above the heap before, the logits dropped: what backward will read),
-with and without ``checkpoint_activations``, against the formula of this
-implementation's saved arrays (:func:`~mpitrain.cost.gpt_block_activation_bytes`: a
-checkpointed block keeps its input only and rebuilds the rest in backward;
-:func:`~mpitrain.cost.gpt_ends_activation_bytes`, the same either way), and the training
-step's time both ways (medians of rounds).
+with and without ``checkpoint_activations``, against the formula of the arrays mpitrain
+saves (:func:`~mpitrain.cost.gpt_block_activation_bytes`, ``gpt_ends_activation_bytes``),
+and the step's time both ways (medians of rounds).
 """
 
 from __future__ import annotations
@@ -41,34 +36,27 @@ import tracemalloc
 import numpy as np
 
 from mpitrain.bench.measure import NANOGPT, gpt, interleaved, seconds
+from mpitrain.cluster import mpiexec
+from mpitrain.comm import world
 from mpitrain.config import PRECISION_SYNCS
 from mpitrain.cost import bytes_per_parameter, gpt_block_activation_bytes, gpt_ends_activation_bytes
+from mpitrain.dtypes import dtype_of
 from mpitrain.observe.memory import model_state
+from mpitrain.parallel.data_parallel import DataParallel
+from mpitrain.parallel.zero import Zero1, Zero2
+from mpitrain.parallel.zero3 import Zero3
+from mpitrain.runtime import limit_blas_threads
 
 SYNCS = ("ddp", "zero1", "zero2", "zero3")
+MAKE = {"ddp": lambda model, opt, comm: DataParallel(model, comm, optimizer=opt), "zero1": Zero1, "zero2": Zero2,
+        "zero3": Zero3}  # each sync from a model, its optimizer and a communicator
 PRECISIONS = ("fp32", "bf16", "fp16")  # mixed precision with the syncs of config.PRECISION_SYNCS (ddp)
 BATCH = 12
 
 
-def _syncs() -> dict:
-    """The sync classes by name (imported before tracing starts: a module's import is
-    heap too, and not the model's)."""
-    from mpitrain.parallel.data_parallel import DataParallel
-    from mpitrain.parallel.zero import Zero1, Zero2
-    from mpitrain.parallel.zero3 import Zero3
-
-    return {"ddp": lambda model, opt, comm: DataParallel(model, comm, optimizer=opt),
-            "zero1": Zero1, "zero2": Zero2, "zero3": Zero3}
-
-
 def worker(name: str, precision: str = "fp32") -> None:
     """One rank's measurement (under mpiexec); rank 0 prints every rank's as JSON."""
-    from mpitrain.comm import world
-    from mpitrain.dtypes import dtype_of
-    from mpitrain.runtime import limit_blas_threads
-
     comm = world()
-    make = _syncs()[name]
     dtype_of(precision)  # imports ml_dtypes for bf16 before tracing (its import is heap, not the model's)
     with limit_blas_threads(1):
         gc.collect()
@@ -76,10 +64,9 @@ def worker(name: str, precision: str = "fp32") -> None:
         base = tracemalloc.get_traced_memory()[0]
         model, opt = gpt(NANOGPT, precision)
         scale = np.float32(opt.scaler.scale if precision != "fp32" else 1.0)  # fp16's loss scale
-        sync = make(model, opt, comm)
+        sync = MAKE[name](model, opt, comm)
         n = sum(p.size for p in model.parameters())
-        b = BATCH // comm.size
-        tokens = np.random.default_rng(comm.rank).integers(0, 65, (b, 65))
+        tokens = np.random.default_rng(comm.rank).integers(0, 65, (BATCH // comm.size, 65))
 
         def step():
             model(tokens[:, :-1], tokens[:, 1:])[1].backward(scale)
@@ -108,8 +95,6 @@ def worker(name: str, precision: str = "fp32") -> None:
 def activations(rounds: int = 5, log=print) -> dict:
     """Activations held after forward, plain and checkpointed, against the formula; step
     times side by side (one process, one BLAS thread)."""
-    from mpitrain.runtime import limit_blas_threads
-
     B, T, L, H, C, V = BATCH, 64, 4, 4, 128, 65  # NANOGPT's
     ends = gpt_ends_activation_bytes(B, T, C, V, 4)
     out = {}
@@ -154,8 +139,6 @@ def activations(rounds: int = 5, log=print) -> dict:
 def run(ranks=(1, 2, 4), syncs=SYNCS, precisions=PRECISIONS, as_json: bool = False, log=print) -> list[dict]:
     """Measure every sync at every rank count (each its own ``mpiexec``), in float32 and,
     with ddp, in each mixed precision; print the table."""
-    from mpitrain.cluster import mpiexec
-
     rows = []
     for P in ranks:
         for name in syncs:

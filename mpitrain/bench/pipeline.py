@@ -2,25 +2,23 @@
 the activation memory each stage holds.
 
 Run under ``mpiexec -n 2`` (one rank per core; ``-n 4`` oversubscribed shows the shape of
-the figures only). The model is a stack of identical GPT blocks cut into equal stages
-(``4 p`` blocks: two per chunk of the interleaved schedule), trained on random
-activations with the mean square of the output as the loss, so that every stage does the
-same work: the condition of the bubble formulas. For each schedule and ``m`` it times
-the schedule's run (forward and backward of one global batch; no optimizer), round by
-round, and prints:
+the figures only). The model is ``4 p`` identical GPT blocks (two per chunk of the
+interleaved schedule) cut into equal stages, trained on random activations with the mean
+square of the output as the loss, so that every stage does the same work: the condition
+of the bubble formulas. For each schedule and ``m`` it times the schedule's run (forward
+and backward of one global batch; no optimizer) round by round, and prints (the first
+three: medians over the rounds):
 
-* **step ms**: the median over rounds of the slowest rank's run;
-* **bubble**: the median over rounds of the busiest rank's idle share of the step (idle:
-  blocked waiting for a neighbour's activation or gradient or for its own sends to
-  complete, the seconds ``pp_comm``'s counter says it was blocked, and waiting for the
-  last stage to finish: the step ends for all ranks together; starting sends and
-  receives is work). The busiest rank idles only while the pipeline fills and drains;
-  the others also wait for it:
-* **imbalance**: that wait, the mean rank's idle share minus the busiest's: stages that
-  are equal on paper differ in practice (the last computes the loss, the first
-  receives nothing);
-* **formula**: the schedule's idle share (:func:`mpitrain.cost.bubble_fraction`);
-  for ZB-H1 at this run's measured F, B and W per micro-batch;
+* **step ms**: the slowest rank's run;
+* **bubble**: the busiest rank's idle share of the step (idle: blocked waiting for a
+  neighbour's activation or gradient or for its own sends, as ``pp_comm``'s counter
+  says, and waiting for the last stage to finish, since the step ends for all ranks
+  together; starting sends and receives is work). The busiest rank idles only while the
+  pipeline fills and drains; the others also wait for it:
+* **imbalance**: that wait, the mean rank's idle share minus the busiest's: stages equal
+  on paper differ in practice (the last computes the loss, the first receives nothing);
+* **formula**: the schedule's idle share (:func:`mpitrain.cost.bubble_fraction`), for
+  ZB-H1 at this run's measured F, B and W per micro-batch; **meas/formula**: bubble / it;
 * **held MB**: per stage, the most activation memory held at the end of a forward: the
   Python heap (``tracemalloc``, in a separate untimed run) above its level before the
   step. 1F1B's stage 0 holds ``min(m, p)`` micro-batches, GPipe's ``m``.

@@ -1,20 +1,18 @@
 """``mpitrain bench step``: training-step speed against the machine's matmul speed.
 
-Times full training steps (forward, backward, optimizer update; the GPT's with
-gradient clipping) of two reference models on random data, and a large float32 matmul,
-round by round; reports each model's achieved GFLOP/s (FLOPs counted from shapes,
-:mod:`mpitrain.observe.flops`) as a fraction of the matmul's. Medians over rounds.
+Times full training steps (forward, backward, optimizer update) of two reference models
+on random data, and a large float32 matmul, round by round, and prints medians over the
+rounds: each model's ms/step, GFLOP/s, GFLOP/step (counted from shapes,
+:mod:`mpitrain.observe.flops`) and *ratio*, its GFLOP/s as a fraction of the matmul's,
+against the one it is held to (:data:`TARGETS`). The models: nanoGPT's small CPU setting
+(:data:`~mpitrain.bench.measure.NANOGPT`, batch 12, no bias, no dropout), AdamW, clipping
+at 1.0; a CNN on batch 64 of 32x32x3, conv3x3(16) ReLU conv3x3(32) ReLU maxpool2
+linear(10), SGD with momentum 0.9.
 
 Each model also runs on the plain paths (``ops.fast_paths(False)``: nanoGPT's block op
 by op with the textbook GELU; whole-batch im2col convolution and max-pooling), in the
 same rounds, printed under its fast row with its time as a multiple of the fast row's
-(the median of the per-round quotients). The plain paths' speed is a figure to know,
-not a target.
-
-* GPT: nanoGPT's small CPU setting (4 layers, 4 heads, width 128, context 64, batch 12,
-  65-token vocabulary, no bias, no dropout), AdamW, gradient clipping at 1.0.
-* CNN: batch 64 of 32x32x3, conv3x3(16) ReLU conv3x3(32) ReLU maxpool2 linear(10), SGD
-  with momentum 0.9.
+(the median of the per-round quotients): a figure to know, not a target.
 
 When PyTorch is importable (a tool to compare with, never a dependency), its equivalent
 steps (:mod:`mpitrain.bench.torch_step`) run in the same rounds, each printed with
@@ -25,7 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpitrain import nn, ops, optim, rng
+from mpitrain import cost, nn, ops, optim, rng
 from mpitrain.bench import torch_step
 from mpitrain.bench.measure import gpt, interleaved, seconds
 from mpitrain.observe.flops import count_flops
@@ -88,10 +86,8 @@ def run(threads: int = 1, rounds: int = 7, steps: int = 5, torch: bool = True, l
     tune_allocator()
     with limit_blas_threads(threads):
         rng.manual_seed(0)
-        gen = np.random.default_rng(0)
-        a = gen.standard_normal((MATMUL_N, MATMUL_N), dtype=np.float32)
-        b = gen.standard_normal((MATMUL_N, MATMUL_N), dtype=np.float32)
-        matmul_flops = 2 * MATMUL_N**3
+        a, b = np.random.default_rng(0).standard_normal((2, MATMUL_N, MATMUL_N), dtype=np.float32)
+        product_flops = cost.matmul_flops(MATMUL_N, MATMUL_N, MATMUL_N)
         models = {"gpt": _gpt_step(), "gpt_plain": _plain(_gpt_step),
                   "cnn": _cnn_step(), "cnn_plain": _plain(_cnn_step)}
         flops = {name: count_flops(step).total for name, (step, _) in models.items()}
@@ -104,7 +100,7 @@ def run(threads: int = 1, rounds: int = 7, steps: int = 5, torch: bool = True, l
         huge_page_heap()  # as the trainer does after its first steps
         calls = {"matmul": (lambda: a @ b, 3), **{name: (step, steps) for name, (step, _) in models.items()}}
         times = interleaved(calls, rounds, lambda call: seconds(*call))  # matmul first in each round
-    peak = [matmul_flops / s for s in times["matmul"]]
+    peak = [product_flops / s for s in times["matmul"]]
     med = float(np.median(peak))
     log(f"mpitrain bench step: {threads} BLAS thread(s), {rounds} rounds of {steps} steps, medians")
     log(f"  float32 matmul {MATMUL_N}^3                          {med / 1e9:7.1f} GFLOP/s")

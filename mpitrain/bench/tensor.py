@@ -9,16 +9,14 @@ runs forward and backward on random activations of ``(B, T, C)``, round by round
 * **tp = P, sequence**: the same with sequence parallelism: each rank's blocks take and
   give its slice of the sequence, a reduce-scatter and an allgather for each allreduce.
 
-Printed, medians over rounds: each variant's step and the speed-up; per block and step,
-the seconds inside the allreduces and the bytes each rank sent, against the formula
-(:func:`mpitrain.cost.tensor_parallel_bytes`); and the activation memory each rank holds
-at the end of the forward (the Python heap above its level before, ``tracemalloc``, in
-separate untimed runs): the slices divide what lies between the two matrices of each
-sublayer (q, k, v, the attention scores, the MLP's hidden units) by ``P``, while the
-block's input, the layer norms' outputs and the residual branches stay whole on every
-rank, unless sequence parallelism slices them too; beside them, the ratios of
+Printed, medians over rounds: each variant's step and its speed-up over one rank; per
+block and step, the seconds inside the allreduces and the bytes each rank sent, against
+the formula (:func:`mpitrain.cost.tensor_parallel_bytes`); and the activation memory each
+rank holds at the end of the forward (the Python heap above its level before,
+``tracemalloc``, in separate untimed runs), in MB and as a share of one rank's, beside
 Korthikanti et al.'s count adapted to single precision
-(:func:`mpitrain.cost.sliced_activation_ratios`).
+(:func:`mpitrain.cost.sliced_activation_ratios`: what the slices divide and what stays
+whole on every rank).
 """
 
 from __future__ import annotations

@@ -1,16 +1,13 @@
 """PyTorch's equivalents of ``mpitrain bench step``'s two models, timed in the same rounds
-when PyTorch is importable: a tool to compare with, never a dependency of mpitrain.
+when PyTorch is importable: a tool to compare with, never a dependency of mpitrain. Eager
+mode, float32, on ``threads`` threads, random data of the bench's shapes.
 
-* GPT: nanoGPT's model at the bench's shapes (pre-LN blocks without biases, one QKV
-  projection, causal attention by ``scaled_dot_product_attention`` as nanoGPT calls it,
-  the tanh GELU that mpitrain uses, the head tied to the token embedding), AdamW over
-  the same decay groups (matrices decayed, vectors not), gradient clipping at 1.0;
-  eager mode, float32.
-* CNN: the same layers (3x3 same-padded convolutions, ReLU, 2x2 max-pool, ReLU, linear),
-  SGD with momentum 0.9, in PyTorch's default layout (channels first, NCHW) and in
-  channels-last (NHWC, the layout mpitrain computes in).
-
-The data are random, of the bench's shapes; PyTorch runs on ``threads`` threads.
+* GPT: nanoGPT's model (pre-LN blocks without biases, one QKV projection, causal
+  attention by ``scaled_dot_product_attention`` as nanoGPT calls it, the head tied to
+  the token embedding) with the tanh GELU that mpitrain uses; AdamW over the same decay
+  groups (matrices decayed, vectors not), gradient clipping at 1.0.
+* CNN: the same layers, SGD with momentum 0.9, in PyTorch's default layout (channels
+  first, NCHW) and in channels-last (NHWC, the layout mpitrain computes in).
 """
 
 from __future__ import annotations
@@ -34,8 +31,7 @@ def steps(threads: int) -> dict:
 
 
 def _gpt(torch):
-    from torch import nn
-    from torch.nn import functional as F
+    nn, F = torch.nn, torch.nn.functional
 
     V, T, L, H, C, B = 65, 64, 4, 4, 128, 12
 
@@ -85,8 +81,7 @@ def _gpt(torch):
 
 
 def _cnn(torch, channels_last: bool):
-    from torch import nn
-    from torch.nn import functional as F
+    nn, F = torch.nn, torch.nn.functional
 
     model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, padding=1),
                           nn.MaxPool2d(2), nn.ReLU(), nn.Flatten(), nn.Linear(32 * 16 * 16, 10))

@@ -1,15 +1,13 @@
 """FLOPs of a training step, counted analytically from the shapes each op sees.
 
-Only products count (a multiply-add is 2 FLOPs): ``linear``, ``matmul``, ``conv2d``
-(plain or tiled), attention's two batched products, and the products inside the fused
-transformer sublayers (``ops.transformer``), counted as their ops one by one would be,
-so the plain and fast paths (``ops.fast_paths``) count the same; elementwise work is
-ignored, as in the usual model-FLOPs convention (Kaplan et al. 2020; Chowdhery
-et al. 2022). The backward pass of a product ``Y = A B`` costs one product of the same
-size per operand that needs a gradient, so a layer whose input is data (the first
-convolution) costs 2x its forward FLOPs rather than 3x. Counting runs one real step
-under an op observer, so it covers any model built from these ops, and recomputation
-(activation checkpointing) is counted as executed.
+Only products count (:func:`mpitrain.cost.matmul_flops`, backward by
+:func:`~mpitrain.cost.backward_flops`): ``linear``, ``matmul``, ``conv2d`` (plain or
+tiled), attention's two batched products, and those inside the fused transformer
+sublayers (``ops.transformer``), counted as their ops one by one would be, so the plain
+and fast paths (``ops.fast_paths``) count the same; elementwise work is ignored, as in
+the usual model-FLOPs convention (Kaplan et al. 2020; Chowdhery et al. 2022). Counting
+runs one real step under an op observer, so it covers any model built from these ops,
+and recomputation (activation checkpointing) is counted as executed.
 """
 
 from __future__ import annotations
@@ -28,9 +26,7 @@ from mpitrain.tensor import Tensor, is_grad_enabled, observe_ops
 
 
 def _needs_grad(*tensors) -> int:
-    if not is_grad_enabled():
-        return 0
-    return sum(1 for t in tensors if isinstance(t, Tensor) and t.requires_grad)
+    return sum(1 for t in tensors if isinstance(t, Tensor) and t.requires_grad) if is_grad_enabled() else 0
 
 
 def _linear(args, kwargs):
@@ -92,8 +88,7 @@ class FlopCount:
         return self.forward + self.backward
 
     def __call__(self, cls, args, kwargs) -> None:
-        rule = RULES.get(cls)
-        if rule is not None:
+        if (rule := RULES.get(cls)) is not None:
             fwd, bwd = rule(args, kwargs)
             self.forward += fwd
             self.backward += bwd

@@ -1,11 +1,7 @@
-"""The model state a rank holds, by category, against ZeRO's formula: the end of a training
-run prints it, and ``mpitrain bench memory`` measures it.
-
-:func:`model_state` counts what a gradient sync keeps, read from the arrays themselves:
-the distinct buffers behind the model's and the optimizer's parameters and gradients
-(a view counts its buffer once: a bucket, a flat shard, a ZeRO-3 group's chunk) and the
-optimizer's state. The formula it is set beside, bytes per parameter for each sync, is
-:func:`mpitrain.cost.bytes_per_parameter` (Rajbhandari et al., SC 2020).
+"""The model state a rank holds, by category, against ZeRO's formula
+(:func:`mpitrain.cost.bytes_per_parameter`): the end of a training run prints it, and
+``mpitrain bench memory`` measures it. :func:`model_state` counts it from the arrays
+themselves, a buffer behind views (a bucket, a flat shard, a ZeRO-3 group's chunk) once.
 
 A run also measures what it holds (:class:`HeapTrace`, ``run.trace_memory``) with
 ``tracemalloc``, which sees NumPy's buffers, over its first steps only: tracing slows the
@@ -121,8 +117,7 @@ def heap_line(measured: dict, counted: dict | None, parameters: int, formula: fl
     and the step's peak."""
     parts = measured["parts"]
     line = (f"heap per rank (the largest, traced over steps 1-{HeapTrace.REST_STEP + 1}): at rest "
-            f"{measured['rest'] / 1e6:.2f} MB = " + " + ".join(f"{name} {size / 1e6:.2f}"
-                                                              for name, size in sorted(parts.items())))
+            f"{measured['rest'] / 1e6:.2f} MB = " + " + ".join(f"{k} {v / 1e6:.2f}" for k, v in sorted(parts.items())))
     if counted is not None and formula is not None:
         state = parts.get("model state", 0) - counted["work_bytes"]
         line += (f"; model state less the work array {state / 1e6:.2f} MB, {state / (formula * parameters):.3f} "

@@ -1,12 +1,11 @@
 """``mpitrain report RUN_DIR [RUN_DIR ...]``: plots and a summary from ``metrics.jsonl``
 (what each plot shows: ``jobs/README.md``, "Metrics, timeline and reports").
 
-For each run directory, into ``RUN_DIR/report/`` (or ``--out``): ``loss.png`` (the
-training loss and the evaluations against steps), ``time_per_rank.png`` (where each
-rank's time went), ``throughput.png`` (samples/s against steps) and ``summary.txt`` (also
-printed). Given several runs of one job at different rank counts, one of them on 1 rank
-(a scaling study: ``jobs/scaling_local.sh``, ``jobs/scaling_cluster.sh``), also
-``scaling.png`` (:func:`_scaling`) into ``--out``.
+For each run directory, into ``RUN_DIR/report/`` (or ``--out``): ``loss.png``,
+``time_per_rank.png``, ``throughput.png`` and ``summary.txt`` (also printed). Given runs
+of one job at several rank counts, one of them on 1 rank (``jobs/scaling_local.sh``,
+``jobs/scaling_cluster.sh``), also ``scaling.png`` (:func:`_scaling`), into ``--out`` or
+``scaling/`` beside the first run.
 """
 
 from __future__ import annotations
@@ -104,8 +103,7 @@ def summary(run: Run) -> str:
         lines.append(f"  rank {r['rank']}: compute {compute:.2f} s, communication exposed {r['comm_exposed_s']:.2f} s "
                      f"of {r['comm_total_s']:.2f} s, pipeline bubble {bubble:.2f} s, waiting for data "
                      f"{r['wait_s']:.2f} s, {r['bytes_sent'] / 1e6:.1f} MB sent")
-    saved = run.kinds.get("checkpoint", [])
-    if saved:
+    if saved := run.kinds.get("checkpoint"):
         lines.append(f"  last checkpoint: {saved[-1]['path']} (step {saved[-1]['step']})")
     return "\n".join(lines)
 

@@ -1,17 +1,12 @@
 """A per-rank timeline of a run, merged into one Chrome trace file.
 
 With ``run.timeline = true`` every rank records what it does, and the end of the run
-(or a stop by signal) writes ``RUN_DIR/timeline.json`` in the Chrome trace event format
-(https://ui.perfetto.dev, ``chrome://tracing``): a process per rank, with three tracks:
-
-* ``compute``: ``forward`` and ``backward`` of each layer (a GPT's embedding, blocks and
-  head; a CNN's top-level layers), the wait for the gradient exchange (``finish``), the
-  ``optimizer`` step, ``data wait``, evaluations and checkpoints; with parameter servers,
-  a worker's pulls, passes and pushes, a server's waits for pushes and updates (with the
-  gradient's staleness);
-* ``communication``: each gradient bucket's allreduce, from its start in a gradient
-  hook until the rank sees it complete: where it overlaps ``backward``, it is hidden;
-* ``io``: each read of the shard reader's background thread.
+(or a stop by signal) writes ``RUN_DIR/timeline.json`` in the Chrome trace event format:
+a process per rank, with the tracks ``compute`` (each layer's forward and backward: a
+GPT's embedding, blocks and head, a CNN's top-level layers; the step's other phases),
+``communication`` (each gradient bucket's allreduce, from its start in a gradient hook
+until the rank sees it complete) and ``io`` (the reader thread's reads); what each shows
+and how to open it: ``jobs/README.md``, "Metrics, timeline and reports".
 
 A layer's backward is timed by gradient-ready hooks: it ends when the last of its
 parameters' gradients is final, and starts where the layer before it in backward order

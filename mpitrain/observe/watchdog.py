@@ -1,23 +1,20 @@
 """The stall watchdog: say which ranks have not arrived when a collective waits too long.
 
 A rank that hangs (an endless loop, a dead node, a deadlock) leaves the others blocked
-in their next collective with nothing printed. Following Horovod's stall inspector,
-each rank's training loop marks what it is doing (:meth:`Watchdog.phase`), and a
-background thread per rank, every ``interval`` seconds, sends the rank's state (step,
-phase, seconds in it) to rank 0 on its own duplicated communicator, where rank 0 keeps
-every rank's latest. A rank that has waited in one collective phase longer than
-``warn_after`` seconds prints the stall once: what it waits in and (rank 0) each rank
-not waiting there, with its step, its phase and how long ago it was heard from; after
-``abort_after`` seconds it aborts every rank (``MPI_Abort``): a stalled job ends instead
-of holding its allocation.
+in their next collective with nothing printed. Following Horovod's stall inspector, each
+rank's training loop marks what it is doing (:meth:`Watchdog.phase`), and a background
+thread per rank sends its state (step, phase, seconds in it) to rank 0 every ``interval``
+seconds, on its own duplicated communicator. A rank that has waited in one collective
+phase longer than ``warn_after`` seconds prints the stall once: what it waits in and
+(rank 0) each rank not waiting there, with its step, its phase and how long ago it was
+heard from; after ``abort_after`` seconds it aborts every rank (``MPI_Abort``): a stalled
+job ends instead of holding its allocation.
 
-What it watches: the phases its owner names as waits when it is made (the trainer's
-step agreement, and the calls of the gradient sync that wait for other ranks, named by
-the strategy's ``describe()``: a data-parallel gradient exchange, ZeRO-1's update, a
-parameter server's pull). Everything else is ``computing``. Evaluations and checkpoint
-writes are not watched: their length is mostly work, not waiting, and a long one would
-look like a stall. Every rank of ``comm`` must name the same waits, in the same order
-(a phase travels as its index).
+The waits are the phases its owner names (the trainer's step agreement; the gradient
+sync's calls that wait for other ranks, from the strategy's ``describe()``), the same on
+every rank of ``comm`` in the same order (a phase travels as its index); everything else
+is ``computing``. Evaluations and checkpoint writes are not watched: their length is
+mostly work, not waiting, and a long one would look like a stall.
 
 The thread calls MPI beside the main thread, so it needs thread level ``multiple``
 (mpitrain's default); at another level the watchdog is off and says so. Its messages
@@ -39,9 +36,8 @@ COMPUTING = "computing"  # the phase of everything that is not a named wait
 
 
 class Watchdog:
-    """Watch the main thread's phases on every rank of ``comm``; ``waits`` names the
-    phases that wait for other ranks (those :meth:`phase` may be given besides
-    ``computing``)."""
+    """Watch the main thread's phases on every rank of ``comm``; ``waits``: the phases
+    that wait for other ranks, which :meth:`phase` may be given besides ``computing``."""
 
     def __init__(self, comm, warn_after: float, abort_after: float, waits=(), log=None,
                  interval: float | None = None):
@@ -66,9 +62,8 @@ class Watchdog:
 
     @contextlib.contextmanager
     def phase(self, step: int, name: str | None):
-        """Mark the main thread as being in ``name`` (one of the waits, or ``computing``;
-        None is ``computing``) at ``step`` (the thread reads the state as one tuple, never
-        half of an update)."""
+        """Mark the main thread as in ``name`` (one of the waits, or None: ``computing``) at
+        ``step``; the thread reads the state as one tuple, never half of an update."""
         previous = self.state[1]
         self.state = (step, self.phases.index(name or COMPUTING), time.perf_counter())
         try:

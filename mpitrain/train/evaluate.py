@@ -1,11 +1,9 @@
-"""Evaluation on the held-out split (:func:`evaluate_images`, :func:`evaluate_text`), each
-rank of a communicator scoring its share.
-
-The model's output (images) or loss (text) comes from the role's schedule
-(``forward_only``, ``loss_only``: a pipeline's batch goes through the stages, and only
-the last one's rank scores it; a sliced model computes its loss on every rank of its
-group). A rank that holds the whole model scores its share of the communicator's ranks;
-ranks that hold parts of it score their lane's (every part of a lane sees its batches).
+"""Evaluation on the held-out split (:func:`evaluate_images`, :func:`evaluate_text`): a
+rank that holds the whole model scores its share of the communicator's; ranks that hold
+parts of it score their lane's (every part of a lane sees its batches). The model's
+output (images) or loss (text) comes from the role's schedule (``forward_only``,
+``loss_only``: a pipeline's batch goes through the stages, and only the last one's rank
+scores it; a sliced model computes its loss on every rank of its group).
 """
 
 from __future__ import annotations

@@ -77,8 +77,7 @@ class Outputs:
         if self.timeline is None:
             return
         self.timeline.close()
-        where = self.timeline.write(Path(run_dir) / "timeline.json")
-        if where is not None:
+        if (where := self.timeline.write(Path(run_dir) / "timeline.json")) is not None:
             log(f"timeline: {where} (open it in https://ui.perfetto.dev or chrome://tracing)")
 
 
@@ -111,9 +110,8 @@ def per_rank(rows) -> list[dict]:
 def time_row(rank: int, seconds: float, traffic, reader, serves: bool = False) -> tuple:
     """One rank's row of the time table (:data:`TIME_FIELDS`): seconds of steps (or of
     serving), communication exposed and in total, reading, waiting for data; bytes sent;
-    the pipeline bubble (waiting for other stages inside the steps); whether the rank
-    served (a parameter server) instead of stepping; bytes and seconds per communicator
-    of the grid (dp, pp, tp). ``traffic``: its :class:`~mpitrain.observe.timing.Traffic`."""
+    the pipeline bubble; whether it served (a parameter server); bytes and seconds per
+    communicator of the grid, from ``traffic`` (:class:`~mpitrain.observe.timing.Traffic`)."""
     exposed, total, bubble = traffic.seconds()
     stats = reader.epoch_stats()
     read = sum(s.read_seconds for s in stats)

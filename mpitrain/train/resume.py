@@ -3,13 +3,11 @@
 guess, and nothing deleted that could not be read (what the user sees: ``jobs/README.md``,
 "Checkpoints, resume and signals").
 
-A resumed run trains with the config saved in its checkpoint, not the CONFIG file's: a
-``--set`` on the resume command is a change the user asks for, listed; a change to
-``model.*`` or ``optim.name`` is refused, since the saved state would not fit it. A
-checkpoint that cannot be used is *moved* to ``checkpoints/unusable/``, never deleted
-(the resumed run would otherwise write over it when it reaches its step). A file written
-in a newer format version stops the resume: taking an older checkpoint past it would drop
-the newer run's steps on a guess.
+A resumed run trains with the config saved in its checkpoint, not the CONFIG file's; a
+change to ``model.*`` or ``optim.name`` is refused, since the saved state would not fit
+it. An unusable checkpoint is *moved* aside, never deleted: the resumed run would write
+over it when it reaches its step. A file of a newer format version stops the resume:
+taking an older checkpoint past it would drop the newer run's steps on a guess.
 """
 
 from __future__ import annotations
@@ -121,20 +119,17 @@ def check_config(path: Path, saved: dict, cfg, warn) -> None:
     optimizer's kind is refused (raises CheckpointError); every other change is listed
     through ``warn`` as one the user asked for, with what it means for the batches."""
     changes = config_changes(saved, cfg.to_dict())
-    model = [f"{k} = {new!r} (saved: {old!r})" for k, old, new in changes if k.startswith("model.")]
-    if model:
+    if model := [f"{k} = {new!r} (saved: {old!r})" for k, old, new in changes if k.startswith("model.")]:
         raise CheckpointError(f"{path}: the checkpoint's model differs: {', '.join(model)}; a resumed run trains "
                               "the saved model (start a new run to change it)")
     for key, old, new in changes:
         if key == "optim.name":
             raise CheckpointError(f"{path}: saved with optim.name = {old!r}, this run has {new!r}; the optimizer "
                                   "state cannot carry over")
-    if not changes:
-        return
-    warn("resume: changes to the saved config: "
-         + ", ".join(f"{k} = {new!r} (saved: {old!r})" for k, old, new in changes))
-    order = [k for k, _, _ in changes if k in DATA_ORDER]
-    if order:
+    if changes:
+        warn("resume: changes to the saved config: "
+             + ", ".join(f"{k} = {new!r} (saved: {old!r})" for k, old, new in changes))
+    if order := [k for k, _, _ in changes if k in DATA_ORDER]:
         warn(f"warning: {path}: resuming with another {', '.join(order)}: the batches differ from the ones the "
              "saved run would have trained on")
 
