@@ -348,8 +348,7 @@ class Function:
 
 
 class _Edge:
-    """The link from a node to an intermediate input: where its gradient goes (the
-    producing node and output index) and the shape it must have, without the array."""
+    """Where an intermediate input's gradient goes (producer, output index) and its shape."""
 
     __slots__ = ("_ctx", "_index", "shape")
 
@@ -383,11 +382,9 @@ def _graph(roots: list[Tensor]):
                                "pass retain_graph=True to the first backward")
         stack.append((node, True))
         for t, needed in zip(node.inputs, node.needs_input_grad):
-            if not needed:
-                continue
-            if t._ctx is None:
+            if needed and t._ctx is None:
                 leaf_uses[id(t)] = leaf_uses.get(id(t), 0) + 1
-            elif id(t._ctx) not in visited:
+            elif needed and id(t._ctx) not in visited:
                 stack.append((t._ctx, False))
     order.reverse()
     return order, leaf_uses
@@ -472,11 +469,9 @@ def _retain(node: Function, out_grads: list, capture: dict | None) -> None:
     """Store the gradients of the node's retained outputs (``retain_grad``, :func:`grad`)."""
     for i, t in node.retained.items():
         g = out_grads[i]
-        if g is None:
-            continue
-        if capture is None:
+        if g is not None and capture is None:
             t.grad = _owned(g, t.dtype) if t.grad is None else t.grad + g
-        elif id(t) in capture:
+        elif g is not None and id(t) in capture:
             capture[id(t)] = _owned(g, t.dtype)
 
 
@@ -605,26 +600,25 @@ def backward_split(tensors, grads=None) -> "WeightPass":
 
     The walk is :func:`backward`'s (``tensors``, ``grads`` as there; a Parameter cannot
     be a root), in the same order, with every edge into a Parameter masked off: a node's
-    backward sees ``needs_input_grad`` restricted to its other inputs, and a node with
-    none of them needing a gradient is not called. On return the other leaves' ``.grad``,
-    their hooks and every retained gradient are as after ``backward``; no parameter's
-    ``.grad`` has changed and no parameter hook has fired.
+    backward sees ``needs_input_grad`` restricted to its other inputs, and is not called
+    if none of them needs a gradient. On return the other leaves' ``.grad``, their hooks
+    and every retained gradient are as after ``backward``; no parameter's ``.grad`` has
+    changed, no parameter hook fired.
 
-    Every node with a Parameter input needing a gradient is kept for phase two, with its
-    saved arrays and its output gradients (references: do not write into ``grads``
-    before ``run``), and sees ``last_backward`` false in phase one; the others are freed
-    at once. A WeightPass dropped without being run frees exactly what it kept.
-    ``WeightPass.run()`` calls the kept nodes again in the same order for their Parameter
-    inputs only, with ``last_backward`` true, accumulating and firing hooks as
-    ``backward`` does: each gradient receives its contributions in one ``backward``'s
-    order, so the results are bit for bit those of ``backward(tensors, grads)``.
+    Each node with a Parameter input needing a gradient is kept for phase two, with its
+    saved arrays and output gradients (references: do not write into ``grads`` before
+    ``run``), and sees ``last_backward`` false in phase one; the others are freed at
+    once, and a WeightPass dropped unrun frees what it kept. ``WeightPass.run()`` calls
+    the kept nodes again in the same order for their Parameter inputs only, with
+    ``last_backward`` true, accumulating and firing hooks as ``backward`` does: each
+    gradient receives its contributions in ``backward``'s order: its results bit for bit.
 
     Cost: a node's backward runs twice, and work its input and weight gradients share is
-    done in both: for a fused transformer sublayer (``ops.transformer``), whose ``W_in``
-    and layer norm gradients lie behind its whole inner chain, nearly a second backward;
-    for the plain block's separate ``Linear`` and ``LayerNorm`` nodes
-    (``ops.fast_paths(False)``), the weight products and the norm's reductions alone.
-    Activation checkpointing's node ignores the mask and recomputes its block each time."""
+    done in both: nearly a second backward for a fused transformer sublayer
+    (``ops.transformer``: its ``W_in`` and layer norm gradients lie behind its whole
+    inner chain); for the plain block's ``Linear`` and ``LayerNorm`` nodes, the weight
+    products and the norm's reductions alone. Activation checkpointing's node ignores the
+    mask and recomputes its block each time."""
     tensors = list(tensors)
     if any(isinstance(t, Parameter) for t in tensors):
         raise ValueError("backward_split from a Parameter: its gradient is not an input gradient to split off")
@@ -645,13 +639,8 @@ class WeightPass:
                                "delivered and the graph freed by the first call")
         kept, self._kept = self._kept, None
         deliver = _deliverer({}, self._leaf_uses, None)  # phase two delivers to parameters only
-        _walk(_drain(kept), deliver, _WEIGHTS, free=True)
-
-
-def _drain(items: collections.deque):
-    """Yield ``items`` from the first, popping each: a node's output gradients are freed as the walk passes it."""
-    while items:
-        yield items.popleft()
+        # popped as the walk passes each node: its output gradients are freed with it
+        _walk((kept.popleft() for _ in range(len(kept))), deliver, _WEIGHTS, free=True)
 
 
 from mpitrain import ops as _ops  # noqa: E402  (ops build on Tensor; operators call them)
