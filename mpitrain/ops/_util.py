@@ -71,9 +71,7 @@ def unbroadcast(grad: np.ndarray, shape: tuple) -> np.ndarray:
     if grad.shape == shape:
         return grad
     extra = grad.ndim - len(shape)
-    axes = tuple(range(extra)) + tuple(
-        extra + i for i, n in enumerate(shape) if n == 1 and grad.shape[extra + i] != 1
-    )
+    axes = tuple(range(extra)) + tuple(extra + i for i, n in enumerate(shape) if n == 1 and grad.shape[extra + i] != 1)
     if axes:
         grad = grad.sum(axis=axes, keepdims=True)
     return grad.reshape(shape)

@@ -76,8 +76,7 @@ class Neg(Function):
 
 class Pow(Function):
     def forward(self, a, b):
-        self.a, self.b = a, b
-        self.out = np.power(a, b)
+        self.a, self.b, self.out = a, b, np.power(a, b)
         return self.out
 
     def backward(self, g):
@@ -160,9 +159,7 @@ def gelu_plain(x: np.ndarray, derivative: bool = True) -> tuple[np.ndarray, np.n
     bit for bit, and so is a GPT on either path."""
     x2 = x * x  # x^2
     h = 0.5 * np.tanh(x * (x2 * (_GELU_C * _GELU_S) + _GELU_S)) + 0.5  # 0.5 (1 + tanh(s (x + c x^3)))
-    d = None
-    if derivative:
-        d = (1 - h) * h * ((x2 * (6 * _GELU_C * _GELU_S) + 2 * _GELU_S) * x) + h
+    d = (1 - h) * h * ((x2 * (6 * _GELU_C * _GELU_S) + 2 * _GELU_S) * x) + h if derivative else None
     return x * h, d
 
 

@@ -54,10 +54,8 @@ class Linear(Function):
     """``y = x @ W + b`` with ``x`` of shape ``(..., in)``, ``W`` ``(in, out)``, ``b`` ``(out,)``."""
 
     def forward(self, x, w, b=None):
-        self.x_shape = x.shape
-        x2 = x.reshape(-1, x.shape[-1])  # (N, in)
-        self.x2, self.w = x2, w
-        return affine(x2, w, b).reshape(*x.shape[:-1], w.shape[1])  # (N, out) -> (..., out)
+        self.x_shape, self.x2, self.w = x.shape, x.reshape(-1, x.shape[-1]), w  # x2: (N, in)
+        return affine(self.x2, w, b).reshape(*x.shape[:-1], w.shape[1])  # (N, out) -> (..., out)
 
     def backward(self, g):
         g2 = g.reshape(-1, g.shape[-1])  # (N, out)

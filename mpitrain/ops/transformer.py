@@ -111,8 +111,7 @@ class MLPSublayer(_Sublayer):
     def _middle(self, h, dropout_p, generator, form="tanh"):
         need = any(self.needs_input_grad[:5])
         if form == "erf":  # the exact GELU, the same function as ops.gelu's
-            y, self.d = gelu_erf(h, need)  # GELU' (N, H) or None
-            h[...] = y
+            h[...], self.d = gelu_erf(h, need)  # GELU(h) into h; GELU' (N, H) or None
             return h
         self.d = np.empty_like(h) if need else None  # GELU', (N, H)
         gelu_blocks(h.reshape(-1), h.reshape(-1), None if self.d is None else self.d.reshape(-1))
