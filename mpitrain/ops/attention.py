@@ -48,10 +48,8 @@ def _t(a: np.ndarray) -> np.ndarray:
 
 
 def attend(fn, qkv, n_head, causal, dropout_p, generator, heads=None) -> np.ndarray:
-    """Attention of ``qkv`` (B, T, 3C); returns (B, T, C) with the heads merged, and
-    keeps on ``fn`` what :func:`attend_backward` needs. ``heads = (first, total)``: these
-    are heads ``first ..`` of a layer of ``total`` (sliced over ranks): the dropout mask is
-    theirs of the whole layer's."""
+    """Attention of ``qkv`` (B, T, 3C); returns (B, T, C) with the heads merged, and keeps
+    on ``fn`` what :func:`attend_backward` needs; ``heads`` as :func:`causal_self_attention`'s."""
     B, T, C3 = qkv.shape
     C = C3 // 3
     q, k, v = _heads(qkv, n_head)  # each (B, nh, T, hs)
@@ -64,14 +62,12 @@ def attend(fn, qkv, n_head, causal, dropout_p, generator, heads=None) -> np.ndar
     inv = cached_full((1, T), 1.0, att.dtype) @ att  # column sums, (B, nh, 1, T_query)
     att *= np.reciprocal(inv, out=inv)  # a multiply is cheaper than a divide
     fn.keep = None
-    probs = att
-    if dropout_p > 0:
-        if heads is None:
-            fn.keep = _rng.dropout_mask(generator, att.shape, dropout_p, att.dtype)
-        else:  # the whole layer's mask, (B, total, T, T), then these heads'
-            whole = _rng.dropout_mask(generator, (B, heads[1], T, T), dropout_p, att.dtype)
-            fn.keep = np.ascontiguousarray(whole[:, heads[0] : heads[0] + n_head])
-        probs = att * fn.keep
+    if dropout_p > 0 and heads is None:
+        fn.keep = _rng.dropout_mask(generator, att.shape, dropout_p, att.dtype)
+    elif dropout_p > 0:  # the whole layer's mask, (B, total, T, T), then these heads'
+        whole = _rng.dropout_mask(generator, (B, heads[1], T, T), dropout_p, att.dtype)
+        fn.keep = np.ascontiguousarray(whole[:, heads[0] : heads[0] + n_head])
+    probs = att if fn.keep is None else att * fn.keep
     y = np.empty((B, T, n_head, C // n_head), dtype=qkv.dtype)  # heads merged, (B, T, nh, hs)
     np.matmul(_t(probs), v, out=y.transpose(0, 2, 1, 3))  # P v, each head into its columns
     fn.qkv, fn.n_head, fn.scale, fn.att, fn.probs = qkv, n_head, scale, att, probs

@@ -12,12 +12,11 @@ Tiles. Built for the whole batch at once, the column matrix of a 32x32x16 layer 
 batch 64 is 38 MB: im2col writes it to memory and the GEMM, whose packing reads it
 back, waits on memory. The fast path therefore walks the batch in tiles of whole images
 whose columns fit a cache budget (``TILE_BYTES_PER_THREAD``): the GEMM reads columns
-im2col has just written to cache, the column gradient is added back while it is in
-cache, and backward rebuilds a tile's columns from the saved padded input (a copy from
-cache) instead of keeping 38 MB alive from forward to backward. No Python loop runs
-over single pixels or positions, and one tile covers a batch that fits. Tiles group
-the weight and bias gradients and the col2im sums differently, so the two paths agree
-to rounding, not bit for bit.
+im2col has just written to cache, the column gradient is added back while in cache, and
+backward rebuilds a tile's columns from the saved padded input (a copy from cache)
+rather than keep 38 MB alive from forward to backward. No Python loop runs over single
+pixels or positions. Tiles group the weight and bias gradients and the col2im sums
+differently: the two paths agree to rounding, not bit for bit.
 
 Winograd's F(2x2, 3x3), fewer multiplications but NumPy passes over strided 4x4 tiles,
 lost to im2col, whose narrow backward GEMMs (``COLUMN_GRAD_BYTES``) set the floor. Each
@@ -128,10 +127,9 @@ def _scatter_taps(pieces, gx, kh, kw, sh, sw, ph, pw, Ho, Wo) -> np.ndarray:
 def _im2col(xp: np.ndarray, kh, kw, sh, sw, Ho, Wo) -> np.ndarray:
     """(n*Ho*Wo, kh*kw*C) column matrix of ``xp`` (n, Hp, Wp, C), one row per output
     pixel, in one copy: ``cols[b, ho, wo, i, q] = xp[b, ho*sh + i, wo*sw + q // C, q % C]``.
-    A window row, kw pixels of C channels, is kw*C contiguous numbers in channels-last
-    memory. The copy moves it as one opaque element of kw*C*itemsize bytes, so NumPy's
-    inner loop runs along output pixels rather than along the 48 (or, for RGB input, 9)
-    numbers of one row: faster than copying the same view number by number."""
+    A window row (kw*C contiguous numbers) moves as one opaque element of kw*C*itemsize
+    bytes, so NumPy's inner loop runs along output pixels rather than along the 48 (or,
+    for RGB input, 9) numbers of one row: faster than copying the view number by number."""
     n, _, _, C = xp.shape
     xp = np.ascontiguousarray(xp)  # a buffer for the view below
     row = np.dtype((np.void, kw * C * xp.itemsize))
@@ -181,8 +179,7 @@ class Conv2d(Function):
             np.maximum(out, 0, out=out)
         self.geometry = (x.shape, kh, kw, sh, sw, ph, pw, Ho, Wo)
         self.cols = cols if self.needs_input_grad[1] else None
-        self.w2 = w2
-        self.out = out if relu else None
+        self.w2, self.out = w2, (out if relu else None)
         return out.reshape(B, Ho, Wo, F)
 
     def backward(self, g):
@@ -231,10 +228,8 @@ class TiledConv2d(Function):
             if relu:
                 np.maximum(o, 0, out=o)
         self.geometry = (x.shape, kh, kw, sh, sw, ph, pw, Ho, Wo)
-        self.tiles = tiles
         self.xp = xp if self.needs_input_grad[1] else None
-        self.w2 = w2
-        self.out = out if relu else None
+        self.tiles, self.w2, self.out = tiles, w2, (out if relu else None)
         return out
 
     def backward(self, g):
