@@ -139,8 +139,7 @@ class _Pool2d(Module):
 
 
 class MaxPool2d(_Pool2d):
-    """``relu=True`` applies a ReLU to the pooled result in the same op: pooling and
-    ReLU commute, so this equals a ReLU before the pool at a quarter of the cost."""
+    """``relu=True``: a ReLU in the same op, equal to one before the pool (they commute) at a quarter of the cost."""
 
     def __init__(self, kernel_size, stride=None, padding=0, relu: bool = False):
         super().__init__(kernel_size, stride, padding)

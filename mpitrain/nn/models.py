@@ -97,8 +97,7 @@ class ResNet(Module):
         del image_size  # global pooling makes the network independent of image size
         self.stem = Sequential(Conv2d(in_channels, widths[0], 3, padding=1, bias=False),
                                BatchNorm2d(widths[0]), ReLU())
-        stages = []
-        c = widths[0]
+        stages, c = [], widths[0]
         for i, width in enumerate(widths):
             for j in range(blocks):
                 stages.append(BasicBlock(c, width, 2 if (i > 0 and j == 0) else 1))
@@ -289,22 +288,19 @@ class GPT(Module):
         was_training = self.training
         self.eval()
         try:
-            return self._sample(ids, max_new_tokens, temperature, top_k, gen)
+            with no_grad():
+                for _ in range(max_new_tokens):
+                    logits, _ = self(ids[:, -self.config.block_size:])
+                    z = logits.data[:, -1, :].astype(np.float64) / max(temperature, 1e-8)  # (B, V)
+                    if top_k is not None:
+                        kth = np.sort(z, axis=-1)[:, -min(top_k, z.shape[-1])][:, None]
+                        z = np.where(z < kth, -np.inf, z)
+                    p = np.exp(z - z.max(axis=-1, keepdims=True))
+                    p /= p.sum(axis=-1, keepdims=True)
+                    u = gen.random((p.shape[0], 1))
+                    nxt = np.minimum((p.cumsum(axis=-1) < u).sum(axis=-1), p.shape[-1] - 1)  # (B,)
+                    ids = np.concatenate([ids, nxt[:, None].astype(ids.dtype)], axis=1)
+            return ids
         finally:
             self.train(was_training)
-
-    def _sample(self, ids, max_new_tokens, temperature, top_k, gen) -> np.ndarray:
-        with no_grad():
-            for _ in range(max_new_tokens):
-                logits, _ = self(ids[:, -self.config.block_size:])
-                z = logits.data[:, -1, :].astype(np.float64) / max(temperature, 1e-8)  # (B, V)
-                if top_k is not None:
-                    kth = np.sort(z, axis=-1)[:, -min(top_k, z.shape[-1])][:, None]
-                    z = np.where(z < kth, -np.inf, z)
-                p = np.exp(z - z.max(axis=-1, keepdims=True))
-                p /= p.sum(axis=-1, keepdims=True)
-                u = gen.random((p.shape[0], 1))
-                nxt = np.minimum((p.cumsum(axis=-1) < u).sum(axis=-1), p.shape[-1] - 1)  # (B,)
-                ids = np.concatenate([ids, nxt[:, None].astype(ids.dtype)], axis=1)
-        return ids
 
