@@ -31,6 +31,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from mpitrain.ops._util import blocks, fast_paths_enabled
+from mpitrain.ops.linalg import affine
 from mpitrain.tensor import Function, Tensor, as_tensor
 
 # Column-matrix bytes per tile of images and per BLAS thread, so that with the tile's input
@@ -61,11 +62,6 @@ def _out_size(n: int, k: int, s: int, p: int) -> int:
     if out < 1:
         raise ValueError(f"window {k} with padding {p} does not fit an input of size {n}")
     return out
-
-
-def _check_channels(c: int, wc: int) -> None:
-    if wc != c:
-        raise ValueError(f"conv2d: input has {c} channels, weight expects {wc}")
 
 
 def _pad(x: np.ndarray, ph: int, pw: int, value: float = 0.0) -> np.ndarray:
@@ -164,17 +160,14 @@ class Conv2d(Function):
 
     def forward(self, x, w, b=None, stride=(1, 1), padding=(0, 0), relu=False):
         B, H, W, C = x.shape
-        kh, kw, wc, F = w.shape
-        _check_channels(C, wc)
+        kh, kw, _, F = w.shape
         (sh, sw), (ph, pw) = stride, padding
         Ho, Wo = _out_size(H, kh, sh, ph), _out_size(W, kw, sw, pw)
         xp = np.pad(x, ((0, 0), (ph, ph), (pw, pw), (0, 0)))  # (B, H+2ph, W+2pw, C)
         windows = sliding_window_view(xp, (kh, kw), axis=(1, 2))[:, ::sh, ::sw]  # (B, Ho, Wo, C, kh, kw) view
         cols = windows.transpose(0, 1, 2, 4, 5, 3).reshape(B * Ho * Wo, kh * kw * C)  # a copy, (rows, K)
         w2 = w.reshape(kh * kw * C, F)  # (K, F)
-        out = cols @ w2  # (rows, F)
-        if b is not None:
-            out += b
+        out = affine(cols, w2, b)  # (rows, F)
         if relu:
             np.maximum(out, 0, out=out)
         self.geometry = (x.shape, kh, kw, sh, sw, ph, pw, Ho, Wo)
@@ -207,8 +200,7 @@ class TiledConv2d(Function):
 
     def forward(self, x, w, b=None, stride=(1, 1), padding=(0, 0), relu=False):
         B, H, W, C = x.shape
-        kh, kw, wc, F = w.shape
-        _check_channels(C, wc)
+        kh, kw, _, F = w.shape
         (sh, sw), (ph, pw) = stride, padding
         Ho, Wo = _out_size(H, kh, sh, ph), _out_size(W, kw, sw, pw)
         xp = _pad(np.ascontiguousarray(x), ph, pw)  # (B, H+2ph, W+2pw, C)
@@ -363,6 +355,8 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, relu: bool = False) -> Ten
     x = as_tensor(x)
     if x.ndim != 4:
         raise ValueError(f"conv2d expects (B, H, W, C) input, got shape {x.shape}")
+    if weight.shape[2] != x.shape[3]:
+        raise ValueError(f"conv2d: input has {x.shape[3]} channels, weight expects {weight.shape[2]}")
     args = (x, weight) if bias is None else (x, weight, bias)
     op = TiledConv2d if fast_paths_enabled() else Conv2d
     return op.apply(*args, stride=_pair(stride), padding=_pair(padding), relu=relu)
