@@ -27,9 +27,8 @@ class Add(Function):
         return a + b
 
     def backward(self, g):
-        sa, sb = self.shapes
-        return (unbroadcast(g, sa) if self.needs_input_grad[0] else None,
-                unbroadcast(g, sb) if self.needs_input_grad[1] else None)
+        return (unbroadcast(g, self.shapes[0]) if self.needs_input_grad[0] else None,
+                unbroadcast(g, self.shapes[1]) if self.needs_input_grad[1] else None)
 
 
 class Sub(Function):
@@ -38,9 +37,8 @@ class Sub(Function):
         return a - b
 
     def backward(self, g):
-        sa, sb = self.shapes
-        return (unbroadcast(g, sa) if self.needs_input_grad[0] else None,
-                unbroadcast(-g, sb) if self.needs_input_grad[1] else None)
+        return (unbroadcast(g, self.shapes[0]) if self.needs_input_grad[0] else None,
+                unbroadcast(-g, self.shapes[1]) if self.needs_input_grad[1] else None)
 
 
 class Mul(Function):
@@ -49,9 +47,8 @@ class Mul(Function):
         return a * b
 
     def backward(self, g):
-        a, b = self.a, self.b
-        return (unbroadcast(g * b, np.shape(a)) if self.needs_input_grad[0] else None,
-                unbroadcast(g * a, np.shape(b)) if self.needs_input_grad[1] else None)
+        return (unbroadcast(g * self.b, np.shape(self.a)) if self.needs_input_grad[0] else None,
+                unbroadcast(g * self.a, np.shape(self.b)) if self.needs_input_grad[1] else None)
 
 
 class Div(Function):
