@@ -25,19 +25,17 @@ Gradients accumulate: ``.grad`` of a leaf is summed in place across backward pas
 until ``zero_grad``, so a ``.grad`` that is a view into a flat buffer stays one. Every
 gradient handed out (``.grad``, :func:`grad`'s results) is the tensor's own array.
 
-A node keeps only what its ``backward`` saved and, for each input that needs a
-gradient, an edge: the leaf itself, or an :class:`_Edge` (an intermediate's producer,
-output index and shape, not its array). An intermediate that no backward needs (a
-residual add's input, the pre-activation once GELU has its derivative) is therefore
-freed as soon as the forward pass moves on, and the allocator hands the memory, still
-in cache, to the next op (measured faster: ``mpitrain/bench/README.md``). Saved arrays
-are references, not copies: writing into a parameter (an optimizer step, loading
-weights) between a forward pass and its backward changes the gradients.
+A node keeps what its ``backward`` saved and, per input needing a gradient, an edge: the
+leaf itself, or an :class:`_Edge` (an intermediate's producer, output index and shape, not
+its array). An intermediate no backward needs (a residual add's input, the pre-activation
+once GELU has its derivative) is thus freed as the forward pass moves on, its memory
+reused, still in cache, by the next op (measured faster: ``mpitrain/bench/README.md``).
+Saved arrays are references, not copies: writing into a parameter (an optimizer step,
+loading weights) between a forward pass and its backward changes the gradients.
 
 Default dtype is float32; :func:`default_dtype` switches to float64 for gradient checks.
-A tensor may hold float16 or bfloat16 numbers (mixed precision's working copies of the
-weights): every op reads them upcast to float32, and their gradients are rounded into
-a ``.grad`` of their own dtype.
+Every op reads a float16 or bfloat16 tensor (mixed precision's working weights) upcast to
+float32, and its gradient is rounded into a ``.grad`` of its own dtype.
 """
 
 from __future__ import annotations
@@ -124,13 +122,10 @@ class Tensor:
                 data = data.astype(_default_dtype)
         if requires_grad and not (data.dtype.kind == "f" or is_half(data.dtype)):
             raise TypeError(f"only floating tensors can require gradients, got {data.dtype}")
-        self.data = data
+        self.data, self.requires_grad, self.name = data, bool(requires_grad), name
         self.grad: np.ndarray | None = None
-        self.requires_grad = bool(requires_grad)
-        self._ctx: Function | None = None
-        self._index = 0
-        self._hooks: list | None = None
-        self.name = name
+        self._ctx: Function | None = None  # the node that produced it; None for a leaf
+        self._index, self._hooks = 0, None  # which of its node's outputs; post-accumulate hooks
 
     # ----------------------------------------------------------------- properties
     shape = property(lambda self: self.data.shape)
@@ -305,12 +300,11 @@ class Function:
     and returns an array, or a tuple of arrays for several outputs; it may keep on
     ``self`` whatever ``backward`` needs.
 
-    ``backward(*grads)`` receives one gradient per output (``None`` for an output that
-    got none) and returns one per positional input, of the input's shape (a tuple, or an
-    array for one input); it may return ``None`` for constants and where
-    ``self.needs_input_grad[i]`` is false. It must not write into the gradients it
-    receives: one array may be shared by several consumers (``add`` hands the same
-    gradient to both inputs).
+    ``backward(*grads)`` receives one gradient per output (``None`` for an output that got
+    none) and returns one per positional input, of the input's shape (a tuple, or an array
+    for one input), or ``None`` for constants and where ``self.needs_input_grad[i]`` is
+    false. It must not write into the gradients it receives: one array may be shared by
+    several consumers (``add`` hands the same gradient to both inputs).
 
     ``self.last_backward`` is true when the engine frees the node after this backward
     (no ``retain_graph``): ``backward`` may then write over arrays it saved in forward
