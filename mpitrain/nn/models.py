@@ -76,9 +76,8 @@ class BasicBlock(Module):
         self.bn1 = BatchNorm2d(c_out)
         self.conv2 = Conv2d(c_out, c_out, 3, padding=1, bias=False)
         self.bn2 = BatchNorm2d(c_out)
-        self.shortcut = None
-        if stride != 1 or c_in != c_out:
-            self.shortcut = Sequential(Conv2d(c_in, c_out, 1, stride=stride, bias=False), BatchNorm2d(c_out))
+        self.shortcut = (Sequential(Conv2d(c_in, c_out, 1, stride=stride, bias=False), BatchNorm2d(c_out))
+                         if stride != 1 or c_in != c_out else None)
 
     def forward(self, x):
         h = ops.relu(self.bn1(self.conv1(x)))
