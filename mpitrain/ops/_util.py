@@ -24,10 +24,9 @@ def set_fast_paths(enabled: bool) -> bool:
       copy (``TiledConv2d``), or over the whole batch at once (``Conv2d``);
     * ``ops.max_pool2d``: the batch in cache-sized tiles, or whole.
 
-    Both do the same arithmetic in the same order, equal bit for bit (the GPT's outputs
-    and every gradient, GELU, max-pooling), except the convolutions: tiles change the
-    GEMMs' shapes and the order in which the weight gradient is summed, equal to rounding
-    (1e-12 relative in float64). The tests hold them to that."""
+    Both do the same arithmetic in the same order, equal bit for bit, except the
+    convolutions, equal to rounding (1e-12 relative in float64): tiles change the GEMMs'
+    shapes and the weight gradient's order of summation. The tests hold them to that."""
     global _fast_paths
     previous, _fast_paths = _fast_paths, bool(enabled)
     return previous

@@ -9,11 +9,10 @@ and each head's output is written straight into its columns of ``(B, T, C)``.
     P = softmax(S)                  dropout on P in training, if asked
     y = P v                         (B, nh, T, hs)
 
-The backward pass is written as one function: ``dv = P^T dy``, ``dP = dy v^T``,
+Backward is one function (:func:`attend_backward`): ``dv = P^T dy``, ``dP = dy v^T``,
 ``dS = P * (dP - rowsum(dP * P))`` (softmax Jacobian; masked entries have P = 0 and so
 get no gradient), ``dq = dS k / sqrt(hs)``, ``dk = dS^T q / sqrt(hs)``, written straight
-into the head views of one ``dqkv`` array (``ops.transformer``'s attention sublayer
-passes ``qkv`` itself, :func:`attend_backward`).
+into the head views of one ``dqkv`` array (``qkv`` itself in ``ops.transformer``).
 """
 
 from __future__ import annotations
@@ -100,13 +99,12 @@ def attend_backward(fn, gy, gqkv, dq_scratch=None) -> None:
 
 class CausalSelfAttention(Function):
     """Scores are kept key-major, ``St[b, h, j, i] = k_j . q_i``: the softmax then reduces
-    over axis -2, which NumPy vectorises across queries (a reduction over the last,
-    short axis runs row by row and is several times slower), and its sums are one GEMM
-    with a row of ones. The right operand of the two products that contract over the
-    head features (``k q^T`` and ``v dy^T``) is copied transposed, with the
-    ``1/sqrt(hs)`` folded into the copy: OpenBLAS's small GEMMs run slowly with a
-    transposed right operand (the copy included, the scores measured faster:
-    ``mpitrain/bench/README.md``), and the scale then costs no pass over the (T, T) scores."""
+    over axis -2, which NumPy vectorises across queries (over the last, short axis it runs
+    row by row, several times slower), and its sums are one GEMM with a row of ones. The
+    right operand of ``k q^T`` and ``v dy^T`` (contracting over the head features) is
+    copied transposed with ``1/sqrt(hs)`` folded in: OpenBLAS's small GEMMs run slowly with
+    a transposed right operand (copy included, measured faster: ``mpitrain/bench/README.md``),
+    and the scale costs no pass over the (T, T) scores."""
 
     def forward(self, qkv, n_head, causal, dropout_p, generator, heads=None):
         return attend(self, qkv, n_head, causal, dropout_p, generator, heads)

@@ -269,10 +269,9 @@ class MaxPool2d(Function):
     With the fast paths on (``ops.fast_paths``), both walk the batch in tiles of
     ``POOL_TILE_BYTES``; off, one tile is the whole batch: the same arithmetic.
 
-    ``relu=True`` also takes the maximum with 0. ReLU and max-pooling commute (both are
+    ``relu=True`` also takes the maximum with 0: ReLU and max-pooling commute (both are
     monotone), so ``conv -> pool(relu=True)`` equals ``conv(relu=True) -> pool`` in value
-    and gradient, but rectifies a quarter of the values and saves no mask of the
-    convolution's output."""
+    and gradient, rectifying a quarter of the values and saving no mask of the conv's output."""
 
     def forward(self, x, kernel, stride, padding, relu):
         B, H, W, C = x.shape
@@ -281,7 +280,7 @@ class MaxPool2d(Function):
         xp = _pad(x, ph, pw, -np.inf)
         out = np.empty((B, Ho, Wo, C), dtype=x.dtype)
         tile = max(1, POOL_TILE_BYTES // (xp[:1].nbytes or 1)) if fast_paths_enabled() else B
-        self.tiles = blocks(B, tile)  # the plain path: one tile, the whole batch
+        self.tiles = blocks(B, tile)
         for t in self.tiles:
             o = out[t]  # (b, Ho, Wo, C)
             taps = _taps(xp[t], kh, kw, sh, sw, Ho, Wo)

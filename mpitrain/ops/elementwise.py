@@ -249,14 +249,13 @@ def gelu_erf(x: np.ndarray, derivative: bool = True) -> tuple[np.ndarray, np.nda
 
 
 class GELU(Function):
-    """GELU, tanh form (Hendrycks & Gimpel 2016; the form GPT-2 uses; :func:`gelu_plain`
-    has the formula). Forward also computes the derivative when a gradient will be
-    needed and keeps only it, not x and h: backward is one product (faster than
-    recomputing it there, nine passes: ``mpitrain/bench/README.md``). With the fast paths
-    off (``ops.fast_paths``) it runs :func:`gelu_plain`, whole-array expressions; on,
-    :func:`gelu_blocks`, the same arithmetic as in-place passes over blocks that stay in
-    cache (``_util.blocks``), the derivative's seven in the same block as the value's
-    eight. ``form="erf"`` is the exact form instead (:func:`gelu_erf`), on both paths."""
+    """GELU, tanh form (Hendrycks & Gimpel 2016; GPT-2's; :func:`gelu_plain` has the
+    formula). Forward also computes the derivative when a gradient will be needed and keeps
+    only it, not x and h: backward is one product (faster than recomputing it, nine passes:
+    ``mpitrain/bench/README.md``). Fast paths off (``ops.fast_paths``): :func:`gelu_plain`,
+    whole-array expressions; on: :func:`gelu_blocks`, the same arithmetic as in-place passes
+    over blocks that stay in cache (``_util.blocks``), the derivative's seven in the same
+    block as the value's eight. ``form="erf"`` is the exact form, on both (:func:`gelu_erf`)."""
 
     def forward(self, x, form="tanh"):
         need = self.needs_input_grad[0]
