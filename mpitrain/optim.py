@@ -232,11 +232,10 @@ def scale_to(grads, norm: float, max_norm: float) -> None:
 
 
 def update(optimizer: Optimizer, params, lr: float | None, grad_clip: float = 0.0) -> None:
-    """One optimizer step after backward: the gradients of ``params`` clipped together
-    to global norm ``grad_clip`` (0: no clipping; the norm sums in ``params``' order),
-    the learning rate set to ``lr`` (None: as it is), then the update. A mixed-precision
-    optimizer (:class:`mpitrain.precision.MixedPrecision`) clips itself: its gradients
-    are scaled by the loss scale, the norm to clip is the unscaled one."""
+    """One optimizer step after backward: the gradients of ``params`` clipped together to
+    global norm ``grad_clip`` (0: no clipping; the norm sums in ``params``' order), the
+    learning rate set to ``lr`` (None: as it is), then the update. A mixed-precision
+    optimizer clips itself: the norm to clip is that of its unscaled gradients."""
     if lr is not None:
         optimizer.set_lr(lr)
     if getattr(optimizer, "unscales", False):

@@ -51,10 +51,8 @@ from mpitrain.optim import sum_of_squares
 
 
 class LossScaler:
-    """The loss scale ``S`` of mixed-precision training: ``update(overflow)`` after each
-    step halves it on an overflow (``dynamic``) and doubles it after ``growth_interval``
-    clean steps in a row (PyTorch's ``GradScaler`` defaults). Not ``dynamic``: ``S`` stays
-    as it is (bf16: 1)."""
+    """The loss scale ``S`` (module docstring): ``update(overflow)`` after each step halves or
+    doubles it, with PyTorch's ``GradScaler`` defaults; not ``dynamic``, it stays (bf16: 1)."""
 
     def __init__(self, scale: float = 2.0**16, growth_interval: int = 2000, dynamic: bool = True):
         if not scale > 0 or growth_interval < 1:

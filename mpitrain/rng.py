@@ -13,10 +13,9 @@ stages (p) and their schedule (a stage on rank 1 never sees rank 0's draws). Ins
 own stream, keyed by ``(seed, step, sample, layer)``: ``sample`` its position in the
 step's *global* batch, ``layer`` its index in ``model.named_layers()`` (:func:`layer`).
 A sample then gets the same masks whatever shares its micro-batch, whichever rank runs
-it, and whichever stage runs its layers, in whatever order. Megatron-LM's
-``CudaRNGStatesTracker`` solves a related problem for tensor parallelism (which dropout
-must agree across a tensor-parallel group and which must differ); here every key is per
-(step, sample, layer), so that the masks do not depend on the schedule at all.
+it, and whichever stage runs its layers, in whatever order. (Megatron-LM's
+``CudaRNGStatesTracker`` solves a related problem for tensor parallelism: which dropout
+must agree across a tensor-parallel group and which must differ.)
 
 A stream is NumPy's SFC64 seeded by ``SeedSequence([seed, DROPOUT, step, sample,
 layer])`` (``DROPOUT`` tags these seeds apart from the data pipeline's seed tuples),
@@ -113,10 +112,8 @@ def sample_streams(seed: int, step: int, samples):
 def layer(index: int):
     """``with rng.layer(i):`` the forward of layer ``i`` of ``model.named_layers()`` is
     running. Inside :func:`sample_streams`, entering starts fresh per-sample streams keyed
-    with layer ``i`` (so a pipeline stage that runs only some layers draws exactly the
-    masks those layers draw in one process); leaving resumes the enclosing layer's
-    streams. Masks drawn under ``sample_streams`` with no ``layer`` active use layer 0.
-    Outside ``sample_streams`` this does nothing."""
+    with layer ``i``, and leaving resumes the enclosing layer's streams; masks drawn with
+    no ``layer`` active use layer 0. Outside ``sample_streams`` this does nothing."""
     index, s = _uint64("layer", index), _streams
     if s is None:
         yield

@@ -38,10 +38,9 @@ class _Checkpoint(Function):
 
 def replay(module: Module, x: np.ndarray, x_needs_grad: bool, rng_state) -> tuple[Tensor, Tensor]:
     """Run ``module.forward`` on ``x`` again, recording a private graph, with the random
-    streams rewound to ``rng_state`` (taken by :func:`mpitrain.rng.snapshot` when the
-    first pass began) and the buffers that pass updated put back afterwards; returns
-    (the input tensor, the output). ZeRO-3 (``mpitrain/parallel/zero3.py``) replays its
-    layers this way too."""
+    streams rewound to ``rng_state`` (:func:`mpitrain.rng.snapshot` of when the first pass
+    began) and the buffers it updated put back after; returns (input tensor, output).
+    ZeRO-3 (``mpitrain/parallel/zero3.py``) replays its layers this way too."""
     resume_state = rng.snapshot()
     updated = [np.array(b, copy=True) for _, b in module.named_buffers()]
     rng.restore(rng_state)

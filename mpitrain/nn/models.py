@@ -172,13 +172,12 @@ class MLP(Module):
 class Block(Module):
     """Pre-norm transformer block, nanoGPT's: x + attn(ln_1(x)), then x + mlp(ln_2(x)).
 
-    Those two lines, the end of ``forward``, are the plain path: they run through the
-    ``LayerNorm`` and ``Linear`` modules, so a layer swapped in (tensor slicing's column-
-    and row-parallel ``c_attn``, ``c_fc`` and ``c_proj``) is what computes. With the fast
-    paths on (``ops.fast_paths``, the default) each half runs instead as one fused op
-    (``ops.transformer``), equal bit for bit, but only when every layer is the plain one
-    (:meth:`_fusable`): the fused op reads the layers' weights and does their arithmetic
-    itself, so it would silently ignore a swapped layer's own ``forward``."""
+    Those two lines, the end of ``forward``, are the plain path, through the ``LayerNorm``
+    and ``Linear`` modules, so a layer swapped in (tensor slicing's column- and row-parallel
+    ``c_attn``, ``c_fc`` and ``c_proj``) is what computes. With the fast paths on (the
+    default) each half runs instead as one fused op (``ops.transformer``), equal bit for
+    bit, but only when every layer is the plain one (:meth:`_fusable`): the fused op does
+    the layers' arithmetic itself and would silently ignore a swapped layer's ``forward``."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
