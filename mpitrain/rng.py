@@ -17,14 +17,13 @@ it, and whichever stage runs its layers, in whatever order. (Megatron-LM's
 ``CudaRNGStatesTracker`` solves a related problem for tensor parallelism: which dropout
 must agree across a tensor-parallel group and which must differ.)
 
-A stream is NumPy's SFC64 seeded by ``SeedSequence([seed, DROPOUT, step, sample,
-layer])`` (``DROPOUT`` tags these seeds apart from the data pipeline's seed tuples),
-whose raw 64-bit words are compared with an integer threshold (:func:`_sample_mask`).
-SeedSequence and the bit generators' raw streams are the parts of NumPy's random API
-whose output is fixed across versions (``Generator.random`` is not promised to be), and
-comparing integers needs no conversion to floats; SFC64 so seeded drew masks faster
-than a keyed Philox or PCG64 (``mpitrain/bench/README.md``). Streams start lazily, at a
-layer's first mask, so layers without dropout, and evaluation, cost nothing.
+A stream is NumPy's SFC64 seeded by ``SeedSequence([seed, DROPOUT, step, sample, layer])``
+(``DROPOUT`` tags these seeds apart from the data pipeline's), started lazily at a layer's
+first mask (layers without dropout, and evaluation, cost nothing). Its raw 64-bit words are
+compared with an integer threshold (:func:`_sample_mask`): SeedSequence and the bit
+generators' raw streams are the parts of NumPy's random API whose output is fixed across
+versions (``Generator.random`` is not promised to be), and integers need no conversion to
+floats. SFC64 drew masks faster than a keyed Philox or PCG64 (``mpitrain/bench/README.md``).
 """
 
 from __future__ import annotations
@@ -89,13 +88,12 @@ def _uint64(name: str, value) -> int:
 
 @contextlib.contextmanager
 def sample_streams(seed: int, step: int, samples):
-    """Draw dropout masks per sample while active; nested, the inner one rules until it
-    exits. ``samples`` (an int array or range, length B) are the positions in the step's
-    global batch of the micro-batch about to run forward, in the order of its
-    activations' leading dimension. A mask of shape (B, ...) or (B*T, ...) (sample-major,
-    C order) is then the concatenation, sample by sample, of ``size // B`` elements of
-    each sample's stream; successive masks within one layer continue the streams.
-    ``seed``, ``step`` and the samples are integers in [0, 2**64)."""
+    """Draw dropout masks per sample while active (nested, the inner one rules until it
+    exits). ``samples`` (an int array or range, length B) are the step's global batch
+    positions of the micro-batch about to run forward, in its activations' leading order.
+    A mask of shape (B, ...) or (B*T, ...) (sample-major, C order) is then, sample by
+    sample, ``size // B`` elements of each sample's stream; successive masks within one
+    layer continue the streams. ``seed``, ``step`` and the samples are integers in [0, 2**64)."""
     global _streams
     samples = np.asarray(samples)
     if samples.ndim != 1 or (samples.size and samples.dtype.kind not in "iu"):
