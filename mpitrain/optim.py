@@ -1,10 +1,9 @@
 """Optimizers, learning-rate schedules and gradient clipping.
 
-Each optimizer updates parameters in place from their ``.grad``, with every step
-written as in-place NumPy operations (no temporaries the size of the model). Its
-state is plain arrays, keyed by the parameter's position in the list it was given:
-``state_dict()`` returns them and ``load_state_dict`` restores them, so a checkpoint
-can store them and ZeRO can give each rank a slice of them.
+Each optimizer updates parameters in place from their ``.grad``, every step in in-place
+NumPy operations (no temporaries the size of the model). Its state is plain arrays keyed
+by the parameter's position in the list it was given (``state_dict``, ``load_state_dict``),
+so a checkpoint can store them and ZeRO can give each rank a slice of them.
 
 Semantics follow PyTorch: ``SGD`` (momentum with dampening, Nesterov, L2 weight decay
 added to the gradient), ``Adam`` (Kingma & Ba 2015; L2 weight decay added to the

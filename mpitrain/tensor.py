@@ -442,8 +442,8 @@ def _walk(steps, deliver, phase: str, free: bool, capture: dict | None = None) -
     node's backward and deliver the gradients it returns; ``free`` frees each node after.
     ``phase`` says which inputs a node is asked for: those it recorded (``_WHOLE``), its
     Parameter leaves (``_WEIGHTS``) or all others (``_INPUTS``). An ``_INPUTS`` walk keeps,
-    unfreed, every node with a Parameter input that needs a gradient, with its
-    ``out_grads``, and returns them in the order it met them, for a ``_WEIGHTS`` walk."""
+    unfreed, every node with a Parameter input needing a gradient, with its ``out_grads``,
+    and returns them in the order it met them, for a ``_WEIGHTS`` walk."""
     kept = collections.deque()
     for node, out_grads in steps:
         if node.retained and phase != _WEIGHTS:  # complete once the node's turn comes

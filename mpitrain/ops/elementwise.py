@@ -206,11 +206,10 @@ def erf(x: np.ndarray) -> np.ndarray:
     computed in float64: within 2e-15 of ``math.erf`` (tested). For ``|x| < 1`` Taylor's
     series; for ``1 <= |x| < 2.5`` the series of positive terms ``erf(x) = 2/sqrt(pi)
     exp(-x^2) x sum_n a_n x^(2n)`` (``_SERIES``; Abramowitz & Stegun 7.1.6), which has no
-    cancellation. Both by Horner's rule, so no partial result is tiny (summed term by
-    term, small x's terms fell into slow subnormal numbers). For ``2.5 <= |x| < 6``,
-    ``1 - erfc(x)`` with ``erfc(x) = exp(-x^2) / sqrt(pi) / (x + (1/2) / (x + 1 / (x +
-    (3/2) / (x + ...))))`` evaluated from its last level up (A&S 7.1.14); beyond,
-    ``erfc < 2e-17``: +-1."""
+    cancellation. Both by Horner's rule, so no partial result is tiny (term by term, small
+    x's terms fell into slow subnormals). For ``2.5 <= |x| < 6``, ``1 - erfc(x)`` with
+    ``erfc(x) = exp(-x^2) / sqrt(pi) / (x + (1/2) / (x + 1 / (x + (3/2) / (x + ...))))``
+    evaluated from its last level up (A&S 7.1.14); beyond, ``erfc < 2e-17``: +-1."""
     a = np.abs(np.asarray(x, dtype=np.float64))
     out = np.ones_like(a)  # |x| >= 6 (and inf)
     near = a < 1
