@@ -76,8 +76,7 @@ def attend(fn, qkv, n_head, causal, dropout_p, generator, heads=None) -> np.ndar
 def attend_backward(fn, gy, gqkv, dq_scratch=None) -> None:
     """Gradients of attention's input into ``gqkv`` (B, T, 3C) from ``gy`` (B, T, C).
     ``gqkv`` may be the saved ``qkv`` itself: each of q, k and v is then overwritten only
-    after its last read, and dq, whose slot ``q`` is read by dk, waits in ``dq_scratch``
-    (the (B, T, C) buffer of ``gy``, which is dead by then)."""
+    after its last read, and dq (dk reads slot ``q``) waits in ``dq_scratch``, gy's dead buffer."""
     B, T, C3 = gqkv.shape
     nh = fn.n_head
     q, k, v = _heads(fn.qkv, nh)

@@ -149,8 +149,8 @@ def _tiles(batch: int, image_bytes: int) -> list[slice]:
 
 
 class Conv2d(Function):
-    """Convolution as im2col + one GEMM over the whole batch (the plain path), optionally
-    fused with a ReLU on its output (``relu=True``)::
+    """The plain path: convolution as im2col + one GEMM over the whole batch, ``relu=True``
+    fusing a ReLU on its output::
 
         cols = im2col(pad(x))       (B*Ho*Wo, kh*kw*C_in), one row per output pixel
         y    = cols @ w2 + b        (B*Ho*Wo, C_out), w2 = w viewed (kh*kw*C_in, C_out)

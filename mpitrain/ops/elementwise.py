@@ -152,8 +152,7 @@ def gelu_plain(x: np.ndarray, derivative: bool = True) -> tuple[np.ndarray, np.n
         gelu'(x) = h + x * 2h(1 - h) * s * (1 + 3c x^2)           (1 - tanh^2 = 4h(1 - h))
 
     The grouping is the textbook formula rearranged so that :func:`gelu_blocks`'s in-place
-    passes do the same floating-point operations in the same order: the two are equal
-    bit for bit, and so is a GPT on either path."""
+    passes do the same floating-point operations in the same order: equal bit for bit."""
     x2 = x * x  # x^2
     h = 0.5 * np.tanh(x * (x2 * (_GELU_C * _GELU_S) + _GELU_S)) + 0.5  # 0.5 (1 + tanh(s (x + c x^3)))
     d = (1 - h) * h * ((x2 * (6 * _GELU_C * _GELU_S) + 2 * _GELU_S) * x) + h if derivative else None
