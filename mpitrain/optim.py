@@ -54,9 +54,8 @@ class Optimizer:
 
     def step_with(self, grad_of) -> None:
         """One step in which ``grad_of(i, p)`` gives parameter ``i``'s (``p``'s) gradient (None:
-        leave it as it is) just before its update, so the array may be reused for the
-        next (:class:`mpitrain.precision.MixedPrecision` unscales a half-precision
-        gradient into one float32 work array there)."""
+        leave it as it is) just before its update, so one array may serve them all
+        (:class:`mpitrain.precision.MixedPrecision` unscales into one float32 work array)."""
         self.step_count += 1
         for i, p, group in self._indexed():
             g = grad_of(i, p)
@@ -67,11 +66,10 @@ class Optimizer:
         raise NotImplementedError
 
     def over(self, views) -> Optimizer:
-        """This optimizer (its class and hyperparameters) over other arrays, with fresh
-        state: ``views(p)`` gives, for each parameter ``p`` in order, the ``(data, grad)``
-        arrays to update in its place (views into a strategy's flat buffers, never
-        copies), or None to leave ``p`` out. ZeRO-1 and the parameter servers update
-        their shards this way."""
+        """This optimizer (its class and hyperparameters) over other arrays, with fresh state:
+        ``views(p)`` gives, for each parameter ``p`` in order, the ``(data, grad)`` arrays to
+        update in its place (views into a strategy's flat buffers, never copies), or None to
+        leave ``p`` out. ZeRO-1 and the parameter servers update their shards this way."""
         other = copy.copy(self)
         other.state, other.param_groups = {}, []
         other.__dict__.pop("_buffer", None)  # the work array is sized for these parameters

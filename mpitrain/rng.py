@@ -125,10 +125,9 @@ def layer(index: int):
 
 
 def snapshot():
-    """Everything a dropout mask is drawn from: the process-wide generator's state and
-    the active per-sample streams (which, their layer, how far each has drawn).
-    :func:`restore` puts it back, so activation checkpointing replays a block's masks
-    exactly, wherever its backward runs."""
+    """Everything a dropout mask is drawn from: the process-wide generator's state and the
+    active per-sample streams (which, their layer, how far each has drawn); :func:`restore`
+    puts it back, so checkpointing replays a block's masks exactly, wherever backward runs."""
     s = _streams
     frame = None if s is None else (s, s.layer, None if s.gens is None else [g.state for g in s.gens])
     return _generator.bit_generator.state, frame

@@ -596,8 +596,7 @@ def backward_split(tensors, grads=None) -> "WeightPass":
     be a root), in the same order, with every edge into a Parameter masked off: a node's
     backward sees ``needs_input_grad`` restricted to its other inputs, and is not called
     if none of them needs a gradient. On return the other leaves' ``.grad``, their hooks
-    and every retained gradient are as after ``backward``; no parameter's ``.grad`` has
-    changed, no parameter hook fired.
+    and every retained gradient are as after ``backward``, the parameters' untouched.
 
     Each node with a Parameter input needing a gradient is kept for phase two, with its
     saved arrays and output gradients (references: do not write into ``grads`` before
@@ -608,11 +607,10 @@ def backward_split(tensors, grads=None) -> "WeightPass":
     gradient receives its contributions in ``backward``'s order: its results bit for bit.
 
     Cost: a node's backward runs twice, and work its input and weight gradients share is
-    done in both: nearly a second backward for a fused transformer sublayer
-    (``ops.transformer``: its ``W_in`` and layer norm gradients lie behind its whole
-    inner chain); for the plain block's ``Linear`` and ``LayerNorm`` nodes, the weight
-    products and the norm's reductions alone. Activation checkpointing's node ignores the
-    mask and recomputes its block each time."""
+    done in both: nearly a second backward for a fused transformer sublayer (its ``W_in``
+    and layer norm gradients lie behind its whole inner chain); for the plain block's
+    ``Linear`` and ``LayerNorm`` nodes, the weight products and the norm's reductions
+    alone. Activation checkpointing's node ignores the mask, recomputing its block each time."""
     tensors = list(tensors)
     if any(isinstance(t, Parameter) for t in tensors):
         raise ValueError("backward_split from a Parameter: its gradient is not an input gradient to split off")

@@ -2,8 +2,7 @@
 
 Initialisation follows PyTorch's defaults unless a model overrides it: weights and biases
 of ``Linear`` and ``Conv2d`` uniform in ``+-1/sqrt(fan_in)``, normalisation scales one
-and shifts zero, embeddings standard normal. Random draws come from
-:mod:`mpitrain.rng`, so a seed fixes every initial weight.
+and shifts zero, embeddings standard normal; a seed fixes them all (:mod:`mpitrain.rng`).
 """
 
 from __future__ import annotations

@@ -220,8 +220,7 @@ class GPTEmbedding(Module):
 
 
 class GPTHead(Module):
-    """Final layer norm and the output projection, tied to the token embedding:
-    logits = ln_f(x) @ wte^T (Press & Wolf 2017)."""
+    """Final layer norm and the tied output projection, ``ln_f(x) @ wte^T`` (Press & Wolf 2017)."""
 
     def __init__(self, cfg: GPTConfig, wte: Parameter):
         super().__init__()

@@ -10,10 +10,9 @@ from mpitrain.tensor import Parameter
 
 
 class Module:
-    """Base class of layers and models. Assigning a :class:`~mpitrain.tensor.Parameter` or
-    a ``Module`` to an attribute registers it; :meth:`register_buffer` registers a
-    non-trained array (batch-norm running statistics). Subclasses implement ``forward``;
-    calling the module calls it."""
+    """Base class of layers and models. Assigning a :class:`~mpitrain.tensor.Parameter` or a
+    ``Module`` to an attribute registers it, :meth:`register_buffer` a non-trained array
+    (batch-norm running statistics). Subclasses implement ``forward``, which a call runs."""
 
     _call_through = None  # see call_through()
 
