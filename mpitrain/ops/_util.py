@@ -84,9 +84,7 @@ def constant(x, like: Tensor):
     if isinstance(x, Tensor) or type(x) in (int, float, bool):
         return x
     x = np.asarray(x)
-    if x.dtype.kind in "biuf" and x.dtype != like.dtype:
-        x = x.astype(like.dtype)
-    return x
+    return x.astype(like.dtype, copy=False) if x.dtype.kind in "biuf" else x
 
 
 def normalize_axes(axis, ndim: int) -> tuple:
