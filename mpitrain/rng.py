@@ -180,11 +180,9 @@ def dropout_mask(gen: np.random.Generator | None, shape: tuple, p: float, dtype)
 
 
 def _draw(gen, shape: tuple, p: float, dtype) -> np.ndarray:
-    if gen is None:
-        if _streams is not None:
-            return _sample_mask(_streams, shape, p, dtype)
-        gen = _generator
-    out = (gen.random(shape, dtype=np.float32) >= p).astype(dtype)
+    if gen is None and _streams is not None:
+        return _sample_mask(_streams, shape, p, dtype)
+    out = ((_generator if gen is None else gen).random(shape, dtype=np.float32) >= p).astype(dtype)
     out *= 1.0 / (1.0 - p)
     return out
 

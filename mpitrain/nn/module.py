@@ -137,10 +137,8 @@ class Module:
         return ""
 
     def __repr__(self) -> str:
-        lines = [f"{type(self).__name__}({self.extra_repr()}"]
-        for name, child in self._modules.items():
-            lines.append(f"  ({name}): " + repr(child).replace("\n", "\n  "))
-        return "\n".join(lines) + ")" if len(lines) > 1 else lines[0] + ")"
+        children = "".join(f"\n  ({n}): " + repr(m).replace("\n", "\n  ") for n, m in self._modules.items())
+        return f"{type(self).__name__}({self.extra_repr()}{children})"
 
 
 class ModuleList(Module):
