@@ -251,8 +251,7 @@ class GPT(Module):
         self._init_weights()
 
     def _init_weights(self) -> None:
-        # GPT-2: matrices N(0, 0.02), residual projections N(0, 0.02 / sqrt(2 * n_layer)),
-        # biases zero, layer-norm scales one
+        # GPT-2: matrices N(0, 0.02), residual projections N(0, 0.02 / sqrt(2 * n_layer)), biases 0
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         gen = rng.generator()
         for name, p in self.named_parameters():

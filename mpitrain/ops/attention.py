@@ -116,10 +116,9 @@ class CausalSelfAttention(Function):
 
 def causal_self_attention(qkv, n_head: int, causal: bool = True, dropout_p: float = 0.0,
                           generator=None, heads: tuple | None = None) -> Tensor:
-    """Attention of ``qkv`` (B, T, 3C) with ``n_head`` heads; returns (B, T, C). Dropout on
-    the attention weights draws from ``generator`` (:func:`mpitrain.rng.dropout_mask`);
-    ``heads = (first, total)``: these are heads ``first ..`` of a layer of ``total`` sliced
-    over ranks, whose masks are those heads' of the whole layer."""
+    """Attention of ``qkv`` (B, T, 3C) with ``n_head`` heads, (B, T, C); dropout on its weights
+    draws from ``generator`` (:func:`mpitrain.rng.dropout_mask`). ``heads = (first, total)``:
+    heads ``first ..`` of a layer of ``total`` sliced over ranks, masked as in the whole layer."""
     qkv = as_tensor(qkv)
     if qkv.ndim != 3 or qkv.shape[-1] % (3 * n_head):
         raise ValueError(f"qkv must be (B, T, 3C) with C divisible by n_head={n_head}, got {qkv.shape}")

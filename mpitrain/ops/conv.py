@@ -236,9 +236,8 @@ class TiledConv2d(Function):
         ones = np.ones(rows, dtype=g.dtype) if need_b else None  # (rows,)
         through_relu = None if self.out is None else np.empty(rows * F, g.dtype)  # (rows*F,)
         if need_x:
-            # column gradient tap-major: one block per tap, so adding a tap's block onto its
-            # pixels moves runs of Wo*C numbers (stride 1), not C; in sub-tiles of
-            # COLUMN_GRAD_BYTES, one work array for all of them
+            # column gradient tap-major, so adding a tap's block onto its pixels moves runs of
+            # Wo*C numbers (stride 1), not C; in sub-tiles of COLUMN_GRAD_BYTES, one work array
             w_taps = np.ascontiguousarray(self.w2.reshape(kh * kw, C, F).transpose(0, 2, 1))  # (taps, F, C)
             per_image = kh * kw * Ho * Wo * C * g.itemsize
             sub = max(1, min(rows // (Ho * Wo), COLUMN_GRAD_BYTES // per_image))  # images
@@ -265,9 +264,8 @@ class TiledConv2d(Function):
 class MaxPool2d(Function):
     """Max over each window; the gradient goes to the first maximum in row-major window
     order (as in PyTorch), so ties never double-count. Forward is kh*kw - 1 elementwise
-    maxima of strided views; backward recomputes which tap won from the saved input.
-    With the fast paths on (``ops.fast_paths``), both walk the batch in tiles of
-    ``POOL_TILE_BYTES``; off, one tile is the whole batch: the same arithmetic.
+    maxima of strided views; backward recomputes which tap won from the saved input. Both
+    walk the batch in tiles of ``POOL_TILE_BYTES`` (one tile with the fast paths off).
 
     ``relu=True`` also takes the maximum with 0: ReLU and max-pooling commute (both are
     monotone), so ``conv -> pool(relu=True)`` equals ``conv(relu=True) -> pool`` in value
