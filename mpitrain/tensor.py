@@ -25,7 +25,7 @@ Gradients accumulate: ``.grad`` of a leaf is summed in place across backward pas
 until ``zero_grad``, so a ``.grad`` that is a view into a flat buffer stays one. Every
 gradient handed out (``.grad``, :func:`grad`'s results) is the tensor's own array.
 
-A node keeps what its ``backward`` saved and, per input needing a gradient, an edge: the
+A node keeps only what its ``backward`` saved and, per input needing a gradient, an edge: the
 leaf itself, or an :class:`_Edge` (an intermediate's producer, output index and shape, not
 its array). An intermediate no backward needs (a residual add's input, the pre-activation
 once GELU has its derivative) is thus freed as the forward pass moves on, its memory
@@ -596,7 +596,7 @@ def backward_split(tensors, grads=None) -> "WeightPass":
     be a root), in the same order, with every edge into a Parameter masked off: a node's
     backward sees ``needs_input_grad`` restricted to its other inputs, and is not called
     if none of them needs a gradient. On return the other leaves' ``.grad``, their hooks
-    and every retained gradient are as after ``backward``, the parameters' untouched.
+    and every retained gradient are as after ``backward``; parameters' ``.grad`` and hooks untouched.
 
     Each node with a Parameter input needing a gradient is kept for phase two, with its
     saved arrays and output gradients (references: do not write into ``grads`` before

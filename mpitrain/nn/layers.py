@@ -138,7 +138,7 @@ class _Pool2d(Module):
 
 
 class MaxPool2d(_Pool2d):
-    """``relu=True``: a ReLU in the same op, equal to one before the pool (they commute) at a quarter of the cost."""
+    """``relu=True`` fuses a ReLU, equal to one before the pool (they commute) at a quarter of the cost."""
 
     def __init__(self, kernel_size, stride=None, padding=0, relu: bool = False):
         super().__init__(kernel_size, stride, padding)

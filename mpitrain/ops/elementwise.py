@@ -249,7 +249,7 @@ class GELU(Function):
     ``mpitrain/bench/README.md``). Fast paths off (``ops.fast_paths``): :func:`gelu_plain`,
     whole-array expressions; on: :func:`gelu_blocks`, the same arithmetic as in-place passes
     over blocks that stay in cache (``_util.blocks``), the derivative's seven in the same
-    block as the value's eight. ``form="erf"`` is the exact form, on both (:func:`gelu_erf`)."""
+    block as the value's eight. ``form="erf"``: the exact form (:func:`gelu_erf`), on both paths."""
 
     def forward(self, x, form="tanh"):
         need = self.needs_input_grad[0]
