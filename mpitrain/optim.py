@@ -1,10 +1,9 @@
 """Optimizers, learning-rate schedules and gradient clipping.
 
-Each optimizer updates parameters in place from their ``.grad``, with every step
-written as in-place NumPy operations (no temporaries the size of the model). Its
-state is plain arrays, keyed by the parameter's position in the list it was given:
-``state_dict()`` returns them and ``load_state_dict`` restores them, so a checkpoint
-can store them and ZeRO can give each rank a slice of them.
+Each optimizer updates parameters in place from their ``.grad``, every step in in-place
+NumPy operations (no temporaries the size of the model). Its state is plain arrays keyed
+by the parameter's position in the list it was given (``state_dict``, ``load_state_dict``),
+so a checkpoint can store them and ZeRO can give each rank a slice of them.
 
 Semantics follow PyTorch: ``SGD`` (momentum with dampening, Nesterov, L2 weight decay
 added to the gradient), ``Adam`` (Kingma & Ba 2015; L2 weight decay added to the
@@ -55,9 +54,8 @@ class Optimizer:
 
     def step_with(self, grad_of) -> None:
         """One step in which ``grad_of(i, p)`` gives parameter ``i``'s (``p``'s) gradient (None:
-        leave it as it is) just before its update, so the array may be reused for the
-        next (:class:`mpitrain.precision.MixedPrecision` unscales a half-precision
-        gradient into one float32 work array there)."""
+        leave it as it is) just before its update, so one array may serve them all
+        (:class:`mpitrain.precision.MixedPrecision` unscales into one float32 work array)."""
         self.step_count += 1
         for i, p, group in self._indexed():
             g = grad_of(i, p)
@@ -68,11 +66,10 @@ class Optimizer:
         raise NotImplementedError
 
     def over(self, views) -> Optimizer:
-        """This optimizer (its class and hyperparameters) over other arrays, with fresh
-        state: ``views(p)`` gives, for each parameter ``p`` in order, the ``(data, grad)``
-        arrays to update in its place (views into a strategy's flat buffers, never
-        copies), or None to leave ``p`` out. ZeRO-1 and the parameter servers update
-        their shards this way."""
+        """This optimizer (its class and hyperparameters) over other arrays, with fresh state:
+        ``views(p)`` gives, for each parameter ``p`` in order, the ``(data, grad)`` arrays to
+        update in its place (views into a strategy's flat buffers, never copies), or None to
+        leave ``p`` out. ZeRO-1 and the parameter servers update their shards this way."""
         other = copy.copy(self)
         other.state, other.param_groups = {}, []
         other.__dict__.pop("_buffer", None)  # the work array is sized for these parameters
@@ -232,11 +229,10 @@ def scale_to(grads, norm: float, max_norm: float) -> None:
 
 
 def update(optimizer: Optimizer, params, lr: float | None, grad_clip: float = 0.0) -> None:
-    """One optimizer step after backward: the gradients of ``params`` clipped together
-    to global norm ``grad_clip`` (0: no clipping; the norm sums in ``params``' order),
-    the learning rate set to ``lr`` (None: as it is), then the update. A mixed-precision
-    optimizer (:class:`mpitrain.precision.MixedPrecision`) clips itself: its gradients
-    are scaled by the loss scale, the norm to clip is the unscaled one."""
+    """One optimizer step after backward: the gradients of ``params`` clipped together to
+    global norm ``grad_clip`` (0: no clipping; the norm sums in ``params``' order), the
+    learning rate set to ``lr`` (None: as it is), then the update. A mixed-precision
+    optimizer clips itself: the norm to clip is that of its unscaled gradients."""
     if lr is not None:
         optimizer.set_lr(lr)
     if getattr(optimizer, "unscales", False):

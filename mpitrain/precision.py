@@ -10,33 +10,29 @@ and what a layer reads: the weights, the gradients and their exchange.
 **Products in float32.** Every op reads a half-precision tensor upcast to float32
 (:meth:`mpitrain.tensor.Function.apply`): NumPy's half-precision arithmetic is slow or
 silently float32 (``mpitrain/bench/README.md``), so half precision is a storage and wire
-format and compute stays float32, as on hardware whose half products accumulate in
-float32. An upcast copy lives while the op's backward needs it, like an activation: up
-to 4 B per parameter during a step, on top of the 16.
+format, as on hardware whose half products accumulate in float32. An upcast copy lives
+while the op's backward needs it, like an activation: up to 4 B more per parameter.
 
 **Gradients.** Each op's float32 gradient is rounded once as it is added into the half
 ``.grad`` (once per micro-batch with gradient accumulation). Data parallelism's buckets
 are then half-precision arrays: the ring sends 16-bit words and adds in float32 at each
-hop (:mod:`mpitrain.comm.ring`); MPI has no bfloat16 to add, so with
-``parallel.allreduce = "mpi"`` each bucket is summed as a float32 copy and rounded
-back: the same arithmetic, twice the bytes.
+hop (:mod:`mpitrain.comm.ring`); MPI cannot add bfloat16, so ``parallel.allreduce = "mpi"``
+sums each bucket as a float32 copy rounded back: the same arithmetic, twice the bytes.
 
 **The loss scale** (fp16). float16's smallest normal number is 6.1e-5 and its smallest
 subnormal 6e-8: most of a small model's gradients would round to zero. The loss is
 multiplied by ``S`` before backward (:class:`LossScaler`), so every gradient is ``S``
-times larger; the update divides by ``S`` in float32, never in half precision, where
-the small gradients would vanish again. A gradient that overflows (inf or NaN anywhere,
-on any rank) skips the step on every rank, agreed in the training loop's allreduce of
-the step's loss, and halves ``S``; after ``growth_interval`` clean steps ``S`` doubles.
-bfloat16 has float32's exponent range: no scale (``S = 1``), and a non-finite gradient
-still skips its step.
+times larger; the update divides by ``S`` in float32, never in half precision, where the
+small gradients would vanish again. A gradient that overflows (inf or NaN anywhere, on
+any rank) skips the step on every rank, agreed in the training loop's allreduce of the
+step's loss, and halves ``S``; after ``growth_interval`` clean steps ``S`` doubles.
+bfloat16 has float32's range: no scale (``S = 1``); a non-finite gradient still skips.
 
-**The update** (:meth:`MixedPrecision.step`), per parameter: its unscaled float32
-gradient ``fp32(g) x c/S`` in one reused work array (``c``: the clipping factor, from the
-norm of the unscaled gradients), the optimizer's update of the master, and the master
-rounded (to nearest even) into the working copy. **Checkpoints** hold the float32
-masters (:meth:`MixedPrecision.masters_in_model`) and the loss scale, so a run resumes
-exactly, and in any precision.
+**The update** (:meth:`MixedPrecision.step`): each parameter's unscaled float32 gradient
+``fp32(g) x c/S`` in one reused work array (``c``: the clipping factor, from the unscaled
+gradients' norm), the optimizer's update of the master, the master rounded (to nearest
+even) into the working copy. **Checkpoints** hold the float32 masters and the loss scale
+(:meth:`MixedPrecision.masters_in_model`): a run resumes exactly, in any precision.
 """
 
 from __future__ import annotations
@@ -51,10 +47,8 @@ from mpitrain.optim import sum_of_squares
 
 
 class LossScaler:
-    """The loss scale ``S`` of mixed-precision training: ``update(overflow)`` after each
-    step halves it on an overflow (``dynamic``) and doubles it after ``growth_interval``
-    clean steps in a row (PyTorch's ``GradScaler`` defaults). Not ``dynamic``: ``S`` stays
-    as it is (bf16: 1)."""
+    """The loss scale ``S`` (module docstring): ``update(overflow)`` after each step halves or
+    doubles it, with PyTorch's ``GradScaler`` defaults; not ``dynamic``, it stays (bf16: 1)."""
 
     def __init__(self, scale: float = 2.0**16, growth_interval: int = 2000, dynamic: bool = True):
         if not scale > 0 or growth_interval < 1:

@@ -13,19 +13,17 @@ stages (p) and their schedule (a stage on rank 1 never sees rank 0's draws). Ins
 own stream, keyed by ``(seed, step, sample, layer)``: ``sample`` its position in the
 step's *global* batch, ``layer`` its index in ``model.named_layers()`` (:func:`layer`).
 A sample then gets the same masks whatever shares its micro-batch, whichever rank runs
-it, and whichever stage runs its layers, in whatever order. Megatron-LM's
-``CudaRNGStatesTracker`` solves a related problem for tensor parallelism (which dropout
-must agree across a tensor-parallel group and which must differ); here every key is per
-(step, sample, layer), so that the masks do not depend on the schedule at all.
+it, and whichever stage runs its layers, in whatever order. (Megatron-LM's
+``CudaRNGStatesTracker`` solves a related problem for tensor parallelism: which dropout
+must agree across a tensor-parallel group and which must differ.)
 
-A stream is NumPy's SFC64 seeded by ``SeedSequence([seed, DROPOUT, step, sample,
-layer])`` (``DROPOUT`` tags these seeds apart from the data pipeline's seed tuples),
-whose raw 64-bit words are compared with an integer threshold (:func:`_sample_mask`).
-SeedSequence and the bit generators' raw streams are the parts of NumPy's random API
-whose output is fixed across versions (``Generator.random`` is not promised to be), and
-comparing integers needs no conversion to floats; SFC64 so seeded drew masks faster
-than a keyed Philox or PCG64 (``mpitrain/bench/README.md``). Streams start lazily, at a
-layer's first mask, so layers without dropout, and evaluation, cost nothing.
+A stream is NumPy's SFC64 seeded by ``SeedSequence([seed, DROPOUT, step, sample, layer])``
+(``DROPOUT`` tags these seeds apart from the data pipeline's), started lazily at a layer's
+first mask (layers without dropout, and evaluation, cost nothing). Its raw 64-bit words are
+compared with an integer threshold (:func:`_sample_mask`): SeedSequence and the bit
+generators' raw streams are the parts of NumPy's random API whose output is fixed across
+versions (``Generator.random`` is not promised to be), and integers need no conversion to
+floats. SFC64 drew masks faster than a keyed Philox or PCG64 (``mpitrain/bench/README.md``).
 """
 
 from __future__ import annotations
@@ -90,13 +88,12 @@ def _uint64(name: str, value) -> int:
 
 @contextlib.contextmanager
 def sample_streams(seed: int, step: int, samples):
-    """Draw dropout masks per sample while active; nested, the inner one rules until it
-    exits. ``samples`` (an int array or range, length B) are the positions in the step's
-    global batch of the micro-batch about to run forward, in the order of its
-    activations' leading dimension. A mask of shape (B, ...) or (B*T, ...) (sample-major,
-    C order) is then the concatenation, sample by sample, of ``size // B`` elements of
-    each sample's stream; successive masks within one layer continue the streams.
-    ``seed``, ``step`` and the samples are integers in [0, 2**64)."""
+    """Draw dropout masks per sample while active (nested, the inner one rules until it
+    exits). ``samples`` (an int array or range, length B) are the step's global batch
+    positions of the micro-batch about to run forward, in its activations' leading order.
+    A mask of shape (B, ...) or (B*T, ...) (sample-major, C order) is then, sample by
+    sample, ``size // B`` elements of each sample's stream; successive masks within one
+    layer continue the streams. ``seed``, ``step`` and the samples are integers in [0, 2**64)."""
     global _streams
     samples = np.asarray(samples)
     if samples.ndim != 1 or (samples.size and samples.dtype.kind not in "iu"):
@@ -113,10 +110,8 @@ def sample_streams(seed: int, step: int, samples):
 def layer(index: int):
     """``with rng.layer(i):`` the forward of layer ``i`` of ``model.named_layers()`` is
     running. Inside :func:`sample_streams`, entering starts fresh per-sample streams keyed
-    with layer ``i`` (so a pipeline stage that runs only some layers draws exactly the
-    masks those layers draw in one process); leaving resumes the enclosing layer's
-    streams. Masks drawn under ``sample_streams`` with no ``layer`` active use layer 0.
-    Outside ``sample_streams`` this does nothing."""
+    with layer ``i``, and leaving resumes the enclosing layer's streams; masks drawn with
+    no ``layer`` active use layer 0. Outside ``sample_streams`` this does nothing."""
     index, s = _uint64("layer", index), _streams
     if s is None:
         yield
@@ -130,10 +125,9 @@ def layer(index: int):
 
 
 def snapshot():
-    """Everything a dropout mask is drawn from: the process-wide generator's state and
-    the active per-sample streams (which, their layer, how far each has drawn).
-    :func:`restore` puts it back, so activation checkpointing replays a block's masks
-    exactly, wherever its backward runs."""
+    """Everything a dropout mask is drawn from: the process-wide generator's state and the
+    active per-sample streams (which, their layer, how far each has drawn); :func:`restore`
+    puts it back, so checkpointing replays a block's masks exactly, wherever backward runs."""
     s = _streams
     frame = None if s is None else (s, s.layer, None if s.gens is None else [g.state for g in s.gens])
     return _generator.bit_generator.state, frame
@@ -186,11 +180,9 @@ def dropout_mask(gen: np.random.Generator | None, shape: tuple, p: float, dtype)
 
 
 def _draw(gen, shape: tuple, p: float, dtype) -> np.ndarray:
-    if gen is None:
-        if _streams is not None:
-            return _sample_mask(_streams, shape, p, dtype)
-        gen = _generator
-    out = (gen.random(shape, dtype=np.float32) >= p).astype(dtype)
+    if gen is None and _streams is not None:
+        return _sample_mask(_streams, shape, p, dtype)
+    out = ((_generator if gen is None else gen).random(shape, dtype=np.float32) >= p).astype(dtype)
     out *= 1.0 / (1.0 - p)
     return out
 

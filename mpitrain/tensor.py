@@ -25,19 +25,17 @@ Gradients accumulate: ``.grad`` of a leaf is summed in place across backward pas
 until ``zero_grad``, so a ``.grad`` that is a view into a flat buffer stays one. Every
 gradient handed out (``.grad``, :func:`grad`'s results) is the tensor's own array.
 
-A node keeps only what its ``backward`` saved and, for each input that needs a
-gradient, an edge: the leaf itself, or an :class:`_Edge` (an intermediate's producer,
-output index and shape, not its array). An intermediate that no backward needs (a
-residual add's input, the pre-activation once GELU has its derivative) is therefore
-freed as soon as the forward pass moves on, and the allocator hands the memory, still
-in cache, to the next op (measured faster: ``mpitrain/bench/README.md``). Saved arrays
-are references, not copies: writing into a parameter (an optimizer step, loading
-weights) between a forward pass and its backward changes the gradients.
+A node keeps only what its ``backward`` saved and, per input needing a gradient, an edge: the
+leaf itself, or an :class:`_Edge` (an intermediate's producer, output index and shape, not
+its array). An intermediate no backward needs (a residual add's input, the pre-activation
+once GELU has its derivative) is thus freed as the forward pass moves on, its memory
+reused, still in cache, by the next op (measured faster: ``mpitrain/bench/README.md``).
+Saved arrays are references, not copies: writing into a parameter (an optimizer step,
+loading weights) between a forward pass and its backward changes the gradients.
 
 Default dtype is float32; :func:`default_dtype` switches to float64 for gradient checks.
-A tensor may hold float16 or bfloat16 numbers (mixed precision's working copies of the
-weights): every op reads them upcast to float32, and their gradients are rounded into
-a ``.grad`` of their own dtype.
+Every op reads a float16 or bfloat16 tensor (mixed precision's working weights) upcast to
+float32, and its gradient is rounded into a ``.grad`` of its own dtype.
 """
 
 from __future__ import annotations
@@ -124,13 +122,10 @@ class Tensor:
                 data = data.astype(_default_dtype)
         if requires_grad and not (data.dtype.kind == "f" or is_half(data.dtype)):
             raise TypeError(f"only floating tensors can require gradients, got {data.dtype}")
-        self.data = data
+        self.data, self.requires_grad, self.name = data, bool(requires_grad), name
         self.grad: np.ndarray | None = None
-        self.requires_grad = bool(requires_grad)
-        self._ctx: Function | None = None
-        self._index = 0
-        self._hooks: list | None = None
-        self.name = name
+        self._ctx: Function | None = None  # the node that produced it; None for a leaf
+        self._index, self._hooks = 0, None  # which of its node's outputs; post-accumulate hooks
 
     # ----------------------------------------------------------------- properties
     shape = property(lambda self: self.data.shape)
@@ -305,12 +300,11 @@ class Function:
     and returns an array, or a tuple of arrays for several outputs; it may keep on
     ``self`` whatever ``backward`` needs.
 
-    ``backward(*grads)`` receives one gradient per output (``None`` for an output that
-    got none) and returns one per positional input, of the input's shape (a tuple, or an
-    array for one input); it may return ``None`` for constants and where
-    ``self.needs_input_grad[i]`` is false. It must not write into the gradients it
-    receives: one array may be shared by several consumers (``add`` hands the same
-    gradient to both inputs).
+    ``backward(*grads)`` receives one gradient per output (``None`` for an output that got
+    none) and returns one per positional input, of the input's shape (a tuple, or an array
+    for one input), or ``None`` for constants and where ``self.needs_input_grad[i]`` is
+    false. It must not write into the gradients it receives: one array may be shared by
+    several consumers (``add`` hands the same gradient to both inputs).
 
     ``self.last_backward`` is true when the engine frees the node after this backward
     (no ``retain_graph``): ``backward`` may then write over arrays it saved in forward
@@ -348,8 +342,7 @@ class Function:
 
 
 class _Edge:
-    """The link from a node to an intermediate input: where its gradient goes (the
-    producing node and output index) and the shape it must have, without the array."""
+    """Where an intermediate input's gradient goes (producer, output index) and its shape."""
 
     __slots__ = ("_ctx", "_index", "shape")
 
@@ -383,11 +376,9 @@ def _graph(roots: list[Tensor]):
                                "pass retain_graph=True to the first backward")
         stack.append((node, True))
         for t, needed in zip(node.inputs, node.needs_input_grad):
-            if not needed:
-                continue
-            if t._ctx is None:
+            if needed and t._ctx is None:
                 leaf_uses[id(t)] = leaf_uses.get(id(t), 0) + 1
-            elif id(t._ctx) not in visited:
+            elif needed and id(t._ctx) not in visited:
                 stack.append((t._ctx, False))
     order.reverse()
     return order, leaf_uses
@@ -451,8 +442,8 @@ def _walk(steps, deliver, phase: str, free: bool, capture: dict | None = None) -
     node's backward and deliver the gradients it returns; ``free`` frees each node after.
     ``phase`` says which inputs a node is asked for: those it recorded (``_WHOLE``), its
     Parameter leaves (``_WEIGHTS``) or all others (``_INPUTS``). An ``_INPUTS`` walk keeps,
-    unfreed, every node with a Parameter input that needs a gradient, with its
-    ``out_grads``, and returns them in the order it met them, for a ``_WEIGHTS`` walk."""
+    unfreed, every node with a Parameter input needing a gradient, with its ``out_grads``,
+    and returns them in the order it met them, for a ``_WEIGHTS`` walk."""
     kept = collections.deque()
     for node, out_grads in steps:
         if node.retained and phase != _WEIGHTS:  # complete once the node's turn comes
@@ -472,11 +463,9 @@ def _retain(node: Function, out_grads: list, capture: dict | None) -> None:
     """Store the gradients of the node's retained outputs (``retain_grad``, :func:`grad`)."""
     for i, t in node.retained.items():
         g = out_grads[i]
-        if g is None:
-            continue
-        if capture is None:
+        if g is not None and capture is None:
             t.grad = _owned(g, t.dtype) if t.grad is None else t.grad + g
-        elif id(t) in capture:
+        elif g is not None and id(t) in capture:
             capture[id(t)] = _owned(g, t.dtype)
 
 
@@ -605,26 +594,23 @@ def backward_split(tensors, grads=None) -> "WeightPass":
 
     The walk is :func:`backward`'s (``tensors``, ``grads`` as there; a Parameter cannot
     be a root), in the same order, with every edge into a Parameter masked off: a node's
-    backward sees ``needs_input_grad`` restricted to its other inputs, and a node with
-    none of them needing a gradient is not called. On return the other leaves' ``.grad``,
-    their hooks and every retained gradient are as after ``backward``; no parameter's
-    ``.grad`` has changed and no parameter hook has fired.
+    backward sees ``needs_input_grad`` restricted to its other inputs, and is not called
+    if none of them needs a gradient. On return the other leaves' ``.grad``, their hooks
+    and every retained gradient are as after ``backward``; parameters' ``.grad`` and hooks untouched.
 
-    Every node with a Parameter input needing a gradient is kept for phase two, with its
-    saved arrays and its output gradients (references: do not write into ``grads``
-    before ``run``), and sees ``last_backward`` false in phase one; the others are freed
-    at once. A WeightPass dropped without being run frees exactly what it kept.
-    ``WeightPass.run()`` calls the kept nodes again in the same order for their Parameter
-    inputs only, with ``last_backward`` true, accumulating and firing hooks as
-    ``backward`` does: each gradient receives its contributions in one ``backward``'s
-    order, so the results are bit for bit those of ``backward(tensors, grads)``.
+    Each node with a Parameter input needing a gradient is kept for phase two, with its
+    saved arrays and output gradients (references: do not write into ``grads`` before
+    ``run``), and sees ``last_backward`` false in phase one; the others are freed at
+    once, and a WeightPass dropped unrun frees what it kept. ``WeightPass.run()`` calls
+    the kept nodes again in the same order for their Parameter inputs only, with
+    ``last_backward`` true, accumulating and firing hooks as ``backward`` does: each
+    gradient receives its contributions in ``backward``'s order: its results bit for bit.
 
     Cost: a node's backward runs twice, and work its input and weight gradients share is
-    done in both: for a fused transformer sublayer (``ops.transformer``), whose ``W_in``
-    and layer norm gradients lie behind its whole inner chain, nearly a second backward;
-    for the plain block's separate ``Linear`` and ``LayerNorm`` nodes
-    (``ops.fast_paths(False)``), the weight products and the norm's reductions alone.
-    Activation checkpointing's node ignores the mask and recomputes its block each time."""
+    done in both: nearly a second backward for a fused transformer sublayer (its ``W_in``
+    and layer norm gradients lie behind its whole inner chain); for the plain block's
+    ``Linear`` and ``LayerNorm`` nodes, the weight products and the norm's reductions
+    alone. Activation checkpointing's node ignores the mask, recomputing its block each time."""
     tensors = list(tensors)
     if any(isinstance(t, Parameter) for t in tensors):
         raise ValueError("backward_split from a Parameter: its gradient is not an input gradient to split off")
@@ -645,13 +631,8 @@ class WeightPass:
                                "delivered and the graph freed by the first call")
         kept, self._kept = self._kept, None
         deliver = _deliverer({}, self._leaf_uses, None)  # phase two delivers to parameters only
-        _walk(_drain(kept), deliver, _WEIGHTS, free=True)
-
-
-def _drain(items: collections.deque):
-    """Yield ``items`` from the first, popping each: a node's output gradients are freed as the walk passes it."""
-    while items:
-        yield items.popleft()
+        # popped as the walk passes each node: its output gradients are freed with it
+        _walk((kept.popleft() for _ in range(len(kept))), deliver, _WEIGHTS, free=True)
 
 
 from mpitrain import ops as _ops  # noqa: E402  (ops build on Tensor; operators call them)

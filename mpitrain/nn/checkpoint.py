@@ -1,7 +1,6 @@
 """Activation checkpointing: keep a block's input, drop its activations, recompute them
 during backward (Chen, Xu, Zhang & Guestrin 2016, "Training deep nets with sublinear
-memory cost"). One extra forward per block buys memory proportional to the number of
-blocks instead of the number of layers inside them.
+memory cost"). One extra forward per block buys memory proportional to blocks, not layers.
 
 The block runs as one graph node whose inputs are the block's input *and* its
 parameters. The recomputation builds a private graph and takes gradients from it with
@@ -38,10 +37,9 @@ class _Checkpoint(Function):
 
 def replay(module: Module, x: np.ndarray, x_needs_grad: bool, rng_state) -> tuple[Tensor, Tensor]:
     """Run ``module.forward`` on ``x`` again, recording a private graph, with the random
-    streams rewound to ``rng_state`` (taken by :func:`mpitrain.rng.snapshot` when the
-    first pass began) and the buffers that pass updated put back afterwards; returns
-    (the input tensor, the output). ZeRO-3 (``mpitrain/parallel/zero3.py``) replays its
-    layers this way too."""
+    streams rewound to ``rng_state`` (:func:`mpitrain.rng.snapshot` of when the first pass
+    began) and the buffers it updated put back after; returns (input tensor, output).
+    ZeRO-3 (``mpitrain/parallel/zero3.py``) replays its layers this way too."""
     resume_state = rng.snapshot()
     updated = [np.array(b, copy=True) for _, b in module.named_buffers()]
     rng.restore(rng_state)
@@ -58,9 +56,8 @@ def replay(module: Module, x: np.ndarray, x_needs_grad: bool, rng_state) -> tupl
 
 def checkpoint(module: Module, x):
     """``module(x)`` without storing its activations (recomputed in backward); ``x`` is one
-    tensor and the module returns one. Outside gradient recording (evaluation) this is a
-    plain call. The module's ``forward`` runs, not its call, so that :func:`checkpointed`
-    can route a module's calls here."""
+    tensor and the module returns one; outside gradient recording, a plain call. It runs the
+    module's ``forward``, not its call, so that :func:`checkpointed` can route calls here."""
     if not is_grad_enabled():
         return module.forward(x)
     return _Checkpoint.apply(as_tensor(x), *module.parameters(), module=module)

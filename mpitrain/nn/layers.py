@@ -2,8 +2,7 @@
 
 Initialisation follows PyTorch's defaults unless a model overrides it: weights and biases
 of ``Linear`` and ``Conv2d`` uniform in ``+-1/sqrt(fan_in)``, normalisation scales one
-and shifts zero, embeddings standard normal. Random draws come from
-:mod:`mpitrain.rng`, so a seed fixes every initial weight.
+and shifts zero, embeddings standard normal; a seed fixes them all (:mod:`mpitrain.rng`).
 """
 
 from __future__ import annotations
@@ -139,8 +138,7 @@ class _Pool2d(Module):
 
 
 class MaxPool2d(_Pool2d):
-    """``relu=True`` applies a ReLU to the pooled result in the same op: pooling and
-    ReLU commute, so this equals a ReLU before the pool at a quarter of the cost."""
+    """``relu=True`` fuses a ReLU, equal to one before the pool (they commute) at a quarter of the cost."""
 
     def __init__(self, kernel_size, stride=None, padding=0, relu: bool = False):
         super().__init__(kernel_size, stride, padding)

@@ -76,9 +76,8 @@ class BasicBlock(Module):
         self.bn1 = BatchNorm2d(c_out)
         self.conv2 = Conv2d(c_out, c_out, 3, padding=1, bias=False)
         self.bn2 = BatchNorm2d(c_out)
-        self.shortcut = None
-        if stride != 1 or c_in != c_out:
-            self.shortcut = Sequential(Conv2d(c_in, c_out, 1, stride=stride, bias=False), BatchNorm2d(c_out))
+        self.shortcut = (Sequential(Conv2d(c_in, c_out, 1, stride=stride, bias=False), BatchNorm2d(c_out))
+                         if stride != 1 or c_in != c_out else None)
 
     def forward(self, x):
         h = ops.relu(self.bn1(self.conv1(x)))
@@ -97,8 +96,7 @@ class ResNet(Module):
         del image_size  # global pooling makes the network independent of image size
         self.stem = Sequential(Conv2d(in_channels, widths[0], 3, padding=1, bias=False),
                                BatchNorm2d(widths[0]), ReLU())
-        stages = []
-        c = widths[0]
+        stages, c = [], widths[0]
         for i, width in enumerate(widths):
             for j in range(blocks):
                 stages.append(BasicBlock(c, width, 2 if (i > 0 and j == 0) else 1))
@@ -174,13 +172,12 @@ class MLP(Module):
 class Block(Module):
     """Pre-norm transformer block, nanoGPT's: x + attn(ln_1(x)), then x + mlp(ln_2(x)).
 
-    Those two lines, the end of ``forward``, are the plain path: they run through the
-    ``LayerNorm`` and ``Linear`` modules, so a layer swapped in (tensor slicing's column-
-    and row-parallel ``c_attn``, ``c_fc`` and ``c_proj``) is what computes. With the fast
-    paths on (``ops.fast_paths``, the default) each half runs instead as one fused op
-    (``ops.transformer``), equal bit for bit, but only when every layer is the plain one
-    (:meth:`_fusable`): the fused op reads the layers' weights and does their arithmetic
-    itself, so it would silently ignore a swapped layer's own ``forward``."""
+    Those two lines, the end of ``forward``, are the plain path, through the ``LayerNorm``
+    and ``Linear`` modules, so a layer swapped in (tensor slicing's column- and row-parallel
+    ``c_attn``, ``c_fc`` and ``c_proj``) is what computes. With the fast paths on (the
+    default) each half runs instead as one fused op (``ops.transformer``), equal bit for
+    bit, but only when every layer is the plain one (:meth:`_fusable`): the fused op does
+    the layers' arithmetic itself and would silently ignore a swapped layer's ``forward``."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -223,8 +220,7 @@ class GPTEmbedding(Module):
 
 
 class GPTHead(Module):
-    """Final layer norm and the output projection, tied to the token embedding:
-    logits = ln_f(x) @ wte^T (Press & Wolf 2017)."""
+    """Final layer norm and the tied output projection, ``ln_f(x) @ wte^T`` (Press & Wolf 2017)."""
 
     def __init__(self, cfg: GPTConfig, wte: Parameter):
         super().__init__()
@@ -255,8 +251,7 @@ class GPT(Module):
         self._init_weights()
 
     def _init_weights(self) -> None:
-        # GPT-2: matrices N(0, 0.02), residual projections N(0, 0.02 / sqrt(2 * n_layer)),
-        # biases zero, layer-norm scales one
+        # GPT-2: matrices N(0, 0.02), residual projections N(0, 0.02 / sqrt(2 * n_layer)), biases 0
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         gen = rng.generator()
         for name, p in self.named_parameters():
@@ -289,22 +284,19 @@ class GPT(Module):
         was_training = self.training
         self.eval()
         try:
-            return self._sample(ids, max_new_tokens, temperature, top_k, gen)
+            with no_grad():
+                for _ in range(max_new_tokens):
+                    logits, _ = self(ids[:, -self.config.block_size:])
+                    z = logits.data[:, -1, :].astype(np.float64) / max(temperature, 1e-8)  # (B, V)
+                    if top_k is not None:
+                        kth = np.sort(z, axis=-1)[:, -min(top_k, z.shape[-1])][:, None]
+                        z = np.where(z < kth, -np.inf, z)
+                    p = np.exp(z - z.max(axis=-1, keepdims=True))
+                    p /= p.sum(axis=-1, keepdims=True)
+                    u = gen.random((p.shape[0], 1))
+                    nxt = np.minimum((p.cumsum(axis=-1) < u).sum(axis=-1), p.shape[-1] - 1)  # (B,)
+                    ids = np.concatenate([ids, nxt[:, None].astype(ids.dtype)], axis=1)
+            return ids
         finally:
             self.train(was_training)
-
-    def _sample(self, ids, max_new_tokens, temperature, top_k, gen) -> np.ndarray:
-        with no_grad():
-            for _ in range(max_new_tokens):
-                logits, _ = self(ids[:, -self.config.block_size:])
-                z = logits.data[:, -1, :].astype(np.float64) / max(temperature, 1e-8)  # (B, V)
-                if top_k is not None:
-                    kth = np.sort(z, axis=-1)[:, -min(top_k, z.shape[-1])][:, None]
-                    z = np.where(z < kth, -np.inf, z)
-                p = np.exp(z - z.max(axis=-1, keepdims=True))
-                p /= p.sum(axis=-1, keepdims=True)
-                u = gen.random((p.shape[0], 1))
-                nxt = np.minimum((p.cumsum(axis=-1) < u).sum(axis=-1), p.shape[-1] - 1)  # (B,)
-                ids = np.concatenate([ids, nxt[:, None].astype(ids.dtype)], axis=1)
-        return ids
 

@@ -10,10 +10,9 @@ from mpitrain.tensor import Parameter
 
 
 class Module:
-    """Base class of layers and models. Assigning a :class:`~mpitrain.tensor.Parameter` or
-    a ``Module`` to an attribute registers it; :meth:`register_buffer` registers a
-    non-trained array (batch-norm running statistics). Subclasses implement ``forward``;
-    calling the module calls it."""
+    """Base class of layers and models. Assigning a :class:`~mpitrain.tensor.Parameter` or a
+    ``Module`` to an attribute registers it, :meth:`register_buffer` a non-trained array
+    (batch-norm running statistics). Subclasses implement ``forward``, which a call runs."""
 
     _call_through = None  # see call_through()
 
@@ -138,10 +137,8 @@ class Module:
         return ""
 
     def __repr__(self) -> str:
-        lines = [f"{type(self).__name__}({self.extra_repr()}"]
-        for name, child in self._modules.items():
-            lines.append(f"  ({name}): " + repr(child).replace("\n", "\n  "))
-        return "\n".join(lines) + ")" if len(lines) > 1 else lines[0] + ")"
+        children = "".join(f"\n  ({n}): " + repr(m).replace("\n", "\n  ") for n, m in self._modules.items())
+        return f"{type(self).__name__}({self.extra_repr()}{children})"
 
 
 class ModuleList(Module):

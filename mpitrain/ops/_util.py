@@ -24,10 +24,9 @@ def set_fast_paths(enabled: bool) -> bool:
       copy (``TiledConv2d``), or over the whole batch at once (``Conv2d``);
     * ``ops.max_pool2d``: the batch in cache-sized tiles, or whole.
 
-    Both do the same arithmetic in the same order, equal bit for bit (the GPT's outputs
-    and every gradient, GELU, max-pooling), except the convolutions: tiles change the
-    GEMMs' shapes and the order in which the weight gradient is summed, equal to rounding
-    (1e-12 relative in float64). The tests hold them to that."""
+    Both do the same arithmetic in the same order, equal bit for bit, except the
+    convolutions, equal to rounding (1e-12 relative in float64): tiles change the GEMMs'
+    shapes and the weight gradient's order of summation. The tests hold them to that."""
     global _fast_paths
     previous, _fast_paths = _fast_paths, bool(enabled)
     return previous
@@ -71,9 +70,7 @@ def unbroadcast(grad: np.ndarray, shape: tuple) -> np.ndarray:
     if grad.shape == shape:
         return grad
     extra = grad.ndim - len(shape)
-    axes = tuple(range(extra)) + tuple(
-        extra + i for i, n in enumerate(shape) if n == 1 and grad.shape[extra + i] != 1
-    )
+    axes = tuple(range(extra)) + tuple(extra + i for i, n in enumerate(shape) if n == 1 and grad.shape[extra + i] != 1)
     if axes:
         grad = grad.sum(axis=axes, keepdims=True)
     return grad.reshape(shape)
@@ -87,9 +84,7 @@ def constant(x, like: Tensor):
     if isinstance(x, Tensor) or type(x) in (int, float, bool):
         return x
     x = np.asarray(x)
-    if x.dtype.kind in "biuf" and x.dtype != like.dtype:
-        x = x.astype(like.dtype)
-    return x
+    return x.astype(like.dtype, copy=False) if x.dtype.kind in "biuf" else x
 
 
 def normalize_axes(axis, ndim: int) -> tuple:

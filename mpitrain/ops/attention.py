@@ -9,11 +9,10 @@ and each head's output is written straight into its columns of ``(B, T, C)``.
     P = softmax(S)                  dropout on P in training, if asked
     y = P v                         (B, nh, T, hs)
 
-The backward pass is written as one function: ``dv = P^T dy``, ``dP = dy v^T``,
+Backward is one function (:func:`attend_backward`): ``dv = P^T dy``, ``dP = dy v^T``,
 ``dS = P * (dP - rowsum(dP * P))`` (softmax Jacobian; masked entries have P = 0 and so
 get no gradient), ``dq = dS k / sqrt(hs)``, ``dk = dS^T q / sqrt(hs)``, written straight
-into the head views of one ``dqkv`` array (``ops.transformer``'s attention sublayer
-passes ``qkv`` itself, :func:`attend_backward`).
+into the head views of one ``dqkv`` array (``qkv`` itself in ``ops.transformer``).
 """
 
 from __future__ import annotations
@@ -48,10 +47,8 @@ def _t(a: np.ndarray) -> np.ndarray:
 
 
 def attend(fn, qkv, n_head, causal, dropout_p, generator, heads=None) -> np.ndarray:
-    """Attention of ``qkv`` (B, T, 3C); returns (B, T, C) with the heads merged, and
-    keeps on ``fn`` what :func:`attend_backward` needs. ``heads = (first, total)``: these
-    are heads ``first ..`` of a layer of ``total`` (sliced over ranks): the dropout mask is
-    theirs of the whole layer's."""
+    """Attention of ``qkv`` (B, T, 3C); returns (B, T, C) with the heads merged, and keeps
+    on ``fn`` what :func:`attend_backward` needs; ``heads`` as :func:`causal_self_attention`'s."""
     B, T, C3 = qkv.shape
     C = C3 // 3
     q, k, v = _heads(qkv, n_head)  # each (B, nh, T, hs)
@@ -64,14 +61,12 @@ def attend(fn, qkv, n_head, causal, dropout_p, generator, heads=None) -> np.ndar
     inv = cached_full((1, T), 1.0, att.dtype) @ att  # column sums, (B, nh, 1, T_query)
     att *= np.reciprocal(inv, out=inv)  # a multiply is cheaper than a divide
     fn.keep = None
-    probs = att
-    if dropout_p > 0:
-        if heads is None:
-            fn.keep = _rng.dropout_mask(generator, att.shape, dropout_p, att.dtype)
-        else:  # the whole layer's mask, (B, total, T, T), then these heads'
-            whole = _rng.dropout_mask(generator, (B, heads[1], T, T), dropout_p, att.dtype)
-            fn.keep = np.ascontiguousarray(whole[:, heads[0] : heads[0] + n_head])
-        probs = att * fn.keep
+    if dropout_p > 0 and heads is None:
+        fn.keep = _rng.dropout_mask(generator, att.shape, dropout_p, att.dtype)
+    elif dropout_p > 0:  # the whole layer's mask, (B, total, T, T), then these heads'
+        whole = _rng.dropout_mask(generator, (B, heads[1], T, T), dropout_p, att.dtype)
+        fn.keep = np.ascontiguousarray(whole[:, heads[0] : heads[0] + n_head])
+    probs = att if fn.keep is None else att * fn.keep
     y = np.empty((B, T, n_head, C // n_head), dtype=qkv.dtype)  # heads merged, (B, T, nh, hs)
     np.matmul(_t(probs), v, out=y.transpose(0, 2, 1, 3))  # P v, each head into its columns
     fn.qkv, fn.n_head, fn.scale, fn.att, fn.probs = qkv, n_head, scale, att, probs
@@ -81,8 +76,7 @@ def attend(fn, qkv, n_head, causal, dropout_p, generator, heads=None) -> np.ndar
 def attend_backward(fn, gy, gqkv, dq_scratch=None) -> None:
     """Gradients of attention's input into ``gqkv`` (B, T, 3C) from ``gy`` (B, T, C).
     ``gqkv`` may be the saved ``qkv`` itself: each of q, k and v is then overwritten only
-    after its last read, and dq, whose slot ``q`` is read by dk, waits in ``dq_scratch``
-    (the (B, T, C) buffer of ``gy``, which is dead by then)."""
+    after its last read, and dq (dk reads slot ``q``) waits in ``dq_scratch``, gy's dead buffer."""
     B, T, C3 = gqkv.shape
     nh = fn.n_head
     q, k, v = _heads(fn.qkv, nh)
@@ -104,13 +98,12 @@ def attend_backward(fn, gy, gqkv, dq_scratch=None) -> None:
 
 class CausalSelfAttention(Function):
     """Scores are kept key-major, ``St[b, h, j, i] = k_j . q_i``: the softmax then reduces
-    over axis -2, which NumPy vectorises across queries (a reduction over the last,
-    short axis runs row by row and is several times slower), and its sums are one GEMM
-    with a row of ones. The right operand of the two products that contract over the
-    head features (``k q^T`` and ``v dy^T``) is copied transposed, with the
-    ``1/sqrt(hs)`` folded into the copy: OpenBLAS's small GEMMs run slowly with a
-    transposed right operand (the copy included, the scores measured faster:
-    ``mpitrain/bench/README.md``), and the scale then costs no pass over the (T, T) scores."""
+    over axis -2, which NumPy vectorises across queries (over the last, short axis it runs
+    row by row, several times slower), and its sums are one GEMM with a row of ones. The
+    right operand of ``k q^T`` and ``v dy^T`` (contracting over the head features) is
+    copied transposed with ``1/sqrt(hs)`` folded in: OpenBLAS's small GEMMs run slowly with
+    a transposed right operand (copy included, measured faster: ``mpitrain/bench/README.md``),
+    and the scale costs no pass over the (T, T) scores."""
 
     def forward(self, qkv, n_head, causal, dropout_p, generator, heads=None):
         return attend(self, qkv, n_head, causal, dropout_p, generator, heads)
@@ -123,10 +116,9 @@ class CausalSelfAttention(Function):
 
 def causal_self_attention(qkv, n_head: int, causal: bool = True, dropout_p: float = 0.0,
                           generator=None, heads: tuple | None = None) -> Tensor:
-    """Attention of ``qkv`` (B, T, 3C) with ``n_head`` heads; returns (B, T, C). Dropout on
-    the attention weights draws from ``generator`` (:func:`mpitrain.rng.dropout_mask`);
-    ``heads = (first, total)``: these are heads ``first ..`` of a layer of ``total`` sliced
-    over ranks, whose masks are those heads' of the whole layer."""
+    """Attention of ``qkv`` (B, T, 3C) with ``n_head`` heads, (B, T, C); dropout on its weights
+    draws from ``generator`` (:func:`mpitrain.rng.dropout_mask`). ``heads = (first, total)``:
+    heads ``first ..`` of a layer of ``total`` sliced over ranks, masked as in the whole layer."""
     qkv = as_tensor(qkv)
     if qkv.ndim != 3 or qkv.shape[-1] % (3 * n_head):
         raise ValueError(f"qkv must be (B, T, 3C) with C divisible by n_head={n_head}, got {qkv.shape}")

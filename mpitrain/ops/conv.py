@@ -12,12 +12,11 @@ Tiles. Built for the whole batch at once, the column matrix of a 32x32x16 layer 
 batch 64 is 38 MB: im2col writes it to memory and the GEMM, whose packing reads it
 back, waits on memory. The fast path therefore walks the batch in tiles of whole images
 whose columns fit a cache budget (``TILE_BYTES_PER_THREAD``): the GEMM reads columns
-im2col has just written to cache, the column gradient is added back while it is in
-cache, and backward rebuilds a tile's columns from the saved padded input (a copy from
-cache) instead of keeping 38 MB alive from forward to backward. No Python loop runs
-over single pixels or positions, and one tile covers a batch that fits. Tiles group
-the weight and bias gradients and the col2im sums differently, so the two paths agree
-to rounding, not bit for bit.
+im2col has just written to cache, the column gradient is added back while in cache, and
+backward rebuilds a tile's columns from the saved padded input (a copy from cache)
+rather than keep 38 MB alive from forward to backward. No Python loop runs over single
+pixels or positions. Tiles group the weight and bias gradients and the col2im sums
+differently: the two paths agree to rounding, not bit for bit.
 
 Winograd's F(2x2, 3x3), fewer multiplications but NumPy passes over strided 4x4 tiles,
 lost to im2col, whose narrow backward GEMMs (``COLUMN_GRAD_BYTES``) set the floor. Each
@@ -32,6 +31,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from mpitrain.ops._util import blocks, fast_paths_enabled
+from mpitrain.ops.linalg import affine
 from mpitrain.tensor import Function, Tensor, as_tensor
 
 # Column-matrix bytes per tile of images and per BLAS thread, so that with the tile's input
@@ -62,11 +62,6 @@ def _out_size(n: int, k: int, s: int, p: int) -> int:
     if out < 1:
         raise ValueError(f"window {k} with padding {p} does not fit an input of size {n}")
     return out
-
-
-def _check_channels(c: int, wc: int) -> None:
-    if wc != c:
-        raise ValueError(f"conv2d: input has {c} channels, weight expects {wc}")
 
 
 def _pad(x: np.ndarray, ph: int, pw: int, value: float = 0.0) -> np.ndarray:
@@ -128,10 +123,9 @@ def _scatter_taps(pieces, gx, kh, kw, sh, sw, ph, pw, Ho, Wo) -> np.ndarray:
 def _im2col(xp: np.ndarray, kh, kw, sh, sw, Ho, Wo) -> np.ndarray:
     """(n*Ho*Wo, kh*kw*C) column matrix of ``xp`` (n, Hp, Wp, C), one row per output
     pixel, in one copy: ``cols[b, ho, wo, i, q] = xp[b, ho*sh + i, wo*sw + q // C, q % C]``.
-    A window row, kw pixels of C channels, is kw*C contiguous numbers in channels-last
-    memory. The copy moves it as one opaque element of kw*C*itemsize bytes, so NumPy's
-    inner loop runs along output pixels rather than along the 48 (or, for RGB input, 9)
-    numbers of one row: faster than copying the same view number by number."""
+    A window row (kw*C contiguous numbers) moves as one opaque element of kw*C*itemsize
+    bytes, so NumPy's inner loop runs along output pixels rather than along the 48 (or,
+    for RGB input, 9) numbers of one row: faster than copying the view number by number."""
     n, _, _, C = xp.shape
     xp = np.ascontiguousarray(xp)  # a buffer for the view below
     row = np.dtype((np.void, kw * C * xp.itemsize))
@@ -155,8 +149,8 @@ def _tiles(batch: int, image_bytes: int) -> list[slice]:
 
 
 class Conv2d(Function):
-    """Convolution as im2col + one GEMM over the whole batch (the plain path), optionally
-    fused with a ReLU on its output (``relu=True``)::
+    """The plain path: convolution as im2col + one GEMM over the whole batch, ``relu=True``
+    fusing a ReLU on its output::
 
         cols = im2col(pad(x))       (B*Ho*Wo, kh*kw*C_in), one row per output pixel
         y    = cols @ w2 + b        (B*Ho*Wo, C_out), w2 = w viewed (kh*kw*C_in, C_out)
@@ -166,23 +160,19 @@ class Conv2d(Function):
 
     def forward(self, x, w, b=None, stride=(1, 1), padding=(0, 0), relu=False):
         B, H, W, C = x.shape
-        kh, kw, wc, F = w.shape
-        _check_channels(C, wc)
+        kh, kw, _, F = w.shape
         (sh, sw), (ph, pw) = stride, padding
         Ho, Wo = _out_size(H, kh, sh, ph), _out_size(W, kw, sw, pw)
         xp = np.pad(x, ((0, 0), (ph, ph), (pw, pw), (0, 0)))  # (B, H+2ph, W+2pw, C)
         windows = sliding_window_view(xp, (kh, kw), axis=(1, 2))[:, ::sh, ::sw]  # (B, Ho, Wo, C, kh, kw) view
         cols = windows.transpose(0, 1, 2, 4, 5, 3).reshape(B * Ho * Wo, kh * kw * C)  # a copy, (rows, K)
         w2 = w.reshape(kh * kw * C, F)  # (K, F)
-        out = cols @ w2  # (rows, F)
-        if b is not None:
-            out += b
+        out = affine(cols, w2, b)  # (rows, F)
         if relu:
             np.maximum(out, 0, out=out)
         self.geometry = (x.shape, kh, kw, sh, sw, ph, pw, Ho, Wo)
         self.cols = cols if self.needs_input_grad[1] else None
-        self.w2 = w2
-        self.out = out if relu else None
+        self.w2, self.out = w2, (out if relu else None)
         return out.reshape(B, Ho, Wo, F)
 
     def backward(self, g):
@@ -210,8 +200,7 @@ class TiledConv2d(Function):
 
     def forward(self, x, w, b=None, stride=(1, 1), padding=(0, 0), relu=False):
         B, H, W, C = x.shape
-        kh, kw, wc, F = w.shape
-        _check_channels(C, wc)
+        kh, kw, _, F = w.shape
         (sh, sw), (ph, pw) = stride, padding
         Ho, Wo = _out_size(H, kh, sh, ph), _out_size(W, kw, sw, pw)
         xp = _pad(np.ascontiguousarray(x), ph, pw)  # (B, H+2ph, W+2pw, C)
@@ -231,10 +220,8 @@ class TiledConv2d(Function):
             if relu:
                 np.maximum(o, 0, out=o)
         self.geometry = (x.shape, kh, kw, sh, sw, ph, pw, Ho, Wo)
-        self.tiles = tiles
         self.xp = xp if self.needs_input_grad[1] else None
-        self.w2 = w2
-        self.out = out if relu else None
+        self.tiles, self.w2, self.out = tiles, w2, (out if relu else None)
         return out
 
     def backward(self, g):
@@ -249,9 +236,8 @@ class TiledConv2d(Function):
         ones = np.ones(rows, dtype=g.dtype) if need_b else None  # (rows,)
         through_relu = None if self.out is None else np.empty(rows * F, g.dtype)  # (rows*F,)
         if need_x:
-            # column gradient tap-major: one block per tap, so adding a tap's block onto its
-            # pixels moves runs of Wo*C numbers (stride 1), not C; in sub-tiles of
-            # COLUMN_GRAD_BYTES, one work array for all of them
+            # column gradient tap-major, so adding a tap's block onto its pixels moves runs of
+            # Wo*C numbers (stride 1), not C; in sub-tiles of COLUMN_GRAD_BYTES, one work array
             w_taps = np.ascontiguousarray(self.w2.reshape(kh * kw, C, F).transpose(0, 2, 1))  # (taps, F, C)
             per_image = kh * kw * Ho * Wo * C * g.itemsize
             sub = max(1, min(rows // (Ho * Wo), COLUMN_GRAD_BYTES // per_image))  # images
@@ -278,14 +264,12 @@ class TiledConv2d(Function):
 class MaxPool2d(Function):
     """Max over each window; the gradient goes to the first maximum in row-major window
     order (as in PyTorch), so ties never double-count. Forward is kh*kw - 1 elementwise
-    maxima of strided views; backward recomputes which tap won from the saved input.
-    With the fast paths on (``ops.fast_paths``), both walk the batch in tiles of
-    ``POOL_TILE_BYTES``; off, one tile is the whole batch: the same arithmetic.
+    maxima of strided views; backward recomputes which tap won from the saved input. Both
+    walk the batch in tiles of ``POOL_TILE_BYTES`` (one tile with the fast paths off).
 
-    ``relu=True`` also takes the maximum with 0. ReLU and max-pooling commute (both are
+    ``relu=True`` also takes the maximum with 0: ReLU and max-pooling commute (both are
     monotone), so ``conv -> pool(relu=True)`` equals ``conv(relu=True) -> pool`` in value
-    and gradient, but rectifies a quarter of the values and saves no mask of the
-    convolution's output."""
+    and gradient, rectifying a quarter of the values and saving no mask of the conv's output."""
 
     def forward(self, x, kernel, stride, padding, relu):
         B, H, W, C = x.shape
@@ -294,7 +278,7 @@ class MaxPool2d(Function):
         xp = _pad(x, ph, pw, -np.inf)
         out = np.empty((B, Ho, Wo, C), dtype=x.dtype)
         tile = max(1, POOL_TILE_BYTES // (xp[:1].nbytes or 1)) if fast_paths_enabled() else B
-        self.tiles = blocks(B, tile)  # the plain path: one tile, the whole batch
+        self.tiles = blocks(B, tile)
         for t in self.tiles:
             o = out[t]  # (b, Ho, Wo, C)
             taps = _taps(xp[t], kh, kw, sh, sw, Ho, Wo)
@@ -368,6 +352,8 @@ def conv2d(x, weight, bias=None, stride=1, padding=0, relu: bool = False) -> Ten
     x = as_tensor(x)
     if x.ndim != 4:
         raise ValueError(f"conv2d expects (B, H, W, C) input, got shape {x.shape}")
+    if weight.shape[2] != x.shape[3]:
+        raise ValueError(f"conv2d: input has {x.shape[3]} channels, weight expects {weight.shape[2]}")
     args = (x, weight) if bias is None else (x, weight, bias)
     op = TiledConv2d if fast_paths_enabled() else Conv2d
     return op.apply(*args, stride=_pair(stride), padding=_pair(padding), relu=relu)

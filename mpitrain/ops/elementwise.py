@@ -27,9 +27,8 @@ class Add(Function):
         return a + b
 
     def backward(self, g):
-        sa, sb = self.shapes
-        return (unbroadcast(g, sa) if self.needs_input_grad[0] else None,
-                unbroadcast(g, sb) if self.needs_input_grad[1] else None)
+        return (unbroadcast(g, self.shapes[0]) if self.needs_input_grad[0] else None,
+                unbroadcast(g, self.shapes[1]) if self.needs_input_grad[1] else None)
 
 
 class Sub(Function):
@@ -38,9 +37,8 @@ class Sub(Function):
         return a - b
 
     def backward(self, g):
-        sa, sb = self.shapes
-        return (unbroadcast(g, sa) if self.needs_input_grad[0] else None,
-                unbroadcast(-g, sb) if self.needs_input_grad[1] else None)
+        return (unbroadcast(g, self.shapes[0]) if self.needs_input_grad[0] else None,
+                unbroadcast(-g, self.shapes[1]) if self.needs_input_grad[1] else None)
 
 
 class Mul(Function):
@@ -49,9 +47,8 @@ class Mul(Function):
         return a * b
 
     def backward(self, g):
-        a, b = self.a, self.b
-        return (unbroadcast(g * b, np.shape(a)) if self.needs_input_grad[0] else None,
-                unbroadcast(g * a, np.shape(b)) if self.needs_input_grad[1] else None)
+        return (unbroadcast(g * self.b, np.shape(self.a)) if self.needs_input_grad[0] else None,
+                unbroadcast(g * self.a, np.shape(self.b)) if self.needs_input_grad[1] else None)
 
 
 class Div(Function):
@@ -76,19 +73,16 @@ class Neg(Function):
 
 class Pow(Function):
     def forward(self, a, b):
-        self.a, self.b = a, b
-        self.out = np.power(a, b)
+        self.a, self.b, self.out = a, b, np.power(a, b)
         return self.out
 
     def backward(self, g):
         a, b, out = self.a, self.b, self.out
-        ga = gb = None
-        if self.needs_input_grad[0]:
-            ga = unbroadcast(g * b * np.power(a, b - 1), np.shape(a))
-        if self.needs_input_grad[1]:
-            log_a = np.log(np.asarray(a, dtype=out.dtype))  # a Python float would make float64
-            gb = unbroadcast(g * out * log_a, np.shape(b))
-        return ga, gb
+        ga = unbroadcast(g * b * np.power(a, b - 1), np.shape(a)) if self.needs_input_grad[0] else None
+        if not self.needs_input_grad[1]:
+            return ga, None
+        log_a = np.log(np.asarray(a, dtype=out.dtype))  # a Python float would make float64
+        return ga, unbroadcast(g * out * log_a, np.shape(b))
 
 
 class Exp(Function):
@@ -156,13 +150,10 @@ def gelu_plain(x: np.ndarray, derivative: bool = True) -> tuple[np.ndarray, np.n
         gelu'(x) = h + x * 2h(1 - h) * s * (1 + 3c x^2)           (1 - tanh^2 = 4h(1 - h))
 
     The grouping is the textbook formula rearranged so that :func:`gelu_blocks`'s in-place
-    passes do the same floating-point operations in the same order: the two are equal
-    bit for bit, and so is a GPT on either path."""
+    passes do the same floating-point operations in the same order: equal bit for bit."""
     x2 = x * x  # x^2
     h = 0.5 * np.tanh(x * (x2 * (_GELU_C * _GELU_S) + _GELU_S)) + 0.5  # 0.5 (1 + tanh(s (x + c x^3)))
-    d = None
-    if derivative:
-        d = (1 - h) * h * ((x2 * (6 * _GELU_C * _GELU_S) + 2 * _GELU_S) * x) + h
+    d = (1 - h) * h * ((x2 * (6 * _GELU_C * _GELU_S) + 2 * _GELU_S) * x) + h if derivative else None
     return x * h, d
 
 
@@ -195,9 +186,8 @@ def gelu_blocks(x: np.ndarray, out: np.ndarray, d: np.ndarray | None = None) -> 
 
 GELU_FORMS = ("tanh", "erf")
 _SQRT_PI = math.sqrt(math.pi)
-# terms of erf's series and levels of erfc's continued fraction below: measured against
-# math.erf, 40 terms reach 1.3e-15 relative on [0, 2.5] and 30 levels 1.1e-16 absolute
-# on [2.5, 6] (more change nothing)
+# erf's series terms and erfc's continued-fraction levels: against math.erf, 40 terms reach
+# 1.3e-15 relative on [0, 2.5] and 30 levels 1.1e-16 absolute on [2.5, 6]; more change nothing
 SERIES_TERMS, FRACTION_LEVELS = 40, 30
 
 # the series' coefficients a_n = 2^n / (1 3 5 ... (2n+1)), a_0 = 1
@@ -212,11 +202,10 @@ def erf(x: np.ndarray) -> np.ndarray:
     computed in float64: within 2e-15 of ``math.erf`` (tested). For ``|x| < 1`` Taylor's
     series; for ``1 <= |x| < 2.5`` the series of positive terms ``erf(x) = 2/sqrt(pi)
     exp(-x^2) x sum_n a_n x^(2n)`` (``_SERIES``; Abramowitz & Stegun 7.1.6), which has no
-    cancellation. Both by Horner's rule, so no partial result is tiny (summed term by
-    term, small x's terms fell into slow subnormal numbers). For ``2.5 <= |x| < 6``,
-    ``1 - erfc(x)`` with ``erfc(x) = exp(-x^2) / sqrt(pi) / (x + (1/2) / (x + 1 / (x +
-    (3/2) / (x + ...))))`` evaluated from its last level up (A&S 7.1.14); beyond,
-    ``erfc < 2e-17``: +-1."""
+    cancellation. Both by Horner's rule, so no partial result is tiny (term by term, small
+    x's terms fell into slow subnormals). For ``2.5 <= |x| < 6``, ``1 - erfc(x)`` with
+    ``erfc(x) = exp(-x^2) / sqrt(pi) / (x + (1/2) / (x + 1 / (x + (3/2) / (x + ...))))``
+    evaluated from its last level up (A&S 7.1.14); beyond, ``erfc < 2e-17``: +-1."""
     a = np.abs(np.asarray(x, dtype=np.float64))
     out = np.ones_like(a)  # |x| >= 6 (and inf)
     near = a < 1
@@ -247,22 +236,20 @@ def _horner(coefficients: np.ndarray, x: np.ndarray) -> np.ndarray:
 def gelu_erf(x: np.ndarray, derivative: bool = True) -> tuple[np.ndarray, np.ndarray | None]:
     """GELU, exact form (what nanoGPT and PyTorch's ``nn.GELU()`` use today): ``x Phi(x)``
     with ``Phi(x) = (1 + erf(x / sqrt 2)) / 2``; its derivative ``Phi(x) + x phi(x)``,
-    ``phi(x) = exp(-x^2/2) / sqrt(2 pi)`` (None unless ``derivative``). One path: the
-    fused MLP op calls it too, so the two are equal bit for bit."""
+    ``phi(x) = exp(-x^2/2) / sqrt(2 pi)`` (None unless ``derivative``); the MLP op calls it too."""
     cdf = erf(x * (1 / math.sqrt(2))) * 0.5 + 0.5
     d = x * np.exp(x * x * -0.5) * (1 / math.sqrt(2 * math.pi)) + cdf if derivative else None
     return x * cdf, d
 
 
 class GELU(Function):
-    """GELU, tanh form (Hendrycks & Gimpel 2016; the form GPT-2 uses; :func:`gelu_plain`
-    has the formula). Forward also computes the derivative when a gradient will be
-    needed and keeps only it, not x and h: backward is one product (faster than
-    recomputing it there, nine passes: ``mpitrain/bench/README.md``). With the fast paths
-    off (``ops.fast_paths``) it runs :func:`gelu_plain`, whole-array expressions; on,
-    :func:`gelu_blocks`, the same arithmetic as in-place passes over blocks that stay in
-    cache (``_util.blocks``), the derivative's seven in the same block as the value's
-    eight. ``form="erf"`` is the exact form instead (:func:`gelu_erf`), on both paths."""
+    """GELU, tanh form (Hendrycks & Gimpel 2016; GPT-2's; :func:`gelu_plain` has the
+    formula). Forward also computes the derivative when a gradient will be needed and keeps
+    only it, not x and h: backward is one product (faster than recomputing it, nine passes:
+    ``mpitrain/bench/README.md``). Fast paths off (``ops.fast_paths``): :func:`gelu_plain`,
+    whole-array expressions; on: :func:`gelu_blocks`, the same arithmetic as in-place passes
+    over blocks that stay in cache (``_util.blocks``), the derivative's seven in the same
+    block as the value's eight. ``form="erf"``: the exact form (:func:`gelu_erf`), on both paths."""
 
     def forward(self, x, form="tanh"):
         need = self.needs_input_grad[0]

@@ -11,8 +11,7 @@ from mpitrain.tensor import Function, Tensor, as_tensor
 class Embedding(Function):
     """``weight[ids]``: rows of a (V, C) table for integer ids of any shape. Backward sums
     the gradients of repeated ids: the ids sorted once, one ``np.add.reduceat`` adds each
-    run of equal ids (faster than ``np.add.at``, and independent of V, unlike a one-hot
-    matrix product)."""
+    run of equal ids (faster than ``np.add.at``; unlike a one-hot product, independent of V)."""
 
     def forward(self, weight, ids):
         self.ids, self.wshape = ids, weight.shape

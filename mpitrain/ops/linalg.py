@@ -34,40 +34,28 @@ class MatMul(Function):
         return a @ b
 
     def backward(self, g):
-        a, b = self.a, self.b
-        ga = gb = None
+        a, b, need = self.a, self.b, self.needs_input_grad
         if b.ndim == 2:
             g2 = g.reshape(-1, g.shape[-1])  # (M', N)
-            if self.needs_input_grad[0]:
-                ga = (g2 @ b.T).reshape(a.shape)
-            if self.needs_input_grad[1]:
-                gb = a.reshape(-1, a.shape[-1]).T @ g2  # (K, N)
-            return ga, gb
-        if self.needs_input_grad[0]:
-            ga = unbroadcast(g @ np.swapaxes(b, -1, -2), a.shape)
-        if self.needs_input_grad[1]:
-            gb = unbroadcast(np.swapaxes(a, -1, -2) @ g, b.shape)
-        return ga, gb
+            return ((g2 @ b.T).reshape(a.shape) if need[0] else None,
+                    a.reshape(-1, a.shape[-1]).T @ g2 if need[1] else None)  # (K, N)
+        return (unbroadcast(g @ np.swapaxes(b, -1, -2), a.shape) if need[0] else None,
+                unbroadcast(np.swapaxes(a, -1, -2) @ g, b.shape) if need[1] else None)
 
 
 class Linear(Function):
     """``y = x @ W + b`` with ``x`` of shape ``(..., in)``, ``W`` ``(in, out)``, ``b`` ``(out,)``."""
 
     def forward(self, x, w, b=None):
-        self.x_shape = x.shape
-        x2 = x.reshape(-1, x.shape[-1])  # (N, in)
-        self.x2, self.w = x2, w
-        return affine(x2, w, b).reshape(*x.shape[:-1], w.shape[1])  # (N, out) -> (..., out)
+        self.x_shape, self.x2, self.w = x.shape, x.reshape(-1, x.shape[-1]), w  # x2: (N, in)
+        return affine(self.x2, w, b).reshape(*x.shape[:-1], w.shape[1])  # (N, out) -> (..., out)
 
     def backward(self, g):
+        need = self.needs_input_grad
         g2 = g.reshape(-1, g.shape[-1])  # (N, out)
-        gx = gw = gb = None
-        if self.needs_input_grad[0]:
-            gx = (g2 @ self.w.T).reshape(self.x_shape)
-        if self.needs_input_grad[1]:
-            gw = self.x2.T @ g2  # (in, out)
-        if len(self.needs_input_grad) > 2 and self.needs_input_grad[2]:
-            gb = g2.sum(axis=0)
+        gx = (g2 @ self.w.T).reshape(self.x_shape) if need[0] else None
+        gw = self.x2.T @ g2 if need[1] else None  # (in, out)
+        gb = g2.sum(axis=0) if len(need) > 2 and need[2] else None
         return gx, gw, gb
 
 

@@ -35,9 +35,8 @@ class LogSoftmax(Function):
 
 class CrossEntropy(Function):
     """-log softmax(logits)[target] over the counted targets, in one node: their mean, or
-    with ``reduction="sum"`` their sum. ``logits`` is ``(..., V)`` and ``targets`` integer
-    ``(...)``; targets equal to ``ignore_index`` contribute neither loss nor gradient. The
-    mean's gradient is ``(softmax - onehot) / count``."""
+    with ``reduction="sum"`` their sum; the mean's gradient is ``(softmax - onehot) / count``.
+    Targets equal to ``ignore_index`` contribute neither loss nor gradient."""
 
     def forward(self, logits, targets, ignore_index, reduction):
         V = logits.shape[-1]

@@ -90,9 +90,8 @@ def layer_norm_rows(x2, weight, bias, eps):
 
 def layer_norm_rows_backward(g2, xhat, rstd, weight, need, out=None, xhat_is_free=False):
     """``(gx, gw, gb)`` of :func:`layer_norm_rows` from the output gradient ``g2`` (N, C),
-    each None unless ``need`` (three flags) asks for it. ``gx`` is computed in ``out``
-    (which may be ``g2`` itself) or a new array; ``xhat_is_free`` lets it use ``xhat`` as
-    work space (a caller that will not need it again)."""
+    each None unless ``need`` (three flags) asks for it. ``gx`` is computed in ``out`` (it
+    may be ``g2``) or a new array; with ``xhat_is_free``, ``xhat`` serves as work space."""
     N, C = xhat.shape
     gw = np.einsum("nc,nc->c", g2, xhat) if need[1] else None
     gb = (cached_full((N, 1), 1.0, g2.dtype).T @ g2)[0] if need[2] else None

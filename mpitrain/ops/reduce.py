@@ -24,8 +24,7 @@ class Mean(Function):
         return np.mean(x, axis=axes, keepdims=keepdims)
 
     def backward(self, g):
-        g = expand_reduced(g, self.axes, self.keepdims) / self.count
-        return np.broadcast_to(g, self.shape)
+        return np.broadcast_to(expand_reduced(g, self.axes, self.keepdims) / self.count, self.shape)
 
 
 class Max(Function):
@@ -34,9 +33,8 @@ class Max(Function):
     def forward(self, x, axes, keepdims):
         self.axes, self.keepdims = axes, keepdims
         out = np.max(x, axis=axes, keepdims=True)
-        mask = (x == out).astype(x.dtype)
+        self.mask = mask = (x == out).astype(x.dtype)
         mask /= mask.sum(axis=axes, keepdims=True)
-        self.mask = mask
         return out if keepdims else np.squeeze(out, axis=axes)
 
     def backward(self, g):

@@ -1,5 +1,4 @@
-"""Operations that move data without arithmetic: reshape, transpose, indexing,
-concatenate and split."""
+"""Operations that move data without arithmetic: reshape, transpose, indexing, concat, split."""
 
 from __future__ import annotations
 

@@ -3,26 +3,24 @@
     attention_sublayer(x) = x + dropout(attention(LN(x) W_qkv + b_qkv) W_proj + b_proj)
     mlp_sublayer(x)       = x + dropout(gelu(LN(x) W_fc + b_fc) W_proj + b_proj)
 
-They are ``nn.Block``'s fast path, chosen by ``ops.fast_paths`` (the default; the plain
-path is nanoGPT's two lines, op by op). Each does the arithmetic of the ops it stands
-for, in their order, with their code (``norm.layer_norm_rows``, ``attention.attend``,
-the same GEMMs, ``elementwise.gelu_blocks``) and drawing dropout masks in their order,
-so its values and gradients are theirs bit for bit (the residual add is ``branch + x``
-rather than ``x + branch``, equal in IEEE arithmetic); the tests hold a whole GPT on the
-two paths to that, in float32 and float64.
+They are ``nn.Block``'s fast path, chosen by ``ops.fast_paths`` (the plain path is
+nanoGPT's two lines, op by op). Each does the arithmetic of the ops it stands for with
+their code (``norm.layer_norm_rows``, ``attention.attend``, the same GEMMs,
+``elementwise.gelu_blocks``), in their order, dropout draws included, so its values and
+gradients are theirs bit for bit (``branch + x`` equals ``x + branch`` in IEEE
+arithmetic); the tests hold a whole GPT to that, in float32 and float64.
 
 Why one node. A new array costs a read from memory of every cache line before it is
-written, and the block's large intermediates, LN(x), qkv (N, 3C), the merged heads
-(N, C) and the MLP's hidden activation (N, 4C), are written once and read in backward
-long after they have left the cache. Private to one node, they are reused while still
-in cache. Forward: GELU runs in place over the fc output, dropout and the residual add
-over the output projection's result. Backward, on the node's last
-(``Function.last_backward``; with ``retain_graph`` every gradient gets a new array):
-each large gradient is written over the array it is computed from, or over one just
-read for the last time (dL/dh over h, dL/dy over the merged heads, dL/dqkv over qkv,
-dL/dLN(x) over LN(x), the layer norm's work over its xhat), and the residual's gradient
-is added in place, not by the engine into a new array. Measured faster than op by op,
-and than with attention and MLP fused but layer norm and residual left out
+written, and the block's large intermediates, LN(x), qkv (N, 3C), the merged heads (N, C)
+and the MLP's hidden activation (N, 4C), are written once and read in backward long after
+they have left the cache. Private to one node, they are reused while still in cache.
+Forward: GELU runs in place over the fc output, dropout and the residual add over the
+output projection's result. Backward, on the node's last (``Function.last_backward``;
+with ``retain_graph`` every gradient gets a new array): each large gradient is written
+over the array it is computed from, or one just read for the last time (dL/dh over h,
+dL/dy over the merged heads, dL/dqkv over qkv, dL/dLN(x) over LN(x), the layer norm's
+work over its xhat), and the residual's gradient is added in place, not by the engine
+into a new array. Measured faster than op by op, and than fusing attention and MLP only
 (``mpitrain/bench/README.md``).
 """
 
@@ -111,8 +109,7 @@ class MLPSublayer(_Sublayer):
     def _middle(self, h, dropout_p, generator, form="tanh"):
         need = any(self.needs_input_grad[:5])
         if form == "erf":  # the exact GELU, the same function as ops.gelu's
-            y, self.d = gelu_erf(h, need)  # GELU' (N, H) or None
-            h[...] = y
+            h[...], self.d = gelu_erf(h, need)  # GELU(h) into h; GELU' (N, H) or None
             return h
         self.d = np.empty_like(h) if need else None  # GELU', (N, H)
         gelu_blocks(h.reshape(-1), h.reshape(-1), None if self.d is None else self.d.reshape(-1))
