@@ -53,7 +53,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mpitrain.runtime import CLUSTER_ENV, process_alive
+from mpitrain.runtime import CLUSTER_ENV, my_cores, process_alive
 
 PREFIX = "mpitrain-"  # every namespace this module makes: mpitrain-<pid>-node<k>, mpitrain-<pid>-switch
 IFACE = "vnet0"  # each node's interface
@@ -108,7 +108,7 @@ class Cluster:
         if self.netmod not in NETMODS:
             raise ClusterError(f"netmod {self.netmod!r}: expected one of {', '.join(NETMODS)}")
         if self.dilation == "auto":
-            self.dilation = max(1.0, self.nodes * self.ranks / len(_my_cores()))
+            self.dilation = max(1.0, self.nodes * self.ranks / len(my_cores()))
         if not (isinstance(self.dilation, (int, float)) and 1 <= self.dilation <= 64):
             raise ClusterError(f"dilation {self.dilation!r}: expected a number from 1 to 64, or auto")
         self.dilation = float(self.dilation)
@@ -131,7 +131,7 @@ class Cluster:
         """Each node's cores: this process's cores split into ``nodes`` equal runs, so a
         node's ranks divide its cores among them (BLAS threads) as on a real node, and
         nodes do not compete for a core; with fewer cores than nodes, nodes share them."""
-        mine = _my_cores()
+        mine = my_cores()
         if len(mine) < self.nodes:
             return [[mine[k % len(mine)]] for k in range(self.nodes)]
         return [mine[len(mine) * k // self.nodes : len(mine) * (k + 1) // self.nodes] for k in range(self.nodes)]
@@ -366,10 +366,6 @@ def _remove_cgroup(path: Path) -> None:
             time.sleep(0.05)
 
 
-def _my_cores() -> list[int]:
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-
-
 def _ip(*args: str) -> str:
     return _run(["ip", *args])
 
@@ -386,7 +382,7 @@ def describe(cluster: Cluster) -> str:
     pinned = "" if shutil.which("taskset") else " (not pinned: no taskset)"
     line = (f"emulated cluster: {cluster.nodes} nodes x {cluster.ranks} rank(s), links {cluster.rate} "
             f"(htb), MTU {cluster.mtu}, MPICH netmod {cluster.netmod} over {IFACE}; {cores}{pinned}")
-    ranks, have = cluster.nodes * cluster.ranks, len(_my_cores())
+    ranks, have = cluster.nodes * cluster.ranks, len(my_cores())
     if cluster.dilation > 1:
         line += (f"\ntime dilation {cluster.dilation:g}: links at {cluster.link_rate}, each node held to "
                  f"{cluster.ranks / cluster.dilation:g} core(s); durations measured inside are {cluster.dilation:g}x "

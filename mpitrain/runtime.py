@@ -42,11 +42,13 @@ HUGE_PAGE = 2 << 20
 _heap_done = 0  # end of the heap range already handed to huge_page_heap
 
 
+def my_cores() -> list[int]:
+    """The cores this process may run on (where the OS cannot say: all of them)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
 def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    return len(my_cores())
 
 
 def process_alive(pid: int) -> bool:
