@@ -64,7 +64,7 @@ NETMODS = {  # how MPICH's ch4 reaches the other nodes over IFACE
     "ofi": {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": IFACE},
     "ucx": {"MPIR_CVAR_CH4_NETMOD": "ucx", "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": IFACE},
 }
-_RATE = re.compile(r"[1-9][0-9]*(\.[0-9]+)?[kmg]bit")
+_RATE = re.compile(r"([1-9][0-9]*(?:\.[0-9]+)?)([kmg])bit")  # a tc rate: 100mbit, 2.5gbit
 
 # stands in for ssh: Hydra calls it as "SCRIPT [options] HOST COMMAND..."; HOST is node<k>,
 # whose proxy (and ranks) run in node k's namespace on node k's cores
@@ -266,7 +266,7 @@ class Cluster:
 
 def bits_per_second(rate: str) -> float | None:
     """A tc rate (``1gbit``, ``100mbit``, ``2.5gbit``) in bits per second; None if not one."""
-    m = re.fullmatch(r"([0-9.]+)([kmg])bit", rate)
+    m = _RATE.fullmatch(rate)
     return float(m.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)] if m else None
 
 
