@@ -1,11 +1,9 @@
 """A cluster on one machine: emulated nodes and network links for real MPI runs.
 
-On one node an MPI allreduce is memory copies done by the cores that compute, so it
-shows neither what a network costs nor how much of it overlap can hide. This module
-builds a small cluster out of the Linux kernel's own parts and runs any command on it
-under the real MPICH. An emulation, not a network: no latency is added (these kernels
-have no ``netem``), and at high rates a small machine's TCP stack, not the link, is the
-limit. How to use it: ``jobs/README.md``, "A cluster on one machine"; figures:
+Any command runs under the real MPICH on nodes and links built from the Linux kernel's
+own parts. An emulation, not a network: no latency is added (these kernels have no
+``netem``), and at high rates a small machine's TCP stack, not the link, is the limit.
+Why, and how to use it: ``jobs/README.md``, "A cluster on one machine"; figures:
 ``mpitrain/bench/README.md``, the same section.
 
 * **nodes**: one network namespace per node, whose ranks meet over shared memory, as on a
@@ -26,16 +24,13 @@ limit. How to use it: ``jobs/README.md``, "A cluster on one machine"; figures:
   error or Ctrl-C; a later cluster deletes the namespaces of one whose process was killed.
 
 **Time dilation** (Gupta et al., "To Infinity and Beyond: Time-Warped Network
-Emulation", NSDI 2006): with more ranks than cores, compute runs slower than on the
-cluster emulated while the links do not, which flatters communication. ``dilation=D``
-runs the whole cluster ``D`` times slower instead: links at ``rate / D``, each node held
-to ``ranks / D`` cores by the kernel's CPU bandwidth control (a cgroup per node,
-``cpu.cfs_quota_us`` or ``cpu.max``, in periods of ``PERIOD_US``, short beside a training
-step), so a rank computes at ``1 / D`` of a core however its neighbours behave (one
-spinning in ``MPI_Wait`` uses its own node's share). The trainer records ``D``
-(``$MPITRAIN_CLUSTER``, :func:`mpitrain.runtime.emulated_cluster`) and ``mpitrain report``
-divides by it. Not slowed: the kernel's own work (TCP runs partly outside the quota) and
-the veth links' latencies.
+Emulation", NSDI 2006): with more ranks than cores compute slows while the links do not,
+which flatters communication; ``dilation=D`` slows both alike (what it does not slow:
+``jobs/README.md``). Links run at ``rate / D``; each node is held to ``ranks / D`` cores
+by a cgroup's CPU bandwidth control (``cpu.cfs_quota_us`` or ``cpu.max``, in periods of
+``PERIOD_US``, short beside a training step), so a rank computes at ``1 / D`` of a core
+however its neighbours spin. The trainer records ``D`` (``$MPITRAIN_CLUSTER``,
+:func:`mpitrain.runtime.emulated_cluster`) and ``mpitrain report`` divides by it.
 """
 
 from __future__ import annotations
