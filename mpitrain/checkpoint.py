@@ -138,11 +138,9 @@ class Layout:
 
 def _layout(optimizer, sync, layout: Layout | None):
     """(flat offsets of every parameter of ``layout`` (None: the optimizer's own), the
-    optimizer holding this rank's state, its pieces as (local index, parameter index,
-    lo, hi), whether this rank writes state), as the gradient sync's
-    ``state_pieces(offsets)`` says: (its optimizer, [(parameter index, lo, hi)] in that
-    optimizer's order, whether this rank writes them: of replicas, one does), or None on
-    ranks that hold none (parameter-server workers)."""
+    optimizer holding this rank's state, its pieces as (local index, parameter index, lo,
+    hi), whether this rank writes them: of replicas, one does), as the gradient sync's
+    ``state_pieces(offsets)`` says (None: no state here, as on parameter-server workers)."""
     sizes = ([p.size for group in optimizer.param_groups for p in group["params"]] if layout is None
              else [size for _, size in layout.params])
     offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # (n_params + 1,)
@@ -155,12 +153,8 @@ def _layout(optimizer, sync, layout: Layout | None):
 
 def _kinds(local) -> dict:
     """{key: ("array" | "scalar", dtype)} of the optimizer state this rank holds."""
-    kinds = {}
-    for state in local.state.values():
-        for key, value in state.items():
-            value = np.asarray(value)
-            kinds[key] = ("scalar" if value.ndim == 0 else "array", value.dtype.str)
-    return kinds
+    return {key: ("scalar" if np.ndim(value) == 0 else "array", np.asarray(value).dtype.str)
+            for state in local.state.values() for key, value in state.items()}
 
 
 def _optimizer_meta(local) -> str:
@@ -298,8 +292,7 @@ def _write(final: Path, pieces, run_dir, step: int, keep: int) -> None:
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as fh:
-            for piece in pieces:
-                fh.write(piece)
+            fh.writelines(pieces)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, final)
@@ -326,15 +319,13 @@ def _dataset(f: h5py.File, name: str, shape, dtype) -> None:
 
 
 def _fsync_dir(path: Path) -> None:
-    try:
+    # a platform without directory file descriptors, or a file system that cannot sync one: the rename stands
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:  # a platform without directory file descriptors
-        return
-    try:
-        with contextlib.suppress(OSError):  # a file system that cannot sync a directory: the rename stands
+        try:
             os.fsync(fd)
-    finally:
-        os.close(fd)
+        finally:
+            os.close(fd)
 
 
 # ------------------------------------------------------------- integrity
