@@ -145,10 +145,8 @@ class _Images:
     """Samples are rows of ``x`` with labels ``y``."""
 
     def __init__(self, split: Split):
-        self.split = split
-        self.sample_shape = split.sample_shape
+        self.split, self.sample_shape, self.n = split, split.sample_shape, split.count
         self.dtype, self.label_dtype = split.x_dtype, split.y_dtype
-        self.n = split.count
 
     def read(self, first: int, stop: int, x: np.ndarray, y: np.ndarray, plan: EpochPlan) -> int:
         return self.split.read("x", first, stop, x) + self.split.read("y", first, stop, y)
@@ -165,8 +163,7 @@ class _Windows:
         if split.count < T + 1:
             raise DataError(f"{split.shards[0].path.parent}: split {split.name!r} has {split.count} tokens, "
                             f"fewer than block_size + 1 = {T + 1}")
-        self.split, self.T, self.sampling = split, T, sampling
-        self.sample_shape = (T + 1,)
+        self.split, self.T, self.sampling, self.sample_shape = split, T, sampling, (T + 1,)
         self.dtype, self.label_dtype = split.x_dtype, np.dtype(np.uint8)  # no labels: targets are tokens
         self.n = max(1, (split.count - T) // T)  # windows, the same number for every token offset
 

@@ -1,13 +1,12 @@
 """The HDF5 shard format: opening and checking a dataset directory, reading rows.
 
-A dataset directory holds ``manifest.json`` and one or more HDF5 shards per split
-(``train-00000.h5``, ...), each with ``x`` (samples; for text, one token-id stream) and,
-for labelled data, ``y``. The specification, what opening checks and the reasons for
-each choice: ``datasets/README.md``. The manifest's fields are checked by
-:mod:`mpitrain.data.manifest`, a shard's bytes by :mod:`mpitrain.data.integrity` (its
-metadata before h5py reads it); writing is :mod:`mpitrain.data.writer`.
-:meth:`Dataset.verify` re-hashes content and checks values, split over ranks by the
-caller (this module never calls MPI). Any failure is one :class:`DataError` naming the file.
+The format (a manifest and HDF5 shards of ``x`` and, for labelled data, ``y``), what
+opening checks and the reasons for each choice: ``datasets/README.md``. The manifest's
+fields are checked by :mod:`mpitrain.data.manifest`, a shard's bytes by
+:mod:`mpitrain.data.integrity` (its metadata before h5py reads it); writing is
+:mod:`mpitrain.data.writer`. :meth:`Dataset.verify` re-hashes content and checks values,
+split over ranks by the caller (this module never calls MPI). Any failure is one
+:class:`DataError` naming the file.
 
 Rows are read with ``os.preadv`` straight from the file offsets of unfiltered chunks
 (HDF5 records them; h5py reports them), which avoids h5py's per-call selection cost
@@ -56,8 +55,7 @@ class _Shard:
             return out.nbytes
         rows_per_chunk, row_bytes, file_offsets = offsets
         flat = out.reshape(-1).view(np.uint8)
-        done = 0
-        row = start
+        done, row = 0, start
         while row < stop:
             k = row // rows_per_chunk
             # extend the run over following chunks that lie right after this one in the file
@@ -267,9 +265,8 @@ class Dataset:
                 x = split.read_all("x", info, check=False)
                 y = split.read_all("y", info, check=False) if split.y_dtype is not None else None
                 if content_sha256(x, y) != info.sha256:  # damage first: it would explain bad values
-                    problems.append(f"{info.path}: damaged: the SHA-256 of its content differs from the "
+                    raise DataError(f"{info.path}: damaged: the SHA-256 of its content differs from the "
                                     "manifest's; rebuild the dataset")
-                    continue
                 split.check(y if split.checked == "y" else x, info.first, info.path)
             except DataError as e:
                 problems.append(str(e))

@@ -43,16 +43,11 @@ class DatasetWriter:
             w.write_split("train", x_train, y_train)
             w.write_split("test", x_test, y_test)
 
-    Everything goes into a hidden temporary directory beside ``out``: on leaving the
-    block without an error the manifest is written and the directory renamed into place
-    (what a killed build left, the next build of ``out`` clears up: :func:`_recover`); on
-    an error it is removed. If ``out`` already holds this same dataset (equal content
-    hashes) and it verifies, the new copy is discarded and :attr:`up_to_date` is set; a
-    copy of it with damaged shards, or of an older format version, is replaced; anything
-    else (a damaged manifest names no dataset to trust) is a :class:`DataError`.
-
-    Image datasets need ``classes``, ``mean`` and ``std`` (per channel, of the training
-    pixels scaled to [0, 1]); text datasets need ``vocab``.
+    The shards go into a hidden directory beside ``out``, renamed into place with the
+    manifest on leaving the block, removed on an error; what becomes of an existing ``out``
+    (:attr:`up_to_date`: it holds this same dataset, intact) is in ``datasets/README.md``,
+    "Atomic and safe". Image datasets need ``classes``, ``mean`` and ``std`` (per channel,
+    of the training pixels scaled to [0, 1]); text datasets need ``vocab``.
     """
 
     def __init__(self, out, name: str, kind: str, *, shard_mb: float = 16, compression: str | None = None,
@@ -107,10 +102,8 @@ class DatasetWriter:
             file = f"{split}-{index:05d}.h5"
             digest = content_sha256(xs, ys)
             with h5py.File(self.tmp / file, "w") as f:
-                kw = {"chunks": (min(chunk_rows, len(xs)), *xs.shape[1:]), "compression": self.compression}
-                f.create_dataset("x", data=xs, **kw)
-                if ys is not None:
-                    f.create_dataset("y", data=ys, chunks=(min(chunk_rows, len(ys)),),
+                for name, data in (("x", xs), ("y", ys))[: 1 if ys is None else 2]:
+                    f.create_dataset(name, data=data, chunks=(min(chunk_rows, len(data)), *data.shape[1:]),
                                      compression=self.compression)
                 f.attrs.update({"format_version": VERSION, "dataset": self.name, "split": split,
                                 "index": index, "count": len(xs), "sample_shape": list(xs.shape[1:]),
