@@ -211,12 +211,10 @@ def _parse_override(item: str) -> tuple[str, object]:
     if "=" not in item:
         raise ConfigError(f"--set {item!r}: expected section.key=value")
     key, text = item.split("=", 1)
-    key = key.strip()
     try:
-        value = tomllib.loads(f"v = {text}")["v"]
+        return key.strip(), tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
-        value = text  # a bare word: take it as a string (--set data.path=input.txt)
-    return key, value
+        return key.strip(), text  # a bare word: take it as a string (--set data.path=input.txt)
 
 
 def from_dict(raw: dict, overrides: list[str] = ()) -> Config:
@@ -369,8 +367,7 @@ def _validate_data(cfg: Config) -> None:
         _require(d.name in EMBEDDED, "data.name",
                  f"must be an embedded dataset {sorted(EMBEDDED)}, or set data.path", d.name)
         _require(text_model == (EMBEDDED[d.name] == "text"), "data.name",
-                 f"gpt trains on text (shakespeare), the CNNs on images (mnist5k); model.name is "
-                 f"{m.name!r}", d.name)
+                 f"gpt trains on text (shakespeare), the CNNs on images (mnist5k); model.name is {m.name!r}", d.name)
     _require(d.shift >= 0, "data.shift", "must be >= 0", d.shift)
     _require(d.sampling in SAMPLING, "data.sampling", f"must be one of {', '.join(SAMPLING)}", d.sampling)
     _require(text_model or "data.sampling" not in cfg.given, "data.sampling",
@@ -634,8 +631,7 @@ def check_against_data(cfg: Config, data) -> None:
         raise ConfigError(f"train.global_batch_size: must be at most the {train.count} training images of "
                           f"{data.name}, got {cfg.train.global_batch_size}")
     if train.sample_shape[0] != train.sample_shape[1]:  # (H, W, C): the dataset checked
-        raise ConfigError(f"data.path: the CNNs expect square (H, W, C) images, {data.name} has "
-                          f"{train.sample_shape}")
+        raise ConfigError(f"data.path: the CNNs expect square (H, W, C) images, {data.name} has {train.sample_shape}")
 
 
 # ----------------------------------------------------------------- reference
