@@ -88,8 +88,7 @@ def check_ids(values: np.ndarray, limit: int, what: str, where: str, first: int 
         return
     bad = int(np.flatnonzero((values < 0) | (values >= limit))[0])
     unit = "classes" if what == "label" else "characters in the vocabulary"
-    raise DataError(f"{where}: {what} {values[bad]} at index {first + bad} is outside 0..{limit - 1} "
-                    f"({limit} {unit})")
+    raise DataError(f"{where}: {what} {values[bad]} at index {first + bad} is outside 0..{limit - 1} ({limit} {unit})")
 
 
 def check_images(x: np.ndarray, where: str) -> None:
