@@ -25,19 +25,11 @@ exactly once (with ``drop_last``, all but ``N mod B``), and the rank slices of a
 concatenated, are the global batch of a one-rank run.
 
 Text is read the same way with *windows* of ``T + 1`` tokens as samples, giving
-``(input, target)`` pairs of length ``T``. Window ``k`` of an epoch starts (``sampling``)
-
-* ``"stride"``: at ``t0 + k*T`` (``t0`` random in ``[0, T)`` per epoch): the epoch reads
-  the split once, each token at one place in its window; evaluation reads this way;
-* ``"random"``: at a uniformly random token, a hash of (seed, epoch, ``k``)
-  (:func:`random_starts`), as nanoGPT draws its batches: over the run the text is seen
-  at every alignment, and any rank computes any window's start by itself (the same
-  batches at any rank count and after a resume). An epoch is still ``n`` windows, but
-  they may overlap and some text goes unseen in it; each window is its own read.
-
-:class:`IOStats` counts, per epoch, the bytes read, the seconds spent reading and
-gathering, the samples delivered, and the *stall*: seconds the training loop waited for
-a batch. Nothing here calls MPI; the trainer gathers the statistics over ranks.
+``(input, target)`` pairs of length ``T``; why each ``sampling``: ``datasets/README.md``,
+"Reading: lanes". Window ``k`` of an epoch starts, with ``"stride"``, at ``t0 + k*T``
+(``t0`` random in ``[0, T)`` per epoch), and with ``"random"`` at a uniformly random token,
+a hash of (seed, epoch, ``k``) (:func:`random_starts`) that any rank computes by itself;
+an epoch is still ``n`` windows, which may overlap, each its own read.
 """
 
 from __future__ import annotations
