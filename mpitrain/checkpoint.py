@@ -254,9 +254,9 @@ def save(run_dir, step: int, *, model, optimizer, sync, cfg, comm, keep: int, ep
     shapes = layout.arrays if layout is not None else {n: (a.shape, a.dtype.str) for n, a in mine.items()}
     kinds = {key: kind for held in comm.allgather(_kinds(local) if writes else {}) for key, kind in held.items()}
     own = _contribution(local, pieces if writes else [], slices, mine, parts)
-    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "mpitrain_version": __version__,
-            "step": step, "epoch": epoch, "epoch_step": epoch_step, "ranks": comm.size,
-            "strategy": strategy, "config": json.dumps(cfg.to_dict()),
+    head = {"format": FORMAT, "format_version": FORMAT_VERSION, "mpitrain_version": __version__, "step": step,
+            "epoch": epoch, "epoch_step": epoch_step}  # the attributes the header holds too
+    meta = {**head, "ranks": comm.size, "strategy": strategy, "config": json.dumps(cfg.to_dict()),
             "rng": json.dumps(rng.get_state()), "optimizer": _optimizer_meta(local),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     final = path_for(run_dir, step)
@@ -265,8 +265,7 @@ def save(run_dir, step: int, *, model, optimizer, sync, cfg, comm, keep: int, ep
         comm.agree(lambda: None)  # rank 0's write, and its error if it fails
         return final
     n, n_params = int(offsets[-1]), len(offsets) - 1
-    fields = {k: meta[k] for k in ("format", "format_version", "mpitrain_version", "step", "epoch", "epoch_step")}
-    fields.update(config=cfg.to_dict(), data=data or {})
+    fields = {**head, "config": cfg.to_dict(), "data": data or {}}
     size = _userblock_size(fields)
     buffer = io.BytesIO()
     with h5py.File(buffer, "w", userblock_size=size) as f:  # in memory: see the module's docstring
