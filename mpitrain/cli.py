@@ -194,10 +194,8 @@ def _data_verify(args) -> int:
     from mpitrain.data import open_dataset
 
     data = open_dataset(args.path)
-    problems = data.verify()
-    for p in problems:
-        print(f"mpitrain: damaged: {p}", file=sys.stderr)
-    if problems:
+    if problems := data.verify():
+        print(*(f"mpitrain: damaged: {p}" for p in problems), sep="\n", file=sys.stderr)
         return 1
     print(f"{args.path}: {data.name}: {sum(len(s.shards) for s in data.splits.values())} shards, "
           "structure and content SHA-256 match the manifest")
