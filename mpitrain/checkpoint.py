@@ -433,7 +433,8 @@ def _attributes(path: Path, f: h5py.File, legacy: bool) -> dict:
     if legacy:
         if attrs.get("format_version") != 1:
             raise CheckpointError(f"{path}: damaged: format version {attrs.get('format_version')!r} without a header")
-        f.visititems(lambda name, obj: obj[()] if isinstance(obj, h5py.Dataset) else None)
+        for name in _names(f):  # each read whole (visititems would stop at the first value returned)
+            f[name][()]
     try:
         attrs["json"] = {k: json.loads(attrs[k]) for k in _JSON_ATTRS}
         for k in ("step", "epoch", "epoch_step"):
