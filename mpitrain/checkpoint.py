@@ -464,8 +464,7 @@ def check(path: Path) -> dict:
     :class:`CheckpointError` saying what is wrong (:class:`CheckpointNewer`: a newer format)."""
     path = Path(path)
     fields = _verified_header(path)
-    attrs = _open(path, lambda f: _attributes(path, f, legacy=fields is None))
-    return {**attrs, "header": fields or {}}
+    return {**_open(path, lambda f: _attributes(path, f, legacy=fields is None)), "header": fields or {}}
 
 
 def read_meta(path: Path) -> dict:

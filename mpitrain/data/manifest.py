@@ -40,9 +40,8 @@ def checksum(manifest: dict) -> str:
 
 def write_manifest(directory: Path, manifest: dict) -> None:
     """Write ``directory/manifest.json`` with its checksum."""
-    sealed = {**manifest, CHECKSUM: checksum(manifest)}
     with open(Path(directory) / MANIFEST, "w", encoding="utf-8") as f:
-        json.dump(sealed, f, indent=1)
+        json.dump({**manifest, CHECKSUM: checksum(manifest)}, f, indent=1)
         f.write("\n")
 
 

@@ -157,8 +157,7 @@ class DatasetWriter:
         if self.out.is_dir() and not any(self.out.iterdir()):
             self.out.rmdir()  # an empty directory the user made is replaced
         if self.out.exists() and outdated(self.out) is None:
-            existing = read_manifest(self.out)
-            if _content(existing) != _content(self.manifest):
+            if _content(read_manifest(self.out)) != _content(self.manifest):
                 raise DataError(f"{self.out}: already holds a different build of {self.name!r} "
                                 "(other content); remove it or choose another output directory")
             if _intact(self.out):
@@ -193,8 +192,7 @@ def _recover(out: Path) -> None:
     an unfinished ``.tmp-`` directory goes; an ``.old-`` one, the previous dataset moved
     aside for the new one, goes back to ``out`` if the new one never got there, and goes
     if it did. Another host's, or a live process's, are left alone."""
-    host = socket.gethostname()
-    pattern = re.compile(re.escape(f".{out.name}.") + r"(tmp|old)-" + re.escape(host) + r"-(\d+)")
+    pattern = re.compile(re.escape(f".{out.name}.") + r"(tmp|old)-" + re.escape(socket.gethostname()) + r"-(\d+)")
     if not out.parent.is_dir():
         return
     for path in sorted(out.parent.iterdir(), key=lambda p: p.name.startswith(f".{out.name}.tmp")):  # old first
