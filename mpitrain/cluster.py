@@ -210,9 +210,8 @@ class Cluster:
         self._made.append(name)
         # no duplicate address detection, which keeps an interface's IPv6 address
         # "tentative" for a second or two after the link comes up
-        no_dad = ("echo 0 > /proc/sys/net/ipv6/conf/all/accept_dad && "
-                  "echo 0 > /proc/sys/net/ipv6/conf/default/accept_dad")
-        _run(["ip", "netns", "exec", name, "sh", "-c", no_dad])
+        _run(["ip", "netns", "exec", name, "sh", "-c", "echo 0 > /proc/sys/net/ipv6/conf/all/accept_dad && "
+              "echo 0 > /proc/sys/net/ipv6/conf/default/accept_dad"])
         _ip("-n", name, "link", "set", "lo", "up")
 
     def close(self) -> None:

@@ -113,12 +113,10 @@ class Split:
     Reads check the ids the model indexes with (labels; text: token ids)."""
 
     def __init__(self, dataset: Dataset, name: str, meta: dict):  # meta: checked by mpitrain.data.manifest
-        self.name = name
-        self.count = meta["count"]
+        self.name, self.count, self.chunk_rows = name, meta["count"], meta["chunk_rows"]
         self.sample_shape = tuple(meta["sample_shape"])
         self.x_dtype = np.dtype(meta["x_dtype"])
         self.y_dtype = np.dtype(meta["y_dtype"]) if meta["y_dtype"] else None
-        self.chunk_rows = meta["chunk_rows"]
         # the dataset ("x" or "y") holding ids below self.ids, the size of what they index
         self.checked, self.ids = ("x", len(dataset.vocab)) if self.y_dtype is None else ("y", len(dataset.classes))
         firsts = [0, *itertools.accumulate(s["count"] for s in meta["shards"])]  # of each shard's rows in the split

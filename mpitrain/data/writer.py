@@ -64,9 +64,8 @@ class DatasetWriter:
             fields.check_statistics(self.out, meta.get("mean"), meta.get("std"))
         else:
             fields.check_vocab(self.out, meta.get("vocab"))
-        self.name, self.kind = name, kind
+        self.name, self.kind, self.compression = name, kind, compression
         self.shard_bytes, self.chunk_bytes = int(shard_mb * 2**20), int(chunk_kb * 2**10)
-        self.compression = compression
         self.manifest = {"format": FORMAT, "version": VERSION, "name": name, "kind": kind,
                          "compression": compression, "source": source or {}, **meta, "splits": {}}
         self.up_to_date = False
