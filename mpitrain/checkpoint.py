@@ -4,14 +4,12 @@ checksummed (what a user sees of them: ``jobs/README.md``, "Checkpoints, resume 
 One file per checkpoint, ``RUN_DIR/checkpoints/step-00001234.h5``: a header, then an
 HDF5 file holding
 
-* attributes: ``format`` (``mpitrain-checkpoint``), ``format_version``,
-  ``mpitrain_version``, ``step`` (optimizer steps done), ``epoch`` and ``epoch_step``
-  (the data position: the reader's batches are a function of the step, given the
-  seed, global batch, ``data.buffer_mb``, ``data.sampling`` and the data),
-  ``ranks`` and ``strategy`` at save time (the gradient sync and the grid: the name
-  older checkpoints gave the strategy), ``config`` (the resolved config as JSON),
-  ``rng`` (the dropout and initialisation stream, :mod:`mpitrain.rng`), ``optimizer``
-  (its step count and group hyperparameters, JSON), ``created``;
+* attributes: ``format``, ``format_version``, ``mpitrain_version``, ``step`` (optimizer
+  steps done), ``epoch`` and ``epoch_step`` (the data position: the reader's batches are a
+  function of the step, given the seed, global batch, ``data.buffer_mb``,
+  ``data.sampling`` and the data), ``ranks`` and ``strategy`` (the sync and grid, by their
+  old name) at save time, as JSON ``config`` (resolved), ``rng`` (:mod:`mpitrain.rng`)
+  and ``optimizer`` (its step count and group hyperparameters), ``created``;
 * ``model/<name>``: every parameter and buffer, by its dotted name;
 * ``optim/state/<key>`` ``(N,)``: each array state of the optimizer (Adam's
   ``exp_avg`` and ``exp_avg_sq``, SGD's ``momentum``) *flat*: the ``N`` parameter
@@ -25,26 +23,25 @@ any number of ranks with any sync, each rank reading the ranges it owns then.
 
 **Integrity: every byte, checked before HDF5 reads any.** The file begins with HDF5's
 *userblock* (512 bytes times a power of two, left to its user) holding the plain-text
-header (:func:`_header_bytes`): the line ``mpitrain-checkpoint``, one line of JSON (the
-format version, the data position, the config and the data, the userblock's and the
-file's size, the SHA-256 of every byte after the userblock), and ``sha256 <hex>`` of that
-line. HDF5 parses a file only once both digests match, since a damaged file can make it
-loop forever (one flipped byte in its heap of strings did); only the zeros padding the
-userblock are covered by nothing, and read by nothing. The header's layout stays in every
-later version, so a newer file is refused, naming both versions. The arrays also carry
-HDF5's Fletcher-32, which names a damaged chunk to HDF5's own tools, and by which files
-of format version 1 (no header) are still checked as they load, with a note.
+header (:func:`_header_bytes`): the line ``mpitrain-checkpoint``, one line of JSON
+(:data:`_HEADER_TYPES`, the SHA-256 of every byte after the userblock among them), and
+``sha256 <hex>`` of that line. HDF5 parses a file only once both digests match, since a
+damaged file can make it loop forever (one flipped byte in its heap of strings did); only
+the zeros padding the userblock are covered by nothing, and read by nothing. The header's
+layout stays in every later version, so a newer file is refused, naming both versions. The
+arrays also carry HDF5's Fletcher-32: it names a damaged chunk to HDF5's own tools, and
+checks files of format version 1 (no header) as they load, with a note.
 
 **Atomic, and safe when the disk is full.** Rank 0 builds the file in memory (the other
 ranks send their parts as buffers, one rank after the other), writes it with plain file
-I/O to ``step-XXXXXXXX.h5.tmp``, syncs it (``fsync``) and renames it. HDF5 never writes
-to disk: a write failing inside it (no space left, a quota, an I/O error) left its library in a
-state that crashed the process, while a failed plain write is one ``OSError``
-(:class:`CheckpointWriteError`: the ``.tmp`` removed, the previous checkpoint intact).
-The cost: one copy of the checkpoint in rank 0's memory while it writes. After the
-rename rank 0 deletes all but the newest ``keep`` (never one of a later step) and any
-``.tmp`` a killed write left (a resume ignores it). Which checkpoint a resume takes, and
-what becomes of those it cannot use: :mod:`mpitrain.train.resume`.
+I/O to ``step-XXXXXXXX.h5.tmp``, syncs it (``fsync``) and renames it. HDF5 never writes to
+disk: a write failing inside it (no space left, a quota, an I/O error) left its library in
+a state that crashed the process, while a failed plain write is one ``OSError``
+(:class:`CheckpointWriteError`: the ``.tmp`` removed, the previous checkpoint intact). The
+cost: one copy of the checkpoint in rank 0's memory while it writes. After the rename rank
+0 deletes all but the newest ``keep`` (never one of a later step) and any ``.tmp`` a
+killed write left (a resume ignores it). Which checkpoint a resume takes, and what becomes
+of those it cannot use: :mod:`mpitrain.train.resume`.
 """
 
 from __future__ import annotations
