@@ -310,8 +310,7 @@ class ShardReader:
         with self._lock:  # reuse the buffers of an earlier iteration: fresh pages cost a fault each
             buffers = self._spare.pop() if self._spare else {}
         try:
-            epoch = first_epoch
-            while epochs is None or epoch < first_epoch + epochs:
+            for epoch in itertools.count(first_epoch) if epochs is None else range(first_epoch, first_epoch + epochs):
                 plan = self.plan(epoch)
                 skip = first_step if epoch == first_epoch else 0
                 step = 0
@@ -321,7 +320,6 @@ class ShardReader:
                         if not put((epoch, step, max(0, skip - step), batches)):
                             return
                     step += length
-                epoch += 1
             put(None)
         except BaseException as e:  # handed to the training loop, which re-raises it
             put(e)

@@ -66,8 +66,7 @@ class _Shard:
             run_stop = min(stop, (end_k + 1) * rows_per_chunk)
             position = file_offsets[k] + (row - k * rows_per_chunk) * row_bytes
             n = (run_stop - row) * row_bytes
-            got = os.preadv(self.fd, [flat[done : done + n]], position)
-            if got != n:
+            if os.preadv(self.fd, [flat[done : done + n]], position) != n:
                 raise DataError(f"{self.path}: short read at byte {position} (file truncated?)")
             done += n
             row = run_stop
@@ -146,20 +145,17 @@ class Split:
         """Rows [start, stop) of the split (0 <= start <= stop <= count) into ``out``;
         returns the bytes read. Only the shards holding those rows are opened. With
         ``check``, ids read (labels; text: tokens) must be in range (:meth:`check`)."""
-        done, total = 0, 0
+        total, first = 0, start
         i = int(np.searchsorted(self._starts, start, side="right")) - 1
         while start < stop:
             s = self.shards[i]
             end = min(stop, s.first + s.count)
-            n = end - start
-            rows = out[done : done + n]
+            rows = out[start - first : end - first]
             with reading(s.path):
                 total += self.shard_file(i).read(name, start - s.first, end - s.first, rows)
             if check and name == self.checked:
                 self.check(rows, start, s.path)
-            done += n
-            start = end
-            i += 1
+            start, i = end, i + 1
         return total
 
     def check(self, ids: np.ndarray, first: int, path: Path) -> None:
