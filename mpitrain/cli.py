@@ -1,6 +1,4 @@
-"""The ``mpitrain`` command: ``train``, ``report``, ``data download | build | verify | info``,
-``bench step | memory | io | allreduce | ddp | ps | pipeline | tensor``, ``cluster``,
-``config reference``.
+"""The ``mpitrain`` command line: each command's parser and the function that runs it.
 
 Commands that may run under ``mpiexec`` (``train``, ``bench io``) start MPI through
 :func:`mpitrain.comm.world`. Errors about the input (config, data) are raised on every

@@ -61,8 +61,7 @@ NETMODS = {  # how MPICH's ch4 reaches the other nodes over IFACE
 }
 _RATE = re.compile(r"([1-9][0-9]*(?:\.[0-9]+)?)([kmg])bit")  # a tc rate: 100mbit, 2.5gbit
 
-# stands in for ssh: Hydra calls it as "SCRIPT [options] HOST COMMAND..."; HOST is node<k>,
-# whose proxy (and ranks) run in node k's namespace on node k's cores
+# stands in for ssh (launch, above): Hydra calls it as "SCRIPT [options] HOST COMMAND...", HOST being node<k>
 _LAUNCHER = """#!/bin/sh
 while [ "${{1#-}}" != "$1" ]; do shift; done
 host=$1; shift
