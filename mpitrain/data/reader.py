@@ -19,10 +19,9 @@ A *round* is one block: ``K`` steps for which each rank reads ``B/P`` blocks of 
 contiguous samples (a few large ``preadv`` calls) and gathers them into ``K`` batches with
 one ``take``. A background thread reads up to ``prefetch`` rounds ahead into a queue,
 across epoch boundaries; ``K`` makes a round about ``buffer_mb`` of samples over all ranks.
-The shuffle therefore mixes within a lane's block; builders shuffle class-sorted sources
-once, so lanes hold mixed classes. Gathered over ranks, an epoch visits every sample
-exactly once (with ``drop_last``, all but ``N mod B``), and the rank slices of a step,
-concatenated, are the global batch of a one-rank run.
+The shuffle mixes within a lane's block (the builders shuffle class-sorted sources once).
+Gathered over ranks, an epoch visits every sample exactly once (with ``drop_last``, all but
+``N mod B``), and a step's rank slices, concatenated, are the global batch of a one-rank run.
 
 Text is read the same way with *windows* of ``T + 1`` tokens as samples, giving
 ``(input, target)`` pairs of length ``T``; why each ``sampling``: ``datasets/README.md``,
