@@ -359,8 +359,7 @@ def _read_header(path: Path) -> dict | None:
     if rest[: len(_HASH_LINE) + 64] != _HASH_LINE + hashlib.sha256(body).hexdigest().encode():
         raise CheckpointError(f"{path}: damaged: its header does not match its SHA-256")
     fields = _header_fields(path, body)
-    named = _NAME.match(path.name)
-    if named and int(named.group(1)) != fields["step"]:  # a file copied or renamed over another
+    if (named := _NAME.match(path.name)) and int(named.group(1)) != fields["step"]:  # copied or renamed over another
         raise CheckpointError(f"{path}: holds step {fields['step']}, not the step its name says")
     return fields
 

@@ -223,8 +223,7 @@ class Dataset:
         with reading(p, "not a readable HDF5 file"), h5py.File(p, "r") as f:
             attrs = {k: v.tolist() if isinstance(v, (np.ndarray, np.generic)) else v for k, v in f.attrs.items()}
             layout = {n: (f[n].shape, f[n].dtype, f[n].chunks, f[n].compression) for n in split.names if n in f}
-        version = attrs.get("format_version")
-        if version != VERSION:
+        if (version := attrs.get("format_version")) != VERSION:
             raise DataError(f"{p}: shard format version {version!r} is not supported; "
                             f"this mpitrain reads version {VERSION}")
         rows = min(split.chunk_rows, info.count)
