@@ -151,8 +151,7 @@ class Cluster:
         for k in range(self.nodes):
             self._netns(self.node(k))
         if self.nodes == 2:  # one cable between the two
-            _ip("-n", self.node(0), "link", "add", IFACE, "type", "veth", "peer", "name", IFACE,
-                "netns", self.node(1))
+            _ip("-n", self.node(0), "link", "add", IFACE, "type", "veth", "peer", "name", IFACE, "netns", self.node(1))
             ends = [(self.node(0), IFACE), (self.node(1), IFACE)]
         else:  # each node to a port of a bridge (the switch), in a namespace of its own
             switch = f"{self.prefix}switch"

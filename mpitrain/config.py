@@ -389,8 +389,7 @@ def _validate_model(cfg: Config) -> None:
     _require(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)", m.dropout)
     for name in ("n_layer", "n_head", "n_embd", "block_size"):
         _require(getattr(m, name) > 0, f"model.{name}", "must be > 0", getattr(m, name))
-    _require(m.n_embd % m.n_head == 0, "model.n_embd", f"must be divisible by model.n_head = {m.n_head}",
-             m.n_embd)
+    _require(m.n_embd % m.n_head == 0, "model.n_embd", f"must be divisible by model.n_head = {m.n_head}", m.n_embd)
     _require(m.gelu in ("tanh", "erf"), "model.gelu", "must be tanh or erf", m.gelu)
 
 
@@ -398,8 +397,7 @@ def _validate_optim(cfg: Config) -> None:
     o = cfg.optim
     _require(o.lr > 0, "optim.lr", "must be > 0", o.lr)
     _require(0 <= o.min_lr <= o.lr, "optim.min_lr", f"must be in [0, optim.lr = {o.lr}]", o.min_lr)
-    _require(o.schedule in ("cosine", "constant"), "optim.schedule", "must be 'cosine' or 'constant'",
-             o.schedule)
+    _require(o.schedule in ("cosine", "constant"), "optim.schedule", "must be 'cosine' or 'constant'", o.schedule)
     _require(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0", o.warmup_steps)
     _require(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0", o.weight_decay)
     _require(all(0 <= b < 1 for b in o.betas), "optim.betas", "must be two numbers in [0, 1)", list(o.betas))
