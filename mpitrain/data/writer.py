@@ -35,7 +35,6 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint8 if vocab_size <= 256 else np.uint16 if vocab_size <= 65536 else np.int32)
 
 
-# --------------------------------------------------------------------- writing
 class DatasetWriter:
     """Write a dataset directory atomically::
 
