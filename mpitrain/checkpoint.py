@@ -4,14 +4,12 @@ checksummed (what a user sees of them: ``jobs/README.md``, "Checkpoints, resume 
 One file per checkpoint, ``RUN_DIR/checkpoints/step-00001234.h5``: a header, then an
 HDF5 file holding
 
-* attributes: ``format`` (``mpitrain-checkpoint``), ``format_version``,
-  ``mpitrain_version``, ``step`` (optimizer steps done), ``epoch`` and ``epoch_step``
-  (the data position: the reader's batches are a function of the step, given the
-  seed, global batch, ``data.buffer_mb``, ``data.sampling`` and the data),
-  ``ranks`` and ``strategy`` at save time (the gradient sync and the grid: the name
-  older checkpoints gave the strategy), ``config`` (the resolved config as JSON),
-  ``rng`` (the dropout and initialisation stream, :mod:`mpitrain.rng`), ``optimizer``
-  (its step count and group hyperparameters, JSON), ``created``;
+* attributes: ``format``, ``format_version``, ``mpitrain_version``, ``step`` (optimizer
+  steps done), ``epoch`` and ``epoch_step`` (the data position: the reader's batches are a
+  function of the step, given the seed, global batch, ``data.buffer_mb``,
+  ``data.sampling`` and the data), ``ranks`` and ``strategy`` (the sync and grid, by their
+  old name) at save time, as JSON ``config`` (resolved), ``rng`` (:mod:`mpitrain.rng`)
+  and ``optimizer`` (its step count and group hyperparameters), ``created``;
 * ``model/<name>``: every parameter and buffer, by its dotted name;
 * ``optim/state/<key>`` ``(N,)``: each array state of the optimizer (Adam's
   ``exp_avg`` and ``exp_avg_sq``, SGD's ``momentum``) *flat*: the ``N`` parameter
@@ -25,26 +23,25 @@ any number of ranks with any sync, each rank reading the ranges it owns then.
 
 **Integrity: every byte, checked before HDF5 reads any.** The file begins with HDF5's
 *userblock* (512 bytes times a power of two, left to its user) holding the plain-text
-header (:func:`_header_bytes`): the line ``mpitrain-checkpoint``, one line of JSON (the
-format version, the data position, the config and the data, the userblock's and the
-file's size, the SHA-256 of every byte after the userblock), and ``sha256 <hex>`` of that
-line. HDF5 parses a file only once both digests match, since a damaged file can make it
-loop forever (one flipped byte in its heap of strings did); only the zeros padding the
-userblock are covered by nothing, and read by nothing. The header's layout stays in every
-later version, so a newer file is refused, naming both versions. The arrays also carry
-HDF5's Fletcher-32, which names a damaged chunk to HDF5's own tools, and by which files
-of format version 1 (no header) are still checked as they load, with a note.
+header (:func:`_header_bytes`): the line ``mpitrain-checkpoint``, one line of JSON
+(:data:`_HEADER_TYPES`, the SHA-256 of every byte after the userblock among them), and
+``sha256 <hex>`` of that line. HDF5 parses a file only once both digests match, since a
+damaged file can make it loop forever (one flipped byte in its heap of strings did); only
+the zeros padding the userblock are covered by nothing, and read by nothing. The header's
+layout stays in every later version, so a newer file is refused, naming both versions. The
+arrays also carry HDF5's Fletcher-32: it names a damaged chunk to HDF5's own tools, and
+checks files of format version 1 (no header) as they load, with a note.
 
 **Atomic, and safe when the disk is full.** Rank 0 builds the file in memory (the other
 ranks send their parts as buffers, one rank after the other), writes it with plain file
-I/O to ``step-XXXXXXXX.h5.tmp``, syncs it (``fsync``) and renames it. HDF5 never writes
-to disk: a write failing inside it (no space left, a quota, an I/O error) left its library in a
-state that crashed the process, while a failed plain write is one ``OSError``
-(:class:`CheckpointWriteError`: the ``.tmp`` removed, the previous checkpoint intact).
-The cost: one copy of the checkpoint in rank 0's memory while it writes. After the
-rename rank 0 deletes all but the newest ``keep`` (never one of a later step) and any
-``.tmp`` a killed write left (a resume ignores it). Which checkpoint a resume takes, and
-what becomes of those it cannot use: :mod:`mpitrain.train.resume`.
+I/O to ``step-XXXXXXXX.h5.tmp``, syncs it (``fsync``) and renames it. HDF5 never writes to
+disk: a write failing inside it (no space left, a quota, an I/O error) left its library in
+a state that crashed the process, while a failed plain write is one ``OSError``
+(:class:`CheckpointWriteError`: the ``.tmp`` removed, the previous checkpoint intact). The
+cost: one copy of the checkpoint in rank 0's memory while it writes. After the rename rank
+0 deletes all but the newest ``keep`` (never one of a later step) and any ``.tmp`` a
+killed write left (a resume ignores it). Which checkpoint a resume takes, and what becomes
+of those it cannot use: :mod:`mpitrain.train.resume`.
 """
 
 from __future__ import annotations
@@ -138,11 +135,9 @@ class Layout:
 
 def _layout(optimizer, sync, layout: Layout | None):
     """(flat offsets of every parameter of ``layout`` (None: the optimizer's own), the
-    optimizer holding this rank's state, its pieces as (local index, parameter index,
-    lo, hi), whether this rank writes state), as the gradient sync's
-    ``state_pieces(offsets)`` says: (its optimizer, [(parameter index, lo, hi)] in that
-    optimizer's order, whether this rank writes them: of replicas, one does), or None on
-    ranks that hold none (parameter-server workers)."""
+    optimizer holding this rank's state, its pieces as (local index, parameter index, lo,
+    hi), whether this rank writes them: of replicas, one does), as the gradient sync's
+    ``state_pieces(offsets)`` says (None: no state here, as on parameter-server workers)."""
     sizes = ([p.size for group in optimizer.param_groups for p in group["params"]] if layout is None
              else [size for _, size in layout.params])
     offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # (n_params + 1,)
@@ -155,12 +150,8 @@ def _layout(optimizer, sync, layout: Layout | None):
 
 def _kinds(local) -> dict:
     """{key: ("array" | "scalar", dtype)} of the optimizer state this rank holds."""
-    kinds = {}
-    for state in local.state.values():
-        for key, value in state.items():
-            value = np.asarray(value)
-            kinds[key] = ("scalar" if value.ndim == 0 else "array", value.dtype.str)
-    return kinds
+    return {key: ("scalar" if np.ndim(value) == 0 else "array", np.asarray(value).dtype.str)
+            for state in local.state.values() for key, value in state.items()}
 
 
 def _optimizer_meta(local) -> str:
@@ -260,9 +251,9 @@ def save(run_dir, step: int, *, model, optimizer, sync, cfg, comm, keep: int, ep
     shapes = layout.arrays if layout is not None else {n: (a.shape, a.dtype.str) for n, a in mine.items()}
     kinds = {key: kind for held in comm.allgather(_kinds(local) if writes else {}) for key, kind in held.items()}
     own = _contribution(local, pieces if writes else [], slices, mine, parts)
-    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "mpitrain_version": __version__,
-            "step": step, "epoch": epoch, "epoch_step": epoch_step, "ranks": comm.size,
-            "strategy": strategy, "config": json.dumps(cfg.to_dict()),
+    head = {"format": FORMAT, "format_version": FORMAT_VERSION, "mpitrain_version": __version__, "step": step,
+            "epoch": epoch, "epoch_step": epoch_step}  # the attributes the header holds too
+    meta = {**head, "ranks": comm.size, "strategy": strategy, "config": json.dumps(cfg.to_dict()),
             "rng": json.dumps(rng.get_state()), "optimizer": _optimizer_meta(local),
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     final = path_for(run_dir, step)
@@ -271,8 +262,7 @@ def save(run_dir, step: int, *, model, optimizer, sync, cfg, comm, keep: int, ep
         comm.agree(lambda: None)  # rank 0's write, and its error if it fails
         return final
     n, n_params = int(offsets[-1]), len(offsets) - 1
-    fields = {k: meta[k] for k in ("format", "format_version", "mpitrain_version", "step", "epoch", "epoch_step")}
-    fields.update(config=cfg.to_dict(), data=data or {})
+    fields = {**head, "config": cfg.to_dict(), "data": data or {}}
     size = _userblock_size(fields)
     buffer = io.BytesIO()
     with h5py.File(buffer, "w", userblock_size=size) as f:  # in memory: see the module's docstring
@@ -298,8 +288,7 @@ def _write(final: Path, pieces, run_dir, step: int, keep: int) -> None:
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as fh:
-            for piece in pieces:
-                fh.write(piece)
+            fh.writelines(pieces)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, final)
@@ -326,15 +315,13 @@ def _dataset(f: h5py.File, name: str, shape, dtype) -> None:
 
 
 def _fsync_dir(path: Path) -> None:
-    try:
+    # a platform without directory file descriptors, or a file system that cannot sync one: the rename stands
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY)
-    except OSError:  # a platform without directory file descriptors
-        return
-    try:
-        with contextlib.suppress(OSError):  # a file system that cannot sync a directory: the rename stands
+        try:
             os.fsync(fd)
-    finally:
-        os.close(fd)
+        finally:
+            os.close(fd)
 
 
 # ------------------------------------------------------------- integrity
@@ -372,8 +359,7 @@ def _read_header(path: Path) -> dict | None:
     if rest[: len(_HASH_LINE) + 64] != _HASH_LINE + hashlib.sha256(body).hexdigest().encode():
         raise CheckpointError(f"{path}: damaged: its header does not match its SHA-256")
     fields = _header_fields(path, body)
-    named = _NAME.match(path.name)
-    if named and int(named.group(1)) != fields["step"]:  # a file copied or renamed over another
+    if (named := _NAME.match(path.name)) and int(named.group(1)) != fields["step"]:  # copied or renamed over another
         raise CheckpointError(f"{path}: holds step {fields['step']}, not the step its name says")
     return fields
 
@@ -443,7 +429,8 @@ def _attributes(path: Path, f: h5py.File, legacy: bool) -> dict:
     if legacy:
         if attrs.get("format_version") != 1:
             raise CheckpointError(f"{path}: damaged: format version {attrs.get('format_version')!r} without a header")
-        f.visititems(lambda name, obj: obj[()] if isinstance(obj, h5py.Dataset) else None)
+        for name in _names(f):  # each read whole (visititems would stop at the first value returned)
+            f[name][()]
     try:
         attrs["json"] = {k: json.loads(attrs[k]) for k in _JSON_ATTRS}
         for k in ("step", "epoch", "epoch_step"):
@@ -473,8 +460,7 @@ def check(path: Path) -> dict:
     :class:`CheckpointError` saying what is wrong (:class:`CheckpointNewer`: a newer format)."""
     path = Path(path)
     fields = _verified_header(path)
-    attrs = _open(path, lambda f: _attributes(path, f, legacy=fields is None))
-    return {**attrs, "header": fields or {}}
+    return {**_open(path, lambda f: _attributes(path, f, legacy=fields is None)), "header": fields or {}}
 
 
 def read_meta(path: Path) -> dict:

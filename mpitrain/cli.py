@@ -1,6 +1,4 @@
-"""The ``mpitrain`` command: ``train``, ``report``, ``data download | build | verify | info``,
-``bench step | memory | io | allreduce | ddp | ps | pipeline | tensor``, ``cluster``,
-``config reference``.
+"""The ``mpitrain`` command line: each command's parser and the function that runs it.
 
 Commands that may run under ``mpiexec`` (``train``, ``bench io``) start MPI through
 :func:`mpitrain.comm.world`. Errors about the input (config, data) are raised on every
@@ -194,10 +192,8 @@ def _data_verify(args) -> int:
     from mpitrain.data import open_dataset
 
     data = open_dataset(args.path)
-    problems = data.verify()
-    for p in problems:
-        print(f"mpitrain: damaged: {p}", file=sys.stderr)
-    if problems:
+    if problems := data.verify():
+        print(*(f"mpitrain: damaged: {p}" for p in problems), sep="\n", file=sys.stderr)
         return 1
     print(f"{args.path}: {data.name}: {sum(len(s.shards) for s in data.splits.values())} shards, "
           "structure and content SHA-256 match the manifest")
@@ -445,8 +441,7 @@ def _bench_parallel_parsers(benches) -> None:
     p = benches.add_parser("ps", help="parameter server with a straggler: sync vs. bounded vs. async "
                                       "(run under mpiexec -n 4)",
                            description="1 server + 3 workers, one of them three times as slow: time to apply the same "
-                                       "number of gradients synchronously, with staleness bound 2, and "
-                                       "asynchronously.")
+                                       "number of gradients synchronously, with staleness bound 2, and asynchronously.")
     p.add_argument("--steps", type=_positive, default=40, help="gradients per worker, on average (default 40)")
     p.add_argument("--rounds", type=_positive, default=3, help="interleaved rounds (default 3)")
     p.set_defaults(run=lambda a: _bench("ps", thread_level="auto", steps=a.steps, rounds=a.rounds))
@@ -458,8 +453,7 @@ def _bench_parallel_parsers(benches) -> None:
                                        "number of micro-batches; print the step time, the measured bubble "
                                        "against the formula's, and the activation memory each stage holds.")
     p.add_argument("--rounds", type=_positive, default=5, help="interleaved rounds (default 5)")
-    p.add_argument("--micro-batches", type=_positive, nargs="+", default=[2, 4, 8],
-                   help="values of m (default 2 4 8)")
+    p.add_argument("--micro-batches", type=_positive, nargs="+", default=[2, 4, 8], help="values of m (default 2 4 8)")
     p.add_argument("--batch", type=_positive, default=64, help="global batch (default 64)")
     p.set_defaults(run=_bench_pipeline)
 
@@ -494,9 +488,8 @@ def _bench_ddp_parser(benches) -> None:
     p.add_argument("--allreduce", nargs="+", choices=("mpi", "ring"),
                    help="algorithm(s), each timed in turn (default mpi; with --network mpi and ring)")
     p.add_argument("--network", metavar="RATE",
-                   help="run the bench twice, on shared memory and across 2 emulated nodes linked at RATE "
-                        "(e.g. 1gbit; see mpitrain cluster: needs root), and print them side by side; "
-                        "run it without mpiexec")
+                   help="run the bench twice, on shared memory and across 2 emulated nodes linked at RATE (e.g. 1gbit; "
+                        "see mpitrain cluster: needs root), and print them side by side; run it without mpiexec")
     p.add_argument("--mtu", type=int, help="with --network: the links' MTU (default 1500)")
     p.add_argument("--wire", default="fp32", choices=("fp32", "bf16", "fp16"),
                    help="the gradients' numbers on the wire, as parallel.wire (16-bit: with the ring only)")

@@ -1,11 +1,9 @@
 """A cluster on one machine: emulated nodes and network links for real MPI runs.
 
-On one node an MPI allreduce is memory copies done by the cores that compute, so it
-shows neither what a network costs nor how much of it overlap can hide. This module
-builds a small cluster out of the Linux kernel's own parts and runs any command on it
-under the real MPICH. An emulation, not a network: no latency is added (these kernels
-have no ``netem``), and at high rates a small machine's TCP stack, not the link, is the
-limit. How to use it: ``jobs/README.md``, "A cluster on one machine"; figures:
+Any command runs under the real MPICH on nodes and links built from the Linux kernel's
+own parts. An emulation, not a network: no latency is added (these kernels have no
+``netem``), and at high rates a small machine's TCP stack, not the link, is the limit.
+Why, and how to use it: ``jobs/README.md``, "A cluster on one machine"; figures:
 ``mpitrain/bench/README.md``, the same section.
 
 * **nodes**: one network namespace per node, whose ranks meet over shared memory, as on a
@@ -26,16 +24,13 @@ limit. How to use it: ``jobs/README.md``, "A cluster on one machine"; figures:
   error or Ctrl-C; a later cluster deletes the namespaces of one whose process was killed.
 
 **Time dilation** (Gupta et al., "To Infinity and Beyond: Time-Warped Network
-Emulation", NSDI 2006): with more ranks than cores, compute runs slower than on the
-cluster emulated while the links do not, which flatters communication. ``dilation=D``
-runs the whole cluster ``D`` times slower instead: links at ``rate / D``, each node held
-to ``ranks / D`` cores by the kernel's CPU bandwidth control (a cgroup per node,
-``cpu.cfs_quota_us`` or ``cpu.max``, in periods of ``PERIOD_US``, short beside a training
-step), so a rank computes at ``1 / D`` of a core however its neighbours behave (one
-spinning in ``MPI_Wait`` uses its own node's share). The trainer records ``D``
-(``$MPITRAIN_CLUSTER``, :func:`mpitrain.runtime.emulated_cluster`) and ``mpitrain report``
-divides by it. Not slowed: the kernel's own work (TCP runs partly outside the quota) and
-the veth links' latencies.
+Emulation", NSDI 2006): with more ranks than cores compute slows while the links do not,
+which flatters communication; ``dilation=D`` slows both alike (what it does not slow:
+``jobs/README.md``). Links run at ``rate / D``; each node is held to ``ranks / D`` cores
+by a cgroup's CPU bandwidth control (``cpu.cfs_quota_us`` or ``cpu.max``, in periods of
+``PERIOD_US``, short beside a training step), so a rank computes at ``1 / D`` of a core
+however its neighbours spin. The trainer records ``D`` (``$MPITRAIN_CLUSTER``,
+:func:`mpitrain.runtime.emulated_cluster`) and ``mpitrain report`` divides by it.
 """
 
 from __future__ import annotations
@@ -53,7 +48,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mpitrain.runtime import CLUSTER_ENV, process_alive
+from mpitrain.runtime import CLUSTER_ENV, my_cores, process_alive
 
 PREFIX = "mpitrain-"  # every namespace this module makes: mpitrain-<pid>-node<k>, mpitrain-<pid>-switch
 IFACE = "vnet0"  # each node's interface
@@ -64,10 +59,9 @@ NETMODS = {  # how MPICH's ch4 reaches the other nodes over IFACE
     "ofi": {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": IFACE},
     "ucx": {"MPIR_CVAR_CH4_NETMOD": "ucx", "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": IFACE},
 }
-_RATE = re.compile(r"[1-9][0-9]*(\.[0-9]+)?[kmg]bit")
+_RATE = re.compile(r"([1-9][0-9]*(?:\.[0-9]+)?)([kmg])bit")  # a tc rate: 100mbit, 2.5gbit
 
-# stands in for ssh: Hydra calls it as "SCRIPT [options] HOST COMMAND..."; HOST is node<k>,
-# whose proxy (and ranks) run in node k's namespace on node k's cores
+# stands in for ssh (launch, above): Hydra calls it as "SCRIPT [options] HOST COMMAND...", HOST being node<k>
 _LAUNCHER = """#!/bin/sh
 while [ "${{1#-}}" != "$1" ]; do shift; done
 host=$1; shift
@@ -108,7 +102,7 @@ class Cluster:
         if self.netmod not in NETMODS:
             raise ClusterError(f"netmod {self.netmod!r}: expected one of {', '.join(NETMODS)}")
         if self.dilation == "auto":
-            self.dilation = max(1.0, self.nodes * self.ranks / len(_my_cores()))
+            self.dilation = max(1.0, self.nodes * self.ranks / len(my_cores()))
         if not (isinstance(self.dilation, (int, float)) and 1 <= self.dilation <= 64):
             raise ClusterError(f"dilation {self.dilation!r}: expected a number from 1 to 64, or auto")
         self.dilation = float(self.dilation)
@@ -131,7 +125,7 @@ class Cluster:
         """Each node's cores: this process's cores split into ``nodes`` equal runs, so a
         node's ranks divide its cores among them (BLAS threads) as on a real node, and
         nodes do not compete for a core; with fewer cores than nodes, nodes share them."""
-        mine = _my_cores()
+        mine = my_cores()
         if len(mine) < self.nodes:
             return [[mine[k % len(mine)]] for k in range(self.nodes)]
         return [mine[len(mine) * k // self.nodes : len(mine) * (k + 1) // self.nodes] for k in range(self.nodes)]
@@ -157,8 +151,7 @@ class Cluster:
         for k in range(self.nodes):
             self._netns(self.node(k))
         if self.nodes == 2:  # one cable between the two
-            _ip("-n", self.node(0), "link", "add", IFACE, "type", "veth", "peer", "name", IFACE,
-                "netns", self.node(1))
+            _ip("-n", self.node(0), "link", "add", IFACE, "type", "veth", "peer", "name", IFACE, "netns", self.node(1))
             ends = [(self.node(0), IFACE), (self.node(1), IFACE)]
         else:  # each node to a port of a bridge (the switch), in a namespace of its own
             switch = f"{self.prefix}switch"
@@ -215,9 +208,8 @@ class Cluster:
         self._made.append(name)
         # no duplicate address detection, which keeps an interface's IPv6 address
         # "tentative" for a second or two after the link comes up
-        no_dad = ("echo 0 > /proc/sys/net/ipv6/conf/all/accept_dad && "
-                  "echo 0 > /proc/sys/net/ipv6/conf/default/accept_dad")
-        _run(["ip", "netns", "exec", name, "sh", "-c", no_dad])
+        _run(["ip", "netns", "exec", name, "sh", "-c", "echo 0 > /proc/sys/net/ipv6/conf/all/accept_dad && "
+              "echo 0 > /proc/sys/net/ipv6/conf/default/accept_dad"])
         _ip("-n", name, "link", "set", "lo", "up")
 
     def close(self) -> None:
@@ -266,7 +258,7 @@ class Cluster:
 
 def bits_per_second(rate: str) -> float | None:
     """A tc rate (``1gbit``, ``100mbit``, ``2.5gbit``) in bits per second; None if not one."""
-    m = re.fullmatch(r"([0-9.]+)([kmg])bit", rate)
+    m = _RATE.fullmatch(rate)
     return float(m.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)] if m else None
 
 
@@ -366,10 +358,6 @@ def _remove_cgroup(path: Path) -> None:
             time.sleep(0.05)
 
 
-def _my_cores() -> list[int]:
-    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-
-
 def _ip(*args: str) -> str:
     return _run(["ip", *args])
 
@@ -386,7 +374,7 @@ def describe(cluster: Cluster) -> str:
     pinned = "" if shutil.which("taskset") else " (not pinned: no taskset)"
     line = (f"emulated cluster: {cluster.nodes} nodes x {cluster.ranks} rank(s), links {cluster.rate} "
             f"(htb), MTU {cluster.mtu}, MPICH netmod {cluster.netmod} over {IFACE}; {cores}{pinned}")
-    ranks, have = cluster.nodes * cluster.ranks, len(_my_cores())
+    ranks, have = cluster.nodes * cluster.ranks, len(my_cores())
     if cluster.dilation > 1:
         line += (f"\ntime dilation {cluster.dilation:g}: links at {cluster.link_rate}, each node held to "
                  f"{cluster.ranks / cluster.dilation:g} core(s); durations measured inside are {cluster.dilation:g}x "

@@ -211,12 +211,10 @@ def _parse_override(item: str) -> tuple[str, object]:
     if "=" not in item:
         raise ConfigError(f"--set {item!r}: expected section.key=value")
     key, text = item.split("=", 1)
-    key = key.strip()
     try:
-        value = tomllib.loads(f"v = {text}")["v"]
+        return key.strip(), tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
-        value = text  # a bare word: take it as a string (--set data.path=input.txt)
-    return key, value
+        return key.strip(), text  # a bare word: take it as a string (--set data.path=input.txt)
 
 
 def from_dict(raw: dict, overrides: list[str] = ()) -> Config:
@@ -369,8 +367,7 @@ def _validate_data(cfg: Config) -> None:
         _require(d.name in EMBEDDED, "data.name",
                  f"must be an embedded dataset {sorted(EMBEDDED)}, or set data.path", d.name)
         _require(text_model == (EMBEDDED[d.name] == "text"), "data.name",
-                 f"gpt trains on text (shakespeare), the CNNs on images (mnist5k); model.name is "
-                 f"{m.name!r}", d.name)
+                 f"gpt trains on text (shakespeare), the CNNs on images (mnist5k); model.name is {m.name!r}", d.name)
     _require(d.shift >= 0, "data.shift", "must be >= 0", d.shift)
     _require(d.sampling in SAMPLING, "data.sampling", f"must be one of {', '.join(SAMPLING)}", d.sampling)
     _require(text_model or "data.sampling" not in cfg.given, "data.sampling",
@@ -392,8 +389,7 @@ def _validate_model(cfg: Config) -> None:
     _require(0.0 <= m.dropout < 1.0, "model.dropout", "must be in [0, 1)", m.dropout)
     for name in ("n_layer", "n_head", "n_embd", "block_size"):
         _require(getattr(m, name) > 0, f"model.{name}", "must be > 0", getattr(m, name))
-    _require(m.n_embd % m.n_head == 0, "model.n_embd", f"must be divisible by model.n_head = {m.n_head}",
-             m.n_embd)
+    _require(m.n_embd % m.n_head == 0, "model.n_embd", f"must be divisible by model.n_head = {m.n_head}", m.n_embd)
     _require(m.gelu in ("tanh", "erf"), "model.gelu", "must be tanh or erf", m.gelu)
 
 
@@ -401,8 +397,7 @@ def _validate_optim(cfg: Config) -> None:
     o = cfg.optim
     _require(o.lr > 0, "optim.lr", "must be > 0", o.lr)
     _require(0 <= o.min_lr <= o.lr, "optim.min_lr", f"must be in [0, optim.lr = {o.lr}]", o.min_lr)
-    _require(o.schedule in ("cosine", "constant"), "optim.schedule", "must be 'cosine' or 'constant'",
-             o.schedule)
+    _require(o.schedule in ("cosine", "constant"), "optim.schedule", "must be 'cosine' or 'constant'", o.schedule)
     _require(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0", o.warmup_steps)
     _require(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0", o.weight_decay)
     _require(all(0 <= b < 1 for b in o.betas), "optim.betas", "must be two numbers in [0, 1)", list(o.betas))
@@ -634,8 +629,7 @@ def check_against_data(cfg: Config, data) -> None:
         raise ConfigError(f"train.global_batch_size: must be at most the {train.count} training images of "
                           f"{data.name}, got {cfg.train.global_batch_size}")
     if train.sample_shape[0] != train.sample_shape[1]:  # (H, W, C): the dataset checked
-        raise ConfigError(f"data.path: the CNNs expect square (H, W, C) images, {data.name} has "
-                          f"{train.sample_shape}")
+        raise ConfigError(f"data.path: the CNNs expect square (H, W, C) images, {data.name} has {train.sample_shape}")
 
 
 # ----------------------------------------------------------------- reference

@@ -4,11 +4,10 @@
   share them. More threads than cores make OpenBLAS threads spin against each other,
   and small batched matmuls collapse. The convolution's cache tiles grow with the
   threads (``ops.conv.set_blas_threads``).
-* Allocator: every training step allocates and frees the same activation-sized arrays.
-  glibc serves arrays above its mmap threshold (128 KiB at start) with fresh ``mmap``
-  pages and returns them on free, so each step pays a page fault per 4 KiB touched.
-  Raising the threshold to 256 MiB and keeping freed memory (trim threshold 1 GiB)
-  makes them reuse heap memory instead (im2col columns of a CNN step, 38 MB, included).
+* Allocator: every training step allocates and frees the same activation-sized arrays,
+  which glibc serves above its mmap threshold (128 KiB at start) with fresh ``mmap`` pages
+  returned on free: a page fault per 4 KiB touched, every step. :func:`tune_allocator`
+  raises the threshold and keeps freed memory, so they reuse the heap (im2col included).
 * Huge pages: a step then walks the same heap, more 4 KiB pages than the core's
   second-level TLB maps (about 2,000), so most array passes pay page walks. Once the
   heap has its steady size, :func:`huge_page_heap` asks Linux to back it with 2 MiB
@@ -42,11 +41,13 @@ HUGE_PAGE = 2 << 20
 _heap_done = 0  # end of the heap range already handed to huge_page_heap
 
 
+def my_cores() -> list[int]:
+    """The cores this process may run on (where the OS cannot say: all of them)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
 def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+    return len(my_cores())
 
 
 def process_alive(pid: int) -> bool:
@@ -120,13 +121,12 @@ def _heap() -> tuple[int, int] | None:
 
 
 def huge_page_heap() -> int:
-    """Back the C heap with 2 MiB transparent huge pages now (``MADV_HUGEPAGE``, then
-    ``MADV_COLLAPSE``, a one-off cost); returns the bytes asked for. Call it once the heap
-    has its steady size (after a few training steps; the trainer and the benchmarks do);
-    only what grew since the last call is asked for, so calling again is cheap. Returns
-    0, changing nothing, where there is no ``[heap]`` (not Linux), no ``madvise``, or the
-    kernel refuses ``MADV_HUGEPAGE`` (huge pages disabled). A kernel older than 6.1 has no
-    ``MADV_COLLAPSE``; there ``khugepaged`` collapses the range later."""
+    """Back the C heap with huge pages now (``MADV_HUGEPAGE``, then ``MADV_COLLAPSE``, a
+    one-off cost; the trainer and the benchmarks call it after a few steps); returns the
+    bytes asked for, only what grew since the last call. 0, changing nothing, where there
+    is no ``[heap]`` (not Linux), no ``madvise``, or the kernel refuses ``MADV_HUGEPAGE``
+    (huge pages disabled); a kernel older than 6.1 has no ``MADV_COLLAPSE``, and
+    ``khugepaged`` collapses the range later."""
     global _heap_done
     heap = _heap()
     madvise = _libc_function("madvise")

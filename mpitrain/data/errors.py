@@ -1,10 +1,9 @@
 """The one error of the data layer, and turning any failure to read a data file into it.
 
 A damaged HDF5 file makes h5py raise nearly any exception type, mostly with a message
-that does not name the file: flipping single bytes of a shard gave OSError, KeyError,
-RuntimeError, ValueError, AttributeError and OverflowError. Every read of a shard goes
-through :func:`reading`, so that what reaches the user (on every rank, through
-``Comm.agree``) is one :class:`DataError` naming the file, never a traceback.
+that does not name the file (``datasets/README.md``, "Why these choices"). Every read of
+a shard goes through :func:`reading`, so that what reaches the user (on every rank,
+through ``Comm.agree``) is one :class:`DataError` naming the file, never a traceback.
 """
 
 from __future__ import annotations

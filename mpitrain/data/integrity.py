@@ -1,16 +1,12 @@
 """What makes a shard's bytes and values trustworthy: its two checksums, and value checks.
 
 A shard file is two kinds of bytes (``datasets/README.md``, "Format, version 2"): its
-**data chunks**, covered by the content SHA-256 (``sha256``) that :meth:`Dataset.verify`
-re-hashes, and everything else, its **metadata**, covered by ``metadata_sha256`` (of
-every byte outside the chunks' ``data_ranges``). Opening a shard hashes those few
-kilobytes *before* h5py reads the file: HDF5 trusts its metadata, and one flipped byte
-there can end the process ("Why these choices"), so h5py only ever parses verified
-metadata, and a damaged one is one :class:`DataError` naming the file, at open.
-
-Values are checked where the model would index with them: labels and token ids in range
-(:func:`check_ids`, a min and a max per read), and images as uint8 pixel values 0-255
-(:func:`check_images`), which is what :func:`mpitrain.data.loader.normalize` scales.
+**data chunks**, covered by the content ``sha256`` that :meth:`Dataset.verify` re-hashes,
+and its **metadata**, every other byte, covered by ``metadata_sha256``. Opening a shard
+hashes those few kilobytes *before* h5py reads the file, as HDF5 trusts its metadata and
+one flipped byte there can end the process ("Why these choices"): a damaged one is one
+:class:`DataError` naming the file, at open. Values are checked where the model indexes
+with them (:func:`check_ids`) and where it scales them (:func:`check_images`).
 """
 
 from __future__ import annotations
@@ -92,8 +88,7 @@ def check_ids(values: np.ndarray, limit: int, what: str, where: str, first: int 
         return
     bad = int(np.flatnonzero((values < 0) | (values >= limit))[0])
     unit = "classes" if what == "label" else "characters in the vocabulary"
-    raise DataError(f"{where}: {what} {values[bad]} at index {first + bad} is outside 0..{limit - 1} "
-                    f"({limit} {unit})")
+    raise DataError(f"{where}: {what} {values[bad]} at index {first + bad} is outside 0..{limit - 1} ({limit} {unit})")
 
 
 def check_images(x: np.ndarray, where: str) -> None:

@@ -1,16 +1,11 @@
 """The manifest of a shard dataset: its checksum, its format version, and a check of every field.
 
-``manifest.json`` decides what a run does (the classes and statistics, the vocabulary,
-the splits, the shard files and their hashes), so all of it is covered by
-``manifest_sha256``, the SHA-256 of its canonical JSON without that key
+``manifest.json`` decides what a run does, so all of it is covered by ``manifest_sha256``
 (``datasets/README.md``, "The manifest's checksum"), verified before any field is used.
 Then every field is checked for type and range (a manifest written by another tool, or
-edited and re-sealed, can still be wrong), each error naming the field:
-``splits.train.count must be an integer >= 1, got None``.
-
-A format version 1 directory has no checksums to check its metadata against, so it is
-refused with the command that rebuilds it; ``mpitrain data build`` into it replaces it
-(:func:`outdated` finds it), and the embedded quickstart cache is rebuilt by itself.
+edited and re-sealed, can still be wrong), each error naming the field. A format version 1
+directory has no checksums to check its metadata against: it is refused with the command
+that rebuilds it, and a build into it replaces it (:func:`outdated`).
 """
 
 from __future__ import annotations
@@ -45,9 +40,8 @@ def checksum(manifest: dict) -> str:
 
 def write_manifest(directory: Path, manifest: dict) -> None:
     """Write ``directory/manifest.json`` with its checksum."""
-    sealed = {**manifest, CHECKSUM: checksum(manifest)}
     with open(Path(directory) / MANIFEST, "w", encoding="utf-8") as f:
-        json.dump(sealed, f, indent=1)
+        json.dump({**manifest, CHECKSUM: checksum(manifest)}, f, indent=1)
         f.write("\n")
 
 

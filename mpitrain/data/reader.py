@@ -19,25 +19,16 @@ A *round* is one block: ``K`` steps for which each rank reads ``B/P`` blocks of 
 contiguous samples (a few large ``preadv`` calls) and gathers them into ``K`` batches with
 one ``take``. A background thread reads up to ``prefetch`` rounds ahead into a queue,
 across epoch boundaries; ``K`` makes a round about ``buffer_mb`` of samples over all ranks.
-The shuffle therefore mixes within a lane's block; builders shuffle class-sorted sources
-once, so lanes hold mixed classes. Gathered over ranks, an epoch visits every sample
-exactly once (with ``drop_last``, all but ``N mod B``), and the rank slices of a step,
-concatenated, are the global batch of a one-rank run.
+The shuffle mixes within a lane's block (the builders shuffle class-sorted sources once).
+Gathered over ranks, an epoch visits every sample exactly once (with ``drop_last``, all but
+``N mod B``), and a step's rank slices, concatenated, are the global batch of a one-rank run.
 
 Text is read the same way with *windows* of ``T + 1`` tokens as samples, giving
-``(input, target)`` pairs of length ``T``. Window ``k`` of an epoch starts (``sampling``)
-
-* ``"stride"``: at ``t0 + k*T`` (``t0`` random in ``[0, T)`` per epoch): the epoch reads
-  the split once, each token at one place in its window; evaluation reads this way;
-* ``"random"``: at a uniformly random token, a hash of (seed, epoch, ``k``)
-  (:func:`random_starts`), as nanoGPT draws its batches: over the run the text is seen
-  at every alignment, and any rank computes any window's start by itself (the same
-  batches at any rank count and after a resume). An epoch is still ``n`` windows, but
-  they may overlap and some text goes unseen in it; each window is its own read.
-
-:class:`IOStats` counts, per epoch, the bytes read, the seconds spent reading and
-gathering, the samples delivered, and the *stall*: seconds the training loop waited for
-a batch. Nothing here calls MPI; the trainer gathers the statistics over ranks.
+``(input, target)`` pairs of length ``T``; why each ``sampling``: ``datasets/README.md``,
+"Reading: lanes". Window ``k`` of an epoch starts, with ``"stride"``, at ``t0 + k*T``
+(``t0`` random in ``[0, T)`` per epoch), and with ``"random"`` at a uniformly random token,
+a hash of (seed, epoch, ``k``) (:func:`random_starts`) that any rank computes by itself;
+an epoch is still ``n`` windows, which may overlap, each its own read.
 """
 
 from __future__ import annotations
@@ -145,10 +136,8 @@ class _Images:
     """Samples are rows of ``x`` with labels ``y``."""
 
     def __init__(self, split: Split):
-        self.split = split
-        self.sample_shape = split.sample_shape
+        self.split, self.sample_shape, self.n = split, split.sample_shape, split.count
         self.dtype, self.label_dtype = split.x_dtype, split.y_dtype
-        self.n = split.count
 
     def read(self, first: int, stop: int, x: np.ndarray, y: np.ndarray, plan: EpochPlan) -> int:
         return self.split.read("x", first, stop, x) + self.split.read("y", first, stop, y)
@@ -165,8 +154,7 @@ class _Windows:
         if split.count < T + 1:
             raise DataError(f"{split.shards[0].path.parent}: split {split.name!r} has {split.count} tokens, "
                             f"fewer than block_size + 1 = {T + 1}")
-        self.split, self.T, self.sampling = split, T, sampling
-        self.sample_shape = (T + 1,)
+        self.split, self.T, self.sampling, self.sample_shape = split, T, sampling, (T + 1,)
         self.dtype, self.label_dtype = split.x_dtype, np.dtype(np.uint8)  # no labels: targets are tokens
         self.n = max(1, (split.count - T) // T)  # windows, the same number for every token offset
 
@@ -321,8 +309,7 @@ class ShardReader:
         with self._lock:  # reuse the buffers of an earlier iteration: fresh pages cost a fault each
             buffers = self._spare.pop() if self._spare else {}
         try:
-            epoch = first_epoch
-            while epochs is None or epoch < first_epoch + epochs:
+            for epoch in itertools.count(first_epoch) if epochs is None else range(first_epoch, first_epoch + epochs):
                 plan = self.plan(epoch)
                 skip = first_step if epoch == first_epoch else 0
                 step = 0
@@ -332,7 +319,6 @@ class ShardReader:
                         if not put((epoch, step, max(0, skip - step), batches)):
                             return
                     step += length
-                epoch += 1
             put(None)
         except BaseException as e:  # handed to the training loop, which re-raises it
             put(e)

@@ -1,13 +1,12 @@
 """The HDF5 shard format: opening and checking a dataset directory, reading rows.
 
-A dataset directory holds ``manifest.json`` and one or more HDF5 shards per split
-(``train-00000.h5``, ...), each with ``x`` (samples; for text, one token-id stream) and,
-for labelled data, ``y``. The specification, what opening checks and the reasons for
-each choice: ``datasets/README.md``. The manifest's fields are checked by
-:mod:`mpitrain.data.manifest`, a shard's bytes by :mod:`mpitrain.data.integrity` (its
-metadata before h5py reads it); writing is :mod:`mpitrain.data.writer`.
-:meth:`Dataset.verify` re-hashes content and checks values, split over ranks by the
-caller (this module never calls MPI). Any failure is one :class:`DataError` naming the file.
+The format (a manifest and HDF5 shards of ``x`` and, for labelled data, ``y``), what
+opening checks and the reasons for each choice: ``datasets/README.md``. The manifest's
+fields are checked by :mod:`mpitrain.data.manifest`, a shard's bytes by
+:mod:`mpitrain.data.integrity` (its metadata before h5py reads it); writing is
+:mod:`mpitrain.data.writer`. :meth:`Dataset.verify` re-hashes content and checks values,
+split over ranks by the caller (this module never calls MPI). Any failure is one
+:class:`DataError` naming the file.
 
 Rows are read with ``os.preadv`` straight from the file offsets of unfiltered chunks
 (HDF5 records them; h5py reports them), which avoids h5py's per-call selection cost
@@ -56,8 +55,7 @@ class _Shard:
             return out.nbytes
         rows_per_chunk, row_bytes, file_offsets = offsets
         flat = out.reshape(-1).view(np.uint8)
-        done = 0
-        row = start
+        done, row = 0, start
         while row < stop:
             k = row // rows_per_chunk
             # extend the run over following chunks that lie right after this one in the file
@@ -68,8 +66,7 @@ class _Shard:
             run_stop = min(stop, (end_k + 1) * rows_per_chunk)
             position = file_offsets[k] + (row - k * rows_per_chunk) * row_bytes
             n = (run_stop - row) * row_bytes
-            got = os.preadv(self.fd, [flat[done : done + n]], position)
-            if got != n:
+            if os.preadv(self.fd, [flat[done : done + n]], position) != n:
                 raise DataError(f"{self.path}: short read at byte {position} (file truncated?)")
             done += n
             row = run_stop
@@ -115,12 +112,10 @@ class Split:
     Reads check the ids the model indexes with (labels; text: token ids)."""
 
     def __init__(self, dataset: Dataset, name: str, meta: dict):  # meta: checked by mpitrain.data.manifest
-        self.name = name
-        self.count = meta["count"]
+        self.name, self.count, self.chunk_rows = name, meta["count"], meta["chunk_rows"]
         self.sample_shape = tuple(meta["sample_shape"])
         self.x_dtype = np.dtype(meta["x_dtype"])
         self.y_dtype = np.dtype(meta["y_dtype"]) if meta["y_dtype"] else None
-        self.chunk_rows = meta["chunk_rows"]
         # the dataset ("x" or "y") holding ids below self.ids, the size of what they index
         self.checked, self.ids = ("x", len(dataset.vocab)) if self.y_dtype is None else ("y", len(dataset.classes))
         firsts = [0, *itertools.accumulate(s["count"] for s in meta["shards"])]  # of each shard's rows in the split
@@ -150,20 +145,17 @@ class Split:
         """Rows [start, stop) of the split (0 <= start <= stop <= count) into ``out``;
         returns the bytes read. Only the shards holding those rows are opened. With
         ``check``, ids read (labels; text: tokens) must be in range (:meth:`check`)."""
-        done, total = 0, 0
+        total, first = 0, start
         i = int(np.searchsorted(self._starts, start, side="right")) - 1
         while start < stop:
             s = self.shards[i]
             end = min(stop, s.first + s.count)
-            n = end - start
-            rows = out[done : done + n]
+            rows = out[start - first : end - first]
             with reading(s.path):
                 total += self.shard_file(i).read(name, start - s.first, end - s.first, rows)
             if check and name == self.checked:
                 self.check(rows, start, s.path)
-            done += n
-            start = end
-            i += 1
+            start, i = end, i + 1
         return total
 
     def check(self, ids: np.ndarray, first: int, path: Path) -> None:
@@ -231,8 +223,7 @@ class Dataset:
         with reading(p, "not a readable HDF5 file"), h5py.File(p, "r") as f:
             attrs = {k: v.tolist() if isinstance(v, (np.ndarray, np.generic)) else v for k, v in f.attrs.items()}
             layout = {n: (f[n].shape, f[n].dtype, f[n].chunks, f[n].compression) for n in split.names if n in f}
-        version = attrs.get("format_version")
-        if version != VERSION:
+        if (version := attrs.get("format_version")) != VERSION:
             raise DataError(f"{p}: shard format version {version!r} is not supported; "
                             f"this mpitrain reads version {VERSION}")
         rows = min(split.chunk_rows, info.count)
@@ -267,9 +258,8 @@ class Dataset:
                 x = split.read_all("x", info, check=False)
                 y = split.read_all("y", info, check=False) if split.y_dtype is not None else None
                 if content_sha256(x, y) != info.sha256:  # damage first: it would explain bad values
-                    problems.append(f"{info.path}: damaged: the SHA-256 of its content differs from the "
+                    raise DataError(f"{info.path}: damaged: the SHA-256 of its content differs from the "
                                     "manifest's; rebuild the dataset")
-                    continue
                 split.check(y if split.checked == "y" else x, info.first, info.path)
             except DataError as e:
                 problems.append(str(e))

@@ -35,7 +35,6 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint8 if vocab_size <= 256 else np.uint16 if vocab_size <= 65536 else np.int32)
 
 
-# --------------------------------------------------------------------- writing
 class DatasetWriter:
     """Write a dataset directory atomically::
 
@@ -43,16 +42,11 @@ class DatasetWriter:
             w.write_split("train", x_train, y_train)
             w.write_split("test", x_test, y_test)
 
-    Everything goes into a hidden temporary directory beside ``out``: on leaving the
-    block without an error the manifest is written and the directory renamed into place
-    (what a killed build left, the next build of ``out`` clears up: :func:`_recover`); on
-    an error it is removed. If ``out`` already holds this same dataset (equal content
-    hashes) and it verifies, the new copy is discarded and :attr:`up_to_date` is set; a
-    copy of it with damaged shards, or of an older format version, is replaced; anything
-    else (a damaged manifest names no dataset to trust) is a :class:`DataError`.
-
-    Image datasets need ``classes``, ``mean`` and ``std`` (per channel, of the training
-    pixels scaled to [0, 1]); text datasets need ``vocab``.
+    The shards go into a hidden directory beside ``out``, renamed into place with the
+    manifest on leaving the block, removed on an error; what becomes of an existing ``out``
+    (:attr:`up_to_date`: it holds this same dataset, intact) is in ``datasets/README.md``,
+    "Atomic and safe". Image datasets need ``classes``, ``mean`` and ``std`` (per channel,
+    of the training pixels scaled to [0, 1]); text datasets need ``vocab``.
     """
 
     def __init__(self, out, name: str, kind: str, *, shard_mb: float = 16, compression: str | None = None,
@@ -69,9 +63,8 @@ class DatasetWriter:
             fields.check_statistics(self.out, meta.get("mean"), meta.get("std"))
         else:
             fields.check_vocab(self.out, meta.get("vocab"))
-        self.name, self.kind = name, kind
+        self.name, self.kind, self.compression = name, kind, compression
         self.shard_bytes, self.chunk_bytes = int(shard_mb * 2**20), int(chunk_kb * 2**10)
-        self.compression = compression
         self.manifest = {"format": FORMAT, "version": VERSION, "name": name, "kind": kind,
                          "compression": compression, "source": source or {}, **meta, "splits": {}}
         self.up_to_date = False
@@ -107,10 +100,8 @@ class DatasetWriter:
             file = f"{split}-{index:05d}.h5"
             digest = content_sha256(xs, ys)
             with h5py.File(self.tmp / file, "w") as f:
-                kw = {"chunks": (min(chunk_rows, len(xs)), *xs.shape[1:]), "compression": self.compression}
-                f.create_dataset("x", data=xs, **kw)
-                if ys is not None:
-                    f.create_dataset("y", data=ys, chunks=(min(chunk_rows, len(ys)),),
+                for name, data in (("x", xs), ("y", ys))[: 1 if ys is None else 2]:
+                    f.create_dataset(name, data=data, chunks=(min(chunk_rows, len(data)), *data.shape[1:]),
                                      compression=self.compression)
                 f.attrs.update({"format_version": VERSION, "dataset": self.name, "split": split,
                                 "index": index, "count": len(xs), "sample_shape": list(xs.shape[1:]),
@@ -164,8 +155,7 @@ class DatasetWriter:
         if self.out.is_dir() and not any(self.out.iterdir()):
             self.out.rmdir()  # an empty directory the user made is replaced
         if self.out.exists() and outdated(self.out) is None:
-            existing = read_manifest(self.out)
-            if _content(existing) != _content(self.manifest):
+            if _content(read_manifest(self.out)) != _content(self.manifest):
                 raise DataError(f"{self.out}: already holds a different build of {self.name!r} "
                                 "(other content); remove it or choose another output directory")
             if _intact(self.out):
@@ -200,8 +190,7 @@ def _recover(out: Path) -> None:
     an unfinished ``.tmp-`` directory goes; an ``.old-`` one, the previous dataset moved
     aside for the new one, goes back to ``out`` if the new one never got there, and goes
     if it did. Another host's, or a live process's, are left alone."""
-    host = socket.gethostname()
-    pattern = re.compile(re.escape(f".{out.name}.") + r"(tmp|old)-" + re.escape(host) + r"-(\d+)")
+    pattern = re.compile(re.escape(f".{out.name}.") + r"(tmp|old)-" + re.escape(socket.gethostname()) + r"-(\d+)")
     if not out.parent.is_dir():
         return
     for path in sorted(out.parent.iterdir(), key=lambda p: p.name.startswith(f".{out.name}.tmp")):  # old first
