@@ -1,11 +1,11 @@
 """What training costs, once: every formula the code, the tests, the benchmarks and the
 end-of-run tables use, as pure functions of shapes and sizes (no MPI, no arrays).
 
-A formula written twice drifts; here each is written once, with its source, and every
-place that predicts a cost calls it: the communicators count MPI's collectives by
-:func:`collective_bytes`, the start of a run states each strategy's bytes per step, the
-end of a run sets the model state it counted beside :func:`bytes_per_parameter`, the
-benchmarks and the tests hold what they measure against these functions.
+A formula written twice drifts; here each is written once, with its source: the
+communicators count MPI's collectives by :func:`collective_bytes`, the start of a run
+states each strategy's bytes per step, the end of a run sets the model state it counted
+beside :func:`bytes_per_parameter`, and the benchmarks and tests hold what they measure
+against these functions (a test keeps formulas out of every other module).
 
 Sizes: ``n`` numbers of ``itemsize`` bytes, ``P`` ranks; "bytes" are what one rank
 sends (each rank sends as much in these algorithms); ``B`` samples of ``T`` tokens,

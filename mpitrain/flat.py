@@ -79,15 +79,13 @@ def buckets(params, cap_bytes: int) -> list[list]:
 
 
 class Buckets:
-    """Gradients exchanged in buckets, started during backward: ``params`` grouped as
-    backward completes them (reverse order, of one dtype, up to ``cap_bytes`` each,
-    :func:`buckets`), and the gradient-ready hook that counts each bucket down and calls
-    ``start(i)`` for bucket ``i`` once it is complete and every bucket before it has
-    started, so that every rank starts them in the same order (their collectives must
-    match). After each hook ``progress()``, if given, lets what is in flight move.
-    ``early=False`` only counts: everything starts in :meth:`flush`. While ``counting``
-    is false (micro-batches accumulating) the hooks do nothing. Data parallelism and
-    ZeRO-2 share it."""
+    """Gradients exchanged in buckets started during backward (data parallelism's and
+    ZeRO-2's): ``params`` grouped as backward completes them (:func:`buckets`), and the
+    gradient-ready hook that counts a bucket down and calls ``start(i)`` once bucket ``i``
+    is complete and every one before it has started, so every rank starts them in the same
+    order (their collectives must match); then ``progress()``, if given, moves what is in
+    flight. ``early=False`` only counts (all start in :meth:`flush`); while ``counting`` is
+    false (micro-batches accumulating) the hooks do nothing."""
 
     def __init__(self, params, cap_bytes: int, start, progress=None, early: bool = True):
         params = list(params)

@@ -155,6 +155,24 @@ def test_a_checkpoint_of_format_version_1_still_resumes_with_a_note(text_data, t
     assert any("at step 12" in line and "format version 1: its metadata has no checksum" in line for line in lines)
 
 
+def test_a_format_version_1_checkpoint_is_checked_to_its_last_array(text_data, tmp_path):
+    """A header-less (format 1) file's arrays are all read when it is checked: damage in
+    the last one is found, not only in the first (h5py's visit stops at a returned value)."""
+    path = three_checkpoints(text_data, tmp_path / "a")[-1]
+    without_header(path)
+    checkpoint.check(path)
+    with h5py.File(path, "r") as f:
+        arrays = []
+        f.visititems(lambda name, obj: arrays.append(obj) if isinstance(obj, h5py.Dataset) and obj.size > 1 else None)
+        last = arrays[-1]
+        offset = last.id.get_offset() if last.chunks is None else last.id.get_chunk_info(0).byte_offset
+    data = bytearray(path.read_bytes())
+    data[offset + 3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(checkpoint.CheckpointError):
+        checkpoint.check(path)
+
+
 # ------------------------------------------------------------- write errors
 def test_a_failed_write_leaves_no_temporary_file_and_the_previous_checkpoint_intact(text_data, tmp_path,
                                                                                    monkeypatch):

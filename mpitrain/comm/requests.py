@@ -7,19 +7,16 @@ only while the process is inside an MPI call) and says whether it is done; ``wai
 finishes it. mpitrain's own algorithms (the ring, the two-rank exchange, the node-aware
 allreduce) are requests too, advanced step by step from ``test()``.
 
-**Counters.** Every communicator counts, in its :class:`CommStats`, the bytes this rank
-sends, the bytes it receives point to point, the seconds it is *blocked* (inside a
-blocking call or a wait: exposed communication), and the seconds its collectives are
-*busy* (from each one's start until it is seen complete, whether the rank waited for it
-or computed meanwhile, collectives in flight together counted once: blocked and busy
-together say how much overlap hid). A communicator made from another (``dup``,
-``split``) has a counter of its own, which adds into its parent's too. So the grid's
-``dp_comm``, ``pp_comm`` and ``tp_comm`` each count everything done on their axis, by
-whichever duplicate, bucket or sub-group, and a strategy counts nothing itself.
-
-A blocked second is counted once, by the outermost call (a ring's ``wait`` waits for its
-messages inside it), and only on the training thread: a communication thread's calls
-are busy, not blocked; the training thread's wait for them is what blocks it.
+**Counters.** Every communicator's :class:`CommStats` counts the bytes this rank sends,
+the bytes it receives point to point, the seconds it is *blocked* (in a blocking call or
+a wait: exposed communication) and the seconds its collectives are *busy* (each from its
+start until seen complete, waited for or not, those in flight together counted once:
+with blocked, how much overlap hid). A communicator made from another (``dup``,
+``split``) has its own counter, which adds into its parent's: the grid's ``dp_comm``,
+``pp_comm`` and ``tp_comm`` each count everything on their axis, and a strategy counts
+nothing itself. A blocked second is counted once, by the outermost call (a ring's
+``wait`` waits for its messages inside it), and only on the training thread: a
+communication thread's calls are busy, the training thread's wait for them blocked.
 
 **Tracing.** :func:`trace_operations` installs a function called with ``(name, start,
 end, bytes)`` as each collective completes (the timeline's communication track), as

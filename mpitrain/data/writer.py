@@ -146,7 +146,7 @@ class DatasetWriter:
     def _commit(self) -> None:
         from mpitrain import __version__
 
-        self.manifest["created"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        self.manifest["created"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         self.manifest["written_by"] = f"mpitrain {__version__}"
         write_manifest(self.tmp, self.manifest)
         for p in self.tmp.iterdir():

@@ -1,11 +1,9 @@
 """The ways of spreading training over ranks, one module each, and the seam they share.
 
-Each module spreads training one way and stands alone (it imports no other module of
-this package): :mod:`~.local`, :mod:`~.data_parallel`, :mod:`~.zero` (stages 1 and 2),
-:mod:`~.zero3`, :mod:`~.param_server` over the data-parallel ranks; :mod:`~.pipeline`
-(a stage of consecutive layers) and :mod:`~.tensor_parallel` (layers sliced) cut the
-model itself. The trainer (:mod:`mpitrain.train.build`) stacks them on one
-``dp x pp x tp`` grid.
+Each module stands alone (it imports no other module of this package): :mod:`~.local`,
+:mod:`~.data_parallel`, :mod:`~.zero` (stages 1 and 2), :mod:`~.zero3`, :mod:`~.param_server`
+over the data-parallel ranks; :mod:`~.pipeline` and :mod:`~.tensor_parallel` cut the model
+itself. The trainer (:mod:`mpitrain.train.build`) stacks them on one ``dp x pp x tp`` grid.
 
 What the training loop calls on the data-parallel strategy, whichever it is, is a
 :class:`GradSync`: how the gradients of a step become an update. Each step:
@@ -26,9 +24,8 @@ the calls that wait for other ranks (the stall watchdog and the timeline show th
 
 A strategy counts nothing: its communicators count bytes and seconds
 (:mod:`mpitrain.comm.requests`), its memory is read from the arrays it keeps
-(:func:`mpitrain.observe.memory.model_state`), and every formula is in
-:mod:`mpitrain.cost`. The defaults below are one replica's that holds the whole model
-and its whole optimizer state; :mod:`~.local` is this class alone.
+(:func:`mpitrain.observe.memory.model_state`), every formula is :mod:`mpitrain.cost`'s.
+The defaults below are one whole replica's; :mod:`~.local` is this class alone.
 """
 
 from __future__ import annotations

@@ -334,28 +334,23 @@ def _terminal() -> bool:
 
 
 def show_bar(setting: str, terminal: bool, launched: bool) -> bool:
-    """Whether the leading rank draws a progress bar, whose carriage returns belong on a
-    terminal and would garble a log file. ``setting`` is ``run.progress``: ``bar`` and
-    ``lines`` decide; ``auto`` draws it when stdout is a ``terminal`` and the process was
-    not ``launched`` by mpiexec or srun. Under a launcher a rank cannot tell where its
-    output ends up: MPICH's Hydra gives it a pipe to mpiexec, in a session of its own
-    without a controlling terminal (no ``/dev/tty``), even when mpiexec runs on one; Open
-    MPI gives it a pseudo-terminal even when mpirun's output goes to a file
-    (open-mpi/ompi#7868). There ``run.progress = "bar"`` says the user watches a terminal."""
+    """Whether the leading rank draws a progress bar (its carriage returns would garble a
+    log file). ``setting`` is ``run.progress``: ``bar`` and ``lines`` decide; ``auto`` draws
+    it on a ``terminal`` not ``launched`` by mpiexec or srun, since a launched rank cannot
+    tell where its output goes: MPICH's Hydra hands it a pipe even from a terminal, Open
+    MPI a pseudo-terminal even into a file (open-mpi/ompi#7868)."""
     if setting != "auto":
         return setting == "bar"
     return terminal and not launched
 
 
 class StopSignals:
-    """SIGINT (Ctrl-C), SIGTERM and SIGUSR1 (a scheduler's notice: SLURM sends them
-    before preemption or the time limit) only set a flag; the loop finishes the step,
-    the run saves a checkpoint and returns. Under ``mpiexec`` a Ctrl-C reaches every
-    rank (MPICH's launcher forwards it; each rank is in a session of its own, so the
-    terminal does not). The first SIGINT puts back the default action, so a second one
-    ends the process at once, even inside a blocking call (the launcher then ends the
-    others; MPICH's does so itself on a second Ctrl-C). ``loud``: this rank says so when
-    the first arrives. Installed in the main thread only, and put back on exit."""
+    """SIGINT (Ctrl-C), SIGTERM and SIGUSR1 (SLURM's notice before preemption or the time
+    limit) only set a flag: the loop finishes the step, the run saves a checkpoint and
+    returns. Under ``mpiexec`` a Ctrl-C reaches every rank through the launcher. The first
+    SIGINT puts back the default action, so a second one ends the process at once, even
+    in a blocking call (the launcher then ends the others). ``loud``: this rank says so
+    when the first arrives. Installed in the main thread only, put back on exit."""
 
     SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
 

@@ -1,19 +1,16 @@
 """The gradient sync of a rank that holds a part of the model: a pipeline stage, its slices
 of every layer (tensor parallel), or both.
 
-The replicas of the part synchronise over ``dp_comm`` as any model's do (``inner``: ddp
-or local); what a part adds is the whole model's view, over the grid's other axes:
-
-* after the replicas' exchange, the gradients that parts share are summed: a weight two
-  stages hold (the GPT's token embedding, tied to its head) over those stages
-  (:meth:`~mpitrain.parallel.pipeline.PipelineStage.sum_tied_grads`), and with sequence
-  parallelism each whole weight's over the slices
-  (:func:`~mpitrain.parallel.tensor_parallel.sum_replicated_grads`);
-* clipping takes the whole model's gradient norm: each rank's sum of squares over the
-  parameters it speaks for (a tied weight on its first stage, a weight every slice holds
-  whole on slice 0), summed over ``pp_comm`` and ``tp_comm``;
-* the digest at the end is the whole model's, gathered from the parts, as one process
-  would print it; checkpoints place a stage's optimizer state in the whole model's layout.
+The part's replicas synchronise over ``dp_comm`` as any model's do (``inner``: ddp or
+local); a part adds the whole model's view over the grid's other axes. After the
+replicas' exchange the gradients parts share are summed: a weight two stages hold (the
+GPT's embedding, tied to its head; :meth:`~mpitrain.parallel.pipeline.PipelineStage.sum_tied_grads`)
+and, with sequence parallelism, each whole weight's over the slices
+(:func:`~mpitrain.parallel.tensor_parallel.sum_replicated_grads`). Clipping takes the
+whole model's norm: each rank's sum of squares over the parameters it speaks for (a tied
+weight on its first stage, a weight every slice holds whole on slice 0), summed over
+``pp_comm`` and ``tp_comm``. The digest is the whole model's, gathered from the parts;
+checkpoints place a stage's optimizer state in the whole model's layout.
 """
 
 from __future__ import annotations

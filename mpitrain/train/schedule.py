@@ -1,21 +1,16 @@
 """A step as data: the order of one rank's forward and backward passes, and its interpreter.
 
-A *schedule* is a plain list of actions for one rank and one global batch: ``Forward(i)``
-runs micro-batch ``i`` through the model and keeps its loss, ``Backward(i)`` runs its
-backward pass (the action types are :mod:`mpitrain.schedules`'). The list can
-be printed, checked and simulated without running anything; :meth:`WholeModel.run`
-carries it out in a few lines (PyTorch's ``torch.distributed.pipelining`` schedules are
-instruction lists of the same kind).
-
-With the whole model on the rank the schedule is gradient accumulation
-(:func:`one_stage`): ``F0 B0 F1 B1 ...``; with one micro-batch it is plain training.
-A pipeline stage's schedules (GPipe, 1F1B, interleaved, ZB-H1) add the actions that
-receive its input and send its output, and run in
-:meth:`mpitrain.parallel.pipeline.PipelineStage.run`. Either object is the role's
-schedule: the one place that owns the micro-batches (the loop hands it a lane's batch),
-with ``run(x, y, lanes, sync, streams, before_backward) -> loss`` for a training step
-and ``forward_only(x)``, ``loss_only(x, y)`` for evaluation (None on a rank where the
-model does not end).
+A *schedule* is a plain list of actions for one rank and one global batch
+(:mod:`mpitrain.schedules`' types): ``Forward(i)`` runs micro-batch ``i`` and keeps its
+loss, ``Backward(i)`` its backward pass; :meth:`WholeModel.run` carries it out in a few
+lines (PyTorch's ``torch.distributed.pipelining`` schedules are such lists too). With the
+whole model on the rank it is gradient accumulation (:func:`one_stage`: ``F0 B0 F1 B1
+...``; one micro-batch: plain training); a pipeline stage's lists add the messages and
+run in :meth:`mpitrain.parallel.pipeline.PipelineStage.run`. Either object is the role's
+schedule, the one owner of the micro-batches (the loop hands it a lane's batch):
+``run(x, y, lanes, sync, streams, before_backward) -> loss`` for a training step,
+``forward_only(x)`` and ``loss_only(x, y)`` for evaluation (None where the model does
+not end).
 
 **Loss scale.** Each micro-batch's loss is the mean over its ``b/m`` samples; scaled by
 ``1/m``, the sum of the micro-batches' gradients is the gradient of the mean over all
