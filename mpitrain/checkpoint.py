@@ -7,9 +7,10 @@ HDF5 file holding
 * attributes: ``format``, ``format_version``, ``mpitrain_version``, ``step`` (optimizer
   steps done), ``epoch`` and ``epoch_step`` (the data position: the reader's batches are a
   function of the step, given the seed, global batch, ``data.buffer_mb``,
-  ``data.sampling`` and the data), ``ranks`` and ``strategy`` (the sync and grid, by their
-  old name) at save time, as JSON ``config`` (resolved), ``rng`` (:mod:`mpitrain.rng`)
-  and ``optimizer`` (its step count and group hyperparameters), ``created``;
+  ``data.sampling`` and the data), ``ranks`` and ``strategy`` (the sync and the grid, under
+  the name older checkpoints gave them) at save time, as JSON ``config`` (resolved),
+  ``rng`` (:mod:`mpitrain.rng`) and ``optimizer`` (its step count and group
+  hyperparameters), ``created``;
 * ``model/<name>``: every parameter and buffer, by its dotted name;
 * ``optim/state/<key>`` ``(N,)``: each array state of the optimizer (Adam's
   ``exp_avg`` and ``exp_avg_sq``, SGD's ``momentum``) *flat*: the ``N`` parameter

@@ -93,7 +93,7 @@ class Optimizer:
 
     def memory(self) -> dict:
         """Bytes of optimizer state (``optim_bytes``) and of the reusable work array
-        (``work_bytes``): the optimizer's part of a gradient sync's ``memory()``."""
+        (``work_bytes``): the optimizer's part of :func:`mpitrain.observe.memory.model_state`."""
         state = sum(v.nbytes for s in self.state.values() for v in s.values() if isinstance(v, np.ndarray))
         work = getattr(self, "_buffer", None)
         return {"optim_bytes": state, "work_bytes": 0 if work is None else work.nbytes}

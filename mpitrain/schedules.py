@@ -1,6 +1,6 @@
 """Schedules as data: the order of each rank's forward and backward passes in one step of
 a pipeline, a simulator that runs them in time, and the cut of a model's layers into
-stages (:func:`balance`). No MPI: the pipeline runs these, the planner reads them.
+stages (:func:`balance`). No MPI: the pipeline runs these, and a planner can read them.
 
 For ``p`` stages and ``m`` micro-batches a schedule is, per rank, an ordered list of
 actions (:func:`schedule`): ``Forward``, ``Backward`` (or its two halves for zero bubble:

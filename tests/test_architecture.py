@@ -230,8 +230,8 @@ def test_the_formula_check_sees_each_shape():
 
 
 def test_no_formula_outside_the_cost_module():
-    """Cost knowledge lives once: the code, the tests' assertions, the benchmarks and the
-    planner call mpitrain.cost; no other module of the package writes a formula."""
+    """Cost knowledge lives once: the code, the tests' assertions and the benchmarks call
+    mpitrain.cost; no other module of the package writes a formula."""
     for path in PACKAGE.rglob("*.py"):
         if path.name == "cost.py" and path.parent == PACKAGE:
             continue

@@ -208,5 +208,5 @@ def test_a_worker_that_raises_ends_the_parameter_server_job():
             "                raise RuntimeError('injected failure on worker 1 at step 2')\n"
             "            model(x, x)[1].backward()\n"
             "            ps.push(step)\n"
-            "        ps.stop()\n")
+            "        ps.leave()\n")
     assert_ended_by(run_mpi(3, code), "RuntimeError: injected failure on worker 1 at step 2", rank=2, ranks=3)

@@ -120,18 +120,18 @@ def test_zero2_sends_its_formula_and_keeps_a_shard(algorithm, micro, accumulate)
     n = sum(p.size for p in model.parameters())
     per_step = (micro + 1 if accumulate == "sharded" else 2) * (P - 1) * n * 8
     assert cost.zero_bytes(2, n * 8, P, micro, accumulate == "sharded") * P == pytest.approx(per_step, rel=1e-12)
-    calls = 3 * (micro + 1) * len(z.parts)  # MPI's collectives count whole bytes: <1 lost per call
+    calls = 3 * (micro + 1) * len(z.ranges)  # MPI's collectives count whole bytes: <1 lost per call
     total = sum(comm.allgather(z.comm.stats.bytes_sent - start))
     assert abs(total - 3 * per_step) < P * calls
     if algorithm == "ring":  # counted as sent, byte for byte
         assert total == 3 * per_step
-    mine = sum(int(np.diff(chunk_bounds(bk.hi - bk.lo, P))[comm.rank]) for bk in z.parts)
-    assert z.grad_shard.size == mine and abs(mine - n / P) <= len(z.parts)
+    mine = sum(int(np.diff(chunk_bounds(bk.hi - bk.lo, P))[comm.rank]) for bk in z.ranges)
+    assert z.grad_shard.size == mine and abs(mine - n / P) <= len(z.ranges)
     pieces = sum(len(g["params"]) for g in z.optimizer.param_groups)
     state = z.optimizer.memory()["optim_bytes"]
     assert state == 2 * mine * 8 + pieces * 8
     model_state = z.flat_params.nbytes + z.grad_shard.nbytes + state - pieces * 8
-    assert model_state == pytest.approx((8 + 24 / P) * n, abs=24 * len(z.parts))  # float64: 2 x (4 + 12/P)
+    assert model_state == pytest.approx((8 + 24 / P) * n, abs=24 * len(z.ranges))  # float64: 2 x (4 + 12/P)
     z.close()
 
 

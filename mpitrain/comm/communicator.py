@@ -71,11 +71,11 @@ class SingleComm:
     def dup(self) -> "SingleComm":
         return SingleComm(CommStats(parent=self.stats))
 
-    def split_node(self) -> "SingleComm":
-        return self
-
     def split(self, color: int, key: int) -> "SingleComm":
-        return self
+        return self.dup()
+
+    def split_node(self) -> "SingleComm":
+        return self.dup()
 
     def node_size(self) -> int:
         return 1

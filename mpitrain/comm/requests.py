@@ -15,8 +15,8 @@ with blocked, how much overlap hid). A communicator made from another (``dup``,
 ``split``) has its own counter, which adds into its parent's: the grid's ``dp_comm``,
 ``pp_comm`` and ``tp_comm`` each count everything on their axis, and a strategy counts
 nothing itself. A blocked second is counted once, by the outermost call (a ring's
-``wait`` waits for its messages inside it), and only on the training thread: a
-communication thread's calls are busy, the training thread's wait for them blocked.
+``wait`` waits for its messages inside it), and not on a :class:`CommThread`: its calls
+are busy, the training thread's wait for them blocked.
 
 **Tracing.** :func:`trace_operations` installs a function called with ``(name, start,
 end, bytes)`` as each collective completes (the timeline's communication track), as
@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 
 _local = threading.local()  # per thread: how deep in blocking calls; whether a communication thread
+_counting = threading.Lock()  # a communication thread and the training thread add into the same counters
 _tracers: list = []  # called (name, start, end, nbytes) as each collective completes
 
 
@@ -51,14 +52,15 @@ class CommStats:
         time, where it does not overlap the spans counted before it (collectives complete
         nearly in the order they start); here and in every parent."""
         stats = self
-        while stats is not None:
-            stats.bytes_sent += int(sent)
-            stats.bytes_received += int(received)
-            stats.seconds += seconds
-            if span is not None:
-                stats.busy += max(0.0, span[1] - max(span[0], stats._busy_until))
-                stats._busy_until = max(stats._busy_until, span[1])
-            stats = stats.parent
+        with _counting:
+            while stats is not None:
+                stats.bytes_sent += int(sent)
+                stats.bytes_received += int(received)
+                stats.seconds += seconds
+                if span is not None:
+                    stats.busy += max(0.0, span[1] - max(span[0], stats._busy_until))
+                    stats._busy_until = max(stats._busy_until, span[1])
+                stats = stats.parent
 
     def totals(self) -> tuple[int, float, float]:
         """(bytes sent, seconds blocked, seconds busy) so far."""

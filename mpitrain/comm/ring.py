@@ -66,7 +66,7 @@ wire_dtype = dtype_of  # a wire format's dtype; None for fp32 (the buffer's own 
 
 # Chunks above this many bytes are summed in place in the buffer (see "Partial sums"
 # above): their cache lines are no longer in the neighbour's cache, and the work-array
-# copy cost more than it saved (4 MiB on 2 ranks: 1.14 of MPI in place, 0.8-0.9 not).
+# copy cost more than it saved (mpitrain/bench/README.md).
 IN_PLACE_CHUNK_BYTES = 1 << 20
 
 

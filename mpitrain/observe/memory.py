@@ -39,11 +39,13 @@ def _buffers(arrays) -> int:
     placeholder, which holds no memory, not at all)."""
     seen = {}
     for a in arrays:
-        if a is None or (a.size > 1 and 0 in a.strides):
+        if a is None:
             continue
-        while isinstance(a.base, np.ndarray):
-            a = a.base
-        seen[id(a)] = a.nbytes
+        root = a
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        if root.nbytes >= a.nbytes:  # less: a broadcast placeholder (ZeRO-3's), which holds no memory
+            seen[id(root)] = root.nbytes
     return sum(seen.values())
 
 
@@ -101,7 +103,7 @@ class HeapTrace:
 
 
 def state_line(counted: dict, parameters: int, formula: float | None) -> str:
-    """One rank's model state by category (``counted``: a sync's ``memory()``) and the
+    """One rank's model state by category (``counted``: :func:`model_state`'s) and the
     formula's bytes per parameter beside it (None: no formula for this layout)."""
     parts = " + ".join(f"{label} {counted[key] / 1e6:.2f} MB" for key, label in CATEGORIES)
     total = sum(counted[key] for key, _ in CATEGORIES)

@@ -4,8 +4,8 @@ With ``run.timeline = true`` every rank records what it does, and the end of the
 (or a stop by signal) writes ``RUN_DIR/timeline.json`` in the Chrome trace event format:
 a process per rank, with the tracks ``compute`` (each layer's forward and backward: a
 GPT's embedding, blocks and head, a CNN's top-level layers; the step's other phases),
-``communication`` (each gradient bucket's allreduce, from its start in a gradient hook
-until the rank sees it complete) and ``io`` (the reader thread's reads); what each shows
+``communication`` (every collective, named by its kind, from its start, a bucket's in a
+gradient hook, until the rank sees it complete) and ``io`` (the reader thread's reads); what each shows
 and how to open it: ``jobs/README.md``, "Metrics, timeline and reports".
 
 A layer's backward is timed by gradient-ready hooks: it ends when the last of its

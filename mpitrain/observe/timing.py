@@ -42,11 +42,12 @@ class Traffic:
 
 def time_table(rows, steps: int) -> str:
     """The table of every rank's row (:func:`mpitrain.train.report.time_row`) over ``steps``
-    steps. Compute is what is left of the step seconds (the optimizer steps) after exposed
-    communication and the bubble (a pipeline stage waiting for its neighbours' activations
-    and gradients); reads run on the reader's thread beside the steps, waiting is the loop
-    stalled on data (outside the steps). A run with stages or slices gets a second table:
-    each communicator of the grid's bytes and seconds."""
+    steps (:meth:`Traffic.seconds` defines exposed, total and the bubble: the seconds
+    blocked on the pipeline's communicator, waiting for the neighbouring stages and the
+    sums over them). Compute is what is left of the step seconds after exposed
+    communication and the bubble; reads run on the reader's thread beside the steps,
+    waiting is the loop stalled on data (outside the steps). A run with stages or slices
+    gets a second table: each communicator's bytes and seconds blocked in the steps."""
     lines = ["time per rank: rank | steps s | compute s | comm exposed s | comm total s | hidden | bubble s | "
              "read s (background) | waiting s | MB sent | MB/step"]
     for rank, step_s, exposed, total, read, wait, sent, bubble, _, _ in rows:

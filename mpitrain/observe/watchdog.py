@@ -11,7 +11,7 @@ heard from; after ``abort_after`` seconds it aborts every rank (``MPI_Abort``): 
 job ends instead of holding its allocation.
 
 The waits are the phases its owner names (the trainer's step agreement; the gradient
-sync's calls that wait for other ranks, from the strategy's ``describe()``), the same on
+sync's calls that wait for other ranks, its ``waits``), the same on
 every rank of ``comm`` in the same order (a phase travels as its index); everything else
 is ``computing``. Evaluations and checkpoint writes are not watched: their length is
 mostly work, not waiting, and a long one would look like a stall.

@@ -18,9 +18,10 @@ What the training loop calls on the data-parallel strategy, whichever it is, is 
 
 Around the steps: ``sync_buffers()`` (batch-norm statistics) before an evaluation or a
 checkpoint; ``whole_model()`` around what needs every parameter whole (ZeRO-3 gathers
-them there); ``state_pieces(offsets)`` for checkpoints; after the loop ``leave()`` on
-every rank of it, then ``end()`` and ``check_replicas()`` on every rank. ``waits`` names
-the calls that wait for other ranks (the stall watchdog and the timeline show them).
+them there); ``state_pieces(offsets)`` for checkpoints; after the loop (or serving),
+however it ended, ``leave()``, then ``end()``, ``check_replicas()`` and ``summary()`` on
+every rank. ``waits`` names the calls that wait for other ranks (the stall watchdog and
+the timeline show them).
 
 A strategy counts nothing: its communicators count bytes and seconds
 (:mod:`mpitrain.comm.requests`), its memory is read from the arrays it keeps

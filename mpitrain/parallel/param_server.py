@@ -136,7 +136,6 @@ class ParameterServer(GradSync):
                  for s in range(servers)]
         self.flat_params = [f.data for f in flats]  # per server: (n_s,) the parameters are views of
         self.flat_grads = [f.grad for f in flats]  # (n_s,)
-        self.pushed = 0  # on a worker: steps pushed
         self.begun = 0  # on a worker: steps begun (a step whose loss was not finite pushes nothing)
         self.said_goodbye = False
         self._zeroed = False  # the gradients are zero since the last push
@@ -193,7 +192,6 @@ class ParameterServer(GradSync):
         for g in self.flat_grads:
             g.fill(0)
         self._zeroed = True
-        self.pushed += 1
 
     def leave(self) -> None:
         """A worker, after its last step (or a failed one): take the replies still due,

@@ -15,7 +15,7 @@ GPipe, 1F1B, interleaved 1F1B and ZB-H1; their bubbles and the micro-batches eac
 holds are :func:`mpitrain.cost.bubble_fraction` and :func:`mpitrain.cost.micro_batches_held`.
 :meth:`PipelineStage.run` carries a list out: the interpreter.
 
-**Communicator and calls.** ``pp_comm`` (its own duplicate). Activations go forward and
+**Communicator and calls.** ``pp_comm`` (the grid's duplicate). Activations go forward and
 their gradients backward with non-blocking ``Isend``/``Irecv`` of contiguous arrays
 (no pickling, no shape on the wire: every stage knows the boundary shape
 ``(b/m, T, C)``, ``b = B/dp`` the lane's samples, from the config, and checks the
@@ -24,7 +24,7 @@ where the schedule lists it, into a buffer of its own (a buffer whose contents b
 still needs is never reused); its wait is in the action that consumes it. A send is
 tested between layers until it completes (MPI moves a large message while its sender
 is inside an MPI call). Tags: ``Tag.PP_ACTIVATION`` and ``Tag.PP_GRADIENT``; MPI keeps
-messages between two ranks with one tag in order, and :func:`simulate` checks that every
+messages between two ranks with one tag in order, and :func:`mpitrain.schedules.simulate` checks that every
 send meets the receive meant for it. The boundary is in the autograd graph: a stage's
 input comes out of :class:`Recv` (forward: the received activation; backward: the
 gradient to send back) and its output goes into :class:`Send` (forward: the activation
@@ -134,8 +134,8 @@ class PipelineStage(Module):
     C)`` images): one forward of it through the whole model, before anything is dropped,
     gives every boundary's shape per sample, so no shape goes over the wire. ``loss(out,
     y)`` is the mean loss of a micro-batch from the last layer's output. ``sizes``: the
-    whole model's parameter counts per layer, which the cut balances (those of a model
-    sliced over tensor-parallel ranks are its slices'). Parameters keep the whole model's
+    whole model's parameter counts per layer, which the cut balances (given for a model
+    sliced over tensor-parallel ranks, so that every slice cuts alike). Parameters keep the whole model's
     names (``state_dict`` is a part of the whole model's), a weight held by two ranks
     (tied) too."""
 

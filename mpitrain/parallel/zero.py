@@ -199,12 +199,12 @@ class Zero2(GradSync):
         for p in self.params:
             p.grad = None
         self.buckets = Buckets(self.params, int(bucket_cap_mb * 2**20), self._start, progress=self._test)
-        self.parts = self._parts()
-        self.grad_shard = np.zeros(sum(b.shard.stop - b.shard.start for b in self.parts),
+        self.ranges = self._ranges()
+        self.grad_shard = np.zeros(sum(b.shard.stop - b.shard.start for b in self.ranges),
                                    dtype=self.flat_params.dtype)  # (about N/P,) my chunks, bucket by bucket
         self.optimizer = self._shard_optimizer(optimizer, opt_params)
 
-    def _parts(self) -> list:
+    def _ranges(self) -> list:
         """Each bucket's contiguous range of the flat layout; my chunk of each, laid end to end."""
         P, r = self.comm.size, self.comm.rank
         out, at = [], 0
@@ -224,7 +224,7 @@ class Zero2(GradSync):
         flat layout of the optimizer's own order (checkpoints' coordinates)."""
         opt_offsets = offsets(opt_params)
         opt_index = {id(p): i for i, p in enumerate(opt_params)}
-        bucket_of = {id(p): b for b, group in zip(self.parts, self.buckets.groups) for p in group}
+        bucket_of = {id(p): b for b, group in zip(self.ranges, self.buckets.groups) for p in group}
         r = self.comm.rank
         self.pieces = []
 
@@ -244,7 +244,7 @@ class Zero2(GradSync):
     def _start(self, i: int) -> None:
         """Bucket ``i`` is complete: pack its gradients (zeros for a parameter that had
         none), free them, start the reduce-scatter of the packed copy."""
-        b = self.parts[i]
+        b = self.ranges[i]
         if b.request is not None:  # the previous micro-batch's, still in flight
             b.request.wait()
             self._completed(b)
@@ -262,7 +262,7 @@ class Zero2(GradSync):
 
     def _test(self) -> None:
         """From every gradient-ready hook: progress the reduce-scatters in flight."""
-        for b in self.parts:
+        for b in self.ranges:
             if b.request is not None and b.request.test():
                 self._completed(b)
 
@@ -279,7 +279,7 @@ class Zero2(GradSync):
         if self.accumulating:
             raise RuntimeError("finish() inside no_sync(): gradients are only accumulated there")
         self.buckets.flush()
-        for b in self.parts:
+        for b in self.ranges:
             if b.request is not None:
                 b.request.wait()
                 self._completed(b)
@@ -308,7 +308,7 @@ class Zero2(GradSync):
             self.optimizer.set_lr(lr)
         self.optimizer.step()
         if self.comm.size > 1:
-            for b in self.parts:
+            for b in self.ranges:
                 if self.algorithm == "ring":
                     Ring(b.comm, self.flat_params[b.lo : b.hi], ("allgather",)).wait()
                 else:
@@ -321,7 +321,7 @@ class Zero2(GradSync):
             p.grad = None
 
     def close(self) -> None:
-        for b in self.parts:
+        for b in self.ranges:
             b.comm.free()
 
 

@@ -16,6 +16,7 @@ and total, I/O, waiting) and a check that every replica holds the same parameter
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -114,9 +115,13 @@ def _agreed(world, sync: GradSync, work) -> None:
     the loop runs: every rank raises the same one (servers included)."""
     def work_then_leave():
         try:
-            return work()
-        finally:
-            sync.leave()
+            result = work()
+        except BaseException:
+            with contextlib.suppress(Exception):  # the error that ended the loop is the one to report
+                sync.leave()
+            raise
+        sync.leave()
+        return result
     world.agree(work_then_leave, share=FloatingPointError)
 
 

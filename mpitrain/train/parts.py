@@ -25,14 +25,14 @@ from mpitrain.parallel import tensor_parallel as tp
 
 class PartSync(GradSync):
     """``inner`` (the replicas' sync of ``model``, this rank's part) with the whole model's
-    sums, norm and digest. ``stage``: this rank's :class:`PipelineStage` (None: the whole
+    sums, norm and digest. ``stage``: this rank's :class:`~mpitrain.parallel.pipeline.PipelineStage` (None: the whole
     layer list); ``tp_comm`` and ``everyone`` (every slice's :func:`slices`): the
     slices' communicator (None: not sliced); ``layout``: the whole model's
     :class:`~mpitrain.checkpoint.Layout`."""
 
     def __init__(self, inner, model, layout, stage=None, tp_comm=None, everyone=None, sequence: bool = False):
         super().__init__(model, inner.optimizer, inner.comm)
-        self.inner, self.stage, self.tp, self.everyone, self.sequence = inner, stage, tp_comm, everyone, sequence
+        self.inner, self.stage, self.tp_comm, self.everyone, self.sequence = inner, stage, tp_comm, everyone, sequence
         self.layout, self.index = layout, {name: i for i, (name, _) in enumerate(layout.params)}
         self.waits = {**inner.waits, **({"finish": "gradient exchange and tied weights"} if stage else {})}
         self.sliced = set() if tp_comm is None else tp.sliced_parameters(model)
@@ -48,7 +48,7 @@ class PartSync(GradSync):
         if self.stage is not None:
             self.stage.sum_tied_grads()
         if self.sequence:
-            tp.sum_replicated_grads(self.model, self.tp)
+            tp.sum_replicated_grads(self.model, self.tp_comm)
 
     def step(self, lr: float | None = None, grad_clip: float = 0.0) -> None:
         if grad_clip > 0:
@@ -64,12 +64,12 @@ class PartSync(GradSync):
     def speaks_for(self, q) -> bool:
         """Whether this rank counts ``q`` for the whole model."""
         stage = self.stage is None or self.stage.speaks_for(q)
-        return stage and (self.tp is None or id(q) in self.sliced or self.tp.rank == 0)
+        return stage and (self.tp_comm is None or id(q) in self.sliced or self.tp_comm.rank == 0)
 
     def grad_norm(self) -> float:
         """The whole model's gradient L2 norm (collective over the stages and slices)."""
         return grad_norm(self.model.parameters(), self.speaks_for,
-                         [c for c in (None if self.stage is None else self.stage.comm, self.tp) if c is not None])
+                         [c for c in (None if self.stage is None else self.stage.comm, self.tp_comm) if c is not None])
 
     def check_replicas(self) -> str:
         """Check the part's replicas; the SHA-256 of the whole model's parameters in its
@@ -83,10 +83,10 @@ class PartSync(GradSync):
         return replicas.digest(self._gathered(wholes))
 
     def _whole(self, name: str, mine: np.ndarray) -> np.ndarray:
-        if self.tp is None:
+        if self.tp_comm is None:
             return mine
         shapes = {n: shape for n, (shape, _) in self.layout.arrays.items()}
-        return whole_array(name, mine, self.everyone, self.tp, shapes)
+        return whole_array(name, mine, self.everyone, self.tp_comm, shapes)
 
     def _gathered(self, wholes: list) -> list:
         """Every stage's whole parameters (``wholes``: this stage's, by name), in the whole
