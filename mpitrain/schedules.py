@@ -35,9 +35,8 @@ into the input gradient B, which the previous stage waits for, and the weight gr
 W, which nobody waits for: B is sent upstream at once and W fills the drain's idle time.
 
 The lists are plain data: :mod:`mpitrain.parallel.pipeline` runs them on a stage (its
-header says what crosses the wire and when), :mod:`mpitrain.train.schedule` runs the
-one-stage list (gradient accumulation) on a rank that holds the whole model, and the
-tests read and simulate every list for p up to 8 and m up to 16.
+header says what crosses the wire and when), :mod:`mpitrain.train.schedule` the
+one-stage list (gradient accumulation) on a rank that holds the whole model.
 """
 
 from __future__ import annotations

@@ -14,10 +14,9 @@ ranks each owning a slice of the buffer:
 3. **allgather inside the node** (the ring again): every rank has every slice.
 
 Network bytes per node: ``L`` slices of ``n / L``, each allreduced among ``N`` nodes,
-``2 (N-1)/N x n`` in all, the least any algorithm can send (the same bound as a ring
-over the nodes); the shared-memory phases move ``2 (L-1)/L x n`` per rank at memory
-speed. The node-aware bound of a step is therefore ``2 (N-1)/N x n x itemsize /
-link bandwidth``. Equal to MPI's allreduce up to the order of the additions (tested).
+``2 (N-1)/N x n`` in all, the least any algorithm can send; the shared-memory phases
+move ``2 (L-1)/L x n`` per rank at memory speed (:func:`mpitrain.cost.node_aware_bytes`).
+Equal to MPI's allreduce up to the order of the additions (tested).
 
 Nodes are the ranks that share memory (``MPI_Comm_split_type``, as MPI sees them, so
 under ``mpitrain cluster`` its emulated nodes), or, for tests on one machine,

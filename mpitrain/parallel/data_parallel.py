@@ -33,20 +33,18 @@ bytes: ``2 (P-1)/P x N x s`` (:func:`mpitrain.cost.collective_bytes`; exact for 
 the node-aware allreduce's split between shared memory and the network is
 :func:`mpitrain.cost.node_aware_bytes`).
 
-**Overlap.** MPICH moves a non-blocking collective forward only while the process is
-inside an MPI call, so a bucket started early in backward sits still while NumPy runs,
-unless something calls into MPI. The default, ``progress="test"``, calls ``Test`` on the
-buckets in flight from every gradient-ready hook, which is between the backward of
-consecutive layers. Beside it: ``"none"`` starts the buckets early and leaves them to
-``finish``; ``"thread"`` hands each complete bucket to a communication thread
-(:class:`mpitrain.comm.CommThread`, Horovod's design) that runs its blocking allreduce
-(MPI thread level ``serialized`` or ``multiple``); ``"off"`` starts every bucket in
-``finish``, after backward: the baseline the others are measured against. On one node
-an allreduce is memory copies and additions that the computing cores must do anyway,
-so little can hide; across a network the link moves the bytes and overlap pays, most
-with buckets of about 2 ms of the link (:func:`mpitrain.cluster.link_bucket_mb`) and,
-on two ranks, the ring's one-round exchange (:class:`mpitrain.comm.ring.Exchange`).
-What each setting hid, measured: ``mpitrain/bench/README.md``.
+**Overlap.** MPICH moves a non-blocking collective forward only inside an MPI call, so a
+bucket started early in backward sits still while NumPy runs unless something calls
+into MPI. The default, ``progress="test"``, calls ``Test`` on the buckets in flight from
+every gradient-ready hook, between the backward of consecutive layers. Beside it:
+``"none"`` leaves them to ``finish``; ``"thread"`` hands each complete bucket to a
+communication thread (:class:`mpitrain.comm.CommThread`, Horovod's design; MPI thread
+level ``serialized`` or ``multiple``); ``"off"`` starts every bucket in ``finish``, the
+baseline. On one node an allreduce is copies and additions the computing cores must do
+anyway, so little can hide; across a network overlap pays, most with buckets of about
+2 ms of the link (:func:`mpitrain.cluster.link_bucket_mb`) and, on two ranks, the ring's
+one-round exchange (:class:`mpitrain.comm.ring.Exchange`); measured:
+``mpitrain/bench/README.md``.
 
 **Mixed precision** (:class:`mpitrain.precision.MixedPrecision` as the optimizer): the
 parameters and their gradients, so the buckets too, are half-precision arrays; the ring

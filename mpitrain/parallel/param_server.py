@@ -61,12 +61,10 @@ two copies of the parameters per step, plus headers. Each server sends and recei
 the server divides the sum of the ``W`` gradients by ``W``; asynchronously every
 gradient is applied as it arrives, as its own update (``W`` updates per global step).
 
-**In the trainer** the ranks split into these two roles: servers run :meth:`serve`,
-workers run the ordinary training loop with this object as its gradient sync
-(:class:`mpitrain.parallel.GradSync`): :meth:`begin_step` waits for the pull, :meth:`step`
-pushes (after the workers agree on the loss, so a step with a non-finite loss is not
-sent), :meth:`leave` says goodbye when the loop is over, however it ends, and after the
-loop and :meth:`serve` every rank calls :meth:`end`.
+**In the trainer** servers run :meth:`serve`; workers run the ordinary loop with this
+object as its :class:`~mpitrain.parallel.GradSync`: :meth:`begin_step` waits for the pull,
+:meth:`step` pushes (once the workers agree the loss is finite), :meth:`leave` says
+goodbye; then every rank calls :meth:`end`.
 
 **Launch**: ``mpiexec -n 4 mpitrain train jobs/mnist_lenet.toml --set parallel.sync=ps
 --set parallel.servers=1 --set parallel.staleness=-1`` (1 server, 3 workers).

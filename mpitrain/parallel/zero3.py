@@ -41,10 +41,9 @@ between forward and backward are the units' inputs only.
 reduce-scattered once: ``3 (P-1)/P x N x s`` (:func:`mpitrain.cost.zero_bytes`;
 micro-batches gather and reduce again each).
 
-Checkpoints are written and read, and evaluation and the text sample run, inside
-:meth:`Zero3.whole_model`: the whole model gathered once (ranks may score different
-numbers of batches, and one rank samples alone). Checkpoints keep the format of every
-strategy, so a ZeRO-3 run resumes on data parallelism or one process and back.
+Checkpoints (in every strategy's format: a ZeRO-3 run resumes on data parallelism or
+one process and back), evaluation and the text sample run inside :meth:`Zero3.whole_model`,
+the whole model gathered once (ranks may score different numbers of batches).
 
 **Launch**: ``mpiexec -n 2 mpitrain train jobs/tinyshakespeare_gpt.toml --set parallel.sync=zero3``.
 """
