@@ -1,5 +1,6 @@
-"""What training costs, once: every formula the code, the tests, the benchmarks and the
-end-of-run tables use, as pure functions of shapes and sizes (no MPI, no arrays).
+"""What training costs, once: every formula the code, tests, benchmarks and end-of-run
+tables use, and those a run is planned by (6 N D, PFLOP/s-days, storage bandwidth, ...),
+as pure functions of shapes and sizes (no MPI, no arrays).
 
 A formula written twice drifts; here each is written once, with its source: the
 communicators count MPI's collectives by :func:`collective_bytes`, the start of a run

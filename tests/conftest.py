@@ -99,3 +99,25 @@ def text_data(tmp_path):
     p.write_text("\n".join(words) + "\n")
     text.text(p, tmp_path / "shards")
     return tmp_path / "shards"
+
+
+SMALL_CNNS = {
+    "lenet": dict(kind="LeNet", in_channels=2, image_size=12, channels=(4, 6), hidden=16, dropout=0.2),
+    "convnet": dict(kind="ConvNet", in_channels=2, image_size=12, channels=(4, 6)),
+    "resnet": dict(kind="ResNet", in_channels=2, widths=(4, 6), blocks=1),
+}
+
+
+@pytest.fixture(params=list(SMALL_CNNS))
+def small_cnn(request, monkeypatch):
+    """(make, images, labels): one of each CNN the package builds, small, its convolutions
+    cut into several tiles so that a walk meets the tiled paths; images are float64, (6, 12, 12, 2)."""
+    from mpitrain import nn
+    from mpitrain.ops import conv
+
+    monkeypatch.setattr(conv, "TILE_BYTES_PER_THREAD", 4000)
+    kwargs = dict(SMALL_CNNS[request.param])
+    model = getattr(nn, kwargs.pop("kind"))
+    r = np.random.default_rng(8)
+    images, labels = r.standard_normal((6, 12, 12, 2)), r.integers(0, 10, 6)
+    return (lambda: model(**kwargs)), images, labels

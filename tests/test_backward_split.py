@@ -10,7 +10,6 @@ import pytest
 
 from mpitrain import gradcheck as gradcheck_module
 from mpitrain import nn, ops, rng
-from mpitrain.ops import conv
 from mpitrain.tensor import Function, Parameter, Tensor, backward_split, default_dtype, no_grad
 
 
@@ -109,17 +108,11 @@ class WithLoss(nn.Module):
         return ops.cross_entropy(self.model(x), self.labels)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: nn.LeNet(in_channels=2, image_size=12, channels=(4, 6), hidden=16, dropout=0.2),
-    lambda: nn.ConvNet(in_channels=2, image_size=12, channels=(4, 6)),
-    lambda: nn.ResNet(in_channels=2, widths=(4, 6), blocks=1),
-], ids=["lenet", "convnet", "resnet"])
 @pytest.mark.parametrize("fast", [True, False], ids=["fast", "plain"])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_cnn(monkeypatch, make, fast, dtype):
-    monkeypatch.setattr(conv, "TILE_BYTES_PER_THREAD", 4000)  # several tiles per convolution
-    r = np.random.default_rng(8)
-    images, labels = r.standard_normal((6, 12, 12, 2)).astype(dtype), r.integers(0, 10, 6)
+def test_cnn(small_cnn, fast, dtype):
+    make, images, labels = small_cnn
+    images = images.astype(dtype)
 
     def classify(model):
         x = Tensor(images, requires_grad=True)

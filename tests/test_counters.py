@@ -87,6 +87,12 @@ def test_the_communication_threads_calls_are_busy_and_its_errors_reach_the_waiti
 
     with pytest.raises(RuntimeError, match="the allreduce failed"):
         thread.submit(fails).wait()
+    tested = thread.submit(fails)  # tested once it has run, then waited: the error is not lost
+    tested.event.wait()
+    with pytest.raises(RuntimeError, match="the allreduce failed"):
+        tested.test()
+    with pytest.raises(RuntimeError, match="the allreduce failed"):
+        tested.wait()
     thread.close()
 
 

@@ -1,10 +1,11 @@
 """MPI tier: what a multi-rank run leaves behind: checkpoints that resume at another
-rank count and across ddp and ZeRO-1, and the merged timeline.
+rank count and across ddp and ZeRO-1, the merged timeline, and the bytes it said it would send.
 
 A run on all ranks saves at step 8 and goes on to step 16; the same checkpoint resumed
 in one process (and a one-process checkpoint resumed on all ranks) must end within
 float32 tolerance of it: only the order of the gradient sums differs."""
 
+import re
 import shutil
 
 import pytest
@@ -14,13 +15,13 @@ from test_mpi_data import shared_data
 from mpitrain import checkpoint, config, train
 
 
-def cfg(data, run_dir, strategy):
+def cfg(data, run_dir, strategy, overrides=()):
     return config.from_dict({
         "model": {"name": "lenet", "channels": [2, 4], "hidden": 8}, "data": {"path": str(data), "shift": 1},
         "optim": {"name": "adamw", "lr": 3e-3, "grad_clip": 1.0},
         "train": {"global_batch_size": 64, "steps": 16, "log_interval": 4, "threads": 1},
         "parallel": {"sync": strategy},
-        "run": {"dir": str(run_dir), "checkpoint_interval": 8, "keep": 5}})
+        "run": {"dir": str(run_dir), "checkpoint_interval": 8, "keep": 5}}, overrides)
 
 
 def quiet(*args):
@@ -94,3 +95,29 @@ def test_the_merged_timeline_shows_communication_overlapping_backward_on_each_ra
         overlapping = [(c, b) for c in buckets for b in backward
                        if c["tid"] != b["tid"] and c["ts"] <= b["ts"] < c["ts"] + c["dur"]]
         assert overlapping, f"rank {rank}: no allreduce overlaps a backward event"
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("parallel", [
+    {"sync": "ddp"}, {"sync": "ddp", "allreduce": "ring", "wire": "bf16"}, {"sync": "zero1"},
+    {"sync": "zero2", "accumulate": "sharded"}, {"sync": "zero2", "accumulate": "full"}, {"sync": "zero3"}],
+    ids=["ddp", "ddp-ring-bf16", "zero1", "zero2-sharded", "zero2-full", "zero3"])
+def test_the_bytes_a_run_states_at_its_start_are_the_bytes_it_sends(parallel):
+    """The start-of-run line's bytes per rank per step (the formulas, with what the config
+    passes them: wire, micro-batches, accumulation) against the time table's (counted)."""
+    from mpitrain.comm import world
+
+    comm = world()
+    d = shared_data(comm, n=256, test=32)
+    run_dir = d.parent / f"bytes-{'-'.join(parallel.values())}"
+    c = cfg(d, run_dir, "ddp", ["model.hidden=32768", "train.steps=4", "train.micro_batches=2",  # ~2 MB of gradients
+                                "run.checkpoint_interval=0"] + [f"parallel.{k}={v}" for k, v in parallel.items()])
+    lines = []
+    train.train(c, log=lines.append, comm=comm)
+    text = "\n".join(map(str, lines))
+    if comm.rank == 0:
+        stated = float(re.search(r"([\d.]+) MB sent per rank per step", text).group(1))
+        table = text[text.index("time per rank:"):].splitlines()[1:1 + comm.size]
+        sent = [float(row.split("|")[-1]) for row in table]
+        assert stated >= 0.5  # so that its two decimals tell a formula's terms apart
+        assert all(abs(s - stated) <= 0.0051 for s in sent), (stated, sent)

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 from mpitrain import nn, ops, rng
-from mpitrain.ops import conv
 from mpitrain.tensor import (Parameter, Tensor, backward, default_dtype, get_default_dtype, grad,
                              no_grad, reference_backward)
 
@@ -307,17 +306,11 @@ def test_the_engine_equals_the_reference_walk_on_the_gpt(dtype, fast, checkpoint
                                       whole, dtype)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: nn.LeNet(in_channels=2, image_size=12, channels=(4, 6), hidden=16, dropout=0.2),
-    lambda: nn.ConvNet(in_channels=2, image_size=12, channels=(4, 6)),
-    lambda: nn.ResNet(in_channels=2, widths=(4, 6), blocks=1),
-], ids=["lenet", "convnet", "resnet"])
 @pytest.mark.parametrize("fast", [True, False], ids=["fast", "plain"])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-def test_the_engine_equals_the_reference_walk_on_cnns(monkeypatch, make, fast, dtype):
-    monkeypatch.setattr(conv, "TILE_BYTES_PER_THREAD", 4000)  # several tiles per convolution
-    r = np.random.default_rng(8)
-    images, labels = r.standard_normal((6, 12, 12, 2)).astype(dtype), r.integers(0, 10, 6)
+def test_the_engine_equals_the_reference_walk_on_cnns(small_cnn, fast, dtype):
+    make, images, labels = small_cnn
+    images = images.astype(dtype)
 
     def classify(model):
         x = Tensor(images, requires_grad=True)

@@ -98,7 +98,7 @@ def _node_aware(comm, repeats: int, sizes, log) -> list[dict]:
         line = (f"{_size(n):>23} | {ms['mpi']:7.1f} | {ms['ring']:7.1f} | {ms['hierarchical']:13.1f} | "
                 f"{ms['hierarchical'] / ms['mpi']:4.2f} | {ms['network']:16.1f}")
         if rate:
-            row["bound"] = 1e3 * cost.collective_bytes("allreduce", n * 8, N) / rate
+            row["bound"] = 1e3 * 8 * cost.collective_bytes("allreduce", n, N) / rate  # rate in bits/s
             line += f" | {row['bound']:{14 + len(link)}.1f} | {ms['hierarchical'] / row['bound']:6.2f}"
         results.append(row)
         log(line)

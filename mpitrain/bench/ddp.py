@@ -46,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from mpitrain import optim
-from mpitrain.bench.measure import NANOGPT, gpt, interleaved, medians, seconds
+from mpitrain.bench.measure import NANOGPT, VOCAB, gpt, interleaved, medians, seconds
 from mpitrain.cluster import Cluster, describe, mpiexec
 from mpitrain.comm import started_thread_level, world
 from mpitrain.comm.ring import allreduce, iallreduce, wire_dtype
@@ -68,7 +68,7 @@ MODELS = {
 def _stepper(spec: dict, comm, batch: int, dp_options: dict | None, precision: str = "fp32"):
     model, opt = gpt(spec, precision)
     dp = DataParallel(model, comm, optimizer=opt, **dp_options) if dp_options is not None else None
-    x, y = np.random.default_rng(comm.rank).integers(0, 65, (2, batch, spec["block_size"]))
+    x, y = np.random.default_rng(comm.rank).integers(0, VOCAB, (2, batch, spec["block_size"]))
     scale = np.float32(opt.scaler.scale if precision != "fp32" else 1.0)  # fp16's loss scale (no overflow here)
     meet = np.zeros(1)
 

@@ -11,7 +11,8 @@ import numpy as np
 from mpitrain import nn, optim, rng
 from mpitrain.precision import MixedPrecision
 
-NANOGPT = dict(n_layer=4, n_head=4, n_embd=128, block_size=64)  # nanoGPT's small CPU setting (65 characters)
+NANOGPT = dict(n_layer=4, n_head=4, n_embd=128, block_size=64)  # nanoGPT's small CPU setting
+VOCAB = 65  # its characters of Shakespeare
 
 
 def gpt(spec: dict = NANOGPT, precision: str = "fp32", **config):
@@ -19,7 +20,7 @@ def gpt(spec: dict = NANOGPT, precision: str = "fp32", **config):
     mixed precision (``bf16``, ``fp16``) the model's weights half and the optimizer over
     float32 masters."""
     rng.manual_seed(0)
-    model = nn.GPT(nn.GPTConfig(vocab_size=65, **{k: spec[k] for k in NANOGPT}, **config))
+    model = nn.GPT(nn.GPTConfig(vocab_size=VOCAB, **{k: spec[k] for k in NANOGPT}, **config))
     opt = optim.AdamW(optim.decay_groups(model.named_parameters(), 0.1), lr=1e-3, betas=(0.9, 0.99))
     return model, opt if precision == "fp32" else MixedPrecision(opt, precision)
 

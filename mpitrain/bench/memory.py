@@ -35,7 +35,7 @@ import tracemalloc
 
 import numpy as np
 
-from mpitrain.bench.measure import NANOGPT, gpt, interleaved, seconds
+from mpitrain.bench.measure import NANOGPT, VOCAB, gpt, interleaved, seconds
 from mpitrain.cluster import mpiexec
 from mpitrain.comm import world
 from mpitrain.config import PRECISION_SYNCS
@@ -66,7 +66,7 @@ def worker(name: str, precision: str = "fp32") -> None:
         scale = np.float32(opt.scaler.scale if precision != "fp32" else 1.0)  # fp16's loss scale
         sync = MAKE[name](model, opt, comm)
         n = sum(p.size for p in model.parameters())
-        tokens = np.random.default_rng(comm.rank).integers(0, 65, (BATCH // comm.size, 65))
+        tokens = np.random.default_rng(comm.rank).integers(0, VOCAB, (BATCH // comm.size, NANOGPT["block_size"] + 1))
 
         def step():
             model(tokens[:, :-1], tokens[:, 1:])[1].backward(scale)
@@ -95,7 +95,8 @@ def worker(name: str, precision: str = "fp32") -> None:
 def activations(rounds: int = 5, log=print) -> dict:
     """Activations held after forward, plain and checkpointed, against the formula; step
     times side by side (one process, one BLAS thread)."""
-    B, T, L, H, C, V = BATCH, 64, 4, 4, 128, 65  # NANOGPT's
+    B, V = BATCH, VOCAB
+    T, L, H, C = (NANOGPT[k] for k in ("block_size", "n_layer", "n_head", "n_embd"))
     ends = gpt_ends_activation_bytes(B, T, C, V, 4)
     out = {}
     with limit_blas_threads(1):

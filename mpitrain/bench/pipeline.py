@@ -41,7 +41,7 @@ from mpitrain.nn.models import Block
 from mpitrain.parallel import pipeline as pl
 from mpitrain.parallel.local import LocalSync
 from mpitrain.runtime import limit_blas_threads, tune_allocator
-from mpitrain.cost import bubble_fraction
+from mpitrain.cost import bubble_fraction, micro_batches_held
 from mpitrain.tensor import Tensor
 
 VARIANTS = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zb-h1", 1)]
@@ -146,5 +146,5 @@ def _table(rows, p, blocks, batch, rounds) -> str:
         if "gpipe" in by and "1f1b" in by:
             ratio = by["1f1b"]["held_mb"][0] / by["gpipe"]["held_mb"][0]
             lines.append(f"  m={m}: stage 0 holds {ratio:.3f} of GPipe's activations under 1F1B "
-                         f"(formula min(m, p)/m = {min(m, p) / m:.3f})")
+                         f"(formula min(m, p)/m = {micro_batches_held('1f1b', p, m, 0) / m:.3f})")
     return "\n".join(lines)

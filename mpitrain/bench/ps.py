@@ -27,6 +27,7 @@ import time
 import numpy as np
 
 from mpitrain import nn, ops, optim, rng
+from mpitrain.bench.measure import interleaved, medians
 from mpitrain.comm import world
 from mpitrain.parallel.param_server import UNBOUNDED, ParameterServer
 from mpitrain.runtime import limit_blas_threads, tune_allocator
@@ -79,14 +80,14 @@ def run(steps: int = 40, rounds: int = 3, batch: int = 16, log=print) -> dict:
     samples = steps * 3 * batch
     log(f"mpitrain bench ps: 1 server + 3 workers, LeNet on 28x28 images, {batch} per worker per step, "
         f"{steps * 3} gradients ({samples:,} samples) per run; worker 0 slowed 3x; median of {rounds} rounds")
-    times: dict[str, list] = {k: [] for k in MODES}
-    last = {}
+    last = {}  # each mode's last round, for its steps and staleness
+
+    def timed(name):
+        last[name] = _run(comm, *MODES[name], steps, batch)
+        return last[name]["seconds"]
+
     with limit_blas_threads(1):
-        for _ in range(rounds):
-            for name, (staleness, slow, moving) in MODES.items():
-                last[name] = _run(comm, staleness, slow, moving, steps, batch)
-                times[name].append(last[name]["seconds"])
-    med = {k: float(np.median(v)) for k, v in times.items()}
+        med = medians(interleaved({name: name for name in MODES}, rounds, timed))
     for name in MODES:
         r = last[name]
         log(f"  {name:20} {med[name]:7.2f} s  {samples / med[name]:8.0f} samples/s  "

@@ -25,7 +25,7 @@ import numpy as np
 
 from mpitrain import cost, nn, ops, optim, rng
 from mpitrain.bench import torch_step
-from mpitrain.bench.measure import gpt, interleaved, seconds
+from mpitrain.bench.measure import NANOGPT, VOCAB, gpt, interleaved, seconds
 from mpitrain.observe.flops import count_flops
 from mpitrain.runtime import huge_page_heap, limit_blas_threads, tune_allocator
 from mpitrain.tensor import Tensor
@@ -36,7 +36,7 @@ TARGETS = {"gpt": 0.45, "cnn": 0.25}
 
 def _gpt_step():
     model, opt = gpt()
-    x, y = np.random.default_rng(1).integers(0, 65, (2, 12, 64))
+    x, y = np.random.default_rng(1).integers(0, VOCAB, (2, 12, NANOGPT["block_size"]))
 
     def step():
         model(x, y)[1].backward()

@@ -29,6 +29,11 @@ class GridShape:
     def size(self) -> int:
         return self.dp * self.pp * self.tp
 
+    @property
+    def whole_model(self) -> bool:
+        """Every rank holds the whole model (no stages, no slices)."""
+        return self.pp == self.tp == 1
+
     def coords(self, rank: int) -> tuple[int, int, int]:
         """(pp_rank, dp_rank, tp_rank) of a world rank."""
         rest, tp_rank = divmod(rank, self.tp)

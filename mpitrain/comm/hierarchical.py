@@ -93,13 +93,3 @@ class HierarchicalAllreduce(Request):
     def _block(self) -> None:
         while not self._progress():
             self.current.wait()
-
-
-def link_bytes(comm) -> dict[str, int]:
-    """Bytes this rank sent over ``comm`` by link class: ``intra-node`` (its node's
-    shared memory) and ``inter-node`` (the network), for the node-aware allreduce; all of
-    ``comm``'s own under ``comm`` otherwise."""
-    made = _hierarchies.get(comm)
-    if made is None:
-        return {"comm": comm.stats.bytes_sent}
-    return {"intra-node": made.node.stats.bytes_sent, "inter-node": made.cross.stats.bytes_sent}

@@ -188,9 +188,10 @@ class _Handed(Request):
         self.event, self.error = threading.Event(), None
 
     def _progress(self) -> bool:
+        if self.event.is_set() and self.error is not None:
+            raise self.error  # on test() as on wait(): a request never completes past its error
         return self.event.is_set()
 
     def _block(self) -> None:
         self.event.wait()
-        if self.error is not None:
-            raise self.error
+        self._progress()

@@ -53,7 +53,7 @@ class HeapTrace:
     """The heap of this process from its construction (before the model is built) to the
     end of step ``REST_STEP + 1`` of the run (``after_step``), by ``tracemalloc``: at rest
     after step ``REST_STEP``, split by where it was allocated (``PLACES``; the model state,
-    whose formula is above, is the rest), and the peak of the next step above it
+    :func:`mpitrain.cost.bytes_per_parameter`'s, is the rest), and the peak of the next step above it
     (activations, gradients in flight, buffers of the exchange). Does nothing if
     ``enabled`` is false or something else traces already."""
 
@@ -113,14 +113,14 @@ def state_line(counted: dict, parameters: int, formula: float | None) -> str:
     return line + f"; the optimizer's work array {counted['work_bytes'] / 1e6:.2f} MB besides"
 
 
-def heap_line(measured: dict, counted: dict | None, parameters: int, formula: float | None) -> str:
+def heap_line(measured: dict, counted: dict, parameters: int, formula: float | None) -> str:
     """The heap a rank held, measured (:meth:`HeapTrace.figures`): at rest by category,
     its model state (less the optimizer's work array, ``counted``) beside the formula,
     and the step's peak."""
     parts = measured["parts"]
     line = (f"heap per rank (the largest, traced over steps 1-{HeapTrace.REST_STEP + 1}): at rest "
             f"{measured['rest'] / 1e6:.2f} MB = " + " + ".join(f"{k} {v / 1e6:.2f}" for k, v in sorted(parts.items())))
-    if counted is not None and formula is not None:
+    if formula is not None:
         state = parts.get("model state", 0) - counted["work_bytes"]
         line += (f"; model state less the work array {state / 1e6:.2f} MB, {state / (formula * parameters):.3f} "
                  f"of the formula")

@@ -118,7 +118,7 @@ class ParameterServer(GradSync):
             raise ValueError(f"need 1 <= servers < ranks ({comm.size}), got {servers}")
         if staleness < UNBOUNDED:
             raise ValueError(f"staleness must be >= 0, or -1 for unbounded, got {staleness}")
-        super().__init__(model, optimizer, comm.split(0, comm.rank))  # its own counter, as the workers' below
+        super().__init__(model, optimizer, comm.dup())  # its own counter, as the workers' below
         self.S, self.W = servers, comm.size - servers
         self.staleness, self.lockstep = staleness, staleness == 0
         self.lr_at = lr_at  # learning rate at a step (synchronous) or at a version (asynchronous)
@@ -334,7 +334,7 @@ class ParameterServer(GradSync):
         """After :meth:`end` (collective): a line on the staleness of the applied
         gradients (asynchronous runs), and the histogram, on every rank."""
         histogram = self.staleness_histogram()
-        return ([f"staleness of the applied gradients (server version - version computed on): "
+        return (["staleness of the applied gradients (server version - version computed on): "
                  + ", ".join(f"{k}: {v}" for k, v in histogram.items())] if histogram else []), histogram
 
     def gather_parameters(self) -> None:

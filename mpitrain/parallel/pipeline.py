@@ -151,7 +151,7 @@ class PipelineStage(Module):
                          "layers": self.sizes, "input": (example.shape, str(example.dtype))})
         check(schedule_name, p, micro_batches, chunks)  # from here on every stage raises alike, or none
         self.comm, self.p, self.rank, self.v, self.m = pp_comm, p, rank, chunks, micro_batches
-        self.schedule_name, self.loss, self.last = schedule_name, loss, p * chunks - 1
+        self.loss, self.last = loss, p * chunks - 1
         self.outputs = _boundaries(model, layers, example)  # per layer: (shape per sample, dtype)
         self.bounds = balance(self.sizes, p * chunks)
         self.names = [n for n, _ in named]

@@ -57,12 +57,14 @@ def shard(n: int, t: int, rank: int) -> tuple[int, int]:
     return lo, lo + size + (rank < extra)
 
 
-def heads(C: int, n_head: int, t: int, rank: int) -> np.ndarray:
-    """The columns of q (or k, or v) of rank ``rank``'s heads: ``n_head / t`` of them."""
+def heads(C: int, n_head: int, t: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rank ``rank``'s ``n_head / t`` heads: their columns of q (or k, or v), and their
+    columns of the packed q, k and v weight (``c_attn``'s, q, k and v alike)."""
     if n_head % t:
         raise ValueError(f"{n_head} attention heads do not split over {t} tensor-parallel ranks")
     width = C // n_head * (n_head // t)
-    return np.arange(rank * width, (rank + 1) * width)
+    cols = np.arange(rank * width, (rank + 1) * width)
+    return cols, np.concatenate([cols, C + cols, 2 * C + cols])
 
 
 # ----------------------------------------------------------------------------- operators
@@ -213,9 +215,8 @@ class ParallelSelfAttention(CausalSelfAttention):
     def __init__(self, whole: CausalSelfAttention, comm, sequence: bool = False):
         Module.__init__(self)  # the whole layer's weights are sliced, not drawn again
         C, nh, local = whole.c_attn.weight.shape[0], whole.n_head, whole.n_head // comm.size
-        cols = heads(C, nh, comm.size, comm.rank)
+        cols, qkv = heads(C, nh, comm.size, comm.rank)
         self.n_head, self.heads, self.dropout = local, (comm.rank * local, nh), whole.dropout
-        qkv = np.concatenate([cols, C + cols, 2 * C + cols])  # q, k and v alike, from the packed weight
         self.c_attn = ColumnParallelLinear.from_linear(whole.c_attn, comm, qkv, sequence)
         self.c_proj = RowParallelLinear.from_linear(whole.c_proj, comm, cols, sequence)
         self.resid_dropout, self.comm, self.sequence = whole.resid_dropout, comm, sequence

@@ -115,13 +115,12 @@ def _agreed(world, sync: GradSync, work) -> None:
     the loop runs: every rank raises the same one (servers included)."""
     def work_then_leave():
         try:
-            result = work()
+            work()
         except BaseException:
             with contextlib.suppress(Exception):  # the error that ended the loop is the one to report
                 sync.leave()
             raise
         sync.leave()
-        return result
     world.agree(work_then_leave, share=FloatingPointError)
 
 

@@ -184,9 +184,9 @@ def _ps_role(cfg: Config, world, grid, model, lr, total, data) -> Role:
 # ---------------------------------------------------------------- what it says
 def describe(cfg: Config, role: Role) -> str:
     """The start of a run's line on its grid: what each axis splits, and the bytes one rank
-    sends per step by the formulas (:mod:`mpitrain.cost`); the end of the run sets what
-    its communicators counted beside them (the time table)."""
-    par, (dp, pp, tp) = cfg.parallel, (role.grid.dp, role.grid.pp, role.grid.tp)
+    sends per step by the formulas (:mod:`mpitrain.cost`); the time table at the end of
+    the run gives what its communicators counted."""
+    par, pp, tp = cfg.parallel, role.grid.pp, role.grid.tp
     if par.sync == "ps":
         S, W = par.servers, role.grid.size
         mode = {0: "synchronous"}.get(par.staleness, "asynchronous, unbounded" if par.staleness == -1
@@ -201,12 +201,12 @@ def describe(cfg: Config, role: Role) -> str:
                 f"{nh // tp} of {nh} heads and about {4 * C // tp} of {4 * C} hidden units and 1/{tp} of the "
                 f"vocabulary per rank; replicas: {line}")
     if pp > 1:
-        s, m, v = role.schedule, cfg.train.micro_batches, par.chunks
+        s, m, v, inner = role.schedule, cfg.train.micro_batches, par.chunks, ("slices" if tp > 1 else "replicas")
         cut = "; ".join(f"stage {k} (rank {k % pp}): {_span(s.names, s.bounds[k], s.bounds[k + 1])}, "
                         f"{sum(s.sizes[s.bounds[k] : s.bounds[k + 1]]):,} params" for k in range(pp * v))
         line = (f"pipeline: {pp} stages, {m} micro-batches, schedule {par.schedule}"
                 f"{f' with {v} chunks per rank' if v > 1 else ''}, bubble "
-                f"{100 * cost.bubble_fraction(par.schedule, pp, m, v):.1f}% by the formula; {cut}; replicas: {line}")
+                f"{100 * cost.bubble_fraction(par.schedule, pp, m, v):.1f}% by the formula; {cut}; {inner}: {line}")
     return f"{grid_line(cfg, role)}; {line}"
 
 

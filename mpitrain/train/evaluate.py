@@ -22,7 +22,7 @@ def score(run, comm, step: int, result, metrics, log) -> None:
     """Score ``run.model`` over ``comm`` (collective), print the figure and record it in
     ``result`` and the metrics file."""
     model, data, cfg, role = run.model, run.data, run.cfg, run.role
-    lane = (comm.rank, comm.size) if role.grid.pp == role.grid.tp == 1 else role.lane
+    lane = (comm.rank, comm.size) if role.grid.whole_model else role.lane
     model.eval()
     try:
         if data.kind == "text":

@@ -34,6 +34,7 @@ class PartSync(GradSync):
         super().__init__(model, inner.optimizer, inner.comm)
         self.inner, self.stage, self.tp_comm, self.everyone, self.sequence = inner, stage, tp_comm, everyone, sequence
         self.layout, self.index = layout, {name: i for i, (name, _) in enumerate(layout.params)}
+        self.shapes = {name: shape for name, (shape, _) in layout.arrays.items()}  # the whole arrays'
         self.waits = {**inner.waits, **({"finish": "gradient exchange and tied weights"} if stage else {})}
         self.sliced = set() if tp_comm is None else tp.sliced_parameters(model)
 
@@ -85,14 +86,13 @@ class PartSync(GradSync):
     def _whole(self, name: str, mine: np.ndarray) -> np.ndarray:
         if self.tp_comm is None:
             return mine
-        shapes = {n: shape for n, (shape, _) in self.layout.arrays.items()}
-        return whole_array(name, mine, self.everyone, self.tp_comm, shapes)
+        return whole_array(name, mine, self.everyone, self.tp_comm, self.shapes)
 
     def _gathered(self, wholes: list) -> list:
         """Every stage's whole parameters (``wholes``: this stage's, by name), in the whole
         model's order: one allgather over ``pp_comm``."""
         comm = self.stage.comm
-        sizes = {n: int(np.prod(shape)) for n, (shape, _) in self.layout.arrays.items()}
+        sizes = {n: int(np.prod(shape)) for n, shape in self.shapes.items()}
         everyone = comm.allgather([n for n, _ in wholes])  # the names each stage speaks for
         counts = [sum(sizes[n] for n in theirs) for theirs in everyone]
         dtype = np.dtype(self.layout.arrays[self.layout.params[0][0]][1])  # every stage's, a stage may hold none
@@ -162,8 +162,7 @@ def slices(cfg, t: int, r: int) -> dict:
     its slice in the whole array (the rest are whole). Checkpoints and the digest put the
     whole parameters together by it."""
     C = cfg.n_embd
-    cols = tp.heads(C, cfg.n_head, t, r)
-    qkv = np.concatenate([cols, C + cols, 2 * C + cols])
+    cols, qkv = tp.heads(C, cfg.n_head, t, r)
     hidden = np.arange(*tp.shard(4 * C, t, r))
     out = {"embed.wte.weight": (slice(*tp.shard(cfg.vocab_size, t, r)),)}
     for i in range(cfg.n_layer):

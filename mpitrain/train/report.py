@@ -126,7 +126,7 @@ def finish(run, result: Result, times: tuple, figures: dict, out: Outputs, log) 
     table, the replica check, a text sample; the metrics' last record. ``times`` is this
     rank's time row, ``figures`` the loop's totals (the same on every rank)."""
     cfg, world, step = run.cfg, run.world, result.steps
-    whole = run.role.grid.pp == run.role.grid.tp == 1  # this rank holds the whole model
+    whole = run.role.grid.whole_model
     if result.stopped or step > result.start_step:
         save(run, step, result.stopped or "end of training", result, out, log)
     if result.stopped:
