@@ -15,7 +15,7 @@ Each outcome must be one of:
 
 Anything else (a change that loads) fails. The suite draws ``MPITRAIN_MUTATIONS``
 offsets per region (default 24); run it wide by hand, for example
-``MPITRAIN_MUTATIONS=100000 python -m pytest -q tests/test_checkpoint_mutation.py -s``
+``MPITRAIN_MUTATIONS=100000 python -m pytest -q --timeout=0 tests/test_checkpoint_mutation.py -s``
 (every byte of the file, each flipped once), which prints the counts.
 """
 
