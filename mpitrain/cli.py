@@ -307,6 +307,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2)
 
 
+def _bench_plan(args) -> int:
+    from mpitrain.bench import plan
+    from mpitrain.comm import launcher_rank
+
+    if launcher_rank() is not None:
+        raise _usage("bench plan starts its own ranks: run it without mpiexec")
+    unknown = [n for n in args.layouts or () if n not in plan.LAYOUTS]
+    if unknown:
+        raise _usage(f"--layouts: no layout {unknown[0]!r} (there are: {'; '.join(plan.LAYOUTS)})")
+    return plan.run(args.config, args.steps, args.network, args.layouts or list(plan.LAYOUTS))
+
+
 def _bench_pipeline(args) -> None:
     odd = [m for m in args.micro_batches if args.batch % m]
     if odd:
@@ -359,7 +371,10 @@ def build_parser() -> argparse.ArgumentParser:
                      epilog="Run 'mpitrain COMMAND --help' for a command's options.")
     parser.add_argument("--version", action="version", version=f"mpitrain {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_train_parser, _bench_parsers, _report_parser, _data_parsers, _cluster_parser, _config_parser):
+    from mpitrain.plan.cli import add_parser as _plan_parser
+
+    for add in (_train_parser, _plan_parser, _bench_parsers, _report_parser, _data_parsers, _cluster_parser,
+                _config_parser):
         add(commands)
     return parser
 
@@ -391,6 +406,18 @@ def _bench_parsers(commands) -> None:
     bench = commands.add_parser("bench", help="measure speed (ratios taken side by side)",
                                 description="Benchmarks that print ratios measured in one run.")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    p = benches.add_parser("plan", help="the planner against the run: mpitrain plan --validate for each layout, "
+                                        "on shared memory and across emulated nodes",
+                           description="Run 'mpitrain plan CONFIG --validate' for each layout (1 or 2 ranks) on "
+                                       "shared memory, and with --network across 2 emulated nodes linked at each "
+                                       "rate (root), and print predicted against measured step time, whether every "
+                                       "counted quantity was exact, and the heap's errors. Run it without mpiexec.")
+    p.add_argument("--config", default="jobs/shakespeare_gpt.toml", help="the config (default: %(default)s)")
+    p.add_argument("--steps", type=_positive, default=20, help="timed steps per layout (default 20)")
+    p.add_argument("--network", nargs="*", default=[], choices=["1gbit", "10gbit"], metavar="RATE",
+                   help="also across 2 emulated nodes at these rates: 1gbit, 10gbit (mpitrain cluster; root)")
+    p.add_argument("--layouts", nargs="*", metavar="NAME", help="only these layouts (default: all)")
+    p.set_defaults(run=_bench_plan)
     p = benches.add_parser("step", help="training-step GFLOP/s of a GPT and a CNN vs. a large matmul",
                            description="Time training steps of the reference GPT and CNN beside a "
                                        "2048^3 float32 matmul and print their GFLOP/s ratios.")

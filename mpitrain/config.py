@@ -217,7 +217,7 @@ def _parse_override(item: str) -> tuple[str, object]:
         return key.strip(), text  # a bare word: take it as a string (--set data.path=input.txt)
 
 
-def from_dict(raw: dict, overrides: list[str] = ()) -> Config:
+def from_dict(raw: dict, overrides: list[str] = (), data_needed: bool = True) -> Config:
     """Build and validate a Config from a parsed TOML document and ``key=value`` overrides."""
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
     for item in overrides:
@@ -250,7 +250,7 @@ def from_dict(raw: dict, overrides: list[str] = ()) -> Config:
             given.add(key)
         sections[s.name] = cls(**values)
     cfg = Config(**sections, given=frozenset(given), notes=tuple(notes))
-    validate(cfg)
+    validate(cfg, data_needed)
     return cfg
 
 
@@ -269,9 +269,10 @@ def _renamed(raw: dict) -> list[str]:
     return notes
 
 
-def load(path, overrides: list[str] = ()) -> Config:
-    """Read a TOML config file and apply overrides; raises ConfigError naming the problem."""
-    return from_dict(read(path), overrides)
+def load(path, overrides: list[str] = (), data_needed: bool = True) -> Config:
+    """Read a TOML config file and apply overrides; raises ConfigError naming the problem.
+    ``data_needed=False`` (the planner) accepts a ``data.path`` that does not exist yet."""
+    return from_dict(read(path), overrides, data_needed)
 
 
 def read(path) -> dict:
@@ -327,10 +328,12 @@ def _require(ok: bool, key: str, message: str, value) -> None:
         raise ConfigError(f"{key}: {message}, got {value!r}")
 
 
-def validate(cfg: Config) -> None:
-    """Every check that needs neither the ranks nor the data; the first problem raises."""
-    for check in (_validate_choices, _validate_data, _validate_model, _validate_optim, _validate_train,
-                  _validate_parallel, _validate_run):
+def validate(cfg: Config, data_needed: bool = True) -> None:
+    """Every check that needs neither the ranks nor the data (with ``data_needed``, that
+    ``data.path`` exists); the first problem raises."""
+    _validate_choices(cfg)
+    _validate_data(cfg, data_needed)
+    for check in (_validate_model, _validate_optim, _validate_train, _validate_parallel, _validate_run):
         check(cfg)
 
 
@@ -353,7 +356,7 @@ def _validate_choices(cfg: Config) -> None:
             raise ConfigError(f"{key}: applies to text models (model.name = 'gpt') only")
 
 
-def _validate_data(cfg: Config) -> None:
+def _validate_data(cfg: Config, data_needed: bool = True) -> None:
     from mpitrain.data.reader import SAMPLING  # here: the reader brings NumPy and h5py
 
     m, d = cfg.model, cfg.data
@@ -361,7 +364,7 @@ def _validate_data(cfg: Config) -> None:
     if d.path:
         _require("data.name" not in cfg.given, "data.name",
                  "give data.name (an embedded dataset) or data.path (a shard directory), not both", d.name)
-        _require(Path(d.path).is_dir(), "data.path",
+        _require(Path(d.path).is_dir() or not data_needed, "data.path",
                  "no such dataset directory (build one with 'mpitrain data build')", d.path)
     else:
         _require(d.name in EMBEDDED, "data.name",

@@ -103,6 +103,14 @@ def tensor_parallel_bytes(B: int, T: int, C: int, itemsize: int, t: int) -> floa
     return 4 * collective_bytes("allreduce", B * T * C * itemsize, t)
 
 
+def reader_bytes(b: int, K: int, item: int, label: int, kept: int, prefetch: int) -> int:
+    """Bytes a rank's shard reader (:class:`mpitrain.data.ShardReader`) holds once its
+    queue is full: the read buffers of one round (``b`` lanes x ``K`` steps of ``item``
+    bytes and a ``label``), and ``prefetch + 2`` rounds of batches (queued, in use, and
+    the one the reader thread has ready), ``kept`` bytes a sample each plus its 8-byte index."""
+    return b * K * (item + label) + (prefetch + 2) * b * K * (kept + 8)
+
+
 # ----------------------------------------------------------------------- pipelines
 def pipeline_idle(name: str, p: int, m: int, v: int = 1, F: float = 1.0, B: float = 1.0, W: float = 1.0) -> float:
     """Idle time per rank in one step of ``m`` micro-batches on ``p`` stages, in units of

@@ -152,7 +152,8 @@ def test_importing_the_package_does_not_start_mpi():
 
 STRATEGY_CLASSES = {"DataParallel", "Zero1", "Zero2", "Zero3", "ParameterServer", "LocalSync"}
 STRATEGY_NAMES = {"ddp", "zero1", "zero2", "zero3", "ps", "local"}  # the values of parallel.sync
-BUILDING = ("mpitrain.train.build", "mpitrain.config")  # where strategy names are read
+# where strategy names are read: building a run, its config, and the planner, which predicts each strategy's needs
+BUILDING = ("mpitrain.train.build", "mpitrain.config", "mpitrain.plan")
 
 
 def strategy_choices(tree: ast.AST) -> list[str]:

@@ -18,6 +18,7 @@ from mpitrain.observe.memory import CATEGORIES, HeapTrace, heap_line, model_stat
 from mpitrain.observe.metrics import MetricsLog
 from mpitrain.observe.timeline import Timeline
 from mpitrain.observe.timing import time_table
+from mpitrain.plan.validate import end_of_run
 from mpitrain.precision import MixedPrecision, masters_in_model
 from mpitrain.train import evaluate
 from mpitrain.train.build import grid_line, resume_hint
@@ -43,6 +44,8 @@ class Result:
     stopped: str | None = None  # the signal that stopped the run early
     skipped: int = 0  # steps whose update was skipped for a non-finite loss (run.on_nan = "skip")
     staleness: dict = field(default_factory=dict)  # ps: applied gradients by staleness
+    states: list = field(default_factory=list)  # per rank: (model state, heap figures or None) at the end (rank 0)
+    flops: float = 0.0  # FLOPs of one step of one rank, counted on the first step, the mean over the loop's ranks
 
 
 TIME_FIELDS = ("rank", "step_s", "comm_exposed_s", "comm_total_s", "read_s", "wait_s", "bytes_sent", "bubble_s",
@@ -145,7 +148,7 @@ def finish(run, result: Result, times: tuple, figures: dict, out: Outputs, log) 
     lines, result.staleness = run.role.sync.summary()
     done = figures["done"]
     if world.rank == 0:
-        result.timing = rows
+        result.timing, result.states = rows, states
         if done:  # a resumed run that was already finished has no steps to show
             log(time_table(rows, done))
         if world.size > 1 and whole:
@@ -155,6 +158,9 @@ def finish(run, result: Result, times: tuple, figures: dict, out: Outputs, log) 
                 f"sha256 {digest[:16]}")
         for line in lines + state_lines(run, states):
             log(line)
+        if done:
+            for line in end_of_run(cfg, world.size, figures["train_seconds"] / done, states):
+                log(line)
     if run.data.kind == "text" and cfg.train.sample_tokens:
         with run.role.sync.whole_model():  # entered by every rank: ZeRO-3 gathers the model
             if world.rank == 0 and whole:
@@ -168,7 +174,7 @@ def finish(run, result: Result, times: tuple, figures: dict, out: Outputs, log) 
 def _totals(run, result: Result, figures: dict, rows, out: Outputs, log) -> Result:
     """The run's totals into ``result``, the metrics' ``end`` record and the last line."""
     seconds, done = figures["train_seconds"], figures["done"]
-    result.seconds, result.final_loss = figures["wall_seconds"], figures["final_loss"]
+    result.seconds, result.final_loss, result.flops = figures["wall_seconds"], figures["final_loss"], figures["flops"]
     steps = done  # of the global batch
     if result.staleness:  # parameter servers: a worker's step is B / workers samples, and workers differ in
         servers = run.cfg.parallel.servers  # steps when asynchronous; every server counted each gradient

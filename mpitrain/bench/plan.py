@@ -1,0 +1,84 @@
+"""``mpitrain bench plan``: the planner against the run, layout by layout.
+
+For each layout of :data:`LAYOUTS` it runs ``mpitrain plan CONFIG --validate`` (the run
+traced once for the counted quantities and the heap, timed once in windows of 5 steps,
+:mod:`mpitrain.plan.validate`) on shared memory, and with ``--network RATE ...`` across
+2 emulated nodes of :mod:`mpitrain.cluster` linked at each rate (the planner told the
+link: ``emu-1g``, ``emu-10g``), then prints one row per layout and link: the predicted
+and measured step time and their error, whether every counted quantity was exact, and
+the largest heap errors. Run it without ``mpiexec``: it starts its own ranks. The
+figures: ``mpitrain/bench/README.md``, "The planner against the run".
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from mpitrain.cluster import Cluster, describe, mpiexec
+
+# name -> (ranks, --set overrides); the layouts of the issue's table that two cores can time
+LAYOUTS = {
+    "one process": (1, []),
+    "ddp": (2, []),
+    "zero1": (2, ["parallel.sync=zero1"]),
+    "zero2, 2 micro-batches": (2, ["parallel.sync=zero2", "train.micro_batches=2"]),
+    "zero3": (2, ["parallel.sync=zero3"]),
+    "pp 2, gpipe, m 4": (2, ["parallel.pp=2", "parallel.schedule=gpipe", "train.micro_batches=4"]),
+    "pp 2, 1f1b, m 4": (2, ["parallel.pp=2", "train.micro_batches=4"]),
+    "pp 2, zb-h1, m 4": (2, ["parallel.pp=2", "parallel.schedule=zb-h1", "train.micro_batches=4"]),
+    "pp 2, interleaved x 2": (2, ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.chunks=2",
+                                  "train.micro_batches=4"]),
+    "tp 2": (2, ["parallel.tp=2"]),
+    "tp 2, sequence parallel": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "bf16": (2, ["train.precision=bf16"]),
+    "activation checkpointing": (2, ["model.checkpoint_activations=true"]),
+}
+LINKS = {"1gbit": "emu-1g", "10gbit": "emu-10g"}  # a cluster rate -> the catalogue's link measured at it
+
+
+def one(config: str, name: str, steps: int, launch, link_args: list[str], out: Path) -> dict | None:
+    """One layout's validation through ``launch`` (a command list -> exit status)."""
+    ranks, sets = LAYOUTS[name]
+    argv = [sys.executable, "-m", "mpitrain", "plan", config, "--validate", "--steps", str(steps),
+            "--json", str(out), *link_args, *(a for s in sets for a in ("--set", s))]
+    sys.stdout.flush()
+    launch(argv, ranks)
+    return json.loads(out.read_text()) if out.exists() else None
+
+
+def row(name: str, link: str, found: dict | None) -> str:
+    if found is None:
+        return f"{name:26} | {link:13} | the run failed (its output is above)"
+    predicted, measured = found["step"]
+    exact = all(r[2] == r[3] for r in found["rows"] if r[4] == 0)
+    heap = {what: max((abs(r[5]) for r in found["rows"] if r[1] == what), default=float("nan"))
+            for what in ("heap at rest less the reader", "heap peak above rest")}
+    return (f"{name:26} | {link:13} | {1e3 * predicted:7.1f} | {1e3 * measured:7.1f} | "
+            f"{100 * (measured - predicted) / measured:+6.1f}% | {'yes' if exact else 'NO':>5} | "
+            f"{100 * heap['heap at rest less the reader']:5.1f}% | {100 * heap['heap peak above rest']:5.1f}%")
+
+
+def run(config: str, steps: int, rates: list[str], names: list[str], log=print) -> int:
+    log("layout                     | link          | predicted ms | measured ms | error | exact | heap at rest | "
+        "heap peak   (error of the step time: (measured - predicted) / measured; heap: the largest rank's)")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="mpitrain-bench-plan-") as tmp:
+        def shared(argv, ranks):
+            return subprocess.run([mpiexec(), "-n", str(ranks), *argv], check=False).returncode
+
+        for k, name in enumerate(names):
+            rows.append(row(name, "shared memory", one(config, name, steps, shared, [], Path(tmp) / f"s{k}.json")))
+        for rate in rates:
+            with Cluster(nodes=2, ranks=1, rate=rate) as cluster:
+                log(describe(cluster))
+                for k, name in enumerate(n for n in names if LAYOUTS[n][0] == 2):
+                    args = ["--nodes", "2", "--gpus-per-node", "1", "--network", LINKS[rate]]
+                    found = one(config, name, steps, lambda argv, ranks: cluster.run(argv), args,
+                                Path(tmp) / f"{rate}-{k}.json")
+                    rows.append(row(name, f"2 nodes, {rate}", found))
+    log("\n".join(rows))
+    return 0 if all("failed" not in r for r in rows) else 1

@@ -1,0 +1,90 @@
+"""``mpitrain plan``: what a run needs, predicted before it starts, for this machine or a
+GPU cluster, and checked against the run.
+
+From a config and a rank count the planner derives, without allocating one array of the
+model (shapes only: :mod:`~mpitrain.plan.shapes`), per rank: the model state by category,
+the activations at the schedule's peak, the bytes sent per step on each communicator call
+by call, the FLOPs, the pipeline bubble; then, on a :class:`~mpitrain.plan.timing.Machine`
+(:mod:`~mpitrain.plan.hardware`'s catalogue), the step time and its parts, samples/s, the
+storage bandwidth that rate needs, and whether the peak memory fits. Every formula is
+:mod:`mpitrain.cost`'s. ``--validate`` (:mod:`~mpitrain.plan.validate`) runs the config
+and prints predicted | measured | error for each quantity. How to use it:
+``mpitrain/plan/README.md``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from mpitrain.plan.data import resolve
+from mpitrain.plan.layout import Layout
+from mpitrain.plan.predict import rank_plans
+from mpitrain.plan.timing import Machine, step_parts
+
+# a device's links inside a node, by default
+INTRA = {"v100": "nvlink2", "a100-40g": "nvlink3", "a100-80g": "nvlink3", "h100": "nvlink4", "h200": "nvlink4"}
+
+
+@dataclass
+class Plan:
+    layout: Layout
+    ranks: list  # :class:`~mpitrain.plan.predict.RankPlan`, ranks alike grouped
+    machine: Machine
+    time: dict  # :func:`~mpitrain.plan.timing.step_parts`
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.layout.cfg.train.global_batch_size / self.time["step"]
+
+    @property
+    def model_flops(self) -> float:
+        """FLOPs of a step over all ranks (forward and backward, no recomputation)."""
+        return sum((p.flops["forward"] + p.flops["backward"]) * len(p.ranks) for p in self.ranks)
+
+    @property
+    def executed_flops(self) -> float:
+        return self.model_flops + sum(p.flops["recompute"] * len(p.ranks) for p in self.ranks)
+
+    @property
+    def bytes_per_sample(self) -> int:
+        lay = self.layout
+        return lay.data.bytes_per_sample(lay.T, lay.cfg.data.sampling == "random")
+
+    def largest(self):
+        return max(self.ranks, key=lambda p: p.peak)
+
+
+def machine(catalogue, hardware: str = "this", ranks: int = 1, per_node: int | None = None, network: str = "",
+            intra: str = "", utilization: float = 0.4, memory: float = 0.0) -> Machine:
+    """The machine ``ranks`` ranks run on: ``per_node`` of them per node of ``hardware``,
+    the nodes joined by ``network``. This machine ("this"): its memory shared by its ranks."""
+    device = catalogue.device(hardware)
+    per_node = per_node or ranks
+    intra_key = intra or INTRA.get(hardware, "shm")
+    inner = catalogue.link(intra_key)
+    outer = catalogue.link(network) if network else inner
+    if not memory:
+        memory = (host_memory() or device.memory_bytes) / per_node if device.calibrated else device.memory_bytes
+    cores = (os.cpu_count() or 0) if device.calibrated else 0  # this machine's: ranks beyond its cores share them
+    return Machine(device, inner, outer, per_node, 1.0 if device.calibrated else utilization, memory, cores=cores)
+
+
+def host_memory() -> float:
+    """Bytes of this machine's memory (``/proc/meminfo``), or 0 where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024.0
+    except OSError:
+        pass
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) if hasattr(os, "sysconf") else 0.0
+
+
+def make(cfg, ranks: int, machine: Machine, data=None) -> Plan:
+    """The plan of ``cfg`` on ``ranks`` ranks of ``machine`` (ConfigError if the trainer
+    would refuse the layout)."""
+    lay = Layout.of(cfg, ranks, data or resolve(cfg))
+    plans = rank_plans(lay)
+    return Plan(lay, plans, machine, step_parts(lay, plans, machine))

@@ -1,0 +1,385 @@
+"""Calibration: measuring this machine as mpitrain runs on it, one BLAS thread per rank, and
+writing what it measured as a hardware file (:mod:`mpitrain.plan.hardware` reads it).
+
+* the device (:func:`measure_device`): GEMMs at the shapes mpitrain's models multiply,
+  streaming bandwidth, the cost of a tiny op;
+* mpitrain's own elementwise work (:func:`measure_passes`): training steps of small models
+  built for real, less their GEMMs' predicted time, in passes over their traffic;
+* links (:func:`measure_link`, :func:`fit_link`): a ping-pong of 2 ranks, on shared memory
+  or across an emulated link, fitted to Hockney's ``alpha + n / bandwidth``.
+
+:func:`calibrate` runs them all and writes ``[device.this]`` and ``[link.*]``;
+``python -m mpitrain.plan.calibrate --pingpong`` is the ping-pong's rank program.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from mpitrain.plan import shapes as model_shapes
+from mpitrain.plan.hardware import GEMM_DTYPES, HardwareError, parse_device, read_toml, user_path
+
+# the GEMMs that matter here, (m, k, n) of (m,k)@(k,n), float32 unless a dtype is named
+GPT_SHAPES = [  # jobs/tinyshakespeare_gpt.toml: 12 x 64 = 768 tokens, width 128, 4 heads of 32, 65 characters
+    (768, 128, 384), (768, 128, 128), (768, 128, 512), (768, 512, 128), (768, 128, 65),  # qkv, proj, MLP, head
+    (128, 768, 384), (512, 768, 128),  # weight gradients x^T g: the tokens inside
+    (64, 32, 64), (64, 64, 32)]  # one head's scores q k^T, and its weighted values
+CNN_SHAPES = [  # im2col GEMMs (pixels, c_in k k, c_out): mnist_lenet.toml (batch 64), cifar10_resnet.toml (128)
+    (50176, 25, 16), (12544, 400, 32), (64, 1568, 128),
+    (131072, 27, 16), (131072, 144, 16), (32768, 288, 32), (8192, 576, 64)]
+SKINNY = [(2048, 64, 2048), (64, 2048, 64)]  # a rank-64 update, long inner products
+DEFAULT_SHAPES = ([(s, s, s) for s in (64, 128, 256, 512, 1024, 2048)] + GPT_SHAPES + CNN_SHAPES + SKINNY
+                  + [(s, s, s, "float64") for s in (256, 1024)])
+
+
+def _median_seconds(fn, repeats: int, least: float = 0.02) -> float:
+    """Median of ``repeats`` repeats' seconds per call of ``fn``, a repeat lasting ``least`` s or more."""
+    tick = time.perf_counter()
+    fn()
+    calls, times = max(1, int(least / max(time.perf_counter() - tick, 1e-9))), []
+    for _ in range(repeats):
+        tick = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - tick) / calls)
+    return float(np.median(times))
+
+
+def _sig(x: float) -> float:  # four significant digits: a measurement's noise is percents
+    return float(f"{x:.4g}")
+
+
+# ------------------------------------------------------------------ the device
+def measure_device(shapes=None, repeats: int = 5, log=print) -> dict:
+    """The ``[device.this]`` table, at one BLAS thread: GFLOP/s of ``np.matmul`` (m,k)@(k,n)
+    into a reused output (2 m k n FLOPs) at ``shapes`` ((m, k, n) or (m, k, n, dtype);
+    default :data:`DEFAULT_SHAPES`); streaming over float32 arrays of 32 MiB, beyond the
+    caches and preallocated (no page faults): a copy reads and writes one, ``np.add`` reads
+    two and writes one; and a tiny op, ``np.add`` of 16 elements in a Python call, what each
+    small node of an autograd graph pays besides its arithmetic."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    rows, gen = [], np.random.default_rng(0)
+    with threadpool_limits(limits=1, user_api="blas"):
+        for shape in DEFAULT_SHAPES if shapes is None else shapes:
+            m, k, n, dtype = (*shape, "float32")[:4]
+            if dtype not in GEMM_DTYPES:
+                raise HardwareError(f"GEMM shape {shape}: dtype must be one of {', '.join(GEMM_DTYPES)}")
+            a, b = gen.standard_normal((m, k)).astype(dtype), gen.standard_normal((k, n)).astype(dtype)
+            c = np.empty((m, n), dtype)
+            seconds = _median_seconds(lambda: np.matmul(a, b, out=c), repeats)  # runs here, on this a, b, c
+            rows.append([int(m), int(k), int(n), dtype, _sig(2 * m * k * n / seconds / 1e9)])
+            log(f"gemm ({m}, {k}) @ ({k}, {n}) {dtype}: {rows[-1][4]:g} GFLOP/s")
+        (a, b, c), x = (np.ones(1 << 23, np.float32) for _ in range(3)), np.zeros(16, np.float32)
+        copy = 2 * a.nbytes / _median_seconds(lambda: np.copyto(c, a), repeats)
+        add = 3 * a.nbytes / _median_seconds(lambda: np.add(a, b, out=c), repeats)
+        tiny = _median_seconds(lambda: np.add(x, x, out=x), repeats)  # a lambda: a Python call, as an op's
+    log(f"streaming: copy {copy / 1e9:.3g} GB/s, add {add / 1e9:.3g} GB/s; a tiny op {tiny * 1e6:.3g} us")
+    best = {d: _sig(max([r[4] / 1e3 for r in rows if r[3] == d], default=0.0)) for d in GEMM_DTYPES}  # TFLOP/s
+    if not best["float32"]:
+        raise HardwareError("calibration needs a float32 GEMM shape at least")
+    fp32, cpu = best["float32"], Path("/proc/cpuinfo")
+    model = next((line.split(":")[1].strip() for line in (cpu.read_text().splitlines() if cpu.exists() else ())
+                  if line.startswith("model name")), "a CPU")
+    blas = next((f"{i['internal_api']} {i['version']}" for i in threadpool_info() if i["user_api"] == "blas"), "BLAS")
+    name = f"{model}, {os.cpu_count()} cores; NumPy {np.__version__}, {blas}, 1 BLAS thread per rank"
+    return {"name": name, "memory_gb": _sig(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9),
+            "memory_bandwidth_gbs": _sig(copy / 1e9), "elementwise_bandwidth_gbs": _sig(add / 1e9),
+            "op_overhead_us": _sig(tiny * 1e6),  # TFLOP/s; half-precision products run in float32 (precision.py):
+            "peak_flops": {"fp64": best["float64"] or _sig(fp32 / 2), "fp32": fp32, "bf16": fp32, "fp16": fp32},
+            "gemm_gflops": rows}
+
+
+# ------------------------------------------------------------------ mpitrain's elementwise passes
+def gemm_seconds(dev, model, batch: int) -> float:
+    """The products of a step of ``model`` (a :class:`~mpitrain.plan.shapes.ModelShape`) at
+    ``batch``, forward and backward, each layer at ``dev``'s rate for its typical product
+    with ``batch`` times its rows, as :class:`mpitrain.plan.timing.Machine` rates them."""
+    seconds = 0.0
+    for layer in model.layers:
+        flops = (layer.forward * (1 + layer.recompute) + layer.backward) * batch
+        if flops:
+            m, k, n = layer.gemm or (1, 256, 256)
+            seconds += flops / dev.matmul_flops_per_s(max(1, m * batch), k, n)
+    return seconds
+
+
+def passes_of(dev, model, batch: int, seconds: float) -> float:
+    """A step's ``seconds`` less its products' (:func:`gemm_seconds`), in passes over its
+    each layer's ``traffic`` of float32 numbers at ``dev``'s elementwise bandwidth."""
+    nbytes = 4 * batch * sum(layer.traffic for layer in model.layers)
+    return (seconds - gemm_seconds(dev, model, batch)) / (nbytes / dev.elementwise_bandwidth)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """A model to time: ``make()`` builds it for real and returns (step, its ModelShape, batch)."""
+
+    name: str
+    family: str
+    make: object
+
+
+def gpt_probe(V=84, T=64, L=4, H=4, C=128, batch=12) -> Probe:
+    """:class:`mpitrain.nn.GPT` (default: jobs/shakespeare_gpt.toml's), AdamW, random tokens."""
+    def make():
+        from mpitrain import nn, optim
+
+        model = nn.GPT(nn.GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C))
+        opt = optim.AdamW(model.parameters(), 1e-3)
+        x, y = np.random.default_rng(0).integers(0, V, (2, batch, T))
+
+        def step():
+            model(x, y)[1].backward()
+            opt.step()
+            opt.zero_grad()
+        return step, model_shapes.gpt(V, T, L, H, C), batch
+    return Probe(f"gpt {L}L/{H}H/{C}C T{T} B{batch}", "gpt", make)
+
+
+def cnn_probe(name: str, sample=(32, 32, 3), batch=64, **config) -> Probe:
+    """mpitrain's CNN ``name`` (lenet, convnet, resnet) on random images of ``sample``
+    (H, W, C), AdamW; ``config``: the model's own (channels, widths, blocks, ...)."""
+    def make():
+        from mpitrain import nn, ops, optim
+
+        H, _, c = sample
+        model = {"lenet": nn.LeNet, "convnet": nn.ConvNet, "resnet": nn.ResNet}[name](c, H, 10, **config)
+        opt = optim.AdamW(model.parameters(), 1e-3)
+        gen = np.random.default_rng(0)
+        x, y = gen.standard_normal((batch, *sample)).astype(np.float32), gen.integers(0, 10, batch)
+
+        def step():
+            ops.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return step, getattr(model_shapes, name)(tuple(sample), 10, **config), batch
+    label = name + "".join(f" {k}={v}" for k, v in config.items())
+    return Probe(f"{label} {'x'.join(map(str, sample))} B{batch}", "cnn", make)
+
+
+PROBES = (gpt_probe(), cnn_probe("lenet", (28, 28, 1)), cnn_probe("resnet", blocks=1))  # resnet8
+
+
+def measure_passes(dev, probes=PROBES, repeats: int = 5, log=print) -> dict:
+    """{family: passes}, each the median over ``probes`` of that family of :func:`passes_of`
+    a step's median seconds (``repeats`` steps after three to warm up), on one BLAS thread
+    with the allocator and huge pages as the trainer sets them; ``dev`` a calibrated
+    :class:`~mpitrain.plan.hardware.Device`, whose GEMM rates the products are timed at."""
+    from mpitrain import rng
+    from mpitrain.runtime import huge_page_heap, limit_blas_threads, tune_allocator
+
+    found = {}
+    tune_allocator()
+    with limit_blas_threads(1):
+        for probe in probes:
+            rng.manual_seed(0)
+            step, model, batch = probe.make()
+            for _ in range(3):
+                step()
+            huge_page_heap()
+            times = []
+            for _ in range(repeats):
+                tick = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - tick)
+            seconds = float(np.median(times))
+            found.setdefault(probe.family, []).append(passes_of(dev, model, batch, seconds))
+            log(f"passes {probe.name}: {seconds * 1e3:.4g} ms a step, its GEMMs "
+                f"{gemm_seconds(dev, model, batch) * 1e3:.4g} ms: {found[probe.family][-1]:.3g} passes")
+    passes = {family: _sig(float(np.median(v))) for family, v in found.items()}
+    for family, value in passes.items():
+        if not value > 0:
+            raise HardwareError(f"{family} steps took less than their GEMMs' predicted time: the machine was "
+                                "too busy to measure; calibrate again")
+    return passes
+
+
+# ------------------------------------------------------------------ links
+def pingpong(max_bytes: int = 16 << 20, repeats: int = 5) -> list | None:
+    """On 2 ranks: rank 0 gets [(bytes, one-way seconds), ...] for messages of 8 B doubling
+    to ``max_bytes``, each the median of ``repeats`` rounds of round trips (about 1 MiB each
+    way a round), rank 1 None. Blocking Send/Recv on a duplicate of the world: a message
+    space of its own, where the default tag meets no other."""
+    from mpitrain.comm import world
+
+    mpi = world().mpi.Dup()
+    if mpi.Get_size() != 2:
+        raise SystemExit(f"the ping-pong runs on 2 ranks, not {mpi.Get_size()}")
+    peer, rows, size = 1 - mpi.Get_rank(), [], 8  # rank 0 (peer 1) sends first
+    while size <= max_bytes:
+        buf, trips, times = np.zeros(size, np.uint8), max(1, min(1000, (1 << 20) // size)), []
+        for r in range(repeats + 1):  # round 0 warms up: connections, caches
+            mpi.Barrier()
+            tick = time.perf_counter()
+            for _ in range(trips):
+                for step in (mpi.Send, mpi.Recv) if peer else (mpi.Recv, mpi.Send):
+                    step(buf, peer)
+            times += [(time.perf_counter() - tick) / trips / 2] if r else []
+        rows.append((size, float(np.median(times))))
+        size *= 2
+    mpi.Free()
+    return rows if peer else None
+
+
+def fit_link(rows: list) -> tuple[float, float]:
+    """(alpha s, bandwidth B/s) of ``t = alpha + n / bandwidth`` through one-way times, by least
+    squares in each regime: the slope through messages of 1/16 of the largest and up, then
+    the intercept it leaves messages of 64 B or less. One fit through all sizes lets 16 MiB's
+    milliseconds swamp the microseconds (its intercept came out negative), and an emulated
+    link's token bucket passes small messages faster than its rate."""
+    n, t = np.array(rows, dtype=np.float64).T  # (sizes,) bytes, seconds
+    big, small = n >= n.max() / 16, n <= 64
+    if big.sum() < 2 or not small.any():
+        raise HardwareError("a link fit needs messages from 8 B to 128 B or more")
+    per_byte = np.polyfit(n[big], t[big], 1)[0]
+    alpha = float(np.mean(t[small] - n[small] * per_byte))
+    if alpha <= 0 or per_byte <= 0:
+        raise HardwareError(f"the link fit came out alpha {alpha:.3g} s, {per_byte:.3g} s/B: the machine was too "
+                            "busy to measure; calibrate again")
+    return alpha, float(1 / per_byte)
+
+
+def measure_link(rate_gbit: float | None, max_bytes: int = 16 << 20, repeats: int = 5) -> list:
+    """Ping-pong rows of 2 ranks on shared memory (``rate_gbit`` None), or of 2 emulated nodes
+    of 1 rank linked at ``rate_gbit`` (``mpitrain cluster``; ClusterError where it cannot be)."""
+    from mpitrain.cluster import Cluster, mpiexec
+
+    argv = [sys.executable, "-m", "mpitrain.plan.calibrate", "--pingpong", "--max-bytes", str(max_bytes),
+            "--repeats", str(repeats)]
+    run = lambda cmd: subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)  # noqa: E731
+    if rate_gbit is None:
+        done, what = run([mpiexec(), "-n", "2", *argv]), "shared memory"
+    else:
+        with Cluster(nodes=2, ranks=1, rate=f"{rate_gbit * 1000:g}mbit") as cluster:
+            done, what = run(cluster.command(argv)), f"an emulated {rate_gbit:g} Gbit/s link"
+    lines = [line for line in done.stdout.splitlines() if line.startswith('{"pingpong"')]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip() or done.stdout.strip() or f"exit status {done.returncode}").splitlines()[-1]
+        raise HardwareError(f"the ping-pong over {what} failed: {tail}")
+    return json.loads(lines[-1])["pingpong"]
+
+
+def _links(links, rates_gbit, max_bytes: int, repeats: int, log) -> dict:
+    """The ``[link.*]`` tables of :func:`calibrate`."""
+    from mpitrain.cluster import ClusterError
+
+    measured = {}
+    for key, rate in [(k, None) for k in links] + [(f"emu-{r:g}g", float(r)) for r in rates_gbit]:
+        if rate is None and key != "shm":
+            raise HardwareError(f"link {key!r}: calibration measures shm, and emulated links by their rate")
+        try:
+            rows = measure_link(rate, max_bytes, repeats)
+        except ClusterError as e:
+            log(f"{key}: skipped, no emulated cluster here: {e}")
+            continue
+        alpha, bandwidth = fit_link(rows)
+        measured[key] = {"name": "shared memory, 2 MPI ranks on one node (calibrated)" if rate is None else
+                         f"emulated {rate:g} Gbit/s link, mpitrain cluster 2 nodes x 1 rank (calibrated)",
+                         "alpha_us": _sig(alpha * 1e6), "bandwidth_gbs": _sig(bandwidth / 1e9)}
+        log(f"{key}: alpha {alpha * 1e6:.3g} us, bandwidth {bandwidth / 1e9:.4g} GB/s (8 B to {rows[-1][0]} B)")
+    return measured
+
+
+# ------------------------------------------------------------------ all of it, written
+def calibrate(shapes=None, links=("shm",), rates_gbit=(), out=None, log=print, *, repeats: int = 5,
+              max_bytes: int = 16 << 20, probes=PROBES) -> dict:
+    """Measure this machine (:func:`measure_device`, then :func:`measure_passes` of
+    ``probes`` at its GEMM rates) and its links: ``"shm"`` in ``links``, ``emu-<R>g`` for
+    each rate R in ``rates_gbit`` (skipped, saying why, where no emulated cluster can be
+    made); write them as ``[device.this]`` and ``[link.*]`` into ``out`` (default
+    :func:`~mpitrain.plan.hardware.user_path`) atomically, keeping the entries of an
+    existing file that were not measured again. Returns the tables measured."""
+    this = measure_device(shapes, repeats, log)
+    this["passes"] = measure_passes(parse_device("this", this, "the device measured"), probes, repeats, log)
+    log(f"passes: {', '.join(f'{k} {v:g}' for k, v in this['passes'].items())}")
+    measured = {"device": {"this": this}, "link": _links(links, rates_gbit, max_bytes, repeats, log)}
+    out = Path(out) if out is not None else user_path()
+    merged = read_toml(out) if out.exists() else {}
+    for kind, entries in measured.items():
+        merged.setdefault(kind, {}).update(entries)
+    command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    write_toml(out, to_toml(merged, f"measured by mpitrain.plan.calibrate {time.strftime('%Y-%m-%d')}: {command}"))
+    log(f"wrote {out}")
+    return measured
+
+
+def _toml(v) -> str:
+    """A TOML value: a number exact (``repr`` round-trips a float), a string as JSON writes
+    it (a TOML basic string too), an array; an array of arrays one row a line."""
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, (int, float)) and math.isfinite(v):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if not isinstance(v, (list, tuple)):
+        raise HardwareError(f"cannot write {v!r} as TOML")
+    if any(isinstance(x, (list, tuple)) for x in v):
+        return "[\n" + "".join(f"    {_toml(x)},\n" for x in v) + "]"
+    return "[" + ", ".join(map(_toml, v)) + "]"
+
+
+def to_toml(tables: dict, header: str = "") -> str:
+    """Nested dicts of numbers, strings, booleans and arrays as TOML, ``header`` a comment."""
+    lines = [f"# {line}" for line in header.splitlines()]
+    key = lambda k: k if k.replace("-", "").replace("_", "").isalnum() and k.isascii() else _toml(k)  # noqa: E731
+
+    def emit(name: str, table: dict) -> None:
+        values = {k: v for k, v in table.items() if not isinstance(v, dict)}
+        lines.extend(["", f"[{name}]"] if name and (values or not table) else [])
+        lines.extend(f"{key(k)} = {_toml(v)}" for k, v in values.items())
+        for k, v in table.items():
+            if isinstance(v, dict):
+                emit(f"{name}.{key(k)}" if name else key(k), v)
+
+    emit("", tables)
+    return "\n".join(lines).lstrip("\n") + "\n"
+
+
+def write_toml(path, text: str) -> None:
+    """``text`` into ``path`` atomically: a temporary file beside it, synced, then renamed."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=Path(path).parent, prefix=".tmp-", delete=False) as f:
+        try:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+            os.replace(f.name, path)
+        except BaseException:
+            Path(f.name).unlink(missing_ok=True)
+            raise
+
+
+def main(argv=None) -> int:
+    """Calibrate this machine into ``--out`` (default the user's file); or, with ``--pingpong``
+    under ``mpiexec -n 2``, be a ping-pong rank: rank 0 prints {"pingpong": [[bytes, seconds], ...]}."""
+    p = argparse.ArgumentParser(prog="python -m mpitrain.plan.calibrate", description=main.__doc__)
+    p.add_argument("--pingpong", action="store_true", help="be a rank of the ping-pong, measure nothing else")
+    p.add_argument("--max-bytes", type=int, default=16 << 20, help="the largest message (default 16 MiB)")
+    p.add_argument("--repeats", type=int, default=5, help="rounds of each size, whose median counts (default 5)")
+    p.add_argument("--rates-gbit", type=float, nargs="*", default=[], help="emulated links to measure, Gbit/s each")
+    p.add_argument("--out", help="the hardware file to write (default $MPITRAIN_HARDWARE, else the user's)")
+    args = p.parse_args(argv)
+    if not args.pingpong:
+        calibrate(rates_gbit=args.rates_gbit, out=args.out, repeats=args.repeats, max_bytes=args.max_bytes)
+        return 0
+    rows = pingpong(args.max_bytes, args.repeats)
+    if rows is not None:
+        print(json.dumps({"pingpong": rows}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""``mpitrain plan``: its parser and what it runs (registered by :mod:`mpitrain.cli`)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+         "tib": 2**40}
+
+
+def nbytes(text: str) -> float:
+    """``16GB``, ``16 GiB``, ``1.5e10``: bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in UNITS:
+        raise argparse.ArgumentTypeError(f"expected bytes such as 16GB, 512MiB or 2e9, got {text!r}")
+    return float(m.group(1)) * UNITS[m.group(2).lower()]
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def add_parser(commands) -> None:
+    p = commands.add_parser(
+        "plan", help="predict what a run needs (memory, bytes, FLOPs, bubble, time) before it starts",
+        description="Predict, from shapes alone (no model is built), what CONFIG needs on -n ranks: per rank the "
+                    "model state, activations, bytes per communicator, FLOPs and the bubble; the step time and "
+                    "its parts on this machine or a GPU cluster (--hardware); the storage bandwidth; whether it "
+                    "fits. --validate runs it and prints predicted | measured | error.",
+        epilog="examples:\n  mpitrain plan jobs/shakespeare_gpt.toml -n 4 --set parallel.pp=2 --set parallel.tp=2 "
+               "--set train.micro_batches=4\n  mpitrain plan --model gpt3-175b --hardware a100-80g --gpus-per-node 8 "
+               "--nodes 128 --network ib-hdr --set parallel.sync=zero3\n  mpitrain plan --calibrate\n"
+               "  mpiexec -n 2 mpitrain plan jobs/shakespeare_gpt.toml --validate\n"
+               "the guide: mpitrain/plan/README.md",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", nargs="?", help="the TOML config to plan (or --model)")
+    p.add_argument("--model", metavar="NAME", help="a reference model of mpitrain/plan/models.toml instead of a "
+                                                   "config's (e.g. gpt2, gpt3-175b, llama2-7b)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value, as for mpitrain train; repeatable")
+    p.add_argument("-n", "--ranks", type=_count, help="ranks of the job (default: --nodes x --gpus-per-node, else 1;"
+                                                      " under mpiexec with --validate: the job's)")
+    p.add_argument("--hardware", default="this", metavar="KEY",
+                   help="the device of mpitrain/plan/hardware.toml each rank runs on (default 'this': this "
+                        "machine, as calibrated); e.g. v100, a100-40g, a100-80g, h100, h200")
+    p.add_argument("--nodes", type=_count, help="nodes of the job (default 1)")
+    p.add_argument("--gpus-per-node", "--ranks-per-node", dest="per_node", type=_count, metavar="N",
+                   help="ranks per node (default: all on one node)")
+    p.add_argument("--network", metavar="KEY", help="the link between nodes (e.g. ib-hdr, ib-ndr, eth-100g; emu-1g "
+                                                    "and emu-10g: the links of mpitrain cluster)")
+    p.add_argument("--intra", metavar="KEY", help="the link inside a node (default: the device's NVLink, or shared "
+                                                  "memory here)")
+    p.add_argument("--utilization", type=_fraction, default=0.4,
+                   help="the share of a published device's peak FLOP/s a step reaches (default 0.4)")
+    p.add_argument("--memory-per-rank", type=nbytes, metavar="BYTES",
+                   help="memory each rank may use (default: the device's; here, this machine's over its ranks)")
+    p.add_argument("--catalogue", metavar="PATH", help="a hardware catalogue to overlay the shipped one (default "
+                                                       "$MPITRAIN_HARDWARE or ~/.config/mpitrain/hardware.toml)")
+    p.add_argument("--memory-table", action="store_true",
+                   help="also the memory per rank under each sync, with and without activation checkpointing "
+                        "(always with --hardware)")
+    p.add_argument("--notes", action="store_true",
+                   help="reproduce the course notes' arithmetic: a ResNet run's FLOPs and machine time, the storage "
+                        "bandwidth of the calculator's models on V100, A100 and H100")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine (GEMMs, memory streaming, links) into the user's catalogue")
+    p.add_argument("--validate", action="store_true",
+                   help="run CONFIG for a few steps (under mpiexec: on its ranks) and print predicted | measured | "
+                        "error for every quantity")
+    p.add_argument("--json", metavar="PATH", help="with --validate: also write the rows to PATH (JSON)")
+    p.add_argument("--steps", type=_count, default=20,
+                   help="with --validate: steps of the timed run (default 20, in windows of 5; the first is not timed)")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from mpitrain.config import ConfigError
+    from mpitrain.plan import hardware
+
+    try:
+        if args.calibrate:
+            from mpitrain.plan import calibrate
+
+            calibrate.calibrate(out=args.catalogue, log=print)
+            return 0
+        if args.notes:
+            from mpitrain.plan import models
+
+            print(models.notes_text(hardware.load(args.catalogue).notes))
+            return 0
+        if args.validate:
+            from mpitrain.plan import validate
+
+            return validate.run(args)
+        plan, source = build(args)
+    except hardware.HardwareError as e:
+        raise ConfigError(str(e)) from None
+    from mpitrain.plan import show
+
+    print(show.text(plan, source, memory=args.hardware != "this" or args.memory_table))
+    sys.stdout.flush()
+    return 0
+
+
+def build(args, ranks: int | None = None):
+    """(the plan the arguments describe, what it plans: the config's path or the model's name)."""
+    from mpitrain import plan as planner
+    from mpitrain.plan import hardware, models
+
+    cfg, data, source = models.config_of(args)
+    per_node = args.per_node
+    P = ranks or args.ranks or (args.nodes or 1) * (per_node or 1)
+    if args.nodes and per_node and args.ranks and args.ranks != args.nodes * per_node:
+        raise _usage_error(f"-n {args.ranks} is not --nodes {args.nodes} x --gpus-per-node {per_node}")
+    if args.nodes and not per_node:
+        per_node = -(-P // args.nodes)
+    catalogue = hardware.load(args.catalogue)
+    mc = planner.machine(catalogue, args.hardware, P, per_node, args.network or "", args.intra or "",
+                         args.utilization, args.memory_per_rank or 0.0)
+    return planner.make(cfg, P, mc, data), source
+
+
+def _usage_error(message: str):
+    from mpitrain.config import ConfigError
+
+    return ConfigError(message)

@@ -1,0 +1,216 @@
+"""The hardware catalogue: the devices and links the planner predicts for, as data, read
+and checked field by field.
+
+The catalogue is ``hardware.toml`` beside this file, each entry citing its source: devices'
+memory, memory bandwidth and peak FLOP/s per precision (dense, as datasheets publish them);
+links in Hockney's model (Parallel Computing 20, 1994: ``n`` bytes in one message take
+``alpha + n / bandwidth``); the course notes' peaks. A user's file ($MPITRAIN_HARDWARE, else
+~/.config/mpitrain/hardware.toml) replaces entries by key. Measuring this machine and
+writing that file is :mod:`mpitrain.plan.calibrate`'s part.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+SHIPPED = Path(__file__).with_name("hardware.toml")
+USER_ENV = "MPITRAIN_HARDWARE"
+PRECISIONS = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
+# a dtype's (or a precision's) name -> the precision whose peak a published device applies
+PRECISION_OF = {"float64": "fp64", "float32": "fp32", "bfloat16": "bf16", "float16": "fp16",
+                **{p: p for p in PRECISIONS}}
+GEMM_DTYPES = ("float32", "float64")  # what calibration measures: half-precision products run in float32 here
+CALIBRATED = ("gemm_gflops", "elementwise_bandwidth_gbs", "op_overhead_us")  # one of them: all of them
+FAMILIES = ("gpt", "cnn")  # the model families whose elementwise passes a device may have measured
+DEVICE_FIELDS = ("name", "memory_gb", "memory_bandwidth_gbs", "peak_flops", *CALIBRATED, "passes")
+LINK_FIELDS = ("name", "alpha_us", "bandwidth_gbs")
+
+class HardwareError(ValueError):
+    """A catalogue that cannot be used; ``str()`` names the file and the field, in one line."""
+
+
+@dataclass(frozen=True)
+class Device:
+    key: str
+    name: str
+    memory_bytes: float  # memory_gb * 1e9
+    memory_bandwidth: float  # bytes/s
+    peak_flops: dict  # precision -> FLOP/s
+    gemm: tuple = ()  # calibrated: ((m, k, n, dtype, FLOP/s), ...) at one BLAS thread
+    elementwise_bandwidth: float = 0.0  # bytes/s of a streaming op, read + write; published: memory_bandwidth
+    op_overhead_s: float = 0.0  # a tiny op and its Python call
+    calibrated: bool = False
+    # family ("gpt", "cnn") -> mpitrain's elementwise work of a training step (norms, softmax,
+    # activations, im2col, the optimizer, Python) beyond its GEMMs, in passes over the layers'
+    # traffic at elementwise_bandwidth (mpitrain.plan.calibrate.measure_passes); optional
+    passes: dict = field(default_factory=dict)
+
+    def matmul_flops_per_s(self, m: int, k: int, n: int, dtype: str = "float32") -> float:
+        """FLOP/s of an (m,k)@(k,n) product: a calibrated device's measured shape nearest in
+        log space of (m, k, n), same dtype (half precision computes in float32 here; float64
+        unmeasured is float32 halved); a published device's peak of that precision."""
+        precision = PRECISION_OF.get(dtype)
+        if precision is None:
+            raise HardwareError(f"device {self.key}: dtype {dtype!r}: expected one of {', '.join(PRECISION_OF)}")
+        if not self.calibrated:
+            if precision not in self.peak_flops:
+                raise HardwareError(f"device {self.key} ({self.name}) has no {precision} peak "
+                                    f"(it has {', '.join(self.peak_flops)})")
+            return self.peak_flops[precision]
+        want = "float64" if precision == "fp64" else "float32"
+        rows = [r for r in self.gemm if r[3] == want] or [r for r in self.gemm if r[3] == "float32"]
+        here = np.log([m, k, n])
+        best = min(rows, key=lambda r: float(np.sum((np.log(r[:3]) - here) ** 2)))
+        return best[4] / 2 if best[3] != want else best[4]
+
+
+@dataclass(frozen=True)
+class Link:
+    key: str
+    name: str
+    alpha: float  # seconds per message
+    bandwidth: float  # bytes/s per direction per rank
+
+    def seconds(self, nbytes: float, messages: int = 1) -> float:
+        """Hockney's time of ``messages`` messages carrying ``nbytes`` in all."""
+        return self.alpha * messages + nbytes / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Catalogue:
+    devices: dict  # key -> Device
+    links: dict  # key -> Link
+    notes: dict  # the [notes] table as read (TFLOP/s)
+    path: str  # the files read, for messages
+
+    def device(self, key: str) -> Device:
+        return self._find(self.devices, "device", key)
+
+    def link(self, key: str) -> Link:
+        return self._find(self.links, "link", key)
+
+    def _find(self, entries: dict, kind: str, key: str):
+        if key not in entries:
+            raise HardwareError(f"{self.path}: no {kind} {key!r} (known: {', '.join(entries)})")
+        return entries[key]
+
+
+# ------------------------------------------------------------------ reading
+def user_path() -> Path:
+    """A user's calibration: $MPITRAIN_HARDWARE, else ~/.config/mpitrain/hardware.toml."""
+    return Path(os.environ.get(USER_ENV) or Path.home() / ".config" / "mpitrain" / "hardware.toml")
+
+
+def load(path=None) -> Catalogue:
+    """The shipped catalogue with a user's file overlaid (``path``, else :func:`user_path`
+    where it exists; one named but missing is an error): its entries replace the shipped
+    ones of the same key. Every field is checked: HardwareError names the file and field."""
+    user = Path(path) if path is not None else user_path()
+    if (path is not None or os.environ.get(USER_ENV)) and not user.is_file():
+        raise HardwareError(f"{user}: hardware file not found")
+    files = [SHIPPED] + ([user] if user.is_file() and user.resolve() != SHIPPED.resolve() else [])
+    devices, links, notes = {}, {}, {}
+    for f in files:
+        tables = read_toml(f)
+        for kind, table in tables.items():
+            if kind not in ("device", "link", "notes") or not isinstance(table, dict):
+                raise HardwareError(f"{f}: {kind}: unknown (expected the tables device.*, link.*, notes)")
+            for key, entry in table.items():
+                if kind != "notes" and not isinstance(entry, dict):
+                    raise HardwareError(f"{f}: {kind}.{key}: expected a table [{kind}.{key}]")
+        devices.update({k: parse_device(k, t, f) for k, t in tables.get("device", {}).items()})
+        links.update({k: _link(k, t, f) for k, t in tables.get("link", {}).items()})
+        notes.update({k: _number(tables["notes"], k, f, "notes") for k in tables.get("notes", {})})
+    return Catalogue(devices, links, notes, " + ".join(map(str, files)))
+
+
+def read_toml(path: Path) -> dict:
+    """A TOML file's tables; HardwareError, naming the file, where it cannot be read or parsed."""
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise HardwareError(f"{path}: cannot read the hardware file ({getattr(e, 'strerror', None) or e})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise HardwareError(f"{path}: not valid TOML ({e})") from None
+
+
+def _number(table: dict, field: str, path: Path, where: str, required: bool = True) -> float:
+    """A positive finite number (0.0 when absent and not ``required``)."""
+    if field not in table and not required:
+        return 0.0
+    value = table.get(field)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise HardwareError(f"{path}: {where}.{field}: "
+                            f"{'missing' if value is None else f'expected a positive number, got {value!r}'}")
+    return float(value)
+
+
+def _fields(table: dict, known: tuple, path: Path, where: str) -> str:
+    """The entry's name, after checking that it names no unknown field."""
+    for given in table:
+        if given not in known:
+            raise HardwareError(f"{path}: {where}.{given}: unknown field (expected {', '.join(known)})")
+    if not isinstance(table.get("name"), str) or not table["name"]:
+        raise HardwareError(f"{path}: {where}.name: {'missing' if 'name' not in table else 'expected a string'}")
+    return table["name"]
+
+
+def parse_device(key: str, table: dict, path) -> Device:
+    """The :class:`Device` of a ``[device.KEY]`` table as TOML reads it, every field checked
+    (``path`` names the file in the messages)."""
+    where = f"device.{key}"
+    name = _fields(table, DEVICE_FIELDS, path, where)
+    peaks = table.get("peak_flops")
+    if not isinstance(peaks, dict) or "fp32" not in peaks:
+        what = "expected a table" if not isinstance(peaks, dict) and peaks is not None else "missing"
+        raise HardwareError(f"{path}: {where}.peak_flops{'.fp32' if isinstance(peaks, dict) else ''}: {what}")
+    for p in peaks:
+        if p not in PRECISIONS:
+            raise HardwareError(f"{path}: {where}.peak_flops.{p}: unknown precision (known: {', '.join(PRECISIONS)})")
+    calibrated = any(f in table for f in CALIBRATED)  # then all of them
+    bandwidth = _number(table, "memory_bandwidth_gbs", path, where) * 1e9
+    return Device(key, name, _number(table, "memory_gb", path, where) * 1e9, bandwidth,
+                  {p: _number(peaks, p, path, f"{where}.peak_flops") * 1e12 for p in peaks},
+                  _gemm(table.get("gemm_gflops"), path, f"{where}.gemm_gflops") if calibrated else (),
+                  _number(table, "elementwise_bandwidth_gbs", path, where, calibrated) * 1e9 or bandwidth,
+                  _number(table, "op_overhead_us", path, where, calibrated) * 1e-6, calibrated,
+                  _passes(table.get("passes", {}), path, f"{where}.passes"))
+
+
+def _gemm(rows, path: Path, where: str) -> tuple:
+    """[[m, k, n, dtype, GFLOP/s], ...] -> ((m, k, n, dtype, FLOP/s), ...), a float32 row among them."""
+    if not isinstance(rows, list) or not any(isinstance(r, list) and r[3:4] == ["float32"] for r in rows):
+        raise HardwareError(f"{path}: {where}: {'missing' if rows is None else 'expected rows, one float32 at least'}")
+    for i, row in enumerate(rows):
+        if not (isinstance(row, list) and len(row) == 5 and row[3] in GEMM_DTYPES and all(
+                isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in row[:3])):
+            raise HardwareError(f"{path}: {where}[{i}]: expected [m, k, n, dtype, GFLOP/s], m k n positive integers, "
+                                f"dtype one of {', '.join(GEMM_DTYPES)}; got {row!r}")
+    return tuple((*r[:4], _number({"GFLOP/s": r[4]}, "GFLOP/s", path, f"{where}[{i}]") * 1e9)
+                 for i, r in enumerate(rows))
+
+
+def _passes(table, path: Path, where: str) -> dict:
+    """{family: passes}: each a known family's positive number."""
+    if not isinstance(table, dict):
+        raise HardwareError(f"{path}: {where}: expected a table [{where}] of family = passes")
+    for family in table:
+        if family not in FAMILIES:
+            raise HardwareError(f"{path}: {where}.{family}: unknown family (known: {', '.join(FAMILIES)})")
+    return {family: _number(table, family, path, where) for family in table}
+
+
+def _link(key: str, table: dict, path: Path) -> Link:
+    where = f"link.{key}"
+    return Link(key, _fields(table, LINK_FIELDS, path, where), _number(table, "alpha_us", path, where) * 1e-6,
+                _number(table, "bandwidth_gbs", path, where) * 1e9)

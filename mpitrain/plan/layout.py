@@ -1,0 +1,190 @@
+"""A config on ``P`` ranks as the planner sees it: the grid, the sync, the schedule, the
+sizes, and which layers and parameters each rank holds.
+
+Everything here is derived the way the trainer derives it, from the same functions: the
+grid from :func:`mpitrain.config.check_ranks` (so a layout the trainer refuses, the planner
+refuses with the same message), a pipeline's cut from :func:`mpitrain.schedules.balance`
+of the whole layers' parameter counts, a rank's tensor-parallel slices from
+:func:`mpitrain.plan.shapes.gpt` (the cuts of :mod:`mpitrain.parallel.tensor_parallel`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+
+from mpitrain import flat, optim
+from mpitrain.config import Config, check_ranks, validate
+from mpitrain.plan import shapes
+from mpitrain.schedules import balance
+
+PRECISION_BYTES = {"fp32": None, "bf16": 2, "fp16": 2}  # None: train.dtype's
+
+
+@dataclass(frozen=True)
+class Layout:
+    cfg: Config
+    P: int  # ranks in the job (with parameter servers: servers + workers)
+    dp: int
+    pp: int
+    tp: int
+    data: object  # :class:`mpitrain.plan.data.DataShape`
+
+    @classmethod
+    def of(cls, cfg: Config, P: int, data) -> "Layout":
+        """The layout of ``cfg`` on ``P`` ranks; a ConfigError (naming the field) if the
+        trainer would refuse it."""
+        validate(cfg, data_needed=False)
+        dp, pp, tp = check_ranks(cfg, P)
+        return cls(cfg, P, dp, pp, tp, data)
+
+    # ------------------------------------------------------------ what the config says
+    @property
+    def par(self):
+        return self.cfg.parallel
+
+    @property
+    def servers(self) -> int:
+        return self.par.servers if self.par.sync == "ps" else 0
+
+    @property
+    def m(self) -> int:
+        return self.cfg.train.micro_batches
+
+    @property
+    def v(self) -> int:
+        return self.par.chunks if self.pp > 1 and self.par.schedule == "interleaved" else 1
+
+    @property
+    def micro_batch(self) -> int:
+        """Samples of one micro-batch of one rank."""
+        return self.cfg.train.global_batch_size // (self.dp * self.m)
+
+    @property
+    def mixed(self) -> bool:
+        return self.cfg.train.precision != "fp32"
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes of a number of the model's weights, gradients and activations."""
+        return PRECISION_BYTES[self.cfg.train.precision] or np.dtype(self.cfg.train.dtype).itemsize
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes of a number of ``train.dtype`` (the masters' and activations' in float32 runs)."""
+        return np.dtype(self.cfg.train.dtype).itemsize
+
+    @property
+    def moments(self) -> int:
+        o = self.cfg.optim
+        return 2 if o.name in ("adam", "adamw") else int(o.momentum > 0)
+
+    @property
+    def T(self) -> int:
+        return self.cfg.model.block_size if self.data.kind == "text" else 0
+
+    # ------------------------------------------------------------ who holds what
+    @cached_property
+    def models(self) -> list:
+        """Each tensor-parallel rank's :class:`~mpitrain.plan.shapes.ModelShape`."""
+        return [shapes.from_config(self.cfg, self.data, self.tp, r) for r in range(self.tp)]
+
+    @cached_property
+    def bounds(self) -> list[int]:
+        """The pipeline's cut of the layer list into ``pp x chunks`` stages."""
+        return balance([layer.whole for layer in self.models[0].layers], self.pp * self.v)
+
+    def chunks(self, s: int, r: int = 0) -> list[list]:
+        """Pipeline rank ``s``'s chunks of the layers of tensor-parallel rank ``r``."""
+        layers, b, p = self.models[r].layers, self.bounds, self.pp
+        return [list(layers[b[c * p + s]: b[c * p + s + 1]]) for c in range(self.v)]
+
+    def layers(self, s: int, r: int = 0) -> list:
+        return [layer for chunk in self.chunks(s, r) for layer in chunk]
+
+    def parameters(self, s: int, r: int = 0) -> dict:
+        """{name: shape} of the parameters pipeline rank ``s``, slice ``r`` holds."""
+        if (s, r) not in self.cache:  # asked for every rank: a 1,024-rank plan asks often
+            self.cache[s, r] = self.models[r].parameters(self.layers(s, r))
+        return self.cache[s, r]
+
+    @cached_property
+    def cache(self) -> dict:
+        """What the planner derives once per part and asks for per rank."""
+        return {}
+
+    def count(self, s: int = 0, r: int = 0) -> int:
+        return sum(math.prod(shape) for shape in self.parameters(s, r).values())
+
+    @cached_property
+    def whole(self) -> int:
+        """The whole model's parameters (a tied weight once)."""
+        return self.models[0].count() if self.tp == 1 else shapes.from_config(self.cfg, self.data).count()
+
+    def rank_of(self, s: int, d: int, r: int) -> int:
+        """The world rank of (pipeline, data-parallel, tensor-parallel) coordinates
+        (:class:`mpitrain.comm.grid.GridShape`), after the servers."""
+        return self.servers + (s * self.dp + d) * self.tp + r
+
+    def describe(self) -> str:
+        par = self.par
+        parts = [f"{self.P} rank(s)"]
+        if self.servers:
+            parts.append(f"{self.servers} server(s) + {self.dp} worker(s)")
+        parts.append(f"dp {self.dp} x pp {self.pp} x tp {self.tp}")
+        parts.append(par.sync)
+        if self.pp > 1:
+            parts.append(f"{par.schedule}{f' x {self.v} chunks' if self.v > 1 else ''}")
+        if self.tp > 1 and par.sequence_parallel:
+            parts.append("sequence parallel")
+        parts.append(f"{self.m} micro-batch(es) of {self.micro_batch}")
+        parts.append(self.cfg.train.precision if self.mixed else self.cfg.train.dtype)
+        if self.cfg.model.name == "gpt" and self.cfg.model.checkpoint_activations:
+            parts.append("activation checkpointing")
+        return ", ".join(parts)
+
+
+# ------------------------------------------------------------ how the strategies lay parameters out
+class _Stand:
+    """A parameter as the trainer's layout functions see one: its shape, bytes and dtype."""
+
+    def __init__(self, name: str, shape: tuple, itemsize: int):
+        self.name, self.ndim, self.dtype = name, len(shape), itemsize
+        self.size = math.prod(shape)
+        self.data = self
+        self.nbytes = self.size * itemsize
+
+
+def optimizer_order(params: dict) -> list[str]:
+    """The names in the optimizer's order (:func:`mpitrain.optim.decay_groups`'s groups)."""
+    stands = [(n, _Stand(n, s, 4)) for n, s in params.items()]
+    return [q.name for group in optim.decay_groups(stands, 0.0) for q in group["params"]]
+
+
+def buckets(lay, params: dict) -> list[list[str]]:
+    """The names in each gradient bucket, as backward completes them (:func:`mpitrain.flat.buckets`
+    of the parameters in reverse)."""
+    stands = [_Stand(n, s, lay.itemsize) for n, s in params.items()]
+    return [[q.name for q in group] for group in flat.buckets(reversed(stands), int(lay.par.bucket_mb * 2**20))]
+
+
+def zero3_groups(params: dict, layers: list) -> list[list[str]]:
+    """ZeRO-3's groups: each layer's own parameters, and each parameter several layers use
+    on its own, ordered by the first and last layer that use it."""
+    uses: dict = {}
+    for k, layer in enumerate(layers):
+        for n, _ in layer.params:
+            uses.setdefault(n, []).append(k)
+    by_layer: dict = {}
+    specs = []
+    for n in params:
+        if len(uses[n]) > 1:
+            specs.append(([n], min(uses[n]), max(uses[n])))
+        else:
+            by_layer.setdefault(uses[n][0], []).append(n)
+    specs += [(names, k, k) for k, names in by_layer.items()]
+    specs.sort(key=lambda spec: (spec[1], spec[2]))
+    return [names for names, _, _ in specs]

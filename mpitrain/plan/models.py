@@ -1,0 +1,114 @@
+"""Models as data: the reference models of ``models.toml`` as configs the planner can plan,
+and the course notes' arithmetic (a ResNet training run, the storage-bandwidth calculator)
+reproduced from its figures through :mod:`mpitrain.cost`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from mpitrain import cost
+from mpitrain.config import Config, ConfigError, from_dict, load
+from mpitrain.plan.data import DataShape
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+SHIPPED = Path(__file__).with_name("models.toml")
+MiB, GiB = 2**20, 2**30
+
+
+def catalogue() -> dict:
+    with open(SHIPPED, "rb") as f:
+        return tomllib.load(f)
+
+
+def reference(name: str, overrides=()) -> tuple[Config, DataShape]:
+    """A reference GPT of ``models.toml`` as a config (trained for its paper's tokens, with
+    its paper's batch) and its data's shape (tokens of 2 bytes)."""
+    gpts = catalogue()["gpt"]
+    if name not in gpts:
+        raise ConfigError(f"--model: no reference model {name!r} in {SHIPPED} (there are {', '.join(gpts)})")
+    g = gpts[name]
+    raw = {"model": {"name": "gpt", **{k: g[k] for k in ("n_layer", "n_head", "n_embd", "block_size")}},
+           "data": {"name": "shakespeare"}, "optim": {"name": "adamw"},
+           "train": {"global_batch_size": g["global_batch_size"], "steps": 1}}
+    cfg = from_dict(raw, list(overrides))
+    if not any(o.replace(" ", "").startswith("train.steps=") for o in overrides):
+        B, T = cfg.train.global_batch_size, cfg.model.block_size  # the paper's tokens, at this batch
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=max(1, round(g["tokens"] / (B * T)))))
+    data = DataShape(name, "text", (), g["vocab"], 2, 0, int(g["tokens"]), "models.toml")
+    return cfg, data
+
+
+def config_of(args) -> tuple[Config, DataShape | None, str]:
+    """(config, data shape or None to read the config's, what it is called) from the
+    command line's CONFIG or ``--model``."""
+    if args.model and args.config:
+        raise ConfigError(f"--model: plans a reference model instead of a config; give one of {args.config} and "
+                          f"--model {args.model}")
+    if args.model:
+        cfg, data = reference(args.model, args.set)
+        return cfg, data, f"{args.model} (mpitrain/plan/models.toml)"
+    if not args.config:
+        raise ConfigError("plan: give a CONFIG file (e.g. jobs/shakespeare_gpt.toml) or --model NAME")
+    return load(args.config, args.set, data_needed=False), None, args.config
+
+
+# ------------------------------------------------------------------- the notes' arithmetic
+def resnet_run(notes: dict) -> dict:
+    """The notes' ResNet training run: FLOPs, PFLOP/s-days, FLOPs per byte read, and the
+    machine time on their GPUs."""
+    r = notes["resnet-run"]
+    per_sample = 2 * 3 * r["multiply_adds"]  # 2 FLOPs a multiply-add, forward and backward 3x forward
+    total = per_sample * r["images"] * r["epochs"]
+    seconds = cost.machine_seconds(total, r["gpus"], r["tflops"] * 1e12, r["utilization"])
+    return {"flops": total, "pflops_days": cost.pflops_days(total), "flop_per_byte": per_sample / r["bytes_per_sample"],
+            "seconds": seconds, "days": seconds / 86400}
+
+
+def calculator(notes: dict, peaks: dict) -> dict:
+    """{(model, accelerator): bytes/s} of the notes' calculator: bytes per sample over FLOPs
+    per sample times the accelerator's FLOP/s (``peaks``: TFLOP/s by accelerator)."""
+    out = {}
+    for model, m in notes["calculator"].items():
+        for acc, tflops in peaks.items():
+            out[model, acc] = cost.accelerator_storage_bandwidth(m["mib"] * MiB, m["gi_flop"] * GiB, tflops * 1e12)
+    return out
+
+
+def notes_text(peaks: dict) -> str:
+    """What ``mpitrain plan --notes`` prints."""
+    notes = catalogue()["notes"]
+    r = resnet_run(notes)
+    run = notes["resnet-run"]
+    lines = [f"ResNet run: {run['multiply_adds']:.3g} multiply-adds x 2 x 3 x {run['images']:.3g} images x "
+             f"{run['epochs']} epochs = {r['flops']:.3g} FLOPs = {r['pflops_days']:.3g} PFLOP/s-days; "
+             f"{r['flop_per_byte'] / 1e3:,.0f} kFLOP per byte of a {run['bytes_per_sample']:,}-byte sample",
+             f"  on {run['gpus']} GPUs of {run['tflops']} TFLOP/s at {100 * run['utilization']:.0f}%: "
+             f"{r['days']:.3g} days",
+             "storage bandwidth that keeps an accelerator busy (bytes/sample / FLOPs/sample x FLOP/s):",
+             "model | " + " | ".join(f"{a} {t:g} TFLOP/s" for a, t in peaks.items())]
+    table = calculator(notes, peaks)
+    for model in notes["calculator"]:
+        lines.append(f"{model} | " + " | ".join(f"{table[model, a] / 1e6:,.0f} MB/s" for a in peaks))
+    for model, m in notes["calculator"].items():
+        if "measured_tflops" in m:
+            lo, hi = (cost.accelerator_storage_bandwidth(m["mib"] * MiB, m["gi_flop"] * GiB, t * 1e12)
+                      for t in m["measured_tflops"])
+            lines.append(f"{model} at the measured {m['measured_tflops'][0]}-{m['measured_tflops'][1]} TFLOP/s: "
+                         f"{lo / 1e9:.2g}-{hi / 1e9:.2g} GB/s")
+    return "\n".join(lines)
+
+
+def zero_table(parameters: float, P: int, K: int = 12) -> dict:
+    """ZeRO's table (Rajbhandari et al. 2020, figure 1): model state per device of a model of
+    ``parameters`` on ``P`` devices with ``K`` bytes of optimizer state per parameter (mixed
+    precision Adam: 12), for data parallelism and stages 1-3 (:func:`mpitrain.cost.bytes_per_parameter`
+    with fp16 weights and gradients)."""
+    return {sync: parameters * cost.bytes_per_parameter(sync, P, moments=(K - 4) // 4, mixed=True)
+            for sync in ("ddp", "zero1", "zero2", "zero3")}
+

@@ -1,0 +1,213 @@
+"""What each rank of a layout needs per step, predicted from shapes alone: model state by
+category, activations at the schedule's peak, bytes per communicator, FLOPs, the bubble.
+
+Ranks that hold the same part alike get one :class:`RankPlan` (``ranks`` lists them); a
+data-parallel rank's ZeRO shard can differ by a few numbers from its neighbour's, and so
+does what mpitrain's ring sends, so every rank is computed and equal ones grouped.
+Every formula is :mod:`mpitrain.cost`'s; the calls are :mod:`mpitrain.plan.traffic`'s.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from mpitrain import cost
+from mpitrain.comm.ring import chunk_bounds
+from mpitrain.plan.layout import buckets, optimizer_order, zero3_groups
+from mpitrain.plan.traffic import Call, by_axis, dp_calls, pp_calls, tp_calls
+
+
+@dataclass
+class RankPlan:
+    ranks: list  # world ranks with these figures
+    where: str  # "stage s, slice r" or "server"
+    parameters: int  # numbers of the part this rank holds
+    memory: dict  # bytes: "parameters", "gradients", "optimizer state", "masters", "activations"
+    calls: list  # :class:`~mpitrain.plan.traffic.Call` per step
+    flops: dict  # per step: "forward", "backward", "recompute" (executed beyond the model's)
+    held: float = 0.0  # micro-batches whose activations the rank holds at its peak
+    bubble: float = 0.0  # idle share of its step (pipelines)
+    sent: dict = field(default_factory=dict)  # bytes per step by axis
+    dp_calls: int = 0  # how many of ``calls`` are the data-parallel sync's (the first)
+    slices: list = field(default_factory=list)  # tensor-parallel ranks grouped here (more than one)
+
+    @property
+    def state(self) -> int:
+        return sum(self.memory[k] for k in ("parameters", "gradients", "optimizer state", "masters"))
+
+    @property
+    def peak(self) -> int:
+        """The most it holds: model state, the optimizer's work array, the reader's rounds, and
+        the activations of the schedule's peak."""
+        return self.state + sum(self.memory[k] for k in ("work", "reader", "activations"))
+
+    def key(self) -> tuple:
+        """What ranks alike share: the stage (or the server role) and every figure, not the slice."""
+        return (self.where.split(",")[0], self.parameters, tuple(sorted(self.memory.items())),
+                tuple(sorted(self.sent.items())), tuple(sorted(self.flops.items())))
+
+
+def shards(lay, s: int, r: int, d: int) -> tuple[int, int, list]:
+    """(parameters held, gradients held, the optimizer's pieces' sizes) of data-parallel
+    rank ``d`` on pipeline rank ``s``'s slice ``r``: the whole part with data parallelism;
+    ZeRO's shards as each stage cuts them (:mod:`mpitrain.parallel.zero`,
+    :mod:`mpitrain.parallel.zero3`)."""
+    sync, P = lay.par.sync, lay.dp
+    params = lay.parameters(s, r)
+    N = sum(math.prod(shape) for shape in params.values())
+    if sync not in ("zero1", "zero2", "zero3") or P == 1 and sync != "zero3":
+        return N, N, [math.prod(shape) for shape in params.values()]
+    pieces = _cut(_flat_groups(lay, s, r), d)
+    return (N if sync != "zero3" else sum(pieces)), (N if sync == "zero1" else sum(pieces)), pieces
+
+
+def _flat_groups(lay, s: int, r: int) -> list[tuple]:
+    """The flat arrays a ZeRO stage cuts into ``dp`` chunks, each kind as (its parameters'
+    sizes, their offsets, the chunks' bounds, how many groups are alike): stage 1 one array in the optimizer's order, stage 2
+    each bucket, stage 3 each layer's group (kept: asked again for every data-parallel rank)."""
+    key = ("flat groups", s, r)
+    if key not in lay.cache:
+        params = lay.parameters(s, r)
+        names = {"zero1": lambda: [optimizer_order(params)],
+                 "zero2": lambda: [list(reversed(g)) for g in buckets(lay, params)],
+                 "zero3": lambda: zero3_groups(params, lay.layers(s, r))}[lay.par.sync]()
+        alike: dict = {}  # a model's blocks make many groups alike: each kind cut once
+        for group in names:
+            sizes = tuple(math.prod(params[n]) for n in group)
+            alike[sizes] = alike.get(sizes, 0) + 1
+        lay.cache[key] = [(sizes, list(itertools.accumulate(sizes, initial=0)), chunk_bounds(sum(sizes), lay.dp), n)
+                          for sizes, n in alike.items()]
+    return lay.cache[key]
+
+
+def _cut(groups: list, d: int) -> list[int]:
+    """The sizes of the pieces of each parameter inside chunk ``d`` of each group
+    (:func:`_flat_groups`; :func:`mpitrain.comm.ring.chunk_bounds`)."""
+    pieces = []
+    for sizes, offsets, bounds, alike in groups:
+        lo, hi = int(bounds[d]), int(bounds[d + 1])
+        i = max(0, bisect.bisect_right(offsets, lo) - 1)  # the parameter the chunk begins in
+        while i < len(sizes) and offsets[i] < hi:
+            inside = min(hi, offsets[i + 1]) - max(lo, offsets[i])
+            if inside > 0:
+                pieces += [inside] * alike
+            i += 1
+    return pieces
+
+
+def model_state(lay, s: int, r: int, d: int) -> dict:
+    """Bytes of model state of data-parallel rank ``d`` on pipeline rank ``s``'s slice ``r``
+    (:func:`mpitrain.cost.bytes_per_parameter`'s categories, ZeRO's shards exactly):
+    weights and gradients of ``itemsize``, the optimizer's moments of each piece it
+    updates (Adam's with an 8-byte step count each) and in mixed precision their float32
+    masters."""
+    held, grads, pieces = shards(lay, s, r, d)
+    if lay.servers:  # a worker: its servers keep the optimizer's state
+        pieces = []
+    own = sum(pieces)
+    moment = 4 if lay.mixed else lay.itemsize
+    counters = 8 * len(pieces) if lay.moments == 2 else 0  # Adam's step, an int64 per piece
+    # the work array of an update (one, the largest piece's size); mixed precision's own beside the optimizer's
+    work = max(pieces, default=0) * moment * (2 if lay.mixed else 1) if lay.moments else 0
+    d = lay.cfg.data
+    reader = lay.data.reader(lay.T, lay.cfg.train.global_batch_size, lay.cfg.train.global_batch_size // lay.dp,
+                             d.buffer_mb, d.prefetch)
+    return {"parameters": held * lay.itemsize, "gradients": grads * lay.itemsize,
+            "optimizer state": lay.moments * own * moment + counters, "masters": 4 * own if lay.mixed else 0,
+            "work": work, "reader": reader}
+
+
+def replays(lay, layer) -> bool:
+    """Whether ``layer`` runs forward again in backward: activation checkpointing's blocks,
+    and under ZeRO-3 every layer with parameters (it frees its gathered weights)."""
+    return layer.recompute or (lay.par.sync == "zero3" and bool(layer.params))
+
+
+def activations(lay, layers: list, held: float, first_input: int) -> int:
+    """Bytes of activations a stage keeps at its peak: ``held`` micro-batches' worth of its
+    layers' kept numbers; a layer that runs again in backward keeps its input only
+    (``first_input``: the numbers of the stage's input per sample), and while one of them
+    runs backward its whole set exists again."""
+    b, a = lay.micro_batch, lay.dtype_bytes
+    kept, again, inp = 0, 0, first_input
+    for layer in layers:
+        if replays(lay, layer):
+            kept += inp
+            again = max(again, layer.full or layer.kept)
+        else:
+            kept += layer.kept
+        inp = math.prod(layer.out)
+    return int((held * kept + again) * b * a)
+
+
+def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None) -> RankPlan:
+    """Pipeline rank ``s``, data-parallel rank ``d``, tensor-parallel rank ``r``; what does
+    not depend on ``d`` taken from ``like`` (the plan of another ``d``) when given."""
+    layers = lay.layers(s, r)
+    params = lay.parameters(s, r)
+    memory = model_state(lay, s, r, d)
+    ring = lay.par.allreduce == "ring"  # each rank of a ring sends its own count
+    if like is not None:
+        memory["activations"] = like.memory["activations"]
+        calls = dp_calls(lay, params, layers, d) + like.calls[like.dp_calls:] if ring else like.calls
+        return RankPlan([lay.rank_of(s, d, r)], like.where, like.parameters, memory, calls, like.flops, like.held,
+                        like.bubble, by_axis(calls) if ring else like.sent, like.dp_calls)
+    held = cost.micro_batches_held(lay.par.schedule, lay.pp, lay.m, s, lay.v) if lay.pp > 1 else 1
+    k = lay.bounds[s]  # the stage's first layer in the whole list
+    first = math.prod(lay.models[r].layers[k - 1].out) if k else math.prod(lay.models[r].sample)
+    memory["activations"] = activations(lay, layers, held, first)
+    dp = dp_calls(lay, params, layers, d)
+    calls = dp + pp_calls(lay, s, r) + tp_calls(lay, s, r)
+    samples = lay.micro_batch * lay.m
+    flops = {"forward": samples * sum(x.forward for x in layers),
+             "backward": samples * sum(x.backward for x in layers),
+             "recompute": samples * sum(x.forward for x in layers if replays(lay, x))}
+    bubble = cost.bubble_fraction(lay.par.schedule, lay.pp, lay.m, lay.v) if lay.pp > 1 else 0.0
+    where = ", ".join(w for w in (f"stage {s}" if lay.pp > 1 else "", f"slice {r}" if lay.tp > 1 else "") if w)
+    N = sum(math.prod(shape) for shape in params.values())
+    return RankPlan([lay.rank_of(s, d, r)], where or "replica", N, memory, calls, flops, held, bubble,
+                    by_axis(calls), len(dp))
+
+
+def server_plan(lay, k: int) -> RankPlan:
+    """Parameter server ``k``: the whole model's arrays, and the optimizer state of the
+    parameters it owns (:func:`mpitrain.parallel.param_server.partition`); it answers each
+    worker's pull with them and an 8-byte version."""
+    from mpitrain.parallel.param_server import partition
+
+    params = lay.models[0].parameters()
+    order = optimizer_order(params)
+    sizes = [math.prod(params[n]) for n in order]
+    owner = partition(sizes, lay.servers)
+    own = [n for n, o in zip(sizes, owner) if o == k]
+    N, s = sum(sizes), lay.itemsize
+    counters = 8 * len(own) if lay.moments == 2 else 0
+    memory = {"parameters": N * s, "gradients": N * s, "optimizer state": lay.moments * sum(own) * s + counters,
+              "masters": 0, "activations": 0, "work": max(own, default=0) * s if lay.moments else 0, "reader": 0}
+    calls = [Call("dp", "parameters to each worker's pull (+ version)", "send", sum(own) * s + 8, 2, lay.dp, "p2p")]
+    return RankPlan([k], "server", sum(own), memory, calls, {"forward": 0, "backward": 0, "recompute": 0},
+                    sent=by_axis(calls))
+
+
+def rank_plans(lay) -> list[RankPlan]:
+    """Every rank's plan, equal ones grouped (in rank order of their first)."""
+    plans = [server_plan(lay, k) for k in range(lay.servers)]
+    for s in range(lay.pp):
+        for r in range(lay.tp):
+            first = rank_plan(lay, s, 0, r)
+            plans += [first] + [rank_plan(lay, s, d, r, first) for d in range(1, lay.dp)]
+    grouped: dict = {}
+    for p in plans:
+        if p.key() not in grouped:
+            grouped[p.key()] = p
+            continue
+        first = grouped[p.key()]
+        first.ranks += p.ranks
+        if first.where != p.where:  # slices alike: "stage 1, slices 0-7"
+            slices = [int(w.rsplit(" ", 1)[1]) for w in (first.where, p.where) if "slice " in w] + first.slices
+            first.slices = sorted(set(slices))
+            first.where = first.where.split(", slice")[0] + f", slices {first.slices[0]}-{first.slices[-1]}"
+    return sorted(grouped.values(), key=lambda p: p.ranks[0])

@@ -1,0 +1,225 @@
+"""Models as shapes: what a model of a config is, layer by layer, without one array.
+
+A :class:`ModelShape` lists a model's layers in the order a pipeline cuts them
+(``model.named_layers()``), each with the shapes of its parameters as one tensor-parallel
+rank holds them, its products' FLOPs per sample forward, the numbers it keeps for backward
+per sample, and its output per sample (what a pipeline stage sends). mpitrain's own models
+come from their configs (:func:`gpt`, :func:`lenet`, :func:`convnet`, :func:`resnet`,
+exact to the parameter: ``tests/test_plan.py`` builds them for real and compares); the
+reference models people plan for come from ``models.toml`` (:mod:`mpitrain.plan.models`).
+The FLOPs are those :mod:`mpitrain.observe.flops` counts (products only), through the same
+formulas of :mod:`mpitrain.cost`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from mpitrain.cost import attention_flops, conv2d_flops, gpt_block_activation_bytes, matmul_flops
+from mpitrain.parallel.tensor_parallel import shard
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer of the list a pipeline cuts, as one tensor-parallel rank holds it."""
+
+    name: str
+    params: tuple  # ((name, shape), ...): this rank's parameters (a tied one under each layer that uses it)
+    forward: int  # FLOPs of its products per sample
+    backward: int  # ... of their backward per sample (twice forward, once where the input is data)
+    kept: int  # numbers kept from forward for backward per sample (activations)
+    out: tuple  # its output per sample (a pipeline boundary's shape)
+    recompute: bool = False  # checkpointed: keeps its input only and runs forward again in backward
+    whole: int = 0  # parameters of the whole layer (all tensor-parallel slices): what a pipeline cut balances
+    gemm: tuple = ()  # its typical product (rows per sample, inner, columns): the shape whose speed times it
+    full: int = 0  # numbers kept per sample without checkpointing (0: ``kept``): what its elementwise work walks
+
+    @property
+    def size(self) -> int:
+        return sum(math.prod(s) for _, s in self.params)
+
+    @property
+    def traffic(self) -> int:
+        """Numbers per sample its elementwise work walks over: what it keeps for backward (all
+        of it, checkpointed or not), and each convolution's columns, ``Ho Wo k k C_in`` (written in forward, rebuilt and
+        their gradient summed back in backward; a layer's convolutions all produce its
+        output's ``Ho x Wo``)."""
+        kept = self.full or self.kept
+        return kept + sum(self.out[0] * self.out[1] * math.prod(s[:3]) for _, s in self.params if len(s) == 4)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A model as a list of layers; ``tied`` names the parameters several layers share."""
+
+    name: str
+    layers: tuple
+    sample: tuple  # one input sample's shape (tokens (T,), or an image (H, W, C))
+    tied: frozenset = field(default=frozenset())
+
+    def parameters(self, layers=None) -> dict:
+        """{name: shape} of the parameters of ``layers`` (default all), a tied one once."""
+        out = {}
+        for layer in self.layers if layers is None else layers:
+            out.update(layer.params)
+        return out
+
+    def count(self, layers=None) -> int:
+        return sum(math.prod(s) for s in self.parameters(layers).values())
+
+
+# ----------------------------------------------------------------------------- GPT
+def gpt(V: int, T: int, L: int, H: int, C: int, bias: bool = False, checkpointed: bool = False,
+        t: int = 1, rank: int = 0, name: str = "gpt") -> ModelShape:
+    """mpitrain's GPT (:class:`mpitrain.nn.GPT`: vocabulary ``V``, context ``T``, ``L``
+    blocks of width ``C`` with ``H`` heads) as rank ``rank`` of ``t`` tensor-parallel ranks
+    holds it: its heads' q, k, v columns and projection rows, its part of the 4C hidden
+    units, its part of the vocabulary (:mod:`mpitrain.parallel.tensor_parallel`)."""
+    if C % H or H % t:
+        raise ValueError(f"width {C} over {H} heads over {t} tensor-parallel ranks does not divide")
+    b = (lambda n: (n,)) if bias else (lambda n: None)
+    w = C // t  # this rank's heads' width
+    lo, hi = shard(4 * C, t, rank)
+    v_lo, v_hi = shard(V, t, rank)
+    hid, v = hi - lo, v_hi - v_lo
+    ln = lambda p: [(f"{p}.weight", (C,)), (f"{p}.bias", b(C))]  # noqa: E731
+
+    def block(i: int) -> Layer:
+        p = f"blocks.{i}"
+        params = [*ln(f"{p}.ln_1"), (f"{p}.attn.c_attn.weight", (C, 3 * w)), (f"{p}.attn.c_attn.bias", b(3 * w)),
+                  (f"{p}.attn.c_proj.weight", (w, C)), (f"{p}.attn.c_proj.bias", b(C)), *ln(f"{p}.ln_2"),
+                  (f"{p}.mlp.c_fc.weight", (C, hid)), (f"{p}.mlp.c_fc.bias", b(hid)),
+                  (f"{p}.mlp.c_proj.weight", (hid, C)), (f"{p}.mlp.c_proj.bias", b(C))]
+        fwd = (matmul_flops(T, C, 3 * w) + attention_flops(1, T, w) + matmul_flops(T, w, C)
+               + matmul_flops(T, C, hid) + matmul_flops(T, hid, C))
+        full = gpt_block_activation_bytes(1, T, C, H, 1)
+        return Layer(f"block {i}", _present(params), fwd, 2 * fwd, T * C if checkpointed else full, (T, C),
+                     checkpointed, 12 * C * C + (13 * C if bias else 2 * C), (T, C, hid), full)
+
+    wte = ("embed.wte.weight", (v, C))
+    embed = Layer("embed", (wte, ("embed.wpe.weight", (T, C))), 0, 0, 0, (T, C), whole=(V + T) * C)
+    head = Layer("head", _present([*ln("head.ln_f"), wte]), matmul_flops(T, C, v), 2 * matmul_flops(T, C, v),
+                 2 * T * C + T + T * v, (T, V), whole=V * C + (2 * C if bias else C), gemm=(T, C, v))
+    return ModelShape(name, (embed, *(block(i) for i in range(L)), head), (T,), frozenset({wte[0]}))
+
+
+def _present(params) -> tuple:
+    return tuple((n, s) for n, s in params if s is not None)
+
+
+# ----------------------------------------------------------------------------- CNNs
+class _Walk:
+    """A CNN's layers from an image of ``(H, W, C)``: each call adds one layer and moves
+    the running shape on. The first product sees data, whose gradient nobody needs: its
+    backward is the weight gradient's product alone."""
+
+    def __init__(self, sample: tuple):
+        self.shape, self.data, self.gemm = tuple(sample), True, ()
+
+    def conv(self, name, cout, k, stride=1, pad=0, bias=True, bn=False, relu=False):
+        H, W, cin = self.shape
+        Ho, Wo = (H + 2 * pad - k) // stride + 1, (W + 2 * pad - k) // stride + 1
+        params = [(f"{name}.weight", (k, k, cin, cout))] + ([(f"{name}.bias", (cout,))] if bias else [])
+        self.gemm = (Ho * Wo, k * k * cin, cout)
+        return self._product(params, conv2d_flops(1, Ho, Wo, k, k, cin, cout), (Ho, Wo, cout))
+
+    def linear(self, name, n_out, bias=True):
+        n_in = math.prod(self.shape)
+        params = [(f"{name}.weight", (n_in, n_out))] + ([(f"{name}.bias", (n_out,))] if bias else [])
+        self.gemm = (1, n_in, n_out)
+        return self._product(params, matmul_flops(1, n_in, n_out), (n_out,))
+
+    def _product(self, params, fwd, out):
+        grads = 1 if self.data else 2
+        self.data = False
+        self.shape = out
+        return list(params), fwd, fwd * grads
+
+
+def lenet(sample: tuple, classes: int, channels=(16, 32), hidden: int = 128) -> ModelShape:
+    """:class:`mpitrain.nn.LeNet`: each of its nine layers."""
+    walk, layers = _Walk(sample), []
+    c1, c2 = channels
+    H, W, _ = sample
+    for i, c in ((0, c1), (2, c2)):
+        inp = math.prod(walk.shape)
+        p, f, b = walk.conv(str(i), c, 5, pad=2)
+        layers.append(Layer(str(i), tuple(p), f, b, inp + math.prod(walk.shape), walk.shape, gemm=walk.gemm))
+        walk.shape = (walk.shape[0] // 2, walk.shape[1] // 2, c)
+        layers.append(Layer(str(i + 1), (), 0, 0, math.prod(walk.shape), walk.shape))
+    walk.shape = (math.prod(walk.shape),)
+    layers.append(Layer("4", (), 0, 0, 0, walk.shape))
+    inp = walk.shape[0]
+    p, f, b = walk.linear("5", hidden)
+    layers += [Layer("5", tuple(p), f, b, inp, (hidden,), gemm=walk.gemm), Layer("6", (), 0, 0, hidden, (hidden,)),
+               Layer("7", (), 0, 0, hidden, (hidden,))]
+    p, f, b = walk.linear("8", classes)
+    layers.append(Layer("8", tuple(p), f, b, hidden + classes, (classes,), gemm=walk.gemm))
+    return ModelShape("lenet", _whole(layers), tuple(sample))
+
+
+def convnet(sample: tuple, classes: int, channels=(16, 32)) -> ModelShape:
+    """:class:`mpitrain.nn.ConvNet`: 3x3 convolutions, a 2x2 pool, flatten, a linear layer."""
+    walk, layers = _Walk(sample), []
+    for i, c in enumerate(channels):
+        inp = math.prod(walk.shape)
+        p, f, b = walk.conv(str(i), c, 3, pad=1)
+        layers.append(Layer(str(i), tuple(p), f, b, inp + math.prod(walk.shape), walk.shape, gemm=walk.gemm))
+    n = len(channels)
+    walk.shape = (walk.shape[0] // 2, walk.shape[1] // 2, walk.shape[2])
+    layers.append(Layer(str(n), (), 0, 0, math.prod(walk.shape), walk.shape))
+    walk.shape = (math.prod(walk.shape),)
+    layers.append(Layer(str(n + 1), (), 0, 0, 0, walk.shape))
+    inp = walk.shape[0]
+    p, f, b = walk.linear(str(n + 2), classes)
+    layers.append(Layer(str(n + 2), tuple(p), f, b, inp + classes, (classes,), gemm=walk.gemm))
+    return ModelShape("convnet", _whole(layers), tuple(sample))
+
+
+def resnet(sample: tuple, classes: int, widths=(16, 32, 64), blocks: int = 1) -> ModelShape:
+    """:class:`mpitrain.nn.ResNet`: a stem, basic blocks, a global pool and a linear layer."""
+    walk = _Walk(sample)
+    bn = lambda p, c: [(f"{p}.weight", (c,)), (f"{p}.bias", (c,))]  # noqa: E731
+    p, f, b = walk.conv("stem.0", widths[0], 3, pad=1, bias=False)
+    stem = math.prod(walk.shape)
+    layers = [Layer("stem", tuple(p + bn("stem.1", widths[0])), f, b, math.prod(sample) + 3 * stem, walk.shape,
+                    gemm=walk.gemm)]
+    c, k = widths[0], 0
+    for i, width in enumerate(widths):
+        for j in range(blocks):
+            stride, inp, name = 2 if (i > 0 and j == 0) else 1, walk.shape, f"stages.{k}"
+            p1, f1, b1 = walk.conv(f"{name}.conv1", width, 3, stride, 1, bias=False)
+            p2, f2, b2 = walk.conv(f"{name}.conv2", width, 3, 1, 1, bias=False)
+            params, fwd, bwd = p1 + bn(f"{name}.bn1", width) + p2 + bn(f"{name}.bn2", width), f1 + f2, b1 + b2
+            if stride != 1 or c != width:
+                out, walk.shape = walk.shape, inp
+                ps, fs, bs = walk.conv(f"{name}.shortcut.0", width, 1, stride, bias=False)
+                params, fwd, bwd, walk.shape = params + ps + bn(f"{name}.shortcut.1", width), fwd + fs, bwd + bs, out
+            kept = math.prod(inp) + 6 * math.prod(walk.shape)  # the inputs of the products, norms and ReLUs
+            layers.append(Layer(f"block {k}", tuple(params), fwd, bwd, kept, walk.shape, gemm=walk.gemm))
+            c, k = width, k + 1
+    layers.append(Layer("pool", (), 0, 0, 0, (c,)))
+    walk.shape = (c,)
+    p, f, b = walk.linear("fc", classes)
+    layers.append(Layer("fc", tuple(p), f, b, c + classes, (classes,), gemm=walk.gemm))
+    return ModelShape("resnet", _whole(layers), tuple(sample))
+
+
+def _whole(layers) -> tuple:
+    """Layers of a model that tensor slicing does not cut: each whole on every rank."""
+    return tuple(Layer(**{**layer.__dict__, "whole": layer.size}) for layer in layers)
+
+
+def from_config(cfg, data, t: int = 1, rank: int = 0) -> ModelShape:
+    """The model of ``cfg.model`` on data of :class:`~mpitrain.plan.data.DataShape`
+    ``data``, as tensor-parallel rank ``rank`` of ``t`` holds it."""
+    m = cfg.model
+    if m.name == "gpt":
+        return gpt(data.ids, m.block_size, m.n_layer, m.n_head, m.n_embd, m.bias, m.checkpoint_activations, t, rank)
+    sample, classes = data.sample, data.ids
+    if m.name == "lenet":
+        return lenet(sample, classes, m.channels, m.hidden)
+    if m.name == "convnet":
+        return convnet(sample, classes, m.channels)
+    return resnet(sample, classes, m.widths, m.blocks)

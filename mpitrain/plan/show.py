@@ -1,0 +1,190 @@
+"""The plan as text: what ``mpitrain plan`` prints."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from mpitrain import cost
+
+MB = 1e6
+CATEGORIES = ("parameters", "gradients", "optimizer state", "masters", "work", "reader", "activations")
+
+
+def size(nbytes: float) -> str:
+    """Bytes in the largest decimal unit that keeps them above 1."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.3g} {unit}" if nbytes < 100 * scale else f"{nbytes / scale:,.0f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def ranks_text(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5``; many ranks at a stride as ``0-120 by 8 (16)``."""
+    ranks = sorted(ranks)
+    steps = {b - a for a, b in zip(ranks, ranks[1:])}
+    if len(ranks) > 4 and len(steps) == 1 and steps != {1}:
+        return f"{ranks[0]}-{ranks[-1]} by {steps.pop()} ({len(ranks)})"
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        start = r if start is None else start
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ", ".join(out) if len(out) <= 4 else f"{out[0]}, {out[1]}, ..., {out[-1]} ({len(ranks)})"
+
+
+def header(plan, source: str) -> list[str]:
+    lay, mc = plan.layout, plan.machine
+    data = lay.data
+    what = f"{data.ids} {'tokens' if data.kind == 'text' else 'classes'}"
+    known = "" if data.source != "assumed" else " (not built here: its recipe's figures)"
+    nodes = math.ceil(lay.P / mc.per_node)
+    links = mc.intra.name + ("" if nodes == 1 else f" inside a node, {mc.inter.name} between nodes")
+    use = "" if mc.device.calibrated else f" at {100 * mc.utilization:.0f}% of peak"
+    return [f"plan: {source} on {lay.describe()}",
+            f"model: {lay.cfg.model.name}, {lay.whole:,} parameters; data: {data.name}{known}, {what}, "
+            f"{plan.bytes_per_sample:,} B per sample read",
+            f"machine: {nodes} node(s) x {mc.per_node} rank(s) of {mc.device.name}{use}; {links}; "
+            f"memory per rank {size(mc.memory)}"]
+
+
+def rank_table(plan) -> list[str]:
+    """Per rank (alike grouped): model state by category, activations, peak, bytes, FLOPs."""
+    axes = [a for a in ("dp", "pp", "tp") if any(a in p.sent for p in plan.ranks)]
+    head = ("ranks | part | numbers | " + " | ".join(CATEGORIES) + " | peak | "
+            + "".join(f"{a} MB/step | " for a in axes) + "GFLOP/step")
+    lines = ["per rank (ranks alike grouped):", head]
+    for p in plan.ranks:
+        mem = " | ".join(size(p.memory[k]) for k in CATEGORIES)
+        sent = "".join(f"{p.sent.get(a, 0) / MB:.3f} | " for a in axes)
+        gflop = (p.flops["forward"] + p.flops["backward"] + p.flops["recompute"]) / 1e9
+        lines.append(f"{ranks_text(p.ranks)} | {p.where} | {p.parameters:,} | {mem} | {size(p.peak)} | {sent}"
+                     f"{gflop:.4g}")
+    return lines
+
+
+def calls_table(plan) -> list[str]:
+    """Each group's calls by communicator, calls alike (a model's buckets, its blocks'
+    groups) on one row; a group whose calls are another's is not repeated."""
+    lines = ["communication per step, call by call (per rank):",
+             "ranks | axis | what | collective (algorithm) | MB per call | calls | MB sent"]
+    shown = set()
+    for p in plan.ranks:
+        rows: dict = {}
+        for c in p.calls:  # calls alike: the same kind, size and name but for a number (a bucket's, a block's)
+            key = (c.axis, c.collective, c.algorithm, c.nbytes, re.sub(r"\d+", "#", c.what))
+            what, count, sent, n = rows.get(key, (c.what, 0, 0, 0))
+            rows[key] = (what, count + c.count, sent + c.sent, n + 1)
+        if tuple(rows.items()) in shown:
+            continue
+        shown.add(tuple(rows.items()))
+        for (axis, collective, algorithm, nbytes, _), (what, count, sent, n) in rows.items():
+            what = what if n == 1 else f"{what} and {n - 1} alike"
+            lines.append(f"{ranks_text(p.ranks)} | {axis} | {what} | {collective} ({algorithm}) | {nbytes / MB:.4f} | "
+                         f"{count} | {sent / MB:.4f}")
+    return lines if len(lines) > 2 else ["communication per step: none (one replica, no stages, no slices)"]
+
+
+def time_lines(plan) -> list[str]:
+    lay, t = plan.layout, plan.time
+    ms = lambda s: f"{1e3 * s:.3g} ms"  # noqa: E731
+    lines = []
+    if lay.pp > 1:
+        p, m, v = lay.pp, lay.m, lay.v
+        idle = cost.pipeline_idle(lay.par.schedule, p, m, v)
+        lines.append(f"pipeline: {lay.par.schedule}, {p} stages x {m} micro-batches"
+                     f"{f' x {v} chunks' if v > 1 else ''}: bubble {100 * plan.ranks[0].bubble:.1f}% of a step "
+                     f"({idle:g} idle units of F + B + W per rank); activations of up to "
+                     f"{max(q.held for q in plan.ranks):g} micro-batch(es) held")
+    flops = plan.model_flops
+    lines.append(f"FLOPs per step: {flops / 1e9:,.4g} GFLOP (model), {plan.executed_flops / 1e9:,.4g} executed "
+                 f"(with recomputation); {flops / lay.cfg.train.global_batch_size / 1e9:,.4g} GFLOP per sample")
+    lines.append(f"step time: {ms(t['step'])} = compute {ms(t['compute'])} + exposed communication "
+                 f"{ms(t['exposed'])} + bubble {ms(t['bubble'])} + I/O wait {ms(t['io_wait'])} "
+                 f"(communication in all {ms(t['comm_total'])}); {plan.samples_per_s:,.0f} samples/s, "
+                 f"{flops / t['step'] / 1e9 / lay.P:,.3g} GFLOP/s per rank")
+    per_rank = cost.storage_bandwidth(plan.bytes_per_sample, plan.samples_per_s / max(1, lay.dp))
+    lines.append(f"storage: {plan.bytes_per_sample:,} B/sample x {plan.samples_per_s / max(1, lay.dp):,.4g} "
+                 f"samples/s per reading rank = {size(per_rank)}/s per rank, "
+                 f"{size(per_rank * lay.dp * plan.machine.per_node / lay.P)}/s per node, "
+                 f"{size(per_rank * lay.dp)}/s in all; {flops / lay.cfg.train.global_batch_size / plan.bytes_per_sample:,.0f} "
+                 f"FLOP per byte read")
+    return lines
+
+
+def run_lines(plan) -> list[str]:
+    """The whole run: its steps (or epochs), FLOPs, PFLOP/s-days and time."""
+    lay, tr = plan.layout, plan.layout.cfg.train
+    B = tr.global_batch_size
+    if lay.data.kind == "text":
+        steps, amount = tr.steps, f"{tr.steps:,} steps x {B * lay.T:,} tokens"
+    else:
+        steps = tr.epochs * (lay.data.train // B)
+        amount = f"{tr.epochs} epoch(s) x {lay.data.train // B:,} steps"
+    if not steps:
+        return []
+    total = plan.model_flops * steps
+    seconds = plan.time["step"] * steps
+    return [f"the run: {amount}: {total:.3g} FLOPs = {cost.pflops_days(total):.3g} PFLOP/s-days; "
+            f"{_duration(seconds)} on these {lay.P} rank(s)"]
+
+
+def _duration(seconds: float) -> str:
+    for unit, scale in (("days", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds:.3g} s"
+
+
+def memory_table(plan) -> list[str]:
+    """The largest rank's peak under each gradient sync, with and without activation
+    checkpointing (a layout the trainer refuses: its reason); and ZeRO's formula for mixed
+    precision with Adam (K = 12), which mpitrain trains with ddp only."""
+    import dataclasses
+
+    from mpitrain.config import ConfigError
+    from mpitrain.plan.layout import Layout
+    from mpitrain.plan.models import zero_table
+    from mpitrain.plan.predict import rank_plans
+
+    lay = plan.layout
+    cfg = lay.cfg
+    lines = ["memory per rank (the largest) by sync" + (" | without checkpointing | with" if cfg.model.name == "gpt"
+                                                        else " | peak")]
+    for sync in ("ddp", "zero1", "zero2", "zero3"):
+        cells = []
+        for ckpt in ((False, True) if cfg.model.name == "gpt" else (cfg.model.checkpoint_activations,)):
+            c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sync=sync),
+                                    model=dataclasses.replace(cfg.model, checkpoint_activations=ckpt))
+            try:
+                top = max(rank_plans(Layout.of(c, lay.P, lay.data)), key=lambda p: p.peak)
+                cells.append(f"{size(top.peak)}{' (fits)' if top.peak <= plan.machine.memory else ''}")
+            except ConfigError as e:
+                cells.append(f"refused: {str(e).split(':')[0]}")
+        lines.append(f"{sync} | " + " | ".join(cells))
+    z = zero_table(lay.whole / (lay.pp * lay.tp), lay.dp)
+    lines.append("ZeRO's formula in mixed precision (2-byte weights and gradients, K = 12), model state per rank: "
+                 + ", ".join(f"{k} {size(v)}" for k, v in z.items()))
+    return lines
+
+
+def verdict(plan) -> str:
+    """One line: fits, or which ranks exceed the memory and by how much."""
+    limit = plan.machine.memory
+    over = [p for p in plan.ranks if p.peak > limit]
+    top = plan.largest()
+    if not over:
+        return (f"verdict: fits: the largest rank ({ranks_text(top.ranks)}, {top.where}) peaks at {size(top.peak)} "
+                f"of {size(limit)} ({100 * top.peak / limit:.1f}%)")
+    worst = max(over, key=lambda p: p.peak)
+    return (f"verdict: does not fit: rank(s) {ranks_text([r for p in over for r in p.ranks])} exceed the "
+            f"{size(limit)} per rank; the largest ({ranks_text(worst.ranks)}, {worst.where}) needs "
+            f"{size(worst.peak)}, {size(worst.peak - limit)} too much")
+
+
+def text(plan, source: str, memory: bool = False) -> str:
+    """Everything; with ``memory`` the memory under each sync (re-planned: a second or so at
+    a thousand ranks)."""
+    return "\n".join(header(plan, source) + rank_table(plan) + calls_table(plan) + time_lines(plan)
+                      + run_lines(plan) + (memory_table(plan) if memory else []) + [verdict(plan)])

@@ -1,0 +1,145 @@
+"""How long a step takes, predicted: compute from the device's speed at each layer's product
+shape, communication from each link's alpha and beta, the pipeline's bubble, the reader.
+
+The model (a roofline per layer, Williams et al. 2009, and the alpha-beta model of a
+message, Hockney 1994):
+
+* **compute** of a layer: its FLOPs over the device's rate at its product's shape
+  (:meth:`~mpitrain.plan.hardware.Device.matmul_flops_per_s`; a published device's peak
+  times ``utilization``), plus, on a calibrated machine, mpitrain's elementwise work: the
+  device's measured ``passes`` over the layer's traffic (:attr:`~mpitrain.plan.shapes.Layer.traffic`)
+  at its streaming bandwidth; ranks beyond a node's cores share them.
+* **communication** of a call: a ring collective on ``P`` ranks sends ``P - 1`` (reduce-
+  scatter, allgather) or ``2 (P - 1)`` (allreduce) messages, ``alpha`` each, and its bytes
+  at ``bandwidth``; the link is the network's if the communicator spans nodes (ranks are
+  placed node by node in world order), else the node's.
+* **exposed**: data parallelism's buckets run during backward, so their time beyond the
+  backward's is exposed (all of it on shared memory, where the copies run on the cores
+  that compute); every other collective blocks.
+* **bubble**: a pipeline's step is its slowest stage's work over ``1 - bubble fraction``.
+* **I/O wait**: the reader's thread reads ahead; the loop waits when reading a step's
+  samples takes longer than the step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpitrain.plan.predict import replays
+
+# a calibrated device without ``passes`` (calibrated before they were measured): mpitrain's steps' elementwise
+# work, in passes over a layer's traffic; `mpitrain plan --calibrate` measures the device's own
+UNCALIBRATED_PASSES = {"gpt": 18.0, "cnn": 10.0}
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Where a layout runs: a device per rank, the links, the ranks per node."""
+
+    device: object  # :class:`~mpitrain.plan.hardware.Device`
+    intra: object  # :class:`~mpitrain.plan.hardware.Link` inside a node
+    inter: object  # ... between nodes
+    per_node: int  # ranks per node
+    utilization: float = 1.0  # of a published device's peak
+    memory: float = 0.0  # bytes available to one rank
+    storage: float = 8e9  # bytes/s one rank's reader gets from storage
+    cores: int = 0  # cores of a node (a calibrated machine: more ranks than cores share them); 0: one per rank
+
+    @property
+    def share(self) -> float:
+        """The share of a core each rank computes with (1, unless a node has fewer cores than ranks)."""
+        return min(1.0, self.cores / self.per_node) if self.cores else 1.0
+
+    def rate(self, gemm: tuple, rows: int, dtype: str) -> float:
+        d = self.device
+        scale = self.share if d.calibrated else self.utilization
+        if not gemm:
+            return d.matmul_flops_per_s(rows, 256, 256, dtype) * scale
+        m, k, n = gemm
+        return d.matmul_flops_per_s(max(1, m * rows), k, n, dtype) * scale
+
+    def link(self, ranks: list[int]):
+        nodes = {r // self.per_node for r in ranks}
+        return self.inter if len(nodes) > 1 else self.intra
+
+
+def compute_seconds(lay, plan, machine: Machine) -> float:
+    """One rank's compute per step: its layers' products at the device's rate for their
+    shapes; on a calibrated machine also mpitrain's elementwise work, the device's
+    ``passes`` over each layer's traffic (measured for whole steps: the update and the
+    Python overhead are in them), a replayed forward a third more. A published device's
+    ``utilization`` stands for everything besides the products."""
+    d, b, dtype = machine.device, lay.micro_batch, lay.cfg.train.dtype
+    if plan.where == "server":
+        return 0.0
+    family = "gpt" if lay.cfg.model.name == "gpt" else "cnn"
+    passes = d.passes.get(family, UNCALIBRATED_PASSES[family]) if d.calibrated else 0.0
+    s, r = _coords(lay, plan.ranks[0])
+    seconds = 0.0
+    for layer in lay.layers(s, r):
+        again = replays(lay, layer)
+        flops = (layer.forward * (1 + again) + layer.backward) * b
+        if flops:
+            seconds += lay.m * flops / machine.rate(layer.gemm, b, dtype)
+        elementwise = passes * (1 + again / 3) * layer.traffic * b * lay.dtype_bytes
+        seconds += lay.m * elementwise / (d.elementwise_bandwidth or d.memory_bandwidth) / machine.share
+    return seconds
+
+
+def _coords(lay, rank: int) -> tuple[int, int]:
+    """(pipeline rank, tensor-parallel rank) of a world rank."""
+    rest, r = divmod(rank - lay.servers, lay.tp)
+    return rest // lay.dp, r
+
+
+def call_seconds(call, link) -> float:
+    """A call's time on ``link``: its messages' latency and its bytes at the bandwidth."""
+    if call.ranks == 1:
+        return 0.0
+    steps = {"allreduce": 2 * (call.ranks - 1), "reduce_scatter": call.ranks - 1, "allgather": call.ranks - 1}
+    messages = steps.get(call.collective, 1)
+    return call.count * link.alpha * messages + call.sent / link.bandwidth
+
+
+def group(lay, plan, axis: str) -> list[int]:
+    """The world ranks of this rank's communicator on ``axis``."""
+    rank = plan.ranks[0] - lay.servers
+    rest, r = divmod(rank, lay.tp)
+    s, d = divmod(rest, lay.dp)
+    members = {"dp": [lay.rank_of(s, k, r) for k in range(lay.dp)],
+               "pp": [lay.rank_of(k, d, r) for k in range(lay.pp)],
+               "tp": [lay.rank_of(s, d, k) for k in range(lay.tp)]}[axis]
+    if axis == "dp" and lay.servers:
+        members = members + list(range(lay.servers))
+    return members
+
+
+def step_parts(lay, plans, machine: Machine) -> dict:
+    """The step's predicted seconds: compute (the slowest rank's), exposed communication,
+    the bubble, the I/O wait, and the total; with the communication in total and per
+    axis."""
+    workers = [p for p in plans if p.where != "server"]
+    rows = []
+    for p in workers:
+        compute = compute_seconds(lay, p, machine)
+        links = {axis: machine.link(group(lay, p, axis)) for axis in ("dp", "pp", "tp")}
+        comm = {axis: sum(call_seconds(c, links[axis]) for c in p.calls if c.axis == axis) for axis in links}
+        backward = compute * 2 / 3
+        shared = links["dp"] is machine.intra
+        overlaps = lay.par.sync in ("ddp", "zero2") and lay.par.progress != "off" and not shared
+        exposed = (max(0.0, comm["dp"] - backward) if overlaps else comm["dp"]) + comm["tp"]
+        rows.append((compute, exposed, comm))
+    compute = max(r[0] for r in rows)
+    exposed = max(r[1] for r in rows)
+    total_comm = max(sum(r[2].values()) for r in rows)
+    bubble = 0.0
+    if lay.pp > 1:
+        f = workers[0].bubble
+        work = max(r[0] + r[2]["pp"] for r in rows)
+        bubble = work / (1 - f) - work + (work - compute)
+    step = compute + exposed + bubble
+    read = lay.data.bytes_per_sample(lay.T, lay.cfg.data.sampling == "random") * lay.cfg.train.global_batch_size
+    read_seconds = read / max(1, lay.dp) / machine.storage
+    io_wait = max(0.0, read_seconds - step)
+    return {"compute": compute, "exposed": exposed, "bubble": bubble, "io_wait": io_wait,
+            "step": step + io_wait, "comm_total": total_comm}

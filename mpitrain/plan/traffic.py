@@ -1,0 +1,166 @@
+"""What a rank sends per training step, call by call, on each communicator of the grid.
+
+Each :class:`Call` is one kind of message a rank makes (its collective, the array's bytes,
+the communicator's ranks, how many times a step); its bytes are counted exactly as the
+communicators count them (:class:`mpitrain.comm.CommStats`: a point-to-point message's
+bytes, an MPI collective by :func:`mpitrain.cost.collective_bytes` rounded down call by
+call, mpitrain's ring by what it sends, :func:`mpitrain.cost.ring_elements`). The calls
+are those the strategies make, as their module docstrings state them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from mpitrain import cost
+from mpitrain.plan.layout import buckets, zero3_groups
+
+NORM = 8  # one float64: a rank's sum of squares of its gradients, for clipping by the global norm
+
+
+@dataclass(frozen=True)
+class Call:
+    axis: str  # "dp", "pp" or "tp": the communicator it is counted on
+    what: str  # what it carries
+    collective: str  # allreduce | reduce_scatter | allgather | send
+    nbytes: int  # the array of one call
+    ranks: int  # the communicator's size
+    count: int = 1  # calls per step
+    algorithm: str = "mpi"  # "mpi", or "ring": mpitrain's (exact per rank), "p2p"
+    rank: int = 0  # this rank's index in the communicator (the ring's chunks differ by rank)
+    itemsize: int = 4
+
+    @property
+    def sent(self) -> int:
+        """Bytes the counters count for this call's ``count`` calls."""
+        if self.collective in ("send", "recv") or self.ranks == 1:
+            return self.count * (self.nbytes if self.collective == "send" else 0)
+        if self.algorithm == "ring":
+            n, P, r = self.nbytes // self.itemsize, self.ranks, self.rank
+            chunk = [n * (i + 1) // P - n * i // P for i in range(P)]
+            one = {"allreduce": cost.ring_elements(n, P, r), "reduce_scatter": n - chunk[r],
+                   "allgather": n - chunk[(r + 1) % P]}[self.collective]
+            return self.count * one * self.itemsize
+        return self.count * int(cost.collective_bytes(self.collective, self.nbytes, self.ranks))
+
+
+def dp_calls(lay, params: dict, layers: list, d: int) -> list[Call]:
+    """The data-parallel sync's calls of rank ``d`` of ``dp_comm`` on a part holding ``params``."""
+    par, P, s, m = lay.par, lay.dp, lay.itemsize, lay.m
+    N = sum(math.prod(shape) for shape in params.values())
+    if par.sync == "ps":
+        push, pull = cost.parameter_server_bytes(N * s, lay.servers)
+        return [Call("dp", "push gradients (+ headers)", "send", int(push), 2, algorithm="p2p"),
+                Call("dp", "pull parameters (+ versions)", "recv", 0, 2, algorithm="p2p")]
+    if P == 1 or par.sync == "local":
+        return []
+    algo = par.allreduce if par.allreduce != "hierarchical" else "mpi"
+    clip = [Call("dp", "clipping: sum of squares", "allreduce", NORM, P)] if lay.cfg.optim.grad_clip > 0 else []
+    if par.sync == "ddp":
+        wire = 2 if par.wire != "fp32" else (4 if s == 2 and algo == "mpi" else s)
+        return [Call("dp", f"gradient bucket {i}", "allreduce", n * wire, P, algorithm=algo, rank=d, itemsize=wire)
+                for i, n in enumerate(_bucket_sizes(lay, params))]
+    if par.sync == "zero1":
+        return [Call("dp", "gradients", "reduce_scatter", N * s, P, algorithm=algo, rank=d, itemsize=s), *clip,
+                Call("dp", "parameters", "allgather", N * s, P, algorithm=algo, rank=d, itemsize=s)]
+    if par.sync == "zero2":
+        buckets = _bucket_sizes(lay, params)
+        times = m if par.accumulate == "sharded" else 1
+        return ([Call("dp", f"gradient bucket {i}", "reduce_scatter", n * s, P, times, algo, d, s)
+                 for i, n in enumerate(buckets)] + clip
+                + [Call("dp", f"parameter bucket {i}", "allgather", n * s, P, 1, algo, d, s)
+                   for i, n in enumerate(buckets)])
+    calls = []
+    for names in zero3_groups(params, layers):  # each group gathered in forward and backward, reduced in backward
+        n = sum(math.prod(params[k]) for k in names)
+        what = names[0].rsplit(".", 2)[0] if len(names) > 1 else names[0]
+        calls += [Call("dp", f"{what}: parameters gathered", "allgather", n * s, P, 2 * m, algo, d, s),
+                  Call("dp", f"{what}: gradients", "reduce_scatter", n * s, P, m, algo, d, s)]
+    return calls + clip
+
+
+def _bucket_sizes(lay, params: dict) -> list[int]:
+    return [sum(math.prod(params[n]) for n in names) for names in buckets(lay, params)]
+
+
+def pp_calls(lay, s: int, r: int) -> list[Call]:
+    """Pipeline rank ``s``'s sends per step: each micro-batch's activation to the next
+    stage and gradient to the previous one, chunk by chunk; the tied weight's gradient
+    summed with the other stage that holds it; the clipping norm."""
+    if lay.pp == 1:
+        return []
+    calls, b, a, last = [], lay.micro_batch, lay.dtype_bytes, lay.pp * lay.v - 1
+    for c, chunk in enumerate(lay.chunks(s, r)):
+        k = c * lay.pp + s  # the stage's index in the whole pipeline
+        if k < last:
+            calls.append(Call("pp", f"activations of chunk {c}", "send", b * math.prod(chunk[-1].out) * a, lay.pp,
+                              lay.m, "p2p"))
+        if k > 0:
+            before = lay.models[r].layers[lay.bounds[k] - 1]
+            calls.append(Call("pp", f"their gradients, chunk {c}", "send", b * math.prod(before.out) * a, lay.pp,
+                              lay.m, "p2p"))
+    tied = lay.models[r].tied
+    mine = lay.parameters(s, r)
+    for name in sorted(tied & mine.keys()):
+        holders = {t for t in range(lay.pp) if name in lay.parameters(t, r)}
+        if len(holders) > 1:
+            calls.append(Call("pp", f"tied {name}'s gradient", "allreduce", math.prod(mine[name]) * lay.itemsize,
+                              len(holders)))
+    if lay.cfg.optim.grad_clip > 0:
+        calls.append(Call("pp", "clipping: sum of squares", "allreduce", NORM, lay.pp))
+    return calls
+
+
+def tp_calls(lay, s: int, r: int) -> list[Call]:
+    """Tensor-parallel rank ``r``'s collectives per step (Shoeybi et al. 2019; with
+    sequence parallelism, Korthikanti et al. 2022), per micro-batch: the embedding's sum,
+    each block's two sums forward and two backward, the head's backward sum, the
+    vocabulary-parallel cross-entropy's three sums of a number per token; per step the
+    replicated weights' gradients (sequence parallelism) and the clipping norm."""
+    t = lay.tp
+    if t == 1:
+        return []
+    b, T, C, a, m = lay.micro_batch, lay.T, lay.cfg.model.n_embd, lay.dtype_bytes, lay.m
+    act = b * T * C * a
+    sp = lay.par.sequence_parallel
+    layers = lay.layers(s, r)
+    names = {layer.name for layer in layers}
+    blocks = sum(1 for layer in layers if layer.name.startswith("block"))
+
+    def pair(what, count):  # a sum, or (sequence parallel) its reduce-scatter and allgather halves
+        if sp:
+            return [Call("tp", what + " (reduce-scatter)", "reduce_scatter", act, t, count),
+                    Call("tp", what + " (allgather)", "allgather", act, t, count)]
+        return [Call("tp", what, "allreduce", act, t, count)]
+
+    calls = []
+    if "embed" in names:
+        calls += pair("embedding's rows", m)
+    if blocks:
+        calls += pair("blocks' attention and MLP, forward and backward", 4 * blocks * m)
+    if "head" in names:
+        calls += pair("head's input", m)
+        calls.append(Call("tp", "cross-entropy: max, target logit, sum", "allreduce", b * T * a, t, 3 * m))
+    if sp:
+        whole = sum(math.prod(shape) for name, shape in lay.parameters(s, r).items() if _replicated(name))
+        if whole:
+            calls.append(Call("tp", "replicated weights' gradients", "allreduce", whole * lay.itemsize, t))
+    if lay.cfg.optim.grad_clip > 0:
+        calls.append(Call("tp", "clipping: sum of squares", "allreduce", NORM, t))
+    return calls
+
+
+def _replicated(name: str) -> bool:
+    """A GPT parameter every tensor-parallel rank holds whole."""
+    sliced = ("wte.weight", "c_attn.weight", "c_attn.bias", "attn.c_proj.weight", "c_fc.weight", "c_fc.bias",
+              "mlp.c_proj.weight")
+    return not name.endswith(sliced)
+
+
+def by_axis(calls: list[Call]) -> dict:
+    out = {}
+    for c in calls:
+        out[c.axis] = out.get(c.axis, 0) + c.sent
+    return out
+

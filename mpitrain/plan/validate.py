@@ -1,0 +1,183 @@
+"""``mpitrain plan --validate``: run a config for a few steps and hold every prediction
+against what the run measured, per rank: predicted | measured | error.
+
+Counted quantities must agree exactly: the bytes of parameters, gradients and optimizer
+state (:func:`mpitrain.observe.memory.model_state`), the bytes each communicator sent in
+the steps (the counters), the FLOPs of a step (the op counter), and the pipeline's idle
+slots under unit costs (the schedule's own simulation). The heap (``tracemalloc``, at rest
+between steps and a step's peak) and the step time are estimates, held within a tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import tempfile
+from pathlib import Path
+
+from mpitrain import cost, schedules
+
+EXACT = ("parameters", "gradients", "optimizer state", "optimizer's work array", "dp sent", "pp sent", "tp sent",
+         "FLOPs", "storage need (B/s) at the run's samples/s")
+HEAP_TOLERANCE = 0.05  # the heap at rest and a step's peak above it (estimates)
+TIME_TOLERANCE = 0.20
+SHOWN = ("reader (filling in the background)",)  # printed, held to nothing: the reader fills its queue as it can
+
+
+def tolerance(what: str) -> float | None:
+    """How far a row may be off: counted quantities not at all; None: not held."""
+    if what in EXACT or what.startswith("idle"):
+        return 0.0
+    return None if what in SHOWN else HEAP_TOLERANCE
+
+
+NEED = re.compile(r"needs ([\d.]+) MB/s per rank \((\d+) B/sample x ([\d,]+) samples/s\)")  # the I/O table's
+WINDOW = 5  # steps per timed window: the step time is the median window's, after the first (warming up)
+
+
+def overrides(cfg, steps: int, run_dir: str, trace: bool) -> object:
+    """``cfg`` cut to ``steps`` steps, no evaluation or sample, a metrics record every
+    :data:`WINDOW` steps, tracing the heap if ``trace``."""
+    train = {"log_interval": WINDOW, "eval_interval": 0, "steps": steps, "epochs": 0}
+    if cfg.model.name == "gpt":
+        train.update(eval_batches=1, sample_tokens=0)
+    run = dataclasses.replace(cfg.run, dir=run_dir, trace_memory=trace, checkpoint_interval=0, timeline=False,
+                              progress="lines")
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, **train), run=run)
+
+
+def measure(cfg, comm, steps: int, trace: bool) -> tuple:
+    """Train ``cfg`` for ``steps`` steps on ``comm``: (the run's result, figures on rank 0;
+    the seconds of a step, the median of the timed windows after the first; the I/O
+    tables' (need MB/s, B/sample, samples/s))."""
+    from mpitrain import train
+
+    lines = []
+    with tempfile.TemporaryDirectory(prefix="mpitrain-validate-") as tmp:
+        run_dir = comm.bcast(tmp if comm.rank == 0 else None) + "/run"
+        result = train.train(overrides(cfg, steps, run_dir, trace), log=lambda line: lines.append(str(line)),
+                             comm=comm)
+        rates = []
+        if comm.rank == 0:
+            with open(f"{run_dir}/metrics.jsonl") as f:
+                rates = [r["samples_per_s"] for r in map(json.loads, f) if r.get("kind") == "train"]
+        comm.barrier()  # the files stay until rank 0 has read them
+    later = sorted(rates[1:] or rates)
+    seconds = cfg.train.global_batch_size / later[len(later) // 2] if later else float("nan")
+    storage = [tuple(float(x.replace(",", "")) for x in m.groups()) for m in map(NEED.search, lines) if m]
+    return result, seconds, storage
+
+
+def compare(plan, result, storage=()) -> list[tuple]:
+    """Rows (rank, quantity, predicted, measured) of the counted quantities and the heap."""
+    lay = plan.layout
+    by_rank = {r: p for p in plan.ranks for r in p.ranks}
+    steps = result.steps - result.start_step
+    rows = []
+    for rank, (state, heap) in enumerate(result.states):
+        p = by_rank[rank]
+        time_row = result.timing[rank]
+        rows += [(rank, "parameters", p.memory["parameters"], state["param_bytes"]),
+                 (rank, "gradients", p.memory["gradients"], state["grad_bytes"]),
+                 (rank, "optimizer state", p.memory["optimizer state"] + p.memory["masters"], state["optim_bytes"])]
+        for axis, (sent, _) in time_row[-1].items():
+            rows.append((rank, f"{axis} sent", p.sent.get(axis, 0), sent / steps))
+        if heap is not None:
+            rest = p.state + p.memory["work"]
+            data = heap["parts"].get("data", 0)
+            rows += [(rank, "optimizer's work array", p.memory["work"], state["work_bytes"]),
+                     (rank, "heap at rest less the reader", rest, heap["rest"] - data),
+                     (rank, "heap peak above rest", p.memory["activations"], heap["peak"] - heap["rest"]),
+                     (rank, "reader (filling in the background)", p.memory["reader"], data)]
+    for _, per_sample, rate in storage[:1]:  # the I/O table's need (its factors: its MB/s is rounded), at its rate
+        rows.append(("all", "storage need (B/s) at the run's samples/s", plan.bytes_per_sample * rate,
+                     per_sample * rate))
+    mean = sum((p.flops["forward"] + p.flops["backward"] + p.flops["recompute"]) * len(p.ranks)
+               for p in plan.ranks if p.where != "server") / (lay.P - lay.servers)
+    rows.append(("mean", "FLOPs", mean, result.flops))
+    if lay.pp > 1:
+        sim = schedules.simulate([schedules.schedule(lay.par.schedule, lay.pp, lay.m, r, lay.v)
+                                  for r in range(lay.pp)], lay.pp, lay.v)
+        formula = cost.pipeline_idle(lay.par.schedule, lay.pp, lay.m, lay.v)
+        for r, idle in enumerate(sim.idle):
+            rows.append((r, "idle slots (unit costs)", formula, idle))
+    return rows
+
+
+def error(predicted: float, measured: float) -> float:
+    return 0.0 if predicted == measured else (measured - predicted) / measured if measured else float("inf")
+
+
+def table(rows, step_time=None) -> tuple[str, bool]:
+    """The printed table, and whether every row is within its tolerance."""
+    lines = ["rank | quantity | predicted | measured | error | holds"]
+    ok = True
+    for rank, what, predicted, measured in rows:
+        e, limit = error(predicted, measured), tolerance(what)
+        good = limit is None or abs(e) <= limit + 1e-12
+        ok &= good
+        held = "-" if limit is None else "yes" if good else "NO"
+        lines.append(f"{rank} | {what} | {predicted:,.0f} | {measured:,.0f} | {100 * e:+.2f}% | {held}")
+    if step_time is not None:
+        predicted, measured = step_time
+        e = error(predicted, measured)
+        lines.append(f"all | step time (s) | {predicted:.4f} | {measured:.4f} | {100 * e:+.1f}% | "
+                     f"{'yes' if abs(e) <= TIME_TOLERANCE else 'NO'} (estimate, never asserted)")
+    return "\n".join(lines), ok
+
+
+def run(args) -> int:
+    """The command: plan on the job's ranks, measure, print; exit 1 if a counted quantity
+    disagrees or the heap is off by more than its tolerance."""
+    from mpitrain.comm import world
+    from mpitrain.plan.cli import build
+    from mpitrain.plan.models import config_of
+
+    par = config_of(args)[0].parallel
+    comm = world(par.thread_level, comm_thread=par.progress == "thread")
+    plan, source = build(args, ranks=comm.size)
+    cfg = plan.layout.cfg
+    counted, _, storage = measure(cfg, comm, 4, trace=True)
+    # timed with rounds of 1 MB, so that the reader's first rounds (read ahead, on the cores that compute)
+    # do not fill the few steps timed; a long run reads those once in thousands of steps
+    quick = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, buffer_mb=min(cfg.data.buffer_mb, 1.0)))
+    _, seconds, _ = measure(quick, comm, WINDOW * max(3, args.steps // WINDOW), trace=False)
+    if comm.rank != 0:
+        return 0
+    rows = compare(plan, counted, storage)
+    text, ok = table(rows, (plan.time["step"], seconds))
+    print(f"validate: {source} on {plan.layout.describe()}\n{text}")
+    if args.json:  # for mpitrain bench plan: each row with its tolerance and error
+        found = {"rows": [[*r, tolerance(r[1]), error(r[2], r[3])] for r in rows], "step": [plan.time["step"], seconds]}
+        Path(args.json).write_text(json.dumps(found))
+    return 0 if ok else 1
+
+
+def end_of_run(cfg, ranks: int, step_seconds: float, states: list) -> list[str]:
+    """The lines a training run ends with: the planner's step time and memory of this
+    layout on this machine beside what the run measured (``states``: every rank's
+    (model state counted, heap figures or None)), so drift shows in ordinary use."""
+    from mpitrain import plan as planner
+    from mpitrain.plan import hardware
+
+    try:
+        plan = planner.make(cfg, ranks, planner.machine(hardware.load(), "this", ranks))
+    except (ValueError, OSError) as e:  # a catalogue or manifest the planner cannot read: say so, end the run
+        return [f"plan: no prediction ({e})"]
+    t = plan.time
+    lines = [f"plan: a step {1e3 * t['step']:.3g} ms predicted (compute {1e3 * t['compute']:.3g}, exposed "
+             f"communication {1e3 * t['exposed']:.3g}, bubble {1e3 * t['bubble']:.3g}), {1e3 * step_seconds:.3g} ms "
+             f"measured (the mean step): {step_seconds / t['step']:.2f}x"]
+    counted = [s["param_bytes"] + s["grad_bytes"] + s["optim_bytes"] + s["work_bytes"] for s, _ in states]
+    rank = max(range(len(states)), key=counted.__getitem__)
+    p = next(q for q in plan.ranks if rank in q.ranks)
+    line = (f"plan: rank {rank}'s model state and work array {p.state + p.memory['work']:,} B predicted, "
+            f"{counted[rank]:,} B counted")
+    heap = states[rank][1]
+    if heap is not None:
+        rest = heap["rest"] - heap["parts"].get("data", 0)
+        line += (f"; heap at rest less the reader {rest / 1e6:.2f} MB ({error(p.state + p.memory['work'], rest):+.1%}"
+                 f" off), a step's peak above rest {(heap['peak'] - heap['rest']) / 1e6:.2f} MB against "
+                 f"{p.memory['activations'] / 1e6:.2f} MB of activations predicted")
+    return lines + [line]

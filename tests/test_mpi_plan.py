@@ -1,0 +1,68 @@
+"""MPI tier: every counted quantity the planner predicts equals what the same run counts,
+per rank, for every strategy and combination: the bytes of parameters, gradients,
+optimizer state and the optimizer's work array, the bytes each communicator sent per
+step, the FLOPs of a step, and the pipeline's idle slots; and its storage need is the
+I/O table's at the same samples/s (``mpitrain plan --validate``'s comparison, :mod:`mpitrain.plan.validate`).
+Heap and time are estimates: ``mpitrain plan --validate`` prints them, tests do not assert them."""
+
+import pytest
+from test_data import text_set
+from test_mpi_data import shared_data
+
+from mpitrain import config
+from mpitrain import plan as planner
+from mpitrain.plan import hardware, validate
+from mpitrain.plan.data import resolve
+
+LAYOUTS = {  # ranks -> {name: overrides}
+    2: {"ddp": [], "ddp, ring, bf16 on the wire": ["parallel.allreduce='ring'", "parallel.wire='bf16'"],
+        "zero1": ["parallel.sync='zero1'"],
+        "zero2, 2 micro-batches": ["parallel.sync='zero2'", "train.micro_batches=2", "parallel.bucket_mb=0.002"],
+        "zero2, accumulated in full": ["parallel.sync='zero2'", "train.micro_batches=2", "parallel.accumulate='full'"],
+        "zero3": ["parallel.sync='zero3'"],
+        "gpipe": ["parallel.pp=2", "parallel.schedule='gpipe'", "train.micro_batches=4"],
+        "1f1b": ["parallel.pp=2", "train.micro_batches=4"],
+        "zb-h1": ["parallel.pp=2", "parallel.schedule='zb-h1'", "train.micro_batches=4"],
+        "interleaved": ["parallel.pp=2", "parallel.schedule='interleaved'", "parallel.chunks=2",
+                        "train.micro_batches=4", "model.n_layer=4"],
+        "tp": ["parallel.tp=2"], "tp, sequence parallel": ["parallel.tp=2", "parallel.sequence_parallel=true"],
+        "bf16": ["train.precision='bf16'"], "checkpointing": ["model.checkpoint_activations=true"]},
+    3: {"ps": ["parallel.sync='ps'", "optim.grad_clip=0.0"], "zero3, uneven shards": ["parallel.sync='zero3'",
+                                                                                     "train.global_batch_size=6"]},
+    4: {"ddp on 4": [], "zero1 on 4": ["parallel.sync='zero1'"], "zero3 on 4": ["parallel.sync='zero3'"],
+        "dp2 x pp2": ["parallel.pp=2", "train.micro_batches=2"],
+        "pp2 x tp2": ["parallel.pp=2", "parallel.tp=2", "train.micro_batches=4"],
+        "dp2 x tp2": ["parallel.tp=2"], "zero2": ["parallel.sync='zero2'"],
+        "ps, 2 servers": ["parallel.sync='ps'", "parallel.servers=2", "optim.grad_clip=0.0",
+                          "train.global_batch_size=6"]},
+}
+
+
+def gpt(data, overrides):
+    return config.from_dict({
+        "model": {"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 16},
+        "data": {"path": str(data)}, "optim": {"name": "adamw", "lr": 3e-3, "grad_clip": 1.0},
+        "train": {"global_batch_size": 8, "steps": 4, "threads": 1}}, overrides)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name", sorted({n for layouts in LAYOUTS.values() for n in layouts}))
+def test_every_counted_prediction_is_what_the_run_counts(name):
+    from mpitrain.comm import world
+
+    comm = world()
+    if name not in LAYOUTS.get(comm.size, {}):
+        pytest.skip(f"layout {name!r} runs at {[n for n, ls in LAYOUTS.items() if name in ls]} ranks")
+    cfg = gpt(shared_data(comm, make=text_set, n=3000), LAYOUTS[comm.size][name])
+    machine = planner.machine(hardware.load(), "this", comm.size)
+    plan = planner.make(cfg, comm.size, machine, resolve(cfg))
+    result, _, storage = validate.measure(cfg, comm, 4, trace=True)
+    if comm.rank != 0:
+        return
+    rows = validate.compare(plan, result, storage)
+    exact = [row for row in rows if validate.tolerance(row[1]) == 0]
+    assert len(exact) >= 4 * comm.size
+    servers = cfg.parallel.sync == "ps"  # rank 0 serves: the workers' I/O table is printed by worker 0
+    assert servers or any(row[1].startswith("storage need") for row in exact)  # the I/O table's, at its samples/s
+    wrong = [row for row in exact if row[2] != row[3]]
+    assert not wrong, validate.table(wrong)[0]

@@ -1,0 +1,217 @@
+"""The planner (``mpitrain plan``): its shapes equal the models built for real, it handles
+a 175-billion-parameter GPT on a laptop, and it reproduces the published figures it
+plans by (GPT-3's size, ZeRO's memory table, the course notes' arithmetic). What it
+predicts against a run is checked in tests/test_mpi_plan.py."""
+
+import subprocess
+import sys
+import tracemalloc
+from types import SimpleNamespace
+
+import pytest
+from test_comm import needs_mpiexec
+
+from mpitrain import cli, nn
+from mpitrain.config import ConfigError, from_dict
+from mpitrain.parallel.tensor_parallel import slice_gpt
+from mpitrain.plan import cli as plan_cli
+from mpitrain.plan import hardware, models, shapes
+from mpitrain.plan.data import DataShape
+from mpitrain.plan.layout import Layout
+from mpitrain.plan.predict import rank_plans
+
+GPT3 = ["--model", "gpt3-175b", "--hardware", "a100-80g", "--gpus-per-node", "8", "--nodes", "128",
+        "--set", "train.global_batch_size=2048"]
+
+
+def planned(argv):
+    return plan_cli.build(cli.build_parser().parse_args(["plan", *argv]))[0]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("t", [1, 2, 3])
+def test_the_gpt_shapes_are_the_model_built_for_real(bias, t):
+    """Every parameter's name and shape, on every tensor-parallel slice (a vocabulary of 85
+    does not divide by 2 or 3: the first slices are one row larger)."""
+    V, T, L, H, C = 85, 12, 2, 6, 24
+    for r in range(t):
+        model = nn.GPT(nn.GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C, bias=bias))
+        if t > 1:
+            slice_gpt(model, SimpleNamespace(size=t, rank=r))  # building slices makes no collective call
+        real = {n: p.shape for n, p in model.named_parameters()}
+        shape = shapes.gpt(V, T, L, H, C, bias, t=t, rank=r)
+        assert shape.parameters() == real
+        assert [layer.name for layer in shape.layers] == [n for n, _ in model.named_layers()]
+        whole = nn.GPT(nn.GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C, bias=bias))
+        assert [layer.whole for layer in shape.layers] == [sum(q.size for q in m.parameters())
+                                                           for m in whole.layers()]
+
+
+@pytest.mark.parametrize("kind", ["lenet", "convnet", "resnet8", "resnet20"])
+def test_the_cnn_shapes_are_the_models_built_for_real(kind):
+    build = {"lenet": (lambda: nn.LeNet(1, 28, 10, (6, 16), 84), lambda: shapes.lenet((28, 28, 1), 10, (6, 16), 84)),
+             "convnet": (lambda: nn.ConvNet(3, 32, 10, (8, 16, 32)), lambda: shapes.convnet((32, 32, 3), 10, (8, 16, 32))),
+             "resnet8": (lambda: nn.ResNet(3, 32, 10), lambda: shapes.resnet((32, 32, 3), 10)),
+             "resnet20": (lambda: nn.ResNet(3, 32, 10, (8, 16, 32), 3),
+                          lambda: shapes.resnet((32, 32, 3), 10, (8, 16, 32), 3))}[kind]
+    model, shape = build[0](), build[1]()
+    assert shape.parameters() == {n: p.shape for n, p in model.named_parameters()}
+    assert [layer.name for layer in shape.layers] == [n for n, _ in model.named_layers()]
+
+
+def test_gpt3_has_the_parameters_its_paper_states():
+    """Brown et al. 2020, table 2.1: 175.0 B for 96 layers of width 12,288 (the planner's
+    count, the same code the test above holds equal to the built model)."""
+    count = shapes.gpt(50257, 2048, 96, 96, 12288).count()
+    assert abs(count - 175e9) / 175e9 < 0.005
+    assert count == 174_591_270_912
+
+
+@pytest.mark.parametrize("sync", ["ddp", "zero1", "zero2", "zero3"])
+def test_gpt3_on_1024_gpus_plans_fast_without_arrays(sync):
+    """Shapes only: a 175 B model planned per GPU with a heap of megabytes; ZeRO
+    divides the model state as its formula says (Adam, float32: 16, 8 + 8/P, 4 + 12/P, 16/P
+    bytes per parameter, within the shards' rounding and Adam's step counters)."""
+    tracemalloc.start()
+    plan = planned(GPT3 + ["--set", f"parallel.sync={sync}"])
+    heap = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    state = sum(p.state * len(p.ranks) for p in plan.ranks)
+    assert heap < 1e-6 * state  # megabytes for petabytes (its time: the README's, never asserted here)
+    N, P = plan.layout.whole, 1024
+    per = {"ddp": 16, "zero1": 8 + 8 / P, "zero2": 4 + 12 / P, "zero3": 16 / P}[sync]
+    for p in plan.ranks:
+        assert p.state == pytest.approx(per * N, rel=1e-6)
+    assert "does not fit" in plan_text(plan) or sync == "zero3"
+
+
+def plan_text(plan) -> str:
+    from mpitrain.plan import show
+
+    return show.verdict(plan)
+
+
+def test_a_small_plan_allocates_little():
+    """The issue's example (the tiny Shakespeare config, 4 ranks as pp 2 x tp 2): its heap
+    under 10% of the model state it predicts, with no dataset built."""
+    argv = ["jobs/tinyshakespeare_gpt.toml", "-n", "4", "--set", "parallel.pp=2", "--set", "parallel.tp=2",
+            "--set", "train.micro_batches=4"]
+    tracemalloc.start()
+    plan = planned(argv)
+    heap = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert heap < 0.1 * sum(p.state * len(p.ranks) for p in plan.ranks)
+    assert [p.where for p in plan.ranks] == ["stage 0, slice 0", "stage 0, slice 1", "stage 1, slice 0",
+                                           "stage 1, slice 1"]
+
+
+def test_zeros_memory_table():
+    """Rajbhandari et al. 2020, figure 1: 7.5 B parameters on 64 GPUs, K = 12: 120 GB,
+    31.4 GB, 16.6 GB, 1.9 GB."""
+    table = models.zero_table(7.5e9, 64)
+    got = [round(table[s] / 1e9, 1) for s in ("ddp", "zero1", "zero2", "zero3")]
+    assert got == [120.0, 31.4, 16.6, 1.9]
+
+
+def test_the_notes_resnet_run():
+    """11.4e9 multiply-adds x 2 x 3 x 1.2 M images x 128 epochs: 1.05e19 FLOPs, 0.12
+    PFLOP/s-days (the notes' 0.116 divides their rounded 10 EFLOP), 114 kFLOP per byte of a
+    float32 224 x 224 x 3 image (the notes' 108 k, again from 10 EFLOP); 4.4 days on 2 GPUs
+    of 41.58 TFLOP/s at 33%."""
+    r = models.resnet_run(models.catalogue()["notes"])
+    assert r["flops"] == pytest.approx(1.05e19, rel=0.005)
+    assert round(r["pflops_days"], 2) == 0.12
+    assert 1e19 / 8.64e19 == pytest.approx(0.116, abs=5e-4)
+    assert 1e19 / (1.2e6 * 128 * 602112) == pytest.approx(108e3, rel=0.005)  # the notes' own division
+    assert r["flop_per_byte"] == pytest.approx(113.6e3, rel=0.005)
+    assert r["days"] == pytest.approx(4.43, abs=0.01)
+
+
+def test_the_notes_storage_calculator():
+    """Bytes per sample / FLOPs per sample x FLOP/s for every (model, accelerator) pair;
+    ResNet-50 on a V100 573 MB/s; CosmoFlow at its measured 35-50 TFLOP/s 2.2-3.2 GB/s."""
+    peaks = hardware.load().notes
+    assert peaks == {"V100": 130, "A100": 312, "H100": 3958}
+    table = models.calculator(models.catalogue()["notes"], peaks)
+    sample = {"cosmoflow": (16, 247), "deepcam": (27, 2887), "resnet50": (0.14, 31)}  # MiB, GiFLOP
+    assert set(table) == {(m, a) for m in sample for a in peaks}
+    for (model, acc), rate in table.items():
+        mib, gi = sample[model]
+        assert rate / 1e6 == pytest.approx(mib / (gi * 1024) * peaks[acc] * 1e6, rel=1e-12)  # MB/s
+    assert round(table["resnet50", "V100"] / 1e6) == 573
+    text = models.notes_text(peaks)
+    assert "cosmoflow at the measured 35-50 TFLOP/s: 2.2-3.2 GB/s" in text
+
+
+def test_a_layout_the_trainer_refuses_the_planner_refuses_alike():
+    raw = {"model": {"name": "gpt", "n_head": 4}, "data": {"name": "shakespeare"}, "train": {"steps": 1},
+           "parallel": {"tp": 3}}
+    data = DataShape("shakespeare", "text", (), 84, 1, 0, 10**6, "assumed")
+    with pytest.raises(ConfigError, match="parallel.tp"):
+        Layout.of(from_dict(raw), 3, data)
+
+
+def test_ranks_alike_are_grouped():
+    raw = {"model": {"name": "gpt"}, "data": {"name": "shakespeare"}, "train": {"steps": 1, "global_batch_size": 16},
+           "parallel": {"pp": 2}}
+    data = DataShape("shakespeare", "text", (), 84, 1, 0, 10**6, "assumed")
+    plans = rank_plans(Layout.of(from_dict(raw), 8, data))
+    assert [p.ranks for p in plans] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["jobs/shakespeare_gpt.toml", "--hardware", "tpu"], "no device 'tpu'"),
+    (["jobs/shakespeare_gpt.toml", "-n", "3", "--set", "parallel.tp=3"], "parallel.tp"),
+    (["--model", "gpt5"], "no reference model 'gpt5'"),
+    ([], "give a CONFIG file"),
+])
+def test_bad_input_is_one_line_with_status_2(argv, message):
+    out = subprocess.run([sys.executable, "-m", "mpitrain", "plan", *argv], capture_output=True, text=True)
+    assert out.returncode == 2, out.stderr
+    assert message in out.stderr and len(out.stderr.strip().splitlines()) == 1 and "Traceback" not in out.stderr
+
+
+def test_the_command_prints_every_part():
+    out = subprocess.run([sys.executable, "-m", "mpitrain", "plan", "jobs/shakespeare_gpt.toml", "-n", "2",
+                          "--set", "parallel.sync=zero2"], capture_output=True, text=True, check=True).stdout
+    for part in ("per rank (ranks alike grouped)", "communication per step", "FLOPs per step", "step time:",
+                 "storage:", "the run:", "verdict: fits"):
+        assert part in out
+
+
+@pytest.mark.parametrize("model", ["gpt", "lenet"])
+def test_one_process_counts_what_the_plan_predicts(model, tmp_path):
+    """--validate's comparison in one process, without MPI (every layout on several
+    ranks: tests/test_mpi_plan.py): the counted quantities exact, for a GPT and a CNN
+    (whose first convolution's backward has no input gradient)."""
+    from test_data import image_set, text_set
+
+    from mpitrain import plan as planner
+    from mpitrain.comm import SingleComm
+    from mpitrain.plan import validate
+
+    data = tmp_path / "d"
+    (text_set if model == "gpt" else image_set)(data)
+    shape = {"gpt": {"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 16},
+             "lenet": {"name": "lenet", "channels": [2, 4], "hidden": 8}}[model]
+    cfg = from_dict({"model": shape, "data": {"path": str(data)}, "optim": {"name": "adamw", "grad_clip": 1.0},
+                     "train": {"global_batch_size": 8, "steps": 4, "threads": 1}})
+    plan = planner.make(cfg, 1, planner.machine(hardware.load(), "this", 1))
+    result, _, storage = validate.measure(cfg, SingleComm(), 4, trace=True)
+    rows = validate.compare(plan, result, storage)
+    exact = [row for row in rows if validate.tolerance(row[1]) == 0]
+    assert len(exact) >= 6 and all(row[2] == row[3] for row in exact), validate.table(exact)[0]
+
+
+@needs_mpiexec
+def test_bench_plan_prints_a_row_per_layout(tmp_path):
+    """`mpitrain bench plan` end to end on one small layout (its figures are measurements:
+    only the form and the exact column are tested)."""
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text('[model]\nname = "gpt"\nn_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 16\n'
+                   '[data]\nname = "shakespeare"\n[train]\nglobal_batch_size = 4\nsteps = 1\n')
+    out = subprocess.run([sys.executable, "-m", "mpitrain", "bench", "plan", "--config", str(cfg), "--layouts",
+                          "one process", "--steps", "10"], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    row = [line for line in out.stdout.splitlines() if line.startswith("one process")]
+    assert len(row) == 1 and row[0].split("|")[5].strip() == "yes", out.stdout[-2000:]

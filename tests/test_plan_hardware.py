@@ -1,0 +1,223 @@
+"""The planner's hardware catalogue (mpitrain/plan/hardware.py, hardware.toml) and its
+calibration (mpitrain/plan/calibrate.py): the shipped file loads and holds what the planner
+needs, a user's file overlays it, every bad field is one message naming file and field,
+mpitrain's elementwise passes are measured as defined, and a calibration writes a file that
+loads back."""
+
+import shutil
+
+import numpy as np
+import pytest
+
+from mpitrain.cluster import mpiexec
+from mpitrain.plan import calibrate, hardware, shapes
+from mpitrain.plan.hardware import HardwareError
+
+PUBLISHED = ("v100", "a100-40g", "a100-80g", "h100", "h200")
+TINY = (calibrate.gpt_probe(V=16, T=8, L=1, H=2, C=16, batch=2),  # a step in milliseconds
+        calibrate.cnn_probe("lenet", (8, 8, 1), batch=2, channels=(2, 4), hidden=8))
+
+
+@pytest.fixture
+def shipped(monkeypatch, tmp_path):
+    """The shipped catalogue alone: no user file, whatever this machine's home holds."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv(hardware.USER_ENV, raising=False)
+    return hardware.load()
+
+
+def write(tmp_path, text):
+    path = tmp_path / "user.toml"
+    path.write_text(text)
+    return path
+
+
+def test_the_shipped_catalogue_loads_with_what_the_planner_needs(shipped):
+    assert set(PUBLISHED) | {"this"} <= set(shipped.devices)
+    for key, device in shipped.devices.items():
+        assert device.memory_bytes > 0 and device.memory_bandwidth > 0 and device.elementwise_bandwidth > 0, key
+        assert {"fp32", "fp16"} <= set(device.peak_flops), key
+        assert "bf16" in device.peak_flops or key == "v100", key  # Volta has no bf16 units
+    assert set(shipped.links) >= {"shm", "nvlink3", "nvlink4", "ib-hdr", "ib-ndr", "eth-10g", "eth-25g", "eth-100g",
+                                  "emu-1g", "emu-10g"}
+    assert all(link.alpha > 0 and link.bandwidth > 0 for link in shipped.links.values())
+    assert shipped.notes == {"V100": 130, "A100": 312, "H100": 3958}
+
+
+def test_published_figures_are_the_datasheets_dense_ones(shipped):
+    h100, a100 = shipped.device("h100"), shipped.device("a100-80g")
+    assert h100.memory_bytes == 80e9 and h100.memory_bandwidth == 3350e9
+    assert h100.peak_flops["bf16"] == 989.5e12 and h100.peak_flops["fp8"] == 1979e12  # half the sparse 1,979, 3,958
+    assert a100.peak_flops["bf16"] == 312e12 and "fp8" not in a100.peak_flops
+    assert shipped.link("nvlink3").bandwidth == 300e9 and shipped.link("nvlink4").bandwidth == 450e9
+    assert shipped.link("ib-hdr").bandwidth == 25e9 and shipped.link("ib-ndr").bandwidth == 50e9
+    assert shipped.device("this").calibrated and not h100.calibrated
+    assert h100.passes == {} and set(shipped.device("this").passes) == set(hardware.FAMILIES)
+    assert all(p > 0 for p in shipped.device("this").passes.values())
+
+
+def test_a_user_file_replaces_the_entries_of_its_keys(shipped, tmp_path):
+    path = write(tmp_path, '[device.h100]\nname = "my H100"\nmemory_gb = 94\nmemory_bandwidth_gbs = 3900\n'
+                           '[device.h100.peak_flops]\nfp32 = 60\n[link.mine]\nname = "x"\nalpha_us = 2\n'
+                           'bandwidth_gbs = 10\n')
+    catalogue = hardware.load(path=path)
+    assert catalogue.device("h100").name == "my H100" and catalogue.device("h100").peak_flops == {"fp32": 60e12}
+    assert catalogue.device("a100-80g") == shipped.device("a100-80g")
+    assert catalogue.link("mine").seconds(0) == 2e-6 and str(path) in catalogue.path
+
+
+def test_the_environment_names_the_user_file(monkeypatch, tmp_path):
+    path = write(tmp_path, '[link.shm]\nname = "mine"\nalpha_us = 1\nbandwidth_gbs = 1\n')
+    monkeypatch.setenv(hardware.USER_ENV, str(path))
+    assert hardware.load().link("shm").name == "mine"
+    monkeypatch.setenv(hardware.USER_ENV, str(tmp_path / "absent.toml"))
+    with pytest.raises(HardwareError, match="absent.toml: hardware file not found"):
+        hardware.load()
+
+
+DEVICE = '[device.d]\nname = "d"\nmemory_gb = 1\nmemory_bandwidth_gbs = 1\n[device.d.peak_flops]\nfp32 = 1\n'
+
+
+@pytest.mark.parametrize("text, message", [
+    (DEVICE + "fp4 = 1\n", "device.d.peak_flops.fp4: unknown precision"),
+    (DEVICE.replace("memory_gb = 1", "memory_gb = -80"), "device.d.memory_gb: expected a positive number, got -80"),
+    (DEVICE.replace("memory_gb = 1", "memory_gb = true"), "device.d.memory_gb: expected a positive number"),
+    (DEVICE.replace("memory_bandwidth_gbs = 1\n", ""), "device.d.memory_bandwidth_gbs: missing"),
+    (DEVICE.replace('name = "d"\n', ""), "device.d.name: missing"),
+    (DEVICE.replace("fp32", "bf16"), "device.d.peak_flops.fp32: missing"),
+    (DEVICE.replace("memory_gb", "memory_gib"), "device.d.memory_gib: unknown field"),
+    (DEVICE + "[device.d.x]\n", "device.d.x: unknown field"),
+    (DEVICE + "[device.d.passes]\nrnn = 3\n", "device.d.passes.rnn: unknown family (known: gpt, cnn)"),
+    (DEVICE + "[device.d.passes]\ngpt = -1\n", "device.d.passes.gpt: expected a positive number, got -1"),
+    (DEVICE + "[device.d.passes]\ncnn = 'many'\n", "device.d.passes.cnn: expected a positive number"),
+    (DEVICE.replace("memory_gb = 1", "memory_gb = 1\npasses = 3"), "device.d.passes: expected a table"),
+    (DEVICE.replace("memory_gb = 1", "memory_gb = 1\nop_overhead_us = 1\nelementwise_bandwidth_gbs = 1"),
+     "device.d.gemm_gflops: missing"),
+    (DEVICE.replace("memory_gb = 1", 'memory_gb = 1\nop_overhead_us = 1\nelementwise_bandwidth_gbs = 1\n'
+                    'gemm_gflops = [[64, 64, 64, "float32", 9], [64, 64, 64, "int8", 9]]'), "gemm_gflops[1]: expected"),
+    ('[link.l]\nname = "l"\nalpha_us = 1\n', "link.l.bandwidth_gbs: missing"),
+    ('[link.l]\nname = "l"\nalpha_us = 0\nbandwidth_gbs = 1\n', "link.l.alpha_us: expected a positive number, got 0"),
+    ("[notes]\nV100 = -1\n", "notes.V100: expected a positive number"),
+    ("[gpus]\n", "gpus: unknown"),
+    ("[device]\nv100 = 3\n", "device.v100: expected a table"),
+    ("[device.d\nname = 1", "not valid TOML"),
+])
+def test_a_bad_file_is_one_line_naming_file_and_field(shipped, tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(HardwareError) as e:
+        hardware.load(path=path)
+    assert str(e.value).startswith(f"{path}: ") and message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_passes_load_per_family_and_are_optional(tmp_path):
+    catalogue = hardware.load(path=write(tmp_path, DEVICE + "[device.d.passes]\ngpt = 17.5\ncnn = 8\n"))
+    assert catalogue.device("d").passes == {"gpt": 17.5, "cnn": 8.0}
+    assert hardware.load(path=write(tmp_path, DEVICE)).device("d").passes == {}
+
+
+def test_an_unknown_key_lists_the_known_ones(shipped):
+    with pytest.raises(HardwareError, match=r"no device 'b200' \(known: v100, a100-40g"):
+        shipped.device("b200")
+    with pytest.raises(HardwareError, match="no link 'ib-xdr'"):
+        shipped.link("ib-xdr")
+
+
+def test_published_devices_give_the_peak_of_the_precision(shipped):
+    h100 = shipped.device("h100")
+    assert h100.matmul_flops_per_s(8, 8, 8) == 67e12  # float32 -> fp32, whatever the shape
+    assert h100.matmul_flops_per_s(4096, 4096, 4096, "bfloat16") == 989.5e12
+    assert h100.matmul_flops_per_s(1, 1, 1, "bf16") == 989.5e12
+    assert h100.matmul_flops_per_s(1, 1, 1, "float16") == 989.5e12
+    assert h100.matmul_flops_per_s(1, 1, 1, "fp8") == 1979e12
+    with pytest.raises(HardwareError, match="v100 .* has no bf16 peak"):
+        shipped.device("v100").matmul_flops_per_s(64, 64, 64, "bfloat16")
+    with pytest.raises(HardwareError, match="dtype 'int8'"):
+        h100.matmul_flops_per_s(64, 64, 64, "int8")
+
+
+def test_calibrated_devices_take_the_nearest_measured_shape():
+    gemm = ((64, 64, 64, "float32", 1e9), (1024, 1024, 1024, "float32", 4e9), (768, 128, 384, "float32", 3e9),
+            (1024, 1024, 1024, "float64", 2.5e9))
+    device = hardware.Device("c", "c", 1e9, 1e9, {"fp32": 4e9}, gemm, 1e9, 1e-6, calibrated=True)
+    assert device.matmul_flops_per_s(70, 60, 64) == 1e9
+    assert device.matmul_flops_per_s(2048, 2048, 2048) == 4e9
+    assert device.matmul_flops_per_s(800, 120, 400) == 3e9  # nearer in log space than the cube of 1024
+    assert device.matmul_flops_per_s(64, 64, 64, "float64") == 2.5e9  # the only float64 shape
+    assert device.matmul_flops_per_s(64, 64, 64, "bfloat16") == 1e9  # half precision computes in float32 here
+    no64 = hardware.Device("c", "c", 1e9, 1e9, {"fp32": 4e9}, gemm[:3], 1e9, 1e-6, calibrated=True)
+    assert no64.matmul_flops_per_s(1000, 1000, 1000, "float64") == 2e9  # float32's, halved
+
+
+def test_link_seconds_is_alpha_plus_bytes_over_bandwidth():
+    link = hardware.Link("l", "l", alpha=5e-6, bandwidth=1.25e9)
+    assert link.seconds(0) == 5e-6
+    assert link.seconds(1.25e9) == pytest.approx(1 + 5e-6)
+    assert link.seconds(2.5e6, messages=4) == pytest.approx(4 * 5e-6 + 2e-3)
+
+
+def test_the_link_fit_recovers_alpha_and_bandwidth():
+    sizes = [8 << i for i in range(22)]
+    rows = [(n, 3e-6 + n / 10e9) for n in sizes]
+    alpha, bandwidth = calibrate.fit_link(rows)
+    assert alpha == pytest.approx(3e-6) and bandwidth == pytest.approx(10e9)
+    bucket = [(n, t if n >= 1 << 20 else 3e-6 + n / 100e9) for n, t in rows]  # small messages pass faster
+    assert calibrate.fit_link(bucket) == pytest.approx((3e-6, 10e9), rel=1e-3)
+    with pytest.raises(HardwareError, match="too busy"):
+        calibrate.fit_link([(n, 1e-3 - n * 1e-12) for n in sizes])
+
+
+def test_toml_written_reads_back_exactly(tmp_path):
+    tables = {"device": {"x-1": {"name": 'a "quoted" \\ name', "memory_gb": 0.1 + 0.2, "gemm_gflops": [
+        [1, 2, 3, "float32", 1e-7]], "peak_flops": {"fp32": 1e300}}}, "link": {}}
+    path = tmp_path / "sub" / "out.toml"
+    calibrate.write_toml(path, calibrate.to_toml(tables, "a header\nof two lines"))
+    assert hardware.read_toml(path) == tables and path.read_text().startswith("# a header\n# of two lines\n")
+    assert [p.name for p in path.parent.iterdir()] == ["out.toml"]  # the temporary file was renamed
+
+
+def test_calibrate_writes_a_file_that_loads_back(shipped, tmp_path):
+    out = tmp_path / "hw.toml"
+    out.write_text('[link.kept]\nname = "from before"\nalpha_us = 1\nbandwidth_gbs = 1\n')
+    links = ("shm",) if shutil.which(mpiexec()) else ()
+    lines = []
+    measured = calibrate.calibrate(shapes=[(32, 32, 32), (64, 16, 8, "float64")], links=links, out=out,
+                                   log=lines.append, repeats=1, max_bytes=1 << 16, probes=TINY)
+    catalogue = hardware.load(path=out)
+    this = catalogue.device("this")
+    assert this.calibrated and [r[:4] for r in this.gemm] == [(32, 32, 32, "float32"), (64, 16, 8, "float64")]
+    assert this.peak_flops["bf16"] == this.peak_flops["fp32"] == pytest.approx(this.gemm[0][4])
+    assert this.op_overhead_s > 0 and this.passes == measured["device"]["this"]["passes"]
+    assert set(this.passes) == {"gpt", "cnn"} and all(p > 0 for p in this.passes.values())
+    assert this.matmul_flops_per_s(32, 32, 32) == measured["device"]["this"]["gemm_gflops"][0][4] * 1e9
+    assert catalogue.link("kept").name == "from before"  # what was not measured again stays
+    if links:
+        assert set(measured["link"]) == {"shm"} and catalogue.link("shm").bandwidth > 0
+    assert any(line.startswith("gemm (32, 32)") for line in lines) and np.isfinite(this.elementwise_bandwidth)
+
+
+def test_traffic_counts_kept_numbers_and_each_convolutions_columns():
+    lenet = shapes.lenet((28, 28, 1), 10)
+    conv1, conv2 = lenet.layers[0], lenet.layers[2]
+    assert conv1.traffic == conv1.kept + 28 * 28 * 5 * 5 * 1
+    assert conv2.traffic == conv2.kept + 14 * 14 * 5 * 5 * 16
+    block = shapes.resnet((32, 32, 3), 10, (16, 32, 64), 1).layers[2]  # 16 -> 32 channels, stride 2, a shortcut
+    assert block.traffic == block.kept + 16 * 16 * (9 * 16 + 9 * 32 + 16)
+    gpt = shapes.gpt(84, 64, 2, 4, 128)
+    assert [layer.traffic for layer in gpt.layers] == [layer.kept for layer in gpt.layers]
+
+
+def test_passes_are_the_time_beyond_the_gemms_over_the_traffic():
+    gemm = ((64, 64, 64, "float32", 1e9),)
+    device = hardware.Device("c", "c", 1e9, 1e9, {"fp32": 1e9}, gemm, 2e9, 1e-6, calibrated=True)
+    model = shapes.convnet((32, 32, 3), 10)
+    flops = sum(layer.forward + layer.backward for layer in model.layers) * 4
+    assert calibrate.gemm_seconds(device, model, 4) == pytest.approx(flops / 1e9)
+    traffic = 4 * 4 * sum(layer.traffic for layer in model.layers)
+    assert calibrate.passes_of(device, model, 4, flops / 1e9 + 3 * traffic / 2e9) == pytest.approx(3)
+
+
+def test_measure_passes_times_tiny_models_per_family(shipped):
+    lines = []
+    passes = calibrate.measure_passes(shipped.device("this"), TINY, repeats=1, log=lines.append)
+    assert set(passes) == {"gpt", "cnn"} and all(np.isfinite(p) and p > 0 for p in passes.values())
+    assert len(lines) == 2 and lines[0].startswith("passes gpt 1L/2H/16C T8 B2: ")
