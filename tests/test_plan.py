@@ -50,7 +50,8 @@ def test_the_gpt_shapes_are_the_model_built_for_real(bias, t):
 @pytest.mark.parametrize("kind", ["lenet", "convnet", "resnet8", "resnet20"])
 def test_the_cnn_shapes_are_the_models_built_for_real(kind):
     build = {"lenet": (lambda: nn.LeNet(1, 28, 10, (6, 16), 84), lambda: shapes.lenet((28, 28, 1), 10, (6, 16), 84)),
-             "convnet": (lambda: nn.ConvNet(3, 32, 10, (8, 16, 32)), lambda: shapes.convnet((32, 32, 3), 10, (8, 16, 32))),
+             "convnet": (lambda: nn.ConvNet(3, 32, 10, (8, 16, 32)),
+                         lambda: shapes.convnet((32, 32, 3), 10, (8, 16, 32))),
              "resnet8": (lambda: nn.ResNet(3, 32, 10), lambda: shapes.resnet((32, 32, 3), 10)),
              "resnet20": (lambda: nn.ResNet(3, 32, 10, (8, 16, 32), 3),
                           lambda: shapes.resnet((32, 32, 3), 10, (8, 16, 32), 3))}[kind]
@@ -157,6 +158,9 @@ def test_ranks_alike_are_grouped():
     data = DataShape("shakespeare", "text", (), 84, 1, 0, 10**6, "assumed")
     plans = rank_plans(Layout.of(from_dict(raw), 8, data))
     assert [p.ranks for p in plans] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    raw["parallel"] = {"tp": 2}  # 84 characters: both slices alike
+    plans = rank_plans(Layout.of(from_dict(raw), 4, data))
+    assert [(p.ranks, p.where) for p in plans] == [([0, 1, 2, 3], "slices 0-1")]
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -41,13 +41,14 @@ def add_parser(commands) -> None:
                     "fits. --validate runs it and prints predicted | measured | error.",
         epilog="examples:\n  mpitrain plan jobs/shakespeare_gpt.toml -n 4 --set parallel.pp=2 --set parallel.tp=2 "
                "--set train.micro_batches=4\n  mpitrain plan --model gpt3-175b --hardware a100-80g --gpus-per-node 8 "
-               "--nodes 128 --network ib-hdr --set parallel.sync=zero3\n  mpitrain plan --calibrate\n"
+               "--nodes 128 --network ib-hdr --set train.global_batch_size=2048 --set parallel.sync=zero3\n"
+               "  mpitrain plan --calibrate\n"
                "  mpiexec -n 2 mpitrain plan jobs/shakespeare_gpt.toml --validate\n"
                "the guide: mpitrain/plan/README.md",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", nargs="?", help="the TOML config to plan (or --model)")
     p.add_argument("--model", metavar="NAME", help="a reference model of mpitrain/plan/models.toml instead of a "
-                                                   "config's (e.g. gpt2, gpt3-175b, llama2-7b)")
+                                                   "config's (gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt3-175b)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value, as for mpitrain train; repeatable")
     p.add_argument("-n", "--ranks", type=_count, help="ranks of the job (default: --nodes x --gpus-per-node, else 1;"

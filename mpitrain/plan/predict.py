@@ -25,7 +25,7 @@ class RankPlan:
     ranks: list  # world ranks with these figures
     where: str  # "stage s, slice r" or "server"
     parameters: int  # numbers of the part this rank holds
-    memory: dict  # bytes: "parameters", "gradients", "optimizer state", "masters", "activations"
+    memory: dict  # bytes: "parameters", "gradients", "optimizer state", "masters", "work", "reader", "activations"
     calls: list  # :class:`~mpitrain.plan.traffic.Call` per step
     flops: dict  # per step: "forward", "backward", "recompute" (executed beyond the model's)
     held: float = 0.0  # micro-batches whose activations the rank holds at its peak
@@ -44,9 +44,14 @@ class RankPlan:
         the activations of the schedule's peak."""
         return self.state + sum(self.memory[k] for k in ("work", "reader", "activations"))
 
+    @property
+    def stage(self) -> str:
+        """"stage s", "server", "replica", or "" (a tensor-parallel slice of the whole model)."""
+        return self.where.split("slice")[0].rstrip(", ")
+
     def key(self) -> tuple:
         """What ranks alike share: the stage (or the server role) and every figure, not the slice."""
-        return (self.where.split(",")[0], self.parameters, tuple(sorted(self.memory.items())),
+        return (self.stage, self.parameters, tuple(sorted(self.memory.items())),
                 tuple(sorted(self.sent.items())), tuple(sorted(self.flops.items())))
 
 
@@ -66,8 +71,9 @@ def shards(lay, s: int, r: int, d: int) -> tuple[int, int, list]:
 
 def _flat_groups(lay, s: int, r: int) -> list[tuple]:
     """The flat arrays a ZeRO stage cuts into ``dp`` chunks, each kind as (its parameters'
-    sizes, their offsets, the chunks' bounds, how many groups are alike): stage 1 one array in the optimizer's order, stage 2
-    each bucket, stage 3 each layer's group (kept: asked again for every data-parallel rank)."""
+    sizes, their offsets, the chunks' bounds, how many groups are alike): stage 1 one array
+    in the optimizer's order, stage 2 each bucket, stage 3 each layer's group (kept: asked
+    again for every data-parallel rank)."""
     key = ("flat groups", s, r)
     if key not in lay.cache:
         params = lay.parameters(s, r)
@@ -209,5 +215,7 @@ def rank_plans(lay) -> list[RankPlan]:
         if first.where != p.where:  # slices alike: "stage 1, slices 0-7"
             slices = [int(w.rsplit(" ", 1)[1]) for w in (first.where, p.where) if "slice " in w] + first.slices
             first.slices = sorted(set(slices))
-            first.where = first.where.split(", slice")[0] + f", slices {first.slices[0]}-{first.slices[-1]}"
+            first.where = ", ".join(w for w in (first.stage, f"slices {first.slices[0]}-{first.slices[-1]}") if w)
+    for p in grouped.values():
+        p.ranks.sort()
     return sorted(grouped.values(), key=lambda p: p.ranks[0])

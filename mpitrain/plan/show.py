@@ -108,7 +108,8 @@ def time_lines(plan) -> list[str]:
     lines.append(f"storage: {plan.bytes_per_sample:,} B/sample x {plan.samples_per_s / max(1, lay.dp):,.4g} "
                  f"samples/s per reading rank = {size(per_rank)}/s per rank, "
                  f"{size(per_rank * lay.dp * plan.machine.per_node / lay.P)}/s per node, "
-                 f"{size(per_rank * lay.dp)}/s in all; {flops / lay.cfg.train.global_batch_size / plan.bytes_per_sample:,.0f} "
+                 f"{size(per_rank * lay.dp)}/s in all; "
+                 f"{flops / lay.cfg.train.global_batch_size / plan.bytes_per_sample:,.0f} "
                  f"FLOP per byte read")
     return lines
 

@@ -1,11 +1,13 @@
 """``mpitrain plan --validate``: run a config for a few steps and hold every prediction
 against what the run measured, per rank: predicted | measured | error.
 
-Counted quantities must agree exactly: the bytes of parameters, gradients and optimizer
-state (:func:`mpitrain.observe.memory.model_state`), the bytes each communicator sent in
-the steps (the counters), the FLOPs of a step (the op counter), and the pipeline's idle
-slots under unit costs (the schedule's own simulation). The heap (``tracemalloc``, at rest
-between steps and a step's peak) and the step time are estimates, held within a tolerance.
+Counted quantities must agree exactly: the bytes of parameters, gradients, optimizer
+state and the optimizer's work array (:func:`mpitrain.observe.memory.model_state`), the
+bytes each communicator sent in the steps (the counters), the FLOPs of a step (the op
+counter), the pipeline's idle slots under unit costs (the schedule's own simulation), and
+the storage need at the I/O table's samples/s. The heap (``tracemalloc``, at rest between
+steps less the reader, and a step's peak above rest) and the step time are estimates,
+held within a tolerance; the reader's memory is shown (it fills its queue as it can).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from mpitrain import cost, schedules
+from mpitrain.config import ConfigError
 
 EXACT = ("parameters", "gradients", "optimizer state", "optimizer's work array", "dp sent", "pp sent", "tp sent",
          "FLOPs", "storage need (B/s) at the run's samples/s")
@@ -136,6 +139,9 @@ def run(args) -> int:
 
     par = config_of(args)[0].parallel
     comm = world(par.thread_level, comm_thread=par.progress == "thread")
+    if args.ranks and args.ranks != comm.size:
+        raise ConfigError(f"-n {args.ranks}: --validate runs on the job's {comm.size} rank(s); launch it with "
+                          f"mpiexec -n {args.ranks}")
     plan, source = build(args, ranks=comm.size)
     cfg = plan.layout.cfg
     counted, _, storage = measure(cfg, comm, 4, trace=True)
