@@ -25,14 +25,9 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _count(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
 def add_parser(commands) -> None:
+    from mpitrain.cli import _positive  # the command line's own check (it imports this module as it builds)
+
     p = commands.add_parser(
         "plan", help="predict what a run needs (memory, bytes, FLOPs, bubble, time) before it starts",
         description="Predict, from shapes alone (no model is built), what CONFIG needs on -n ranks: per rank the "
@@ -51,13 +46,13 @@ def add_parser(commands) -> None:
                                                    "config's (gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt3-175b)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value, as for mpitrain train; repeatable")
-    p.add_argument("-n", "--ranks", type=_count, help="ranks of the job (default: --nodes x --gpus-per-node, else 1;"
+    p.add_argument("-n", "--ranks", type=_positive, help="ranks of the job (default: --nodes x --gpus-per-node, else 1;"
                                                       " under mpiexec with --validate: the job's)")
     p.add_argument("--hardware", default="this", metavar="KEY",
                    help="the device of mpitrain/plan/hardware.toml each rank runs on (default 'this': this "
                         "machine, as calibrated); e.g. v100, a100-40g, a100-80g, h100, h200")
-    p.add_argument("--nodes", type=_count, help="nodes of the job (default 1)")
-    p.add_argument("--gpus-per-node", "--ranks-per-node", dest="per_node", type=_count, metavar="N",
+    p.add_argument("--nodes", type=_positive, help="nodes of the job (default 1)")
+    p.add_argument("--gpus-per-node", "--ranks-per-node", dest="per_node", type=_positive, metavar="N",
                    help="ranks per node (default: all on one node)")
     p.add_argument("--network", metavar="KEY", help="the link between nodes (e.g. ib-hdr, ib-ndr, eth-100g; emu-1g "
                                                     "and emu-10g: the links of mpitrain cluster)")
@@ -81,7 +76,7 @@ def add_parser(commands) -> None:
                    help="run CONFIG for a few steps (under mpiexec: on its ranks) and print predicted | measured | "
                         "error for every quantity")
     p.add_argument("--json", metavar="PATH", help="with --validate: also write the rows to PATH (JSON)")
-    p.add_argument("--steps", type=_count, default=20,
+    p.add_argument("--steps", type=_positive, default=20,
                    help="with --validate: steps of the timed run (default 20, in windows of 5; the first is not timed)")
     p.set_defaults(run=run)
 
@@ -118,22 +113,17 @@ def run(args) -> int:
 def build(args, ranks: int | None = None):
     """(the plan the arguments describe, what it plans: the config's path or the model's name)."""
     from mpitrain import plan as planner
+    from mpitrain.config import ConfigError
     from mpitrain.plan import hardware, models
 
     cfg, data, source = models.config_of(args)
     per_node = args.per_node
     P = ranks or args.ranks or (args.nodes or 1) * (per_node or 1)
     if args.nodes and per_node and args.ranks and args.ranks != args.nodes * per_node:
-        raise _usage_error(f"-n {args.ranks} is not --nodes {args.nodes} x --gpus-per-node {per_node}")
+        raise ConfigError(f"-n {args.ranks} is not --nodes {args.nodes} x --gpus-per-node {per_node}")
     if args.nodes and not per_node:
         per_node = -(-P // args.nodes)
     catalogue = hardware.load(args.catalogue)
     mc = planner.machine(catalogue, args.hardware, P, per_node, args.network or "", args.intra or "",
                          args.utilization, args.memory_per_rank or 0.0)
     return planner.make(cfg, P, mc, data), source
-
-
-def _usage_error(message: str):
-    from mpitrain.config import ConfigError
-
-    return ConfigError(message)

@@ -116,9 +116,6 @@ class Layout:
         """What the planner derives once per part and asks for per rank."""
         return {}
 
-    def count(self, s: int = 0, r: int = 0) -> int:
-        return sum(math.prod(shape) for shape in self.parameters(s, r).values())
-
     @cached_property
     def whole(self) -> int:
         """The whole model's parameters (a tied weight once)."""

@@ -23,7 +23,7 @@ from mpitrain.plan.traffic import Call, by_axis, dp_calls, pp_calls, tp_calls
 @dataclass
 class RankPlan:
     ranks: list  # world ranks with these figures
-    where: str  # "stage s, slice r" or "server"
+    stage: str  # "stage s", "server", "replica", or "" (slices of the whole model)
     parameters: int  # numbers of the part this rank holds
     memory: dict  # bytes: "parameters", "gradients", "optimizer state", "masters", "work", "reader", "activations"
     calls: list  # :class:`~mpitrain.plan.traffic.Call` per step
@@ -32,7 +32,7 @@ class RankPlan:
     bubble: float = 0.0  # idle share of its step (pipelines)
     sent: dict = field(default_factory=dict)  # bytes per step by axis
     dp_calls: int = 0  # how many of ``calls`` are the data-parallel sync's (the first)
-    slices: list = field(default_factory=list)  # tensor-parallel ranks grouped here (more than one)
+    slices: list = field(default_factory=list)  # the tensor-parallel ranks grouped here (none: not sliced)
 
     @property
     def state(self) -> int:
@@ -45,9 +45,11 @@ class RankPlan:
         return self.state + sum(self.memory[k] for k in ("work", "reader", "activations"))
 
     @property
-    def stage(self) -> str:
-        """"stage s", "server", "replica", or "" (a tensor-parallel slice of the whole model)."""
-        return self.where.split("slice")[0].rstrip(", ")
+    def where(self) -> str:
+        """"stage 1, slices 0-7", "slice 0", "replica", "server"."""
+        s = self.slices
+        cut = "" if not s else f"slice {s[0]}" if len(s) == 1 else f"slices {s[0]}-{s[-1]}"
+        return ", ".join(w for w in (self.stage, cut) if w)
 
     def key(self) -> tuple:
         """What ranks alike share: the stage (or the server role) and every figure, not the slice."""
@@ -159,8 +161,8 @@ def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None) -> Rank
     if like is not None:
         memory["activations"] = like.memory["activations"]
         calls = dp_calls(lay, params, layers, d) + like.calls[like.dp_calls:] if ring else like.calls
-        return RankPlan([lay.rank_of(s, d, r)], like.where, like.parameters, memory, calls, like.flops, like.held,
-                        like.bubble, by_axis(calls) if ring else like.sent, like.dp_calls)
+        return RankPlan([lay.rank_of(s, d, r)], like.stage, like.parameters, memory, calls, like.flops, like.held,
+                        like.bubble, by_axis(calls) if ring else like.sent, like.dp_calls, list(like.slices))
     held = cost.micro_batches_held(lay.par.schedule, lay.pp, lay.m, s, lay.v) if lay.pp > 1 else 1
     k = lay.bounds[s]  # the stage's first layer in the whole list
     first = math.prod(lay.models[r].layers[k - 1].out) if k else math.prod(lay.models[r].sample)
@@ -172,10 +174,10 @@ def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None) -> Rank
              "backward": samples * sum(x.backward for x in layers),
              "recompute": samples * sum(x.forward for x in layers if replays(lay, x))}
     bubble = cost.bubble_fraction(lay.par.schedule, lay.pp, lay.m, lay.v) if lay.pp > 1 else 0.0
-    where = ", ".join(w for w in (f"stage {s}" if lay.pp > 1 else "", f"slice {r}" if lay.tp > 1 else "") if w)
+    stage = f"stage {s}" if lay.pp > 1 else "" if lay.tp > 1 else "replica"
     N = sum(math.prod(shape) for shape in params.values())
-    return RankPlan([lay.rank_of(s, d, r)], where or "replica", N, memory, calls, flops, held, bubble,
-                    by_axis(calls), len(dp))
+    return RankPlan([lay.rank_of(s, d, r)], stage, N, memory, calls, flops, held, bubble, by_axis(calls), len(dp),
+                    [r] if lay.tp > 1 else [])
 
 
 def server_plan(lay, k: int) -> RankPlan:
@@ -212,10 +214,7 @@ def rank_plans(lay) -> list[RankPlan]:
             continue
         first = grouped[p.key()]
         first.ranks += p.ranks
-        if first.where != p.where:  # slices alike: "stage 1, slices 0-7"
-            slices = [int(w.rsplit(" ", 1)[1]) for w in (first.where, p.where) if "slice " in w] + first.slices
-            first.slices = sorted(set(slices))
-            first.where = ", ".join(w for w in (first.stage, f"slices {first.slices[0]}-{first.slices[-1]}") if w)
+        first.slices = sorted(set(first.slices + p.slices))  # slices alike: "stage 1, slices 0-7"
     for p in grouped.values():
         p.ranks.sort()
     return sorted(grouped.values(), key=lambda p: p.ranks[0])

@@ -70,7 +70,7 @@ def compute_seconds(lay, plan, machine: Machine) -> float:
     Python overhead are in them), a replayed forward a third more. A published device's
     ``utilization`` stands for everything besides the products."""
     d, b, dtype = machine.device, lay.micro_batch, lay.cfg.train.dtype
-    if plan.where == "server":
+    if plan.stage == "server":
         return 0.0
     family = "gpt" if lay.cfg.model.name == "gpt" else "cnn"
     passes = d.passes.get(family, UNCALIBRATED_PASSES[family]) if d.calibrated else 0.0
@@ -118,7 +118,7 @@ def step_parts(lay, plans, machine: Machine) -> dict:
     """The step's predicted seconds: compute (the slowest rank's), exposed communication,
     the bubble, the I/O wait, and the total; with the communication in total and per
     axis."""
-    workers = [p for p in plans if p.where != "server"]
+    workers = [p for p in plans if p.stage != "server"]
     rows = []
     for p in workers:
         compute = compute_seconds(lay, p, machine)

@@ -97,7 +97,7 @@ def compare(plan, result, storage=()) -> list[tuple]:
         rows.append(("all", "storage need (B/s) at the run's samples/s", plan.bytes_per_sample * rate,
                      per_sample * rate))
     mean = sum((p.flops["forward"] + p.flops["backward"] + p.flops["recompute"]) * len(p.ranks)
-               for p in plan.ranks if p.where != "server") / (lay.P - lay.servers)
+               for p in plan.ranks if p.stage != "server") / (lay.P - lay.servers)
     rows.append(("mean", "FLOPs", mean, result.flops))
     if lay.pp > 1:
         sim = schedules.simulate([schedules.schedule(lay.par.schedule, lay.pp, lay.m, r, lay.v)
