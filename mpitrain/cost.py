@@ -146,14 +146,27 @@ def micro_batches_held(name: str, p: int, m: int, rank: int, v: int = 1) -> floa
 
 
 # --------------------------------------------------------------------- activations
-def gpt_block_activation_bytes(B: int, T: int, C: int, H: int, itemsize: int, checkpointed: bool = False) -> int:
-    """Bytes one of mpitrain's transformer blocks keeps from forward for backward: per
-    sublayer the layer norm's normalised input and output and inverse deviations
-    (``2NC + N``), attention's q, k, v (``3NC``), probabilities (``B H T^2``) and output
-    (``NC``), the MLP's GELU output and derivative (``8NC``): ``(16NC + BHT^2 + 2N) s``
-    with ``N = B T``; checkpointed, its input only, ``N C s``."""
+def gpt_block_activation_bytes(B: int, T: int, C: int, H: int, itemsize: int, checkpointed: bool = False,
+                               t: int = 1, sequence: bool = False) -> int:
+    """Bytes one of mpitrain's transformer blocks keeps from forward for backward, fused or
+    op by op alike: per sublayer the layer norm's normalised input and output and inverse
+    deviations (``2NC + N``), attention's q, k, v (``3NC``), probabilities (``B H T^2``)
+    and output (``NC``), the MLP's GELU output and derivative (``8NC``):
+    ``(16NC + BHT^2 + 2N) s`` with ``N = B T``; checkpointed, its input only, ``N C s``.
+    One of ``t`` tensor-parallel ranks keeps the layer norms' whole and its heads' and
+    hidden units' ``1/t`` of the rest: ``4NC + 2N + (12NC + BHT^2) / t``; with sequence
+    parallelism the norms keep their ``1/t`` of the sequence, and the gathered inputs of
+    the two sublayers' first products, whole (``2NC``), stand for their outputs
+    (:class:`~mpitrain.parallel.tensor_parallel.ColumnParallelLinear`):
+    ``2NC + (2NC + 2N + 12NC + BHT^2) / t``. Checkpointed, the input: ``N C / t`` with
+    sequence parallelism."""
     N = B * T
-    return N * C * itemsize if checkpointed else (16 * N * C + B * H * T * T + 2 * N) * itemsize
+    if checkpointed:
+        return N * C * itemsize // (t if sequence else 1)
+    sliced = (12 * N * C + B * H * T * T) // t
+    if sequence:
+        return (2 * N * C + (2 * N * C + 2 * N) // t + sliced) * itemsize
+    return (4 * N * C + 2 * N + sliced) * itemsize
 
 
 def gpt_ends_activation_bytes(B: int, T: int, C: int, V: int, itemsize: int) -> int:

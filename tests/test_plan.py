@@ -60,6 +60,53 @@ def test_the_cnn_shapes_are_the_models_built_for_real(kind):
     assert [layer.name for layer in shape.layers] == [n for n, _ in model.named_layers()]
 
 
+class _SlicesComm:
+    """A tensor-parallel communicator of ``size`` that moves nothing: a sliced block's arrays
+    have their shapes (their values are not looked at)."""
+
+    def __init__(self, size: int):
+        self.size, self.rank = size, 0
+
+    def allreduce(self, a, *args, **kwargs):
+        return a
+
+    def allgather_array(self, a, counts):
+        pass
+
+    def allgather(self, x):
+        return [x] * self.size
+
+    def reduce_scatter(self, send, recv, counts):
+        recv[...] = send[: recv.size]
+
+
+@pytest.mark.parametrize("fast, t, sequence", [(True, 1, False), (False, 1, False), (True, 2, False),
+                                               (True, 2, True), (True, 4, False)])
+def test_a_blocks_kept_bytes_are_what_the_real_block_keeps(fast, t, sequence):
+    """cost.gpt_block_activation_bytes against tracemalloc: a real block's forward, fused or op
+    by op, whole or one slice of t (with sequence parallelism), holds its formula's bytes."""
+    import numpy as np
+
+    from mpitrain import cost, ops, rng
+    from mpitrain.tensor import Tensor
+
+    B, T, C, H = 4, 64, 128, 4
+    rng.manual_seed(0)
+    model = nn.GPT(nn.GPTConfig(vocab_size=50, block_size=T, n_layer=1, n_head=H, n_embd=C))
+    if t > 1:
+        slice_gpt(model, _SlicesComm(t), sequence)
+    x = Tensor(np.ones((B, T // t if sequence else T, C), np.float32), requires_grad=True)
+    with ops.fast_paths(fast):
+        tracemalloc.start()
+        try:
+            y = model.blocks[0](x)
+            held = tracemalloc.get_traced_memory()[0] - y.data.nbytes  # its output is the next layer's input
+        finally:
+            tracemalloc.stop()
+    formula = cost.gpt_block_activation_bytes(B, T, C, H, 4, t=t, sequence=sequence)
+    assert held == pytest.approx(formula, rel=0.02)  # the rest: the arrays' and nodes' Python objects
+
+
 def test_gpt3_has_the_parameters_its_paper_states():
     """Brown et al. 2020, table 2.1: 175.0 B for 96 layers of width 12,288 (the planner's
     count, the same code the test above holds equal to the built model)."""

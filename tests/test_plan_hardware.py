@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from mpitrain.cluster import mpiexec
-from mpitrain.plan import calibrate, hardware, shapes
+from mpitrain.plan import calibrate, hardware, shapes, timing
 from mpitrain.plan.hardware import HardwareError
+from mpitrain.runtime import available_cores
 
 PUBLISHED = ("v100", "a100-40g", "a100-80g", "h100", "h200")
 TINY = (calibrate.gpt_probe(V=16, T=8, L=1, H=2, C=16, batch=2),  # a step in milliseconds
@@ -136,8 +137,8 @@ def test_published_devices_give_the_peak_of_the_precision(shipped):
 
 
 def test_calibrated_devices_take_the_nearest_measured_shape():
-    gemm = ((64, 64, 64, "float32", 1e9), (1024, 1024, 1024, "float32", 4e9), (768, 128, 384, "float32", 3e9),
-            (1024, 1024, 1024, "float64", 2.5e9))
+    gemm = ((64, 64, 64, "float32", 1e9, 1), (1024, 1024, 1024, "float32", 4e9, 1), (768, 128, 384, "float32", 3e9, 1),
+            (1024, 1024, 1024, "float64", 2.5e9, 1))
     device = hardware.Device("c", "c", 1e9, 1e9, {"fp32": 4e9}, gemm, 1e9, 1e-6, calibrated=True)
     assert device.matmul_flops_per_s(70, 60, 64) == 1e9
     assert device.matmul_flops_per_s(2048, 2048, 2048) == 4e9
@@ -146,6 +147,28 @@ def test_calibrated_devices_take_the_nearest_measured_shape():
     assert device.matmul_flops_per_s(64, 64, 64, "bfloat16") == 1e9  # half precision computes in float32 here
     no64 = hardware.Device("c", "c", 1e9, 1e9, {"fp32": 4e9}, gemm[:3], 1e9, 1e-6, calibrated=True)
     assert no64.matmul_flops_per_s(1000, 1000, 1000, "float64") == 2e9  # float32's, halved
+
+
+def test_calibrated_gemm_rates_are_those_of_the_threads_a_rank_has():
+    gemm = ((1024, 1024, 1024, "float32", 4e9, 1), (1024, 1024, 1024, "float32", 7e9, 2),
+            (64, 64, 64, "float32", 1e9, 1))
+    device = hardware.Device("c", "c", 1e9, 1e9, {"fp32": 4e9}, gemm, 1e9, 1e-6, calibrated=True)
+    assert device.matmul_flops_per_s(1024, 1024, 1024) == 4e9
+    assert device.matmul_flops_per_s(1024, 1024, 1024, threads=2) == 7e9
+    assert device.matmul_flops_per_s(1024, 1024, 1024, threads=8) == 7e9  # the most measured up to 8
+    assert device.matmul_flops_per_s(64, 64, 64, threads=2) == 7e9  # the shapes of 2 threads' rows only
+    machine = timing.Machine(device, None, None, per_node=2, cores=4)
+    assert machine.threads() == 2 and machine.threads(3) == 3  # cores over ranks, unless train.threads says
+    assert timing.Machine(device, None, None, per_node=8, cores=4).threads() == 1
+
+
+def test_gemm_rows_may_name_their_threads(tmp_path):
+    calibrated = DEVICE.replace("memory_gb = 1", "memory_gb = 1\nop_overhead_us = 1\nelementwise_bandwidth_gbs = 1\n"
+                                "gemm_gflops = [[64, 64, 64, 'float32', 50.0], [64, 64, 64, 'float32', 90.0, THREADS]]")
+    gemm = hardware.load(path=write(tmp_path, calibrated.replace("THREADS", "2"))).device("d").gemm
+    assert [row[5] for row in gemm] == [1, 2]
+    with pytest.raises(HardwareError, match=r"gemm_gflops\[1\]: expected"):
+        hardware.load(path=write(tmp_path, calibrated.replace("THREADS", "0")))
 
 
 def test_link_seconds_is_alpha_plus_bytes_over_bandwidth():
@@ -184,7 +207,9 @@ def test_calibrate_writes_a_file_that_loads_back(shipped, tmp_path):
                                    log=lines.append, repeats=1, max_bytes=1 << 16, probes=TINY)
     catalogue = hardware.load(path=out)
     this = catalogue.device("this")
-    assert this.calibrated and [r[:4] for r in this.gemm] == [(32, 32, 32, "float32"), (64, 16, 8, "float64")]
+    ones = [r[:4] for r in this.gemm if r[5] == 1]
+    assert this.calibrated and ones == [(32, 32, 32, "float32"), (64, 16, 8, "float64")]
+    assert {r[5] for r in this.gemm} == {1, available_cores()}  # one thread, and all of them
     assert this.peak_flops["bf16"] == this.peak_flops["fp32"] == pytest.approx(this.gemm[0][4])
     assert this.op_overhead_s > 0 and this.passes == measured["device"]["this"]["passes"]
     assert set(this.passes) == {"gpt", "cnn"} and all(p > 0 for p in this.passes.values())
@@ -207,7 +232,7 @@ def test_traffic_counts_kept_numbers_and_each_convolutions_columns():
 
 
 def test_passes_are_the_time_beyond_the_gemms_over_the_traffic():
-    gemm = ((64, 64, 64, "float32", 1e9),)
+    gemm = ((64, 64, 64, "float32", 1e9, 1),)
     device = hardware.Device("c", "c", 1e9, 1e9, {"fp32": 1e9}, gemm, 2e9, 1e-6, calibrated=True)
     model = shapes.convnet((32, 32, 3), 10)
     flops = sum(layer.forward + layer.backward for layer in model.layers) * 4
@@ -216,8 +241,20 @@ def test_passes_are_the_time_beyond_the_gemms_over_the_traffic():
     assert calibrate.passes_of(device, model, 4, flops / 1e9 + 3 * traffic / 2e9) == pytest.approx(3)
 
 
-def test_measure_passes_times_tiny_models_per_family(shipped):
+def test_steps_at_two_batches_split_into_passes_and_a_time_per_layer():
+    device = hardware.Device("c", "c", 1e9, 1e9, {"fp32": 1e9}, ((64, 64, 64, "float32", 1e9, 1),), 2e9, 1e-6,
+                             calibrated=True)
+    timed = []
+    for model in (shapes.convnet((32, 32, 3), 10), shapes.lenet((28, 28, 1), 10)):
+        for b in (8, 4):  # 3 passes, and 50 us a layer
+            seconds = calibrate.gemm_seconds(device, model, b) + 3 * 4 * b * sum(x.traffic for x in model.layers) / 2e9
+            timed.append((model, b, seconds + 50e-6 * len(model.layers)))
+    assert calibrate.split_steps(device, timed) == pytest.approx((3, 50e-6))
+
+
+def test_measure_steps_times_tiny_models_per_family(shipped):
     lines = []
-    passes = calibrate.measure_passes(shipped.device("this"), TINY, repeats=1, log=lines.append)
+    passes, overhead = calibrate.measure_steps(shipped.device("this"), TINY, repeats=1, log=lines.append)
     assert set(passes) == {"gpt", "cnn"} and all(np.isfinite(p) and p > 0 for p in passes.values())
-    assert len(lines) == 2 and lines[0].startswith("passes gpt 1L/2H/16C T8 B2: ")
+    assert set(overhead) <= {"gpt", "cnn"} and all(us > 0 for us in overhead.values())
+    assert len(lines) == 2 * len(TINY) and lines[0].startswith("steps gpt 1L/2H/16C T8 B2 at batch 2: ")

@@ -21,6 +21,7 @@ from mpitrain.plan.data import resolve
 from mpitrain.plan.layout import Layout
 from mpitrain.plan.predict import rank_plans
 from mpitrain.plan.timing import Machine, step_parts
+from mpitrain.runtime import available_cores
 
 # a device's links inside a node, by default
 INTRA = {"v100": "nvlink2", "a100-40g": "nvlink3", "a100-80g": "nvlink3", "h100": "nvlink4", "h200": "nvlink4"}
@@ -66,7 +67,7 @@ def machine(catalogue, hardware: str = "this", ranks: int = 1, per_node: int | N
     outer = catalogue.link(network) if network else inner
     if not memory:
         memory = (host_memory() or device.memory_bytes) / per_node if device.calibrated else device.memory_bytes
-    cores = (os.cpu_count() or 0) if device.calibrated else 0  # this machine's: ranks beyond its cores share them
+    cores = available_cores() if device.calibrated else 0  # this machine's: ranks beyond its cores share them
     return Machine(device, inner, outer, per_node, 1.0 if device.calibrated else utilization, memory, cores=cores)
 
 

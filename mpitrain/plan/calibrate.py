@@ -1,10 +1,11 @@
-"""Calibration: measuring this machine as mpitrain runs on it, one BLAS thread per rank, and
-writing what it measured as a hardware file (:mod:`mpitrain.plan.hardware` reads it).
+"""Calibration: measuring this machine as mpitrain runs on it, and writing what it measured
+as a hardware file (:mod:`mpitrain.plan.hardware` reads it).
 
 * the device (:func:`measure_device`): GEMMs at the shapes mpitrain's models multiply,
   streaming bandwidth, the cost of a tiny op;
-* mpitrain's own elementwise work (:func:`measure_passes`): training steps of small models
-  built for real, less their GEMMs' predicted time, in passes over their traffic;
+* mpitrain's own work beyond the products (:func:`measure_steps`): training steps of small
+  models built for real at two batches, less their GEMMs' predicted time, split into passes
+  over their traffic and a fixed time per layer;
 * links (:func:`measure_link`, :func:`fit_link`): a ping-pong of 2 ranks, on shared memory
   or across an emulated link, fitted to Hockney's ``alpha + n / bandwidth``.
 
@@ -29,6 +30,7 @@ import numpy as np
 
 from mpitrain.plan import shapes as model_shapes
 from mpitrain.plan.hardware import GEMM_DTYPES, HardwareError, parse_device, read_toml, user_path
+from mpitrain.runtime import available_cores
 
 # the GEMMs that matter here, (m, k, n) of (m,k)@(k,n), float32 unless a dtype is named
 GPT_SHAPES = [  # jobs/tinyshakespeare_gpt.toml: 12 x 64 = 768 tokens, width 128, 4 heads of 32, 65 characters
@@ -62,38 +64,42 @@ def _sig(x: float) -> float:  # four significant digits: a measurement's noise i
 
 # ------------------------------------------------------------------ the device
 def measure_device(shapes=None, repeats: int = 5, log=print) -> dict:
-    """The ``[device.this]`` table, at one BLAS thread: GFLOP/s of ``np.matmul`` (m,k)@(k,n)
-    into a reused output (2 m k n FLOPs) at ``shapes`` ((m, k, n) or (m, k, n, dtype);
-    default :data:`DEFAULT_SHAPES`); streaming over float32 arrays of 32 MiB, beyond the
-    caches and preallocated (no page faults): a copy reads and writes one, ``np.add`` reads
-    two and writes one; and a tiny op, ``np.add`` of 16 elements in a Python call, what each
-    small node of an autograd graph pays besides its arithmetic."""
+    """The ``[device.this]`` table: GFLOP/s of ``np.matmul`` (m,k)@(k,n) into a reused
+    output (2 m k n FLOPs) at ``shapes`` ((m, k, n) or (m, k, n, dtype); default
+    :data:`DEFAULT_SHAPES`), at one BLAS thread and at one per core (a rank alone on the
+    machine gets them all: :func:`mpitrain.runtime.blas_threads`); streaming over float32
+    arrays of 32 MiB, beyond the caches and preallocated (no page faults): a copy reads and
+    writes one, ``np.add`` reads two and writes one; and a tiny op, ``np.add`` of 16
+    elements in a Python call."""
     from threadpoolctl import threadpool_info, threadpool_limits
 
     rows, gen = [], np.random.default_rng(0)
+    for threads in sorted({1, available_cores()}):
+        with threadpool_limits(limits=threads, user_api="blas"):
+            for shape in DEFAULT_SHAPES if shapes is None else shapes:
+                m, k, n, dtype = (*shape, "float32")[:4]
+                if dtype not in GEMM_DTYPES:
+                    raise HardwareError(f"GEMM shape {shape}: dtype must be one of {', '.join(GEMM_DTYPES)}")
+                a, b = gen.standard_normal((m, k)).astype(dtype), gen.standard_normal((k, n)).astype(dtype)
+                c = np.empty((m, n), dtype)
+                seconds = _median_seconds(lambda: np.matmul(a, b, out=c), repeats)  # runs here, on this a, b, c
+                rows.append([int(m), int(k), int(n), dtype, _sig(2 * m * k * n / seconds / 1e9), threads])
+                log(f"gemm ({m}, {k}) @ ({k}, {n}) {dtype}, {threads} thread(s): {rows[-1][4]:g} GFLOP/s")
     with threadpool_limits(limits=1, user_api="blas"):
-        for shape in DEFAULT_SHAPES if shapes is None else shapes:
-            m, k, n, dtype = (*shape, "float32")[:4]
-            if dtype not in GEMM_DTYPES:
-                raise HardwareError(f"GEMM shape {shape}: dtype must be one of {', '.join(GEMM_DTYPES)}")
-            a, b = gen.standard_normal((m, k)).astype(dtype), gen.standard_normal((k, n)).astype(dtype)
-            c = np.empty((m, n), dtype)
-            seconds = _median_seconds(lambda: np.matmul(a, b, out=c), repeats)  # runs here, on this a, b, c
-            rows.append([int(m), int(k), int(n), dtype, _sig(2 * m * k * n / seconds / 1e9)])
-            log(f"gemm ({m}, {k}) @ ({k}, {n}) {dtype}: {rows[-1][4]:g} GFLOP/s")
         (a, b, c), x = (np.ones(1 << 23, np.float32) for _ in range(3)), np.zeros(16, np.float32)
         copy = 2 * a.nbytes / _median_seconds(lambda: np.copyto(c, a), repeats)
         add = 3 * a.nbytes / _median_seconds(lambda: np.add(a, b, out=c), repeats)
         tiny = _median_seconds(lambda: np.add(x, x, out=x), repeats)  # a lambda: a Python call, as an op's
     log(f"streaming: copy {copy / 1e9:.3g} GB/s, add {add / 1e9:.3g} GB/s; a tiny op {tiny * 1e6:.3g} us")
-    best = {d: _sig(max([r[4] / 1e3 for r in rows if r[3] == d], default=0.0)) for d in GEMM_DTYPES}  # TFLOP/s
+    best = {d: _sig(max([r[4] / 1e3 for r in rows if r[3] == d and r[5] == 1], default=0.0))  # TFLOP/s, a core's
+            for d in GEMM_DTYPES}
     if not best["float32"]:
         raise HardwareError("calibration needs a float32 GEMM shape at least")
     fp32, cpu = best["float32"], Path("/proc/cpuinfo")
     model = next((line.split(":")[1].strip() for line in (cpu.read_text().splitlines() if cpu.exists() else ())
                   if line.startswith("model name")), "a CPU")
     blas = next((f"{i['internal_api']} {i['version']}" for i in threadpool_info() if i["user_api"] == "blas"), "BLAS")
-    name = f"{model}, {os.cpu_count()} cores; NumPy {np.__version__}, {blas}, 1 BLAS thread per rank"
+    name = f"{model}, {os.cpu_count()} cores; NumPy {np.__version__}, {blas}"
     return {"name": name, "memory_gb": _sig(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9),
             "memory_bandwidth_gbs": _sig(copy / 1e9), "elementwise_bandwidth_gbs": _sig(add / 1e9),
             "op_overhead_us": _sig(tiny * 1e6),  # TFLOP/s; half-precision products run in float32 (precision.py):
@@ -122,9 +128,23 @@ def passes_of(dev, model, batch: int, seconds: float) -> float:
     return (seconds - gemm_seconds(dev, model, batch)) / (nbytes / dev.elementwise_bandwidth)
 
 
+def split_steps(dev, timed: list) -> tuple[float, float]:
+    """(passes, seconds per layer and micro-batch) that fit steps timed at several batches,
+    ``timed`` [(model, batch, seconds), ...], in least squares: the time beyond the products
+    (:func:`gemm_seconds`) is a part that grows with the batch, passes over the traffic of
+    float32 numbers at ``dev``'s elementwise bandwidth (:func:`passes_of`), and a part that
+    does not (Python, each op's call, the update's calls per tensor) per layer."""
+    a = [[4 * b * sum(x.traffic for x in model.layers) / dev.elementwise_bandwidth, len(model.layers)]
+         for model, b, _ in timed]
+    rest = [t - gemm_seconds(dev, model, b) for model, b, t in timed]
+    (passes, overhead), *_ = np.linalg.lstsq(np.array(a), np.array(rest), rcond=None)
+    return float(passes), float(overhead)
+
+
 @dataclass(frozen=True)
 class Probe:
-    """A model to time: ``make()`` builds it for real and returns (step, its ModelShape, batch)."""
+    """A model to time: ``make()`` builds it for real and returns (step, its ModelShape, batch),
+    ``step(b)`` a training step on the first ``b`` samples of the batch."""
 
     name: str
     family: str
@@ -140,8 +160,8 @@ def gpt_probe(V=84, T=64, L=4, H=4, C=128, batch=12) -> Probe:
         opt = optim.AdamW(model.parameters(), 1e-3)
         x, y = np.random.default_rng(0).integers(0, V, (2, batch, T))
 
-        def step():
-            model(x, y)[1].backward()
+        def step(b: int):
+            model(x[:b], y[:b])[1].backward()
             opt.step()
             opt.zero_grad()
         return step, model_shapes.gpt(V, T, L, H, C), batch
@@ -160,8 +180,8 @@ def cnn_probe(name: str, sample=(32, 32, 3), batch=64, **config) -> Probe:
         gen = np.random.default_rng(0)
         x, y = gen.standard_normal((batch, *sample)).astype(np.float32), gen.integers(0, 10, batch)
 
-        def step():
-            ops.cross_entropy(model(x), y).backward()
+        def step(b: int):
+            ops.cross_entropy(model(x[:b]), y[:b]).backward()
             opt.step()
             opt.zero_grad()
         return step, getattr(model_shapes, name)(tuple(sample), 10, **config), batch
@@ -172,38 +192,45 @@ def cnn_probe(name: str, sample=(32, 32, 3), batch=64, **config) -> Probe:
 PROBES = (gpt_probe(), cnn_probe("lenet", (28, 28, 1)), cnn_probe("resnet", blocks=1))  # resnet8
 
 
-def measure_passes(dev, probes=PROBES, repeats: int = 5, log=print) -> dict:
-    """{family: passes}, each the median over ``probes`` of that family of :func:`passes_of`
-    a step's median seconds (``repeats`` steps after three to warm up), on one BLAS thread
-    with the allocator and huge pages as the trainer sets them; ``dev`` a calibrated
+def measure_steps(dev, probes=PROBES, repeats: int = 5, log=print) -> tuple[dict, dict]:
+    """({family: passes}, {family: microseconds per layer}) of :func:`split_steps` over the
+    family's ``probes``, each timed at its batch and at half of it: a step's median seconds
+    (``repeats`` steps after three to warm up), on one BLAS thread with the allocator and
+    huge pages as the trainer sets them; ``dev`` a calibrated
     :class:`~mpitrain.plan.hardware.Device`, whose GEMM rates the products are timed at."""
     from mpitrain import rng
     from mpitrain.runtime import huge_page_heap, limit_blas_threads, tune_allocator
 
-    found = {}
+    timed: dict = {}
     tune_allocator()
     with limit_blas_threads(1):
         for probe in probes:
             rng.manual_seed(0)
             step, model, batch = probe.make()
-            for _ in range(3):
-                step()
-            huge_page_heap()
-            times = []
-            for _ in range(repeats):
-                tick = time.perf_counter()
-                step()
-                times.append(time.perf_counter() - tick)
-            seconds = float(np.median(times))
-            found.setdefault(probe.family, []).append(passes_of(dev, model, batch, seconds))
-            log(f"passes {probe.name}: {seconds * 1e3:.4g} ms a step, its GEMMs "
-                f"{gemm_seconds(dev, model, batch) * 1e3:.4g} ms: {found[probe.family][-1]:.3g} passes")
-    passes = {family: _sig(float(np.median(v))) for family, v in found.items()}
-    for family, value in passes.items():
-        if not value > 0:
+            for b in (batch, max(1, batch // 2)):
+                for _ in range(3):
+                    step(b)
+                huge_page_heap()
+                times = []
+                for _ in range(repeats):
+                    tick = time.perf_counter()
+                    step(b)
+                    times.append(time.perf_counter() - tick)
+                timed.setdefault(probe.family, []).append((model, b, float(np.median(times))))
+                log(f"steps {probe.name} at batch {b}: {timed[probe.family][-1][2] * 1e3:.4g} ms, "
+                    f"its GEMMs {gemm_seconds(dev, model, b) * 1e3:.4g} ms")
+    passes, overhead = {}, {}
+    for family, rows in timed.items():
+        p, o = split_steps(dev, rows)
+        if not (p > 0 and o > 0):  # the noise of small steps hides one part: all of it passes
+            p, o = float(np.median([passes_of(dev, model, b, t) for model, b, t in rows])), 0.0
+        if not p > 0:
             raise HardwareError(f"{family} steps took less than their GEMMs' predicted time: the machine was "
                                 "too busy to measure; calibrate again")
-    return passes
+        passes[family] = _sig(p)
+        if o > 0:
+            overhead[family] = _sig(o * 1e6)
+    return passes, overhead
 
 
 # ------------------------------------------------------------------ links
@@ -295,15 +322,17 @@ def _links(links, rates_gbit, max_bytes: int, repeats: int, log) -> dict:
 # ------------------------------------------------------------------ all of it, written
 def calibrate(shapes=None, links=("shm",), rates_gbit=(), out=None, log=print, *, repeats: int = 5,
               max_bytes: int = 16 << 20, probes=PROBES) -> dict:
-    """Measure this machine (:func:`measure_device`, then :func:`measure_passes` of
+    """Measure this machine (:func:`measure_device`, then :func:`measure_steps` of
     ``probes`` at its GEMM rates) and its links: ``"shm"`` in ``links``, ``emu-<R>g`` for
     each rate R in ``rates_gbit`` (skipped, saying why, where no emulated cluster can be
     made); write them as ``[device.this]`` and ``[link.*]`` into ``out`` (default
     :func:`~mpitrain.plan.hardware.user_path`) atomically, keeping the entries of an
     existing file that were not measured again. Returns the tables measured."""
     this = measure_device(shapes, repeats, log)
-    this["passes"] = measure_passes(parse_device("this", this, "the device measured"), probes, repeats, log)
-    log(f"passes: {', '.join(f'{k} {v:g}' for k, v in this['passes'].items())}")
+    this["passes"], this["layer_overhead_us"] = measure_steps(parse_device("this", this, "the device measured"),
+                                                              probes, repeats, log)
+    log(f"passes: {', '.join(f'{k} {v:g}' for k, v in this['passes'].items())}; microseconds a layer: "
+        f"{', '.join(f'{k} {v:g}' for k, v in this['layer_overhead_us'].items())}")
     measured = {"device": {"this": this}, "link": _links(links, rates_gbit, max_bytes, repeats, log)}
     out = Path(out) if out is not None else user_path()
     merged = read_toml(out) if out.exists() else {}

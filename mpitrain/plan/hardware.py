@@ -31,8 +31,8 @@ PRECISION_OF = {"float64": "fp64", "float32": "fp32", "bfloat16": "bf16", "float
                 **{p: p for p in PRECISIONS}}
 GEMM_DTYPES = ("float32", "float64")  # what calibration measures: half-precision products run in float32 here
 CALIBRATED = ("gemm_gflops", "elementwise_bandwidth_gbs", "op_overhead_us")  # one of them: all of them
-FAMILIES = ("gpt", "cnn")  # the model families whose elementwise passes a device may have measured
-DEVICE_FIELDS = ("name", "memory_gb", "memory_bandwidth_gbs", "peak_flops", *CALIBRATED, "passes")
+FAMILIES = ("gpt", "cnn")  # the model families whose steps a device may have measured (passes, layer overhead)
+DEVICE_FIELDS = ("name", "memory_gb", "memory_bandwidth_gbs", "peak_flops", *CALIBRATED, "passes", "layer_overhead_us")
 LINK_FIELDS = ("name", "alpha_us", "bandwidth_gbs")
 
 class HardwareError(ValueError):
@@ -46,7 +46,7 @@ class Device:
     memory_bytes: float  # memory_gb * 1e9
     memory_bandwidth: float  # bytes/s
     peak_flops: dict  # precision -> FLOP/s
-    gemm: tuple = ()  # calibrated: ((m, k, n, dtype, FLOP/s), ...) at one BLAS thread
+    gemm: tuple = ()  # calibrated: ((m, k, n, dtype, FLOP/s, BLAS threads), ...)
     elementwise_bandwidth: float = 0.0  # bytes/s of a streaming op, read + write; published: memory_bandwidth
     op_overhead_s: float = 0.0  # a tiny op and its Python call
     calibrated: bool = False
@@ -54,11 +54,15 @@ class Device:
     # activations, im2col, the optimizer, Python) beyond its GEMMs, in passes over the layers'
     # traffic at elementwise_bandwidth (mpitrain.plan.calibrate.measure_passes); optional
     passes: dict = field(default_factory=dict)
+    # family -> seconds of a step per layer and micro-batch that do not grow with the batch
+    # (Python, each op's call, the update's per-tensor calls; calibrate.measure_steps); optional
+    layer_overhead: dict = field(default_factory=dict)
 
-    def matmul_flops_per_s(self, m: int, k: int, n: int, dtype: str = "float32") -> float:
+    def matmul_flops_per_s(self, m: int, k: int, n: int, dtype: str = "float32", threads: int = 1) -> float:
         """FLOP/s of an (m,k)@(k,n) product: a calibrated device's measured shape nearest in
         log space of (m, k, n), same dtype (half precision computes in float32 here; float64
-        unmeasured is float32 halved); a published device's peak of that precision."""
+        unmeasured is float32 halved), at the most BLAS threads measured up to ``threads``;
+        a published device's peak of that precision."""
         precision = PRECISION_OF.get(dtype)
         if precision is None:
             raise HardwareError(f"device {self.key}: dtype {dtype!r}: expected one of {', '.join(PRECISION_OF)}")
@@ -69,6 +73,8 @@ class Device:
             return self.peak_flops[precision]
         want = "float64" if precision == "fp64" else "float32"
         rows = [r for r in self.gemm if r[3] == want] or [r for r in self.gemm if r[3] == "float32"]
+        most = max((r[5] for r in rows if r[5] <= threads), default=min(r[5] for r in rows))
+        rows = [r for r in rows if r[5] == most]
         here = np.log([m, k, n])
         best = min(rows, key=lambda r: float(np.sum((np.log(r[:3]) - here) ** 2)))
         return best[4] / 2 if best[3] != want else best[4]
@@ -184,26 +190,29 @@ def parse_device(key: str, table: dict, path) -> Device:
                   _gemm(table.get("gemm_gflops"), path, f"{where}.gemm_gflops") if calibrated else (),
                   _number(table, "elementwise_bandwidth_gbs", path, where, calibrated) * 1e9 or bandwidth,
                   _number(table, "op_overhead_us", path, where, calibrated) * 1e-6, calibrated,
-                  _passes(table.get("passes", {}), path, f"{where}.passes"))
+                  _families(table.get("passes", {}), path, f"{where}.passes"),
+                  {k: v * 1e-6 for k, v in _families(table.get("layer_overhead_us", {}), path,
+                                                     f"{where}.layer_overhead_us").items()})
 
 
 def _gemm(rows, path: Path, where: str) -> tuple:
-    """[[m, k, n, dtype, GFLOP/s], ...] -> ((m, k, n, dtype, FLOP/s), ...), a float32 row among them."""
+    """[[m, k, n, dtype, GFLOP/s(, BLAS threads)], ...] -> ((m, k, n, dtype, FLOP/s, threads), ...),
+    a float32 row among them; a row without threads was measured at one."""
     if not isinstance(rows, list) or not any(isinstance(r, list) and r[3:4] == ["float32"] for r in rows):
         raise HardwareError(f"{path}: {where}: {'missing' if rows is None else 'expected rows, one float32 at least'}")
     for i, row in enumerate(rows):
-        if not (isinstance(row, list) and len(row) == 5 and row[3] in GEMM_DTYPES and all(
-                isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in row[:3])):
-            raise HardwareError(f"{path}: {where}[{i}]: expected [m, k, n, dtype, GFLOP/s], m k n positive integers, "
-                                f"dtype one of {', '.join(GEMM_DTYPES)}; got {row!r}")
-    return tuple((*r[:4], _number({"GFLOP/s": r[4]}, "GFLOP/s", path, f"{where}[{i}]") * 1e9)
+        if not (isinstance(row, list) and len(row) in (5, 6) and row[3] in GEMM_DTYPES and all(
+                isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in row[:3] + row[5:])):
+            raise HardwareError(f"{path}: {where}[{i}]: expected [m, k, n, dtype, GFLOP/s] or [..., BLAS threads], "
+                                f"m k n threads positive integers, dtype one of {', '.join(GEMM_DTYPES)}; got {row!r}")
+    return tuple((*r[:4], _number({"GFLOP/s": r[4]}, "GFLOP/s", path, f"{where}[{i}]") * 1e9, (r[5:] or [1])[0])
                  for i, r in enumerate(rows))
 
 
-def _passes(table, path: Path, where: str) -> dict:
-    """{family: passes}: each a known family's positive number."""
+def _families(table, path: Path, where: str) -> dict:
+    """{family: number}: each a known family's positive number."""
     if not isinstance(table, dict):
-        raise HardwareError(f"{path}: {where}: expected a table [{where}] of family = passes")
+        raise HardwareError(f"{path}: {where}: expected a table [{where}] of family = number")
     for family in table:
         if family not in FAMILIES:
             raise HardwareError(f"{path}: {where}.{family}: unknown family (known: {', '.join(FAMILIES)})")

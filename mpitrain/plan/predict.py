@@ -14,8 +14,9 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from mpitrain import cost
+from mpitrain import cost, schedules
 from mpitrain.comm.ring import chunk_bounds
+from mpitrain.ops._util import BLOCK_ELEMENTS
 from mpitrain.plan.layout import buckets, optimizer_order, zero3_groups
 from mpitrain.plan.traffic import Call, by_axis, dp_calls, pp_calls, tp_calls
 
@@ -134,21 +135,71 @@ def replays(lay, layer) -> bool:
     return layer.recompute or (lay.par.sync == "zero3" and bool(layer.params))
 
 
-def activations(lay, layers: list, held: float, first_input: int) -> int:
-    """Bytes of activations a stage keeps at its peak: ``held`` micro-batches' worth of its
-    layers' kept numbers; a layer that runs again in backward keeps its input only
-    (``first_input``: the numbers of the stage's input per sample), and while one of them
-    runs backward its whole set exists again."""
-    b, a = lay.micro_batch, lay.dtype_bytes
-    kept, again, inp = 0, 0, first_input
-    for layer in layers:
-        if replays(lay, layer):
-            kept += inp
-            again = max(again, layer.full or layer.kept)
-        else:
-            kept += layer.kept
+def activations(lay, layers: list, held: float, first_input: int, split: bool = False, received: int = 0) -> int:
+    """Bytes of activations a stage holds at its peak: ``held`` micro-batches' worth of what
+    its layers keep for backward and of the inputs it ``received`` (numbers per sample; the
+    pipeline keeps each until its backward), the last of them at the moment of its forward,
+    or of its backward, that holds most (:func:`_moments`)."""
+    kept, most = _moments(lay, layers, first_input, split)
+    inputs = received * lay.micro_batch * lay.dtype_bytes
+    return int((held - 1) * (kept + inputs) + most + inputs)
+
+
+def _moments(lay, layers: list, first_input: int, split: bool) -> tuple[int, int]:
+    """(bytes one micro-batch keeps, the most it holds at one moment). A layer keeps its
+    kept numbers, and in mixed precision the float32 copies of the weights its products
+    read (:func:`mpitrain.dtypes.upcast`); one that runs again in backward keeps its input
+    only (``first_input``: the stage's input's numbers per sample). While a layer runs
+    forward it also holds its scratch (:func:`scratch_numbers`; ``split``: a zero-bubble
+    schedule's plain path), under ZeRO-3 its and the next layer's gathered weights, and
+    under ZeRO-2 from the second micro-batch on the previous one's buckets in flight (the
+    packed gradients and the received shard). While it runs backward, what the layers
+    before it keep, its whole set, the gradients of its output and input, and its largest
+    part's weight gradients; a layer that ran again keeps its input beside its set, and
+    its weight gradients come from its private graph, a second copy until the engine has
+    added them; under ZeRO-3 also its and the previous layer's gathered weights and the
+    whole gradients of the layers after it with their shards (their reduce-scatters in
+    flight). Fused backward passes write their gradients over the arrays they read last,
+    which is why a layer's backward adds no more than this."""
+    b, a, s = lay.micro_batch, lay.dtype_bytes, lay.itemsize
+    fast = lay.cfg.train.fast_paths and not split
+    zero3 = lay.par.sync == "zero3"
+    N = sum(x.size for x in layers)
+    buckets = (N + -(-N // lay.dp)) * s if lay.par.sync == "zero2" and lay.m > 1 else 0
+    kept, inp, most, before = 0, first_input, 0, []
+    for i, layer in enumerate(layers):
+        mine = (inp if replays(lay, layer) else layer.kept) * b * a
+        mine += 4 * layer.size if lay.mixed and layer.forward else 0
+        gathered = sum(x.size for x in layers[i : i + 2]) * s if zero3 else 0
+        most = max(most, kept + mine + scratch_numbers(lay, layer, fast) * a + gathered + buckets)
+        before.append(kept)
+        kept += mine
         inp = math.prod(layer.out)
-    return int((held * kept + again) * b * a)
+    before.append(kept)
+    for i, layer in enumerate(layers):
+        again = replays(lay, layer)  # its graph is private: its weight gradients are returned, then added
+        whole = (layer.full or layer.kept) * b * a + (before[i + 1] - before[i] if again else 0)
+        grads = 2 * b * math.prod(layer.out) * a + (1 + again) * (layer.part or layer.size) * s
+        if zero3:
+            grads += sum(x.size for x in layers[max(0, i - 1) : i + 1]) * s
+            grads += sum(x.size + -(-x.size // lay.dp) for x in layers[i + 1 :]) * s
+        most = max(most, before[i] + whole + grads)
+    return kept, max(most, kept)
+
+
+def scratch_numbers(lay, layer, fast: bool) -> int:
+    """Numbers a layer's forward holds for a moment beyond what it keeps, for one
+    micro-batch: its ``scratch`` (a block's input and its first half's output, the
+    head's logits), and a GELU's work: on the fast paths two arrays of one block of
+    elements (:func:`mpitrain.ops.elementwise.gelu_blocks`), else two of the whole
+    (``gelu_plain``); op by op (tensor slicing, a zero-bubble schedule) its input too,
+    which the fused block's GELU overwrites."""
+    b = lay.micro_batch
+    if not layer.gelu:
+        return layer.scratch * b
+    work = 2 * min(layer.gelu * b, BLOCK_ELEMENTS) if fast else 2 * layer.gelu * b
+    fused = fast and lay.tp == 1
+    return layer.scratch * b + work + (0 if fused else layer.gelu * b)
 
 
 def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None) -> RankPlan:
@@ -166,7 +217,12 @@ def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None) -> Rank
     held = cost.micro_batches_held(lay.par.schedule, lay.pp, lay.m, s, lay.v) if lay.pp > 1 else 1
     k = lay.bounds[s]  # the stage's first layer in the whole list
     first = math.prod(lay.models[r].layers[k - 1].out) if k else math.prod(lay.models[r].sample)
-    memory["activations"] = activations(lay, layers, held, first)
+    split = lay.pp > 1 and any(isinstance(x, schedules.BackwardInput)
+                               for x in schedules.schedule(lay.par.schedule, lay.pp, lay.m, s, lay.v))
+    model, p = lay.models[r].layers, lay.pp
+    received = sum(math.prod(model[lay.bounds[c * p + s] - 1].out) for c in range(lay.v)  # inputs sent to it
+                   if c * p + s and not replays(lay, model[lay.bounds[c * p + s]]))  # (a replayed layer keeps it)
+    memory["activations"] = activations(lay, layers, held, first, split, received)
     dp = dp_calls(lay, params, layers, d)
     calls = dp + pp_calls(lay, s, r) + tp_calls(lay, s, r)
     samples = lay.micro_batch * lay.m

@@ -34,6 +34,9 @@ class Layer:
     whole: int = 0  # parameters of the whole layer (all tensor-parallel slices): what a pipeline cut balances
     gemm: tuple = ()  # its typical product (rows per sample, inner, columns): the shape whose speed times it
     full: int = 0  # numbers kept per sample without checkpointing (0: ``kept``): what its elementwise work walks
+    scratch: int = 0  # numbers per sample its forward holds for a moment beyond ``kept`` (a block's input and half)
+    gelu: int = 0  # numbers per sample of its GELU, whose work arrays the forward holds too (plan.predict.scratch)
+    part: int = 0  # parameters of its largest part (a block's MLP), whose gradients backward makes at once; 0: all
 
     @property
     def size(self) -> int:
@@ -71,7 +74,7 @@ class ModelShape:
 
 # ----------------------------------------------------------------------------- GPT
 def gpt(V: int, T: int, L: int, H: int, C: int, bias: bool = False, checkpointed: bool = False,
-        t: int = 1, rank: int = 0, name: str = "gpt") -> ModelShape:
+        t: int = 1, rank: int = 0, name: str = "gpt", sequence: bool = False) -> ModelShape:
     """mpitrain's GPT (:class:`mpitrain.nn.GPT`: vocabulary ``V``, context ``T``, ``L``
     blocks of width ``C`` with ``H`` heads) as rank ``rank`` of ``t`` tensor-parallel ranks
     holds it: its heads' q, k, v columns and projection rows, its part of the 4C hidden
@@ -93,14 +96,16 @@ def gpt(V: int, T: int, L: int, H: int, C: int, bias: bool = False, checkpointed
                   (f"{p}.mlp.c_proj.weight", (hid, C)), (f"{p}.mlp.c_proj.bias", b(C))]
         fwd = (matmul_flops(T, C, 3 * w) + attention_flops(1, T, w) + matmul_flops(T, w, C)
                + matmul_flops(T, C, hid) + matmul_flops(T, hid, C))
-        full = gpt_block_activation_bytes(1, T, C, H, 1)
-        return Layer(f"block {i}", _present(params), fwd, 2 * fwd, T * C if checkpointed else full, (T, C),
-                     checkpointed, 12 * C * C + (13 * C if bias else 2 * C), (T, C, hid), full)
+        full = gpt_block_activation_bytes(1, T, C, H, 1, t=t, sequence=sequence)
+        kept = gpt_block_activation_bytes(1, T, C, H, 1, checkpointed, t, sequence)
+        return Layer(f"block {i}", _present(params), fwd, 2 * fwd, kept, (T, C),
+                     checkpointed, 12 * C * C + (13 * C if bias else 2 * C), (T, C, hid), full,
+                     2 * T * C // (t if sequence else 1), T * hid, 2 * C * hid + (hid + C if bias else 0))
 
     wte = ("embed.wte.weight", (v, C))
     embed = Layer("embed", (wte, ("embed.wpe.weight", (T, C))), 0, 0, 0, (T, C), whole=(V + T) * C)
     head = Layer("head", _present([*ln("head.ln_f"), wte]), matmul_flops(T, C, v), 2 * matmul_flops(T, C, v),
-                 2 * T * C + T + T * v, (T, V), whole=V * C + (2 * C if bias else C), gemm=(T, C, v))
+                 2 * T * C + T + T * v, (T, V), whole=V * C + (2 * C if bias else C), gemm=(T, C, v), scratch=T * v)
     return ModelShape(name, (embed, *(block(i) for i in range(L)), head), (T,), frozenset({wte[0]}))
 
 
@@ -216,7 +221,8 @@ def from_config(cfg, data, t: int = 1, rank: int = 0) -> ModelShape:
     ``data``, as tensor-parallel rank ``rank`` of ``t`` holds it."""
     m = cfg.model
     if m.name == "gpt":
-        return gpt(data.ids, m.block_size, m.n_layer, m.n_head, m.n_embd, m.bias, m.checkpoint_activations, t, rank)
+        return gpt(data.ids, m.block_size, m.n_layer, m.n_head, m.n_embd, m.bias, m.checkpoint_activations, t, rank,
+                   sequence=t > 1 and cfg.parallel.sequence_parallel)
     sample, classes = data.sample, data.ids
     if m.name == "lenet":
         return lenet(sample, classes, m.channels, m.hidden)

@@ -50,13 +50,17 @@ class Machine:
         """The share of a core each rank computes with (1, unless a node has fewer cores than ranks)."""
         return min(1.0, self.cores / self.per_node) if self.cores else 1.0
 
-    def rate(self, gemm: tuple, rows: int, dtype: str) -> float:
+    def threads(self, requested: int = 0) -> int:
+        """BLAS threads per rank as the trainer sets them (:func:`mpitrain.runtime.blas_threads`)."""
+        if requested:
+            return requested
+        return max(1, self.cores // self.per_node) if self.cores else 1
+
+    def rate(self, gemm: tuple, rows: int, dtype: str, threads: int = 1) -> float:
         d = self.device
         scale = self.share if d.calibrated else self.utilization
-        if not gemm:
-            return d.matmul_flops_per_s(rows, 256, 256, dtype) * scale
-        m, k, n = gemm
-        return d.matmul_flops_per_s(max(1, m * rows), k, n, dtype) * scale
+        m, k, n = gemm or (1, 256, 256)
+        return d.matmul_flops_per_s(max(1, m * rows), k, n, dtype, threads) * scale
 
     def link(self, ranks: list[int]):
         nodes = {r // self.per_node for r in ranks}
@@ -65,24 +69,28 @@ class Machine:
 
 def compute_seconds(lay, plan, machine: Machine) -> float:
     """One rank's compute per step: its layers' products at the device's rate for their
-    shapes; on a calibrated machine also mpitrain's elementwise work, the device's
-    ``passes`` over each layer's traffic (measured for whole steps: the update and the
-    Python overhead are in them), a replayed forward a third more. A published device's
-    ``utilization`` stands for everything besides the products."""
+    shapes and the rank's BLAS threads; on a calibrated machine also mpitrain's work beyond
+    them (measured for whole steps, the update in them): the device's ``passes`` over each
+    layer's traffic, a replayed forward a third more, and its time per layer that does not
+    grow with the batch. A published device's ``utilization`` stands for everything besides
+    the products."""
     d, b, dtype = machine.device, lay.micro_batch, lay.cfg.train.dtype
     if plan.stage == "server":
         return 0.0
     family = "gpt" if lay.cfg.model.name == "gpt" else "cnn"
     passes = d.passes.get(family, UNCALIBRATED_PASSES[family]) if d.calibrated else 0.0
+    overhead = d.layer_overhead.get(family, 0.0) if d.calibrated else 0.0
+    threads = machine.threads(lay.cfg.train.threads)
     s, r = _coords(lay, plan.ranks[0])
     seconds = 0.0
     for layer in lay.layers(s, r):
         again = replays(lay, layer)
         flops = (layer.forward * (1 + again) + layer.backward) * b
         if flops:
-            seconds += lay.m * flops / machine.rate(layer.gemm, b, dtype)
+            seconds += lay.m * flops / machine.rate(layer.gemm, b, dtype, threads)
         elementwise = passes * (1 + again / 3) * layer.traffic * b * lay.dtype_bytes
         seconds += lay.m * elementwise / (d.elementwise_bandwidth or d.memory_bandwidth) / machine.share
+        seconds += lay.m * overhead * (1 + again / 3) / machine.share
     return seconds
 
 
