@@ -2,8 +2,10 @@
 per rank, for every strategy and combination: the bytes of parameters, gradients,
 optimizer state and the optimizer's work array, the bytes each communicator sent per
 step, the FLOPs of a step, and the pipeline's idle slots; and its storage need is the
-I/O table's at the same samples/s (``mpitrain plan --validate``'s comparison, :mod:`mpitrain.plan.validate`).
-Heap and time are estimates: ``mpitrain plan --validate`` prints them, tests do not assert them."""
+I/O table's at the same samples/s (``mpitrain plan --validate``'s comparison, :mod:`mpitrain.plan.validate`);
+and the heap, at rest between steps and a step's peak above it (``tracemalloc``), within
+:data:`~mpitrain.plan.validate.HEAP_TOLERANCE`. Time is an estimate: ``mpitrain plan
+--validate`` and ``mpitrain bench plan`` print it, tests do not assert it."""
 
 import pytest
 from test_data import text_set
@@ -40,7 +42,7 @@ LAYOUTS = {  # ranks -> {name: overrides}
 
 def gpt(data, overrides):
     return config.from_dict({
-        "model": {"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 16},
+        "model": {"name": "gpt", "n_layer": 2, "n_head": 4, "n_embd": 128, "block_size": 64},  # arrays, not objects
         "data": {"path": str(data)}, "optim": {"name": "adamw", "lr": 3e-3, "grad_clip": 1.0},
         "train": {"global_batch_size": 8, "steps": 4, "threads": 1}}, overrides)
 
@@ -66,3 +68,7 @@ def test_every_counted_prediction_is_what_the_run_counts(name):
     assert servers or any(row[1].startswith("storage need") for row in exact)  # the I/O table's, at its samples/s
     wrong = [row for row in exact if row[2] != row[3]]
     assert not wrong, validate.table(wrong)[0]
+    heap = [row for row in rows if row[1].startswith("heap")]
+    assert len(heap) >= 2 * (comm.size - (cfg.parallel.servers if servers else 0))  # a server's is not traced
+    off = [row for row in heap if not validate.holds(*row[1:])]
+    assert not off, validate.table(off)[0]

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 
 from mpitrain.cluster import mpiexec
-from mpitrain.plan import calibrate, hardware, shapes, timing
+from mpitrain.plan import calibrate, hardware, shapes, steps, timing
 from mpitrain.plan.hardware import HardwareError
 from mpitrain.runtime import available_cores
 
 PUBLISHED = ("v100", "a100-40g", "a100-80g", "h100", "h200")
-TINY = (calibrate.gpt_probe(V=16, T=8, L=1, H=2, C=16, batch=2),  # a step in milliseconds
-        calibrate.cnn_probe("lenet", (8, 8, 1), batch=2, channels=(2, 4), hidden=8))
+TINY = (steps.gpt_probe(V=16, T=8, L=1, H=2, C=16, batch=4),  # a step in milliseconds
+        steps.cnn_probe("lenet", (8, 8, 1), batch=4, channels=(2, 4), hidden=8))
 
 
 @pytest.fixture
@@ -88,7 +88,8 @@ DEVICE = '[device.d]\nname = "d"\nmemory_gb = 1\nmemory_bandwidth_gbs = 1\n[devi
     (DEVICE.replace("fp32", "bf16"), "device.d.peak_flops.fp32: missing"),
     (DEVICE.replace("memory_gb", "memory_gib"), "device.d.memory_gib: unknown field"),
     (DEVICE + "[device.d.x]\n", "device.d.x: unknown field"),
-    (DEVICE + "[device.d.passes]\nrnn = 3\n", "device.d.passes.rnn: unknown family (known: gpt, cnn)"),
+    (DEVICE + "[device.d.passes]\nrnn = 3\n",
+     "device.d.passes.rnn: unknown family (known: gpt, gpt-sliced, gpt-sequence, gpt-plain, cnn)"),
     (DEVICE + "[device.d.passes]\ngpt = -1\n", "device.d.passes.gpt: expected a positive number, got -1"),
     (DEVICE + "[device.d.passes]\ncnn = 'many'\n", "device.d.passes.cnn: expected a positive number"),
     (DEVICE.replace("memory_gb = 1", "memory_gb = 1\npasses = 3"), "device.d.passes: expected a table"),
@@ -236,25 +237,56 @@ def test_passes_are_the_time_beyond_the_gemms_over_the_traffic():
     device = hardware.Device("c", "c", 1e9, 1e9, {"fp32": 1e9}, gemm, 2e9, 1e-6, calibrated=True)
     model = shapes.convnet((32, 32, 3), 10)
     flops = sum(layer.forward + layer.backward for layer in model.layers) * 4
-    assert calibrate.gemm_seconds(device, model, 4) == pytest.approx(flops / 1e9)
+    assert steps.gemm_seconds(device, model, 4) == pytest.approx(flops / 1e9)
     traffic = 4 * 4 * sum(layer.traffic for layer in model.layers)
-    assert calibrate.passes_of(device, model, 4, flops / 1e9 + 3 * traffic / 2e9) == pytest.approx(3)
+    assert steps.passes_of(device, model, 4, flops / 1e9 + 3 * traffic / 2e9) == pytest.approx(3)
 
 
-def test_steps_at_two_batches_split_into_passes_and_a_time_per_layer():
+def test_steps_split_into_passes_a_time_per_micro_batch_and_one_per_step():
     device = hardware.Device("c", "c", 1e9, 1e9, {"fp32": 1e9}, ((64, 64, 64, "float32", 1e9, 1),), 2e9, 1e-6,
                              calibrated=True)
     timed = []
     for model in (shapes.convnet((32, 32, 3), 10), shapes.lenet((28, 28, 1), 10)):
-        for b in (8, 4):  # 3 passes, and 50 us a layer
-            seconds = calibrate.gemm_seconds(device, model, b) + 3 * 4 * b * sum(x.traffic for x in model.layers) / 2e9
-            timed.append((model, b, seconds + 50e-6 * len(model.layers)))
-    assert calibrate.split_steps(device, timed) == pytest.approx((3, 50e-6))
+        layers = len(model.layers)
+        for b, m in ((8, 1), (4, 1), (2, 1), (2, 4)):  # 3 passes, 50 us a layer and micro-batch, 20 a step
+            seconds = m * (steps.gemm_seconds(device, model, b) + 3 * 4 * b * sum(x.traffic for x in model.layers)
+                           / 2e9 + 50e-6 * layers)
+            timed.append((model, b, m, seconds + 20e-6 * layers))
+    assert steps.split_steps(device, timed) == pytest.approx((3, 50e-6, 20e-6))
+    noisy = [(model, b, m, t - 40e-6 * len(model.layers)) for model, b, m, t in timed]  # a step looks faster than free
+    passes, per_micro, per_step = steps.split_steps(device, noisy)
+    assert passes > 0 and per_micro > 0 and per_step == 0.0  # the part that came out negative is left out
+
+
+def test_measure_mixed_is_the_cost_beyond_float32_per_parameter():
+    lines = []
+    per_parameter, per_number = steps.measure_mixed(TINY[0], ("bf16",), repeats=1, log=lines.append)
+    assert set(per_parameter) <= {"bf16"} and all(ns > 0 for ns in per_parameter.values())
+    assert set(per_number) == {"bf16"} and per_number["bf16"] > 0
+    assert len(lines) == 1 and lines[0].startswith("mixed gpt 1L/2H/16C T8 B4 bf16: ")
+
+
+@pytest.mark.parametrize("sets, family", [([], "gpt"), (["parallel.tp=2"], "gpt-sliced"),
+                                          (["parallel.tp=2", "parallel.sequence_parallel=true"], "gpt-sequence"),
+                                          (["parallel.pp=2", "parallel.schedule='zb-h1'", "train.micro_batches=4"],
+                                           "gpt-plain"),
+                                          (["parallel.pp=2", "train.micro_batches=4"], "gpt"),
+                                          (["train.fast_paths=false"], "gpt-plain")])
+def test_a_rank_is_timed_by_the_path_its_blocks_run(sets, family):
+    from mpitrain import config
+    from mpitrain.plan.data import resolve
+    from mpitrain.plan.layout import Layout
+    from mpitrain.plan.predict import rank_plans
+
+    cfg = config.load("jobs/shakespeare_gpt.toml", sets, data_needed=False)
+    lay = Layout.of(cfg, 2, resolve(cfg))
+    assert {timing.path(lay, p) for p in rank_plans(lay)} == {family}
 
 
 def test_measure_steps_times_tiny_models_per_family(shipped):
     lines = []
-    passes, overhead = calibrate.measure_steps(shipped.device("this"), TINY, repeats=1, log=lines.append)
+    passes, per_micro, per_step = steps.measure_steps(shipped.device("this"), TINY, repeats=1, log=lines.append)
     assert set(passes) == {"gpt", "cnn"} and all(np.isfinite(p) and p > 0 for p in passes.values())
-    assert set(overhead) <= {"gpt", "cnn"} and all(us > 0 for us in overhead.values())
-    assert len(lines) == 2 * len(TINY) and lines[0].startswith("steps gpt 1L/2H/16C T8 B2 at batch 2: ")
+    for overhead in (per_micro, per_step):
+        assert set(overhead) <= {"gpt", "cnn"} and all(us > 0 for us in overhead.values())
+    assert len(lines) == 4 * len(TINY) and lines[0].startswith("steps gpt 1L/2H/16C T8 B4, 1 micro-batch(es) of 4: ")

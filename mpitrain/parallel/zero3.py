@@ -26,7 +26,8 @@ autograd node:
   forward recording a private graph (:func:`mpitrain.nn.checkpoint.replay`, the random
   streams rewound), take the gradients of its input and its parameters, free the groups
   whose first forward use this was and start an ``Ireduce_scatter`` of their gradients:
-  each rank adds the sum of its chunk into its gradient shard;
+  each rank adds the sum of its chunk into its gradient shard as soon as it has arrived
+  (tested after each unit's backward), freeing the whole gradient;
 * :meth:`Zero3.finish` waits for those and divides the shard by ``P``; :meth:`Zero3.step`
   clips by the global norm (one 8-byte allreduce) and updates the shard. Nothing else:
   the next forward gathers the updated chunks.
@@ -267,14 +268,26 @@ class Zero3(GradSync):
                     g.reducing.append((g.rs_comm.ireduce_scatter(g.grads, recv, np.diff(g.bounds)), g.grads, recv))
                 g.grads = None
         self._release(k, forward=False)
+        self._progress()
+
+    def _progress(self) -> None:
+        """Add every reduce-scatter already done into its shard, in each group's order, and
+        free its buffers: a whole gradient lives until its sum has arrived, not until the
+        step's end (else every layer's would be alive at once near the end of backward)."""
+        for g in self.groups:
+            while g.reducing and g.reducing[0][0].test():
+                self._add(g, *g.reducing.pop(0)[1:])
 
     def _drain(self, g: _Group) -> None:
         """Wait for the group's reduce-scatters in flight; add my chunk of each into the shard."""
-        r = self.comm.rank
         for request, send, recv in g.reducing:
             request.wait()
-            g.grad += send[g.bounds[r] : g.bounds[r + 1]] if recv is None else recv
+            self._add(g, send, recv)
         g.reducing.clear()
+
+    def _add(self, g: _Group, send: np.ndarray, recv: np.ndarray | None) -> None:
+        r = self.comm.rank
+        g.grad += send[g.bounds[r] : g.bounds[r + 1]] if recv is None else recv
 
     def finish(self) -> None:
         """Wait for the reduce-scatters, average my shard. (``no_sync`` holds nothing

@@ -3,9 +3,9 @@ as a hardware file (:mod:`mpitrain.plan.hardware` reads it).
 
 * the device (:func:`measure_device`): GEMMs at the shapes mpitrain's models multiply,
   streaming bandwidth, the cost of a tiny op;
-* mpitrain's own work beyond the products (:func:`measure_steps`): training steps of small
-  models built for real at two batches, less their GEMMs' predicted time, split into passes
-  over their traffic and a fixed time per layer;
+* mpitrain's own work beyond the products (:mod:`mpitrain.plan.steps`): training steps of
+  small models built for real, less their GEMMs' predicted time, split into passes over
+  their traffic and fixed times per layer, and what mixed precision adds;
 * links (:func:`measure_link`, :func:`fit_link`): a ping-pong of 2 ranks, on shared memory
   or across an emulated link, fitted to Hockney's ``alpha + n / bandwidth``.
 
@@ -23,13 +23,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from mpitrain.plan import shapes as model_shapes
-from mpitrain.plan.hardware import GEMM_DTYPES, HardwareError, parse_device, read_toml, user_path
+from mpitrain.plan.hardware import GEMM_DTYPES, MIXED, HardwareError, parse_device, read_toml, user_path
+from mpitrain.plan.steps import PROBES, _median_seconds, _sig, measure_mixed, measure_steps
 from mpitrain.runtime import available_cores
 
 # the GEMMs that matter here, (m, k, n) of (m,k)@(k,n), float32 unless a dtype is named
@@ -43,23 +42,6 @@ CNN_SHAPES = [  # im2col GEMMs (pixels, c_in k k, c_out): mnist_lenet.toml (batc
 SKINNY = [(2048, 64, 2048), (64, 2048, 64)]  # a rank-64 update, long inner products
 DEFAULT_SHAPES = ([(s, s, s) for s in (64, 128, 256, 512, 1024, 2048)] + GPT_SHAPES + CNN_SHAPES + SKINNY
                   + [(s, s, s, "float64") for s in (256, 1024)])
-
-
-def _median_seconds(fn, repeats: int, least: float = 0.02) -> float:
-    """Median of ``repeats`` repeats' seconds per call of ``fn``, a repeat lasting ``least`` s or more."""
-    tick = time.perf_counter()
-    fn()
-    calls, times = max(1, int(least / max(time.perf_counter() - tick, 1e-9))), []
-    for _ in range(repeats):
-        tick = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - tick) / calls)
-    return float(np.median(times))
-
-
-def _sig(x: float) -> float:  # four significant digits: a measurement's noise is percents
-    return float(f"{x:.4g}")
 
 
 # ------------------------------------------------------------------ the device
@@ -105,132 +87,6 @@ def measure_device(shapes=None, repeats: int = 5, log=print) -> dict:
             "op_overhead_us": _sig(tiny * 1e6),  # TFLOP/s; half-precision products run in float32 (precision.py):
             "peak_flops": {"fp64": best["float64"] or _sig(fp32 / 2), "fp32": fp32, "bf16": fp32, "fp16": fp32},
             "gemm_gflops": rows}
-
-
-# ------------------------------------------------------------------ mpitrain's elementwise passes
-def gemm_seconds(dev, model, batch: int) -> float:
-    """The products of a step of ``model`` (a :class:`~mpitrain.plan.shapes.ModelShape`) at
-    ``batch``, forward and backward, each layer at ``dev``'s rate for its typical product
-    with ``batch`` times its rows, as :class:`mpitrain.plan.timing.Machine` rates them."""
-    seconds = 0.0
-    for layer in model.layers:
-        flops = (layer.forward * (1 + layer.recompute) + layer.backward) * batch
-        if flops:
-            m, k, n = layer.gemm or (1, 256, 256)
-            seconds += flops / dev.matmul_flops_per_s(max(1, m * batch), k, n)
-    return seconds
-
-
-def passes_of(dev, model, batch: int, seconds: float) -> float:
-    """A step's ``seconds`` less its products' (:func:`gemm_seconds`), in passes over its
-    each layer's ``traffic`` of float32 numbers at ``dev``'s elementwise bandwidth."""
-    nbytes = 4 * batch * sum(layer.traffic for layer in model.layers)
-    return (seconds - gemm_seconds(dev, model, batch)) / (nbytes / dev.elementwise_bandwidth)
-
-
-def split_steps(dev, timed: list) -> tuple[float, float]:
-    """(passes, seconds per layer and micro-batch) that fit steps timed at several batches,
-    ``timed`` [(model, batch, seconds), ...], in least squares: the time beyond the products
-    (:func:`gemm_seconds`) is a part that grows with the batch, passes over the traffic of
-    float32 numbers at ``dev``'s elementwise bandwidth (:func:`passes_of`), and a part that
-    does not (Python, each op's call, the update's calls per tensor) per layer."""
-    a = [[4 * b * sum(x.traffic for x in model.layers) / dev.elementwise_bandwidth, len(model.layers)]
-         for model, b, _ in timed]
-    rest = [t - gemm_seconds(dev, model, b) for model, b, t in timed]
-    (passes, overhead), *_ = np.linalg.lstsq(np.array(a), np.array(rest), rcond=None)
-    return float(passes), float(overhead)
-
-
-@dataclass(frozen=True)
-class Probe:
-    """A model to time: ``make()`` builds it for real and returns (step, its ModelShape, batch),
-    ``step(b)`` a training step on the first ``b`` samples of the batch."""
-
-    name: str
-    family: str
-    make: object
-
-
-def gpt_probe(V=84, T=64, L=4, H=4, C=128, batch=12) -> Probe:
-    """:class:`mpitrain.nn.GPT` (default: jobs/shakespeare_gpt.toml's), AdamW, random tokens."""
-    def make():
-        from mpitrain import nn, optim
-
-        model = nn.GPT(nn.GPTConfig(vocab_size=V, block_size=T, n_layer=L, n_head=H, n_embd=C))
-        opt = optim.AdamW(model.parameters(), 1e-3)
-        x, y = np.random.default_rng(0).integers(0, V, (2, batch, T))
-
-        def step(b: int):
-            model(x[:b], y[:b])[1].backward()
-            opt.step()
-            opt.zero_grad()
-        return step, model_shapes.gpt(V, T, L, H, C), batch
-    return Probe(f"gpt {L}L/{H}H/{C}C T{T} B{batch}", "gpt", make)
-
-
-def cnn_probe(name: str, sample=(32, 32, 3), batch=64, **config) -> Probe:
-    """mpitrain's CNN ``name`` (lenet, convnet, resnet) on random images of ``sample``
-    (H, W, C), AdamW; ``config``: the model's own (channels, widths, blocks, ...)."""
-    def make():
-        from mpitrain import nn, ops, optim
-
-        H, _, c = sample
-        model = {"lenet": nn.LeNet, "convnet": nn.ConvNet, "resnet": nn.ResNet}[name](c, H, 10, **config)
-        opt = optim.AdamW(model.parameters(), 1e-3)
-        gen = np.random.default_rng(0)
-        x, y = gen.standard_normal((batch, *sample)).astype(np.float32), gen.integers(0, 10, batch)
-
-        def step(b: int):
-            ops.cross_entropy(model(x[:b]), y[:b]).backward()
-            opt.step()
-            opt.zero_grad()
-        return step, getattr(model_shapes, name)(tuple(sample), 10, **config), batch
-    label = name + "".join(f" {k}={v}" for k, v in config.items())
-    return Probe(f"{label} {'x'.join(map(str, sample))} B{batch}", "cnn", make)
-
-
-PROBES = (gpt_probe(), cnn_probe("lenet", (28, 28, 1)), cnn_probe("resnet", blocks=1))  # resnet8
-
-
-def measure_steps(dev, probes=PROBES, repeats: int = 5, log=print) -> tuple[dict, dict]:
-    """({family: passes}, {family: microseconds per layer}) of :func:`split_steps` over the
-    family's ``probes``, each timed at its batch and at half of it: a step's median seconds
-    (``repeats`` steps after three to warm up), on one BLAS thread with the allocator and
-    huge pages as the trainer sets them; ``dev`` a calibrated
-    :class:`~mpitrain.plan.hardware.Device`, whose GEMM rates the products are timed at."""
-    from mpitrain import rng
-    from mpitrain.runtime import huge_page_heap, limit_blas_threads, tune_allocator
-
-    timed: dict = {}
-    tune_allocator()
-    with limit_blas_threads(1):
-        for probe in probes:
-            rng.manual_seed(0)
-            step, model, batch = probe.make()
-            for b in (batch, max(1, batch // 2)):
-                for _ in range(3):
-                    step(b)
-                huge_page_heap()
-                times = []
-                for _ in range(repeats):
-                    tick = time.perf_counter()
-                    step(b)
-                    times.append(time.perf_counter() - tick)
-                timed.setdefault(probe.family, []).append((model, b, float(np.median(times))))
-                log(f"steps {probe.name} at batch {b}: {timed[probe.family][-1][2] * 1e3:.4g} ms, "
-                    f"its GEMMs {gemm_seconds(dev, model, b) * 1e3:.4g} ms")
-    passes, overhead = {}, {}
-    for family, rows in timed.items():
-        p, o = split_steps(dev, rows)
-        if not (p > 0 and o > 0):  # the noise of small steps hides one part: all of it passes
-            p, o = float(np.median([passes_of(dev, model, b, t) for model, b, t in rows])), 0.0
-        if not p > 0:
-            raise HardwareError(f"{family} steps took less than their GEMMs' predicted time: the machine was "
-                                "too busy to measure; calibrate again")
-        passes[family] = _sig(p)
-        if o > 0:
-            overhead[family] = _sig(o * 1e6)
-    return passes, overhead
 
 
 # ------------------------------------------------------------------ links
@@ -322,17 +178,20 @@ def _links(links, rates_gbit, max_bytes: int, repeats: int, log) -> dict:
 # ------------------------------------------------------------------ all of it, written
 def calibrate(shapes=None, links=("shm",), rates_gbit=(), out=None, log=print, *, repeats: int = 5,
               max_bytes: int = 16 << 20, probes=PROBES) -> dict:
-    """Measure this machine (:func:`measure_device`, then :func:`measure_steps` of
-    ``probes`` at its GEMM rates) and its links: ``"shm"`` in ``links``, ``emu-<R>g`` for
+    """Measure this machine (:func:`measure_device`, then
+    :func:`~mpitrain.plan.steps.measure_steps` of ``probes`` at its GEMM rates,
+    :func:`~mpitrain.plan.steps.measure_mixed` of the first, a GPT) and its links:
+    ``"shm"`` in ``links``, ``emu-<R>g`` for
     each rate R in ``rates_gbit`` (skipped, saying why, where no emulated cluster can be
     made); write them as ``[device.this]`` and ``[link.*]`` into ``out`` (default
     :func:`~mpitrain.plan.hardware.user_path`) atomically, keeping the entries of an
     existing file that were not measured again. Returns the tables measured."""
     this = measure_device(shapes, repeats, log)
-    this["passes"], this["layer_overhead_us"] = measure_steps(parse_device("this", this, "the device measured"),
-                                                              probes, repeats, log)
-    log(f"passes: {', '.join(f'{k} {v:g}' for k, v in this['passes'].items())}; microseconds a layer: "
-        f"{', '.join(f'{k} {v:g}' for k, v in this['layer_overhead_us'].items())}")
+    this["passes"], this["layer_overhead_us"], this["step_overhead_us"] = measure_steps(
+        parse_device("this", this, "the device measured"), probes, repeats, log)
+    this["mixed_ns_per_parameter"], this["cast_ns_per_number"] = measure_mixed(probes[0], MIXED, repeats, log)
+    for name in ("passes", "layer_overhead_us", "step_overhead_us", "mixed_ns_per_parameter", "cast_ns_per_number"):
+        log(f"{name}: {', '.join(f'{k} {v:g}' for k, v in this[name].items()) or 'none measured'}")
     measured = {"device": {"this": this}, "link": _links(links, rates_gbit, max_bytes, repeats, log)}
     out = Path(out) if out is not None else user_path()
     merged = read_toml(out) if out.exists() else {}

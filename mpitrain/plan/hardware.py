@@ -31,8 +31,13 @@ PRECISION_OF = {"float64": "fp64", "float32": "fp32", "bfloat16": "bf16", "float
                 **{p: p for p in PRECISIONS}}
 GEMM_DTYPES = ("float32", "float64")  # what calibration measures: half-precision products run in float32 here
 CALIBRATED = ("gemm_gflops", "elementwise_bandwidth_gbs", "op_overhead_us")  # one of them: all of them
-FAMILIES = ("gpt", "cnn")  # the model families whose steps a device may have measured (passes, layer overhead)
-DEVICE_FIELDS = ("name", "memory_gb", "memory_bandwidth_gbs", "peak_flops", *CALIBRATED, "passes", "layer_overhead_us")
+# the ways mpitrain's models run whose steps a device may have measured (passes, layer overhead): the GPT's
+# blocks fused, op by op through tensor slicing's layers (and with sequence parallelism), op by op on the
+# plain path; the CNNs
+FAMILIES = ("gpt", "gpt-sliced", "gpt-sequence", "gpt-plain", "cnn")
+MIXED = ("bf16", "fp16")  # the mixed precisions whose cost per parameter a device may have measured
+DEVICE_FIELDS = ("name", "memory_gb", "memory_bandwidth_gbs", "peak_flops", *CALIBRATED, "passes", "layer_overhead_us",
+                 "step_overhead_us", "mixed_ns_per_parameter", "cast_ns_per_number")
 LINK_FIELDS = ("name", "alpha_us", "bandwidth_gbs")
 
 class HardwareError(ValueError):
@@ -50,13 +55,19 @@ class Device:
     elementwise_bandwidth: float = 0.0  # bytes/s of a streaming op, read + write; published: memory_bandwidth
     op_overhead_s: float = 0.0  # a tiny op and its Python call
     calibrated: bool = False
-    # family ("gpt", "cnn") -> mpitrain's elementwise work of a training step (norms, softmax,
-    # activations, im2col, the optimizer, Python) beyond its GEMMs, in passes over the layers'
-    # traffic at elementwise_bandwidth (mpitrain.plan.calibrate.measure_passes); optional
+    # family (FAMILIES) -> mpitrain's elementwise work of a training step (norms, softmax,
+    # activations, im2col, the optimizer) beyond its GEMMs that grows with the batch, in passes
+    # over the layers' traffic at elementwise_bandwidth (mpitrain.plan.steps.measure_steps); optional
     passes: dict = field(default_factory=dict)
-    # family -> seconds of a step per layer and micro-batch that do not grow with the batch
-    # (Python, each op's call, the update's per-tensor calls; calibrate.measure_steps); optional
+    # family -> seconds per layer and micro-batch that do not grow with the batch (Python, each op's
+    # call), and per layer and step (the update's calls per tensor); optional
     layer_overhead: dict = field(default_factory=dict)
+    step_overhead: dict = field(default_factory=dict)
+    # precision ("bf16", "fp16") -> seconds per parameter and micro-batch that mixed precision adds to a
+    # float32 step (casts, the masters' update; steps.measure_mixed); optional
+    mixed: dict = field(default_factory=dict)
+    # precision -> seconds per number of a half array's round trip through float32 (a bucket's sum); optional
+    cast: dict = field(default_factory=dict)
 
     def matmul_flops_per_s(self, m: int, k: int, n: int, dtype: str = "float32", threads: int = 1) -> float:
         """FLOP/s of an (m,k)@(k,n) product: a calibrated device's measured shape nearest in
@@ -191,8 +202,10 @@ def parse_device(key: str, table: dict, path) -> Device:
                   _number(table, "elementwise_bandwidth_gbs", path, where, calibrated) * 1e9 or bandwidth,
                   _number(table, "op_overhead_us", path, where, calibrated) * 1e-6, calibrated,
                   _families(table.get("passes", {}), path, f"{where}.passes"),
-                  {k: v * 1e-6 for k, v in _families(table.get("layer_overhead_us", {}), path,
-                                                     f"{where}.layer_overhead_us").items()})
+                  *({k: v * 1e-6 for k, v in _families(table.get(f, {}), path, f"{where}.{f}").items()}
+                    for f in ("layer_overhead_us", "step_overhead_us")),
+                  *({k: v * 1e-9 for k, v in _families(table.get(f, {}), path, f"{where}.{f}", MIXED).items()}
+                    for f in ("mixed_ns_per_parameter", "cast_ns_per_number")))
 
 
 def _gemm(rows, path: Path, where: str) -> tuple:
@@ -209,13 +222,14 @@ def _gemm(rows, path: Path, where: str) -> tuple:
                  for i, r in enumerate(rows))
 
 
-def _families(table, path: Path, where: str) -> dict:
-    """{family: number}: each a known family's positive number."""
+def _families(table, path: Path, where: str, known: tuple = FAMILIES) -> dict:
+    """{key: number}: each a ``known`` key's positive number (a model family's by default)."""
+    what = "family" if known is FAMILIES else "key"
     if not isinstance(table, dict):
-        raise HardwareError(f"{path}: {where}: expected a table [{where}] of family = number")
+        raise HardwareError(f"{path}: {where}: expected a table [{where}] of {what} = number")
     for family in table:
-        if family not in FAMILIES:
-            raise HardwareError(f"{path}: {where}.{family}: unknown family (known: {', '.join(FAMILIES)})")
+        if family not in known:
+            raise HardwareError(f"{path}: {where}.{family}: unknown {what} (known: {', '.join(known)})")
     return {family: _number(table, family, path, where) for family in table}
 
 

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from mpitrain import cost, schedules
 from mpitrain.comm.ring import chunk_bounds
 from mpitrain.ops._util import BLOCK_ELEMENTS
-from mpitrain.plan.layout import buckets, optimizer_order, zero3_groups
-from mpitrain.plan.traffic import Call, by_axis, dp_calls, pp_calls, tp_calls
+from mpitrain.plan.layout import buckets as buckets_of
+from mpitrain.plan.layout import optimizer_order, zero3_groups
+from mpitrain.plan.traffic import Call, by_axis, dp_calls, pp_calls, ring_buffers, tp_calls
 
 
 @dataclass
@@ -26,7 +27,8 @@ class RankPlan:
     ranks: list  # world ranks with these figures
     stage: str  # "stage s", "server", "replica", or "" (slices of the whole model)
     parameters: int  # numbers of the part this rank holds
-    memory: dict  # bytes: "parameters", "gradients", "optimizer state", "masters", "work", "reader", "activations"
+    memory: dict  # bytes: "parameters", "gradients", "optimizer state", "masters", "work", "buffers", "reader",
+    # "activations"
     calls: list  # :class:`~mpitrain.plan.traffic.Call` per step
     flops: dict  # per step: "forward", "backward", "recompute" (executed beyond the model's)
     held: float = 0.0  # micro-batches whose activations the rank holds at its peak
@@ -34,6 +36,8 @@ class RankPlan:
     sent: dict = field(default_factory=dict)  # bytes per step by axis
     dp_calls: int = 0  # how many of ``calls`` are the data-parallel sync's (the first)
     slices: list = field(default_factory=list)  # the tensor-parallel ranks grouped here (none: not sliced)
+    # activations at the least, where the peak depends on messages' timing (ZeRO-2's buckets); 0: exact
+    floor: int = 0
 
     @property
     def state(self) -> int:
@@ -41,9 +45,16 @@ class RankPlan:
 
     @property
     def peak(self) -> int:
-        """The most it holds: model state, the optimizer's work array, the reader's rounds, and
-        the activations of the schedule's peak."""
-        return self.state + sum(self.memory[k] for k in ("work", "reader", "activations"))
+        """The most it holds: model state, the optimizer's work array, the buffers kept (the
+        ring's scratch, attention's causal mask), the reader's rounds, and the activations of
+        the schedule's peak."""
+        return self.state + sum(self.memory[k] for k in ("work", "buffers", "reader", "activations"))
+
+    @property
+    def rest(self) -> int:
+        """What it holds between steps besides the reader: model state, the optimizer's work
+        array, the buffers kept (the ring's scratch, attention's causal mask)."""
+        return self.state + self.memory["work"] + self.memory["buffers"]
 
     @property
     def where(self) -> str:
@@ -81,7 +92,7 @@ def _flat_groups(lay, s: int, r: int) -> list[tuple]:
     if key not in lay.cache:
         params = lay.parameters(s, r)
         names = {"zero1": lambda: [optimizer_order(params)],
-                 "zero2": lambda: [list(reversed(g)) for g in buckets(lay, params)],
+                 "zero2": lambda: [list(reversed(g)) for g in buckets_of(lay, params)],
                  "zero3": lambda: zero3_groups(params, lay.layers(s, r))}[lay.par.sync]()
         alike: dict = {}  # a model's blocks make many groups alike: each kind cut once
         for group in names:
@@ -129,43 +140,58 @@ def model_state(lay, s: int, r: int, d: int) -> dict:
             "work": work, "reader": reader}
 
 
+def split_backward(lay, s: int) -> bool:
+    """Whether pipeline rank ``s`` splits backward in two passes (a zero-bubble schedule),
+    which runs its layers on the plain path (:class:`mpitrain.parallel.pipeline.PipelineStage`)."""
+    return lay.pp > 1 and any(isinstance(x, schedules.BackwardInput)
+                              for x in schedules.schedule(lay.par.schedule, lay.pp, lay.m, s, lay.v))
+
+
 def replays(lay, layer) -> bool:
     """Whether ``layer`` runs forward again in backward: activation checkpointing's blocks,
     and under ZeRO-3 every layer with parameters (it frees its gathered weights)."""
     return layer.recompute or (lay.par.sync == "zero3" and bool(layer.params))
 
 
-def activations(lay, layers: list, held: float, first_input: int, split: bool = False, received: int = 0) -> int:
+def activations(lay, layers: list, held: float, first_input: int, split: bool = False, received: int = 0,
+                in_flight: str = "all") -> int:
     """Bytes of activations a stage holds at its peak: ``held`` micro-batches' worth of what
     its layers keep for backward and of the inputs it ``received`` (numbers per sample; the
     pipeline keeps each until its backward), the last of them at the moment of its forward,
-    or of its backward, that holds most (:func:`_moments`)."""
-    kept, most = _moments(lay, layers, first_input, split)
+    or of its backward, that holds most (:func:`_moments`; ``in_flight``: ZeRO-2's buckets
+    still in flight then, "all" or only the "last")."""
+    kept, most = _moments(lay, layers, first_input, split, in_flight)
     inputs = received * lay.micro_batch * lay.dtype_bytes
     return int((held - 1) * (kept + inputs) + most + inputs)
 
 
-def _moments(lay, layers: list, first_input: int, split: bool) -> tuple[int, int]:
+def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = "all") -> tuple[int, int]:
     """(bytes one micro-batch keeps, the most it holds at one moment). A layer keeps its
     kept numbers, and in mixed precision the float32 copies of the weights its products
     read (:func:`mpitrain.dtypes.upcast`); one that runs again in backward keeps its input
     only (``first_input``: the stage's input's numbers per sample). While a layer runs
     forward it also holds its scratch (:func:`scratch_numbers`; ``split``: a zero-bubble
     schedule's plain path), under ZeRO-3 its and the next layer's gathered weights, and
-    under ZeRO-2 from the second micro-batch on the previous one's buckets in flight (the
-    packed gradients and the received shard). While it runs backward, what the layers
+    under ZeRO-2 from the second micro-batch on what the previous one's backward left
+    (:func:`_zero2_held`: its buckets in flight, each freed once a test during backward has
+    seen it done, so how many depends on the messages' timing, ``in_flight``; or the whole
+    gradient, accumulated in full). While it runs backward, what the layers
     before it keep, its whole set, the gradients of its output and input, and its largest
     part's weight gradients; a layer that ran again keeps its input beside its set, and
     its weight gradients come from its private graph, a second copy until the engine has
-    added them; under ZeRO-3 also its and the previous layer's gathered weights and the
-    whole gradients of the layers after it with their shards (their reduce-scatters in
-    flight). Fused backward passes write their gradients over the arrays they read last,
-    which is why a layer's backward adds no more than this."""
+    added them (so under ZeRO-2, whose parameters have no ``.grad`` to add into); under
+    ZeRO-3 also its and the previous layer's gathered weights and the
+    whole gradient of the layer after it with its shard (its reduce-scatter in flight:
+    :meth:`mpitrain.parallel.zero3.Zero3._progress` frees each once its sum is in), under
+    ZeRO-2 the later layers' gradients it holds (:func:`_zero2_held`). Fused backward
+    passes write their gradients over the arrays they read last, which is why a layer's
+    backward adds no more than this."""
     b, a, s = lay.micro_batch, lay.dtype_bytes, lay.itemsize
     fast = lay.cfg.train.fast_paths and not split
     zero3 = lay.par.sync == "zero3"
-    N = sum(x.size for x in layers)
-    buckets = (N + -(-N // lay.dp)) * s if lay.par.sync == "zero2" and lay.m > 1 else 0
+    buckets = _zero2_held(lay, layers, 0, in_flight) if lay.m > 1 else 0
+    # ZeRO-2 frees each .grad once packed: a gradient is a new array (but accumulated in full, a sum)
+    fresh = lay.par.sync == "zero2" and not (lay.m > 1 and lay.par.accumulate == "full")
     kept, inp, most, before = 0, first_input, 0, []
     for i, layer in enumerate(layers):
         mine = (inp if replays(lay, layer) else layer.kept) * b * a
@@ -179,25 +205,51 @@ def _moments(lay, layers: list, first_input: int, split: bool) -> tuple[int, int
     for i, layer in enumerate(layers):
         again = replays(lay, layer)  # its graph is private: its weight gradients are returned, then added
         whole = (layer.full or layer.kept) * b * a + (before[i + 1] - before[i] if again else 0)
-        grads = 2 * b * math.prod(layer.out) * a + (1 + again) * (layer.part or layer.size) * s
+        copies = 2 if again or fresh else 1
+        grads = 2 * b * math.prod(layer.out) * a + copies * (layer.part or layer.size) * s
         if zero3:
             grads += sum(x.size for x in layers[max(0, i - 1) : i + 1]) * s
-            grads += sum(x.size + -(-x.size // lay.dp) for x in layers[i + 1 :]) * s
-        most = max(most, before[i] + whole + grads)
+            grads += sum(x.size + -(-x.size // lay.dp) for x in layers[i + 1 : i + 2]) * s
+        most = max(most, before[i] + whole + grads + _zero2_held(lay, layers, i + 1, in_flight))
     return kept, max(most, kept)
+
+
+def _zero2_held(lay, layers: list, after: int, in_flight: str) -> int:
+    """Bytes of gradients ZeRO-2 holds beyond its shard once backward has passed the layers
+    from ``after`` on (0: a whole backward, the previous micro-batch's): accumulated in full,
+    the whole gradient; else the gradients of a bucket not yet full, and each bucket
+    started with its received shard while in flight ("all" of them at most, none at least;
+    a later micro-batch's forward: the "last" started at least)."""
+    if lay.par.sync != "zero2":
+        return 0
+    model, s = lay.models[0], lay.itemsize
+    if lay.m > 1 and lay.par.accumulate == "full":
+        return model.count(layers) * s
+    params = model.parameters(layers)
+    ready = set(model.parameters(layers[after:]))
+    groups = buckets_of(lay, params)
+    held = 0
+    for k, group in enumerate(groups):
+        n = sum(math.prod(params[name]) for name in group if name in ready)
+        started = all(name in ready for name in group)
+        if n and (not started or in_flight == "all" or (in_flight == "last" and not after and k == len(groups) - 1)):
+            held += n + (-(-n // lay.dp) if started else 0)
+    return held * s
 
 
 def scratch_numbers(lay, layer, fast: bool) -> int:
     """Numbers a layer's forward holds for a moment beyond what it keeps, for one
     micro-batch: its ``scratch`` (a block's input and its first half's output, the
     head's logits), and a GELU's work: on the fast paths two arrays of one block of
-    elements (:func:`mpitrain.ops.elementwise.gelu_blocks`), else two of the whole
-    (``gelu_plain``); op by op (tensor slicing, a zero-bubble schedule) its input too,
-    which the fused block's GELU overwrites."""
+    elements (:func:`mpitrain.ops.elementwise.gelu_blocks`), else three of the whole
+    (``gelu_plain``: ``x^2``, ``h``, and the temporaries of its expressions, one at a
+    time beyond its outputs); op by op
+    (tensor slicing, a zero-bubble schedule) its input too, which the fused block's GELU
+    overwrites."""
     b = lay.micro_batch
     if not layer.gelu:
         return layer.scratch * b
-    work = 2 * min(layer.gelu * b, BLOCK_ELEMENTS) if fast else 2 * layer.gelu * b
+    work = 2 * min(layer.gelu * b, BLOCK_ELEMENTS) if fast else 3 * layer.gelu * b
     fused = fast and lay.tp == 1
     return layer.scratch * b + work + (0 if fused else layer.gelu * b)
 
@@ -208,21 +260,25 @@ def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None) -> Rank
     layers = lay.layers(s, r)
     params = lay.parameters(s, r)
     memory = model_state(lay, s, r, d)
+    memory["buffers"] = like.memory["buffers"] if like is not None else ring_buffers(lay, params, layers) + max(
+        (layer.cache for layer in layers), default=0) * lay.dtype_bytes
     ring = lay.par.allreduce == "ring"  # each rank of a ring sends its own count
     if like is not None:
         memory["activations"] = like.memory["activations"]
         calls = dp_calls(lay, params, layers, d) + like.calls[like.dp_calls:] if ring else like.calls
         return RankPlan([lay.rank_of(s, d, r)], like.stage, like.parameters, memory, calls, like.flops, like.held,
-                        like.bubble, by_axis(calls) if ring else like.sent, like.dp_calls, list(like.slices))
+                        like.bubble, by_axis(calls) if ring else like.sent, like.dp_calls, list(like.slices),
+                        like.floor)
     held = cost.micro_batches_held(lay.par.schedule, lay.pp, lay.m, s, lay.v) if lay.pp > 1 else 1
     k = lay.bounds[s]  # the stage's first layer in the whole list
     first = math.prod(lay.models[r].layers[k - 1].out) if k else math.prod(lay.models[r].sample)
-    split = lay.pp > 1 and any(isinstance(x, schedules.BackwardInput)
-                               for x in schedules.schedule(lay.par.schedule, lay.pp, lay.m, s, lay.v))
+    split = split_backward(lay, s)
     model, p = lay.models[r].layers, lay.pp
     received = sum(math.prod(model[lay.bounds[c * p + s] - 1].out) for c in range(lay.v)  # inputs sent to it
                    if c * p + s and not replays(lay, model[lay.bounds[c * p + s]]))  # (a replayed layer keeps it)
     memory["activations"] = activations(lay, layers, held, first, split, received)
+    floor = activations(lay, layers, held, first, split, received, "last") if lay.par.sync == "zero2" else 0
+    floor = floor if floor != memory["activations"] else 0
     dp = dp_calls(lay, params, layers, d)
     calls = dp + pp_calls(lay, s, r) + tp_calls(lay, s, r)
     samples = lay.micro_batch * lay.m
@@ -233,7 +289,7 @@ def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None) -> Rank
     stage = f"stage {s}" if lay.pp > 1 else "" if lay.tp > 1 else "replica"
     N = sum(math.prod(shape) for shape in params.values())
     return RankPlan([lay.rank_of(s, d, r)], stage, N, memory, calls, flops, held, bubble, by_axis(calls), len(dp),
-                    [r] if lay.tp > 1 else [])
+                    [r] if lay.tp > 1 else [], floor)
 
 
 def server_plan(lay, k: int) -> RankPlan:
@@ -250,7 +306,8 @@ def server_plan(lay, k: int) -> RankPlan:
     N, s = sum(sizes), lay.itemsize
     counters = 8 * len(own) if lay.moments == 2 else 0
     memory = {"parameters": N * s, "gradients": N * s, "optimizer state": lay.moments * sum(own) * s + counters,
-              "masters": 0, "activations": 0, "work": max(own, default=0) * s if lay.moments else 0, "reader": 0}
+              "masters": 0, "activations": 0, "work": max(own, default=0) * s if lay.moments else 0, "reader": 0,
+              "buffers": 0}
     calls = [Call("dp", "parameters to each worker's pull (+ version)", "send", sum(own) * s + 8, 2, lay.dp, "p2p")]
     return RankPlan([k], "server", sum(own), memory, calls, {"forward": 0, "backward": 0, "recompute": 0},
                     sent=by_axis(calls))

@@ -37,6 +37,7 @@ class Layer:
     scratch: int = 0  # numbers per sample its forward holds for a moment beyond ``kept`` (a block's input and half)
     gelu: int = 0  # numbers per sample of its GELU, whose work arrays the forward holds too (plan.predict.scratch)
     part: int = 0  # parameters of its largest part (a block's MLP), whose gradients backward makes at once; 0: all
+    cache: int = 0  # numbers its ops keep cached between steps, once in a process (attention's causal mask)
 
     @property
     def size(self) -> int:
@@ -100,10 +101,13 @@ def gpt(V: int, T: int, L: int, H: int, C: int, bias: bool = False, checkpointed
         kept = gpt_block_activation_bytes(1, T, C, H, 1, checkpointed, t, sequence)
         return Layer(f"block {i}", _present(params), fwd, 2 * fwd, kept, (T, C),
                      checkpointed, 12 * C * C + (13 * C if bias else 2 * C), (T, C, hid), full,
-                     2 * T * C // (t if sequence else 1), T * hid, 2 * C * hid + (hid + C if bias else 0))
+                     (3 if sequence else 2) * T * C // (t if sequence else 1), T * hid,  # sequence: the norm's
+                     2 * C * hid + (hid + C if bias else 0),  # output slice lives while its sublayer runs too
+                     T * T)  # the causal mask (ops.attention: one in a process, whatever its blocks)
 
     wte = ("embed.wte.weight", (v, C))
-    embed = Layer("embed", (wte, ("embed.wpe.weight", (T, C))), 0, 0, 0, (T, C), whole=(V + T) * C)
+    # sliced, the embedding keeps its rows looked up (the product that zeroes the others' ids keeps them)
+    embed = Layer("embed", (wte, ("embed.wpe.weight", (T, C))), 0, 0, T * C if t > 1 else 0, (T, C), whole=(V + T) * C)
     head = Layer("head", _present([*ln("head.ln_f"), wte]), matmul_flops(T, C, v), 2 * matmul_flops(T, C, v),
                  2 * T * C + T + T * v, (T, V), whole=V * C + (2 * C if bias else C), gemm=(T, C, v), scratch=T * v)
     return ModelShape(name, (embed, *(block(i) for i in range(L)), head), (T,), frozenset({wte[0]}))

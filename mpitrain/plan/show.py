@@ -8,7 +8,7 @@ import re
 from mpitrain import cost
 
 MB = 1e6
-CATEGORIES = ("parameters", "gradients", "optimizer state", "masters", "work", "reader", "activations")
+CATEGORIES = ("parameters", "gradients", "optimizer state", "masters", "work", "buffers", "reader", "activations")
 
 
 def size(nbytes: float) -> str:

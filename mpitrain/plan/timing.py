@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mpitrain.plan.predict import replays
+from mpitrain.plan.predict import replays, split_backward
 
 # a calibrated device without ``passes`` (calibrated before they were measured): mpitrain's steps' elementwise
 # work, in passes over a layer's traffic; `mpitrain plan --calibrate` measures the device's own
@@ -71,18 +71,23 @@ def compute_seconds(lay, plan, machine: Machine) -> float:
     """One rank's compute per step: its layers' products at the device's rate for their
     shapes and the rank's BLAS threads; on a calibrated machine also mpitrain's work beyond
     them (measured for whole steps, the update in them): the device's ``passes`` over each
-    layer's traffic, a replayed forward a third more, and its time per layer that does not
-    grow with the batch. A published device's ``utilization`` stands for everything besides
-    the products."""
+    layer's traffic, a replayed forward a third more, its time per layer and micro-batch
+    and per layer and step that do not grow with the batch, and in mixed precision its
+    casts. A published device's ``utilization`` stands for everything besides the products."""
     d, b, dtype = machine.device, lay.micro_batch, lay.cfg.train.dtype
     if plan.stage == "server":
         return 0.0
-    family = "gpt" if lay.cfg.model.name == "gpt" else "cnn"
-    passes = d.passes.get(family, UNCALIBRATED_PASSES[family]) if d.calibrated else 0.0
-    overhead = d.layer_overhead.get(family, 0.0) if d.calibrated else 0.0
+    family = path(lay, plan)
+    known = family if family in d.passes else family[:3]  # a path not measured: the fused GPT's figures
+    passes = d.passes.get(known, UNCALIBRATED_PASSES[known[:3]]) if d.calibrated else 0.0
+    overhead = d.layer_overhead.get(known, 0.0) if d.calibrated else 0.0
     threads = machine.threads(lay.cfg.train.threads)
     s, r = _coords(lay, plan.ranks[0])
-    seconds = 0.0
+    seconds = len(lay.layers(s, r)) * d.step_overhead.get(known, 0.0) / machine.share if d.calibrated else 0.0
+    if lay.mixed and d.calibrated:  # its casts and the masters' update; a bucket's sum in float32 and back
+        precision = lay.cfg.train.precision
+        casts = plan.parameters * d.cast.get(precision, 0.0) if lay.dp > 1 else 0.0
+        seconds += (lay.m * plan.parameters * d.mixed.get(precision, 0.0) + casts) / machine.share
     for layer in lay.layers(s, r):
         again = replays(lay, layer)
         flops = (layer.forward * (1 + again) + layer.backward) * b
@@ -92,6 +97,19 @@ def compute_seconds(lay, plan, machine: Machine) -> float:
         seconds += lay.m * elementwise / (d.elementwise_bandwidth or d.memory_bandwidth) / machine.share
         seconds += lay.m * overhead * (1 + again / 3) / machine.share
     return seconds
+
+
+def path(lay, plan) -> str:
+    """How a rank runs its layers (:data:`mpitrain.plan.hardware.FAMILIES`): a CNN; the GPT's
+    blocks op by op through tensor slicing's layers (with sequence parallelism or not), or
+    on the plain path (fast paths off, or a zero-bubble schedule, which splits backward),
+    or fused."""
+    if lay.cfg.model.name != "gpt":
+        return "cnn"
+    if lay.tp > 1:
+        return "gpt-sequence" if lay.par.sequence_parallel else "gpt-sliced"
+    split = split_backward(lay, _coords(lay, plan.ranks[0])[0])
+    return "gpt-plain" if split or not lay.cfg.train.fast_paths else "gpt"
 
 
 def _coords(lay, rank: int) -> tuple[int, int]:

@@ -80,6 +80,33 @@ def dp_calls(lay, params: dict, layers: list, d: int) -> list[Call]:
     return calls + clip
 
 
+def ring_buffers(lay, params: dict, layers: list) -> int:
+    """Bytes mpitrain's ring keeps between steps on this rank's data-parallel communicators
+    (:func:`mpitrain.comm.ring._work`, one scratch array per communicator, each as large as
+    its largest ring asked): each of data parallelism's and ZeRO-2's buckets has its own
+    communicator, ZeRO-3's groups two (gathers, reduce-scatters), ZeRO-1 one. A ring of
+    ``n`` numbers on ``P`` ranks keeps two chunks of ``ceil(n / P)`` in a 16-bit wire
+    format, else one when a chunk is over ``IN_PLACE_CHUNK_BYTES`` and two below. (Two
+    ranks across nodes exchange instead of ringing: not counted here.)"""
+    from mpitrain.comm.ring import IN_PLACE_CHUNK_BYTES
+
+    par, P, s = lay.par, lay.dp, lay.itemsize
+    if par.allreduce != "ring" or P == 1 or par.sync not in ("ddp", "zero1", "zero2", "zero3"):
+        return 0
+
+    def work(n: int) -> int:
+        widest = -(-n // P)
+        if par.sync == "ddp" and par.wire != "fp32":
+            return 2 * widest * 2
+        return widest * s * (1 if widest * s > IN_PLACE_CHUNK_BYTES else 2)
+
+    if par.sync == "zero1":
+        return work(sum(math.prod(shape) for shape in params.values()))
+    if par.sync == "zero3":
+        return sum(2 * work(sum(math.prod(params[k]) for k in names)) for names in zero3_groups(params, layers))
+    return sum(work(n) for n in _bucket_sizes(lay, params))
+
+
 def _bucket_sizes(lay, params: dict) -> list[int]:
     return [sum(math.prod(params[n]) for n in names) for names in buckets(lay, params)]
 

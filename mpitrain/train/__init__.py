@@ -25,6 +25,7 @@ from mpitrain import checkpoint, ops
 from mpitrain.comm import SingleComm, alone, started_thread_level
 from mpitrain.config import Config, ConfigError, check_ranks
 from mpitrain.data import DataError
+from mpitrain.dtypes import dtype_of
 from mpitrain.observe.memory import HeapTrace
 from mpitrain.observe.timing import Traffic
 from mpitrain.parallel import GradSync
@@ -60,6 +61,8 @@ def train(cfg: Config, log=print, comm=None, resume: bool = False, warn=None, st
     threads = blas_threads(cfg.train.threads, comm.node_size())
     tune_allocator()
     with limit_blas_threads(threads), ops.fast_paths(cfg.train.fast_paths):
+        for number_format in (cfg.train.precision, cfg.parallel.wire):  # a half format's library is loaded
+            dtype_of(number_format)  # before the heap is traced: its import is not the run's
         heap = HeapTrace(cfg.run.trace_memory)  # from before the model exists
         try:
             run = build_run(cfg, comm, grid, log)
