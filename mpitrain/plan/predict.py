@@ -36,8 +36,9 @@ class RankPlan:
     sent: dict = field(default_factory=dict)  # bytes per step by axis
     dp_calls: int = 0  # how many of ``calls`` are the data-parallel sync's (the first)
     slices: list = field(default_factory=list)  # the tensor-parallel ranks grouped here (none: not sliced)
-    # activations at the least, where the peak depends on messages' timing (ZeRO-2's buckets); 0: exact
-    floor: int = 0
+    # activations (at least, at most) where the peak depends on messages' timing (ZeRO-2's buckets in
+    # flight; ``memory["activations"]`` is the rule); (0, 0): no such range
+    bounds: tuple = (0, 0)
 
     @property
     def state(self) -> int:
@@ -154,18 +155,18 @@ def replays(lay, layer) -> bool:
 
 
 def activations(lay, layers: list, held: float, first_input: int, split: bool = False, received: int = 0,
-                in_flight: str = "all") -> int:
+                in_flight: str = "last") -> int:
     """Bytes of activations a stage holds at its peak: ``held`` micro-batches' worth of what
     its layers keep for backward and of the inputs it ``received`` (numbers per sample; the
     pipeline keeps each until its backward), the last of them at the moment of its forward,
     or of its backward, that holds most (:func:`_moments`; ``in_flight``: ZeRO-2's buckets
-    still in flight then, "all" or only the "last")."""
+    still in flight then, :func:`_zero2_held`)."""
     kept, most = _moments(lay, layers, first_input, split, in_flight)
     inputs = received * lay.micro_batch * lay.dtype_bytes
     return int((held - 1) * (kept + inputs) + most + inputs)
 
 
-def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = "all") -> tuple[int, int]:
+def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = "last") -> tuple[int, int]:
     """(bytes one micro-batch keeps, the most it holds at one moment). A layer keeps its
     kept numbers, and in mixed precision the float32 copies of the weights its products
     read (:func:`mpitrain.dtypes.upcast`); one that runs again in backward keeps its input
@@ -217,9 +218,10 @@ def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = 
 def _zero2_held(lay, layers: list, after: int, in_flight: str) -> int:
     """Bytes of gradients ZeRO-2 holds beyond its shard once backward has passed the layers
     from ``after`` on (0: a whole backward, the previous micro-batch's): accumulated in full,
-    the whole gradient; else the gradients of a bucket not yet full, and each bucket
-    started with its received shard while in flight ("all" of them at most, none at least;
-    a later micro-batch's forward: the "last" started at least)."""
+    the whole gradient; else the gradients of a bucket not yet full, and the buckets started
+    with their received shards while in flight: each is freed when a hook sees it done, so
+    "all" of them at most, "none" at least, and as a rule the "last" one started (a
+    reduce-scatter ends while the next layer's backward runs)."""
     if lay.par.sync != "zero2":
         return 0
     model, s = lay.models[0], lay.itemsize
@@ -228,12 +230,13 @@ def _zero2_held(lay, layers: list, after: int, in_flight: str) -> int:
     params = model.parameters(layers)
     ready = set(model.parameters(layers[after:]))
     groups = buckets_of(lay, params)
+    started = [all(name in ready for name in group) for group in groups]
+    last = max((k for k, done in enumerate(started) if done), default=-1)
     held = 0
     for k, group in enumerate(groups):
         n = sum(math.prod(params[name]) for name in group if name in ready)
-        started = all(name in ready for name in group)
-        if n and (not started or in_flight == "all" or (in_flight == "last" and not after and k == len(groups) - 1)):
-            held += n + (-(-n // lay.dp) if started else 0)
+        if n and (not started[k] or in_flight == "all" or (in_flight == "last" and k == last)):
+            held += n + (-(-n // lay.dp) if started[k] else 0)
     return held * s
 
 
@@ -268,7 +271,7 @@ def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None) -> Rank
         calls = dp_calls(lay, params, layers, d) + like.calls[like.dp_calls:] if ring else like.calls
         return RankPlan([lay.rank_of(s, d, r)], like.stage, like.parameters, memory, calls, like.flops, like.held,
                         like.bubble, by_axis(calls) if ring else like.sent, like.dp_calls, list(like.slices),
-                        like.floor)
+                        like.bounds)
     held = cost.micro_batches_held(lay.par.schedule, lay.pp, lay.m, s, lay.v) if lay.pp > 1 else 1
     k = lay.bounds[s]  # the stage's first layer in the whole list
     first = math.prod(lay.models[r].layers[k - 1].out) if k else math.prod(lay.models[r].sample)
@@ -276,9 +279,11 @@ def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None) -> Rank
     model, p = lay.models[r].layers, lay.pp
     received = sum(math.prod(model[lay.bounds[c * p + s] - 1].out) for c in range(lay.v)  # inputs sent to it
                    if c * p + s and not replays(lay, model[lay.bounds[c * p + s]]))  # (a replayed layer keeps it)
-    memory["activations"] = activations(lay, layers, held, first, split, received)
-    floor = activations(lay, layers, held, first, split, received, "last") if lay.par.sync == "zero2" else 0
-    floor = floor if floor != memory["activations"] else 0
+    memory["activations"] = activations(lay, layers, held, first, split, received, "last")
+    bounds = (0, 0)
+    if lay.par.sync == "zero2":  # how many buckets are in flight depends on the messages' timing
+        bounds = tuple(activations(lay, layers, held, first, split, received, w) for w in ("none", "all"))
+        bounds = (0, 0) if bounds[0] == bounds[1] else bounds
     dp = dp_calls(lay, params, layers, d)
     calls = dp + pp_calls(lay, s, r) + tp_calls(lay, s, r)
     samples = lay.micro_batch * lay.m
@@ -289,7 +294,7 @@ def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None) -> Rank
     stage = f"stage {s}" if lay.pp > 1 else "" if lay.tp > 1 else "replica"
     N = sum(math.prod(shape) for shape in params.values())
     return RankPlan([lay.rank_of(s, d, r)], stage, N, memory, calls, flops, held, bubble, by_axis(calls), len(dp),
-                    [r] if lay.tp > 1 else [], floor)
+                    [r] if lay.tp > 1 else [], bounds)
 
 
 def server_plan(lay, k: int) -> RankPlan:

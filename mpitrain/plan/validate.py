@@ -104,10 +104,10 @@ def compare(plan, result, storage=()) -> list[tuple]:
             data = heap["parts"].get("data", 0)
             rows += [(rank, "optimizer's work array", p.memory["work"], state["work_bytes"]),
                      (rank, "heap at rest less the reader", rest, heap["rest"] - data),
-                     (rank, "heap peak above rest" if not p.floor else "heap peak above rest, at most",
-                      p.memory["activations"], heap["peak"] - heap["rest"]),
-                     *([(rank, "heap peak above rest, at least", p.floor, heap["peak"] - heap["rest"])]
-                       if p.floor else []),
+                     *([(rank, "heap peak above rest", p.memory["activations"], heap["peak"] - heap["rest"])]
+                       if not any(p.bounds) else
+                       [(rank, f"heap peak above rest, at {w}", bound, heap["peak"] - heap["rest"])
+                        for w, bound in zip(("least", "most"), p.bounds)]),
                      (rank, "reader (filling in the background)", p.memory["reader"], data)]
     for _, per_sample, rate in storage[:1]:  # the I/O table's need (its factors: its MB/s is rounded), at its rate
         rows.append(("all", "storage need (B/s) at the run's samples/s", plan.bytes_per_sample * rate,
@@ -170,7 +170,8 @@ def run(args) -> int:
     text, ok = table(rows, (plan.time["step"], seconds))
     print(f"validate: {source} on {plan.layout.describe()}\n{text}")
     if args.json:  # for mpitrain bench plan: each row with its tolerance and error
-        found = {"rows": [[*r, tolerance(r[1]), error(r[2], r[3])] for r in rows], "step": [plan.time["step"], seconds]}
+        found = {"rows": [[*r, tolerance(r[1]), error(r[2], r[3]), holds(*r[1:])] for r in rows],
+                 "step": [plan.time["step"], seconds]}
         Path(args.json).write_text(json.dumps(found))
     return 0 if ok else 1
 
