@@ -65,7 +65,7 @@ class HeapTrace:
 
     def __init__(self, enabled: bool = True):
         self.tracing = enabled and not tracemalloc.is_tracing()
-        self.base, self.rest, self.parts, self.peak = 0, None, {}, None
+        self.base, self.rest, self.parts, self.peak, self.reader_growth = 0, None, {}, None, 0
         if self.tracing:
             tracemalloc.start(self.FRAMES)
             self.base = tracemalloc.get_traced_memory()[0]
@@ -76,13 +76,21 @@ class HeapTrace:
             return
         if done == self.REST_STEP:
             self.rest = tracemalloc.get_traced_memory()[0] - self.base
-            for stat in tracemalloc.take_snapshot().statistics("traceback"):
-                part = self._category(stat.traceback)
-                self.parts[part] = self.parts.get(part, 0) + stat.size
+            self.parts = self._parts()
             tracemalloc.reset_peak()
         elif done == self.REST_STEP + 1:
             self.peak = tracemalloc.get_traced_memory()[1] - self.base
+            # the reader's thread reads ahead on its own schedule: what it added in the step is its own
+            self.reader_growth = max(0, self._parts().get("data", 0) - self.parts.get("data", 0))
             self.stop()
+
+    def _parts(self) -> dict:
+        """{category: bytes} of what is allocated now."""
+        parts: dict = {}
+        for stat in tracemalloc.take_snapshot().statistics("traceback"):
+            part = self._category(stat.traceback)
+            parts[part] = parts.get(part, 0) + stat.size
+        return parts
 
     def _category(self, traceback) -> str:
         for frame in reversed(traceback):  # from the innermost frame out
@@ -98,8 +106,10 @@ class HeapTrace:
             self.tracing = False
 
     def figures(self) -> dict | None:
-        """{"rest", "peak", "parts": {category: bytes}} once measured (None before)."""
-        return None if self.peak is None else {"rest": self.rest, "peak": self.peak, "parts": self.parts}
+        """{"rest", "peak", "parts": {category: bytes}, "reader_growth": what the reader's thread
+        added during the step after rest} once measured (None before)."""
+        return None if self.peak is None else {"rest": self.rest, "peak": self.peak, "parts": self.parts,
+                                               "reader_growth": self.reader_growth}
 
 
 def state_line(counted: dict, parameters: int, formula: float | None) -> str:

@@ -101,13 +101,13 @@ def compare(plan, result, storage=()) -> list[tuple]:
             rows.append((rank, f"{axis} sent", p.sent.get(axis, 0), sent / steps))
         if heap is not None:
             rest = p.rest
+            peak = heap["peak"] - heap["rest"] - heap.get("reader_growth", 0)  # the reader's rounds are its row
             data = heap["parts"].get("data", 0)
             rows += [(rank, "optimizer's work array", p.memory["work"], state["work_bytes"]),
                      (rank, "heap at rest less the reader", rest, heap["rest"] - data),
-                     *([(rank, "heap peak above rest", p.memory["activations"], heap["peak"] - heap["rest"])]
-                       if not any(p.bounds) else
-                       [(rank, f"heap peak above rest, at {w}", bound, heap["peak"] - heap["rest"])
-                        for w, bound in zip(("least", "most"), p.bounds)]),
+                     *([(rank, "heap peak above rest", p.memory["activations"], peak)] if not any(p.bounds) else
+                       [(rank, f"heap peak above rest, at {w}", bound, peak) for w, bound in zip(("least", "most"),
+                                                                                             p.bounds)]),
                      (rank, "reader (filling in the background)", p.memory["reader"], data)]
     for _, per_sample, rate in storage[:1]:  # the I/O table's need (its factors: its MB/s is rounded), at its rate
         rows.append(("all", "storage need (B/s) at the run's samples/s", plan.bytes_per_sample * rate,
@@ -199,7 +199,8 @@ def end_of_run(cfg, ranks: int, step_seconds: float, states: list) -> list[str]:
     heap = states[rank][1]
     if heap is not None:
         rest = heap["rest"] - heap["parts"].get("data", 0)
-        line += (f"; heap at rest less the reader {rest / 1e6:.2f} MB ({error(p.rest, rest):+.1%}"
-                 f" off), a step's peak above rest {(heap['peak'] - heap['rest']) / 1e6:.2f} MB against "
+        peak = heap["peak"] - heap["rest"] - heap.get("reader_growth", 0)
+        line += (f"; heap at rest less the reader {rest / 1e6:.2f} MB ({error(p.rest, rest):+.1%} off), a step's "
+                 f"peak above rest less what the reader read meanwhile {peak / 1e6:.2f} MB against "
                  f"{p.memory['activations'] / 1e6:.2f} MB of activations predicted")
     return lines + [line]
