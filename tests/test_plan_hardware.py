@@ -89,7 +89,7 @@ DEVICE = '[device.d]\nname = "d"\nmemory_gb = 1\nmemory_bandwidth_gbs = 1\n[devi
     (DEVICE.replace("memory_gb", "memory_gib"), "device.d.memory_gib: unknown field"),
     (DEVICE + "[device.d.x]\n", "device.d.x: unknown field"),
     (DEVICE + "[device.d.passes]\nrnn = 3\n",
-     "device.d.passes.rnn: unknown family (known: gpt, gpt-sliced, gpt-sequence, gpt-plain, cnn)"),
+     "device.d.passes.rnn: unknown family (known: gpt, gpt-sliced, gpt-sequence, gpt-plain, gpt-split, cnn)"),
     (DEVICE + "[device.d.passes]\ngpt = -1\n", "device.d.passes.gpt: expected a positive number, got -1"),
     (DEVICE + "[device.d.passes]\ncnn = 'many'\n", "device.d.passes.cnn: expected a positive number"),
     (DEVICE.replace("memory_gb = 1", "memory_gb = 1\npasses = 3"), "device.d.passes: expected a table"),
@@ -269,7 +269,7 @@ def test_measure_mixed_is_the_cost_beyond_float32_per_parameter():
 @pytest.mark.parametrize("sets, family", [([], "gpt"), (["parallel.tp=2"], "gpt-sliced"),
                                           (["parallel.tp=2", "parallel.sequence_parallel=true"], "gpt-sequence"),
                                           (["parallel.pp=2", "parallel.schedule='zb-h1'", "train.micro_batches=4"],
-                                           "gpt-plain"),
+                                           "gpt-split"),
                                           (["parallel.pp=2", "train.micro_batches=4"], "gpt"),
                                           (["train.fast_paths=false"], "gpt-plain")])
 def test_a_rank_is_timed_by_the_path_its_blocks_run(sets, family):

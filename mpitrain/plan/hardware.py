@@ -33,8 +33,8 @@ GEMM_DTYPES = ("float32", "float64")  # what calibration measures: half-precisio
 CALIBRATED = ("gemm_gflops", "elementwise_bandwidth_gbs", "op_overhead_us")  # one of them: all of them
 # the ways mpitrain's models run whose steps a device may have measured (passes, layer overhead): the GPT's
 # blocks fused, op by op through tensor slicing's layers (and with sequence parallelism), op by op on the
-# plain path; the CNNs
-FAMILIES = ("gpt", "gpt-sliced", "gpt-sequence", "gpt-plain", "cnn")
+# plain path (and with backward in a zero-bubble schedule's two passes); the CNNs
+FAMILIES = ("gpt", "gpt-sliced", "gpt-sequence", "gpt-plain", "gpt-split", "cnn")
 MIXED = ("bf16", "fp16")  # the mixed precisions whose cost per parameter a device may have measured
 DEVICE_FIELDS = ("name", "memory_gb", "memory_bandwidth_gbs", "peak_flops", *CALIBRATED, "passes", "layer_overhead_us",
                  "step_overhead_us", "mixed_ns_per_parameter", "cast_ns_per_number")

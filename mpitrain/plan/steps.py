@@ -89,10 +89,11 @@ def gpt_probe(V=84, T=64, L=4, H=4, C=128, batch=12, path: str = "gpt") -> Probe
     its blocks run as ``path`` runs them (:data:`mpitrain.plan.hardware.FAMILIES`): fused
     ("gpt"), op by op through tensor slicing's layers (``slice_gpt`` on one rank,
     "gpt-sliced"; with sequence parallelism, "gpt-sequence"), or op by op on the plain
-    path (fast paths off, as zero-bubble schedules run, "gpt-plain"); ``make(precision)``
-    trains in mixed precision (bf16, fp16) as the trainer does."""
+    path (fast paths off, "gpt-plain"), there with backward in a zero-bubble schedule's two
+    passes ("gpt-split"); ``make(precision)`` trains in mixed precision (bf16, fp16) as the
+    trainer does."""
     def make(precision: str = "fp32"):
-        from mpitrain import nn, ops, optim
+        from mpitrain import nn, ops, optim, tensor
         from mpitrain.comm import SingleComm
         from mpitrain.parallel.tensor_parallel import slice_gpt
         from mpitrain.precision import MixedPrecision
@@ -105,9 +106,13 @@ def gpt_probe(V=84, T=64, L=4, H=4, C=128, batch=12, path: str = "gpt") -> Probe
         x, y = np.random.default_rng(0).integers(0, V, (2, batch, T))
 
         def step(b: int, m: int = 1):
-            with ops.fast_paths(path != "gpt-plain"):
+            with ops.fast_paths(path not in ("gpt-plain", "gpt-split")):
                 for i in range(m):  # micro-batches, their gradients accumulated
-                    model(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b])[1].backward()
+                    loss = model(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b])[1]
+                    if path == "gpt-split":  # a zero-bubble stage's B, then its W
+                        tensor.backward_split([loss]).run()
+                    else:
+                        loss.backward()
             if precision == "fp32" or not opt.check():
                 opt.step()
             opt.zero_grad()
@@ -137,7 +142,7 @@ def cnn_probe(name: str, sample=(32, 32, 3), batch=64, **config) -> Probe:
     return Probe(f"{label} {'x'.join(map(str, sample))} B{batch}", "cnn", make)
 
 
-PROBES = (gpt_probe(), gpt_probe(path="gpt-sliced"), gpt_probe(path="gpt-sequence"), gpt_probe(path="gpt-plain"),
+PROBES = (gpt_probe(), *(gpt_probe(path=f"gpt-{p}") for p in ("sliced", "sequence", "plain", "split")),
           cnn_probe("lenet", (28, 28, 1)), cnn_probe("resnet", blocks=1))  # resnet8
 
 

@@ -13,9 +13,10 @@ message, Hockney 1994):
   scatter, allgather) or ``2 (P - 1)`` (allreduce) messages, ``alpha`` each, and its bytes
   at ``bandwidth``; the link is the network's if the communicator spans nodes (ranks are
   placed node by node in world order), else the node's.
-* **exposed**: data parallelism's buckets run during backward, so their time beyond the
-  backward's is exposed (all of it on shared memory, where the copies run on the cores
-  that compute); every other collective blocks.
+* **exposed**: data parallelism's (and ZeRO-2's) buckets each start when backward has
+  passed their parameters, one after another on the link, so what runs past the end of
+  backward is exposed (:func:`bucket_overlap`; all of it on shared memory, where the
+  copies run on the cores that compute); every other collective blocks.
 * **bubble**: a pipeline's step is its slowest stage's work over ``1 - bubble fraction``.
 * **I/O wait**: the reader's thread reads ahead; the loop waits when reading a step's
   samples takes longer than the step.
@@ -102,14 +103,15 @@ def compute_seconds(lay, plan, machine: Machine) -> float:
 def path(lay, plan) -> str:
     """How a rank runs its layers (:data:`mpitrain.plan.hardware.FAMILIES`): a CNN; the GPT's
     blocks op by op through tensor slicing's layers (with sequence parallelism or not), or
-    on the plain path (fast paths off, or a zero-bubble schedule, which splits backward),
-    or fused."""
+    on the plain path (a zero-bubble schedule's: backward in two passes; or fast paths
+    off), or fused."""
     if lay.cfg.model.name != "gpt":
         return "cnn"
     if lay.tp > 1:
         return "gpt-sequence" if lay.par.sequence_parallel else "gpt-sliced"
-    split = split_backward(lay, _coords(lay, plan.ranks[0])[0])
-    return "gpt-plain" if split or not lay.cfg.train.fast_paths else "gpt"
+    if split_backward(lay, _coords(lay, plan.ranks[0])[0]):
+        return "gpt-split"
+    return "gpt" if lay.cfg.train.fast_paths else "gpt-plain"
 
 
 def _coords(lay, rank: int) -> tuple[int, int]:
@@ -140,6 +142,21 @@ def group(lay, plan, axis: str) -> list[int]:
     return members
 
 
+def bucket_overlap(plan, link, backward: float) -> float:
+    """Seconds of a rank's data-parallel calls that backward does not hide: each gradient
+    bucket is ready once backward has passed its parameters (its share of the bytes, in
+    order) and its call starts then, or when the link is free of the one before; what runs
+    past the end of backward is exposed (a single bucket: all of it), and so is every other
+    call (clipping's sum, ZeRO-2's gathers after the step)."""
+    buckets = [c for c in plan.calls if c.axis == "dp" and c.what.startswith("gradient bucket")]
+    rest = sum(call_seconds(c, link) for c in plan.calls if c.axis == "dp" and c not in buckets)
+    total, done, free = sum(c.nbytes for c in buckets) or 1, 0, 0.0
+    for c in buckets:
+        done += c.nbytes
+        free = max(free, backward * done / total) + call_seconds(c, link)
+    return max(0.0, free - backward) + rest
+
+
 def step_parts(lay, plans, machine: Machine) -> dict:
     """The step's predicted seconds: compute (the slowest rank's), exposed communication,
     the bubble, the I/O wait, and the total; with the communication in total and per
@@ -150,11 +167,10 @@ def step_parts(lay, plans, machine: Machine) -> dict:
         compute = compute_seconds(lay, p, machine)
         links = {axis: machine.link(group(lay, p, axis)) for axis in ("dp", "pp", "tp")}
         comm = {axis: sum(call_seconds(c, links[axis]) for c in p.calls if c.axis == axis) for axis in links}
-        backward = compute * 2 / 3
         shared = links["dp"] is machine.intra
         overlaps = lay.par.sync in ("ddp", "zero2") and lay.par.progress != "off" and not shared
-        exposed = (max(0.0, comm["dp"] - backward) if overlaps else comm["dp"]) + comm["tp"]
-        rows.append((compute, exposed, comm))
+        dp = bucket_overlap(p, links["dp"], compute * 2 / 3) if overlaps else comm["dp"]
+        rows.append((compute, dp + comm["tp"], comm))
     compute = max(r[0] for r in rows)
     exposed = max(r[1] for r in rows)
     total_comm = max(sum(r[2].values()) for r in rows)
