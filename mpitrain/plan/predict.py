@@ -176,13 +176,13 @@ def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = 
     under ZeRO-2 from the second micro-batch on what the previous one's backward left
     (:func:`_zero2_held`: its buckets in flight, each freed once a test during backward has
     seen it done, so how many depends on the messages' timing, ``in_flight``; or the whole
-    gradient, accumulated in full). While it runs backward, what the layers
-    before it keep, its whole set, the gradients of its output and input, and its largest
-    part's weight gradients; a layer that ran again keeps its input beside its set, and
-    its weight gradients come from its private graph, a second copy until the engine has
-    added them (so under ZeRO-2, whose parameters have no ``.grad`` to add into); under
-    ZeRO-3 also its and the previous layer's gathered weights and the
-    whole gradient of the layer after it with its shard (its reduce-scatter in flight:
+    gradient, accumulated in full). While it runs backward, what the layers before it
+    keep, its whole set, the gradients of its output and input, and its largest part's
+    weight gradients; a layer that ran again keeps its input beside its set, and its
+    weight gradients come from its private graph, a second copy until the engine has added
+    them (so under ZeRO-2, whose parameters have no ``.grad`` to add into); under ZeRO-3
+    also its and the previous layer's gathered weights and the whole gradient of the layer
+    after it with its shard (its reduce-scatter in flight:
     :meth:`mpitrain.parallel.zero3.Zero3._progress` frees each once its sum is in), under
     ZeRO-2 the later layers' gradients it holds (:func:`_zero2_held`). Fused backward
     passes write their gradients over the arrays they read last, which is why a layer's
@@ -227,9 +227,12 @@ def _zero2_held(lay, layers: list, after: int, in_flight: str) -> int:
     model, s = lay.models[0], lay.itemsize
     if lay.m > 1 and lay.par.accumulate == "full":
         return model.count(layers) * s
-    params = model.parameters(layers)
+    key = ("zero2 buckets", tuple(layer.name for layer in layers))  # asked once for every layer of a walk
+    if key not in lay.cache:
+        params = model.parameters(layers)
+        lay.cache[key] = params, buckets_of(lay, params)
+    params, groups = lay.cache[key]
     ready = set(model.parameters(layers[after:]))
-    groups = buckets_of(lay, params)
     started = [all(name in ready for name in group) for group in groups]
     last = max((k for k, done in enumerate(started) if done), default=-1)
     held = 0
@@ -246,9 +249,8 @@ def scratch_numbers(lay, layer, fast: bool) -> int:
     head's logits), and a GELU's work: on the fast paths two arrays of one block of
     elements (:func:`mpitrain.ops.elementwise.gelu_blocks`), else three of the whole
     (``gelu_plain``: ``x^2``, ``h``, and the temporaries of its expressions, one at a
-    time beyond its outputs); op by op
-    (tensor slicing, a zero-bubble schedule) its input too, which the fused block's GELU
-    overwrites."""
+    time beyond its outputs); op by op (tensor slicing, a zero-bubble schedule) its input
+    too, which the fused block's GELU overwrites."""
     b = lay.micro_batch
     if not layer.gelu:
         return layer.scratch * b
