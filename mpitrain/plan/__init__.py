@@ -67,7 +67,10 @@ def machine(catalogue, hardware: str = "this", ranks: int = 1, per_node: int | N
     outer = catalogue.link(network) if network else inner
     if not memory:
         memory = (host_memory() or device.memory_bytes) / per_node if device.calibrated else device.memory_bytes
-    cores = available_cores() if device.calibrated else 0  # this machine's: ranks beyond its cores share them
+    # this machine's cores, ranks beyond them sharing them; nodes of this machine are emulated
+    # (mpitrain cluster), each pinned to its share of the cores
+    nodes = -(-ranks // per_node)
+    cores = max(1, available_cores() // nodes) if device.calibrated else 0
     return Machine(device, inner, outer, per_node, 1.0 if device.calibrated else utilization, memory, cores=cores)
 
 

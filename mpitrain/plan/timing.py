@@ -16,7 +16,8 @@ message, Hockney 1994):
 * **exposed**: data parallelism's (and ZeRO-2's) buckets each start when backward has
   passed their parameters, one after another on the link, so what runs past the end of
   backward is exposed (:func:`bucket_overlap`; all of it on shared memory, where the
-  copies run on the cores that compute); every other collective blocks.
+  copies run on the cores that compute); ZeRO-3's gathers and reduce-scatters run beside
+  the layers they do not serve (:func:`zero3_overlap`); every other collective blocks.
 * **bubble**: a pipeline's step is its slowest stage's work over ``1 - bubble fraction``.
 * **I/O wait**: the reader's thread reads ahead; the loop waits when reading a step's
   samples takes longer than the step.
@@ -27,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mpitrain.plan.predict import replays, split_backward
+from mpitrain.plan.traffic import Call
 
 # a calibrated device without ``passes`` (calibrated before they were measured): mpitrain's steps' elementwise
 # work, in passes over a layer's traffic; `mpitrain plan --calibrate` measures the device's own
@@ -157,6 +159,28 @@ def bucket_overlap(plan, link, backward: float) -> float:
     return max(0.0, free - backward) + rest
 
 
+def zero3_overlap(lay, plan, link, compute: float) -> float:
+    """Seconds of ZeRO-3's calls that compute does not hide, per micro-batch walked layer by
+    layer (each layer's share of ``compute`` by its FLOPs: a quarter forward, the replay and
+    backward the rest): forward gathers the next layer's weights while this one runs, the
+    first one exposed; backward gathers the previous layer's and reduce-scatters the next
+    one's while this one runs, the first gather and the last reduce-scatter exposed; every
+    other call (clipping's sum) is exposed too."""
+    s, r = _coords(lay, plan.ranks[0])
+    layers = lay.layers(s, r)
+    call = lambda kind, x: call_seconds(Call("dp", "", kind, x.size * lay.itemsize, lay.dp), link)  # noqa: E731
+    gather, reduce = [call("allgather", x) for x in layers], [call("reduce_scatter", x) for x in layers]
+    flops = [x.forward * 2 + x.backward for x in layers]
+    work = [compute / lay.m * f / (sum(flops) or 1) for f in flops]  # one micro-batch's, layer by layer
+    exposed = gather[0] + gather[-1] + reduce[0]
+    for k, w in enumerate(work):
+        exposed += max(0.0, (gather[k + 1] if k + 1 < len(layers) else 0.0) - w / 4)
+        behind = (gather[k - 1] if k else 0.0) + (reduce[k + 1] if k + 1 < len(layers) else 0.0)
+        exposed += max(0.0, behind - 3 * w / 4)
+    rest = sum(call_seconds(c, link) for c in plan.calls if c.axis == "dp" and c.collective == "allreduce")
+    return lay.m * exposed + rest
+
+
 def step_parts(lay, plans, machine: Machine) -> dict:
     """The step's predicted seconds: compute (the slowest rank's), exposed communication,
     the bubble, the I/O wait, and the total; with the communication in total and per
@@ -170,6 +194,8 @@ def step_parts(lay, plans, machine: Machine) -> dict:
         shared = links["dp"] is machine.intra
         overlaps = lay.par.sync in ("ddp", "zero2") and lay.par.progress != "off" and not shared
         dp = bucket_overlap(p, links["dp"], compute * 2 / 3) if overlaps else comm["dp"]
+        if lay.par.sync == "zero3" and not shared:
+            dp = min(dp, zero3_overlap(lay, p, links["dp"], compute))
         rows.append((compute, dp + comm["tp"], comm))
     compute = max(r[0] for r in rows)
     exposed = max(r[1] for r in rows)
