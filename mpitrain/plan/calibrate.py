@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from mpitrain.plan.hardware import GEMM_DTYPES, MIXED, HardwareError, parse_device, read_toml, user_path
-from mpitrain.plan.steps import PROBES, _median_seconds, _sig, measure_mixed, measure_steps
+from mpitrain.plan.steps import PROBES, measure_mixed, measure_steps, median_seconds, significant
 from mpitrain.runtime import available_cores
 
 # the GEMMs that matter here, (m, k, n) of (m,k)@(k,n), float32 unless a dtype is named
@@ -64,16 +64,16 @@ def measure_device(shapes=None, repeats: int = 5, log=print) -> dict:
                     raise HardwareError(f"GEMM shape {shape}: dtype must be one of {', '.join(GEMM_DTYPES)}")
                 a, b = gen.standard_normal((m, k)).astype(dtype), gen.standard_normal((k, n)).astype(dtype)
                 c = np.empty((m, n), dtype)
-                seconds = _median_seconds(lambda: np.matmul(a, b, out=c), repeats)  # runs here, on this a, b, c
-                rows.append([int(m), int(k), int(n), dtype, _sig(2 * m * k * n / seconds / 1e9), threads])
+                seconds = median_seconds(lambda: np.matmul(a, b, out=c), repeats)  # runs here, on this a, b, c
+                rows.append([int(m), int(k), int(n), dtype, significant(2 * m * k * n / seconds / 1e9), threads])
                 log(f"gemm ({m}, {k}) @ ({k}, {n}) {dtype}, {threads} thread(s): {rows[-1][4]:g} GFLOP/s")
     with threadpool_limits(limits=1, user_api="blas"):
         (a, b, c), x = (np.ones(1 << 23, np.float32) for _ in range(3)), np.zeros(16, np.float32)
-        copy = 2 * a.nbytes / _median_seconds(lambda: np.copyto(c, a), repeats)
-        add = 3 * a.nbytes / _median_seconds(lambda: np.add(a, b, out=c), repeats)
-        tiny = _median_seconds(lambda: np.add(x, x, out=x), repeats)  # a lambda: a Python call, as an op's
+        copy = 2 * a.nbytes / median_seconds(lambda: np.copyto(c, a), repeats)
+        add = 3 * a.nbytes / median_seconds(lambda: np.add(a, b, out=c), repeats)
+        tiny = median_seconds(lambda: np.add(x, x, out=x), repeats)  # a lambda: a Python call, as an op's
     log(f"streaming: copy {copy / 1e9:.3g} GB/s, add {add / 1e9:.3g} GB/s; a tiny op {tiny * 1e6:.3g} us")
-    best = {d: _sig(max([r[4] / 1e3 for r in rows if r[3] == d and r[5] == 1], default=0.0))  # TFLOP/s, a core's
+    best = {d: significant(max([r[4] / 1e3 for r in rows if r[3] == d and r[5] == 1], default=0.0))  # TFLOP/s, a core's
             for d in GEMM_DTYPES}
     if not best["float32"]:
         raise HardwareError("calibration needs a float32 GEMM shape at least")
@@ -82,10 +82,11 @@ def measure_device(shapes=None, repeats: int = 5, log=print) -> dict:
                   if line.startswith("model name")), "a CPU")
     blas = next((f"{i['internal_api']} {i['version']}" for i in threadpool_info() if i["user_api"] == "blas"), "BLAS")
     name = f"{model}, {os.cpu_count()} cores; NumPy {np.__version__}, {blas}"
-    return {"name": name, "memory_gb": _sig(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9),
-            "memory_bandwidth_gbs": _sig(copy / 1e9), "elementwise_bandwidth_gbs": _sig(add / 1e9),
-            "op_overhead_us": _sig(tiny * 1e6),  # TFLOP/s; half-precision products run in float32 (precision.py):
-            "peak_flops": {"fp64": best["float64"] or _sig(fp32 / 2), "fp32": fp32, "bf16": fp32, "fp16": fp32},
+    return {"name": name, "memory_gb": significant(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9),
+            "memory_bandwidth_gbs": significant(copy / 1e9), "elementwise_bandwidth_gbs": significant(add / 1e9),
+            "op_overhead_us": significant(tiny * 1e6),
+            # TFLOP/s; half-precision products run in float32 (precision.py)
+            "peak_flops": {"fp64": best["float64"] or significant(fp32 / 2), "fp32": fp32, "bf16": fp32, "fp16": fp32},
             "gemm_gflops": rows}
 
 
@@ -170,7 +171,7 @@ def _links(links, rates_gbit, max_bytes: int, repeats: int, log) -> dict:
         alpha, bandwidth = fit_link(rows)
         measured[key] = {"name": "shared memory, 2 MPI ranks on one node (calibrated)" if rate is None else
                          f"emulated {rate:g} Gbit/s link, mpitrain cluster 2 nodes x 1 rank (calibrated)",
-                         "alpha_us": _sig(alpha * 1e6), "bandwidth_gbs": _sig(bandwidth / 1e9)}
+                         "alpha_us": significant(alpha * 1e6), "bandwidth_gbs": significant(bandwidth / 1e9)}
         log(f"{key}: alpha {alpha * 1e6:.3g} us, bandwidth {bandwidth / 1e9:.4g} GB/s (8 B to {rows[-1][0]} B)")
     return measured
 

@@ -16,7 +16,7 @@ import numpy as np
 from mpitrain.plan import shapes as model_shapes
 from mpitrain.plan.hardware import MIXED, HardwareError
 
-def _median_seconds(fn, repeats: int, least: float = 0.02) -> float:
+def median_seconds(fn, repeats: int, least: float = 0.02) -> float:
     """Median of ``repeats`` repeats' seconds per call of ``fn``, a repeat lasting ``least`` s or more."""
     tick = time.perf_counter()
     fn()
@@ -29,7 +29,7 @@ def _median_seconds(fn, repeats: int, least: float = 0.02) -> float:
     return float(np.median(times))
 
 
-def _sig(x: float) -> float:  # four significant digits: a measurement's noise is percents
+def significant(x: float) -> float:  # four significant digits: a measurement's noise is percents
     return float(f"{x:.4g}")
 
 
@@ -46,19 +46,12 @@ def gemm_seconds(dev, model, batch: int) -> float:
     return seconds
 
 
-def passes_of(dev, model, batch: int, seconds: float) -> float:
-    """A step's ``seconds`` less its products' (:func:`gemm_seconds`), in passes over its
-    each layer's ``traffic`` of float32 numbers at ``dev``'s elementwise bandwidth."""
-    nbytes = 4 * batch * sum(layer.traffic for layer in model.layers)
-    return (seconds - gemm_seconds(dev, model, batch)) / (nbytes / dev.elementwise_bandwidth)
-
-
 def split_steps(dev, timed: list) -> tuple[float, float, float]:
     """(passes, seconds per layer and micro-batch, seconds per layer and step) that fit
     steps timed at several batches and micro-batches, ``timed`` [(model, batch, micro-batches,
     seconds), ...], in least squares: the time beyond the products (:func:`gemm_seconds`)
     is a part that grows with the batch, passes over the traffic of float32 numbers at
-    ``dev``'s elementwise bandwidth (:func:`passes_of`), a part each micro-batch pays
+    ``dev``'s elementwise bandwidth, a part each micro-batch pays
     whatever its size (Python, each op's call) and a part each step pays (the update's
     calls per tensor), both per layer. Where noise makes a part negative it is left out
     and the rest fitted again."""
@@ -193,9 +186,9 @@ def measure_steps(dev, probes=PROBES, repeats: int = 5, log=print) -> tuple[dict
         if not p > 0:
             raise HardwareError(f"{family} steps took less than their GEMMs' predicted time: the machine was "
                                 "too busy to measure; calibrate again")
-        passes[family] = _sig(p)
-        per_micro.update({family: _sig(o * 1e6)} if o > 0 else {})
-        per_step.update({family: _sig(u * 1e6)} if u > 0 else {})
+        passes[family] = significant(p)
+        per_micro.update({family: significant(o * 1e6)} if o > 0 else {})
+        per_step.update({family: significant(u * 1e6)} if u > 0 else {})
     return passes, per_micro, per_step
 
 
@@ -221,10 +214,10 @@ def measure_mixed(probe=PROBES[0], precisions=MIXED, repeats: int = 5, log=print
             rng.manual_seed(0)
             step, model, batch = probe.make(precision)
             seconds = _step_seconds(step, batch, repeats)
-            per_parameter[precision] = _sig(max(seconds - plain, 0.0) / model.count() * 1e9)
+            per_parameter[precision] = significant(max(seconds - plain, 0.0) / model.count() * 1e9)
             half = np.ones(1 << 22, dtype_of(precision))
-            trip = _median_seconds(lambda: np.copyto(half, half.astype(np.float32), casting="same_kind"), repeats)
-            per_number[precision] = _sig(trip / half.size * 1e9)
+            trip = median_seconds(lambda: np.copyto(half, half.astype(np.float32), casting="same_kind"), repeats)
+            per_number[precision] = significant(trip / half.size * 1e9)
             log(f"mixed {probe.name} {precision}: {seconds * 1e3:.4g} ms, in float32 {plain * 1e3:.4g} ms: "
                 f"{per_parameter[precision]:g} ns per parameter; a round trip through float32 "
                 f"{per_number[precision]:g} ns per number")
