@@ -83,6 +83,15 @@ def _work(comm, n: int, dtype) -> np.ndarray:
     return buf[:n]
 
 
+def work_numbers(widest: int, itemsize: int, wire: bool) -> int:
+    """Numbers of the scratch a :class:`Ring` whose widest chunk is ``widest`` keeps (:func:`_work`):
+    two chunks in a 16-bit ``wire`` format; one when a chunk of ``itemsize`` numbers is over
+    ``IN_PLACE_CHUNK_BYTES`` (sums in place), two below."""
+    if wire:
+        return 2 * widest
+    return widest if widest * itemsize > IN_PLACE_CHUNK_BYTES else 2 * widest
+
+
 def chunk_bounds(n: int, parts: int) -> np.ndarray:
     """(parts + 1,) start of each chunk and the end: chunk i is [b[i], b[i + 1])."""
     return np.array([n * i // parts for i in range(parts + 1)], dtype=np.int64)
@@ -149,10 +158,9 @@ class Ring(Request):
         # partial sums in two work arrays (step s fills partials[s % 2]) for chunks that a
         # core's cache holds; in place in buf, with one array to receive into, above that
         self.in_place = widest * buf.itemsize > IN_PLACE_CHUNK_BYTES or self.wire is not None
-        if self.wire is not None:  # sums in buf; what arrives and what leaves in the wire's format
-            work = _work(comm, 2 * widest, self.wire)
-        else:
-            work = _work(comm, widest if self.in_place else 2 * widest, buf.dtype)
+        # with a wire format: sums in buf; what arrives and what leaves in the wire's format
+        dtype = buf.dtype if self.wire is None else self.wire
+        work = _work(comm, work_numbers(widest, buf.itemsize, self.wire is not None), dtype)
         self.partials = (work[:widest], work[widest:])  # the second: empty in place, or the outgoing
         self.step, self.requests = 0, []
         if self.steps:

@@ -84,21 +84,18 @@ def ring_buffers(lay, params: dict, layers: list) -> int:
     """Bytes mpitrain's ring keeps between steps on this rank's data-parallel communicators
     (:func:`mpitrain.comm.ring._work`, one scratch array per communicator, each as large as
     its largest ring asked): each of data parallelism's and ZeRO-2's buckets has its own
-    communicator, ZeRO-3's groups two (gathers, reduce-scatters), ZeRO-1 one. A ring of
-    ``n`` numbers on ``P`` ranks keeps two chunks of ``ceil(n / P)`` in a 16-bit wire
-    format, else one when a chunk is over ``IN_PLACE_CHUNK_BYTES`` and two below. (Two
-    ranks across nodes exchange instead of ringing: not counted here.)"""
-    from mpitrain.comm.ring import IN_PLACE_CHUNK_BYTES
+    communicator, ZeRO-3's groups two (gathers, reduce-scatters), ZeRO-1 one; a ring of
+    ``n`` numbers on ``P`` ranks keeps :func:`mpitrain.comm.ring.work_numbers` of chunks of
+    ``ceil(n / P)``. (Two ranks across nodes exchange instead of ringing: not counted here.)"""
+    from mpitrain.comm.ring import work_numbers
 
     par, P, s = lay.par, lay.dp, lay.itemsize
     if par.allreduce != "ring" or P == 1 or par.sync not in ("ddp", "zero1", "zero2", "zero3"):
         return 0
+    wire = par.sync == "ddp" and par.wire != "fp32"
 
     def work(n: int) -> int:
-        widest = -(-n // P)
-        if par.sync == "ddp" and par.wire != "fp32":
-            return 2 * widest * 2
-        return widest * s * (1 if widest * s > IN_PLACE_CHUNK_BYTES else 2)
+        return work_numbers(-(-n // P), s, wire) * (2 if wire else s)
 
     if par.sync == "zero1":
         return work(sum(math.prod(shape) for shape in params.values()))
