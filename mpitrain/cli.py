@@ -125,7 +125,8 @@ def _cluster(args) -> int:
     if not command:
         raise _usage("give the command to run after --, e.g. mpitrain cluster --nodes 2 -- mpitrain bench ddp")
     try:
-        with Cluster(args.nodes, args.ranks, args.rate, args.mtu, args.netmod, args.dilation) as cluster:
+        with Cluster(args.nodes, args.ranks, args.rate, args.mtu, args.netmod, args.delayed_acks,
+                     args.dilation) as cluster:
             print(describe(cluster), flush=True)
             code = cluster.run(command)
             print(counters_table(cluster.counters()), flush=True)
@@ -309,6 +310,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _bench_plan(args) -> int:
     from mpitrain.bench import plan
+    from mpitrain.cluster import bits_per_second
     from mpitrain.comm import launcher_rank
 
     if launcher_rank() is not None:
@@ -316,7 +318,12 @@ def _bench_plan(args) -> int:
     unknown = [n for n in args.layouts or () if n not in plan.LAYOUTS]
     if unknown:
         raise _usage(f"--layouts: no layout {unknown[0]!r} (there are: {'; '.join(plan.LAYOUTS)})")
-    return plan.run(args.config, args.steps, args.network, args.layouts or list(plan.LAYOUTS))
+    bad = [r for r in args.network if bits_per_second(r) is None]
+    if bad:
+        raise _usage(f"--network: {bad[0]!r} is not a rate such as 100mbit, 1gbit or 10gbit")
+    if args.catalogue and not Path(args.catalogue).is_file():
+        raise _usage(f"--catalogue: no file {args.catalogue}")
+    return plan.run(args.config, args.steps, args.network, args.layouts or list(plan.LAYOUTS), args.catalogue)
 
 
 def _bench_pipeline(args) -> None:
@@ -414,9 +421,12 @@ def _bench_parsers(commands) -> None:
                                        "counted quantity was exact, and the heap's errors. Run it without mpiexec.")
     p.add_argument("--config", default="jobs/shakespeare_gpt.toml", help="the config (default: %(default)s)")
     p.add_argument("--steps", type=_positive, default=20, help="timed steps per layout (default 20)")
-    p.add_argument("--network", nargs="*", default=[], choices=["1gbit", "10gbit"], metavar="RATE",
-                   help="also across 2 emulated nodes at these rates: 1gbit, 10gbit (mpitrain cluster; root)")
+    p.add_argument("--network", nargs="*", default=[], metavar="RATE",
+                   help="also across 2 emulated nodes at these rates, e.g. 1gbit 10gbit (mpitrain cluster; root)")
     p.add_argument("--layouts", nargs="*", metavar="NAME", help="only these layouts (default: all)")
+    p.add_argument("--catalogue", metavar="PATH",
+                   help="predict with this calibration (mpitrain plan --calibrate --catalogue PATH) instead of "
+                        "calibrating this machine and each rate's link first (about 20 s, and 10 s a rate)")
     p.set_defaults(run=_bench_plan)
     p = benches.add_parser("step", help="training-step GFLOP/s of a GPT and a CNN vs. a large matmul",
                            description="Time training steps of the reference GPT and CNN beside a "
@@ -589,6 +599,9 @@ def _cluster_parser(commands) -> None:
     p.add_argument("--mtu", type=int, default=1500, help="MTU of the links (default 1500)")
     p.add_argument("--netmod", choices=("ofi", "ucx"), default="ofi",
                    help="MPICH's network module over the links (default ofi, its tcp provider)")
+    p.add_argument("--delayed-acks", action="store_true",
+                   help="keep the kernel's delayed ACKs on the links (default off: with them long allreduces "
+                        "stalled about 40 ms in a few percent of calls, which a cluster's fabric does not do)")
     p.add_argument("--dilation", type=_dilation, default=1.0, metavar="D|auto",
                    help="time dilation: links at RATE/D and each node held to RANKS/D cores, so that more ranks "
                         "than cores emulate one core per rank; auto: ranks/cores when above 1 (default 1: none)")

@@ -12,7 +12,11 @@ Why, and how to use it: ``jobs/README.md``, "A cluster on one machine"; figures:
 * **links**: a veth pair between two nodes; with more nodes each node's veth goes to a
   bridge in a namespace of its own (``...-switch``), a switch. Every link is shaped on
   egress, both ways, with ``tc`` htb at ``rate``; the burst is 256 KiB, as a 64 KiB one
-  kept the throughput well below the rate.
+  kept the throughput well below the rate. Delayed ACKs are off on the links (the route's
+  ``quickack``): with them MPICH's allreduce of long messages (its reduce-scatter and
+  allgather) stalled about 40 ms, Linux's delayed-ACK timer, in 2-12% of calls once
+  compute came between the calls, which an RDMA fabric does not do; ``delayed_acks=True``
+  keeps the kernel's default.
 * **launch**: ``mpiexec`` runs in node 0's namespace with Hydra's ssh launcher; a small
   script stands in for ssh and starts each node's proxy inside that node's namespace
   (``nsenter --net``), on that node's share of the cores (``taskset``: unpinned, each rank
@@ -86,6 +90,7 @@ class Cluster:
     rate: str = "1gbit"
     mtu: int = 1500
     netmod: str = "ofi"
+    delayed_acks: bool = False  # True: the kernel's delayed ACKs (stalls, above); False: quickack routes
     dilation: float | str = 1.0  # time dilation D >= 1, or "auto" (ranks / cores when above 1)
     prefix: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}-")
     _made: list = field(default_factory=list, repr=False)
@@ -168,6 +173,9 @@ class Cluster:
             ns = self.node(k)
             _ip("-n", ns, "addr", "add", f"{self.address(k)}/24", "dev", IFACE)
             _ip("-n", ns, "link", "set", IFACE, "mtu", str(self.mtu), "up")
+            if not self.delayed_acks:  # the route the address made, with every ACK sent at once
+                _ip("-n", ns, "route", "replace", "10.231.0.0/24", "dev", IFACE, "proto", "kernel", "scope", "link",
+                    "src", self.address(k), "quickack", "1")
         for ns, dev in ends:  # each direction of each link: egress shaping where the bytes leave
             _run(["tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "default", "10",
                   "r2q", "1000"])
@@ -373,7 +381,7 @@ def describe(cluster: Cluster) -> str:
     cores = "; ".join(f"node{k} cores {','.join(map(str, c))}" for k, c in enumerate(cluster.cores()))
     pinned = "" if shutil.which("taskset") else " (not pinned: no taskset)"
     line = (f"emulated cluster: {cluster.nodes} nodes x {cluster.ranks} rank(s), links {cluster.rate} "
-            f"(htb), MTU {cluster.mtu}, MPICH netmod {cluster.netmod} over {IFACE}; {cores}{pinned}")
+            f"(htb{', delayed ACKs' if cluster.delayed_acks else ''}), MTU {cluster.mtu}, MPICH netmod {cluster.netmod} over {IFACE}; {cores}{pinned}")
     ranks, have = cluster.nodes * cluster.ranks, len(my_cores())
     if cluster.dilation > 1:
         line += (f"\ntime dilation {cluster.dilation:g}: links at {cluster.link_rate}, each node held to "

@@ -66,6 +66,22 @@ def test_a_failing_command_gives_its_status_and_leaves_no_namespace():
 
 
 @needs_namespaces
+def test_the_links_send_every_ack_at_once_unless_told_to_delay():
+    """Each node's route to the others carries quickack (delayed ACKs stalled long allreduces
+    40 ms, cluster.py), between two nodes and behind a switch; --delayed-acks leaves the
+    kernel's route; the route keeps its source address either way."""
+    probe = [sys.executable, "-c", "import os, subprocess; os.write(1, subprocess.run(['ip', 'route', 'show', "
+             "'dev', 'vnet0'], capture_output=True, text=True).stdout.encode())"]
+    for argv, quick in [(["--nodes", "2"], True), (["--nodes", "3"], True), (["--nodes", "2", "--delayed-acks"], False)]:
+        done = run_cluster(*argv, "--", *probe, timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        routes = [line for line in done.stdout.splitlines() if line.startswith("10.231.0.0/24")]
+        assert len(routes) == int(argv[1]), done.stdout
+        assert all(("quickack 1" in r) == quick and " src 10.231.0." in r for r in routes), routes
+        assert ("delayed ACKs" in done.stdout) != quick
+
+
+@needs_namespaces
 def test_the_namespaces_of_a_killed_cluster_are_removed_by_the_next():
     dead = subprocess.Popen(["true"])
     dead.wait()

@@ -314,3 +314,31 @@ def test_leaving_an_epoch_early_does_not_hang(tmp_path):
     for batch in reader.epoch(0):
         if batch.step == 3:
             break  # the producer may be waiting to queue the end of the epoch
+
+
+def test_a_held_reader_begins_no_round_until_released_or_the_loop_runs_dry(tmp_path):
+    """hold(): the thread reads no new round (a traced step's peak is the step's own) while
+    batches are queued; released, it reads on; a loop that empties the queue while it is
+    held gets its batches all the same (no hang)."""
+    import time
+
+    image_set(tmp_path / "d")
+    split = open_dataset(tmp_path / "d").split("train")
+    reader = ShardReader(split, rank=0, size=1, global_batch=16, seed=0, buffer_mb=0.001, prefetch=4)
+    assert reader.block == 1  # a round is one step
+    reads = []
+    reader.on_read = lambda start, end, nbytes: reads.append(nbytes)
+    batches = reader.batches(0, 1)
+    steps = [next(batches).step]
+    time.sleep(0.3)  # the queue fills: 4 rounds ahead
+    reader.hold()
+    steps += [next(batches).step for _ in range(2)]  # from the queue: room for 2 more rounds
+    held = len(reads)
+    time.sleep(0.3)
+    assert len(reads) == held
+    reader.release()
+    time.sleep(0.3)
+    assert len(reads) > held
+    reader.hold()
+    steps += [b.step for b in batches]  # the queue runs dry: the loop opens it
+    assert steps == list(range(reader.steps_per_epoch))

@@ -5,6 +5,7 @@ predicts against a run is checked in tests/test_mpi_plan.py."""
 
 import subprocess
 import sys
+from pathlib import Path
 import tracemalloc
 from types import SimpleNamespace
 
@@ -261,8 +262,35 @@ def test_bench_plan_prints_a_row_per_layout(tmp_path):
     cfg = tmp_path / "tiny.toml"
     cfg.write_text('[model]\nname = "gpt"\nn_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 16\n'
                    '[data]\nname = "shakespeare"\n[train]\nglobal_batch_size = 4\nsteps = 1\n')
+    (tmp_path / "calibrated.toml").write_text("")  # the shipped calibration: the bench's own takes 20 s
     out = subprocess.run([sys.executable, "-m", "mpitrain", "bench", "plan", "--config", str(cfg), "--layouts",
-                          "one process", "--steps", "10"], capture_output=True, text=True, timeout=240)
+                          "one process", "--steps", "10", "--catalogue", str(tmp_path / "calibrated.toml")],
+                         capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     row = [line for line in out.stdout.splitlines() if line.startswith("one process")]
     assert len(row) == 1 and row[0].split("|")[5].strip() == "yes", out.stdout[-2000:]
+
+
+def test_bench_plan_calibrates_the_machine_and_each_rate_first_and_predicts_with_that(monkeypatch):
+    """Without --catalogue the bench measures this machine, shared memory and each rate's
+    emulated link into a file of its own, and every validation is told that file and the
+    link's key."""
+    from mpitrain.bench import plan as bench
+    from mpitrain.cluster import bits_per_second
+    from mpitrain.plan import calibrate
+    from mpitrain.plan.hardware import emulated_link
+
+    seen = {}
+
+    def fake(links, rates_gbit, out, log):
+        seen.update(links=links, rates=rates_gbit)
+        Path(out).write_text("")
+
+    monkeypatch.setattr(calibrate, "calibrate", fake)
+    monkeypatch.setattr(bench, "_table", lambda config, steps, rates, names, common, tmp, log: seen.update(
+        common=common, exists=Path(common[1]).is_file()) or 0)
+    assert bench.run("x.toml", 5, ["1gbit", "2.5gbit"], ["ddp"], log=lambda line: None) == 0
+    assert seen["links"] == ("shm",) and seen["rates"] == [1.0, 2.5]
+    assert seen["common"][0] == "--catalogue" and seen["exists"]
+    assert [emulated_link(bits_per_second(r)) for r in ("1gbit", "10gbit", "2.5gbit", "100mbit")] == [
+        "emu-1g", "emu-10g", "emu-2.5g", "emu-0.1g"]

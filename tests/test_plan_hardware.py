@@ -99,6 +99,11 @@ DEVICE = '[device.d]\nname = "d"\nmemory_gb = 1\nmemory_bandwidth_gbs = 1\n[devi
                     'gemm_gflops = [[64, 64, 64, "float32", 9], [64, 64, 64, "int8", 9]]'), "gemm_gflops[1]: expected"),
     ('[link.l]\nname = "l"\nalpha_us = 1\n', "link.l.bandwidth_gbs: missing"),
     ('[link.l]\nname = "l"\nalpha_us = 0\nbandwidth_gbs = 1\n', "link.l.alpha_us: expected a positive number, got 0"),
+    ('[link.l]\nname = "l"\nalpha_us = 1\nbandwidth_gbs = 1\n[link.l.overlap]\nallgather = 1.5\n',
+     "link.l.overlap.allgather: expected a number from 0 to 1, got 1.5"),
+    ('[link.l]\nname = "l"\nalpha_us = 1\nbandwidth_gbs = 1\n[link.l.overlap]\nbcast = 1\n',
+     "link.l.overlap.bcast: unknown collective (known: allreduce, allgather, reduce_scatter)"),
+    ('[link.l]\nname = "l"\nalpha_us = 1\nbandwidth_gbs = 1\noverlap = 0.5\n', "link.l.overlap: expected a table"),
     ("[notes]\nV100 = -1\n", "notes.V100: expected a positive number"),
     ("[gpus]\n", "gpus: unknown"),
     ("[device]\nv100 = 3\n", "device.v100: expected a table"),
@@ -179,6 +184,17 @@ def test_link_seconds_is_alpha_plus_bytes_over_bandwidth():
     assert link.seconds(2.5e6, messages=4) == pytest.approx(4 * 5e-6 + 2e-3)
 
 
+def test_compute_hides_at_most_each_collectives_share_of_a_call():
+    from mpitrain.plan.timing import hidden
+
+    rdma = hardware.Link("l", "l", 1e-6, 1e9)  # no shares given: every call can be hidden
+    tcp = hardware.Link("t", "t", 1e-6, 1e9, {"allgather": 0.75, "reduce_scatter": 0.5})
+    assert rdma.hides("allgather") == 1 and hidden(3.0, rdma, {"allgather": 2.0}) == 2.0
+    assert hidden(1.0, rdma, {"allgather": 2.0}) == 1.0 and hidden(-1.0, rdma, {"allgather": 2.0}) == 0.0
+    assert hidden(10.0, tcp, {"allgather": 2.0, "reduce_scatter": 2.0}) == pytest.approx(2.5)
+    assert hidden(10.0, tcp, {"allreduce": 2.0}) == 2.0  # a collective not measured: all of it
+
+
 def test_the_link_fit_recovers_alpha_and_bandwidth():
     sizes = [8 << i for i in range(22)]
     rows = [(n, 3e-6 + n / 10e9) for n in sizes]
@@ -218,6 +234,9 @@ def test_calibrate_writes_a_file_that_loads_back(shipped, tmp_path):
     assert catalogue.link("kept").name == "from before"  # what was not measured again stays
     if links:
         assert set(measured["link"]) == {"shm"} and catalogue.link("shm").bandwidth > 0
+        shares = measured["link"]["shm"]["overlap"]
+        assert catalogue.link("shm").overlap == shares and set(shares) == set(hardware.OVERLAPPED)
+        assert all(0 <= v <= 1 for v in shares.values())
     assert any(line.startswith("gemm (32, 32)") for line in lines) and np.isfinite(this.elementwise_bandwidth)
 
 

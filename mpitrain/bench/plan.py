@@ -6,8 +6,13 @@ traced once for the counted quantities and the heap, timed once in windows of 5 
 2 emulated nodes of :mod:`mpitrain.cluster` linked at each rate (the planner told the
 link: ``emu-1g``, ``emu-10g``), then prints one row per layout and link: the predicted
 and measured step time and their error, whether every counted quantity was exact, and
-the largest heap errors. Run it without ``mpiexec``: it starts its own ranks. The
-figures: ``mpitrain/bench/README.md``, "The planner against the run".
+the largest heap errors. Run it without ``mpiexec``: it starts its own ranks.
+
+First it calibrates this machine and each link (:func:`mpitrain.plan.calibrate.calibrate`,
+about 20 s and a ping-pong per rate) into a file of its own that every validation reads:
+the machine's speed drifts 10-20% between hours, so predictions are checked against the
+machine as it is in the same sitting (``--catalogue`` uses a calibration already made).
+The figures: ``mpitrain/bench/README.md``, "The planner against the run".
 """
 
 from __future__ import annotations
@@ -18,7 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from mpitrain.cluster import Cluster, describe, mpiexec
+from mpitrain.cluster import Cluster, bits_per_second, describe, mpiexec
+from mpitrain.plan.hardware import emulated_link
 
 # name -> (ranks, --set overrides); the layouts of the issue's table that two cores can time
 LAYOUTS = {
@@ -37,7 +43,6 @@ LAYOUTS = {
     "bf16": (2, ["train.precision=bf16"]),
     "activation checkpointing": (2, ["model.checkpoint_activations=true"]),
 }
-LINKS = {"1gbit": "emu-1g", "10gbit": "emu-10g"}  # a cluster rate -> the catalogue's link measured at it
 
 
 def one(config: str, name: str, steps: int, launch, link_args: list[str], out: Path) -> dict | None:
@@ -65,23 +70,38 @@ def row(name: str, link: str, found: dict | None) -> str:
             f"{100 * rest:5.1f}% | {shown}")
 
 
-def run(config: str, steps: int, rates: list[str], names: list[str], log=print) -> int:
+def run(config: str, steps: int, rates: list[str], names: list[str], catalogue: str | None = None,
+        log=print) -> int:
+    """The table of ``names`` on shared memory and at each of ``rates``; 0 if every run
+    succeeded. ``catalogue``: a calibration to use (default: measure one first)."""
+    with tempfile.TemporaryDirectory(prefix="mpitrain-bench-plan-") as tmp:
+        if catalogue is None:
+            from mpitrain.plan.calibrate import calibrate
+
+            catalogue = str(Path(tmp) / "hardware.toml")
+            log("calibrating this machine and its links first (mpitrain plan --calibrate) ...")
+            calibrate(links=("shm",), rates_gbit=[bits_per_second(r) / 1e9 for r in rates], out=catalogue,
+                      log=lambda line: None)
+        return _table(config, steps, rates, names, ["--catalogue", catalogue], Path(tmp), log)
+
+
+def _table(config: str, steps: int, rates: list[str], names: list[str], common: list[str], tmp: Path,
+           log) -> int:
     log("layout                     | link          | predicted ms | measured ms | error | exact | heap at rest | "
         "heap peak   (error of the step time: (measured - predicted) / measured; heap: the largest rank's)")
     rows = []
-    with tempfile.TemporaryDirectory(prefix="mpitrain-bench-plan-") as tmp:
-        def shared(argv, ranks):
-            return subprocess.run([mpiexec(), "-n", str(ranks), *argv], check=False).returncode
 
-        for k, name in enumerate(names):
-            rows.append(row(name, "shared memory", one(config, name, steps, shared, [], Path(tmp) / f"s{k}.json")))
-        for rate in rates:
-            with Cluster(nodes=2, ranks=1, rate=rate) as cluster:
-                log(describe(cluster))
-                for k, name in enumerate(n for n in names if LAYOUTS[n][0] == 2):
-                    args = ["--nodes", "2", "--gpus-per-node", "1", "--network", LINKS[rate]]
-                    found = one(config, name, steps, lambda argv, ranks: cluster.run(argv), args,
-                                Path(tmp) / f"{rate}-{k}.json")
-                    rows.append(row(name, f"2 nodes, {rate}", found))
+    def shared(argv, ranks):
+        return subprocess.run([mpiexec(), "-n", str(ranks), *argv], check=False).returncode
+
+    for k, name in enumerate(names):
+        rows.append(row(name, "shared memory", one(config, name, steps, shared, common, tmp / f"s{k}.json")))
+    for rate in rates:
+        with Cluster(nodes=2, ranks=1, rate=rate) as cluster:
+            log(describe(cluster))
+            for k, name in enumerate(n for n in names if LAYOUTS[n][0] == 2):
+                args = [*common, "--nodes", "2", "--gpus-per-node", "1", "--network", emulated_link(bits_per_second(rate))]
+                found = one(config, name, steps, lambda argv, ranks: cluster.run(argv), args, tmp / f"{rate}-{k}.json")
+                rows.append(row(name, f"2 nodes, {rate}", found))
     log("\n".join(rows))
     return 0 if all("failed" not in r for r in rows) else 1

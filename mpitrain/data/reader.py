@@ -230,6 +230,9 @@ class ShardReader:
         self._lock = threading.Lock()
         self._spare: list[dict] = []  # read buffers kept between iterations (see _produce)
         self.on_read = None  # called (start, end, bytes) after each round's read, from the reader thread
+        self._open = threading.Event()  # clear: no new round is begun (hold)
+        self._open.set()
+        self._reading = threading.Lock()  # held by the thread while it reads and gathers a round
 
     @property
     def steps_per_epoch(self) -> int:
@@ -248,6 +251,18 @@ class ShardReader:
     def _stats(self, epoch: int) -> IOStats:
         with self._lock:
             return self.stats.setdefault(epoch, IOStats())
+
+    def hold(self) -> None:
+        """Until :meth:`release`, the thread begins no round unless the training loop runs
+        out of batches; returns once the round being read, if any, is done. A heap's peak
+        measured meanwhile (:class:`mpitrain.observe.memory.HeapTrace`) is the step's own:
+        a round's gather allocates its batches and index arrays on the thread's schedule."""
+        self._open.clear()
+        with self._reading:
+            pass
+
+    def release(self) -> None:
+        self._open.set()
 
     # ------------------------------------------------------------- producer
     def _round(self, plan: EpochPlan, round_id: int, first: int, length: int, buffers: dict):
@@ -315,7 +330,11 @@ class ShardReader:
                 step = 0
                 for round_id, first, length in plan.rounds(self.drop_last):
                     if step + length > skip:  # rounds before a resumed position are not read
-                        batches = self._round(plan, round_id, first, length, buffers)
+                        while not self._open.wait(0.1):  # held (see hold)
+                            if stop.is_set():
+                                return
+                        with self._reading:
+                            batches = self._round(plan, round_id, first, length, buffers)
                         if not put((epoch, step, max(0, skip - step), batches)):
                             return
                     step += length
@@ -340,6 +359,8 @@ class ShardReader:
         try:
             while True:
                 tick = time.perf_counter()
+                if out.empty():  # a held thread must read what the loop waits for
+                    self._open.set()
                 item = out.get()
                 waited = time.perf_counter() - tick
                 if item is None:

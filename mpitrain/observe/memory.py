@@ -54,8 +54,9 @@ class HeapTrace:
     end of step ``REST_STEP + 1`` of the run (``after_step``), by ``tracemalloc``: at rest
     after step ``REST_STEP``, split by where it was allocated (``PLACES``; the model state,
     :func:`mpitrain.cost.bytes_per_parameter`'s, is the rest), and the peak of the next step above it
-    (activations, gradients in flight, buffers of the exchange). Does nothing if
-    ``enabled`` is false or something else traces already."""
+    (activations, gradients in flight, buffers of the exchange), the training reader's
+    thread held meanwhile (``reader``: :meth:`~mpitrain.data.reader.ShardReader.hold`).
+    Does nothing if ``enabled`` is false or something else traces already."""
 
     REST_STEP = 2  # the heap at rest after this many steps: the optimizer's state exists after the first
     FRAMES = 12  # of each allocation's stack: enough to get from NumPy's Python code back into mpitrain's
@@ -66,6 +67,7 @@ class HeapTrace:
     def __init__(self, enabled: bool = True):
         self.tracing = enabled and not tracemalloc.is_tracing()
         self.base, self.rest, self.parts, self.peak, self.reader_growth = 0, None, {}, None, 0
+        self.reader = None  # the training reader (hold, release): its thread begins no round in the measured step
         if self.tracing:
             tracemalloc.start(self.FRAMES)
             self.base = tracemalloc.get_traced_memory()[0]
@@ -75,6 +77,8 @@ class HeapTrace:
         if not self.tracing:
             return
         if done == self.REST_STEP:
+            if self.reader is not None:  # a round gathered meanwhile would add its arrays to the step's peak
+                self.reader.hold()
             self.rest = tracemalloc.get_traced_memory()[0] - self.base
             self.parts = self._parts()
             tracemalloc.reset_peak()
@@ -104,6 +108,9 @@ class HeapTrace:
         if self.tracing:
             tracemalloc.stop()
             self.tracing = False
+        if self.reader is not None:
+            self.reader.release()
+            self.reader = None
 
     def figures(self) -> dict | None:
         """{"rest", "peak", "parts": {category: bytes}, "reader_growth": what the reader's thread

@@ -27,7 +27,8 @@ autograd node:
   streams rewound), take the gradients of its input and its parameters, free the groups
   whose first forward use this was and start an ``Ireduce_scatter`` of their gradients:
   each rank adds the sum of its chunk into its gradient shard as soon as it has arrived
-  (tested after each unit's backward), freeing the whole gradient;
+  (tested after each unit's backward), freeing the whole gradient, and waits for those
+  started before, so that one unit's gradients are in flight at most;
 * :meth:`Zero3.finish` waits for those and divides the shard by ``P``; :meth:`Zero3.step`
   clips by the global norm (one 8-byte allreduce) and updates the shard. Nothing else:
   the next forward gathers the updated chunks.
@@ -251,7 +252,12 @@ class Zero3(GradSync):
     # ------------------------------------------------------------- gradients
     def _reduce(self, k: int, grads: dict) -> None:
         """Add unit ``k``'s gradients into its groups' whole gradients; reduce-scatter
-        those whose first unit this is (the last backward use) and free them."""
+        those whose first unit this is (the last backward use) and free them; then wait for
+        the reduce-scatters started before these, so that the next unit's backward runs
+        beside this unit's alone: one whole gradient in flight at most, whatever the link's
+        speed (a slow link would otherwise keep several, and a step's peak would depend on
+        the messages' timing; FSDP limits its gathers in flight for the same reason)."""
+        started = []
         for g in self.unit_groups[k]:
             if g.grads is None:
                 g.grads = np.zeros(int(g.offsets[-1]), dtype=g.data.dtype)  # (n,)
@@ -267,7 +273,11 @@ class Zero3(GradSync):
                     recv = np.empty_like(g.grad)
                     g.reducing.append((g.rs_comm.ireduce_scatter(g.grads, recv, np.diff(g.bounds)), g.grads, recv))
                 g.grads = None
+                started.append(g)
         self._release(k, forward=False)
+        if started:
+            for g in self.groups:
+                self._drain(g, keep=1 if g in started else 0)
         self._progress()
 
     def _progress(self) -> None:
@@ -278,12 +288,13 @@ class Zero3(GradSync):
             while g.reducing and g.reducing[0][0].test():
                 self._add(g, *g.reducing.pop(0)[1:])
 
-    def _drain(self, g: _Group) -> None:
-        """Wait for the group's reduce-scatters in flight; add my chunk of each into the shard."""
-        for request, send, recv in g.reducing:
+    def _drain(self, g: _Group, keep: int = 0) -> None:
+        """Wait for the group's reduce-scatters in flight but its last ``keep``; add my chunk
+        of each into the shard, in order."""
+        while len(g.reducing) > keep:
+            request, send, recv = g.reducing.pop(0)
             request.wait()
             self._add(g, send, recv)
-        g.reducing.clear()
 
     def _add(self, g: _Group, send: np.ndarray, recv: np.ndarray | None) -> None:
         r = self.comm.rank

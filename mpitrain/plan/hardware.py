@@ -38,7 +38,16 @@ FAMILIES = ("gpt", "gpt-sliced", "gpt-sequence", "gpt-plain", "gpt-split", "cnn"
 MIXED = ("bf16", "fp16")  # the mixed precisions whose cost per parameter a device may have measured
 DEVICE_FIELDS = ("name", "memory_gb", "memory_bandwidth_gbs", "peak_flops", *CALIBRATED, "passes", "layer_overhead_us",
                  "step_overhead_us", "mixed_ns_per_parameter", "cast_ns_per_number")
-LINK_FIELDS = ("name", "alpha_us", "bandwidth_gbs")
+LINK_FIELDS = ("name", "alpha_us", "bandwidth_gbs", "overlap")
+
+
+def emulated_link(rate_bits: float) -> str:
+    """The catalogue's key of the link of ``mpitrain cluster`` calibrated at ``rate_bits``
+    bits/s (``mpitrain plan --calibrate``): 1e9 is ``emu-1g``, 2.5e9 ``emu-2.5g``."""
+    return f"emu-{rate_bits / 1e9:g}g"
+
+
+OVERLAPPED = ("allreduce", "allgather", "reduce_scatter")  # the nonblocking collectives that run beside compute
 
 class HardwareError(ValueError):
     """A catalogue that cannot be used; ``str()`` names the file and the field, in one line."""
@@ -97,6 +106,13 @@ class Link:
     name: str
     alpha: float  # seconds per message
     bandwidth: float  # bytes/s per direction per rank
+    # {collective: the share of a nonblocking call's time that compute beside it can hide,
+    # however long the compute}; absent: 1 (transfers progress on their own, as RDMA's and
+    # NCCL's do); calibrated here, where the rank's own core moves the bytes
+    overlap: dict = field(default_factory=dict)
+
+    def hides(self, collective: str) -> float:
+        return self.overlap.get(collective, 1.0)
 
     def seconds(self, nbytes: float, messages: int = 1) -> float:
         """Hockney's time of ``messages`` messages carrying ``nbytes`` in all."""
@@ -235,5 +251,13 @@ def _families(table, path: Path, where: str, known: tuple = FAMILIES) -> dict:
 
 def _link(key: str, table: dict, path: Path) -> Link:
     where = f"link.{key}"
+    overlap = table.get("overlap", {})
+    if not isinstance(overlap, dict):
+        raise HardwareError(f"{path}: {where}.overlap: expected a table [{where}.overlap] of collective = share")
+    for kind, share in overlap.items():
+        if kind not in OVERLAPPED:
+            raise HardwareError(f"{path}: {where}.overlap.{kind}: unknown collective (known: {', '.join(OVERLAPPED)})")
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
+            raise HardwareError(f"{path}: {where}.overlap.{kind}: expected a number from 0 to 1, got {share!r}")
     return Link(key, _fields(table, LINK_FIELDS, path, where), _number(table, "alpha_us", path, where) * 1e-6,
-                _number(table, "bandwidth_gbs", path, where) * 1e9)
+                _number(table, "bandwidth_gbs", path, where) * 1e9, {k: float(v) for k, v in overlap.items()})

@@ -15,9 +15,10 @@ message, Hockney 1994):
   placed node by node in world order), else the node's.
 * **exposed**: data parallelism's (and ZeRO-2's) buckets each start when backward has
   passed their parameters, one after another on the link, so what runs past the end of
-  backward is exposed (:func:`bucket_overlap`; all of it on shared memory, where the
-  copies run on the cores that compute); ZeRO-3's gathers and reduce-scatters run beside
-  the layers they do not serve (:func:`zero3_overlap`); every other collective blocks.
+  backward is exposed (:func:`bucket_overlap`); ZeRO-3's gathers and reduce-scatters run
+  beside the layers they do not serve (:func:`zero3_overlap`); of a call beside compute
+  only the link's ``overlap`` share can be hidden (:func:`hidden`: 1 for RDMA, calibrated
+  here: a core that computes cannot also copy the bytes); every other collective blocks.
 * **bubble**: a pipeline's step is its slowest stage's work over ``1 - bubble fraction``.
 * **I/O wait**: the reader's thread reads ahead; the loop waits when reading a step's
   samples takes longer than the step.
@@ -144,19 +145,30 @@ def group(lay, plan, axis: str) -> list[int]:
     return members
 
 
+def hidden(beside: float, link, calls: dict) -> float:
+    """What ``beside`` seconds of compute hide of nonblocking ``calls`` ({collective:
+    seconds}) on ``link``: all of it at most, and never more than the link's share of each
+    (:meth:`~mpitrain.plan.hardware.Link.hides`; the rest runs in the wait that ends it:
+    :func:`mpitrain.plan.calibrate.overlap`)."""
+    return min(max(0.0, beside), sum(link.hides(kind) * seconds for kind, seconds in calls.items()))
+
+
 def bucket_overlap(plan, link, backward: float) -> float:
     """Seconds of a rank's data-parallel calls that backward does not hide: each gradient
     bucket is ready once backward has passed its parameters (its share of the bytes, in
-    order) and its call starts then, or when the link is free of the one before; what runs
-    past the end of backward is exposed (a single bucket: all of it), and so is every other
-    call (clipping's sum, ZeRO-2's gathers after the step)."""
+    order) and its call starts then, or when the link is free of the one before, and
+    backward hides what it can of it (:func:`hidden`); the rest runs after backward, and so
+    does every other call (clipping's sum, ZeRO-2's gathers after the step)."""
     buckets = [c for c in plan.calls if c.axis == "dp" and c.what.startswith("gradient bucket")]
     rest = sum(call_seconds(c, link) for c in plan.calls if c.axis == "dp" and c not in buckets)
     total, done, free = sum(c.nbytes for c in buckets) or 1, 0, 0.0
     for c in buckets:
         done += c.nbytes
-        free = max(free, backward * done / total) + call_seconds(c, link)
-    return max(0.0, free - backward) + rest
+        start = max(free, backward * done / total)
+        seconds = call_seconds(c, link)
+        during = hidden(backward - start, link, {c.collective: seconds})
+        free, rest = start + during, rest + seconds - during
+    return rest
 
 
 def zero3_overlap(lay, plan, link, compute: float) -> float:
@@ -174,9 +186,10 @@ def zero3_overlap(lay, plan, link, compute: float) -> float:
     work = [compute / lay.m * f / (sum(flops) or 1) for f in flops]  # one micro-batch's, layer by layer
     exposed = gather[0] + gather[-1] + reduce[0]
     for k, w in enumerate(work):
-        exposed += max(0.0, (gather[k + 1] if k + 1 < len(layers) else 0.0) - w / 4)
-        behind = (gather[k - 1] if k else 0.0) + (reduce[k + 1] if k + 1 < len(layers) else 0.0)
-        exposed += max(0.0, behind - 3 * w / 4)
+        ahead = gather[k + 1] if k + 1 < len(layers) else 0.0
+        behind = (gather[k - 1] if k else 0.0), (reduce[k + 1] if k + 1 < len(layers) else 0.0)
+        exposed += ahead - hidden(w / 4, link, {"allgather": ahead})
+        exposed += sum(behind) - hidden(3 * w / 4, link, {"allgather": behind[0], "reduce_scatter": behind[1]})
     rest = sum(call_seconds(c, link) for c in plan.calls if c.axis == "dp" and c.collective == "allreduce")
     return lay.m * exposed + rest
 
@@ -191,10 +204,9 @@ def step_parts(lay, plans, machine: Machine) -> dict:
         compute = compute_seconds(lay, p, machine)
         links = {axis: machine.link(group(lay, p, axis)) for axis in ("dp", "pp", "tp")}
         comm = {axis: sum(call_seconds(c, links[axis]) for c in p.calls if c.axis == axis) for axis in links}
-        shared = links["dp"] is machine.intra
-        overlaps = lay.par.sync in ("ddp", "zero2") and lay.par.progress != "off" and not shared
+        overlaps = lay.par.sync in ("ddp", "zero2") and lay.par.progress != "off"
         dp = bucket_overlap(p, links["dp"], compute * 2 / 3) if overlaps else comm["dp"]
-        if lay.par.sync == "zero3" and not shared:
+        if lay.par.sync == "zero3":
             dp = min(dp, zero3_overlap(lay, p, links["dp"], compute))
         rows.append((compute, dp + comm["tp"], comm))
     compute = max(r[0] for r in rows)

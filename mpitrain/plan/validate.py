@@ -42,10 +42,10 @@ def holds(what: str, predicted: float, measured: float) -> bool:
     if limit is None:
         return True
     if what.endswith(", at most"):
-        return e <= limit + 1e-12
+        return bool(e <= limit + 1e-12)  # (a NumPy figure makes a NumPy bool, which JSON cannot write)
     if what.endswith(", at least"):
-        return e >= -limit - 1e-12
-    return abs(e) <= limit + 1e-12
+        return bool(e >= -limit - 1e-12)
+    return bool(abs(e) <= limit + 1e-12)
 
 
 NEED = re.compile(r"needs ([\d.]+) MB/s per rank \((\d+) B/sample x ([\d,]+) samples/s\)")  # the I/O table's
