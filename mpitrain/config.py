@@ -544,6 +544,12 @@ def check_ranks(cfg: Config, ranks: int) -> tuple[int, int, int]:
     return sizes["dp"], sizes["pp"], sizes["tp"]
 
 
+def cut_refused(cfg: Config, error: ValueError) -> ConfigError:
+    """The config error of a pipeline whose model the cut cannot split (``error``, from
+    :func:`mpitrain.schedules.balance`), as the trainer and the planner give it."""
+    return ConfigError(f"{'parallel.chunks' if cfg.parallel.chunks > 1 else 'parallel.pp'}: {error}")
+
+
 def _check_pipeline(cfg: Config, pp: int) -> None:
     """A pipeline's schedule and sync; no pipeline settings without one."""
     par, m = cfg.parallel, cfg.train.micro_batches

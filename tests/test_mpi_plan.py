@@ -25,6 +25,8 @@ LAYOUTS = {  # ranks -> {name: overrides}
         "gpipe": ["parallel.pp=2", "parallel.schedule='gpipe'", "train.micro_batches=4"],
         "1f1b": ["parallel.pp=2", "train.micro_batches=4"],
         "zb-h1": ["parallel.pp=2", "parallel.schedule='zb-h1'", "train.micro_batches=4"],
+        "zb-h1, checkpointing": ["parallel.pp=2", "parallel.schedule='zb-h1'", "train.micro_batches=4",
+                                 "model.checkpoint_activations=true"],
         "interleaved": ["parallel.pp=2", "parallel.schedule='interleaved'", "parallel.chunks=2",
                         "train.micro_batches=4", "model.n_layer=4"],
         "tp": ["parallel.tp=2"], "tp, sequence parallel": ["parallel.tp=2", "parallel.sequence_parallel=true"],
@@ -38,6 +40,10 @@ LAYOUTS = {  # ranks -> {name: overrides}
         "ps, 2 servers": ["parallel.sync='ps'", "parallel.servers=2", "optim.grad_clip=0.0",
                           "train.global_batch_size=6"]},
 }
+
+# layouts whose step's peak the planner does not walk yet (their counted quantities are held all the same)
+HEAP_NOT_WALKED = {"zb-h1, checkpointing": "a checkpointed block's node runs whole in both passes of a split "
+                                           "backward: its second pass's arrays (+5.6% at the peak)"}
 
 
 def gpt(data, overrides):
@@ -70,5 +76,5 @@ def test_every_counted_prediction_is_what_the_run_counts(name):
     assert not wrong, validate.table(wrong)[0]
     heap = [row for row in rows if row[1].startswith("heap")]
     assert len(heap) >= 2 * (comm.size - (cfg.parallel.servers if servers else 0))  # a server's is not traced
-    off = [row for row in heap if not validate.holds(*row[1:])]
+    off = [row for row in heap if not validate.holds(*row[1:]) and not (name in HEAP_NOT_WALKED and "peak" in row[1])]
     assert not off, validate.table(off)[0]

@@ -18,6 +18,17 @@ def nbytes(text: str) -> float:
     return float(m.group(1)) * UNITS[m.group(2).lower()]
 
 
+def _cluster(text: str) -> tuple[int, int, str]:
+    """``2x2@1gbit``: (nodes, ranks per node, tc rate)."""
+    from mpitrain.cluster import bits_per_second
+
+    m = re.fullmatch(r"(\d+)x(\d+)@(\S+)", text)
+    if not m or int(m.group(1)) < 2 or int(m.group(2)) < 1 or bits_per_second(m.group(3)) is None:
+        raise argparse.ArgumentTypeError(f"expected NODESxRANKS@RATE with 2 nodes or more, e.g. 2x2@1gbit; "
+                                         f"got {text!r}")
+    return int(m.group(1)), int(m.group(2)), m.group(3)
+
+
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0 < value <= 1:
@@ -75,6 +86,20 @@ def add_parser(commands) -> None:
     p.add_argument("--validate", action="store_true",
                    help="run CONFIG for a few steps (under mpiexec: on its ranks) and print predicted | measured | "
                         "error for every quantity")
+    p.add_argument("--search", action="store_true",
+                   help="plan every layout of CONFIG on -n ranks the trainer accepts (grid, sync, schedule, "
+                        "micro-batches, precision, checkpointing, buckets), drop those that do not fit "
+                        "--memory-per-rank, and print the fastest ten with the --set line that runs each")
+    p.add_argument("--top", type=_positive, default=10, help="with --search: layouts shown (default 10)")
+    p.add_argument("--cluster", type=_cluster, metavar="NODESxRANKS@RATE",
+                   help="with --search: plan for (and --measure across) emulated nodes of mpitrain cluster, "
+                        "e.g. 2x2@1gbit (their link as calibrated: emu-1g)")
+    p.add_argument("--measure", type=_positive, metavar="K",
+                   help="with --search: run the top K and K other layouts that fit for a few steps (--steps), "
+                        "print predicted | measured | rank and Spearman's correlation, and write them with a "
+                        "plot to --out")
+    p.add_argument("--out", metavar="DIR", default="runs/search",
+                   help="with --measure: where the table (CSV, JSON) and the plot go (default %(default)s)")
     p.add_argument("--json", metavar="PATH", help="with --validate: also write the rows to PATH (JSON)")
     p.add_argument("--steps", type=_positive, default=20,
                    help="with --validate: steps of the timed run (default 20, in windows of 5; the first is not timed)")
@@ -100,6 +125,10 @@ def run(args) -> int:
             from mpitrain.plan import validate
 
             return validate.run(args)
+        if args.search:
+            from mpitrain.plan import search
+
+            return search.run(args)
         plan, source = build(args)
     except hardware.HardwareError as e:
         raise ConfigError(str(e)) from None
@@ -113,10 +142,20 @@ def run(args) -> int:
 def build(args, ranks: int | None = None):
     """(the plan the arguments describe, what it plans: the config's path or the model's name)."""
     from mpitrain import plan as planner
-    from mpitrain.config import ConfigError
-    from mpitrain.plan import hardware, models
+    from mpitrain.plan import models
 
     cfg, data, source = models.config_of(args)
+    P, mc = machine_of(args, ranks)
+    return planner.make(cfg, P, mc, data), source
+
+
+def machine_of(args, ranks: int | None = None):
+    """(ranks of the job, the machine they run on) from -n, --nodes, --gpus-per-node,
+    --network, --hardware and the rest."""
+    from mpitrain import plan as planner
+    from mpitrain.config import ConfigError
+    from mpitrain.plan import hardware
+
     per_node = args.per_node
     P = ranks or args.ranks or (args.nodes or 1) * (per_node or 1)
     if args.nodes and per_node and args.ranks and args.ranks != args.nodes * per_node:
@@ -126,4 +165,4 @@ def build(args, ranks: int | None = None):
     catalogue = hardware.load(args.catalogue)
     mc = planner.machine(catalogue, args.hardware, P, per_node, args.network or "", args.intra or "",
                          args.utilization, args.memory_per_rank or 0.0)
-    return planner.make(cfg, P, mc, data), source
+    return P, mc

@@ -17,7 +17,7 @@ from functools import cached_property
 import numpy as np
 
 from mpitrain import flat, optim
-from mpitrain.config import Config, check_ranks, validate
+from mpitrain.config import Config, check_ranks, cut_refused, validate
 from mpitrain.plan import shapes
 from mpitrain.schedules import balance
 
@@ -39,7 +39,12 @@ class Layout:
         trainer would refuse it."""
         validate(cfg, data_needed=False)
         dp, pp, tp = check_ranks(cfg, P)
-        return cls(cfg, P, dp, pp, tp, data)
+        lay = cls(cfg, P, dp, pp, tp, data)
+        try:
+            lay.bounds  # noqa: B018 (a pipeline the layers cannot be cut into: refused as the trainer refuses it)
+        except ValueError as e:
+            raise cut_refused(cfg, e) from None
+        return lay
 
     # ------------------------------------------------------------ what the config says
     @property

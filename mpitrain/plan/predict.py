@@ -154,6 +154,16 @@ def replays(lay, layer) -> bool:
     return layer.recompute or (lay.par.sync == "zero3" and bool(layer.params))
 
 
+def recomputed(lay, layer, split: bool) -> int:
+    """FLOPs per sample ``layer`` runs again in backward: a replayed layer's forward; and in
+    a backward split in two passes (``split``) a checkpointed block's node, which ignores
+    the split, runs whole in both (:func:`mpitrain.tensor.backward_split`): its forward and
+    backward once more."""
+    if not replays(lay, layer):
+        return 0
+    return layer.forward + (layer.forward + layer.backward if split and layer.recompute else 0)
+
+
 def activations(lay, layers: list, held: float, first_input: int, split: bool = False, received: int = 0,
                 in_flight: str = "last") -> int:
     """Bytes of activations a stage holds at its peak: ``held`` micro-batches' worth of what
@@ -291,7 +301,7 @@ def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None) -> Rank
     samples = lay.micro_batch * lay.m
     flops = {"forward": samples * sum(x.forward for x in layers),
              "backward": samples * sum(x.backward for x in layers),
-             "recompute": samples * sum(x.forward for x in layers if replays(lay, x))}
+             "recompute": samples * sum(recomputed(lay, x, split) for x in layers)}
     bubble = cost.bubble_fraction(lay.par.schedule, lay.pp, lay.m, lay.v) if lay.pp > 1 else 0.0
     stage = f"stage {s}" if lay.pp > 1 else "" if lay.tp > 1 else "replica"
     N = sum(math.prod(shape) for shape in params.values())

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mpitrain.plan.predict import replays, split_backward
+from mpitrain.plan.predict import recomputed, replays, split_backward
 from mpitrain.plan.traffic import Call
 
 # a calibrated device without ``passes`` (calibrated before they were measured): mpitrain's steps' elementwise
@@ -92,14 +92,15 @@ def compute_seconds(lay, plan, machine: Machine) -> float:
         precision = lay.cfg.train.precision
         casts = plan.parameters * d.cast.get(precision, 0.0) if lay.dp > 1 else 0.0
         seconds += (lay.m * plan.parameters * d.mixed.get(precision, 0.0) + casts) / machine.share
+    split = split_backward(lay, s)
     for layer in lay.layers(s, r):
-        again = replays(lay, layer)
-        flops = (layer.forward * (1 + again) + layer.backward) * b
+        flops = (layer.forward + layer.backward + recomputed(lay, layer, split)) * b
         if flops:
             seconds += lay.m * flops / machine.rate(layer.gemm, b, dtype, threads)
-        elementwise = passes * (1 + again / 3) * layer.traffic * b * lay.dtype_bytes
+        again = replays(lay, layer) / 3  # its elementwise work: a forward's, a third of a step's
+        elementwise = passes * (1 + again) * layer.traffic * b * lay.dtype_bytes
         seconds += lay.m * elementwise / (d.elementwise_bandwidth or d.memory_bandwidth) / machine.share
-        seconds += lay.m * overhead * (1 + again / 3) / machine.share
+        seconds += lay.m * overhead * (1 + again) / machine.share
     return seconds
 
 

@@ -25,7 +25,7 @@ import numpy as np
 from mpitrain import checkpoint, cost, flat, nn, ops, optim, rng
 from mpitrain.comm import SingleComm
 from mpitrain.comm.grid import GridShape, ProcessGrid
-from mpitrain.config import Config, ConfigError, check_against_data
+from mpitrain.config import Config, ConfigError, check_against_data, cut_refused
 from mpitrain.data import DataError, Dataset, ShardReader, open_dataset
 from mpitrain.data.loader import normalize
 from mpitrain.parallel import GradSync, tensor_parallel
@@ -155,7 +155,7 @@ def _stage(cfg: Config, g: ProcessGrid, model, data, sizes: list[int]) -> Pipeli
                              micro_batches=cfg.train.micro_batches, chunks=cfg.parallel.chunks, sizes=sizes)
     except ValueError as e:
         g.free()
-        raise ConfigError(f"{'parallel.chunks' if cfg.parallel.chunks > 1 else 'parallel.pp'}: {e}") from None
+        raise cut_refused(cfg, e) from None
 
 
 def _ps_role(cfg: Config, world, grid, model, lr, total, data) -> Role:

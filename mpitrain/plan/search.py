@@ -1,0 +1,206 @@
+"""``mpitrain plan --search``: every layout of a config on ``P`` ranks that the trainer
+accepts, planned, those that do not fit dropped, the rest ranked by predicted step time.
+
+A layout is a set of ``--set`` overrides on the config (:func:`layouts`): the grid
+``dp x pp x tp`` from the divisors of ``P``; the gradient sync (ddp, ZeRO-1/2/3, and a
+parameter server where the grid is data-parallel only); a pipeline's schedule and
+chunks; micro-batches; mixed precision; activation checkpointing; sequence parallelism;
+the gradient bucket's size. Each is built by the config's own loader and checked by the
+trainer's own checks (:meth:`mpitrain.plan.layout.Layout.of`), so what the search
+proposes the trainer runs, and what it refuses is counted by the field its message names.
+Then the planner (:func:`mpitrain.plan.make`) predicts each one's step and peak memory;
+a layout whose largest rank exceeds the memory per rank is counted as "memory". The
+order is the predicted step time, ties by the ``--set`` line: the same inputs give the
+same table. ``--measure K`` (:mod:`mpitrain.plan.trial`) runs some of them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from dataclasses import dataclass
+
+from mpitrain.config import ConfigError
+
+SYNCS = ("ddp", "zero1", "zero2", "zero3")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")  # and "interleaved" with 2 chunks
+MICRO_BATCHES = (1, 2, 4, 8)
+BUCKETS_MB = (1.0, 4.0)  # ddp's and ZeRO-2's bucket: small ones start early, large ones pay fewer latencies
+
+
+@dataclass(frozen=True)
+class Found:
+    """A layout the search planned: its overrides (in the order a command line gives them)
+    and its plan."""
+
+    sets: tuple
+    plan: object  # mpitrain.plan.Plan
+
+    @property
+    def step(self) -> float:
+        return self.plan.time["step"]
+
+    @property
+    def line(self) -> str:
+        return " ".join(f"--set {s}" for s in self.sets)
+
+    @property
+    def peak(self) -> float:
+        return self.plan.largest().peak
+
+    def bottleneck(self) -> str:
+        """The largest part of the predicted step: compute, exposed communication, bubble or I/O."""
+        t = self.plan.time
+        parts = {"compute": t["compute"], "communication": t["exposed"], "bubble": t["bubble"], "I/O": t["io_wait"]}
+        return max(parts, key=parts.get)
+
+
+def grids(P: int) -> list[tuple[int, int, int]]:
+    """Every ``(dp, pp, tp)`` whose product is ``P``, data parallelism first."""
+    divisors = [d for d in range(1, P + 1) if P % d == 0]
+    return sorted(((P // (pp * tp), pp, tp) for pp in divisors for tp in divisors if P % (pp * tp) == 0),
+                  key=lambda g: (-g[0], g[1], g[2]))
+
+
+def layouts(cfg, P: int) -> list[tuple]:
+    """The overrides of every layout to try on ``P`` ranks (some the trainer will refuse:
+    the search counts those by reason). The config's own model and batch stay."""
+    found = []
+    gpt = cfg.model.name == "gpt"
+    for dp, pp, tp in grids(P):
+        grid = (f"parallel.dp={dp}", f"parallel.pp={pp}", f"parallel.tp={tp}")
+        syncs = SYNCS if dp > 1 else ("ddp",)
+        pipes = [()] if pp == 1 else [(f"parallel.schedule={s}",) for s in SCHEDULES] + [
+            ("parallel.schedule=interleaved", "parallel.chunks=2")]
+        for sync, pipe, m in itertools.product(syncs, pipes, MICRO_BATCHES):
+            buckets = BUCKETS_MB if sync in ("ddp", "zero2") and dp > 1 else (None,)
+            mixed = ("fp32", "bf16") if pp == tp == 1 else ("fp32",)
+            checkpoint = (False, True) if sync != "zero3" and gpt else (False,)
+            sequence = (False, True) if tp > 1 else (False,)
+            for bucket, precision, ckpt, seq in itertools.product(buckets, mixed, checkpoint, sequence):
+                found.append(grid + (f"parallel.sync={sync}",) + pipe + (f"train.micro_batches={m}",)
+                             + ((f"parallel.bucket_mb={bucket:g}",) if bucket else ())
+                             + ((f"train.precision={precision}",) if precision != "fp32" else ())
+                             + (("model.checkpoint_activations=true",) if ckpt else ())
+                             + (("parallel.sequence_parallel=true",) if seq else ()))
+    if P > 1:  # a parameter server and P - 1 workers
+        for m in MICRO_BATCHES:
+            found.append(("parallel.dp=-1", "parallel.pp=1", "parallel.tp=1", "parallel.sync=ps",
+                          "parallel.servers=1", f"train.micro_batches={m}"))
+    return found
+
+
+def reason(error: ConfigError) -> str:
+    """What a refusal is counted as: the field its message begins with."""
+    text = str(error)
+    head = text.split(":", 1)[0]
+    return head if head.count(".") == 1 and " " not in head else text
+
+
+def search(config_of, P: int, machine, data=None, memory: float | None = None) -> tuple[list, list, Counter]:
+    """(the layouts that fit, fastest first; those that do not, smallest peak first; Counter
+    of every refused layout by reason). ``config_of`` maps overrides to a config
+    (ConfigError if the loader refuses them); ``memory``: bytes per rank (default the
+    machine's)."""
+    from mpitrain import plan as planner
+    from mpitrain.plan.data import resolve
+
+    limit = memory or machine.memory
+    fits, over, refused = [], [], Counter()
+    base = config_of(())
+    data = data or resolve(base)
+    for sets in layouts(base, P):
+        try:
+            found = Found(sets, planner.make(config_of(sets), P, machine, data))
+        except ConfigError as e:
+            refused[reason(e)] += 1
+            continue
+        if found.peak > limit:
+            refused["memory"] += 1
+            over.append(found)
+        else:
+            fits.append(found)
+    fits.sort(key=lambda f: (f.step, f.line))
+    over.sort(key=lambda f: (f.peak, f.line))
+    return fits, over, refused
+
+
+def run(args) -> int:
+    """The command: search, print the table; with ``--measure`` run some (:mod:`mpitrain.plan.trial`)."""
+    import argparse
+    import time
+
+    from mpitrain.plan import models
+    from mpitrain.plan.cli import machine_of
+    from mpitrain.plan.hardware import emulated_link
+
+    if args.cluster:
+        if args.nodes or args.per_node or args.network:
+            raise ConfigError("--cluster: gives the nodes, ranks per node and link itself; leave out --nodes, "
+                              "--gpus-per-node and --network")
+        nodes, per_node, rate = args.cluster
+        if args.ranks and args.ranks != nodes * per_node:
+            raise ConfigError(f"-n {args.ranks}: --cluster {nodes}x{per_node} has {nodes * per_node} ranks")
+        from mpitrain.cluster import bits_per_second
+
+        args = argparse.Namespace(**{**vars(args), "nodes": nodes, "per_node": per_node, "ranks": nodes * per_node,
+                                     "network": emulated_link(bits_per_second(rate))})
+    if args.measure and args.hardware != "this":
+        raise ConfigError(f"--measure: runs here, on this machine; --hardware {args.hardware} is planned only")
+
+    def config_of(sets):
+        return models.config_of(argparse.Namespace(**{**vars(args), "set": [*args.set, *sets]}))[0]
+
+    _, data, source = models.config_of(args)
+    P, machine = machine_of(args)
+    limit = args.memory_per_rank or machine.memory
+    tick = time.perf_counter()
+    fits, over, refused = search(config_of, P, machine, data, limit)
+    where = f"{args.cluster[0]} emulated nodes x {args.cluster[1]} at {args.cluster[2]}" if args.cluster else \
+        f"{machine.device.name}"
+    print(f"search: {source} on {P} rank(s), {where}: {len(fits) + sum(refused.values())} layouts planned in "
+          f"{time.perf_counter() - tick:.1f} s")
+    print("\n".join(table(fits, refused, limit, args.top)), flush=True)
+    if not fits:
+        print("no layout fits: raise --memory-per-rank, or plan more ranks")
+        return 1
+    if args.measure:
+        from mpitrain.plan import trial
+
+        return trial.run(args, fits, over, limit)
+    return 0
+
+
+def table(fits: list, refused: Counter, limit: float, top: int = 10) -> list[str]:
+    """The top ``top`` layouts, one line each, and the refusals by reason."""
+    from mpitrain.plan.show import size
+
+    lines = [f"{len(fits)} layout(s) fit in {size(limit)} per rank; refused {sum(refused.values())}: "
+             + (", ".join(f"{why} {n}" for why, n in sorted(refused.items(), key=lambda kv: (-kv[1], kv[0])))
+                or "none"),
+             "rank | step ms | samples/s | bottleneck | peak (headroom) | layout | run it with"]
+    for k, f in enumerate(fits[:top], 1):
+        lines.append(f"{k} | {1e3 * f.step:.4g} | {f.plan.samples_per_s:,.0f} | {f.bottleneck()} | "
+                     f"{size(f.peak)} ({100 * (1 - f.peak / limit):.0f}%) | {f.plan.layout.describe()} | {f.line}")
+    return lines
+
+
+def spearman(a, b) -> float:
+    """Spearman's rank correlation of two sequences (ties share their mean rank)."""
+    import numpy as np
+
+    def ranks(x):
+        x = np.asarray(x, dtype=np.float64)
+        order = np.argsort(x, kind="stable")
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x), dtype=np.float64)
+        for value in np.unique(x):  # ties: their mean rank
+            same = x == value
+            r[same] = r[same].mean()
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    if len(ra) < 2 or ra.std() == 0 or rb.std() == 0:
+        return math.nan
+    return float(np.corrcoef(ra, rb)[0, 1])

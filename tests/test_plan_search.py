@@ -1,0 +1,75 @@
+"""``mpitrain plan --search``: deterministic on a fixed calibration, every refusal counted by
+its reason, and every proposal a layout the trainer's own checks accept. (``--measure``
+runs layouts: its figures are measurements, in mpitrain/plan/README.md.)"""
+
+import argparse
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mpitrain import cli
+from mpitrain.config import check_ranks, load
+from mpitrain.plan import hardware, search, trial
+from mpitrain.plan.cli import machine_of
+from mpitrain.plan.models import config_of
+
+CONFIG = "jobs/shakespeare_gpt.toml"
+
+
+@pytest.fixture
+def shipped(monkeypatch, tmp_path):
+    """The shipped calibration alone, whatever this machine's home holds."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv(hardware.USER_ENV, raising=False)
+
+
+def searched(*argv):
+    args = cli.build_parser().parse_args(["plan", CONFIG, "--search", *argv])
+    P, machine = machine_of(args)
+    make = lambda sets: config_of(argparse.Namespace(**{**vars(args), "set": [*args.set, *sets]}))[0]  # noqa: E731
+    return search.search(make, P, machine, memory=args.memory_per_rank), P, args
+
+
+def test_grids_are_every_factorisation_data_parallel_first():
+    assert search.grids(4) == [(4, 1, 1), (2, 1, 2), (2, 2, 1), (1, 1, 4), (1, 2, 2), (1, 4, 1)]
+    assert search.grids(1) == [(1, 1, 1)] and len(search.grids(16)) == 15
+
+
+def test_the_search_is_deterministic_counts_every_refusal_and_proposes_only_valid_layouts(shipped):
+    (fits, over, refused), P, args = searched("-n", "4", "--memory-per-rank", "55MB")
+    assert len(fits) + sum(refused.values()) == len(search.layouts(load(CONFIG), 4))
+    assert refused["memory"] == len(over) > 0 and all(f.peak > 55e6 for f in over)
+    assert refused["parallel.sequence_parallel"] > 0  # sequence parallelism with pipeline stages
+    assert refused["train.precision"] > 0  # mixed precision with stages or slices
+    assert all(f.peak <= 55e6 for f in fits) and fits and [f.step for f in fits] == sorted(f.step for f in fits)
+    for f in fits:  # what the trainer would do with the --set line: load it, check it on 4 ranks
+        cfg = load(CONFIG, list(f.sets))
+        assert check_ranks(cfg, 4) == (f.plan.layout.dp, f.plan.layout.pp, f.plan.layout.tp)
+    (again, _, counted), _, _ = searched("-n", "4", "--memory-per-rank", "55MB")
+    assert [(f.line, f.step) for f in again] == [(f.line, f.step) for f in fits] and counted == refused
+
+
+def test_the_command_prints_the_fastest_with_the_line_that_runs_each(shipped):
+    out = subprocess.run([sys.executable, "-m", "mpitrain", "plan", CONFIG, "-n", "2", "--search", "--top", "3"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith(f"search: {CONFIG} on 2 rank(s)") and " fit in " in lines[1]
+    rows = [line for line in lines if line[:2] in ("1 ", "2 ", "3 ")]
+    assert len(rows) == 3 and all("--set parallel.dp=" in r for r in rows)
+    bad = subprocess.run([sys.executable, "-m", "mpitrain", "plan", CONFIG, "--search", "--cluster", "1x2@1gbit"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "NODESxRANKS@RATE with 2 nodes or more" in bad.stderr
+
+
+def test_spearman_ranks_with_ties_and_the_draw_of_others_is_seeded():
+    assert search.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1)
+    assert search.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1)
+    assert search.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(np.corrcoef([1, 2.5, 2.5, 4],
+                                                                                    [1, 2, 3, 4])[0, 1])
+    fits = list(range(30))
+    picks = trial.chosen(fits, 5)
+    assert picks[:5] == [0, 1, 2, 3, 4] and len(picks) == 10 and picks == trial.chosen(fits, 5)
+    assert all(p >= 5 for p in picks[5:]) and picks[5:] == sorted(picks[5:])
