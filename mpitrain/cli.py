@@ -426,7 +426,7 @@ def _bench_parsers(commands) -> None:
     p.add_argument("--layouts", nargs="*", metavar="NAME", help="only these layouts (default: all)")
     p.add_argument("--catalogue", metavar="PATH",
                    help="predict with this calibration (mpitrain plan --calibrate --catalogue PATH) instead of "
-                        "calibrating this machine and each rate's link first (about 20 s, and 10 s a rate)")
+                        "calibrating this machine and each rate's link first (under a minute)")
     p.set_defaults(run=_bench_plan)
     p = benches.add_parser("step", help="training-step GFLOP/s of a GPT and a CNN vs. a large matmul",
                            description="Time training steps of the reference GPT and CNN beside a "
@@ -601,7 +601,7 @@ def _cluster_parser(commands) -> None:
                    help="MPICH's network module over the links (default ofi, its tcp provider)")
     p.add_argument("--delayed-acks", action="store_true",
                    help="keep the kernel's delayed ACKs on the links (default off: with them long allreduces "
-                        "stalled about 40 ms in a few percent of calls, which a cluster's fabric does not do)")
+                        "stalled for the delayed-ACK timer, which a cluster's fabric does not do)")
     p.add_argument("--dilation", type=_dilation, default=1.0, metavar="D|auto",
                    help="time dilation: links at RATE/D and each node held to RANKS/D cores, so that more ranks "
                         "than cores emulate one core per rank; auto: ranks/cores when above 1 (default 1: none)")

@@ -14,9 +14,9 @@ Why, and how to use it: ``jobs/README.md``, "A cluster on one machine"; figures:
   egress, both ways, with ``tc`` htb at ``rate``; the burst is 256 KiB, as a 64 KiB one
   kept the throughput well below the rate. Delayed ACKs are off on the links (the route's
   ``quickack``): with them MPICH's allreduce of long messages (its reduce-scatter and
-  allgather) stalled about 40 ms, Linux's delayed-ACK timer, in 2-12% of calls once
-  compute came between the calls, which an RDMA fabric does not do; ``delayed_acks=True``
-  keeps the kernel's default.
+  allgather) stalled for Linux's delayed-ACK timer in some calls once compute came
+  between the calls, which an RDMA fabric does not do (measured: the bench README);
+  ``delayed_acks=True`` keeps the kernel's default.
 * **launch**: ``mpiexec`` runs in node 0's namespace with Hydra's ssh launcher; a small
   script stands in for ssh and starts each node's proxy inside that node's namespace
   (``nsenter --net``), on that node's share of the cores (``taskset``: unpinned, each rank

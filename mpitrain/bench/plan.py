@@ -8,10 +8,10 @@ link: ``emu-1g``, ``emu-10g``), then prints one row per layout and link: the pre
 and measured step time and their error, whether every counted quantity was exact, and
 the largest heap errors. Run it without ``mpiexec``: it starts its own ranks.
 
-First it calibrates this machine and each link (:func:`mpitrain.plan.calibrate.calibrate`,
-about 20 s and a ping-pong per rate) into a file of its own that every validation reads:
-the machine's speed drifts 10-20% between hours, so predictions are checked against the
-machine as it is in the same sitting (``--catalogue`` uses a calibration already made).
+First it calibrates this machine and each link (:func:`mpitrain.plan.calibrate.calibrate`)
+into a file of its own that every validation reads: a machine's speed drifts between
+hours, so predictions are checked against the machine as it is in the same sitting
+(``--catalogue`` uses a calibration already made).
 The figures: ``mpitrain/bench/README.md``, "The planner against the run".
 """
 

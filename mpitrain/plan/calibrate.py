@@ -127,10 +127,7 @@ def overlap(sizes=(1 << 18, 1 << 20, 1 << 22), repeats: int = 9) -> dict | None:
     (start, compute, wait) ``t``; what stays exposed, ``t - w``, is the part of ``c`` that
     compute cannot hide. Without a thread of its own MPI moves bytes only inside calls,
     over TCP or shared memory the rank's own core copies them, and a reduction waits for a
-    call to add: measured here, about 0.35 of an allreduce, 0.55-0.7 of a gather and
-    0.4-0.7 of a reduce-scatter on a 1 Gbit/s emulated link (varying with the size), 0 at
-    10 Gbit/s (the core is the limit) and on shared memory."""
-    from mpi4py import MPI
+    call to add (what it measured: ``mpitrain/bench/README.md``, "The emulation's limits")."""
     from threadpoolctl import threadpool_limits
 
     from mpitrain.comm import world
@@ -152,7 +149,7 @@ def overlap(sizes=(1 << 18, 1 << 20, 1 << 22), repeats: int = 9) -> dict | None:
             tick = time.perf_counter()
             fn()
             times += [time.perf_counter() - tick] if r else []
-        return mpi.allreduce(float(np.median(times)), op=MPI.MAX)  # the slower rank's
+        return max(mpi.allgather(float(np.median(times))))  # the slower rank's
 
     def compute(k: int) -> None:
         for _ in range(k):
