@@ -62,6 +62,10 @@ def test_the_command_prints_the_fastest_with_the_line_that_runs_each(shipped):
     bad = subprocess.run([sys.executable, "-m", "mpitrain", "plan", CONFIG, "--search", "--cluster", "1x2@1gbit"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "NODESxRANKS@RATE with 2 nodes or more" in bad.stderr
+    alone = subprocess.run([sys.executable, "-m", "mpitrain", "plan", CONFIG, "--measure", "3"],
+                           capture_output=True, text=True, timeout=60)
+    assert alone.returncode == 2 and alone.stderr.strip().splitlines() == [
+        "mpitrain: error: --measure: goes with --search (mpitrain plan CONFIG -n P --search ...)"]
 
 
 def test_spearman_ranks_with_ties_and_the_draw_of_others_is_seeded():

@@ -111,6 +111,9 @@ def run(args) -> int:
     from mpitrain.plan import hardware
 
     try:
+        if not args.search and (args.measure or args.cluster):
+            raise ConfigError(f"{'--measure' if args.measure else '--cluster'}: goes with --search (mpitrain plan "
+                              "CONFIG -n P --search ...)")
         if args.calibrate:
             from mpitrain.plan import calibrate
 
