@@ -86,24 +86,29 @@ def add_parser(commands) -> None:
     p.add_argument("--validate", action="store_true",
                    help="run CONFIG for a few steps (under mpiexec: on its ranks) and print predicted | measured | "
                         "error for every quantity")
+    _search_arguments(p, _positive)
+    p.add_argument("--json", metavar="PATH", help="with --validate: also write the rows to PATH (JSON)")
+    p.add_argument("--steps", type=_positive, default=20,
+                   help="with --validate: steps of the timed run (default 20, in windows of 5; the first is not timed)")
+    p.set_defaults(run=run)
+
+
+def _search_arguments(p, positive) -> None:
+    """--search and what goes with it (:mod:`mpitrain.plan.search`, :mod:`mpitrain.plan.trial`)."""
     p.add_argument("--search", action="store_true",
                    help="plan every layout of CONFIG on -n ranks the trainer accepts (grid, sync, schedule, "
                         "micro-batches, precision, checkpointing, buckets), drop those that do not fit "
                         "--memory-per-rank, and print the fastest ten with the --set line that runs each")
-    p.add_argument("--top", type=_positive, default=10, help="with --search: layouts shown (default 10)")
+    p.add_argument("--top", type=positive, default=10, help="with --search: layouts shown (default 10)")
     p.add_argument("--cluster", type=_cluster, metavar="NODESxRANKS@RATE",
                    help="with --search: plan for (and --measure across) emulated nodes of mpitrain cluster, "
                         "e.g. 2x2@1gbit (their link as calibrated: emu-1g)")
-    p.add_argument("--measure", type=_positive, metavar="K",
+    p.add_argument("--measure", type=positive, metavar="K",
                    help="with --search: run the top K and K other layouts that fit for a few steps (--steps), "
                         "print predicted | measured | rank and Spearman's correlation, and write them with a "
                         "plot to --out")
     p.add_argument("--out", metavar="DIR", default="runs/search",
                    help="with --measure: where the table (CSV, JSON) and the plot go (default %(default)s)")
-    p.add_argument("--json", metavar="PATH", help="with --validate: also write the rows to PATH (JSON)")
-    p.add_argument("--steps", type=_positive, default=20,
-                   help="with --validate: steps of the timed run (default 20, in windows of 5; the first is not timed)")
-    p.set_defaults(run=run)
 
 
 def run(args) -> int:
