@@ -3,11 +3,13 @@ its reason, and every proposal a layout the trainer's own checks accept. (``--me
 runs layouts: its figures are measurements, in mpitrain/plan/README.md.)"""
 
 import argparse
+import json
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from test_comm import needs_mpiexec
 
 from mpitrain import cli
 from mpitrain.config import check_ranks, load
@@ -77,3 +79,18 @@ def test_spearman_ranks_with_ties_and_the_draw_of_others_is_seeded():
     picks = trial.chosen(fits, 5)
     assert picks[:5] == [0, 1, 2, 3, 4] and len(picks) == 10 and picks == trial.chosen(fits, 5)
     assert all(p >= 5 for p in picks[5:]) and picks[5:] == sorted(picks[5:])
+
+
+@needs_mpiexec
+def test_measure_runs_the_chosen_layouts_and_writes_the_table_and_the_plot(tmp_path, shipped):
+    """--measure end to end on a tiny GPT (its figures are measurements: only the form)."""
+    cfg = tmp_path / "tiny.toml"
+    cfg.write_text('[model]\nname = "gpt"\nn_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 16\n'
+                   '[data]\nname = "shakespeare"\n[train]\nglobal_batch_size = 4\nsteps = 1\n')
+    out = subprocess.run([sys.executable, "-m", "mpitrain", "plan", str(cfg), "-n", "2", "--search", "--measure", "1",
+                          "--steps", "5", "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "Spearman's rank correlation" in out.stdout and "over 2 layouts" in out.stdout
+    saved = json.loads((tmp_path / "out" / "search.json").read_text())
+    assert len(saved["layouts"]) == 2 and saved["layouts"][0]["predicted_rank"] == 1
+    assert (tmp_path / "out" / "search.png").stat().st_size > 0 and (tmp_path / "out" / "search.csv").exists()

@@ -17,14 +17,13 @@ The figures: ``mpitrain/bench/README.md``, "The planner against the run".
 
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from mpitrain.cluster import Cluster, bits_per_second, describe, mpiexec
 from mpitrain.plan.hardware import emulated_link
+from mpitrain.plan.validate import launched
 
 # name -> (ranks, --set overrides); the layouts of the issue's table that two cores can time
 LAYOUTS = {
@@ -48,11 +47,7 @@ LAYOUTS = {
 def one(config: str, name: str, steps: int, launch, link_args: list[str], out: Path) -> dict | None:
     """One layout's validation through ``launch`` (a command list -> exit status)."""
     ranks, sets = LAYOUTS[name]
-    argv = [sys.executable, "-m", "mpitrain", "plan", config, "--validate", "--steps", str(steps),
-            "--json", str(out), *link_args, *(a for s in sets for a in ("--set", s))]
-    sys.stdout.flush()
-    launch(argv, ranks)
-    return json.loads(out.read_text()) if out.exists() else None
+    return launched([config], sets, link_args, steps, ranks, out, launch)
 
 
 def row(name: str, link: str, found: dict | None) -> str:

@@ -16,13 +16,13 @@ from __future__ import annotations
 import csv
 import json
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from mpitrain.plan.search import spearman
+from mpitrain.plan.validate import launched
 
 SEED = 0  # the random others: the same search, the same draw
 
@@ -37,16 +37,11 @@ def chosen(fits: list, k: int) -> list:
 def measure(args, found, steps: int, out: Path, launch) -> dict | None:
     """One layout's validation run, its JSON written to ``out``: {"step": [predicted,
     measured], "rows": ...} (None if it failed; its output is printed)."""
-    argv = [sys.executable, "-m", "mpitrain", "plan", *([args.config] if args.config else ["--model", args.model]),
-            "--validate", "--steps", str(steps), "--json", str(out),
-            *(a for s in [*args.set, *found.sets] for a in ("--set", s))]
+    extra = ["--catalogue", args.catalogue] if args.catalogue else []
     if args.cluster:
-        argv += ["--nodes", str(args.cluster[0]), "--gpus-per-node", str(args.cluster[1]), "--network", args.network]
-    if args.catalogue:
-        argv += ["--catalogue", args.catalogue]
-    sys.stdout.flush()
-    launch(argv, found.plan.layout.P)
-    return json.loads(out.read_text()) if out.exists() else None
+        extra += ["--nodes", str(args.cluster[0]), "--gpus-per-node", str(args.cluster[1]), "--network", args.network]
+    return launched([args.config] if args.config else ["--model", args.model], [*args.set, *found.sets], extra,
+                    steps, found.plan.layout.P, out, launch)
 
 
 def peak(result: dict) -> float:

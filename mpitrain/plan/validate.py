@@ -176,6 +176,20 @@ def run(args) -> int:
     return 0 if ok else 1
 
 
+def launched(what: list, sets, extra: list, steps: int, ranks: int, out: Path, launch) -> dict | None:
+    """``mpitrain plan WHAT --validate`` (``what``: a config, or ``--model NAME``) with ``sets``
+    overrides and ``extra`` arguments, on ``ranks`` ranks through ``launch`` (command list,
+    ranks -> exit status); its JSON rows ({"rows", "step"}), or None if it failed (its output
+    is printed)."""
+    import sys
+
+    argv = [sys.executable, "-m", "mpitrain", "plan", *what, "--validate", "--steps", str(steps), "--json", str(out),
+            *extra, *(a for s in sets for a in ("--set", s))]
+    sys.stdout.flush()
+    launch(argv, ranks)
+    return json.loads(out.read_text()) if out.exists() else None
+
+
 def end_of_run(cfg, ranks: int, step_seconds: float, states: list) -> list[str]:
     """The lines a training run ends with: the planner's step time and memory of this
     layout on this machine beside what the run measured (``states``: every rank's
