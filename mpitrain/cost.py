@@ -103,12 +103,13 @@ def tensor_parallel_bytes(B: int, T: int, C: int, itemsize: int, t: int) -> floa
     return 4 * collective_bytes("allreduce", B * T * C * itemsize, t)
 
 
-def reader_bytes(b: int, K: int, item: int, label: int, kept: int, prefetch: int) -> int:
+def reader_bytes(b: int, K: int, sample: int, prefetch: int) -> int:
     """Bytes a rank's shard reader (:class:`mpitrain.data.ShardReader`) holds once its
-    queue is full: the read buffers of one round (``b`` lanes x ``K`` steps of ``item``
-    bytes and a ``label``), and ``prefetch + 2`` rounds of batches (queued, in use, and
-    the one the reader thread has ready), ``kept`` bytes a sample each plus its 8-byte index."""
-    return b * K * (item + label) + (prefetch + 2) * b * K * (kept + 8)
+    queue is full: the read buffers of one round (``b`` lanes x ``K`` steps of a
+    ``sample``, its bytes as stored with its label), and ``prefetch + 2`` rounds of
+    batches (queued, in use, and the one the reader thread has ready), each sample as
+    stored with its 8-byte index."""
+    return b * K * sample + (prefetch + 2) * b * K * (sample + 8)
 
 
 # ----------------------------------------------------------------------- pipelines

@@ -316,6 +316,44 @@ def test_leaving_an_epoch_early_does_not_hang(tmp_path):
             break  # the producer may be waiting to queue the end of the epoch
 
 
+def test_random_windows_read_in_stretches_are_the_windows_read_one_by_one(tmp_path, monkeypatch):
+    """Random windows are read as stretches across small gaps, cut at STRETCH bytes and at
+    shard ends; every window is the one a read of its own gives, in the order drawn."""
+    from mpitrain.data import reader as module
+
+    rng = np.random.default_rng(1)
+    with DatasetWriter(tmp_path / "t", "toytext", "text", shard_mb=0.002, vocab="abcdefghijklmnopqrstuvwxyz01234") as w:
+        w.write_split("train", rng.integers(0, 31, 9000).astype(np.uint8))
+        w.write_split("val", rng.integers(0, 31, 500).astype(np.uint8))
+    split, T = open_dataset(tmp_path / "t").split("train"), 16
+    windows = module._Windows(split, T, "random")
+    for gap, stretch in ((8, 64), (64, 200), (4096, 1 << 20)):
+        monkeypatch.setattr(module, "GAP", gap)
+        monkeypatch.setattr(module, "STRETCH", stretch)
+        starts = np.concatenate([rng.integers(0, 9000 - T, 300), [0, 0, 9000 - T - 1, 5]])  # repeats, both ends
+        got = np.empty((len(starts), T + 1), np.uint8)
+        nbytes = windows._scattered(starts, got)
+        for row, start in zip(got, starts):
+            np.testing.assert_array_equal(row, split.read_all("x")[start : start + T + 1])
+        assert nbytes <= (len(starts) * (T + 1) if gap == 8 else split.count)  # overlaps read once; gaps at most
+
+
+def test_a_settled_reader_holds_its_queue_full(tmp_path):
+    """settle(): returns once the thread has ``prefetch`` rounds queued and the next one
+    read, waiting to queue it (what cost.reader_bytes counts); at the epoch's end, at once."""
+    image_set(tmp_path / "d")
+    split = open_dataset(tmp_path / "d").split("train")
+    reader = ShardReader(split, rank=0, size=1, global_batch=16, seed=0, buffer_mb=0.001, prefetch=2)
+    reads = []
+    reader.on_read = lambda start, end, nbytes: reads.append(nbytes)
+    batches = reader.batches(0, 1)
+    next(batches)
+    assert reader.settle(30)
+    assert len(reads) == 1 + 2 + 1  # in use, queued, and the one waiting
+    list(batches)
+    assert reader.settle(1)
+
+
 def test_a_held_reader_begins_no_round_until_released_or_the_loop_runs_dry(tmp_path):
     """hold(): the thread reads no new round (a traced step's peak is the step's own) while
     batches are queued; released, it reads on; a loop that empties the queue while it is

@@ -46,6 +46,7 @@ from mpitrain.data.shards import DataError, Split
 READER = 5  # seed stream tag (see loader.py for 1-4)
 SAMPLING = ("stride", "random")  # how text windows are placed (see the module docstring)
 _STARTS = 1  # sub-stream of READER: the random windows' starts
+GAP, STRETCH = 4096, 1 << 20  # random windows: read as one stretch across gaps under GAP bytes, up to STRETCH
 
 
 def _splitmix64(z: np.ndarray) -> np.ndarray:
@@ -142,8 +143,9 @@ class _Images:
     def read(self, first: int, stop: int, x: np.ndarray, y: np.ndarray, plan: EpochPlan) -> int:
         return self.split.read("x", first, stop, x) + self.split.read("y", first, stop, y)
 
-    def split_xy(self, block: np.ndarray, labels: np.ndarray):
-        return block, labels.astype(np.int64)
+    def pair(self, x: np.ndarray, y: np.ndarray):
+        """One step's (b, ...) images as stored and (b,) labels as int64."""
+        return x, y.astype(np.int64)
 
 
 class _Windows:
@@ -168,7 +170,7 @@ class _Windows:
         T = self.T
         if self.sampling == "random":
             starts = random_starts(plan.seed, plan.epoch, np.arange(first, stop), self.split.count - T)
-            return sum(self.split.read("x", int(start), int(start) + T + 1, row) for row, start in zip(x, starts))
+            return self._scattered(starts, x)
         t0 = self.token_offset(plan.token_offset_draw)
         tokens = np.empty((stop - first) * T + 1, dtype=self.dtype)
         got = self.split.read("x", t0 + first * T, t0 + stop * T + 1, tokens)
@@ -176,9 +178,31 @@ class _Windows:
             tokens, (stop - first, T + 1), (T * tokens.itemsize, tokens.itemsize), writeable=False)
         return got
 
-    def split_xy(self, block: np.ndarray, labels: np.ndarray):
-        w = block.astype(np.int64)  # (k, b, T + 1)
-        return w[..., :-1], w[..., 1:]
+    def _scattered(self, starts: np.ndarray, x: np.ndarray) -> int:
+        """Windows at ``starts`` into the rows of ``x``. Windows less than :data:`GAP` bytes
+        apart are read as one stretch of at most :data:`STRETCH` bytes and cut out of it
+        (one read of 65 bytes costs about what one of 4 KiB does); returns the bytes read,
+        gaps included."""
+        T, item = self.T, self.dtype.itemsize
+        order = np.argsort(starts, kind="stable")
+        at = starts[order]  # (n,) ascending
+        group = np.concatenate([[0], np.cumsum(np.diff(at) > GAP // item)])  # (n,) gaps split groups
+        first = at[np.searchsorted(group, group)]  # (n,) its group's first start
+        piece = (at - first) // max(1, STRETCH // item - T - 1)  # (n,) ... and groups split into stretches
+        cuts = np.flatnonzero((np.diff(group) != 0) | (np.diff(piece) != 0)) + 1
+        span = np.arange(T + 1)
+        nbytes = 0
+        for i, j in itertools.pairwise([0, *cuts.tolist(), len(at)]):
+            lo, hi = int(at[i]), int(at[j - 1]) + T + 1
+            tokens = np.empty(hi - lo, dtype=self.dtype)
+            nbytes += self.split.read("x", lo, hi, tokens)
+            x[order[i:j]] = tokens[(at[i:j] - lo)[:, None] + span]
+        return nbytes
+
+    def pair(self, x: np.ndarray, y: np.ndarray):
+        """One step's (b, T + 1) windows -> (b, T) inputs and targets as int64."""
+        w = x.astype(np.int64)
+        return w[:, :-1], w[:, 1:]
 
 
 def _runs(starts: np.ndarray, length: int, n: int):
@@ -233,6 +257,7 @@ class ShardReader:
         self._open = threading.Event()  # clear: no new round is begun (hold)
         self._open.set()
         self._reading = threading.Lock()  # held by the thread while it reads and gathers a round
+        self._full = threading.Event()  # set: the thread waits to queue a round (or has ended); see settle
 
     @property
     def steps_per_epoch(self) -> int:
@@ -264,6 +289,14 @@ class ShardReader:
     def release(self) -> None:
         self._open.set()
 
+    def settle(self, timeout: float = 60.0) -> bool:
+        """Wait until the thread holds all it may: ``prefetch`` rounds queued and the next
+        one gathered, waiting its turn (or the thread has ended). That is the reader's
+        steady state whenever storage keeps up, and what :func:`mpitrain.cost.reader_bytes`
+        counts; a heap measured before it would catch the queue half filled. False if
+        ``timeout`` seconds passed first."""
+        return self._full.wait(timeout)
+
     # ------------------------------------------------------------- producer
     def _round(self, plan: EpochPlan, round_id: int, first: int, length: int, buffers: dict):
         """Read this rank's blocks of one round and gather them into ``length`` batches. The
@@ -275,9 +308,8 @@ class ShardReader:
         b = len(lanes)
         shape = self.items.sample_shape
         if b == 0:  # this rank has no sample in the epoch's last, partial batch
-            empty = np.zeros((length, 0), dtype=np.int64)
-            x, y = self.items.split_xy(np.empty((length, 0, *shape), dtype=self.items.dtype), empty)
-            return x, y, empty, lanes
+            return (np.empty((length, 0, *shape), dtype=self.items.dtype),
+                    np.empty((length, 0), dtype=self.items.label_dtype), np.zeros((length, 0), dtype=np.int64), lanes)
         if buffers.get("length") != length:
             buffers.update(length=length, block=np.empty((self.b, length, *shape), dtype=self.items.dtype),
                            labels=np.empty((self.b, length), dtype=self.items.label_dtype))
@@ -298,9 +330,9 @@ class ShardReader:
             self.on_read(tick, tick + read_s, nbytes)
         perm = plan.permutations(round_id, length)[lanes]  # (b, k)
         take = np.arange(b)[None, :] * length + perm.T  # (k, b) flat index into the blocks
+        # kept as stored (a token in one byte, not eight) until the step's batch is handed out
         x = block.reshape(b * length, *shape).take(take, axis=0)  # (k, b, ...)
         y = labels.reshape(-1).take(take)  # (k, b)
-        x, y = self.items.split_xy(x, y)
         index = (starts[None, :] + perm.T) % plan.n  # (k, b)
         stats = self._stats(plan.epoch)
         with self._lock:
@@ -316,9 +348,10 @@ class ShardReader:
             while not stop.is_set():
                 try:
                     out.put(item, timeout=0.1)
+                    self._full.clear()
                     return True
                 except queue.Full:
-                    continue
+                    self._full.set()
             return False
 
         with self._lock:  # reuse the buffers of an earlier iteration: fresh pages cost a fault each
@@ -342,6 +375,7 @@ class ShardReader:
         except BaseException as e:  # handed to the training loop, which re-raises it
             put(e)
         finally:
+            self._full.set()
             with self._lock:
                 self._spare.append(buffers)
 
@@ -353,6 +387,7 @@ class ShardReader:
             raise ValueError(f"first_step {first_step} is not in [0, {self.steps_per_epoch})")
         out: queue.Queue = queue.Queue(maxsize=self.prefetch)
         stop = threading.Event()
+        self._full.clear()
         thread = threading.Thread(target=self._produce, args=(first_epoch, first_step, epochs, out, stop),
                                   name=f"shard-reader-{self.split.name}", daemon=True)
         thread.start()
@@ -374,7 +409,7 @@ class ShardReader:
                     stats.samples += (len(x) - skip) * len(lanes)
                     stats.batches += len(x) - skip
                 for k in range(skip, len(x)):
-                    yield Batch(epoch, step + k, x[k], y[k], index[k], lanes)
+                    yield Batch(epoch, step + k, *self.items.pair(x[k], y[k]), index[k], lanes)
         finally:
             stop.set()
             thread.join()

@@ -54,8 +54,9 @@ class HeapTrace:
     end of step ``REST_STEP + 1`` of the run (``after_step``), by ``tracemalloc``: at rest
     after step ``REST_STEP``, split by where it was allocated (``PLACES``; the model state,
     :func:`mpitrain.cost.bytes_per_parameter`'s, is the rest), and the peak of the next step above it
-    (activations, gradients in flight, buffers of the exchange), the training reader's
-    thread held meanwhile (``reader``: :meth:`~mpitrain.data.reader.ShardReader.hold`).
+    (activations, gradients in flight, buffers of the exchange). The training reader
+    (``reader``) is measured full (:meth:`~mpitrain.data.reader.ShardReader.settle`), its
+    thread held in the step that follows (:meth:`~mpitrain.data.reader.ShardReader.hold`).
     Does nothing if ``enabled`` is false or something else traces already."""
 
     REST_STEP = 2  # the heap at rest after this many steps: the optimizer's state exists after the first
@@ -77,7 +78,8 @@ class HeapTrace:
         if not self.tracing:
             return
         if done == self.REST_STEP:
-            if self.reader is not None:  # a round gathered meanwhile would add its arrays to the step's peak
+            if self.reader is not None:  # at rest with its queue full; then no round gathered in the step
+                self.reader.settle()
                 self.reader.hold()
             self.rest = tracemalloc.get_traced_memory()[0] - self.base
             self.parts = self._parts()

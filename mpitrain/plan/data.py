@@ -28,17 +28,16 @@ class DataShape:
         """Bytes the shard reader of a rank with ``b`` of the ``B`` samples of a step holds
         (:func:`mpitrain.cost.reader_bytes`): rounds of ``K`` steps, as many as
         ``buffer_mb`` of the global batches hold (at most an epoch); a text window of
-        ``T + 1`` tokens kept as int64, an image as stored with its label as int64."""
+        ``T + 1`` tokens with a 1-byte placeholder label, an image with its label."""
         from mpitrain.cost import reader_bytes
 
         if self.kind == "text":
-            n, item, label, kept = max(1, (self.train - T) // T), (T + 1) * self.x_itemsize, 1, (T + 1) * 8
+            n, item, label = max(1, (self.train - T) // T), (T + 1) * self.x_itemsize, 1
         else:
             n, item, label = self.train, self.bytes_per_sample() - self.y_itemsize, self.y_itemsize
-            kept = item + 8
         steps = n // B
         K = max(1, min(int(buffer_mb * 2**20) // max(1, B * item), steps)) if steps else 1
-        return reader_bytes(b, K, item, label, kept, prefetch)
+        return reader_bytes(b, K, item + label, prefetch)
 
     def bytes_per_sample(self, window: int = 0, random: bool = False) -> int:
         """What storage delivers per training sample (the reader's ``sample_bytes``): an

@@ -7,7 +7,8 @@ bytes each communicator sent in the steps (the counters), the FLOPs of a step (t
 counter), the pipeline's idle slots under unit costs (the schedule's own simulation), and
 the storage need at the I/O table's samples/s. The heap (``tracemalloc``, at rest between
 steps less the reader, and a step's peak above rest) and the step time are estimates,
-held within a tolerance; the reader's memory is shown (it fills its queue as it can).
+held within a tolerance, and so is the reader's memory, measured with its queue full
+(:meth:`mpitrain.data.reader.ShardReader.settle`).
 """
 
 from __future__ import annotations
@@ -25,22 +26,19 @@ EXACT = ("parameters", "gradients", "optimizer state", "optimizer's work array",
          "FLOPs", "storage need (B/s) at the run's samples/s")
 HEAP_TOLERANCE = 0.05  # the heap at rest and a step's peak above it (estimates)
 TIME_TOLERANCE = 0.20
-SHOWN = ("reader (filling in the background)",)  # printed, held to nothing: the reader fills its queue as it can
 
 
-def tolerance(what: str) -> float | None:
-    """How far a row may be off: counted quantities not at all; None: not held. A bound
+def tolerance(what: str) -> float:
+    """How far a row may be off: counted quantities not at all. A bound
     ("..., at most", "..., at least": the peak depends on messages' timing) holds one way."""
     if what in EXACT or what.startswith("idle"):
         return 0.0
-    return None if what in SHOWN else HEAP_TOLERANCE
+    return HEAP_TOLERANCE
 
 
 def holds(what: str, predicted: float, measured: float) -> bool:
     """Whether a row is within its tolerance (:func:`tolerance`); a bound, on its side."""
     limit, e = tolerance(what), error(predicted, measured)
-    if limit is None:
-        return True
     if what.endswith(", at most"):
         return bool(e <= limit + 1e-12)  # (a NumPy figure makes a NumPy bool, which JSON cannot write)
     if what.endswith(", at least"):
@@ -108,7 +106,7 @@ def compare(plan, result, storage=()) -> list[tuple]:
                      *([(rank, "heap peak above rest", p.memory["activations"], peak)] if not any(p.bounds) else
                        [(rank, f"heap peak above rest, at {w}", bound, peak) for w, bound in zip(("least", "most"),
                                                                                              p.bounds)]),
-                     (rank, "reader (filling in the background)", p.memory["reader"], data)]
+                     (rank, "reader, its queue full", p.memory["reader"], data)]
     for _, per_sample, rate in storage[:1]:  # the I/O table's need (its factors: its MB/s is rounded), at its rate
         rows.append(("all", "storage need (B/s) at the run's samples/s", plan.bytes_per_sample * rate,
                      per_sample * rate))
@@ -135,7 +133,7 @@ def table(rows, step_time=None) -> tuple[str, bool]:
     for rank, what, predicted, measured in rows:
         e, good = error(predicted, measured), holds(what, predicted, measured)
         ok &= good
-        held = "-" if tolerance(what) is None else "yes" if good else "NO"
+        held = "yes" if good else "NO"
         lines.append(f"{rank} | {what} | {predicted:,.0f} | {measured:,.0f} | {100 * e:+.2f}% | {held}")
     if step_time is not None:
         predicted, measured = step_time
