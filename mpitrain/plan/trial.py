@@ -1,7 +1,8 @@
 """``mpitrain plan --search --measure K``: the search's ranking held against runs.
 
 It runs the predicted top ``K`` layouts and ``K`` others drawn at random (seeded: the
-same search draws the same ones) from the rest that fit, each through
+same search draws the same ones) from the rest that fit (of layouts that differ in the
+bucket size alone, the one the planner prefers), each through
 ``mpitrain plan CONFIG --validate`` for a few steps (on shared memory under ``mpiexec``, or
 across the emulated nodes of ``--cluster``, :class:`mpitrain.cluster.Cluster`), and the
 closest of the layouts refused for memory, to see whether they indeed exceed it. It
@@ -25,10 +26,26 @@ from mpitrain.plan.search import spearman
 from mpitrain.plan.validate import launched
 
 SEED = 0  # the random others: the same search, the same draw
+INTERRUPTED = (130, 143, -2, -15)  # a run's exit status after Ctrl-C or SIGTERM: the search stops there
+
+
+def distinct(found: list) -> list:
+    """The first of each group of layouts that differ in the gradient bucket's size alone
+    (the planner's preferred size, since ``found`` is in its order): two of them measured
+    side by side would rank the run's noise, not the model's prediction."""
+    seen, kept = set(), []
+    for f in found:
+        key = tuple(s for s in f.sets if not s.startswith("parallel.bucket_mb="))
+        if key not in seen:
+            seen.add(key)
+            kept.append(f)
+    return kept
 
 
 def chosen(fits: list, k: int) -> list:
-    """The top ``k`` and ``k`` others drawn at random from the rest, in predicted order."""
+    """The top ``k`` distinct layouts and ``k`` others drawn at random from the rest, in
+    predicted order."""
+    fits = distinct(fits)
     rest = fits[k:]
     draw = np.random.default_rng(SEED).choice(len(rest), size=min(k, len(rest)), replace=False) if rest else []
     return fits[:k] + [rest[i] for i in sorted(draw)]
@@ -49,7 +66,7 @@ def peak(result: dict) -> float:
     rows = result["rows"]
     by_rank: dict = {}
     for rank, what, _, measured, *_ in rows:
-        if what in ("heap at rest less the reader", "reader (filling in the background)") or \
+        if what in ("heap at rest less the reader", "reader, its queue full") or \
                 what.startswith("heap peak above rest"):
             key = "peak" if what.startswith("heap peak") else what
             by_rank.setdefault(rank, {})[key] = measured
@@ -61,12 +78,18 @@ def run(args, fits: list, over: list, limit: float) -> int:
     from mpitrain.plan.show import size
 
     picks = chosen(fits, args.measure)
-    tried = over[: args.measure]
+    tried = distinct(over)[: args.measure]
     with tempfile.TemporaryDirectory(prefix="mpitrain-search-") as tmp:
         def shared(argv, ranks):
             return subprocess.run([mpiexec(), "-n", str(ranks), *argv], check=False).returncode
 
-        def each(launch):
+        def each(start):
+            def launch(argv, ranks):
+                status = start(argv, ranks)
+                if status in INTERRUPTED:  # the user stopped it: not one failed layout among others
+                    raise KeyboardInterrupt
+                return status
+
             return ([measure(args, f, args.steps, Path(tmp) / f"t{k}.json", launch) for k, f in enumerate(picks)],
                     [measure(args, f, 5, Path(tmp) / f"m{k}.json", launch) for k, f in enumerate(tried)])
 
