@@ -93,7 +93,7 @@ def test_the_scaling_plot_shows_superlinear_efficiency(text_data, tmp_path, monk
     monkeypatch.setattr(module, "_save", lambda fig, path: figures.append(fig) or module.plt.close(fig) or path)
     lines = []
     report([tmp_path / "p1", tmp_path / "p2"], out=tmp_path / "s", log=lines.append)
-    assert [line for line in lines if line.startswith("scaling: 2 rank(s): ")][0].endswith("efficiency 150%")
+    assert [line for line in lines if line.startswith("scaling: 2 rank(s): ")][0].split("; ")[0].endswith("efficiency 150%")
     efficiency = figures[-1].axes[1]
     assert efficiency.get_ylim()[0] == 0 and efficiency.get_ylim()[1] > 150
     assert [list(line.get_xdata()) for line in efficiency.get_lines()[:1]] == [[1, 2]]  # one line, from 1 rank
@@ -114,6 +114,8 @@ def test_the_scaling_plot_has_a_row_per_link_rate_and_undoes_time_dilation(text_
             if r["kind"] == "start":
                 r.update(ranks=ranks, cluster=cluster)
                 r["config"]["parallel"].update(parallel)
+                if parallel.get("sync") == "ps":  # servers hold a shard each: no global-norm clipping
+                    r["config"]["optim"]["grad_clip"] = 0.0
             if r["kind"] == "end":
                 rank = dict(r["ranks"][0], step_s=2.0, comm_exposed_s=0.5)
                 r.update(samples_per_s=samples_per_s, ranks=[dict(rank, rank=k) for k in range(ranks)])
@@ -131,7 +133,7 @@ def test_the_scaling_plot_has_a_row_per_link_rate_and_undoes_time_dilation(text_
             variant("a", 2, link(2, 1, "1gbit", 1.0), 1.5 * base, {"sync": "ddp"}),
             variant("b", 4, link(4, 1, "1gbit", 2.0), base, {"sync": "ddp"}),  # as on the cluster: 2x
             variant("c", 4, link(2, 2, "10gbit", 2.0), 1.6 * base, {"sync": "ddp"}),
-            variant("d", 4, link(4, 1, "10gbit", 2.0), base, {"sync": "ps", "staleness": -1, "servers": 1})]
+            variant("d", 4, link(4, 1, "10gbit", 2.0), base, {"sync": "ps", "staleness": -1, "servers": 2})]
     figures = []
     monkeypatch.setattr(module, "_save", lambda fig, path: figures.append(fig) or module.plt.close(fig) or path)
     lines = []
@@ -142,13 +144,26 @@ def test_the_scaling_plot_has_a_row_per_link_rate_and_undoes_time_dilation(text_
         assert len(found) == 1, lines
         return found[0]
 
-    assert line("2 rank(s) (2 nodes x 1): ddp, links 1gbit:").endswith("efficiency 75%")  # 1.5 x base
+    assert "efficiency 75%; predicted " in line("2 rank(s) (2 nodes x 1): ddp, links 1gbit:")  # 1.5 x base
     dilated = line("4 rank(s) (4 nodes x 1): ddp, links 1gbit:")  # base measured, 2 x base emulated
-    assert dilated.endswith("efficiency 50%") and "communication 25% of step time" in dilated
-    assert line("4 rank(s) (2 nodes x 2): ddp, 2 ranks/node, links 10gbit:").endswith("efficiency 80%")
+    assert "efficiency 50%; predicted " in dilated and "communication 25% of step time" in dilated
+    assert "efficiency 80%; predicted " in line("4 rank(s) (2 nodes x 2): ddp, 2 ranks/node, links 10gbit:")
     assert "communication 25% of step time" in line("4 rank(s) (4 nodes x 1): ps async, links 10gbit:")
     rows = figures[-1].axes
     assert [ax.get_title() for ax in rows[::2]] == ["throughput, links 1gbit", "throughput, links 10gbit"]
+    # the planner's figure for each run, its error, and their mean; a dotted line beside each measured one
+    from mpitrain.plan.scaling import predicted
+
+    start = json.loads((runs[2] / "metrics.jsonl").read_text().splitlines()[0])
+    guess = predicted(start["config"], 2, start["cluster"])
+    measured = 1.5 * base
+    assert f"; predicted {guess:,.1f} samples/s ({(measured - guess) / measured:+.0%} off)" in line(
+        "2 rank(s) (2 nodes x 1): ddp, links 1gbit:")
+    offs = [float(text.rsplit("(", 1)[1].split("%")[0]) for text in lines if "% off)" in text]
+    mean = line("the planner against 6 of 6 runs: mean absolute error ").split("error ")[1].split("%")[0]
+    assert len(offs) == 6 and float(mean) == pytest.approx(sum(map(abs, offs)) / 6, abs=0.5)  # offs: rounded
+    dotted = [ln for ln in rows[0].get_lines() if ln.get_linestyle() == ":" and len(ln.get_xdata())]
+    assert dotted and all(ln.get_marker() == "x" for ln in dotted)
     for row in (rows[0], rows[2]):  # the one-node 2-rank run is in both rows
         assert "ddp, 2 ranks/node" in [line.get_label() for line in row.get_lines()]
 

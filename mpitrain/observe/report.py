@@ -178,6 +178,8 @@ class _Point:
     samples_per_s: float  # as on the cluster emulated: a time-dilated run's figure times its dilation
     comm: float  # exposed communication, share of the step time (mean of the ranks that step)
     layout: str  # "", or "N nodes x R"
+    predicted: float | None = None  # the planner's samples/s for the run (mpitrain.plan.scaling)
+    why: str = ""  # why there is none
 
 
 def _point(run: Run, nodes_matter: bool) -> _Point:
@@ -191,20 +193,29 @@ def _point(run: Run, nodes_matter: bool) -> _Point:
     comm = sum(r["comm_exposed_s"] / r["step_s"] for r in stepping if r["step_s"]) / max(1, len(stepping))
     series = sync + (f", {per_node} ranks/node" if per_node > 1 and nodes_matter else "")
     samples_per_s = run.end["samples_per_s"] * cluster.get("dilation", 1.0)
-    return _Point(run.ranks, cluster.get("rate", "one node"), series, samples_per_s, comm,
-                  f" ({cluster['nodes']} nodes x {per_node})" if cluster else "")
+    point = _Point(run.ranks, cluster.get("rate", "one node"), series, samples_per_s, comm,
+                   f" ({cluster['nodes']} nodes x {per_node})" if cluster else "")
+    from mpitrain.plan.scaling import predicted
+
+    try:
+        point.predicted = predicted(run.config, run.ranks, cluster or None)
+    except ValueError as e:  # a config or calibration the planner cannot use: the point stands alone
+        point.why = str(e)
+    return point
 
 
 def _scaling(runs: list[Run], path: Path, log) -> Path:
     """Throughput and efficiency against ranks: one row per link rate (runs on one node in
     every row), one line per strategy and ranks per node; each point's exposed
-    communication written beside it. The 1-rank run is every line's first point."""
+    communication written beside it, and the planner's prediction for each run a dotted
+    line beside it. The 1-rank run is every line's first point."""
     points = [_point(r, any(r.start.get("cluster") for r in runs)) for r in runs]  # nodes: a line each
     single = [p for p in points if p.ranks == 1]
     if not single:
         raise ReportError(f"a scaling plot needs a 1-rank run to compare with; the runs have "
                           f"{sorted(r.ranks for r in runs)} ranks")
-    base = max(p.samples_per_s for p in single)
+    one = max(single, key=lambda p: p.samples_per_s)
+    base = one.samples_per_s
     links = sorted({p.link for p in points if p.link != "one node"}, key=bits_per_second) or ["one node"]
     strategies = sorted({p.series.split(",")[0] for p in points if p.ranks > 1})  # one colour each, in every row
     fig, axes = plt.subplots(len(links), 2, figsize=(11, 4 * len(links)), squeeze=False)
@@ -213,13 +224,18 @@ def _scaling(runs: list[Run], path: Path, log) -> Path:
         for k, series in enumerate(sorted({p.series for p in here})):
             line = sorted([p for p in here if p.series == series], key=lambda p: p.ranks)
             if "ranks/node" not in series:
-                line = [_Point(1, link, series, base, 0.0, "")] + line
+                line = [_Point(1, link, series, base, 0.0, "", one.predicted)] + line
             ranks = [p.ranks for p in line]
             efficiency = [100 * p.samples_per_s / (p.ranks * base) for p in line]
             colour = f"C{strategies.index(series.split(',')[0])}"
             style = dict(color=colour, marker="o", ls="--" if "ranks/node" in series else "-")
             a.plot(ranks, [p.samples_per_s for p in line], label=series, **style)
             b.plot(ranks, efficiency, label=series, **style)
+            guess = [(p.ranks, p.predicted) for p in line if p.predicted]
+            if guess and one.predicted:  # the planner's line: its samples/s, its own efficiency
+                dotted = dict(color=colour, marker="x", ls=":", lw=1)
+                a.plot(*zip(*guess), **dotted)
+                b.plot([r for r, _ in guess], [100 * x / (r * one.predicted) for r, x in guess], **dotted)
             for p, e in zip(line, efficiency):
                 if p.ranks > 1:
                     b.annotate(f"{100 * p.comm:.0f}%", (p.ranks, e), textcoords="offset points", fontsize=7,
@@ -231,6 +247,8 @@ def _scaling(runs: list[Run], path: Path, log) -> Path:
             ax.grid(alpha=0.3)
         a.set_ylabel("samples/s")
         a.set_ylim(bottom=0)
+        if any(p.predicted for p in here):
+            a.plot([], [], color="grey", marker="x", ls=":", lw=1, label="predicted (mpitrain plan)")
         a.set_title(f"throughput, links {link}")
         a.legend(fontsize=8)
         b.axhline(100, color="grey", lw=0.8, ls="--")
@@ -245,10 +263,22 @@ def _scaling(runs: list[Run], path: Path, log) -> Path:
                  f"share of the step time)")
     for p in sorted(points, key=lambda p: (p.link, p.series, p.ranks)):
         where = p.link if p.link == "one node" else f"links {p.link}"
+        guess = (f"; predicted {p.predicted:,.1f} samples/s ({_off(p):+.0%} off)" if p.predicted else
+                 f"; no prediction ({p.why})")
         log(f"scaling: {p.ranks} rank(s){p.layout}: {p.series}, {where}: {p.samples_per_s:,.1f} samples/s, "
             f"communication {100 * p.comm:.0f}% of step time, speed-up x{p.samples_per_s / base:.2f}, "
-            f"efficiency {100 * p.samples_per_s / (p.ranks * base):.0f}%")
+            f"efficiency {100 * p.samples_per_s / (p.ranks * base):.0f}%" + guess)
+    held = sorted(_off(p) for p in points if p.predicted)
+    if held:
+        log(f"scaling: the planner against {len(held)} of {len(points)} runs: mean absolute error "
+            f"{sum(map(abs, held)) / len(held):.1%}, from {held[0]:+.0%} to {held[-1]:+.0%} "
+            f"(measured less predicted, over measured)")
     return _save(fig, path)
+
+
+def _off(p: _Point) -> float:
+    """The prediction's error as ``mpitrain plan --validate`` gives it: (measured - predicted) / measured."""
+    return (p.samples_per_s - p.predicted) / p.samples_per_s
 
 
 def _save(fig, path: Path) -> Path:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mpitrain import cost
 from mpitrain.plan.predict import recomputed, replays, split_backward
 from mpitrain.plan.traffic import Call
 
@@ -195,6 +196,60 @@ def zero3_overlap(lay, plan, link, compute: float) -> float:
     return lay.m * exposed + rest
 
 
+def served(lay, plan, machine: Machine, compute: float) -> tuple[float, float]:
+    """Parameter servers: (seconds per global batch's worth of gradients applied, each
+    worker's communication in all, uncontended). A worker's cycle is its compute
+    (``parallel.slow_factor`` times it for the straggler), its pushes and its pulls.
+    Across nodes the servers' node's links are shared: every remote worker's push enters
+    through it and its pull leaves through it, one station each, which the workers visit
+    with a cycle's think time between (a closed queueing network: :func:`queued`).
+    Synchronous workers push together, then pull together, once per step; asynchronous
+    ones each at their own pace (Downpour); bounded ones at the slowest one's pace, which
+    the others may lead but never leave behind."""
+    par, S, W = lay.par, lay.servers, lay.dp
+    push, pull = (b / S for b in cost.parameter_server_bytes(plan.parameters * lay.itemsize, S))
+    think, demands, comm = [], [], 0.0
+    for w in range(W):
+        talk, visits = 0.0, {}  # its time on uncontended links; its demand at each shared station
+        for s in range(S):
+            node, link = s // machine.per_node, machine.link([s, S + w])
+            talk += 2 * link.alpha
+            if link is machine.intra:
+                talk += (push + pull) / link.bandwidth
+            else:
+                visits[("in", node)] = visits.get(("in", node), 0.0) + push / link.bandwidth
+                visits[("out", node)] = visits.get(("out", node), 0.0) + pull / link.bandwidth
+        comm = max(comm, talk + sum(visits.values()))
+        think.append(compute * (par.slow_factor if w == par.slow_worker else 1.0) + talk)
+        demands.append(visits)
+    if par.staleness == 0:  # every push through a station one after another, then every pull
+        stations = {k for d in demands for k in d}
+        queue = {way: max((sum(d.get(k, 0.0) for d in demands) for k in stations if k[0] == way), default=0.0)
+                 for way in ("in", "out")}
+        return max(think) + queue["in"] + queue["out"], comm
+    rates = queued(think, demands)  # worker steps per second, each worker's
+    per_second = sum(rates) if par.staleness < 0 else W * min(rates)
+    return W / per_second, comm
+
+
+def queued(think: list, demands: list) -> list:
+    """Steps per second of each customer of a closed queueing network, one customer a
+    class: ``think`` seconds away from the stations, then ``demands[c][station]`` seconds
+    of service at each. Mean-value analysis with Bard and Schweitzer's approximation
+    (Schweitzer 1979): a customer finds at a station the others' mean queues there."""
+    queue = [{k: 0.0 for k in d} for d in demands]
+    rates = [1.0 / max(z, 1e-12) for z in think]
+    for _ in range(500):
+        seen = {k: sum(q.get(k, 0.0) for q in queue) for d in demands for k in d}
+        times = [{k: x * (1 + seen[k] - queue[c][k]) for k, x in d.items()} for c, d in enumerate(demands)]
+        new = [1.0 / max(z + sum(t.values()), 1e-12) for z, t in zip(think, times)]
+        queue = [{k: r * x for k, x in t.items()} for r, t in zip(new, times)]
+        if max(abs(a - b) / b for a, b in zip(new, rates)) < 1e-9:
+            return new
+        rates = new
+    return rates
+
+
 def step_parts(lay, plans, machine: Machine) -> dict:
     """The step's predicted seconds: compute (the slowest rank's), exposed communication,
     the bubble, the I/O wait, and the total; with the communication in total and per
@@ -209,6 +264,9 @@ def step_parts(lay, plans, machine: Machine) -> dict:
         dp = bucket_overlap(p, links["dp"], compute * 2 / 3) if overlaps else comm["dp"]
         if lay.par.sync == "zero3":
             dp = min(dp, zero3_overlap(lay, p, links["dp"], compute))
+        if lay.servers:
+            step, comm["dp"] = served(lay, p, machine, compute)
+            dp = step - compute
         rows.append((compute, dp + comm["tp"], comm))
     compute = max(r[0] for r in rows)
     exposed = max(r[1] for r in rows)
