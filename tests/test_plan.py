@@ -13,7 +13,7 @@ import pytest
 from test_comm import needs_mpiexec
 
 from mpitrain import cli, nn
-from mpitrain.config import ConfigError, from_dict
+from mpitrain.config import ConfigError, from_dict, load
 from mpitrain.parallel.tensor_parallel import slice_gpt
 from mpitrain.plan import cli as plan_cli
 from mpitrain.plan import hardware, models, shapes
@@ -294,3 +294,35 @@ def test_bench_plan_calibrates_the_machine_and_each_rate_first_and_predicts_with
     assert seen["common"][0] == "--catalogue" and seen["exists"]
     assert [emulated_link(bits_per_second(r)) for r in ("1gbit", "10gbit", "2.5gbit", "100mbit")] == [
         "emu-1g", "emu-10g", "emu-2.5g", "emu-0.1g"]
+
+
+def test_the_queueing_network_of_parameter_servers_meets_its_bounds():
+    """timing.queued (mean-value analysis): one customer alone cycles in think + service;
+    many at one station never exceed the station's rate and approach it; a straggler
+    takes fewer steps. served(): asynchronous workers at 10 Gbit/s step as their compute
+    allows, at 100 Mbit/s the servers' links hold them all, and a bounded one keeps pace
+    with the slowest, between asynchronous and synchronous."""
+    from dataclasses import replace
+
+    from mpitrain import plan as planner
+    from mpitrain.plan import timing
+
+    assert timing.queued([0.3], [{"link": 0.1}]) == pytest.approx([1 / 0.4])
+    rates = timing.queued([0.1] * 8, [{"link": 0.1}] * 8)
+    assert sum(rates) <= 1 / 0.1 + 1e-9 and sum(rates) > 0.9 / 0.1
+    slow, fast = timing.queued([0.4, 0.2], [{"link": 0.01}] * 2)
+    assert slow < fast and slow == pytest.approx(1 / 0.41, rel=0.02)
+
+    def step(bandwidth, staleness):  # 1 server and 3 workers, a node each
+        sets = ["parallel.sync=ps", "parallel.servers=1", "parallel.dp=-1", f"parallel.staleness={staleness}",
+                "parallel.slow_worker=0", "parallel.slow_factor=2", "optim.grad_clip=0", "train.global_batch_size=12"]
+        machine = planner.machine(hardware.load(), "this", 4, 1, "emu-10g")
+        machine = replace(machine, inter=replace(machine.inter, bandwidth=bandwidth))
+        return planner.make(load("jobs/shakespeare_gpt.toml", sets), 4, machine).time
+
+    fast, narrow = step(1.25e9, -1), step(1.25e7, -1)
+    pushed = 806_528 * 4 * 3  # each of 3 workers pushes the model's gradient (and pulls it back) once a step
+    # the link into the servers' node carries every push (a bound); each push, then pull, at most in series
+    assert narrow["step"] > 10 * fast["step"] and pushed / 1.25e7 < narrow["step"] < 2 * pushed / 1.25e7
+    bounded, sync = step(1.25e9, 1), step(1.25e9, 0)
+    assert fast["step"] < bounded["step"] <= sync["step"]
