@@ -2,7 +2,8 @@
 # A scaling study over an emulated network (mpitrain cluster: needs root and iproute2):
 # the same job on 1 rank, on one node of 2 ranks, and on emulated nodes of 1 or 2 ranks
 # linked at each RATE, for each strategy; then samples/s and efficiency against ranks,
-# with each point's exposed communication (scaling.png).
+# with each point's exposed communication and the planner's prediction beside each line
+# (scaling.png; mpitrain report prints each point's error and their mean).
 #
 #   jobs/scaling_cluster.sh CONFIG [-- mpitrain train options...]
 #   jobs/scaling_cluster.sh jobs/shakespeare_gpt.toml -- --set train.steps=60 --set train.global_batch_size=24
@@ -18,7 +19,7 @@
 # runs/scaling-cluster/<config name>/<strategy>-<where> (replaced if they exist), the
 # plot and summaries to runs/scaling-cluster/<config name>/.
 set -euo pipefail
-usage() { sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [ $# -ge 1 ] || usage
 config=$1
 shift

@@ -118,13 +118,15 @@ def pipeline_idle(name: str, p: int, m: int, v: int = 1, F: float = 1.0, B: floa
     one stage's forward ``F``, input-gradient ``B`` and weight-gradient ``W`` passes:
     GPipe (Huang et al. 2019) and 1F1B (Narayanan et al. 2021) ``(p-1)(F+B+W)``,
     interleaved with ``v`` chunks (Narayanan et al., SC21) ``(p-1)(F+B+W)/v``, ZB-H1
-    (Qi et al., ICLR 2024) ``(p-1)(F+B-W)`` for ``m >= p``. The simulator in
-    :mod:`mpitrain.schedules` is the authority for a given list; it equals these."""
+    (Qi et al., ICLR 2024) ``(p-1)(F+B-W)`` for ``m >= p``; with fewer micro-batches only
+    ``m - 1`` weight passes fill the warm-up: ``(p-1)(F+B) - (m-1)W`` (``W <= F + B``).
+    The simulator in :mod:`mpitrain.schedules` is the authority for a given list; it
+    equals these."""
     if name in ("gpipe", "1f1b"):
         return (p - 1) * (F + B + W)
     if name == "interleaved":
         return (p - 1) * (F + B + W) / v
-    return (p - 1) * (F + B - W)
+    return (p - 1) * (F + B) - (min(m, p) - 1) * W
 
 
 def bubble_fraction(name: str, p: int, m: int, v: int = 1, F: float = 1.0, B: float = 1.0, W: float = 1.0) -> float:

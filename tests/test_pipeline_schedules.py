@@ -73,12 +73,12 @@ def simulated_bubble_is_the_formula(name, p, m, v):
         elif name == "interleaved":  # (p-1)/(v m) of the work
             assert unit.bubble_ratio(r) == cost.pipeline_idle(name, p, m, v, one, one, one) / (3 * m), where
             assert unit.bubble_ratio(r) == Fraction(p - 1, v * m), where
-        elif m >= p:
+        else:  # ZB-H1: weight passes fill the warm-up, as many as there are micro-batches after the first
             for F, B, W in [(1, 1, 1), (2, 1, 1), (1, 1, Fraction(1, 2)), (1, 2, 1)]:
                 sim = pl.simulate(ranks, p, v, pl.costs_of(F, B, W))
-                assert sim.idle[r] == (p - 1) * (F + B - W) == cost.pipeline_idle(name, p, m, v, F, B, W), where
-        else:  # fewer micro-batches than stages: no schedule fills the warm-up, still below 1F1B
-            assert unit.idle[r] < cost.pipeline_idle("1f1b", p, m), where
+                assert sim.idle[r] == (p - 1) * (F + B) - (min(m, p) - 1) * W == cost.pipeline_idle(
+                    name, p, m, v, F, B, W), where
+            assert p == 1 or unit.idle[r] < cost.pipeline_idle("1f1b", p, m), where  # below 1F1B
 
 
 @pytest.mark.parametrize("p", range(1, 9))

@@ -326,3 +326,25 @@ def test_the_queueing_network_of_parameter_servers_meets_its_bounds():
     assert narrow["step"] > 10 * fast["step"] and pushed / 1.25e7 < narrow["step"] < 2 * pushed / 1.25e7
     bounded, sync = step(1.25e9, 1), step(1.25e9, 0)
     assert fast["step"] < bounded["step"] <= sync["step"]
+
+
+def test_a_nodes_ranks_share_its_port_and_take_turns_on_its_cores():
+    """An emulated node has one port (per_node): 2 ranks a node calling their own pairs'
+    collectives at once get half of it each; a group of 4 on 2 nodes sends 2/3 of its bytes
+    off the node, beside its neighbour's. A GPU node's port a rank is its own. Ranks that
+    outnumber a node's cores take turns, which each call between two of them pays."""
+    from dataclasses import replace
+
+    from mpitrain import plan as planner
+
+    catalogue = hardware.load()
+    m = replace(planner.machine(catalogue, "this", 4, 2, "emu-1g"), cores=1)
+    port = catalogue.link("emu-1g").bandwidth
+    assert m.link([0, 1]) is m.intra and m.link([0, 2]).bandwidth == pytest.approx(port / 2)
+    assert m.link([0, 1, 2, 3]).bandwidth == pytest.approx(port / (2 * 2 / 3))
+    assert replace(m, per_node=1).link([0, 1]).bandwidth == port
+    gpus = planner.machine(catalogue, "a100-80g", 16, 8, "ib-hdr")
+    assert gpus.link([0, 8]).bandwidth == catalogue.link("ib-hdr").bandwidth
+    switch = catalogue.device("this").switch
+    assert switch > 0 and m.switches([0, 1]) == m.switches([0, 1, 2, 3]) == switch and m.switches([0, 2]) == 0
+    assert replace(m, cores=2).switches([0, 1]) == 0 and gpus.switches(list(range(8))) == 0

@@ -238,6 +238,8 @@ def test_calibrate_writes_a_file_that_loads_back(shipped, tmp_path):
         assert catalogue.link("shm").overlap == shares and set(shares) == set(hardware.OVERLAPPED)
         assert all(0 <= v <= 1 for v in shares.values())
     assert any(line.startswith("gemm (32, 32)") for line in lines) and np.isfinite(this.elementwise_bandwidth)
+    assert this.switch == measured["device"]["this"].get("switch_us", 0) * 1e-6 >= 0  # 0: not measured here
+    assert any(line.startswith("a blocking call between 2 ranks on one core: ") for line in lines)
 
 
 def test_traffic_counts_kept_numbers_and_each_convolutions_columns():

@@ -71,7 +71,8 @@ def machine(catalogue, hardware: str = "this", ranks: int = 1, per_node: int | N
     # (mpitrain cluster), each pinned to its share of the cores
     nodes = -(-ranks // per_node)
     cores = max(1, available_cores() // nodes) if device.calibrated else 0
-    return Machine(device, inner, outer, per_node, 1.0 if device.calibrated else utilization, memory, cores=cores)
+    return Machine(device, inner, outer, per_node, 1.0 if device.calibrated else utilization, memory, cores=cores,
+                   switch=device.switch)
 
 
 def host_memory() -> float:

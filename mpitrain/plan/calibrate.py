@@ -20,6 +20,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -174,6 +175,64 @@ def overlap(sizes=(1 << 18, 1 << 20, 1 << 22), repeats: int = 9) -> dict | None:
     return {kind: round(float(np.median(v)), 2) for kind, v in shares.items()} if rank == 0 else None
 
 
+def turns(sizes=(1 << 12, 1 << 16, 1 << 18), rounds: int = 40, repeats: int = 7) -> float | None:
+    """On 2 ranks pinned to one core (:func:`measure_turns` launches them so): the seconds a
+    blocking allreduce adds, beyond its own time, when each rank computes before it, as a
+    layer does (rank 0; rank 1 None). Both ranks computing ``k`` GEMMs take ``w`` (the core's
+    time shared), the calls alone ``c``, rounds of both ``t``; the rest, ``(t - w - c)``
+    per call, is the turn each waits for: its partner's compute, or the scheduler handing
+    the core over. The median over ``sizes`` bytes."""
+    from threadpoolctl import threadpool_limits
+
+    from mpitrain.comm import world
+
+    mpi = world().mpi.Dup()
+    rng = np.random.default_rng(0)
+    a, b = rng.random((256, 256), np.float32), rng.random((256, 256), np.float32)
+
+    def timed(fn) -> float:
+        times = []
+        for r in range(repeats + 1):  # round 0 warms up
+            mpi.Barrier()
+            tick = time.perf_counter()
+            for _ in range(rounds):
+                fn()
+            times += [(time.perf_counter() - tick) / rounds] if r else []
+        return max(mpi.allgather(float(np.median(times))))
+
+    added = []
+    with threadpool_limits(limits=1, user_api="blas"):
+        for nbytes in sizes:
+            mine, every = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
+            w = timed(lambda: a @ b)
+            c = timed(lambda: mpi.Allreduce(mine, every))  # noqa: B023 (called at once)
+            t = timed(lambda: (a @ b, mpi.Allreduce(mine, every)))  # noqa: B023
+            added.append(max(0.0, t - w - c))
+    rank = mpi.Get_rank()
+    mpi.Free()
+    return float(np.median(added)) if rank == 0 else None
+
+
+def measure_turns() -> float:
+    """:func:`turns` on 2 ranks of this machine pinned to its first core (0 where the
+    machine has one core only: its ranks always take turns, and the calibration's other
+    figures hold that already)."""
+    from mpitrain.cluster import mpiexec
+    from mpitrain.runtime import my_cores
+
+    pin = shutil.which("taskset")
+    if pin is None or len(my_cores()) < 2:
+        return 0.0
+    argv = [pin, "-c", str(my_cores()[0]), mpiexec(), "-n", "2", sys.executable, "-m", "mpitrain.plan.calibrate",
+            "--turns"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    lines = [line for line in done.stdout.splitlines() if line.startswith('{"turns"')]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip() or done.stdout.strip() or f"exit status {done.returncode}").splitlines()[-1]
+        raise HardwareError(f"the probe of 2 ranks on one core failed: {tail}")
+    return json.loads(lines[-1])["turns"]
+
+
 def fit_link(rows: list) -> tuple[float, float]:
     """(alpha s, bandwidth B/s) of ``t = alpha + n / bandwidth`` through one-way times, by least
     squares in each regime: the slope through messages of 1/16 of the largest and up, then
@@ -231,7 +290,7 @@ def _links(links, rates_gbit, max_bytes: int, repeats: int, log) -> dict:
         measured[key] = {"name": "shared memory, 2 MPI ranks on one node (calibrated)" if rate is None else
                          f"emulated {rate:g} Gbit/s link, mpitrain cluster 2 nodes x 1 rank (calibrated)",
                          "alpha_us": significant(alpha * 1e6), "bandwidth_gbs": significant(bandwidth / 1e9),
-                         "overlap": hidden}
+                         **({"per_node": True} if rate is not None else {}), "overlap": hidden}
         log(f"{key}: alpha {alpha * 1e6:.3g} us, bandwidth {bandwidth / 1e9:.4g} GB/s (8 B to {rows[-1][0]} B); "
             f"compute hides of a call: {', '.join(f'{k} {v:.0%}' for k, v in hidden.items())}")
     return measured
@@ -252,6 +311,10 @@ def calibrate(shapes=None, links=("shm",), rates_gbit=(), out=None, log=print, *
     this["passes"], this["layer_overhead_us"], this["step_overhead_us"] = measure_steps(
         parse_device("this", this, "the device measured"), probes, repeats, log)
     this["mixed_ns_per_parameter"], this["cast_ns_per_number"] = measure_mixed(probes[0], MIXED, repeats, log)
+    switch = measure_turns()
+    if switch:
+        this["switch_us"] = significant(switch * 1e6)
+    log(f"a blocking call between 2 ranks on one core: {switch * 1e6:.3g} us added")
     for name in ("passes", "layer_overhead_us", "step_overhead_us", "mixed_ns_per_parameter", "cast_ns_per_number"):
         log(f"{name}: {', '.join(f'{k} {v:g}' for k, v in this[name].items()) or 'none measured'}")
     measured = {"device": {"this": this}, "link": _links(links, rates_gbit, max_bytes, repeats, log)}
@@ -319,11 +382,18 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m mpitrain.plan.calibrate", description=main.__doc__)
     p.add_argument("--pingpong", action="store_true",
                    help="be a rank of the ping-pong and the overlap probe, measure nothing else")
+    p.add_argument("--turns", action="store_true",
+                   help="be a rank of the probe of 2 ranks on one core (calibrate.turns), measure nothing else")
     p.add_argument("--max-bytes", type=int, default=16 << 20, help="the largest message (default 16 MiB)")
     p.add_argument("--repeats", type=int, default=5, help="rounds of each size, whose median counts (default 5)")
     p.add_argument("--rates-gbit", type=float, nargs="*", default=[], help="emulated links to measure, Gbit/s each")
     p.add_argument("--out", help="the hardware file to write (default $MPITRAIN_HARDWARE, else the user's)")
     args = p.parse_args(argv)
+    if args.turns:
+        added = turns()
+        if added is not None:
+            print(json.dumps({"turns": added}), flush=True)
+        return 0
     if not args.pingpong:
         calibrate(rates_gbit=args.rates_gbit, out=args.out, repeats=args.repeats, max_bytes=args.max_bytes)
         return 0

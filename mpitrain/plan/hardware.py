@@ -37,8 +37,8 @@ CALIBRATED = ("gemm_gflops", "elementwise_bandwidth_gbs", "op_overhead_us")  # o
 FAMILIES = ("gpt", "gpt-sliced", "gpt-sequence", "gpt-plain", "gpt-split", "cnn")
 MIXED = ("bf16", "fp16")  # the mixed precisions whose cost per parameter a device may have measured
 DEVICE_FIELDS = ("name", "memory_gb", "memory_bandwidth_gbs", "peak_flops", *CALIBRATED, "passes", "layer_overhead_us",
-                 "step_overhead_us", "mixed_ns_per_parameter", "cast_ns_per_number")
-LINK_FIELDS = ("name", "alpha_us", "bandwidth_gbs", "overlap")
+                 "step_overhead_us", "mixed_ns_per_parameter", "cast_ns_per_number", "switch_us")
+LINK_FIELDS = ("name", "alpha_us", "bandwidth_gbs", "per_node", "overlap")
 
 
 def emulated_link(rate_bits: float) -> str:
@@ -77,6 +77,8 @@ class Device:
     mixed: dict = field(default_factory=dict)
     # precision -> seconds per number of a half array's round trip through float32 (a bucket's sum); optional
     cast: dict = field(default_factory=dict)
+    # seconds a blocking call adds between two ranks that take turns on one core (calibrate.turns); optional
+    switch: float = 0.0
 
     def matmul_flops_per_s(self, m: int, k: int, n: int, dtype: str = "float32", threads: int = 1) -> float:
         """FLOP/s of an (m,k)@(k,n) product: a calibrated device's measured shape nearest in
@@ -110,6 +112,7 @@ class Link:
     # however long the compute}; absent: 1 (transfers progress on their own, as RDMA's and
     # NCCL's do); calibrated here, where the rank's own core moves the bytes
     overlap: dict = field(default_factory=dict)
+    per_node: bool = False  # the bandwidth is a node's, its ranks share it (one port a node); else each rank's
 
     def hides(self, collective: str) -> float:
         return self.overlap.get(collective, 1.0)
@@ -221,7 +224,8 @@ def parse_device(key: str, table: dict, path) -> Device:
                   *({k: v * 1e-6 for k, v in _families(table.get(f, {}), path, f"{where}.{f}").items()}
                     for f in ("layer_overhead_us", "step_overhead_us")),
                   *({k: v * 1e-9 for k, v in _families(table.get(f, {}), path, f"{where}.{f}", MIXED).items()}
-                    for f in ("mixed_ns_per_parameter", "cast_ns_per_number")))
+                    for f in ("mixed_ns_per_parameter", "cast_ns_per_number")),
+                  _number(table, "switch_us", path, where, required=False) * 1e-6)
 
 
 def _gemm(rows, path: Path, where: str) -> tuple:
@@ -259,5 +263,9 @@ def _link(key: str, table: dict, path: Path) -> Link:
             raise HardwareError(f"{path}: {where}.overlap.{kind}: unknown collective (known: {', '.join(OVERLAPPED)})")
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 <= share <= 1:
             raise HardwareError(f"{path}: {where}.overlap.{kind}: expected a number from 0 to 1, got {share!r}")
+    per_node = table.get("per_node", False)
+    if not isinstance(per_node, bool):
+        raise HardwareError(f"{path}: {where}.per_node: expected true or false, got {per_node!r}")
     return Link(key, _fields(table, LINK_FIELDS, path, where), _number(table, "alpha_us", path, where) * 1e-6,
-                _number(table, "bandwidth_gbs", path, where) * 1e9, {k: float(v) for k, v in overlap.items()})
+                _number(table, "bandwidth_gbs", path, where) * 1e9, {k: float(v) for k, v in overlap.items()},
+                per_node)

@@ -26,7 +26,7 @@ message, Hockney 1994):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mpitrain import cost
 from mpitrain.plan.predict import recomputed, replays, split_backward
@@ -49,6 +49,7 @@ class Machine:
     memory: float = 0.0  # bytes available to one rank
     storage: float = 8e9  # bytes/s one rank's reader gets from storage
     cores: int = 0  # cores of a node (a calibrated machine: more ranks than cores share them); 0: one per rank
+    switch: float = 0.0  # seconds a blocking call adds among ranks that take turns on a core (the device's)
 
     @property
     def share(self) -> float:
@@ -67,9 +68,27 @@ class Machine:
         m, k, n = gemm or (1, 256, 256)
         return d.matmul_flops_per_s(max(1, m * rows), k, n, dtype, threads) * scale
 
+    def switches(self, ranks: list[int]) -> float:
+        """What each call of a communicator of ``ranks`` adds when two of them share a node
+        whose ranks outnumber its cores: they take turns on a core, and a call waits for
+        the turn of the other (:attr:`switch`)."""
+        nodes = [r // self.per_node for r in ranks]
+        return self.switch if self.share < 1 and len(set(nodes)) < len(nodes) else 0.0
+
     def link(self, ranks: list[int]):
+        """The link a communicator of ``ranks`` calls over: the node's, or the network's. A
+        network port a node (``per_node``) is shared: each of the node's ranks calls its own
+        group's collective at the same time, and of a rank's bytes the share its partners
+        off the node take (``(P - k) / (P - 1)``, ``k`` of the ``P`` on its node) goes out
+        through the port beside theirs."""
         nodes = {r // self.per_node for r in ranks}
-        return self.inter if len(nodes) > 1 else self.intra
+        if len(nodes) == 1:
+            return self.intra
+        if not self.inter.per_node or self.per_node == 1:
+            return self.inter
+        k = max(sum(1 for r in ranks if r // self.per_node == n) for n in nodes)
+        shared = self.per_node * (len(ranks) - k) / (len(ranks) - 1)
+        return replace(self.inter, bandwidth=self.inter.bandwidth / max(1.0, shared))
 
 
 def compute_seconds(lay, plan, machine: Machine) -> float:
@@ -211,8 +230,9 @@ def served(lay, plan, machine: Machine, compute: float) -> tuple[float, float]:
     think, demands, comm = [], [], 0.0
     for w in range(W):
         talk, visits = 0.0, {}  # its time on uncontended links; its demand at each shared station
-        for s in range(S):
-            node, link = s // machine.per_node, machine.link([s, S + w])
+        for s in range(S):  # the servers' links: their stations, shared as the queues have it
+            node = s // machine.per_node
+            link = machine.intra if node == (S + w) // machine.per_node else machine.inter
             talk += 2 * link.alpha
             if link is machine.intra:
                 talk += (push + pull) / link.bandwidth
@@ -258,12 +278,16 @@ def step_parts(lay, plans, machine: Machine) -> dict:
     rows = []
     for p in workers:
         compute = compute_seconds(lay, p, machine)
-        links = {axis: machine.link(group(lay, p, axis)) for axis in ("dp", "pp", "tp")}
-        comm = {axis: sum(call_seconds(c, links[axis]) for c in p.calls if c.axis == axis) for axis in links}
+        groups = {axis: group(lay, p, axis) for axis in ("dp", "pp", "tp")}
+        links = {axis: machine.link(ranks) for axis, ranks in groups.items()}
+        turns = {axis: machine.switches(ranks) * sum(c.count for c in p.calls if c.axis == axis)
+                 for axis, ranks in groups.items()}
+        comm = {axis: turns[axis] + sum(call_seconds(c, links[axis]) for c in p.calls if c.axis == axis)
+                for axis in links}
         overlaps = lay.par.sync in ("ddp", "zero2") and lay.par.progress != "off"
-        dp = bucket_overlap(p, links["dp"], compute * 2 / 3) if overlaps else comm["dp"]
+        dp = turns["dp"] + bucket_overlap(p, links["dp"], compute * 2 / 3) if overlaps else comm["dp"]
         if lay.par.sync == "zero3":
-            dp = min(dp, zero3_overlap(lay, p, links["dp"], compute))
+            dp = min(dp, turns["dp"] + zero3_overlap(lay, p, links["dp"], compute))
         if lay.servers:
             step, comm["dp"] = served(lay, p, machine, compute)
             dp = step - compute
