@@ -143,7 +143,7 @@ def test_random_windows_start_anywhere_and_do_not_depend_on_the_rank_count_or_a_
     from (seed, epoch, k); an epoch is as many windows as a pass in stride mode; the
     global batches are the same on 1, 2 or 4 ranks and from a resumed step; every
     alignment in the window shows up."""
-    from mpitrain.data.reader import random_starts
+    from mpitrain.data.samples import random_starts
 
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 31, 5000).astype(np.uint8)  # windows of 17 are unique: each one's start can be checked
@@ -319,14 +319,14 @@ def test_leaving_an_epoch_early_does_not_hang(tmp_path):
 def test_random_windows_read_in_stretches_are_the_windows_read_one_by_one(tmp_path, monkeypatch):
     """Random windows are read as stretches across small gaps, cut at STRETCH bytes and at
     shard ends; every window is the one a read of its own gives, in the order drawn."""
-    from mpitrain.data import reader as module
+    from mpitrain.data import samples as module
 
     rng = np.random.default_rng(1)
     with DatasetWriter(tmp_path / "t", "toytext", "text", shard_mb=0.002, vocab="abcdefghijklmnopqrstuvwxyz01234") as w:
         w.write_split("train", rng.integers(0, 31, 9000).astype(np.uint8))
         w.write_split("val", rng.integers(0, 31, 500).astype(np.uint8))
     split, T = open_dataset(tmp_path / "t").split("train"), 16
-    windows = module._Windows(split, T, "random")
+    windows = module.Windows(split, T, "random")
     for gap, stretch in ((8, 64), (64, 200), (4096, 1 << 20)):
         monkeypatch.setattr(module, "GAP", gap)
         monkeypatch.setattr(module, "STRETCH", stretch)

@@ -220,44 +220,7 @@ def _scaling(runs: list[Run], path: Path, log) -> Path:
     strategies = sorted({p.series.split(",")[0] for p in points if p.ranks > 1})  # one colour each, in every row
     fig, axes = plt.subplots(len(links), 2, figsize=(11, 4 * len(links)), squeeze=False)
     for (a, b), link in zip(axes, links):
-        here = [p for p in points if p.ranks > 1 and p.link in (link, "one node")]
-        for k, series in enumerate(sorted({p.series for p in here})):
-            line = sorted([p for p in here if p.series == series], key=lambda p: p.ranks)
-            if "ranks/node" not in series:
-                line = [_Point(1, link, series, base, 0.0, "", one.predicted)] + line
-            ranks = [p.ranks for p in line]
-            efficiency = [100 * p.samples_per_s / (p.ranks * base) for p in line]
-            colour = f"C{strategies.index(series.split(',')[0])}"
-            style = dict(color=colour, marker="o", ls="--" if "ranks/node" in series else "-")
-            a.plot(ranks, [p.samples_per_s for p in line], label=series, **style)
-            b.plot(ranks, efficiency, label=series, **style)
-            guess = [(p.ranks, p.predicted) for p in line if p.predicted]
-            if guess and one.predicted:  # the planner's line: its samples/s, its own efficiency
-                dotted = dict(color=colour, marker="x", ls=":", lw=1)
-                a.plot(*zip(*guess), **dotted)
-                b.plot([r for r, _ in guess], [100 * x / (r * one.predicted) for r, x in guess], **dotted)
-            for p, e in zip(line, efficiency):
-                if p.ranks > 1:
-                    b.annotate(f"{100 * p.comm:.0f}%", (p.ranks, e), textcoords="offset points", fontsize=7,
-                               xytext=(5, 9 * (k % 3) - 9), color=colour)  # staggered: points often meet
-        ticks = sorted({1, *(p.ranks for p in here)})
-        for ax in (a, b):
-            ax.set_xlabel("ranks")
-            ax.set_xticks(ticks)
-            ax.grid(alpha=0.3)
-        a.set_ylabel("samples/s")
-        a.set_ylim(bottom=0)
-        if any(p.predicted for p in here):
-            a.plot([], [], color="grey", marker="x", ls=":", lw=1, label="predicted (mpitrain plan)")
-        a.set_title(f"throughput, links {link}")
-        a.legend(fontsize=8)
-        b.axhline(100, color="grey", lw=0.8, ls="--")
-        b.set_ylabel("parallel efficiency (%)")
-        # at least 0 to 110%, so the 100% line has room; above that when a run is superlinear
-        # (its part of the data fits a faster cache, or the 1-rank run had more to contend with)
-        top = max([100 * p.samples_per_s / (p.ranks * base) for p in here], default=100)
-        b.set_ylim(0, max(110, 1.1 * top))
-        b.set_title(f"efficiency X(P) / (P X(1)), links {link}")
+        _scaling_row(a, b, link, [p for p in points if p.ranks > 1 and p.link in (link, "one node")], one, strategies)
     fig.suptitle(f"scaling of {runs[0].config['model']['name']}, global batch "
                  f"{runs[0].config['train']['global_batch_size']} (beside each point: exposed communication, "
                  f"share of the step time)")
@@ -274,6 +237,50 @@ def _scaling(runs: list[Run], path: Path, log) -> Path:
             f"{sum(map(abs, held)) / len(held):.1%}, from {held[0]:+.0%} to {held[-1]:+.0%} "
             f"(measured less predicted, over measured)")
     return _save(fig, path)
+
+
+def _scaling_row(a, b, link: str, here: list, one: _Point, strategies: list) -> None:
+    """One link rate's throughput (``a``) and efficiency (``b``): a line per series from
+    the 1-rank run ``one`` (nodes of several ranks: from their first point), the planner's
+    dotted beside it."""
+    base = one.samples_per_s
+    for k, series in enumerate(sorted({p.series for p in here})):
+        line = sorted([p for p in here if p.series == series], key=lambda p: p.ranks)
+        if "ranks/node" not in series:
+            line = [_Point(1, link, series, base, 0.0, "", one.predicted)] + line
+        ranks = [p.ranks for p in line]
+        efficiency = [100 * p.samples_per_s / (p.ranks * base) for p in line]
+        colour = f"C{strategies.index(series.split(',')[0])}"
+        style = dict(color=colour, marker="o", ls="--" if "ranks/node" in series else "-")
+        a.plot(ranks, [p.samples_per_s for p in line], label=series, **style)
+        b.plot(ranks, efficiency, label=series, **style)
+        guess = [(p.ranks, p.predicted) for p in line if p.predicted]
+        if guess and one.predicted:  # the planner's line: its samples/s, its own efficiency
+            dotted = dict(color=colour, marker="x", ls=":", lw=1)
+            a.plot(*zip(*guess), **dotted)
+            b.plot([r for r, _ in guess], [100 * x / (r * one.predicted) for r, x in guess], **dotted)
+        for p, e in zip(line, efficiency):
+            if p.ranks > 1:
+                b.annotate(f"{100 * p.comm:.0f}%", (p.ranks, e), textcoords="offset points", fontsize=7,
+                           xytext=(5, 9 * (k % 3) - 9), color=colour)  # staggered: points often meet
+    ticks = sorted({1, *(p.ranks for p in here)})
+    for ax in (a, b):
+        ax.set_xlabel("ranks")
+        ax.set_xticks(ticks)
+        ax.grid(alpha=0.3)
+    a.set_ylabel("samples/s")
+    a.set_ylim(bottom=0)
+    if any(p.predicted for p in here):
+        a.plot([], [], color="grey", marker="x", ls=":", lw=1, label="predicted (mpitrain plan)")
+    a.set_title(f"throughput, links {link}")
+    a.legend(fontsize=8)
+    b.axhline(100, color="grey", lw=0.8, ls="--")
+    b.set_ylabel("parallel efficiency (%)")
+    # at least 0 to 110%, so the 100% line has room; above that when a run is superlinear
+    # (its part of the data fits a faster cache, or the 1-rank run had more to contend with)
+    top = max([100 * p.samples_per_s / (p.ranks * base) for p in here], default=100)
+    b.set_ylim(0, max(110, 1.1 * top))
+    b.set_title(f"efficiency X(P) / (P X(1)), links {link}")
 
 
 def _off(p: _Point) -> float:

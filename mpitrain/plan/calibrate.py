@@ -8,10 +8,11 @@ as a hardware file (:mod:`mpitrain.plan.hardware` reads it).
   their traffic and fixed times per layer, and what mixed precision adds;
 * links (:func:`measure_link`, :func:`fit_link`): a ping-pong of 2 ranks, on shared memory
   or across an emulated link, fitted to Hockney's ``alpha + n / bandwidth``; and how much
-  of a nonblocking collective compute beside it hides (:func:`overlap`).
+  of a nonblocking collective compute beside it hides; and what a blocking call costs
+  between 2 ranks that take turns on one core (:func:`measure_turns`). The programs the
+  ranks run: :mod:`mpitrain.plan.probes`.
 
-:func:`calibrate` runs them all and writes ``[device.this]`` and ``[link.*]``;
-``python -m mpitrain.plan.calibrate --pingpong`` is the rank program of both.
+:func:`calibrate` runs them all and writes ``[device.this]`` and ``[link.*]``.
 """
 
 from __future__ import annotations
@@ -94,137 +95,18 @@ def measure_device(shapes=None, repeats: int = 5, log=print) -> dict:
 
 
 # ------------------------------------------------------------------ links
-def pingpong(max_bytes: int = 16 << 20, repeats: int = 5) -> list | None:
-    """On 2 ranks: rank 0 gets [(bytes, one-way seconds), ...] for messages of 8 B doubling
-    to ``max_bytes``, each the median of ``repeats`` rounds of round trips (about 1 MiB each
-    way a round), rank 1 None. Blocking Send/Recv on a duplicate of the world: a message
-    space of its own, where the default tag meets no other."""
-    from mpitrain.comm import world
-
-    mpi = world().mpi.Dup()
-    if mpi.Get_size() != 2:
-        raise SystemExit(f"the ping-pong runs on 2 ranks, not {mpi.Get_size()}")
-    peer, rows, size = 1 - mpi.Get_rank(), [], 8  # rank 0 (peer 1) sends first
-    while size <= max_bytes:
-        buf, trips, times = np.zeros(size, np.uint8), max(1, min(1000, (1 << 20) // size)), []
-        for r in range(repeats + 1):  # round 0 warms up: connections, caches
-            mpi.Barrier()
-            tick = time.perf_counter()
-            for _ in range(trips):
-                for step in (mpi.Send, mpi.Recv) if peer else (mpi.Recv, mpi.Send):
-                    step(buf, peer)
-            times += [(time.perf_counter() - tick) / trips / 2] if r else []
-        rows.append((size, float(np.median(times))))
-        size *= 2
-    mpi.Free()
-    return rows if peer else None
-
-
-def overlap(sizes=(1 << 18, 1 << 20, 1 << 22), repeats: int = 9) -> dict | None:
-    """On 2 ranks: {collective: the share of a nonblocking call that compute beside it
-    hides, however long the compute} for ``Iallreduce``, ``Iallgather`` and
-    ``Ireduce_scatter_block``, the median over calls of ``sizes`` bytes a rank (rank 0;
-    rank 1 None): the call alone takes ``c``, GEMMs of about ``2 c`` alone ``w``, both
-    (start, compute, wait) ``t``; what stays exposed, ``t - w``, is the part of ``c`` that
-    compute cannot hide. Without a thread of its own MPI moves bytes only inside calls,
-    over TCP or shared memory the rank's own core copies them, and a reduction waits for a
-    call to add (what it measured: ``mpitrain/bench/README.md``, "The emulation's limits")."""
-    from threadpoolctl import threadpool_limits
-
-    from mpitrain.comm import world
-
-    mpi = world().mpi.Dup()
-    rng = np.random.default_rng(0)
-    a, b = rng.random((768, 128), np.float32), rng.random((128, 512), np.float32)
-
-    def calls(nbytes: int) -> dict:
-        mine, every = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4 * 2, np.float32)
-        return {"allreduce": lambda: mpi.Iallreduce(mine, every[: len(mine)]),
-                "allgather": lambda: mpi.Iallgather(mine, every),
-                "reduce_scatter": lambda: mpi.Ireduce_scatter_block(every, mine)}
-
-    def timed(fn) -> float:
-        times = []
-        for r in range(repeats + 1):  # round 0 warms up
-            mpi.Barrier()
-            tick = time.perf_counter()
-            fn()
-            times += [time.perf_counter() - tick] if r else []
-        return max(mpi.allgather(float(np.median(times))))  # the slower rank's
-
-    def compute(k: int) -> None:
-        for _ in range(k):
-            a @ b  # each product dropped at once, as in a layer: no new pages
-
-    def beside(start, k: int) -> None:
-        request = start()
-        compute(k)
-        request.Wait()
-
-    shares: dict = {}
-    with threadpool_limits(limits=1, user_api="blas"):
-        gemm = timed(lambda: a @ b)
-        for nbytes in sizes:
-            for kind, start in calls(nbytes).items():
-                c = timed(lambda: start().Wait())  # noqa: B023 (called at once)
-                k = max(1, round(2 * c / gemm))
-                w, t = timed(lambda: compute(k)), timed(lambda: beside(start, k))  # noqa: B023
-                shares.setdefault(kind, []).append(min(1.0, max(0.0, 1 - (t - w) / c)))
-    rank = mpi.Get_rank()
-    mpi.Free()
-    return {kind: round(float(np.median(v)), 2) for kind, v in shares.items()} if rank == 0 else None
-
-
-def turns(sizes=(1 << 12, 1 << 16, 1 << 18), rounds: int = 40, repeats: int = 7) -> float | None:
-    """On 2 ranks pinned to one core (:func:`measure_turns` launches them so): the seconds a
-    blocking allreduce adds, beyond its own time, when each rank computes before it, as a
-    layer does (rank 0; rank 1 None). Both ranks computing ``k`` GEMMs take ``w`` (the core's
-    time shared), the calls alone ``c``, rounds of both ``t``; the rest, ``(t - w - c)``
-    per call, is the turn each waits for: its partner's compute, or the scheduler handing
-    the core over. The median over ``sizes`` bytes."""
-    from threadpoolctl import threadpool_limits
-
-    from mpitrain.comm import world
-
-    mpi = world().mpi.Dup()
-    rng = np.random.default_rng(0)
-    a, b = rng.random((256, 256), np.float32), rng.random((256, 256), np.float32)
-
-    def timed(fn) -> float:
-        times = []
-        for r in range(repeats + 1):  # round 0 warms up
-            mpi.Barrier()
-            tick = time.perf_counter()
-            for _ in range(rounds):
-                fn()
-            times += [(time.perf_counter() - tick) / rounds] if r else []
-        return max(mpi.allgather(float(np.median(times))))
-
-    added = []
-    with threadpool_limits(limits=1, user_api="blas"):
-        for nbytes in sizes:
-            mine, every = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
-            w = timed(lambda: a @ b)
-            c = timed(lambda: mpi.Allreduce(mine, every))  # noqa: B023 (called at once)
-            t = timed(lambda: (a @ b, mpi.Allreduce(mine, every)))  # noqa: B023
-            added.append(max(0.0, t - w - c))
-    rank = mpi.Get_rank()
-    mpi.Free()
-    return float(np.median(added)) if rank == 0 else None
-
-
 def measure_turns() -> float:
-    """:func:`turns` on 2 ranks of this machine pinned to its first core (0 where the
-    machine has one core only: its ranks always take turns, and the calibration's other
-    figures hold that already)."""
+    """:func:`~mpitrain.plan.probes.turns` on 2 ranks of this machine pinned to its first
+    core (0 where the machine has one core only: its ranks always take turns, and the
+    calibration's other figures hold that already)."""
     from mpitrain.cluster import mpiexec
     from mpitrain.runtime import my_cores
 
     pin = shutil.which("taskset")
     if pin is None or len(my_cores()) < 2:
         return 0.0
-    argv = [pin, "-c", str(my_cores()[0]), mpiexec(), "-n", "2", sys.executable, "-m", "mpitrain.plan.calibrate",
-            "--turns"]
+    argv = [pin, "-c", str(my_cores()[0]), mpiexec(), "-n", "2", sys.executable, "-m", "mpitrain.plan.probes",
+            "turns"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith('{"turns"')]
     if done.returncode != 0 or not lines:
@@ -252,12 +134,12 @@ def fit_link(rows: list) -> tuple[float, float]:
 
 
 def measure_link(rate_gbit: float | None, max_bytes: int = 16 << 20, repeats: int = 5) -> tuple[list, float]:
-    """(ping-pong rows, :func:`overlap`) of 2 ranks on shared memory (``rate_gbit`` None), or
-    of 2 emulated nodes of 1 rank linked at ``rate_gbit`` (``mpitrain cluster``; ClusterError
-    where it cannot be)."""
+    """(ping-pong rows, :func:`~mpitrain.plan.probes.overlap`) of 2 ranks on shared memory
+    (``rate_gbit`` None), or of 2 emulated nodes of 1 rank linked at ``rate_gbit``
+    (``mpitrain cluster``; ClusterError where it cannot be)."""
     from mpitrain.cluster import Cluster, mpiexec
 
-    argv = [sys.executable, "-m", "mpitrain.plan.calibrate", "--pingpong", "--max-bytes", str(max_bytes),
+    argv = [sys.executable, "-m", "mpitrain.plan.probes", "pingpong", "--max-bytes", str(max_bytes),
             "--repeats", str(repeats)]
     run = lambda cmd: subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)  # noqa: E731
     if rate_gbit is None:
@@ -376,31 +258,14 @@ def write_toml(path, text: str) -> None:
 
 
 def main(argv=None) -> int:
-    """Calibrate this machine into ``--out`` (default the user's file); or, with ``--pingpong``
-    under ``mpiexec -n 2``, be a rank of the ping-pong and the overlap probe: rank 0 prints
-    {"pingpong": [[bytes, seconds], ...], "overlap": {collective: share}}."""
+    """Calibrate this machine into ``--out`` (default the user's file)."""
     p = argparse.ArgumentParser(prog="python -m mpitrain.plan.calibrate", description=main.__doc__)
-    p.add_argument("--pingpong", action="store_true",
-                   help="be a rank of the ping-pong and the overlap probe, measure nothing else")
-    p.add_argument("--turns", action="store_true",
-                   help="be a rank of the probe of 2 ranks on one core (calibrate.turns), measure nothing else")
     p.add_argument("--max-bytes", type=int, default=16 << 20, help="the largest message (default 16 MiB)")
     p.add_argument("--repeats", type=int, default=5, help="rounds of each size, whose median counts (default 5)")
     p.add_argument("--rates-gbit", type=float, nargs="*", default=[], help="emulated links to measure, Gbit/s each")
     p.add_argument("--out", help="the hardware file to write (default $MPITRAIN_HARDWARE, else the user's)")
     args = p.parse_args(argv)
-    if args.turns:
-        added = turns()
-        if added is not None:
-            print(json.dumps({"turns": added}), flush=True)
-        return 0
-    if not args.pingpong:
-        calibrate(rates_gbit=args.rates_gbit, out=args.out, repeats=args.repeats, max_bytes=args.max_bytes)
-        return 0
-    rows = pingpong(args.max_bytes, args.repeats)
-    hidden = overlap()
-    if rows is not None:
-        print(json.dumps({"pingpong": rows, "overlap": hidden}), flush=True)
+    calibrate(rates_gbit=args.rates_gbit, out=args.out, repeats=args.repeats, max_bytes=args.max_bytes)
     return 0
 
 

@@ -77,7 +77,7 @@ class Device:
     mixed: dict = field(default_factory=dict)
     # precision -> seconds per number of a half array's round trip through float32 (a bucket's sum); optional
     cast: dict = field(default_factory=dict)
-    # seconds a blocking call adds between two ranks that take turns on one core (calibrate.turns); optional
+    # seconds a blocking call adds between two ranks that take turns on one core (probes.turns); optional
     switch: float = 0.0
 
     def matmul_flops_per_s(self, m: int, k: int, n: int, dtype: str = "float32", threads: int = 1) -> float:

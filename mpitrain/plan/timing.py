@@ -12,14 +12,18 @@ message, Hockney 1994):
 * **communication** of a call: a ring collective on ``P`` ranks sends ``P - 1`` (reduce-
   scatter, allgather) or ``2 (P - 1)`` (allreduce) messages, ``alpha`` each, and its bytes
   at ``bandwidth``; the link is the network's if the communicator spans nodes (ranks are
-  placed node by node in world order), else the node's.
+  placed node by node in world order), else the node's; a network port a node is shared
+  by the node's ranks (:meth:`Machine.link`), and ranks that take turns on a core pay a
+  switch per call (:meth:`Machine.switches`). Parameter servers: a closed queueing
+  network on the servers' links (:func:`served`).
 * **exposed**: data parallelism's (and ZeRO-2's) buckets each start when backward has
   passed their parameters, one after another on the link, so what runs past the end of
   backward is exposed (:func:`bucket_overlap`); ZeRO-3's gathers and reduce-scatters run
   beside the layers they do not serve (:func:`zero3_overlap`); of a call beside compute
   only the link's ``overlap`` share can be hidden (:func:`hidden`: 1 for RDMA, calibrated
   here: a core that computes cannot also copy the bytes); every other collective blocks.
-* **bubble**: a pipeline's step is its slowest stage's work over ``1 - bubble fraction``.
+* **bubble**: a pipeline's step is its schedule simulated at the slowest stage's costs,
+  each message between stages arriving its transfer's time after it left (:func:`pipelined`).
 * **I/O wait**: the reader's thread reads ahead; the loop waits when reading a step's
   samples takes longer than the step.
 """
@@ -170,7 +174,7 @@ def hidden(beside: float, link, calls: dict) -> float:
     """What ``beside`` seconds of compute hide of nonblocking ``calls`` ({collective:
     seconds}) on ``link``: all of it at most, and never more than the link's share of each
     (:meth:`~mpitrain.plan.hardware.Link.hides`; the rest runs in the wait that ends it:
-    :func:`mpitrain.plan.calibrate.overlap`)."""
+    :func:`mpitrain.plan.probes.overlap`)."""
     return min(max(0.0, beside), sum(link.hides(kind) * seconds for kind, seconds in calls.items()))
 
 
@@ -270,6 +274,30 @@ def queued(think: list, demands: list) -> list:
     return rates
 
 
+def pipelined(lay, workers, rows, machine: Machine) -> float:
+    """A pipeline's step, its schedule simulated (:func:`mpitrain.schedules.simulate`) at
+    the slowest stage's costs of a micro-batch: its compute and tensor-parallel calls,
+    split into forward, input- and weight-gradient passes by their FLOPs; a pass's output
+    goes to the next stage by ``Isend`` beside the compute that follows, and arrives its
+    message's time later; then the pipeline's own collectives (a tied weight's gradient,
+    clipping's sum) after it."""
+    from mpitrain import schedules
+
+    k = max(range(len(rows)), key=lambda j: rows[j][0] + rows[j][2]["tp"])
+    p, (compute, _, comm) = workers[k], rows[k]
+    link = machine.link(group(lay, p, "pp"))
+    sends = [c for c in p.calls if c.axis == "pp" and c.collective == "send"]
+    send = max((call_seconds(c, link) / c.count for c in sends), default=0.0)
+    latency = send + machine.switches(group(lay, p, "pp"))
+    after = comm["pp"] - sum(call_seconds(c, link) for c in sends)  # the stages' collectives
+    flops = p.flops["forward"] + p.flops["backward"] + p.flops["recompute"]
+    one = (compute + comm["tp"]) / lay.m  # a micro-batch's passes on this stage
+    F = one * p.flops["forward"] / flops
+    B = W = (one - F) / 2  # the input's and the weights' gradients: a product each per layer
+    ranks = [schedules.schedule(lay.par.schedule, lay.pp, lay.m, r, lay.v) for r in range(lay.pp)]
+    return schedules.simulate(ranks, lay.pp, lay.v, schedules.costs_of(F, B, W, lay.v), latency).makespan + after
+
+
 def step_parts(lay, plans, machine: Machine) -> dict:
     """The step's predicted seconds: compute (the slowest rank's), exposed communication,
     the bubble, the I/O wait, and the total; with the communication in total and per
@@ -297,9 +325,7 @@ def step_parts(lay, plans, machine: Machine) -> dict:
     total_comm = max(sum(r[2].values()) for r in rows)
     bubble = 0.0
     if lay.pp > 1:
-        f = workers[0].bubble
-        work = max(r[0] + r[2]["pp"] for r in rows)
-        bubble = work / (1 - f) - work + (work - compute)
+        bubble = pipelined(lay, workers, rows, machine) - compute - max(r[2]["tp"] for r in rows)
     step = compute + exposed + bubble
     read = lay.data.bytes_per_sample(lay.T, lay.cfg.data.sampling == "random") * lay.cfg.train.global_batch_size
     read_seconds = read / max(1, lay.dp) / machine.storage

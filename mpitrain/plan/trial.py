@@ -133,6 +133,13 @@ def _table(rows: list, fits: list) -> tuple[list[str], dict]:
     return lines, summary
 
 
+def _where(args) -> str:
+    if args.cluster:
+        nodes, per_node, rate = args.cluster
+        return f"{nodes} emulated nodes x {per_node} at {rate}"
+    return f"{args.ranks or 'the job'}'s ranks, shared memory"
+
+
 def _write(out: Path, rows: list, ranks: list, summary: dict, args) -> None:
     import matplotlib
 
@@ -155,7 +162,7 @@ def _write(out: Path, rows: list, ranks: list, summary: dict, args) -> None:
     hi = max(xs + ys, default=1) * 1.1
     ax.plot([0, hi], [0, hi], "k--", lw=1, label="y = x")
     ax.set(xlim=(0, hi), ylim=(0, hi), xlabel="predicted step (ms)", ylabel="measured step (ms)",
-           title=f"{args.config or args.model}: Spearman {summary['spearman']:.2f}")
+           title=f"{args.config or args.model} on {_where(args)}: Spearman {summary['spearman']:.2f}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "search.png", dpi=120)
