@@ -91,9 +91,13 @@ def test_measure_runs_the_chosen_layouts_and_writes_the_table_and_the_plot(tmp_p
     cfg.write_text('[model]\nname = "gpt"\nn_layer = 1\nn_head = 2\nn_embd = 16\nblock_size = 16\n'
                    '[data]\nname = "shakespeare"\n[train]\nglobal_batch_size = 4\nsteps = 1\n')
     out = subprocess.run([sys.executable, "-m", "mpitrain", "plan", str(cfg), "-n", "2", "--search", "--measure", "1",
-                          "--steps", "5", "--out", str(tmp_path / "out")], capture_output=True, text=True, timeout=240)
+                          "--repeat", "2", "--steps", "5", "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "Spearman's rank correlation" in out.stdout and "over 2 layouts" in out.stdout
     saved = json.loads((tmp_path / "out" / "search.json").read_text())
     assert len(saved["layouts"]) == 2 and saved["layouts"][0]["predicted_rank"] == 1
+    for layout in saved["layouts"]:  # each launched twice, its fastest run kept
+        launches = [float(x) for x in layout["launches_s"].split()]
+        assert len(launches) == 2 and layout["measured_s"] == pytest.approx(min(launches), rel=1e-5)
     assert (tmp_path / "out" / "search.png").stat().st_size > 0 and (tmp_path / "out" / "search.csv").exists()

@@ -107,6 +107,8 @@ def _search_arguments(p, positive) -> None:
                    help="with --search: run the top K and K other layouts that fit for a few steps (--steps), "
                         "print predicted | measured | rank and Spearman's correlation, and write them with a "
                         "plot to --out")
+    p.add_argument("--repeat", type=positive, default=1, metavar="N",
+                   help="with --measure: launch each layout N times and keep its fastest run (default 1)")
     p.add_argument("--out", metavar="DIR", default="runs/search",
                    help="with --measure: where the table (CSV, JSON) and the plot go (default %(default)s)")
 
