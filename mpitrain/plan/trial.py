@@ -56,7 +56,7 @@ def measure(args, found, steps: int, out: Path, launch, repeat: int = 1) -> dict
     measured], "rows": ..., "runs": every launch's step} (None if every launch failed;
     their output is printed). With ``repeat``, the fastest of that many launches: ranks
     that take turns on a core settle into a slow rhythm in some launches and keep it
-    for the whole run (tensor slicing's calls measured 90 ms and 130 ms a step in two)."""
+    for the whole run (measured: mpitrain/bench/README.md, "mpitrain plan --search --measure")."""
     extra = ["--catalogue", args.catalogue] if args.catalogue else []
     if args.cluster:
         extra += ["--nodes", str(args.cluster[0]), "--gpus-per-node", str(args.cluster[1]), "--network", args.network]
