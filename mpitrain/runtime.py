@@ -75,6 +75,30 @@ def emulated_cluster() -> dict | None:
         return None
 
 
+# a launcher's process name (/proc/PID/comm) -> the command a user types to launch again
+LAUNCHERS = {"mpiexec": "mpiexec", "mpiexec.hydra": "mpiexec", "mpirun": "mpirun", "orterun": "mpirun",
+             "prterun": "mpirun", "srun": "srun", "slurmstepd": "srun"}
+
+
+def launcher() -> str | None:
+    """The launcher that started this process (``mpiexec``, ``mpirun`` or ``srun``): the
+    first of its ancestors whose name is one (Hydra's and Open MPI's proxies, or SLURM's
+    step daemon, sit between); None without one, or where ``/proc`` cannot say."""
+    pid = os.getppid()
+    for _ in range(12):
+        try:
+            name = open(f"/proc/{pid}/comm").read().strip()
+            stat = open(f"/proc/{pid}/stat").read()
+        except OSError:
+            return None
+        if name in LAUNCHERS:
+            return LAUNCHERS[name]
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # the parent's: after the name, which may hold spaces
+        if pid <= 1:
+            return None
+    return None
+
+
 def blas_threads(requested: int = 0, ranks_per_node: int = 1) -> int:
     """BLAS threads per process: ``requested`` if given, else this process's share of the cores (at least one)."""
     return requested if requested > 0 else max(1, available_cores() // max(1, ranks_per_node))

@@ -352,7 +352,7 @@ def test_a_signal_checkpoints_and_exits_then_resume_is_bit_identical(reference, 
     assert "Traceback" not in err and "error" not in err.lower(), err
     stopped = [line for line in out.splitlines() if line.startswith("stopped by")]
     assert len(stopped) == 1 and stopped[0].startswith(f"stopped by {sig} after step"), out
-    assert stopped[0].endswith(f"resume with: mpitrain train --resume {tmp_path / 'run'}")
+    assert stopped[0].endswith(f"resume with: mpiexec -n 2 mpitrain train --resume {tmp_path / 'run'}")
     at = int(stopped[0].split("after step ")[1].split(";")[0])
     assert checkpoint.listed(tmp_path / "run")[-1] == checkpoint.path_for(tmp_path / "run", at)
     code, _, err = finish(launch(data, tmp_path / "run", "--resume"))
@@ -402,7 +402,7 @@ def test_a_signal_stops_a_parameter_server_run_whose_checkpoint_ddp_resumes(text
     assert code == 0, err
     stopped = [line for line in out.splitlines() if line.startswith("stopped by SIGTERM after step")]
     assert len(stopped) == 1, out
-    assert stopped[0].endswith(f"resumes with ddp or zero1: mpitrain train --resume {run} --set parallel.sync=ddp")
+    assert stopped[0].endswith(f"resumes with ddp or zero1: mpiexec -n 3 mpitrain train --resume {run} --set parallel.sync=ddp")
     at = int(stopped[0].split("after step ")[1].split(";")[0])
     assert checkpoint.listed(run) == [checkpoint.path_for(run, at)]
     more = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpitrain", "train", str(JOBS / "tinyshakespeare_gpt.toml"),

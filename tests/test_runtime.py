@@ -54,3 +54,21 @@ def test_huge_page_heap_keeps_the_data_and_asks_only_for_growth(monkeypatch):
 def test_huge_page_heap_without_a_heap_changes_nothing(monkeypatch):
     monkeypatch.setattr(runtime, "_heap", lambda: None)
     assert runtime.huge_page_heap() == 0
+
+
+def test_the_launcher_is_found_among_the_parent_processes():
+    """runtime.launcher: a process started by mpiexec names it (for the stop line's resume
+    command); one started by a shell, outside any launcher, names none."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_comm import MPIEXEC
+
+    ask = [sys.executable, "-c", "from mpitrain.runtime import launcher; print(launcher())"]
+    if runtime.launcher() is None:  # these tests themselves run outside a launcher
+        shell = subprocess.run(["sh", "-c", '"$0" "$1" "$2"', *ask], capture_output=True, text=True, timeout=60)
+        assert shell.stdout.strip() == "None", shell.stderr
+    if MPIEXEC:
+        out = subprocess.run([MPIEXEC, "-n", "1", *ask], capture_output=True, text=True, timeout=60)
+        assert out.stdout.strip() == runtime.LAUNCHERS[Path(MPIEXEC).name], out.stderr

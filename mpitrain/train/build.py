@@ -249,11 +249,16 @@ def _span(names: list[str], lo: int, hi: int) -> str:
     return names[lo] if hi - lo == 1 else f"{names[lo]}..{names[hi - 1]}"
 
 
-def resume_hint(cfg: Config, run_dir: str) -> str:
-    """What the stop line says to resume a run."""
-    if cfg.parallel.sync == "ps":
-        return f"its checkpoint resumes with ddp or zero1: mpitrain train --resume {run_dir} --set parallel.sync=ddp"
-    return f"resume with: mpitrain train --resume {run_dir}"
+def resume_hint(cfg: Config, run_dir: str, ranks: int = 1, launcher: str | None = None) -> str:
+    """What the stop line says to resume a run on its ``ranks``, with the ``launcher``
+    that started it (:func:`mpitrain.runtime.launcher`; None: none found)."""
+    ps = cfg.parallel.sync == "ps"
+    command = f"mpitrain train --resume {run_dir}" + (" --set parallel.sync=ddp" if ps else "")
+    if launcher:
+        command = f"{launcher} -n {ranks} {command}"
+    elif ranks > 1:
+        command += f" (on {ranks} ranks, with the launcher that started this run)"
+    return f"its checkpoint resumes with ddp or zero1: {command}" if ps else f"resume with: {command}"
 
 
 # ---------------------------------------------------------------- the parts

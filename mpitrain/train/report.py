@@ -14,6 +14,7 @@ import numpy as np
 from mpitrain import checkpoint
 from mpitrain.cost import bytes_per_parameter
 from mpitrain.data.loader import SAMPLING
+from mpitrain.runtime import launcher
 from mpitrain.observe.memory import CATEGORIES, HeapTrace, heap_line, model_state, state_line
 from mpitrain.observe.metrics import MetricsLog
 from mpitrain.observe.timeline import Timeline
@@ -133,7 +134,7 @@ def finish(run, result: Result, times: tuple, figures: dict, out: Outputs, log) 
     if result.stopped or step > result.start_step:
         save(run, step, result.stopped or "end of training", result, out, log)
     if result.stopped:
-        how = resume_hint(cfg, cfg.run.dir) if cfg.run.dir else "nothing was saved: no run.dir"
+        how = resume_hint(cfg, cfg.run.dir, world.size, launcher()) if cfg.run.dir else "nothing was saved: no run.dir"
         log(f"stopped by {result.stopped} after step {step}; {how}")
         out.metrics.write("stopped", step=step, signal=result.stopped)
         out.write_timeline(cfg.run.dir, log)
