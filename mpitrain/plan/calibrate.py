@@ -105,14 +105,24 @@ def measure_turns() -> float:
     pin = shutil.which("taskset")
     if pin is None or len(my_cores()) < 2:
         return 0.0
-    argv = [pin, "-c", str(my_cores()[0]), mpiexec(), "-n", "2", sys.executable, "-m", "mpitrain.plan.probes",
-            "turns"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
-    lines = [line for line in done.stdout.splitlines() if line.startswith('{"turns"')]
+    argv = [pin, "-c", str(my_cores()[0]), mpiexec(), "-n", "2", *_probe("turns")]
+    return _probed(subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False),
+                   "the probe of 2 ranks on one core")["turns"]
+
+
+def _probe(name: str, *options: str) -> list[str]:
+    """The command line of a rank of :mod:`mpitrain.plan.probes`."""
+    return [sys.executable, "-m", "mpitrain.plan.probes", name, *options]
+
+
+def _probed(done, what: str) -> dict:
+    """The JSON line rank 0 of a probe printed (``done``: its finished process); HardwareError
+    naming ``what`` and the last line it wrote if it failed."""
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         tail = (done.stderr.strip() or done.stdout.strip() or f"exit status {done.returncode}").splitlines()[-1]
-        raise HardwareError(f"the probe of 2 ranks on one core failed: {tail}")
-    return json.loads(lines[-1])["turns"]
+        raise HardwareError(f"{what} failed: {tail}")
+    return json.loads(lines[-1])
 
 
 def fit_link(rows: list) -> tuple[float, float]:
@@ -139,19 +149,14 @@ def measure_link(rate_gbit: float | None, max_bytes: int = 16 << 20, repeats: in
     (``mpitrain cluster``; ClusterError where it cannot be)."""
     from mpitrain.cluster import Cluster, mpiexec
 
-    argv = [sys.executable, "-m", "mpitrain.plan.probes", "pingpong", "--max-bytes", str(max_bytes),
-            "--repeats", str(repeats)]
+    argv = _probe("pingpong", "--max-bytes", str(max_bytes), "--repeats", str(repeats))
     run = lambda cmd: subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)  # noqa: E731
     if rate_gbit is None:
         done, what = run([mpiexec(), "-n", "2", *argv]), "shared memory"
     else:
         with Cluster(nodes=2, ranks=1, rate=f"{rate_gbit * 1000:g}mbit") as cluster:
             done, what = run(cluster.command(argv)), f"an emulated {rate_gbit:g} Gbit/s link"
-    lines = [line for line in done.stdout.splitlines() if line.startswith('{"pingpong"')]
-    if done.returncode != 0 or not lines:
-        tail = (done.stderr.strip() or done.stdout.strip() or f"exit status {done.returncode}").splitlines()[-1]
-        raise HardwareError(f"the ping-pong over {what} failed: {tail}")
-    found = json.loads(lines[-1])
+    found = _probed(done, f"the ping-pong over {what}")
     return found["pingpong"], found["overlap"]
 
 
