@@ -32,4 +32,5 @@ case $strategy in
     *) echo "jobs/local.sh: unknown strategy '$strategy' (ddp, ddp-ring, zero1, ps, ps-async, pp)" >&2; exit 2 ;;
 esac
 [ -f "$config" ] || { echo "jobs/local.sh: no config file '$config'" >&2; exit 2; }
-exec mpiexec -n "$ranks" mpitrain train "$config" "$@"
+# through mpitrain launch: Ctrl-C, pressed once or more, ends in a checkpoint (jobs/README.md, "Signals")
+exec mpitrain launch mpiexec -n "$ranks" mpitrain train "$config" "$@"

@@ -40,8 +40,14 @@ disk: a write failing inside it (no space left, a quota, an I/O error) left its 
 a state that crashed the process, while a failed plain write is one ``OSError``
 (:class:`CheckpointWriteError`: the ``.tmp`` removed, the previous checkpoint intact). The
 cost: one copy of the checkpoint in rank 0's memory while it writes. After the rename rank
-0 deletes all but the newest ``keep`` (never one of a later step) and any ``.tmp`` a
-killed write left (a resume ignores it). Which checkpoint a resume takes, and what becomes
+0 deletes all but the newest ``keep`` of the run's own checkpoints (never one of a later
+step, of another run, or whose header does not verify) and any ``.tmp`` a killed write
+left (a resume ignores it).
+
+**Whose.** The header holds the run's identity (``run``: :mod:`mpitrain.train.identity`),
+so that a resume takes only the run's own files. A file of another run (or an unreadable
+one) where this step's checkpoint goes is moved to ``checkpoints/other-runs/``, never
+written over. Which checkpoint a resume takes, and what becomes
 of those it cannot use: :mod:`mpitrain.train.resume`.
 """
 
@@ -236,13 +242,17 @@ def _send(own: list, comm) -> None:
 
 # ----------------------------------------------------------------- save
 def save(run_dir, step: int, *, model, optimizer, sync, cfg, comm, keep: int, epoch: int = 0,
-         epoch_step: int = 0, strategy: str = "", layout: Layout | None = None, data: dict | None = None) -> Path:
+         epoch_step: int = 0, strategy: str = "", layout: Layout | None = None, data: dict | None = None,
+         run: dict | None = None, warn=None) -> Path:
     """Write the checkpoint of ``step`` (collective: every rank of ``comm`` calls it);
     ``strategy`` says how the run was laid out (the attribute), ``layout`` is the whole
     model's when ``model`` is a part of it (None: ``model`` is whole). Of a part, each
     rank that writes state sends its arrays too. ``data`` says what the run trains on
-    (the header keeps it: a resume on other data is told so). Raises
-    :class:`CheckpointWriteError` on every rank if the file cannot be written."""
+    (the header keeps it: a resume on other data is told so); ``run`` is the run's
+    identity (:mod:`mpitrain.train.identity`): only its own checkpoints are pruned, and
+    a file of another run (or one unreadable) at this step's name is moved aside, said
+    through ``warn``. Raises :class:`CheckpointWriteError` on every rank if the file
+    cannot be written."""
     offsets, local, pieces, writes = _layout(optimizer, sync, layout)
     names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
     parts = layout.parts if layout is not None else {}
@@ -263,7 +273,7 @@ def save(run_dir, step: int, *, model, optimizer, sync, cfg, comm, keep: int, ep
         comm.agree(lambda: None)  # rank 0's write, and its error if it fails
         return final
     n, n_params = int(offsets[-1]), len(offsets) - 1
-    fields = {**head, "config": cfg.to_dict(), "data": data or {}}
+    fields = {**head, "config": cfg.to_dict(), "data": data or {}, **({"run": run} if run else {})}
     size = _userblock_size(fields)
     buffer = io.BytesIO()
     with h5py.File(buffer, "w", userblock_size=size) as f:  # in memory: see the module's docstring
@@ -278,16 +288,19 @@ def save(run_dir, step: int, *, model, optimizer, sync, cfg, comm, keep: int, ep
     image = buffer.getbuffer()
     body = image[size:]  # the HDF5 file proper, after the userblock HDF5 leaves to us
     fields.update(userblock=size, file_bytes=len(image), file_sha256=hashlib.sha256(body).hexdigest())
-    comm.agree(_write, final, (_header_bytes(fields).ljust(size, b"\0"), body), run_dir, step, keep)
+    comm.agree(_write, final, (_header_bytes(fields).ljust(size, b"\0"), body), run_dir, step, keep,
+               run and run["id"], warn or (lambda line: None))
     return final
 
 
-def _write(final: Path, pieces, run_dir, step: int, keep: int) -> None:
-    """``pieces`` (bytes) to ``final`` atomically, then all but the newest ``keep``
-    checkpoints go."""
+def _write(final: Path, pieces, run_dir, step: int, keep: int, owner: str | None, warn) -> None:
+    """``pieces`` (bytes) to ``final`` atomically, then all but the newest ``keep`` of the
+    run ``owner``'s checkpoints go (None: of every checkpoint)."""
     tmp = final.with_name(final.name + ".tmp")
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
+        if owner is not None and final.exists() and not _owned(final, owner):  # never written over
+            warn(f"warning: {final} is not this run's checkpoint: moved to {set_aside(final, OTHERS)}")
         with open(tmp, "wb") as fh:
             fh.writelines(pieces)
             fh.flush()
@@ -303,9 +316,35 @@ def _write(final: Path, pieces, run_dir, step: int, keep: int) -> None:
         raise CheckpointWriteError(f"{final}: could not be written ({e.strerror or e}); {intact}") from None
     _fsync_dir(final.parent)
     upto = [p for p in listed(run_dir) if step_of(p) <= step]  # a later one is never this run's to delete
+    if owner is not None:  # another run's, or one whose header does not verify: not this run's to delete
+        upto = [p for p in upto if _owned(p, owner)]
     for old in upto[:-keep] + list(final.parent.glob("step-*.h5.tmp")):  # and halves of killed writes
         with contextlib.suppress(OSError):  # kept: one more file is no harm, and this checkpoint is written
             old.unlink(missing_ok=True)
+
+
+OTHERS, UNUSABLE = "other-runs", "unusable"  # folders of checkpoints/: files a run set aside, never deleted
+
+
+def _owned(path: Path, owner: str) -> bool:
+    """Whether ``path``'s header verifies and names the run ``owner``."""
+    try:
+        fields = _read_header(path)
+    except CheckpointError:
+        return False
+    return fields is not None and (fields.get("run") or {}).get("id") == owner
+
+
+def set_aside(path: Path, folder: str) -> Path:
+    """Move ``path`` into ``folder`` beside it (under a new name if one is there
+    already); where it went. Raises OSError."""
+    aside = path.parent / folder
+    target, n = aside / path.name, 1
+    while target.exists():
+        target, n = aside / f"{path.name}.{n}", n + 1
+    aside.mkdir(exist_ok=True)
+    path.rename(target)
+    return target
 
 
 def _dataset(f: h5py.File, name: str, shape, dtype) -> None:
@@ -388,6 +427,8 @@ def _header_fields(path: Path, body: bytes) -> dict:
     _check_types(path, fields, _HEADER_TYPES)
     if len(fields["file_sha256"]) != 64:
         raise CheckpointError(f"{path}: damaged: its header's 'file_sha256' is not a SHA-256")
+    if "run" in fields and not (isinstance(fields["run"], dict) and isinstance(fields["run"].get("id"), str)):
+        raise CheckpointError(f"{path}: damaged: its header's 'run' is {fields['run']!r}, not a run's identity")
     return fields
 
 
@@ -464,6 +505,12 @@ def check(path: Path) -> dict:
     return {**_open(path, lambda f: _attributes(path, f, legacy=fields is None)), "header": fields or {}}
 
 
+def header(path: Path) -> dict:
+    """A checkpoint's header fields, verified, without reading the rest of the file nor
+    opening it with HDF5 ({} for a format-1 file, which has no header)."""
+    return _read_header(Path(path)) or {}
+
+
 def read_meta(path: Path) -> dict:
     """What the header of a checkpoint says (its ``step``, ``format_version``, ...,
     and the saved config as ``["json"]["config"]``), verified but without reading the
@@ -475,12 +522,15 @@ def read_meta(path: Path) -> dict:
     return {**fields, "json": {"config": fields["config"]}}
 
 
-def restore(path: Path, *, model, optimizer, sync, comm, check_config=None, layout: Layout | None = None) -> dict:
+def restore(path: Path, *, model, optimizer, sync, comm, check_config=None, layout: Layout | None = None,
+            weights_only: bool = False) -> dict:
     """Load ``path`` into the model (a part of the whole one of ``layout``, or the whole
     one), the optimizer state this rank owns and the random stream (collective); returns
     the checkpoint's attributes. Every rank verifies the file's bytes (as :func:`check`)
     before it reads any. ``check_config(saved config as a dict)`` may refuse the file
-    (raising CheckpointError) before anything is loaded."""
+    (raising CheckpointError) before anything is loaded. ``weights_only``: the model's
+    arrays alone (a new run from another's weights); the optimizer and the random stream
+    stay as they are."""
     offsets, local, pieces, _ = _layout(optimizer, sync, layout)
 
     def load(f, legacy: bool):
@@ -502,6 +552,8 @@ def restore(path: Path, *, model, optimizer, sync, comm, check_config=None, layo
                                       f"{whole_shape} in this model (is model.* the same?)")
         model.load_state_dict({name: saved[name][()][parts[name]] if name in parts else saved[name][()]
                                for name in wanted})
+        if weights_only:
+            return attrs
         _load_state(path, f, local, pieces, offsets, layout.slices() if layout is not None else {})
         local.step_count = int(attrs["json"]["optimizer"]["step_count"])
         _load_scaler(local, attrs["json"]["optimizer"])

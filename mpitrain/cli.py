@@ -26,26 +26,30 @@ def _train(args) -> int:
     from mpitrain import train
     from mpitrain.comm import world
 
-    cfg, config_from = _train_config(args)  # before any MPI work
+    cfg, config_from, reconfigure = _train_config(args)  # before any MPI work
     # each progress line as it is printed, also into a pipe (mpiexec's) or a log file
     # (SLURM's), which Python would otherwise fill 8 KB at a time
     if isinstance(sys.stdout, io.TextIOWrapper):  # not a stream a caller put there (a notebook's)
         sys.stdout.reconfigure(line_buffering=True)
     par = cfg.parallel
     result = train.train(cfg, comm=world(par.thread_level, comm_thread=par.progress == "thread"),
-                         resume=args.resume is not None, start_over=args.start_over, config_from=config_from)
+                         resume=args.resume is not None, start_over=args.start_over, config_from=config_from,
+                         reconfigure=reconfigure, origin=args.origin)
     return INTERRUPTED if result.stopped == "SIGINT" else 0
 
 
 def _train_config(args):
-    """(the config ``train`` runs, the checkpoint it was read from or None): a new run's
-    from CONFIG and ``--set``; a resumed run's from its newest checkpoint, with ``--set``
-    as changes (:mod:`mpitrain.train.resume`)."""
+    """(the config ``train`` runs, the checkpoint it was read from or None, how to read
+    another checkpoint's): a new run's from CONFIG and ``--set``; a resumed run's from its
+    newest checkpoint whose header verifies, with ``--set`` as changes
+    (:mod:`mpitrain.train.resume`)."""
     from mpitrain import config
     from mpitrain.train import resume
 
     if args.start_over and args.resume is None:
         raise _usage("--start-over applies with --resume")
+    if args.origin is not None:
+        _check_origin(args)
     if args.resume is None or args.resume is True and args.run_dir is None:
         if args.config is None:
             raise _usage("the CONFIG file is required (or --resume RUN_DIR)")
@@ -57,7 +61,7 @@ def _train_config(args):
         if "run.dir" not in cfg.given:
             run = dataclasses.replace(cfg.run, dir=str(_new_run_dir(Path(args.config).stem)))
             cfg = dataclasses.replace(cfg, run=run)
-        return cfg, None
+        return cfg, None, None
     run_dir = _resume_dir(args)
     overrides = args.set + [f"run.dir={json.dumps(str(run_dir))}"]
     saved = resume.saved_config(run_dir, args.start_over)
@@ -65,9 +69,13 @@ def _train_config(args):
         if args.config is None:
             raise _failure(f"{run_dir}: holds no usable checkpoint to take the config from; give the CONFIG "
                            "file too")
-        return config.load(args.config, overrides), None
+        return config.load(args.config, overrides), None, None
     path, saved_cfg = saved
-    cfg = config.from_saved(saved_cfg, overrides, where=f"{path}: the saved config")
+
+    def reconfigure(saved: dict, where: Path):
+        return config.from_saved(saved, overrides, where=f"{where}: the saved config")
+
+    cfg = reconfigure(saved_cfg, path)
     if args.config is not None:
         given = {item.split("=", 1)[0].strip() for item in args.set}
         file = {section: {k: v for k, v in table.items() if f"{section}.{k}" not in given}
@@ -78,7 +86,21 @@ def _train_config(args):
         if differ:
             _note(f"note: {args.config} differs from the config saved in {path}: {', '.join(differ)}; a resumed "
                   "run keeps the saved values (--set changes one)")
-    return cfg, path
+    return cfg, path, reconfigure
+
+
+def _check_origin(args) -> None:
+    """``--from CHECKPOINT``: a new run, from a checkpoint file that exists."""
+    if args.resume is not None:
+        raise _usage("--from starts a new run from a checkpoint's weights; --resume continues a run: give one")
+    if args.config is None:
+        raise _usage("--from needs the CONFIG file of the new run")
+    origin = Path(args.origin)
+    if origin.is_dir():
+        raise _usage(f"--from takes a checkpoint file, not the directory {origin} (its checkpoints: "
+                     f"{origin / 'checkpoints'}/step-*.h5)")
+    if not origin.is_file():
+        raise _failure(f"--from {origin}: no such checkpoint file")
 
 
 def _resume_dir(args) -> Path:
@@ -380,8 +402,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from mpitrain.plan.cli import add_parser as _plan_parser
 
-    for add in (_train_parser, _plan_parser, _bench_parsers, _report_parser, _data_parsers, _cluster_parser,
-                _config_parser):
+    for add in (_train_parser, _launch_parser, _plan_parser, _bench_parsers, _report_parser, _data_parsers,
+                _cluster_parser, _config_parser):
         add(commands)
     return parser
 
@@ -390,7 +412,9 @@ def _train_parser(commands) -> None:
     p = commands.add_parser("train", help="train a model described by a TOML config",
                             description="Train a model described by a TOML config (see jobs/), or resume a run.",
                             epilog="Ctrl-C, SIGTERM or SIGUSR1 finish the step, save a checkpoint and stop "
-                                   "(exit 130 after Ctrl-C, 0 after the others); a second Ctrl-C aborts at once.")
+                                   "(exit 130 after Ctrl-C, 0 after the others). Under mpiexec a second Ctrl-C "
+                                   "aborts at once, saving nothing: run through 'mpitrain launch mpiexec ...' to "
+                                   "make a repeated Ctrl-C (or one under timeout) safe.")
     p.add_argument("config", nargs="?", help="path of the TOML config, e.g. jobs/mnist5k_lenet.toml (a resumed "
                                              "run takes its saved config: then optional)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -403,10 +427,41 @@ def _train_parser(commands) -> None:
                    help="continue RUN_DIR (or --run-dir, or the only run of CONFIG in runs/) from its newest "
                         "usable checkpoint, with the config saved in it; a run directory without checkpoints "
                         "starts from CONFIG")
+    p.add_argument("--from", dest="origin", metavar="CHECKPOINT",
+                   help="start a new run (step 0, a fresh optimizer) from the model weights of CHECKPOINT, a "
+                        "file of any run (run.json records which)")
     p.add_argument("--start-over", action="store_true",
                    help="with --resume: if no checkpoint of the run can be used, start it again at step 0 "
                         "(unusable files are moved to checkpoints/unusable/, never deleted)")
     p.set_defaults(run=_train)
+
+
+def _launch_parser(commands) -> None:
+    from mpitrain.launch import REPEAT_S
+
+    p = commands.add_parser(
+        "launch", help="run a launch line so that Ctrl-C, pressed once or more, or under timeout, ends in a checkpoint",
+        description="Run LAUNCH_LINE (mpiexec ... mpitrain train ...) in a session of its own and pass on signals: "
+                    f"the first SIGINT, then none within {REPEAT_S:g} s of it (a key pressed twice, or the copy "
+                    "coreutils' timeout sends), then the next (mpiexec then aborts at once); SIGTERM, SIGUSR1 and "
+                    "SIGQUIT, and SIGHUP as SIGTERM. MPICH's mpiexec kills every rank at a second SIGINT, before "
+                    "they can save. Exits with the launch line's status (mpitrain/launch.py).",
+        epilog="example: timeout 3600 mpitrain launch mpiexec -n 2 mpitrain train jobs/shakespeare_gpt.toml")
+    p.add_argument("line", nargs=argparse.REMAINDER, metavar="LAUNCH_LINE", help="the command to run, e.g. mpiexec "
+                                                                                  "-n 4 mpitrain train CONFIG")
+    p.set_defaults(run=_launch)
+
+
+def _launch(args) -> int:
+    from mpitrain.launch import LaunchError, run
+
+    line = args.line[1:] if args.line[:1] == ["--"] else args.line
+    if not line:
+        raise _usage("give the launch line to run, e.g. mpitrain launch mpiexec -n 2 mpitrain train CONFIG")
+    try:
+        return run(line)
+    except LaunchError as e:
+        raise _failure(str(e)) from None
 
 
 def _bench_parsers(commands) -> None:

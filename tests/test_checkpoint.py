@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -414,44 +415,49 @@ def test_a_signal_stops_a_parameter_server_run_whose_checkpoint_ddp_resumes(text
     assert checkpoint.listed(run)[-1] == checkpoint.path_for(run, at + 5)
 
 
-def test_a_first_ctrl_c_asks_for_a_stop_and_a_second_one_ends_the_process_at_once(capfd):
-    """The loop stops at the end of the step after a first SIGINT; the handler then puts
-    back the default action, so a second SIGINT ends the process even inside a blocking
-    call (where a Python handler would wait for the call to return)."""
-    from mpitrain.train.loop import StopSignals
+def test_a_first_ctrl_c_asks_for_a_stop_repeats_are_the_same_and_a_later_one_ends_the_process():
+    """The loop stops at the end of the step after a first SIGINT. Another within
+    REPEAT_S is the same stop (timeout passes on the terminal's SIGINT: one press
+    arrives two or three times); one after it ends the process as Ctrl-C does."""
+    script = textwrap.dedent("""
+        import os, signal, sys, time
+        from mpitrain import launch
+        from mpitrain.train.loop import StopSignals
+        launch.REPEAT_S = 0.5
+        before = signal.getsignal(signal.SIGINT)
+        with StopSignals(loud=True) as signals:
+            assert signal.getsignal(signal.SIGINT) == signals._handler
+            for _ in range(3):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.01)  # the handler runs between two bytecodes of the main thread
+            print("stop asked:", signals.received == signal.SIGINT, flush=True)
+            time.sleep(0.6)
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        print("not reached", flush=True)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGINT, done.stderr
+    assert done.stdout == "stop asked: True\n"
+    assert done.stderr.count("mpitrain: Ctrl-C: finishing this step, then saving a checkpoint; Ctrl-C again after "
+                             "0.5 s to abort at once, saving nothing") == 1, done.stderr
 
-    before = signal.getsignal(signal.SIGINT)
-    with StopSignals(loud=True) as signals:
-        assert signal.getsignal(signal.SIGINT) == signals._handler
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(0.01)  # the handler runs between two bytecodes of the main thread
-        assert signals.received == signal.SIGINT
-        assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL
-    assert signal.getsignal(signal.SIGINT) == before
-    assert "Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to abort at once" in capfd.readouterr().err
 
-
-@needs_mpiexec
-@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
-def test_ctrl_c_typed_on_a_terminal_checkpoints_once_then_resume_is_bit_identical(reference, tmp_path):
-    """The user's Ctrl-C: ``mpiexec -n 2`` runs on a pseudo-terminal that is its
-    controlling terminal, and the test types ``^C`` into it, so the terminal's line
-    discipline sends SIGINT to the whole foreground process group, as a shell's
-    terminal does. One checkpoint, one "stopped by SIGINT" line, exit 130, no traceback
-    (a rank reached twice, by the terminal and by mpiexec, would abort at the second);
-    the resumed run ends bit-identical to one never stopped."""
+def on_a_terminal(cmd, run_dir, presses: tuple[float, ...]):
+    """Run ``cmd`` on a pseudo-terminal that is its controlling terminal, with it as the
+    foreground process group, as a shell runs a command; once the run has saved its
+    step-60 checkpoint, type ``^C`` at each time of ``presses`` (seconds after the
+    first), so that the terminal's line discipline sends SIGINT to the whole foreground
+    group, as a user's Ctrl-C does. (exit status, what the terminal showed)"""
     import fcntl
     import termios
     import threading
 
-    data, final = reference
     master, slave = os.openpty()
 
     def controlling_terminal():  # runs in the child after setsid (start_new_session)
         fcntl.ioctl(0, termios.TIOCSCTTY, 0)
 
-    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "mpitrain", "train", str(JOBS / "tinyshakespeare_gpt.toml"),
-           "--set", f"data.path={data}", *GPT_ARGS, "--run-dir", str(tmp_path / "run")]
     proc = subprocess.Popen(cmd, stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
                             preexec_fn=controlling_terminal)  # noqa: PLW1509 - one ioctl, no lock
     os.close(slave)
@@ -470,9 +476,12 @@ def test_ctrl_c_typed_on_a_terminal_checkpoints_once_then_resume_is_bit_identica
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
     try:
-        wait_for_checkpoint(tmp_path / "run", 60, proc)
-        assert os.tcgetpgrp(master) == proc.pid, "mpiexec is not the terminal's foreground group"
-        os.write(master, b"\x03")  # ^C
+        wait_for_checkpoint(run_dir, 60, proc)
+        assert os.tcgetpgrp(master) == proc.pid, "the command is not the terminal's foreground group"
+        start = time.monotonic()
+        for at in presses:
+            time.sleep(max(0.0, start + at - time.monotonic()))
+            os.write(master, b"\x03")  # ^C
         code = proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
@@ -480,11 +489,37 @@ def test_ctrl_c_typed_on_a_terminal_checkpoints_once_then_resume_is_bit_identica
             proc.wait()
         reader.join(timeout=10)
         os.close(master)
-    text = b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+    return code, b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+
+
+@needs_mpiexec
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+@pytest.mark.parametrize("front,presses,hint", [
+    ([], (0,), "resume with: mpiexec -n 2 mpitrain train --resume "),
+    ([sys.executable, "-m", "mpitrain", "launch"], (0, 0.05, 0.3),
+     "resume with: mpitrain launch mpiexec -n 2 mpitrain train --resume "),
+    (["timeout", "600", sys.executable, "-m", "mpitrain", "launch"], (0,),
+     "resume with: mpitrain launch mpiexec -n 2 mpitrain train --resume "),
+], ids=["mpiexec", "launch-three-times", "timeout-launch"])
+def test_ctrl_c_typed_on_a_terminal_checkpoints_once_then_resume_is_bit_identical(reference, tmp_path, front, presses,
+                                                                                   hint):
+    """The user's Ctrl-C: once to ``mpiexec -n 2``; to ``mpitrain launch mpiexec -n 2``
+    three times (0.05 s and 0.3 s after the first: MPICH's mpiexec alone kills every
+    rank at a second SIGINT, mpitrain/launch.py), and once under ``timeout`` (which
+    passes the SIGINT on: two or three reach its child). One checkpoint, one "stopped by
+    SIGINT" line naming the launch line that resumes, exit 130, no traceback; the
+    resumed run ends bit-identical to one never stopped."""
+    data, final = reference
+    cmd = [*front, MPIEXEC, "-n", "2", sys.executable, "-m", "mpitrain", "train",
+           str(JOBS / "tinyshakespeare_gpt.toml"), "--set", f"data.path={data}", *GPT_ARGS,
+           "--run-dir", str(tmp_path / "run")]
+    code, text = on_a_terminal(cmd, tmp_path / "run", presses)
     assert code == 130, text
     assert "Traceback" not in text and "error" not in text.lower(), text
     stopped = [line for line in text.splitlines() if line.startswith("stopped by")]
     assert len(stopped) == 1 and stopped[0].startswith("stopped by SIGINT after step"), text
+    assert hint in stopped[0], stopped[0]
+    assert len(presses) == 1 or "mpitrain launch: stopping already" in text, text  # the run still going
     at = int(stopped[0].split("after step ")[1].split(";")[0])
     assert checkpoint.listed(tmp_path / "run")[-1] == checkpoint.path_for(tmp_path / "run", at)
     code, _, err = finish(launch(data, tmp_path / "run", "--resume"))

@@ -24,6 +24,7 @@ from test_train import JOBS
 
 from mpitrain import checkpoint, cli, train
 from mpitrain.config import ConfigError
+from mpitrain.train import identity
 
 
 def rewrite_attr(path, name, value):
@@ -327,24 +328,91 @@ def test_a_resume_keeps_the_saved_overrides_lists_new_ones_and_refuses_another_m
 def test_a_config_read_from_a_checkpoint_whose_arrays_are_damaged_is_not_used(text_data, tmp_path, monkeypatch,
                                                                                capsys):
     """The command line reads the config from the newest checkpoint's header, which
-    verifies; its arrays do not, so the state comes from the one before: the run stops
-    (it would train that state under the newer file's config) and the same command then
-    resumes with the older checkpoint's own config."""
+    verifies; its arrays do not, so the state comes from the one before, and so does the
+    config: the one saved with that state, with this command's --set as changes."""
     monkeypatch.chdir(tmp_path)
     config = JOBS / "tinyshakespeare_gpt.toml"
     code, _, err = cli_run(config, *small(text_data), "--set", "train.steps=4", "--set", "run.checkpoint_interval=2",
                            "--run-dir", "runs/b", capsys=capsys)
     assert code == 0, err
-    code, _, err = cli_run("--resume", "runs/b", "--set", "train.steps=6", capsys=capsys)
+    code, _, err = cli_run("--resume", "runs/b", "--set", "train.steps=6", "--set", "optim.lr=2e-3", capsys=capsys)
     assert code == 0, err
     newest = checkpoint.path_for("runs/b", 6)
     damage(newest, "flipped")
-    code, _, err = cli_run("--resume", "runs/b", "--set", "train.steps=8", capsys=capsys)
-    assert code == 2 and f"{newest}: this run's config was read from it, but its content is damaged" in err
-    assert f"resume from {checkpoint.path_for('runs/b', 4)} with the config saved there" in err
-    code, _, err = cli_run("--resume", "runs/b", "--set", "train.steps=8", capsys=capsys)
+    code, out, err = cli_run("--resume", "runs/b", "--set", "train.steps=8", capsys=capsys)
     assert code == 0, err
-    assert "resume: changes to the saved config: train.steps = 8 (saved: 4)\n" in err
+    assert err.count("moved to") == 1 and f"moved to runs/b/checkpoints/unusable/{newest.name}" in err
+    assert f"resume: the config saved in {checkpoint.path_for('runs/b', 4)} (the checkpoint resumed)" in out
+    assert "resume: changes to the saved config: train.steps = 8 (saved: 4)\n" in err  # and not lr 2e-3's
+    assert f"resumed from {checkpoint.path_for('runs/b', 4)} at step 4" in out
+    assert checkpoint.check(checkpoint.path_for("runs/b", 8))["json"]["config"]["optim"]["lr"] == 1e-3
+
+
+@pytest.mark.parametrize("how", ["flipped", "truncated"])
+def test_one_resume_command_goes_past_a_damaged_newest_checkpoint_bit_identically(text_data, tmp_path,
+                                                                                monkeypatch, capsys, how):
+    """A run stopped after its step-6 checkpoint, whose arrays are then damaged: one
+    ``--resume`` sets it aside and ends where the uninterrupted run ended, to the bit."""
+    monkeypatch.chdir(tmp_path)
+    config = JOBS / "tinyshakespeare_gpt.toml"
+    code, _, err = cli_run(config, *small(text_data), "--set", "train.steps=8", "--set", "run.checkpoint_interval=2",
+                           "--set", "run.keep=10", "--run-dir", "runs/a", capsys=capsys)
+    assert code == 0, err
+    shutil.copytree("runs/a", "runs/b")
+    checkpoint.path_for("runs/b", 8).unlink()  # the run b: stopped at step 6
+    damage(checkpoint.path_for("runs/b", 6), how)
+    code, out, err = cli_run("--resume", "runs/b", capsys=capsys)
+    assert code == 0, err
+    assert err.count("moved to") == 1 and f"resumed from {checkpoint.path_for('runs/b', 4)} at step 4" in out
+    assert_identical(checkpoint.path_for("runs/a", 8), checkpoint.path_for("runs/b", 8))
+
+
+def test_a_checkpoint_of_another_run_at_a_step_this_run_writes_is_moved_aside_not_written_over(text_data,
+                                                                                              tmp_path):
+    other = tmp_path / "other"
+    train.train(gpt(text_data, other, "train.steps=8", "train.seed=2"), log=quiet)
+    run = tmp_path / "a"
+    train.train(gpt(text_data, run, "train.steps=4", "run.keep=1"), log=quiet)
+    shutil.copy(checkpoint.path_for(other, 8), checkpoint.directory(run))
+    theirs = checkpoint.path_for(other, 8).read_bytes()
+    said, warned = [], []
+    again = train.train(gpt(text_data, run, "train.steps=12", "run.keep=1"), log=said.append, warn=warned.append,
+                        resume=True)
+    assert again.start_step == 4
+    assert any(w.startswith(f"resume: {checkpoint.path_for(run, 8)} is a checkpoint of another run ")
+               and "train.seed = 2 (this run: 1337)" in w for w in warned), warned
+    aside = checkpoint.directory(run) / "other-runs" / "step-00000008.h5"
+    assert f"warning: {checkpoint.path_for(run, 8)} is not this run's checkpoint: moved to {aside}" in said
+    assert aside.read_bytes() == theirs
+    assert checkpoint.listed(run) == [checkpoint.path_for(run, 12)]  # this run's, the newest keep = 1
+
+
+def test_checkpoints_of_two_runs_without_run_json_are_refused_naming_both(text_data, tmp_path):
+    """Without run.json nothing says which run the directory holds: no guess."""
+    for name, steps in (("a", 4), ("b", 8)):
+        train.train(gpt(text_data, tmp_path / name, f"train.steps={steps}"), log=quiet)
+    shutil.copy(checkpoint.path_for(tmp_path / "b", 8), checkpoint.directory(tmp_path / "a"))
+    (tmp_path / "a" / "run.json").unlink()
+    with pytest.raises(checkpoint.CheckpointError, match=r"checkpoints of 2 runs, and no .*run.json to say which "
+                                                         r"run this is: run [0-9a-f]{16} \(started .*\): steps 4; "
+                                                         r"run [0-9a-f]{16} \(started .*\): steps 8"):
+        train.train(gpt(text_data, tmp_path / "a", "train.steps=8"), log=quiet, resume=True)
+
+
+def test_a_damaged_run_json_is_one_message_and_copied_checkpoints_name_their_run(text_data, tmp_path):
+    run = tmp_path / "a"
+    train.train(gpt(text_data, run, "train.steps=4"), log=quiet)
+    ident = identity.read(run)
+    assert ident == identity.of(checkpoint.header(checkpoint.path_for(run, 4)))
+    assert ident["config_sha256"] == identity.config_digest(gpt(text_data, tmp_path / "elsewhere",
+                                                                "train.steps=4").to_dict())
+    (run / "run.json").write_text((run / "run.json").read_text().replace(ident["id"], "0" * 16))
+    with pytest.raises(checkpoint.CheckpointError, match="run.json: damaged"):
+        train.train(gpt(text_data, run, "train.steps=8"), log=quiet, resume=True)
+    copy = tmp_path / "b"  # only the checkpoints, copied elsewhere: the run they name
+    shutil.copytree(checkpoint.directory(run), checkpoint.directory(copy))
+    assert train.train(gpt(text_data, copy, "train.steps=8"), log=quiet, resume=True).start_step == 4
+    assert identity.read(copy) == ident
 
 
 def test_resume_arguments_that_cannot_be_meant_are_refused(tmp_path, monkeypatch, capsys):
@@ -353,7 +421,11 @@ def test_resume_arguments_that_cannot_be_meant_are_refused(tmp_path, monkeypatch
     for argv, message in [(["--resume", config], "--resume takes a run directory, not the file"),
                           ([config, "--start-over"], "--start-over applies with --resume"),
                           (["--resume", "runs/a", "--run-dir", "runs/b"], "name different run directories"),
-                          ([], "the CONFIG file is required")]:
+                          ([], "the CONFIG file is required"),
+                          ([config, "--from", "x.h5", "--resume"], "--from starts a new run from a checkpoint's "
+                                                                   "weights; --resume continues a run: give one"),
+                          (["--from", "x.h5"], "--from needs the CONFIG file of the new run"),
+                          ([config, "--from", "."], "--from takes a checkpoint file, not the directory .")]:
         with pytest.raises(SystemExit) as stop:
             cli.main(["train", *argv])
         assert stop.value.code == 2 and message in capsys.readouterr().err
@@ -361,6 +433,8 @@ def test_resume_arguments_that_cannot_be_meant_are_refused(tmp_path, monkeypatch
         assert cli.main(["train", *argv]) == 2
         assert "--resume runs/typo: no such run directory" in capsys.readouterr().err
     assert not Path("runs/typo").exists()
+    assert cli.main(["train", config, "--from", "runs/typo.h5"]) == 2
+    assert "--from runs/typo.h5: no such checkpoint file" in capsys.readouterr().err
     Path("runs/none").mkdir(parents=True)
     assert cli.main(["train", "--resume", "runs/none"]) == 2
     assert "holds no usable checkpoint to take the config from; give the CONFIG file too" in capsys.readouterr().err

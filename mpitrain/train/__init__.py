@@ -30,8 +30,8 @@ from mpitrain.observe.memory import HeapTrace
 from mpitrain.observe.timing import Traffic
 from mpitrain.parallel import GradSync
 from mpitrain.precision import masters_in_model
-from mpitrain.runtime import blas_threads, emulated_cluster, limit_blas_threads, tune_allocator
-from mpitrain.train import resume
+from mpitrain.runtime import blas_threads, emulated_cluster, launcher, limit_blas_threads, tune_allocator
+from mpitrain.train import identity, resume
 from mpitrain.train.build import Role, Run, build_run, describe, prepare_run_dir
 from mpitrain.train.loop import Loop, StopSignals
 from mpitrain.train.report import Outputs, Result, data_identity, finish, time_row
@@ -40,24 +40,27 @@ __all__ = ["GradSync", "Result", "Role", "train"]
 
 
 def train(cfg: Config, log=print, comm=None, resume: bool = False, warn=None, start_over: bool = False,
-          config_from: Path | None = None) -> Result:
+          config_from: Path | None = None, reconfigure=None, origin: Path | None = None) -> Result:
     """Train as ``cfg`` says, printing progress through ``log`` and warnings through
     ``warn`` (rank 0 only); returns the figures. ``comm`` is the world communicator
     (:func:`mpitrain.comm.world`); without one the run is a single process with no MPI
-    at all. With ``resume`` the run continues from the newest usable checkpoint in
-    ``run.dir`` (starting if the directory has no checkpoint file; if none is usable it
-    stops, unless ``start_over``): :mod:`mpitrain.train.resume`; ``config_from``: the
-    checkpoint ``cfg`` was read from (the command line's resume), which must be the one
-    resumed."""
+    at all. With ``resume`` the run continues from the newest usable checkpoint of this
+    run in ``run.dir`` (starting if the directory has none; if none is usable it stops,
+    unless ``start_over``): :mod:`mpitrain.train.resume`. ``config_from``: the checkpoint
+    ``cfg`` was read from (the command line's resume); if that one turns out damaged,
+    ``reconfigure(saved config, checkpoint)`` gives the config of the one resumed.
+    ``origin``: a checkpoint (of any run) whose model weights a new run starts from."""
     comm = comm or SingleComm()
-    grid = check_ranks(cfg, comm.size)
     warn = warn or _stderr
     loud = log is print  # the command line: a parameter server's worker 0 prints its progress too
     if comm.rank != 0:
         log = warn = _silent
+    check_ranks(cfg, comm.size)
     for note in cfg.notes:
         warn(note)
     comm.agree(prepare_run_dir, cfg, resume)
+    chosen, ours = _choose(cfg, comm, warn, start_over) if resume else (None, None)
+    cfg = _config_of(chosen, cfg, config_from, reconfigure, log)
     threads = blas_threads(cfg.train.threads, comm.node_size())
     tune_allocator()
     with limit_blas_threads(threads), ops.fast_paths(cfg.train.fast_paths):
@@ -65,13 +68,17 @@ def train(cfg: Config, log=print, comm=None, resume: bool = False, warn=None, st
             dtype_of(number_format)  # before the heap is traced: its import is not the run's
         heap = HeapTrace(cfg.run.trace_memory)  # from before the model exists
         try:
-            run = build_run(cfg, comm, grid, log)
+            run = build_run(cfg, comm, check_ranks(cfg, comm.size), log)
         except BaseException:
             heap.stop()
             raise
         try:
             log(_header(run, threads))
-            first = _resume(run, log, warn, start_over, config_from) if resume else 0
+            first = _resume(run, chosen, log, warn) if chosen else 0
+            if chosen is None and resume:
+                log(f"resume: no usable checkpoint in {checkpoint.directory(cfg.run.dir)}, starting at step 0")
+            came = _start_from(run, origin, log, warn) if origin is not None else None
+            run.identity = ours or comm.bcast(identity.new(cfg, data_identity(run.data), came))
             # the loop speaks through its leading rank (with parameter servers, worker 0: not rank 0)
             elsewhere = run.role.leads and comm.rank != 0 and loud
             with alone(DataError):  # a shard found damaged by this rank's reader, mid-run
@@ -81,18 +88,43 @@ def train(cfg: Config, log=print, comm=None, resume: bool = False, warn=None, st
             run.close()
 
 
+def _choose(cfg: Config, comm, warn, start_over: bool):
+    return resume.choose(cfg.run.dir, comm, warn, start_over, cfg.to_dict())
+
+
+def _config_of(chosen, cfg: Config, config_from: Path | None, reconfigure, log) -> Config:
+    """The config of the run: ``cfg``, unless the command line read it from a checkpoint
+    that is not the one chosen (its header verified, its arrays did not: moved aside)."""
+    if chosen is None or config_from is None or Path(config_from) == chosen[0]:
+        return cfg
+    path = chosen[0]
+    if reconfigure is None:
+        raise checkpoint.CheckpointError(f"{config_from}: this run's config was read from it, but its content is "
+                                         f"damaged (moved aside, above); resume from {path} with the config "
+                                         "saved there")
+    again = reconfigure(chosen[1]["json"]["config"], path)
+    if again.parallel.thread_level != cfg.parallel.thread_level:  # MPI has started at the other level
+        raise ConfigError(f"parallel.thread_level: {path} was saved with {again.parallel.thread_level!r}, MPI "
+                          f"started with {cfg.parallel.thread_level!r} from {config_from} (moved aside): run the "
+                          "same command again")
+    log(f"resume: the config saved in {path} (the checkpoint resumed)")
+    return again
+
+
 def _work(run: Run, first: int, heap: HeapTrace, log, loop_log, loop_warn) -> Result:
     """This rank's part: the loop or serving, the role's end, the end of the run."""
     role, world, cfg = run.role, run.world, run.cfg
     result = Result(start_step=first)
+    if cfg.run.dir:  # the directory's record of whose it is, before anything else goes in
+        world.agree(lambda: identity.write(cfg.run.dir, run.identity) if world.rank == 0 else None, share=OSError)
     out = Outputs(cfg, world, role.leads, first, heap)
     out.metrics.write("start", step=first, total_steps=run.total, steps_per_epoch=run.reader.steps_per_epoch,
-                      ranks=world.size, config=cfg.to_dict(), cluster=emulated_cluster())
+                      ranks=world.size, config=cfg.to_dict(), cluster=emulated_cluster(), run=run.identity)
     start = time.perf_counter()
     loop = None
     # the handlers stay until the end: a Ctrl-C during the last checkpoint's write must
     # not interrupt it (with checkpoint_interval = 0 it is the run's only one)
-    with StopSignals(loud=world.rank == 0) as signals:
+    with StopSignals(loud=world.rank == 0, launcher=launcher() if world.rank == 0 else None) as signals:
         if role.serve is not None:
             traffic = Traffic(role.axes)
             traffic.begin()
@@ -140,18 +172,10 @@ def _header(run: Run, threads: int) -> str:
             f"parallel: {describe(run.cfg, run.role)}{level}")
 
 
-def _resume(run: Run, log, warn, start_over: bool, config_from: Path | None) -> int:
-    """Load the checkpoint :func:`resume.choose` picks; its step (0: none)."""
+def _resume(run: Run, chosen: tuple[Path, dict], log, warn) -> int:
+    """Load the checkpoint :func:`resume.choose` picked; its step."""
     cfg = run.cfg
-    chosen = resume.choose(cfg.run.dir, run.world, warn, start_over)
-    if chosen is None:
-        log(f"resume: no usable checkpoint in {checkpoint.directory(cfg.run.dir)}, starting at step 0")
-        return 0
     path, attrs = chosen
-    if config_from is not None and Path(config_from) != path:  # its header verified, its arrays did not
-        raise checkpoint.CheckpointError(f"{config_from}: this run's config was read from it, but its content is "
-                                         f"damaged (moved aside, above); run the same command again to resume "
-                                         f"from {path} with the config saved there")
     resume.check_data(path, attrs["header"].get("data"), data_identity(run.data), warn)
     with run.role.sync.whole_model(), masters_in_model(run.optimizer):  # a mixed-precision run's are float32
         attrs = checkpoint.restore(path, model=run.model, optimizer=run.optimizer, sync=run.role.sync,
@@ -165,6 +189,22 @@ def _resume(run: Run, log, warn, start_over: bool, config_from: Path | None) -> 
     if first > run.total:
         raise ConfigError(f"train.steps: the checkpoint is at step {first}, beyond this run's {run.total} steps")
     return first
+
+
+def _start_from(run: Run, origin: Path, log, warn) -> dict:
+    """Load the model weights of the checkpoint ``origin`` (of any run) into a new run;
+    what the run's identity records of them."""
+    origin = Path(origin)
+    fields = run.world.agree(checkpoint.header, origin)
+    with run.role.sync.whole_model(), masters_in_model(run.optimizer):
+        attrs = checkpoint.restore(origin, model=run.model, optimizer=run.optimizer, sync=run.role.sync,
+                                   comm=run.world, layout=run.layout, weights_only=True)
+    came = identity.of(fields) or {}
+    resume.check_data(origin, fields.get("data"), data_identity(run.data), warn)
+    log(f"started from the weights of {origin} (step {attrs['step']}"
+        f"{', run ' + came['id'] if came else ''}); the optimizer, the step count and the data order start afresh")
+    return {"checkpoint": str(origin.resolve()), "step": int(attrs["step"]), "run": came.get("id"),
+            "file_sha256": fields.get("file_sha256")}
 
 
 def _trace(timeline):

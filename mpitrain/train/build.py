@@ -87,6 +87,7 @@ class Run:
     total: int  # optimizer steps of the run
     lr: Callable[[int], float]  # the learning rate at a step
     layout: checkpoint.Layout  # the whole model and optimizer, as checkpoints hold them
+    identity: dict | None = None  # the run's (mpitrain.train.identity), set once it is known
 
     def close(self) -> None:
         self.data.close()
@@ -249,13 +250,15 @@ def _span(names: list[str], lo: int, hi: int) -> str:
     return names[lo] if hi - lo == 1 else f"{names[lo]}..{names[hi - 1]}"
 
 
-def resume_hint(cfg: Config, run_dir: str, ranks: int = 1, launcher: str | None = None) -> str:
+def resume_hint(cfg: Config, run_dir: str, ranks: int = 1, launcher: str | None = None,
+                through: bool = False) -> str:
     """What the stop line says to resume a run on its ``ranks``, with the ``launcher``
-    that started it (:func:`mpitrain.runtime.launcher`; None: none found)."""
+    that started it (:func:`mpitrain.runtime.launcher`; None: none found), ``through``
+    ``mpitrain launch`` if it was."""
     ps = cfg.parallel.sync == "ps"
     command = f"mpitrain train --resume {run_dir}" + (" --set parallel.sync=ddp" if ps else "")
     if launcher:
-        command = f"{launcher} -n {ranks} {command}"
+        command = f"{'mpitrain launch ' if through else ''}{launcher} -n {ranks} {command}"
     elif ranks > 1:
         command += f" (on {ranks} ranks, with the launcher that started this run)"
     return f"its checkpoint resumes with ddp or zero1: {command}" if ps else f"resume with: {command}"

@@ -37,7 +37,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from mpitrain import checkpoint, rng
+from mpitrain import checkpoint, launch, rng
 from mpitrain.comm import launcher_rank, trace_operations
 from mpitrain.data.loader import normalize, random_shift, shifts
 from mpitrain.observe.flops import FlopCount
@@ -348,26 +348,40 @@ def show_bar(setting: str, terminal: bool, launched: bool) -> bool:
 class StopSignals:
     """SIGINT (Ctrl-C), SIGTERM and SIGUSR1 (SLURM's notice before preemption or the time
     limit) only set a flag: the loop finishes the step, the run saves a checkpoint and
-    returns. Under ``mpiexec`` a Ctrl-C reaches every rank through the launcher. The first
-    SIGINT puts back the default action, so a second one ends the process at once, even
-    in a blocking call (the launcher then ends the others). ``loud``: this rank says so
-    when the first arrives. Installed in the main thread only, put back on exit."""
+    returns. A SIGINT within :data:`~mpitrain.launch.REPEAT_S` of the first is the same
+    stop (a key pressed twice; ``timeout`` passes on the SIGINT that the terminal sent its
+    whole group, so one press arrives two or three times); a later one ends the process
+    at once, saving nothing. (Under ``mpiexec`` the ranks never see a second SIGINT:
+    MPICH's launcher kills them instead, unless ``mpitrain launch`` stands in front of it:
+    :mod:`mpitrain.launch`.) ``loud``: this rank says so when the first arrives.
+    Installed in the main thread only, put back on exit."""
 
     SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
 
-    def __init__(self, loud: bool = False):
+    def __init__(self, loud: bool = False, launcher: str | None = None):
         self.received: int | None = None
         self.loud = loud
+        self._first_int: float | None = None
         self._previous: dict = {}
+        if launcher == "mpiexec" and not os.environ.get(launch.ENV):
+            again = ("a second Ctrl-C makes mpiexec abort at once, saving nothing ('mpitrain launch mpiexec ...' "
+                     "makes repeats safe)")
+        else:
+            again = f"Ctrl-C again after {launch.REPEAT_S:g} s to abort at once, saving nothing"
+        self._notice = f"\nmpitrain: Ctrl-C: finishing this step, then saving a checkpoint; {again}\n".encode()
 
     def _handler(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self._first_int is not None:
+            if time.monotonic() - self._first_int >= launch.REPEAT_S:
+                signal.signal(signal.SIGINT, signal.SIG_DFL)  # and end as a Ctrl-C ends a process
+                os.kill(os.getpid(), signal.SIGINT)
+            return
         self.received = self.received or signum
         if signum == signal.SIGINT:
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            self._first_int = time.monotonic()
             if self.loud:  # os.write: a print here could land inside another print
                 try:
-                    os.write(sys.stderr.fileno(), b"\nmpitrain: Ctrl-C: finishing this step, then saving a "
-                                                 b"checkpoint (Ctrl-C again to abort at once, saving nothing)\n")
+                    os.write(sys.stderr.fileno(), self._notice)
                 except (OSError, ValueError):  # no stderr file (a notebook), or a closed pipe: stop all the same
                     pass
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from mpitrain import checkpoint
+from mpitrain import checkpoint, launch
 from mpitrain.cost import bytes_per_parameter
 from mpitrain.data.loader import SAMPLING
 from mpitrain.runtime import launcher
@@ -95,7 +96,7 @@ def save(run, step: int, why: str, result: Result, out: Outputs, log) -> None:
         path = checkpoint.save(cfg.run.dir, step, model=run.model, optimizer=run.optimizer, sync=run.role.sync,
                                cfg=cfg, comm=run.world, keep=cfg.run.keep, epoch=epoch, epoch_step=epoch_step,
                                strategy=f"{cfg.parallel.sync}, {grid_line(cfg, run.role)}", layout=run.layout,
-                               data=data_identity(run.data))
+                               data=data_identity(run.data), run=run.identity, warn=log)
     result.checkpoint = str(path)
     out.metrics.write("checkpoint", step=step, path=str(path), why=why)
     log(f"step {step}: checkpoint {path} ({why})")
@@ -134,7 +135,8 @@ def finish(run, result: Result, times: tuple, figures: dict, out: Outputs, log) 
     if result.stopped or step > result.start_step:
         save(run, step, result.stopped or "end of training", result, out, log)
     if result.stopped:
-        how = resume_hint(cfg, cfg.run.dir, world.size, launcher()) if cfg.run.dir else "nothing was saved: no run.dir"
+        how = resume_hint(cfg, cfg.run.dir, world.size, launcher(), through=bool(os.environ.get(launch.ENV))) \
+            if cfg.run.dir else "nothing was saved: no run.dir"
         log(f"stopped by {result.stopped} after step {step}; {how}")
         out.metrics.write("stopped", step=step, signal=result.stopped)
         out.write_timeline(cfg.run.dir, log)

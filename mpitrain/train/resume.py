@@ -16,10 +16,9 @@ import re
 from pathlib import Path
 
 from mpitrain import checkpoint
-from mpitrain.checkpoint import CheckpointError, CheckpointNewer
+from mpitrain.checkpoint import UNUSABLE, CheckpointError, CheckpointNewer
 from mpitrain.config import ConfigError
-
-UNUSABLE = "unusable"  # checkpoints/unusable/: files a resume could not use, kept for a person to look at
+from mpitrain.train import identity
 
 # the settings the order of the batches follows (with the step); changing one on resume
 # trains on other batches than the saved run would have
@@ -55,62 +54,74 @@ def _newest(run_dir: Path) -> str:
     return f"newest checkpoint step {checkpoint.step_of(saved[-1])}" if saved else "no checkpoint"
 
 
-def _newest_usable(run_dir, read, start_over: bool) -> tuple[Path | None, object, list[tuple[Path, str]]]:
-    """(the newest checkpoint of ``run_dir`` that ``read`` accepts, what it read, the newer
-    ones it refused with why); (None, None, refused) when there is no checkpoint file, or
-    none is usable and ``start_over``. Raises CheckpointError when none is usable
-    otherwise; CheckpointNewer (a newer format version) passes through."""
-    unusable = []
+def _newest_usable(run_dir, full: bool, start_over: bool, ours: dict | None):
+    """(the newest checkpoint of the run ``ours`` in ``run_dir`` that verifies, its
+    attributes (``full``: :func:`checkpoint.check`, every byte) or its metadata
+    (:func:`checkpoint.read_meta`), the newer ones that do not verify with why, the
+    checkpoints of other runs with their header's fields); no checkpoint (None, None):
+    when there is none of the run, or none is usable and ``start_over``. Raises
+    CheckpointError when none is usable otherwise; CheckpointNewer (a newer format
+    version) passes through."""
+    unusable, others, chosen = [], [], None
     for path in reversed(checkpoint.listed(run_dir)):
         try:
-            return path, read(path), unusable
+            fields = checkpoint.header(path)
+            if identity.foreign(fields, ours):
+                others.append((path, fields))
+            elif chosen is None:
+                chosen = path, checkpoint.check(path) if full else checkpoint.read_meta(path)
         except CheckpointNewer:
-            raise
+            if chosen is None:
+                raise
         except CheckpointError as e:
-            unusable.append((path, str(e)))
-    if unusable and not start_over:
+            if chosen is None:
+                unusable.append((path, str(e)))
+    if chosen is None and unusable and not start_over:
         raise CheckpointError(f"{checkpoint.directory(run_dir)}: no checkpoint can be used: "
                               f"{'; '.join(why for _, why in unusable)}. Nothing was changed; to start this run again "
                               f"at step 0 (the files are kept in {checkpoint.directory(run_dir) / UNUSABLE}), "
                               "add --start-over")
-    return None, None, unusable
+    return (*(chosen or (None, None)), unusable, others)
 
 
 def saved_config(run_dir, start_over: bool = False) -> tuple[Path, dict] | None:
-    """(checkpoint, the config saved in it, as ``Config.to_dict``) of the newest checkpoint
-    whose metadata verifies (the arrays are not read: every rank calls this before MPI
-    starts), or None (:func:`_newest_usable`)."""
-    path, meta, _ = _newest_usable(run_dir, checkpoint.read_meta, start_over)
+    """(checkpoint, the config saved in it, as ``Config.to_dict``) of the run's newest
+    checkpoint whose header verifies (the arrays are not read: every rank calls this
+    before MPI starts), or None (:func:`_newest_usable`)."""
+    path, meta, _, _ = _newest_usable(run_dir, False, start_over, identity.owner(run_dir))
     return None if path is None else (path, meta["json"]["config"])
 
 
-def choose(run_dir, comm, warn, start_over: bool = False) -> tuple[Path, dict] | None:
-    """(the checkpoint to resume, its verified attributes), chosen by rank 0 and told to
-    every rank, or None: start at step 0 (:func:`_newest_usable`). Collective; raises the
-    same CheckpointError on every rank."""
+def choose(run_dir, comm, warn, start_over: bool = False, now: dict | None = None, data: dict | None = None):
+    """(the checkpoint to resume and its verified attributes, or None to start at step
+    0; the run's identity, None if nothing says it), chosen by rank 0 and told to every
+    rank (:func:`_newest_usable`): the newer checkpoints that do not verify are moved to
+    ``checkpoints/unusable/``, and each checkpoint of another run is named, with how it
+    differs from this run (``now``: its config as ``Config.to_dict``, ``data`` its
+    dataset's identity), and left in place. Collective; raises the same CheckpointError
+    on every rank."""
 
     def pick():
-        path, attrs, unusable = _newest_usable(run_dir, checkpoint.check, start_over)
+        ours = identity.owner(run_dir)
+        path, attrs, unusable, others = _newest_usable(run_dir, True, start_over, ours)
         _set_aside(unusable, warn)
-        return None if path is None else (str(path), attrs)
+        for other, fields in others:
+            warn(f"resume: {other} is a checkpoint of another {identity.differences(fields, now or {}, data)}; "
+                 "left in place, not loaded")
+        return None if path is None else (str(path), attrs), ours
 
-    chosen = comm.bcast(comm.agree(lambda: pick() if comm.rank == 0 else None))
-    return None if chosen is None else (Path(chosen[0]), chosen[1])
+    chosen, ours = comm.bcast(comm.agree(lambda: pick() if comm.rank == 0 else None))
+    return None if chosen is None else (Path(chosen[0]), chosen[1]), ours
 
 
 def _set_aside(unusable: list[tuple[Path, str]], warn) -> None:
-    """Move each unusable checkpoint to ``checkpoints/unusable/`` (under a new name if
-    one is there already), saying so."""
+    """Move each unusable checkpoint to ``checkpoints/unusable/``, saying so."""
     for path, why in unusable:
-        aside = path.parent / UNUSABLE
-        target, n = aside / path.name, 1
-        while target.exists():
-            target, n = aside / f"{path.name}.{n}", n + 1
         try:
-            aside.mkdir(exist_ok=True)
-            path.rename(target)
+            target = checkpoint.set_aside(path, UNUSABLE)
         except OSError as e:
-            raise CheckpointError(f"cannot resume from {why}, nor move it to {aside} ({e.strerror or e})") from None
+            raise CheckpointError(f"cannot resume from {why}, nor move it to {path.parent / UNUSABLE} "
+                                  f"({e.strerror or e})") from None
         warn(f"warning: cannot resume from {why}; moved to {target}")
 
 

@@ -1,0 +1,93 @@
+"""``mpitrain launch LAUNCH LINE``: run a launch line (``mpiexec -n 4 mpitrain train
+CONFIG``) so that a stop by Ctrl-C always ends in a checkpoint, however many times it
+is pressed, and under ``timeout`` too.
+
+Why a run needs it (MPICH's launcher, Hydra): ``mpiexec`` passes its first SIGINT to every
+rank, but answers a second one by killing every rank at once (SIGKILL, through its
+proxies: the ``assert (!closed) failed`` it prints is a proxy finding mpiexec gone). A
+terminal sends each Ctrl-C to mpiexec, and coreutils ``timeout`` passes on the SIGINT it
+gets, so one press under ``timeout`` is two SIGINTs to mpiexec, and two presses a moment
+apart are too; the ranks, killed, save nothing. No rank can prevent it: the ranks run in
+sessions of Hydra's making, never see that second SIGINT, and cannot catch SIGKILL; and
+Hydra has no option that changes it. (Its SIGTERM and SIGUSR1 reach the ranks each time.)
+
+What this does: it starts the launch line in a session of its own, so that no signal of
+the terminal, nor one ``timeout`` sends to its process group, reaches mpiexec directly;
+it passes on the first SIGINT, takes the ones that follow within :data:`REPEAT_S`
+seconds as the same one, and passes on a later one (with Hydra: abort at once, saving
+nothing). SIGTERM, SIGUSR1 and SIGQUIT are passed on, and SIGHUP (the terminal closed)
+as SIGTERM. It exits with the launch line's status (``128 + N`` if it ended by signal
+``N``). It sets ``MPITRAIN_LAUNCH=1`` for the launch line, so that a run's stop line
+names it in its resume command. Ctrl-Z stops only this process, not the run.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+REPEAT_S = 2.0  # a SIGINT this soon after the first is the same stop (a key pressed twice, timeout's copy)
+ENV = "MPITRAIN_LAUNCH"  # set for the launch line: its ranks know a repeated Ctrl-C is taken care of
+PASSED_ON = {"SIGTERM": "SIGTERM", "SIGUSR1": "SIGUSR1", "SIGQUIT": "SIGQUIT", "SIGHUP": "SIGTERM"}
+
+
+class Forwarder:
+    """The signal handlers of :func:`run`; a signal that arrives before the launch line
+    has started is passed on as soon as it has."""
+
+    def __init__(self):
+        self.child: subprocess.Popen | None = None
+        self.first_int: float | None = None
+        self.pending: list[int] = []
+
+    def on_int(self, signum, frame) -> None:
+        now = time.monotonic()
+        if self.first_int is not None and now - self.first_int < REPEAT_S:
+            _say(f"mpitrain launch: stopping already; Ctrl-C again after {REPEAT_S:g} s to abort, saving nothing")
+            return
+        if self.first_int is None:
+            self.first_int = now
+        self._send(signal.SIGINT)
+
+    def on_other(self, signum, frame) -> None:
+        self._send(getattr(signal, PASSED_ON[signal.Signals(signum).name]))
+
+    def _send(self, sig: int) -> None:
+        if self.child is None:
+            self.pending.append(sig)
+        elif self.child.poll() is None:
+            os.kill(self.child.pid, sig)
+
+    def started(self, child: subprocess.Popen) -> None:
+        self.child = child
+        for sig in self.pending:
+            self._send(sig)
+
+
+def run(command: list[str]) -> int:
+    """Run ``command`` as the module's docstring says; its exit status."""
+    forwarder = Forwarder()
+    signal.signal(signal.SIGINT, forwarder.on_int)
+    for name in PASSED_ON:
+        signal.signal(getattr(signal, name), forwarder.on_other)
+    try:
+        child = subprocess.Popen(command, start_new_session=True, env={**os.environ, ENV: "1"})
+    except OSError as e:
+        raise LaunchError(f"cannot run {command[0]}: {e.strerror or e}") from None
+    forwarder.started(child)
+    code = child.wait()  # PEP 475: a handled signal does not interrupt the wait
+    return code if code >= 0 else 128 - code
+
+
+class LaunchError(Exception):
+    """The launch line could not be started."""
+
+
+def _say(message: str) -> None:
+    try:  # os.write: a handler must not print into the middle of another print
+        os.write(sys.stderr.fileno(), f"\n{message}\n".encode())
+    except (OSError, ValueError):
+        pass

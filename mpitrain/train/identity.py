@@ -1,0 +1,133 @@
+"""A run's identity: which run a directory holds, and whose each checkpoint is.
+
+A run gets an identity when it starts: a random ``id``, when it ``started``, the SHA-256
+of its config (``config_sha256``, the run directory left out), the dataset's name and
+manifest digest (``data``), and for a run started from another run's weights
+(``--from``) where they came from (``from``). Rank 0 writes it to ``RUN_DIR/run.json``
+(with the SHA-256 of its content) before the first step, and every checkpoint's header
+carries it. So ``--resume`` takes only the run's own checkpoints: one of another run,
+copied into ``checkpoints/``, is reported (which run, how it differs) and left where it
+is, never loaded and never pruned (:mod:`mpitrain.train.resume`).
+
+A run directory without ``run.json`` (its checkpoints copied into a new directory, or a
+run started by an mpitrain before identities) is the run that all its checkpoints name;
+checkpoints of several runs and no ``run.json`` to choose are refused. A checkpoint with
+no identity, written before identities, is taken as the run's own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import secrets
+import time
+from pathlib import Path
+
+from mpitrain import checkpoint
+from mpitrain.checkpoint import CheckpointError
+
+FILE = "run.json"
+
+
+def new(cfg, data: dict, origin: dict | None = None) -> dict:
+    """A new run's identity (the random id differs on each rank: rank 0's is kept)."""
+    ident = {"id": secrets.token_hex(8), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+             "config_sha256": config_digest(cfg.to_dict()), "data": data}
+    return {**ident, "from": origin} if origin else ident
+
+
+def config_digest(config: dict) -> str:
+    """SHA-256 of a config (as ``Config.to_dict``), where the run directory is not part of it."""
+    plain = {section: {k: v for k, v in table.items() if (section, k) != ("run", "dir")}
+             for section, table in config.items()}
+    return hashlib.sha256(json.dumps(plain, sort_keys=True).encode()).hexdigest()
+
+
+def of(fields: dict) -> dict | None:
+    """The identity a checkpoint's header fields carry; None for one written before identities."""
+    return fields.get("run") or None
+
+
+def read(run_dir) -> dict | None:
+    """``RUN_DIR/run.json``'s identity, verified; None when there is none."""
+    path = Path(run_dir) / FILE
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: unreadable ({getattr(e, 'strerror', None) or e})") from None
+    try:
+        record = json.loads(text)
+        ident = record["run"]
+        good = record["sha256"] == _digest(ident) and isinstance(ident["id"], str)
+    except (ValueError, TypeError, KeyError):
+        good = False
+    if not good:
+        raise CheckpointError(f"{path}: damaged (it does not match its SHA-256); it says which run the directory "
+                              "holds: put back a good copy, or move it away to take the run its checkpoints name")
+    return ident
+
+
+def write(run_dir, ident: dict) -> None:
+    """``RUN_DIR/run.json`` (atomically), unless it holds ``ident`` already."""
+    path = Path(run_dir) / FILE
+    with_digest = json.dumps({"run": ident, "sha256": _digest(ident)}, indent=1, sort_keys=True) + "\n"
+    if path.is_file() and path.read_text() == with_digest:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(FILE + ".tmp")
+    with open(tmp, "w") as fh:
+        fh.write(with_digest)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def _digest(ident: dict) -> str:
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()
+
+
+def owner(run_dir) -> dict | None:
+    """The identity of the run ``run_dir`` holds: its ``run.json``'s, or else the one its
+    checkpoints carry; None when neither says (no checkpoint, or only ones written before
+    identities). Raises CheckpointError for checkpoints of several runs and no ``run.json``."""
+    if (ident := read(run_dir)) is not None:
+        return ident
+    named = {}
+    for path in checkpoint.listed(run_dir):
+        try:
+            theirs = of(checkpoint.header(path))
+        except CheckpointError:  # a damaged file says nothing; the resume sets it aside
+            continue
+        if theirs is not None:
+            named.setdefault(theirs["id"], (theirs, []))[1].append(checkpoint.step_of(path))
+    if len(named) > 1:
+        runs = "; ".join(f"run {i} (started {t.get('started', '?')}): steps {', '.join(map(str, s))}"
+                         for i, (t, s) in named.items())
+        raise CheckpointError(f"{checkpoint.directory(run_dir)}: checkpoints of {len(named)} runs, and no "
+                              f"{Path(run_dir) / FILE} to say which run this is: {runs}; move the other run's "
+                              "files out (or start a new run from one: mpitrain train CONFIG --from CHECKPOINT)")
+    return next(iter(named.values()))[0] if named else None
+
+
+def foreign(fields: dict, ours: dict | None) -> bool:
+    """Whether a checkpoint (its header ``fields``) is of another run than ``ours``."""
+    theirs = of(fields)
+    return ours is not None and theirs is not None and theirs["id"] != ours["id"]
+
+
+def differences(fields: dict, config: dict, data: dict | None) -> str:
+    """How a checkpoint of another run (its header ``fields``) differs from this run
+    (``config`` as ``Config.to_dict``, ``data`` its identity): a clause for a message."""
+    from mpitrain.train.resume import config_changes
+
+    theirs = of(fields) or {}
+    changes = [f"{k} = {old!r} (this run: {new!r})" for k, old, new in config_changes(fields["config"], config)]
+    if data and fields.get("data") and fields["data"] != data:
+        changes.append(f"data {fields['data'].get('name')} ({fields['data'].get('manifest_sha256', '')[:12]}) "
+                       f"(this run: {data.get('name')} ({data.get('manifest_sha256', '')[:12]}))")
+    shown = ", ".join(changes[:4]) + (f" and {len(changes) - 4} more" if len(changes) > 4 else "")
+    return (f"run {theirs.get('id', '?')} (started {theirs.get('started', '?')}), "
+            + (f"differs: {shown}" if changes else "the same config and data: another run of it"))

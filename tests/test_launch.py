@@ -1,0 +1,85 @@
+"""``mpitrain launch``: what reaches the launch line it runs. A child that records the
+signals it gets stands in for mpiexec (the terminal tests in test_checkpoint.py run
+the real one)."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from mpitrain import launch
+
+CHILD = textwrap.dedent("""
+    import os, signal, sys, time
+    got = []
+    for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGQUIT"):
+        signal.signal(getattr(signal, name), lambda s, f: got.append(signal.Signals(s).name))
+    print("ready", os.getsid(0) == os.getpid(), os.environ.get("MPITRAIN_LAUNCH"), flush=True)
+    deadline = time.monotonic() + float(sys.argv[1])
+    while time.monotonic() < deadline and len(got) < int(sys.argv[2]):
+        time.sleep(0.01)
+    print(" ".join(got), flush=True)
+    sys.exit(int(sys.argv[3]))
+""")
+
+
+def start(*child_args):
+    proc = subprocess.Popen([sys.executable, "-m", "mpitrain", "launch", sys.executable, "-c", CHILD,
+                             *map(str, child_args)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready True 1\n"  # in a session of its own, told it was launched
+    return proc
+
+
+def test_the_first_sigint_is_passed_on_repeats_within_the_window_are_not_a_later_one_is():
+    proc = start(launch.REPEAT_S + 5, 2, 7)
+    for _ in range(3):  # a key pressed three times, or timeout's copies
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.05)
+    time.sleep(launch.REPEAT_S)
+    proc.send_signal(signal.SIGINT)  # after the window: passed on (mpiexec then aborts)
+    out, err = proc.communicate(timeout=60)
+    assert out == "SIGINT SIGINT\n" and proc.returncode == 7
+    assert err.count("mpitrain launch: stopping already") == 2
+
+
+@pytest.mark.parametrize("sent,got", [("SIGTERM", "SIGTERM"), ("SIGUSR1", "SIGUSR1"), ("SIGHUP", "SIGTERM")])
+def test_other_stop_signals_are_passed_on_each_time(sent, got):
+    proc = start(30, 2, 0)
+    for _ in range(2):
+        proc.send_signal(getattr(signal, sent))
+        time.sleep(0.1)
+    out, _ = proc.communicate(timeout=60)
+    assert out == f"{got} {got}\n" and proc.returncode == 0
+
+
+def test_the_status_of_a_launch_line_ended_by_a_signal_is_128_plus_it():
+    done = subprocess.run([sys.executable, "-m", "mpitrain", "launch", "sh", "-c", "kill -KILL $$"],
+                          capture_output=True, timeout=60)
+    assert done.returncode == 128 + signal.SIGKILL
+
+
+def test_a_signal_before_the_launch_line_has_started_is_passed_on_once_it_has():
+    forwarder = launch.Forwarder()
+    forwarder.on_int(signal.SIGINT, None)
+    assert forwarder.pending == [signal.SIGINT]
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        forwarder.started(child)
+        assert child.wait(timeout=30) == -signal.SIGINT
+    finally:
+        child.kill()
+    hangup = launch.Forwarder()
+    hangup.on_other(signal.SIGHUP, None)
+    assert hangup.pending == [signal.SIGTERM]
+
+
+def test_a_launch_line_that_cannot_start_is_one_line(capsys):
+    from mpitrain import cli
+
+    assert cli.main(["launch", "/nonexistent/mpiexec", "-n", "2"]) == 2
+    assert capsys.readouterr().err == "mpitrain: error: cannot run /nonexistent/mpiexec: No such file or directory\n"
+    assert os.environ.get(launch.ENV) is None
