@@ -16,8 +16,10 @@ the terminal, nor one ``timeout`` sends to its process group, reaches mpiexec di
 it passes on the first SIGINT, takes the ones that follow within :data:`REPEAT_S`
 seconds as the same one, and passes on a later one (with Hydra: abort at once, saving
 nothing). SIGTERM, SIGUSR1 and SIGQUIT are passed on, and SIGHUP (the terminal closed)
-as SIGTERM. It exits with the launch line's status (``128 + N`` if it ended by signal
-``N``). It sets ``MPITRAIN_LAUNCH=1`` for the launch line, so that a run's stop line
+as SIGTERM. The launch line's output comes through this process, which goes on reading
+it once its own terminal is gone: mpiexec, writing to a closed terminal, would fail
+and kill the ranks before they save. It exits with the launch line's status (``128 + N``
+if it ended by signal ``N``). It sets ``MPITRAIN_LAUNCH=1`` for the launch line, so that a run's stop line
 names it in its resume command. Ctrl-Z stops only this process, not the run.
 """
 
@@ -27,6 +29,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 REPEAT_S = 2.0  # a SIGINT this soon after the first is the same stop (a key pressed twice, timeout's copy)
@@ -74,12 +77,34 @@ def run(command: list[str]) -> int:
     for name in PASSED_ON:
         signal.signal(getattr(signal, name), forwarder.on_other)
     try:
-        child = subprocess.Popen(command, start_new_session=True, env={**os.environ, ENV: "1"})
+        child = subprocess.Popen(command, start_new_session=True, env={**os.environ, ENV: "1"},
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     except OSError as e:
         raise LaunchError(f"cannot run {command[0]}: {e.strerror or e}") from None
+    relays = [threading.Thread(target=_relay, args=(pipe.fileno(), sink), daemon=True)
+              for pipe, sink in ((child.stdout, sys.stdout), (child.stderr, sys.stderr))]
+    for relay in relays:
+        relay.start()
     forwarder.started(child)
     code = child.wait()  # PEP 475: a handled signal does not interrupt the wait
+    for relay in relays:  # the last lines; a process the launch line left behind may hold its pipe
+        relay.join(timeout=5)
     return code if code >= 0 else 128 - code
+
+
+def _relay(source: int, sink) -> None:
+    """Copy the launch line's output from ``source`` to ``sink`` as it comes; once
+    ``sink`` fails (its terminal closed, a pipe's reader gone), read on and drop it."""
+    try:
+        out = sink.fileno()
+    except (AttributeError, OSError, ValueError):  # a stream with no file (a notebook's)
+        out = None
+    while chunk := os.read(source, 1 << 16):
+        while out is not None and chunk:
+            try:
+                chunk = chunk[os.write(out, chunk):]
+            except OSError:
+                out = None
 
 
 class LaunchError(Exception):

@@ -83,3 +83,34 @@ def test_a_launch_line_that_cannot_start_is_one_line(capsys):
     assert cli.main(["launch", "/nonexistent/mpiexec", "-n", "2"]) == 2
     assert capsys.readouterr().err == "mpitrain: error: cannot run /nonexistent/mpiexec: No such file or directory\n"
     assert os.environ.get(launch.ENV) is None
+
+
+@pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+def test_a_closed_terminal_is_a_sigterm_and_the_launch_line_writes_on_to_the_end(tmp_path):
+    """The terminal (or the ssh connection) goes away: the launch line gets SIGTERM and
+    its output, which a closed terminal would refuse (mpiexec then kills the ranks),
+    is read on and dropped, so it ends as it means to."""
+    import fcntl
+    import termios
+
+    saved = tmp_path / "saved"
+    child = textwrap.dedent(f"""
+        import signal, sys, time
+        stop = []
+        signal.signal(signal.SIGTERM, lambda s, f: stop.append(s))
+        while not stop:
+            print("step", flush=True)
+            time.sleep(0.01)
+        for _ in range(100):  # to a closed terminal: EIO, unless something reads on
+            print("saving", flush=True)
+        open({str(saved)!r}, "w").write("done")
+    """)
+    master, slave = os.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "mpitrain", "launch", sys.executable, "-c", child],
+                            stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
+                            preexec_fn=lambda: fcntl.ioctl(0, termios.TIOCSCTTY, 0))  # noqa: PLW1509
+    os.close(slave)
+    assert os.read(master, 4) == b"step"  # the launch line runs, and writes through the launcher
+    os.close(master)  # the terminal closes: SIGHUP to the launcher, its controlling process
+    assert proc.wait(timeout=60) == 0
+    assert saved.read_text() == "done"
