@@ -38,7 +38,7 @@ DECISIVE = ("step", "epoch", "epoch_step", "format_version")  # plus the JSON at
 def regions(path) -> dict[str, list[int]]:
     """Byte offsets of the file by what is kept there."""
     data = path.read_bytes()
-    block = checkpoint._read_header(path)["userblock"]
+    block = checkpoint.format.read_header(path)["userblock"]
     header = data.index(b"\0")  # the header's text; zeros pad the userblock after it
     chunks, attr_bytes = set(), set()
     with h5py.File(path, "r") as f:

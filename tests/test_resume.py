@@ -36,8 +36,8 @@ def rewrite_attr(path, name, value):
 def rewrite_header(path, **changes):
     """The header of a checkpoint with ``changes``, as a later mpitrain would write it."""
     data = path.read_bytes()
-    fields = {**checkpoint._read_header(path), **changes}
-    path.write_bytes(checkpoint._header_bytes(fields).ljust(fields["userblock"], b"\0") + data[fields["userblock"]:])
+    fields = {**checkpoint.format.read_header(path), **changes}
+    path.write_bytes(checkpoint.format.header_bytes(fields).ljust(fields["userblock"], b"\0") + data[fields["userblock"]:])
 
 
 def without_header(path, version=1):
@@ -100,9 +100,9 @@ def seal(path, body: bytes):
     edit by hand that was sealed again."""
     import hashlib
 
-    block = checkpoint._read_header(path)["userblock"]
+    block = checkpoint.format.read_header(path)["userblock"]
     data = path.read_bytes()
-    head = checkpoint._MAGIC + body + b"\n" + checkpoint._HASH_LINE + hashlib.sha256(body).hexdigest().encode() + b"\n"
+    head = checkpoint.format.MAGIC + body + b"\n" + checkpoint.format.HASH_LINE + hashlib.sha256(body).hexdigest().encode() + b"\n"
     path.write_bytes(head.ljust(block, b"\0") + data[block:])
 
 
@@ -118,7 +118,7 @@ def seal(path, body: bytes):
 def test_a_resealed_header_that_lacks_a_field_is_damaged_not_a_traceback(text_data, tmp_path, edit, message):
     run = tmp_path / "a"
     newest = three_checkpoints(text_data, run)[-1]
-    edited = edit(checkpoint._read_header(newest))
+    edited = edit(checkpoint.format.read_header(newest))
     seal(newest, edited if isinstance(edited, bytes) else json.dumps(edited).encode())
     for reader in (checkpoint.check, checkpoint.read_meta):
         with pytest.raises(checkpoint.CheckpointError, match=f"{newest}: damaged: .*{message}"):

@@ -24,8 +24,8 @@ any number of ranks with any sync, each rank reading the ranges it owns then.
 
 **Integrity: every byte, checked before HDF5 reads any.** The file begins with HDF5's
 *userblock* (512 bytes times a power of two, left to its user) holding the plain-text
-header (:func:`_header_bytes`): the line ``mpitrain-checkpoint``, one line of JSON
-(:data:`_HEADER_TYPES`, the SHA-256 of every byte after the userblock among them), and
+header (:func:`~.format.header_bytes`): the line ``mpitrain-checkpoint``, one line of JSON
+(:data:`~.format.HEADER_TYPES`, the SHA-256 of every byte after the userblock among them), and
 ``sha256 <hex>`` of that line. HDF5 parses a file only once both digests match, since a
 damaged file can make it loop forever (one flipped byte in its heap of strings did); only
 the zeros padding the userblock are covered by nothing, and read by nothing. The header's
@@ -58,33 +58,25 @@ import hashlib
 import io
 import json
 import os
-import re
 import time
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import h5py
 import numpy as np
 
 from mpitrain import __version__, rng
+from mpitrain.checkpoint.format import (FORMAT, FORMAT_VERSION, NAME, CheckpointError, CheckpointNewer,
+                                        CheckpointWriteError, header_bytes, read_header, userblock_size,
+                                        verified_header)
+from mpitrain.checkpoint.layout import (Layout, _collect, _contribution, _kinds, _layout, _load_scaler,
+                                        _optimizer_meta, _send)
 
-FORMAT, FORMAT_VERSION = "mpitrain-checkpoint", 2
-_NAME = re.compile(r"^step-(\d{8,})\.h5$")
+__all__ = ["FORMAT", "FORMAT_VERSION", "CheckpointError", "CheckpointNewer", "CheckpointWriteError", "Layout",
+           "check", "directory", "header", "listed", "path_for", "read_meta", "restore", "save", "set_aside",
+           "step_of"]
+
 _CHUNK = 1 << 20  # elements per HDF5 chunk of the flat arrays
 _JSON_ATTRS = ("config", "rng", "optimizer")
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be used; the message names the file."""
-
-
-class CheckpointNewer(CheckpointError):
-    """A checkpoint written by a newer format version than this mpitrain reads."""
-
-
-class CheckpointWriteError(CheckpointError):
-    """A checkpoint that could not be written (no space left, permissions, I/O error);
-    the message names the file, and the previous checkpoint is intact."""
 
 
 def directory(run_dir) -> Path:
@@ -96,7 +88,7 @@ def path_for(run_dir, step: int) -> Path:
 
 
 def step_of(path: Path) -> int:
-    return int(_NAME.match(path.name).group(1))
+    return int(NAME.match(path.name).group(1))
 
 
 def listed(run_dir) -> list[Path]:
@@ -105,139 +97,10 @@ def listed(run_dir) -> list[Path]:
     if not d.is_dir():
         return []
     try:
-        found = [(int(m.group(1)), p) for p in d.iterdir() if (m := _NAME.match(p.name))]
+        found = [(int(m.group(1)), p) for p in d.iterdir() if (m := NAME.match(p.name))]
     except OSError as e:  # permissions, a file system gone away
         raise CheckpointError(f"{d}: cannot list the checkpoints ({e.strerror or e})") from None
     return [p for _, p in sorted(found)]
-
-
-# --------------------------------------------------------------- layout
-@dataclass(frozen=True)
-class Layout:
-    """The whole model as one process holds it: every array's name, shape and dtype, and
-    the optimizer's parameters (name, size) in its order. A checkpoint is written in
-    this layout whatever part of it each rank holds (a pipeline stage holds a slice)."""
-
-    arrays: dict  # name -> (shape, dtype string), the model's state_dict
-    params: tuple  # ((name, size), ...) in the optimizer's parameter order
-    # name -> the index of this rank's slice in the whole array, for arrays sliced over ranks (tensor parallel)
-    parts: dict = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, model, optimizer) -> "Layout":
-        names = {id(q): n for n, q in model.named_parameters()}
-        arrays = {n: (a.shape, a.dtype.str) for n, a in model.state_dict().items()}
-        return cls(arrays, tuple((names[id(q)], q.size) for g in optimizer.param_groups for q in g["params"]))
-
-    def with_parts(self, parts: dict) -> "Layout":
-        """This layout, of which this rank holds the slices ``parts`` (name -> index)."""
-        return replace(self, parts=dict(parts))
-
-    def slices(self) -> dict:
-        """Parameter index (optimizer order) -> (the index of this rank's slice, the whole
-        shape), for the sliced ones."""
-        return {i: (self.parts[name], self.arrays[name][0]) for i, (name, _) in enumerate(self.params)
-                if name in self.parts}
-
-
-def _layout(optimizer, sync, layout: Layout | None):
-    """(flat offsets of every parameter of ``layout`` (None: the optimizer's own), the
-    optimizer holding this rank's state, its pieces as (local index, parameter index, lo,
-    hi), whether this rank writes them: of replicas, one does), as the gradient sync's
-    ``state_pieces(offsets)`` says (None: no state here, as on parameter-server workers)."""
-    sizes = ([p.size for group in optimizer.param_groups for p in group["params"]] if layout is None
-             else [size for _, size in layout.params])
-    offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # (n_params + 1,)
-    split = sync.state_pieces(offsets)
-    if split is None:
-        return offsets, optimizer, [], False
-    local, pieces, writes = split
-    return offsets, local, [(k, i, lo, hi) for k, (i, lo, hi) in enumerate(pieces)], writes
-
-
-def _kinds(local) -> dict:
-    """{key: ("array" | "scalar", dtype)} of the optimizer state this rank holds."""
-    return {key: ("scalar" if np.ndim(value) == 0 else "array", np.asarray(value).dtype.str)
-            for state in local.state.values() for key, value in state.items()}
-
-
-def _optimizer_meta(local) -> str:
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in local.param_groups]
-    meta = {"step_count": local.step_count, "groups": groups}
-    if getattr(local, "scaler", None) is not None:  # mixed precision: the loss scale, for an exact resume
-        meta["loss_scale"] = {"precision": local.precision, **local.scaler.state_dict()}
-    return json.dumps(meta)
-
-
-def _load_scaler(local, meta: dict) -> None:
-    """A mixed-precision optimizer's loss scale from a checkpoint of the same precision
-    (another precision's scale, or none, leaves it as it starts)."""
-    saved = meta.get("loss_scale")
-    if getattr(local, "scaler", None) is not None and saved and saved["precision"] == local.precision:
-        local.scaler.load_state_dict(saved)
-
-
-def _contribution(local, pieces, slices: dict, arrays: dict, parts: dict) -> list:
-    """What this rank writes: ``(header, array)`` pairs, the header saying where the
-    array goes (:func:`_apply`): its model arrays (``arrays``; a sliced one, ``parts``,
-    into its slice of the whole array) and the optimizer state of its ``pieces`` (a
-    sliced parameter's into its slice of the parameter's flat range, ``slices``:
-    :meth:`Layout.slices`)."""
-    out = [((f"model/{name}", None, None, parts.get(name)), np.ascontiguousarray(a)) for name, a in arrays.items()]
-    for k, i, lo, hi in pieces:
-        state = local.state.get(k)
-        if not state:
-            continue
-        out.append((("optim/has_state", (i, i + 1), None, None), np.ones(1, dtype=bool)))
-        for key, value in state.items():
-            value = np.asarray(value)
-            if value.ndim == 0:
-                out.append(((f"optim/scalar/{key}", (i, i + 1), None, None), value.reshape(1)))
-            elif i in slices:
-                where, shape = slices[i]
-                out.append(((f"optim/state/{key}", (lo, hi), tuple(shape), where), np.ascontiguousarray(value)))
-            else:
-                out.append(((f"optim/state/{key}", (lo, hi), None, None), np.ascontiguousarray(value).reshape(-1)))
-    return out
-
-
-def _apply(f: h5py.File, header, array: np.ndarray) -> None:
-    """Write ``array`` where ``header = (dataset, rows, whole shape, where)`` says: rows
-    ``[lo, hi)`` of a flat dataset (None: all of it), and for a slice, its ``where`` in
-    the whole array of ``shape`` that those rows hold (None: the rows' own shape)."""
-    name, rows, shape, where = header
-    ds = f[name]
-    rows = slice(*rows) if rows is not None else Ellipsis
-    if where is None:
-        ds[rows] = array
-        return
-    stored = ds[rows]
-    whole = stored.reshape(shape) if shape is not None else stored  # a view: writing it writes stored
-    whole[where] = array
-    ds[rows] = stored
-
-
-def _collect(f: h5py.File, own: list, comm) -> None:
-    """Write this rank's (rank 0's) contribution, then every other rank's, received as
-    buffers one rank after the other (their headers, small, come by ``gather``)."""
-    from mpitrain.comm import Tag
-
-    headers = comm.gather([h for h, _ in own])
-    for header, array in own:
-        _apply(f, header, array)
-    for source in range(1, comm.size):
-        for header in headers[source]:
-            buf = np.empty(header[4], dtype=np.dtype(header[5]))
-            comm.recv(buf, source, Tag.CHECKPOINT)
-            _apply(f, header[:4], buf)
-
-
-def _send(own: list, comm) -> None:
-    """A rank other than 0 sends its contribution to rank 0."""
-    from mpitrain.comm import Tag
-
-    comm.gather([(*h, a.shape, a.dtype.str) for h, a in own])
-    comm.waitall([comm.isend(a, 0, Tag.CHECKPOINT) for _, a in own])
 
 
 # ----------------------------------------------------------------- save
@@ -274,7 +137,7 @@ def save(run_dir, step: int, *, model, optimizer, sync, cfg, comm, keep: int, ep
         return final
     n, n_params = int(offsets[-1]), len(offsets) - 1
     fields = {**head, "config": cfg.to_dict(), "data": data or {}, **({"run": run} if run else {})}
-    size = _userblock_size(fields)
+    size = userblock_size(fields)
     buffer = io.BytesIO()
     with h5py.File(buffer, "w", userblock_size=size) as f:  # in memory: see the module's docstring
         f.attrs.update(meta)
@@ -288,7 +151,7 @@ def save(run_dir, step: int, *, model, optimizer, sync, cfg, comm, keep: int, ep
     image = buffer.getbuffer()
     body = image[size:]  # the HDF5 file proper, after the userblock HDF5 leaves to us
     fields.update(userblock=size, file_bytes=len(image), file_sha256=hashlib.sha256(body).hexdigest())
-    comm.agree(_write, final, (_header_bytes(fields).ljust(size, b"\0"), body), run_dir, step, keep,
+    comm.agree(_write, final, (header_bytes(fields).ljust(size, b"\0"), body), run_dir, step, keep,
                run and run["id"], warn or (lambda line: None))
     return final
 
@@ -329,7 +192,7 @@ OTHERS, UNUSABLE = "other-runs", "unusable"  # folders of checkpoints/: files a 
 def _owned(path: Path, owner: str) -> bool:
     """Whether ``path``'s header verifies and names the run ``owner``."""
     try:
-        fields = _read_header(path)
+        fields = read_header(path)
     except CheckpointError:
         return False
     return fields is not None and (fields.get("run") or {}).get("id") == owner
@@ -362,102 +225,6 @@ def _fsync_dir(path: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-
-
-# ------------------------------------------------------------- integrity
-_MAGIC = b"mpitrain-checkpoint\n"  # then one line of JSON (the header), then "sha256 <hex of that line>"
-_HASH_LINE = b"sha256 "
-_HDF5 = b"\x89HDF\r\n\x1a\n"  # a format-1 file begins with HDF5's own signature
-_MAX_HEADER = 1 << 20
-
-
-def _header_bytes(fields: dict) -> bytes:
-    body = json.dumps(fields, sort_keys=True).encode()
-    return _MAGIC + body + b"\n" + _HASH_LINE + hashlib.sha256(body).hexdigest().encode() + b"\n"
-
-
-def _userblock_size(fields: dict) -> int:
-    """The smallest userblock HDF5 allows (512 bytes times a power of two) that holds
-    the header of ``fields`` once the file's size and digest are added."""
-    longest = _header_bytes({**fields, "userblock": 1 << 40, "file_bytes": 1 << 60, "file_sha256": "0" * 64})
-    return max(512, 1 << (len(longest) - 1).bit_length())  # the smallest power of two that holds it
-
-
-def _read_header(path: Path) -> dict | None:
-    """The header of a checkpoint, read and verified without HDF5 (which a damaged file
-    can make loop forever: the module's docstring); None for a format-1 file, which has none."""
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(_MAX_HEADER)
-    except OSError as e:
-        raise CheckpointError(f"{path}: unreadable ({e.strerror or e})") from None
-    if head.startswith(_HDF5):
-        return None
-    if not head.startswith(_MAGIC):
-        raise CheckpointError(f"{path}: not an mpitrain checkpoint (no {_MAGIC.strip().decode()!r} header)")
-    body, _, rest = head[len(_MAGIC):].partition(b"\n")
-    if rest[: len(_HASH_LINE) + 64] != _HASH_LINE + hashlib.sha256(body).hexdigest().encode():
-        raise CheckpointError(f"{path}: damaged: its header does not match its SHA-256")
-    fields = _header_fields(path, body)
-    if (named := _NAME.match(path.name)) and int(named.group(1)) != fields["step"]:  # copied or renamed over another
-        raise CheckpointError(f"{path}: holds step {fields['step']}, not the step its name says")
-    return fields
-
-
-# what a header must hold, and of which type, before anything uses it
-_HEADER_TYPES = {"format_version": int, "step": int, "epoch": int, "epoch_step": int, "userblock": int,
-                 "file_bytes": int, "file_sha256": str, "config": dict, "data": dict}
-
-
-def _header_fields(path: Path, body: bytes) -> dict:
-    """The header's JSON, checked for the fields and types the loaders use: a header
-    whose SHA-256 matches was written by mpitrain, or edited and sealed again by hand,
-    and the second must be one message too, not a traceback."""
-    try:
-        fields = json.loads(body)
-    except ValueError as e:  # UnicodeDecodeError is a ValueError
-        raise CheckpointError(f"{path}: damaged: its header is not JSON ({e})") from None
-    if not isinstance(fields, dict):
-        raise CheckpointError(f"{path}: damaged: its header is not a JSON object")
-    _check_types(path, fields, ("format_version",))
-    if fields["format_version"] > FORMAT_VERSION:  # checked first: a newer format may hold other fields
-        raise CheckpointNewer(f"{path}: written in checkpoint format version {fields['format_version']} (by "
-                              f"mpitrain {fields.get('mpitrain_version', '?')}); this mpitrain {__version__} reads "
-                              f"versions up to {FORMAT_VERSION}: upgrade mpitrain to resume it")
-    _check_types(path, fields, _HEADER_TYPES)
-    if len(fields["file_sha256"]) != 64:
-        raise CheckpointError(f"{path}: damaged: its header's 'file_sha256' is not a SHA-256")
-    if "run" in fields and not (isinstance(fields["run"], dict) and isinstance(fields["run"].get("id"), str)):
-        raise CheckpointError(f"{path}: damaged: its header's 'run' is {fields['run']!r}, not a run's identity")
-    return fields
-
-
-def _check_types(path: Path, fields: dict, keys) -> None:
-    for key in keys:
-        kind, value = _HEADER_TYPES[key], fields.get(key)
-        if not isinstance(value, kind) or isinstance(value, bool) or (kind is int and value < 0):  # bool is an int
-            raise CheckpointError(f"{path}: damaged: its header's {key!r} is {value!r}, not a "
-                                  f"{'non-negative integer' if kind is int else kind.__name__}")
-
-
-def _verified_header(path: Path) -> dict | None:
-    """The header (:func:`_read_header`), with every byte after it checked against its
-    SHA-256 (read in 4 MiB pieces); None for a format-1 file."""
-    fields = _read_header(path)
-    if fields is None:
-        return None
-    size = path.stat().st_size
-    if size != fields["file_bytes"]:
-        raise CheckpointError(f"{path}: damaged: {size} bytes, its header says {fields['file_bytes']} "
-                              f"({'truncated' if size < fields['file_bytes'] else 'grown'})")
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        fh.seek(fields["userblock"])
-        while piece := fh.read(1 << 22):
-            digest.update(piece)
-    if digest.hexdigest() != fields["file_sha256"]:
-        raise CheckpointError(f"{path}: damaged: its bytes do not match the SHA-256 in its header")
-    return fields
 
 
 # ----------------------------------------------------------------- load
@@ -501,14 +268,14 @@ def check(path: Path) -> dict:
     parsed, under ``"json"``; the header's fields under ``"header"``), or raise
     :class:`CheckpointError` saying what is wrong (:class:`CheckpointNewer`: a newer format)."""
     path = Path(path)
-    fields = _verified_header(path)
+    fields = verified_header(path)
     return {**_open(path, lambda f: _attributes(path, f, legacy=fields is None)), "header": fields or {}}
 
 
 def header(path: Path) -> dict:
     """A checkpoint's header fields, verified, without reading the rest of the file nor
     opening it with HDF5 ({} for a format-1 file, which has no header)."""
-    return _read_header(Path(path)) or {}
+    return read_header(Path(path)) or {}
 
 
 def read_meta(path: Path) -> dict:
@@ -516,7 +283,7 @@ def read_meta(path: Path) -> dict:
     and the saved config as ``["json"]["config"]``), verified but without reading the
     rest: cheap enough for every rank before MPI starts. A format-1 file's attributes."""
     path = Path(path)
-    fields = _read_header(path)
+    fields = read_header(path)
     if fields is None:
         return _open(path, lambda f: _attributes(path, f, legacy=True))
     return {**fields, "json": {"config": fields["config"]}}
@@ -561,7 +328,7 @@ def restore(path: Path, *, model, optimizer, sync, comm, check_config=None, layo
         return attrs
 
     def verify_then_load():
-        legacy = _verified_header(path) is None  # on every rank: each reads the file itself
+        legacy = verified_header(path) is None  # on every rank: each reads the file itself
         return _open(path, lambda f: load(f, legacy))
 
     return comm.agree(verify_then_load)
