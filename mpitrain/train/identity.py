@@ -130,4 +130,4 @@ def differences(fields: dict, config: dict, data: dict | None) -> str:
                        f"(this run: {data.get('name')} ({data.get('manifest_sha256', '')[:12]}))")
     shown = ", ".join(changes[:4]) + (f" and {len(changes) - 4} more" if len(changes) > 4 else "")
     return (f"run {theirs.get('id', '?')} (started {theirs.get('started', '?')}), "
-            + (f"differs: {shown}" if changes else "the same config and data: another run of it"))
+            + (f"differs: {shown}" if changes else f"the same config{' and data' if data else ''}: another run of it"))
