@@ -321,6 +321,37 @@ def _prints_errors() -> bool:
     return (launcher_rank() if world is None else world.rank) in (None, 0)
 
 
+def _command_parser(parser, argv):
+    """The parser of the (sub)command ``argv`` names, whose usage goes with its errors."""
+    while subcommands := [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]:
+        named = [t for t in argv if t in subcommands[0].choices]
+        if not named:
+            break
+        parser = subcommands[0].choices[named[0]]
+        argv = argv[argv.index(named[0]) + 1:]
+    return parser
+
+
+def _set_hint(args, unknown: list[str]) -> str:
+    """For ``train``, the ``--set`` lines that do what unknown options such as ``--epochs
+    2``, ``--lr=3e-4`` or ``--batch-size 32`` meant, as a clause of the error."""
+    from mpitrain.config import field_for_option
+
+    if getattr(args, "command", None) != "train":
+        return ""
+    hints = []
+    for i, token in enumerate(unknown):
+        option, eq, value = token.partition("=")
+        key = field_for_option(option) if option.startswith("--") else None
+        if key is None:
+            continue
+        if not eq:
+            following = unknown[i + 1] if i + 1 < len(unknown) else ""
+            value = following if following and not following.startswith("--") else "VALUE"
+        hints.append(f"--set {key}={value}")
+    return f"; a config field is set with --set: {' '.join(hints)}" if hints else ""
+
+
 class _Parser(argparse.ArgumentParser):
     """The argument parser, whose usage errors (the same on every rank) one rank prints."""
 
@@ -333,10 +364,7 @@ class _Parser(argparse.ArgumentParser):
 def _bench_plan(args) -> int:
     from mpitrain.bench import plan
     from mpitrain.cluster import bits_per_second
-    from mpitrain.comm import launcher_rank
 
-    if launcher_rank() is not None:
-        raise _usage("bench plan starts its own ranks: run it without mpiexec")
     unknown = [n for n in args.layouts or () if n not in plan.LAYOUTS]
     if unknown:
         raise _usage(f"--layouts: no layout {unknown[0]!r} (there are: {'; '.join(plan.LAYOUTS)})")
@@ -482,7 +510,7 @@ def _bench_parsers(commands) -> None:
     p.add_argument("--catalogue", metavar="PATH",
                    help="predict with this calibration (mpitrain plan --calibrate --catalogue PATH) instead of "
                         "calibrating this machine and each rate's link first (under a minute)")
-    p.set_defaults(run=_bench_plan)
+    p.set_defaults(run=_bench_plan, alone="starts its own ranks")
     p = benches.add_parser("step", help="training-step GFLOP/s of a GPT and a CNN vs. a large matmul",
                            description="Time training steps of the reference GPT and CNN beside a "
                                        "2048^3 float32 matmul and print their GFLOP/s ratios.")
@@ -492,7 +520,7 @@ def _bench_parsers(commands) -> None:
     p.add_argument("--no-torch", action="store_true",
                    help="leave out PyTorch's equivalent steps, which run when PyTorch is importable")
     p.set_defaults(run=lambda a: _bench("step", threads=a.threads, rounds=a.rounds, steps=a.steps,
-                                        torch=not a.no_torch))
+                                        torch=not a.no_torch), alone="times one process")
     p = benches.add_parser("memory", help="model state per rank of ddp (fp32, bf16, fp16) and ZeRO stages 1-3 vs. "
                                           "the formulas (not under mpiexec: it starts its own ranks)",
                            description="Train the reference GPT for three steps with each gradient sync on "
@@ -505,7 +533,7 @@ def _bench_parsers(commands) -> None:
                    help="ddp's number formats (default: all three; bf16 and fp16 are mixed precision); the ZeRO "
                         "stages run in fp32")
     p.add_argument("--json", action="store_true", help="print every rank's figures as JSON instead")
-    p.set_defaults(run=_bench_memory)
+    p.set_defaults(run=_bench_memory, alone="starts its own ranks")
     p = benches.add_parser("io", help="shard reader vs. raw sequential read (run under mpiexec -n 2)",
                            description="Read a shard set's training split through the reader with 1 and 2 "
                                        "ranks, uncompressed and gzip, from the page cache and from the "
@@ -703,19 +731,24 @@ def _download_parser(actions) -> None:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # told with the command's own usage, and for train the --set that does it
+        _command_parser(parser, argv).error(f"unrecognized arguments: {' '.join(unknown)}{_set_hint(args, unknown)}")
     from mpitrain.checkpoint import CheckpointError, CheckpointWriteError
-    from mpitrain.comm import abort_on_exception
+    from mpitrain.comm import abort_on_exception, launcher_rank
     from mpitrain.config import ConfigError
     from mpitrain.data import DataError
 
     try:
         expected = (ConfigError, DataError, CheckpointError, FloatingPointError, _usage, _failure)
+        if getattr(args, "alone", None) and launcher_rank() is not None:
+            raise _failure(f"{' '.join(argv[:2])} {args.alone}: run it without mpiexec")
         with abort_on_exception(expected=expected):
             return args.run(args) or 0  # a command's exit status; None: 0
     except _usage as e:
-        parser.error(str(e))
+        _command_parser(parser, argv).error(str(e))
     except CheckpointWriteError as e:  # not the input's fault: the disk's
         _note(f"mpitrain: error: {e}")
         return 1

@@ -182,6 +182,25 @@ def _sections():
     return [f for f in dataclasses.fields(Config) if f.name not in ("given", "notes")]
 
 
+# the names other trainers give fields (nanoGPT's, PyTorch examples', torchrun scripts')
+_OPTION_ALIASES = {"batch_size": "train.global_batch_size", "learning_rate": "optim.lr", "max_iters": "train.steps",
+                   "iters": "train.steps", "warmup": "optim.warmup_steps", "warmup_iters": "optim.warmup_steps",
+                   "wd": "optim.weight_decay", "optimizer": "optim.name", "model": "model.name",
+                   "data": "data.path", "dataset": "data.path", "out_dir": "run.dir"}
+
+
+def field_for_option(option: str) -> str | None:
+    """The config field (``section.field``) a command-line option such as ``--epochs``,
+    ``--lr`` or ``--batch-size`` names, if one does (by its name in one section only,
+    or as other trainers name it); None otherwise."""
+    name = option.lstrip("-").replace("-", "_")
+    if name in _OPTION_ALIASES:
+        return _OPTION_ALIASES[name]
+    tables = typing.get_type_hints(Config)
+    owners = [s.name for s in _sections() if name in {f.name for f in dataclasses.fields(tables[s.name])}]
+    return f"{owners[0]}.{name}" if len(owners) == 1 else None
+
+
 # ------------------------------------------------------------------- parsing
 # what a TOML value must be for a field of each scalar type, as the error says it (a bool is an int in Python)
 _SCALARS = {

@@ -21,6 +21,7 @@ such jobs at its end: those that appeared during the run and that no process hol
 
 import contextlib
 import glob
+import io
 import os
 import shutil
 import sys
@@ -61,6 +62,33 @@ def pytest_configure(config):
     if config.option.basetemp is None:
         config.option.basetemp = str(SCRATCH / f"pytest-rank{rank}")
     hydra_files_before.update(glob.glob(HYDRA_TOPOLOGY_FILES))
+
+
+@pytest.hookimpl(tryfirst=True)  # before the terminal reporter prints the session's header
+def pytest_sessionstart(session):
+    """In the MPI tier, only rank 0 prints the run's progress and summary: the other
+    ranks' reports go to a buffer, printed only if that rank's run fails (a test that
+    fails on a rank prints its own report and aborts the job: pytest_runtest_makereport)."""
+    from _pytest.config import create_terminal_writer
+
+    from mpitrain.comm import started_world
+
+    reporter = session.config.pluginmanager.getplugin("terminalreporter")
+    comm = started_world()
+    if reporter is None or comm is None or comm.rank == 0:
+        return
+    buffer = io.StringIO()
+    reporter._tw = create_terminal_writer(session.config, buffer)  # what the reporter writes with
+    session.config.stash[RANK_REPORT] = buffer
+
+
+RANK_REPORT = pytest.StashKey[io.StringIO]()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    buffer = session.config.stash.get(RANK_REPORT, None)
+    if buffer is not None and exitstatus not in (0, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.config.add_cleanup(lambda: sys.stderr.write(buffer.getvalue()))
 
 
 def pytest_unconfigure(config):

@@ -154,6 +154,49 @@ def test_cli_help_and_version():
     assert mpitrain().returncode == 2
 
 
+def test_habits_of_other_trainers_get_the_command_usage_and_the_set_line_that_does_it(capsys):
+    from mpitrain import cli
+
+    config_file = str(JOBS / "mnist5k_lenet.toml")
+    for argv, said in [([config_file, "--epochs", "2"], "--set train.epochs=2"),
+                       ([config_file, "--lr=3e-4", "--batch-size", "32"],
+                        "--set optim.lr=3e-4 --set train.global_batch_size=32"),
+                       ([config_file, "--max-iters", "5000", "--bogus"], "--set train.steps=5000")]:
+        with pytest.raises(SystemExit) as stop:
+            cli.main(["train", *argv])
+        err = capsys.readouterr().err
+        assert stop.value.code == 2 and err.startswith("usage: mpitrain train ")
+        assert f"mpitrain train: error: unrecognized arguments: {' '.join(argv[1:])}; a config field is set with " \
+               f"--set: {said}\n" in err
+    for argv, said in [([], "the CONFIG file is required"), ([str(JOBS)], "is a directory")]:
+        with pytest.raises(SystemExit):
+            cli.main(["train", *argv])
+        err = capsys.readouterr().err
+        assert err.startswith("usage: mpitrain train ") and said in err
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "step", "--bogus"])
+    err = capsys.readouterr().err
+    assert err.startswith("usage: mpitrain bench step ") and err.endswith("unrecognized arguments: --bogus\n")
+
+
+def test_option_names_of_other_trainers_name_config_fields():
+    assert [config.field_for_option(o) for o in ("--epochs", "--lr", "--batch-size", "--learning-rate",
+                                                 "--max_iters", "--micro-batches", "--weight-decay", "--name",
+                                                 "--nonsense")] == [
+        "train.epochs", "optim.lr", "train.global_batch_size", "optim.lr", "train.steps", "train.micro_batches",
+        "optim.weight_decay", None, None]  # name: a field of several sections
+
+
+@pytest.mark.parametrize("bench,why", [("memory", "starts its own ranks"), ("plan", "starts its own ranks"),
+                                       ("step", "times one process")])
+def test_benchmarks_that_run_alone_refuse_mpiexec_with_one_line(bench, why, monkeypatch, capsys):
+    from mpitrain import cli, comm
+
+    monkeypatch.setattr(comm, "launcher_rank", lambda: 0)  # as under mpiexec, rank 0
+    assert cli.main(["bench", bench]) == 2
+    assert capsys.readouterr().err == f"mpitrain: error: bench {bench} {why}: run it without mpiexec\n"
+
+
 def test_bench_step_prints_ratios():
     out = mpitrain("bench", "step", "--rounds", "1", "--steps", "1", "--no-torch")
     assert out.returncode == 0, out.stderr
