@@ -407,6 +407,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number > 0")
+    return value
+
+
 def _dilation(text: str) -> float | str:
     if text == "auto":
         return text
@@ -430,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     from mpitrain.plan.cli import add_parser as _plan_parser
 
-    for add in (_train_parser, _launch_parser, _plan_parser, _bench_parsers, _report_parser, _data_parsers,
+    for add in (_train_parser, _sample_parser, _eval_parser, _launch_parser, _plan_parser, _bench_parsers, _report_parser, _data_parsers,
                 _cluster_parser, _config_parser):
         add(commands)
     return parser
@@ -462,6 +472,76 @@ def _train_parser(commands) -> None:
                    help="with --resume: if no checkpoint of the run can be used, start it again at step 0 "
                         "(unusable files are moved to checkpoints/unusable/, never deleted)")
     p.set_defaults(run=_train)
+
+
+def _sample_parser(commands) -> None:
+    p = commands.add_parser("sample", help="draw text from a trained GPT run",
+                            description="Load the newest checkpoint of RUN_DIR whose every byte verifies (or the "
+                                        "CHECKPOINT file), saved by any layout, into one process's whole model, "
+                                        "and print text drawn after --prompt. The tokenizer is the run's "
+                                        "dataset's (its manifest's vocabulary).")
+    p.add_argument("target", metavar="RUN_DIR|CHECKPOINT", help="a run directory, or a checkpoint file of one")
+    p.add_argument("--prompt", help="the text to continue (default: the first character of the validation split)")
+    p.add_argument("--tokens", type=_positive, default=500, help="characters to draw (default 500)")
+    p.add_argument("--temperature", type=_positive_float, default=0.8,
+                   help="divides the logits: lower is more conservative (default 0.8)")
+    p.add_argument("--top-k", type=_positive, help="draw among the K likeliest characters only (default: all)")
+    p.add_argument("--seed", type=int, default=1337, help="the sampling stream's seed (default 1337)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="change the saved config, e.g. --set data.path=... where the data is now")
+    p.set_defaults(run=_sample, alone="draws on one process")
+
+
+def _sample(args) -> None:
+    from mpitrain.comm import SingleComm
+    from mpitrain.train import trained
+
+    run, _, _ = trained.load(args.target, SingleComm(), _quiet, args.set)
+    try:
+        print(trained.sample(run, args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
+    finally:
+        run.close()
+
+
+def _eval_parser(commands) -> None:
+    p = commands.add_parser("eval", help="score a trained run's checkpoint on a split",
+                            description="Load the newest checkpoint of RUN_DIR whose every byte verifies (or the "
+                                        "CHECKPOINT file), saved by any layout, and score it on a split as the "
+                                        "run did: the same windows or images, the same train.eval_batches. On "
+                                        "one process, or spread over the ranks of mpiexec -n P.")
+    p.add_argument("target", metavar="RUN_DIR|CHECKPOINT", help="a run directory, or a checkpoint file of one")
+    p.add_argument("--split", help="the split to score (default: the one the run scored: val for text, test for "
+                                   "images)")
+    p.add_argument("--batches", type=int, metavar="N",
+                   help="text: score the first N global batches of windows (0: the whole split; default: the "
+                        "run's train.eval_batches)")
+    p.add_argument("--json", action="store_true", help="print the figures as one JSON line, unrounded")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="change the saved config, e.g. --set data.path=... where the data is now")
+    p.set_defaults(run=_eval)
+
+
+def _eval(args) -> None:
+    from mpitrain.comm import world
+    from mpitrain.train import trained
+
+    overrides = args.set + ([f"train.eval_batches={args.batches}"] if args.batches is not None else [])
+    comm = world()
+    run, step, path = trained.load(args.target, comm, _quiet, overrides)
+    try:
+        figures = trained.evaluate(run, step, comm, _quiet if args.json else _rank0_print(comm), args.split)
+    finally:
+        run.close()
+    if comm.rank == 0:
+        print(json.dumps({"checkpoint": str(path), **figures}) if args.json else f"({path}, {comm.size} rank(s))")
+
+
+def _quiet(*args) -> None:
+    pass
+
+
+def _rank0_print(comm):
+    return print if comm.rank == 0 else _quiet
 
 
 def _launch_parser(commands) -> None:
@@ -744,7 +824,8 @@ def main(argv=None) -> int:
     try:
         expected = (ConfigError, DataError, CheckpointError, FloatingPointError, _usage, _failure)
         if getattr(args, "alone", None) and launcher_rank() is not None:
-            raise _failure(f"{' '.join(argv[:2])} {args.alone}: run it without mpiexec")
+            command = " ".join(filter(None, (args.command, getattr(args, "bench", None))))
+            raise _failure(f"{command} {args.alone}: run it without mpiexec")
         with abort_on_exception(expected=expected):
             return args.run(args) or 0  # a command's exit status; None: 0
     except _usage as e:

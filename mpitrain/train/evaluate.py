@@ -18,19 +18,27 @@ from mpitrain.tensor import Tensor, no_grad
 EVAL_BATCH_PER_RANK = 250  # images per rank per evaluation batch
 
 
-def score(run, comm, step: int, result, metrics, log) -> None:
-    """Score ``run.model`` over ``comm`` (collective), print the figure and record it in
-    ``result`` and the metrics file."""
+SPLITS = {"text": "val", "image": "test"}  # the split a run scores, by its data's kind
+
+
+def score(run, comm, step: int, result, metrics, log, split: str | None = None) -> None:
+    """Score ``run.model`` over ``comm`` (collective) on ``split`` (None: the one a run
+    scores, :data:`SPLITS`), print the figure and record it in ``result`` and the
+    metrics file."""
     model, data, cfg, role = run.model, run.data, run.cfg, run.role
     lane = (comm.rank, comm.size) if role.grid.whole_model else role.lane
+    split = split or SPLITS[data.kind]
+    named = "" if split == SPLITS[data.kind] else f" ({split} split)"
     model.eval()
     try:
         if data.kind == "text":
-            result.val_loss = evaluate_text(role.schedule.loss_only, data, cfg, comm, lane)
-            log(f"step {step}: val loss {result.val_loss:.4f}")
+            result.val_loss = evaluate_text(role.schedule.loss_only, data, cfg, comm, lane, split)
+            log(f"step {step}: val loss {result.val_loss:.4f}{named}")
         else:
-            result.test_accuracy, result.test_loss = evaluate_images(role.schedule.forward_only, data, cfg, comm, lane)
-            log(f"step {step}: test accuracy {100 * result.test_accuracy:.2f}%, test loss {result.test_loss:.4f}")
+            result.test_accuracy, result.test_loss = evaluate_images(role.schedule.forward_only, data, cfg, comm,
+                                                                     lane, split)
+            log(f"step {step}: test accuracy {100 * result.test_accuracy:.2f}%, test loss {result.test_loss:.4f}"
+                f"{named}")
     finally:
         model.train()
     record = {"step": step, "val_loss": result.val_loss, "test_accuracy": result.test_accuracy}
@@ -38,11 +46,10 @@ def score(run, comm, step: int, result, metrics, log) -> None:
     metrics.write("eval", test_loss=result.test_loss, **record)
 
 
-def evaluate_images(forward, data: Dataset, cfg, comm, lane: tuple) -> tuple[float, float]:
-    """(accuracy, mean loss) on the whole test split, each lane scoring its share
+def evaluate_images(forward, data: Dataset, cfg, comm, lane: tuple, split: str = "test") -> tuple[float, float]:
+    """(accuracy, mean loss) on the whole ``split``, each lane scoring its share
     (``forward(x)``: the logits, or None on a rank that does not end the model)."""
-    split = data.split("test")
-    reader = ShardReader(split, rank=lane[0], size=lane[1], global_batch=EVAL_BATCH_PER_RANK * lane[1],
+    reader = ShardReader(data.split(split), rank=lane[0], size=lane[1], global_batch=EVAL_BATCH_PER_RANK * lane[1],
                          seed=cfg.train.seed, shuffle=False, drop_last=False, prefetch=1)
     correct, total_loss, n = 0, 0.0, 0
     with no_grad():
@@ -59,15 +66,15 @@ def evaluate_images(forward, data: Dataset, cfg, comm, lane: tuple) -> tuple[flo
     return sums[0] / sums[2], sums[1] / sums[2]
 
 
-def evaluate_text(loss_of, data: Dataset, cfg, comm, lane: tuple) -> float:
-    """Mean loss per token over the validation windows, read deterministically at a fixed
+def evaluate_text(loss_of, data: Dataset, cfg, comm, lane: tuple, split: str = "val") -> float:
+    """Mean loss per token over ``split``'s windows, read deterministically at a fixed
     stride of the context length (all of them, or the first ``train.eval_batches`` global
     batches). A global batch is the training one, rounded up to a multiple of the lanes
     (parameter servers evaluate too: more ranks than the batch was divided for).
     ``loss_of(x, y)``: the mean loss, or None on a rank that does not end the model (a
     pipeline's other stages)."""
     B = -(-cfg.train.global_batch_size // lane[1]) * lane[1]
-    reader = ShardReader(data.split("val"), rank=lane[0], size=lane[1], global_batch=B, seed=cfg.train.seed,
+    reader = ShardReader(data.split(split), rank=lane[0], size=lane[1], global_batch=B, seed=cfg.train.seed,
                          shuffle=False, drop_last=False, window=cfg.model.block_size, prefetch=1)
     limit = cfg.train.eval_batches or reader.steps_per_epoch
     total, n = 0.0, 0

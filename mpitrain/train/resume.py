@@ -92,6 +92,16 @@ def saved_config(run_dir, start_over: bool = False) -> tuple[Path, dict] | None:
     return None if path is None else (path, meta["json"]["config"])
 
 
+def newest(run_dir) -> tuple[Path, dict]:
+    """(the run's newest checkpoint whose every byte verifies, its attributes), moving
+    nothing (for reading a run, not resuming it); raises CheckpointError when there is none."""
+    path, attrs, unusable, _ = _newest_usable(run_dir, True, True, identity.owner(run_dir))
+    if path is None:
+        why = f": {'; '.join(w for _, w in unusable)}" if unusable else ""
+        raise CheckpointError(f"{checkpoint.directory(run_dir)}: no checkpoint of the run can be used{why}")
+    return path, attrs
+
+
 def choose(run_dir, comm, warn, start_over: bool = False, now: dict | None = None, data: dict | None = None):
     """(the checkpoint to resume and its verified attributes, or None to start at step
     0; the run's identity, None if nothing says it), chosen by rank 0 and told to every

@@ -1,0 +1,44 @@
+"""MPI tier: a trained run's checkpoint, saved by any layout, loads into one process's
+whole model (and into the data-parallel ranks of the job) and scores what the run
+printed at its last step (``mpitrain eval``, :mod:`mpitrain.train.trained`)."""
+
+import pytest
+from test_data import text_set
+from test_mpi_data import shared_data
+
+from mpitrain import config, train
+from mpitrain.train import trained
+
+LAYOUTS = {"ddp": [], "zero3": ["parallel.sync=zero3"], "pp2": ["parallel.pp=2", "train.micro_batches=2"],
+           "tp2": ["parallel.tp=2"]}
+
+
+def quiet(*args):
+    pass
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_eval_of_any_layouts_checkpoint_reproduces_the_runs_final_validation_loss(layout):
+    from mpitrain.comm import SingleComm, world
+
+    comm = world()
+    d = shared_data(comm, make=text_set, n=3000)
+    run_dir = d.parent / f"run-{layout}"
+    cfg = config.from_dict({
+        "model": {"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 8, "dropout": 0.1},
+        "data": {"path": str(d)}, "optim": {"name": "adamw", "lr": 3e-3},
+        "train": {"global_batch_size": 8, "steps": 12, "eval_interval": 0, "eval_batches": 0, "sample_tokens": 0,
+                  "threads": 1},
+        "run": {"dir": str(run_dir)}}, LAYOUTS[layout])
+    printed = train.train(cfg, log=quiet, comm=comm).val_loss
+    run, step, _ = trained.load(run_dir, comm, quiet)  # the job's ranks, as data-parallel replicas
+    spread = trained.evaluate(run, step, comm, quiet)
+    run.close()
+    assert step == 12 and spread["split"] == "val" and abs(spread["loss"] - printed) <= 1e-6, (spread, printed)
+    if comm.rank == 0:  # one process
+        run, _, _ = trained.load(run_dir, SingleComm(), quiet)
+        alone = trained.evaluate(run, step, SingleComm(), quiet)
+        run.close()
+        assert abs(alone["loss"] - printed) <= 1e-6, (alone, printed)
+    comm.barrier()

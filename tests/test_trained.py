@@ -1,0 +1,65 @@
+"""``mpitrain sample`` and ``mpitrain eval`` on a trained run (:mod:`mpitrain.train.trained`);
+from every layout, under MPI: ``tests/test_mpi_trained.py``."""
+
+import json
+
+import pytest
+from test_checkpoint import gpt, lenet, quiet
+from test_data import image_set
+
+from mpitrain import checkpoint, cli, train
+from mpitrain.observe.metrics import read as read_metrics
+
+
+@pytest.fixture
+def gpt_run(text_data, tmp_path):
+    run = tmp_path / "gpt"
+    train.train(gpt(text_data, run, "train.steps=8", "train.eval_batches=0"), log=quiet)
+    return run
+
+
+def test_sample_continues_the_prompt_from_the_runs_vocabulary_the_same_for_the_same_seed(gpt_run, capsys):
+    texts = []
+    for seed in (3, 3, 4):
+        assert cli.main(["sample", str(gpt_run), "--prompt", "to be", "--tokens", "40", "--seed", str(seed)]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] != texts[2]
+    text = texts[0].removesuffix("\n")
+    assert text.startswith("to be") and len(text) == len("to be") + 40
+    assert set(text) <= set("to be or not that is the question\n")  # the run's data: its words only
+
+
+def test_eval_prints_the_runs_final_figure_from_a_run_directory_or_a_checkpoint_file(gpt_run, capsys):
+    final = [r for r in read_metrics(gpt_run / "metrics.jsonl") if r.get("kind") == "eval"][-1]["val_loss"]
+    for target in (gpt_run, checkpoint.path_for(gpt_run, 8)):
+        assert cli.main(["eval", str(target), "--json"]) == 0
+        figures = json.loads(capsys.readouterr().out)
+        assert figures == {"checkpoint": str(checkpoint.path_for(gpt_run, 8)), "step": 8, "split": "val",
+                           "loss": final}
+    assert cli.main(["eval", str(gpt_run)]) == 0
+    assert capsys.readouterr().out.startswith(f"step 8: val loss {final:.4f}\n")
+
+
+def test_eval_of_an_image_run_gives_accuracy_and_sample_refuses_it_in_one_line(tmp_path, capsys):
+    image_set(tmp_path / "d", n=256, test=64)
+    train.train(lenet(tmp_path / "d", tmp_path / "cnn", "train.epochs=1"), log=quiet)
+    assert cli.main(["eval", str(tmp_path / "cnn"), "--json"]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["split"] == "test" and 0 <= figures["accuracy"] <= 1 and figures["loss"] > 0
+    assert cli.main(["sample", str(tmp_path / "cnn")]) == 2
+    assert "is an image dataset: sample draws text from a GPT run" in capsys.readouterr().err
+
+
+def test_what_sample_and_eval_cannot_use_is_one_line(gpt_run, tmp_path, capsys, monkeypatch):
+    for argv, said in [(["eval", str(tmp_path / "nothing")], "no such run directory or checkpoint file"),
+                       (["eval", str(gpt_run), "--split", "test"], "has no split 'test' (it has ['train', 'val'])"),
+                       (["sample", str(gpt_run), "--prompt", "€"], "--prompt: character '€' is not in the vocabulary"),
+                       (["eval", str(tmp_path)], "no checkpoint of the run can be used")]:
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("mpitrain: error: ") and said in err and err.count("\n") == 1, err
+    from mpitrain import comm
+
+    monkeypatch.setattr(comm, "launcher_rank", lambda: 0)
+    assert cli.main(["sample", str(gpt_run)]) == 2
+    assert capsys.readouterr().err == "mpitrain: error: sample draws on one process: run it without mpiexec\n"
