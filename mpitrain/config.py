@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
 import io
 import json
 import math
@@ -161,6 +162,7 @@ class RunConfig:
     stall_abort_s: float = 600.0  #: ... and this long: abort every rank (0: never)
     progress: str = "auto"  #: "bar": a progress bar under the lines; "lines": no bar; "auto": a bar on a terminal
     trace_memory: bool = False  #: trace the heap over the build and the first 3 steps, print it at the end (slower)
+    tensorboard: bool = False  #: also write TensorBoard scalars to RUN_DIR/tensorboard (the tensorboard extra)
 
 
 @dataclass(frozen=True)
@@ -509,6 +511,9 @@ def _validate_run(cfg: Config) -> None:
              f"must be more than run.stall_warn_s = {r.stall_warn_s}", r.stall_abort_s)
     _require(not r.dir or not Path(r.dir).exists() or Path(r.dir).is_dir(), "run.dir",
              "exists and is not a directory", r.dir)
+    _require(not r.tensorboard or importlib.util.find_spec("tensorboardX") is not None, "run.tensorboard",
+             "needs the tensorboardX package: pip install -e \".[tensorboard]\" (or pip install tensorboardX)",
+             r.tensorboard)
 
 
 def _validate_grid(cfg: Config) -> None:

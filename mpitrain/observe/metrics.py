@@ -38,8 +38,9 @@ def _plain(value):
 class MetricsLog:
     """Append records to ``path`` (None: write nothing, as on ranks other than 0)."""
 
-    def __init__(self, path: Path | None, first_step: int = 0):
+    def __init__(self, path: Path | None, first_step: int = 0, mirror=None):
         self.path = path
+        self.mirror = mirror  # also given every record (observe/tensorboard.py's Board), or None
         if path is None:
             return
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -60,6 +61,8 @@ class MetricsLog:
         line = json.dumps({"kind": kind, "time": round(time.time(), 3), **fields}, default=_plain)
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(line + "\n")
+        if self.mirror is not None:
+            self.mirror.record(kind, json.loads(line))  # as the file has it: plain numbers
 
 
 def read(path) -> list[dict]:

@@ -118,6 +118,14 @@ def _work(run: Run, first: int, heap: HeapTrace, log, loop_log, loop_warn) -> Re
     if cfg.run.dir:  # the directory's record of whose it is, before anything else goes in
         world.agree(lambda: identity.write(cfg.run.dir, run.identity) if world.rank == 0 else None, share=OSError)
     out = Outputs(cfg, world, role.leads, first, heap)
+    try:
+        return _run_and_finish(run, first, result, out, log, loop_log, loop_warn)
+    finally:
+        out.close()
+
+
+def _run_and_finish(run: Run, first: int, result: Result, out: Outputs, log, loop_log, loop_warn) -> Result:
+    role, world, cfg = run.role, run.world, run.cfg
     out.metrics.write("start", step=first, total_steps=run.total, steps_per_epoch=run.reader.steps_per_epoch,
                       ranks=world.size, config=cfg.to_dict(), cluster=emulated_cluster(), run=run.identity)
     start = time.perf_counter()

@@ -18,6 +18,7 @@ from mpitrain.data.loader import SAMPLING
 from mpitrain.runtime import launcher
 from mpitrain.observe.memory import CATEGORIES, HeapTrace, heap_line, model_state, state_line
 from mpitrain.observe.metrics import MetricsLog
+from mpitrain.observe.tensorboard import Board
 from mpitrain.observe.timeline import Timeline
 from mpitrain.observe.timing import time_table
 from mpitrain.plan.validate import end_of_run
@@ -62,8 +63,13 @@ class Outputs:
     def __init__(self, cfg, world, leads: bool, first: int, heap: HeapTrace | None = None):
         run = cfg.run
         self.heap = heap or HeapTrace(enabled=False)  # the heap over the first steps (the loop says when)
-        self.metrics = MetricsLog(Path(run.dir) / "metrics.jsonl" if run.dir and leads else None, first)
+        board = Board(Path(run.dir) / "tensorboard", first) if run.tensorboard and run.dir and leads else None
+        self.metrics = MetricsLog(Path(run.dir) / "metrics.jsonl" if run.dir and leads else None, first, board)
         self.timeline = Timeline(world) if run.timeline and run.dir else None
+
+    def close(self) -> None:
+        if self.metrics.mirror is not None:
+            self.metrics.mirror.close()
 
     def traced(self, name: str, category: str):
         """A timeline span on the compute track around a block (nothing without a timeline)."""

@@ -1,0 +1,56 @@
+"""TensorBoard scalars (``run.tensorboard``), read back with TensorBoard's own reader;
+``metrics.jsonl`` stays the record, and the events hold the same figures."""
+
+import importlib.util
+
+import pytest
+from test_checkpoint import gpt, quiet
+
+from mpitrain import train
+from mpitrain.config import ConfigError
+from mpitrain.observe.metrics import read as read_metrics
+
+pytest.importorskip("tensorboardX")
+event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+
+
+def scalars(run_dir) -> dict:
+    events = event_accumulator.EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_the_scalars_are_the_metrics_records_and_the_shares_of_step_time(text_data, tmp_path):
+    run = tmp_path / "a"
+    train.train(gpt(text_data, run, "train.steps=8", "train.log_interval=2", "train.eval_interval=4",
+                    "run.tensorboard=true"), log=quiet)
+    got = scalars(run)
+    records = read_metrics(run / "metrics.jsonl")
+    trains = [r for r in records if r["kind"] == "train"]
+    for name in ("loss", "lr", "samples_per_s", "gflops_per_s"):
+        assert [s for s, _ in got[f"train/{name}"]] == [r["step"] for r in trains] == [2, 4, 6, 8]
+        assert [v for _, v in got[f"train/{name}"]] == pytest.approx([r[name] for r in trains], rel=1e-6)
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert [s for s, _ in got["eval/val_loss"]] == [r["step"] for r in evals] == [4, 8]
+    assert [v for _, v in got["eval/val_loss"]] == pytest.approx([r["val_loss"] for r in evals], rel=1e-6)
+    for share in ("comm_exposed", "bubble", "io_stall"):
+        assert all(0 <= v <= 1 for _, v in got[f"time/{share}"]), share
+    first, last = trains[0]["ranks"][0], trains[1]["ranks"][0]  # rank 0's totals so far, at steps 2 and 4
+    assert got["time/step_ms/rank_0"][1] == (4, pytest.approx(1000 * (last["step_s"] - first["step_s"]) / 2,
+                                                             rel=1e-5))
+
+
+def test_a_resumed_run_drops_the_events_of_the_steps_it_does_again(text_data, tmp_path):
+    run = tmp_path / "a"
+    options = ["train.log_interval=2", "run.checkpoint_interval=4", "run.tensorboard=true"]
+    train.train(gpt(text_data, run, "train.steps=6", *options), log=quiet)  # checkpoints 4 and 6; events to 6
+    (run / "checkpoints" / "step-00000006.h5").unlink()  # as if killed after step 5
+    train.train(gpt(text_data, run, "train.steps=8", *options), log=quiet, resume=True)
+    assert [s for s, _ in scalars(run)["train/loss"]] == [2, 4, 6, 8]
+
+
+def test_without_tensorboardx_the_option_is_one_message(text_data, tmp_path, monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboardX" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"run.tensorboard: needs the tensorboardX package: pip install -e "):
+        gpt(text_data, tmp_path / "a", "run.tensorboard=true")
