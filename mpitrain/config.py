@@ -314,7 +314,8 @@ def read(path) -> dict:
         raise ConfigError(f"{path}: not valid TOML ({e})") from None
 
 
-def from_saved(saved: dict, overrides: list[str] = (), where: str = "the saved config") -> Config:
+def from_saved(saved: dict, overrides: list[str] = (), where: str = "the saved config",
+               data_needed: bool = True) -> Config:
     """The Config saved in a checkpoint (``Config.to_dict``, every field) with ``overrides``
     applied. Fields at their defaults are left out, so that only what was set counts as
     given, and so are saved fields that do not apply to a choice the overrides make (a
@@ -332,7 +333,7 @@ def from_saved(saved: dict, overrides: list[str] = (), where: str = "the saved c
         if f"{section}.{choice}" in given and chosen in fields and section in raw:
             raw[section] = {k: v for k, v in raw[section].items() if k in fields[chosen]}
     try:
-        return from_dict(raw, overrides)
+        return from_dict(raw, overrides, data_needed)
     except ConfigError as e:
         if str(e).split(":", 1)[0] in given:  # the user's --set, not the saved config
             raise

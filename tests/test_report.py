@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,9 +37,65 @@ def test_report_draws_the_plots_and_a_summary(text_data, tmp_path):
         if p.suffix == ".png":
             assert p.read_bytes()[:8] == PNG and p.stat().st_size > 5000
     text = (tmp_path / "a" / "report" / "summary.txt").read_text()
-    assert "1 rank(s), ddp, global batch 8" in text and "step 12/12" in text and "val loss" in text
+    assert "1 rank(s), dp 1 x pp 1 x tp 1, ddp, global batch 8" in text and "step 12/12" in text
+    assert "val loss" in text
     assert "rank 0: compute" in text and "last checkpoint:" in text
     assert lines[0].startswith(f"run {tmp_path / 'a'}")
+
+
+def test_the_summary_and_every_plot_name_the_layout_that_ran(text_data, tmp_path, monkeypatch):
+    """A pp 2 x tp 2 run on 4 ranks was summarised as '4 rank(s), ddp'."""
+    from mpitrain.observe import report as module
+
+    run(text_data, tmp_path / "a")
+    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    for r in records:
+        if r["kind"] == "start":  # as a 4-rank pipeline of tensor slices would have written it
+            r["ranks"] = 4
+            r["config"]["parallel"].update(pp=2, tp=2, schedule="zb-h1")
+            r["config"]["train"]["micro_batches"] = 4
+    (tmp_path / "a" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    figures = []
+    monkeypatch.setattr(module, "save", lambda fig, path: figures.append(fig) or path)
+    lines = []
+    report([tmp_path / "a"], log=lines.append)
+    named = "4 rank(s), dp 1 x pp 2 x tp 2, ddp, zb-h1, 4 micro-batches"
+    assert named in lines[0]
+    assert all(named in fig.axes[0].get_title() for fig in figures) and len(figures) == 3
+    gpt = JOBS / "tinyshakespeare_gpt.toml"
+    assert module.layout(config.load(gpt, ["parallel.sync=ps", "optim.grad_clip=0"],
+                                     data_needed=False).to_dict(), 3) == \
+        "dp 2 x pp 1 x tp 1, ps (1 server(s))"
+    assert module.layout(config.load(gpt, ["train.precision=bf16"], data_needed=False).to_dict(), 2) == \
+        "dp 2 x pp 1 x tp 1, ddp, bf16 mixed precision"
+
+
+def test_a_resumed_runs_report_counts_every_segment_and_marks_where_each_began(text_data, tmp_path, monkeypatch):
+    """After a resume the time plot and the 'finished' line covered the last segment only."""
+    from mpitrain.observe import report as module
+
+    options = ["run.checkpoint_interval=4", "train.eval_interval=0"]
+    run(text_data, tmp_path / "a", "train.steps=6", *options)  # checkpoints 4 and 6
+    (tmp_path / "a" / "checkpoints" / "step-00000006.h5").unlink()  # killed after step 5
+    cfg = config.load(JOBS / "tinyshakespeare_gpt.toml", [
+        f"data.path={text_data}", "model.n_layer=1", "model.n_embd=16", "model.n_head=2", "model.block_size=8",
+        "train.steps=12", "train.global_batch_size=8", "train.log_interval=3", "train.eval_batches=2",
+        "train.sample_tokens=0", f"run.dir={json.dumps(str(tmp_path / 'a'))}", *options])
+    train.train(cfg, log=lambda *a: None, resume=True)
+    figures = []
+    monkeypatch.setattr(module, "save", lambda fig, path: figures.append(fig) or path)
+    lines = []
+    report([tmp_path / "a"], log=lines.append)
+    runs = module.Run(tmp_path / "a")
+    assert len(runs.segments) == 2 and runs.resumed == [4]
+    assert "finished: 12 steps in 2 segments (resumed at step 4): " in lines[0], lines[0]
+    first = [r for r in runs.segments[0] if r["kind"] == "train"][-1]["ranks"][0]  # step 3's totals
+    last = [r for r in runs.segments[1] if r["kind"] == "end"][-1]["ranks"][0]
+    assert runs.per_rank()[0]["step_s"] == pytest.approx(first["step_s"] + last["step_s"])
+    loss, time_per_rank, throughput = figures
+    assert "over 2 segments (resumed at step 4)" in time_per_rank.axes[0].get_title()
+    for fig in (loss, throughput):
+        assert [line.get_xdata()[0] for line in fig.axes[0].get_lines() if line.get_linestyle() == "--"] == [4]
 
 
 def test_report_errors_name_the_run_directory(text_data, tmp_path):
@@ -66,7 +123,7 @@ def test_the_loss_plot_of_an_image_run_has_the_test_loss_and_accuracy(text_data,
             r.update(val_loss=None, test_accuracy=0.5 + r["step"] / 100, test_loss=2.0 - r["step"] / 10)
     (tmp_path / "a" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     figures = []
-    monkeypatch.setattr(module, "_save", lambda fig, path: figures.append(fig) or module.plt.close(fig) or path)
+    monkeypatch.setattr(module, "save", lambda fig, path: figures.append(fig) or module.plt.close(fig) or path)
     report([tmp_path / "a"], log=lambda *a: None)
     loss, accuracy = figures[0].axes
     assert [line.get_label() for line in loss.get_lines()] == ["training loss", "test loss"]
@@ -90,7 +147,7 @@ def test_the_scaling_plot_shows_superlinear_efficiency(text_data, tmp_path, monk
     (tmp_path / "p2").mkdir()
     (tmp_path / "p2" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     figures = []
-    monkeypatch.setattr(module, "_save", lambda fig, path: figures.append(fig) or module.plt.close(fig) or path)
+    monkeypatch.setattr(module, "save", lambda fig, path: figures.append(fig) or module.plt.close(fig) or path)
     lines = []
     report([tmp_path / "p1", tmp_path / "p2"], out=tmp_path / "s", log=lines.append)
     assert [line for line in lines if line.startswith("scaling: 2 rank(s): ")][0].split("; ")[0].endswith("efficiency 150%")
@@ -135,7 +192,7 @@ def test_the_scaling_plot_has_a_row_per_link_rate_and_undoes_time_dilation(text_
             variant("c", 4, link(2, 2, "10gbit", 2.0), 1.6 * base, {"sync": "ddp"}),
             variant("d", 4, link(4, 1, "10gbit", 2.0), base, {"sync": "ps", "staleness": -1, "servers": 2})]
     figures = []
-    monkeypatch.setattr(module, "_save", lambda fig, path: figures.append(fig) or module.plt.close(fig) or path)
+    monkeypatch.setattr(module, "save", lambda fig, path: figures.append(fig) or module.plt.close(fig) or path)
     lines = []
     report(runs, out=tmp_path / "s", log=lines.append)
 
@@ -190,14 +247,16 @@ EMBEDDED_DATA = pytest.mark.skipif(
     ("shakespeare_gpt.toml", ["train.steps=10", "train.eval_batches=2"]),
 ])
 def test_the_local_scaling_study_runs_on_1_and_2_ranks_and_plots(job, options, tmp_path):
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", REPEATS="2")
     sets = [arg for option in options for arg in ("--set", option)]
     out = subprocess.run(["bash", str(JOBS / "scaling_local.sh"), str(JOBS / job), "1", "2", "--", *sets],
                          capture_output=True, text=True, cwd=tmp_path, env=env, timeout=240, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
     plot = tmp_path / "runs" / "scaling" / Path(job).stem / "scaling.png"
     assert plot.read_bytes()[:8] == PNG
-    assert "scaling: 2 rank(s):" in out.stdout and "efficiency" in out.stdout
+    line = next(text for text in out.stdout.splitlines() if text.startswith("scaling: 2 rank(s):"))
+    assert re.search(r"samples/s \(median of 2 runs, [0-9,.]+ to [0-9,.]+\), .* efficiency [0-9]+% \([0-9]+% to "
+                     r"[0-9]+%\)", line), line
 
 
 def test_the_local_job_scripts_refuse_bad_arguments(tmp_path):

@@ -78,6 +78,11 @@ def _plain(make):
     return plain_step, f"{title.split()[0]} plain (fast paths off)"
 
 
+# how the factors are taken: round by round (the medians of the ms columns, taken apart, can
+# disagree with it when the machine's speed drifts during the run)
+PAIRED = "the median of the per-round quotients"
+
+
 def run(threads: int = 1, rounds: int = 7, steps: int = 5, torch: bool = True, log=print) -> dict:
     """Measure and print; returns {name: {"ms", "gflops", "ratio", ...}} (medians), the
     plain rows as "gpt_plain" and "cnn_plain" with "of_fast", their time over the fast one's;
@@ -114,11 +119,11 @@ def run(threads: int = 1, rounds: int = 7, steps: int = 5, torch: bool = True, l
             note = f"target >= {TARGETS[name]}: {'ok' if r >= TARGETS[name] else 'BELOW'}"
         elif "_torch" in name:  # PyTorch's: mpitrain's time in the same rounds over this one's
             out[name]["mpitrain_over"] = float(np.median(np.divide(times[_ours(name)], times[name])))
-            note = f"mpitrain's step x{out[name]['mpitrain_over']:.2f} of this"
+            note = f"mpitrain's step x{out[name]['mpitrain_over']:.2f} of this, {PAIRED}"
         else:  # a plain row: its time in the same rounds as its fast row's
             fast = name.removesuffix("_plain")
             out[name]["of_fast"] = float(np.median(np.divide(times[name], times[fast])))
-            note = f"x{out[name]['of_fast']:.2f} the fast row's time"
+            note = f"x{out[name]['of_fast']:.2f} the fast row's time, {PAIRED}"
         log(f"  {title:45s} {m:7.1f} ms/step {g:7.1f} GFLOP/s  "
             f"{flops[name] / 1e9:.2f} GFLOP/step  ratio {r:.3f} ({note})")
     return out

@@ -3,7 +3,8 @@
 Every record has ``kind`` and ``time`` (Unix seconds); the kinds the trainer writes:
 
 * ``start``, once per process (a resumed run adds one): ``step`` (0, or the
-  checkpoint's), ``total_steps``, ``steps_per_epoch``, ``ranks``, the resolved ``config``,
+  checkpoint's), ``total_steps``, ``steps_per_epoch``, ``ranks``, ``threads`` (BLAS
+  threads per rank), the resolved ``config``,
   ``run`` (the run's identity: :mod:`mpitrain.train.identity`);
 * ``train``, each ``train.log_interval`` steps: ``step``, ``epoch``, ``loss`` (mean over
   the steps since the last record), ``lr``, ``samples_per_s``, ``gflops_per_s``, and

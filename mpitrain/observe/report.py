@@ -2,15 +2,17 @@
 (what each plot shows: ``jobs/README.md``, "Metrics, timeline and reports").
 
 For each run directory, into ``RUN_DIR/report/`` (or ``--out``): ``loss.png``,
-``time_per_rank.png``, ``throughput.png`` and ``summary.txt`` (also printed). Given runs
+``time_per_rank.png``, ``throughput.png`` and ``summary.txt`` (also printed), each naming
+the layout that ran (:func:`layout`). A resumed run is several segments, one per
+``start`` record: the summary and the time plot count every segment's steps and time,
+and the plots against steps mark where each segment began. Given runs
 of one job at several rank counts, one of them on 1 rank (``jobs/scaling_local.sh``,
-``jobs/scaling_cluster.sh``), also ``scaling.png`` (:func:`_scaling`), into ``--out`` or
-``scaling/`` beside the first run.
+``jobs/scaling_cluster.sh``), also ``scaling.png`` (:mod:`mpitrain.observe.scaling`), into
+``--out`` or ``scaling/`` beside the first run.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -18,7 +20,6 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed (clusters, CI)
 import matplotlib.pyplot as plt
 
-from mpitrain.cluster import bits_per_second
 from mpitrain.observe.metrics import read
 
 
@@ -35,8 +36,12 @@ class Run:
         if not path.is_file():
             raise ReportError(f"{self.dir}: no metrics.jsonl (is it a run directory of 'mpitrain train'?)")
         self.kinds: dict[str, list] = {}
+        self.segments: list[list[dict]] = []  # a resumed run's: one per start record, its records
         for r in read(path):
             self.kinds.setdefault(r.get("kind"), []).append(r)
+            if r.get("kind") == "start" or not self.segments:
+                self.segments.append([])
+            self.segments[-1].append(r)
         if not self.kinds.get("start"):
             raise ReportError(f"{path}: no 'start' record: not written by this mpitrain, or empty")
         self.start = self.kinds["start"][-1]
@@ -47,12 +52,68 @@ class Run:
         self.config = self.start["config"]
         self.name = self.dir.name
         self.sync = self.config["parallel"].get("sync") or self.config["parallel"].get("strategy")  # older: strategy
+        self.layout = layout(self.config, self.ranks)
+        self.resumed = [seg[0]["step"] for seg in self.segments[1:] if seg[0].get("kind") == "start"]
 
     def per_rank(self) -> list[dict]:
-        """Each rank's cumulative seconds and bytes: from the end of the run, or the
-        last progress record of an unfinished one."""
-        last = self.end or (self.train[-1] if self.train else None)
-        return last.get("ranks", []) if last else []  # a parameter server's progress records have none
+        """Each rank's seconds and bytes over every segment of the run: each segment's
+        from its end, or its last progress record (a segment that was killed; a parameter
+        server's progress records have none). A segment on another number of ranks than
+        the last one's is left out."""
+        total: dict[int, dict] = {}
+        for rows in self._segment_rows():
+            if len(rows) != self.ranks:
+                continue
+            for row in rows:
+                into = total.setdefault(row["rank"], {"rank": row["rank"]})
+                for key, value in row.items():
+                    if key != "rank" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                        into[key] = into.get(key, 0) + value
+                    elif key not in into:
+                        into[key] = value
+        return [total[r] for r in sorted(total)]
+
+    def _segment_rows(self) -> list[list[dict]]:
+        last = [next((r["ranks"] for r in reversed(seg) if r.get("kind") in ("end", "train") and r.get("ranks")), [])
+                for seg in self.segments]
+        return [rows for rows in last if rows]
+
+    def steps_and_seconds(self) -> tuple[int, float]:
+        """Steps timed and seconds of steps (the slowest rank's) over every segment."""
+        steps = seconds = 0.0
+        for seg in self.segments:
+            first = seg[0].get("step", 0) if seg[0].get("kind") == "start" else 0
+            reached = [r["step"] for r in seg if r.get("kind") in ("train", "checkpoint", "stopped", "end")]
+            steps += max(reached, default=first) - first
+            rows = next((r["ranks"] for r in reversed(seg) if r.get("kind") in ("train", "end") and r.get("ranks")),
+                        [])
+            seconds += max((row["step_s"] for row in rows if not row.get("serves")), default=0.0)
+        return int(steps), seconds
+
+
+def layout(config: dict, ranks: int) -> str:
+    """What ran, in a few words: the grid (``dp x pp x tp``) and the gradient sync, the
+    pipeline schedule and micro-batches, the precision (``"ddp"`` for a config this
+    mpitrain cannot read)."""
+    from mpitrain.config import ConfigError, check_ranks, from_saved
+
+    try:
+        cfg = from_saved(config, data_needed=False)  # the data may have moved since
+        dp, pp, tp = check_ranks(cfg, ranks)
+    except (ConfigError, TypeError, ValueError):  # an older run's config
+        return config.get("parallel", {}).get("sync", "?")
+    par, t = cfg.parallel, cfg.train
+    servers = ranks - dp * pp * tp  # the ranks the grid leaves: parameter servers
+    words = [f"dp {dp} x pp {pp} x tp {tp}", par.sync + (f" ({servers} server(s))" if servers else "")]
+    if pp > 1:
+        words.append(par.schedule + (f" x{par.chunks} chunks" if par.schedule == "interleaved" else ""))
+    if t.micro_batches > 1:
+        words.append(f"{t.micro_batches} micro-batches")
+    if tp > 1 and par.sequence_parallel:
+        words.append("sequence parallel")
+    if t.precision != "fp32":
+        words.append(f"{t.precision} mixed precision")
+    return ", ".join(words)
 
 
 def report(run_dirs, out=None, log=print) -> list[Path]:
@@ -71,7 +132,9 @@ def report(run_dirs, out=None, log=print) -> list[Path]:
     if len(runs) > 1:
         target = Path(out) if out else runs[0].dir.parent / "scaling"
         target.mkdir(parents=True, exist_ok=True)
-        written.append(_scaling(runs, target / "scaling.png", log))
+        from mpitrain.observe.scaling import scaling
+
+        written.append(scaling(runs, target / "scaling.png", log))
     for path in written:
         log(f"wrote {path}")
     return written
@@ -80,7 +143,7 @@ def report(run_dirs, out=None, log=print) -> list[Path]:
 def summary(run: Run) -> str:
     c = run.config
     lines = [(f"run {run.dir}: {c['model']['name']} on {c['data']['path'] or c['data']['name']}, "
-              f"{run.ranks} rank(s), {run.sync}, global batch {c['train']['global_batch_size']}")]
+              f"{run.ranks} rank(s), {run.layout}, global batch {c['train']['global_batch_size']}")]
     if run.train:
         t = run.train[-1]
         lines.append(f"  step {t['step']}/{run.start['total_steps']}: loss {t['loss']:.4f}, "
@@ -89,7 +152,14 @@ def summary(run: Run) -> str:
         what = (f"val loss {e['val_loss']:.4f}" if e.get("val_loss") is not None
                 else f"test accuracy {100 * e['test_accuracy']:.2f}%")
         lines.append(f"  evaluation at step {e['step']}: {what}")
-    if run.end:
+    if run.end and run.resumed:
+        steps, seconds = run.steps_and_seconds()
+        rate = f", {steps * c['train']['global_batch_size'] / seconds:,.0f} samples/s" if seconds else ""
+        lines.append(f"  finished: {steps} steps in {len(run.segments)} segments (resumed at step "
+                     f"{', '.join(map(str, run.resumed))}): {seconds:.1f} s of steps{rate}; the last segment "
+                     f"{run.end['steps_timed']} steps in {run.end['seconds']:.1f} s, waited for data "
+                     f"{100 * run.end['stall_fraction']:.2f}% of step time")
+    elif run.end:
         lines.append(f"  finished: {run.end['steps_timed']} steps in {run.end['seconds']:.1f} s, "
                      f"{run.end['samples_per_s']:,.0f} samples/s, waited for data "
                      f"{100 * run.end['stall_fraction']:.2f}% of step time")
@@ -128,9 +198,18 @@ def _loss(run: Run, path: Path) -> Path:
                                   label="test accuracy")
             other.set_ylabel("test accuracy (%)")
     ax.legend(handles=handles, loc="center right")  # the middle right is clear: loss falls, accuracy rises
-    ax.set_title(f"{run.name}: loss ({run.ranks} rank(s))")
+    ax.set_title(f"{run.name}: loss\n{run.ranks} rank(s), {run.layout}", fontsize=10)
+    _mark_resumes(run, ax)
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save(fig, path)
+
+
+def _mark_resumes(run: Run, ax) -> None:
+    """A dashed line at each step where a resumed segment began."""
+    for k, step in enumerate(run.resumed):
+        ax.axvline(step, color="grey", ls="--", lw=0.8, label="resumed" if k == 0 else None)
+        ax.annotate("resumed", (step, 1), xycoords=("data", "axes fraction"), xytext=(2, -10),
+                    textcoords="offset points", fontsize=7, color="grey")
 
 
 def _time_per_rank(run: Run, path: Path) -> Path:
@@ -152,9 +231,11 @@ def _time_per_rank(run: Run, path: Path) -> Path:
            label="reading (background)", color="C2", alpha=0.4)
     ax.set_xticks(ranks, [f"rank {r}" for r in ranks])
     ax.set_ylabel("seconds")
-    ax.set_title(f"{run.name}: where each rank's time went")
+    segments = f" over {len(run.segments)} segments (resumed at step {', '.join(map(str, run.resumed))})" \
+        if run.resumed else ""
+    ax.set_title(f"{run.name}: where each rank's time went{segments}\n{run.ranks} rank(s), {run.layout}", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the bars, never over them
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def _throughput(run: Run, path: Path) -> Path:
@@ -163,132 +244,13 @@ def _throughput(run: Run, path: Path) -> Path:
     ax.set_xlabel("step")
     ax.set_ylabel("samples/s")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"{run.name}: throughput ({run.ranks} rank(s))")
+    ax.set_title(f"{run.name}: throughput\n{run.ranks} rank(s), {run.layout}", fontsize=10)
+    _mark_resumes(run, ax)
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return save(fig, path)
 
 
-@dataclass
-class _Point:
-    """One run of a scaling study."""
-
-    ranks: int
-    link: str  # the emulated links' rate, or "one node"
-    series: str  # the strategy, and ranks per node when nodes hold several
-    samples_per_s: float  # as on the cluster emulated: a time-dilated run's figure times its dilation
-    comm: float  # exposed communication, share of the step time (mean of the ranks that step)
-    layout: str  # "", or "N nodes x R"
-    predicted: float | None = None  # the planner's samples/s for the run (mpitrain.plan.scaling)
-    why: str = ""  # why there is none
-
-
-def _point(run: Run, nodes_matter: bool) -> _Point:
-    if run.end is None or not run.end.get("samples_per_s"):
-        raise ReportError(f"{run.dir}: the run did not finish, no throughput")
-    cluster = run.start.get("cluster") or {}
-    staleness = run.config["parallel"].get("staleness", 0)  # only parameter servers have one other than 0
-    sync = run.sync + {0: "", -1: " async"}.get(staleness, f" s={staleness}")
-    per_node = cluster.get("ranks_per_node", run.ranks)
-    stepping = [r for r in run.per_rank() if not r.get("serves")]  # a server's time is all communication
-    comm = sum(r["comm_exposed_s"] / r["step_s"] for r in stepping if r["step_s"]) / max(1, len(stepping))
-    series = sync + (f", {per_node} ranks/node" if per_node > 1 and nodes_matter else "")
-    samples_per_s = run.end["samples_per_s"] * cluster.get("dilation", 1.0)
-    point = _Point(run.ranks, cluster.get("rate", "one node"), series, samples_per_s, comm,
-                   f" ({cluster['nodes']} nodes x {per_node})" if cluster else "")
-    from mpitrain.plan.scaling import predicted
-
-    try:
-        point.predicted = predicted(run.config, run.ranks, cluster or None)
-    except ValueError as e:  # a config or calibration the planner cannot use: the point stands alone
-        point.why = str(e)
-    return point
-
-
-def _scaling(runs: list[Run], path: Path, log) -> Path:
-    """Throughput and efficiency against ranks: one row per link rate (runs on one node in
-    every row), one line per strategy and ranks per node; each point's exposed
-    communication written beside it, and the planner's prediction for each run a dotted
-    line beside it. The 1-rank run is every line's first point."""
-    points = [_point(r, any(r.start.get("cluster") for r in runs)) for r in runs]  # nodes: a line each
-    single = [p for p in points if p.ranks == 1]
-    if not single:
-        raise ReportError(f"a scaling plot needs a 1-rank run to compare with; the runs have "
-                          f"{sorted(r.ranks for r in runs)} ranks")
-    one = max(single, key=lambda p: p.samples_per_s)
-    base = one.samples_per_s
-    links = sorted({p.link for p in points if p.link != "one node"}, key=bits_per_second) or ["one node"]
-    strategies = sorted({p.series.split(",")[0] for p in points if p.ranks > 1})  # one colour each, in every row
-    fig, axes = plt.subplots(len(links), 2, figsize=(11, 4 * len(links)), squeeze=False)
-    for (a, b), link in zip(axes, links):
-        _scaling_row(a, b, link, [p for p in points if p.ranks > 1 and p.link in (link, "one node")], one, strategies)
-    fig.suptitle(f"scaling of {runs[0].config['model']['name']}, global batch "
-                 f"{runs[0].config['train']['global_batch_size']} (beside each point: exposed communication, "
-                 f"share of the step time)")
-    for p in sorted(points, key=lambda p: (p.link, p.series, p.ranks)):
-        where = p.link if p.link == "one node" else f"links {p.link}"
-        guess = (f"; predicted {p.predicted:,.1f} samples/s ({_off(p):+.0%} off)" if p.predicted else
-                 f"; no prediction ({p.why})")
-        log(f"scaling: {p.ranks} rank(s){p.layout}: {p.series}, {where}: {p.samples_per_s:,.1f} samples/s, "
-            f"communication {100 * p.comm:.0f}% of step time, speed-up x{p.samples_per_s / base:.2f}, "
-            f"efficiency {100 * p.samples_per_s / (p.ranks * base):.0f}%" + guess)
-    held = sorted(_off(p) for p in points if p.predicted)
-    if held:
-        log(f"scaling: the planner against {len(held)} of {len(points)} runs: mean absolute error "
-            f"{sum(map(abs, held)) / len(held):.1%}, from {held[0]:+.0%} to {held[-1]:+.0%} "
-            f"(measured less predicted, over measured)")
-    return _save(fig, path)
-
-
-def _scaling_row(a, b, link: str, here: list, one: _Point, strategies: list) -> None:
-    """One link rate's throughput (``a``) and efficiency (``b``): a line per series from
-    the 1-rank run ``one`` (nodes of several ranks: from their first point), the planner's
-    dotted beside it."""
-    base = one.samples_per_s
-    for k, series in enumerate(sorted({p.series for p in here})):
-        line = sorted([p for p in here if p.series == series], key=lambda p: p.ranks)
-        if "ranks/node" not in series:
-            line = [_Point(1, link, series, base, 0.0, "", one.predicted)] + line
-        ranks = [p.ranks for p in line]
-        efficiency = [100 * p.samples_per_s / (p.ranks * base) for p in line]
-        colour = f"C{strategies.index(series.split(',')[0])}"
-        style = dict(color=colour, marker="o", ls="--" if "ranks/node" in series else "-")
-        a.plot(ranks, [p.samples_per_s for p in line], label=series, **style)
-        b.plot(ranks, efficiency, label=series, **style)
-        guess = [(p.ranks, p.predicted) for p in line if p.predicted]
-        if guess and one.predicted:  # the planner's line: its samples/s, its own efficiency
-            dotted = dict(color=colour, marker="x", ls=":", lw=1)
-            a.plot(*zip(*guess), **dotted)
-            b.plot([r for r, _ in guess], [100 * x / (r * one.predicted) for r, x in guess], **dotted)
-        for p, e in zip(line, efficiency):
-            if p.ranks > 1:
-                b.annotate(f"{100 * p.comm:.0f}%", (p.ranks, e), textcoords="offset points", fontsize=7,
-                           xytext=(5, 9 * (k % 3) - 9), color=colour)  # staggered: points often meet
-    ticks = sorted({1, *(p.ranks for p in here)})
-    for ax in (a, b):
-        ax.set_xlabel("ranks")
-        ax.set_xticks(ticks)
-        ax.grid(alpha=0.3)
-    a.set_ylabel("samples/s")
-    a.set_ylim(bottom=0)
-    if any(p.predicted for p in here):
-        a.plot([], [], color="grey", marker="x", ls=":", lw=1, label="predicted (mpitrain plan)")
-    a.set_title(f"throughput, links {link}")
-    a.legend(fontsize=8)
-    b.axhline(100, color="grey", lw=0.8, ls="--")
-    b.set_ylabel("parallel efficiency (%)")
-    # at least 0 to 110%, so the 100% line has room; above that when a run is superlinear
-    # (its part of the data fits a faster cache, or the 1-rank run had more to contend with)
-    top = max([100 * p.samples_per_s / (p.ranks * base) for p in here], default=100)
-    b.set_ylim(0, max(110, 1.1 * top))
-    b.set_title(f"efficiency X(P) / (P X(1)), links {link}")
-
-
-def _off(p: _Point) -> float:
-    """The prediction's error as ``mpitrain plan --validate`` gives it: (measured - predicted) / measured."""
-    return (p.samples_per_s - p.predicted) / p.samples_per_s
-
-
-def _save(fig, path: Path) -> Path:
+def save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

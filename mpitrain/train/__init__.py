@@ -127,7 +127,8 @@ def _work(run: Run, first: int, heap: HeapTrace, log, loop_log, loop_warn) -> Re
 def _run_and_finish(run: Run, first: int, result: Result, out: Outputs, log, loop_log, loop_warn) -> Result:
     role, world, cfg = run.role, run.world, run.cfg
     out.metrics.write("start", step=first, total_steps=run.total, steps_per_epoch=run.reader.steps_per_epoch,
-                      ranks=world.size, config=cfg.to_dict(), cluster=emulated_cluster(), run=run.identity)
+                      ranks=world.size, threads=blas_threads(cfg.train.threads, world.node_size()),
+                      config=cfg.to_dict(), cluster=emulated_cluster(), run=run.identity)
     start = time.perf_counter()
     loop = None
     # the handlers stay until the end: a Ctrl-C during the last checkpoint's write must
