@@ -92,6 +92,7 @@ class DataConfig:
     name: str = "mnist5k"  #: an embedded dataset, built into shards on first use: "mnist5k" or "shakespeare"
     path: str = ""  #: or a shard directory made by `mpitrain data build` or `data download` (then no name)
     shift: int = 0  #: images: random translation by up to this many pixels (augmentation)
+    flip: bool = False  #: images: mirror each image left to right with probability 1/2 (augmentation)
     sampling: str = "stride"  #: text: training windows every block_size tokens ("stride") or anywhere ("random")
     verify: bool = True  #: re-hash every shard's content before step 0, the shards split over the ranks
     buffer_mb: float = 32  #: reader: megabytes of samples per read round, over all ranks
@@ -648,8 +649,9 @@ def check_against_data(cfg: Config, data) -> None:
         raise ConfigError(f"data.path: {data.path} holds {data.kind} data ({data.name}), but model.name "
                           f"{cfg.model.name!r} trains on {'text' if text_model else 'images'}")
     if text_model:
-        if "data.shift" in cfg.given:
-            raise ConfigError("data.shift: augmentation applies to image data only")
+        for key in ("data.shift", "data.flip"):
+            if key in cfg.given:
+                raise ConfigError(f"{key}: augmentation applies to image data only")
         shortest = min(s.count for s in data.splits.values())
         if cfg.model.block_size + 1 > shortest:
             raise ConfigError(f"model.block_size: windows of block_size + 1 = {cfg.model.block_size + 1} "

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from mpitrain.data import DataError, DatasetWriter, ShardReader, open_dataset
-from mpitrain.data.loader import normalize, random_shift, shifts
+from mpitrain.data.loader import flips, normalize, random_flip, random_shift, shifts
 from mpitrain.data.reader import EpochPlan
 
 
@@ -304,6 +304,19 @@ def test_augmentation_draws_are_rank_count_independent():
     halves = [shifts(7, 1, 5, 8, 2, np.arange(r * 4, r * 4 + 4)) for r in range(2)]
     np.testing.assert_array_equal(full[0], np.concatenate([h[0] for h in halves]))
     np.testing.assert_array_equal(full[1], np.concatenate([h[1] for h in halves]))
+
+
+def test_flips_mirror_left_to_right_half_the_images_the_same_at_any_rank_count():
+    x = np.random.default_rng(0).integers(1, 255, (6, 5, 7, 3), dtype=np.uint8)
+    mirrored = np.array([True, False, True, True, False, False])
+    out = random_flip(x, mirrored)
+    for i in range(6):
+        np.testing.assert_array_equal(out[i], x[i, :, ::-1] if mirrored[i] else x[i])
+    full = flips(7, 1, 5, 4096, np.arange(4096))
+    assert 0.45 < full.mean() < 0.55
+    halves = [flips(7, 1, 5, 4096, np.arange(r * 2048, (r + 1) * 2048)) for r in range(2)]
+    np.testing.assert_array_equal(full, np.concatenate(halves))
+    assert not np.array_equal(full, flips(7, 1, 6, 4096, np.arange(4096)))  # another step, other draws
 
 
 def test_leaving_an_epoch_early_does_not_hang(tmp_path):

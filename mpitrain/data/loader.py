@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-AUGMENT, SAMPLING = 1, 4  # seed stream tags; the reader uses 5
+AUGMENT, SAMPLING, FLIP = 1, 4, 6  # seed stream tags; the reader uses 5
 
 
 def normalize(images: np.ndarray, mean, std, dtype) -> np.ndarray:
@@ -34,6 +34,18 @@ def random_shift(images: np.ndarray, dy: np.ndarray, dx: np.ndarray, max_shift: 
     rows = dy[:, None] + np.arange(H)  # (B, H)
     cols = dx[:, None] + np.arange(W)  # (B, W)
     return padded[np.arange(B)[:, None, None], rows[:, :, None], cols[:, None, :]]  # (B, H, W, C)
+
+
+def flips(seed: int, epoch: int, step: int, global_batch: int, lanes: np.ndarray) -> np.ndarray:
+    """Which samples at global-batch positions ``lanes`` are mirrored left to right (each
+    with probability 1/2), from a stream of their own: turning flips on leaves the shifts
+    as they were."""
+    return np.random.default_rng((seed, FLIP, epoch, step)).random(global_batch)[lanes] < 0.5
+
+
+def random_flip(images: np.ndarray, mirrored: np.ndarray) -> np.ndarray:
+    """(B, H, W, C) images with those where ``mirrored`` reversed along W."""
+    return np.where(mirrored[:, None, None, None], images[:, :, ::-1], images)
 
 
 def shifts(seed: int, epoch: int, step: int, global_batch: int, max_shift: int, lanes: np.ndarray):

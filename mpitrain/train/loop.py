@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from mpitrain import checkpoint, launch, rng
 from mpitrain.comm import launcher_rank, trace_operations
-from mpitrain.data.loader import normalize, random_shift, shifts
+from mpitrain.data.loader import flips, normalize, random_flip, random_shift, shifts
 from mpitrain.observe.flops import FlopCount
 from mpitrain.observe.io import io_row, io_table
 from mpitrain.observe.timing import Traffic
@@ -303,6 +303,8 @@ def inputs(cfg, data, batch) -> tuple[np.ndarray, np.ndarray]:
         dy, dx = shifts(cfg.train.seed, batch.epoch, batch.step, cfg.train.global_batch_size, cfg.data.shift,
                         batch.lanes)
         x = random_shift(x, dy, dx, cfg.data.shift)
+    if cfg.data.flip:
+        x = random_flip(x, flips(cfg.train.seed, batch.epoch, batch.step, cfg.train.global_batch_size, batch.lanes))
     return normalize(x, data.mean, data.std, cfg.train.dtype), batch.y
 
 

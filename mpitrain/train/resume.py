@@ -22,8 +22,8 @@ from mpitrain.train import identity
 
 # the settings the order of the batches follows (with the step); changing one on resume
 # trains on other batches than the saved run would have
-DATA_ORDER = ("train.seed", "train.global_batch_size", "data.buffer_mb", "data.shift", "data.sampling", "data.path",
-              "data.name")
+DATA_ORDER = ("train.seed", "train.global_batch_size", "data.buffer_mb", "data.shift", "data.flip", "data.sampling",
+              "data.path", "data.name")
 
 
 def runs_of(stem: str, root: Path = Path("runs")) -> list[Path]:
