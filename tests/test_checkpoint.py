@@ -98,9 +98,9 @@ def test_a_resumed_gpt_run_ends_bit_identical(text_data, tmp_path, strategy, sam
 @pytest.mark.parametrize("step", [10, 15])  # inside an epoch; at its end (the evaluation comes after)
 def test_a_resumed_cnn_run_with_augmentation_ends_bit_identical(tmp_path, step):
     image_set(tmp_path / "d", n=960, test=100)  # 15 steps per epoch
-    full = train.train(lenet(tmp_path / "d", tmp_path / "a"), log=quiet)
+    full = train.train(lenet(tmp_path / "d", tmp_path / "a", "data.flip=true"), log=quiet)  # and data.shift 1
     resume_from(tmp_path / "a", step, tmp_path / "b")
-    again = train.train(lenet(tmp_path / "d", tmp_path / "b"), log=quiet, resume=True)
+    again = train.train(lenet(tmp_path / "d", tmp_path / "b", "data.flip=true"), log=quiet, resume=True)
     assert_identical(checkpoint.path_for(tmp_path / "a", 45), checkpoint.path_for(tmp_path / "b", 45))
     assert [h for h in again.history] == [h for h in full.history if h["step"] >= step]
 

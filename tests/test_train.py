@@ -179,6 +179,14 @@ def test_habits_of_other_trainers_get_the_command_usage_and_the_set_line_that_do
     assert err.startswith("usage: mpitrain bench step ") and err.endswith("unrecognized arguments: --bogus\n")
 
 
+@pytest.mark.parametrize("augmentation", ["data.shift=2", "data.flip=true"])
+def test_image_augmentation_on_text_is_refused(text_data, tmp_path, augmentation):
+    from test_checkpoint import gpt, quiet
+
+    with pytest.raises(config.ConfigError, match=f"{augmentation.split('=')[0]}: augmentation applies to image data"):
+        train.train(gpt(text_data, tmp_path / "a", augmentation), log=quiet)
+
+
 def test_option_names_of_other_trainers_name_config_fields():
     assert [config.field_for_option(o) for o in ("--epochs", "--lr", "--batch-size", "--learning-rate",
                                                  "--max_iters", "--micro-batches", "--weight-decay", "--name",
