@@ -26,7 +26,7 @@ from mpitrain.train import resume
 from mpitrain.train.build import Run, build_run
 from mpitrain.train.report import Result
 
-LAYOUT_FREE = {"parallel": {}, "train": {"micro_batches": 1}, "run": {"dir": ""}}  # replaced in the saved config
+LAYOUT_FREE = {"train": {"micro_batches": 1}, "run": {"dir": ""}}  # set in the saved config; parallel: the defaults
 
 
 def load(target, comm, log, overrides: list[str] = ()) -> tuple[Run, int, Path]:
@@ -42,8 +42,8 @@ def load(target, comm, log, overrides: list[str] = ()) -> tuple[Run, int, Path]:
     else:
         raise ConfigError(f"{target}: no such run directory or checkpoint file")
     saved = attrs["json"]["config"]
-    plain = {section: {**saved.get(section, {}), **LAYOUT_FREE.get(section, {})} if section != "parallel" else {}
-             for section in saved}
+    plain = {section: {**table, **LAYOUT_FREE.get(section, {})} for section, table in saved.items()}
+    plain["parallel"] = {}  # replicas of the whole model
     cfg = config.from_saved(plain, list(overrides), where=f"{path}: the saved config")
     run = build_run(cfg, comm, check_ranks(cfg, comm.size), log)
     with run.role.sync.whole_model(), masters_in_model(run.optimizer):  # a mixed-precision run's are float32
