@@ -1,4 +1,5 @@
-"""The ``mpitrain`` command line: each command's parser and the function that runs it.
+"""The ``mpitrain`` command line: each command's parser and the function that runs it
+(``train``, ``sample`` and ``eval``: :mod:`mpitrain.cli_train`; ``plan``: :mod:`mpitrain.plan.cli`).
 
 Commands that may run under ``mpiexec`` (``train``, ``bench io``) start MPI through
 :func:`mpitrain.comm.world`. Errors about the input (config, data) are raised on every
@@ -9,9 +10,6 @@ exception on one rank prints its traceback and aborts every rank.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import io
-import itertools
 import json
 import sys
 import time
@@ -20,109 +18,6 @@ from pathlib import Path
 from mpitrain import __version__
 
 INTERRUPTED = 130  # the exit status after Ctrl-C (128 + SIGINT), as shells report it
-
-
-def _train(args) -> int:
-    from mpitrain import train
-    from mpitrain.comm import world
-
-    cfg, config_from, reconfigure = _train_config(args)  # before any MPI work
-    # each progress line as it is printed, also into a pipe (mpiexec's) or a log file
-    # (SLURM's), which Python would otherwise fill 8 KB at a time
-    if isinstance(sys.stdout, io.TextIOWrapper):  # not a stream a caller put there (a notebook's)
-        sys.stdout.reconfigure(line_buffering=True)
-    par = cfg.parallel
-    result = train.train(cfg, comm=world(par.thread_level, comm_thread=par.progress == "thread"),
-                         resume=args.resume is not None, start_over=args.start_over, config_from=config_from,
-                         reconfigure=reconfigure, origin=args.origin)
-    return INTERRUPTED if result.stopped == "SIGINT" else 0
-
-
-def _train_config(args):
-    """(the config ``train`` runs, the checkpoint it was read from or None, how to read
-    another checkpoint's): a new run's from CONFIG and ``--set``; a resumed run's from its
-    newest checkpoint whose header verifies, with ``--set`` as changes
-    (:mod:`mpitrain.train.resume`)."""
-    from mpitrain import config
-    from mpitrain.train import resume
-
-    if args.start_over and args.resume is None:
-        raise _usage("--start-over applies with --resume")
-    if args.origin is not None:
-        _check_origin(args)
-    if args.resume is None or args.resume is True and args.run_dir is None:
-        if args.config is None:
-            raise _usage("the CONFIG file is required (or --resume RUN_DIR)")
-        if Path(args.config).is_dir():
-            raise _usage(f"{args.config} is a directory: to resume a run, mpitrain train --resume {args.config}")
-    if args.resume is None:
-        overrides = args.set + ([f"run.dir={json.dumps(args.run_dir)}"] if args.run_dir is not None else [])
-        cfg = config.load(args.config, overrides)
-        if "run.dir" not in cfg.given:
-            run = dataclasses.replace(cfg.run, dir=str(_new_run_dir(Path(args.config).stem)))
-            cfg = dataclasses.replace(cfg, run=run)
-        return cfg, None, None
-    run_dir = _resume_dir(args)
-    overrides = args.set + [f"run.dir={json.dumps(str(run_dir))}"]
-    saved = resume.saved_config(run_dir, args.start_over)
-    if saved is None:  # nothing to resume: the run starts from CONFIG
-        if args.config is None:
-            raise _failure(f"{run_dir}: holds no usable checkpoint to take the config from; give the CONFIG "
-                           "file too")
-        return config.load(args.config, overrides), None, None
-    path, saved_cfg = saved
-
-    def reconfigure(saved: dict, where: Path):
-        return config.from_saved(saved, overrides, where=f"{where}: the saved config")
-
-    cfg = reconfigure(saved_cfg, path)
-    if args.config is not None:
-        given = {item.split("=", 1)[0].strip() for item in args.set}
-        file = {section: {k: v for k, v in table.items() if f"{section}.{k}" not in given}
-                for section, table in config.read(args.config).items() if isinstance(table, dict)}
-        saved_values = {s: {k: saved_cfg.get(s, {}).get(k) for k in t} for s, t in file.items()}
-        differ = [f"{k} = {new!r} in the file (saved: {old!r})" for k, old, new in
-                  resume.config_changes(saved_values, file)]
-        if differ:
-            _note(f"note: {args.config} differs from the config saved in {path}: {', '.join(differ)}; a resumed "
-                  "run keeps the saved values (--set changes one)")
-    return cfg, path, reconfigure
-
-
-def _check_origin(args) -> None:
-    """``--from CHECKPOINT``: a new run, from a checkpoint file that exists."""
-    if args.resume is not None:
-        raise _usage("--from starts a new run from a checkpoint's weights; --resume continues a run: give one")
-    if args.config is None:
-        raise _usage("--from needs the CONFIG file of the new run")
-    origin = Path(args.origin)
-    if origin.is_dir():
-        raise _usage(f"--from takes a checkpoint file, not the directory {origin} (its checkpoints: "
-                     f"{origin / 'checkpoints'}/step-*.h5)")
-    if not origin.is_file():
-        raise _failure(f"--from {origin}: no such checkpoint file")
-
-
-def _resume_dir(args) -> Path:
-    """The run directory ``--resume`` continues: the one it names, ``--run-dir``, or the
-    only run of CONFIG."""
-    from mpitrain.train import resume
-
-    named = None if args.resume is True else args.resume
-    if named is not None and args.run_dir is not None and Path(named) != Path(args.run_dir):
-        raise _usage(f"--resume {named} and --run-dir {args.run_dir} name different run directories")
-    if named is not None and not Path(named).exists():  # a typo must not start a new run
-        raise _failure(f"--resume {named}: no such run directory (to start a run there, or continue it if it "
-                       f"exists, as a requeued job does: mpitrain train CONFIG --run-dir {named} --resume)")
-    named = named or args.run_dir
-    if named is not None:
-        if Path(named).is_file():
-            raise _usage(f"--resume takes a run directory, not the file {named}: mpitrain train CONFIG --resume, "
-                         "or mpitrain train --resume RUN_DIR")
-        return Path(named)
-    run_dir, line = resume.find_run(Path(args.config).stem)
-    _note(line)
-    return run_dir
 
 
 def _note(message: str) -> None:
@@ -164,15 +59,6 @@ def _config_reference(args) -> None:
         Path(args.out).write_text(reference(), encoding="utf-8")
     else:
         sys.stdout.write(reference())
-
-
-def _new_run_dir(stem: str) -> Path:
-    """``runs/<config name>``; if a run already left checkpoints there, the next free
-    ``runs/<config name>-<n>``."""
-    from mpitrain.checkpoint import listed
-
-    paths = (Path("runs") / (stem if n == 1 else f"{stem}-{n}") for n in itertools.count(1))
-    return next(path for path in paths if not listed(path))
 
 
 def _data_build(args) -> None:
@@ -438,110 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
                      epilog="Run 'mpitrain COMMAND --help' for a command's options.")
     parser.add_argument("--version", action="version", version=f"mpitrain {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from mpitrain.cli_train import add_parsers as _train_parsers
     from mpitrain.plan.cli import add_parser as _plan_parser
 
-    for add in (_train_parser, _sample_parser, _eval_parser, _launch_parser, _plan_parser, _bench_parsers, _report_parser, _data_parsers,
+    for add in (_train_parsers, _launch_parser, _plan_parser, _bench_parsers, _report_parser, _data_parsers,
                 _cluster_parser, _config_parser):
         add(commands)
     return parser
-
-
-def _train_parser(commands) -> None:
-    p = commands.add_parser("train", help="train a model described by a TOML config",
-                            description="Train a model described by a TOML config (see jobs/), or resume a run.",
-                            epilog="Ctrl-C, SIGTERM or SIGUSR1 finish the step, save a checkpoint and stop "
-                                   "(exit 130 after Ctrl-C, 0 after the others). Under mpiexec a second Ctrl-C "
-                                   "aborts at once, saving nothing: run through 'mpitrain launch mpiexec ...' to "
-                                   "make a repeated Ctrl-C (or one under timeout) safe.")
-    p.add_argument("config", nargs="?", help="path of the TOML config, e.g. jobs/mnist5k_lenet.toml (a resumed "
-                                             "run takes its saved config: then optional)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one config value (TOML syntax), e.g. --set optim.lr=3e-4; repeatable; with "
-                        "--resume, a change to the saved config, listed when the run starts")
-    p.add_argument("--run-dir", metavar="DIR",
-                   help="where checkpoints and metrics.jsonl go (run.dir; default runs/<config name>, "
-                        "or runs/<config name>-<n> when an earlier run is there)")
-    p.add_argument("--resume", nargs="?", const=True, metavar="RUN_DIR",
-                   help="continue RUN_DIR (or --run-dir, or the only run of CONFIG in runs/) from its newest "
-                        "usable checkpoint, with the config saved in it; a run directory without checkpoints "
-                        "starts from CONFIG")
-    p.add_argument("--from", dest="origin", metavar="CHECKPOINT",
-                   help="start a new run (step 0, a fresh optimizer) from the model weights of CHECKPOINT, a "
-                        "file of any run (run.json records which)")
-    p.add_argument("--start-over", action="store_true",
-                   help="with --resume: if no checkpoint of the run can be used, start it again at step 0 "
-                        "(unusable files are moved to checkpoints/unusable/, never deleted)")
-    p.set_defaults(run=_train)
-
-
-def _sample_parser(commands) -> None:
-    p = commands.add_parser("sample", help="draw text from a trained GPT run",
-                            description="Load the newest checkpoint of RUN_DIR whose every byte verifies (or the "
-                                        "CHECKPOINT file), saved by any layout, into one process's whole model, "
-                                        "and print text drawn after --prompt. The tokenizer is the run's "
-                                        "dataset's (its manifest's vocabulary).")
-    p.add_argument("target", metavar="RUN_DIR|CHECKPOINT", help="a run directory, or a checkpoint file of one")
-    p.add_argument("--prompt", help="the text to continue (default: the first character of the validation split)")
-    p.add_argument("--tokens", type=_positive, default=500, help="characters to draw (default 500)")
-    p.add_argument("--temperature", type=_positive_float, default=0.8,
-                   help="divides the logits: lower is more conservative (default 0.8)")
-    p.add_argument("--top-k", type=_positive, help="draw among the K likeliest characters only (default: all)")
-    p.add_argument("--seed", type=int, default=1337, help="the sampling stream's seed (default 1337)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="change the saved config, e.g. --set data.path=... where the data is now")
-    p.set_defaults(run=_sample, alone="draws on one process")
-
-
-def _sample(args) -> None:
-    from mpitrain.comm import SingleComm
-    from mpitrain.train import trained
-
-    run, _, _ = trained.load(args.target, SingleComm(), _quiet, args.set)
-    try:
-        print(trained.sample(run, args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
-    finally:
-        run.close()
-
-
-def _eval_parser(commands) -> None:
-    p = commands.add_parser("eval", help="score a trained run's checkpoint on a split",
-                            description="Load the newest checkpoint of RUN_DIR whose every byte verifies (or the "
-                                        "CHECKPOINT file), saved by any layout, and score it on a split as the "
-                                        "run did: the same windows or images, the same train.eval_batches. On "
-                                        "one process, or spread over the ranks of mpiexec -n P.")
-    p.add_argument("target", metavar="RUN_DIR|CHECKPOINT", help="a run directory, or a checkpoint file of one")
-    p.add_argument("--split", help="the split to score (default: the one the run scored: val for text, test for "
-                                   "images)")
-    p.add_argument("--batches", type=int, metavar="N",
-                   help="text: score the first N global batches of windows (0: the whole split; default: the "
-                        "run's train.eval_batches)")
-    p.add_argument("--json", action="store_true", help="print the figures as one JSON line, unrounded")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="change the saved config, e.g. --set data.path=... where the data is now")
-    p.set_defaults(run=_eval)
-
-
-def _eval(args) -> None:
-    from mpitrain.comm import world
-    from mpitrain.train import trained
-
-    overrides = args.set + ([f"train.eval_batches={args.batches}"] if args.batches is not None else [])
-    comm = world()
-    run, step, path = trained.load(args.target, comm, _quiet, overrides)
-    try:
-        figures = trained.evaluate(run, step, comm, _quiet if args.json else _rank0_print(comm), args.split)
-    finally:
-        run.close()
-    if comm.rank == 0:
-        print(json.dumps({"checkpoint": str(path), **figures}) if args.json else f"({path}, {comm.size} rank(s))")
-
-
-def _quiet(*args) -> None:
-    pass
-
-
-def _rank0_print(comm):
-    return print if comm.rank == 0 else _quiet
 
 
 def _launch_parser(commands) -> None:
