@@ -151,6 +151,21 @@ def test_the_scaling_plot_shows_superlinear_efficiency(text_data, tmp_path, monk
     lines = []
     report([tmp_path / "p1", tmp_path / "p2"], out=tmp_path / "s", log=lines.append)
     assert [line for line in lines if line.startswith("scaling: 2 rank(s): ")][0].split("; ")[0].endswith("efficiency 150%")
+    assert any(line.startswith("scaling: efficiency above 100% at 2 ranks (ddp): each rank of those runs went "
+                               "faster than the 1-rank run") for line in lines), lines
+    for name, threads in (("p1", 2), ("p2", 1)):  # the 1-rank run on 2 BLAS threads, each of the 2 ranks on 1
+        kept = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        for r in kept:
+            if r["kind"] == "start":
+                r["threads"] = threads
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+    lines = []
+    report([tmp_path / "p1", tmp_path / "p2"], out=tmp_path / "s", log=lines.append)
+    assert [line for line in lines if line.startswith("scaling: efficiency above 100%")] == [
+        "scaling: efficiency above 100% at 2 ranks (ddp): the 1-rank run used 2 BLAS threads on its one process, "
+        "each of the others' ranks 1; a step split over threads runs slower per core than the same cores as "
+        "separate ranks, so X(1) understates one core's worth (train.threads=1 on every run measures the ranks "
+        "alone)"]
     efficiency = figures[-1].axes[1]
     assert efficiency.get_ylim()[0] == 0 and efficiency.get_ylim()[1] > 150
     assert [list(line.get_xdata()) for line in efficiency.get_lines()[:1]] == [[1, 2]]  # one line, from 1 rank

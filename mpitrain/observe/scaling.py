@@ -131,7 +131,7 @@ def _above_100(above: list[_Point], one: _Point) -> str:
     P-rank run faster than the 1-rank run."""
     at = ", ".join(f"{p.ranks} ranks ({p.series})" for p in above)
     threads = {p.threads for p in above}
-    if one.threads and threads and min(threads) and max(threads) < one.threads:
+    if one.threads and None not in threads and max(threads) < one.threads:  # None: a run that did not record them
         why = (f"the 1-rank run used {one.threads} BLAS threads on its one process, each of the others' ranks "
                f"{'/'.join(map(str, sorted(threads)))}; a step split over threads runs slower per core than "
                "the same cores as separate ranks, so X(1) understates one core's worth (train.threads=1 on "
