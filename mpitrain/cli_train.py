@@ -161,21 +161,26 @@ def _train_parser(commands) -> None:
     p.set_defaults(run=_train)
 
 
+def _trained_run_arguments(p) -> None:
+    """What sample and eval take alike: the run (or checkpoint), and changes to its saved config."""
+    p.add_argument("target", metavar="RUN_DIR|CHECKPOINT", help="a run directory, or a checkpoint file of one")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="change the saved config, e.g. --set data.path=... where the data is now")
+
+
 def _sample_parser(commands) -> None:
     p = commands.add_parser("sample", help="draw text from a trained GPT run",
                             description="Load the newest checkpoint of RUN_DIR whose every byte verifies (or the "
                                         "CHECKPOINT file), saved by any layout, into one process's whole model, "
                                         "and print text drawn after --prompt. The tokenizer is the run's "
                                         "dataset's (its manifest's vocabulary).")
-    p.add_argument("target", metavar="RUN_DIR|CHECKPOINT", help="a run directory, or a checkpoint file of one")
+    _trained_run_arguments(p)
     p.add_argument("--prompt", help="the text to continue (default: the first character of the validation split)")
     p.add_argument("--tokens", type=_positive, default=500, help="characters to draw (default 500)")
     p.add_argument("--temperature", type=_positive_float, default=0.8,
                    help="divides the logits: lower is more conservative (default 0.8)")
     p.add_argument("--top-k", type=_positive, help="draw among the K likeliest characters only (default: all)")
     p.add_argument("--seed", type=int, default=1337, help="the sampling stream's seed (default 1337)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="change the saved config, e.g. --set data.path=... where the data is now")
     p.set_defaults(run=_sample, alone="draws on one process")
 
 
@@ -196,15 +201,13 @@ def _eval_parser(commands) -> None:
                                         "CHECKPOINT file), saved by any layout, and score it on a split as the "
                                         "run did: the same windows or images, the same train.eval_batches. On "
                                         "one process, or spread over the ranks of mpiexec -n P.")
-    p.add_argument("target", metavar="RUN_DIR|CHECKPOINT", help="a run directory, or a checkpoint file of one")
+    _trained_run_arguments(p)
     p.add_argument("--split", help="the split to score (default: the one the run scored: val for text, test for "
                                    "images)")
     p.add_argument("--batches", type=int, metavar="N",
                    help="text: score the first N global batches of windows (0: the whole split; default: the "
                         "run's train.eval_batches)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON line, unrounded")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="change the saved config, e.g. --set data.path=... where the data is now")
     p.set_defaults(run=_eval)
 
 
