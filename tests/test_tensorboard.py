@@ -2,6 +2,7 @@
 ``metrics.jsonl`` stays the record, and the events hold the same figures."""
 
 import importlib.util
+import types
 
 import pytest
 from test_checkpoint import gpt, quiet
@@ -40,7 +41,11 @@ def test_the_scalars_are_the_metrics_records_and_the_shares_of_step_time(text_da
                                                              rel=1e-5))
 
 
-def test_a_resumed_run_drops_the_events_of_the_steps_it_does_again(text_data, tmp_path):
+@pytest.mark.parametrize("same_second", [False, True], ids=["later", "same-second"])
+def test_a_resumed_run_drops_the_events_of_the_steps_it_does_again(text_data, tmp_path, monkeypatch, same_second):
+    if same_second:  # both event files get one timestamp in their names: only the suffix orders them
+        import tensorboardX.event_file_writer as event_file
+        monkeypatch.setattr(event_file, "time", types.SimpleNamespace(time=lambda: 1_800_000_000.0))
     run = tmp_path / "a"
     options = ["train.log_interval=2", "run.checkpoint_interval=4", "run.tensorboard=true"]
     train.train(gpt(text_data, run, "train.steps=6", *options), log=quiet)  # checkpoints 4 and 6; events to 6

@@ -18,7 +18,6 @@ each ``eval`` record ``eval/val_loss`` (text) or ``eval/test_accuracy`` and
 
 from __future__ import annotations
 
-import secrets
 from pathlib import Path
 
 from mpitrain.config import ConfigError
@@ -35,10 +34,13 @@ class Board:
         except ImportError:
             raise ConfigError("run.tensorboard: needs the tensorboardX package: pip install -e \".[tensorboard]\" "
                               "(or pip install tensorboardX)") from None
-        # a resumed run: the events after its checkpoint's step are the killed run's, done again
-        # (its own file: two writers within one second, on one host, would share tensorboardX's name)
+        # a resumed run: the events after its checkpoint's step are the killed run's, done again.
+        # TensorBoard reads the files in name order and purges only what it has read, so the
+        # new file must sort after the old ones: tensorboardX names a file by the second and the
+        # host, and two writers within one second on one host differ only by this count
+        earlier = len(list(Path(directory).glob("events.out.tfevents.*")))
         self.writer = SummaryWriter(str(directory), purge_step=first_step + 1 if first_step else None,
-                                    filename_suffix=f".{secrets.token_hex(4)}")
+                                    filename_suffix=f".{earlier:06d}")
         self.before: tuple[int, dict] | None = None  # the previous train record's step and rows, by rank
 
     def record(self, kind: str, fields: dict) -> None:
