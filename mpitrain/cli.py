@@ -567,7 +567,7 @@ def _config_parser(commands) -> None:
     actions = config.add_subparsers(dest="action", required=True, metavar="ACTION")
     p = actions.add_parser("reference", help="print every field: type, default, meaning, what reads it",
                            description="Print the configuration reference in Markdown, generated from "
-                                       "mpitrain/config.py: every field, its type, default and meaning, and which "
+                                       "mpitrain/config/fields.py: every field, its type, default and meaning, and which "
                                        "models, optimizers and syncs read it (jobs/CONFIG.md is its output).")
     p.add_argument("--out", metavar="PATH", help="write it to PATH (e.g. jobs/CONFIG.md) instead of printing it")
     p.set_defaults(run=_config_reference)

@@ -236,7 +236,7 @@ def test_the_grid_resolves_the_rest_and_the_old_spelling_still_reads():
 
 def test_the_rest_of_a_grid_with_pipeline_and_tensor_axes(monkeypatch):
     """How -1 resolves with all three axes (the combinations not built yet refused after)."""
-    monkeypatch.setattr(config, "_check_tensor", lambda cfg, sizes: None)
+    monkeypatch.setattr(config.checks, "_check_tensor", lambda cfg, sizes: None)
     cfg = config.from_dict({"train": {"steps": 1, "global_batch_size": 12}}, ["parallel.pp=2", "parallel.tp=2"])
     assert config.check_ranks(cfg, 8) == (2, 2, 2)
     with pytest.raises(config.ConfigError, match=re.escape("parallel.dp: -1 takes the ranks the others leave, but "

@@ -1,7 +1,7 @@
 """The documentation against the code (unit tier).
 
 * ``jobs/CONFIG.md`` is what :func:`mpitrain.config.reference` generates from
-  ``mpitrain/config.py``, and every config field has a ``#:`` comment saying what it means;
+  ``mpitrain/config/fields.py``, and every config field has a ``#:`` comment saying what it means;
 * no docstring states a measured figure: those live in ``mpitrain/bench/README.md``.
 """
 
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_config_reference_is_current():
     committed = (ROOT / "jobs" / "CONFIG.md").read_text(encoding="utf-8")
     assert committed == config.reference(), (
-        "jobs/CONFIG.md differs from what mpitrain/config.py generates; regenerate it with: "
+        "jobs/CONFIG.md differs from what mpitrain/config/ generates; regenerate it with: "
         "mpitrain config reference --out jobs/CONFIG.md")
 
 
@@ -29,10 +29,10 @@ def test_config_reference_names_every_field_and_refuses_a_field_without_a_meanin
         assert f"## [{section}]" in page
         for name in fields:
             assert f"| `{name}` |" in page, f"{section}.{name}"
-    source = Path(config.__file__).read_text(encoding="utf-8")
-    stripped = tmp_path / "config.py"
+    source = Path(config.fields.__file__).read_text(encoding="utf-8")
+    stripped = tmp_path / "fields.py"
     stripped.write_text(source.replace("keep: int = 3  #:", "keep: int = 3  #"), encoding="utf-8")
-    monkeypatch.setattr(config, "__file__", str(stripped))
+    monkeypatch.setattr(config.fields, "__file__", str(stripped))
     with pytest.raises(ValueError, match=r"run\.keep: no '#:' comment"):
         config.reference()
 

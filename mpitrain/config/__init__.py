@@ -1,0 +1,199 @@
+"""Run configuration: frozen dataclasses loaded from TOML, with ``--set key=value`` overrides.
+
+* :mod:`mpitrain.config.fields`: one dataclass per section of a config file, the ``#:``
+  comment at each field saying what it means, and which choice reads which field;
+* this module: reading a TOML file (:func:`load`), ``--set`` overrides, a checkpoint's
+  saved config (:func:`from_saved`);
+* :mod:`mpitrain.config.checks`: every check, each with its message;
+* :mod:`mpitrain.config.reference`: ``jobs/CONFIG.md`` from the fields and their comments.
+
+Everything is validated before any work starts; the first problem raises
+:class:`ConfigError` naming the field (``optim.lr: must be > 0, got -1``), which the
+command line prints as one line, exiting with status 2. Renamed fields (:data:`RENAMED`)
+are still read, with a note (``Config.notes``) that the trainer prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from pathlib import Path
+
+from mpitrain.config.checks import check_against_data, check_ranks, cut_refused, validate
+from mpitrain.config.fields import (CHOICES, EMBEDDED, GRID, MODEL_FIELDS, MODELS, OPTIM_FIELDS, PARALLEL_FIELDS,
+                                    PIPELINE_SYNCS, PRECISION_SYNCS, RENAMED, TENSOR_SYNCS, TEXT_ONLY_TRAIN_FIELDS,
+                                    Config, ConfigError, DataConfig, ModelConfig, OptimConfig, ParallelConfig,
+                                    RunConfig, TrainConfig, sections)
+from mpitrain.config.reference import reference
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+__all__ = ["CHOICES", "EMBEDDED", "GRID", "MODEL_FIELDS", "MODELS", "OPTIM_FIELDS", "PARALLEL_FIELDS",
+           "PIPELINE_SYNCS", "PRECISION_SYNCS", "RENAMED", "TENSOR_SYNCS", "TEXT_ONLY_TRAIN_FIELDS", "Config",
+           "ConfigError", "DataConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RunConfig", "TrainConfig",
+           "check_against_data", "check_ranks", "cut_refused", "field_for_option", "from_dict", "from_saved", "load",
+           "read", "reference", "sections", "validate"]
+
+
+# the names other trainers give fields (nanoGPT's, PyTorch examples', torchrun scripts')
+_OPTION_ALIASES = {"batch_size": "train.global_batch_size", "learning_rate": "optim.lr", "max_iters": "train.steps",
+                   "iters": "train.steps", "warmup": "optim.warmup_steps", "warmup_iters": "optim.warmup_steps",
+                   "wd": "optim.weight_decay", "optimizer": "optim.name", "model": "model.name",
+                   "data": "data.path", "dataset": "data.path", "out_dir": "run.dir"}
+
+
+def field_for_option(option: str) -> str | None:
+    """The config field (``section.field``) a command-line option such as ``--epochs``,
+    ``--lr`` or ``--batch-size`` names, if one does (by its name in one section only,
+    or as other trainers name it); None otherwise."""
+    name = option.lstrip("-").replace("-", "_")
+    if name in _OPTION_ALIASES:
+        return _OPTION_ALIASES[name]
+    tables = typing.get_type_hints(Config)
+    owners = [s.name for s in sections() if name in {f.name for f in dataclasses.fields(tables[s.name])}]
+    return f"{owners[0]}.{name}" if len(owners) == 1 else None
+
+
+# ------------------------------------------------------------------- parsing
+# what a TOML value must be for a field of each scalar type, as the error says it (a bool is an int in Python)
+_SCALARS = {
+    bool: (lambda v: isinstance(v, bool), "true or false"),
+    int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v), "a finite number"),
+    str: (lambda v: isinstance(v, str), "a string"),
+}
+
+
+def _coerce(key: str, value, annotation):
+    """Check a TOML value against a field's annotation and convert lists to tuples."""
+    if typing.get_origin(annotation) is tuple:
+        args = typing.get_args(annotation)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{key}: expected a list, got {value!r}")
+        if args[-1] is not Ellipsis and len(value) != len(args):
+            raise ConfigError(f"{key}: expected a list of {len(args)} values, got {len(value)}")
+        return tuple(_coerce(key, v, args[0]) for v in value)
+    ok, expected = _SCALARS[annotation]
+    if not ok(value):
+        raise ConfigError(f"{key}: expected {expected}, got {value!r}")
+    return float(value) if annotation is float else value
+
+
+def _parse_override(item: str) -> tuple[str, object]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected section.key=value")
+    key, text = item.split("=", 1)
+    try:
+        return key.strip(), tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return key.strip(), text  # a bare word: take it as a string (--set data.path=input.txt)
+
+
+def from_dict(raw: dict, overrides: list[str] = (), data_needed: bool = True) -> Config:
+    """Build and validate a Config from a parsed TOML document and ``key=value`` overrides."""
+    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for item in overrides:
+        key, value = _parse_override(item)
+        if key.count(".") != 1:
+            raise ConfigError(f"--set {key}: expected section.key (e.g. optim.lr)")
+        section, name = key.split(".")
+        if not isinstance(raw.setdefault(section, {}), dict):
+            raise ConfigError(f"{section}: expected a table")
+        raw[section][name] = value
+
+    notes = _renamed(raw)
+    hints = typing.get_type_hints(Config)
+    tables, given = {}, set()
+    known = {s.name for s in sections()}
+    for section in raw:
+        if section not in known:
+            raise ConfigError(f"{section}: unknown section (expected one of {sorted(known)})")
+        if not isinstance(raw[section], dict):
+            raise ConfigError(f"{section}: expected a table")
+    for s in sections():
+        cls = hints[s.name]
+        field_hints = typing.get_type_hints(cls)
+        values = {}
+        for name, value in raw.get(s.name, {}).items():
+            key = f"{s.name}.{name}"
+            if name not in field_hints:
+                raise ConfigError(f"{key}: unknown field (expected one of {sorted(field_hints)})")
+            values[name] = _coerce(key, value, field_hints[name])
+            given.add(key)
+        tables[s.name] = cls(**values)
+    cfg = Config(**tables, given=frozenset(given), notes=tuple(notes))
+    validate(cfg, data_needed)
+    return cfg
+
+
+def _renamed(raw: dict) -> list[str]:
+    """Move fields given under an old name (:data:`RENAMED`) to the new one, in place; a note for each."""
+    notes = []
+    for old, new in RENAMED.items():
+        section, name = old.split(".")
+        new_name = new.split(".")[1]
+        table = raw.get(section)
+        if isinstance(table, dict) and name in table:
+            if new_name in table:
+                raise ConfigError(f"{old}: is the old name of {new}; give only {new}")
+            table[new_name] = table.pop(name)
+            notes.append(f"note: {old} is now spelled {new} (read as {new} = {table[new_name]!r})")
+    return notes
+
+
+def load(path, overrides: list[str] = (), data_needed: bool = True) -> Config:
+    """Read a TOML config file and apply overrides; raises ConfigError naming the problem.
+    ``data_needed=False`` (the planner) accepts a ``data.path`` that does not exist yet."""
+    return from_dict(read(path), overrides, data_needed)
+
+
+def read(path) -> dict:
+    """A TOML config file's tables, unchecked; raises ConfigError naming the file."""
+    path = Path(path)
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a config file") from None
+    except OSError as e:  # no permission, an I/O error, ...
+        raise ConfigError(f"{path}: cannot read the config file ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text, as TOML must be (byte 0x{e.object[e.start]:02x} at offset "
+                          f"{e.start})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path}: not valid TOML ({e})") from None
+
+
+def from_saved(saved: dict, overrides: list[str] = (), where: str = "the saved config",
+               data_needed: bool = True) -> Config:
+    """The Config saved in a checkpoint (``Config.to_dict``, every field) with ``overrides``
+    applied. Fields at their defaults are left out, so that only what was set counts as
+    given, and so are saved fields that do not apply to a choice the overrides make (a
+    parameter server's ``parallel.staleness`` when ``--set parallel.sync=ddp`` resumes its
+    checkpoint); an error in the saved values names ``where``."""
+    defaults = Config().to_dict()
+    try:
+        raw = {section: {k: v for k, v in fields.items() if _as_tuple(v) != defaults.get(section, {}).get(k)}
+               for section, fields in saved.items()}
+    except AttributeError:
+        raise ConfigError(f"{where}: not a table of sections") from None
+    given = dict(_parse_override(item) for item in overrides)
+    for section, (choice, fields) in CHOICES.items():
+        chosen = given.get(f"{section}.{choice}", saved.get(section, {}).get(choice))
+        if f"{section}.{choice}" in given and chosen in fields and section in raw:
+            raw[section] = {k: v for k, v in raw[section].items() if k in fields[chosen]}
+    try:
+        return from_dict(raw, overrides, data_needed)
+    except ConfigError as e:
+        if str(e).split(":", 1)[0] in given:  # the user's --set, not the saved config
+            raise
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _as_tuple(value):
+    return tuple(value) if isinstance(value, list) else value
