@@ -71,7 +71,8 @@ class Forwarder:
 
 
 def run(command: list[str]) -> int:
-    """Run ``command`` as the module's docstring says; its exit status."""
+    """Run ``command`` as the module's docstring says; its exit status. The stop signals
+    are ignored from then on: the process is about to exit."""
     forwarder = Forwarder()
     signal.signal(signal.SIGINT, forwarder.on_int)
     for name in PASSED_ON:
@@ -87,6 +88,11 @@ def run(command: list[str]) -> int:
         relay.start()
     forwarder.started(child)
     code = child.wait()  # PEP 475: a handled signal does not interrupt the wait
+    # nothing is left to pass on, and a late Ctrl-C (a repeat) must not kill this process as it
+    # exits: Python, finishing, puts back the default action of the signals it handled (SIGINT's
+    # kills), and leaves those it ignores ignored
+    for name in ("SIGINT", *PASSED_ON):
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
     for relay in relays:  # the last lines; a process the launch line left behind may hold its pipe
         relay.join(timeout=5)
     return code if code >= 0 else 128 - code

@@ -46,6 +46,21 @@ def test_the_first_sigint_is_passed_on_repeats_within_the_window_are_not_a_later
     assert err.count("mpitrain launch: stopping already") == 2
 
 
+def test_ctrl_c_repeated_while_the_launcher_exits_does_not_kill_it():
+    """SIGINTs every few milliseconds from the first until ``mpitrain launch`` has exited:
+    the launch line stops at the first, and the launcher, exiting, takes none of the
+    others as its own death (the status stays the launch line's 130, not killed by SIGINT)."""
+    proc = subprocess.Popen([sys.executable, "-m", "mpitrain", "launch", sys.executable, "-c", CHILD, "30", "1", "130"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout.readline() == "ready True 1\n"
+    deadline = time.monotonic() + 60
+    while proc.poll() is None and time.monotonic() < deadline:
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.002)
+    assert proc.wait(timeout=10) == 130
+    assert proc.stdout.read() == "SIGINT\n"
+
+
 @pytest.mark.parametrize("sent,got", [("SIGTERM", "SIGTERM"), ("SIGUSR1", "SIGUSR1"), ("SIGHUP", "SIGTERM")])
 def test_other_stop_signals_are_passed_on_each_time(sent, got):
     proc = start(30, 2, 0)
