@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpitrain.tensor import Tensor, backward, no_grad
+from mpitrain.autograd import backward
+from mpitrain.tensor import Tensor, no_grad
 
 
 SCALE_FLOOR = 1e-3

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mpitrain"
-BASE = ("mpitrain.tensor", "mpitrain.ops", "mpitrain.nn", "mpitrain.optim", "mpitrain.rng",
+BASE = ("mpitrain.tensor", "mpitrain.autograd", "mpitrain.ops", "mpitrain.nn", "mpitrain.optim", "mpitrain.rng",
         "mpitrain.gradcheck", "mpitrain.flat", "mpitrain.schedules")
 
 

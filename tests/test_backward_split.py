@@ -10,7 +10,8 @@ import pytest
 
 from mpitrain import gradcheck as gradcheck_module
 from mpitrain import nn, ops, rng
-from mpitrain.tensor import Function, Parameter, Tensor, backward_split, default_dtype, no_grad
+from mpitrain.autograd import backward_split
+from mpitrain.tensor import Function, Parameter, Tensor, default_dtype, no_grad
 
 
 def twins(make, dtype):

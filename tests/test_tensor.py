@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from mpitrain import nn, ops, rng
-from mpitrain.tensor import (Parameter, Tensor, backward, default_dtype, get_default_dtype, grad,
-                             no_grad, reference_backward)
+from mpitrain.autograd import backward, grad, reference_backward
+from mpitrain.tensor import Parameter, Tensor, default_dtype, get_default_dtype, no_grad
 
 
 def leaf(*shape, seed=0):

@@ -4,7 +4,7 @@ memory cost"). One extra forward per block buys memory proportional to blocks, n
 
 The block runs as one graph node whose inputs are the block's input *and* its
 parameters. The recomputation builds a private graph and takes gradients from it with
-:func:`mpitrain.tensor.grad`, which leaves ``.grad`` alone; the outer backward then
+:func:`mpitrain.autograd.grad`, which leaves ``.grad`` alone; the outer backward then
 accumulates them like any other node's. So a parameter used both inside and outside
 the block (a tied embedding) gets its post-accumulate hook only when all uses are in.
 
@@ -20,7 +20,8 @@ import numpy as np
 
 from mpitrain import rng
 from mpitrain.nn.module import Module
-from mpitrain.tensor import Function, Tensor, as_tensor, enable_grad, grad, is_grad_enabled, no_grad
+from mpitrain.autograd import grad
+from mpitrain.tensor import Function, Tensor, as_tensor, enable_grad, is_grad_enabled, no_grad
 
 
 class _Checkpoint(Function):

@@ -61,7 +61,7 @@ import time
 
 import numpy as np
 
-from mpitrain import ops, rng, tensor
+from mpitrain import autograd, ops, rng
 from mpitrain.comm import Tag
 from mpitrain.nn import Module
 from mpitrain.schedules import (FREES, Action, Backward, BackwardInput, BackwardWeight, Forward,
@@ -287,9 +287,9 @@ class PipelineStage(Module):
         if before_backward is not None and not isinstance(a, BackwardWeight):
             before_backward()
         if isinstance(a, Backward):
-            tensor.backward([box.root])
+            autograd.backward([box.root])
         elif isinstance(a, BackwardInput):
-            box.weights = tensor.backward_split([box.root])
+            box.weights = autograd.backward_split([box.root])
         else:
             box.weights.run()
             box.weights = None

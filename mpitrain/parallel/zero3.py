@@ -64,7 +64,8 @@ from mpitrain.flat import offsets
 from mpitrain.nn.checkpoint import replay
 from mpitrain.parallel import GradSync
 from mpitrain.rng import snapshot
-from mpitrain.tensor import Function, Tensor, as_tensor, grad, is_grad_enabled, no_grad
+from mpitrain.autograd import grad
+from mpitrain.tensor import Function, Tensor, as_tensor, is_grad_enabled, no_grad
 
 
 @dataclass

@@ -157,7 +157,7 @@ def replays(lay, layer) -> bool:
 def recomputed(lay, layer, split: bool) -> int:
     """FLOPs per sample ``layer`` runs again in backward: a replayed layer's forward; and in
     a backward split in two passes (``split``) a checkpointed block's node, which ignores
-    the split, runs whole in both (:func:`mpitrain.tensor.backward_split`): its forward and
+    the split, runs whole in both (:func:`mpitrain.autograd.backward_split`): its forward and
     backward once more."""
     if not replays(lay, layer):
         return 0

@@ -86,7 +86,7 @@ def gpt_probe(V=84, T=64, L=4, H=4, C=128, batch=12, path: str = "gpt") -> Probe
     passes ("gpt-split"); ``make(precision)`` trains in mixed precision (bf16, fp16) as the
     trainer does."""
     def make(precision: str = "fp32"):
-        from mpitrain import nn, ops, optim, tensor
+        from mpitrain import autograd, nn, ops, optim
         from mpitrain.comm import SingleComm
         from mpitrain.parallel.tensor_parallel import slice_gpt
         from mpitrain.precision import MixedPrecision
@@ -103,7 +103,7 @@ def gpt_probe(V=84, T=64, L=4, H=4, C=128, batch=12, path: str = "gpt") -> Probe
                 for i in range(m):  # micro-batches, their gradients accumulated
                     loss = model(x[i * b : (i + 1) * b], y[i * b : (i + 1) * b])[1]
                     if path == "gpt-split":  # a zero-bubble stage's B, then its W
-                        tensor.backward_split([loss]).run()
+                        autograd.backward_split([loss]).run()
                     else:
                         loss.backward()
             if precision == "fp32" or not opt.check():
