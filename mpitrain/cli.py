@@ -278,6 +278,3 @@ def main(argv=None) -> int:
         _note("mpitrain: interrupted")
         return INTERRUPTED
 
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -72,15 +72,17 @@ class Forwarder:
 
 def run(command: list[str]) -> int:
     """Run ``command`` as the module's docstring says; its exit status. The stop signals
-    are ignored from then on: the process is about to exit."""
+    are ignored from then on: the process is about to exit. (If ``command`` cannot start,
+    LaunchError, with the handlers as they were.)"""
     forwarder = Forwarder()
-    signal.signal(signal.SIGINT, forwarder.on_int)
-    for name in PASSED_ON:
-        signal.signal(getattr(signal, name), forwarder.on_other)
+    before = {name: signal.signal(getattr(signal, name), forwarder.on_int if name == "SIGINT" else forwarder.on_other)
+              for name in ("SIGINT", *PASSED_ON)}
     try:
         child = subprocess.Popen(command, start_new_session=True, env={**os.environ, ENV: "1"},
                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     except OSError as e:
+        for name, handler in before.items():
+            signal.signal(getattr(signal, name), handler)
         raise LaunchError(f"cannot run {command[0]}: {e.strerror or e}") from None
     relays = [threading.Thread(target=_relay, args=(pipe.fileno(), sink), daemon=True)
               for pipe, sink in ((child.stdout, sys.stdout), (child.stderr, sys.stderr))]

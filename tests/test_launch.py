@@ -95,9 +95,11 @@ def test_a_signal_before_the_launch_line_has_started_is_passed_on_once_it_has():
 def test_a_launch_line_that_cannot_start_is_one_line(capsys):
     from mpitrain import cli
 
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     assert cli.main(["launch", "/nonexistent/mpiexec", "-n", "2"]) == 2
     assert capsys.readouterr().err == "mpitrain: error: cannot run /nonexistent/mpiexec: No such file or directory\n"
     assert os.environ.get(launch.ENV) is None
+    assert {s: signal.getsignal(s) for s in handlers} == handlers  # this process's own, put back
 
 
 @pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")

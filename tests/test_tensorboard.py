@@ -41,7 +41,7 @@ def test_the_scalars_are_the_metrics_records_and_the_shares_of_step_time(text_da
                                                              rel=1e-5))
 
 
-@pytest.mark.parametrize("same_second", [False, True], ids=["later", "same-second"])
+@pytest.mark.parametrize("same_second", [False, True], ids=["the-clock", "same-second"])
 def test_a_resumed_run_drops_the_events_of_the_steps_it_does_again(text_data, tmp_path, monkeypatch, same_second):
     if same_second:  # both event files get one timestamp in their names: only the suffix orders them
         import tensorboardX.event_file_writer as event_file

@@ -5,7 +5,7 @@
 * this module: reading a TOML file (:func:`load`), ``--set`` overrides, a checkpoint's
   saved config (:func:`from_saved`);
 * :mod:`mpitrain.config.checks`: every check, each with its message;
-* :mod:`mpitrain.config.reference`: ``jobs/CONFIG.md`` from the fields and their comments.
+* :mod:`mpitrain.config.markdown`: ``jobs/CONFIG.md`` from the fields and their comments.
 
 Everything is validated before any work starts; the first problem raises
 :class:`ConfigError` naming the field (``optim.lr: must be > 0, got -1``), which the
@@ -25,7 +25,7 @@ from mpitrain.config.fields import (CHOICES, EMBEDDED, GRID, MODEL_FIELDS, MODEL
                                     PIPELINE_SYNCS, PRECISION_SYNCS, RENAMED, TENSOR_SYNCS, TEXT_ONLY_TRAIN_FIELDS,
                                     Config, ConfigError, DataConfig, ModelConfig, OptimConfig, ParallelConfig,
                                     RunConfig, TrainConfig, sections)
-from mpitrain.config.reference import reference
+from mpitrain.config.markdown import reference
 
 try:
     import tomllib

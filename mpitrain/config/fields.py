@@ -1,7 +1,7 @@
 """The fields of a run's configuration: one frozen dataclass per section of a config file
 (``[model]``, ``[data]``, ``[optim]``, ``[train]``, ``[parallel]``, ``[run]``), and the
 tables of which choice reads which field. The ``#:`` comment at each field says what it
-means; :func:`mpitrain.config.reference.reference` turns those into ``jobs/CONFIG.md``.
+means; :func:`mpitrain.config.reference` turns those into ``jobs/CONFIG.md``.
 """
 
 from __future__ import annotations

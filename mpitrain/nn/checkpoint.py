@@ -19,8 +19,8 @@ from __future__ import annotations
 import numpy as np
 
 from mpitrain import rng
-from mpitrain.nn.module import Module
 from mpitrain.autograd import grad
+from mpitrain.nn.module import Module
 from mpitrain.tensor import Function, Tensor, as_tensor, enable_grad, is_grad_enabled, no_grad
 
 

@@ -58,13 +58,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mpitrain.autograd import grad
 from mpitrain.comm import replicas
 from mpitrain.comm.ring import Ring, chunk_bounds
 from mpitrain.flat import offsets
 from mpitrain.nn.checkpoint import replay
 from mpitrain.parallel import GradSync
 from mpitrain.rng import snapshot
-from mpitrain.autograd import grad
 from mpitrain.tensor import Function, Tensor, as_tensor, is_grad_enabled, no_grad
 
 

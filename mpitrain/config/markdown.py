@@ -17,8 +17,8 @@ from mpitrain.config.fields import (CHOICES, PIPELINE_SYNCS, PRECISION_SYNCS, RE
 _TYPE_NAMES = {str: "string", int: "integer", float: "number", bool: "boolean", tuple[int, ...]: "list of integers",
                tuple[float, float]: "list of 2 numbers"}
 _INTRO = ("Generated from `mpitrain/config/fields.py` by `mpitrain config reference --out jobs/CONFIG.md` (edit "
-          "the code; a test compares the two). A field left out takes its default; `--set section.field=VALUE` sets one (TOML "
-          "syntax). How to run a config: [README.md](README.md).")
+          "the code; a test compares the two). A field left out takes its default; `--set section.field=VALUE` sets "
+          "one (TOML syntax). How to run a config: [README.md](README.md).")
 
 
 def reference() -> str:
