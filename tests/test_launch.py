@@ -58,7 +58,7 @@ def test_ctrl_c_repeated_while_the_launcher_exits_does_not_kill_it():
         proc.send_signal(signal.SIGINT)
         time.sleep(0.002)
     assert proc.wait(timeout=10) == 130
-    assert proc.stdout.read() == "SIGINT\n"
+    assert proc.stdout.read().startswith("SIGINT")  # (a child slower than REPEAT_S to exit would get a second)
 
 
 @pytest.mark.parametrize("sent,got", [("SIGTERM", "SIGTERM"), ("SIGUSR1", "SIGUSR1"), ("SIGHUP", "SIGTERM")])
