@@ -80,11 +80,11 @@ def _prints_errors() -> bool:
 
 def _command_parser(parser, argv):
     """The parser of the (sub)command ``argv`` names, whose usage goes with its errors."""
-    while subcommands := [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]:
-        named = [t for t in argv if t in subcommands[0].choices]
+    while (subcommands := getattr(parser, "subcommands", None)) is not None:
+        named = [t for t in argv if t in subcommands.choices]
         if not named:
             break
-        parser = subcommands[0].choices[named[0]]
+        parser = subcommands.choices[named[0]]
         argv = argv[argv.index(named[0]) + 1:]
     return parser
 
@@ -110,7 +110,12 @@ def _set_hint(args, unknown: list[str]) -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    """The argument parser, whose usage errors (the same on every rank) one rank prints."""
+    """The argument parser, whose usage errors (the same on every rank) one rank prints.
+    It keeps its subcommands' action (``subcommands``), whose parsers usage errors name."""
+
+    def add_subparsers(self, **kwargs):
+        self.subcommands = super().add_subparsers(**kwargs)  # the subparsers are _Parser too
+        return self.subcommands
 
     def error(self, message):
         if _prints_errors():
