@@ -11,6 +11,8 @@ exception on one rank prints its traceback and aborts every rank.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -251,6 +253,19 @@ def _config_parser(commands) -> None:
 
 
 def main(argv=None) -> int:
+    """The ``mpitrain`` command: its exit status. A reader of its output that goes away
+    (``mpitrain plan ... | head``) ends it quietly with the status of a process that
+    SIGPIPE ended, as for any Unix tool, not with a traceback."""
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # here rather than at exit, where a broken pipe could only be reported
+        return status
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush must not fail again
+        return 128 + signal.SIGPIPE
+
+
+def _main(argv) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)

@@ -231,6 +231,21 @@ def test_the_command_prints_every_part():
         assert part in out
 
 
+def test_a_reader_gone_away_ends_the_command_quietly():
+    """`mpitrain plan ... | head`: the pipe's reader is gone before the plan is written.
+    The command ends as a Unix tool that SIGPIPE ended (141), not with a traceback."""
+    import os
+
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        out = subprocess.run([sys.executable, "-m", "mpitrain", "plan", "jobs/shakespeare_gpt.toml", "-n", "2"],
+                             stdout=write, stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(write)
+    assert out.returncode == 141 and out.stderr == ""
+
+
 @pytest.mark.parametrize("model", ["gpt", "lenet"])
 def test_one_process_counts_what_the_plan_predicts(model, tmp_path):
     """--validate's comparison in one process, without MPI (every layout on several
