@@ -240,6 +240,34 @@ def test_calibrate_writes_a_file_that_loads_back(shipped, tmp_path):
     assert any(line.startswith("gemm (32, 32)") for line in lines) and np.isfinite(this.elementwise_bandwidth)
     assert this.switch == measured["device"]["this"].get("switch_us", 0) * 1e-6 >= 0  # 0: not measured here
     assert any(line.startswith("a blocking call between 2 ranks on one core: ") for line in lines)
+    assert this.name == hardware.this_machine() and hardware.calibrated_elsewhere(this) == ""
+
+
+def test_a_calibration_of_another_machine_is_said_where_its_predictions_are_printed(shipped, monkeypatch):
+    """'this' from the shipped catalogue on a user's machine predicts the developers'
+    machine: mpitrain plan's header and a run's closing plan lines say so, naming both
+    machines and the command that measures this one; where the CPU and cores are the
+    calibration's (another NumPy is the same machine), nothing is added."""
+    from mpitrain import plan as planner
+    from mpitrain.config import load
+    from mpitrain.plan import show, validate
+
+    this = shipped.device("this")
+    cfg = load("jobs/shakespeare_gpt.toml", data_needed=False)
+    plan = planner.make(cfg, 2, planner.machine(shipped, "this", 2))
+    states = [({"param_bytes": 1, "grad_bytes": 1, "optim_bytes": 1, "work_bytes": 1}, None)] * 2
+    for name, elsewhere in ((this.name, False), (this.name.split(";")[0] + "; NumPy 9.9, another BLAS", False),
+                            ("AMD EPYC 9654 96-Core Processor, 96 cores; NumPy 2.5.2, openblas 0.3.34", True)):
+        monkeypatch.setattr(hardware, "this_machine", lambda: name)
+        note = hardware.calibrated_elsewhere(this)
+        header, closing = show.header(plan, "x"), validate.end_of_run(cfg, 2, 0.1, states)
+        if not elsewhere:
+            assert note == "" and not any("calibration of another machine" in line for line in header + closing)
+            continue
+        assert this.name.split(";")[0] in note and "AMD EPYC 9654 96-Core Processor, 96 cores" in note
+        assert "mpitrain plan --calibrate" in note
+        assert header[-1] == f"note: {note}" and closing[-1] == f"plan: {note}"
+        assert hardware.calibrated_elsewhere(shipped.device("h100")) == ""  # a datasheet's device is no machine
 
 
 def test_traffic_counts_kept_numbers_and_each_convolutions_columns():

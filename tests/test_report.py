@@ -238,6 +238,14 @@ def test_the_scaling_plot_has_a_row_per_link_rate_and_undoes_time_dilation(text_
     assert dotted and all(ln.get_marker() == "x" for ln in dotted)
     for row in (rows[0], rows[2]):  # the one-node 2-rank run is in both rows
         assert "ddp, 2 ranks/node" in [line.get_label() for line in row.get_lines()]
+    # predictions from a calibration of another machine say so, once
+    from mpitrain.plan import hardware
+
+    monkeypatch.setattr(hardware, "this_machine", lambda: "Another CPU, 96 cores; NumPy 9.9, a BLAS")
+    lines.clear()
+    report(runs, out=tmp_path / "s2", log=lines.append)
+    assert line("'this' is a calibration of another machine (").endswith("measures this one")
+    assert "(Another CPU, 96 cores)" in line("'this' is a calibration")
 
 
 def test_every_job_script_parses():

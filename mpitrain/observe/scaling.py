@@ -109,6 +109,9 @@ def scaling(runs: list[Run], path, log):
         log(f"scaling: the planner against {len(held)} of {len(points)} runs: mean absolute error "
             f"{sum(map(abs, held)) / len(held):.1%}, from {held[0]:+.0%} to {held[-1]:+.0%} "
             f"(measured less predicted, over measured)")
+        from mpitrain.plan import hardware
+        if elsewhere := hardware.calibrated_elsewhere(hardware.load().device("this")):
+            log(f"scaling: {elsewhere}")
     return report.save(fig, path)  # through the module: a test may stand in for it
 
 

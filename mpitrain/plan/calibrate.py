@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from mpitrain.plan.hardware import (GEMM_DTYPES, MIXED, HardwareError, emulated_link, parse_device, read_toml,
-                                    user_path)
+                                    this_machine, user_path)
 from mpitrain.plan.steps import PROBES, measure_mixed, measure_steps, median_seconds, significant
 from mpitrain.runtime import available_cores
 
@@ -57,7 +57,7 @@ def measure_device(shapes=None, repeats: int = 5, log=print) -> dict:
     arrays of 32 MiB, beyond the caches and preallocated (no page faults): a copy reads and
     writes one, ``np.add`` reads two and writes one; and a tiny op, ``np.add`` of 16
     elements in a Python call."""
-    from threadpoolctl import threadpool_info, threadpool_limits
+    from threadpoolctl import threadpool_limits
 
     rows, gen = [], np.random.default_rng(0)
     for threads in sorted({1, available_cores()}):
@@ -81,12 +81,9 @@ def measure_device(shapes=None, repeats: int = 5, log=print) -> dict:
             for d in GEMM_DTYPES}
     if not best["float32"]:
         raise HardwareError("calibration needs a float32 GEMM shape at least")
-    fp32, cpu = best["float32"], Path("/proc/cpuinfo")
-    model = next((line.split(":")[1].strip() for line in (cpu.read_text().splitlines() if cpu.exists() else ())
-                  if line.startswith("model name")), "a CPU")
-    blas = next((f"{i['internal_api']} {i['version']}" for i in threadpool_info() if i["user_api"] == "blas"), "BLAS")
-    name = f"{model}, {os.cpu_count()} cores; NumPy {np.__version__}, {blas}"
-    return {"name": name, "memory_gb": significant(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9),
+    fp32 = best["float32"]
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"name": this_machine(), "memory_gb": significant(memory / 1e9),
             "memory_bandwidth_gbs": significant(copy / 1e9), "elementwise_bandwidth_gbs": significant(add / 1e9),
             "op_overhead_us": significant(tiny * 1e6),
             # TFLOP/s; half-precision products run in float32 (precision.py)

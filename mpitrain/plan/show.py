@@ -6,6 +6,7 @@ import math
 import re
 
 from mpitrain import cost
+from mpitrain.plan.hardware import calibrated_elsewhere
 
 MB = 1e6
 CATEGORIES = ("parameters", "gradients", "optimizer state", "masters", "work", "buffers", "reader", "activations")
@@ -42,11 +43,12 @@ def header(plan, source: str) -> list[str]:
     nodes = math.ceil(lay.P / mc.per_node)
     links = mc.intra.name + ("" if nodes == 1 else f" inside a node, {mc.inter.name} between nodes")
     use = "" if mc.device.calibrated else f" at {100 * mc.utilization:.0f}% of peak"
+    elsewhere = calibrated_elsewhere(mc.device)
     return [f"plan: {source} on {lay.describe()}",
             f"model: {lay.cfg.model.name}, {lay.whole:,} parameters; data: {data.name}{known}, {what}, "
             f"{plan.bytes_per_sample:,} B per sample read",
             f"machine: {nodes} node(s) x {mc.per_node} rank(s) of {mc.device.name}{use}; {links}; "
-            f"memory per rank {size(mc.memory)}"]
+            f"memory per rank {size(mc.memory)}", *([f"note: {elsewhere}"] if elsewhere else [])]
 
 
 def rank_table(plan) -> list[str]:
