@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import signal
 import sys
 from pathlib import Path
@@ -261,8 +262,22 @@ def main(argv=None) -> int:
         sys.stdout.flush()  # here rather than at exit, where a broken pipe could only be reported
         return status
     except BrokenPipeError:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush must not fail again
+        if not _stdout_gone():  # another pipe or socket (a download's, say): an error like any other
+            raise
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the exit's own flush must not fail again
+        os.close(devnull)
         return 128 + signal.SIGPIPE
+
+
+def _stdout_gone() -> bool:
+    """Whether standard output is a pipe whose reader has gone (poll reports an error on it)."""
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll (Windows), or no real stdout
+        return False
 
 
 def _main(argv) -> int:

@@ -231,19 +231,38 @@ def test_the_command_prints_every_part():
         assert part in out
 
 
-def test_a_reader_gone_away_ends_the_command_quietly():
-    """`mpitrain plan ... | head`: the pipe's reader is gone before the plan is written.
-    The command ends as a Unix tool that SIGPIPE ended (141), not with a traceback."""
+@pytest.mark.parametrize("command", [["plan", "jobs/shakespeare_gpt.toml", "-n", "2"], ["config", "reference"]],
+                         ids=["plan", "config-reference"])
+def test_a_reader_gone_away_ends_the_command_quietly(command):
+    """`mpitrain plan ... | head`: the pipe's reader is gone before the output is written
+    (by the command's own flush, or main's). The command ends as a Unix tool that SIGPIPE
+    ended (141), not with a traceback."""
     import os
 
     read, write = os.pipe()
     os.close(read)
     try:
-        out = subprocess.run([sys.executable, "-m", "mpitrain", "plan", "jobs/shakespeare_gpt.toml", "-n", "2"],
-                             stdout=write, stderr=subprocess.PIPE, text=True)
+        out = subprocess.run([sys.executable, "-m", "mpitrain", *command], stdout=write, stderr=subprocess.PIPE,
+                             text=True)
     finally:
         os.close(write)
     assert out.returncode == 141 and out.stderr == ""
+
+
+def test_a_broken_pipe_that_is_not_stdouts_stays_an_error(monkeypatch):
+    """A BrokenPipeError from another pipe or socket while standard output's reader is
+    still there is the command's error, raised, not a quiet 141."""
+    import os
+
+    def broken(argv):
+        raise BrokenPipeError("a socket's peer went away")
+
+    read, write = os.pipe()
+    with os.fdopen(write, "w") as stdout, os.fdopen(read) as _:
+        monkeypatch.setattr(sys, "stdout", stdout)
+        monkeypatch.setattr(cli, "_main", broken)
+        with pytest.raises(BrokenPipeError, match="peer went away"):
+            cli.main([])
 
 
 @pytest.mark.parametrize("model", ["gpt", "lenet"])

@@ -150,7 +150,8 @@ def test_the_scaling_plot_shows_superlinear_efficiency(text_data, tmp_path, monk
     monkeypatch.setattr(module, "save", lambda fig, path: figures.append(fig) or module.plt.close(fig) or path)
     lines = []
     report([tmp_path / "p1", tmp_path / "p2"], out=tmp_path / "s", log=lines.append)
-    assert [line for line in lines if line.startswith("scaling: 2 rank(s): ")][0].split("; ")[0].endswith("efficiency 150%")
+    two = [line for line in lines if line.startswith("scaling: 2 rank(s): ")][0]
+    assert two.split("; ")[0].endswith("efficiency 150%")
     assert any(line.startswith("scaling: efficiency above 100% at 2 ranks (ddp): each rank of those runs went "
                                "faster than the 1-rank run") for line in lines), lines
     for name, threads in (("p1", 2), ("p2", 1)):  # the 1-rank run on 2 BLAS threads, each of the 2 ranks on 1
@@ -238,14 +239,20 @@ def test_the_scaling_plot_has_a_row_per_link_rate_and_undoes_time_dilation(text_
     assert dotted and all(ln.get_marker() == "x" for ln in dotted)
     for row in (rows[0], rows[2]):  # the one-node 2-rank run is in both rows
         assert "ddp, 2 ranks/node" in [line.get_label() for line in row.get_lines()]
-    # predictions from a calibration of another machine say so, once
+    # predictions from a calibration of another machine say so, once; of this one, nothing
     from mpitrain.plan import hardware
 
-    monkeypatch.setattr(hardware, "this_machine", lambda: "Another CPU, 96 cores; NumPy 9.9, a BLAS")
-    lines.clear()
-    report(runs, out=tmp_path / "s2", log=lines.append)
-    assert line("'this' is a calibration of another machine (").endswith("measures this one")
-    assert "(Another CPU, 96 cores)" in line("'this' is a calibration")
+    calibrated = hardware.load().device("this").name.split(";")[0]
+    for cpu in (calibrated, "Another CPU, 96 cores"):
+        monkeypatch.setattr(hardware, "this_cpu", lambda: cpu)
+        lines.clear()
+        report(runs, out=tmp_path / "s2", log=lines.append)
+        notes = [text for text in lines if "calibration of another machine" in text]
+        if cpu == calibrated:
+            assert notes == []
+        else:
+            assert line("'this' is a calibration of another machine (").endswith("measures this one")
+            assert "not of this one (Another CPU, 96 cores)" in notes[0]
 
 
 def test_every_job_script_parses():

@@ -15,10 +15,9 @@ from mpitrain.ops._util import cached_full
 from mpitrain.tensor import Function, Tensor, as_tensor
 
 
-def _dot_per_channel(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """sum over all leading axes of a * b, per last-axis feature: (..., C) x2 -> (C,)."""
-    C = a.shape[-1]
-    return np.einsum("nc,nc->c", a.reshape(-1, C), b.reshape(-1, C))
+def _dot_per_channel(a2: np.ndarray, b2: np.ndarray) -> np.ndarray:
+    """The sum over the rows of a2 * b2, per column: (m, C) x2 -> (C,)."""
+    return np.einsum("nc,nc->c", a2, b2)
 
 
 def _column_sums(a2: np.ndarray) -> np.ndarray:
@@ -31,9 +30,9 @@ class BatchNorm(Function):
     Training mode uses the batch statistics and updates ``running_mean`` and
     ``running_var`` in place (``running = (1 - momentum) * running + momentum * batch``,
     with the unbiased batch variance, as PyTorch does); eval mode uses the running ones.
-    Every pass runs on the input viewed as (m, C): NumPy broadcasts a (C,) vector over a
-    2-D array several times faster than over the same numbers as (B, H, W, C), and the
-    column sums are GEMVs with a vector of ones, as in :class:`LayerNorm`."""
+    Every pass runs on the input viewed as (m, C), whose column sums are GEMVs with a
+    vector of ones, as in :class:`LayerNorm`: several times faster than NumPy's reduction
+    over the leading axes."""
 
     def forward(self, x, weight, bias, running_mean, running_var, training, momentum, eps):
         x2 = x.reshape(-1, x.shape[-1])  # (m, C)

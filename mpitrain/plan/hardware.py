@@ -147,28 +147,34 @@ def user_path() -> Path:
     return Path(os.environ.get(USER_ENV) or Path.home() / ".config" / "mpitrain" / "hardware.toml")
 
 
-def this_machine() -> str:
-    """This machine as a calibration names it: its CPU model and cores; NumPy and its BLAS."""
-    from threadpoolctl import threadpool_info
+def this_cpu() -> str:
+    """This machine's CPU model and the cores this process may use, as a calibration names them."""
+    from mpitrain.runtime import available_cores
 
-    cpu = Path("/proc/cpuinfo")
     try:
-        lines = cpu.read_text().splitlines() if cpu.exists() else []
-    except OSError:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:  # not Linux: no model name
         lines = []
     model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "a CPU")
+    return f"{model}, {available_cores()} cores"
+
+
+def this_machine() -> str:
+    """This machine as a calibration names it: its CPU and cores; NumPy and its BLAS."""
+    from threadpoolctl import threadpool_info
+
     blas = next((f"{i['internal_api']} {i['version']}" for i in threadpool_info() if i["user_api"] == "blas"), "BLAS")
-    return f"{model}, {os.cpu_count()} cores; NumPy {np.__version__}, {blas}"
+    return f"{this_cpu()}; NumPy {np.__version__}, {blas}"
 
 
 def calibrated_elsewhere(device: Device) -> str:
     """For the device "this": a sentence saying that its calibration was measured on
-    another machine (another CPU model or core count than :func:`this_machine`'s), so
-    that predictions for "this" are that machine's; "" when it was measured on one like
-    this, or for any other device."""
+    another machine (another CPU model or core count than :func:`this_cpu`'s), so that
+    predictions for "this" are that machine's; "" when it was measured on one like this,
+    or for any other device."""
     if device.key != "this":
         return ""
-    theirs, ours = device.name.split(";")[0].strip(), this_machine().split(";")[0].strip()
+    theirs, ours = device.name.split(";")[0].strip(), this_cpu()
     if theirs == ours:
         return ""
     return (f"'this' is a calibration of another machine ({theirs}), not of this one ({ours}): "
