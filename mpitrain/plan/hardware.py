@@ -148,15 +148,15 @@ def user_path() -> Path:
 
 
 def this_cpu() -> str:
-    """This machine's CPU model and the cores this process may use, as a calibration names them."""
-    from mpitrain.runtime import available_cores
-
+    """This machine's CPU model and its logical cores, as a calibration names them: the
+    machine's, not the cores a process is bound to, so that a rank bound to one core
+    under srun or mpiexec names the same machine as the calibration run beside it."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:  # not Linux: no model name
         lines = []
     model = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "a CPU")
-    return f"{model}, {available_cores()} cores"
+    return f"{model}, {os.cpu_count()} cores"
 
 
 def this_machine() -> str:
