@@ -62,27 +62,25 @@ def pytest_configure(config):
     if config.option.basetemp is None:
         config.option.basetemp = str(SCRATCH / f"pytest-rank{rank}")
     hydra_files_before.update(glob.glob(HYDRA_TOPOLOGY_FILES))
+    if rank != 0:  # the MPI tier's other ranks: see pytest_sessionstart
+        config.stash[RANK_REPORT] = io.StringIO()
+        config.stash[REAL_STDOUT] = sys.stdout
+        sys.stdout = config.stash[RANK_REPORT]  # the terminal reporter, made after this hook, writes here
 
 
 @pytest.hookimpl(tryfirst=True)  # before the terminal reporter prints the session's header
 def pytest_sessionstart(session):
     """In the MPI tier, only rank 0 prints the run's progress and summary: the other
-    ranks' reports go to a buffer, printed only if that rank's run fails (a test that
-    fails on a rank prints its own report and aborts the job: pytest_runtest_makereport)."""
-    from _pytest.config import create_terminal_writer
-
-    from mpitrain.comm import started_world
-
-    reporter = session.config.pluginmanager.getplugin("terminalreporter")
-    comm = started_world()
-    if reporter is None or comm is None or comm.rank == 0:
-        return
-    buffer = io.StringIO()
-    reporter._tw = create_terminal_writer(session.config, buffer)  # what the reporter writes with
-    session.config.stash[RANK_REPORT] = buffer
+    ranks' terminal reporters were made writing to a buffer (pytest_configure), printed
+    only if that rank's run fails (a test that fails on a rank prints its own report and
+    aborts the job: pytest_runtest_makereport). Standard output itself is put back."""
+    real = session.config.stash.get(REAL_STDOUT, None)
+    if real is not None:
+        sys.stdout = real
 
 
 RANK_REPORT = pytest.StashKey[io.StringIO]()
+REAL_STDOUT = pytest.StashKey[object]()
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -45,3 +45,12 @@ def test_the_mpi_tier_leaves_nothing_in_the_temporary_directory(tmp_path):
                     str(TESTS / "test_mpi_data.py") + "::test_epoch_union_and_global_batches_across_ranks", ranks=2)
     assert out.returncode == 0, out.stdout + out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@needs_mpiexec
+def test_the_mpi_tier_prints_one_header_and_one_summary(tmp_path):
+    """Rank 0 alone prints the run's header, progress and summary; the other ranks'
+    reports stay in their buffers when the run passes (conftest.py)."""
+    out = pytest_in(tmp_path, "--with-mpi", "-m", "mpi", str(TESTS / "test_mpi_tier.py"), ranks=3)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("1 passed in ") == 1 and out.stdout.count("MPI vendor: ") == 1, out.stdout
