@@ -215,8 +215,5 @@ def end_of_run(cfg, ranks: int, step_seconds: float, states: list) -> list[str]:
         line += (f"; heap at rest less the reader {rest / 1e6:.2f} MB ({error(p.rest, rest):+.1%} off), a step's "
                  f"peak above rest less what the reader read meanwhile {peak / 1e6:.2f} MB against "
                  f"{p.memory['activations'] / 1e6:.2f} MB of activations predicted")
-    try:
-        elsewhere = hardware.calibrated_elsewhere(plan.machine.device)
-    except (ValueError, OSError):  # a machine that cannot say what it is: no note, the run still ends
-        elsewhere = ""
+    elsewhere = hardware.calibrated_elsewhere(plan.machine.device)  # cannot raise: this_cpu reads what it can
     return lines + [line] + ([f"plan: {elsewhere}"] if elsewhere else [])
