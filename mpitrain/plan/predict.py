@@ -194,7 +194,8 @@ def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = 
     also its and the previous layer's gathered weights and the whole gradient of the layer
     after it with its shard (its reduce-scatter in flight:
     :meth:`mpitrain.parallel.zero3.Zero3._progress` frees each once its sum is in), under
-    ZeRO-2 the later layers' gradients it holds (:func:`_zero2_held`). Fused backward
+    ZeRO-2 the later layers' gradients it holds, and at most the previous micro-batch's
+    buckets not yet started again (:func:`_zero2_held`). Fused backward
     passes write their gradients over the arrays they read last, which is why a layer's
     backward adds no more than this."""
     b, a, s = lay.micro_batch, lay.dtype_bytes, lay.itemsize
@@ -221,17 +222,20 @@ def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = 
         if zero3:
             grads += sum(x.size for x in layers[max(0, i - 1) : i + 1]) * s
             grads += sum(x.size + -(-x.size // lay.dp) for x in layers[i + 1 : i + 2]) * s
-        most = max(most, before[i] + whole + grads + _zero2_held(lay, layers, i + 1, in_flight))
+        most = max(most, before[i] + whole + grads + _zero2_held(lay, layers, i + 1, in_flight, lay.m > 1))
     return kept, max(most, kept)
 
 
-def _zero2_held(lay, layers: list, after: int, in_flight: str) -> int:
+def _zero2_held(lay, layers: list, after: int, in_flight: str, later: bool = False) -> int:
     """Bytes of gradients ZeRO-2 holds beyond its shard once backward has passed the layers
     from ``after`` on (0: a whole backward, the previous micro-batch's): accumulated in full,
     the whole gradient; else the gradients of a bucket not yet full, and the buckets started
     with their received shards while in flight: each is freed when a hook sees it done, so
     "all" of them at most, "none" at least, and as a rule the "last" one started (a
-    reduce-scatter ends while the next layer's backward runs)."""
+    reduce-scatter ends while the next layer's backward runs). In a ``later`` micro-batch's
+    backward, "all" also counts the previous micro-batch's buckets that this one has not
+    started again: a rank ahead of the others tests them in vain until its own bucket's
+    start waits for them (:meth:`mpitrain.parallel.zero.Zero2._start`)."""
     if lay.par.sync != "zero2":
         return 0
     model, s = lay.models[0], lay.itemsize
@@ -250,6 +254,9 @@ def _zero2_held(lay, layers: list, after: int, in_flight: str) -> int:
         n = sum(math.prod(params[name]) for name in group if name in ready)
         if n and (not started[k] or in_flight == "all" or (in_flight == "last" and k == last)):
             held += n + (-(-n // lay.dp) if started[k] else 0)
+        if later and in_flight == "all" and not started[k]:
+            whole = sum(math.prod(params[name]) for name in group)
+            held += whole + -(-whole // lay.dp)
     return held * s
 
 
