@@ -329,6 +329,34 @@ def test_cross_entropy_value_and_extremes():
     assert all_ignored.item() == 0.0
 
 
+@pytest.mark.parametrize("e", [0.1, 1.0])
+def test_cross_entropy_with_label_smoothing(e):
+    targets = np.array([[1, 4, -100], [0, -100, 3]])
+    check(lambda z: ops.cross_entropy(z, targets, label_smoothing=e), t(2, 3, 5))
+    check(lambda z: ops.cross_entropy(z, targets, reduction="sum", label_smoothing=e), t(2, 3, 5))
+
+
+def test_label_smoothing_is_the_cross_entropy_against_the_smoothed_target():
+    z, y, e = t(6, 5).data, np.array([0, 4, 2, 2, -100, 1]), 0.2
+    counted = y != -100
+    q = np.full((6, 5), e / 5) + (1 - e) * np.eye(5)[np.where(counted, y, 0)]  # (N, V) the smoothed targets
+    logp = z - z.max(1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(1, keepdims=True))
+    want = -(q * logp).sum(1)[counted].mean()
+    zt = Tensor(z, requires_grad=True)
+    loss = ops.cross_entropy(zt, y, label_smoothing=e)
+    loss.backward()
+    assert abs(loss.item() - want) < 1e-14
+    np.testing.assert_allclose(zt.grad, (np.exp(logp) - q) * counted[:, None] / counted.sum(), rtol=0, atol=1e-15)
+    assert ops.cross_entropy(Tensor(z), y, label_smoothing=0.0).item() == ops.cross_entropy(Tensor(z), y).item()
+
+
+@pytest.mark.parametrize("e", [-0.1, 1.5, float("nan")])
+def test_label_smoothing_outside_0_1_is_refused(e):
+    with pytest.raises(ValueError, match="label_smoothing must be in"):
+        ops.cross_entropy(Tensor(np.zeros((2, 3))), np.array([0, 1]), label_smoothing=e)
+
+
 def test_cross_entropy_rejects_bad_targets():
     with pytest.raises(IndexError):
         ops.cross_entropy(Tensor(np.zeros((2, 3))), np.array([0, 3]))

@@ -81,7 +81,8 @@ def test_a_signal_before_the_launch_line_has_started_is_passed_on_once_it_has():
     forwarder = launch.Forwarder()
     forwarder.on_int(signal.SIGINT, None)
     assert forwarder.pending == [signal.SIGINT]
-    child = subprocess.Popen(["sleep", "30"])
+    # SIGINT's default action, not the one inherited: a shell's background job starts with it ignored
+    child = subprocess.Popen(["sleep", "30"], preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         forwarder.started(child)
         assert child.wait(timeout=30) == -signal.SIGINT

@@ -54,15 +54,16 @@ def test_parallel_attention_has_its_gradient():
 
 
 @pytest.mark.parametrize("lo", [0, 3])
-def test_the_vocabulary_parallel_loss_is_the_cross_entropy_and_has_its_gradient(lo):
+@pytest.mark.parametrize("e", [0.0, 0.1])
+def test_the_vocabulary_parallel_loss_is_the_cross_entropy_and_has_its_gradient(lo, e):
     """On one rank holding columns lo.. of a vocabulary: its loss and gradient are the
-    plain cross-entropy's (targets all in its columns when lo = 0)."""
+    plain cross-entropy's (targets all in its columns when lo = 0), smoothed by e alike."""
     logits = x64(2, 3, 7)
     targets = np.random.default_rng(1).integers(lo, lo + 7, (2, 3))
-    assert max(gradcheck(lambda z: tp.vocab_parallel_cross_entropy(z, targets, lo, SingleComm()),
+    assert max(gradcheck(lambda z: tp.vocab_parallel_cross_entropy(z, targets, lo, SingleComm(), 7, e),
                          [logits]).values()) < TOL
-    ours = tp.vocab_parallel_cross_entropy(logits, targets, lo, SingleComm())
-    plain = ops.cross_entropy(logits, targets - lo)
+    ours = tp.vocab_parallel_cross_entropy(logits, targets, lo, SingleComm(), 7, e)
+    plain = ops.cross_entropy(logits, targets - lo, label_smoothing=e)
     assert ours.item() == pytest.approx(plain.item(), rel=1e-14)
 
 

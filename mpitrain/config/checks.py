@@ -119,6 +119,7 @@ def _validate_train(cfg: Config) -> None:
     _require(t.sample_tokens >= 0, "train.sample_tokens", "must be >= 0", t.sample_tokens)
     _require(t.threads >= 0, "train.threads", "must be >= 0 (0: automatic)", t.threads)
     _require(t.micro_batches >= 1, "train.micro_batches", "must be >= 1", t.micro_batches)
+    _require(0 <= t.label_smoothing <= 1, "train.label_smoothing", "must be in [0, 1] (0: none)", t.label_smoothing)
 
 
 def _validate_parallel(cfg: Config) -> None:

@@ -230,10 +230,10 @@ class GPTHead(Module):
     def forward(self, x):
         return ops.linear(self.ln_f(x), ops.transpose(self.wte))  # (B, T, V)
 
-    def loss(self, logits, targets):
+    def loss(self, logits, targets, label_smoothing: float = 0.0):
         """The mean cross-entropy of the logits (a head whose logits are sliced over ranks
         computes it on its slices: ``parallel/tensor_parallel.py``)."""
-        return ops.cross_entropy(logits, targets)
+        return ops.cross_entropy(logits, targets, label_smoothing=label_smoothing)
 
 
 class GPT(Module):
@@ -268,13 +268,14 @@ class GPT(Module):
     def named_layers(self) -> list[tuple[str, Module]]:
         return [("embed", self.embed), *((f"block {i}", b) for i, b in enumerate(self.blocks)), ("head", self.head)]
 
-    def forward(self, ids, targets=None):
-        """Logits (B, T, V), and the mean cross-entropy if ``targets`` (B, T) is given; the
-        layers run through :func:`run_layers` (blocks checkpointed with ``checkpoint_activations``)."""
+    def forward(self, ids, targets=None, label_smoothing: float = 0.0):
+        """Logits (B, T, V), and the mean cross-entropy if ``targets`` (B, T) is given (against
+        targets smoothed by ``label_smoothing``); the layers run through :func:`run_layers`
+        (blocks checkpointed with ``checkpoint_activations``)."""
         logits = run_layers(self, ids)
         if targets is None:
             return logits, None
-        return logits, self.head.loss(logits, targets)
+        return logits, self.head.loss(logits, targets, label_smoothing)
 
     def generate(self, ids: np.ndarray, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, generator: np.random.Generator | None = None) -> np.ndarray:

@@ -165,8 +165,7 @@ class ColumnParallelLinear(Module):
     end to end (:func:`gather_features`): the whole ``y`` when the ranks hold consecutive
     columns."""
 
-    def __init__(self, weight: np.ndarray, bias: np.ndarray | None, comm, sequence: bool = False,
-                 gather: bool = False):
+    def __init__(self, weight: np.ndarray, bias: np.ndarray | None, comm, sequence: bool = False, gather: bool = False):
         super().__init__()
         self.weight = Parameter(np.ascontiguousarray(weight))  # (in, out / t)
         self.bias = None if bias is None else Parameter(np.ascontiguousarray(bias))
@@ -290,28 +289,29 @@ class SequenceParallelEmbedding(GPTEmbedding):
 
 class VocabParallelHead(Module):
     """The final layer norm and this rank's slice of the logits, ``f(ln_f(x)) @ wte_r^T``
-    (the embedding's rows, tied); the loss is taken on the slices."""
+    (the embedding's rows, tied; ``vocab``: all ranks' rows); the loss is taken on the slices."""
 
-    def __init__(self, ln_f, wte: Parameter, lo: int, comm, sequence: bool = False):
+    def __init__(self, ln_f, wte: Parameter, lo: int, comm, sequence: bool, vocab: int):
         super().__init__()
-        self.ln_f, self.wte, self.lo, self.comm, self.sequence = ln_f, wte, lo, comm, sequence
+        self.ln_f, self.wte, self.lo, self.comm, self.sequence, self.vocab = ln_f, wte, lo, comm, sequence, vocab
 
     def forward(self, x):
         h = self.ln_f(x)  # (B, T / t, C) with sequence parallelism
         whole = gather_sequence(h, self.comm) if self.sequence else copy_to(h, self.comm)  # (B, T, C)
         return ops.linear(whole, ops.transpose(self.wte))  # (B, T, V / t)
 
-    def loss(self, logits, targets):
-        return vocab_parallel_cross_entropy(logits, targets, self.lo, self.comm)
+    def loss(self, logits, targets, label_smoothing: float = 0.0):
+        return vocab_parallel_cross_entropy(logits, targets, self.lo, self.comm, self.vocab, label_smoothing)
 
 
 class VocabParallelCrossEntropy(Function):
-    """The mean cross-entropy of logits sliced by vocabulary over ranks (rank r holds
-    columns ``lo ..``): three allreduces of one number per token forward (the maximum, the
-    target's logit, the sum of exponentials), none backward (each rank's gradient is
-    ``softmax - onehot`` on its own columns)."""
+    """The mean cross-entropy of logits sliced by vocabulary over ranks (rank r holds columns
+    ``lo ..`` of ``vocab``): three allreduces of one number per token forward (the maximum, the
+    target's logit, the sum of exponentials), none backward (each rank's gradient is ``softmax -
+    target`` on its own columns). Smoothed (``smoothing`` = e, as :func:`mpitrain.ops.cross_entropy`)
+    the target's logit is ``(1 - e) z[t] + e mean(z)``, each rank's part summed by the same allreduce."""
 
-    def forward(self, logits, targets, lo, comm):
+    def forward(self, logits, targets, lo, comm, vocab, smoothing):
         Vr = logits.shape[-1]
         z = logits.reshape(-1, Vr)  # (N, V / t)
         t = np.asarray(targets).reshape(-1)  # (N,)
@@ -321,24 +321,28 @@ class VocabParallelCrossEntropy(Function):
         mine = (t >= lo) & (t < lo + Vr)
         rows = np.arange(len(t))
         target = np.where(mine, e[rows, np.where(mine, t - lo, 0)], 0.0)  # (N,) the target's shifted logit
+        if smoothing:
+            target = (1 - smoothing) * target + smoothing / vocab * e.sum(axis=1)
         comm.allreduce(target)
         np.exp(e, out=e)
         total = e.sum(axis=1)  # (N,)
         comm.allreduce(total)
         e /= total[:, None]  # this rank's columns of the softmax, kept for backward
         self.p, self.rows, self.t, self.mine, self.shape = e, rows, np.where(mine, t - lo, 0), mine, logits.shape
+        self.smoothing, self.vocab = smoothing, vocab
         return np.asarray((np.log(total) - target).mean(), dtype=logits.dtype)
 
     def backward(self, g):
         p = self.p.copy()
-        p[self.rows[self.mine], self.t[self.mine]] -= 1
+        p[self.rows[self.mine], self.t[self.mine]] -= 1 - self.smoothing
+        p -= self.smoothing / self.vocab  # the smoothed target's uniform part (0: none)
         p *= g / len(self.rows)
         return p.reshape(self.shape)
 
 
-def vocab_parallel_cross_entropy(logits, targets, lo: int, comm) -> Tensor:
+def vocab_parallel_cross_entropy(logits, targets, lo: int, comm, vocab: int, label_smoothing: float = 0.0) -> Tensor:
     targets = targets.data if isinstance(targets, Tensor) else np.asarray(targets)
-    return VocabParallelCrossEntropy.apply(as_tensor(logits), targets, lo, comm)
+    return VocabParallelCrossEntropy.apply(as_tensor(logits), targets, lo, comm, vocab, float(label_smoothing))
 
 
 # ----------------------------------------------------------------------------- the swap
@@ -355,8 +359,7 @@ def slice_gpt(model: GPT, tp_comm, sequence: bool = False) -> GPT:
     """Replace ``model``'s layers by sliced ones over ``tp_comm``, in place: every rank
     keeps its slice of the weights the seed gave the whole model (call it before anything
     wraps the model)."""
-    t, r = tp_comm.size, tp_comm.rank
-    cfg = model.config
+    t, r, cfg = tp_comm.size, tp_comm.rank, model.config
     heads(cfg.n_embd, cfg.n_head, t, r)  # refused before anything is sliced unless the heads split
     if sequence and cfg.block_size % t:
         raise ValueError(f"sequence parallelism: block_size {cfg.block_size} does not split over {t} ranks")
@@ -367,7 +370,7 @@ def slice_gpt(model: GPT, tp_comm, sequence: bool = False) -> GPT:
     model.embed.wte = VocabParallelEmbedding(wte, lo, tp_comm, sequence)
     if sequence:
         model.embed = SequenceParallelEmbedding(model.embed, model.embed.wte)
-    model.head = VocabParallelHead(model.head.ln_f, wte, lo, tp_comm, sequence)
+    model.head = VocabParallelHead(model.head.ln_f, wte, lo, tp_comm, sequence, cfg.vocab_size)
     return model
 
 
@@ -381,10 +384,8 @@ def sum_replicated_grads(model: Module, tp_comm) -> None:
         return
     flat = np.concatenate([g.reshape(-1) for g in grads])  # one allreduce for them all, not one each
     tp_comm.allreduce(flat)
-    at = 0
-    for g in grads:
-        g.reshape(-1)[...] = flat[at : at + g.size]  # in place: a .grad may be a view into a bucket
-        at += g.size
+    for g, summed in zip(grads, np.split(flat, np.cumsum([g.size for g in grads])[:-1])):
+        g.reshape(-1)[...] = summed  # in place: a .grad may be a view into a bucket
 
 
 # ----------------------------------------------------------------------------- the whole

@@ -139,7 +139,8 @@ def build_role(cfg: Config, world, grid, model, data, layout: checkpoint.Layout)
     if stage is not None or everyone is not None:
         sync = PartSync(sync, model, layout, stage, g.tp_comm if everyone else None, everyone,
                         par.sequence_parallel)
-    schedule = stage or WholeModel(model, t.micro_batches, data.kind == "text", getattr(opt, "scaler", None))
+    schedule = stage or WholeModel(model, t.micro_batches, data.kind == "text", getattr(opt, "scaler", None),
+                                   t.label_smoothing)
     axes = {"dp": g.dp_comm.stats, **{name: comm.stats for name, comm, size in
                                       (("pp", g.pp_comm, g.pp_size), ("tp", g.tp_comm, g.tp_size)) if size > 1}}
     role = Role(sync, model, opt, schedule, g.shape, axes, loop_comm=world, lane=(g.dp_rank, g.dp_size),
@@ -153,7 +154,8 @@ def _stage(cfg: Config, g: ProcessGrid, model, data, sizes: list[int]) -> Pipeli
     loss = model.head.loss if cfg.model.name == "gpt" else ops.cross_entropy  # a sliced head's loss is its own
     try:
         return PipelineStage(model, g.pp_comm, example_input(cfg, data), loss, schedule_name=cfg.parallel.schedule,
-                             micro_batches=cfg.train.micro_batches, chunks=cfg.parallel.chunks, sizes=sizes)
+                             micro_batches=cfg.train.micro_batches, chunks=cfg.parallel.chunks, sizes=sizes,
+                             label_smoothing=cfg.train.label_smoothing)
     except ValueError as e:
         g.free()
         raise cut_refused(cfg, e) from None
@@ -176,7 +178,9 @@ def _ps_role(cfg: Config, world, grid, model, lr, total, data) -> Role:
     ps = ParameterServer(model, opt, world, servers=S, staleness=par.staleness, lr_at=lr_at,
                          max_updates=None if lockstep else total * W, slow=slow)
     g = None if ps.is_server else ProcessGrid(ps.workers, *grid)
-    return Role(ps, model, opt, WholeModel(model, cfg.train.micro_batches, data.kind == "text"), GridShape(*grid),
+    schedule = WholeModel(model, cfg.train.micro_batches, data.kind == "text",
+                          label_smoothing=cfg.train.label_smoothing)
+    return Role(ps, model, opt, schedule, GridShape(*grid),
                 {"dp": ps.comm.stats}, loop_comm=ps.workers if lockstep else SingleComm(),
                 lane=(0, W) if g is None else (g.dp_rank, g.dp_size), leads=ps.worker == 0,  # a server reads no batch
                 serve=ps.serve if ps.is_server else None, closers=[ps.close] + ([] if g is None else [g.free]))

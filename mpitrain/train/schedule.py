@@ -41,18 +41,21 @@ class WholeModel:
     ``m`` micro-batches, each forward then backward. ``text``: the model takes targets
     and returns ``(logits, loss)`` (the GPT), else its output is scored by cross-entropy.
     ``scaler``: a mixed-precision run's :class:`~mpitrain.precision.LossScaler`, whose
-    scale multiplies the loss that backward starts from (None: 1)."""
+    scale multiplies the loss that backward starts from (None: 1). ``label_smoothing``: the
+    training loss's (:func:`mpitrain.ops.cross_entropy`); :meth:`loss_only`'s has none."""
 
-    def __init__(self, model, micro_batches: int = 1, text: bool = False, scaler=None):
+    def __init__(self, model, micro_batches: int = 1, text: bool = False, scaler=None,
+                 label_smoothing: float = 0.0):
         self.model, self.m, self.text, self.scaler = model, micro_batches, text, scaler
+        self.smoothing = label_smoothing
         self.actions = one_stage(micro_batches)
         self.trace = None  # set to record the actions: trace(name, category, track, start, end)
 
-    def loss_only(self, x, y):
+    def loss_only(self, x, y, label_smoothing: float = 0.0):
         """The mean loss of ``(x, y)`` as a tensor (recorded unless under ``no_grad``)."""
         if self.text:
-            return self.model(x, y)[1]
-        return ops.cross_entropy(self.model(Tensor(x)), y)
+            return self.model(x, y, label_smoothing)[1]
+        return ops.cross_entropy(self.model(Tensor(x)), y, label_smoothing=label_smoothing)
 
     def forward_only(self, x):
         """The model's output for ``x``, without recording a graph."""
@@ -73,7 +76,7 @@ class WholeModel:
             match action:
                 case Forward(mb):
                     with streams(micro[mb][2]) if streams is not None else contextlib.nullcontext():
-                        losses[mb] = self.loss_only(*micro[mb][:2]) * (1.0 / self.m)
+                        losses[mb] = self.loss_only(*micro[mb][:2], self.smoothing) * (1.0 / self.m)
                 case Backward(mb):
                     loss = losses.pop(mb)
                     total += loss.item()
