@@ -17,6 +17,7 @@ from mpitrain.parallel.param_server import ParameterServer
 from mpitrain.parallel.pipeline import PipelineStage
 from mpitrain.parallel.zero import Zero1, Zero2
 from mpitrain.parallel.zero3 import Zero3
+from mpitrain.tensor import Tensor
 from mpitrain.train import GradSync, schedule, train
 from mpitrain.train.parts import PartSync
 from mpitrain.train.schedule import Backward, Forward
@@ -79,6 +80,16 @@ class Recorded(schedule.WholeModel):
 
     def loss_only(self, x, y, label_smoothing=0.0):
         return Loss(float(x[0]), self.sync, int(x[0]))
+
+
+def test_the_whole_model_schedule_trains_on_smoothed_labels_and_scores_one_hot_ones():
+    model = nn.Linear(3, 4)
+    x, y = np.random.default_rng(0).standard_normal((5, 3)).astype(np.float32), np.array([0, 1, 3, 3, 2])
+    whole = schedule.WholeModel(model, label_smoothing=0.2)
+    logits = model(Tensor(x))
+    assert whole.loss_only(x, y).item() == ops.cross_entropy(logits, y).item()
+    smoothed = ops.cross_entropy(logits, y, label_smoothing=0.2).item()
+    assert whole.run(x, y, np.arange(5), LocalSync(model, optim.SGD(model.parameters(), lr=0.1))) == smoothed
 
 
 def test_the_interpreter_holds_back_every_backward_but_the_last_and_averages_the_loss():

@@ -40,6 +40,19 @@ def test_eval_prints_the_runs_final_figure_from_a_run_directory_or_a_checkpoint_
     assert capsys.readouterr().out.startswith(f"step 8: val loss {final:.4f}\n")
 
 
+def test_a_smoothed_run_learns_otherwise_and_evaluates_by_the_plain_cross_entropy(text_data, tmp_path, capsys):
+    """``train.label_smoothing`` changes what the run learns and says so; its evaluations,
+    and ``mpitrain eval``'s, score the one-hot targets (the schedule's ``loss_only``)."""
+    plain = train.train(gpt(text_data, tmp_path / "plain", "train.steps=8"), log=quiet)
+    lines = []
+    run = tmp_path / "smooth"
+    smooth = train.train(gpt(text_data, run, "train.steps=8", "train.label_smoothing=0.1"), log=lines.append)
+    assert lines[0].splitlines()[0].endswith("; training labels smoothed by 0.1")
+    assert smooth.val_loss != plain.val_loss and smooth.final_loss != plain.final_loss
+    assert cli.main(["eval", str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["loss"] == smooth.val_loss
+
+
 def test_eval_of_an_image_run_gives_accuracy_and_sample_refuses_it_in_one_line(tmp_path, capsys):
     image_set(tmp_path / "d", n=256, test=64)
     train.train(lenet(tmp_path / "d", tmp_path / "cnn", "train.epochs=1"), log=quiet)

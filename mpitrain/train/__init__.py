@@ -177,7 +177,8 @@ def _header(run: Run, threads: int) -> str:
             f"({run.data.path}), {reader.n:,} training {what}, {reader.steps_per_epoch} steps per epoch; "
             f"{run.total} steps of {t.global_batch_size}{micro}; {threads} BLAS thread(s) per rank; "
             f"{run.optimizer.describe() if t.precision != 'fp32' else t.dtype}"
-            f"{'' if t.fast_paths else '; fast paths off'}\n"
+            f"{'' if t.fast_paths else '; fast paths off'}"
+            f"{f'; training labels smoothed by {t.label_smoothing:g}' if t.label_smoothing else ''}\n"
             f"parallel: {describe(run.cfg, run.role)}{level}")
 
 

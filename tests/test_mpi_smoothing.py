@@ -1,0 +1,65 @@
+"""MPI tier: label smoothing (``train.label_smoothing``) trains every layout as one process
+does, through the trainer, in float64: the GPT under ZeRO-2 with micro-batches, on a
+pipeline, and with its vocabulary sliced over tensor-parallel ranks (31 tokens: an uneven
+cut, each rank's part of the mean logit summed by the target's allreduce); LeNet
+data-parallel and on a pipeline. Evaluation's loss is the plain cross-entropy in all."""
+
+import pytest
+from test_checkpoint import assert_close
+from test_mpi_data import shared_data
+from test_mpi_pipeline import gpt_cfg, text_set
+
+from mpitrain import checkpoint, config, train
+from mpitrain.comm import SingleComm
+
+SMOOTH = "train.label_smoothing=0.1"
+quiet = lambda *a: None  # noqa: E731
+
+
+def world():
+    from mpitrain.comm import world as w
+
+    return w()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("layout", [["parallel.sync=zero2", "train.micro_batches=2"],
+                                    ["parallel.pp=2", "train.micro_batches=4"], ["parallel.tp=2"]],
+                         ids=["zero2", "pp", "tp"])
+def test_a_smoothed_gpt_trains_on_every_layout_as_one_process(layout):
+    comm = world()
+    if comm.size != 2:
+        pytest.skip("layouts of two ranks")
+    d = shared_data(comm, make=text_set)
+    name = layout[0].split("=")[0].replace("parallel.", "")
+    run = train.train(gpt_cfg(d, d.parent / name, SMOOTH, *layout), log=quiet, comm=comm)
+    mine = d.parent / f"{name}-one-{comm.rank}"
+    micro = [o for o in layout if o.startswith("train.micro_batches")]
+    one = train.train(gpt_cfg(d, mine, SMOOTH, *micro), log=quiet, comm=SingleComm())
+    assert run.val_loss == pytest.approx(one.val_loss, rel=1e-11)
+    assert_close(checkpoint.path_for(mine, 12), checkpoint.path_for(d.parent / name, 12), rtol=1e-10, floor=1e-6)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("layout", [[], ["parallel.pp=2", "parallel.dp=1", "train.micro_batches=4"]],
+                         ids=["ddp", "pp"])
+def test_a_smoothed_cnn_trains_data_parallel_and_on_a_pipeline_as_one_process(layout):
+    comm = world()
+    if comm.size != 2:
+        pytest.skip("layouts of two ranks")
+    d = shared_data(comm, n=480, test=64)
+
+    def cfg(run_dir, *overrides):
+        return config.from_dict({
+            "model": {"name": "lenet", "channels": [2, 4], "hidden": 8, "dropout": 0.25},
+            "data": {"path": str(d), "shift": 1},
+            "optim": {"name": "adamw", "lr": 3e-3, "grad_clip": 1.0},
+            "train": {"global_batch_size": 32, "steps": 8, "log_interval": 4, "threads": 1, "dtype": "float64"},
+            "run": {"dir": str(run_dir)}}, [SMOOTH, *overrides])
+
+    run = train.train(cfg(d.parent / "lenet", *layout), log=quiet, comm=comm)
+    mine = d.parent / f"lenet-one-{comm.rank}"
+    one = train.train(cfg(mine, *[o for o in layout if o.startswith("train.")]), log=quiet, comm=SingleComm())
+    assert run.test_accuracy == one.test_accuracy
+    assert run.test_loss == pytest.approx(one.test_loss, rel=1e-12)
+    assert_close(checkpoint.path_for(mine, 8), checkpoint.path_for(d.parent / "lenet", 8), rtol=1e-11, floor=1e-6)
