@@ -219,9 +219,15 @@ def test_calibrate_writes_a_file_that_loads_back(shipped, tmp_path):
     out = tmp_path / "hw.toml"
     out.write_text('[link.kept]\nname = "from before"\nalpha_us = 1\nbandwidth_gbs = 1\n')
     links = ("shm",) if shutil.which(mpiexec()) else ()
-    lines = []
-    measured = calibrate.calibrate(shapes=[(32, 32, 32), (64, 16, 8, "float64")], links=links, out=out,
-                                   log=lines.append, repeats=1, max_bytes=1 << 16, probes=TINY)
+    for attempt in range(3):  # one repeat of tiny shapes: a busy machine can spoil a fit, as calibrate says
+        lines = []
+        try:
+            measured = calibrate.calibrate(shapes=[(32, 32, 32), (64, 16, 8, "float64")], links=links, out=out,
+                                           log=lines.append, repeats=1, max_bytes=1 << 16, probes=TINY)
+            break
+        except HardwareError as e:
+            if "too busy to measure" not in str(e) or attempt == 2:
+                raise
     catalogue = hardware.load(path=out)
     this = catalogue.device("this")
     ones = [r[:4] for r in this.gemm if r[5] == 1]
