@@ -13,7 +13,7 @@ from test_mpi_data import shared_data
 
 from mpitrain import config
 from mpitrain import plan as planner
-from mpitrain.plan import hardware, validate
+from mpitrain.plan import hardware, predict, validate
 from mpitrain.plan.data import resolve
 
 LAYOUTS = {  # ranks -> {name: overrides}
@@ -103,10 +103,20 @@ def test_zero2s_heap_bound_holds_when_a_rank_runs_ahead(monkeypatch):
 
         monkeypatch.setattr(zero.Zero2, "_start", late)
     cfg = gpt(shared_data(comm, make=text_set, n=3000), LAYOUTS[2]["zero2, 2 micro-batches"])
-    plan = planner.make(cfg, comm.size, planner.machine(hardware.load(), "this", comm.size), resolve(cfg))
+    machine = planner.machine(hardware.load(), "this", comm.size)
+    plan = planner.make(cfg, comm.size, machine, resolve(cfg))
+    held = predict._zero2_held
+
+    def unaware_of_the_previous(lay, layers, after, in_flight, later=False):
+        return held(lay, layers, after, in_flight)
+
+    monkeypatch.setattr(predict, "_zero2_held", unaware_of_the_previous)
+    unaware = planner.make(cfg, comm.size, machine, resolve(cfg))  # the bound without the previous buckets
     result, _, storage = validate.measure(cfg, comm, 4, trace=True)
     if comm.rank != 0:
         return
-    most = [row for row in validate.compare(plan, result, storage) if row[1] == "heap peak above rest, at most"]
+    most, before = ([row for row in validate.compare(p, result, storage) if row[1] == "heap peak above rest, at most"]
+                    for p in (plan, unaware))
     assert len(most) == 2
     assert all(validate.holds(*row[1:]) for row in most), validate.table(most)[0]
+    assert before[1][3] > before[1][2] and before[1][2] < most[1][2]  # rank 1 held them: above the bound without

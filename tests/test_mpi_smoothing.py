@@ -2,7 +2,7 @@
 does, through the trainer, in float64: the GPT under ZeRO-2 with micro-batches, on a
 pipeline, and with its vocabulary sliced over tensor-parallel ranks (31 tokens: an uneven
 cut, each rank's part of the mean logit summed by the target's allreduce); LeNet
-data-parallel and on a pipeline. Evaluation's loss is the plain cross-entropy in all."""
+data-parallel, on a pipeline and with a parameter server (one worker)."""
 
 import pytest
 from test_checkpoint import assert_close
@@ -41,9 +41,10 @@ def test_a_smoothed_gpt_trains_on_every_layout_as_one_process(layout):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("layout", [[], ["parallel.pp=2", "parallel.dp=1", "train.micro_batches=4"]],
-                         ids=["ddp", "pp"])
-def test_a_smoothed_cnn_trains_data_parallel_and_on_a_pipeline_as_one_process(layout):
+@pytest.mark.parametrize("layout,shared", [([], []), (["parallel.pp=2", "parallel.dp=1"], ["train.micro_batches=4"]),
+                                           (["parallel.sync=ps"], ["optim.grad_clip=0"])],
+                         ids=["ddp", "pp", "ps"])
+def test_a_smoothed_cnn_trains_data_parallel_on_a_pipeline_and_by_a_server_as_one_process(layout, shared):
     comm = world()
     if comm.size != 2:
         pytest.skip("layouts of two ranks")
@@ -57,9 +58,9 @@ def test_a_smoothed_cnn_trains_data_parallel_and_on_a_pipeline_as_one_process(la
             "train": {"global_batch_size": 32, "steps": 8, "log_interval": 4, "threads": 1, "dtype": "float64"},
             "run": {"dir": str(run_dir)}}, [SMOOTH, *overrides])
 
-    run = train.train(cfg(d.parent / "lenet", *layout), log=quiet, comm=comm)
+    run = train.train(cfg(d.parent / "lenet", *layout, *shared), log=quiet, comm=comm)
     mine = d.parent / f"lenet-one-{comm.rank}"
-    one = train.train(cfg(mine, *[o for o in layout if o.startswith("train.")]), log=quiet, comm=SingleComm())
+    one = train.train(cfg(mine, *shared), log=quiet, comm=SingleComm())
     assert run.test_accuracy == one.test_accuracy
     assert run.test_loss == pytest.approx(one.test_loss, rel=1e-12)
     assert_close(checkpoint.path_for(mine, 8), checkpoint.path_for(d.parent / "lenet", 8), rtol=1e-11, floor=1e-6)

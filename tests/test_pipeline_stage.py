@@ -59,6 +59,20 @@ def test_one_stage_trains_as_gradient_accumulation_bit_for_bit(name, dtype):
         np.testing.assert_array_equal(a.data, b.data, err_msg=n)
 
 
+def test_a_smoothed_stage_trains_on_smoothed_labels_scores_one_hot_ones_and_takes_two_argument_losses():
+    (x, y), = data(1)
+    with rng.sample_streams(0, 0, np.arange(B)):  # the dropout masks of step 0's samples
+        logits = gpt(np.float64)(x)[0]
+    one_hot, smoothed = (ops.cross_entropy(logits, y, label_smoothing=e).item() for e in (0.0, 0.2))
+    for loss, want in ((ops.cross_entropy, smoothed), (lambda out, y: ops.cross_entropy(out, y), one_hot)):
+        stage = pl.PipelineStage(gpt(np.float64), SingleComm(), np.zeros((1, T), dtype=np.int64), loss,
+                                 label_smoothing=0.2 if loss is ops.cross_entropy else 0.0)
+        with rng.sample_streams(0, 0, np.arange(B)):
+            assert stage.loss_only(x, y).item() == one_hot  # evaluation: the one-hot targets
+        assert stage.run(x, y, np.arange(B), LocalSync(stage, optim.SGD(stage.parameters(), 0.1)),
+                         streams(0)) == pytest.approx(want, rel=1e-15)
+
+
 def test_the_cut_balances_parameters_and_keeps_the_whole_models_names():
     model = gpt(np.float32)
     names = [n for n, _ in model.named_parameters()]

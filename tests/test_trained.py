@@ -40,9 +40,10 @@ def test_eval_prints_the_runs_final_figure_from_a_run_directory_or_a_checkpoint_
     assert capsys.readouterr().out.startswith(f"step 8: val loss {final:.4f}\n")
 
 
-def test_a_smoothed_run_learns_otherwise_and_evaluates_by_the_plain_cross_entropy(text_data, tmp_path, capsys):
-    """``train.label_smoothing`` changes what the run learns and says so; its evaluations,
-    and ``mpitrain eval``'s, score the one-hot targets (the schedule's ``loss_only``)."""
+def test_a_smoothed_run_learns_otherwise_and_eval_gives_its_final_figure(text_data, tmp_path, capsys):
+    """``train.label_smoothing`` changes what the run learns and says so; ``mpitrain eval``
+    gives the figure its last evaluation printed (both score the one-hot targets: the
+    schedules' ``loss_only``, ``test_schedule.py`` and ``test_pipeline_stage.py``)."""
     plain = train.train(gpt(text_data, tmp_path / "plain", "train.steps=8"), log=quiet)
     lines = []
     run = tmp_path / "smooth"

@@ -231,8 +231,8 @@ class GPTHead(Module):
         return ops.linear(self.ln_f(x), ops.transpose(self.wte))  # (B, T, V)
 
     def loss(self, logits, targets, label_smoothing: float = 0.0):
-        """The mean cross-entropy of the logits (a head whose logits are sliced over ranks
-        computes it on its slices: ``parallel/tensor_parallel.py``)."""
+        """The mean cross-entropy of the logits against ``targets`` smoothed by ``label_smoothing``
+        (a head whose logits are sliced over ranks computes it on its slices: ``parallel/tensor_parallel.py``)."""
         return ops.cross_entropy(logits, targets, label_smoothing=label_smoothing)
 
 

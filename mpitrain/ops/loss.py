@@ -61,7 +61,7 @@ class CrossEntropy(Function):
         nll = lse - z[rows, safe_t]  # logsumexp - z[target], (N,)
         if smoothing:
             nll = (1 - smoothing) * nll + smoothing * (lse - z.mean(axis=1))
-        nll *= keep
+        nll = np.where(keep, nll, 0)  # an ignored row adds nothing, even where its loss is not finite
         self.p, self.rows, self.t, self.keep, self.shape = p, rows, safe_t, keep, logits.shape
         self.smoothing = smoothing
         self.scale = 1.0 if reduction == "sum" else 1.0 / max(int(keep.sum()), 1)  # the mean over counted targets

@@ -133,8 +133,8 @@ class PipelineStage(Module):
     ``example`` is one input sample with its batch axis (``(1, T)`` token ids, ``(1, H, W,
     C)`` images): one forward of it through the whole model, before anything is dropped,
     gives every boundary's shape per sample, so no shape goes over the wire. ``loss(out, y,
-    label_smoothing=e)`` is the mean loss of a micro-batch from the last layer's output (e:
-    ``label_smoothing`` in training, 0 in :meth:`loss_only`). ``sizes``: the whole model's
+    label_smoothing=e)`` is the mean loss of a micro-batch from the last layer's output (in
+    training, with ``label_smoothing`` e > 0; else ``loss(out, y)``). ``sizes``: the whole model's
     parameter counts per layer, which the cut balances (given for a model sliced over
     tensor-parallel ranks, so that every slice cuts alike). Parameters keep the whole
     model's names (``state_dict`` is a part of the whole model's), a tied weight too."""
@@ -142,8 +142,7 @@ class PipelineStage(Module):
     def __init__(self, model: Module, pp_comm, example, loss, *, schedule_name: str = "1f1b",
                  micro_batches: int = 1, chunks: int = 1, sizes: list | None = None, label_smoothing: float = 0.0):
         super().__init__()
-        p, rank = pp_comm.size, pp_comm.rank
-        named = model.named_layers()
+        p, rank, named = pp_comm.size, pp_comm.rank, model.named_layers()
         layers = [m for _, m in named]
         self.sizes = sizes or [sum(q.size for q in layer.parameters()) for layer in layers]
         example = np.asarray(example)
@@ -151,7 +150,8 @@ class PipelineStage(Module):
                          "layers": self.sizes, "input": (example.shape, str(example.dtype))})
         check(schedule_name, p, micro_batches, chunks)  # from here on every stage raises alike, or none
         self.comm, self.p, self.rank, self.v, self.m = pp_comm, p, rank, chunks, micro_batches
-        self.loss, self.smoothing, self.last = loss, label_smoothing, p * chunks - 1
+        self.loss, self.last = loss, p * chunks - 1
+        self.smoothed = {"label_smoothing": label_smoothing} if label_smoothing else {}  # training's loss only
         self.outputs = _boundaries(model, layers, example)  # per layer: (shape per sample, dtype)
         self.bounds = balance(self.sizes, p * chunks)
         self.names = [n for n, _ in named]
@@ -278,7 +278,7 @@ class PipelineStage(Module):
         if stage < self.last:
             box.out = out
             return 0.0
-        box.root = self.loss(out, y, label_smoothing=self.smoothing) * (1.0 / len(micro))
+        box.root = self.loss(out, y, **self.smoothed) * (1.0 / len(micro))
         return box.root.item()
 
     def _backward(self, a: Action, box: Mailbox, before_backward) -> None:

@@ -318,8 +318,7 @@ class VocabParallelCrossEntropy(Function):
         zmax = z.max(axis=1)  # (N,)
         comm.allreduce(zmax, op="max")
         e = z - zmax[:, None]
-        mine = (t >= lo) & (t < lo + Vr)
-        rows = np.arange(len(t))
+        mine, rows = (t >= lo) & (t < lo + Vr), np.arange(len(t))
         target = np.where(mine, e[rows, np.where(mine, t - lo, 0)], 0.0)  # (N,) the target's shifted logit
         if smoothing:
             target = (1 - smoothing) * target + smoothing / vocab * e.sum(axis=1)
@@ -335,7 +334,8 @@ class VocabParallelCrossEntropy(Function):
     def backward(self, g):
         p = self.p.copy()
         p[self.rows[self.mine], self.t[self.mine]] -= 1 - self.smoothing
-        p -= self.smoothing / self.vocab  # the smoothed target's uniform part (0: none)
+        if self.smoothing:
+            p -= self.smoothing / self.vocab
         p *= g / len(self.rows)
         return p.reshape(self.shape)
 
