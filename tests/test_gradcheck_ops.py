@@ -349,6 +349,8 @@ def test_label_smoothing_is_the_cross_entropy_against_the_smoothed_target():
     assert abs(loss.item() - want) < 1e-14
     np.testing.assert_allclose(zt.grad, (np.exp(logp) - q) * counted[:, None] / counted.sum(), rtol=0, atol=1e-15)
     assert ops.cross_entropy(Tensor(z), y, label_smoothing=0.0).item() == ops.cross_entropy(Tensor(z), y).item()
+    z[4, 0] = -np.inf  # in an ignored row: it adds nothing, smoothed or not (as PyTorch's masked rows)
+    assert ops.cross_entropy(Tensor(z), y, label_smoothing=e).item() == pytest.approx(want, rel=1e-14)
 
 
 @pytest.mark.parametrize("e", [-0.1, 1.5, float("nan")])
