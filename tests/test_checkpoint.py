@@ -193,6 +193,8 @@ def test_only_the_newest_keep_checkpoints_stay(text_data, tmp_path):
     assert not list((tmp_path / "a" / "checkpoints").glob("*.tmp"))
 
 
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning",
+                            "ignore:invalid value encountered:RuntimeWarning")  # the divergence asked for
 def test_a_non_finite_loss_stops_naming_the_last_checkpoint_or_is_skipped(text_data, tmp_path):
     diverge = ["optim.lr=1e30", "optim.grad_clip=0.0", "optim.warmup_steps=0", "run.checkpoint_interval=1"]
     with pytest.raises(FloatingPointError, match=r"loss is nan at step (\d+); last good checkpoint: .*step-\d+\.h5"):
