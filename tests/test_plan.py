@@ -265,11 +265,16 @@ def test_a_broken_pipe_that_is_not_stdouts_stays_an_error(monkeypatch):
             cli.main([])
 
 
-@pytest.mark.parametrize("model", ["gpt", "lenet"])
-def test_one_process_counts_what_the_plan_predicts(model, tmp_path):
+@pytest.mark.parametrize("model,optim,precision", [
+    ("gpt", {"name": "adamw"}, "fp32"), ("lenet", {"name": "adamw"}, "fp32"),
+    ("lenet", {"name": "sgd", "lr": 0.1, "momentum": 0.9, "nesterov": True}, "fp32"),
+    ("lenet", {"name": "sgd", "lr": 0.1}, "fp32"), ("gpt", {"name": "sgd", "lr": 0.1, "momentum": 0.9}, "bf16"),
+    ("gpt", {"name": "sgd", "lr": 0.1}, "bf16")])
+def test_one_process_counts_what_the_plan_predicts(model, optim, precision, tmp_path):
     """--validate's comparison in one process, without MPI (every layout on several
     ranks: tests/test_mpi_plan.py): the counted quantities exact, for a GPT and a CNN
-    (whose first convolution's backward has no input gradient)."""
+    (whose first convolution's backward has no input gradient); Adam keeps a work array
+    for its update, SGD none, mixed precision one for the unscaled gradients."""
     from test_data import image_set, text_set
 
     from mpitrain import plan as planner
@@ -280,8 +285,8 @@ def test_one_process_counts_what_the_plan_predicts(model, tmp_path):
     (text_set if model == "gpt" else image_set)(data)
     shape = {"gpt": {"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 16},
              "lenet": {"name": "lenet", "channels": [2, 4], "hidden": 8}}[model]
-    cfg = from_dict({"model": shape, "data": {"path": str(data)}, "optim": {"name": "adamw", "grad_clip": 1.0},
-                     "train": {"global_batch_size": 8, "steps": 4, "threads": 1}})
+    cfg = from_dict({"model": shape, "data": {"path": str(data)}, "optim": {**optim, "grad_clip": 1.0},
+                     "train": {"global_batch_size": 8, "steps": 4, "threads": 1, "precision": precision}})
     plan = planner.make(cfg, 1, planner.machine(hardware.load(), "this", 1))
     result, _, storage = validate.measure(cfg, SingleComm(), 4, trace=True)
     rows = validate.compare(plan, result, storage)

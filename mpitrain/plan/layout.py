@@ -88,6 +88,13 @@ class Layout:
         return 2 if o.name in ("adam", "adamw") else int(o.momentum > 0)
 
     @property
+    def work_arrays(self) -> int:
+        """Arrays as large as the largest piece an update holds between steps: Adam's work
+        array (:meth:`mpitrain.optim.Optimizer._scratch`; SGD's update keeps none) and mixed
+        precision's unscaled gradient (:class:`mpitrain.precision.MixedPrecision`)."""
+        return (self.cfg.optim.name in ("adam", "adamw")) + self.mixed
+
+    @property
     def T(self) -> int:
         return self.cfg.model.block_size if self.data.kind == "text" else 0
 

@@ -131,8 +131,7 @@ def model_state(lay, s: int, r: int, d: int) -> dict:
     own = sum(pieces)
     moment = 4 if lay.mixed else lay.itemsize
     counters = 8 * len(pieces) if lay.moments == 2 else 0  # Adam's step, an int64 per piece
-    # the work array of an update (one, the largest piece's size); mixed precision's own beside the optimizer's
-    work = max(pieces, default=0) * moment * (2 if lay.mixed else 1) if lay.moments else 0
+    work = max(pieces, default=0) * moment * lay.work_arrays  # each the largest piece's size
     d = lay.cfg.data
     reader = lay.data.reader(lay.T, lay.cfg.train.global_batch_size, lay.cfg.train.global_batch_size // lay.dp,
                              d.buffer_mb, d.prefetch)
@@ -330,7 +329,7 @@ def server_plan(lay, k: int) -> RankPlan:
     N, s = sum(sizes), lay.itemsize
     counters = 8 * len(own) if lay.moments == 2 else 0
     memory = {"parameters": N * s, "gradients": N * s, "optimizer state": lay.moments * sum(own) * s + counters,
-              "masters": 0, "activations": 0, "work": max(own, default=0) * s if lay.moments else 0, "reader": 0,
+              "masters": 0, "activations": 0, "work": max(own, default=0) * s * lay.work_arrays, "reader": 0,
               "buffers": 0}
     calls = [Call("dp", "parameters to each worker's pull (+ version)", "send", sum(own) * s + 8, 2, lay.dp, "p2p")]
     return RankPlan([k], "server", sum(own), memory, calls, {"forward": 0, "backward": 0, "recompute": 0},
