@@ -242,6 +242,18 @@ def gpt_cfg(data, run_dir, *overrides):
         "run": {"dir": str(run_dir), "checkpoint_interval": 6, "keep": 5}}, list(overrides))
 
 
+def lenet_cfg(data, run_dir, *overrides):
+    """LeNet (convolutions, pools, a classifier with dropout), augmented, float64, 8 steps."""
+    from mpitrain import config
+
+    return config.from_dict({
+        "model": {"name": "lenet", "channels": [2, 4], "hidden": 8, "dropout": 0.25},
+        "data": {"path": str(data), "shift": 1},
+        "optim": {"name": "adamw", "lr": 3e-3, "grad_clip": 1.0},
+        "train": {"global_batch_size": 32, "steps": 8, "log_interval": 4, "threads": 1, "dtype": "float64"},
+        "run": {"dir": str(run_dir)}}, list(overrides))
+
+
 @pytest.mark.mpi(min_size=2)
 def test_the_trainer_on_a_pipeline_equals_one_process_and_its_checkpoint_resumes_on_one():
     """``mpitrain train`` with pp = all ranks (1F1B, 4 micro-batches, dropout, float64)
@@ -337,25 +349,15 @@ def test_a_cnn_cut_into_stages_trains_as_one_process():
     from test_checkpoint import assert_close
     from test_mpi_data import shared_data
 
-    from mpitrain import checkpoint, config, train
+    from mpitrain import checkpoint, train
     from mpitrain.comm import SingleComm
 
     comm = world()
     d = shared_data(comm, n=480, test=64)
-
-    def cfg(run_dir, *overrides):
-        return config.from_dict({
-            "model": {"name": "lenet", "channels": [2, 4], "hidden": 8, "dropout": 0.25},
-            "data": {"path": str(d), "shift": 1},
-            "optim": {"name": "adamw", "lr": 3e-3, "grad_clip": 1.0},
-            "train": {"global_batch_size": 32, "steps": 8, "log_interval": 4, "threads": 1, "dtype": "float64",
-                      "micro_batches": 4},
-            "run": {"dir": str(run_dir)}}, list(overrides))
-
-    piped = train.train(cfg(d.parent / "lenet-pp", f"parallel.pp={comm.size}", "parallel.dp=1",
-                            "parallel.schedule=gpipe"), log=lambda *a: None, comm=comm)
+    piped = train.train(lenet_cfg(d, d.parent / "lenet-pp", "train.micro_batches=4", f"parallel.pp={comm.size}",
+                                  "parallel.dp=1", "parallel.schedule=gpipe"), log=lambda *a: None, comm=comm)
     mine = d.parent / f"lenet-one-{comm.rank}"
-    one = train.train(cfg(mine), log=lambda *a: None, comm=SingleComm())
+    one = train.train(lenet_cfg(d, mine, "train.micro_batches=4"), log=lambda *a: None, comm=SingleComm())
     assert piped.test_accuracy == one.test_accuracy
     assert piped.test_loss == pytest.approx(one.test_loss, rel=1e-12)
     assert_close(checkpoint.path_for(mine, 8), checkpoint.path_for(d.parent / "lenet-pp", 8), rtol=1e-11, floor=1e-6)

@@ -7,9 +7,9 @@ data-parallel, on a pipeline and with a parameter server (one worker)."""
 import pytest
 from test_checkpoint import assert_close
 from test_mpi_data import shared_data
-from test_mpi_pipeline import gpt_cfg, text_set
+from test_mpi_pipeline import gpt_cfg, lenet_cfg, text_set
 
-from mpitrain import checkpoint, config, train
+from mpitrain import checkpoint, train
 from mpitrain.comm import SingleComm
 
 SMOOTH = "train.label_smoothing=0.1"
@@ -49,18 +49,9 @@ def test_a_smoothed_cnn_trains_data_parallel_on_a_pipeline_and_by_a_server_as_on
     if comm.size != 2:
         pytest.skip("layouts of two ranks")
     d = shared_data(comm, n=480, test=64)
-
-    def cfg(run_dir, *overrides):
-        return config.from_dict({
-            "model": {"name": "lenet", "channels": [2, 4], "hidden": 8, "dropout": 0.25},
-            "data": {"path": str(d), "shift": 1},
-            "optim": {"name": "adamw", "lr": 3e-3, "grad_clip": 1.0},
-            "train": {"global_batch_size": 32, "steps": 8, "log_interval": 4, "threads": 1, "dtype": "float64"},
-            "run": {"dir": str(run_dir)}}, [SMOOTH, *overrides])
-
-    run = train.train(cfg(d.parent / "lenet", *layout, *shared), log=quiet, comm=comm)
+    run = train.train(lenet_cfg(d, d.parent / "lenet", SMOOTH, *layout, *shared), log=quiet, comm=comm)
     mine = d.parent / f"lenet-one-{comm.rank}"
-    one = train.train(cfg(mine, *shared), log=quiet, comm=SingleComm())
+    one = train.train(lenet_cfg(d, mine, SMOOTH, *shared), log=quiet, comm=SingleComm())
     assert run.test_accuracy == one.test_accuracy
     assert run.test_loss == pytest.approx(one.test_loss, rel=1e-12)
     assert_close(checkpoint.path_for(mine, 8), checkpoint.path_for(d.parent / "lenet", 8), rtol=1e-11, floor=1e-6)
