@@ -424,7 +424,7 @@ def test_a_first_ctrl_c_asks_for_a_stop_repeats_are_the_same_and_a_later_one_end
     script = textwrap.dedent("""
         import os, signal, sys, time
         from mpitrain import launch
-        from mpitrain.train.loop import StopSignals
+        from mpitrain.train.signals import StopSignals
         launch.REPEAT_S = 0.5
         before = signal.getsignal(signal.SIGINT)
         with StopSignals(loud=True) as signals:

@@ -33,7 +33,8 @@ from mpitrain.precision import masters_in_model
 from mpitrain.runtime import blas_threads, emulated_cluster, launcher, limit_blas_threads, tune_allocator
 from mpitrain.train import identity, resume
 from mpitrain.train.build import Role, Run, build_run, describe, prepare_run_dir
-from mpitrain.train.loop import Loop, StopSignals
+from mpitrain.train.loop import Loop
+from mpitrain.train.signals import StopSignals
 from mpitrain.train.report import Outputs, Result, data_identity, finish, time_row
 
 __all__ = ["GradSync", "Result", "Role", "train"]
