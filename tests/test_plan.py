@@ -9,6 +9,7 @@ from pathlib import Path
 import tracemalloc
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 from test_comm import needs_mpiexec
 
@@ -292,6 +293,38 @@ def test_one_process_counts_what_the_plan_predicts(model, optim, precision, tmp_
     rows = validate.compare(plan, result, storage)
     exact = [row for row in rows if validate.tolerance(row[1]) == 0]
     assert len(exact) >= 6 and all(row[2] == row[3] for row in exact), validate.table(exact)[0]
+
+
+CNNS = {"lenet": {"name": "lenet", "channels": [8, 16], "hidden": 32},
+        "convnet": {"name": "convnet", "channels": [8, 16]},
+        "resnet8": {"name": "resnet", "widths": [8, 16, 32]},
+        "resnet20": {"name": "resnet", "widths": [8, 16, 32], "blocks": 3}}
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("model", sorted(CNNS))
+def test_a_cnns_step_peaks_where_the_plan_walks(model, threads, tmp_path):
+    """The heap a CNN's step holds above rest (32x32 RGB images, batch 32) is the planner's
+    walk within the heap tolerance: each op's kept arrays (a convolution's padded input, a
+    pool's input and output), a convolution's columns in tiles of images (BLAS threads size
+    them) and their gradient, the input gradient of every layer but the first."""
+    from mpitrain import plan as planner
+    from mpitrain.comm import SingleComm
+    from mpitrain.data.writer import DatasetWriter
+    from mpitrain.plan import validate
+
+    gen = np.random.default_rng(0)
+    with DatasetWriter(tmp_path / "d", "rgb", "image", shard_mb=1, classes=list("0123456789"), mean=[0.5] * 3,
+                       std=[0.25] * 3) as w:
+        x, y = gen.integers(0, 256, (256, 32, 32, 3), dtype=np.uint8), (np.arange(256) % 10).astype(np.uint8)
+        w.write_split("train", x, y)
+        w.write_split("test", x[:32], y[:32])
+    cfg = from_dict({"model": CNNS[model], "data": {"path": str(tmp_path / "d")}, "optim": {"name": "sgd", "lr": 0.1},
+                     "train": {"global_batch_size": 32, "steps": 4, "threads": threads}})
+    plan = planner.make(cfg, 1, planner.machine(hardware.load(), "this", 1))
+    result, _, storage = validate.measure(cfg, SingleComm(), 4, trace=True)
+    peak = [row for row in validate.compare(plan, result, storage) if row[1] == "heap peak above rest"]
+    assert len(peak) == 1 and validate.holds(*peak[0][1:]), validate.table(peak)[0]
 
 
 @needs_mpiexec

@@ -120,9 +120,11 @@ def _scatter_taps(pieces, gx, kh, kw, sh, sw, ph, pw, Ho, Wo) -> np.ndarray:
     return gx
 
 
-def _im2col(xp: np.ndarray, kh, kw, sh, sw, Ho, Wo) -> np.ndarray:
+def _im2col(xp: np.ndarray, kh, kw, sh, sw, Ho, Wo, work: np.ndarray) -> np.ndarray:
     """(n*Ho*Wo, kh*kw*C) column matrix of ``xp`` (n, Hp, Wp, C), one row per output
-    pixel, in one copy: ``cols[b, ho, wo, i, q] = xp[b, ho*sh + i, wo*sw + q // C, q % C]``.
+    pixel, in one copy into the front of ``work`` (flat, of xp's dtype, reused by every tile so
+    that one tile's columns are alive at a time, not two while the next is built):
+    ``cols[b, ho, wo, i, q] = xp[b, ho*sh + i, wo*sw + q // C, q % C]``.
     A window row (kw*C contiguous numbers) moves as one opaque element of kw*C*itemsize
     bytes, so NumPy's inner loop runs along output pixels rather than along the 48 (or,
     for RGB input, 9) numbers of one row: faster than copying the view number by number."""
@@ -131,9 +133,14 @@ def _im2col(xp: np.ndarray, kh, kw, sh, sw, Ho, Wo) -> np.ndarray:
     row = np.dtype((np.void, kw * C * xp.itemsize))
     sb, srow, spix, _ = xp.strides
     windows = np.ndarray((n, Ho, Wo, kh), dtype=row, buffer=xp, strides=(sb, sh * srow, sw * spix, srow))
-    cols = np.empty((n, Ho, Wo, kh, kw * C), dtype=xp.dtype)
+    cols = work[: n * Ho * Wo * kh * kw * C].reshape(n, Ho, Wo, kh, kw * C)
     np.copyto(cols.view(row).reshape(n, Ho, Wo, kh), windows)
     return cols.reshape(n * Ho * Wo, kh * kw * C)
+
+
+def _columns_work(tiles: list, Ho: int, Wo: int, K: int, dtype) -> np.ndarray:
+    """One flat work array for the largest tile's column matrix (the first tile's)."""
+    return np.empty((tiles[0].stop - tiles[0].start) * Ho * Wo * K if tiles else 0, dtype=dtype)
 
 
 def _taps(xp: np.ndarray, kh: int, kw: int, sh: int, sw: int, Ho: int, Wo: int):
@@ -143,9 +150,16 @@ def _taps(xp: np.ndarray, kh: int, kw: int, sh: int, sw: int, Ho: int, Wo: int):
             yield xp[:, i : i + sh * (Ho - 1) + 1 : sh, j : j + sw * (Wo - 1) + 1 : sw]
 
 
+def tile_images(image_bytes: int, threads: int | None = None) -> int:
+    """Images per tile: as many whole images as fit the tile budget of ``threads`` BLAS
+    threads (default: the threads set now) with ``image_bytes`` of columns each (one at least).
+    The planner times a convolution's products at this many images' rows (``plan/shapes.py``)."""
+    return max(1, TILE_BYTES_PER_THREAD * (threads or _blas_threads) // max(1, image_bytes))
+
+
 def _tiles(batch: int, image_bytes: int) -> list[slice]:
     """Consecutive slices of whole images whose column matrix stays within the tile budget."""
-    return blocks(batch, max(1, TILE_BYTES_PER_THREAD * _blas_threads // max(1, image_bytes)))
+    return blocks(batch, tile_images(image_bytes))
 
 
 class Conv2d(Function):
@@ -210,8 +224,9 @@ class TiledConv2d(Function):
         # the bias repeated along an output row: adding it to (rows, Wo*F) runs NumPy's
         # inner loop over Wo*F numbers instead of F, faster for narrow F (bench/README.md)
         b_row = None if b is None else np.tile(b, Wo)  # (Wo*F,)
+        work = _columns_work(tiles, Ho, Wo, kh * kw * C, xp.dtype)
         for tile in tiles:
-            cols = _im2col(xp[tile], kh, kw, sh, sw, Ho, Wo)  # (n*Ho*Wo, K)
+            cols = _im2col(xp[tile], kh, kw, sh, sw, Ho, Wo, work)  # (n*Ho*Wo, K)
             o = out[tile].reshape(-1, F)  # (n*Ho*Wo, F) view into out
             np.matmul(cols, w2, out=o)
             if b_row is not None:
@@ -242,13 +257,14 @@ class TiledConv2d(Function):
             per_image = kh * kw * Ho * Wo * C * g.itemsize
             sub = max(1, min(rows // (Ho * Wo), COLUMN_GRAD_BYTES // per_image))  # images
             dcols = np.empty((kh * kw, sub * Ho * Wo, C), g.dtype)  # (taps, sub*Ho*Wo, C)
+        work = _columns_work(self.tiles, Ho, Wo, kh * kw * C, self.xp.dtype) if need_w else None
         for tile in self.tiles:
             g2 = g[tile].reshape(-1, F)  # (n*Ho*Wo, F)
             if through_relu is not None:  # one work array reused by every tile
                 g2 = np.multiply(g2, self.out[tile].reshape(-1, F) > 0,
                                  out=through_relu[: g2.size].reshape(g2.shape))
             if need_w:
-                gw += _im2col(self.xp[tile], kh, kw, sh, sw, Ho, Wo).T @ g2
+                gw += _im2col(self.xp[tile], kh, kw, sh, sw, Ho, Wo, work).T @ g2
             if need_b:
                 gb += ones[: g2.shape[0]] @ g2  # column sums as a GEMV
             if need_x:

@@ -40,8 +40,8 @@ GPT_SHAPES = [  # jobs/tinyshakespeare_gpt.toml: 12 x 64 = 768 tokens, width 128
     (768, 128, 384), (768, 128, 128), (768, 128, 512), (768, 512, 128), (768, 128, 65),  # qkv, proj, MLP, head
     (128, 768, 384), (512, 768, 128),  # weight gradients x^T g: the tokens inside
     (64, 32, 64), (64, 64, 32)]  # one head's scores q k^T, and its weighted values
-CNN_SHAPES = [  # im2col GEMMs (pixels, c_in k k, c_out): mnist_lenet.toml (batch 64), cifar10_resnet.toml (128)
-    (50176, 25, 16), (12544, 400, 32), (64, 1568, 128),
+CNN_SHAPES = [  # im2col GEMMs of a whole batch (the plain path's; pixels, c_in k k, c_out): mnist_lenet.toml
+    (50176, 25, 16), (12544, 400, 32), (64, 1568, 128),  # (batch 64), cifar10_resnet.toml (128)
     (131072, 27, 16), (131072, 144, 16), (32768, 288, 32), (8192, 576, 64)]
 SKINNY = [(2048, 64, 2048), (64, 2048, 64)]  # a rank-64 update, long inner products
 DEFAULT_SHAPES = ([(s, s, s) for s in (64, 128, 256, 512, 1024, 2048)] + GPT_SHAPES + CNN_SHAPES + SKINNY
@@ -49,11 +49,23 @@ DEFAULT_SHAPES = ([(s, s, s) for s in (64, 128, 256, 512, 1024, 2048)] + GPT_SHA
 
 
 # ------------------------------------------------------------------ the device
+def tile_shapes(threads: int) -> list[tuple]:
+    """The convolutions' products as the fast path multiplies them on ``threads`` BLAS threads,
+    a tile of images at a time (:meth:`~mpitrain.plan.shapes.Layer.product_rows`): those of
+    LeNet on 28x28x1 and of the ConvNet and the ResNets (any depth) on 32x32x3, float32."""
+    from mpitrain.plan import shapes
+
+    models = (shapes.lenet((28, 28, 1), 10), shapes.convnet((32, 32, 3), 10), shapes.resnet((32, 32, 3), 10))
+    return sorted({(layer.product_rows(64, 4, threads), *layer.gemm[1:]) for model in models
+                   for layer in model.layers if layer.tiled})
+
+
 def measure_device(shapes=None, repeats: int = 5, log=print) -> dict:
     """The ``[device.this]`` table: GFLOP/s of ``np.matmul`` (m,k)@(k,n) into a reused
     output (2 m k n FLOPs) at ``shapes`` ((m, k, n) or (m, k, n, dtype); default
-    :data:`DEFAULT_SHAPES`), at one BLAS thread and at one per core (a rank alone on the
-    machine gets them all: :func:`mpitrain.runtime.blas_threads`); streaming over float32
+    :data:`DEFAULT_SHAPES` and the convolutions' tiles, :func:`tile_shapes`), at one BLAS
+    thread and at one per core (a rank alone on the machine gets them all:
+    :func:`mpitrain.runtime.blas_threads`); streaming over float32
     arrays of 32 MiB, beyond the caches and preallocated (no page faults): a copy reads and
     writes one, ``np.add`` reads two and writes one; and a tiny op, ``np.add`` of 16
     elements in a Python call."""
@@ -62,7 +74,7 @@ def measure_device(shapes=None, repeats: int = 5, log=print) -> dict:
     rows, gen = [], np.random.default_rng(0)
     for threads in sorted({1, available_cores()}):
         with threadpool_limits(limits=threads, user_api="blas"):
-            for shape in DEFAULT_SHAPES if shapes is None else shapes:
+            for shape in (DEFAULT_SHAPES + tile_shapes(threads)) if shapes is None else shapes:
                 m, k, n, dtype = (*shape, "float32")[:4]
                 if dtype not in GEMM_DTYPES:
                     raise HardwareError(f"GEMM shape {shape}: dtype must be one of {', '.join(GEMM_DTYPES)}")

@@ -32,14 +32,15 @@ class Layout:
     pp: int
     tp: int
     data: object  # :class:`mpitrain.plan.data.DataShape`
+    threads: int = 1  # BLAS threads per rank, which size a convolution's tiles (:func:`mpitrain.ops.conv.tile_images`)
 
     @classmethod
-    def of(cls, cfg: Config, P: int, data) -> "Layout":
-        """The layout of ``cfg`` on ``P`` ranks; a ConfigError (naming the field) if the
-        trainer would refuse it."""
+    def of(cls, cfg: Config, P: int, data, threads: int = 1) -> "Layout":
+        """The layout of ``cfg`` on ``P`` ranks, each with ``threads`` BLAS threads; a
+        ConfigError (naming the field) if the trainer would refuse it."""
         validate(cfg, data_needed=False)
         dp, pp, tp = check_ranks(cfg, P)
-        lay = cls(cfg, P, dp, pp, tp, data)
+        lay = cls(cfg, P, dp, pp, tp, data, threads)
         try:
             lay.bounds  # noqa: B018 (a pipeline the layers cannot be cut into: refused as the trainer refuses it)
         except ValueError as e:

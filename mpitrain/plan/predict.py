@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from mpitrain import cost, schedules
 from mpitrain.comm.ring import chunk_bounds
 from mpitrain.ops._util import BLOCK_ELEMENTS
+from mpitrain.ops.conv import COLUMN_GRAD_BYTES
 from mpitrain.plan.layout import buckets as buckets_of
 from mpitrain.plan.layout import optimizer_order, zero3_groups
 from mpitrain.plan.traffic import Call, by_axis, dp_calls, pp_calls, ring_buffers, tp_calls
@@ -181,12 +182,13 @@ def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = 
     read (:func:`mpitrain.dtypes.upcast`); one that runs again in backward keeps its input
     only (``first_input``: the stage's input's numbers per sample). While a layer runs
     forward it also holds its scratch (:func:`scratch_numbers`; ``split``: a zero-bubble
-    schedule's plain path), under ZeRO-3 its and the next layer's gathered weights, and
-    under ZeRO-2 from the second micro-batch on what the previous one's backward left
-    (:func:`_zero2_held`: its buckets in flight, each freed once a test during backward has
-    seen it done, so how many depends on the messages' timing, ``in_flight``; or the whole
-    gradient, accumulated in full). While it runs backward, what the layers before it
-    keep, its whole set, the gradients of its output and input, and its largest part's
+    schedule's plain path) and its convolution's columns (:func:`conv_work`), under ZeRO-3
+    its and the next layer's gathered weights, and under ZeRO-2 from the second micro-batch
+    on what the previous one's backward left (:func:`_zero2_held`: its buckets in flight,
+    each freed once a test during backward has seen it done, so how many depends on the
+    messages' timing, ``in_flight``; or the whole gradient, accumulated in full). While it
+    runs backward, what the layers before it keep, its whole set, the gradients of its
+    output and of its input (none for data), its convolution's columns and their gradient, and its largest part's
     weight gradients; a layer that ran again keeps its input beside its set, and its
     weight gradients come from its private graph, a second copy until the engine has added
     them (so under ZeRO-2, whose parameters have no ``.grad`` to add into); under ZeRO-3
@@ -203,12 +205,15 @@ def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = 
     buckets = _zero2_held(lay, layers, 0, in_flight) if lay.m > 1 else 0
     # ZeRO-2 frees each .grad once packed: a gradient is a new array (but accumulated in full, a sum)
     fresh = lay.par.sync == "zero2" and not (lay.m > 1 and lay.par.accumulate == "full")
-    kept, inp, most, before = 0, first_input, 0, []
+    kept, inp, most, before, inputs = 0, first_input, 0, [], []
+    data = lay.models[0].layers[0].name  # the model's first layer, whose input (data) has no gradient
     for i, layer in enumerate(layers):
+        inputs.append(0 if layer.name == data else inp)
         mine = (inp if replays(lay, layer) else layer.kept) * b * a
         mine += 4 * layer.size if lay.mixed and layer.forward else 0
         gathered = sum(x.size for x in layers[i : i + 2]) * s if zero3 else 0
-        most = max(most, kept + mine + scratch_numbers(lay, layer, fast) * a + gathered + buckets)
+        work = scratch_numbers(lay, layer, fast) + conv_work(lay, layer, fast)[0]
+        most = max(most, kept + mine + work * a + gathered + buckets)
         before.append(kept)
         kept += mine
         inp = math.prod(layer.out)
@@ -217,7 +222,8 @@ def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = 
         again = replays(lay, layer)  # its graph is private: its weight gradients are returned, then added
         whole = (layer.full or layer.kept) * b * a + (before[i + 1] - before[i] if again else 0)
         copies = 2 if again or fresh else 1
-        grads = 2 * b * math.prod(layer.out) * a + copies * (layer.part or layer.size) * s
+        grads = (b * (math.prod(layer.out) + inputs[i]) + conv_work(lay, layer, fast)[1]) * a
+        grads += copies * (layer.part or layer.size) * s
         if zero3:
             grads += sum(x.size for x in layers[max(0, i - 1) : i + 1]) * s
             grads += sum(x.size + -(-x.size // lay.dp) for x in layers[i + 1 : i + 2]) * s
@@ -275,14 +281,44 @@ def scratch_numbers(lay, layer, fast: bool) -> int:
     return layer.scratch * b + work + (0 if fused else layer.gelu * b)
 
 
+def cached(lay, layers: list) -> int:
+    """Bytes the layers' ops keep cached between steps, once in a process: attention's causal
+    mask, one for all blocks, and for batch norm's column sums a vector of ones for each
+    length of rows it sums (:func:`mpitrain.ops._util.cached_full`): ``ones`` per sample of a
+    micro-batch (an evaluation at another batch adds its own)."""
+    mask = max((layer.cache for layer in layers), default=0)
+    ones = {layer.ones for layer in layers if layer.ones}
+    return (mask + sum(ones) * lay.micro_batch) * lay.dtype_bytes
+
+
+def conv_work(lay, layer, fast: bool) -> tuple[int, int]:
+    """Numbers a layer's largest convolution (its ``gemm``) holds for a moment in (forward,
+    backward), for one micro-batch: the column matrix, on the fast path one tile's
+    (:class:`mpitrain.ops.conv.TiledConv2d` reuses one work array for every tile), which
+    backward builds again for the weight gradient, beside a sub-tile of the column gradient
+    (``COLUMN_GRAD_BYTES``; none where the input is data, whose gradient nobody needs); on the
+    plain path (:class:`~mpitrain.ops.conv.Conv2d`) the whole micro-batch's columns, kept
+    from forward to backward, and there their gradient as large."""
+    if not layer.tiled:
+        return 0, 0
+    per_image = layer.gemm[0] * layer.gemm[1]  # (Ho Wo) x (k k C_in)
+    rows = layer.product_rows(lay.micro_batch, lay.dtype_bytes, lay.threads, fast)
+    columns = rows * layer.gemm[1]
+    needs_input = layer.backward > layer.forward  # its backward has the input gradient's product too
+    if not fast:
+        return columns, columns * (1 + needs_input)
+    sub = max(1, min(rows // layer.gemm[0], COLUMN_GRAD_BYTES // (per_image * lay.dtype_bytes)))
+    return columns, columns + needs_input * sub * per_image
+
+
 def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None) -> RankPlan:
     """Pipeline rank ``s``, data-parallel rank ``d``, tensor-parallel rank ``r``; what does
     not depend on ``d`` taken from ``like`` (the plan of another ``d``) when given."""
     layers = lay.layers(s, r)
     params = lay.parameters(s, r)
     memory = model_state(lay, s, r, d)
-    memory["buffers"] = like.memory["buffers"] if like is not None else ring_buffers(lay, params, layers) + max(
-        (layer.cache for layer in layers), default=0) * lay.dtype_bytes
+    memory["buffers"] = like.memory["buffers"] if like is not None else ring_buffers(lay, params, layers) + cached(
+        lay, layers)
     ring = lay.par.allreduce == "ring"  # each rank of a ring sends its own count
     if like is not None:
         memory["activations"] = like.memory["activations"]
@@ -291,20 +327,22 @@ def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None) -> Rank
                         like.bubble, by_axis(calls) if ring else like.sent, like.dp_calls, list(like.slices),
                         like.bounds)
     held = cost.micro_batches_held(lay.par.schedule, lay.pp, lay.m, s, lay.v) if lay.pp > 1 else 1
+    samples = lay.micro_batch * lay.m
     k = lay.bounds[s]  # the stage's first layer in the whole list
     first = math.prod(lay.models[r].layers[k - 1].out) if k else math.prod(lay.models[r].sample)
     split = split_backward(lay, s)
     model, p = lay.models[r].layers, lay.pp
     received = sum(math.prod(model[lay.bounds[c * p + s] - 1].out) for c in range(lay.v)  # inputs sent to it
                    if c * p + s and not replays(lay, model[lay.bounds[c * p + s]]))  # (a replayed layer keeps it)
-    memory["activations"] = activations(lay, layers, held, first, split, received, "last")
+    # the first stage's images as the loop hands them over, augmented and normalised: a copy in train.dtype
+    images = first * samples * lay.dtype_bytes if lay.data.kind == "image" and k == 0 else 0
+    memory["activations"] = images + activations(lay, layers, held, first, split, received, "last")
     bounds = (0, 0)
     if lay.par.sync == "zero2":  # how many buckets are in flight depends on the messages' timing
-        bounds = tuple(activations(lay, layers, held, first, split, received, w) for w in ("none", "all"))
+        bounds = tuple(images + activations(lay, layers, held, first, split, received, w) for w in ("none", "all"))
         bounds = (0, 0) if bounds[0] == bounds[1] else bounds
     dp = dp_calls(lay, params, layers, d)
     calls = dp + pp_calls(lay, s, r) + tp_calls(lay, s, r)
-    samples = lay.micro_batch * lay.m
     flops = {"forward": samples * sum(x.forward for x in layers),
              "backward": samples * sum(x.backward for x in layers),
              "recompute": samples * sum(recomputed(lay, x, split) for x in layers)}

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, field
 
 from mpitrain.cost import attention_flops, conv2d_flops, gpt_block_activation_bytes, matmul_flops
+from mpitrain.ops.conv import tile_images
 from mpitrain.parallel.tensor_parallel import shard
 
 
@@ -38,6 +39,17 @@ class Layer:
     gelu: int = 0  # numbers per sample of its GELU, whose work arrays the forward holds too (plan.predict.scratch)
     part: int = 0  # parameters of its largest part (a block's MLP), whose gradients backward makes at once; 0: all
     cache: int = 0  # numbers its ops keep cached between steps, once in a process (attention's causal mask)
+    ones: int = 0  # rows per sample its batch norms sum over (Ho Wo): each length's vector of ones is cached
+    tiled: bool = False  # its ``gemm`` a convolution's (rows per image, k k C_in, C_out): multiplied in tiles of images
+
+    def product_rows(self, batch: int, itemsize: int, threads: int = 1, fast: bool = True) -> int:
+        """Rows of its typical product as mpitrain runs it on ``batch`` samples: the whole
+        batch's, or a convolution's on the fast path a tile's (as many whole images as
+        :func:`mpitrain.ops.conv.tile_images` puts in one for ``threads`` BLAS threads)."""
+        per_sample = self.gemm[0] if self.gemm else 1
+        if self.tiled and fast:  # an image's columns: (Ho Wo, k k C_in)
+            batch = min(batch, tile_images(per_sample * self.gemm[1] * itemsize, threads))
+        return max(1, per_sample * batch)
 
     @property
     def size(self) -> int:
@@ -124,19 +136,21 @@ class _Walk:
     backward is the weight gradient's product alone."""
 
     def __init__(self, sample: tuple):
-        self.shape, self.data, self.gemm = tuple(sample), True, ()
+        self.shape, self.data, self.product = tuple(sample), True, {}  # product: the last one's Layer fields
+        self.padded = 0  # numbers per sample of the last convolution's padded input, which it keeps for backward
 
     def conv(self, name, cout, k, stride=1, pad=0, bias=True, bn=False, relu=False):
         H, W, cin = self.shape
         Ho, Wo = (H + 2 * pad - k) // stride + 1, (W + 2 * pad - k) // stride + 1
+        self.padded = (H + 2 * pad) * (W + 2 * pad) * cin if pad else 0  # unpadded: its input itself, kept already
         params = [(f"{name}.weight", (k, k, cin, cout))] + ([(f"{name}.bias", (cout,))] if bias else [])
-        self.gemm = (Ho * Wo, k * k * cin, cout)
+        self.product = {"gemm": (Ho * Wo, k * k * cin, cout), "tiled": True}
         return self._product(params, conv2d_flops(1, Ho, Wo, k, k, cin, cout), (Ho, Wo, cout))
 
     def linear(self, name, n_out, bias=True):
         n_in = math.prod(self.shape)
         params = [(f"{name}.weight", (n_in, n_out))] + ([(f"{name}.bias", (n_out,))] if bias else [])
-        self.gemm = (1, n_in, n_out)
+        self.product = {"gemm": (1, n_in, n_out)}
         return self._product(params, matmul_flops(1, n_in, n_out), (n_out,))
 
     def _product(self, params, fwd, out):
@@ -146,43 +160,45 @@ class _Walk:
         return list(params), fwd, fwd * grads
 
 
-def lenet(sample: tuple, classes: int, channels=(16, 32), hidden: int = 128) -> ModelShape:
+# What each layer keeps for backward, numbers per sample, as mpitrain's ops keep it: a
+# convolution its padded input (the weight gradient's columns are built from it again) and,
+# with a fused ReLU, its output; a max-pool its input and its output (ops.conv.MaxPool2d);
+# batch norm its normalised input; a ReLU its output; a linear layer its input (after a
+# pool, the pool's output viewed flat: kept already); the loss its softmax.
+def lenet(sample: tuple, classes: int, channels=(16, 32), hidden: int = 128, dropout: float = 0.0) -> ModelShape:
     """:class:`mpitrain.nn.LeNet`: each of its nine layers."""
     walk, layers = _Walk(sample), []
     c1, c2 = channels
-    H, W, _ = sample
     for i, c in ((0, c1), (2, c2)):
-        inp = math.prod(walk.shape)
         p, f, b = walk.conv(str(i), c, 5, pad=2)
-        layers.append(Layer(str(i), tuple(p), f, b, inp + math.prod(walk.shape), walk.shape, gemm=walk.gemm))
-        walk.shape = (walk.shape[0] // 2, walk.shape[1] // 2, c)
-        layers.append(Layer(str(i + 1), (), 0, 0, math.prod(walk.shape), walk.shape))
+        layers.append(Layer(str(i), tuple(p), f, b, walk.padded, walk.shape, **walk.product))
+        out, walk.shape = math.prod(walk.shape), (walk.shape[0] // 2, walk.shape[1] // 2, c)
+        layers.append(Layer(str(i + 1), (), 0, 0, out + math.prod(walk.shape), walk.shape))
     walk.shape = (math.prod(walk.shape),)
     layers.append(Layer("4", (), 0, 0, 0, walk.shape))
-    inp = walk.shape[0]
     p, f, b = walk.linear("5", hidden)
-    layers += [Layer("5", tuple(p), f, b, inp, (hidden,), gemm=walk.gemm), Layer("6", (), 0, 0, hidden, (hidden,)),
-               Layer("7", (), 0, 0, hidden, (hidden,))]
+    layers += [Layer("5", tuple(p), f, b, 0, (hidden,), **walk.product), Layer("6", (), 0, 0, hidden, (hidden,)),
+               Layer("7", (), 0, 0, hidden if dropout else 0, (hidden,))]  # dropout's mask (none at p = 0)
     p, f, b = walk.linear("8", classes)
-    layers.append(Layer("8", tuple(p), f, b, hidden + classes, (classes,), gemm=walk.gemm))
+    layers.append(Layer("8", tuple(p), f, b, hidden + classes, (classes,), **walk.product))
     return ModelShape("lenet", _whole(layers), tuple(sample))
 
 
 def convnet(sample: tuple, classes: int, channels=(16, 32)) -> ModelShape:
-    """:class:`mpitrain.nn.ConvNet`: 3x3 convolutions, a 2x2 pool, flatten, a linear layer."""
+    """:class:`mpitrain.nn.ConvNet`: 3x3 convolutions (a ReLU fused into each but the last,
+    whose ReLU the pool takes), a 2x2 pool, flatten, a linear layer."""
     walk, layers = _Walk(sample), []
     for i, c in enumerate(channels):
-        inp = math.prod(walk.shape)
         p, f, b = walk.conv(str(i), c, 3, pad=1)
-        layers.append(Layer(str(i), tuple(p), f, b, inp + math.prod(walk.shape), walk.shape, gemm=walk.gemm))
-    n = len(channels)
+        relu = math.prod(walk.shape) if i + 1 < len(channels) else 0
+        layers.append(Layer(str(i), tuple(p), f, b, walk.padded + relu, walk.shape, **walk.product))
+    n, out = len(channels), math.prod(walk.shape)
     walk.shape = (walk.shape[0] // 2, walk.shape[1] // 2, walk.shape[2])
-    layers.append(Layer(str(n), (), 0, 0, math.prod(walk.shape), walk.shape))
+    layers.append(Layer(str(n), (), 0, 0, out + math.prod(walk.shape), walk.shape))
     walk.shape = (math.prod(walk.shape),)
     layers.append(Layer(str(n + 1), (), 0, 0, 0, walk.shape))
-    inp = walk.shape[0]
     p, f, b = walk.linear(str(n + 2), classes)
-    layers.append(Layer(str(n + 2), tuple(p), f, b, inp + classes, (classes,), gemm=walk.gemm))
+    layers.append(Layer(str(n + 2), tuple(p), f, b, classes, (classes,), **walk.product))
     return ModelShape("convnet", _whole(layers), tuple(sample))
 
 
@@ -191,27 +207,30 @@ def resnet(sample: tuple, classes: int, widths=(16, 32, 64), blocks: int = 1) ->
     walk = _Walk(sample)
     bn = lambda p, c: [(f"{p}.weight", (c,)), (f"{p}.bias", (c,))]  # noqa: E731
     p, f, b = walk.conv("stem.0", widths[0], 3, pad=1, bias=False)
-    stem = math.prod(walk.shape)
-    layers = [Layer("stem", tuple(p + bn("stem.1", widths[0])), f, b, math.prod(sample) + 3 * stem, walk.shape,
-                    gemm=walk.gemm)]
+    stem = math.prod(walk.shape)  # the norm's normalised input, the ReLU's output
+    layers = [Layer("stem", tuple(p + bn("stem.1", widths[0])), f, b, walk.padded + 2 * stem, walk.shape,
+                    ones=stem // widths[0], **walk.product)]
     c, k = widths[0], 0
     for i, width in enumerate(widths):
         for j in range(blocks):
             stride, inp, name = 2 if (i > 0 and j == 0) else 1, walk.shape, f"stages.{k}"
             p1, f1, b1 = walk.conv(f"{name}.conv1", width, 3, stride, 1, bias=False)
+            kept = walk.padded
             p2, f2, b2 = walk.conv(f"{name}.conv2", width, 3, 1, 1, bias=False)
+            kept += walk.padded + 4 * math.prod(walk.shape)  # the two norms' normalised inputs, the two ReLUs'
             params, fwd, bwd = p1 + bn(f"{name}.bn1", width) + p2 + bn(f"{name}.bn2", width), f1 + f2, b1 + b2
-            if stride != 1 or c != width:
-                out, walk.shape = walk.shape, inp
-                ps, fs, bs = walk.conv(f"{name}.shortcut.0", width, 1, stride, bias=False)
+            if stride != 1 or c != width:  # the block's product stays conv2's, its largest (a 1x1 has 1/9 of it)
+                out, main, walk.shape = walk.shape, walk.product, inp
+                ps, fs, bs = walk.conv(f"{name}.shortcut.0", width, 1, stride, bias=False)  # keeps the block's input
                 params, fwd, bwd, walk.shape = params + ps + bn(f"{name}.shortcut.1", width), fwd + fs, bwd + bs, out
-            kept = math.prod(inp) + 6 * math.prod(walk.shape)  # the inputs of the products, norms and ReLUs
-            layers.append(Layer(f"block {k}", tuple(params), fwd, bwd, kept, walk.shape, gemm=walk.gemm))
+                walk.product, kept = main, kept + math.prod(out)  # and its norm's normalised input
+            layers.append(Layer(f"block {k}", tuple(params), fwd, bwd, kept, walk.shape, ones=math.prod(walk.shape[:2]),
+                                **walk.product))
             c, k = width, k + 1
     layers.append(Layer("pool", (), 0, 0, 0, (c,)))
     walk.shape = (c,)
     p, f, b = walk.linear("fc", classes)
-    layers.append(Layer("fc", tuple(p), f, b, c + classes, (classes,), gemm=walk.gemm))
+    layers.append(Layer("fc", tuple(p), f, b, c + classes, (classes,), **walk.product))
     return ModelShape("resnet", _whole(layers), tuple(sample))
 
 
@@ -229,7 +248,7 @@ def from_config(cfg, data, t: int = 1, rank: int = 0) -> ModelShape:
                    sequence=t > 1 and cfg.parallel.sequence_parallel)
     sample, classes = data.sample, data.ids
     if m.name == "lenet":
-        return lenet(sample, classes, m.channels, m.hidden)
+        return lenet(sample, classes, m.channels, m.hidden, m.dropout)
     if m.name == "convnet":
         return convnet(sample, classes, m.channels)
     return resnet(sample, classes, m.widths, m.blocks)

@@ -161,7 +161,7 @@ def memory_table(plan) -> list[str]:
             c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sync=sync),
                                     model=dataclasses.replace(cfg.model, checkpoint_activations=ckpt))
             try:
-                top = max(rank_plans(Layout.of(c, lay.P, lay.data)), key=lambda p: p.peak)
+                top = max(rank_plans(Layout.of(c, lay.P, lay.data, lay.threads)), key=lambda p: p.peak)
                 cells.append(f"{size(top.peak)}{' (fits)' if top.peak <= plan.machine.memory else ''}")
             except ConfigError as e:
                 cells.append(f"refused: {str(e).split(':')[0]}")

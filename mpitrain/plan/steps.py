@@ -35,14 +35,15 @@ def significant(x: float) -> float:  # four significant digits: a measurement's 
 
 def gemm_seconds(dev, model, batch: int) -> float:
     """The products of a step of ``model`` (a :class:`~mpitrain.plan.shapes.ModelShape`) at
-    ``batch``, forward and backward, each layer at ``dev``'s rate for its typical product
-    with ``batch`` times its rows, as :class:`mpitrain.plan.timing.Machine` rates them."""
+    ``batch`` in float32 on one BLAS thread, forward and backward, each layer at ``dev``'s rate
+    for its typical product on the rows mpitrain multiplies at once
+    (:meth:`~mpitrain.plan.shapes.Layer.product_rows`), as :class:`mpitrain.plan.timing.Machine` rates them."""
     seconds = 0.0
     for layer in model.layers:
         flops = (layer.forward * (1 + layer.recompute) + layer.backward) * batch
         if flops:
-            m, k, n = layer.gemm or (1, 256, 256)
-            seconds += flops / dev.matmul_flops_per_s(max(1, m * batch), k, n)
+            _, k, n = layer.gemm or (1, 256, 256)
+            seconds += flops / dev.matmul_flops_per_s(layer.product_rows(batch, 4), k, n)
     return seconds
 
 

@@ -4,8 +4,9 @@ shape, communication from each link's alpha and beta, the pipeline's bubble, the
 The model (a roofline per layer, Williams et al. 2009, and the alpha-beta model of a
 message, Hockney 1994):
 
-* **compute** of a layer: its FLOPs over the device's rate at its product's shape
-  (:meth:`~mpitrain.plan.hardware.Device.matmul_flops_per_s`; a published device's peak
+* **compute** of a layer: its FLOPs over the device's rate at its product's shape as
+  mpitrain runs it (:meth:`~mpitrain.plan.shapes.Layer.product_rows`: a convolution's in
+  tiles of images; :meth:`~mpitrain.plan.hardware.Device.matmul_flops_per_s`; a published device's peak
   times ``utilization``), plus, on a calibrated machine, mpitrain's elementwise work: the
   device's measured ``passes`` over the layer's traffic (:attr:`~mpitrain.plan.shapes.Layer.traffic`)
   at its streaming bandwidth; ranks beyond a node's cores share them.
@@ -67,10 +68,11 @@ class Machine:
         return max(1, self.cores // self.per_node) if self.cores else 1
 
     def rate(self, gemm: tuple, rows: int, dtype: str, threads: int = 1) -> float:
+        """FLOP/s of a product of ``gemm``'s inner and outer sizes on ``rows`` rows."""
         d = self.device
         scale = self.share if d.calibrated else self.utilization
-        m, k, n = gemm or (1, 256, 256)
-        return d.matmul_flops_per_s(max(1, m * rows), k, n, dtype, threads) * scale
+        _, k, n = gemm or (1, 256, 256)
+        return d.matmul_flops_per_s(max(1, rows), k, n, dtype, threads) * scale
 
     def switches(self, ranks: list[int]) -> float:
         """What each call of a communicator of ``ranks`` adds when two of them share a node
@@ -109,7 +111,7 @@ def compute_seconds(lay, plan, machine: Machine) -> float:
     known = family if family in d.passes else family[:3]  # a path not measured: the fused GPT's figures
     passes = d.passes.get(known, UNCALIBRATED_PASSES[known[:3]]) if d.calibrated else 0.0
     overhead = d.layer_overhead.get(known, 0.0) if d.calibrated else 0.0
-    threads = machine.threads(lay.cfg.train.threads)
+    threads = lay.threads
     s, r = _coords(lay, plan.ranks[0])
     seconds = len(lay.layers(s, r)) * d.step_overhead.get(known, 0.0) / machine.share if d.calibrated else 0.0
     if lay.mixed and d.calibrated:  # its casts and the masters' update; a bucket's sum in float32 and back
@@ -120,7 +122,8 @@ def compute_seconds(lay, plan, machine: Machine) -> float:
     for layer in lay.layers(s, r):
         flops = (layer.forward + layer.backward + recomputed(lay, layer, split)) * b
         if flops:
-            seconds += lay.m * flops / machine.rate(layer.gemm, b, dtype, threads)
+            rows = layer.product_rows(b, lay.dtype_bytes, threads, lay.cfg.train.fast_paths)
+            seconds += lay.m * flops / machine.rate(layer.gemm, rows, dtype, threads)
         again = replays(lay, layer) / 3  # its elementwise work: a forward's, a third of a step's
         elementwise = passes * (1 + again) * layer.traffic * b * lay.dtype_bytes
         seconds += lay.m * elementwise / (d.elementwise_bandwidth or d.memory_bandwidth) / machine.share
