@@ -14,12 +14,11 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-from mpitrain import cost, schedules
+from mpitrain import cost
 from mpitrain.comm.ring import chunk_bounds
-from mpitrain.ops._util import BLOCK_ELEMENTS
-from mpitrain.ops.conv import COLUMN_GRAD_BYTES
 from mpitrain.plan.layout import buckets as buckets_of
 from mpitrain.plan.layout import optimizer_order, zero3_groups
+from mpitrain.plan.peak import activations, cached, recomputed, replays, sends_in_flight, split_backward
 from mpitrain.plan.traffic import Call, by_axis, dp_calls, pp_calls, ring_buffers, tp_calls
 
 
@@ -141,176 +140,6 @@ def model_state(lay, s: int, r: int, d: int) -> dict:
             "work": work, "reader": reader}
 
 
-def split_backward(lay, s: int) -> bool:
-    """Whether pipeline rank ``s`` splits backward in two passes (a zero-bubble schedule),
-    which runs its layers on the plain path (:class:`mpitrain.parallel.pipeline.PipelineStage`)."""
-    return lay.pp > 1 and any(isinstance(x, schedules.BackwardInput)
-                              for x in schedules.schedule(lay.par.schedule, lay.pp, lay.m, s, lay.v))
-
-
-def replays(lay, layer) -> bool:
-    """Whether ``layer`` runs forward again in backward: activation checkpointing's blocks,
-    and under ZeRO-3 every layer with parameters (it frees its gathered weights)."""
-    return layer.recompute or (lay.par.sync == "zero3" and bool(layer.params))
-
-
-def recomputed(lay, layer, split: bool) -> int:
-    """FLOPs per sample ``layer`` runs again in backward: a replayed layer's forward; and in
-    a backward split in two passes (``split``) a checkpointed block's node, which ignores
-    the split, runs whole in both (:func:`mpitrain.autograd.backward_split`): its forward and
-    backward once more."""
-    if not replays(lay, layer):
-        return 0
-    return layer.forward + (layer.forward + layer.backward if split and layer.recompute else 0)
-
-
-def activations(lay, layers: list, held: float, first_input: int, split: bool = False, received: int = 0,
-                in_flight: str = "last") -> int:
-    """Bytes of activations a stage holds at its peak: ``held`` micro-batches' worth of what
-    its layers keep for backward and of the inputs it ``received`` (numbers per sample; the
-    pipeline keeps each until its backward), the last of them at the moment of its forward,
-    or of its backward, that holds most (:func:`_moments`; ``in_flight``: ZeRO-2's buckets
-    still in flight then, :func:`_zero2_held`)."""
-    kept, most = _moments(lay, layers, first_input, split, in_flight)
-    inputs = received * lay.micro_batch * lay.dtype_bytes
-    return int((held - 1) * (kept + inputs) + most + inputs)
-
-
-def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = "last") -> tuple[int, int]:
-    """(bytes one micro-batch keeps, the most it holds at one moment). A layer keeps its
-    kept numbers, and in mixed precision the float32 copies of the weights its products
-    read (:func:`mpitrain.dtypes.upcast`); one that runs again in backward keeps its input
-    only (``first_input``: the stage's input's numbers per sample). While a layer runs
-    forward it also holds its scratch (:func:`scratch_numbers`; ``split``: a zero-bubble
-    schedule's plain path) and its convolution's columns (:func:`conv_work`), under ZeRO-3
-    its and the next layer's gathered weights, and under ZeRO-2 from the second micro-batch
-    on what the previous one's backward left (:func:`_zero2_held`: its buckets in flight,
-    each freed once a test during backward has seen it done, so how many depends on the
-    messages' timing, ``in_flight``; or the whole gradient, accumulated in full). While it
-    runs backward, what the layers before it keep, its whole set, the gradients of its
-    output and of its input (none for data), its convolution's columns and their gradient, and its largest part's
-    weight gradients; a layer that ran again keeps its input beside its set, and its
-    weight gradients come from its private graph, a second copy until the engine has added
-    them (so under ZeRO-2, whose parameters have no ``.grad`` to add into); under ZeRO-3
-    also its and the previous layer's gathered weights and the whole gradient of the layer
-    after it with its shard (its reduce-scatter in flight:
-    :meth:`mpitrain.parallel.zero3.Zero3._progress` frees each once its sum is in), under
-    ZeRO-2 the later layers' gradients it holds, and at most the previous micro-batch's
-    buckets not yet started again (:func:`_zero2_held`). Fused backward
-    passes write their gradients over the arrays they read last, which is why a layer's
-    backward adds no more than this."""
-    b, a, s = lay.micro_batch, lay.dtype_bytes, lay.itemsize
-    fast = lay.cfg.train.fast_paths and not split
-    zero3 = lay.par.sync == "zero3"
-    buckets = _zero2_held(lay, layers, 0, in_flight) if lay.m > 1 else 0
-    # ZeRO-2 frees each .grad once packed: a gradient is a new array (but accumulated in full, a sum)
-    fresh = lay.par.sync == "zero2" and not (lay.m > 1 and lay.par.accumulate == "full")
-    kept, inp, most, before, inputs = 0, first_input, 0, [], []
-    data = lay.models[0].layers[0].name  # the model's first layer, whose input (data) has no gradient
-    for i, layer in enumerate(layers):
-        inputs.append(0 if layer.name == data else inp)
-        mine = (inp if replays(lay, layer) else layer.kept) * b * a
-        mine += 4 * layer.size if lay.mixed and layer.forward else 0
-        gathered = sum(x.size for x in layers[i : i + 2]) * s if zero3 else 0
-        work = scratch_numbers(lay, layer, fast) + conv_work(lay, layer, fast)[0]
-        most = max(most, kept + mine + work * a + gathered + buckets)
-        before.append(kept)
-        kept += mine
-        inp = math.prod(layer.out)
-    before.append(kept)
-    for i, layer in enumerate(layers):
-        again = replays(lay, layer)  # its graph is private: its weight gradients are returned, then added
-        whole = (layer.full or layer.kept) * b * a + (before[i + 1] - before[i] if again else 0)
-        copies = 2 if again or fresh else 1
-        grads = (b * (math.prod(layer.out) + inputs[i]) + conv_work(lay, layer, fast)[1]) * a
-        grads += copies * (layer.part or layer.size) * s
-        if zero3:
-            grads += sum(x.size for x in layers[max(0, i - 1) : i + 1]) * s
-            grads += sum(x.size + -(-x.size // lay.dp) for x in layers[i + 1 : i + 2]) * s
-        most = max(most, before[i] + whole + grads + _zero2_held(lay, layers, i + 1, in_flight, lay.m > 1))
-    return kept, max(most, kept)
-
-
-def _zero2_held(lay, layers: list, after: int, in_flight: str, later: bool = False) -> int:
-    """Bytes of gradients ZeRO-2 holds beyond its shard once backward has passed the layers
-    from ``after`` on (0: a whole backward, the previous micro-batch's): accumulated in full,
-    the whole gradient; else the gradients of a bucket not yet full, and the buckets started
-    with their received shards while in flight: each is freed when a hook sees it done, so
-    "all" of them at most, "none" at least, and as a rule the "last" one started (a
-    reduce-scatter ends while the next layer's backward runs). In a ``later`` micro-batch's
-    backward, "all" also counts the previous micro-batch's buckets that this one has not
-    started again: a rank ahead of the others tests them in vain until its own bucket's
-    start waits for them (:meth:`mpitrain.parallel.zero.Zero2._start`)."""
-    if lay.par.sync != "zero2":
-        return 0
-    model, s = lay.models[0], lay.itemsize
-    if lay.m > 1 and lay.par.accumulate == "full":
-        return model.count(layers) * s
-    key = ("zero2 buckets", tuple(layer.name for layer in layers))  # asked once for every layer of a walk
-    if key not in lay.cache:
-        params = model.parameters(layers)
-        lay.cache[key] = params, buckets_of(lay, params)
-    params, groups = lay.cache[key]
-    ready = set(model.parameters(layers[after:]))
-    started = [all(name in ready for name in group) for group in groups]
-    last = max((k for k, done in enumerate(started) if done), default=-1)
-    held = 0
-    for k, group in enumerate(groups):
-        n = sum(math.prod(params[name]) for name in group if name in ready)
-        if n and (not started[k] or in_flight == "all" or (in_flight == "last" and k == last)):
-            held += n + (-(-n // lay.dp) if started[k] else 0)
-        if later and in_flight == "all" and not started[k]:
-            whole = sum(math.prod(params[name]) for name in group)
-            held += whole + -(-whole // lay.dp)
-    return held * s
-
-
-def scratch_numbers(lay, layer, fast: bool) -> int:
-    """Numbers a layer's forward holds for a moment beyond what it keeps, for one
-    micro-batch: its ``scratch`` (a block's input and its first half's output, the
-    head's logits), and a GELU's work: on the fast paths two arrays of one block of
-    elements (:func:`mpitrain.ops.elementwise.gelu_blocks`), else three of the whole
-    (``gelu_plain``: ``x^2``, ``h``, and the temporaries of its expressions, one at a
-    time beyond its outputs); op by op (tensor slicing, a zero-bubble schedule) its input
-    too, which the fused block's GELU overwrites."""
-    b = lay.micro_batch
-    if not layer.gelu:
-        return layer.scratch * b
-    work = 2 * min(layer.gelu * b, BLOCK_ELEMENTS) if fast else 3 * layer.gelu * b
-    fused = fast and lay.tp == 1
-    return layer.scratch * b + work + (0 if fused else layer.gelu * b)
-
-
-def cached(lay, layers: list) -> int:
-    """Bytes the layers' ops keep cached between steps, once in a process: attention's causal
-    mask, one for all blocks, and for batch norm's column sums a vector of ones for each
-    length of rows it sums (:func:`mpitrain.ops._util.cached_full`): ``ones`` per sample of a
-    micro-batch (an evaluation at another batch adds its own)."""
-    mask = max((layer.cache for layer in layers), default=0)
-    ones = {layer.ones for layer in layers if layer.ones}
-    return (mask + sum(ones) * lay.micro_batch) * lay.dtype_bytes
-
-
-def conv_work(lay, layer, fast: bool) -> tuple[int, int]:
-    """Numbers a layer's largest convolution (its ``gemm``) holds for a moment in (forward,
-    backward), for one micro-batch: the column matrix, on the fast path one tile's
-    (:class:`mpitrain.ops.conv.TiledConv2d` reuses one work array for every tile), which
-    backward builds again for the weight gradient, beside a sub-tile of the column gradient
-    (``COLUMN_GRAD_BYTES``; none where the input is data, whose gradient nobody needs); on the
-    plain path (:class:`~mpitrain.ops.conv.Conv2d`) the whole micro-batch's columns, kept
-    from forward to backward, and there their gradient as large."""
-    if not layer.tiled:
-        return 0, 0
-    per_image = layer.gemm[0] * layer.gemm[1]  # (Ho Wo) x (k k C_in)
-    rows = layer.product_rows(lay.micro_batch, lay.dtype_bytes, lay.threads, fast)
-    columns = rows * layer.gemm[1]
-    needs_input = layer.backward > layer.forward  # its backward has the input gradient's product too
-    if not fast:
-        return columns, columns * (1 + needs_input)
-    sub = max(1, min(rows // layer.gemm[0], COLUMN_GRAD_BYTES // (per_image * lay.dtype_bytes)))
-    return columns, columns + needs_input * sub * per_image
-
-
 def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None) -> RankPlan:
     """Pipeline rank ``s``, data-parallel rank ``d``, tensor-parallel rank ``r``; what does
     not depend on ``d`` taken from ``like`` (the plan of another ``d``) when given."""
@@ -334,8 +163,10 @@ def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None) -> Rank
     model, p = lay.models[r].layers, lay.pp
     received = sum(math.prod(model[lay.bounds[c * p + s] - 1].out) for c in range(lay.v)  # inputs sent to it
                    if c * p + s and not replays(lay, model[lay.bounds[c * p + s]]))  # (a replayed layer keeps it)
-    # the first stage's images as the loop hands them over, augmented and normalised: a copy in train.dtype
+    # the first stage's images as the loop hands them over, augmented and normalised: a copy in train.dtype;
+    # a pipeline stage's sends, each kept until a test sees it done: as a rule its last one of each kind in flight
     images = first * samples * lay.dtype_bytes if lay.data.kind == "image" and k == 0 else 0
+    images += sends_in_flight(lay, s)
     memory["activations"] = images + activations(lay, layers, held, first, split, received, "last")
     bounds = (0, 0)
     if lay.par.sync == "zero2":  # how many buckets are in flight depends on the messages' timing

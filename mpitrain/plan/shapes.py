@@ -36,7 +36,7 @@ class Layer:
     gemm: tuple = ()  # its typical product (rows per sample, inner, columns): the shape whose speed times it
     full: int = 0  # numbers kept per sample without checkpointing (0: ``kept``): what its elementwise work walks
     scratch: int = 0  # numbers per sample its forward holds for a moment beyond ``kept`` (a block's input and half)
-    gelu: int = 0  # numbers per sample of its GELU, whose work arrays the forward holds too (plan.predict.scratch)
+    gelu: int = 0  # numbers per sample of its GELU, whose work arrays the forward holds too (plan.peak.scratch_numbers)
     part: int = 0  # parameters of its largest part (a block's MLP), whose gradients backward makes at once; 0: all
     cache: int = 0  # numbers its ops keep cached between steps, once in a process (attention's causal mask)
     ones: int = 0  # rows per sample its batch norms sum over (Ho Wo): each length's vector of ones is cached

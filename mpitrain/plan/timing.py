@@ -34,7 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from mpitrain import cost
-from mpitrain.plan.predict import recomputed, replays, split_backward
+from mpitrain.plan.peak import recomputed, replays, split_backward
 from mpitrain.plan.traffic import Call
 
 # a calibrated device without ``passes`` (calibrated before they were measured): mpitrain's steps' elementwise
