@@ -165,9 +165,9 @@ def sends_in_flight(lay, s: int) -> int:
     if lay.pp == 1:
         return 0
     model, first, last = lay.models[0].layers, lay.bounds[s], lay.bounds[s + 1]
-    numbers = (math.prod(model[last - 1].out) if last < len(model) else 0) + (math.prod(model[first - 1].out)
-                                                                              if first else 0)
-    return numbers * lay.micro_batch * lay.dtype_bytes
+    onward = math.prod(model[last - 1].out) if last < len(model) else 0  # to the next stage
+    back = math.prod(model[first - 1].out) if first else 0  # to the previous one
+    return (onward + back) * lay.micro_batch * lay.dtype_bytes
 
 
 def cached(lay, layers: list) -> int:
