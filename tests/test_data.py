@@ -11,14 +11,14 @@ from mpitrain.data.loader import flips, normalize, random_flip, random_shift, sh
 from mpitrain.data.reader import EpochPlan
 
 
-def image_set(path, n=1000, test=100, shard_mb=0.01, compression=None, seed=0):
-    """A small image dataset: sample i of 'train' has label i % 10 and pixels derived from i."""
+def image_set(path, n=1000, test=100, shard_mb=0.01, compression=None, seed=0, shape=(6, 6, 1)):
+    """A small image dataset of ``shape`` (H, W, C): sample i of 'train' has label i % 10 and pixels derived from i."""
     r = np.random.default_rng(seed)
-    x = r.integers(0, 256, (n, 6, 6, 1), dtype=np.uint8)
+    x = r.integers(0, 256, (n, *shape), dtype=np.uint8)
     x[:, 0, 0, 0] = np.arange(n) % 256
     y = (np.arange(n) % 10).astype(np.uint8)
     with DatasetWriter(path, "toy", "image", shard_mb=shard_mb, chunk_kb=4, compression=compression,
-                       classes=list("0123456789"), mean=[0.5], std=[0.25]) as w:
+                       classes=list("0123456789"), mean=[0.5] * shape[-1], std=[0.25] * shape[-1]) as w:
         w.write_split("train", x, y)
         w.write_split("test", x[:test], y[:test])
     return x, y

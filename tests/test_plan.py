@@ -9,7 +9,6 @@ from pathlib import Path
 import tracemalloc
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 from test_comm import needs_mpiexec
 
@@ -308,17 +307,13 @@ def test_a_cnns_step_peaks_where_the_plan_walks(model, threads, tmp_path):
     walk within the heap tolerance: each op's kept arrays (a convolution's padded input, a
     pool's input and output), a convolution's columns in tiles of images (BLAS threads size
     them) and their gradient, the input gradient of every layer but the first."""
+    from test_data import image_set
+
     from mpitrain import plan as planner
     from mpitrain.comm import SingleComm
-    from mpitrain.data.writer import DatasetWriter
     from mpitrain.plan import validate
 
-    gen = np.random.default_rng(0)
-    with DatasetWriter(tmp_path / "d", "rgb", "image", shard_mb=1, classes=list("0123456789"), mean=[0.5] * 3,
-                       std=[0.25] * 3) as w:
-        x, y = gen.integers(0, 256, (256, 32, 32, 3), dtype=np.uint8), (np.arange(256) % 10).astype(np.uint8)
-        w.write_split("train", x, y)
-        w.write_split("test", x[:32], y[:32])
+    image_set(tmp_path / "d", n=256, test=32, shard_mb=1, shape=(32, 32, 3))
     cfg = from_dict({"model": CNNS[model], "data": {"path": str(tmp_path / "d")}, "optim": {"name": "sgd", "lr": 0.1},
                      "train": {"global_batch_size": 32, "steps": 4, "threads": threads}})
     plan = planner.make(cfg, 1, planner.machine(hardware.load(), "this", 1))

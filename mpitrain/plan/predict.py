@@ -163,14 +163,14 @@ def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None) -> Rank
     model, p = lay.models[r].layers, lay.pp
     received = sum(math.prod(model[lay.bounds[c * p + s] - 1].out) for c in range(lay.v)  # inputs sent to it
                    if c * p + s and not replays(lay, model[lay.bounds[c * p + s]]))  # (a replayed layer keeps it)
-    # the first stage's images as the loop hands them over, augmented and normalised: a copy in train.dtype;
-    # a pipeline stage's sends, each kept until a test sees it done: as a rule its last one of each kind in flight
-    images = first * samples * lay.dtype_bytes if lay.data.kind == "image" and k == 0 else 0
-    images += sends_in_flight(lay, s)
-    memory["activations"] = images + activations(lay, layers, held, first, split, received, "last")
+    # held beside the layers all step: the first stage's images as the loop hands them over (augmented and
+    # normalised, a copy in train.dtype), and a pipeline stage's last sends of each kind, kept until seen done
+    beside = first * samples * lay.dtype_bytes if lay.data.kind == "image" and k == 0 else 0
+    beside += sends_in_flight(lay, s)
+    memory["activations"] = beside + activations(lay, layers, held, first, split, received, "last")
     bounds = (0, 0)
     if lay.par.sync == "zero2":  # how many buckets are in flight depends on the messages' timing
-        bounds = tuple(images + activations(lay, layers, held, first, split, received, w) for w in ("none", "all"))
+        bounds = tuple(beside + activations(lay, layers, held, first, split, received, w) for w in ("none", "all"))
         bounds = (0, 0) if bounds[0] == bounds[1] else bounds
     dp = dp_calls(lay, params, layers, d)
     calls = dp + pp_calls(lay, s, r) + tp_calls(lay, s, r)
