@@ -207,6 +207,9 @@ def _eval_parser(commands) -> None:
     p.add_argument("--batches", type=int, metavar="N",
                    help="text: score the first N global batches of windows (0: the whole split; default: the "
                         "run's train.eval_batches)")
+    p.add_argument("--flip", action="store_true",
+                   help="images: score each image and its mirror, averaging their probabilities (the same as "
+                        "--set train.eval_flip=true)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON line, unrounded")
     p.set_defaults(run=_eval)
 
@@ -216,6 +219,7 @@ def _eval(args) -> None:
     from mpitrain.train import trained
 
     overrides = args.set + ([f"train.eval_batches={args.batches}"] if args.batches is not None else [])
+    overrides += ["train.eval_flip=true"] if args.flip else []
     comm = world()
     run, step, path = trained.load(args.target, comm, _quiet, overrides)
     try:

@@ -345,7 +345,8 @@ def test_batch_norm_sees_each_micro_batch_on_a_pipeline_as_in_accumulation():
 @pytest.mark.mpi(min_size=2)
 def test_a_cnn_cut_into_stages_trains_as_one_process():
     """LeNet's layer list (convolutions, pools, the classifier with dropout) cut over all
-    ranks, through the trainer, with augmentation and evaluation: one process's figures."""
+    ranks, through the trainer, with augmentation and evaluation of each image and its
+    mirror (every stage runs both): one process's figures."""
     from test_checkpoint import assert_close
     from test_mpi_data import shared_data
 
@@ -354,10 +355,11 @@ def test_a_cnn_cut_into_stages_trains_as_one_process():
 
     comm = world()
     d = shared_data(comm, n=480, test=64)
-    piped = train.train(lenet_cfg(d, d.parent / "lenet-pp", "train.micro_batches=4", f"parallel.pp={comm.size}",
-                                  "parallel.dp=1", "parallel.schedule=gpipe"), log=lambda *a: None, comm=comm)
+    both = ["train.micro_batches=4", "train.eval_flip=true"]
+    piped = train.train(lenet_cfg(d, d.parent / "lenet-pp", *both, f"parallel.pp={comm.size}", "parallel.dp=1",
+                                  "parallel.schedule=gpipe"), log=lambda *a: None, comm=comm)
     mine = d.parent / f"lenet-one-{comm.rank}"
-    one = train.train(lenet_cfg(d, mine, "train.micro_batches=4"), log=lambda *a: None, comm=SingleComm())
+    one = train.train(lenet_cfg(d, mine, *both), log=lambda *a: None, comm=SingleComm())
     assert piped.test_accuracy == one.test_accuracy
     assert piped.test_loss == pytest.approx(one.test_loss, rel=1e-12)
     assert_close(checkpoint.path_for(mine, 8), checkpoint.path_for(d.parent / "lenet-pp", 8), rtol=1e-11, floor=1e-6)

@@ -3,6 +3,7 @@ from every layout, under MPI: ``tests/test_mpi_trained.py``."""
 
 import json
 
+import numpy as np
 import pytest
 from test_checkpoint import gpt, lenet, quiet
 from test_data import image_set
@@ -64,11 +65,57 @@ def test_eval_of_an_image_run_gives_accuracy_and_sample_refuses_it_in_one_line(t
     assert "is an image dataset: sample draws text from a GPT run" in capsys.readouterr().err
 
 
+def test_eval_flip_scores_the_mean_of_each_images_and_its_mirrors_probabilities(tmp_path, capsys):
+    """``--flip`` (``train.eval_flip``): each test image's prediction is the mean of its
+    and its training-time mirror's softmax; computed here directly, in float64."""
+    from mpitrain.comm import SingleComm
+    from mpitrain.data.loader import normalize, random_flip
+    from mpitrain.tensor import Tensor, no_grad
+    from mpitrain.train import trained
+
+    x, y = image_set(tmp_path / "d", n=256, test=64)
+    train.train(lenet(tmp_path / "d", tmp_path / "cnn", "train.epochs=1", "train.dtype=float64"), log=quiet)
+    assert cli.main(["eval", str(tmp_path / "cnn"), "--json", "--flip"]) == 0
+    flipped = json.loads(capsys.readouterr().out)
+    assert cli.main(["eval", str(tmp_path / "cnn"), "--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert flipped["flip"] and not plain["flip"] and flipped["loss"] != plain["loss"]
+
+    run, _, _ = trained.load(tmp_path / "cnn", SingleComm(), quiet)
+    run.model.eval()
+    probabilities = []
+    with no_grad():
+        for view in (x[:64], random_flip(x[:64], np.ones(64, bool))):
+            z = run.role.schedule.forward_only(Tensor(normalize(view, run.data.mean, run.data.std, np.float64))).data
+            e = np.exp(z - z.max(axis=1, keepdims=True))
+            probabilities.append(e / e.sum(axis=1, keepdims=True))
+    run.close()
+    p = (probabilities[0] + probabilities[1]) / 2  # (64, 10)
+    assert flipped["accuracy"] == np.mean(p.argmax(axis=1) == y[:64])
+    assert flipped["loss"] == pytest.approx(-np.log(p[np.arange(64), y[:64]]).mean(), rel=1e-12)
+    assert cli.main(["eval", str(tmp_path / "cnn")]) == 0  # and the printed line says what was scored
+    assert capsys.readouterr().out.startswith(f"step 4: test accuracy {100 * plain['accuracy']:.2f}%")
+    assert cli.main(["eval", str(tmp_path / "cnn"), "--flip"]) == 0
+    assert ", each image and its mirror\n" in capsys.readouterr().out
+
+
+def test_log_mean_probabilities_of_one_view_or_equal_views_is_the_log_softmax():
+    from mpitrain.train.evaluate import log_mean_probabilities
+
+    z = np.array([[1.0, 2.0, 3.0], [1000.0, 0.0, -1000.0]])
+    expected = z - z.max(axis=1, keepdims=True) - np.log(np.exp(z - z.max(axis=1, keepdims=True)).sum(axis=1))[:, None]
+    np.testing.assert_allclose(log_mean_probabilities(z), expected, rtol=1e-15, atol=1e-300)
+    np.testing.assert_allclose(log_mean_probabilities(z, z), expected, rtol=1e-14, atol=1e-300)
+    two = log_mean_probabilities(np.array([[0.0, 50.0]]), np.array([[50.0, 0.0]]))  # confident, opposite views
+    np.testing.assert_allclose(two, np.log([[0.5, 0.5]]), rtol=1e-14)
+
+
 def test_what_sample_and_eval_cannot_use_is_one_line(gpt_run, tmp_path, capsys, monkeypatch):
     for argv, said in [(["eval", str(tmp_path / "nothing")], "no such run directory or checkpoint file"),
                        (["eval", str(gpt_run), "--split", "test"], "has no split 'test' (it has ['train', 'val'])"),
                        (["sample", str(gpt_run), "--prompt", "€"], "--prompt: character '€' is not in the vocabulary"),
-                       (["eval", str(tmp_path)], "no checkpoint of the run can be used")]:
+                       (["eval", str(tmp_path)], "no checkpoint of the run can be used"),
+                       (["eval", str(gpt_run), "--flip"], "train.eval_flip: applies to image models only")]:
         assert cli.main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("mpitrain: error: ") and said in err and err.count("\n") == 1, err

@@ -9,8 +9,9 @@ import importlib.util
 import math
 from pathlib import Path
 
-from mpitrain.config.fields import (CHOICES, EMBEDDED, GRID, MODELS, OPTIM_FIELDS, PARALLEL_FIELDS, PIPELINE_SYNCS,
-                                    PRECISION_SYNCS, TENSOR_SYNCS, TEXT_ONLY_TRAIN_FIELDS, Config, ConfigError)
+from mpitrain.config.fields import (CHOICES, EMBEDDED, GRID, IMAGE_ONLY_TRAIN_FIELDS, MODELS, OPTIM_FIELDS,
+                                    PARALLEL_FIELDS, PIPELINE_SYNCS, PRECISION_SYNCS, TENSOR_SYNCS,
+                                    TEXT_ONLY_TRAIN_FIELDS, Config, ConfigError)
 from mpitrain.schedules import SCHEDULES
 
 
@@ -45,6 +46,8 @@ def _validate_choices(cfg: Config) -> None:
             raise ConfigError(f"{key}: only the cosine schedule decays to a minimum")
         if section == "train" and name in TEXT_ONLY_TRAIN_FIELDS and m.name != "gpt":
             raise ConfigError(f"{key}: applies to text models (model.name = 'gpt') only")
+        if section == "train" and name in IMAGE_ONLY_TRAIN_FIELDS and m.name == "gpt":
+            raise ConfigError(f"{key}: applies to image models only (this is model.name = 'gpt')")
 
 
 def _validate_data(cfg: Config, data_needed: bool = True) -> None:

@@ -49,6 +49,7 @@ OPTIM_FIELDS = {
     "adamw": _OPTIM_COMMON | {"betas", "eps"},
 }
 TEXT_ONLY_TRAIN_FIELDS = {"eval_batches", "sample_tokens"}
+IMAGE_ONLY_TRAIN_FIELDS = {"eval_flip"}
 _PARALLEL_COMMON = {"dp", "pp", "tp", "sync", "thread_level", "schedule", "chunks", "sequence_parallel"}
 PARALLEL_FIELDS = {  # by parallel.sync
     "ddp": _PARALLEL_COMMON | {"allreduce", "bucket_mb", "progress", "wire"},
@@ -104,6 +105,7 @@ class TrainConfig:
     precision: str = "fp32"  #: "fp32", or mixed precision: "bf16" or "fp16" weights and gradients, float32 masters
     log_interval: int = 50  #: steps between progress lines and metrics records
     eval_interval: int = 0  #: steps between evaluations; 0: after every epoch (images) or at the end (text)
+    eval_flip: bool = False  #: images: score each image and its mirror, averaging their probabilities (two views)
     eval_batches: int = 0  #: text: at most this many global batches of validation windows per evaluation; 0: all
     sample_tokens: int = 300  #: text: characters the model generates at the end of the run
     threads: int = 0  #: BLAS threads per rank; 0: the cores available divided by the ranks on the node

@@ -11,8 +11,8 @@ import typing
 from pathlib import Path
 
 from mpitrain.config import fields as _fields
-from mpitrain.config.fields import (CHOICES, PIPELINE_SYNCS, PRECISION_SYNCS, RENAMED, TENSOR_SYNCS,
-                                    TEXT_ONLY_TRAIN_FIELDS, Config, sections)
+from mpitrain.config.fields import (CHOICES, IMAGE_ONLY_TRAIN_FIELDS, PIPELINE_SYNCS, PRECISION_SYNCS, RENAMED,
+                                    TENSOR_SYNCS, TEXT_ONLY_TRAIN_FIELDS, Config, sections)
 
 _TYPE_NAMES = {str: "string", int: "integer", float: "number", bool: "boolean", tuple[int, ...]: "list of integers",
                tuple[float, float]: "list of 2 numbers"}
@@ -56,6 +56,7 @@ def reference() -> str:
     return "\n".join(out + [
         "## Combinations", "",
         f"- `train.{'`, `train.'.join(sorted(TEXT_ONLY_TRAIN_FIELDS))}`: text models (`model.name = \"gpt\"`).",
+        f"- `train.{'`, `train.'.join(sorted(IMAGE_ONLY_TRAIN_FIELDS))}`: image models.",
         f"- `parallel.pp` > 1: `parallel.sync` is {either(PIPELINE_SYNCS)}.",
         f"- `parallel.tp` > 1: `model.name = \"gpt\"`, and `parallel.sync` is {either(TENSOR_SYNCS)}.",
         f"- `train.precision` other than `\"fp32\"`: `parallel.sync` is {either(PRECISION_SYNCS)}, with no "

@@ -37,8 +37,9 @@ def score(run, comm, step: int, result, metrics, log, split: str | None = None) 
         else:
             result.test_accuracy, result.test_loss = evaluate_images(role.schedule.forward_only, data, cfg, comm,
                                                                      lane, split)
+            views = ", each image and its mirror" if cfg.train.eval_flip else ""
             log(f"step {step}: test accuracy {100 * result.test_accuracy:.2f}%, test loss {result.test_loss:.4f}"
-                f"{named}")
+                f"{named}{views}")
     finally:
         model.train()
     record = {"step": step, "val_loss": result.val_loss, "test_accuracy": result.test_accuracy}
@@ -48,7 +49,9 @@ def score(run, comm, step: int, result, metrics, log, split: str | None = None) 
 
 def evaluate_images(forward, data: Dataset, cfg, comm, lane: tuple, split: str = "test") -> tuple[float, float]:
     """(accuracy, mean loss) on the whole ``split``, each lane scoring its share
-    (``forward(x)``: the logits, or None on a rank that does not end the model)."""
+    (``forward(x)``: the logits, or None on a rank that does not end the model). With
+    ``train.eval_flip``, each image's prediction is the mean of its and its mirror's
+    probabilities (two views, as the training flips them)."""
     reader = ShardReader(data.split(split), rank=lane[0], size=lane[1], global_batch=EVAL_BATCH_PER_RANK * lane[1],
                          seed=cfg.train.seed, shuffle=False, drop_last=False, prefetch=1)
     correct, total_loss, n = 0, 0.0, 0
@@ -56,14 +59,30 @@ def evaluate_images(forward, data: Dataset, cfg, comm, lane: tuple, split: str =
         for batch in reader.epoch(0):
             if not len(batch.y):
                 continue
-            logits = forward(Tensor(normalize(batch.x, data.mean, data.std, cfg.train.dtype)))
+            x = normalize(batch.x, data.mean, data.std, cfg.train.dtype)  # (B, H, W, C)
+            logits = forward(Tensor(x))
+            mirrored = forward(Tensor(x[:, :, ::-1].copy())) if cfg.train.eval_flip else None  # every stage runs both
             if logits is None:
                 continue
-            total_loss += ops.cross_entropy(logits, batch.y, reduction="sum").item()
-            correct += int((logits.data.argmax(axis=-1) == batch.y).sum())
+            if mirrored is None:
+                total_loss += ops.cross_entropy(logits, batch.y, reduction="sum").item()
+                predicted = logits.data.argmax(axis=-1)
+            else:
+                log_p = log_mean_probabilities(logits.data, mirrored.data)  # (B, classes)
+                total_loss -= log_p[np.arange(len(batch.y)), batch.y].sum()
+                predicted = log_p.argmax(axis=-1)
+            correct += int((predicted == batch.y).sum())
             n += len(batch.y)
     sums = np.sum(comm.allgather((correct, total_loss, n)), axis=0)
     return sums[0] / sums[2], sums[1] / sums[2]
+
+
+def log_mean_probabilities(*logits: np.ndarray) -> np.ndarray:
+    """(B, classes) logits of each view -> the log of the views' mean softmax, in float64."""
+    z = np.stack(logits).astype(np.float64)  # (V, B, classes)
+    log_p = z - z.max(axis=-1, keepdims=True)
+    log_p -= np.log(np.exp(log_p).sum(axis=-1, keepdims=True))
+    return np.logaddexp.reduce(log_p, axis=0) - np.log(len(logits))
 
 
 def evaluate_text(loss_of, data: Dataset, cfg, comm, lane: tuple, split: str = "val") -> float:

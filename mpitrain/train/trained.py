@@ -83,4 +83,4 @@ def evaluate(run: Run, step: int, comm, log, split: str | None = None) -> dict:
     figures = {"step": step, "split": split}
     if run.data.kind == "text":
         return {**figures, "loss": result.val_loss}
-    return {**figures, "loss": result.test_loss, "accuracy": result.test_accuracy}
+    return {**figures, "loss": result.test_loss, "accuracy": result.test_accuracy, "flip": run.cfg.train.eval_flip}
