@@ -300,13 +300,14 @@ CNNS = {"lenet": {"name": "lenet", "channels": [8, 16], "hidden": 32},
         "resnet20": {"name": "resnet", "widths": [8, 16, 32], "blocks": 3}}
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads,fast", [(1, True), (2, True), (1, False)], ids=["1 thread", "2 threads", "plain"])
 @pytest.mark.parametrize("model", sorted(CNNS))
-def test_a_cnns_step_peaks_where_the_plan_walks(model, threads, tmp_path):
+def test_a_cnns_step_peaks_where_the_plan_walks(model, threads, fast, tmp_path):
     """The heap a CNN's step holds above rest (32x32 RGB images, batch 32) is the planner's
     walk within the heap tolerance: each op's kept arrays (a convolution's padded input, a
     pool's input and output), a convolution's columns in tiles of images (BLAS threads size
-    them) and their gradient, the input gradient of every layer but the first."""
+    them) and their gradient, the input gradient of every layer but the first; on the plain
+    path each convolution's whole columns, kept, and their whole gradient."""
     from test_data import image_set
 
     from mpitrain import plan as planner
@@ -315,7 +316,7 @@ def test_a_cnns_step_peaks_where_the_plan_walks(model, threads, tmp_path):
 
     image_set(tmp_path / "d", n=256, test=32, shard_mb=1, shape=(32, 32, 3))
     cfg = from_dict({"model": CNNS[model], "data": {"path": str(tmp_path / "d")}, "optim": {"name": "sgd", "lr": 0.1},
-                     "train": {"global_batch_size": 32, "steps": 4, "threads": threads}})
+                     "train": {"global_batch_size": 32, "steps": 4, "threads": threads, "fast_paths": fast}})
     plan = planner.make(cfg, 1, planner.machine(hardware.load(), "this", 1))
     result, _, storage = validate.measure(cfg, SingleComm(), 4, trace=True)
     peak = [row for row in validate.compare(plan, result, storage) if row[1] == "heap peak above rest"]

@@ -84,7 +84,7 @@ def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = 
     data = lay.models[0].layers[0].name  # the model's first layer, whose input (data) has no gradient
     for i, layer in enumerate(layers):
         inputs.append(0 if layer.name == data else inp)
-        mine = (inp if replays(lay, layer) else layer.kept) * b * a
+        mine = (inp if replays(lay, layer) else layer.kept_on(fast)) * b * a
         mine += 4 * layer.size if lay.mixed and layer.forward else 0
         gathered = sum(x.size for x in layers[i : i + 2]) * s if zero3 else 0
         work = scratch_numbers(lay, layer, fast) + conv_work(lay, layer, fast)[0]
@@ -95,7 +95,7 @@ def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = 
     before.append(kept)
     for i, layer in enumerate(layers):
         again = replays(lay, layer)  # its graph is private: its weight gradients are returned, then added
-        whole = (layer.full or layer.kept) * b * a + (before[i + 1] - before[i] if again else 0)
+        whole = (layer.full or layer.kept_on(fast)) * b * a + (before[i + 1] - before[i] if again else 0)
         copies = 2 if again or fresh else 1
         grads = (b * (math.prod(layer.out) + inputs[i]) + conv_work(lay, layer, fast)[1]) * a
         grads += copies * (layer.part or layer.size) * s
@@ -181,20 +181,23 @@ def cached(lay, layers: list) -> int:
 
 
 def conv_work(lay, layer, fast: bool) -> tuple[int, int]:
-    """Numbers a layer's largest convolution (its ``gemm``) holds for a moment in (forward,
-    backward), for one micro-batch: the column matrix, on the fast path one tile's
+    """Numbers a layer's convolutions hold for a moment in (forward, backward), for one
+    micro-batch. On the fast path its largest (its ``gemm``) one tile's column matrix
     (:class:`mpitrain.ops.conv.TiledConv2d` reuses one work array for every tile), which
     backward builds again for the weight gradient, beside a sub-tile of the column gradient
-    (``COLUMN_GRAD_BYTES``; none where the input is data, whose gradient nobody needs); on the
-    plain path (:class:`~mpitrain.ops.conv.Conv2d`) the whole micro-batch's columns, kept
-    from forward to backward, and there their gradient as large."""
+    (``COLUMN_GRAD_BYTES``; none where the input is data, whose gradient nobody needs). On
+    the plain path (:class:`~mpitrain.ops.conv.Conv2d`, whose columns are kept:
+    :meth:`~mpitrain.plan.shapes.Layer.kept_on`) the widest padded copy of an input, which
+    forward pads before it builds the columns, and in backward the whole column gradient
+    with the padded input gradient it is summed into."""
     if not layer.tiled:
         return 0, 0
-    per_image = layer.gemm[0] * layer.gemm[1]  # (Ho Wo) x (k k C_in)
-    rows = layer.product_rows(lay.micro_batch, lay.dtype_bytes, lay.threads, fast)
-    columns = rows * layer.gemm[1]
+    b = lay.micro_batch
     needs_input = layer.backward > layer.forward  # its backward has the input gradient's product too
     if not fast:
-        return columns, columns * (1 + needs_input)
-    sub = max(1, min(rows // layer.gemm[0], COLUMN_GRAD_BYTES // (per_image * lay.dtype_bytes)))
+        padded = max(p for p, _ in layer.convs) * b
+        return padded, needs_input * (max(c for _, c in layer.convs) * b + padded)
+    per_image = layer.gemm[0] * layer.gemm[1]  # (Ho Wo) x (k k C_in)
+    columns = layer.product_rows(b, lay.dtype_bytes, lay.threads, fast) * layer.gemm[1]
+    sub = max(1, min(columns // per_image, COLUMN_GRAD_BYTES // (per_image * lay.dtype_bytes)))
     return columns, columns + needs_input * sub * per_image

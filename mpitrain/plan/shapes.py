@@ -41,6 +41,15 @@ class Layer:
     cache: int = 0  # numbers its ops keep cached between steps, once in a process (attention's causal mask)
     ones: int = 0  # rows per sample its batch norms sum over (Ho Wo): each length's vector of ones is cached
     tiled: bool = False  # its ``gemm`` a convolution's (rows per image, k k C_in, C_out): multiplied in tiles of images
+    convs: tuple = ()  # per convolution, numbers per sample of (its padded input, kept in ``kept``; its columns)
+
+    def kept_on(self, fast: bool) -> int:
+        """Numbers per sample it keeps for backward on the fast paths (``kept``: each
+        convolution its padded input) or the plain ones, where each convolution keeps its
+        columns instead (:class:`mpitrain.ops.conv.Conv2d`)."""
+        if fast:
+            return self.kept
+        return self.kept + sum(columns - padded for padded, columns in self.convs)
 
     def product_rows(self, batch: int, itemsize: int, threads: int = 1, fast: bool = True) -> int:
         """Rows of its typical product as mpitrain runs it on ``batch`` samples: the whole
@@ -138,14 +147,21 @@ class _Walk:
     def __init__(self, sample: tuple):
         self.shape, self.data, self.product = tuple(sample), True, {}  # product: the last one's Layer fields
         self.padded = 0  # numbers per sample of the last convolution's padded input, which it keeps for backward
+        self.convs = []  # (padded, columns) of each convolution since the last layer: Layer.convs
 
     def conv(self, name, cout, k, stride=1, pad=0, bias=True, bn=False, relu=False):
         H, W, cin = self.shape
         Ho, Wo = (H + 2 * pad - k) // stride + 1, (W + 2 * pad - k) // stride + 1
         self.padded = (H + 2 * pad) * (W + 2 * pad) * cin if pad else 0  # unpadded: its input itself, kept already
+        self.convs.append((self.padded, Ho * Wo * k * k * cin))
         params = [(f"{name}.weight", (k, k, cin, cout))] + ([(f"{name}.bias", (cout,))] if bias else [])
         self.product = {"gemm": (Ho * Wo, k * k * cin, cout), "tiled": True}
         return self._product(params, conv2d_flops(1, Ho, Wo, k, k, cin, cout), (Ho, Wo, cout))
+
+    def taken(self) -> dict:
+        """The last product's Layer fields, with the convolutions since the last call."""
+        convs, self.convs = tuple(self.convs), []
+        return {**self.product, "convs": convs} if convs else dict(self.product)
 
     def linear(self, name, n_out, bias=True):
         n_in = math.prod(self.shape)
@@ -161,7 +177,8 @@ class _Walk:
 
 
 # What each layer keeps for backward, numbers per sample, as mpitrain's ops keep it: a
-# convolution its padded input (the weight gradient's columns are built from it again) and,
+# convolution its padded input (the weight gradient's columns are built from it again;
+# on the plain path its columns instead, Layer.kept_on) and,
 # with a fused ReLU, its output; a max-pool its input and its output (ops.conv.MaxPool2d);
 # batch norm its normalised input; a ReLU its output; a linear layer its input (after a
 # pool, the pool's output viewed flat: kept already); the loss its softmax.
@@ -171,7 +188,7 @@ def lenet(sample: tuple, classes: int, channels=(16, 32), hidden: int = 128, dro
     c1, c2 = channels
     for i, c in ((0, c1), (2, c2)):
         p, f, b = walk.conv(str(i), c, 5, pad=2)
-        layers.append(Layer(str(i), tuple(p), f, b, walk.padded, walk.shape, **walk.product))
+        layers.append(Layer(str(i), tuple(p), f, b, walk.padded, walk.shape, **walk.taken()))
         out, walk.shape = math.prod(walk.shape), (walk.shape[0] // 2, walk.shape[1] // 2, c)
         layers.append(Layer(str(i + 1), (), 0, 0, out + math.prod(walk.shape), walk.shape))
     walk.shape = (math.prod(walk.shape),)
@@ -191,7 +208,7 @@ def convnet(sample: tuple, classes: int, channels=(16, 32)) -> ModelShape:
     for i, c in enumerate(channels):
         p, f, b = walk.conv(str(i), c, 3, pad=1)
         relu = math.prod(walk.shape) if i + 1 < len(channels) else 0
-        layers.append(Layer(str(i), tuple(p), f, b, walk.padded + relu, walk.shape, **walk.product))
+        layers.append(Layer(str(i), tuple(p), f, b, walk.padded + relu, walk.shape, **walk.taken()))
     n, out = len(channels), math.prod(walk.shape)
     walk.shape = (walk.shape[0] // 2, walk.shape[1] // 2, walk.shape[2])
     layers.append(Layer(str(n), (), 0, 0, out + math.prod(walk.shape), walk.shape))
@@ -209,7 +226,7 @@ def resnet(sample: tuple, classes: int, widths=(16, 32, 64), blocks: int = 1) ->
     p, f, b = walk.conv("stem.0", widths[0], 3, pad=1, bias=False)
     stem = math.prod(walk.shape)  # the norm's normalised input, the ReLU's output
     layers = [Layer("stem", tuple(p + bn("stem.1", widths[0])), f, b, walk.padded + 2 * stem, walk.shape,
-                    ones=stem // widths[0], **walk.product)]
+                    ones=stem // widths[0], **walk.taken())]
     c, k = widths[0], 0
     for i, width in enumerate(widths):
         for j in range(blocks):
@@ -225,7 +242,7 @@ def resnet(sample: tuple, classes: int, widths=(16, 32, 64), blocks: int = 1) ->
                 params, fwd, bwd, walk.shape = params + ps + bn(f"{name}.shortcut.1", width), fwd + fs, bwd + bs, out
                 walk.product, kept = main, kept + math.prod(out)  # and its norm's normalised input
             layers.append(Layer(f"block {k}", tuple(params), fwd, bwd, kept, walk.shape, ones=math.prod(walk.shape[:2]),
-                                **walk.product))
+                                **walk.taken()))
             c, k = width, k + 1
     layers.append(Layer("pool", (), 0, 0, 0, (c,)))
     walk.shape = (c,)
