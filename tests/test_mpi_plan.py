@@ -80,6 +80,31 @@ def test_every_counted_prediction_is_what_the_run_counts(name):
     assert not off, validate.table(off)[0]
 
 
+CNN_LAYOUTS = {"zero3": ["parallel.sync='zero3'"], "1f1b": ["parallel.pp=2", "train.micro_batches=4"]}
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("name", sorted(CNN_LAYOUTS))
+def test_a_cnns_heap_holds_under_zero3_and_on_every_pipeline_stage(name):
+    """A narrow ResNet-8 on 32x32 RGB images, 2 ranks: ZeRO-3 replays each layer (the
+    engine holds a replayed layer's output gradient while its private graph makes its
+    own); on 1F1B's later stage, which takes activations, no images are prepared."""
+    from mpitrain.comm import world
+
+    comm = world()
+    if comm.size != 2:
+        pytest.skip("layouts of two ranks")
+    d = shared_data(comm, n=256, test=32, shard_mb=1, shape=(32, 32, 3))
+    cfg = config.from_dict({"model": {"name": "resnet", "widths": [8, 16, 32]}, "data": {"path": str(d)},
+                            "optim": {"name": "sgd", "lr": 0.1},
+                            "train": {"global_batch_size": 32, "steps": 4, "threads": 1}}, CNN_LAYOUTS[name])
+    plan = planner.make(cfg, comm.size, planner.machine(hardware.load(), "this", comm.size), resolve(cfg))
+    result, _, storage = validate.measure(cfg, comm, 4, trace=True)
+    if comm.rank == 0:
+        heap = [row for row in validate.compare(plan, result, storage) if row[1] == "heap peak above rest"]
+        assert len(heap) == 2 and all(validate.holds(*row[1:]) for row in heap), validate.table(heap)[0]
+
+
 @pytest.mark.mpi(min_size=2)
 def test_zero2s_heap_bound_holds_when_a_rank_runs_ahead(monkeypatch):
     """Rank 0 starts each micro-batch's first bucket 0.3 s late, so rank 1 runs its next

@@ -64,9 +64,11 @@ def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = 
     messages' timing, ``in_flight``; or the whole gradient, accumulated in full). While it
     runs backward, what the layers before it keep, its whole set, the gradients of its
     output and of its input (none for data), its convolution's columns and their gradient, and its largest part's
-    weight gradients; a layer that ran again keeps its input beside its set, and its
-    weight gradients come from its private graph, a second copy until the engine has added
-    them (so under ZeRO-2, whose parameters have no ``.grad`` to add into); under ZeRO-3
+    weight gradients; a layer that ran again keeps its input beside its set, holds the
+    gradient of its output twice (the outer engine keeps the one it passed while the private
+    graph makes its own), and its weight gradients come from its private graph, a second
+    copy until the engine has added them (so under ZeRO-2, whose parameters have no
+    ``.grad`` to add into); under ZeRO-3
     also its and the previous layer's gathered weights and the whole gradient of the layer
     after it with its shard (its reduce-scatter in flight:
     :meth:`mpitrain.parallel.zero3.Zero3._progress` frees each once its sum is in), under
@@ -97,7 +99,7 @@ def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = 
         again = replays(lay, layer)  # its graph is private: its weight gradients are returned, then added
         whole = (layer.full or layer.kept_on(fast)) * b * a + (before[i + 1] - before[i] if again else 0)
         copies = 2 if again or fresh else 1
-        grads = (b * (math.prod(layer.out) + inputs[i]) + conv_work(lay, layer, fast)[1]) * a
+        grads = (b * (math.prod(layer.out) * (1 + again) + inputs[i]) + conv_work(lay, layer, fast)[1]) * a
         grads += copies * (layer.part or layer.size) * s
         if zero3:
             grads += sum(x.size for x in layers[max(0, i - 1) : i + 1]) * s

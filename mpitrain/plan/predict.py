@@ -164,7 +164,8 @@ def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None) -> Rank
     received = sum(math.prod(model[lay.bounds[c * p + s] - 1].out) for c in range(lay.v)  # inputs sent to it
                    if c * p + s and not replays(lay, model[lay.bounds[c * p + s]]))  # (a replayed layer keeps it)
     # held beside the layers all step: the first stage's images as the loop hands them over (augmented and
-    # normalised, a copy in train.dtype), and a pipeline stage's last sends of each kind, kept until seen done
+    # normalised, a copy in train.dtype; later stages get none, Role.takes_input), and a pipeline stage's
+    # last sends of each kind, kept until seen done
     beside = first * samples * lay.dtype_bytes if lay.data.kind == "image" and k == 0 else 0
     beside += sends_in_flight(lay, s)
     memory["activations"] = beside + activations(lay, layers, held, first, split, received, "last")

@@ -67,6 +67,7 @@ class Role:
     loop_comm: object  # the ranks that run the loop in step: they agree on each step, evaluate and save together
     lane: tuple[int, int]  # (lane, lanes): this rank's part of every global batch
     leads: bool  # this rank speaks for the loop: progress lines and metrics.jsonl
+    takes_input: bool = True  # its model reads the batch's inputs (a pipeline's later stages: activations)
     serve: Callable | None = None  # a server's work instead of the loop: serve(trace)
     closers: list = field(default_factory=list)
 
@@ -144,7 +145,7 @@ def build_role(cfg: Config, world, grid, model, data, layout: checkpoint.Layout)
     axes = {"dp": g.dp_comm.stats, **{name: comm.stats for name, comm, size in
                                       (("pp", g.pp_comm, g.pp_size), ("tp", g.tp_comm, g.tp_size)) if size > 1}}
     role = Role(sync, model, opt, schedule, g.shape, axes, loop_comm=world, lane=(g.dp_rank, g.dp_size),
-                leads=world.rank == 0, closers=[sync.close, g.free])
+                leads=world.rank == 0, takes_input=g.pp_rank == 0, closers=[sync.close, g.free])
     return role, layout
 
 

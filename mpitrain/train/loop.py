@@ -123,7 +123,8 @@ class Loop:
         """One optimizer step on this rank's part of ``batch``, timed from ``tick``;
         returns the name of a stop signal that any rank of the loop received (None: none)."""
         cfg = self.cfg
-        x, y = inputs(cfg, self.run.data, batch)
+        # a pipeline's later stages only cut the raw batch into micro-batches: no augmented, normalised copy
+        x, y = inputs(cfg, self.run.data, batch) if self.role.takes_input else (batch.x, batch.y)
         self.lr = self.run.lr(step)
         counting = not self.counted
         with observe_ops(self.flops) if counting else contextlib.nullcontext(), self.watchdog.phase(step, None):
