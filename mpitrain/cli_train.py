@@ -209,7 +209,8 @@ def _eval_parser(commands) -> None:
                         "run's train.eval_batches)")
     p.add_argument("--flip", action="store_true",
                    help="images: score each image and its mirror, averaging their probabilities (the same as "
-                        "--set train.eval_flip=true)")
+                        "--set train.eval_flip=true; a run saved with it does so already, --set "
+                        "train.eval_flip=false scores one view)")
     p.add_argument("--json", action="store_true", help="print the figures as one JSON line, unrounded")
     p.set_defaults(run=_eval)
 

@@ -355,7 +355,7 @@ def test_a_cnn_cut_into_stages_trains_as_one_process():
 
     comm = world()
     d = shared_data(comm, n=480, test=64)
-    both = ["train.micro_batches=4", "train.eval_flip=true"]
+    both = ["train.micro_batches=4", "data.flip=true", "train.eval_flip=true"]
     piped = train.train(lenet_cfg(d, d.parent / "lenet-pp", *both, f"parallel.pp={comm.size}", "parallel.dp=1",
                                   "parallel.schedule=gpipe"), log=lambda *a: None, comm=comm)
     mine = d.parent / f"lenet-one-{comm.rank}"

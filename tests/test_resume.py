@@ -480,3 +480,18 @@ def test_a_resume_on_other_data_is_said(text_data, tmp_path):
     train.train(gpt(text_data, tmp_path / "b", "train.steps=4"), log=quiet)
     train.train(gpt(text_data, tmp_path / "b", "train.steps=8"), log=quiet, warn=warnings.append, resume=True)
     assert not [w for w in warnings if "was trained on" in w]
+
+
+def test_a_field_newer_than_the_saved_config_is_a_change_only_off_its_default():
+    """A checkpoint of an older mpitrain lacks the fields added since: at their defaults
+    the run is the one it saved, so a resume says nothing of them."""
+    from mpitrain.config import Config
+    from mpitrain.train.resume import config_changes
+
+    now = Config().to_dict()
+    saved = {section: {k: v for k, v in table.items() if k != "eval_flip"} for section, table in now.items()}
+    assert config_changes(saved, now) == []
+    assert config_changes(saved, {**now, "train": {**now["train"], "eval_flip": True}}) == [
+        ("train.eval_flip", None, True)]
+    dropped = {**now, "train": {k: v for k, v in now["train"].items() if k != "seed"}}
+    assert config_changes(now, dropped) == [("train.seed", 1337, None)]

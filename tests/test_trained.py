@@ -1,6 +1,7 @@
 """``mpitrain sample`` and ``mpitrain eval`` on a trained run (:mod:`mpitrain.train.trained`);
 from every layout, under MPI: ``tests/test_mpi_trained.py``."""
 
+import importlib.util
 import json
 
 import numpy as np
@@ -74,7 +75,8 @@ def test_eval_flip_scores_the_mean_of_each_images_and_its_mirrors_probabilities(
     from mpitrain.train import trained
 
     x, y = image_set(tmp_path / "d", n=256, test=64)
-    train.train(lenet(tmp_path / "d", tmp_path / "cnn", "train.epochs=1", "train.dtype=float64"), log=quiet)
+    train.train(lenet(tmp_path / "d", tmp_path / "cnn", "train.epochs=1", "train.dtype=float64", "data.flip=true"),
+                log=quiet)
     assert cli.main(["eval", str(tmp_path / "cnn"), "--json", "--flip"]) == 0
     flipped = json.loads(capsys.readouterr().out)
     assert cli.main(["eval", str(tmp_path / "cnn"), "--json"]) == 0
@@ -97,6 +99,32 @@ def test_eval_flip_scores_the_mean_of_each_images_and_its_mirrors_probabilities(
     assert capsys.readouterr().out.startswith(f"step 4: test accuracy {100 * plain['accuracy']:.2f}%")
     assert cli.main(["eval", str(tmp_path / "cnn"), "--flip"]) == 0
     assert ", each image and its mirror\n" in capsys.readouterr().out
+    train.train(lenet(tmp_path / "d", tmp_path / "unflipped", "train.epochs=1"), log=quiet)
+    assert cli.main(["eval", str(tmp_path / "unflipped"), "--flip"]) == 2  # it never saw a mirrored image
+    assert "train.eval_flip: scores each image's mirror too, which the model sees in training only with " \
+           "data.flip = true, got True\n" in capsys.readouterr().err
+
+
+def test_a_run_that_scores_two_views_says_so_in_its_records_report_and_tensorboard(tmp_path):
+    """``train.eval_flip`` during a run: the metrics' evaluations carry ``flip``, the
+    report's summary names the two views, and TensorBoard files them under their own tags."""
+    from mpitrain.observe.report import report
+
+    image_set(tmp_path / "d", n=256, test=64)
+    tensorboard = importlib.util.find_spec("tensorboardX") is not None
+    train.train(lenet(tmp_path / "d", tmp_path / "cnn", "train.epochs=2", "data.flip=true", "train.eval_flip=true",
+                      f"run.tensorboard={str(tensorboard).lower()}"), log=quiet)
+    evals = [r for r in read_metrics(tmp_path / "cnn" / "metrics.jsonl") if r.get("kind") == "eval"]
+    assert len(evals) == 2 and all(r["flip"] is True for r in evals)
+    lines = []
+    report([tmp_path / "cnn"], log=lines.append)
+    assert f"evaluation at step 8: test accuracy {100 * evals[-1]['test_accuracy']:.2f}% (each image and its " \
+           "mirror)" in "\n".join(lines)
+    if tensorboard:
+        from test_tensorboard import scalars
+
+        tags = scalars(tmp_path / "cnn")
+        assert [s for s, _ in tags["eval/test_accuracy_flip"]] == [4, 8] and "eval/test_accuracy" not in tags
 
 
 def test_log_mean_probabilities_of_one_view_or_equal_views_is_the_log_softmax():

@@ -123,6 +123,9 @@ def _validate_train(cfg: Config) -> None:
     _require(t.threads >= 0, "train.threads", "must be >= 0 (0: automatic)", t.threads)
     _require(t.micro_batches >= 1, "train.micro_batches", "must be >= 1", t.micro_batches)
     _require(0 <= t.label_smoothing <= 1, "train.label_smoothing", "must be in [0, 1] (0: none)", t.label_smoothing)
+    _require(not t.eval_flip or cfg.data.flip or text_model, "train.eval_flip",
+             "scores each image's mirror too, which the model sees in training only with data.flip = true",
+             t.eval_flip)
 
 
 def _validate_parallel(cfg: Config) -> None:

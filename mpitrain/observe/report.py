@@ -22,6 +22,8 @@ import matplotlib.pyplot as plt
 
 from mpitrain.observe.metrics import read
 
+MIRRORED = " (each image and its mirror)"  # an evaluation of two views (train.eval_flip): not one view's figure
+
 
 class ReportError(ValueError):
     """A run directory that cannot be reported on; the message names it."""
@@ -150,7 +152,7 @@ def summary(run: Run) -> str:
                      f"{t['samples_per_s']:,.0f} samples/s")
     for e in run.evals[-1:]:
         what = (f"val loss {e['val_loss']:.4f}" if e.get("val_loss") is not None
-                else f"test accuracy {100 * e['test_accuracy']:.2f}%")
+                else f"test accuracy {100 * e['test_accuracy']:.2f}%{MIRRORED if e.get('flip') else ''}")
         lines.append(f"  evaluation at step {e['step']}: {what}")
     if run.end and run.resumed:
         steps, seconds = run.steps_and_seconds()
@@ -194,8 +196,9 @@ def _loss(run: Run, path: Path) -> Path:
             if tested:
                 handles += ax.plot(*zip(*tested), "s--", color="C2", label="test loss")
             other = ax.twinx()
+            mirrored = MIRRORED if any(e.get("flip") for e in run.evals) else ""
             handles += other.plot(steps, [100 * e["test_accuracy"] for e in run.evals], "o-", color="C1",
-                                  label="test accuracy")
+                                  label=f"test accuracy{mirrored}")
             other.set_ylabel("test accuracy (%)")
     ax.legend(handles=handles, loc="center right")  # the middle right is clear: loss falls, accuracy rises
     ax.set_title(f"{run.name}: loss\n{run.ranks} rank(s), {run.layout}", fontsize=10)

@@ -50,9 +50,10 @@ class Board:
                 self.writer.add_scalar(f"train/{name}", fields[name], step)
             self._times(step, {row["rank"]: row for row in fields.get("ranks") or ()})
         elif kind == "eval":
+            views = "_flip" if fields.get("flip") else ""  # each image and its mirror: not one view's figure
             for name in ("val_loss", "test_accuracy", "test_loss"):
                 if fields.get(name) is not None:
-                    self.writer.add_scalar(f"eval/{name}", fields[name], step)
+                    self.writer.add_scalar(f"eval/{name}{views}", fields[name], step)
         else:
             return
         self.writer.flush()

@@ -198,8 +198,8 @@ class PipelineStage(Module):
 
     # ------------------------------------------------------------- running
     def run(self, x, y, lanes, sync, streams=None, before_backward=None) -> float | None:
-        """Carry out this rank's schedule on this lane's batch ``(x, y)`` (the same on every
-        stage of the pipeline) cut into its micro-batches; every backward runs inside
+        """Carry out this rank's schedule on this lane's batch ``(x, y)`` (its samples, the same on every
+        stage; only the first reads ``x``) cut into its micro-batches; every backward runs inside
         ``sync.no_sync()`` but each chunk's last one that makes weight gradients
         (``synced``); ``streams(samples)`` wraps each forward (the dropout streams of those
         of the step's samples, ``lanes``). Returns the step's loss on the last stage, None

@@ -44,7 +44,8 @@ def score(run, comm, step: int, result, metrics, log, split: str | None = None) 
         model.train()
     record = {"step": step, "val_loss": result.val_loss, "test_accuracy": result.test_accuracy}
     result.history.append(record)
-    metrics.write("eval", test_loss=result.test_loss, **record)
+    views = {"flip": True} if cfg.train.eval_flip and data.kind == "image" else {}  # two views: never one's figure
+    metrics.write("eval", test_loss=result.test_loss, **record, **views)
 
 
 def evaluate_images(forward, data: Dataset, cfg, comm, lane: tuple, split: str = "test") -> tuple[float, float]:

@@ -168,12 +168,18 @@ def check_data(path: Path, saved: dict | None, now: dict, warn) -> None:
 def config_changes(saved: dict, now: dict) -> list[tuple[str, object, object]]:
     """``(section.field, saved value, value now)`` for each field of a config (as
     ``Config.to_dict``) that differs from the saved one; the run directory is where the
-    run is now, not a change."""
+    run is now, not a change, nor a field newer than the saved config at its default (the
+    saved run ran as that default does)."""
+    from mpitrain.config import Config
+
+    same = lambda v: tuple(v) if isinstance(v, list) else v  # noqa: E731 (JSON and TOML give lists)
+    defaults = Config().to_dict()
     changes = []
     for section in sorted(set(saved) | set(now)):
-        before, after = saved.get(section, {}), now.get(section, {})
+        before, after, default = saved.get(section, {}), now.get(section, {}), defaults.get(section, {})
         for key in sorted(set(before) | set(after)):
-            old, new = (tuple(v) if isinstance(v, list) else v for v in (before.get(key), after.get(key)))  # JSON, TOML
-            if (section, key) != ("run", "dir") and old != new:
+            old, new = same(before.get(key)), same(after.get(key))
+            newer = key not in before and key in default and new == same(default[key])
+            if (section, key) != ("run", "dir") and old != new and not newer:
                 changes.append((f"{section}.{key}", old, new))
     return changes
