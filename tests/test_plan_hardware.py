@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from mpitrain.cluster import mpiexec
-from mpitrain.plan import calibrate, hardware, shapes, steps, timing
+from mpitrain.plan import calibrate, hardware, objects, shapes, steps, timing
 from mpitrain.plan.hardware import HardwareError
 from mpitrain.runtime import available_cores
 
@@ -246,6 +246,10 @@ def test_calibrate_writes_a_file_that_loads_back(shipped, tmp_path):
     assert any(line.startswith("gemm (32, 32)") for line in lines) and np.isfinite(this.elementwise_bandwidth)
     assert this.switch == measured["device"]["this"].get("switch_us", 0) * 1e-6 >= 0  # 0: not measured here
     assert any(line.startswith("a blocking call between 2 ranks on one core: ") for line in lines)
+    found = measured["device"]["this"]
+    assert this.objects == found["objects_kb"] * 1e3 > 0
+    assert this.objects_per_array == found["objects_kb_per_array"] * 1e3 > 0
+    assert sum(line.startswith("objects: ") for line in lines) == len(objects.MODELS)  # each in a process of its own
     assert this.name == hardware.this_machine() and hardware.calibrated_elsewhere(this) == ""
 
 
@@ -343,3 +347,25 @@ def test_measure_steps_times_tiny_models_per_family(shipped):
     for overhead in (per_micro, per_step):
         assert set(overhead) <= {"gpt", "cnn"} and all(us > 0 for us in overhead.values())
     assert len(lines) == 4 * len(TINY) and lines[0].startswith("steps gpt 1L/2H/16C T8 B4, 1 micro-batch(es) of 4: ")
+
+
+def test_a_ranks_python_objects_are_its_devices_line_in_the_parameter_arrays_it_trains(shipped):
+    """Each rank's plan holds the calibrated device's bytes of Python objects for the
+    parameter arrays of its part (a pipeline stage's), at rest and at its peak; a
+    published device (an accelerator's memory) none."""
+    from mpitrain import plan as planner
+    from mpitrain.config import from_dict
+    from mpitrain.plan.data import DataShape
+
+    cfg = from_dict({"model": {"name": "gpt", "n_layer": 4}, "data": {"name": "shakespeare"},
+                     "train": {"steps": 1, "global_batch_size": 8}, "parallel": {"pp": 2}})
+    data = DataShape("shakespeare", "text", (), 84, 1, 0, 10**6, "assumed")
+    this = shipped.device("this")
+    assert this.objects > 0 and this.objects_per_array > 0
+    plan = planner.make(cfg, 2, planner.machine(shipped, "this", 2), data)
+    for s, p in enumerate(plan.ranks):
+        arrays = len(plan.layout.parameters(s))
+        assert p.memory["objects"] == int(this.objects + this.objects_per_array * arrays)
+        assert p.rest == p.state + p.memory["work"] + p.memory["buffers"] + p.memory["objects"]
+    gpus = planner.make(cfg, 2, planner.machine(shipped, "a100-80g", 2, 2, "ib-hdr"), data)
+    assert all(p.memory["objects"] == 0 for p in gpus.ranks)

@@ -91,5 +91,5 @@ def make(cfg, ranks: int, machine: Machine, data=None) -> Plan:
     """The plan of ``cfg`` on ``ranks`` ranks of ``machine`` (ConfigError if the trainer
     would refuse the layout)."""
     lay = Layout.of(cfg, ranks, data or resolve(cfg), machine.threads(cfg.train.threads))
-    plans = rank_plans(lay)
+    plans = rank_plans(lay, machine.objects)
     return Plan(lay, plans, machine, step_parts(lay, plans, machine))

@@ -32,6 +32,7 @@ import numpy as np
 
 from mpitrain.plan.hardware import (GEMM_DTYPES, MIXED, HardwareError, emulated_link, parse_device, read_toml,
                                     this_machine, user_path)
+from mpitrain.plan.objects import measure_objects
 from mpitrain.plan.steps import PROBES, measure_mixed, measure_steps, median_seconds, significant
 from mpitrain.runtime import available_cores
 
@@ -197,7 +198,8 @@ def calibrate(shapes=None, links=("shm",), rates_gbit=(), out=None, log=print, *
               max_bytes: int = 16 << 20, probes=PROBES) -> dict:
     """Measure this machine (:func:`measure_device`, then
     :func:`~mpitrain.plan.steps.measure_steps` of ``probes`` at its GEMM rates,
-    :func:`~mpitrain.plan.steps.measure_mixed` of the first, a GPT) and its links:
+    :func:`~mpitrain.plan.steps.measure_mixed` of the first, a GPT, and Python's objects at
+    rest, :func:`~mpitrain.plan.objects.measure_objects`) and its links:
     ``"shm"`` in ``links``, ``emu-<R>g`` for
     each rate R in ``rates_gbit`` (skipped, saying why, where no emulated cluster can be
     made); write them as ``[device.this]`` and ``[link.*]`` into ``out`` (default
@@ -207,6 +209,7 @@ def calibrate(shapes=None, links=("shm",), rates_gbit=(), out=None, log=print, *
     this["passes"], this["layer_overhead_us"], this["step_overhead_us"] = measure_steps(
         parse_device("this", this, "the device measured"), probes, repeats, log)
     this["mixed_ns_per_parameter"], this["cast_ns_per_number"] = measure_mixed(probes[0], MIXED, repeats, log)
+    this["objects_kb"], this["objects_kb_per_array"] = measure_objects(log)
     switch = measure_turns()
     if switch:
         this["switch_us"] = significant(switch * 1e6)

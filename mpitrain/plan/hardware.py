@@ -37,7 +37,8 @@ CALIBRATED = ("gemm_gflops", "elementwise_bandwidth_gbs", "op_overhead_us")  # o
 FAMILIES = ("gpt", "gpt-sliced", "gpt-sequence", "gpt-plain", "gpt-split", "cnn")
 MIXED = ("bf16", "fp16")  # the mixed precisions whose cost per parameter a device may have measured
 DEVICE_FIELDS = ("name", "memory_gb", "memory_bandwidth_gbs", "peak_flops", *CALIBRATED, "passes", "layer_overhead_us",
-                 "step_overhead_us", "mixed_ns_per_parameter", "cast_ns_per_number", "switch_us")
+                 "step_overhead_us", "mixed_ns_per_parameter", "cast_ns_per_number", "switch_us", "objects_kb",
+                 "objects_kb_per_array")
 LINK_FIELDS = ("name", "alpha_us", "bandwidth_gbs", "per_node", "overlap")
 
 
@@ -79,6 +80,11 @@ class Device:
     cast: dict = field(default_factory=dict)
     # seconds a blocking call adds between two ranks that take turns on one core (probes.turns); optional
     switch: float = 0.0
+    # bytes a training process holds at rest in Python's own objects (modules, parameters, the arrays'
+    # headers, the run's records) beyond its arrays: ``objects`` and ``objects_per_array`` for each
+    # parameter array it trains (calibrate.measure_objects); optional, none on a published device (host memory)
+    objects: float = 0.0
+    objects_per_array: float = 0.0
 
     def matmul_flops_per_s(self, m: int, k: int, n: int, dtype: str = "float32", threads: int = 1) -> float:
         """FLOP/s of an (m,k)@(k,n) product: a calibrated device's measured shape nearest in
@@ -259,7 +265,9 @@ def parse_device(key: str, table: dict, path) -> Device:
                     for f in ("layer_overhead_us", "step_overhead_us")),
                   *({k: v * 1e-9 for k, v in _families(table.get(f, {}), path, f"{where}.{f}", MIXED).items()}
                     for f in ("mixed_ns_per_parameter", "cast_ns_per_number")),
-                  _number(table, "switch_us", path, where, required=False) * 1e-6)
+                  _number(table, "switch_us", path, where, required=False) * 1e-6,
+                  *(_number(table, f, path, where, required=False) * 1e3
+                    for f in ("objects_kb", "objects_kb_per_array")))
 
 
 def _gemm(rows, path: Path, where: str) -> tuple:

@@ -27,8 +27,8 @@ class RankPlan:
     ranks: list  # world ranks with these figures
     stage: str  # "stage s", "server", "replica", or "" (slices of the whole model)
     parameters: int  # numbers of the part this rank holds
-    memory: dict  # bytes: "parameters", "gradients", "optimizer state", "masters", "work", "buffers", "reader",
-    # "activations"
+    memory: dict  # bytes: "parameters", "gradients", "optimizer state", "masters", "work", "buffers", "objects",
+    # "reader", "activations"
     calls: list  # :class:`~mpitrain.plan.traffic.Call` per step
     flops: dict  # per step: "forward", "backward", "recompute" (executed beyond the model's)
     held: float = 0.0  # micro-batches whose activations the rank holds at its peak
@@ -47,15 +47,15 @@ class RankPlan:
     @property
     def peak(self) -> int:
         """The most it holds: model state, the optimizer's work array, the buffers kept (the
-        ring's scratch, attention's causal mask), the reader's rounds, and the activations of
-        the schedule's peak."""
-        return self.state + sum(self.memory[k] for k in ("work", "buffers", "reader", "activations"))
+        ring's scratch, attention's causal mask), Python's objects, the reader's rounds, and
+        the activations of the schedule's peak."""
+        return self.state + sum(self.memory[k] for k in ("work", "buffers", "objects", "reader", "activations"))
 
     @property
     def rest(self) -> int:
         """What it holds between steps besides the reader: model state, the optimizer's work
-        array, the buffers kept (the ring's scratch, attention's causal mask)."""
-        return self.state + self.memory["work"] + self.memory["buffers"]
+        array, the buffers kept (the ring's scratch, attention's causal mask), Python's objects."""
+        return self.state + self.memory["work"] + self.memory["buffers"] + self.memory["objects"]
 
     @property
     def where(self) -> str:
@@ -140,12 +140,14 @@ def model_state(lay, s: int, r: int, d: int) -> dict:
             "work": work, "reader": reader}
 
 
-def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None) -> RankPlan:
+def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None, objects: tuple = (0.0, 0.0)) -> RankPlan:
     """Pipeline rank ``s``, data-parallel rank ``d``, tensor-parallel rank ``r``; what does
-    not depend on ``d`` taken from ``like`` (the plan of another ``d``) when given."""
+    not depend on ``d`` taken from ``like`` (the plan of another ``d``) when given;
+    ``objects``: the device's bytes of Python objects, and per parameter array."""
     layers = lay.layers(s, r)
     params = lay.parameters(s, r)
     memory = model_state(lay, s, r, d)
+    memory["objects"] = int(objects[0] + objects[1] * len(params))
     memory["buffers"] = like.memory["buffers"] if like is not None else ring_buffers(lay, params, layers) + cached(
         lay, layers)
     ring = lay.par.allreduce == "ring"  # each rank of a ring sends its own count
@@ -185,7 +187,7 @@ def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None) -> Rank
                     [r] if lay.tp > 1 else [], bounds)
 
 
-def server_plan(lay, k: int) -> RankPlan:
+def server_plan(lay, k: int, objects: tuple = (0.0, 0.0)) -> RankPlan:
     """Parameter server ``k``: the whole model's arrays, and the optimizer state of the
     parameters it owns (:func:`mpitrain.parallel.param_server.partition`); it answers each
     worker's pull with them and an 8-byte version."""
@@ -200,19 +202,21 @@ def server_plan(lay, k: int) -> RankPlan:
     counters = 8 * len(own) if lay.moments == 2 else 0
     memory = {"parameters": N * s, "gradients": N * s, "optimizer state": lay.moments * sum(own) * s + counters,
               "masters": 0, "activations": 0, "work": max(own, default=0) * s * lay.work_arrays, "reader": 0,
-              "buffers": 0}
+              "buffers": 0, "objects": int(objects[0] + objects[1] * len(params))}
     calls = [Call("dp", "parameters to each worker's pull (+ version)", "send", sum(own) * s + 8, 2, lay.dp, "p2p")]
     return RankPlan([k], "server", sum(own), memory, calls, {"forward": 0, "backward": 0, "recompute": 0},
                     sent=by_axis(calls))
 
 
-def rank_plans(lay) -> list[RankPlan]:
-    """Every rank's plan, equal ones grouped (in rank order of their first)."""
-    plans = [server_plan(lay, k) for k in range(lay.servers)]
+def rank_plans(lay, objects: tuple = (0.0, 0.0)) -> list[RankPlan]:
+    """Every rank's plan, equal ones grouped (in rank order of their first); ``objects``:
+    the device's bytes of a process's Python objects, and per parameter array it trains
+    (:class:`~mpitrain.plan.hardware.Device`)."""
+    plans = [server_plan(lay, k, objects) for k in range(lay.servers)]
     for s in range(lay.pp):
         for r in range(lay.tp):
-            first = rank_plan(lay, s, 0, r)
-            plans += [first] + [rank_plan(lay, s, d, r, first) for d in range(1, lay.dp)]
+            first = rank_plan(lay, s, 0, r, objects=objects)
+            plans += [first] + [rank_plan(lay, s, d, r, first, objects) for d in range(1, lay.dp)]
     grouped: dict = {}
     for p in plans:
         if p.key() not in grouped:

@@ -9,7 +9,8 @@ from mpitrain import cost
 from mpitrain.plan.hardware import calibrated_elsewhere
 
 MB = 1e6
-CATEGORIES = ("parameters", "gradients", "optimizer state", "masters", "work", "buffers", "reader", "activations")
+CATEGORIES = ("parameters", "gradients", "optimizer state", "masters", "work", "buffers", "objects", "reader",
+              "activations")
 
 
 def size(nbytes: float) -> str:
@@ -161,7 +162,8 @@ def memory_table(plan) -> list[str]:
             c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sync=sync),
                                     model=dataclasses.replace(cfg.model, checkpoint_activations=ckpt))
             try:
-                top = max(rank_plans(Layout.of(c, lay.P, lay.data, lay.threads)), key=lambda p: p.peak)
+                top = max(rank_plans(Layout.of(c, lay.P, lay.data, lay.threads), plan.machine.objects),
+                          key=lambda p: p.peak)
                 cells.append(f"{size(top.peak)}{' (fits)' if top.peak <= plan.machine.memory else ''}")
             except ConfigError as e:
                 cells.append(f"refused: {str(e).split(':')[0]}")

@@ -61,6 +61,11 @@ class Machine:
         """The share of a core each rank computes with (1, unless a node has fewer cores than ranks)."""
         return min(1.0, self.cores / self.per_node) if self.cores else 1.0
 
+    @property
+    def objects(self) -> tuple:
+        """(bytes, bytes per parameter array) of a process's Python objects (the device's)."""
+        return self.device.objects, self.device.objects_per_array
+
     def threads(self, requested: int = 0) -> int:
         """BLAS threads per rank as the trainer sets them (:func:`mpitrain.runtime.blas_threads`)."""
         if requested:
