@@ -36,7 +36,7 @@ def score(run, comm, step: int, result, metrics, log, split: str | None = None) 
             log(f"step {step}: val loss {result.val_loss:.4f}{named}")
         else:
             result.test_accuracy, result.test_loss = evaluate_images(role.schedule.forward_only, data, cfg, comm,
-                                                                     lane, split)
+                                                                     lane, split, role.takes_input)
             views = ", each image and its mirror" if cfg.train.eval_flip else ""
             log(f"step {step}: test accuracy {100 * result.test_accuracy:.2f}%, test loss {result.test_loss:.4f}"
                 f"{named}{views}")
@@ -48,11 +48,13 @@ def score(run, comm, step: int, result, metrics, log, split: str | None = None) 
     metrics.write("eval", test_loss=result.test_loss, **record, **views)
 
 
-def evaluate_images(forward, data: Dataset, cfg, comm, lane: tuple, split: str = "test") -> tuple[float, float]:
+def evaluate_images(forward, data: Dataset, cfg, comm, lane: tuple, split: str = "test",
+                    takes_input: bool = True) -> tuple[float, float]:
     """(accuracy, mean loss) on the whole ``split``, each lane scoring its share
-    (``forward(x)``: the logits, or None on a rank that does not end the model). With
-    ``train.eval_flip``, each image's prediction is the mean of its and its mirror's
-    probabilities (two views, as the training flips them)."""
+    (``forward(x)``: the logits, or None on a rank that does not end the model; a rank
+    whose model does not read the images, a pipeline's later stage, ``not takes_input``,
+    gets them raw, for their count). With ``train.eval_flip``, each image's prediction is
+    the mean of its and its mirror's probabilities (two views, as the training flips them)."""
     reader = ShardReader(data.split(split), rank=lane[0], size=lane[1], global_batch=EVAL_BATCH_PER_RANK * lane[1],
                          seed=cfg.train.seed, shuffle=False, drop_last=False, prefetch=1)
     correct, total_loss, n = 0, 0.0, 0
@@ -60,9 +62,12 @@ def evaluate_images(forward, data: Dataset, cfg, comm, lane: tuple, split: str =
         for batch in reader.epoch(0):
             if not len(batch.y):
                 continue
-            x = normalize(batch.x, data.mean, data.std, cfg.train.dtype)  # (B, H, W, C)
+            x = normalize(batch.x, data.mean, data.std, cfg.train.dtype) if takes_input else batch.x  # (B, H, W, C)
             logits = forward(Tensor(x))
-            mirrored = forward(Tensor(x[:, :, ::-1].copy())) if cfg.train.eval_flip else None  # every stage runs both
+            if cfg.train.eval_flip:  # every stage runs both views
+                mirrored = forward(Tensor(x[:, :, ::-1].copy() if takes_input else x))
+            else:
+                mirrored = None
             if logits is None:
                 continue
             if mirrored is None:
