@@ -88,7 +88,8 @@ CNN_LAYOUTS = {"zero3": ["parallel.sync='zero3'"], "1f1b": ["parallel.pp=2", "tr
 def test_a_cnns_heap_holds_under_zero3_and_on_every_pipeline_stage(name):
     """A narrow ResNet-8 on 32x32 RGB images, 2 ranks: ZeRO-3 replays each layer (the
     engine holds a replayed layer's output gradient while its private graph makes its
-    own); on 1F1B's later stage, which takes activations, no images are prepared."""
+    own); on 1F1B's later stage, which takes activations, no images are prepared, and each
+    stage's peak lies between its bounds: none or its last sends still in flight."""
     from mpitrain.comm import world
 
     comm = world()
@@ -100,9 +101,10 @@ def test_a_cnns_heap_holds_under_zero3_and_on_every_pipeline_stage(name):
                             "train": {"global_batch_size": 32, "steps": 4, "threads": 1}}, CNN_LAYOUTS[name])
     plan = planner.make(cfg, comm.size, planner.machine(hardware.load(), "this", comm.size), resolve(cfg))
     result, _, storage = validate.measure(cfg, comm, 4, trace=True)
-    if comm.rank == 0:
-        heap = [row for row in validate.compare(plan, result, storage) if row[1] == "heap peak above rest"]
-        assert len(heap) == 2 and all(validate.holds(*row[1:]) for row in heap), validate.table(heap)[0]
+    if comm.rank == 0:  # a pipeline stage's sends in flight depend on the messages' timing: its bounds
+        heap = [row for row in validate.compare(plan, result, storage) if row[1].startswith("heap peak above rest")]
+        assert len(heap) == 2 * (1 + (name == "1f1b")) and all(validate.holds(*row[1:]) for row in heap), \
+            validate.table(heap)[0]
 
 
 @pytest.mark.mpi(min_size=2)

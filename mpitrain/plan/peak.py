@@ -163,7 +163,8 @@ def sends_in_flight(lay, s: int) -> int:
     (:meth:`mpitrain.parallel.pipeline.PipelineStage._progress` lets each go once a test
     finds it complete, which waits for the neighbour's receive): as a rule the last
     activation it sent on, while it runs its next micro-batch, and the last input gradient
-    it sent back (its first chunk's boundaries)."""
+    it sent back (its first chunk's boundaries); none where a test saw them done before the
+    peak, which depends on the messages' timing (the plan's bounds)."""
     if lay.pp == 1:
         return 0
     model, first, last = lay.models[0].layers, lay.bounds[s], lay.bounds[s + 1]

@@ -37,7 +37,7 @@ class RankPlan:
     dp_calls: int = 0  # how many of ``calls`` are the data-parallel sync's (the first)
     slices: list = field(default_factory=list)  # the tensor-parallel ranks grouped here (none: not sliced)
     # activations (at least, at most) where the peak depends on messages' timing (ZeRO-2's buckets in
-    # flight; ``memory["activations"]`` is the rule); (0, 0): no such range
+    # flight, a pipeline stage's last sends; ``memory["activations"]`` is the rule); (0, 0): no such range
     bounds: tuple = (0, 0)
 
     @property
@@ -166,14 +166,15 @@ def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None, objects
     received = sum(math.prod(model[lay.bounds[c * p + s] - 1].out) for c in range(lay.v)  # inputs sent to it
                    if c * p + s and not replays(lay, model[lay.bounds[c * p + s]]))  # (a replayed layer keeps it)
     # held beside the layers all step: the first stage's images as the loop hands them over (augmented and
-    # normalised, a copy in train.dtype; later stages get none, Role.takes_input), and a pipeline stage's
-    # last sends of each kind, kept until seen done
+    # normalised, a copy in train.dtype; later stages get none, Role.takes_input), and as a rule a pipeline
+    # stage's last sends of each kind, kept until a test sees them done
     beside = first * samples * lay.dtype_bytes if lay.data.kind == "image" and k == 0 else 0
-    beside += sends_in_flight(lay, s)
-    memory["activations"] = beside + activations(lay, layers, held, first, split, received, "last")
+    sends = sends_in_flight(lay, s)
+    memory["activations"] = beside + sends + activations(lay, layers, held, first, split, received, "last")
     bounds = (0, 0)
-    if lay.par.sync == "zero2":  # how many buckets are in flight depends on the messages' timing
-        bounds = tuple(beside + activations(lay, layers, held, first, split, received, w) for w in ("none", "all"))
+    if lay.par.sync == "zero2" or sends:  # what is in flight at the peak depends on the messages' timing
+        bounds = tuple(beside + sends * (w == "all") + activations(lay, layers, held, first, split, received, w)
+                       for w in ("none", "all"))
         bounds = (0, 0) if bounds[0] == bounds[1] else bounds
     dp = dp_calls(lay, params, layers, d)
     calls = dp + pp_calls(lay, s, r) + tp_calls(lay, s, r)
