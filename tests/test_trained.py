@@ -127,6 +127,36 @@ def test_a_run_that_scores_two_views_says_so_in_its_records_report_and_tensorboa
         assert [s for s, _ in tags["eval/test_accuracy_flip"]] == [4, 8] and "eval/test_accuracy" not in tags
 
 
+def test_eval_and_sample_run_with_the_runs_blas_threads_and_fast_paths(gpt_run, tmp_path, monkeypatch, capsys):
+    """As the run ran: its BLAS threads per rank (unlimited, each rank of ``mpiexec -n 2``
+    took a thread per core, and ``mpitrain eval`` of the CIFAR job took 3 min, not 13 s)
+    and its fast paths."""
+    import contextlib
+
+    from mpitrain import ops
+    from mpitrain.train import evaluate, trained
+
+    seen = []
+
+    @contextlib.contextmanager
+    def limit(n):
+        seen.append(("threads", n, ops.fast_paths_enabled()))
+        yield
+
+    monkeypatch.setattr(trained, "limit_blas_threads", limit)
+    score = evaluate.score
+    monkeypatch.setattr(evaluate, "score", lambda *a, **k: seen.append(("paths", ops.fast_paths_enabled())) or
+                        score(*a, **k))
+    image_set(tmp_path / "d", n=256, test=64)
+    train.train(lenet(tmp_path / "d", tmp_path / "plain", "train.epochs=1", "train.threads=2",
+                      "train.fast_paths=false"), log=quiet)
+    seen.clear()  # what the run's own evaluations saw
+    assert cli.main(["eval", str(tmp_path / "plain")]) == 0
+    assert cli.main(["sample", str(gpt_run), "--tokens", "4"]) == 0  # the GPT's run: train.threads = 1
+    assert seen == [("threads", 2, True), ("paths", False), ("threads", 1, True)]
+    capsys.readouterr()
+
+
 def test_log_mean_probabilities_of_one_view_or_equal_views_is_the_log_softmax():
     from mpitrain.train.evaluate import log_mean_probabilities
 

@@ -13,14 +13,16 @@ read.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
 
-from mpitrain import checkpoint, config
+from mpitrain import checkpoint, config, ops
 from mpitrain.config import ConfigError, check_ranks
 from mpitrain.observe.metrics import MetricsLog
 from mpitrain.precision import masters_in_model
+from mpitrain.runtime import blas_threads, limit_blas_threads
 from mpitrain.train import evaluate as scoring
 from mpitrain.train import resume
 from mpitrain.train.build import Run, build_run
@@ -52,6 +54,16 @@ def load(target, comm, log, overrides: list[str] = ()) -> tuple[Run, int, Path]:
     return run, int(attrs["step"]), path
 
 
+@contextlib.contextmanager
+def as_the_run_ran(run: Run, ranks_on_node: int = 1):
+    """The run's BLAS threads per rank and fast paths, as :func:`mpitrain.train.train` sets
+    them: without a limit each of ``ranks_on_node`` ranks would start a BLAS thread per
+    core, and they would take turns on the cores (ten times slower here)."""
+    with limit_blas_threads(blas_threads(run.cfg.train.threads, ranks_on_node)), ops.fast_paths(
+            run.cfg.train.fast_paths):
+        yield
+
+
 def sample(run: Run, prompt: str | None, tokens: int, temperature: float, top_k: int | None, seed: int) -> str:
     """``tokens`` characters drawn after ``prompt`` (None: the first character of the
     validation split, as the run's own sample), the prompt included."""
@@ -66,8 +78,9 @@ def sample(run: Run, prompt: str | None, tokens: int, temperature: float, top_k:
     else:
         ids = np.empty(1, dtype=run.data.split("val").x_dtype)
         run.data.split("val").read("x", 0, 1, ids)
-    out = run.model.generate(ids[None, :].astype(np.int64), tokens, temperature=temperature, top_k=top_k,
-                             generator=np.random.default_rng(seed))
+    with as_the_run_ran(run):
+        out = run.model.generate(ids[None, :].astype(np.int64), tokens, temperature=temperature, top_k=top_k,
+                                 generator=np.random.default_rng(seed))
     return run.data.decode(out[0])
 
 
@@ -78,7 +91,7 @@ def evaluate(run: Run, step: int, comm, log, split: str | None = None) -> dict:
     split = split or scoring.SPLITS[run.data.kind]
     run.data.split(split)  # a split the dataset lacks: one message naming the ones it has
     result = Result()
-    with run.role.sync.whole_model():
+    with run.role.sync.whole_model(), as_the_run_ran(run, comm.node_size()):
         scoring.score(run, comm, step, result, MetricsLog(None), log, split)
     figures = {"step": step, "split": split}
     if run.data.kind == "text":
