@@ -72,7 +72,7 @@ class _SlicesComm:
         return a
 
     def allgather_array(self, a, counts):
-        pass
+        a.reshape(-1)[counts[0]:] = 0  # the other ranks' blocks: zeros, not what the memory held (no overflow)
 
     def allgather(self, x):
         return [x] * self.size
