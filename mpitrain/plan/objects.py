@@ -51,17 +51,15 @@ def measure_objects(log=print) -> tuple[float, float]:
     beyond the arrays the planner counts: the line through :func:`beyond_arrays` of each of
     :data:`MODELS`, each in a process of its own (as a run starts: what its first steps
     import and cache counts), against their parameter arrays."""
+    from mpitrain.plan.calibrate import _probed  # here: calibrate imports this module
+
     arrays, extra = [], []
     with tempfile.TemporaryDirectory(prefix="mpitrain-objects-") as tmp:
         _datasets(Path(tmp))
         for i, (model, _) in enumerate(MODELS):
             done = subprocess.run([sys.executable, "-m", "mpitrain.plan.objects", str(i), tmp], capture_output=True,
                                   text=True, timeout=300, check=False)
-            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-            if done.returncode != 0 or not lines:
-                tail = (done.stderr.strip() or f"exit status {done.returncode}").splitlines()[-1]
-                raise HardwareError(f"the count of Python's objects ({model['name']}) failed: {tail}")
-            found = json.loads(lines[-1])
+            found = _probed(done, f"the count of Python's objects ({model['name']})")
             arrays.append(found["arrays"])
             extra.append(found["extra"])
             log(f"objects: {model['name']} of {arrays[-1]} parameter arrays: {extra[-1]:,} B at rest beyond its "
