@@ -115,6 +115,21 @@ def pytest_runtest_makereport(item, call):
         mpi.COMM_WORLD.Abort(1)
 
 
+@pytest.fixture(autouse=True)
+def no_request_dropped_in_flight():
+    """A test fails if an MPI request was collected before it completed (its owner
+    dropped without a wait): MPI may still be moving its buffer, which only mpitrain's
+    parking keeps alive (:class:`mpitrain.comm.requests.MPIRequest`). Under MPICH such a
+    bug passed silently; under Open MPI it crashed."""
+    from mpitrain.comm import requests
+
+    before = len(requests.dropped)
+    yield
+    dropped = requests.dropped[before:]
+    del requests.dropped[before:]
+    assert not dropped, f"requests collected in flight: {dropped}"
+
+
 @pytest.fixture
 def text_data(tmp_path):
     """A shard directory of a small text (90/10 split)."""

@@ -7,11 +7,13 @@ import time
 
 import pytest
 
+from mpitrain import launch
 from mpitrain.comm import SingleComm, abort_on_exception, launcher_rank
 from mpitrain.comm.communicator import LAUNCHER_RANK_VARIABLES
 
 MPIEXEC = shutil.which("mpiexec") or shutil.which("mpirun")
 needs_mpiexec = pytest.mark.skipif(MPIEXEC is None, reason="needs mpiexec (pip install mpich)")
+OPEN_MPI = MPIEXEC is not None and launch.kind_of([MPIEXEC]) == "openmpi"  # its mpiexec kills at a first SIGINT
 
 
 def test_single_comm_is_a_one_rank_world():

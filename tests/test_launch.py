@@ -132,3 +132,86 @@ def test_a_closed_terminal_is_a_sigterm_and_the_launch_line_writes_on_to_the_end
     os.close(master)  # the terminal closes: SIGHUP to the launcher, its controlling process
     assert proc.wait(timeout=60) == 0
     assert saved.read_text() == "done"
+
+
+def stand_in(tmp_path, name: str, version: str) -> str:
+    """An executable called ``name`` that answers ``--version`` with ``version`` and is
+    otherwise :data:`CHILD` (it records the signals it gets): a launcher, for
+    :func:`mpitrain.launch.kind_of`, without the launcher."""
+    path = tmp_path / name
+    path.write_text(f"#!{sys.executable}\nimport sys\n"
+                    f"if sys.argv[1:] == ['--version']:\n    print({version!r})\n    sys.exit(0)\n"
+                    + CHILD.replace('("SIGINT", "SIGTERM", "SIGUSR1", "SIGQUIT")',
+                                    '("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGQUIT")'))
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_the_launcher_a_line_runs_is_told_by_its_name_and_version(tmp_path):
+    assert launch.kind_of([stand_in(tmp_path, "mpirun", "mpirun (Open MPI) 5.0.11")]) == "openmpi"
+    assert launch.kind_of([stand_in(tmp_path, "mpiexec", "prterun (Open MPI) 4.1.4\n")]) == "openmpi"
+    hydra = tmp_path / "hydra"
+    hydra.mkdir()
+    assert launch.kind_of([stand_in(hydra, "mpiexec", "HYDRA build details:\n    Version: 4.3.2")]) == "other"
+    assert launch.kind_of(["srun", "-n", "2"]) == "srun"  # by its name alone: never started to ask
+    assert launch.kind_of([sys.executable, "-c", "pass"]) == "other"
+    assert launch.kind_of(["/nonexistent/mpirun"]) == "other"  # run() then says it cannot start
+
+
+@pytest.mark.parametrize("name,version", [("mpirun", "mpirun (Open MPI) 5.0.11"), ("srun", "slurm 24.05.3")])
+def test_a_first_ctrl_c_goes_to_open_mpis_mpirun_and_to_srun_as_sigusr2_a_later_one_as_sigint(tmp_path, name,
+                                                                                              version):
+    """Open MPI's mpirun kills every rank at its first SIGINT, srun passes one on only when a
+    second follows within a second: the first Ctrl-C goes as SIGUSR2, which the ranks take
+    as it (test_signals_of_a_relayed_ctrl_c...); one after the window as SIGINT (mpirun
+    aborts; srun gets two, and ends its tasks)."""
+    proc = subprocess.Popen([sys.executable, "-m", "mpitrain", "launch", stand_in(tmp_path, name, version),
+                             str(launch.REPEAT_S + 10), "3" if name == "srun" else "2", "130"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready True 1\n"
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)  # a repeat: passed on as nothing
+    time.sleep(launch.REPEAT_S)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert out == ("SIGUSR2 SIGINT SIGINT\n" if name == "srun" else "SIGUSR2 SIGINT\n"), err
+    assert proc.returncode == 130 and err.count("stopping already") == 1
+
+
+def test_sigterm_and_sighup_go_to_open_mpis_mpirun_as_sigusr1(tmp_path):
+    """Its SIGTERM would kill every rank before any saved; SIGUSR1 stops the run as SIGTERM does."""
+    proc = subprocess.Popen([sys.executable, "-m", "mpitrain", "launch",
+                             stand_in(tmp_path, "mpiexec", "mpiexec (Open MPI) 5.0.11"), "30", "3", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready True 1\n"
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):
+        proc.send_signal(sig)
+        time.sleep(0.1)
+    out, _ = proc.communicate(timeout=60)
+    assert out == "SIGUSR1 SIGUSR1 SIGUSR1\n" and proc.returncode == 0
+
+
+def test_signals_of_a_relayed_ctrl_c_stop_a_run_as_ctrl_c_does_only_under_mpitrain_launch(monkeypatch):
+    from mpitrain.train.signals import StopSignals
+
+    monkeypatch.setenv(launch.ENV, "1")
+    with StopSignals() as stop:
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(0.05)
+        assert stop.received == signal.SIGINT  # "stopped by SIGINT", exit 130
+    monkeypatch.delenv(launch.ENV)
+    before = signal.getsignal(signal.SIGUSR2)
+    with StopSignals():
+        assert signal.getsignal(signal.SIGUSR2) == before  # not ours to take: its default action stays
+
+
+def test_a_run_under_open_mpis_mpirun_without_mpitrain_launch_says_ctrl_c_saves_nothing(monkeypatch):
+    from mpitrain.train.signals import unsaved_stop
+
+    monkeypatch.delenv(launch.ENV, raising=False)
+    assert "mpitrain launch mpirun" in unsaved_stop("mpirun", "Open MPI 5.0.11")
+    assert unsaved_stop("mpirun", "MPICH 5.0.2") is None  # Hydra's mpirun passes a first SIGINT on
+    assert unsaved_stop("srun", "Open MPI 5.0.11") is None  # SLURM signals the tasks itself
+    monkeypatch.setenv(launch.ENV, "1")
+    assert unsaved_stop("mpirun", "Open MPI 5.0.11") is None

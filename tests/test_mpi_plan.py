@@ -101,10 +101,10 @@ def test_a_cnns_heap_holds_under_zero3_and_on_every_pipeline_stage(name):
                             "train": {"global_batch_size": 32, "steps": 4, "threads": 1}}, CNN_LAYOUTS[name])
     plan = planner.make(cfg, comm.size, planner.machine(hardware.load(), "this", comm.size), resolve(cfg))
     result, _, storage = validate.measure(cfg, comm, 4, trace=True)
-    if comm.rank == 0:  # a pipeline stage's sends in flight depend on the messages' timing: its bounds
+    if comm.rank == 0:  # a stage's sends and ZeRO-3's reduce-scatter in flight depend on the messages' timing
         heap = [row for row in validate.compare(plan, result, storage) if row[1].startswith("heap peak above rest")]
-        assert len(heap) == 2 * (1 + (name == "1f1b")) and all(validate.holds(*row[1:]) for row in heap), \
-            validate.table(heap)[0]
+        assert len(heap) == 2 * 2 and all(validate.holds(*row[1:]) for row in heap), validate.table(heap)[0]
+        assert all(row[1].endswith((", at least", ", at most")) for row in heap)  # its bounds
 
 
 @pytest.mark.mpi(min_size=2)

@@ -53,4 +53,4 @@ def test_the_mpi_tier_prints_one_header_and_one_summary(tmp_path):
     reports stay in their buffers when the run passes (conftest.py)."""
     out = pytest_in(tmp_path, "--with-mpi", "-m", "mpi", str(TESTS / "test_mpi_tier.py"), ranks=3)
     assert out.returncode == 0, out.stdout + out.stderr
-    assert out.stdout.count("1 passed in ") == 1 and out.stdout.count("MPI vendor: ") == 1, out.stdout
+    assert out.stdout.count("2 passed in ") == 1 and out.stdout.count("MPI vendor: ") == 1, out.stdout

@@ -13,12 +13,12 @@ It knows arrays, not tensors. Importing it does not start MPI; :func:`world` doe
 """
 
 from mpitrain.comm.communicator import (
-    THREAD_LEVELS, Comm, SingleComm, Tag, abort_on_exception, alone, launcher_rank, started_thread_level,
+    THREAD_LEVELS, Comm, SingleComm, Tag, abort_on_exception, alone, launcher_rank, library, started_thread_level,
     started_world, thread_level, world,
 )
 from mpitrain.comm.requests import CommStats, CommThread, Request, trace_operations
 
 __all__ = [
     "THREAD_LEVELS", "Comm", "CommStats", "CommThread", "Request", "SingleComm", "Tag", "abort_on_exception",
-    "alone", "launcher_rank", "started_thread_level", "started_world", "thread_level", "trace_operations", "world",
+    "alone", "launcher_rank", "library", "started_thread_level", "started_world", "thread_level", "trace_operations", "world",
 ]

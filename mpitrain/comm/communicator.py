@@ -35,6 +35,7 @@ import numpy as np
 
 from mpitrain.comm.requests import CommStats, MPIRequest, Request, blocking
 from mpitrain.cost import collective_bytes
+from mpitrain.dtypes import is_half
 
 THREAD_LEVELS = ("auto", "single", "funneled", "serialized", "multiple")
 
@@ -54,10 +55,23 @@ class Tag(enum.IntEnum):
 
 
 def _words(buf: np.ndarray) -> np.ndarray:
-    """``buf`` as MPI can move it: bfloat16 numbers (mixed precision's, :mod:`mpitrain.precision`)
-    as the 16-bit words they are, since MPI knows no bfloat16 (copies only: a sum of
-    them is added in float32 by mpitrain's ring)."""
-    return buf.view(np.uint16) if buf.dtype.name == "bfloat16" else buf
+    """``buf`` as any MPI can move it: 16-bit floats (mixed precision's, :mod:`mpitrain.precision`)
+    as the 16-bit words they are. MPI knows no bfloat16, and float16 only as an extension
+    (MPICH's ``MPIX_C_FLOAT16``; Open MPI 4 has none, and mpi4py then fails with ``cannot
+    map 'e' to MPI datatype``). A copy needs no type, only the bytes: so every send,
+    receive, broadcast and gather of 16-bit numbers goes as ``MPI_UINT16_T``. Sums of them
+    are not MPI's to do (:func:`_summable`)."""
+    return buf.view(np.uint16) if is_half(buf.dtype) else buf
+
+
+def _summable(buf: np.ndarray) -> np.ndarray:
+    """``buf``, for MPI to add: never 16-bit floats, which MPI cannot add portably (see
+    :func:`_words`); mpitrain's ring adds them in float32, MPI a float32 copy
+    (:func:`mpitrain.comm.ring.iallreduce`)."""
+    if is_half(buf.dtype):
+        raise TypeError(f"MPI cannot sum {buf.dtype} numbers on every MPI library: use mpitrain.comm.ring's "
+                        f"iallreduce (the ring adds them in float32, MPI's allreduce a float32 copy)")
+    return buf
 
 
 class SingleComm:
@@ -159,13 +173,13 @@ class Comm(SingleComm):
 
     def allreduce(self, buf: np.ndarray, op: str = "sum") -> None:
         """Sum ``buf`` over ranks in place (``op = "max"``: the largest value)."""
-        self._collective("allreduce", buf.nbytes, self.mpi.Allreduce, _mpi().IN_PLACE, buf,
+        self._collective("allreduce", buf.nbytes, self.mpi.Allreduce, _mpi().IN_PLACE, _summable(buf),
                          _mpi().MAX if op == "max" else _mpi().SUM)
 
     def iallreduce(self, buf: np.ndarray) -> Request:
         """Start summing ``buf`` over ranks in place; ``buf`` must not be touched until
         the request is done."""
-        return self._started("allreduce", buf.nbytes, self.mpi.Iallreduce(_mpi().IN_PLACE, buf))
+        return self._started("allreduce", buf.nbytes, self.mpi.Iallreduce(_mpi().IN_PLACE, _summable(buf)))
 
     def bcast_array(self, buf: np.ndarray, root: int = 0) -> None:
         """Overwrite ``buf`` with rank ``root``'s."""
@@ -174,12 +188,13 @@ class Comm(SingleComm):
     def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts) -> None:
         """Sum ``send`` (all ranks' full arrays) and leave block ``rank`` of the sum, of
         ``counts[rank]`` elements, in ``recv``."""
-        self._collective("reduce_scatter", send.nbytes, self.mpi.Reduce_scatter, send, recv, list(counts))
+        self._collective("reduce_scatter", send.nbytes, self.mpi.Reduce_scatter, _summable(send), recv,
+                         list(counts))
 
     def ireduce_scatter(self, send: np.ndarray, recv: np.ndarray, counts) -> Request:
         """Start :meth:`reduce_scatter`; neither array may be touched until the request is done."""
         return self._started("reduce_scatter", send.nbytes,
-                             self.mpi.Ireduce_scatter(send, recv, [int(c) for c in counts]))
+                             self.mpi.Ireduce_scatter(_summable(send), recv, [int(c) for c in counts]))
 
     def allgather_array(self, buf: np.ndarray, counts) -> None:
         """In place: every rank contributes block ``rank`` (``counts[rank]`` elements at
@@ -192,17 +207,19 @@ class Comm(SingleComm):
 
     def isend(self, buf: np.ndarray, dest: int, tag: Tag) -> Request:
         self.stats.add(sent=buf.nbytes)
-        return MPIRequest(self.mpi.Isend(_words(buf), dest, tag), self.stats)
+        return MPIRequest(self.mpi.Isend(_words(buf), dest, tag), self.stats, nbytes=buf.nbytes,
+                          what=f"a send to rank {dest} ({getattr(tag, 'name', tag)})")
 
     def irecv(self, buf: np.ndarray, source: int, tag: Tag) -> Request:
         self.stats.add(received=buf.nbytes)
-        return MPIRequest(self.mpi.Irecv(_words(buf), source, tag), self.stats)
+        return MPIRequest(self.mpi.Irecv(_words(buf), source, tag), self.stats, nbytes=buf.nbytes,
+                          what=f"a receive from rank {source} ({getattr(tag, 'name', tag)})")
 
     def recv(self, buf: np.ndarray, source: int, tag: Tag) -> None:
         """Blocking receive of exactly ``buf.nbytes`` bytes."""
         self.stats.add(received=buf.nbytes)
         with blocking(self.stats):
-            self.mpi.Recv(buf, source, tag)
+            self.mpi.Recv(_words(buf), source, tag)
 
     def waitany(self, requests: list[Request]) -> int:
         """Block until one of ``requests`` (none done yet) completes; its index."""
@@ -222,7 +239,7 @@ class Comm(SingleComm):
         self.stats.add(received=buf.nbytes)
         status = _mpi().Status()
         with blocking(self.stats):
-            self.mpi.Recv(buf, _mpi().ANY_SOURCE, tag, status)
+            self.mpi.Recv(_words(buf), _mpi().ANY_SOURCE, tag, status)
         return status.Get_source()
 
     def waitall(self, requests: list[Request]) -> None:
@@ -284,10 +301,10 @@ class Comm(SingleComm):
 
 
 def _vector(buf: np.ndarray, counts) -> list:
-    """``buf`` as an MPI vector of blocks of ``counts`` elements, end to end."""
-    counts = [int(c) for c in counts]
+    """``buf`` as an MPI vector of blocks of ``counts`` elements, end to end (16-bit floats as words)."""
+    counts, words = [int(c) for c in counts], _words(buf)
     displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
-    return [buf, counts, displs, _mpi().Datatype.fromcode(buf.dtype.char)]
+    return [words, counts, displs, _mpi().Datatype.fromcode(words.dtype.char)]
 
 
 def _mpi():
@@ -327,6 +344,14 @@ def started_thread_level() -> str:
     MPI = _mpi()
     return {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled", MPI.THREAD_SERIALIZED: "serialized",
             MPI.THREAD_MULTIPLE: "multiple"}[MPI.Query_thread()]
+
+
+def library() -> str:
+    """The MPI library this process runs on, as its vendor names it ("MPICH 4.3.2",
+    "Open MPI 5.0.11"): what a run's header and ``mpitrain plan --validate`` say, since
+    the heap a step reaches can depend on it (``mpitrain/plan/README.md``)."""
+    name, version = _mpi().get_vendor()
+    return f"{name} {'.'.join(map(str, version))}"
 
 
 def started_world() -> Comm | None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -136,19 +137,63 @@ class Request:
     def _block(self) -> None:
         pass
 
+    def leave(self) -> None:
+        """Give up on this request on purpose: nothing to leave, but for MPI's (:class:`MPIRequest`)."""
+
 
 class MPIRequest(Request):
-    """An MPI request (``Isend``, ``Iallreduce``, ...)."""
+    """An MPI request (``Isend``, ``Iallreduce``, ...).
 
-    def __init__(self, mpi_request, stats: CommStats, name: str = "", nbytes: int = 0):
+    **Its buffer lives until MPI is done with it.** The MPI standard (MPI-4.1, section
+    3.7.2) forbids touching, let alone freeing, a non-blocking operation's buffer until
+    the operation completes. mpi4py's request holds the array, but when that request is
+    collected while still active (its owner dropped before a wait or a successful test)
+    the array goes with it, and MPI later reads or writes freed memory. MPICH happened to
+    survive that; Open MPI, moving a large message by a single copy between processes,
+    crashed (a ring started only to read one of its attributes, dropped in flight). So a
+    request collected in flight is parked instead, with its buffer, and named in
+    :data:`dropped` (the MPI tier fails a test that leaves one: ``tests/conftest.py``);
+    parked requests are let go as MPI completes them (:func:`reap`, as each new request starts)."""
+
+    def __init__(self, mpi_request, stats: CommStats, name: str = "", nbytes: int = 0, what: str = ""):
         super().__init__(stats, name, nbytes)
-        self.mpi = mpi_request
+        self.mpi, self.what = mpi_request, what or name
+        if _parked:
+            reap()
 
     def _progress(self) -> bool:
         return bool(self.mpi.Test())
 
     def _block(self) -> None:
         self.mpi.Wait()
+
+    def leave(self) -> None:
+        """Give up on this request on purpose (a job ending by an error): parked, its
+        buffer kept, until MPI completes it; not a dropped request."""
+        if self.mpi and not _finalized():
+            _parked.append(self.mpi)
+        self.mpi = None
+
+    def __del__(self) -> None:
+        mpi = getattr(self, "mpi", None)
+        if mpi is not None and mpi and not _finalized():  # a handle not yet null: still in flight
+            _parked.append(mpi)
+            dropped.append(f"{self.what or 'request'} ({self.nbytes:,} bytes) collected in flight")
+
+
+dropped: list[str] = []  # what was collected in flight (a bug in its caller), for the tests to fail on
+_parked: list = []  # those requests, with the buffers they hold, until MPI completes them
+
+
+def reap() -> None:
+    """Let go of the parked requests that MPI has completed (a ``Test`` each)."""
+    if not _finalized():
+        _parked[:] = [r for r in _parked if not r.Test()]
+
+
+def _finalized() -> bool:
+    mpi = sys.modules.get("mpi4py.MPI")
+    return mpi is None or mpi.Is_finalized()
 
 
 class CommThread:

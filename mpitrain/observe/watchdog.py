@@ -56,6 +56,8 @@ class Watchdog:
         self.interval = interval or min(1.0, min(x for x in (warn_after, abort_after) if x > 0) / 4)
         self.comm = comm.dup()
         self.heard = {r: (0.0, 0.0, 0.0, time.perf_counter()) for r in range(comm.size)}  # step, code, waited, when
+        self._sends: list = []  # (state, its send) not seen complete yet
+        self._sent, self._received = 0, dict.fromkeys(range(comm.size), 0)  # states sent; on rank 0, received
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="stall-watchdog", daemon=True)
         self._thread.start()
@@ -72,15 +74,44 @@ class Watchdog:
             self.state = (step, previous, time.perf_counter())
 
     def close(self) -> None:
-        if self._thread is not None:
+        """Stop the thread; then every state sent to rank 0 is received before the
+        communicator goes (collective: the loop's ranks close together, at its agreed
+        end). A send left unmatched never completes (MPI-4.1 3.7.2: its buffer is MPI's
+        until then): MPICH let it be; Open MPI's tier failed on its request, collected in
+        flight (:class:`mpitrain.comm.requests.MPIRequest`). On an error's way out
+        (:meth:`__exit__`) nothing is waited for: the job is ending, and another rank may
+        never come; the sends are left to MPI (:meth:`~mpitrain.comm.requests.Request.leave`)."""
+        if self._thread is None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self._thread = None
+        counts = self.comm.gather(self._sent, root=0)  # how many states each rank sent
+        if self.comm.rank == 0:
+            incoming = np.empty(3)
+            for source, count in enumerate(counts[1:], start=1):
+                for _ in range(count - self._received[source]):
+                    self.comm.recv(incoming, source, Tag.WATCHDOG)
+                    self._received[source] += 1
+        self.comm.waitall([r for _, r in self._sends])
+        self.comm.free()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        if kind is None:
+            self.close()
+        elif self._thread is not None:
             self._stop.set()
             self._thread.join()
             self._thread = None
-            self.comm.free()
+            for _, request in self._sends:
+                request.leave()
 
     # ------------------------------------------------------------ the thread
     def _watch(self) -> None:
-        comm, warned, sends = self.comm, False, []
+        comm, warned = self.comm, False
         incoming = np.empty(3)
         while not self._stop.wait(self.interval):
             step, code, since = self.state
@@ -92,9 +123,11 @@ class Watchdog:
                 while comm.poll(-1, Tag.WATCHDOG):
                     source = comm.recv_any(incoming, Tag.WATCHDOG)
                     self.heard[source] = (*incoming, now)
+                    self._received[source] += 1
             else:
-                sends = [(buf, r) for buf, r in sends if not r.test()]  # keep each buffer until sent
-                sends.append((mine, comm.isend(mine, 0, Tag.WATCHDOG)))
+                self._sends = [(buf, r) for buf, r in self._sends if not r.test()]  # each buffer kept until sent
+                self._sends.append((mine, comm.isend(mine, 0, Tag.WATCHDOG)))
+                self._sent += 1
             if code == 0:  # computing
                 warned = False
                 continue

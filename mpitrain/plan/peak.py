@@ -71,7 +71,9 @@ def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = 
     ``.grad`` to add into); under ZeRO-3
     also its and the previous layer's gathered weights and the whole gradient of the layer
     after it with its shard (its reduce-scatter in flight:
-    :meth:`mpitrain.parallel.zero3.Zero3._progress` frees each once its sum is in), under
+    :meth:`mpitrain.parallel.zero3.Zero3._progress` frees each once a test sees its sum in,
+    which depends on the MPI library: MPICH's reduce-scatter, on shared memory, was as a
+    rule still in flight; Open MPI's was done, and freed: ``in_flight`` "none"), under
     ZeRO-2 the later layers' gradients it holds, and at most the previous micro-batch's
     buckets not yet started again (:func:`_zero2_held`). Fused backward
     passes write their gradients over the arrays they read last, which is why a layer's
@@ -101,9 +103,9 @@ def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = 
         copies = 2 if again or fresh else 1
         grads = (b * (math.prod(layer.out) * (1 + again) + inputs[i]) + conv_work(lay, layer, fast)[1]) * a
         grads += copies * (layer.part or layer.size) * s
-        if zero3:
+        if zero3:  # the gathered weights; the later layer's reduce-scatter, unless a test saw it done ("none")
             grads += sum(x.size for x in layers[max(0, i - 1) : i + 1]) * s
-            grads += sum(x.size + -(-x.size // lay.dp) for x in layers[i + 1 : i + 2]) * s
+            grads += sum(x.size + -(-x.size // lay.dp) for x in layers[i + 1 : i + 2]) * s * (in_flight != "none")
         most = max(most, before[i] + whole + grads + _zero2_held(lay, layers, i + 1, in_flight, lay.m > 1))
     return kept, max(most, kept)
 

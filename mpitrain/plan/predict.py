@@ -172,7 +172,7 @@ def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None, objects
     sends = sends_in_flight(lay, s)
     memory["activations"] = beside + sends + activations(lay, layers, held, first, split, received, "last")
     bounds = (0, 0)
-    if lay.par.sync == "zero2" or sends:  # what is in flight at the peak depends on the messages' timing
+    if lay.par.sync in ("zero2", "zero3") or sends:  # what is in flight at the peak depends on the messages' timing
         bounds = tuple(beside + sends * (w == "all") + activations(lay, layers, held, first, split, received, w)
                        for w in ("none", "all"))
         bounds = (0, 0) if bounds[0] == bounds[1] else bounds

@@ -146,7 +146,7 @@ def table(rows, step_time=None) -> tuple[str, bool]:
 def run(args) -> int:
     """The command: plan on the job's ranks, measure, print; exit 1 if a counted quantity
     disagrees or the heap is off by more than its tolerance."""
-    from mpitrain.comm import world
+    from mpitrain.comm import library, world
     from mpitrain.plan.cli import build
     from mpitrain.plan.models import config_of
 
@@ -166,10 +166,10 @@ def run(args) -> int:
         return 0
     rows = compare(plan, counted, storage)
     text, ok = table(rows, (plan.time["step"], seconds))
-    print(f"validate: {source} on {plan.layout.describe()}\n{text}")
+    print(f"validate: {source} on {plan.layout.describe()}, under {library()}\n{text}")
     if args.json:  # for mpitrain bench plan: each row with its tolerance and error
         found = {"rows": [[*r, tolerance(r[1]), error(r[2], r[3]), holds(*r[1:])] for r in rows],
-                 "step": [plan.time["step"], seconds]}
+                 "step": [plan.time["step"], seconds], "mpi": library()}
         Path(args.json).write_text(json.dumps(found))
     return 0 if ok else 1
 

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from mpitrain import checkpoint, ops
-from mpitrain.comm import SingleComm, alone, started_thread_level
+from mpitrain.comm import SingleComm, alone, library, started_thread_level
 from mpitrain.config import Config, ConfigError, check_ranks
 from mpitrain.data import DataError
 from mpitrain.dtypes import dtype_of
@@ -34,7 +34,7 @@ from mpitrain.runtime import blas_threads, emulated_cluster, launcher, limit_bla
 from mpitrain.train import identity, resume
 from mpitrain.train.build import Role, Run, build_run, describe, prepare_run_dir
 from mpitrain.train.loop import Loop
-from mpitrain.train.signals import StopSignals
+from mpitrain.train.signals import StopSignals, unsaved_stop
 from mpitrain.train.report import Outputs, Result, data_identity, finish, time_row
 
 __all__ = ["GradSync", "Result", "Role", "train"]
@@ -75,6 +75,8 @@ def train(cfg: Config, log=print, comm=None, resume: bool = False, warn=None, st
             raise
         try:
             log(_header(run, threads))
+            if comm.rank == 0 and comm.size > 1 and (note := unsaved_stop(launcher(), library())):
+                log(note)
             first = _resume(run, chosen, log, warn) if chosen else 0
             if chosen is None and resume:
                 log(f"resume: no usable checkpoint in {checkpoint.directory(cfg.run.dir)}, starting at step 0")
@@ -173,7 +175,7 @@ def _header(run: Run, threads: int) -> str:
     cfg, reader, t = run.cfg, run.reader, run.cfg.train
     what = "windows" if run.data.kind == "text" else "samples"
     micro = f" in {t.micro_batches} micro-batches per rank" if t.micro_batches > 1 else ""
-    level = f"; MPI thread level {started_thread_level()}" if run.world.size > 1 else ""
+    level = f"; {library()}, thread level {started_thread_level()}" if run.world.size > 1 else ""
     return (f"model {cfg.model.name}: {sum(size for _, size in run.layout.params):,} parameters; data {run.data.name} "
             f"({run.data.path}), {reader.n:,} training {what}, {reader.steps_per_epoch} steps per epoch; "
             f"{run.total} steps of {t.global_batch_size}{micro}; {threads} BLAS thread(s) per rank; "

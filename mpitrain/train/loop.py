@@ -84,7 +84,7 @@ class Loop:
                                  waits=[AGREEING, *self.waits.values()])  # prints on every rank
         batches = run.reader.batches(step // spe, first_step=step % spe)
         self.out.heap.reader = run.reader if self.out.heap.tracing else None
-        with contextlib.closing(self.watchdog), contextlib.closing(batches), self._progress_bar(), \
+        with self.watchdog, contextlib.closing(batches), self._progress_bar(), \
                 self._instrumented():
             if step and step != run.total and t.eval_interval and step % t.eval_interval == 0:
                 self.evaluate(step)  # the killed run evaluated after its checkpoint; maybe not before it died

@@ -1,4 +1,5 @@
-"""Stop signals of a training run: SIGINT (Ctrl-C), SIGTERM and SIGUSR1 set a flag that the
+"""Stop signals of a training run: SIGINT (Ctrl-C), SIGTERM and SIGUSR1 (and SIGUSR2, a Ctrl-C that
+``mpitrain launch`` relayed) set a flag that the
 loop reads between steps (:func:`mpitrain.train.loop.agree_on_step` tells every rank), so a run
 stops at a step boundary and saves a checkpoint instead of dying mid-step."""
 
@@ -21,10 +22,12 @@ class StopSignals:
     whole group, so one press arrives two or three times); a later one ends the process
     at once, saving nothing. (Under ``mpiexec`` the ranks never see a second SIGINT:
     MPICH's launcher kills them instead, unless ``mpitrain launch`` stands in front of it:
-    :mod:`mpitrain.launch`.) ``loud``: this rank says so when the first arrives.
+    :mod:`mpitrain.launch`.) Under ``mpitrain launch``, SIGUSR2 is a Ctrl-C it relayed to a
+    launcher that would not pass SIGINT on (Open MPI's ``mpirun``, ``srun``), and taken as
+    one (elsewhere it keeps its default action). ``loud``: this rank says so when the first arrives.
     Installed in the main thread only, put back on exit."""
 
-    SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1")
+    SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", launch.RELAYED_INT)
 
     def __init__(self, loud: bool = False, launcher: str | None = None):
         self.received: int | None = None
@@ -39,6 +42,8 @@ class StopSignals:
         self._notice = f"\nmpitrain: Ctrl-C: finishing this step, then saving a checkpoint; {again}\n".encode()
 
     def _handler(self, signum, frame) -> None:
+        if signum == getattr(signal, launch.RELAYED_INT):
+            signum = signal.SIGINT  # a Ctrl-C relayed to Open MPI's mpirun or srun, which would not pass it on
         if signum == signal.SIGINT and self._first_int is not None:
             if time.monotonic() - self._first_int >= launch.REPEAT_S:
                 signal.signal(signal.SIGINT, signal.SIG_DFL)  # and end as a Ctrl-C ends a process
@@ -56,7 +61,7 @@ class StopSignals:
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
             for name in self.SIGNALS:
-                if hasattr(signal, name):
+                if hasattr(signal, name) and (name != launch.RELAYED_INT or os.environ.get(launch.ENV)):
                     sig = getattr(signal, name)
                     self._previous[sig] = signal.signal(sig, self._handler)
         return self
@@ -64,3 +69,13 @@ class StopSignals:
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
+
+
+def unsaved_stop(launcher: str | None, library: str) -> str | None:
+    """A line for a run under Open MPI's ``mpirun`` started without ``mpitrain launch``: that
+    ``mpirun`` kills every rank at its first SIGINT or SIGTERM, before any can save
+    (:mod:`mpitrain.launch`); None elsewhere."""
+    if launcher != "mpirun" or not library.startswith("Open MPI") or os.environ.get(launch.ENV):
+        return None
+    return ("note: Open MPI's mpirun kills every rank at Ctrl-C or SIGTERM, saving nothing; start the run as "
+            "'mpitrain launch mpirun ...' so that Ctrl-C ends in a checkpoint (or send mpirun SIGUSR1)")
