@@ -32,8 +32,9 @@ SRUN = textwrap.dedent("""
     ranks = subprocess.Popen([os.environ["STAND_IN_MPIEXEC"], "-n", "2", *args], start_new_session=True)
     def to_every_rank(signum, frame):  # the step daemon's part: each task gets it
         out = subprocess.run(["pgrep", "-s", str(ranks.pid), "-f", "mpitrain train"], capture_output=True, text=True)
-        for pid in out.stdout.split():
-            os.kill(int(pid), signum)
+        for pid in map(int, out.stdout.split()):
+            if pid != ranks.pid:  # the launcher's own command line names 'mpitrain train' too
+                os.kill(pid, signum)
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, to_every_rank)
     sys.exit(ranks.wait())
