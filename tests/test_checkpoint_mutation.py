@@ -54,7 +54,8 @@ def regions(path) -> dict[str, list[int]]:
             if where >= 0:
                 attr_bytes.update(range(where, where + len(raw)))
     superblock = set(range(block, block + 96))
-    rest = [i for i in range(block, len(data)) if i not in chunks | attr_bytes | superblock]
+    known = chunks | attr_bytes | superblock
+    rest = [i for i in range(block, len(data)) if i not in known]
     return {"header": list(range(header)), "userblock padding": list(range(header, block)),
             "HDF5 superblock": sorted(superblock), "attributes": sorted(attr_bytes),
             "array chunks": sorted(chunks), "HDF5 headers and the rest": rest}
