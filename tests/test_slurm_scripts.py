@@ -5,7 +5,8 @@ SLURM signals the tasks of a step itself: ``#SBATCH --signal=USR1@120`` and ``sc
 passes on what it is sent. The stand-in ``srun`` starts the ranks with this machine's
 ``mpiexec`` (MPICH's or Open MPI's) in a session of their own, so that no signal reaches
 that launcher (Open MPI's would kill every rank at a SIGTERM), and hands each signal it gets
-to every rank, as the step daemon does. ``scontrol requeue`` is recorded in a file.
+to every rank (the launcher's descendants running ``mpitrain train``), as the step daemon
+does. ``scontrol requeue`` is recorded in a file.
 """
 
 import os
@@ -31,10 +32,15 @@ SRUN = textwrap.dedent("""
         args.pop(0)
     ranks = subprocess.Popen([os.environ["STAND_IN_MPIEXEC"], "-n", "2", *args], start_new_session=True)
     def to_every_rank(signum, frame):  # the step daemon's part: each task gets it
-        out = subprocess.run(["pgrep", "-s", str(ranks.pid), "-f", "mpitrain train"], capture_output=True, text=True)
-        for pid in map(int, out.stdout.split()):
-            if pid != ranks.pid:  # the launcher's own command line names 'mpitrain train' too
-                os.kill(pid, signum)
+        table = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
+        rows = [line.split(None, 2) for line in table.splitlines()]
+        below, found = {ranks.pid}, True
+        while found:  # the launcher's descendants: MPICH's proxies start each rank in a session of its own
+            found = {int(pid) for pid, ppid, *_ in rows if int(ppid) in below and int(pid) not in below}
+            below |= found
+        for pid, _, args in rows:  # the ranks, not the launcher, whose own command line names them too
+            if int(pid) in below - {ranks.pid} and "mpitrain train" in args:
+                os.kill(int(pid), signum)
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, to_every_rank)
     sys.exit(ranks.wait())
