@@ -347,7 +347,7 @@ def started_thread_level() -> str:
 
 
 def library() -> str:
-    """The MPI library this process runs on, as its vendor names it ("MPICH 4.3.2",
+    """The MPI library this process runs on, as its vendor names it ("MPICH 5.0.2",
     "Open MPI 5.0.11"): what a run's header and ``mpitrain plan --validate`` say, since
     the heap a step reaches can depend on it (``mpitrain/plan/README.md``)."""
     name, version = _mpi().get_vendor()
