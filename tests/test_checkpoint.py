@@ -224,9 +224,10 @@ def test_metrics_file_reads_as_one_run_after_a_resume(text_data, tmp_path):
 
 
 # ------------------------------------------------ under mpiexec, from outside
+STEPS = 250  # each run's: a stop asked at step 60 or later reaches the ranks well before the last
 GPT_ARGS = ["--set", "model.n_layer=2", "--set", "model.n_embd=48", "--set", "model.n_head=2",
             "--set", "model.block_size=32", "--set", "model.dropout=0.1", "--set", "train.global_batch_size=16",
-            "--set", "train.steps=400", "--set", "train.log_interval=50", "--set", "train.eval_interval=0",
+            "--set", f"train.steps={STEPS}", "--set", "train.log_interval=50", "--set", "train.eval_interval=0",
             "--set", "train.eval_batches=2", "--set", "train.sample_tokens=0", "--set", "run.checkpoint_interval=10",
             "--set", "run.keep=50"]
 
@@ -289,26 +290,26 @@ def reference(tmp_path_factory):
     text.text(src, root / "shards")
     code, _, err = finish(launch(root / "shards", root / "run"))
     assert code == 0, err
-    return root / "shards", checkpoint.path_for(root / "run", 400)
+    return root / "shards", checkpoint.path_for(root / "run", STEPS)
 
 
 @needs_mpiexec
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the ranks through Linux /proc")
 def test_sigkill_at_a_random_step_then_resume_is_bit_identical(reference, tmp_path):
     data, final = reference
-    step = random.Random().randrange(40, 300, 10)
+    step = random.Random().randrange(40, STEPS - 100, 10)
     proc = launch(data, tmp_path / "run", start_new_session=True)
     wait_for_checkpoint(tmp_path / "run", step, proc)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     killed_at = int(checkpoint.listed(tmp_path / "run")[-1].stem.split("-")[1])
-    assert killed_at < 400, "the run was not killed before its end"
+    assert killed_at < STEPS, "the run was not killed before its end"
     code, out, err = finish(launch(data, tmp_path / "run", "--resume"))
     assert code == 0, err
     assert f"at step {killed_at}" in out
-    assert_identical(final, checkpoint.path_for(tmp_path / "run", 400))
+    assert_identical(final, checkpoint.path_for(tmp_path / "run", STEPS))
     steps = [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["kind"] == "train"]
-    assert steps == list(range(50, 401, 50)), f"killed at {step}"
+    assert steps == list(range(50, STEPS + 1, 50)), f"killed at {step}"
 
 
 
@@ -360,7 +361,7 @@ def test_a_signal_checkpoints_and_exits_then_resume_is_bit_identical(reference, 
     assert checkpoint.listed(tmp_path / "run")[-1] == checkpoint.path_for(tmp_path / "run", at)
     code, _, err = finish(launch(data, tmp_path / "run", "--resume"))
     assert code == 0, err
-    assert_identical(final, checkpoint.path_for(tmp_path / "run", 400))
+    assert_identical(final, checkpoint.path_for(tmp_path / "run", STEPS))
 
 
 PS_ARGS = ["--set", "parallel.sync=ps", "--set", "optim.grad_clip=0.0", "--set", "model.n_layer=1",
@@ -535,4 +536,4 @@ def test_ctrl_c_typed_on_a_terminal_checkpoints_once_then_resume_is_bit_identica
     assert checkpoint.listed(tmp_path / "run")[-1] == checkpoint.path_for(tmp_path / "run", at)
     code, _, err = finish(launch(data, tmp_path / "run", "--resume"))
     assert code == 0, err
-    assert_identical(final, checkpoint.path_for(tmp_path / "run", 400))
+    assert_identical(final, checkpoint.path_for(tmp_path / "run", STEPS))
