@@ -64,13 +64,16 @@ class Flat:
                 p.grad = view
 
 
-def buckets(params, cap_bytes: int) -> list[list]:
+def buckets(params, cap_bytes: int, kind=None) -> list[list]:
     """``params`` in their order, cut into consecutive groups of one dtype and at most
-    ``cap_bytes`` each (a parameter larger than the cap is a group of its own)."""
+    ``cap_bytes`` each (a parameter larger than the cap is a group of its own); with
+    ``kind`` (a parameter -> a label), of one kind each too."""
     groups: list[list] = []
     size = 0
+    kind = kind or (lambda p: None)
     for p in params:
-        if not groups or size + p.data.nbytes > cap_bytes or groups[-1][0].dtype != p.dtype:
+        if (not groups or size + p.data.nbytes > cap_bytes or groups[-1][0].dtype != p.dtype
+                or kind(groups[-1][0]) != kind(p)):
             groups.append([])
             size = 0
         groups[-1].append(p)
@@ -85,11 +88,11 @@ class Buckets:
     is complete and every one before it has started, so every rank starts them in the same
     order (their collectives must match); then ``progress()``, if given, moves what is in
     flight. ``early=False`` only counts (all start in :meth:`flush`); while ``counting`` is
-    false (micro-batches accumulating) the hooks do nothing."""
+    false (micro-batches accumulating) the hooks do nothing. ``kind``: as :func:`buckets`."""
 
-    def __init__(self, params, cap_bytes: int, start, progress=None, early: bool = True):
+    def __init__(self, params, cap_bytes: int, start, progress=None, early: bool = True, kind=None):
         params = list(params)
-        self.groups = buckets(reversed(params), cap_bytes)  # bucket i's parameters, as backward completes them
+        self.groups = buckets(reversed(params), cap_bytes, kind)  # bucket i's parameters, as backward completes them
         self._of = {id(p): i for i, group in enumerate(self.groups) for p in group}
         self.start, self.progress, self.early, self.counting = start, progress, early, True
         self.waiting = [len(group) for group in self.groups]  # parameters of this pass not ready yet

@@ -181,8 +181,6 @@ def test_parameter_server_rank_checks(ranks, overrides, message):
                                              "is 'lenet'"),
     (3, ["parallel.tp=3", "model.name=gpt", "data.name=shakespeare"], "parallel.tp: the 4 attention heads "
                                                                       "(model.n_head) do not split over 3"),
-    (4, ["parallel.tp=2", "parallel.sync=zero1", "model.name=gpt", "data.name=shakespeare"],
-     "parallel.sync: 'zero1' does not combine with tensor slicing (parallel.tp = 2) yet"),
     (4, ["parallel.tp=2", "parallel.progress=thread", "parallel.thread_level=serialized", "model.name=gpt",
          "data.name=shakespeare"], "parallel.thread_level: the slices' collectives and the communication thread"),
     (2, ["parallel.sequence_parallel=true"], "parallel.sequence_parallel: slices the sequence over tensor-parallel "
@@ -191,14 +189,11 @@ def test_parameter_server_rank_checks(ranks, overrides, message):
          "model.block_size=30"], "parallel.sequence_parallel: model.block_size 30 does not split over 4"),
     (2, ["parallel.schedule=gpipe"], "parallel.schedule: applies to pipeline runs (parallel.pp > 1); this one has "
                                      "pp = 1"),
-    (4, ["parallel.pp=2", "parallel.sync=zero1"], "parallel.sync: 'zero1' does not combine with pipeline stages "
-                                                  "(parallel.pp = 2) yet; use one of ['ddp', 'local']"),
-    (4, ["parallel.pp=2", "parallel.sync=zero2"], "parallel.sync: 'zero2' does not combine with pipeline stages "
-                                                  "(parallel.pp = 2) yet; use one of ['ddp', 'local']"),
-    (4, ["parallel.tp=2", "parallel.sync=zero2", "model.name=gpt", "data.name=shakespeare"],
-     "parallel.sync: 'zero2' does not combine with tensor slicing (parallel.tp = 2) yet"),
     (4, ["parallel.pp=2", "parallel.sync=zero3"], "parallel.sync: 'zero3' does not combine with pipeline stages "
-                                                  "(parallel.pp = 2) yet; use one of ['ddp', 'local']"),
+                                                  "(parallel.pp = 2) yet; use one of ['ddp', 'local', 'zero1', "
+                                                  "'zero2']"),
+    (4, ["parallel.tp=2", "parallel.sync=zero3", "model.name=gpt", "data.name=shakespeare"],
+     "parallel.sync: 'zero3' does not combine with tensor slicing (parallel.tp = 2) yet"),
     (2, ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.chunks=2", "train.micro_batches=3"],
      "train.micro_batches: the interleaved schedule needs a multiple of the 2 pipeline stages"),
     (2, ["parallel.pp=2", "parallel.schedule=interleaved"], "parallel.chunks: the interleaved schedule needs 2 or "

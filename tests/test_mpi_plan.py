@@ -37,6 +37,9 @@ LAYOUTS = {  # ranks -> {name: overrides}
         "dp2 x pp2": ["parallel.pp=2", "train.micro_batches=2"],
         "pp2 x tp2": ["parallel.pp=2", "parallel.tp=2", "train.micro_batches=4"],
         "dp2 x tp2": ["parallel.tp=2"], "zero2": ["parallel.sync='zero2'"],
+        "zero1 on dp2 x pp2": ["parallel.pp=2", "parallel.sync='zero1'", "train.micro_batches=2"],
+        "zero2 on dp2 x tp2, sequence parallel": ["parallel.tp=2", "parallel.sync='zero2'",
+                                                  "parallel.sequence_parallel=true"],
         "ps, 2 servers": ["parallel.sync='ps'", "parallel.servers=2", "optim.grad_clip=0.0",
                           "train.global_batch_size=6"]},
 }

@@ -344,12 +344,21 @@ def _load_state(path: Path, f: h5py.File, local, pieces, offsets, slices: dict) 
                               f"optimizer's {len(offsets) - 1} (is optim.* the same?)")
     shapes = [p.shape for group in local.param_groups for p in group["params"]]
     local.state = {}
-    for k, i, lo, hi in pieces:
+    for k, i, lo, hi, within in pieces:
         if has[i]:
-            state = {key: (ds[lo:hi].reshape(slices[i][1])[slices[i][0]] if i in slices else ds[lo:hi])
-                     .reshape(shapes[k]) for key, ds in arrays.items()}
+            state = {key: _piece(ds, lo, hi, slices.get(i), within).reshape(shapes[k]) for key, ds in arrays.items()}
             state.update({key: np.array(ds[i]) for key, ds in scalars.items()})
             local.state[k] = state
+
+
+def _piece(ds, lo: int, hi: int, sliced, within) -> np.ndarray:
+    """Rows ``[lo, hi)`` of a flat dataset; of a ``sliced`` parameter (``(where, whole
+    shape)``), its slice of them, or the piece ``within`` that slice's flat order."""
+    if sliced is None:
+        return ds[lo:hi]
+    where, shape = sliced
+    part = ds[lo:hi].reshape(shape)[where]
+    return part if within is None else part.reshape(-1)[within[0] : within[1]]
 
 
 def _names(group: h5py.Group) -> list[str]:

@@ -41,16 +41,41 @@ class Layout:
 def _layout(optimizer, sync, layout: Layout | None):
     """(flat offsets of every parameter of ``layout`` (None: the optimizer's own), the
     optimizer holding this rank's state, its pieces as (local index, parameter index, lo,
-    hi), whether this rank writes them: of replicas, one does), as the gradient sync's
-    ``state_pieces(offsets)`` says (None: no state here, as on parameter-server workers)."""
+    hi, within), whether this rank writes them: of replicas, one does), as the gradient
+    sync's ``state_pieces`` says (None: no state here, as on parameter-server workers).
+    The sync is asked in the coordinates of what this rank holds (:func:`part_offsets`);
+    a piece is then ``[lo, hi)`` of the whole flat layout, or, of a sliced parameter, its
+    whole range with ``within``: the piece's ``[lo, hi)`` in the slice's flat order (None:
+    the whole slice)."""
     sizes = ([p.size for group in optimizer.param_groups for p in group["params"]] if layout is None
              else [size for _, size in layout.params])
     offsets = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)])  # (n_params + 1,)
-    split = sync.state_pieces(offsets)
+    slices = layout.slices() if layout is not None else {}
+    held = part_offsets(sizes, slices)
+    split = sync.state_pieces(held)
     if split is None:
         return offsets, optimizer, [], False
     local, pieces, writes = split
-    return offsets, local, [(k, i, lo, hi) for k, (i, lo, hi) in enumerate(pieces)], writes
+    out = []
+    for k, (i, lo, hi) in enumerate(pieces):
+        lo, hi = int(lo - held[i]), int(hi - held[i])  # in the part of parameter i this rank holds
+        if i not in slices:
+            out.append((k, i, int(offsets[i]) + lo, int(offsets[i]) + hi, None))
+        else:
+            whole = (lo, hi) == (0, int(held[i + 1] - held[i]))
+            out.append((k, i, int(offsets[i]), int(offsets[i + 1]), None if whole else (lo, hi)))
+    return offsets, local, out, writes
+
+
+def part_offsets(sizes, slices: dict) -> np.ndarray:
+    """The flat offsets of the parameters as this rank holds them: a sliced one
+    (``slices``: :meth:`Layout.slices`) takes its slice's size."""
+    held = [_slice_size(*slices[i]) if i in slices else size for i, size in enumerate(sizes)]
+    return np.concatenate([[0], np.cumsum(held, dtype=np.int64)])
+
+
+def _slice_size(where, shape) -> int:
+    return int(np.broadcast_to(np.int8(0), tuple(shape))[where].size)
 
 
 def _kinds(local) -> dict:
@@ -80,30 +105,33 @@ def _contribution(local, pieces, slices: dict, arrays: dict, parts: dict) -> lis
     array goes (:func:`_apply`): its model arrays (``arrays``; a sliced one, ``parts``,
     into its slice of the whole array) and the optimizer state of its ``pieces`` (a
     sliced parameter's into its slice of the parameter's flat range, ``slices``:
-    :meth:`Layout.slices`)."""
-    out = [((f"model/{name}", None, None, parts.get(name)), np.ascontiguousarray(a)) for name, a in arrays.items()]
-    for k, i, lo, hi in pieces:
+    :meth:`Layout.slices`, or into a piece of that slice)."""
+    out = [((f"model/{name}", None, None, parts.get(name), None), np.ascontiguousarray(a))
+           for name, a in arrays.items()]
+    for k, i, lo, hi, within in pieces:
         state = local.state.get(k)
         if not state:
             continue
-        out.append((("optim/has_state", (i, i + 1), None, None), np.ones(1, dtype=bool)))
+        out.append((("optim/has_state", (i, i + 1), None, None, None), np.ones(1, dtype=bool)))
         for key, value in state.items():
             value = np.asarray(value)
             if value.ndim == 0:
-                out.append(((f"optim/scalar/{key}", (i, i + 1), None, None), value.reshape(1)))
+                out.append(((f"optim/scalar/{key}", (i, i + 1), None, None, None), value.reshape(1)))
             elif i in slices:
                 where, shape = slices[i]
-                out.append(((f"optim/state/{key}", (lo, hi), tuple(shape), where), np.ascontiguousarray(value)))
+                out.append(((f"optim/state/{key}", (lo, hi), tuple(shape), where, within),
+                            np.ascontiguousarray(value)))
             else:
-                out.append(((f"optim/state/{key}", (lo, hi), None, None), np.ascontiguousarray(value).reshape(-1)))
+                out.append(((f"optim/state/{key}", (lo, hi), None, None, None), np.ascontiguousarray(value).reshape(-1)))
     return out
 
 
 def _apply(f: h5py.File, header, array: np.ndarray) -> None:
-    """Write ``array`` where ``header = (dataset, rows, whole shape, where)`` says: rows
-    ``[lo, hi)`` of a flat dataset (None: all of it), and for a slice, its ``where`` in
-    the whole array of ``shape`` that those rows hold (None: the rows' own shape)."""
-    name, rows, shape, where = header
+    """Write ``array`` where ``header = (dataset, rows, whole shape, where, within)``
+    says: rows ``[lo, hi)`` of a flat dataset (None: all of it), and for a slice, its
+    ``where`` in the whole array of ``shape`` that those rows hold (None: the rows' own
+    shape), and ``within`` that slice's flat order (None: all of it)."""
+    name, rows, shape, where, within = header
     ds = f[name]
     rows = slice(*rows) if rows is not None else Ellipsis
     if where is None:
@@ -111,7 +139,12 @@ def _apply(f: h5py.File, header, array: np.ndarray) -> None:
         return
     stored = ds[rows]
     whole = stored.reshape(shape) if shape is not None else stored  # a view: writing it writes stored
-    whole[where] = array
+    if within is None:
+        whole[where] = array.reshape(whole[where].shape)  # a shard's piece may be the whole slice, flat
+    else:
+        part = np.ascontiguousarray(whole[where])  # the slice in C order (reshape(-1) then a view), its piece replaced
+        part.reshape(-1)[within[0] : within[1]] = array.reshape(-1)
+        whole[where] = part
     ds[rows] = stored
 
 
@@ -125,9 +158,9 @@ def _collect(f: h5py.File, own: list, comm) -> None:
         _apply(f, header, array)
     for source in range(1, comm.size):
         for header in headers[source]:
-            buf = np.empty(header[4], dtype=np.dtype(header[5]))
+            buf = np.empty(header[5], dtype=np.dtype(header[6]))
             comm.recv(buf, source, Tag.CHECKPOINT)
-            _apply(f, header[:4], buf)
+            _apply(f, header[:5], buf)
 
 
 def _send(own: list, comm) -> None:

@@ -63,9 +63,9 @@ PARALLEL_FIELDS = {  # by parallel.sync
 CHOICES = {"model": ("name", MODEL_FIELDS), "optim": ("name", OPTIM_FIELDS), "parallel": ("sync", PARALLEL_FIELDS)}
 RENAMED = {"parallel.strategy": "parallel.sync"}  # old spelling -> new: still read, with a note
 GRID = ("dp", "pp", "tp")
-PIPELINE_SYNCS = ("ddp", "local")  # the gradient syncs a pipeline stage's replicas can use
+PIPELINE_SYNCS = ("ddp", "local", "zero1", "zero2")  # the gradient syncs a pipeline stage's replicas can use
 PRECISION_SYNCS = ("ddp", "local")  # the gradient syncs that train in mixed precision (train.precision)
-TENSOR_SYNCS = ("ddp", "local")  # the gradient syncs that combine with tensor slices (parallel.tp > 1)
+TENSOR_SYNCS = ("ddp", "local", "zero1", "zero2")  # the gradient syncs that combine with tensor slices (parallel.tp > 1)
 
 
 @dataclass(frozen=True)

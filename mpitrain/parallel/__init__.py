@@ -43,6 +43,7 @@ class GradSync:
     waits: dict[str, str] = {}  # a call -> what it waits for on other ranks ("finish": "gradient exchange")
     lockstep = True  # the loop's ranks take every step together (asynchronous parameter-server workers: not)
     pieces: list | None = None  # a sharded optimizer's (parameter index, lo, hi) in the checkpoints' flat layout
+    sharded = False  # after finish() each rank holds a shard of the gradients (ZeRO), not all of them
 
     def __init__(self, model, optimizer, dp_comm):
         self.model, self.optimizer, self.comm = model, optimizer, dp_comm
@@ -56,6 +57,12 @@ class GradSync:
 
     def finish(self) -> None:
         """Nothing to exchange: the gradients backward left are the step's."""
+
+    def held(self) -> dict:
+        """After ``finish()``: ``id(parameter) -> the gradient this rank holds of it``,
+        the replicas' mean; the whole ``.grad`` here, a piece of it where ``sharded``
+        (views: what is done to them is done to the gradients the update reads)."""
+        return {id(p): p.grad for p in self.params if p.grad is not None}
 
     def step(self, lr: float | None = None, grad_clip: float = 0.0) -> None:
         """The optimizer's step; ``grad_clip`` > 0 clips to that global norm first."""

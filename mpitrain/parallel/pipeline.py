@@ -336,12 +336,17 @@ class PipelineStage(Module):
             return self.loss(out, y)
 
     # ------------------------------------------------------------- after backward
-    def sum_tied_grads(self) -> None:
+    def sum_tied_grads(self, grads: dict | None = None) -> None:
         """Sum the gradient of each weight held by several stages over those stages (the
-        GPT's token embedding: the input's and the output head's uses)."""
+        GPT's token embedding: the input's and the output head's uses). ``grads``:
+        ``id(parameter) -> the gradient to sum`` (None: each ``.grad``); a stage whose
+        replicas shard the gradients (ZeRO) holds the same piece of a tied weight on
+        every stage that holds it, so the pieces add up alike."""
         for params, comm in self.ties:
             for q in params:
-                comm.allreduce(q.grad)
+                g = q.grad if grads is None else grads.get(id(q))
+                if g is not None:
+                    comm.allreduce(g)
 
 
 def _agree(pp_comm, plan: dict) -> None:

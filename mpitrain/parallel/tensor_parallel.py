@@ -374,12 +374,15 @@ def slice_gpt(model: GPT, tp_comm, sequence: bool = False) -> GPT:
     return model
 
 
-def sum_replicated_grads(model: Module, tp_comm) -> None:
+def sum_replicated_grads(model: Module, tp_comm, held: dict | None = None) -> None:
     """With sequence parallelism each rank's gradient of a whole (replicated) weight (the
     layer norms, the row-parallel biases, the position embedding) comes from its slice of
-    the sequence: the sum over ranks is the whole gradient, the same everywhere."""
+    the sequence: the sum over ranks is the whole gradient, the same everywhere.
+    ``held``: ``id(parameter) -> the gradient to sum`` (None: each ``.grad``; with ZeRO
+    the same piece of each on every slice)."""
     sliced = sliced_parameters(model)
-    grads = [q.grad for q in model.parameters() if id(q) not in sliced and q.grad is not None]
+    held = {id(q): q.grad for q in model.parameters()} if held is None else held
+    grads = [held[id(q)] for q in model.parameters() if id(q) not in sliced and held.get(id(q)) is not None]
     if not grads:
         return
     flat = np.concatenate([g.reshape(-1) for g in grads])  # one allreduce for them all, not one each

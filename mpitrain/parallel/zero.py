@@ -46,6 +46,17 @@ reduce-scatter per micro-batch; ``"full"`` lets the micro-batches add into whole
 gradients and reduce-scatters their sum once, stage 1's bytes with data parallelism's
 gradient memory until the last micro-batch.
 
+**On a part of the model** (a pipeline stage, a tensor slice: Megatron-LM's distributed
+optimizer). The replicas of one part shard its parameters as above, over their own
+``dp_comm``. Some sums are then still owed to the whole model: a tied weight's gradient
+over the stages that hold it, and under sequence parallelism the replicated weights'
+over the slices. They come after the reduce-scatter, on the pieces each rank holds
+(:class:`mpitrain.train.parts.PartSync`). For a piece to meet the same piece on the
+other stage or slice, ``kind`` keeps those weights apart: the flat layout is cut into
+runs of one kind (:func:`segments`), and each run into ``P`` chunks on its own, so a
+tied weight's chunk ``r`` is the same numbers on every stage that holds it. Each run is
+one reduce-scatter and one allgather: the bytes do not change, the number of calls does.
+
 **Bytes per rank per step**: reduce-scatter ``(P-1)/P x N x s`` (stage 2, ``"sharded"``:
 once per micro-batch) plus allgather ``(P-1)/P x N x s``: ``2 (P-1)/P x N x s``, the same
 as data parallelism's allreduce, which is the two halves done back to back
@@ -76,25 +87,30 @@ class Zero1(GradSync):
 
         zero = Zero1(model, opt, dp_comm)
         loss.backward()
-        zero.step(lr, grad_clip)   # reduce-scatter, update my shard, allgather
+        zero.finish()              # reduce-scatter: my shard of the mean gradient
+        zero.step(lr, grad_clip)   # update my shard, allgather
         zero.zero_grad()
-    """
 
-    waits = {"step": "ZeRO-1 update"}
+    ``kind`` (a parameter -> a label; None: all alike) cuts the flat layout into
+    segments of consecutive parameters of one kind, each cut into ``P`` shards on its
+    own: a parameter that another part of the model holds too (a tied weight on two
+    pipeline stages) then lies in the same piece of its shard on both (module docstring)."""
 
-    def __init__(self, model, optimizer, dp_comm, algorithm: str = "mpi"):
+    waits = {"finish": "gradient reduce-scatter", "step": "ZeRO-1 update"}
+    sharded = True
+
+    def __init__(self, model, optimizer, dp_comm, algorithm: str = "mpi", kind=None):
         if algorithm not in ALGORITHMS:
             raise ValueError(f"allreduce algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         super().__init__(model, optimizer, dp_comm)
-        self.algorithm = algorithm
+        self.algorithm, self.exchanged = algorithm, False
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         flat = Flat(self.params, data=True, what="ZeRO-1")
         self.flat_params, self.flat_grads, self.offsets = flat.data, flat.grad, flat.offsets  # (N,), (N,)
         replicas.broadcast(dp_comm, [self.flat_params] + [b for _, b in model.named_buffers()])
-        P, r = dp_comm.size, dp_comm.rank
-        self.bounds = chunk_bounds(flat.data.size, P)  # shard r is [bounds[r], bounds[r + 1])
-        self.counts = np.diff(self.bounds)
-        self.lo, self.hi = int(self.bounds[r]), int(self.bounds[r + 1])
+        self.segments = segments(self.params, self.offsets, kind, dp_comm.size)  # [(lo, hi, chunk starts)]
+        r = dp_comm.rank
+        self.shards = [slice(int(b[r]), int(b[r + 1])) for _, _, b in self.segments]  # mine, in flat coordinates
         self.optimizer = self._shard_optimizer(optimizer)
 
     def _shard_optimizer(self, full):
@@ -102,42 +118,94 @@ class Zero1(GradSync):
         as a tensor whose data and gradient are views of the flat arrays."""
         index = {id(p): i for i, p in enumerate(self.params)}
         self.pieces = []  # (parameter index, lo, hi) of each piece in flat coordinates, in shard order
+        self.grads = {}  # id(parameter) -> my piece of its gradient (a view)
 
         def views(p):
             i = index[id(p)]
-            lo, hi = max(self.lo, self.offsets[i]), min(self.hi, self.offsets[i + 1])
-            if lo >= hi:
-                return None
-            self.pieces.append((i, int(lo), int(hi)))
-            return self.flat_params[lo:hi], self.flat_grads[lo:hi]  # (hi - lo,) views
+            for shard in self.shards:
+                lo, hi = max(shard.start, self.offsets[i]), min(shard.stop, self.offsets[i + 1])
+                if lo < hi:
+                    self.pieces.append((i, int(lo), int(hi)))
+                    self.grads[id(p)] = self.flat_grads[lo:hi]
+                    return self.flat_params[lo:hi], self.flat_grads[lo:hi]  # (hi - lo,) views
+            return None
 
         return full.over(views)
 
-    def step(self, lr: float | None = None, grad_clip: float = 0.0) -> float:
-        """Average gradients, update my shard, share the parameters; returns the global
-        gradient norm (computed only when clipping, else nan)."""
-        P = self.comm.size
+    def finish(self) -> None:
+        """After the step's last backward: ``Reduce_scatter`` of each segment; my shard,
+        divided by ``P``, is the mean over the global batch."""
+        P, r = self.comm.size, self.comm.rank
         if P > 1:
-            if self.algorithm == "ring":
-                Ring(self.comm, self.flat_grads, ("reduce_scatter",)).wait()
-            else:
-                shard = np.empty(self.hi - self.lo, dtype=self.flat_grads.dtype)  # for this call only
-                self.comm.reduce_scatter(self.flat_grads, shard, self.counts)
-                self.flat_grads[self.lo : self.hi] = shard
-            self.flat_grads[self.lo : self.hi] *= 1.0 / P
-        norm = _clip(self.comm, self.flat_grads[self.lo : self.hi], grad_clip)
+            for (lo, hi, bounds), shard in zip(self.segments, self.shards):
+                if self.algorithm == "ring":
+                    Ring(self.comm, self.flat_grads[lo:hi], ("reduce_scatter",)).wait()
+                else:
+                    mine = np.empty(shard.stop - shard.start, dtype=self.flat_grads.dtype)  # for this call only
+                    self.comm.reduce_scatter(self.flat_grads[lo:hi], mine, np.diff(bounds))
+                    self.flat_grads[shard] = mine
+                self.flat_grads[shard] *= 1.0 / P
+        self.exchanged = True
+
+    def held(self) -> dict:
+        return self.grads
+
+    def step(self, lr: float | None = None, grad_clip: float = 0.0) -> float:
+        """Update my shard, share the parameters; returns the global gradient norm
+        (computed only when clipping, else nan)."""
+        if not self.exchanged:
+            self.finish()
+        norm = _clip(self.comm, [self.flat_grads[shard] for shard in self.shards], grad_clip)
         if lr is not None:
             self.optimizer.set_lr(lr)
         self.optimizer.step()
-        if P > 1:
-            if self.algorithm == "ring":
-                Ring(self.comm, self.flat_params, ("allgather",)).wait()
-            else:
-                self.comm.allgather_array(self.flat_params, self.counts)
+        if self.comm.size > 1:
+            for lo, hi, bounds in self.segments:
+                if self.algorithm == "ring":
+                    Ring(self.comm, self.flat_params[lo:hi], ("allgather",)).wait()
+                else:
+                    self.comm.allgather_array(self.flat_params[lo:hi], np.diff(bounds))
+        self.exchanged = False
         return norm
 
     def zero_grad(self) -> None:
         self.flat_grads.fill(0)
+        self.exchanged = False
+
+
+def kinds(tied, replicated, key=id):
+    """A parameter -> the whole model's sum it owes after the replicas' exchange, the
+    label ZeRO keeps apart (:func:`segments`): its own for a weight several pipeline
+    stages hold (``key(q)`` in ``tied``), ``"slices"`` for one every tensor slice holds
+    whole under sequence parallelism (in ``replicated``), None for the rest. ``key``:
+    ``id`` for the trainer's tensors, the name for the planner's."""
+    def kind(q):
+        k = key(q)
+        return ("tied", k) if k in tied else "slices" if k in replicated else None
+
+    return kind
+
+
+def runs(params, kind) -> list[list]:
+    """``params`` in their order, cut where ``kind`` (None: one run) changes."""
+    out: list[list] = []
+    for p in params:
+        if not out or kind is not None and kind(p) != kind(out[-1][0]):
+            out.append([])
+        out[-1].append(p)
+    return out
+
+
+def segments(params, offsets, kind, P: int) -> list[tuple]:
+    """The flat layout of ``params`` (at ``offsets``) in :func:`runs` of one ``kind``,
+    each ``(lo, hi, bounds)``: its range and its ``P + 1`` chunk starts (chunk ``r`` is
+    rank ``r``'s shard)."""
+    out, first = [], 0
+    for run in runs(params, kind):
+        lo, hi = int(offsets[first]), int(offsets[first + len(run)])
+        out.append((lo, hi, lo + chunk_bounds(hi - lo, P)))
+        first += len(run)
+    return out
 
 
 # ----------------------------------------------------------------------------- ZeRO-2
@@ -175,12 +243,14 @@ class Zero2(GradSync):
     do: ``"sharded"`` reduce-scatters every pass and adds into the shard (memory: one
     shard of gradient; bytes: one reduce-scatter per micro-batch), ``"full"`` lets the
     passes add into whole gradients and reduce-scatters their sum after the last
-    (memory: the whole gradient until then; bytes: one reduce-scatter per step)."""
+    (memory: the whole gradient until then; bytes: one reduce-scatter per step).
+    ``kind``: a bucket holds parameters of one kind (:class:`Zero1`)."""
 
     waits = {"finish": "gradient reduce-scatter", "step": "ZeRO-2 update"}
+    sharded = True
 
     def __init__(self, model, optimizer, dp_comm, algorithm: str = "mpi", bucket_cap_mb: float = 4.0,
-                 accumulate: str = "sharded"):
+                 accumulate: str = "sharded", kind=None):
         if algorithm not in ("mpi", "ring"):
             raise ValueError(f"ZeRO-2's reduce-scatter algorithm must be 'mpi' or 'ring', got {algorithm!r}")
         if accumulate not in ACCUMULATE:
@@ -198,7 +268,7 @@ class Zero2(GradSync):
         replicas.broadcast(dp_comm, [self.flat_params] + [b for _, b in model.named_buffers()])
         for p in self.params:
             p.grad = None
-        self.buckets = Buckets(self.params, int(bucket_cap_mb * 2**20), self._start, progress=self._test)
+        self.buckets = Buckets(self.params, int(bucket_cap_mb * 2**20), self._start, progress=self._test, kind=kind)
         self.ranges = self._ranges()
         self.grad_shard = np.zeros(sum(b.shard.stop - b.shard.start for b in self.ranges),
                                    dtype=self.flat_params.dtype)  # (about N/P,) my chunks, bucket by bucket
@@ -227,6 +297,7 @@ class Zero2(GradSync):
         bucket_of = {id(p): b for b, group in zip(self.ranges, self.buckets.groups) for p in group}
         r = self.comm.rank
         self.pieces = []
+        self.grads = {}  # id(parameter) -> my piece of its gradient (a view of the shard)
 
         def views(p):
             b, i = bucket_of[id(p)], self._index[id(p)]
@@ -236,7 +307,8 @@ class Zero2(GradSync):
             at = b.shard.start + lo - int(b.bounds[r])  # in the shard
             base = int(opt_offsets[opt_index[id(p)]]) - int(self.offsets[i])
             self.pieces.append((opt_index[id(p)], lo + base, hi + base))
-            return self.flat_params[lo:hi], self.grad_shard[at : at + hi - lo]
+            self.grads[id(p)] = self.grad_shard[at : at + hi - lo]
+            return self.flat_params[lo:hi], self.grads[id(p)]
 
         return full.over(views)
 
@@ -285,6 +357,9 @@ class Zero2(GradSync):
                 self._completed(b)
         self.grad_shard *= 1.0 / self.comm.size
 
+    def held(self) -> dict:
+        return self.grads
+
     @contextlib.contextmanager
     def no_sync(self):
         """A micro-batch's backward: with ``accumulate="sharded"`` its buckets are
@@ -303,7 +378,7 @@ class Zero2(GradSync):
     def step(self, lr: float | None = None, grad_clip: float = 0.0) -> float:
         """Clip by the global norm, update my shard, allgather the parameters bucket by
         bucket; returns the global gradient norm (computed only when clipping, else nan)."""
-        norm = _clip(self.comm, self.grad_shard, grad_clip)
+        norm = _clip(self.comm, [self.grad_shard], grad_clip)
         if lr is not None:
             self.optimizer.set_lr(lr)
         self.optimizer.step()
@@ -325,15 +400,16 @@ class Zero2(GradSync):
             b.comm.free()
 
 
-def _clip(comm, grad_shard: np.ndarray, grad_clip: float) -> float:
-    """Scale the shards so that the whole gradient's norm is at most ``grad_clip``: one
-    allreduce of each rank's sum of squares (8 bytes); returns the norm (nan: no clipping)."""
+def _clip(comm, shards: list, grad_clip: float) -> float:
+    """Scale the ``shards`` (this rank's pieces of the gradient) so that the whole
+    gradient's norm is at most ``grad_clip``: one allreduce of each rank's sum of squares
+    (8 bytes); returns the norm (nan: no clipping)."""
     if grad_clip <= 0:
         return float("nan")
-    mine = grad_shard.astype(np.float64)
-    squares = np.array([np.dot(mine, mine)])
+    squares = np.array([sum(np.dot(mine, mine) for mine in (a.astype(np.float64) for a in shards))])
     comm.allreduce(squares)
     norm = math.sqrt(squares[0])
     if math.isfinite(norm) and norm > grad_clip:
-        grad_shard *= grad_clip / (norm + 1e-6)
+        for a in shards:
+            a *= grad_clip / (norm + 1e-6)
     return norm

@@ -17,7 +17,9 @@ from functools import cached_property
 import numpy as np
 
 from mpitrain import flat, optim
+from mpitrain.comm.ring import chunk_bounds
 from mpitrain.config import Config, check_ranks, cut_refused, validate
+from mpitrain.parallel import zero
 from mpitrain.plan import shapes
 from mpitrain.schedules import balance
 
@@ -130,6 +132,21 @@ class Layout:
         return {}
 
     @cached_property
+    def replicated(self) -> frozenset:
+        """The names of the parameters every tensor slice holds whole (the rest are cut)."""
+        if self.tp == 1:
+            return frozenset()
+        whole = shapes.from_config(self.cfg, self.data).parameters()
+        return frozenset(n for n, shape in self.models[0].parameters().items() if tuple(shape) == tuple(whole[n]))
+
+    @cached_property
+    def kind(self):
+        """The trainer's :func:`mpitrain.parallel.zero.kinds` of a stand-in parameter: the
+        tied weights when stages share them, the replicated ones under sequence parallelism."""
+        tied = self.models[0].tied if self.pp > 1 else frozenset()
+        return zero.kinds(tied, self.replicated if self.par.sequence_parallel else frozenset(), key=lambda q: q.name)
+
+    @cached_property
     def whole(self) -> int:
         """The whole model's parameters (a tied weight once)."""
         return self.models[0].count() if self.tp == 1 else shapes.from_config(self.cfg, self.data).count()
@@ -176,9 +193,43 @@ def optimizer_order(params: dict) -> list[str]:
 
 def buckets(lay, params: dict) -> list[list[str]]:
     """The names in each gradient bucket, as backward completes them (:func:`mpitrain.flat.buckets`
-    of the parameters in reverse)."""
+    of the parameters in reverse; ZeRO-2's of one :attr:`Layout.kind` each)."""
     stands = [_Stand(n, s, lay.itemsize) for n, s in params.items()]
-    return [[q.name for q in group] for group in flat.buckets(reversed(stands), int(lay.par.bucket_mb * 2**20))]
+    kind = lay.kind if lay.par.sync == "zero2" else None
+    return [[q.name for q in group] for group in flat.buckets(reversed(stands), int(lay.par.bucket_mb * 2**20), kind)]
+
+
+def zero_groups(lay, s: int, r: int) -> list[list[str]]:
+    """The names in each range of the flat layout a ZeRO stage cuts into ``dp`` chunks on
+    pipeline rank ``s``'s slice ``r``: stage 1 each run of one kind in the optimizer's
+    order (:func:`mpitrain.parallel.zero.segments`), stage 2 each bucket in flat order,
+    stage 3 each layer's group."""
+    key = ("zero groups", s, r)
+    if key not in lay.cache:
+        params = lay.parameters(s, r)
+        if lay.par.sync == "zero1":
+            order = [_Stand(n, params[n], lay.itemsize) for n in optimizer_order(params)]
+            lay.cache[key] = [[q.name for q in run] for run in zero.runs(order, lay.kind)]
+        elif lay.par.sync == "zero2":
+            lay.cache[key] = [list(reversed(g)) for g in buckets(lay, params)]
+        else:
+            lay.cache[key] = zero3_groups(params, lay.layers(s, r))
+    return lay.cache[key]
+
+
+def held(lay, s: int, r: int, d: int, names) -> int:
+    """How many numbers of the gradients of ``names`` data-parallel rank ``d`` holds after
+    the replicas' exchange: all of them, or with ZeRO-1/2 its chunk of each range made of
+    them alone (what :attr:`Layout.kind` keeps apart), on pipeline rank ``s``'s slice ``r``."""
+    params, names = lay.parameters(s, r), set(names)
+    if lay.par.sync not in ("zero1", "zero2"):
+        return sum(math.prod(params[n]) for n in names)
+    total = 0
+    for group in zero_groups(lay, s, r):
+        if names.issuperset(group):
+            bounds = chunk_bounds(sum(math.prod(params[n]) for n in group), lay.dp)
+            total += int(bounds[d + 1] - bounds[d])
+    return total
 
 
 def zero3_groups(params: dict, layers: list) -> list[list[str]]:

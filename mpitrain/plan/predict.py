@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 
 from mpitrain import cost
 from mpitrain.comm.ring import chunk_bounds
-from mpitrain.plan.layout import buckets as buckets_of
-from mpitrain.plan.layout import optimizer_order, zero3_groups
+from mpitrain.plan.layout import optimizer_order, zero_groups
 from mpitrain.plan.peak import activations, cached, recomputed, replays, sends_in_flight, split_backward
 from mpitrain.plan.traffic import Call, by_axis, dp_calls, pp_calls, ring_buffers, tp_calls
 
@@ -85,16 +84,13 @@ def shards(lay, s: int, r: int, d: int) -> tuple[int, int, list]:
 
 
 def _flat_groups(lay, s: int, r: int) -> list[tuple]:
-    """The flat arrays a ZeRO stage cuts into ``dp`` chunks, each kind as (its parameters'
-    sizes, their offsets, the chunks' bounds, how many groups are alike): stage 1 one array
-    in the optimizer's order, stage 2 each bucket, stage 3 each layer's group (kept: asked
-    again for every data-parallel rank)."""
+    """The flat arrays a ZeRO stage cuts into ``dp`` chunks (:func:`~mpitrain.plan.layout.zero_groups`),
+    each kind as (its parameters' sizes, their offsets, the chunks' bounds, how many groups
+    are alike) (kept: asked again for every data-parallel rank)."""
     key = ("flat groups", s, r)
     if key not in lay.cache:
         params = lay.parameters(s, r)
-        names = {"zero1": lambda: [optimizer_order(params)],
-                 "zero2": lambda: [list(reversed(g)) for g in buckets_of(lay, params)],
-                 "zero3": lambda: zero3_groups(params, lay.layers(s, r))}[lay.par.sync]()
+        names = zero_groups(lay, s, r)
         alike: dict = {}  # a model's blocks make many groups alike: each kind cut once
         for group in names:
             sizes = tuple(math.prod(params[n]) for n in group)
@@ -151,11 +147,14 @@ def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None, objects
     memory["buffers"] = like.memory["buffers"] if like is not None else ring_buffers(lay, params, layers) + cached(
         lay, layers)
     ring = lay.par.allreduce == "ring"  # each rank of a ring sends its own count
+    pieces = lay.par.sync in ("zero1", "zero2")  # the stages' and slices' sums of each rank's pieces
     if like is not None:
         memory["activations"] = like.memory["activations"]
-        calls = dp_calls(lay, params, layers, d) + like.calls[like.dp_calls:] if ring else like.calls
+        calls = (dp_calls(lay, params, layers, d, (s, r)) + pp_calls(lay, s, r, d) + tp_calls(lay, s, r, d)
+                 if pieces else dp_calls(lay, params, layers, d, (s, r)) + like.calls[like.dp_calls:] if ring
+                 else like.calls)
         return RankPlan([lay.rank_of(s, d, r)], like.stage, like.parameters, memory, calls, like.flops, like.held,
-                        like.bubble, by_axis(calls) if ring else like.sent, like.dp_calls, list(like.slices),
+                        like.bubble, by_axis(calls) if ring or pieces else like.sent, like.dp_calls, list(like.slices),
                         like.bounds)
     held = cost.micro_batches_held(lay.par.schedule, lay.pp, lay.m, s, lay.v) if lay.pp > 1 else 1
     samples = lay.micro_batch * lay.m
@@ -176,8 +175,8 @@ def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None, objects
         bounds = tuple(beside + sends * (w == "all") + activations(lay, layers, held, first, split, received, w)
                        for w in ("none", "all"))
         bounds = (0, 0) if bounds[0] == bounds[1] else bounds
-    dp = dp_calls(lay, params, layers, d)
-    calls = dp + pp_calls(lay, s, r) + tp_calls(lay, s, r)
+    dp = dp_calls(lay, params, layers, d, (s, r))
+    calls = dp + pp_calls(lay, s, r, d) + tp_calls(lay, s, r, d)
     flops = {"forward": samples * sum(x.forward for x in layers),
              "backward": samples * sum(x.backward for x in layers),
              "recompute": samples * sum(recomputed(lay, x, split) for x in layers)}

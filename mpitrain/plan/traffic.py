@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from mpitrain import cost
-from mpitrain.plan.layout import buckets, zero3_groups
+from mpitrain.plan.layout import buckets, held, zero3_groups, zero_groups
 
 NORM = 8  # one float64: a rank's sum of squares of its gradients, for clipping by the global norm
 
@@ -45,8 +45,9 @@ class Call:
         return self.count * int(cost.collective_bytes(self.collective, self.nbytes, self.ranks))
 
 
-def dp_calls(lay, params: dict, layers: list, d: int) -> list[Call]:
-    """The data-parallel sync's calls of rank ``d`` of ``dp_comm`` on a part holding ``params``."""
+def dp_calls(lay, params: dict, layers: list, d: int, part: tuple = (0, 0)) -> list[Call]:
+    """The data-parallel sync's calls of rank ``d`` of ``dp_comm`` on a part holding
+    ``params`` (``part``: its pipeline rank and slice)."""
     par, P, s, m = lay.par, lay.dp, lay.itemsize, lay.m
     N = sum(math.prod(shape) for shape in params.values())
     if par.sync == "ps":
@@ -61,9 +62,11 @@ def dp_calls(lay, params: dict, layers: list, d: int) -> list[Call]:
         wire = 2 if par.wire != "fp32" else (4 if s == 2 and algo == "mpi" else s)
         return [Call("dp", f"gradient bucket {i}", "allreduce", n * wire, P, algorithm=algo, rank=d, itemsize=wire)
                 for i, n in enumerate(_bucket_sizes(lay, params))]
-    if par.sync == "zero1":
-        return [Call("dp", "gradients", "reduce_scatter", N * s, P, algorithm=algo, rank=d, itemsize=s), *clip,
-                Call("dp", "parameters", "allgather", N * s, P, algorithm=algo, rank=d, itemsize=s)]
+    if par.sync == "zero1":  # each run of one kind on its own (plan.layout.zero_groups)
+        runs = _alike([sum(math.prod(params[k]) for k in run) for run in zero_groups(lay, *part)])
+        return ([Call("dp", _what("gradients", runs), "reduce_scatter", n * s, P, k, algo, d, s) for n, k in runs]
+                + clip + [Call("dp", _what("parameters", runs), "allgather", n * s, P, k, algo, d, s)
+                          for n, k in runs])
     if par.sync == "zero2":
         buckets = _bucket_sizes(lay, params)
         times = m if par.accumulate == "sharded" else 1
@@ -78,6 +81,18 @@ def dp_calls(lay, params: dict, layers: list, d: int) -> list[Call]:
         calls += [Call("dp", f"{what}: parameters gathered", "allgather", n * s, P, 2 * m, algo, d, s),
                   Call("dp", f"{what}: gradients", "reduce_scatter", n * s, P, m, algo, d, s)]
     return calls + clip
+
+
+def _alike(sizes: list[int]) -> list[tuple[int, int]]:
+    """(size, how many) of each size, in order of first appearance."""
+    counts: dict = {}
+    for n in sizes:
+        counts[n] = counts.get(n, 0) + 1
+    return list(counts.items())
+
+
+def _what(what: str, runs: list) -> str:
+    return what if len(runs) == 1 and runs[0][1] == 1 else f"{what}, a run of one kind"
 
 
 def ring_buffers(lay, params: dict, layers: list) -> int:
@@ -108,10 +123,11 @@ def _bucket_sizes(lay, params: dict) -> list[int]:
     return [sum(math.prod(params[n]) for n in names) for names in buckets(lay, params)]
 
 
-def pp_calls(lay, s: int, r: int) -> list[Call]:
+def pp_calls(lay, s: int, r: int, d: int = 0) -> list[Call]:
     """Pipeline rank ``s``'s sends per step: each micro-batch's activation to the next
     stage and gradient to the previous one, chunk by chunk; the tied weight's gradient
-    summed with the other stage that holds it; the clipping norm."""
+    summed with the other stage that holds it (data-parallel rank ``d``'s piece of it under
+    ZeRO, :func:`~mpitrain.plan.layout.held`); the clipping norm."""
     if lay.pp == 1:
         return []
     calls, b, a, last = [], lay.micro_batch, lay.dtype_bytes, lay.pp * lay.v - 1
@@ -129,14 +145,14 @@ def pp_calls(lay, s: int, r: int) -> list[Call]:
     for name in sorted(tied & mine.keys()):
         holders = {t for t in range(lay.pp) if name in lay.parameters(t, r)}
         if len(holders) > 1:
-            calls.append(Call("pp", f"tied {name}'s gradient", "allreduce", math.prod(mine[name]) * lay.itemsize,
+            calls.append(Call("pp", f"tied {name}'s gradient", "allreduce", held(lay, s, r, d, [name]) * lay.itemsize,
                               len(holders)))
     if lay.cfg.optim.grad_clip > 0:
         calls.append(Call("pp", "clipping: sum of squares", "allreduce", NORM, lay.pp))
     return calls
 
 
-def tp_calls(lay, s: int, r: int) -> list[Call]:
+def tp_calls(lay, s: int, r: int, d: int = 0) -> list[Call]:
     """Tensor-parallel rank ``r``'s collectives per step (Shoeybi et al. 2019; with
     sequence parallelism, Korthikanti et al. 2022), per micro-batch: the embedding's sum,
     each block's two sums forward and two backward, the head's backward sum, the
@@ -167,19 +183,12 @@ def tp_calls(lay, s: int, r: int) -> list[Call]:
         calls += pair("head's input", m)
         calls.append(Call("tp", "cross-entropy: max, target logit, sum", "allreduce", b * T * a, t, 3 * m))
     if sp:
-        whole = sum(math.prod(shape) for name, shape in lay.parameters(s, r).items() if _replicated(name))
+        whole = held(lay, s, r, d, lay.replicated & lay.parameters(s, r).keys())
         if whole:
             calls.append(Call("tp", "replicated weights' gradients", "allreduce", whole * lay.itemsize, t))
     if lay.cfg.optim.grad_clip > 0:
         calls.append(Call("tp", "clipping: sum of squares", "allreduce", NORM, t))
     return calls
-
-
-def _replicated(name: str) -> bool:
-    """A GPT parameter every tensor-parallel rank holds whole."""
-    sliced = ("wte.weight", "c_attn.weight", "c_attn.bias", "attn.c_proj.weight", "c_fc.weight", "c_fc.bias",
-              "mlp.c_proj.weight")
-    return not name.endswith(sliced)
 
 
 def by_axis(calls: list[Call]) -> dict:

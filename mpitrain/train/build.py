@@ -37,21 +37,22 @@ from mpitrain.parallel.zero import Zero1, Zero2
 from mpitrain.parallel.zero3 import Zero3
 from mpitrain.precision import MixedPrecision
 from mpitrain.tensor import default_dtype
-from mpitrain.train.parts import PartSync, slices
+from mpitrain.train.parts import PartSync, shared_kind, slices
 from mpitrain.train.schedule import WholeModel
 
 # parallel.sync -> its gradient sync over dp_comm ("ps" is a role split: _ps_role)
 SYNCS = {
-    "local": lambda cfg, model, opt, dp_comm: LocalSync(model, opt, dp_comm),
-    "ddp": lambda cfg, model, opt, dp_comm: DataParallel(
+    "local": lambda cfg, model, opt, dp_comm, kind: LocalSync(model, opt, dp_comm),
+    "ddp": lambda cfg, model, opt, dp_comm, kind: DataParallel(
         model, dp_comm, optimizer=opt, bucket_cap_mb=cfg.parallel.bucket_mb, algorithm=cfg.parallel.allreduce,
         progress=cfg.parallel.progress, wire=cfg.parallel.wire),
-    "zero1": lambda cfg, model, opt, dp_comm: Zero1(model, opt, dp_comm, algorithm=cfg.parallel.allreduce),
-    "zero2": lambda cfg, model, opt, dp_comm: Zero2(model, opt, dp_comm, algorithm=cfg.parallel.allreduce,
-                                                    bucket_cap_mb=cfg.parallel.bucket_mb,
-                                                    accumulate=cfg.parallel.accumulate),
-    "zero3": lambda cfg, model, opt, dp_comm: Zero3(model, opt, dp_comm, algorithm=cfg.parallel.allreduce),
-}
+    "zero1": lambda cfg, model, opt, dp_comm, kind: Zero1(model, opt, dp_comm, algorithm=cfg.parallel.allreduce,
+                                                          kind=kind),
+    "zero2": lambda cfg, model, opt, dp_comm, kind: Zero2(model, opt, dp_comm, algorithm=cfg.parallel.allreduce,
+                                                          bucket_cap_mb=cfg.parallel.bucket_mb,
+                                                          accumulate=cfg.parallel.accumulate, kind=kind),
+    "zero3": lambda cfg, model, opt, dp_comm, kind: Zero3(model, opt, dp_comm, algorithm=cfg.parallel.allreduce),
+}  # kind: a parameter -> the whole model's sum it owes (train.parts.shared_kind), for a sharded part
 
 
 @dataclass
@@ -134,12 +135,14 @@ def build_role(cfg: Config, world, grid, model, data, layout: checkpoint.Layout)
     if g.pp_size > 1:  # pp: this rank's stage of the layers
         model = stage = _stage(cfg, g, model, data, sizes)
     opt = build_optimizer(cfg, model)
+    order = [q for group in opt.param_groups for q in group["params"]]
     if t.precision != "fp32":  # the model's weights become half precision, the optimizer keeps float32
         opt = MixedPrecision(opt, t.precision)
-    sync = SYNCS["local" if par.sync == "ddp" and g.dp_size == 1 else par.sync](cfg, model, opt, g.dp_comm)  # dp
-    if stage is not None or everyone is not None:
+    kind = shared_kind(model, stage, par.sequence_parallel and everyone is not None)
+    sync = SYNCS["local" if par.sync == "ddp" and g.dp_size == 1 else par.sync](cfg, model, opt, g.dp_comm, kind)
+    if stage is not None or everyone is not None:  # the whole model's sums, norm and checkpoints over the parts
         sync = PartSync(sync, model, layout, stage, g.tp_comm if everyone else None, everyone,
-                        par.sequence_parallel)
+                        par.sequence_parallel, order)
     schedule = stage or WholeModel(model, t.micro_batches, data.kind == "text", getattr(opt, "scaler", None),
                                    t.label_smoothing)
     axes = {"dp": g.dp_comm.stats, **{name: comm.stats for name, comm, size in

@@ -21,6 +21,7 @@ from mpitrain import optim
 from mpitrain.comm import replicas
 from mpitrain.parallel import GradSync
 from mpitrain.parallel import tensor_parallel as tp
+from mpitrain.parallel import zero
 
 
 class PartSync(GradSync):
@@ -28,10 +29,15 @@ class PartSync(GradSync):
     sums, norm and digest. ``stage``: this rank's :class:`~mpitrain.parallel.pipeline.PipelineStage` (None: the whole
     layer list); ``tp_comm`` and ``everyone`` (every slice's :func:`slices`): the
     slices' communicator (None: not sliced); ``layout``: the whole model's
-    :class:`~mpitrain.checkpoint.Layout`."""
+    :class:`~mpitrain.checkpoint.Layout`; ``order``: the part's parameters in its
+    optimizer's order (default: ``inner``'s optimizer's, right when that is the part's
+    own, not a shard's or the float32 masters')."""
 
-    def __init__(self, inner, model, layout, stage=None, tp_comm=None, everyone=None, sequence: bool = False):
+    def __init__(self, inner, model, layout, stage=None, tp_comm=None, everyone=None, sequence: bool = False,
+                 order=None):
         super().__init__(model, inner.optimizer, inner.comm)
+        order = order or [q for g in inner.optimizer.param_groups for q in g["params"]]
+        self.order = [id(q) for q in order]  # the part's parameters in its optimizer's order (checkpoints')
         self.inner, self.stage, self.tp_comm, self.everyone, self.sequence = inner, stage, tp_comm, everyone, sequence
         self.layout, self.index = layout, {name: i for i, (name, _) in enumerate(layout.params)}
         self.shapes = {name: shape for name, (shape, _) in layout.arrays.items()}  # the whole arrays'
@@ -45,15 +51,20 @@ class PartSync(GradSync):
         return self.inner.no_sync()
 
     def finish(self) -> None:
+        """The order of a step's gradients after backward (the module docstring): the
+        replicas' exchange over ``dp_comm``, then the sums the parts owe the whole
+        model, on what each rank holds of them (whole, or its ZeRO shard's pieces)."""
         self.inner.finish()
+        held = self.inner.held()
         if self.stage is not None:
-            self.stage.sum_tied_grads()
+            self.stage.sum_tied_grads(held)
         if self.sequence:
-            tp.sum_replicated_grads(self.model, self.tp_comm)
+            tp.sum_replicated_grads(self.model, self.tp_comm, held)
 
     def step(self, lr: float | None = None, grad_clip: float = 0.0) -> None:
+        """Clip by the whole model's norm (:meth:`grad_norm`), then the replicas' update."""
         if grad_clip > 0:
-            optim.scale_to([q.grad for q in self.model.parameters()], self.grad_norm(), grad_clip)
+            optim.scale_to(list(self.inner.held().values()), self.grad_norm(), grad_clip)
         self.inner.step(lr, 0.0)
 
     def zero_grad(self) -> None:
@@ -68,9 +79,11 @@ class PartSync(GradSync):
         return stage and (self.tp_comm is None or id(q) in self.sliced or self.tp_comm.rank == 0)
 
     def grad_norm(self) -> float:
-        """The whole model's gradient L2 norm (collective over the stages and slices)."""
-        return grad_norm(self.model.parameters(), self.speaks_for,
-                         [c for c in (None if self.stage is None else self.stage.comm, self.tp_comm) if c is not None])
+        """The whole model's gradient L2 norm (collective over the stages and slices, and
+        over the replicas when each holds a shard of the gradients)."""
+        comms = (self.inner.comm if self.inner.sharded else None, None if self.stage is None else self.stage.comm,
+                 self.tp_comm)
+        return grad_norm(self.model.parameters(), self.speaks_for, [c for c in comms if c], self.inner.held())
 
     def check_replicas(self) -> str:
         """Check the part's replicas; the SHA-256 of the whole model's parameters in its
@@ -110,14 +123,16 @@ class PartSync(GradSync):
         return [where[n] for n in self.layout.arrays if n in where]
 
     def state_pieces(self, offsets) -> tuple:
-        """The part's optimizer state; a stage's placed in the whole model's flat layout."""
-        opt, pieces, writes = self.inner.state_pieces(offsets)
+        """The part's optimizer state; a stage's placed in the whole model's flat layout
+        (``offsets``: of the parts this rank holds, :func:`mpitrain.checkpoint.layout.part_offsets`)."""
         if self.stage is None:
-            return opt, pieces, writes
+            return self.inner.state_pieces(offsets)
         where = {id(q): self.index[n] for n, q in self.model.named_parameters()}
-        pieces = [(where[id(q)], int(offsets[where[id(q)]]), int(offsets[where[id(q)] + 1]))
-                  for g in opt.param_groups for q in g["params"]]
-        return opt, pieces, writes
+        mine = [where[q] for q in self.order]  # the whole model's index of each
+        local = np.concatenate([[0], np.cumsum([offsets[i + 1] - offsets[i] for i in mine], dtype=np.int64)])
+        opt, pieces, writes = self.inner.state_pieces(local)
+        return opt, [(mine[j], int(offsets[mine[j]] + lo - local[j]), int(offsets[mine[j]] + hi - local[j]))
+                     for j, lo, hi in pieces], writes
 
     def end(self) -> int | None:
         return self.inner.end()
@@ -128,11 +143,25 @@ class PartSync(GradSync):
             comm.free()
 
 
-def grad_norm(params, speaks_for, comms) -> float:
+def shared_kind(model, stage=None, sequence: bool = False):
+    """:func:`mpitrain.parallel.zero.kinds` of this part's parameters: ``stage``'s ties,
+    and under ``sequence`` parallelism the weights every slice holds whole. ZeRO shards
+    runs of one kind on their own (:func:`mpitrain.parallel.zero.segments`), so every
+    rank that sums a weight holds the same piece of it."""
+    tied = {id(q) for params, _ in (() if stage is None else stage.ties) for q in params}
+    sliced = tp.sliced_parameters(model) if sequence else set()
+    replicated = {id(q) for q in model.parameters() if id(q) not in sliced} if sequence else set()
+    return zero.kinds(tied, replicated)
+
+
+def grad_norm(params, speaks_for, comms, held: dict | None = None) -> float:
     """The whole model's gradient L2 norm from this rank's part of it: the squares of the
-    gradients of the ``params`` it ``speaks_for``, summed over ``comms`` (the stages', the
-    slices': collective)."""
-    mine = np.array([optim.sum_of_squares(q.grad for q in params if q.grad is not None and speaks_for(q))])
+    gradients of the ``params`` it ``speaks_for``, summed over ``comms`` (the replicas'
+    when sharded, the stages', the slices': collective); ``held``: ``id -> the gradient
+    this rank holds`` (None: each ``.grad``; under ZeRO its shard's pieces)."""
+    held = {id(q): q.grad for q in params} if held is None else held
+    mine = np.array([optim.sum_of_squares(held[id(q)] for q in params if held.get(id(q)) is not None
+                                          and speaks_for(q))])
     for comm in comms:
         comm.allreduce(mine)
     return float(np.sqrt(mine[0]))
