@@ -495,3 +495,26 @@ def test_a_field_newer_than_the_saved_config_is_a_change_only_off_its_default():
         ("train.eval_flip", None, True)]
     dropped = {**now, "train": {k: v for k, v in now["train"].items() if k != "seed"}}
     assert config_changes(now, dropped) == [("train.seed", 1337, None)]
+
+
+def test_a_pipeline_or_slicing_field_is_dropped_with_a_note_when_the_resume_leaves_that_axis():
+    """A ZB-H1 run moved to pp = 1, a sequence-parallel one to tp = 1: the saved fields
+    only that axis reads are dropped (a note each), never refused; given ones still count."""
+    from mpitrain import config
+
+    saved = config.from_dict({"model": {"name": "gpt", "n_head": 4}, "data": {"name": "shakespeare"},
+                              "train": {"steps": 4, "micro_batches": 2},
+                              "parallel": {"pp": 2, "tp": 2, "schedule": "zb-h1", "sequence_parallel": True,
+                                           "sync": "zero1"}}, data_needed=False).to_dict()
+    moved = config.from_saved(json.loads(json.dumps(saved)), ["parallel.pp=1", "parallel.tp=1"], data_needed=False)
+    assert (moved.parallel.pp, moved.parallel.tp, moved.parallel.schedule, moved.parallel.sequence_parallel) == (
+        1, 1, "1f1b", False)
+    assert [n.split(" of ")[0] for n in moved.notes] == ["note: parallel.schedule = 'zb-h1'",
+                                                        "note: parallel.sequence_parallel = True"]
+    assert config.check_ranks(moved, 1) == (1, 1, 1)
+    kept = config.from_saved(json.loads(json.dumps(saved)), ["parallel.tp=1"], data_needed=False)
+    assert kept.parallel.schedule == "zb-h1" and len(kept.notes) == 1  # the pipeline stays: its schedule too
+    with pytest.raises(ConfigError, match="parallel.schedule: applies to pipeline runs"):
+        config.check_ranks(config.from_saved(json.loads(json.dumps(saved)), ["parallel.pp=1",
+                                                                             "parallel.schedule='gpipe'"],
+                                             data_needed=False), 2)

@@ -187,12 +187,31 @@ def from_saved(saved: dict, overrides: list[str] = (), where: str = "the saved c
         chosen = given.get(f"{section}.{choice}", saved.get(section, {}).get(choice))
         if f"{section}.{choice}" in given and chosen in fields and section in raw:
             raw[section] = {k: v for k, v in raw[section].items() if k in fields[chosen]}
+    notes = _drop_unused_layout(raw, given)
     try:
-        return from_dict(raw, overrides, data_needed)
+        cfg = from_dict(raw, overrides, data_needed)
     except ConfigError as e:
         if str(e).split(":", 1)[0] in given:  # the user's --set, not the saved config
             raise
         raise ConfigError(f"{where}: {e}") from None
+    return dataclasses.replace(cfg, notes=cfg.notes + tuple(notes)) if notes else cfg
+
+
+LAYOUT_ONLY = {"pp": ("schedule", "chunks"), "tp": ("sequence_parallel",)}  # an axis -> the fields of runs cut on it
+
+
+def _drop_unused_layout(raw: dict, given: dict) -> list[str]:
+    """A resumed run may change its layout: the saved fields that only a pipeline (or
+    tensor slicing) reads are dropped, with a note each, when the overrides make that axis
+    1 (a ZB-H1 run moved to ``pp = 1``); never one the overrides give."""
+    par, notes = raw.get("parallel", {}), []
+    for axis, names in LAYOUT_ONLY.items():
+        size = given.get(f"parallel.{axis}", par.get(axis, 1))
+        for name in names:
+            if size == 1 and name in par and f"parallel.{name}" not in given:
+                notes.append(f"note: parallel.{name} = {par.pop(name)!r} of the saved config is dropped: it applies "
+                             f"to runs with parallel.{axis} > 1, and this one has {axis} = 1")
+    return notes
 
 
 def _as_tuple(value):

@@ -298,8 +298,6 @@ def _check_tensor(cfg: Config, sizes: dict) -> None:
     if par.sequence_parallel and cfg.model.block_size % tp:
         raise ConfigError(f"parallel.sequence_parallel: model.block_size {cfg.model.block_size} does not split over "
                           f"{tp} tensor-parallel ranks")
-    if par.sequence_parallel and sizes["pp"] > 1:
-        raise ConfigError("parallel.sequence_parallel: does not combine with pipeline stages (parallel.pp > 1) yet")
 
 
 def _check_batch(cfg: Config, dp: int, ranks: str, who: str) -> None:

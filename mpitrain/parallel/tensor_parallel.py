@@ -393,11 +393,15 @@ def sum_replicated_grads(model: Module, tp_comm, held: dict | None = None) -> No
 
 # ----------------------------------------------------------------------------- the whole
 def sliced_parameters(model: Module) -> set[int]:
-    """``id`` of every parameter that is a slice (the rest are whole on every rank)."""
+    """``id`` of every parameter that is a slice (the rest are whole on every rank). The
+    head's tied rows count on their own: a pipeline's last stage holds them without the
+    embedding."""
     out = set()
     for m in model.modules():
         if isinstance(m, (ColumnParallelLinear, VocabParallelEmbedding)):
             out.update(id(q) for q in m.parameters())
         elif isinstance(m, RowParallelLinear):
             out.add(id(m.weight))
+        elif isinstance(m, VocabParallelHead):
+            out.add(id(m.wte))
     return out

@@ -109,6 +109,7 @@ def gpt(V: int, T: int, L: int, H: int, C: int, bias: bool = False, checkpointed
     v_lo, v_hi = shard(V, t, rank)
     hid, v = hi - lo, v_hi - v_lo
     ln = lambda p: [(f"{p}.weight", (C,)), (f"{p}.bias", b(C))]  # noqa: E731
+    seq = (T // t, C) if sequence else (T, C)  # what the embedding and a block hand on: a slice of the sequence
 
     def block(i: int) -> Layer:
         p = f"blocks.{i}"
@@ -120,7 +121,7 @@ def gpt(V: int, T: int, L: int, H: int, C: int, bias: bool = False, checkpointed
                + matmul_flops(T, C, hid) + matmul_flops(T, hid, C))
         full = gpt_block_activation_bytes(1, T, C, H, 1, t=t, sequence=sequence)
         kept = gpt_block_activation_bytes(1, T, C, H, 1, checkpointed, t, sequence)
-        return Layer(f"block {i}", _present(params), fwd, 2 * fwd, kept, (T, C),
+        return Layer(f"block {i}", _present(params), fwd, 2 * fwd, kept, seq,
                      checkpointed, 12 * C * C + (13 * C if bias else 2 * C), (T, C, hid), full,
                      (3 if sequence else 2) * T * C // (t if sequence else 1), T * hid,  # sequence: the norm's
                      2 * C * hid + (hid + C if bias else 0),  # output slice lives while its sublayer runs too
@@ -128,7 +129,7 @@ def gpt(V: int, T: int, L: int, H: int, C: int, bias: bool = False, checkpointed
 
     wte = ("embed.wte.weight", (v, C))
     # sliced, the embedding keeps its rows looked up (the product that zeroes the others' ids keeps them)
-    embed = Layer("embed", (wte, ("embed.wpe.weight", (T, C))), 0, 0, T * C if t > 1 else 0, (T, C), whole=(V + T) * C)
+    embed = Layer("embed", (wte, ("embed.wpe.weight", (T, C))), 0, 0, T * C if t > 1 else 0, seq, whole=(V + T) * C)
     head = Layer("head", _present([*ln("head.ln_f"), wte]), matmul_flops(T, C, v), 2 * matmul_flops(T, C, v),
                  2 * T * C + T + T * v, (T, V), whole=V * C + (2 * C if bias else C), gemm=(T, C, v), scratch=T * v)
     return ModelShape(name, (embed, *(block(i) for i in range(L)), head), (T,), frozenset({wte[0]}))

@@ -56,7 +56,14 @@ def train(cfg: Config, log=print, comm=None, resume: bool = False, warn=None, st
     loud = log is print  # the command line: a parameter server's worker 0 prints its progress too
     if comm.rank != 0:
         log = warn = _silent
-    check_ranks(cfg, comm.size)
+    try:
+        check_ranks(cfg, comm.size)
+    except ConfigError as e:
+        if not resume:
+            raise
+        g = cfg.parallel
+        raise ConfigError(f"{e} (a resumed run keeps its saved layout, dp {g.dp} x pp {g.pp} x tp {g.tp}; change "
+                          f"it for these {comm.size} ranks with --set, e.g. --set parallel.pp=1)") from None
     for note in cfg.notes:
         warn(note)
     comm.agree(prepare_run_dir, cfg, resume)
