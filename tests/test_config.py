@@ -200,8 +200,6 @@ def test_parameter_server_rank_checks(ranks, overrides, message):
                                                             "more model chunks per rank"),
     (4, ["parallel.pp=2", "parallel.progress=thread", "parallel.thread_level=serialized"],
      "parallel.thread_level: a pipeline's sends and the communication thread call MPI at the same time"),
-    (4, ["parallel.pp=2", "train.precision=bf16"], "train.precision: mixed precision ('bf16') trains "
-                                                   "data-parallel grids for now, not pipeline stages or tensor slices"),
     (5, [], "train.global_batch_size: 12 is not divisible by the 5 ranks of this job"),
     (2, ["parallel.sync=local"], "parallel.sync: 'local' exchanges no gradients, so 2 data-parallel replicas"),
     (2, ["train.micro_batches=4"], "train.micro_batches: the 6 samples of each of the 2 data-parallel ranks "
@@ -250,3 +248,14 @@ def test_thread_level_choice():
     assert thread_level("funneled", comm_thread=True) == "multiple"
     with pytest.raises(ValueError):
         thread_level("fast")
+
+
+@pytest.mark.parametrize("overrides", [["parallel.pp=2", "parallel.tp=2", "train.precision=bf16"],
+                                       ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
+                                       ["parallel.tp=2", "parallel.sync=zero2", "parallel.sequence_parallel=true"]])
+def test_stages_slices_zero_and_mixed_precision_combine(overrides):
+    cfg = config.from_dict({"model": {"name": "gpt", "n_head": 4}, "data": {"name": "shakespeare"},
+                            "train": {"steps": 4, "global_batch_size": 8, "micro_batches": 2}}, overrides,
+                           data_needed=False)
+    assert config.check_ranks(cfg, 8 if "parallel.pp=2" in overrides else 4)[1:] == (
+        2 if "parallel.pp=2" in overrides else 1, 2)

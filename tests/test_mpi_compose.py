@@ -153,3 +153,32 @@ def test_sequence_parallelism_on_pipeline_stages_equals_one_process(reference):
         pytest.skip("pp 2 x tp 2")
     equals_one_process(reference, "sp-pp2-tp2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=1",
                        *PP)
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_on_stages_and_slices_is_one_process_in_the_same_precision(precision):
+    """pp 2 x tp 2 in bf16 (and fp16, its loss scaled on the last stage) against one
+    process in the same precision: not bit-equal, because the tied embedding's two
+    gradients are each rounded to 16 bits on their own stage before their float32 sum
+    (one process rounds their sum as it accumulates); within 1e-4 of its loss."""
+    from test_mpi_data import shared_data
+    from test_mpi_pipeline import gpt_cfg, text_set
+
+    from mpitrain import train as trainer
+    from mpitrain.comm import SingleComm
+
+    comm = world()
+    if comm.size != 4:
+        pytest.skip("pp 2 x tp 2")
+    d = shared_data(comm, make=text_set)
+    mixed = (*FOUR, "train.dtype='float32'", f"train.precision='{precision}'", "train.micro_batches=4")
+    one = None
+    if comm.rank == 0:
+        one = trainer.train(gpt_cfg(d, d.parent / f"mixed-one-{precision}", *mixed), log=lambda *a: None,
+                            comm=SingleComm()).val_loss
+    one = comm.bcast(one)
+    grid = trainer.train(gpt_cfg(d, d.parent / f"mixed-{precision}", *mixed, "parallel.pp=2", "parallel.tp=2"),
+                         log=lambda *a: None, comm=comm).val_loss
+    assert grid == pytest.approx(one, abs=1e-4), precision

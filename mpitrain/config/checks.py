@@ -233,9 +233,6 @@ def check_ranks(cfg: Config, ranks: int) -> tuple[int, int, int]:
                           "use every one (-1 takes the rest)")
     _check_pipeline(cfg, sizes["pp"])
     _check_tensor(cfg, sizes)
-    if cfg.train.precision != "fp32" and (sizes["pp"] > 1 or sizes["tp"] > 1):
-        raise ConfigError(f"train.precision: mixed precision ({cfg.train.precision!r}) trains data-parallel grids "
-                          f"for now, not pipeline stages or tensor slices (pp = {sizes['pp']}, tp = {sizes['tp']})")
     if par.sync == "local" and sizes["dp"] > 1:
         raise ConfigError(f"parallel.sync: 'local' exchanges no gradients, so {sizes['dp']} data-parallel replicas "
                           "would drift apart; use 'ddp' or 'zero1'")

@@ -59,8 +59,8 @@ def reference() -> str:
         f"- `train.{'`, `train.'.join(sorted(IMAGE_ONLY_TRAIN_FIELDS))}`: image models.",
         f"- `parallel.pp` > 1: `parallel.sync` is {either(PIPELINE_SYNCS)}.",
         f"- `parallel.tp` > 1: `model.name = \"gpt\"`, and `parallel.sync` is {either(TENSOR_SYNCS)}.",
-        f"- `train.precision` other than `\"fp32\"`: `parallel.sync` is {either(PRECISION_SYNCS)}, with no "
-        "pipeline stages or tensor slices.",
+        f"- `train.precision` other than `\"fp32\"`: `parallel.sync` is {either(PRECISION_SYNCS)} (on any "
+        "grid of pipeline stages and tensor slices).",
         *(f"- `{old}` is the old name of `{new}`: still read, with a note." for old, new in RENAMED.items()), "",
         "Every check, each with its message, is in `mpitrain/config/checks.py`: `validate`, and, once the ranks "
         "and the data are known, `check_ranks` and `check_against_data`.", ""])

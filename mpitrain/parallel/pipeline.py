@@ -62,7 +62,7 @@ import time
 import numpy as np
 
 from mpitrain import autograd, ops, rng
-from mpitrain.comm import Tag
+from mpitrain.comm import Tag, ring
 from mpitrain.nn import Module
 from mpitrain.schedules import (FREES, Action, Backward, BackwardInput, BackwardWeight, Forward,
                                  RecvActivation, RecvGrad, SendActivation, SendGrad, balance, check, micro_batches,
@@ -151,6 +151,7 @@ class PipelineStage(Module):
         check(schedule_name, p, micro_batches, chunks)  # from here on every stage raises alike, or none
         self.comm, self.p, self.rank, self.v, self.m = pp_comm, p, rank, chunks, micro_batches
         self.loss, self.last = loss, p * chunks - 1
+        self.scaler = None  # mixed precision's LossScaler: its scale multiplies the loss backward starts from
         self.smoothed = {"label_smoothing": label_smoothing} if label_smoothing else {}  # training's loss only
         self.outputs = _boundaries(model, layers, example)  # per layer: (shape per sample, dtype)
         self.bounds = balance(self.sizes, p * chunks)
@@ -278,8 +279,9 @@ class PipelineStage(Module):
         if stage < self.last:
             box.out = out
             return 0.0
-        box.root = self.loss(out, y, **self.smoothed) * (1.0 / len(micro))
-        return box.root.item()
+        scale = 1.0 if self.scaler is None else self.scaler.scale  # a power of two: exact both ways
+        box.root = self.loss(out, y, **self.smoothed) * (scale / len(micro))
+        return box.root.item() / scale
 
     def _backward(self, a: Action, box: Mailbox, before_backward) -> None:
         """The pass ``a`` (its output's gradient has arrived); ``before_backward()`` marks
@@ -345,8 +347,8 @@ class PipelineStage(Module):
         for params, comm in self.ties:
             for q in params:
                 g = q.grad if grads is None else grads.get(id(q))
-                if g is not None:
-                    comm.allreduce(g)
+                if g is not None:  # half-precision gradients: added in float32 (ring.Float32Sum)
+                    ring.allreduce(comm, g.reshape(-1))
 
 
 def _agree(pp_comm, plan: dict) -> None:

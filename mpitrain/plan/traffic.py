@@ -19,6 +19,12 @@ from mpitrain.plan.layout import buckets, held, zero3_groups, zero_groups
 NORM = 8  # one float64: a rank's sum of squares of its gradients, for clipping by the global norm
 
 
+def summed(itemsize: int) -> int:
+    """Bytes per number of an MPI sum of gradients of ``itemsize``: a half-precision array
+    is summed as a float32 copy (:class:`mpitrain.comm.ring.Float32Sum`)."""
+    return 4 if itemsize == 2 else itemsize
+
+
 @dataclass(frozen=True)
 class Call:
     axis: str  # "dp", "pp" or "tp": the communicator it is counted on
@@ -59,7 +65,7 @@ def dp_calls(lay, params: dict, layers: list, d: int, part: tuple = (0, 0)) -> l
     algo = par.allreduce if par.allreduce != "hierarchical" else "mpi"
     clip = [Call("dp", "clipping: sum of squares", "allreduce", NORM, P)] if lay.cfg.optim.grad_clip > 0 else []
     if par.sync == "ddp":
-        wire = 2 if par.wire != "fp32" else (4 if s == 2 and algo == "mpi" else s)
+        wire = 2 if par.wire != "fp32" else (summed(s) if algo == "mpi" else s)
         return [Call("dp", f"gradient bucket {i}", "allreduce", n * wire, P, algorithm=algo, rank=d, itemsize=wire)
                 for i, n in enumerate(_bucket_sizes(lay, params))]
     if par.sync == "zero1":  # each run of one kind on its own (plan.layout.zero_groups)
@@ -145,8 +151,8 @@ def pp_calls(lay, s: int, r: int, d: int = 0) -> list[Call]:
     for name in sorted(tied & mine.keys()):
         holders = {t for t in range(lay.pp) if name in lay.parameters(t, r)}
         if len(holders) > 1:
-            calls.append(Call("pp", f"tied {name}'s gradient", "allreduce", held(lay, s, r, d, [name]) * lay.itemsize,
-                              len(holders)))
+            calls.append(Call("pp", f"tied {name}'s gradient", "allreduce",
+                              held(lay, s, r, d, [name]) * summed(lay.itemsize), len(holders)))
     if lay.cfg.optim.grad_clip > 0:
         calls.append(Call("pp", "clipping: sum of squares", "allreduce", NORM, lay.pp))
     return calls
@@ -185,7 +191,7 @@ def tp_calls(lay, s: int, r: int, d: int = 0) -> list[Call]:
     if sp:
         whole = held(lay, s, r, d, lay.replicated & lay.parameters(s, r).keys())
         if whole:
-            calls.append(Call("tp", "replicated weights' gradients", "allreduce", whole * lay.itemsize, t))
+            calls.append(Call("tp", "replicated weights' gradients", "allreduce", whole * summed(lay.itemsize), t))
     if lay.cfg.optim.grad_clip > 0:
         calls.append(Call("tp", "clipping: sum of squares", "allreduce", NORM, t))
     return calls

@@ -138,6 +138,8 @@ def build_role(cfg: Config, world, grid, model, data, layout: checkpoint.Layout)
     order = [q for group in opt.param_groups for q in group["params"]]
     if t.precision != "fp32":  # the model's weights become half precision, the optimizer keeps float32
         opt = MixedPrecision(opt, t.precision)
+        if stage is not None:
+            stage.scaler = opt.scaler  # the last stage's loss is scaled (WholeModel's is scaled alike)
     kind = shared_kind(model, stage, par.sequence_parallel and everyone is not None)
     sync = SYNCS["local" if par.sync == "ddp" and g.dp_size == 1 else par.sync](cfg, model, opt, g.dp_comm, kind)
     if stage is not None or everyone is not None:  # the whole model's sums, norm and checkpoints over the parts

@@ -62,7 +62,12 @@ class PartSync(GradSync):
             tp.sum_replicated_grads(self.model, self.tp_comm, held)
 
     def step(self, lr: float | None = None, grad_clip: float = 0.0) -> None:
-        """Clip by the whole model's norm (:meth:`grad_norm`), then the replicas' update."""
+        """Clip by the whole model's norm (:meth:`grad_norm`), then the replicas' update.
+        Mixed precision clips as it unscales, in float32: it is handed the whole model's
+        unscaled norm instead of its own part's."""
+        if getattr(self.optimizer, "unscales", False):
+            self.optimizer.norm = self.grad_norm() / self.optimizer.scaler.scale
+            return self.inner.step(lr, grad_clip)
         if grad_clip > 0:
             optim.scale_to(list(self.inner.held().values()), self.grad_norm(), grad_clip)
         self.inner.step(lr, 0.0)
