@@ -118,7 +118,7 @@ def test_one_rank_syncs_name_the_calls_that_wait():
     syncs = [LocalSync(model, opt), DataParallel(model, SingleComm(), optimizer=opt), Zero1(model, opt, SingleComm()),
              Zero2(model, opt, SingleComm())]
     assert [sync.waits for sync in syncs] == [
-        {}, {"finish": "gradient exchange"}, {"step": "ZeRO-1 update"},
+        {}, {"finish": "gradient exchange"}, {"finish": "gradient reduce-scatter", "step": "ZeRO-1 update"},
         {"finish": "gradient reduce-scatter", "step": "ZeRO-2 update"}]
     syncs[1].close()
     syncs[3].close()
