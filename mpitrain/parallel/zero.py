@@ -135,7 +135,7 @@ class Zero1(GradSync):
     def finish(self) -> None:
         """After the step's last backward: ``Reduce_scatter`` of each segment; my shard,
         divided by ``P``, is the mean over the global batch."""
-        P, r = self.comm.size, self.comm.rank
+        P = self.comm.size
         if P > 1:
             for (lo, hi, bounds), shard in zip(self.segments, self.shards):
                 if self.algorithm == "ring":
