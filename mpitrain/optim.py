@@ -69,7 +69,9 @@ class Optimizer:
         """This optimizer (its class and hyperparameters) over other arrays, with fresh state:
         ``views(p)`` gives, for each parameter ``p`` in order, the ``(data, grad)`` arrays to
         update in its place (views into a strategy's flat buffers, never copies), or None to
-        leave ``p`` out. ZeRO-1 and the parameter servers update their shards this way."""
+        leave ``p`` out; a third element, where the piece starts in ``p``, is for mixed
+        precision (:meth:`mpitrain.precision.MixedPrecision.over`, which copies its master's
+        piece from there). ZeRO and the parameter servers update their shards this way."""
         other = copy.copy(self)
         other.state, other.param_groups = {}, []
         other.__dict__.pop("_buffer", None)  # the work array is sized for these parameters
@@ -228,18 +230,22 @@ def scale_to(grads, norm: float, max_norm: float) -> None:
             g *= scale
 
 
-def update(optimizer: Optimizer, params, lr: float | None, grad_clip: float = 0.0) -> None:
+def update(optimizer: Optimizer, params, lr: float | None, grad_clip: float = 0.0, norm: float | None = None) -> None:
     """One optimizer step after backward: the gradients of ``params`` clipped together to
-    global norm ``grad_clip`` (0: no clipping; the norm sums in ``params``' order), the
-    learning rate set to ``lr`` (None: as it is), then the update. A mixed-precision
-    optimizer clips itself: the norm to clip is that of its unscaled gradients."""
+    global norm ``grad_clip`` (0: no clipping; the norm sums in ``params``' order, unless
+    ``norm`` gives it: a whole model's, of which ``params`` are a part), the learning rate
+    set to ``lr`` (None: as it is), then the update. A mixed-precision optimizer clips
+    itself: the norm to clip is that of its unscaled gradients."""
     if lr is not None:
         optimizer.set_lr(lr)
     if getattr(optimizer, "unscales", False):
-        optimizer.step(grad_clip)
+        optimizer.step(grad_clip, norm)
         return
     if grad_clip > 0:
-        clip_grad_norm(params, grad_clip)
+        if norm is None:
+            clip_grad_norm(params, grad_clip)
+        else:
+            scale_to([p.grad for p in params if p.grad is not None], norm, grad_clip)
     optimizer.step()
 
 

@@ -38,12 +38,14 @@ even) into the working copy. **Checkpoints** hold the float32 masters and the lo
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 
 import numpy as np
 
 from mpitrain.dtypes import dtype_of
 from mpitrain.optim import sum_of_squares
+from mpitrain.tensor import Tensor
 
 
 class LossScaler:
@@ -114,6 +116,7 @@ class MixedPrecision:
             p.grad = None if p.grad is None else p.grad.astype(self.dtype)
         self._work = None  # one float32 array, as large as the largest parameter: its unscaled gradient
         self.norm = None  # the unscaled gradients' norm, from check()
+        self.handed = False  # the masters went to a shard's optimizer (over)
 
     def describe(self) -> str:
         scale = (f"loss scale 2^{math.log2(self.scaler.scale):g}, dynamic" if self.scaler.dynamic
@@ -123,8 +126,8 @@ class MixedPrecision:
 
     @property
     def masters(self) -> list[np.ndarray]:
-        """The float32 master weights, in the parameters' order."""
-        return [self._masters[id(p)] for p in self.params]
+        """The float32 master weights, in the parameters' order (none once handed to shards)."""
+        return [] if self.handed else [self._masters[id(p)] for p in self.params]
 
     # -------------------------------------------------------------- a step
     def check(self) -> bool:
@@ -133,10 +136,15 @@ class MixedPrecision:
         self.norm = math.sqrt(sum_of_squares(p.grad for p in self.params if p.grad is not None)) / self.scaler.scale
         return not math.isfinite(self.norm)
 
-    def step(self, grad_clip: float = 0.0) -> None:
+    def step(self, grad_clip: float = 0.0, norm: float | None = None) -> None:
         """Update the masters with the unscaled gradients, clipped to global norm
-        ``grad_clip`` (0: not clipped), and round them into the working copies."""
-        if self.norm is None:
+        ``grad_clip`` (0: not clipped), and round them into the working copies. ``norm``:
+        the whole gradient's norm as the ranks hold it (scaled), when a sync summed it over
+        more than this optimizer's parameters (ZeRO's shards, a model's parts); None:
+        these parameters' own, from :meth:`check`."""
+        if norm is not None:
+            self.norm = norm / self.scaler.scale
+        elif self.norm is None:
             self.check()
         norm, self.norm = self.norm, None
         if not math.isfinite(norm):
@@ -173,10 +181,34 @@ class MixedPrecision:
                           lambda self, value: setattr(self.inner, "step_count", value))
 
     def over(self, views):
-        """ZeRO and the parameter servers give each rank an optimizer over its shard
-        (:meth:`mpitrain.optim.Optimizer.over`); mixed precision does not shard yet."""
-        raise TypeError("mixed precision (train.precision) works with ddp and local for now: ZeRO and parameter "
-                        "servers need a float32 optimizer")
+        """This mixed precision over pieces of the parameters (a ZeRO shard, as
+        :meth:`mpitrain.optim.Optimizer.over`): ``views(p)`` gives ``(data, grad, at)``,
+        the working copy's and the gradient's piece (16-bit views into a strategy's flat
+        buffers) and where it starts in ``p``, or None. Each piece's float32 master is
+        copied from this optimizer's, whose whole masters are then dropped: the shards
+        hold them (the sync's ``whole_model(masters=True)`` gathers them for a checkpoint). The two
+        share the loss scale."""
+        other = copy.copy(self)
+        other.params, other._masters, other._work, other.norm, other.handed = [], {}, None, None, False
+        trained = iter(self.params)  # the inner optimizer's parameters are these ones' masters, in order
+
+        def master_piece(_master):
+            p = next(trained)
+            arrays = views(p)
+            if arrays is None:
+                return None
+            data, grad, at = arrays
+            piece = Tensor(data, requires_grad=True)  # wraps the 16-bit view itself
+            piece.grad = grad
+            other.params.append(piece)
+            other._masters[id(piece)] = self._masters[id(p)].reshape(-1)[at : at + data.size].copy()  # (n,)
+            return other._masters[id(piece)], None
+
+        other.inner = self.inner.over(master_piece)
+        working = iter(self.params)  # this one's groups now list the working copies: no float32 array is kept
+        self.inner.param_groups = [{**g, "params": [next(working) for _ in g["params"]]} for g in self.inner.param_groups]
+        self._masters, self.handed = {}, True
+        return other
 
     def memory(self) -> dict:
         """Bytes of optimizer state, the masters included, and of the work arrays."""
@@ -196,6 +228,9 @@ class MixedPrecision:
     def masters_in_model(self):
         """The float32 masters in the parameters' ``.data`` (checkpoints save and load
         them there); on the way out the working copies are rounded from them."""
+        if self.handed:
+            raise RuntimeError("these masters are a sharded optimizer's: the sync's whole_model(masters=True) "
+                               "gathers them")
         halves = [p.data for p in self.params]
         for p in self.params:
             p.data = self._masters[id(p)]
@@ -207,6 +242,4 @@ class MixedPrecision:
                 p.data = half
 
 
-def masters_in_model(optimizer):
-    """:meth:`MixedPrecision.masters_in_model` of a mixed-precision optimizer; nothing for any other."""
-    return optimizer.masters_in_model() if isinstance(optimizer, MixedPrecision) else contextlib.nullcontext()
+

@@ -121,8 +121,8 @@ def test_an_unreadable_config_file_gets_one_line(tmp_path, monkeypatch):
     (["parallel.sync=zero1", "parallel.wire=bf16"], "parallel.wire: does not apply to parallel.sync = 'zero1'"),
     (["train.precision=fp8"], "train.precision: must be 'fp32', 'bf16' or 'fp16'"),
     (["train.precision=bf16", "train.dtype=float64"], "train.precision: mixed precision keeps float32 master"),
-    (["train.precision=bf16", "parallel.sync=zero1"], "train.precision: mixed precision works with parallel.sync = "
-                                                       "'ddp' or 'local' for now, not 'zero1'"),
+    (["train.precision=bf16", "parallel.sync=zero3"], "train.precision: mixed precision works with parallel.sync = "
+                                                       "'ddp' or 'local' or 'zero1' or 'zero2' for now, not 'zero3'"),
     (["train.precision=fp16", "parallel.allreduce=ring", "parallel.wire=bf16"],
      "parallel.wire: with train.precision the gradients are 16-bit already"),
     (["train.precision=fp16", "parallel.allreduce=hierarchical"], "parallel.allreduce: mixed precision works with"),

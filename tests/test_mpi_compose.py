@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 
+import numpy as np
 import pytest
 
 LONG = os.environ.get("MPITRAIN_COMPOSE") == "all"  # the longer tier: every combination, not the pairwise cover
@@ -182,3 +183,138 @@ def test_mixed_precision_on_stages_and_slices_is_one_process_in_the_same_precisi
     grid = trainer.train(gpt_cfg(d, d.parent / f"mixed-{precision}", *mixed, "parallel.pp=2", "parallel.tp=2"),
                          log=lambda *a: None, comm=comm).val_loss
     assert grid == pytest.approx(one, abs=1e-4), precision
+
+
+# ------------------------------------------------------------------ ZeRO in mixed precision
+MIXED = {"dp2-pp2": PP, "dp2-tp2": ("parallel.tp=2",), "cube": ("parallel.tp=2", *PP)}
+
+
+def mixed_run(name: str, precision: str, *layout: str, resume: bool = False, config: bool = False):
+    """The GPT in ``precision`` (``fp32``: float32 throughout; else float32 masters)
+    trained on ``layout``; its directory and result (and ``config``: its config)."""
+    from test_mpi_data import shared_data
+    from test_mpi_pipeline import gpt_cfg, text_set
+
+    from mpitrain import train as trainer
+
+    comm = world()
+    d = shared_data(comm, make=text_set)
+    run = d.parent / name
+    cfg = gpt_cfg(d, run, *FOUR, "train.dtype='float32'", f"train.precision='{precision}'", *layout)
+    result = trainer.train(cfg, log=lambda *a: None, warn=lambda *a: None, comm=comm, resume=resume)
+    return (run, result, cfg) if config else (run, result)
+
+
+def model_state_is_zeros_formula(cfg, result) -> None:
+    """Every rank's model state, counted from its arrays (``result.states``:
+    :func:`mpitrain.observe.memory.model_state`), is the planner's to the byte, and the
+    plan's is the ZeRO paper's mixed precision for a part of ``n`` numbers on ``N_d``
+    replicas: 2n + 2n + 12 n_d bytes (ZeRO-1) or 2n + 2 n_d + 12 n_d (ZeRO-2), where the
+    replicas' shards ``n_d`` add up to the part (so ``2 + 2 + 12/N_d`` and
+    ``2 + (2 + 12)/N_d`` bytes per parameter), plus Adam's 8-byte step count per piece."""
+    from mpitrain import plan as planner
+    from mpitrain.plan import hardware
+    from mpitrain.plan.data import resolve
+
+    comm = world()
+    plan = planner.make(cfg, comm.size, planner.machine(hardware.load(), "this", comm.size), resolve(cfg))
+    lay, by_rank = plan.layout, {r: p for p in plan.ranks for r in p.ranks}
+    if comm.rank != 0:  # the run's result holds every rank's states on rank 0
+        return
+    assert len(result.states) == comm.size
+    for rank, (state, _) in enumerate(result.states):
+        m, n = by_rank[rank].memory, state["parameters"]
+        shard = m["masters"] // 4  # the numbers of this rank's shard: a float32 master each
+        assert (state["param_bytes"], state["grad_bytes"], state["optim_bytes"]) == \
+            (m["parameters"], m["gradients"], m["optimizer state"] + m["masters"]), rank
+        assert m["parameters"] == 2 * n and m["gradients"] == 2 * (n if cfg.parallel.sync == "zero1" else shard)
+        counters = m["optimizer state"] - 8 * shard  # two float32 moments a number, then the step counts
+        assert counters > 0 and counters % 8 == 0, rank
+    for s in range(lay.pp):
+        for r in range(lay.tp):
+            ranks = [lay.rank_of(s, d, r) for d in range(lay.dp)]
+            assert sum(by_rank[k].memory["masters"] // 4 for k in ranks) == result.states[ranks[0]][0]["parameters"]
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("precision, sync, grid, clip", [("fp16", "zero1", "dp2-pp2", 0.0), ("bf16", "zero2", "dp2-tp2", 1.0),
+                                                         ("bf16", "zero1", "cube", 1.0), ("fp16", "zero2", "cube", 0.0)])
+def test_zero_in_mixed_precision_is_ddp_in_the_same_precision_and_its_checkpoint_moves(precision, sync, grid, clip):
+    """ZeRO-1 and ZeRO-2 over the replicas of a stage or a slice, in 16 bits with sharded
+    float32 masters, against ddp on the same grid in the same precision. Without clipping
+    they are bit-equal: the sums are the same float32 sums of the same 16-bit numbers
+    (MPI's reduce-scatter of a float32 copy, as ddp's allreduce), the updates elementwise.
+    With clipping the whole model's norm is summed in another order (the shards' pieces,
+    not whole arrays), so its last bit, and with it a master's, may differ: equal to 1e-6.
+    Each checkpoint holds the masters gathered whole and the moments in the whole model's
+    layout, as ddp's. (ZeRO-2's ``"sharded"`` micro-batches would round each micro-batch's
+    sum on its own: on the pipeline it accumulates in ``"full"``, as ddp does.) The bf16 ZeRO-2 run's step-6
+    checkpoint then resumes in float32 as ZeRO-3 on 4 ranks and ends within bf16's reach
+    of the run that never moved. Every rank's model state is the ZeRO paper's formula
+    (:func:`model_state_is_zeros_formula`)."""
+    from test_checkpoint import assert_close, assert_identical
+
+    from mpitrain import checkpoint
+
+    size = 8 if grid == "cube" else 4
+    if world().size != size:
+        pytest.skip(f"{grid} runs on {size} ranks")
+    layout = (*MIXED[grid], f"optim.grad_clip={clip}")
+    full = ("parallel.accumulate=full",) if sync == "zero2" and grid == "cube" else ()  # micro-batches added whole
+    ddp, a = mixed_run(f"mixed-ddp-{precision}-{grid}-{clip}", precision, *layout)
+    zero, b, cfg = mixed_run(f"mixed-{sync}-{precision}-{grid}-{clip}", precision, f"parallel.sync={sync}", *full,
+                             *layout, config=True)
+    model_state_is_zeros_formula(cfg, b)
+    for step in (6, 12):
+        if clip:
+            assert_close(checkpoint.path_for(ddp, step), checkpoint.path_for(zero, step), rtol=1e-6, floor=1e-6)
+        else:
+            assert_identical(checkpoint.path_for(ddp, step), checkpoint.path_for(zero, step))
+    assert b.val_loss == (pytest.approx(a.val_loss, rel=1e-6) if clip else a.val_loss)
+    if (precision, sync, grid) != ("bf16", "zero2", "dp2-tp2"):
+        return
+    moved = zero.parent / f"{zero.name}-as-fp32-zero3"
+    if world().rank == 0:
+        (moved / "checkpoints").mkdir(parents=True)
+        shutil.copy(checkpoint.path_for(zero, 6), moved / "checkpoints")
+    world().barrier()
+    _, c = mixed_run(moved.name, "fp32", "parallel.sync=zero3", resume=True)
+    assert c.val_loss == pytest.approx(b.val_loss, abs=2e-4), (b.val_loss, c.val_loss)
+
+
+@pytest.mark.mpi(min_size=8)
+@pytest.mark.timeout(240)
+def test_an_fp16_overflow_on_one_rank_skips_the_same_step_on_all_eight(monkeypatch):
+    """fp16, ZeRO-1 on dp 2 x pp 2 x tp 2: one rank (a slice of the last stage's second
+    replica) finds an infinity in its shard of the gradients at step 3. Every rank skips
+    that step and only that one (the loop's agreement), every rank halves its loss scale
+    there, and the run goes on to a finite loss with the ranks' parameters identical."""
+    from mpitrain import precision
+    from mpitrain.train import parts
+
+    comm = world()
+    if comm.size != 8:
+        pytest.skip("the 2 x 2 x 2 grid")
+    finish, seen = parts.PartSync.finish, {"calls": 0}
+
+    def overflowing(self):
+        finish(self)
+        seen["calls"] += 1
+        if comm.rank == 7 and seen["calls"] == 4:  # step 3 (steps count from 0)
+            next(g for g in self.inner.held().values() if g.size)[0] = np.inf
+    monkeypatch.setattr(parts.PartSync, "finish", overflowing)
+    updates, scales = [], []
+    update = precision.LossScaler.update
+
+    def recorded(self, overflow):
+        updates.append(bool(overflow))
+        update(self, overflow)
+        scales.append(self.scale)
+    monkeypatch.setattr(precision.LossScaler, "update", recorded)
+    _, result = mixed_run("fp16-overflow", "fp16", "parallel.sync=zero1", *MIXED["cube"])
+    everyone = comm.allgather((updates, scales))
+    assert all(theirs == everyone[0] for theirs in everyone), everyone
+    assert updates == [step == 3 for step in range(12)], updates
+    assert scales[2] == 2.0**16 and scales[3] == 2.0**15 and scales[-1] == 2.0**15
+    assert np.isfinite(result.val_loss)

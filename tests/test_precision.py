@@ -7,7 +7,7 @@ import pytest
 
 from mpitrain import nn, optim, rng
 from mpitrain.dtypes import dtype_of, is_half
-from mpitrain.precision import LossScaler, MixedPrecision, masters_in_model
+from mpitrain.precision import LossScaler, MixedPrecision
 from mpitrain.tensor import Parameter, Tensor
 
 PRECISIONS = ("bf16", "fp16")
@@ -122,7 +122,7 @@ def test_checkpoints_see_the_float32_masters():
     model = small_gpt()
     mixed = MixedPrecision(optim.AdamW(model.parameters(), lr=1e-3), "bf16")
     before = {k: v.copy() for k, v in zip(range(len(mixed.masters)), mixed.masters)}
-    with masters_in_model(mixed):
+    with mixed.masters_in_model():
         state = model.state_dict()
         assert {a.dtype for a in state.values()} == {np.dtype(np.float32)}
         model.load_state_dict({k: v + 1 for k, v in state.items()})

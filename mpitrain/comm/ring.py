@@ -269,24 +269,36 @@ def _across_nodes(comm) -> bool:
 
 
 class Float32Sum(Request):
-    """MPI's allreduce of a half-precision array (mixed precision's gradient buckets): MPI
-    cannot add bfloat16 (it has no such type) nor, portably, float16, so a float32 copy
-    is summed and rounded back: the ring's arithmetic, twice its bytes."""
+    """MPI's sum of a half-precision array (mixed precision's gradients): MPI cannot add
+    bfloat16 (it has no such type) nor, portably, float16, so a float32 copy is summed
+    and rounded back: the ring's arithmetic, twice its bytes. An allreduce of ``buf`` in
+    place; with ``recv`` and ``counts``, a reduce-scatter of ``buf`` into ``recv``."""
 
-    def __init__(self, comm, buf: np.ndarray):
-        super().__init__(comm.stats)  # the float32 allreduce inside is the collective that is busy
-        self.buf, self.wide = buf, buf.astype(np.float32)
-        self.request = comm.iallreduce(self.wide)
+    def __init__(self, comm, buf: np.ndarray, recv: np.ndarray | None = None, counts=None):
+        super().__init__(comm.stats)  # the float32 collective inside is the one that is busy
+        self.wide = buf.astype(np.float32)
+        if recv is None:
+            self.out, self.sum = buf, self.wide
+            self.request = comm.iallreduce(self.wide)
+        else:
+            self.out, self.sum = recv, np.empty(recv.size, dtype=np.float32)
+            self.request = comm.ireduce_scatter(self.wide, self.sum, counts)
 
     def _progress(self) -> bool:
         if self.request.test():
-            np.copyto(self.buf, self.wide, casting="same_kind")
+            np.copyto(self.out, self.sum, casting="same_kind")
             return True
         return False
 
     def _block(self) -> None:
         self.request.wait()
-        np.copyto(self.buf, self.wide, casting="same_kind")
+        np.copyto(self.out, self.sum, casting="same_kind")
+
+
+def ireduce_scatter(comm, send: np.ndarray, recv: np.ndarray, counts) -> Request:
+    """Start MPI's reduce-scatter of ``send`` into ``recv`` (block ``rank``, ``counts``
+    elements each); 16-bit numbers as a float32 copy (:class:`Float32Sum`)."""
+    return Float32Sum(comm, send, recv, counts) if is_half(send.dtype) else comm.ireduce_scatter(send, recv, counts)
 
 
 def iallreduce(comm, buf: np.ndarray, algorithm: str = "mpi", wire=None) -> Request:

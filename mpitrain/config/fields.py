@@ -64,7 +64,7 @@ CHOICES = {"model": ("name", MODEL_FIELDS), "optim": ("name", OPTIM_FIELDS), "pa
 RENAMED = {"parallel.strategy": "parallel.sync"}  # old spelling -> new: still read, with a note
 GRID = ("dp", "pp", "tp")
 PIPELINE_SYNCS = ("ddp", "local", "zero1", "zero2")  # the gradient syncs a pipeline stage's replicas can use
-PRECISION_SYNCS = ("ddp", "local")  # the gradient syncs that train in mixed precision (train.precision)
+PRECISION_SYNCS = ("ddp", "local", "zero1", "zero2")  # the gradient syncs that train in mixed precision (train.precision)
 TENSOR_SYNCS = ("ddp", "local", "zero1", "zero2")  # the gradient syncs that combine with tensor slices (parallel.tp > 1)
 
 

@@ -25,9 +25,10 @@ def model_state(model, optimizer) -> dict:
     float32 masters) and ``work_bytes`` (its reusable work array, not model state); and
     ``parameters``, how many of the model's this rank's part has (all, or a stage's, or
     slices' sizes)."""
-    pieces = [] if optimizer is None else [q for group in optimizer.param_groups for q in group["params"]]
-    masters = getattr(optimizer, "masters", None) is not None  # mixed precision: pieces are its float32 state
-    held = list(model.parameters()) + ([] if masters else pieces)
+    mixed = getattr(optimizer, "masters", None) is not None  # its groups hold float32 masters (optimizer state)
+    pieces = [] if optimizer is None else list(optimizer.params) if mixed else \
+        [q for group in optimizer.param_groups for q in group["params"]]  # mixed: the 16-bit copies (or pieces)
+    held = list(model.parameters()) + pieces
     memory = {} if optimizer is None else optimizer.memory()
     return {"param_bytes": _buffers(q.data for q in held), "grad_bytes": _buffers(q.grad for q in held),
             "optim_bytes": memory.get("optim_bytes", 0), "work_bytes": memory.get("work_bytes", 0),

@@ -18,7 +18,7 @@ What the training loop calls on the data-parallel strategy, whichever it is, is 
 
 Around the steps: ``sync_buffers()`` (batch-norm statistics) before an evaluation or a
 checkpoint; ``whole_model()`` around what needs every parameter whole (ZeRO-3 gathers
-them there); ``state_pieces(offsets)`` for checkpoints; after the loop (or serving),
+them there; ``masters=True``: in mixed precision the float32 masters, for checkpoints); ``state_pieces(offsets)`` for checkpoints; after the loop (or serving),
 however it ended, ``leave()``, then ``end()``, ``check_replicas()`` and ``summary()`` on
 every rank. ``waits`` names the calls that wait for other ranks (the stall watchdog and
 the timeline show them).
@@ -35,6 +35,14 @@ import contextlib
 
 from mpitrain import flat, optim
 from mpitrain.comm import replicas
+
+
+def trained(optimizer) -> list:
+    """The model's parameters that ``optimizer`` trains, in its order: a mixed-precision
+    optimizer's 16-bit working copies (its groups hold their float32 masters)."""
+    if hasattr(optimizer, "masters"):
+        return list(optimizer.params)
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 class GradSync:
@@ -64,11 +72,13 @@ class GradSync:
         (views: what is done to them is done to the gradients the update reads)."""
         return {id(p): p.grad for p in self.params if p.grad is not None}
 
-    def step(self, lr: float | None = None, grad_clip: float = 0.0) -> None:
-        """The optimizer's step; ``grad_clip`` > 0 clips to that global norm first."""
+    def step(self, lr: float | None = None, grad_clip: float = 0.0, norm: float | None = None) -> None:
+        """The optimizer's step; ``grad_clip`` > 0 clips to that global norm first.
+        ``norm``: the whole gradient's norm when the caller summed it over more than this
+        sync holds (a part of the model's sync: the whole model's); None: this sync's own."""
         if self.optimizer is None:
             raise RuntimeError(f"{type(self).__name__}.step needs the optimizer it was built with")
-        optim.update(self.optimizer, self.params, lr, grad_clip)
+        optim.update(self.optimizer, self.params, lr, grad_clip, norm)
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
@@ -78,8 +88,13 @@ class GradSync:
         each of which normalised with its own samples."""
         replicas.average(self.comm, [b for _, b in self.model.named_buffers()])
 
-    def whole_model(self):
-        """Every parameter is whole in ``.data`` already: nothing to gather."""
+    def whole_model(self, masters: bool = False):
+        """Every parameter is whole in ``.data`` already: nothing to gather. ``masters``:
+        a mixed-precision optimizer's float32 masters in ``.data`` instead of the 16-bit
+        working copies (checkpoints save and load them;
+        :meth:`mpitrain.precision.MixedPrecision.masters_in_model`)."""
+        if masters and hasattr(self.optimizer, "masters_in_model"):
+            return self.optimizer.masters_in_model()
         return contextlib.nullcontext()
 
     def check_replicas(self) -> str:

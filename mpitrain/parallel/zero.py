@@ -75,10 +75,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mpitrain import optim
 from mpitrain.comm import replicas
-from mpitrain.comm.ring import ALGORITHMS, Ring, chunk_bounds
+from mpitrain.comm.ring import ALGORITHMS, Ring, chunk_bounds, ireduce_scatter
 from mpitrain.flat import Buckets, Flat, offsets
-from mpitrain.parallel import GradSync
+from mpitrain.parallel import GradSync, trained
 
 
 class Zero1(GradSync):
@@ -104,10 +105,11 @@ class Zero1(GradSync):
             raise ValueError(f"allreduce algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
         super().__init__(model, optimizer, dp_comm)
         self.algorithm, self.exchanged = algorithm, False
-        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.params = trained(optimizer)
         flat = Flat(self.params, data=True, what="ZeRO-1")
         self.flat_params, self.flat_grads, self.offsets = flat.data, flat.grad, flat.offsets  # (N,), (N,)
-        replicas.broadcast(dp_comm, [self.flat_params] + [b for _, b in model.named_buffers()])
+        replicas.broadcast(dp_comm, [self.flat_params] + [b for _, b in model.named_buffers()]
+                           + list(getattr(optimizer, "masters", [])))  # mixed precision's float32 masters
         self.segments = segments(self.params, self.offsets, kind, dp_comm.size)  # [(lo, hi, chunk starts)]
         r = dp_comm.rank
         self.shards = [slice(int(b[r]), int(b[r + 1])) for _, _, b in self.segments]  # mine, in flat coordinates
@@ -118,6 +120,7 @@ class Zero1(GradSync):
         as a tensor whose data and gradient are views of the flat arrays."""
         index = {id(p): i for i, p in enumerate(self.params)}
         self.pieces = []  # (parameter index, lo, hi) of each piece in flat coordinates, in shard order
+        self.spans = []  # (lo, hi) of each piece in self.flat_params: the same here
         self.grads = {}  # id(parameter) -> my piece of its gradient (a view)
 
         def views(p):
@@ -126,8 +129,9 @@ class Zero1(GradSync):
                 lo, hi = max(shard.start, self.offsets[i]), min(shard.stop, self.offsets[i + 1])
                 if lo < hi:
                     self.pieces.append((i, int(lo), int(hi)))
+                    self.spans.append((int(lo), int(hi)))
                     self.grads[id(p)] = self.flat_grads[lo:hi]
-                    return self.flat_params[lo:hi], self.flat_grads[lo:hi]  # (hi - lo,) views
+                    return self.flat_params[lo:hi], self.flat_grads[lo:hi], int(lo - self.offsets[i])  # views
             return None
 
         return full.over(views)
@@ -142,23 +146,22 @@ class Zero1(GradSync):
                     Ring(self.comm, self.flat_grads[lo:hi], ("reduce_scatter",)).wait()
                 else:
                     mine = np.empty(shard.stop - shard.start, dtype=self.flat_grads.dtype)  # for this call only
-                    self.comm.reduce_scatter(self.flat_grads[lo:hi], mine, np.diff(bounds))
+                    ireduce_scatter(self.comm, self.flat_grads[lo:hi], mine, np.diff(bounds)).wait()
                     self.flat_grads[shard] = mine
-                self.flat_grads[shard] *= 1.0 / P
+                mean(self.flat_grads[shard], P)
         self.exchanged = True
 
     def held(self) -> dict:
         return self.grads
 
-    def step(self, lr: float | None = None, grad_clip: float = 0.0) -> float:
+    def step(self, lr: float | None = None, grad_clip: float = 0.0, norm: float | None = None) -> float:
         """Update my shard, share the parameters; returns the global gradient norm
-        (computed only when clipping, else nan)."""
+        (computed only when clipping, else nan). ``norm``: the whole model's, when this is
+        a part of it (:class:`~mpitrain.parallel.GradSync`)."""
         if not self.exchanged:
             self.finish()
-        norm = _clip(self.comm, [self.flat_grads[shard] for shard in self.shards], grad_clip)
-        if lr is not None:
-            self.optimizer.set_lr(lr)
-        self.optimizer.step()
+        norm = _update(self.comm, self.optimizer, [self.flat_grads[shard] for shard in self.shards], lr, grad_clip,
+                       norm)
         if self.comm.size > 1:
             for lo, hi, bounds in self.segments:
                 if self.algorithm == "ring":
@@ -171,6 +174,9 @@ class Zero1(GradSync):
     def zero_grad(self) -> None:
         self.flat_grads.fill(0)
         self.exchanged = False
+
+    def whole_model(self, masters: bool = False):
+        return _masters_whole(self) if masters else contextlib.nullcontext()
 
 
 def kinds(tied, replicated, key=id):
@@ -260,12 +266,13 @@ class Zero2(GradSync):
         super().__init__(model, optimizer, dp_comm)  # self.params: the flat layout's order
         self.algorithm, self.accumulate, self.accumulating = algorithm, accumulate, False
         self._index = {id(p): i for i, p in enumerate(self.params)}
-        opt_params = [p for group in optimizer.param_groups for p in group["params"]]
+        opt_params = trained(optimizer)
         if {id(p) for p in opt_params} != {id(p) for p in self.params}:
             raise ValueError("ZeRO-2 needs an optimizer over exactly the model's trainable parameters")
         layout = Flat(self.params, data=True, grad=False, what="ZeRO-2")  # no whole gradient is ever kept
         self.flat_params, self.offsets = layout.data, layout.offsets  # (N,), (n_params + 1,)
-        replicas.broadcast(dp_comm, [self.flat_params] + [b for _, b in model.named_buffers()])
+        replicas.broadcast(dp_comm, [self.flat_params] + [b for _, b in model.named_buffers()]
+                           + list(getattr(optimizer, "masters", [])))  # mixed precision's float32 masters
         for p in self.params:
             p.grad = None
         self.buckets = Buckets(self.params, int(bucket_cap_mb * 2**20), self._start, progress=self._test, kind=kind)
@@ -297,6 +304,7 @@ class Zero2(GradSync):
         bucket_of = {id(p): b for b, group in zip(self.ranges, self.buckets.groups) for p in group}
         r = self.comm.rank
         self.pieces = []
+        self.spans = []  # (lo, hi) of each piece in self.flat_params
         self.grads = {}  # id(parameter) -> my piece of its gradient (a view of the shard)
 
         def views(p):
@@ -307,8 +315,9 @@ class Zero2(GradSync):
             at = b.shard.start + lo - int(b.bounds[r])  # in the shard
             base = int(opt_offsets[opt_index[id(p)]]) - int(self.offsets[i])
             self.pieces.append((opt_index[id(p)], lo + base, hi + base))
+            self.spans.append((lo, hi))
             self.grads[id(p)] = self.grad_shard[at : at + hi - lo]
-            return self.flat_params[lo:hi], self.grads[id(p)]
+            return self.flat_params[lo:hi], self.grads[id(p)], lo - int(self.offsets[i])
 
         return full.over(views)
 
@@ -330,7 +339,7 @@ class Zero2(GradSync):
             b.request = Ring(b.comm, b.send, ("reduce_scatter",))
         else:
             b.recv = np.empty(b.shard.stop - b.shard.start, dtype=b.send.dtype)
-            b.request = b.comm.ireduce_scatter(b.send, b.recv, np.diff(b.bounds))
+            b.request = ireduce_scatter(b.comm, b.send, b.recv, np.diff(b.bounds))
 
     def _test(self) -> None:
         """From every gradient-ready hook: progress the reduce-scatters in flight."""
@@ -355,7 +364,7 @@ class Zero2(GradSync):
             if b.request is not None:
                 b.request.wait()
                 self._completed(b)
-        self.grad_shard *= 1.0 / self.comm.size
+        mean(self.grad_shard, self.comm.size)
 
     def held(self) -> dict:
         return self.grads
@@ -375,13 +384,11 @@ class Zero2(GradSync):
             self.accumulating, self.buckets.counting = False, True
 
     # ---------------------------------------------------------------- update
-    def step(self, lr: float | None = None, grad_clip: float = 0.0) -> float:
-        """Clip by the global norm, update my shard, allgather the parameters bucket by
-        bucket; returns the global gradient norm (computed only when clipping, else nan)."""
-        norm = _clip(self.comm, [self.grad_shard], grad_clip)
-        if lr is not None:
-            self.optimizer.set_lr(lr)
-        self.optimizer.step()
+    def step(self, lr: float | None = None, grad_clip: float = 0.0, norm: float | None = None) -> float:
+        """Clip by the global norm (``norm``: as :class:`Zero1`), update my shard,
+        allgather the parameters bucket by bucket; returns the global gradient norm
+        (computed only when clipping, else nan)."""
+        norm = _update(self.comm, self.optimizer, [self.grad_shard], lr, grad_clip, norm)
         if self.comm.size > 1:
             for b in self.ranges:
                 if self.algorithm == "ring":
@@ -395,21 +402,66 @@ class Zero2(GradSync):
         for p in self.params:
             p.grad = None
 
+    def whole_model(self, masters: bool = False):
+        return _masters_whole(self) if masters else contextlib.nullcontext()
+
     def close(self) -> None:
         for b in self.ranges:
             b.comm.free()
 
 
-def _clip(comm, shards: list, grad_clip: float) -> float:
-    """Scale the ``shards`` (this rank's pieces of the gradient) so that the whole
-    gradient's norm is at most ``grad_clip``: one allreduce of each rank's sum of squares
-    (8 bytes); returns the norm (nan: no clipping)."""
-    if grad_clip <= 0:
-        return float("nan")
-    squares = np.array([sum(np.dot(mine, mine) for mine in (a.astype(np.float64) for a in shards))])
-    comm.allreduce(squares)
-    norm = math.sqrt(squares[0])
-    if math.isfinite(norm) and norm > grad_clip:
-        for a in shards:
-            a *= grad_clip / (norm + 1e-6)
-    return norm
+def mean(shard: np.ndarray, P: int) -> None:
+    """The sum of ``P`` ranks' gradients in ``shard``, divided by ``P`` in place; a 16-bit
+    shard in float32 arithmetic (``1/P`` rounded to bfloat16 would be ``2^-9`` off)."""
+    if P > 1:
+        np.multiply(shard, np.float32(1 / P) if shard.itemsize == 2 else 1 / P, out=shard, casting="unsafe")
+
+
+def _update(comm, optimizer, shards: list, lr: float | None, grad_clip: float, norm: float | None) -> float:
+    """The learning rate, clipping to global norm ``grad_clip`` (``norm``: the whole
+    gradient's if the caller has it; else summed here over ``comm`` from this rank's
+    ``shards``: one allreduce of 8 bytes), then the update of my shard. Mixed precision
+    clips as it unscales, in float32. Returns the norm (nan: no clipping)."""
+    if lr is not None:
+        optimizer.set_lr(lr)
+    if norm is None and grad_clip > 0:
+        squares = np.array([sum(np.dot(mine, mine) for mine in (a.astype(np.float64) for a in shards))])
+        comm.allreduce(squares)
+        norm = math.sqrt(squares[0])
+    if getattr(optimizer, "unscales", False):
+        optimizer.step(grad_clip, norm)
+    else:
+        if grad_clip > 0:
+            optim.scale_to(shards, norm, grad_clip)
+        optimizer.step()
+    return float("nan") if norm is None else norm
+
+
+@contextlib.contextmanager
+def _masters_whole(zero):
+    """``zero.whole_model(masters=True)``: in mixed precision the float32 masters, which the ranks
+    hold in shards, gathered whole into every parameter's ``.data`` (a checkpoint saves
+    or loads them there: one allgather of ``4N`` bytes); on the way out each rank keeps
+    its shard of them and rounds every working copy from them. In float32 the flat
+    parameters are whole already: nothing to do."""
+    if not hasattr(zero.optimizer, "masters"):
+        yield
+        return
+    masters = zero.optimizer.masters  # mine (a rank may hold none: it still takes part in the allgather)
+    whole = np.zeros(zero.flat_params.size, dtype=np.float32)  # (N,) every master, in the flat layout
+    for (lo, hi), m in zip(zero.spans, masters):
+        whole[lo:hi] = m
+    ranges = zero.segments if isinstance(zero, Zero1) else [(b.lo, b.hi, b.bounds) for b in zero.ranges]
+    for lo, hi, bounds in ranges if zero.comm.size > 1 else ():
+        zero.comm.allgather_array(whole[lo:hi], np.diff(bounds))
+    halves = [p.data for p in zero.params]
+    for p, lo, hi in zip(zero.params, zero.offsets[:-1], zero.offsets[1:]):
+        p.data = whole[lo:hi].reshape(p.shape)
+    try:
+        yield
+    finally:
+        for p, half in zip(zero.params, halves):
+            p.data = half
+        for (lo, hi), m in zip(zero.spans, masters):
+            m[...] = whole[lo:hi]
+        np.copyto(zero.flat_params, whole, casting="same_kind")

@@ -335,10 +335,10 @@ class Zero3(GradSync):
             return super().check_replicas()
 
     @contextlib.contextmanager
-    def whole_model(self):
+    def whole_model(self, masters: bool = False):
         """Inside, every parameter whole in ``.data`` (gathered; a collective); on the way
         out my chunk of what they then hold becomes my shard, and they are freed. A
-        checkpoint is saved and loaded inside."""
+        checkpoint is saved and loaded inside (``masters``: float32 training has none)."""
         for g in self.groups:
             self._start_gather(g)
         for k in range(len(self.units)):

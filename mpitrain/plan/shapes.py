@@ -130,7 +130,8 @@ def gpt(V: int, T: int, L: int, H: int, C: int, bias: bool = False, checkpointed
     wte = ("embed.wte.weight", (v, C))
     # sliced, the embedding keeps its rows looked up (the product that zeroes the others' ids keeps them)
     embed = Layer("embed", (wte, ("embed.wpe.weight", (T, C))), 0, 0, T * C if t > 1 else 0, seq, whole=(V + T) * C)
-    head = Layer("head", _present([*ln("head.ln_f"), wte]), matmul_flops(T, C, v), 2 * matmul_flops(T, C, v),
+    # the head's own weight before its norm's, as Module.named_parameters lists them (ZeRO cuts in that order)
+    head = Layer("head", _present([wte, *ln("head.ln_f")]), matmul_flops(T, C, v), 2 * matmul_flops(T, C, v),
                  2 * T * C + T + T * v, (T, V), whole=V * C + (2 * C if bias else C), gemm=(T, C, v), scratch=T * v)
     return ModelShape(name, (embed, *(block(i) for i in range(L)), head), (T,), frozenset({wte[0]}))
 

@@ -68,15 +68,16 @@ def dp_calls(lay, params: dict, layers: list, d: int, part: tuple = (0, 0)) -> l
         wire = 2 if par.wire != "fp32" else (summed(s) if algo == "mpi" else s)
         return [Call("dp", f"gradient bucket {i}", "allreduce", n * wire, P, algorithm=algo, rank=d, itemsize=wire)
                 for i, n in enumerate(_bucket_sizes(lay, params))]
+    rs = summed(s) if algo == "mpi" else s  # a reduce-scatter's bytes per number (16-bit: a float32 copy's)
     if par.sync == "zero1":  # each run of one kind on its own (plan.layout.zero_groups)
         runs = _alike([sum(math.prod(params[k]) for k in run) for run in zero_groups(lay, *part)])
-        return ([Call("dp", _what("gradients", runs), "reduce_scatter", n * s, P, k, algo, d, s) for n, k in runs]
+        return ([Call("dp", _what("gradients", runs), "reduce_scatter", n * rs, P, k, algo, d, rs) for n, k in runs]
                 + clip + [Call("dp", _what("parameters", runs), "allgather", n * s, P, k, algo, d, s)
                           for n, k in runs])
     if par.sync == "zero2":
         buckets = _bucket_sizes(lay, params)
         times = m if par.accumulate == "sharded" else 1
-        return ([Call("dp", f"gradient bucket {i}", "reduce_scatter", n * s, P, times, algo, d, s)
+        return ([Call("dp", f"gradient bucket {i}", "reduce_scatter", n * rs, P, times, algo, d, rs)
                  for i, n in enumerate(buckets)] + clip
                 + [Call("dp", f"parameter bucket {i}", "allgather", n * s, P, 1, algo, d, s)
                    for i, n in enumerate(buckets)])

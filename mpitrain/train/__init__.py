@@ -29,7 +29,6 @@ from mpitrain.dtypes import dtype_of
 from mpitrain.observe.memory import HeapTrace
 from mpitrain.observe.timing import Traffic
 from mpitrain.parallel import GradSync
-from mpitrain.precision import masters_in_model
 from mpitrain.runtime import blas_threads, emulated_cluster, launcher, limit_blas_threads, tune_allocator
 from mpitrain.train import identity, resume
 from mpitrain.train.build import Role, Run, build_run, describe, prepare_run_dir
@@ -197,7 +196,7 @@ def _resume(run: Run, chosen: tuple[Path, dict], log, warn) -> int:
     cfg = run.cfg
     path, attrs = chosen
     resume.check_data(path, attrs["header"].get("data"), data_identity(run.data), warn)
-    with run.role.sync.whole_model(), masters_in_model(run.optimizer):  # a mixed-precision run's are float32
+    with run.role.sync.whole_model(masters=True):  # a mixed-precision run's are float32
         attrs = checkpoint.restore(path, model=run.model, optimizer=run.optimizer, sync=run.role.sync,
                                    comm=run.world, layout=run.layout,
                                    check_config=lambda saved: resume.check_config(path, saved, cfg, warn))
@@ -216,7 +215,7 @@ def _start_from(run: Run, origin: Path, log, warn) -> dict:
     what the run's identity records of them."""
     origin = Path(origin)
     fields = run.world.agree(checkpoint.header, origin)
-    with run.role.sync.whole_model(), masters_in_model(run.optimizer):
+    with run.role.sync.whole_model(masters=True):
         attrs = checkpoint.restore(origin, model=run.model, optimizer=run.optimizer, sync=run.role.sync,
                                    comm=run.world, layout=run.layout, weights_only=True)
     came = identity.of(fields) or {}

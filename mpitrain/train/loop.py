@@ -61,7 +61,8 @@ class Loop:
         self.run, self.cfg, self.first, self.result = run, run.cfg, first, result
         self.out, self.signals, self.log, self.warn = out, signals, log, warn
         self.role, self.sync, self.comm = run.role, run.role.sync, run.role.loop_comm
-        self.mixed = run.optimizer if isinstance(run.optimizer, MixedPrecision) else None
+        mixed = self.sync.optimizer  # the one that holds the step's gradients: under ZeRO, the shard's
+        self.mixed = mixed if isinstance(mixed, MixedPrecision) else None
         self.waits = self.sync.waits  # call -> the name of its wait
         self.traffic = Traffic(run.role.axes)
         self.flops = FlopCount()

@@ -62,21 +62,20 @@ class PartSync(GradSync):
             tp.sum_replicated_grads(self.model, self.tp_comm, held)
 
     def step(self, lr: float | None = None, grad_clip: float = 0.0) -> None:
-        """Clip by the whole model's norm (:meth:`grad_norm`), then the replicas' update.
-        Mixed precision clips as it unscales, in float32: it is handed the whole model's
-        unscaled norm instead of its own part's."""
-        if getattr(self.optimizer, "unscales", False):
-            self.optimizer.norm = self.grad_norm() / self.optimizer.scaler.scale
-            return self.inner.step(lr, grad_clip)
-        if grad_clip > 0:
-            optim.scale_to(list(self.inner.held().values()), self.grad_norm(), grad_clip)
-        self.inner.step(lr, 0.0)
+        """The replicas' update, clipped by the whole model's norm (:meth:`grad_norm`),
+        which mixed precision also needs to clip as it unscales, in float32."""
+        mixed = getattr(self.optimizer, "unscales", False)
+        norm = self.grad_norm() if grad_clip > 0 or mixed else None
+        self.inner.step(lr, grad_clip, norm=norm)
 
     def zero_grad(self) -> None:
         self.inner.zero_grad()
 
     def sync_buffers(self) -> None:
         self.inner.sync_buffers()
+
+    def whole_model(self, masters: bool = False):
+        return self.inner.whole_model(masters)
 
     def speaks_for(self, q) -> bool:
         """Whether this rank counts ``q`` for the whole model."""

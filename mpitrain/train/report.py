@@ -22,7 +22,7 @@ from mpitrain.observe.tensorboard import Board
 from mpitrain.observe.timeline import Timeline
 from mpitrain.observe.timing import time_table
 from mpitrain.plan.validate import end_of_run
-from mpitrain.precision import MixedPrecision, masters_in_model
+from mpitrain.precision import MixedPrecision
 from mpitrain.train import evaluate
 from mpitrain.train.build import grid_line, resume_hint
 
@@ -98,7 +98,7 @@ def save(run, step: int, why: str, result: Result, out: Outputs, log) -> None:
     if not cfg.run.dir:
         return
     epoch, epoch_step = divmod(step, run.reader.steps_per_epoch)
-    with out.traced("checkpoint", "checkpoint"), run.role.sync.whole_model(), masters_in_model(run.optimizer):
+    with out.traced("checkpoint", "checkpoint"), run.role.sync.whole_model(masters=True):
         path = checkpoint.save(cfg.run.dir, step, model=run.model, optimizer=run.optimizer, sync=run.role.sync,
                                cfg=cfg, comm=run.world, keep=cfg.run.keep, epoch=epoch, epoch_step=epoch_step,
                                strategy=f"{cfg.parallel.sync}, {grid_line(cfg, run.role)}", layout=run.layout,

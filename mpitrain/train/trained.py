@@ -21,7 +21,6 @@ import numpy as np
 from mpitrain import checkpoint, config, ops
 from mpitrain.config import ConfigError, check_ranks
 from mpitrain.observe.metrics import MetricsLog
-from mpitrain.precision import masters_in_model
 from mpitrain.runtime import blas_threads, limit_blas_threads
 from mpitrain.train import evaluate as scoring
 from mpitrain.train import resume
@@ -48,7 +47,7 @@ def load(target, comm, log, overrides: list[str] = ()) -> tuple[Run, int, Path]:
     plain["parallel"] = {}  # replicas of the whole model
     cfg = config.from_saved(plain, list(overrides), where=f"{path}: the saved config")
     run = build_run(cfg, comm, check_ranks(cfg, comm.size), log)
-    with run.role.sync.whole_model(), masters_in_model(run.optimizer):  # a mixed-precision run's are float32
+    with run.role.sync.whole_model(masters=True):  # a mixed-precision run's are float32
         checkpoint.restore(path, model=run.model, optimizer=run.optimizer, sync=run.role.sync, comm=comm,
                            layout=run.layout, weights_only=True)
     return run, int(attrs["step"]), path
