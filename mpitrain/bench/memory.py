@@ -3,8 +3,8 @@ formulas (:func:`~mpitrain.cost.bytes_per_parameter`).
 
 For each gradient sync (``ddp``, ``zero1``, ``zero2``, ``zero3``) and each number of
 ranks ``P`` (1, 2 and 4 by default) it starts ``mpiexec -n P`` on :func:`worker`, which
-trains the GPT of ``bench step`` (float32, and with ddp mixed precision ``bf16``,
-``fp16``; AdamW, clipping, global batch 12) for three steps with ``tracemalloc`` tracing
+trains the GPT of ``bench step`` (float32, and with the syncs that take it mixed
+precision ``bf16``, ``fp16``; AdamW, clipping, global batch 12) for three steps with ``tracemalloc`` tracing
 every NumPy buffer. The table gives the largest rank's figures (``--json``: every rank's):
 
 * **params**, **grads**, **optim**, **work**: the state counted from the arrays the sync
@@ -50,7 +50,7 @@ from mpitrain.runtime import limit_blas_threads
 SYNCS = ("ddp", "zero1", "zero2", "zero3")
 MAKE = {"ddp": lambda model, opt, comm: DataParallel(model, comm, optimizer=opt), "zero1": Zero1, "zero2": Zero2,
         "zero3": Zero3}  # each sync from a model, its optimizer and a communicator
-PRECISIONS = ("fp32", "bf16", "fp16")  # mixed precision with the syncs of config.PRECISION_SYNCS (ddp)
+PRECISIONS = ("fp32", "bf16", "fp16")  # mixed precision with the syncs of config.PRECISION_SYNCS
 BATCH = 12
 
 
@@ -71,7 +71,7 @@ def worker(name: str, precision: str = "fp32") -> None:
         def step():
             model(tokens[:, :-1], tokens[:, 1:])[1].backward(scale)
             sync.finish()
-            if precision != "fp32" and opt.check():
+            if precision != "fp32" and sync.optimizer.check():  # the gradients it holds: ZeRO's shards
                 raise FloatingPointError("mpitrain bench memory: the gradients overflowed")
             sync.step(1e-3, 1.0)
             sync.zero_grad()
@@ -139,7 +139,7 @@ def activations(rounds: int = 5, log=print) -> dict:
 
 def run(ranks=(1, 2, 4), syncs=SYNCS, precisions=PRECISIONS, as_json: bool = False, log=print) -> list[dict]:
     """Measure every sync at every rank count (each its own ``mpiexec``), in float32 and,
-    with ddp, in each mixed precision; print the table."""
+    with the syncs of PRECISION_SYNCS, in each mixed precision; print the table."""
     rows = []
     for P in ranks:
         for name in syncs:
