@@ -176,7 +176,7 @@ class Zero1(GradSync):
         self.exchanged = False
 
     def whole_model(self, masters: bool = False):
-        return _masters_whole(self) if masters else contextlib.nullcontext()
+        return _masters_whole(self, self.segments) if masters else contextlib.nullcontext()
 
 
 def kinds(tied, replicated, key=id):
@@ -403,7 +403,8 @@ class Zero2(GradSync):
             p.grad = None
 
     def whole_model(self, masters: bool = False):
-        return _masters_whole(self) if masters else contextlib.nullcontext()
+        runs = [(b.lo, b.hi, b.bounds) for b in self.ranges]
+        return _masters_whole(self, runs) if masters else contextlib.nullcontext()
 
     def close(self) -> None:
         for b in self.ranges:
@@ -438,12 +439,13 @@ def _update(comm, optimizer, shards: list, lr: float | None, grad_clip: float, n
 
 
 @contextlib.contextmanager
-def _masters_whole(zero):
+def _masters_whole(zero, runs):
     """``zero.whole_model(masters=True)``: in mixed precision the float32 masters, which the ranks
     hold in shards, gathered whole into every parameter's ``.data`` (a checkpoint saves
     or loads them there: one allgather of ``4N`` bytes); on the way out each rank keeps
     its shard of them and rounds every working copy from them. In float32 the flat
-    parameters are whole already: nothing to do."""
+    parameters are whole already: nothing to do. ``runs`` are ``(lo, hi, chunk starts)`` of
+    the flat layout, one allgather each."""
     if not hasattr(zero.optimizer, "masters"):
         yield
         return
@@ -451,8 +453,7 @@ def _masters_whole(zero):
     whole = np.zeros(zero.flat_params.size, dtype=np.float32)  # (N,) every master, in the flat layout
     for (lo, hi), m in zip(zero.spans, masters):
         whole[lo:hi] = m
-    ranges = zero.segments if isinstance(zero, Zero1) else [(b.lo, b.hi, b.bounds) for b in zero.ranges]
-    for lo, hi, bounds in ranges if zero.comm.size > 1 else ():
+    for lo, hi, bounds in runs if zero.comm.size > 1 else ():
         zero.comm.allgather_array(whole[lo:hi], np.diff(bounds))
     halves = [p.data for p in zero.params]
     for p, lo, hi in zip(zero.params, zero.offsets[:-1], zero.offsets[1:]):
