@@ -121,11 +121,11 @@ def test_an_unreadable_config_file_gets_one_line(tmp_path, monkeypatch):
     (["parallel.sync=zero1", "parallel.wire=bf16"], "parallel.wire: does not apply to parallel.sync = 'zero1'"),
     (["train.precision=fp8"], "train.precision: must be 'fp32', 'bf16' or 'fp16'"),
     (["train.precision=bf16", "train.dtype=float64"], "train.precision: mixed precision keeps float32 master"),
-    (["train.precision=bf16", "parallel.sync=zero3"], "train.precision: mixed precision works with parallel.sync = "
-                                                       "'ddp' or 'local' or 'zero1' or 'zero2' for now, not 'zero3'"),
+    (["train.precision=bf16", "parallel.sync=ps"], "train.precision: parameter servers train in float32"),
+    (["parallel.sync=zero3", "parallel.gather=each"], "parallel.gather: must be 'layer' or 'step'"),
+    (["parallel.sync=zero1", "parallel.gather=step"], "parallel.gather: does not apply to parallel.sync = 'zero1'"),
     (["train.precision=fp16", "parallel.allreduce=ring", "parallel.wire=bf16"],
      "parallel.wire: with train.precision the gradients are 16-bit already"),
-    (["train.precision=fp16", "parallel.allreduce=hierarchical"], "parallel.allreduce: mixed precision works with"),
     (["parallel.sync=zero3", "parallel.bucket_mb=1"], "parallel.bucket_mb: does not apply to parallel.sync = 'zero3'"),
     (["parallel.sync=zero3", "model.name=gpt", "data.name=shakespeare", "model.checkpoint_activations=true"],
      "model.checkpoint_activations: ZeRO-3 (parallel.sync = 'zero3') replays every layer in backward already"),
@@ -189,11 +189,10 @@ def test_parameter_server_rank_checks(ranks, overrides, message):
          "model.block_size=30"], "parallel.sequence_parallel: model.block_size 30 does not split over 4"),
     (2, ["parallel.schedule=gpipe"], "parallel.schedule: applies to pipeline runs (parallel.pp > 1); this one has "
                                      "pp = 1"),
-    (4, ["parallel.pp=2", "parallel.sync=zero3"], "parallel.sync: 'zero3' does not combine with pipeline stages "
-                                                  "(parallel.pp = 2) yet; use one of ['ddp', 'local', 'zero1', "
-                                                  "'zero2']"),
-    (4, ["parallel.tp=2", "parallel.sync=zero3", "model.name=gpt", "data.name=shakespeare"],
-     "parallel.sync: 'zero3' does not combine with tensor slicing (parallel.tp = 2) yet"),
+    (5, ["parallel.pp=2", "parallel.sync=ps"], "parallel.sync: 'ps' (parameter servers) serves whole replicas, not "
+                                               "pipeline stages (parallel.pp = 2): no parameter-server system"),
+    (5, ["parallel.tp=2", "parallel.sync=ps", "model.name=gpt", "data.name=shakespeare"],
+     "parallel.sync: 'ps' (parameter servers) serves whole replicas, not tensor slices (parallel.tp = 2)"),
     (2, ["parallel.pp=2", "parallel.schedule=interleaved", "parallel.chunks=2", "train.micro_batches=3"],
      "train.micro_batches: the interleaved schedule needs a multiple of the 2 pipeline stages"),
     (2, ["parallel.pp=2", "parallel.schedule=interleaved"], "parallel.chunks: the interleaved schedule needs 2 or "
@@ -252,7 +251,10 @@ def test_thread_level_choice():
 
 @pytest.mark.parametrize("overrides", [["parallel.pp=2", "parallel.tp=2", "train.precision=bf16"],
                                        ["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"],
-                                       ["parallel.tp=2", "parallel.sync=zero2", "parallel.sequence_parallel=true"]])
+                                       ["parallel.tp=2", "parallel.sync=zero2", "parallel.sequence_parallel=true"],
+                                       ["parallel.pp=2", "parallel.tp=2", "parallel.sync=zero3", "train.precision=fp16"],
+                                       ["parallel.tp=2", "parallel.sync=zero3", "train.precision=bf16",
+                                        "parallel.allreduce=ring"]])
 def test_stages_slices_zero_and_mixed_precision_combine(overrides):
     cfg = config.from_dict({"model": {"name": "gpt", "n_head": 4}, "data": {"name": "shakespeare"},
                             "train": {"steps": 4, "global_batch_size": 8, "micro_batches": 2}}, overrides,

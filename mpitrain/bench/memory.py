@@ -38,7 +38,6 @@ import numpy as np
 from mpitrain.bench.measure import NANOGPT, VOCAB, gpt, interleaved, seconds
 from mpitrain.cluster import mpiexec
 from mpitrain.comm import world
-from mpitrain.config import PRECISION_SYNCS
 from mpitrain.cost import bytes_per_parameter, gpt_block_activation_bytes, gpt_ends_activation_bytes
 from mpitrain.dtypes import dtype_of
 from mpitrain.observe.memory import model_state
@@ -50,7 +49,7 @@ from mpitrain.runtime import limit_blas_threads
 SYNCS = ("ddp", "zero1", "zero2", "zero3")
 MAKE = {"ddp": lambda model, opt, comm: DataParallel(model, comm, optimizer=opt), "zero1": Zero1, "zero2": Zero2,
         "zero3": Zero3}  # each sync from a model, its optimizer and a communicator
-PRECISIONS = ("fp32", "bf16", "fp16")  # mixed precision with the syncs of config.PRECISION_SYNCS
+PRECISIONS = ("fp32", "bf16", "fp16")  # each sync in float32 and in each mixed precision
 BATCH = 12
 
 
@@ -139,11 +138,11 @@ def activations(rounds: int = 5, log=print) -> dict:
 
 def run(ranks=(1, 2, 4), syncs=SYNCS, precisions=PRECISIONS, as_json: bool = False, log=print) -> list[dict]:
     """Measure every sync at every rank count (each its own ``mpiexec``), in float32 and,
-    with the syncs of PRECISION_SYNCS, in each mixed precision; print the table."""
+    in each mixed precision; print the table."""
     rows = []
     for P in ranks:
         for name in syncs:
-            for precision in precisions if name in PRECISION_SYNCS else [p for p in precisions if p == "fp32"]:
+            for precision in precisions:
                 cmd = [mpiexec(), "-n", str(P), sys.executable, "-m", "mpitrain.bench.memory", name, precision]
                 done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
                 if done.returncode != 0:

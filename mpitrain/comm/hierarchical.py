@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpitrain.comm.requests import Request
-from mpitrain.comm.ring import Ring, chunk_bounds
+from mpitrain.comm.ring import Ring, chunk_bounds, is_half
 
 _hierarchies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -79,7 +79,7 @@ class HierarchicalAllreduce(Request):
         bounds = chunk_bounds(buf.size, h.node.size)  # the ring's slices: local rank l owns slice l
         mine = buf[bounds[h.node.rank] : bounds[h.node.rank + 1]]
         self.phases = [lambda: Ring(h.node, buf, ("reduce_scatter",)),
-                       lambda: h.cross.iallreduce(mine),
+                       lambda: Ring(h.cross, mine) if is_half(mine.dtype) else h.cross.iallreduce(mine),
                        lambda: Ring(h.node, buf, ("allgather",))]
         self.current = self.phases.pop(0)()
 

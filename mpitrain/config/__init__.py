@@ -22,7 +22,7 @@ from pathlib import Path
 
 from mpitrain.config.checks import check_against_data, check_ranks, cut_refused, validate
 from mpitrain.config.fields import (CHOICES, EMBEDDED, GRID, MODEL_FIELDS, MODELS, OPTIM_FIELDS, PARALLEL_FIELDS,
-                                    PIPELINE_SYNCS, PRECISION_SYNCS, RENAMED, TENSOR_SYNCS, TEXT_ONLY_TRAIN_FIELDS,
+                                    RENAMED, WHOLE_REPLICA_SYNCS, TEXT_ONLY_TRAIN_FIELDS,
                                     Config, ConfigError, DataConfig, ModelConfig, OptimConfig, ParallelConfig,
                                     RunConfig, TrainConfig, sections)
 from mpitrain.config.markdown import reference
@@ -33,7 +33,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 __all__ = ["CHOICES", "EMBEDDED", "GRID", "MODEL_FIELDS", "MODELS", "OPTIM_FIELDS", "PARALLEL_FIELDS",
-           "PIPELINE_SYNCS", "PRECISION_SYNCS", "RENAMED", "TENSOR_SYNCS", "TEXT_ONLY_TRAIN_FIELDS", "Config",
+           "RENAMED", "WHOLE_REPLICA_SYNCS", "TEXT_ONLY_TRAIN_FIELDS", "Config",
            "ConfigError", "DataConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RunConfig", "TrainConfig",
            "check_against_data", "check_ranks", "cut_refused", "field_for_option", "from_dict", "from_saved", "load",
            "read", "reference", "sections", "validate"]

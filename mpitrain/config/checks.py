@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 
 from mpitrain.config.fields import (CHOICES, EMBEDDED, GRID, IMAGE_ONLY_TRAIN_FIELDS, MODELS, OPTIM_FIELDS,
-                                    PARALLEL_FIELDS, PIPELINE_SYNCS, PRECISION_SYNCS, TENSOR_SYNCS,
+                                    PARALLEL_FIELDS, WHOLE_REPLICA_SYNCS,
                                     TEXT_ONLY_TRAIN_FIELDS, Config, ConfigError)
 from mpitrain.schedules import SCHEDULES
 
@@ -141,15 +141,13 @@ def _validate_parallel(cfg: Config) -> None:
     _require(par.wire in ("fp32", "bf16", "fp16"), "parallel.wire", "must be 'fp32', 'bf16' or 'fp16'", par.wire)
     _require(par.wire == "fp32" or par.allreduce == "ring", "parallel.wire",
              "16-bit gradients on the wire need parallel.allreduce = 'ring' (MPI cannot add them in fp32)", par.wire)
-    _require(cfg.train.precision == "fp32" or par.sync in PRECISION_SYNCS, "train.precision",
-             f"mixed precision works with parallel.sync = {' or '.join(map(repr, PRECISION_SYNCS))} for now, "
-             f"not {par.sync!r}", cfg.train.precision)
+    _require(par.gather in ("layer", "step"), "parallel.gather", "must be 'layer' or 'step'", par.gather)
+    _require(cfg.train.precision == "fp32" or par.sync != "ps", "train.precision",
+             "parameter servers train in float32 (their workers push and pull float32 numbers): use "
+             "parallel.sync = 'ddp' or a ZeRO stage for mixed precision", cfg.train.precision)
     _require(cfg.train.precision == "fp32" or par.wire == "fp32", "parallel.wire",
              "with train.precision the gradients are 16-bit already; parallel.wire is for float32 training",
              par.wire)
-    _require(cfg.train.precision == "fp32" or par.allreduce != "hierarchical", "parallel.allreduce",
-             "mixed precision works with 'ring' (16-bit words on the wire) or 'mpi' (float32), not 'hierarchical'",
-             par.allreduce)
     _require(par.sync != "zero3" or not cfg.model.checkpoint_activations, "model.checkpoint_activations",
              "ZeRO-3 (parallel.sync = 'zero3') replays every layer in backward already; leave it false",
              cfg.model.checkpoint_activations)
@@ -256,9 +254,7 @@ def _check_pipeline(cfg: Config, pp: int) -> None:
             if f"parallel.{name}" in cfg.given:
                 raise ConfigError(f"parallel.{name}: applies to pipeline runs (parallel.pp > 1); this one has pp = 1")
         return
-    if par.sync not in PIPELINE_SYNCS:
-        raise ConfigError(f"parallel.sync: {par.sync!r} does not combine with pipeline stages (parallel.pp = {pp}) "
-                          f"yet; use one of {list(PIPELINE_SYNCS)}")
+    _whole_replicas(par, f"pipeline stages (parallel.pp = {pp})")
     if par.schedule == "interleaved" and par.chunks < 2:
         raise ConfigError("parallel.chunks: the interleaved schedule needs 2 or more model chunks per rank "
                           f"(got {par.chunks}; with one it is 1F1B: parallel.schedule = '1f1b')")
@@ -271,8 +267,15 @@ def _check_pipeline(cfg: Config, pp: int) -> None:
                           f"stages (as in Megatron-LM), got {m}")
 
 
+def _whole_replicas(par, parts: str) -> None:
+    """The one combination that does not exist: parameter servers with parts of the model."""
+    if par.sync in WHOLE_REPLICA_SYNCS:
+        raise ConfigError(f"parallel.sync: {par.sync!r} (parameter servers) serves whole replicas, not "
+                          f"{parts}: no parameter-server system shards a model that way; use 'ddp' or a ZeRO stage")
+
+
 def _check_tensor(cfg: Config, sizes: dict) -> None:
-    """Tensor slicing: the GPT's, its heads over the ranks; what it does not combine with yet."""
+    """Tensor slicing: the GPT's, its heads over the ranks."""
     tp, par = sizes["tp"], cfg.parallel
     if tp == 1:
         if par.sequence_parallel:
@@ -285,9 +288,7 @@ def _check_tensor(cfg: Config, sizes: dict) -> None:
     if cfg.model.n_head % tp:
         raise ConfigError(f"parallel.tp: the {cfg.model.n_head} attention heads (model.n_head) do not split over "
                           f"{tp} tensor-parallel ranks")
-    if par.sync not in TENSOR_SYNCS:
-        raise ConfigError(f"parallel.sync: {par.sync!r} does not combine with tensor slicing (parallel.tp = {tp}) "
-                          f"yet; use {' or '.join(map(repr, TENSOR_SYNCS))}")
+    _whole_replicas(par, f"tensor slices (parallel.tp = {tp})")
     if par.progress == "thread" and par.thread_level not in ("auto", "multiple"):
         raise ConfigError(f"parallel.thread_level: the slices' collectives and the communication thread call MPI "
                           f"at the same time (parallel.progress = 'thread'): 'multiple' is needed, got "

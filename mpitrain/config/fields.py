@@ -55,7 +55,7 @@ PARALLEL_FIELDS = {  # by parallel.sync
     "ddp": _PARALLEL_COMMON | {"allreduce", "bucket_mb", "progress", "wire"},
     "zero1": _PARALLEL_COMMON | {"allreduce"},
     "zero2": _PARALLEL_COMMON | {"allreduce", "bucket_mb", "accumulate"},
-    "zero3": _PARALLEL_COMMON | {"allreduce"},
+    "zero3": _PARALLEL_COMMON | {"allreduce", "gather"},
     "local": _PARALLEL_COMMON,
     "ps": _PARALLEL_COMMON | {"servers", "staleness", "slow_worker", "slow_factor"},
 }
@@ -63,9 +63,7 @@ PARALLEL_FIELDS = {  # by parallel.sync
 CHOICES = {"model": ("name", MODEL_FIELDS), "optim": ("name", OPTIM_FIELDS), "parallel": ("sync", PARALLEL_FIELDS)}
 RENAMED = {"parallel.strategy": "parallel.sync"}  # old spelling -> new: still read, with a note
 GRID = ("dp", "pp", "tp")
-PIPELINE_SYNCS = ("ddp", "local", "zero1", "zero2")  # the gradient syncs a pipeline stage's replicas can use
-PRECISION_SYNCS = ("ddp", "local", "zero1", "zero2")  # the gradient syncs that train in mixed precision (train.precision)
-TENSOR_SYNCS = ("ddp", "local", "zero1", "zero2")  # the gradient syncs that combine with tensor slices (parallel.tp > 1)
+WHOLE_REPLICA_SYNCS = ("ps",)  # the syncs that train whole replicas only: no pipeline stages, no tensor slices
 
 
 @dataclass(frozen=True)
@@ -126,6 +124,7 @@ class ParallelConfig:
     allreduce: str = "mpi"  #: "mpi" (MPI's collectives), "ring" (mpitrain's) or "hierarchical" (node-aware; ddp)
     bucket_mb: float = 4.0  #: gradient bucket size: an allreduce (zero2: a reduce-scatter) starts per full bucket
     accumulate: str = "sharded"  #: with micro-batches: reduce-scatter each ("sharded") or their sum once ("full")
+    gather: str = "layer"  #: zero3: free a layer's gathered weights after each use ("layer") or after the step ("step")
     wire: str = "fp32"  #: allreduce "ring": the gradients' format on the wire, "fp32", "bf16" or "fp16" (added in fp32)
     progress: str = "test"  #: how buckets advance during backward: "test", "thread" or "none"; "off": started after it
     thread_level: str = "auto"  #: MPI thread level: "auto" (multiple), "single", "funneled", "serialized" or "multiple"

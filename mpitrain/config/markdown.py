@@ -11,8 +11,8 @@ import typing
 from pathlib import Path
 
 from mpitrain.config import fields as _fields
-from mpitrain.config.fields import (CHOICES, IMAGE_ONLY_TRAIN_FIELDS, PIPELINE_SYNCS, PRECISION_SYNCS, RENAMED,
-                                    TENSOR_SYNCS, TEXT_ONLY_TRAIN_FIELDS, Config, sections)
+from mpitrain.config.fields import (CHOICES, IMAGE_ONLY_TRAIN_FIELDS, PARALLEL_FIELDS, RENAMED, TEXT_ONLY_TRAIN_FIELDS,
+                                    WHOLE_REPLICA_SYNCS, Config, sections)
 
 _TYPE_NAMES = {str: "string", int: "integer", float: "number", bool: "boolean", tuple[int, ...]: "list of integers",
                tuple[float, float]: "list of 2 numbers"}
@@ -52,15 +52,26 @@ def reference() -> str:
             out.append(f"| `{name}` | {_TYPE_NAMES[annotation]} | `{json.dumps(getattr(cls(), name))}` |{applies} "
                        f"{meaning.replace('|', chr(92) + '|')} |")
         out.append("")
-    either = lambda names: " or ".join(f'`"{n}"`' for n in names)  # noqa: E731
-    return "\n".join(out + [
-        "## Combinations", "",
+    return "\n".join(out + _combinations() + [
         f"- `train.{'`, `train.'.join(sorted(TEXT_ONLY_TRAIN_FIELDS))}`: text models (`model.name = \"gpt\"`).",
         f"- `train.{'`, `train.'.join(sorted(IMAGE_ONLY_TRAIN_FIELDS))}`: image models.",
-        f"- `parallel.pp` > 1: `parallel.sync` is {either(PIPELINE_SYNCS)}.",
-        f"- `parallel.tp` > 1: `model.name = \"gpt\"`, and `parallel.sync` is {either(TENSOR_SYNCS)}.",
-        f"- `train.precision` other than `\"fp32\"`: `parallel.sync` is {either(PRECISION_SYNCS)} (on any "
-        "grid of pipeline stages and tensor slices).",
+        "- `parallel.tp` > 1: `model.name = \"gpt\"` (tensor slicing cuts a transformer's layers).",
         *(f"- `{old}` is the old name of `{new}`: still read, with a note." for old, new in RENAMED.items()), "",
         "Every check, each with its message, is in `mpitrain/config/checks.py`: `validate`, and, once the ranks "
         "and the data are known, `check_ranks` and `check_against_data`.", ""])
+
+
+def _combinations() -> list[str]:
+    """The table of what combines with what: every gradient sync with pipeline stages,
+    tensor slices (and sequence parallelism) and mixed precision, but the syncs that
+    serve whole replicas."""
+    out = ["## Combinations", "", "Every gradient sync combines with every other axis of the grid, but one:", "",
+           "| `parallel.sync` | `parallel.pp` > 1 | `parallel.tp` > 1, `sequence_parallel` | `train.precision` "
+           "`bf16` / `fp16` |", "|---|---|---|---|"]
+    for sync in PARALLEL_FIELDS:
+        whole = sync in WHOLE_REPLICA_SYNCS
+        cell = "no: whole replicas only" if whole else "yes"
+        note = " (`dp` = 1)" if sync == "local" else ""
+        out.append(f"| `{sync}`{note} | {cell} | {cell} | {'no: float32' if whole else 'yes'} |")
+    return out + ["", "Parameter servers serve whole replicas in float32: no such system shards the model "
+                  "into stages or slices.", ""]

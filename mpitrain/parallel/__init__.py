@@ -32,6 +32,9 @@ The defaults below are one whole replica's; :mod:`~.local` is this class alone.
 from __future__ import annotations
 
 import contextlib
+import math
+
+import numpy as np
 
 from mpitrain import flat, optim
 from mpitrain.comm import replicas
@@ -124,3 +127,53 @@ class GradSync:
 
     def close(self) -> None:
         """Release communicators and threads."""
+
+
+def mean(shard: np.ndarray, P: int) -> None:
+    """The sum of ``P`` ranks' gradients in ``shard``, divided by ``P`` in place; a 16-bit
+    shard in float32 arithmetic (``1/P`` rounded to bfloat16 would be ``2^-9`` off)."""
+    if P > 1:
+        np.multiply(shard, np.float32(1 / P) if shard.itemsize == 2 else 1 / P, out=shard, casting="unsafe")
+
+
+def sharded_update(comm, optimizer, shards: list, lr: float | None, grad_clip: float, norm: float | None) -> float:
+    """A sharded strategy's update (ZeRO's): the learning rate, clipping to global norm
+    ``grad_clip`` (``norm``: the whole gradient's if the caller has it; else summed here over ``comm`` from this rank's
+    ``shards``: one allreduce of 8 bytes), then the update of my shard. Mixed precision
+    clips as it unscales, in float32. Returns the norm (nan: no clipping)."""
+    if lr is not None:
+        optimizer.set_lr(lr)
+    if norm is None and grad_clip > 0:
+        squares = np.array([sum(np.dot(mine, mine) for mine in (a.astype(np.float64) for a in shards))])
+        comm.allreduce(squares)
+        norm = math.sqrt(squares[0])
+    if getattr(optimizer, "unscales", False):
+        optimizer.step(grad_clip, norm)
+    else:
+        if grad_clip > 0:
+            optim.scale_to(shards, norm, grad_clip)
+        optimizer.step()
+    return float("nan") if norm is None else norm
+
+
+def kinds(tied, replicated, key=id):
+    """A parameter -> the whole model's sum it owes after the replicas' exchange, the
+    label ZeRO keeps apart (:func:`mpitrain.parallel.zero.segments`, ZeRO-3's groups): its
+    own for a weight several pipeline stages hold (``key(q)`` in ``tied``), ``"slices"`` for one every tensor slice holds
+    whole under sequence parallelism (in ``replicated``), None for the rest. ``key``:
+    ``id`` for the trainer's tensors, the name for the planner's."""
+    def kind(q):
+        k = key(q)
+        return ("tied", k) if k in tied else "slices" if k in replicated else None
+
+    return kind
+
+
+def runs(params, kind) -> list[list]:
+    """``params`` in their order, cut where ``kind`` (None: one run) changes."""
+    out: list[list] = []
+    for p in params:
+        if not out or kind is not None and kind(p) != kind(out[-1][0]):
+            out.append([])
+        out[-1].append(p)
+    return out

@@ -261,7 +261,7 @@ class VocabParallelEmbedding(Module):
         self.weight, self.lo, self.comm, self.sequence = weight, lo, comm, sequence  # (V / t, C)
 
     def forward(self, ids):
-        ids = np.asarray(ids)
+        ids = ids.data if isinstance(ids, Tensor) else np.asarray(ids)  # (B, T) ids (ZeRO-3 hands a Tensor)
         mine = (ids >= self.lo) & (ids < self.lo + self.weight.shape[0])  # (B, T)
         rows = ops.embedding(np.where(mine, ids - self.lo, 0), self.weight)  # (B, T, C)
         part = rows * mine[..., None].astype(self.weight.dtype)

@@ -57,6 +57,15 @@ runs of one kind (:func:`segments`), and each run into ``P`` chunks on its own, 
 tied weight's chunk ``r`` is the same numbers on every stage that holds it. Each run is
 one reduce-scatter and one allgather: the bytes do not change, the number of calls does.
 
+**Mixed precision.** The flat arrays hold the 16-bit working copies and gradients; each
+rank keeps the float32 masters and Adam's moments of its shard only (ZeRO's
+``2 + 2 + 12/P`` bytes per parameter for stage 1, ``2 + (2 + 12)/P`` for stage 2). The
+16-bit gradients are reduce-scattered as float32 copies by MPI
+(:func:`mpitrain.comm.ring.ireduce_scatter`) or added in float32 by the ring; the update
+unscales and clips in float32 and rounds the new masters into the working copies that
+the allgather shares. ``whole_model(masters=True)`` gathers the float32 masters whole for
+a checkpoint.
+
 **Bytes per rank per step**: reduce-scatter ``(P-1)/P x N x s`` (stage 2, ``"sharded"``:
 once per micro-batch) plus allgather ``(P-1)/P x N x s``: ``2 (P-1)/P x N x s``, the same
 as data parallelism's allreduce, which is the two halves done back to back
@@ -70,7 +79,6 @@ broadcast (:func:`mpitrain.comm.replicas.broadcast`).
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,7 +87,7 @@ from mpitrain import optim
 from mpitrain.comm import replicas
 from mpitrain.comm.ring import ALGORITHMS, Ring, chunk_bounds, ireduce_scatter
 from mpitrain.flat import Buckets, Flat, offsets
-from mpitrain.parallel import GradSync, trained
+from mpitrain.parallel import GradSync, kinds, mean, runs, sharded_update, trained  # noqa: F401 (kinds: the layout's)
 
 
 class Zero1(GradSync):
@@ -160,8 +168,8 @@ class Zero1(GradSync):
         a part of it (:class:`~mpitrain.parallel.GradSync`)."""
         if not self.exchanged:
             self.finish()
-        norm = _update(self.comm, self.optimizer, [self.flat_grads[shard] for shard in self.shards], lr, grad_clip,
-                       norm)
+        norm = sharded_update(self.comm, self.optimizer, [self.flat_grads[shard] for shard in self.shards], lr,
+                              grad_clip, norm)
         if self.comm.size > 1:
             for lo, hi, bounds in self.segments:
                 if self.algorithm == "ring":
@@ -177,29 +185,6 @@ class Zero1(GradSync):
 
     def whole_model(self, masters: bool = False):
         return _masters_whole(self, self.segments) if masters else contextlib.nullcontext()
-
-
-def kinds(tied, replicated, key=id):
-    """A parameter -> the whole model's sum it owes after the replicas' exchange, the
-    label ZeRO keeps apart (:func:`segments`): its own for a weight several pipeline
-    stages hold (``key(q)`` in ``tied``), ``"slices"`` for one every tensor slice holds
-    whole under sequence parallelism (in ``replicated``), None for the rest. ``key``:
-    ``id`` for the trainer's tensors, the name for the planner's."""
-    def kind(q):
-        k = key(q)
-        return ("tied", k) if k in tied else "slices" if k in replicated else None
-
-    return kind
-
-
-def runs(params, kind) -> list[list]:
-    """``params`` in their order, cut where ``kind`` (None: one run) changes."""
-    out: list[list] = []
-    for p in params:
-        if not out or kind is not None and kind(p) != kind(out[-1][0]):
-            out.append([])
-        out[-1].append(p)
-    return out
 
 
 def segments(params, offsets, kind, P: int) -> list[tuple]:
@@ -388,7 +373,7 @@ class Zero2(GradSync):
         """Clip by the global norm (``norm``: as :class:`Zero1`), update my shard,
         allgather the parameters bucket by bucket; returns the global gradient norm
         (computed only when clipping, else nan)."""
-        norm = _update(self.comm, self.optimizer, [self.grad_shard], lr, grad_clip, norm)
+        norm = sharded_update(self.comm, self.optimizer, [self.grad_shard], lr, grad_clip, norm)
         if self.comm.size > 1:
             for b in self.ranges:
                 if self.algorithm == "ring":
@@ -409,33 +394,6 @@ class Zero2(GradSync):
     def close(self) -> None:
         for b in self.ranges:
             b.comm.free()
-
-
-def mean(shard: np.ndarray, P: int) -> None:
-    """The sum of ``P`` ranks' gradients in ``shard``, divided by ``P`` in place; a 16-bit
-    shard in float32 arithmetic (``1/P`` rounded to bfloat16 would be ``2^-9`` off)."""
-    if P > 1:
-        np.multiply(shard, np.float32(1 / P) if shard.itemsize == 2 else 1 / P, out=shard, casting="unsafe")
-
-
-def _update(comm, optimizer, shards: list, lr: float | None, grad_clip: float, norm: float | None) -> float:
-    """The learning rate, clipping to global norm ``grad_clip`` (``norm``: the whole
-    gradient's if the caller has it; else summed here over ``comm`` from this rank's
-    ``shards``: one allreduce of 8 bytes), then the update of my shard. Mixed precision
-    clips as it unscales, in float32. Returns the norm (nan: no clipping)."""
-    if lr is not None:
-        optimizer.set_lr(lr)
-    if norm is None and grad_clip > 0:
-        squares = np.array([sum(np.dot(mine, mine) for mine in (a.astype(np.float64) for a in shards))])
-        comm.allreduce(squares)
-        norm = math.sqrt(squares[0])
-    if getattr(optimizer, "unscales", False):
-        optimizer.step(grad_clip, norm)
-    else:
-        if grad_clip > 0:
-            optim.scale_to(shards, norm, grad_clip)
-        optimizer.step()
-    return float("nan") if norm is None else norm
 
 
 @contextlib.contextmanager

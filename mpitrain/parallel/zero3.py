@@ -43,6 +43,28 @@ between forward and backward are the units' inputs only.
 reduce-scattered once: ``3 (P-1)/P x N x s`` (:func:`mpitrain.cost.zero_bytes`;
 micro-batches gather and reduce again each).
 
+**Micro-batches and pipelines: when to gather** (``gather``). With ``m`` micro-batches
+(a pipeline stage runs ``m`` per step, in its schedule's order) ``"layer"``, the default
+(FSDP's), gathers each unit for every forward and every backward and reduce-scatters
+every backward: ``3m (P-1)/P x N x s``, the least memory (one unit's weights at a time);
+zero bubble's backward is two passes, each gathering: ``4m``. ``"step"`` keeps every
+unit's weights from their first gather to the step's last backward and sums the
+micro-batches' whole gradients, reduce-scattered once: ``2 (P-1)/P x N x s`` as data
+parallelism's allreduce, at the memory of the whole part's weights and gradients
+(DeepSpeed's and FSDP's "no reshard" choice, for a stage that fits).
+
+**On a part of the model.** Over the replicas of a tensor slice (FSDP x TP, torchtitan's)
+or of a pipeline stage, the units are the part's layers; the sums the whole model still
+owes come after :meth:`Zero3.finish`, on the pieces :meth:`Zero3.held` gives
+(:class:`mpitrain.train.parts.PartSync`). ``kind`` keeps the weights those sums meet in
+groups of their own (:func:`groups`), so every stage or slice holds the same piece.
+
+**Mixed precision.** The chunks are of 16-bit working copies (gathered in 16 bits); each
+rank keeps the float32 masters and Adam's moments of its chunk only, ``(2 + 2 + 12)/P``
+bytes per parameter; the 16-bit gradients are reduce-scattered as float32 copies
+(:func:`mpitrain.comm.ring.ireduce_scatter`). ``whole_model(masters=True)`` gathers
+the float32 masters for a checkpoint.
+
 Checkpoints (in every strategy's format: a ZeRO-3 run resumes on data parallelism or
 one process and back), evaluation and the text sample run inside :meth:`Zero3.whole_model`,
 the whole model gathered once (ranks may score different numbers of batches).
@@ -53,19 +75,21 @@ the whole model gathered once (ranks may score different numbers of batches).
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from mpitrain.autograd import grad
 from mpitrain.comm import replicas
-from mpitrain.comm.ring import Ring, chunk_bounds
+from mpitrain.comm.ring import Ring, chunk_bounds, ireduce_scatter
 from mpitrain.flat import offsets
 from mpitrain.nn.checkpoint import replay
-from mpitrain.parallel import GradSync
+from mpitrain.parallel import GradSync, mean, runs, sharded_update, trained
 from mpitrain.rng import snapshot
 from mpitrain.tensor import Function, Tensor, as_tensor, is_grad_enabled, no_grad
+
+
+GATHER = ("layer", "step")  # when a unit's gathered parameters are freed: after each use, or after the step
 
 
 @dataclass
@@ -87,6 +111,28 @@ class _Group:
     reducing: list = field(default_factory=list)  # [(request, send, recv)] in flight
 
 
+def groups(params, units, kind=None, key=id) -> list[tuple[list, int, int]]:
+    """ZeRO-3's groups, each ``(its parameters, the first and the last unit that use
+    them)``, in the order the forward reaches them: a unit's own parameters (``params``
+    in order; ``units``: each unit's parameters), cut where their ``kind`` changes
+    (:func:`mpitrain.parallel.kinds`: a tied weight or one every slice holds whole is
+    chunked on its own, so that the stages or slices that sum it hold the same piece),
+    and each parameter several units use on its own. ``key``: what identifies a
+    parameter (the planner's are names). The planner cuts by this function too."""
+    uses: dict = {}
+    for k, unit in enumerate(units):
+        for p in unit:
+            uses.setdefault(key(p), []).append(k)
+    by_unit: dict[int, list] = {}
+    specs = []
+    for p in params:
+        k = uses[key(p)]
+        (specs.append(([p], min(k), max(k))) if len(k) > 1 else by_unit.setdefault(k[0], []).append(p))
+    specs += [(run, k, k) for k, ps in sorted(by_unit.items()) for run in runs(ps, kind)]
+    specs.sort(key=lambda spec: (spec[1], spec[2]))
+    return specs
+
+
 class _Unit(Function):
     """One unit as one autograd node: its parameters are inputs (so the node is recorded
     even over integer input) whose gradients go to the shards, not to ``.grad``."""
@@ -97,17 +143,24 @@ class _Unit(Function):
         self.rng_state = snapshot()
         with no_grad():
             out = unit.forward(Tensor(x)).data
-        zero._release(k, forward=True)
+        zero._release(k, forward=True, keep=True)
         return out
 
     def backward(self, g):
+        """The input's gradient, the parameters' (to the shards), or, when zero bubble
+        splits the backward in two (:func:`mpitrain.autograd.backward_split`), the one
+        its pass asks for: each pass gathers and replays the unit."""
         zero, params = self.zero, self.unit.parameters()
+        want_x, want_w = self.needs_input_grad[0], any(self.needs_input_grad[1:])
         zero._gather(self.k, ahead=self.k - 1)
-        x, out = replay(self.unit, self.x, self.needs_input_grad[0], self.rng_state)
-        wrt = ([x] if self.needs_input_grad[0] else []) + params
+        x, out = replay(self.unit, self.x, want_x, self.rng_state)
+        wrt = ([x] if want_x else []) + (params if want_w else [])
         grads = grad([out], wrt, [g])
-        gx = grads[0] if self.needs_input_grad[0] else None
-        zero._reduce(self.k, dict(zip(map(id, params), grads[len(wrt) - len(params):])))
+        gx = grads[0] if want_x else None
+        if want_w:
+            zero._reduce(self.k, dict(zip(map(id, params), grads[len(wrt) - len(params):])))
+        else:
+            zero._release(self.k, forward=False, keep=zero.deferring)
         return (gx,) + (None,) * len(params)
 
 
@@ -122,18 +175,23 @@ class Zero3(GradSync):
     """
 
     waits = {"finish": "gradient reduce-scatter"}
+    sharded = True
 
-    def __init__(self, model, optimizer, dp_comm, algorithm: str = "mpi", prefetch: bool = True):
+    def __init__(self, model, optimizer, dp_comm, algorithm: str = "mpi", prefetch: bool = True, kind=None,
+                 gather: str = "layer"):
         if algorithm not in ("mpi", "ring"):
             raise ValueError(f"ZeRO-3's algorithm must be 'mpi' or 'ring', got {algorithm!r}")
+        if gather not in GATHER:
+            raise ValueError(f"ZeRO-3's gather must be one of {GATHER}, got {gather!r}")
         super().__init__(model, optimizer, dp_comm)
-        self.algorithm, self.prefetch = algorithm, prefetch
-        opt_params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.algorithm, self.prefetch, self.keep, self.deferring = algorithm, prefetch, gather == "step", False
+        opt_params = trained(optimizer)  # mixed precision: the 16-bit working copies
         if {id(p) for p in opt_params} != {id(p) for p in self.params}:
             raise ValueError("ZeRO-3 needs an optimizer over exactly the model's trainable parameters")
-        replicas.broadcast(dp_comm, [p.data for p in self.params] + [b for _, b in model.named_buffers()])
+        replicas.broadcast(dp_comm, [p.data for p in self.params] + [b for _, b in model.named_buffers()]
+                           + list(getattr(optimizer, "masters", [])))  # mixed precision's float32 masters
         self.units = [m for _, m in model.named_layers()]
-        self.groups = self._groups()
+        self.groups = self._groups(kind)
         self.unit_groups = [[g for g in self.groups if g.first <= k <= g.last and
                              any(id(p) in {id(q) for q in u.parameters()} for p in g.params)]
                             for k, u in enumerate(self.units)]
@@ -149,33 +207,23 @@ class Zero3(GradSync):
             self._free(g)
         self._whole = False
 
-    def _groups(self) -> list:
-        """A unit's own parameters, one group per unit; each shared parameter its own."""
-        uses: dict[int, list[int]] = {}
-        for k, unit in enumerate(self.units):
-            for p in unit.parameters():
-                uses.setdefault(id(p), []).append(k)
-        missing = [p for p in self.params if id(p) not in uses]
-        if missing:
-            raise ValueError(f"ZeRO-3 gathers parameters layer by layer: {len(missing)} parameter(s) belong to no "
-                             "layer of model.named_layers()")
-        by_unit: dict[int, list] = {}
-        shared = []
-        for p in self.params:
-            (shared.append(p) if len(uses[id(p)]) > 1 else by_unit.setdefault(uses[id(p)][0], []).append(p))
-        specs = [(ps, k, k) for k, ps in sorted(by_unit.items())]
-        specs += [([p], min(uses[id(p)]), max(uses[id(p)])) for p in shared]
-        specs.sort(key=lambda s: (s[1], s[2]))
+    def _groups(self, kind) -> list:
+        """The groups of :func:`groups`, each with my chunk of its parameters."""
+        try:
+            specs = groups(self.params, [u.parameters() for u in self.units], kind)
+        except KeyError:
+            raise ValueError("ZeRO-3 gathers parameters layer by layer: some parameter belongs to no layer of "
+                             "model.named_layers()") from None
         P, r = self.comm.size, self.comm.rank
-        groups = []
+        out = []
         for params, first, last in specs:
             offs = offsets(params)
             bounds = chunk_bounds(int(offs[-1]), P)
             whole = np.concatenate([p.data.reshape(-1) for p in params])
             data = whole[bounds[r] : bounds[r + 1]].copy()
-            groups.append(_Group(params, first, last, offs, bounds, data, np.zeros_like(data), self.comm.dup(),
-                                 self.comm.dup()))
-        return groups
+            out.append(_Group(params, first, last, offs, bounds, data, np.zeros_like(data), self.comm.dup(),
+                              self.comm.dup()))
+        return out
 
     def _shard_optimizer(self, full, opt_params):
         """The optimizer over my chunks; ``self.pieces`` places them in the flat layout of
@@ -184,7 +232,7 @@ class Zero3(GradSync):
         opt_offsets = offsets(opt_params)
         opt_index = {id(p): i for i, p in enumerate(opt_params)}
         r = self.comm.rank
-        self.pieces = []
+        self.pieces, self.spans, self._held = [], [], {}  # spans: (group, lo, hi) in its chunk, the masters' order
 
         def views(p):
             g, i = group_of[id(p)]
@@ -194,7 +242,9 @@ class Zero3(GradSync):
             base = int(opt_offsets[opt_index[id(p)]]) - int(g.offsets[i])
             self.pieces.append((opt_index[id(p)], lo + base, hi + base))
             at = lo - int(g.bounds[r])
-            return g.data[at : at + hi - lo], g.grad[at : at + hi - lo]
+            self.spans.append((g, at, at + hi - lo))
+            self._held[id(p)] = g.grad[at : at + hi - lo]
+            return g.data[at : at + hi - lo], g.grad[at : at + hi - lo], lo - int(g.offsets[i])
 
         return full.over(views)
 
@@ -229,8 +279,12 @@ class Zero3(GradSync):
             p.data = np.broadcast_to(np.array(np.nan, dtype=g.data.dtype), p.shape)  # no memory
         g.whole = None
 
-    def _release(self, k: int, forward: bool) -> None:
-        """After unit ``k``: free the groups no later unit needs in this pass."""
+    def _release(self, k: int, forward: bool, keep: bool = False) -> None:
+        """After unit ``k``: free the groups no later unit needs in this pass; with
+        ``gather = "step"`` not those a training pass may ``keep`` (the step's last
+        backward frees them)."""
+        if self.keep and keep:
+            return
         for g in self.unit_groups[k]:
             if (g.last if forward else g.first) == k:
                 self._free(g)
@@ -266,16 +320,16 @@ class Zero3(GradSync):
                 d = grads.get(id(p))
                 if d is not None:
                     g.grads[lo:hi] += d.reshape(-1)
-            if g.first == k:
+            if g.first == k and not self.deferring:
                 if self.algorithm == "ring":
                     self._drain(g)  # a ring's messages must not meet the previous micro-batch's
                     g.reducing.append((Ring(g.rs_comm, g.grads, ("reduce_scatter",)), g.grads, None))
                 else:
                     recv = np.empty_like(g.grad)
-                    g.reducing.append((g.rs_comm.ireduce_scatter(g.grads, recv, np.diff(g.bounds)), g.grads, recv))
+                    g.reducing.append((ireduce_scatter(g.rs_comm, g.grads, recv, np.diff(g.bounds)), g.grads, recv))
                 g.grads = None
                 started.append(g)
-        self._release(k, forward=False)
+        self._release(k, forward=False, keep=self.deferring)
         if started:
             for g in self.groups:
                 self._drain(g, keep=1 if g in started else 0)
@@ -301,28 +355,41 @@ class Zero3(GradSync):
         r = self.comm.rank
         g.grad += send[g.bounds[r] : g.bounds[r + 1]] if recv is None else recv
 
+    @contextlib.contextmanager
+    def no_sync(self):
+        """The step's backward passes but its last. ``gather = "layer"`` holds nothing
+        back (every backward reduce-scatters; the parameters are gathered again for each
+        anyway); ``"step"`` keeps the gathered parameters and their whole gradients, summed
+        over the passes, until the last."""
+        self.deferring = self.keep
+        try:
+            yield
+        finally:
+            self.deferring = False
+
     def finish(self) -> None:
-        """Wait for the reduce-scatters, average my shard. (``no_sync`` holds nothing
-        back: every backward reduce-scatters, the parameters are gathered again for each
-        anyway.)"""
+        """Reduce-scatter what is still held back (``gather = "step"`` under a schedule
+        whose last pass made no weight gradients: zero bubble's weight pass), wait for
+        the reduce-scatters, average my shard."""
         for g in self.groups:
             self._drain(g)
-            g.grad *= 1.0 / self.comm.size
+            if g.grads is not None:
+                recv = np.empty_like(g.grad)
+                ireduce_scatter(g.rs_comm, g.grads, recv, np.diff(g.bounds)).wait()
+                self._add(g, g.grads, recv)
+                g.grads = None
+            if self.keep and g.whole is not None:
+                self._free(g)
+            mean(g.grad, self.comm.size)
 
-    def step(self, lr: float | None = None, grad_clip: float = 0.0) -> float:
-        """Clip by the global norm, update my shard; returns the norm (nan: no clipping)."""
-        norm = float("nan")
-        if grad_clip > 0:
-            squares = np.array([sum(float(np.dot(g.grad.astype(np.float64), g.grad)) for g in self.groups)])
-            self.comm.allreduce(squares)
-            norm = math.sqrt(squares[0])
-            if math.isfinite(norm) and norm > grad_clip:
-                for g in self.groups:
-                    g.grad *= grad_clip / (norm + 1e-6)
-        if lr is not None:
-            self.optimizer.set_lr(lr)
-        self.optimizer.step()
-        return norm
+    def held(self) -> dict:
+        """My shard's piece of each parameter's gradient (after :meth:`finish`)."""
+        return self._held
+
+    def step(self, lr: float | None = None, grad_clip: float = 0.0, norm: float | None = None) -> float:
+        """Clip by the global norm (``norm``: the whole model's, when this is a part of
+        it), update my shard; returns the norm (nan: no clipping)."""
+        return sharded_update(self.comm, self.optimizer, [g.grad for g in self.groups], lr, grad_clip, norm)
 
     def zero_grad(self) -> None:
         for g in self.groups:
@@ -338,7 +405,16 @@ class Zero3(GradSync):
     def whole_model(self, masters: bool = False):
         """Inside, every parameter whole in ``.data`` (gathered; a collective); on the way
         out my chunk of what they then hold becomes my shard, and they are freed. A
-        checkpoint is saved and loaded inside (``masters``: float32 training has none)."""
+        checkpoint is saved and loaded inside. ``masters``: in mixed precision the float32
+        masters are gathered instead of the 16-bit working copies (``4N`` bytes), and on
+        the way out my chunk of them goes back to my masters and is rounded into my
+        working copies (float32 training has no masters: the same as without)."""
+        halves = {}
+        if masters and hasattr(self.optimizer, "masters"):
+            for g in self.groups:
+                halves[id(g)], g.data = g.data, g.data.astype(np.float32)  # (chunk,) my float32 masters
+            for (g, lo, hi), m in zip(self.spans, self.optimizer.masters):
+                g.data[lo:hi] = m
         for g in self.groups:
             self._start_gather(g)
         for k in range(len(self.units)):
@@ -351,6 +427,12 @@ class Zero3(GradSync):
             r = self.comm.rank
             for g in self.groups:
                 np.copyto(g.data, g.whole[g.bounds[r] : g.bounds[r + 1]])
+            for (g, lo, hi), m in zip(self.spans, self.optimizer.masters if halves else ()):
+                m[...] = g.data[lo:hi]
+            for g in self.groups:
+                if halves:
+                    np.copyto(halves[id(g)], g.data, casting="same_kind")
+                    g.data = halves[id(g)]
                 self._free(g)
 
     def close(self) -> None:

@@ -19,7 +19,8 @@ import numpy as np
 from mpitrain import flat, optim
 from mpitrain.comm.ring import chunk_bounds
 from mpitrain.config import Config, check_ranks, cut_refused, validate
-from mpitrain.parallel import zero
+from mpitrain import parallel
+from mpitrain.parallel import zero3
 from mpitrain.plan import shapes
 from mpitrain.schedules import balance
 
@@ -141,10 +142,11 @@ class Layout:
 
     @cached_property
     def kind(self):
-        """The trainer's :func:`mpitrain.parallel.zero.kinds` of a stand-in parameter: the
+        """The trainer's :func:`mpitrain.parallel.kinds` of a stand-in parameter: the
         tied weights when stages share them, the replicated ones under sequence parallelism."""
         tied = self.models[0].tied if self.pp > 1 else frozenset()
-        return zero.kinds(tied, self.replicated if self.par.sequence_parallel else frozenset(), key=lambda q: q.name)
+        replicated = self.replicated if self.par.sequence_parallel else frozenset()
+        return parallel.kinds(tied, replicated, key=lambda q: q.name)
 
     @cached_property
     def whole(self) -> int:
@@ -209,20 +211,20 @@ def zero_groups(lay, s: int, r: int) -> list[list[str]]:
         params = lay.parameters(s, r)
         if lay.par.sync == "zero1":
             order = [_Stand(n, params[n], lay.itemsize) for n in optimizer_order(params)]
-            lay.cache[key] = [[q.name for q in run] for run in zero.runs(order, lay.kind)]
+            lay.cache[key] = [[q.name for q in run] for run in parallel.runs(order, lay.kind)]
         elif lay.par.sync == "zero2":
             lay.cache[key] = [list(reversed(g)) for g in buckets(lay, params)]
         else:
-            lay.cache[key] = zero3_groups(params, lay.layers(s, r))
+            lay.cache[key] = zero3_groups(lay, params, lay.layers(s, r))
     return lay.cache[key]
 
 
 def held(lay, s: int, r: int, d: int, names) -> int:
     """How many numbers of the gradients of ``names`` data-parallel rank ``d`` holds after
-    the replicas' exchange: all of them, or with ZeRO-1/2 its chunk of each range made of
+    the replicas' exchange: all of them, or with ZeRO its chunk of each range made of
     them alone (what :attr:`Layout.kind` keeps apart), on pipeline rank ``s``'s slice ``r``."""
     params, names = lay.parameters(s, r), set(names)
-    if lay.par.sync not in ("zero1", "zero2"):
+    if lay.par.sync not in ("zero1", "zero2", "zero3"):
         return sum(math.prod(params[n]) for n in names)
     total = 0
     for group in zero_groups(lay, s, r):
@@ -232,20 +234,10 @@ def held(lay, s: int, r: int, d: int, names) -> int:
     return total
 
 
-def zero3_groups(params: dict, layers: list) -> list[list[str]]:
-    """ZeRO-3's groups: each layer's own parameters, and each parameter several layers use
-    on its own, ordered by the first and last layer that use it."""
-    uses: dict = {}
-    for k, layer in enumerate(layers):
-        for n, _ in layer.params:
-            uses.setdefault(n, []).append(k)
-    by_layer: dict = {}
-    specs = []
-    for n in params:
-        if len(uses[n]) > 1:
-            specs.append(([n], min(uses[n]), max(uses[n])))
-        else:
-            by_layer.setdefault(uses[n][0], []).append(n)
-    specs += [(names, k, k) for k, names in by_layer.items()]
-    specs.sort(key=lambda spec: (spec[1], spec[2]))
-    return [names for names, _, _ in specs]
+def zero3_groups(lay, params: dict, layers: list) -> list[list[str]]:
+    """ZeRO-3's groups of ``params`` (name -> shape) over ``layers``, by the trainer's rule
+    (:func:`mpitrain.parallel.zero3.groups`), as names."""
+    stands = {n: _Stand(n, shape, lay.itemsize) for n, shape in params.items()}
+    specs = zero3.groups(list(stands.values()), [[stands[n] for n, _ in layer.params] for layer in layers], lay.kind,
+                         key=lambda q: q.name)
+    return [[q.name for q in names] for names, _, _ in specs]

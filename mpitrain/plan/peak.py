@@ -81,6 +81,8 @@ def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = 
     b, a, s = lay.micro_batch, lay.dtype_bytes, lay.itemsize
     fast = lay.cfg.train.fast_paths and not split
     zero3 = lay.par.sync == "zero3"
+    kept_whole = lay.models[0].count(layers) * s if zero3 and lay.par.gather == "step" else 0  # gathered for the step
+    held_grads = kept_whole if lay.m > 1 else 0  # and the whole gradients summed over its micro-batches
     buckets = _zero2_held(lay, layers, 0, in_flight) if lay.m > 1 else 0
     # ZeRO-2 frees each .grad once packed: a gradient is a new array (but accumulated in full, a sum)
     fresh = lay.par.sync == "zero2" and not (lay.m > 1 and lay.par.accumulate == "full")
@@ -90,7 +92,7 @@ def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = 
         inputs.append(0 if layer.name == data else inp)
         mine = (inp if replays(lay, layer) else layer.kept_on(fast)) * b * a
         mine += 4 * layer.size if lay.mixed and layer.forward else 0
-        gathered = sum(x.size for x in layers[i : i + 2]) * s if zero3 else 0
+        gathered = (kept_whole + held_grads or sum(x.size for x in layers[i : i + 2]) * s) if zero3 else 0
         work = scratch_numbers(lay, layer, fast) + conv_work(lay, layer, fast)[0]
         most = max(most, kept + mine + work * a + gathered + buckets)
         before.append(kept)
@@ -103,7 +105,9 @@ def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = 
         copies = 2 if again or fresh else 1
         grads = (b * (math.prod(layer.out) * (1 + again) + inputs[i]) + conv_work(lay, layer, fast)[1]) * a
         grads += copies * (layer.part or layer.size) * s
-        if zero3:  # the gathered weights; the later layer's reduce-scatter, unless a test saw it done ("none")
+        if kept_whole:  # every weight gathered, every whole gradient held
+            grads += kept_whole * 2
+        elif zero3:  # the gathered weights; the later layer's reduce-scatter, unless a test saw it done ("none")
             grads += sum(x.size for x in layers[max(0, i - 1) : i + 1]) * s
             grads += sum(x.size + -(-x.size // lay.dp) for x in layers[i + 1 : i + 2]) * s * (in_flight != "none")
         most = max(most, before[i] + whole + grads + _zero2_held(lay, layers, i + 1, in_flight, lay.m > 1))

@@ -81,13 +81,25 @@ def dp_calls(lay, params: dict, layers: list, d: int, part: tuple = (0, 0)) -> l
                  for i, n in enumerate(buckets)] + clip
                 + [Call("dp", f"parameter bucket {i}", "allgather", n * s, P, 1, algo, d, s)
                    for i, n in enumerate(buckets)])
+    gathers, reduces = zero3_gathers(lay, m)
     calls = []
-    for names in zero3_groups(params, layers):  # each group gathered in forward and backward, reduced in backward
+    for names in zero3_groups(lay, params, layers):
         n = sum(math.prod(params[k]) for k in names)
         what = names[0].rsplit(".", 2)[0] if len(names) > 1 else names[0]
-        calls += [Call("dp", f"{what}: parameters gathered", "allgather", n * s, P, 2 * m, algo, d, s),
-                  Call("dp", f"{what}: gradients", "reduce_scatter", n * s, P, m, algo, d, s)]
+        calls += [Call("dp", f"{what}: parameters gathered", "allgather", n * s, P, gathers, algo, d, s),
+                  Call("dp", f"{what}: gradients", "reduce_scatter", n * rs, P, reduces, algo, d, rs)]
     return calls + clip
+
+
+def zero3_gathers(lay, m: int) -> tuple[int, int]:
+    """How many times a step gathers each ZeRO-3 group and reduce-scatters its gradients
+    (:mod:`mpitrain.parallel.zero3`): per micro-batch, in forward and again in backward (a
+    zero-bubble pipeline's backward is two passes, each gathering), and reduced once; with
+    ``parallel.gather = "step"``, once per step each."""
+    if lay.par.gather == "step":
+        return 1, 1
+    split = lay.pp > 1 and lay.par.schedule == "zb-h1"
+    return (3 if split else 2) * m, m
 
 
 def _alike(sizes: list[int]) -> list[tuple[int, int]]:
@@ -122,7 +134,7 @@ def ring_buffers(lay, params: dict, layers: list) -> int:
     if par.sync == "zero1":
         return work(sum(math.prod(shape) for shape in params.values()))
     if par.sync == "zero3":
-        return sum(2 * work(sum(math.prod(params[k]) for k in names)) for names in zero3_groups(params, layers))
+        return sum(2 * work(sum(math.prod(params[k]) for k in names)) for names in zero3_groups(lay, params, layers))
     return sum(work(n) for n in _bucket_sizes(lay, params))
 
 

@@ -51,7 +51,8 @@ SYNCS = {
     "zero2": lambda cfg, model, opt, dp_comm, kind: Zero2(model, opt, dp_comm, algorithm=cfg.parallel.allreduce,
                                                           bucket_cap_mb=cfg.parallel.bucket_mb,
                                                           accumulate=cfg.parallel.accumulate, kind=kind),
-    "zero3": lambda cfg, model, opt, dp_comm, kind: Zero3(model, opt, dp_comm, algorithm=cfg.parallel.allreduce),
+    "zero3": lambda cfg, model, opt, dp_comm, kind: Zero3(model, opt, dp_comm, algorithm=cfg.parallel.allreduce,
+                                                          kind=kind, gather=cfg.parallel.gather),
 }  # kind: a parameter -> the whole model's sum it owes (train.parts.shared_kind), for a sharded part
 
 

@@ -19,9 +19,10 @@ import numpy as np
 
 from mpitrain import optim
 from mpitrain.comm import replicas
+from mpitrain import parallel
 from mpitrain.parallel import GradSync
 from mpitrain.parallel import tensor_parallel as tp
-from mpitrain.parallel import zero
+
 
 
 class PartSync(GradSync):
@@ -148,14 +149,14 @@ class PartSync(GradSync):
 
 
 def shared_kind(model, stage=None, sequence: bool = False):
-    """:func:`mpitrain.parallel.zero.kinds` of this part's parameters: ``stage``'s ties,
+    """:func:`mpitrain.parallel.kinds` of this part's parameters: ``stage``'s ties,
     and under ``sequence`` parallelism the weights every slice holds whole. ZeRO shards
     runs of one kind on their own (:func:`mpitrain.parallel.zero.segments`), so every
     rank that sums a weight holds the same piece of it."""
     tied = {id(q) for params, _ in (() if stage is None else stage.ties) for q in params}
     sliced = tp.sliced_parameters(model) if sequence else set()
     replicated = {id(q) for q in model.parameters() if id(q) not in sliced} if sequence else set()
-    return zero.kinds(tied, replicated)
+    return parallel.kinds(tied, replicated)
 
 
 def grad_norm(params, speaks_for, comms, held: dict | None = None) -> float:
