@@ -87,7 +87,7 @@ from mpitrain import optim
 from mpitrain.comm import replicas
 from mpitrain.comm.ring import ALGORITHMS, Ring, chunk_bounds, ireduce_scatter
 from mpitrain.flat import Buckets, Flat, offsets
-from mpitrain.parallel import GradSync, kinds, mean, runs, sharded_update, trained  # noqa: F401 (kinds: the layout's)
+from mpitrain.parallel import GradSync, mean, runs, sharded_update, trained
 
 
 class Zero1(GradSync):

@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from mpitrain import optim
+from mpitrain import optim, parallel
 from mpitrain.comm import replicas
-from mpitrain import parallel
 from mpitrain.parallel import GradSync
 from mpitrain.parallel import tensor_parallel as tp
-
 
 
 class PartSync(GradSync):
