@@ -106,7 +106,7 @@ def _deliverer(pending: dict, leaf_uses: dict, capture: dict | None):
         key = id(t)
         if capture is not None:
             if key in capture and g is not None:
-                capture[key] = _owned(g, t.dtype) if capture[key] is None else capture[key] + g
+                capture[key] = _owned(g, g.dtype) if capture[key] is None else capture[key] + g  # unrounded: see grad
         elif g is not None:
             if t.grad is None:
                 t.grad = _owned(g, t.data.dtype)
@@ -198,7 +198,10 @@ def backward(tensors, grads=None, retain_graph: bool = False) -> None:
 def grad(outputs, inputs, grad_outputs=None, retain_graph: bool = False) -> list:
     """Gradients of ``outputs`` with respect to ``inputs``, leaving every ``.grad`` alone:
     leaves or intermediates (an intermediate's gradient is taken when its producing node
-    runs); inputs that the outputs do not depend on get ``None``."""
+    runs); inputs that the outputs do not depend on get ``None``. A leaf's gradient is in
+    the dtype it was computed in, float32 for a half-precision leaf: whoever adds it into
+    a 16-bit sum rounds once there, as :func:`backward` does into ``.grad`` (rounding it
+    here as well would round each micro-batch's gradient twice)."""
     outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     inputs = list(inputs)
     if grad_outputs is None:

@@ -33,7 +33,9 @@ LAYOUTS = {  # ranks -> {name: overrides}
         "bf16": ["train.precision='bf16'"], "checkpointing": ["model.checkpoint_activations=true"],
         "bf16 on pp2": ["parallel.pp=2", "train.precision='bf16'", "train.micro_batches=2"],
         "bf16 on tp2, sequence parallel": ["parallel.tp=2", "parallel.sequence_parallel=true",
-                                           "train.precision='bf16'"]},
+                                           "train.precision='bf16'"],
+        "tp, checkpointing": ["parallel.tp=2", "model.checkpoint_activations=true"],
+        "bf16, checkpointing": ["train.precision='bf16'", "model.checkpoint_activations=true"]},
     3: {"ps": ["parallel.sync='ps'", "optim.grad_clip=0.0"], "zero3, uneven shards": ["parallel.sync='zero3'",
                                                                                      "train.global_batch_size=6"]},
     4: {"ddp on 4": [], "zero1 on 4": ["parallel.sync='zero1'"], "zero3 on 4": ["parallel.sync='zero3'"],
@@ -44,7 +46,14 @@ LAYOUTS = {  # ranks -> {name: overrides}
         "zero2 on dp2 x tp2, sequence parallel": ["parallel.tp=2", "parallel.sync='zero2'",
                                                   "parallel.sequence_parallel=true"],
         "ps, 2 servers": ["parallel.sync='ps'", "parallel.servers=2", "optim.grad_clip=0.0",
-                          "train.global_batch_size=6"]},
+                          "train.global_batch_size=6"],
+        "zero3 on dp2 x tp2, sequence parallel": ["parallel.tp=2", "parallel.sync='zero3'",
+                                                  "parallel.sequence_parallel=true"],
+        "zero3 on dp2 x pp2, zb-h1": ["parallel.pp=2", "parallel.sync='zero3'", "parallel.schedule='zb-h1'",
+                                      "train.micro_batches=2"],
+        "zero3 on dp2 x pp2 in fp16, gathered per step": ["parallel.pp=2", "parallel.sync='zero3'",
+                                                          "parallel.gather='step'", "train.precision='fp16'",
+                                                          "train.micro_batches=2"]},
 }
 
 # layouts whose step's peak the planner does not walk yet (their counted quantities are held all the same)

@@ -118,6 +118,28 @@ def test_a_gpt_trains_in_half_precision_as_in_float32(precision):
     np.testing.assert_allclose(b, a, rtol=2e-3)
 
 
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_checkpointed_blocks_round_each_gradient_once_as_plain_backward_does(precision):
+    """Activation checkpointing replays each block and takes its weights' gradients with
+    :func:`mpitrain.autograd.grad`; those come back in float32 and are rounded once, as
+    they are added into the half ``.grad``: over two accumulated micro-batches the
+    gradients are plain backward's, bit for bit (rounding them in ``grad`` as well would
+    round each micro-batch's twice)."""
+    grads = {}
+    for checkpointed in (False, True):
+        rng.manual_seed(0)
+        model = nn.GPT(nn.GPTConfig(vocab_size=17, block_size=8, n_layer=2, n_head=2, n_embd=16,
+                                    checkpoint_activations=checkpointed))
+        MixedPrecision(optim.AdamW(model.parameters(), lr=1e-3), precision)
+        for seed in (1, 2):
+            x, y = batch(seed)
+            (model(x, y)[1] * 512.0).backward()
+        grads[checkpointed] = [p.grad for p in model.parameters()]
+    for plain, replayed in zip(grads[False], grads[True]):
+        assert replayed.dtype == dtype_of(precision)
+        np.testing.assert_array_equal(replayed, plain)
+
+
 def test_checkpoints_see_the_float32_masters():
     model = small_gpt()
     mixed = MixedPrecision(optim.AdamW(model.parameters(), lr=1e-3), "bf16")

@@ -63,7 +63,12 @@ groups of their own (:func:`groups`), so every stage or slice holds the same pie
 rank keeps the float32 masters and Adam's moments of its chunk only, ``(2 + 2 + 12)/P``
 bytes per parameter; the 16-bit gradients are reduce-scattered as float32 copies
 (:func:`mpitrain.comm.ring.ireduce_scatter`). ``whole_model(masters=True)`` gathers
-the float32 masters for a checkpoint.
+the float32 masters for a checkpoint. Each replayed unit's float32 gradients are rounded
+once, as they are added into the 16-bit sum (as backward does into ``.grad``): with
+``"step"`` the arithmetic is data parallelism's, bit for bit, but for a weight two units
+use (the GPT's tied embedding), whose two gradients are added in the order the units'
+backwards run, not the order one backward meets them. ``"layer"`` with micro-batches sums
+each micro-batch over the replicas before adding the micro-batches: another order.
 
 Checkpoints (in every strategy's format: a ZeRO-3 run resumes on data parallelism or
 one process and back), evaluation and the text sample run inside :meth:`Zero3.whole_model`,

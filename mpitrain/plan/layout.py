@@ -234,10 +234,11 @@ def held(lay, s: int, r: int, d: int, names) -> int:
     return total
 
 
-def zero3_groups(lay, params: dict, layers: list) -> list[list[str]]:
+def zero3_groups(lay, params: dict, layers: list, units: bool = False) -> list:
     """ZeRO-3's groups of ``params`` (name -> shape) over ``layers``, by the trainer's rule
-    (:func:`mpitrain.parallel.zero3.groups`), as names."""
+    (:func:`mpitrain.parallel.zero3.groups`), as names (``units``: each with the first and
+    the last of ``layers`` that use it)."""
     stands = {n: _Stand(n, shape, lay.itemsize) for n, shape in params.items()}
     specs = zero3.groups(list(stands.values()), [[stands[n] for n, _ in layer.params] for layer in layers], lay.kind,
                          key=lambda q: q.name)
-    return [[q.name for q in names] for names, _, _ in specs]
+    return [([q.name for q in names], first, last) if units else [q.name for q in names] for names, first, last in specs]

@@ -31,12 +31,14 @@ def replays(lay, layer) -> bool:
 
 def recomputed(lay, layer, split: bool) -> int:
     """FLOPs per sample ``layer`` runs again in backward: a replayed layer's forward; and in
-    a backward split in two passes (``split``) a checkpointed block's node, which ignores
-    the split, runs whole in both (:func:`mpitrain.autograd.backward_split`): its forward and
-    backward once more."""
+    a backward split in two passes (``split``) a replayed layer's node (a checkpointed
+    block's, a ZeRO-3 unit's), which replays its private graph in each pass, makes all of
+    its gradients in both (:func:`mpitrain.autograd.backward_split`): its forward and
+    backward once more (none for the data's layer, whose input pass has nothing to do)."""
     if not replays(lay, layer):
         return 0
-    return layer.forward + (layer.forward + layer.backward if split and layer.recompute else 0)
+    twice = split and (layer.recompute or layer.name != lay.models[0].layers[0].name)
+    return layer.forward + (layer.forward + layer.backward if twice else 0)
 
 
 def activations(lay, layers: list, held: float, first_input: int, split: bool = False, received: int = 0,
@@ -91,7 +93,8 @@ def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = 
     for i, layer in enumerate(layers):
         inputs.append(0 if layer.name == data else inp)
         mine = (inp if replays(lay, layer) else layer.kept_on(fast)) * b * a
-        mine += 4 * layer.size if lay.mixed and layer.forward else 0
+        upcast = 4 * layer.size if lay.mixed and layer.forward else 0  # (a replayed layer's: its replay's)
+        mine += 0 if replays(lay, layer) else upcast
         gathered = (kept_whole + held_grads or sum(x.size for x in layers[i : i + 2]) * s) if zero3 else 0
         work = scratch_numbers(lay, layer, fast) + conv_work(lay, layer, fast)[0]
         most = max(most, kept + mine + work * a + gathered + buckets)
@@ -102,15 +105,24 @@ def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = 
     for i, layer in enumerate(layers):
         again = replays(lay, layer)  # its graph is private: its weight gradients are returned, then added
         whole = (layer.full or layer.kept_on(fast)) * b * a + (before[i + 1] - before[i] if again else 0)
+        whole += 4 * layer.size if again and lay.mixed and layer.forward else 0  # its replay's upcast weights
         copies = 2 if again or fresh else 1
         grads = (b * (math.prod(layer.out) * (1 + again) + inputs[i]) + conv_work(lay, layer, fast)[1]) * a
-        grads += copies * (layer.part or layer.size) * s
-        if kept_whole:  # every weight gathered, every whole gradient held
-            grads += kept_whole * 2
-        elif zero3:  # the gathered weights; the later layer's reduce-scatter, unless a test saw it done ("none")
-            grads += sum(x.size for x in layers[max(0, i - 1) : i + 1]) * s
-            grads += sum(x.size + -(-x.size // lay.dp) for x in layers[i + 1 : i + 2]) * s * (in_flight != "none")
-        most = max(most, before[i] + whole + grads + _zero2_held(lay, layers, i + 1, in_flight, lay.m > 1))
+        grads += copies * (layer.part or layer.size) * (4 if again and lay.mixed else s)  # float32 from a replay
+        sharded = 0  # ZeRO-3's: every weight gathered and every whole gradient held (gather = "step"), or
+        if kept_whole:  # the gathered weights and the later layer's reduce-scatter, unless a test saw it done
+            sharded = kept_whole * 2
+            if lay.mixed:  # the last pass reduce-scatters the later layer's as a float32 copy (its weights freed)
+                later = layers[i + 1 : i + 2]
+                sharded += sum(x.size * (4 - s) + -(-x.size // lay.dp) * (4 + s) for x in later) * (in_flight != "none")
+        elif zero3:
+            sharded = sum(x.size for x in layers[max(0, i - 1) : i + 1]) * s
+            wide = s + (4 if lay.mixed else 0)  # 16-bit numbers are reduce-scattered as a float32 copy
+            sharded += sum(x.size + -(-x.size // lay.dp) for x in layers[i + 1 : i + 2]) * wide * (in_flight != "none")
+        most = max(most, before[i] + whole + grads + sharded + _zero2_held(lay, layers, i + 1, in_flight, lay.m > 1))
+        if again:  # the end of its replay: its whole set made, its forward's scratch, the output's gradient
+            work = scratch_numbers(lay, layer, fast) + conv_work(lay, layer, fast)[0]
+            most = max(most, before[i] + whole + (work + b * math.prod(layer.out)) * a + sharded)
     return kept, max(most, kept)
 
 

@@ -147,12 +147,13 @@ def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None, objects
     memory["buffers"] = like.memory["buffers"] if like is not None else ring_buffers(lay, params, layers) + cached(
         lay, layers)
     ring = lay.par.allreduce == "ring"  # each rank of a ring sends its own count
-    pieces = lay.par.sync in ("zero1", "zero2")  # the stages' and slices' sums of each rank's pieces
+    # the stages' and slices' sums of each rank's own pieces (ZeRO's shards of a part)
+    pieces = lay.par.sync in ("zero1", "zero2", "zero3") and (lay.pp > 1 or lay.tp > 1)
     if like is not None:
         memory["activations"] = like.memory["activations"]
-        calls = (dp_calls(lay, params, layers, d, (s, r)) + pp_calls(lay, s, r, d) + tp_calls(lay, s, r, d)
-                 if pieces else dp_calls(lay, params, layers, d, (s, r)) + like.calls[like.dp_calls:] if ring
-                 else like.calls)
+        calls = like.calls if not (ring or pieces) else (
+            (dp_calls(lay, params, layers, d, (s, r)) if ring else like.calls[:like.dp_calls])
+            + (pp_calls(lay, s, r, d) + tp_calls(lay, s, r, d) if pieces else like.calls[like.dp_calls:]))
         return RankPlan([lay.rank_of(s, d, r)], like.stage, like.parameters, memory, calls, like.flops, like.held,
                         like.bubble, by_axis(calls) if ring or pieces else like.sent, like.dp_calls, list(like.slices),
                         like.bounds)

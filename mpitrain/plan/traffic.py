@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from mpitrain import cost
 from mpitrain.plan.layout import buckets, held, zero3_groups, zero_groups
+from mpitrain.plan.peak import replays
 
 NORM = 8  # one float64: a rank's sum of squares of its gradients, for clipping by the global norm
 
@@ -81,9 +82,10 @@ def dp_calls(lay, params: dict, layers: list, d: int, part: tuple = (0, 0)) -> l
                  for i, n in enumerate(buckets)] + clip
                 + [Call("dp", f"parameter bucket {i}", "allgather", n * s, P, 1, algo, d, s)
                    for i, n in enumerate(buckets)])
-    gathers, reduces = zero3_gathers(lay, m)
+    data = lay.models[0].layers[0].name  # the model's first layer, whose input (data) has no gradient
     calls = []
-    for names in zero3_groups(lay, params, layers):
+    for names, first, last in zero3_groups(lay, params, layers, units=True):
+        gathers, reduces = zero3_gathers(lay, m, data_only=layers[last].name == data)
         n = sum(math.prod(params[k]) for k in names)
         what = names[0].rsplit(".", 2)[0] if len(names) > 1 else names[0]
         calls += [Call("dp", f"{what}: parameters gathered", "allgather", n * s, P, gathers, algo, d, s),
@@ -91,14 +93,15 @@ def dp_calls(lay, params: dict, layers: list, d: int, part: tuple = (0, 0)) -> l
     return calls + clip
 
 
-def zero3_gathers(lay, m: int) -> tuple[int, int]:
+def zero3_gathers(lay, m: int, data_only: bool = False) -> tuple[int, int]:
     """How many times a step gathers each ZeRO-3 group and reduce-scatters its gradients
     (:mod:`mpitrain.parallel.zero3`): per micro-batch, in forward and again in backward (a
-    zero-bubble pipeline's backward is two passes, each gathering), and reduced once; with
-    ``parallel.gather = "step"``, once per step each."""
+    zero-bubble pipeline's backward is two passes, each gathering, but for a group only the
+    data's layer uses, ``data_only``: its input pass has nothing to do), and reduced once;
+    with ``parallel.gather = "step"``, once per step each."""
     if lay.par.gather == "step":
         return 1, 1
-    split = lay.pp > 1 and lay.par.schedule == "zb-h1"
+    split = lay.pp > 1 and lay.par.schedule == "zb-h1" and not data_only
     return (3 if split else 2) * m, m
 
 
@@ -175,7 +178,9 @@ def tp_calls(lay, s: int, r: int, d: int = 0) -> list[Call]:
     """Tensor-parallel rank ``r``'s collectives per step (Shoeybi et al. 2019; with
     sequence parallelism, Korthikanti et al. 2022), per micro-batch: the embedding's sum,
     each block's two sums forward and two backward, the head's backward sum, the
-    vocabulary-parallel cross-entropy's three sums of a number per token; per step the
+    vocabulary-parallel cross-entropy's three sums of a number per token; a layer that
+    runs forward again in backward (:func:`~mpitrain.plan.peak.replays`: checkpointed
+    blocks, every layer under ZeRO-3) makes its forward's sums again; per step the
     replicated weights' gradients (sequence parallelism) and the clipping norm."""
     t = lay.tp
     if t == 1:
@@ -193,13 +198,23 @@ def tp_calls(lay, s: int, r: int, d: int = 0) -> list[Call]:
                     Call("tp", what + " (allgather)", "allgather", act, t, count)]
         return [Call("tp", what, "allreduce", act, t, count)]
 
+    def again(prefix):  # micro-batches times the layers of that name replayed
+        return m * sum(1 for layer in layers if layer.name.startswith(prefix) and replays(lay, layer))
+
     calls = []
-    if "embed" in names:
+    if "embed" in names:  # forward: the sum (sequence parallel: its reduce-scatter)
         calls += pair("embedding's rows", m)
+        if again("embed"):
+            calls.append(Call("tp", "embedding's rows, replayed", "reduce_scatter" if sp else "allreduce", act, t,
+                              again("embed")))
     if blocks:
         calls += pair("blocks' attention and MLP, forward and backward", 4 * blocks * m)
-    if "head" in names:
+        if again("block"):
+            calls += pair("blocks' attention and MLP, replayed forward", 2 * again("block"))
+    if "head" in names:  # backward: the input's sum (sequence parallel: forward its allgather)
         calls += pair("head's input", m)
+        if sp and again("head"):
+            calls.append(Call("tp", "head's input, replayed (allgather)", "allgather", act, t, again("head")))
         calls.append(Call("tp", "cross-entropy: max, target logit, sum", "allreduce", b * T * a, t, 3 * m))
     if sp:
         whole = held(lay, s, r, d, lay.replicated & lay.parameters(s, r).keys())
