@@ -73,19 +73,29 @@ def data_parallel_bytes(n: int, P: int, itemsize: int, wire: int | None = None, 
     return collective_bytes("allreduce", n * s, P)
 
 
-def zero_bytes(stage: int, nbytes: float, P: int, micro_batches: int = 1, sharded: bool = True) -> float:
+def zero_bytes(stage: int, nbytes: float, P: int, micro_batches: int = 1, sharded: bool = True,
+               gather: str = "layer", split: bool = False) -> float:
     """Bytes one rank sends per step with ZeRO ``stage`` on parameters of ``nbytes``:
     stage 1 a reduce-scatter and an allgather, ``2 (P-1)/P x n``, data parallelism's
     allreduce in two halves; stage 2 a reduce-scatter per micro-batch (``sharded``
     accumulation) or per step, and the allgather, ``(m + 1) (P-1)/P x n``; stage 3 the
-    parameters gathered in forward and again in backward and the gradients
-    reduce-scattered, per micro-batch, ``3 m (P-1)/P x n``."""
+    parameters gathered and the gradients reduce-scattered as :func:`zero3_passes` says,
+    ``3 m (P-1)/P x n`` by default."""
     half = collective_bytes("allgather", nbytes, P)
     if stage == 1:
         return 2 * half
     if stage == 2:
         return (micro_batches + 1 if sharded else 2) * half
-    return 3 * micro_batches * half
+    return sum(zero3_passes(micro_batches, gather, split)) * half
+
+
+def zero3_passes(micro_batches: int, gather: str = "layer", split: bool = False) -> tuple[int, int]:
+    """(gathers, reduce-scatters) of each ZeRO-3 group per step: with ``gather = "layer"``
+    per micro-batch in forward and again in backward (``split``: a zero-bubble backward's
+    two passes, each gathering), and reduced once; with ``"step"`` once each."""
+    if gather == "step":
+        return 1, 1
+    return (3 if split else 2) * micro_batches, micro_batches
 
 
 def parameter_server_bytes(nbytes: float, servers: int) -> tuple[float, float]:

@@ -50,6 +50,10 @@ def test_collectives_add_up(n, P):
         cost.collective_bytes("reduce_scatter", n, P) + cost.collective_bytes("allgather", n, P))
     assert cost.zero_bytes(1, 4 * n, P) == pytest.approx(cost.data_parallel_bytes(n, P, 4))
     assert cost.zero_bytes(2, 4 * n, P, micro_batches=1) == pytest.approx(cost.zero_bytes(1, 4 * n, P))
+    half = cost.collective_bytes("allgather", 4 * n, P)  # ZeRO-3: 2m gathers + m reduce-scatters, 3m + m split,
+    assert cost.zero_bytes(3, 4 * n, P, micro_batches=4) == pytest.approx(12 * half)  # once each per step
+    assert cost.zero_bytes(3, 4 * n, P, micro_batches=4, split=True) == pytest.approx(16 * half)
+    assert cost.zero_bytes(3, 4 * n, P, micro_batches=4, gather="step") == pytest.approx(cost.zero_bytes(1, 4 * n, P))
     assert cost.data_parallel_bytes(n, P, 4, wire=2, algorithm="ring") * 2 == pytest.approx(
         cost.data_parallel_bytes(n, P, 4, algorithm="ring"))
     assert cost.data_parallel_bytes(n, P, 2, algorithm="mpi") == pytest.approx(cost.data_parallel_bytes(n, P, 4))

@@ -180,12 +180,14 @@ def test_sequence_parallelism_on_pipeline_stages_equals_one_process(reference):
 
 @pytest.mark.mpi(min_size=4)
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_on_stages_and_slices_is_one_process_in_the_same_precision(precision):
-    """pp 2 x tp 2 in bf16 (and fp16, its loss scaled on the last stage) against one
-    process in the same precision: not bit-equal, because the tied embedding's two
-    gradients are each rounded to 16 bits on their own stage before their float32 sum
-    (one process rounds their sum as it accumulates); within 1e-4 of its loss."""
+@pytest.mark.parametrize("precision, extra", [("bf16", ("parallel.sequence_parallel=true", "parallel.schedule=gpipe")),
+                                              ("fp16", ("parallel.schedule=zb-h1",))])
+def test_mixed_precision_on_stages_and_slices_is_one_process_in_the_same_precision(precision, extra):
+    """pp 2 x tp 2 in bf16 (sequence parallel, GPipe) and fp16 (its loss scaled on the
+    last stage; ZB-H1) against one process in the same precision: not bit-equal, because
+    the tied embedding's two gradients are each rounded to 16 bits on their own stage
+    before their float32 sum (one process rounds their sum as it accumulates); within
+    1e-4 of its loss."""
     from test_mpi_data import shared_data
     from test_mpi_pipeline import gpt_cfg, text_set
 
@@ -202,7 +204,7 @@ def test_mixed_precision_on_stages_and_slices_is_one_process_in_the_same_precisi
         one = trainer.train(gpt_cfg(d, d.parent / f"mixed-one-{precision}", *mixed), log=lambda *a: None,
                             comm=SingleComm()).val_loss
     one = comm.bcast(one)
-    grid = trainer.train(gpt_cfg(d, d.parent / f"mixed-{precision}", *mixed, "parallel.pp=2", "parallel.tp=2"),
+    grid = trainer.train(gpt_cfg(d, d.parent / f"mixed-{precision}", *mixed, "parallel.pp=2", "parallel.tp=2", *extra),
                          log=lambda *a: None, comm=comm).val_loss
     assert grid == pytest.approx(one, abs=1e-4), precision
 

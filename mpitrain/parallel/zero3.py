@@ -47,7 +47,8 @@ micro-batches gather and reduce again each).
 (a pipeline stage runs ``m`` per step, in its schedule's order) ``"layer"``, the default
 (FSDP's), gathers each unit for every forward and every backward and reduce-scatters
 every backward: ``3m (P-1)/P x N x s``, the least memory (one unit's weights at a time);
-zero bubble's backward is two passes, each gathering: ``4m``. ``"step"`` keeps every
+zero bubble's backward is two passes, each gathering and replaying: ``4m`` (the data's
+layer ``3m``: its input pass has nothing to do). ``"step"`` keeps every
 unit's weights from their first gather to the step's last backward and sums the
 micro-batches' whole gradients, reduce-scattered once: ``2 (P-1)/P x N x s`` as data
 parallelism's allreduce, at the memory of the whole part's weights and gradients

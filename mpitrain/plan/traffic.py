@@ -98,11 +98,8 @@ def zero3_gathers(lay, m: int, data_only: bool = False) -> tuple[int, int]:
     (:mod:`mpitrain.parallel.zero3`): per micro-batch, in forward and again in backward (a
     zero-bubble pipeline's backward is two passes, each gathering, but for a group only the
     data's layer uses, ``data_only``: its input pass has nothing to do), and reduced once;
-    with ``parallel.gather = "step"``, once per step each."""
-    if lay.par.gather == "step":
-        return 1, 1
-    split = lay.pp > 1 and lay.par.schedule == "zb-h1" and not data_only
-    return (3 if split else 2) * m, m
+    with ``parallel.gather = "step"``, once per step each (:func:`mpitrain.cost.zero3_passes`)."""
+    return cost.zero3_passes(m, lay.par.gather, lay.pp > 1 and lay.par.schedule == "zb-h1" and not data_only)
 
 
 def _alike(sizes: list[int]) -> list[tuple[int, int]]:

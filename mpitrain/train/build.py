@@ -251,9 +251,10 @@ def _replicas(cfg: Config, role: Role) -> str:
                 f"{par.accumulate}), parameters allgathered after the update")
         sent = cost.zero_bytes(2, nbytes, P, m, par.accumulate == "sharded")
     else:
-        what = (f"zero3 over {P} rank(s): parameters, gradients and optimizer state sharded, gathered layer by "
-                f"layer over {len(role.model.named_layers())} layer(s) ({par.allreduce})")
-        sent = cost.zero_bytes(3, nbytes, P, m)
+        what = (f"zero3 over {P} rank(s): parameters, gradients and optimizer state sharded, gathered "
+                f"{'layer by layer' if par.gather == 'layer' else 'once a step and kept'} over "
+                f"{len(role.model.named_layers())} layer(s) ({par.allreduce})")
+        sent = cost.zero_bytes(3, nbytes, P, m, gather=par.gather, split=par.pp > 1 and par.schedule == "zb-h1")
     return f"{what}; {sent / 1e6:.2f} MB sent per rank per step"
 
 
