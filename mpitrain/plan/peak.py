@@ -29,6 +29,11 @@ def replays(lay, layer) -> bool:
     return layer.recompute or (lay.par.sync == "zero3" and bool(layer.params))
 
 
+def takes_data(lay, layer) -> bool:
+    """Whether ``layer`` is the model's first, whose input (the data) has no gradient."""
+    return layer.name == lay.models[0].layers[0].name
+
+
 def recomputed(lay, layer, split: bool) -> int:
     """FLOPs per sample ``layer`` runs again in backward: a replayed layer's forward; and in
     a backward split in two passes (``split``) a replayed layer's node (a checkpointed
@@ -37,7 +42,7 @@ def recomputed(lay, layer, split: bool) -> int:
     backward once more (none for the data's layer, whose input pass has nothing to do)."""
     if not replays(lay, layer):
         return 0
-    twice = split and (layer.recompute or layer.name != lay.models[0].layers[0].name)
+    twice = split and (layer.recompute or not takes_data(lay, layer))
     return layer.forward + (layer.forward + layer.backward if twice else 0)
 
 
@@ -57,7 +62,7 @@ def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = 
     """(bytes one micro-batch keeps, the most it holds at one moment). A layer keeps its
     kept numbers, and in mixed precision the float32 copies of the weights its products
     read (:func:`mpitrain.dtypes.upcast`); one that runs again in backward keeps its input
-    only (``first_input``: the stage's input's numbers per sample). While a layer runs
+    only, its forward having run without a graph (``first_input``: the stage's input's numbers per sample). While a layer runs
     forward it also holds its scratch (:func:`scratch_numbers`; ``split``: a zero-bubble
     schedule's plain path) and its convolution's columns (:func:`conv_work`), under ZeRO-3
     its and the next layer's gathered weights, and under ZeRO-2 from the second micro-batch
@@ -70,12 +75,15 @@ def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = 
     gradient of its output twice (the outer engine keeps the one it passed while the private
     graph makes its own), and its weight gradients come from its private graph, a second
     copy until the engine has added them (so under ZeRO-2, whose parameters have no
-    ``.grad`` to add into); under ZeRO-3
+    ``.grad`` to add into; in mixed precision they are float32, and its replay holds
+    float32 copies of its weights); the end of its replay is a moment of its own (its whole
+    set made, its forward's scratch, the output's gradient); under ZeRO-3
     also its and the previous layer's gathered weights and the whole gradient of the layer
     after it with its shard (its reduce-scatter in flight:
     :meth:`mpitrain.parallel.zero3.Zero3._progress` frees each once a test sees its sum in,
     which depends on the MPI library: MPICH's reduce-scatter, on shared memory, was as a
-    rule still in flight; Open MPI's was done, and freed: ``in_flight`` "none"), under
+    rule still in flight; Open MPI's was done, and freed: ``in_flight`` "none"; 16-bit
+    gradients go as a float32 copy, :func:`mpitrain.comm.ring.ireduce_scatter`), under
     ZeRO-2 the later layers' gradients it holds, and at most the previous micro-batch's
     buckets not yet started again (:func:`_zero2_held`). Fused backward
     passes write their gradients over the arrays they read last, which is why a layer's
@@ -89,12 +97,10 @@ def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = 
     # ZeRO-2 frees each .grad once packed: a gradient is a new array (but accumulated in full, a sum)
     fresh = lay.par.sync == "zero2" and not (lay.m > 1 and lay.par.accumulate == "full")
     kept, inp, most, before, inputs = 0, first_input, 0, [], []
-    data = lay.models[0].layers[0].name  # the model's first layer, whose input (data) has no gradient
     for i, layer in enumerate(layers):
-        inputs.append(0 if layer.name == data else inp)
+        inputs.append(0 if takes_data(lay, layer) else inp)
         mine = (inp if replays(lay, layer) else layer.kept_on(fast)) * b * a
-        upcast = 4 * layer.size if lay.mixed and layer.forward else 0  # (a replayed layer's: its replay's)
-        mine += 0 if replays(lay, layer) else upcast
+        mine += 4 * layer.size if lay.mixed and layer.forward and not replays(lay, layer) else 0
         gathered = (kept_whole + held_grads or sum(x.size for x in layers[i : i + 2]) * s) if zero3 else 0
         work = scratch_numbers(lay, layer, fast) + conv_work(lay, layer, fast)[0]
         most = max(most, kept + mine + work * a + gathered + buckets)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from mpitrain import cost
 from mpitrain.plan.layout import buckets, held, zero3_groups, zero_groups
-from mpitrain.plan.peak import replays
+from mpitrain.plan.peak import replays, takes_data
 
 NORM = 8  # one float64: a rank's sum of squares of its gradients, for clipping by the global norm
 
@@ -82,10 +82,9 @@ def dp_calls(lay, params: dict, layers: list, d: int, part: tuple = (0, 0)) -> l
                  for i, n in enumerate(buckets)] + clip
                 + [Call("dp", f"parameter bucket {i}", "allgather", n * s, P, 1, algo, d, s)
                    for i, n in enumerate(buckets)])
-    data = lay.models[0].layers[0].name  # the model's first layer, whose input (data) has no gradient
     calls = []
     for names, first, last in zero3_groups(lay, params, layers, units=True):
-        gathers, reduces = zero3_gathers(lay, m, data_only=layers[last].name == data)
+        gathers, reduces = zero3_gathers(lay, m, data_only=takes_data(lay, layers[last]))
         n = sum(math.prod(params[k]) for k in names)
         what = names[0].rsplit(".", 2)[0] if len(names) > 1 else names[0]
         calls += [Call("dp", f"{what}: parameters gathered", "allgather", n * s, P, gathers, algo, d, s),
