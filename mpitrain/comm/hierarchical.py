@@ -32,7 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from mpitrain.comm.requests import Request
-from mpitrain.comm.ring import Ring, chunk_bounds, is_half
+from mpitrain.comm.ring import Ring, chunk_bounds
+from mpitrain.dtypes import is_half
 
 _hierarchies: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 

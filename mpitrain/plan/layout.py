@@ -16,10 +16,9 @@ from functools import cached_property
 
 import numpy as np
 
-from mpitrain import flat, optim
+from mpitrain import flat, optim, parallel
 from mpitrain.comm.ring import chunk_bounds
 from mpitrain.config import Config, check_ranks, cut_refused, validate
-from mpitrain import parallel
 from mpitrain.parallel import zero3
 from mpitrain.plan import shapes
 from mpitrain.schedules import balance

@@ -90,9 +90,6 @@ def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = 
     backward adds no more than this."""
     b, a, s = lay.micro_batch, lay.dtype_bytes, lay.itemsize
     fast = lay.cfg.train.fast_paths and not split
-    zero3 = lay.par.sync == "zero3"
-    kept_whole = lay.models[0].count(layers) * s if zero3 and lay.par.gather == "step" else 0  # gathered for the step
-    held_grads = kept_whole if lay.m > 1 else 0  # and the whole gradients summed over its micro-batches
     buckets = _zero2_held(lay, layers, 0, in_flight) if lay.m > 1 else 0
     # ZeRO-2 frees each .grad once packed: a gradient is a new array (but accumulated in full, a sum)
     fresh = lay.par.sync == "zero2" and not (lay.m > 1 and lay.par.accumulate == "full")
@@ -101,9 +98,8 @@ def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = 
         inputs.append(0 if takes_data(lay, layer) else inp)
         mine = (inp if replays(lay, layer) else layer.kept_on(fast)) * b * a
         mine += 4 * layer.size if lay.mixed and layer.forward and not replays(lay, layer) else 0
-        gathered = (kept_whole + held_grads or sum(x.size for x in layers[i : i + 2]) * s) if zero3 else 0
         work = scratch_numbers(lay, layer, fast) + conv_work(lay, layer, fast)[0]
-        most = max(most, kept + mine + work * a + gathered + buckets)
+        most = max(most, kept + mine + work * a + _zero3_held(lay, layers, i, in_flight, False) + buckets)
         before.append(kept)
         kept += mine
         inp = math.prod(layer.out)
@@ -115,21 +111,36 @@ def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = 
         copies = 2 if again or fresh else 1
         grads = (b * (math.prod(layer.out) * (1 + again) + inputs[i]) + conv_work(lay, layer, fast)[1]) * a
         grads += copies * (layer.part or layer.size) * (4 if again and lay.mixed else s)  # float32 from a replay
-        sharded = 0  # ZeRO-3's: every weight gathered and every whole gradient held (gather = "step"), or
-        if kept_whole:  # the gathered weights and the later layer's reduce-scatter, unless a test saw it done
-            sharded = kept_whole * 2
-            if lay.mixed:  # the last pass reduce-scatters the later layer's as a float32 copy (its weights freed)
-                later = layers[i + 1 : i + 2]
-                sharded += sum(x.size * (4 - s) + -(-x.size // lay.dp) * (4 + s) for x in later) * (in_flight != "none")
-        elif zero3:
-            sharded = sum(x.size for x in layers[max(0, i - 1) : i + 1]) * s
-            wide = s + (4 if lay.mixed else 0)  # 16-bit numbers are reduce-scattered as a float32 copy
-            sharded += sum(x.size + -(-x.size // lay.dp) for x in layers[i + 1 : i + 2]) * wide * (in_flight != "none")
+        sharded = _zero3_held(lay, layers, i, in_flight, True)
         most = max(most, before[i] + whole + grads + sharded + _zero2_held(lay, layers, i + 1, in_flight, lay.m > 1))
         if again:  # the end of its replay: its whole set made, its forward's scratch, the output's gradient
             work = scratch_numbers(lay, layer, fast) + conv_work(lay, layer, fast)[0]
             most = max(most, before[i] + whole + (work + b * math.prod(layer.out)) * a + sharded)
     return kept, max(most, kept)
+
+
+def _zero3_held(lay, layers: list, i: int, in_flight: str, backward: bool) -> int:
+    """Bytes ZeRO-3 holds beyond its shard while layer ``i`` runs forward or ``backward``.
+    With ``gather = "step"`` every weight, gathered for the step, and from the second
+    micro-batch on (in backward, always) every whole gradient; in backward of the last pass
+    in mixed precision also the later layer's reduce-scatter, a float32 copy (its weights
+    freed). With ``"layer"``: forward this and the next layer's weights; backward this and
+    the previous layer's, and the later layer's whole gradient with its shard in flight
+    (16-bit: as a float32 copy), unless a test saw it done (``in_flight`` "none")."""
+    if lay.par.sync != "zero3":
+        return 0
+    s, flying = lay.itemsize, in_flight != "none"
+    if lay.par.gather == "step":
+        whole = lay.models[0].count(layers) * s
+        if not backward:
+            return whole * (2 if lay.m > 1 else 1)
+        later = layers[i + 1 : i + 2] if lay.mixed else []
+        return 2 * whole + sum(x.size * (4 - s) + -(-x.size // lay.dp) * (4 + s) for x in later) * flying
+    if not backward:
+        return sum(x.size for x in layers[i : i + 2]) * s
+    wide = s + (4 if lay.mixed else 0)
+    return (sum(x.size for x in layers[max(0, i - 1) : i + 1]) * s
+            + sum(x.size + -(-x.size // lay.dp) for x in layers[i + 1 : i + 2]) * wide * flying)
 
 
 def _zero2_held(lay, layers: list, after: int, in_flight: str, later: bool = False) -> int:
