@@ -32,15 +32,21 @@ SRUN = textwrap.dedent("""
         args.pop(0)
     ranks = subprocess.Popen([os.environ["STAND_IN_MPIEXEC"], "-n", "2", *args], start_new_session=True)
     def to_every_rank(signum, frame):  # the step daemon's part: each task gets it
-        table = subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
-        rows = [line.split(None, 2) for line in table.splitlines()]
+        # -ww: whole command lines, whatever COLUMNS says (pytest-xdist's workers set it to 80,
+        # which cut "mpitrain train" off a long path: no rank was signalled and the job ran on)
+        table = subprocess.run(["ps", "-ww", "-eo", "pid=,ppid=,args="], capture_output=True, text=True).stdout
+        rows = [line.split(None, 2) + [""] for line in table.splitlines()]
         below, found = {ranks.pid}, True
         while found:  # the launcher's descendants: MPICH's proxies start each rank in a session of its own
             found = {int(pid) for pid, ppid, *_ in rows if int(ppid) in below and int(pid) not in below}
             below |= found
-        for pid, _, args in rows:  # the ranks, not the launcher, whose own command line names them too
-            if int(pid) in below - {ranks.pid} and "mpitrain train" in args:
-                os.kill(int(pid), signum)
+        told = [int(pid) for pid, _, args, *_ in rows  # the ranks, not the launcher, whose command line names them too
+                if int(pid) in below - {ranks.pid} and "mpitrain train" in args]
+        for pid in told:
+            os.kill(pid, signum)
+        if not told:  # say so and end the ranks, rather than leave the test to wait on a run that never stops
+            print(f"srun stand-in: no rank found to pass signal {signum} on to", file=sys.stderr, flush=True)
+            os.killpg(ranks.pid, signal.SIGKILL)
     for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT):
         signal.signal(sig, to_every_rank)
     sys.exit(ranks.wait())
