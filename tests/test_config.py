@@ -202,7 +202,8 @@ def test_parameter_server_rank_checks(ranks, overrides, message):
     (5, [], "train.global_batch_size: 12 is not divisible by the 5 ranks of this job"),
     (2, ["parallel.sync=local"], "parallel.sync: 'local' exchanges no gradients, so 2 data-parallel replicas"),
     (2, ["train.micro_batches=4"], "train.micro_batches: the 6 samples of each of the 2 data-parallel ranks "
-                                   "(train.global_batch_size 12 / 2) do not split into 4 equal micro-batches"),
+                                   "(train.global_batch_size 12 / 2) do not split into 4 equal micro-batches; use "
+                                   "one of [1, 2, 3, 6], or a train.global_batch_size that is a multiple of 8"),
     (4, ["parallel.sync=ps", "parallel.dp=2"], "parallel.dp: dp x pp x tp = 2 x 1 x 1 = 2, but there are the 3 "
                                                "workers of this job (4 ranks - 1 server(s))"),
 ])

@@ -306,8 +306,10 @@ def _check_batch(cfg: Config, dp: int, ranks: str, who: str) -> None:
         raise ConfigError(f"train.global_batch_size: {B} is not divisible by {where}; the global batch stays the "
                           f"same at any rank count, each of the {ranks} takes B / {dp}")
     if (B // dp) % m:
+        fits = [k for k in range(1, B // dp + 1) if (B // dp) % k == 0]
         raise ConfigError(f"train.micro_batches: the {B // dp} samples of each of the {dp} {ranks} "
-                          f"(train.global_batch_size {B} / {dp}) do not split into {m} equal micro-batches")
+                          f"(train.global_batch_size {B} / {dp}) do not split into {m} equal micro-batches; "
+                          f"use one of {fits}, or a train.global_batch_size that is a multiple of {dp * m}")
 
 
 def check_against_data(cfg: Config, data) -> None:
