@@ -12,6 +12,11 @@ user's ``~/.cache``). In the MPI tier every rank uses rank 0's: the ranks of a r
 one embedded-data cache (rank 0 builds it, atomically, and every rank reads it). A run
 that MPI_Abort ends leaves its scratch directory behind.
 
+Nor does a test read the user's home: ``HOME`` and the XDG folders point into the scratch
+directory and ``$MPITRAIN_HARDWARE`` is unset, in the tests and in the processes they
+start, so a calibration the user wrote (``~/.config/mpitrain/hardware.toml``) changes no
+test's outcome (``test_plan_hardware.py`` proves it with a poisoned one).
+
 MPICH's Hydra writes each job's node topology to ``/tmp/hydra_hwloc_xmlfile_*`` (a path
 it fixes, whatever ``TMPDIR`` says) and removes it when the job ends, but not when a rank
 calls MPI_Abort, as several tests make one do on purpose; the run removes the files of
@@ -45,6 +50,16 @@ def open_files() -> set[str]:
     return held
 
 
+def isolate_home(home: Path) -> None:
+    """``home`` as this process's (and its children's) home, with its XDG folders; no user
+    hardware catalogue named by the environment."""
+    home.mkdir(exist_ok=True)
+    os.environ["HOME"] = str(home)
+    for name, sub in (("XDG_CONFIG_HOME", ".config"), ("XDG_CACHE_HOME", ".cache"), ("XDG_DATA_HOME", ".local/share")):
+        os.environ[name] = str(home / sub)
+    os.environ.pop("MPITRAIN_HARDWARE", None)
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest's tmpdir plugin reads the basetemp
 def pytest_configure(config):
     global SCRATCH
@@ -59,6 +74,7 @@ def pytest_configure(config):
     tempfile.tempdir = str(SCRATCH)  # tempfile.mkdtemp() and the like, in tests
     os.environ["TMPDIR"] = str(SCRATCH)  # ... and in the processes they start
     os.environ.setdefault("MPITRAIN_DATA", str(SCRATCH / "data"))
+    isolate_home(SCRATCH / "home")
     if config.option.basetemp is None:
         config.option.basetemp = str(SCRATCH / f"pytest-rank{rank}")
     hydra_files_before.update(glob.glob(HYDRA_TOPOLOGY_FILES))

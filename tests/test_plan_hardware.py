@@ -369,3 +369,36 @@ def test_a_ranks_python_objects_are_its_devices_line_in_the_parameter_arrays_it_
         assert p.rest == p.state + p.memory["work"] + p.memory["buffers"] + p.memory["objects"]
     gpus = planner.make(cfg, 2, planner.machine(shipped, "a100-80g", 2, 2, "ib-hdr"), data)
     assert all(p.memory["objects"] == 0 for p in gpus.ranks)
+
+
+def test_a_poisoned_user_catalogue_changes_no_tests_outcome(tmp_path):
+    """A user's calibration in their home, and one named by $MPITRAIN_HARDWARE, both
+    unreadable: outside the suite they break every plan; the suite's own tests that read
+    the catalogue (a parameter server's queueing network, 'this' device's steps) pass as
+    before, because the suite gives every test and process a home of its own
+    (``tests/conftest.py``). (A calibration a busy machine wrote once failed the first.)"""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    home = tmp_path / "home"
+    (home / ".config" / "mpitrain").mkdir(parents=True)
+    poison = "[device.this]\nname = 'poisoned: not a table of numbers'\ngemm = [\n"  # not valid TOML
+    (home / ".config" / "mpitrain" / "hardware.toml").write_text(poison)
+    (tmp_path / "named.toml").write_text(poison)
+    env = dict(os.environ, HOME=str(home), MPITRAIN_HARDWARE=str(tmp_path / "named.toml"))
+    env.pop("XDG_CONFIG_HOME", None)
+    read = [sys.executable, "-c", "from mpitrain.plan import hardware; hardware.load()"]
+    outside = subprocess.run(read, env=env, capture_output=True, text=True, timeout=120)
+    assert outside.returncode != 0 and "not valid TOML" in outside.stderr  # the poison works
+    env.pop("MPITRAIN_HARDWARE")
+    home_only = subprocess.run(read, env=env, capture_output=True, text=True, timeout=120)
+    assert home_only.returncode != 0 and "not valid TOML" in home_only.stderr
+    tests = Path(__file__).resolve().parent
+    suite = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0",
+                            f"{tests / 'test_plan.py'}::test_the_queueing_network_of_parameter_servers_meets_its_bounds",
+                            f"{tests / 'test_plan_hardware.py'}::test_measure_steps_times_tiny_models_per_family"],
+                           env=dict(env, MPITRAIN_HARDWARE=str(tmp_path / "named.toml")), capture_output=True,
+                           text=True, timeout=240, cwd=tests.parent)
+    assert suite.returncode == 0 and "2 passed" in suite.stdout, suite.stdout + suite.stderr
