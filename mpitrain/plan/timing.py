@@ -31,6 +31,7 @@ message, Hockney 1994):
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, replace
 
 from mpitrain import cost
@@ -97,7 +98,7 @@ class Machine:
             return self.intra
         if not self.inter.per_node or self.per_node == 1:
             return self.inter
-        k = max(sum(1 for r in ranks if r // self.per_node == n) for n in nodes)
+        k = max(collections.Counter(r // self.per_node for r in ranks).values())
         shared = self.per_node * (len(ranks) - k) / (len(ranks) - 1)
         return replace(self.inter, bandwidth=self.inter.bandwidth / max(1.0, shared))
 
@@ -165,16 +166,18 @@ def call_seconds(call, link) -> float:
     return call.count * link.alpha * messages + call.sent / link.bandwidth
 
 
-def group(lay, plan, axis: str) -> list[int]:
-    """The world ranks of this rank's communicator on ``axis``."""
+def group(lay, plan, axis: str) -> list[int] | range:
+    """The world ranks of this rank's communicator on ``axis``: :meth:`~mpitrain.plan.layout.Layout.rank_of`
+    with one coordinate running, an arithmetic sequence (a ``range``: a data-parallel
+    group of a thousand ranks is not a list)."""
     rank = plan.ranks[0] - lay.servers
     rest, r = divmod(rank, lay.tp)
     s, d = divmod(rest, lay.dp)
-    members = {"dp": [lay.rank_of(s, k, r) for k in range(lay.dp)],
-               "pp": [lay.rank_of(k, d, r) for k in range(lay.pp)],
-               "tp": [lay.rank_of(s, d, k) for k in range(lay.tp)]}[axis]
+    first, step, n = {"dp": (lay.rank_of(s, 0, r), lay.tp, lay.dp), "pp": (lay.rank_of(0, d, r), lay.dp * lay.tp, lay.pp),
+                      "tp": (lay.rank_of(s, d, 0), 1, lay.tp)}[axis]
+    members = range(first, first + n * step, step)
     if axis == "dp" and lay.servers:
-        members = members + list(range(lay.servers))
+        return list(members) + list(range(lay.servers))
     return members
 
 
