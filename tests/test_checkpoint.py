@@ -338,8 +338,7 @@ def test_sigkill_during_a_pipeline_run_then_resume_is_bit_identical(reference, t
 
 @needs_mpiexec
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the ranks through Linux /proc")
-@pytest.mark.parametrize("sig,to", [("SIGTERM", "one"), ("SIGUSR1", "one"), ("SIGUSR1", "all"), ("SIGINT", "one"),
-                                    ("SIGINT", "mpiexec")])
+@pytest.mark.parametrize("sig,to", [("SIGTERM", "one"), ("SIGUSR1", "all"), ("SIGINT", "one"), ("SIGINT", "mpiexec")])
 def test_a_signal_checkpoints_and_exits_then_resume_is_bit_identical(reference, tmp_path, sig, to):
     """To one rank (mpiexec's user), to every rank (as SLURM does), or Ctrl-C to
     mpiexec (a terminal sends it to mpiexec's process group, and mpiexec forwards it to

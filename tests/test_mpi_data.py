@@ -11,6 +11,8 @@ from mpitrain import config, train
 from mpitrain.data import DataError, ShardReader, open_dataset
 from mpitrain.train import build
 
+pytestmark = pytest.mark.same_under_any_mpi  # mpitrain's logic above MPI: MPICH's tier checks it for both
+
 
 def shared_dir(comm):
     """A temporary directory made by rank 0 and known to every rank."""

@@ -33,7 +33,12 @@ def close(a, b):
     assert_close(b, a, rtol=1e-5, floor=1e-3)
 
 
+# the pairs that also run on more ranks: each ZeRO stage's shards of P pieces, saved and resumed
+BEYOND_TWO = {("zero3", "ddp"), ("ddp", "zero3"), ("zero2", "zero1"), ("zero1", "zero1")}
+
+
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.same_under_any_mpi  # a checkpoint's layout and its resume: MPICH's tier checks it for both
 @pytest.mark.parametrize("saved_by,resumed_by", [("ddp", "ddp"), ("zero1", "ddp"), ("ddp", "zero1"),
                                                  ("zero1", "zero1"), ("zero2", "ddp"), ("ddp", "zero2"),
                                                  ("zero2", "zero1"), ("zero3", "ddp"), ("ddp", "zero3")])
@@ -41,6 +46,8 @@ def test_a_checkpoint_resumes_on_another_number_of_ranks(saved_by, resumed_by):
     from mpitrain.comm import SingleComm, world
 
     comm = world()
+    if comm.size > 2 and (saved_by, resumed_by) not in BEYOND_TWO:
+        pytest.skip(f"on 2 ranks; beyond, {sorted(BEYOND_TWO)}")
     d = shared_data(comm, n=960, test=64)
     root = d.parent
     # P ranks all the way; the step-8 checkpoint, resumed by one process

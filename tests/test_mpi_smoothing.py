@@ -12,6 +12,8 @@ from test_mpi_pipeline import gpt_cfg, lenet_cfg, text_set
 from mpitrain import checkpoint, train
 from mpitrain.comm import SingleComm
 
+pytestmark = pytest.mark.same_under_any_mpi  # mpitrain's logic above MPI: MPICH's tier checks it for both
+
 SMOOTH = "train.label_smoothing=0.1"
 quiet = lambda *a: None  # noqa: E731
 

@@ -11,6 +11,8 @@ from mpitrain import config, train
 from mpitrain.observe.report import report
 from mpitrain.train import trained
 
+pytestmark = pytest.mark.same_under_any_mpi  # mpitrain's logic above MPI: MPICH's tier checks it for both
+
 LAYOUTS = {"ddp": [], "zero3": ["parallel.sync=zero3"], "pp2": ["parallel.pp=2", "train.micro_batches=2"],
            "tp2": ["parallel.tp=2"], "pp2tp2": ["parallel.pp=2", "parallel.tp=2", "train.micro_batches=2"]}
 NAMED = {"ddp": "dp {P} x pp 1 x tp 1, ddp", "zero3": "dp {P} x pp 1 x tp 1, zero3",
