@@ -81,7 +81,7 @@ def _train_config(args):
                 for section, table in config.read(args.config).items() if isinstance(table, dict)}
         saved_values = {s: {k: saved_cfg.get(s, {}).get(k) for k in t} for s, t in file.items()}
         differ = [f"{k} = {new!r} in the file (saved: {old!r})" for k, old, new in
-                  resume.config_changes(saved_values, file)]
+                  config.changes(saved_values, file)]
         if differ:
             _note(f"note: {args.config} differs from the config saved in {path}: {', '.join(differ)}; a resumed "
                   "run keeps the saved values (--set changes one)")

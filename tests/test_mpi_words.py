@@ -15,7 +15,8 @@ import pytest
 from mpitrain import nn, optim, rng
 from mpitrain.comm.communicator import Comm, Tag
 from mpitrain.comm.replicas import digest
-from mpitrain.comm.ring import Exchange, Ring, iallreduce
+from mpitrain.comm.allreduce import iallreduce
+from mpitrain.comm.ring import Exchange, Ring
 from mpitrain.dtypes import dtype_of, is_half
 from mpitrain.precision import MixedPrecision
 

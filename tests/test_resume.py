@@ -486,7 +486,7 @@ def test_a_field_newer_than_the_saved_config_is_a_change_only_off_its_default():
     """A checkpoint of an older mpitrain lacks the fields added since: at their defaults
     the run is the one it saved, so a resume says nothing of them."""
     from mpitrain.config import Config
-    from mpitrain.train.resume import config_changes
+    from mpitrain.config import changes as config_changes
 
     now = Config().to_dict()
     saved = {section: {k: v for k, v in table.items() if k != "eval_flip"} for section, table in now.items()}

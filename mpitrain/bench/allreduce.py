@@ -33,7 +33,8 @@ from mpitrain.bench.measure import interleaved, medians, slowest
 from mpitrain.cluster import bits_per_second
 from mpitrain.comm import Tag, started_thread_level, world
 from mpitrain.comm.hierarchical import hierarchy
-from mpitrain.comm.ring import allreduce, chunk_bounds
+from mpitrain.comm.allreduce import allreduce
+from mpitrain.comm.ring import chunk_bounds
 
 SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 

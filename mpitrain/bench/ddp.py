@@ -49,7 +49,8 @@ from mpitrain import optim
 from mpitrain.bench.measure import NANOGPT, VOCAB, gpt, interleaved, medians, seconds
 from mpitrain.cluster import Cluster, describe, mpiexec
 from mpitrain.comm import started_thread_level, world
-from mpitrain.comm.ring import allreduce, iallreduce, wire_dtype
+from mpitrain.comm.allreduce import allreduce, iallreduce
+from mpitrain.comm.ring import wire_dtype
 from mpitrain.parallel.data_parallel import DataParallel
 from mpitrain.runtime import huge_page_heap, limit_blas_threads, tune_allocator
 

@@ -5,7 +5,9 @@
   tags, the MPI thread level, errors agreed over ranks, abort on exception;
 * :mod:`~mpitrain.comm.requests`: started operations, the counters every communicator
   keeps (bytes, seconds blocked and busy, per axis of the grid), the communication thread;
-* :mod:`~mpitrain.comm.ring`: allreduce algorithms, MPI's and mpitrain's ring;
+* :mod:`~mpitrain.comm.ring`: mpitrain's ring allreduce (and its two-rank exchange);
+* :mod:`~mpitrain.comm.hierarchical`: the node-aware allreduce built on it;
+* :mod:`~mpitrain.comm.allreduce`: which allreduce runs, by name (MPI's, the ring, the node-aware one);
 * :mod:`~mpitrain.comm.grid`: the ``dp x pp x tp`` process grid and its communicators;
 * :mod:`~mpitrain.comm.replicas`: broadcast, averaging and checking of model replicas.
 

@@ -67,7 +67,7 @@ def _words(buf: np.ndarray) -> np.ndarray:
 def _summable(buf: np.ndarray) -> np.ndarray:
     """``buf``, for MPI to add: never 16-bit floats, which MPI cannot add portably (see
     :func:`_words`); mpitrain's ring adds them in float32, MPI a float32 copy
-    (:func:`mpitrain.comm.ring.iallreduce`)."""
+    (:func:`mpitrain.comm.allreduce.iallreduce`)."""
     if is_half(buf.dtype):
         raise TypeError(f"MPI cannot sum {buf.dtype} numbers on every MPI library: use mpitrain.comm.ring's "
                         f"iallreduce (the ring adds them in float32, MPI's allreduce a float32 copy)")

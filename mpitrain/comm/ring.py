@@ -1,14 +1,14 @@
-"""Allreduce algorithms: MPI's own, mpitrain's ring, and the node-aware one built on it
-(:mod:`mpitrain.comm.hierarchical`), selectable by name.
+"""mpitrain's ring allreduce (Patarasuk & Yuan 2009; Baidu's and Horovod's allreduce),
+written with point-to-point messages so that it can be read, counted and compared; its
+two-rank form, the exchange; and MPI's sums of 16-bit numbers as float32 copies.
+:mod:`mpitrain.comm.allreduce` picks one of them, MPI's own or the node-aware one by name.
 
-``allreduce(comm, buf, "mpi")`` is ``MPI_Allreduce``; ``"ring"`` is mpitrain's ring
-(Patarasuk & Yuan 2009; Baidu's and Horovod's allreduce), written with point-to-point
-messages so that it can be read, counted and compared. Read :func:`ring_allreduce`
-first: the textbook ring, blocking, step by step, with why it is bandwidth-optimal and
-what each rank sends (:func:`mpitrain.cost.ring_elements`). :class:`Ring` computes the
-same sums, in the same order, bit for bit, but as a request: ``iallreduce`` starts it
-without waiting and ``test()`` posts each next step, so it moves while backward
-computes. What the fast version adds:
+Read :func:`ring_allreduce` first: the textbook ring, blocking, step by step, with why it
+is bandwidth-optimal and what each rank sends (:func:`mpitrain.cost.ring_elements`).
+:class:`Ring` computes the same sums, in the same order, bit for bit, but as a request:
+``iallreduce`` (:func:`mpitrain.comm.allreduce.iallreduce`) starts it without waiting and
+``test()`` posts each next step, so it moves while backward computes. What the fast
+version adds:
 
 **Partial sums.** For chunks up to ``IN_PLACE_CHUNK_BYTES`` they travel in two work arrays,
 not in ``buf``: at reduce-scatter step ``s`` the chunk received goes into work array
@@ -35,8 +35,8 @@ with a GPT's backward, the exchange hid more of the communication than the two-s
 ring and MPICH's ``Iallreduce`` (``mpitrain bench ddp --network``). On one node the
 additions count instead, and the ring does half of them per rank: there the ring was
 the faster for large buffers (both: ``mpitrain/bench/README.md``). So
-``iallreduce(..., "ring")`` on two ranks exchanges when they are on different nodes and
-runs the ring when they share one.
+``iallreduce(..., "ring")`` (:mod:`mpitrain.comm.allreduce`) on two ranks exchanges when
+they are on different nodes and runs the ring when they share one.
 
 **Half precision on the wire.** With ``wire="bf16"`` or ``"fp16"`` the ring and the exchange
 send 16-bit numbers and add them to the buffer's own (float32) numbers: every partial
@@ -60,7 +60,6 @@ from mpitrain.comm.communicator import Tag
 from mpitrain.comm.requests import Request
 from mpitrain.dtypes import FORMATS, dtype_of, is_half
 
-ALGORITHMS = ("mpi", "ring", "hierarchical")  # the last: mpitrain.comm.hierarchical
 WIRES = FORMATS  # the numbers a ring sends (see "Half precision on the wire")
 wire_dtype = dtype_of  # a wire format's dtype; None for fp32 (the buffer's own numbers)
 
@@ -257,17 +256,6 @@ class Exchange(Request):
         self._add()
 
 
-_across: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _across_nodes(comm) -> bool:
-    """Whether every rank of ``comm`` is on a node of its own (asked once per communicator:
-    the question is a collective call)."""
-    if comm not in _across:
-        _across[comm] = comm.node_size() == 1
-    return _across[comm]
-
-
 class Float32Sum(Request):
     """MPI's sum of a half-precision array (mixed precision's gradients): MPI cannot add
     bfloat16 (it has no such type) nor, portably, float16, so a float32 copy is summed
@@ -299,31 +287,3 @@ def ireduce_scatter(comm, send: np.ndarray, recv: np.ndarray, counts) -> Request
     """Start MPI's reduce-scatter of ``send`` into ``recv`` (block ``rank``, ``counts``
     elements each); 16-bit numbers as a float32 copy (:class:`Float32Sum`)."""
     return Float32Sum(comm, send, recv, counts) if is_half(send.dtype) else comm.ireduce_scatter(send, recv, counts)
-
-
-def iallreduce(comm, buf: np.ndarray, algorithm: str = "mpi", wire=None) -> Request:
-    """Start summing the flat array ``buf`` over ``comm`` in place; ``wire`` (a dtype, the
-    ring only) sends its numbers in that format. A half-precision ``buf`` is added in
-    float32 at each step: by the ring, or as a float32 copy by MPI (:class:`Float32Sum`)."""
-    if wire is not None and algorithm != "ring":
-        raise ValueError(f"a wire format of 16-bit numbers needs mpitrain's ring (MPI cannot add them in float32), "
-                         f"not {algorithm!r}")
-    if algorithm == "mpi":
-        return Float32Sum(comm, buf) if is_half(buf.dtype) else comm.iallreduce(buf)
-    if algorithm == "ring":
-        if comm.size == 2 and _across_nodes(comm):
-            return Exchange(comm, buf, wire)
-        return Ring(comm, buf, wire=wire)
-    if algorithm == "hierarchical":
-        from mpitrain.comm.hierarchical import HierarchicalAllreduce  # it builds on the ring: imported here
-
-        return HierarchicalAllreduce(comm, buf)
-    raise ValueError(f"allreduce algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-
-
-def allreduce(comm, buf: np.ndarray, algorithm: str = "mpi", wire=None) -> None:
-    """Sum the flat array ``buf`` over ``comm`` in place (``wire``: as :func:`iallreduce`)."""
-    if algorithm == "mpi" and wire is None and not is_half(buf.dtype):
-        comm.allreduce(buf)
-    else:
-        iallreduce(comm, buf, algorithm, wire).wait()

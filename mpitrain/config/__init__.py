@@ -3,7 +3,7 @@
 * :mod:`mpitrain.config.fields`: one dataclass per section of a config file, the ``#:``
   comment at each field saying what it means, and which choice reads which field;
 * this module: reading a TOML file (:func:`load`), ``--set`` overrides, a checkpoint's
-  saved config (:func:`from_saved`);
+  saved config (:func:`from_saved`) and how it differs from another (:func:`changes`);
 * :mod:`mpitrain.config.checks`: every check, each with its message;
 * :mod:`mpitrain.config.markdown`: ``jobs/CONFIG.md`` from the fields and their comments.
 
@@ -35,7 +35,7 @@ except ModuleNotFoundError:  # Python 3.10
 __all__ = ["CHOICES", "EMBEDDED", "GRID", "MODEL_FIELDS", "MODELS", "OPTIM_FIELDS", "PARALLEL_FIELDS",
            "RENAMED", "WHOLE_REPLICA_SYNCS", "TEXT_ONLY_TRAIN_FIELDS", "Config",
            "ConfigError", "DataConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RunConfig", "TrainConfig",
-           "check_against_data", "check_ranks", "cut_refused", "field_for_option", "from_dict", "from_saved", "load",
+           "changes", "check_against_data", "check_ranks", "cut_refused", "field_for_option", "from_dict", "from_saved", "load",
            "read", "reference", "sections", "validate"]
 
 
@@ -216,3 +216,21 @@ def _drop_unused_layout(raw: dict, given: dict) -> list[str]:
 
 def _as_tuple(value):
     return tuple(value) if isinstance(value, list) else value
+
+
+def changes(saved: dict, now: dict) -> list[tuple[str, object, object]]:
+    """``(section.field, saved value, value now)`` for each field of a config (as
+    ``Config.to_dict``) that differs from the saved one; the run directory is where the
+    run is now, not a change, nor a field newer than the saved config at its default (the
+    saved run ran as that default does)."""
+    same = _as_tuple  # JSON and TOML give lists
+    defaults = Config().to_dict()
+    found = []
+    for section in sorted(set(saved) | set(now)):
+        before, after, default = saved.get(section, {}), now.get(section, {}), defaults.get(section, {})
+        for key in sorted(set(before) | set(after)):
+            old, new = same(before.get(key)), same(after.get(key))
+            newer = key not in before and key in default and new == same(default[key])
+            if (section, key) != ("run", "dir") and old != new and not newer:
+                found.append((f"{section}.{key}", old, new))
+    return found

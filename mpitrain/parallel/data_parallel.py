@@ -75,7 +75,8 @@ import numpy as np
 
 from mpitrain import flat
 from mpitrain.comm import CommThread, replicas
-from mpitrain.comm.ring import ALGORITHMS, allreduce, iallreduce, wire_dtype
+from mpitrain.comm.allreduce import ALGORITHMS, allreduce, iallreduce
+from mpitrain.comm.ring import wire_dtype
 from mpitrain.parallel import GradSync
 
 PROGRESS = ("test", "none", "thread", "off")

@@ -62,7 +62,8 @@ import time
 import numpy as np
 
 from mpitrain import autograd, ops, rng
-from mpitrain.comm import Tag, ring
+from mpitrain.comm import Tag
+from mpitrain.comm.allreduce import allreduce
 from mpitrain.nn import Module
 from mpitrain.schedules import (FREES, Action, Backward, BackwardInput, BackwardWeight, Forward,
                                  RecvActivation, RecvGrad, SendActivation, SendGrad, balance, check, micro_batches,
@@ -348,7 +349,7 @@ class PipelineStage(Module):
             for q in params:
                 g = q.grad if grads is None else grads.get(id(q))
                 if g is not None:  # half-precision gradients: added in float32 (ring.Float32Sum)
-                    ring.allreduce(comm, g.reshape(-1))
+                    allreduce(comm, g.reshape(-1))
 
 
 def _agree(pp_comm, plan: dict) -> None:

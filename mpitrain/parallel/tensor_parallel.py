@@ -44,7 +44,7 @@ import math
 import numpy as np
 
 from mpitrain import ops, rng
-from mpitrain.comm import ring
+from mpitrain.comm.allreduce import allreduce
 from mpitrain.nn import Module
 from mpitrain.nn.models import GPT, MLP, CausalSelfAttention, GPTEmbedding
 from mpitrain.tensor import Function, Parameter, Tensor, as_tensor
@@ -387,7 +387,7 @@ def sum_replicated_grads(model: Module, tp_comm, held: dict | None = None) -> No
     if not grads:
         return
     flat = np.concatenate([g.reshape(-1) for g in grads])  # one allreduce for them all, not one each
-    ring.allreduce(tp_comm, flat)  # half-precision gradients: added in float32 (ring.Float32Sum)
+    allreduce(tp_comm, flat)  # half-precision gradients: added in float32 (ring.Float32Sum)
     for g, summed in zip(grads, np.split(flat, np.cumsum([g.size for g in grads])[:-1])):
         g.reshape(-1)[...] = summed  # in place: a .grad may be a view into a bucket
 

@@ -83,9 +83,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mpitrain import optim
 from mpitrain.comm import replicas
-from mpitrain.comm.ring import ALGORITHMS, Ring, chunk_bounds, ireduce_scatter
+from mpitrain.comm.allreduce import ALGORITHMS
+from mpitrain.comm.ring import Ring, chunk_bounds, ireduce_scatter
 from mpitrain.flat import Buckets, Flat, offsets
 from mpitrain.parallel import GradSync, mean, runs, sharded_update, trained
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from mpitrain import checkpoint
 from mpitrain.checkpoint import CheckpointError
+from mpitrain.config import changes as config_changes
 
 FILE = "run.json"
 
@@ -121,8 +122,6 @@ def foreign(fields: dict, ours: dict | None) -> bool:
 def differences(fields: dict, config: dict, data: dict | None) -> str:
     """How a checkpoint of another run (its header ``fields``) differs from this run
     (``config`` as ``Config.to_dict``, ``data`` its identity): a clause for a message."""
-    from mpitrain.train.resume import config_changes
-
     theirs = of(fields) or {}
     changes = [f"{k} = {old!r} (this run: {new!r})" for k, old, new in config_changes(fields["config"], config)]
     if data and fields.get("data") and fields["data"] != data:

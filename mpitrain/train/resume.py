@@ -15,7 +15,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from mpitrain import checkpoint
+from mpitrain import checkpoint, config
 from mpitrain.checkpoint import UNUSABLE, CheckpointError, CheckpointNewer
 from mpitrain.config import ConfigError
 from mpitrain.train import identity
@@ -139,7 +139,7 @@ def check_config(path: Path, saved: dict, cfg, warn) -> None:
     """Compare the config saved in ``path`` with the run's: a change to the model or the
     optimizer's kind is refused (raises CheckpointError); every other change is listed
     through ``warn`` as one the user asked for, with what it means for the batches."""
-    changes = config_changes(saved, cfg.to_dict())
+    changes = config.changes(saved, cfg.to_dict())
     if model := [f"{k} = {new!r} (saved: {old!r})" for k, old, new in changes if k.startswith("model.")]:
         raise CheckpointError(f"{path}: the checkpoint's model differs: {', '.join(model)}; a resumed run trains "
                               "the saved model (start a new run to change it)")
@@ -163,23 +163,3 @@ def check_data(path: Path, saved: dict | None, now: dict, warn) -> None:
     if saved and saved.get("manifest_sha256") and saved != now:
         warn(f"warning: {path} was trained on {saved['name']} (manifest SHA-256 {saved['manifest_sha256'][:12]}); "
              f"this run reads {now['name']} ({now['manifest_sha256'][:12]}): other data")
-
-
-def config_changes(saved: dict, now: dict) -> list[tuple[str, object, object]]:
-    """``(section.field, saved value, value now)`` for each field of a config (as
-    ``Config.to_dict``) that differs from the saved one; the run directory is where the
-    run is now, not a change, nor a field newer than the saved config at its default (the
-    saved run ran as that default does)."""
-    from mpitrain.config import Config
-
-    same = lambda v: tuple(v) if isinstance(v, list) else v  # noqa: E731 (JSON and TOML give lists)
-    defaults = Config().to_dict()
-    changes = []
-    for section in sorted(set(saved) | set(now)):
-        before, after, default = saved.get(section, {}), now.get(section, {}), defaults.get(section, {})
-        for key in sorted(set(before) | set(after)):
-            old, new = same(before.get(key)), same(after.get(key))
-            newer = key not in before and key in default and new == same(default[key])
-            if (section, key) != ("run", "dir") and old != new and not newer:
-                changes.append((f"{section}.{key}", old, new))
-    return changes
