@@ -75,10 +75,13 @@ def shards(lay, s: int, r: int, d: int) -> tuple[int, int, list]:
     ZeRO's shards as each stage cuts them (:mod:`mpitrain.parallel.zero`,
     :mod:`mpitrain.parallel.zero3`)."""
     sync, P = lay.par.sync, lay.dp
-    params = lay.parameters(s, r)
-    N = sum(math.prod(shape) for shape in params.values())
+    key = ("sizes", s, r)  # the part's, the same for each of its replicas
+    if key not in lay.cache:
+        lay.cache[key] = [math.prod(shape) for shape in lay.parameters(s, r).values()]
+    sizes = lay.cache[key]
+    N = sum(sizes)
     if sync not in ("zero1", "zero2", "zero3") or P == 1 and sync != "zero3":
-        return N, N, [math.prod(shape) for shape in params.values()]
+        return N, N, list(sizes)
     pieces = _cut(_flat_groups(lay, s, r), d)
     return (N if sync != "zero3" else sum(pieces)), (N if sync == "zero1" else sum(pieces)), pieces
 

@@ -196,7 +196,7 @@ def bucket_overlap(plan, link, backward: float) -> float:
     backward hides what it can of it (:func:`hidden`); the rest runs after backward, and so
     does every other call (clipping's sum, ZeRO-2's gathers after the step)."""
     buckets = [c for c in plan.calls if c.axis == "dp" and c.what.startswith("gradient bucket")]
-    rest = sum(call_seconds(c, link) for c in plan.calls if c.axis == "dp" and c not in buckets)
+    rest = sum(call_seconds(c, link) for c in plan.calls if c.axis == "dp" and not c.what.startswith("gradient bucket"))
     total, done, free = sum(c.nbytes for c in buckets) or 1, 0, 0.0
     for c in buckets:
         done += c.nbytes
