@@ -50,6 +50,19 @@ def open_files() -> set[str]:
     return held
 
 
+LONGER = os.environ.get("MPITRAIN_LONGER") == "1"  # the longer tier (tests/README.md), not in CI
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``longer`` skip unless ``MPITRAIN_LONGER=1``."""
+    if LONGER:
+        return
+    skip = pytest.mark.skip(reason="the longer tier (MPITRAIN_LONGER=1)")
+    for item in items:
+        if item.get_closest_marker("longer"):
+            item.add_marker(skip)
+
+
 def isolate_home(home: Path) -> None:
     """``home`` as this process's (and its children's) home, with its XDG folders; no user
     hardware catalogue named by the environment."""

@@ -14,7 +14,8 @@ import shutil
 import numpy as np
 import pytest
 
-LONG = os.environ.get("MPITRAIN_COMPOSE") == "all"  # the longer tier: every combination, not the pairwise cover
+# the longer tier (tests/README.md): every combination, not the pairwise cover
+LONG = os.environ.get("MPITRAIN_COMPOSE") == "all" or os.environ.get("MPITRAIN_LONGER") == "1"
 
 FOUR = ("model.n_head=4", "model.bias=true")
 PP = ("parallel.pp=2", "train.micro_batches=4")
@@ -121,7 +122,7 @@ def test_zero3_over_the_replicas_of_a_slice_or_a_stage_equals_one_process(refere
     if world().size != 4:
         pytest.skip("the 2 x 2 grids")
     if grid not in ("dp2-tp2", "dp2-pp2") and not LONG:
-        pytest.skip("the longer tier (MPITRAIN_COMPOSE=all)")
+        pytest.skip("the longer tier (MPITRAIN_LONGER=1)")
     layout = {"dp2-tp2": ("parallel.tp=2", "parallel.sequence_parallel=true"), "dp2-pp2": PP,
               "dp2-pp2-step": (*PP, "parallel.gather=step"),
               "dp2-pp2-interleaved": (*PP, "parallel.schedule=interleaved", "parallel.chunks=2", "parallel.gather=step"),
@@ -147,7 +148,7 @@ def test_each_pipeline_schedule_with_zero1_equals_one_process_and_zb_h1_moves_to
     if world().size != 4:
         pytest.skip("dp 2 x pp 2")
     if schedule != "zb-h1" and not LONG:
-        pytest.skip("the longer tier (MPITRAIN_COMPOSE=all): the pairwise cover runs ZB-H1")
+        pytest.skip("the longer tier (MPITRAIN_LONGER=1): the pairwise cover runs ZB-H1")
     chunks = ("parallel.chunks=2",) if schedule == "interleaved" else ()
     name = f"zero1-{schedule}"
     equals_one_process(reference, name, "parallel.sync=zero1", f"parallel.schedule={schedule}", *chunks, *PP)
@@ -383,7 +384,7 @@ def test_the_cnn_sharded_on_pipeline_stages_equals_one_process(sync, precision):
     if comm.size != 4:
         pytest.skip("dp 2 x pp 2")
     if (sync, precision) in (("zero1", "fp32"), ("zero2", "fp32")) and not LONG:
-        pytest.skip("the longer tier (MPITRAIN_COMPOSE=all)")
+        pytest.skip("the longer tier (MPITRAIN_LONGER=1)")
     d = shared_data(comm, n=480, test=64)
     kind = ("train.dtype='float32'", f"train.precision='{precision}'") if precision != "fp32" else ()
     once = ("parallel.gather=step",) if sync == "zero3" and precision != "fp32" else ()
@@ -433,7 +434,7 @@ def test_sixteen_bits_on_the_grid_stay_near_float32_after_fifty_steps(precision,
     if comm.size != size:
         pytest.skip(f"{grid} runs on {size} ranks")
     if not LONG:
-        pytest.skip("the longer tier (MPITRAIN_COMPOSE=all)")
+        pytest.skip("the longer tier (MPITRAIN_LONGER=1)")
     d = shared_data(comm, make=text_set)
     longer = (*FOUR, "train.dtype='float32'", "train.steps=50", "train.eval_interval=50", "run.checkpoint_interval=50",
               "optim.warmup_steps=5")

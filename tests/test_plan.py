@@ -311,8 +311,13 @@ CNNS = {"lenet": {"name": "lenet", "channels": [8, 16], "hidden": 32},
         "resnet20": {"name": "resnet", "widths": [8, 16, 32], "blocks": 3}}
 
 
-@pytest.mark.parametrize("threads,fast", [(1, True), (2, True), (1, False)], ids=["1 thread", "2 threads", "plain"])
-@pytest.mark.parametrize("model", sorted(CNNS))
+WAYS = {"1 thread": (1, True), "2 threads": (2, True), "plain": (1, False)}  # BLAS threads, fast paths
+
+
+@pytest.mark.parametrize("model,threads,fast", [
+    pytest.param(model, *WAYS[way], id=f"{model}-{way}",
+                 marks=[pytest.mark.longer] if model == "resnet20" and way != "1 thread" else [])  # resnet8's layers
+    for model in sorted(CNNS) for way in WAYS])
 def test_a_cnns_step_peaks_where_the_plan_walks(model, threads, fast, tmp_path):
     """The heap a CNN's step holds above rest (32x32 RGB images, batch 32) is the planner's
     walk within the heap tolerance: each op's kept arrays (a convolution's padded input, a

@@ -274,7 +274,7 @@ EMBEDDED_DATA = pytest.mark.skipif(
 @EMBEDDED_DATA
 @pytest.mark.parametrize("job, options", [
     ("mnist5k_lenet.toml", ["train.epochs=0", "train.steps=10"]),  # an image model: no train.sample_tokens
-    ("shakespeare_gpt.toml", ["train.steps=10", "train.eval_batches=2"]),
+    pytest.param("shakespeare_gpt.toml", ["train.steps=10", "train.eval_batches=2"], marks=pytest.mark.longer),
 ])
 def test_the_local_scaling_study_runs_on_1_and_2_ranks_and_plots(job, options, tmp_path):
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", REPEATS="2")
