@@ -3,6 +3,7 @@ the base (tensor, ops, nn, optim) never reaches mpi4py, only comm imports it, da
 calls MPI, and each parallel module stands alone."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -341,3 +342,13 @@ def test_no_import_circle_but_the_known_ones():
     a known one that drew in another module, fails here."""
     new = [sorted(c) for c in circles(graph()) if not any(c <= known for known in KNOWN_CIRCLES)]
     assert not new, f"new import circles: {new}"
+
+
+def test_mpi_marked_tests_live_in_the_mpi_tiers_files():
+    """The MPI tier's commands collect ``tests/test_mpi_*.py`` (README.md); a test marked
+    ``mpi`` anywhere else would never run there."""
+    tests = Path(__file__).resolve().parent
+    elsewhere = [p.name for p in tests.glob("test_*.py")
+                 if not p.name.startswith("test_mpi_") and re.search(r"^\s*@pytest\.mark\.mpi\b", p.read_text(
+                     encoding="utf-8"), re.M)]
+    assert not elsewhere, f"tests marked mpi outside tests/test_mpi_*.py: {elsewhere}"

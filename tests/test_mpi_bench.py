@@ -63,9 +63,11 @@ def test_bench_pipeline_measures_every_schedule(monkeypatch):
     from mpitrain.bench import pipeline
     from mpitrain.cost import bubble_fraction
 
+    p = world().size
+    if p > 2:
+        pytest.skip("the bench's form, on 2 ranks (test_mpi_pipeline.py runs every schedule on 4 stages)")
     monkeypatch.setattr(pipeline, "C", 16)
     monkeypatch.setattr(pipeline, "T", 8)
-    p = world().size
     lines = []
     rows = pipeline.run(rounds=1, ms=(p, 2 * p), batch=4 * p, log=lines.append)
     assert [(r["schedule"], r["m"]) for r in rows] == [

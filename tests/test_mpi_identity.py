@@ -32,6 +32,8 @@ def test_checkpoints_of_other_runs_are_named_left_in_place_and_from_starts_a_new
     from mpitrain.comm import world
 
     comm = world()
+    if comm.size > 2:
+        pytest.skip("whose checkpoint is whose does not depend on the ranks: on 2")
     d = shared_data(comm, n=960, test=64)
     root, every = d.parent, ["run.checkpoint_interval=4", "run.keep=1"]
     train.train(cfg(d, root / "whole", "ddp", ["run.checkpoint_interval=4", "run.keep=10"]), log=quiet, comm=comm)

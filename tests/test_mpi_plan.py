@@ -38,10 +38,10 @@ LAYOUTS = {  # ranks -> {name: overrides}
         "bf16, checkpointing": ["train.precision='bf16'", "model.checkpoint_activations=true"]},
     3: {"ps": ["parallel.sync='ps'", "optim.grad_clip=0.0"], "zero3, uneven shards": ["parallel.sync='zero3'",
                                                                                      "train.global_batch_size=6"]},
-    4: {"zero3 on 4": ["parallel.sync='zero3'"],  # (ddp and ZeRO-1 on dp 4 count as on dp 2: the 2-rank tier's)
+    4: {"zero3 on 4": ["parallel.sync='zero3'"],  # (ddp, ZeRO-1 and ZeRO-2 on dp 4 count as on dp 2: the 2-rank tier's)
         "dp2 x pp2": ["parallel.pp=2", "train.micro_batches=2"],
         "pp2 x tp2": ["parallel.pp=2", "parallel.tp=2", "train.micro_batches=4"],
-        "dp2 x tp2": ["parallel.tp=2"], "zero2": ["parallel.sync='zero2'"],
+        "dp2 x tp2": ["parallel.tp=2"],
         "zero1 on dp2 x pp2": ["parallel.pp=2", "parallel.sync='zero1'", "train.micro_batches=2"],
         "zero2 on dp2 x tp2, sequence parallel": ["parallel.tp=2", "parallel.sync='zero2'",
                                                   "parallel.sequence_parallel=true"],

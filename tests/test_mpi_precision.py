@@ -107,6 +107,8 @@ def test_a_mixed_precision_checkpoint_holds_the_float32_masters_and_resumes_bit_
     from mpitrain.comm import world
 
     comm = world()
+    if comm.size == 4:
+        pytest.skip("on 2 and 3 ranks (an even and an odd number of replicas)")
     root = shared_data(comm, text_set).parent
     straight, resumed = root / f"straight-{precision}", root / f"resumed-{precision}"
     train.train(gpt_cfg(root, straight, precision, steps=12, checkpoint_interval=6), log=quiet, comm=comm)
