@@ -27,6 +27,7 @@ import ctypes.util
 import functools
 import json
 import os
+from pathlib import Path
 
 from threadpoolctl import threadpool_limits
 
@@ -87,8 +88,8 @@ def launcher() -> str | None:
     pid = os.getppid()
     for _ in range(12):
         try:
-            name = open(f"/proc/{pid}/comm").read().strip()
-            stat = open(f"/proc/{pid}/stat").read()
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+            stat = Path(f"/proc/{pid}/stat").read_text()
         except OSError:
             return None
         if name in LAUNCHERS:
