@@ -32,11 +32,12 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-__all__ = ["CHOICES", "EMBEDDED", "GRID", "MODEL_FIELDS", "MODELS", "OPTIM_FIELDS", "PARALLEL_FIELDS",
-           "RENAMED", "WHOLE_REPLICA_SYNCS", "TEXT_ONLY_TRAIN_FIELDS", "Config",
-           "ConfigError", "DataConfig", "ModelConfig", "OptimConfig", "ParallelConfig", "RunConfig", "TrainConfig",
-           "changes", "check_against_data", "check_ranks", "cut_refused", "field_for_option", "from_dict", "from_saved", "load",
-           "read", "reference", "sections", "validate"]
+__all__ = [
+    "CHOICES", "EMBEDDED", "GRID", "MODEL_FIELDS", "MODELS", "OPTIM_FIELDS", "PARALLEL_FIELDS", "RENAMED",
+    "WHOLE_REPLICA_SYNCS", "TEXT_ONLY_TRAIN_FIELDS", "Config", "ConfigError", "DataConfig", "ModelConfig",
+    "OptimConfig", "ParallelConfig", "RunConfig", "TrainConfig", "changes", "check_against_data", "check_ranks",
+    "cut_refused", "field_for_option", "from_dict", "from_saved", "load", "read", "reference", "sections",
+    "validate"]
 
 
 # the names other trainers give fields (nanoGPT's, PyTorch examples', torchrun scripts')

@@ -173,7 +173,8 @@ def group(lay, plan, axis: str) -> list[int] | range:
     rank = plan.ranks[0] - lay.servers
     rest, r = divmod(rank, lay.tp)
     s, d = divmod(rest, lay.dp)
-    first, step, n = {"dp": (lay.rank_of(s, 0, r), lay.tp, lay.dp), "pp": (lay.rank_of(0, d, r), lay.dp * lay.tp, lay.pp),
+    first, step, n = {"dp": (lay.rank_of(s, 0, r), lay.tp, lay.dp),
+                      "pp": (lay.rank_of(0, d, r), lay.dp * lay.tp, lay.pp),
                       "tp": (lay.rank_of(s, d, 0), 1, lay.tp)}[axis]
     members = range(first, first + n * step, step)
     if axis == "dp" and lay.servers:
