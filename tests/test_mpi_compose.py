@@ -8,14 +8,12 @@ layout. Rank 0 trains the one-process reference once; every rank compares with i
 """
 
 import json
-import os
 import shutil
 
 import numpy as np
 import pytest
 
-# the longer tier (tests/README.md): every combination, not the pairwise cover
-LONG = os.environ.get("MPITRAIN_COMPOSE") == "all" or os.environ.get("MPITRAIN_LONGER") == "1"
+from conftest import LONGER as LONG  # the longer tier: every combination, not the pairwise cover
 
 FOUR = ("model.n_head=4", "model.bias=true")
 PP = ("parallel.pp=2", "train.micro_batches=4")
