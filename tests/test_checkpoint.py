@@ -3,6 +3,7 @@
 In-process runs are one process (no MPI); the kill and signal tests launch
 ``mpiexec -n 2 mpitrain train`` and stop it from outside, as a scheduler would."""
 
+import io
 import json
 import os
 import random
@@ -78,6 +79,36 @@ def resume_from(src_run, step, dst_run):
 
 def quiet(*args):
     pass
+
+
+def test_rank_0_writes_a_ranks_consecutive_rows_at_once_and_a_slice_where_it_goes():
+    """The writer's plumbing (:mod:`mpitrain.checkpoint.layout`): a rank's pieces of a
+    flat dataset that follow each other are one write; a gap, or a slice, stays apart;
+    packed arrays start 8-byte aligned. (Every layout's checkpoint equals one process's in
+    the MPI tier.)"""
+    from mpitrain.checkpoint.layout import _packed, _runs
+
+    a, b, c = np.arange(3.0), np.arange(3.0, 5.0), np.arange(9.0, 10.0)
+    sliced = (("model/w", None, None, (slice(0, 1),), None), np.ones((1, 2)))
+    runs = _runs([((("optim/state/m", (0, 3), None, None, None)), a), sliced,
+                  (("optim/state/m", (3, 5), None, None, None), b), (("optim/state/m", (9, 10), None, None, None), c)])
+    assert [(h[0], h[1]) for h, _ in runs] == [("optim/state/m", (0, 5)), ("optim/state/m", (9, 10)), ("model/w", None)]
+    np.testing.assert_array_equal(runs[0][1], np.arange(5.0))
+    assert runs[2][0] == sliced[0] and runs[2][1] is sliced[1]
+    assert _packed([3, 8, 1, 0]).tolist() == [0, 8, 16, 24, 24]
+    with h5py.File(io.BytesIO(), "w") as f:  # the writer itself: joined rows, a slice put together, scalar rows
+        from mpitrain.checkpoint.layout import _Writer
+
+        f.create_dataset("optim/state/m", (10,), dtype="f8"), f.create_dataset("model/w", (2, 2), dtype="f8")
+        f.create_dataset("optim/has_state", (3,), dtype=bool)
+        writer = _Writer(f)
+        writer.write([(("optim/state/m", (0, 3), None, None, None), a), sliced,
+                      (("optim/has_state", (1, 2), None, None, None), np.ones(1, dtype=bool))])
+        writer.write([(("optim/state/m", (3, 5), None, None, None), b),
+                      (("model/w", None, None, (slice(1, 2),), None), np.full((1, 2), 2.0))])
+        writer.close()
+        assert f["optim/state/m"][:5].tolist() == [0, 1, 2, 3, 4] and f["model/w"][()].tolist() == [[1, 1], [2, 2]]
+        assert f["optim/has_state"][()].tolist() == [False, True, False]
 
 
 @pytest.mark.parametrize("strategy,sampling", [("ddp", "stride"), ("zero1", "stride"), ("ddp", "random")])

@@ -39,7 +39,9 @@ I/O to ``step-XXXXXXXX.h5.tmp``, syncs it (``fsync``) and renames it. HDF5 never
 disk: a write failing inside it (no space left, a quota, an I/O error) left its library in
 a state that crashed the process, while a failed plain write is one ``OSError``
 (:class:`CheckpointWriteError`: the ``.tmp`` removed, the previous checkpoint intact). The
-cost: one copy of the checkpoint in rank 0's memory while it writes. After the rename rank
+cost: one copy of the checkpoint in rank 0's memory while it writes, and of a
+tensor-sliced model a second of its sliced arrays, put together from their slices before
+each is written once (HDF5 writes a small array in about the time it writes a large one). After the rename rank
 0 deletes all but the newest ``keep`` of the run's own checkpoints (never one of a later
 step, of another run, or whose header does not verify) and any ``.tmp`` a killed write
 left (a resume ignores it).

@@ -5,6 +5,7 @@ gathering them to rank 0 as buffers (:mod:`mpitrain.checkpoint`, "the flat layou
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 
 import h5py
@@ -126,18 +127,12 @@ def _contribution(local, pieces, slices: dict, arrays: dict, parts: dict) -> lis
     return out
 
 
-def _apply(f: h5py.File, header, array: np.ndarray) -> None:
-    """Write ``array`` where ``header = (dataset, rows, whole shape, where, within)``
-    says: rows ``[lo, hi)`` of a flat dataset (None: all of it), and for a slice, its
-    ``where`` in the whole array of ``shape`` that those rows hold (None: the rows' own
-    shape), and ``within`` that slice's flat order (None: all of it)."""
-    name, rows, shape, where, within = header
-    ds = f[name]
-    rows = slice(*rows) if rows is not None else Ellipsis
-    if where is None:
-        ds[rows] = array
-        return
-    stored = ds[rows]
+def _place(stored: np.ndarray, header, array: np.ndarray) -> None:
+    """Put ``array``, a slice, into ``stored``, the rows ``header = (dataset, rows, whole
+    shape, where, within)`` names: at ``where`` in the whole array of ``shape`` those rows
+    hold (None: the rows' own shape), at ``within`` that slice's flat order (None: all of
+    it)."""
+    _, _, shape, where, within = header
     whole = stored.reshape(shape) if shape is not None else stored  # a view: writing it writes stored
     if within is None:
         whole[where] = array.reshape(whole[where].shape)  # a shard's piece may be the whole slice, flat
@@ -145,27 +140,109 @@ def _apply(f: h5py.File, header, array: np.ndarray) -> None:
         part = np.ascontiguousarray(whole[where])  # the slice in C order (reshape(-1) then a view), its piece replaced
         part.reshape(-1)[within[0] : within[1]] = array.reshape(-1)
         whole[where] = part
-    ds[rows] = stored
+
+
+def _runs(contribution: list) -> list:
+    """``contribution``'s pairs by dataset, each run of consecutive rows of a flat
+    dataset joined into one pair (a rank's shard of the optimizer state spans many
+    parameters: one write, not one a parameter)."""
+    by_name: dict = {}
+    for header, array in contribution:
+        by_name.setdefault(header[0], []).append((header, array))
+    out = []
+    for pairs in by_name.values():
+        runs = [[pairs[0]]]
+        for header, array in pairs[1:]:
+            before = runs[-1][-1][0]
+            flat = header[1] is not None and header[2:] == before[2:] == (None, None, None)
+            if flat and before[1] is not None and before[1][1] == header[1][0]:
+                runs[-1].append((header, array))
+            else:
+                runs.append([(header, array)])
+        out += [_joined(run) for run in runs]
+    return out
+
+
+def _joined(run: list):
+    if len(run) == 1:
+        return run[0]
+    first, last = run[0][0], run[-1][0]
+    return (first[0], (first[1][0], last[1][1]), None, None, None), np.concatenate([a.reshape(-1) for _, a in run])
+
+
+class _Writer:
+    """Rank 0's writes into the checkpoint it builds, few and large: each dataset looked
+    up once; consecutive rows written at once (:func:`_runs`); and what several writes
+    would fill in parts, the per-parameter rows (``optim/has_state``, ``optim/scalar/*``)
+    and the rows of a sliced parameter (its slices come from the ranks of a tensor-parallel
+    group), put together in memory and written once, at :meth:`close`."""
+
+    def __init__(self, f: h5py.File):
+        self.f, self.datasets, self.parts = f, {}, {}
+
+    def dataset(self, name: str) -> h5py.Dataset:
+        if name not in self.datasets:
+            self.datasets[name] = self.f[name]
+        return self.datasets[name]
+
+    def write(self, contribution: list) -> None:
+        for header, array in _runs(contribution):
+            name, rows, where = header[0], header[1], header[3]
+            if name == "optim/has_state" or name.startswith("optim/scalar/"):
+                if name not in self.parts:
+                    self.parts[name] = (Ellipsis, self.dataset(name)[()])
+                self.parts[name][1][slice(*rows)] = array
+            elif where is not None:
+                key = (name, rows)
+                if key not in self.parts:
+                    at = slice(*rows) if rows is not None else Ellipsis
+                    self.parts[key] = (at, self.dataset(name)[at])
+                _place(self.parts[key][1], header, array)
+            else:
+                self.dataset(name)[slice(*rows) if rows is not None else Ellipsis] = array
+
+    def close(self) -> None:
+        for key, (at, values) in self.parts.items():
+            self.dataset(key if isinstance(key, str) else key[0])[at] = values
+
+
+_ALIGN = 8  # each array of a packed message starts on a multiple of 8 bytes, so that its view is aligned
+
+
+def _packed(sizes) -> np.ndarray:
+    """The offsets of arrays of ``sizes`` bytes in one packed message, and its end."""
+    padded = [-(-n // _ALIGN) * _ALIGN for n in sizes]
+    return np.concatenate([[0], np.cumsum(padded, dtype=np.int64)])
 
 
 def _collect(f: h5py.File, own: list, comm) -> None:
-    """Write this rank's (rank 0's) contribution, then every other rank's, received as
-    buffers one rank after the other (their headers, small, come by ``gather``)."""
+    """Write this rank's (rank 0's) contribution, then every other rank's, received one
+    rank after the other as one buffer each, its arrays end to end (their headers, small,
+    come by ``gather``)."""
     from mpitrain.comm import Tag
 
     headers = comm.gather([h for h, _ in own])
-    for header, array in own:
-        _apply(f, header, array)
+    writer = _Writer(f)
+    writer.write(own)
     for source in range(1, comm.size):
-        for header in headers[source]:
-            buf = np.empty(header[5], dtype=np.dtype(header[6]))
-            comm.recv(buf, source, Tag.CHECKPOINT)
-            _apply(f, header[:5], buf)
+        meta = headers[source]
+        dtypes = [np.dtype(h[6]) for h in meta]
+        offsets = _packed([math.prod(h[5]) * d.itemsize for h, d in zip(meta, dtypes)])
+        buf = np.empty(int(offsets[-1]), dtype=np.uint8)
+        comm.recv(buf, source, Tag.CHECKPOINT)
+        arrays = [buf[int(o) : int(o) + math.prod(h[5]) * d.itemsize].view(d).reshape(h[5])
+                  for h, d, o in zip(meta, dtypes, offsets)]
+        writer.write([(h[:5], a) for h, a in zip(meta, arrays)])
+    writer.close()
 
 
 def _send(own: list, comm) -> None:
-    """A rank other than 0 sends its contribution to rank 0."""
+    """A rank other than 0 sends its contribution to rank 0, as one buffer."""
     from mpitrain.comm import Tag
 
     comm.gather([(*h, a.shape, a.dtype.str) for h, a in own])
-    comm.waitall([comm.isend(a, 0, Tag.CHECKPOINT) for _, a in own])
+    offsets = _packed([a.nbytes for _, a in own])
+    buf = np.zeros(int(offsets[-1]), dtype=np.uint8)
+    for (_, a), o in zip(own, offsets):
+        buf[int(o) : int(o) + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    comm.waitall([comm.isend(buf, 0, Tag.CHECKPOINT)])

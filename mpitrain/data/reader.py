@@ -34,6 +34,7 @@ stretches across small gaps (:meth:`mpitrain.data.samples.Windows.read`).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import queue
 import threading
@@ -269,6 +270,8 @@ class ShardReader:
                 skip = first_step if epoch == first_epoch else 0
                 step = 0
                 for round_id, first, length in plan.rounds(self.drop_last):
+                    if stop.is_set():  # the consumer is done: read no more
+                        return
                     if step + length > skip:  # rounds before a resumed position are not read
                         while not self._open.wait(0.1):  # held (see hold)
                             if stop.is_set():
@@ -319,6 +322,8 @@ class ShardReader:
                     yield Batch(epoch, step + k, *self.items.pair(x[k], y[k]), index[k], lanes)
         finally:
             stop.set()
+            with contextlib.suppress(queue.Empty):  # a thread waiting to queue a round goes on at once, sees
+                out.get_nowait()  # the stop and ends (not at its put's next timeout)
             thread.join()
 
     def epoch(self, epoch: int):

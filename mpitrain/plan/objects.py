@@ -50,16 +50,25 @@ def measure_objects(log=print) -> tuple[float, float]:
     """(kB, kB per parameter array) of the Python objects a training process holds at rest
     beyond the arrays the planner counts: the line through :func:`beyond_arrays` of each of
     :data:`MODELS`, each in a process of its own (as a run starts: what its first steps
-    import and cache counts), against their parameter arrays."""
+    import and cache counts), against their parameter arrays. The processes run side by
+    side: they count bytes, not time."""
     from mpitrain.plan.calibrate import _probed  # here: calibrate imports this module
 
     arrays, extra = [], []
     with tempfile.TemporaryDirectory(prefix="mpitrain-objects-") as tmp:
         _datasets(Path(tmp))
-        for i, (model, _) in enumerate(MODELS):
-            done = subprocess.run([sys.executable, "-m", "mpitrain.plan.objects", str(i), tmp], capture_output=True,
-                                  text=True, timeout=300, check=False)
-            found = _probed(done, f"the count of Python's objects ({model['name']})")
+        procs = [subprocess.Popen([sys.executable, "-m", "mpitrain.plan.objects", str(i), tmp], text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE) for i in range(len(MODELS))]
+        try:
+            outputs = [p.communicate(timeout=300) for p in procs]
+            done = [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(procs, outputs)]
+        finally:
+            for p in procs:  # a timeout, or Ctrl-C: none left running
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        for (model, _), finished in zip(MODELS, done):
+            found = _probed(finished, f"the count of Python's objects ({model['name']})")
             arrays.append(found["arrays"])
             extra.append(found["extra"])
             log(f"objects: {model['name']} of {arrays[-1]} parameter arrays: {extra[-1]:,} B at rest beyond its "
