@@ -33,8 +33,8 @@ import numpy as np
 from mpitrain.plan.hardware import (GEMM_DTYPES, MIXED, HardwareError, emulated_link, parse_device, read_toml,
                                     this_machine, user_path)
 from mpitrain.plan.objects import measure_objects
-from mpitrain.plan.steps import PROBES, measure_mixed, measure_steps, median_seconds, significant
-from mpitrain.runtime import available_cores
+from mpitrain.plan.steps import PROBES, measure_mixed, measure_steps, significant
+from mpitrain.runtime import available_cores, my_cores
 
 # the GEMMs that matter here, (m, k, n) of (m,k)@(k,n), float32 unless a dtype is named
 GPT_SHAPES = [  # jobs/tinyshakespeare_gpt.toml: 12 x 64 = 768 tokens, width 128, 4 heads of 32, 65 characters
@@ -47,6 +47,44 @@ CNN_SHAPES = [  # im2col GEMMs of a whole batch (the plain path's; pixels, c_in 
 SKINNY = [(2048, 64, 2048), (64, 2048, 64)]  # a rank-64 update, long inner products
 DEFAULT_SHAPES = ([(s, s, s) for s in (64, 128, 256, 512, 1024, 2048)] + GPT_SHAPES + CNN_SHAPES + SKINNY
                   + [(s, s, s, "float64") for s in (256, 1024)])
+
+
+# ------------------------------------------------------------------ a quiet machine
+BUSY_CORES = 0.25  # other processes' CPU, in cores, above which a calibration is refused
+
+
+def others_busy(seconds: float = 0.5) -> float | None:
+    """Cores' worth of CPU time that other processes used on this process's cores while it
+    slept ``seconds``: the non-idle time of those cores in Linux's ``/proc/stat`` (a virtual
+    machine's stolen time counts: its host's other work); None where it cannot be read."""
+    cores = {f"cpu{c}" for c in my_cores()}
+
+    def ticks() -> int:
+        rows = [line.split() for line in Path("/proc/stat").read_text().splitlines()]
+        # user nice system idle iowait irq softirq steal: all but idle and iowait
+        return sum(sum(map(int, r[1:4])) + sum(map(int, r[6:9])) for r in rows if r and r[0] in cores)
+
+    try:
+        before = ticks()
+        time.sleep(seconds)
+        return (ticks() - before) / os.sysconf("SC_CLK_TCK") / seconds
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def check_quiet(when: str, busy_ok: bool, log) -> None:
+    """Refuse to calibrate (HardwareError), or with ``busy_ok`` warn, when other processes
+    use more than :data:`BUSY_CORES` of this process's cores (:func:`others_busy`): what
+    they take, every figure measured would lose, and every plan after it would inherit."""
+    others = others_busy()
+    if others is None or others <= BUSY_CORES:
+        return
+    said = (f"the machine is busy {when}: other processes used {others:.2g} of the {available_cores()} core(s) "
+            "calibration measures")
+    if not busy_ok:
+        raise HardwareError(f"{said}; nothing was written. Calibrate when it is quiet (or with --busy-ok to write "
+                            "it anyway)")
+    log(f"warning: {said}; writing it anyway (--busy-ok): its figures are lower than this machine's")
 
 
 # ------------------------------------------------------------------ the device
@@ -69,26 +107,29 @@ def measure_device(shapes=None, repeats: int = 5, log=print) -> dict:
     :func:`mpitrain.runtime.blas_threads`); streaming over float32
     arrays of 32 MiB, beyond the caches and preallocated (no page faults): a copy reads and
     writes one, ``np.add`` reads two and writes one; and a tiny op, ``np.add`` of 16
-    elements in a Python call."""
-    from threadpoolctl import threadpool_limits
-
-    rows, gen = [], np.random.default_rng(0)
+    elements in a Python call. Every figure is the best of ``repeats`` rounds, each round
+    timing every figure once (:func:`_rounds`): a slow spell of the machine spoils one
+    round of each, not every round of some."""
+    gen = np.random.default_rng(0)
+    arrays, tasks = {}, {}
     for threads in sorted({1, available_cores()}):
-        with threadpool_limits(limits=threads, user_api="blas"):
-            for shape in (DEFAULT_SHAPES + tile_shapes(threads)) if shapes is None else shapes:
-                m, k, n, dtype = (*shape, "float32")[:4]
-                if dtype not in GEMM_DTYPES:
-                    raise HardwareError(f"GEMM shape {shape}: dtype must be one of {', '.join(GEMM_DTYPES)}")
-                a, b = gen.standard_normal((m, k)).astype(dtype), gen.standard_normal((k, n)).astype(dtype)
-                c = np.empty((m, n), dtype)
-                seconds = median_seconds(lambda: np.matmul(a, b, out=c), repeats)  # runs here, on this a, b, c
-                rows.append([int(m), int(k), int(n), dtype, significant(2 * m * k * n / seconds / 1e9), threads])
-                log(f"gemm ({m}, {k}) @ ({k}, {n}) {dtype}, {threads} thread(s): {rows[-1][4]:g} GFLOP/s")
-    with threadpool_limits(limits=1, user_api="blas"):
-        (a, b, c), x = (np.ones(1 << 23, np.float32) for _ in range(3)), np.zeros(16, np.float32)
-        copy = 2 * a.nbytes / median_seconds(lambda: np.copyto(c, a), repeats)
-        add = 3 * a.nbytes / median_seconds(lambda: np.add(a, b, out=c), repeats)
-        tiny = median_seconds(lambda: np.add(x, x, out=x), repeats)  # a lambda: a Python call, as an op's
+        for shape in (DEFAULT_SHAPES + tile_shapes(threads)) if shapes is None else shapes:
+            m, k, n, dtype = (*shape, "float32")[:4]
+            if dtype not in GEMM_DTYPES:
+                raise HardwareError(f"GEMM shape {shape}: dtype must be one of {', '.join(GEMM_DTYPES)}")
+            if (m, k, n, dtype) not in arrays:  # the operands and output, reused at every thread count
+                arrays[m, k, n, dtype] = (gen.standard_normal((m, k)).astype(dtype),
+                                          gen.standard_normal((k, n)).astype(dtype), np.empty((m, n), dtype))
+            tasks[m, k, n, dtype, threads] = (threads, lambda a, b, c: np.matmul(a, b, out=c), arrays[m, k, n, dtype])
+    (a, b, c), x = (np.ones(1 << 23, np.float32) for _ in range(3)), np.zeros(16, np.float32)
+    tasks.update({"copy": (1, np.copyto, (c, a)), "add": (1, lambda a, b, c: np.add(a, b, out=c), (a, b, c)),
+                  "tiny": (1, lambda x: np.add(x, x, out=x), (x,))})  # a lambda: a Python call, as an op's
+    best = _rounds(tasks, repeats)
+    rows = []
+    for (m, k, n, dtype, threads), seconds in ((key, t) for key, t in best.items() if isinstance(key, tuple)):
+        rows.append([int(m), int(k), int(n), dtype, significant(2 * m * k * n / seconds / 1e9), threads])
+        log(f"gemm ({m}, {k}) @ ({k}, {n}) {dtype}, {threads} thread(s): {rows[-1][4]:g} GFLOP/s")
+    copy, add, tiny = 2 * a.nbytes / best["copy"], 3 * a.nbytes / best["add"], best["tiny"]
     log(f"streaming: copy {copy / 1e9:.3g} GB/s, add {add / 1e9:.3g} GB/s; a tiny op {tiny * 1e6:.3g} us")
     best = {d: significant(max([r[4] / 1e3 for r in rows if r[3] == d and r[5] == 1], default=0.0))  # TFLOP/s, a core's
             for d in GEMM_DTYPES}
@@ -104,13 +145,36 @@ def measure_device(shapes=None, repeats: int = 5, log=print) -> dict:
             "gemm_gflops": rows}
 
 
+def _rounds(tasks: dict, repeats: int, least: float = 0.02) -> dict:
+    """{key: the fastest seconds per call}: ``tasks`` are ``key: (BLAS threads, fn,
+    args)``; in each of ``repeats`` rounds every task is timed once, over as many calls as
+    last ``least`` s (counted in the first round, after a call to warm up)."""
+    from threadpoolctl import threadpool_limits
+
+    calls, best = {}, {}
+    for _ in range(repeats):
+        for threads in sorted({t for t, _, _ in tasks.values()}):
+            with threadpool_limits(limits=threads, user_api="blas"):
+                for key, (t, fn, args) in tasks.items():
+                    if t != threads:
+                        continue
+                    if key not in calls:
+                        tick = time.perf_counter()
+                        fn(*args)
+                        calls[key] = max(1, int(least / max(time.perf_counter() - tick, 1e-9)))
+                    tick = time.perf_counter()
+                    for _ in range(calls[key]):
+                        fn(*args)
+                    best[key] = min(best.get(key, math.inf), (time.perf_counter() - tick) / calls[key])
+    return best
+
+
 # ------------------------------------------------------------------ links
 def measure_turns() -> float:
     """:func:`~mpitrain.plan.probes.turns` on 2 ranks of this machine pinned to its first
     core (0 where the machine has one core only: its ranks always take turns, and the
     calibration's other figures hold that already)."""
     from mpitrain.cluster import mpiexec
-    from mpitrain.runtime import my_cores
 
     pin = shutil.which("taskset")
     if pin is None or len(my_cores()) < 2:
@@ -195,7 +259,7 @@ def _links(links, rates_gbit, max_bytes: int, repeats: int, log) -> dict:
 
 # ------------------------------------------------------------------ all of it, written
 def calibrate(shapes=None, links=("shm",), rates_gbit=(), out=None, log=print, *, repeats: int = 5,
-              max_bytes: int = 16 << 20, probes=PROBES) -> dict:
+              max_bytes: int = 16 << 20, probes=PROBES, busy_ok: bool = False) -> dict:
     """Measure this machine (:func:`measure_device`, then
     :func:`~mpitrain.plan.steps.measure_steps` of ``probes`` at its GEMM rates,
     :func:`~mpitrain.plan.steps.measure_mixed` of the first, a GPT, and Python's objects at
@@ -204,8 +268,13 @@ def calibrate(shapes=None, links=("shm",), rates_gbit=(), out=None, log=print, *
     each rate R in ``rates_gbit`` (skipped, saying why, where no emulated cluster can be
     made); write them as ``[device.this]`` and ``[link.*]`` into ``out`` (default
     :func:`~mpitrain.plan.hardware.user_path`) atomically, keeping the entries of an
-    existing file that were not measured again. Returns the tables measured."""
+    existing file that were not measured again. Each timing is the best of ``repeats``.
+    Refused (HardwareError, nothing written) when other processes use the cores before,
+    during or after it (:func:`check_quiet`; ``busy_ok``: a warning). Returns the tables
+    measured."""
+    check_quiet("before calibrating", busy_ok, log)
     this = measure_device(shapes, repeats, log)
+    check_quiet("while its GEMMs were measured", busy_ok, log)
     this["passes"], this["layer_overhead_us"], this["step_overhead_us"] = measure_steps(
         parse_device("this", this, "the device measured"), probes, repeats, log)
     this["mixed_ns_per_parameter"], this["cast_ns_per_number"] = measure_mixed(probes[0], MIXED, repeats, log)
@@ -217,14 +286,27 @@ def calibrate(shapes=None, links=("shm",), rates_gbit=(), out=None, log=print, *
     for name in ("passes", "layer_overhead_us", "step_overhead_us", "mixed_ns_per_parameter", "cast_ns_per_number"):
         log(f"{name}: {', '.join(f'{k} {v:g}' for k, v in this[name].items()) or 'none measured'}")
     measured = {"device": {"this": this}, "link": _links(links, rates_gbit, max_bytes, repeats, log)}
+    check_quiet("at the end of calibrating", busy_ok, log)
     out = Path(out) if out is not None else user_path()
     merged = read_toml(out) if out.exists() else {}
     for kind, entries in measured.items():
         merged.setdefault(kind, {}).update(entries)
     command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
     write_toml(out, to_toml(merged, f"measured by mpitrain.plan.calibrate {time.strftime('%Y-%m-%d')}: {command}"))
-    log(f"wrote {out}")
+    log(wrote(out, measured))
     return measured
+
+
+def wrote(out: Path, measured: dict) -> str:
+    """What a calibration wrote, and where, and who reads it."""
+    this = measured["device"]["this"]
+    links = ", ".join(f"{k} ({v['alpha_us']:.3g} us, {v['bandwidth_gbs']:.3g} GB/s)"
+                      for k, v in measured["link"].items()) or "none"
+    reader = ("mpitrain plan, --validate and a run's closing plan lines read it from now on for --hardware this"
+              if out == user_path() else f"Use it with mpitrain plan --catalogue {out}")
+    return (f"wrote {out}: [device.this] {this['name']}: float32 GEMMs up to {this['peak_flops']['fp32'] * 1e3:.4g} "
+            f"GFLOP/s a core, streaming {this['elementwise_bandwidth_gbs']:.4g} GB/s; links {links}. {reader} "
+            "(other entries of the file are kept)")
 
 
 def _toml(v) -> str:
@@ -278,11 +360,14 @@ def main(argv=None) -> int:
     """Calibrate this machine into ``--out`` (default the user's file)."""
     p = argparse.ArgumentParser(prog="python -m mpitrain.plan.calibrate", description=main.__doc__)
     p.add_argument("--max-bytes", type=int, default=16 << 20, help="the largest message (default 16 MiB)")
-    p.add_argument("--repeats", type=int, default=5, help="rounds of each size, whose median counts (default 5)")
+    p.add_argument("--repeats", type=int, default=5, help="rounds of each figure, whose best counts (default 5)")
+    p.add_argument("--busy-ok", action="store_true", help="write the calibration even if other processes use the "
+                                                             "cores (warning instead of refusing)")
     p.add_argument("--rates-gbit", type=float, nargs="*", default=[], help="emulated links to measure, Gbit/s each")
     p.add_argument("--out", help="the hardware file to write (default $MPITRAIN_HARDWARE, else the user's)")
     args = p.parse_args(argv)
-    calibrate(rates_gbit=args.rates_gbit, out=args.out, repeats=args.repeats, max_bytes=args.max_bytes)
+    calibrate(rates_gbit=args.rates_gbit, out=args.out, repeats=args.repeats, max_bytes=args.max_bytes,
+              busy_ok=args.busy_ok)
     return 0
 
 

@@ -82,7 +82,10 @@ def add_parser(commands) -> None:
                    help="reproduce the course notes' arithmetic: a ResNet run's FLOPs and machine time, the storage "
                         "bandwidth of the calculator's models on V100, A100 and H100")
     p.add_argument("--calibrate", action="store_true",
-                   help="measure this machine (GEMMs, memory streaming, links) into the user's catalogue")
+                   help="measure this machine (GEMMs, memory streaming, links) into the user's catalogue (or "
+                        "--catalogue PATH); refused while other processes use the cores")
+    p.add_argument("--busy-ok", action="store_true",
+                   help="with --calibrate: write it even if other processes use the cores (a warning instead)")
     p.add_argument("--validate", action="store_true",
                    help="run CONFIG for a few steps (under mpiexec: on its ranks) and print predicted | measured | "
                         "error for every quantity")
@@ -121,10 +124,12 @@ def run(args) -> int:
         if not args.search and (args.measure or args.cluster):
             raise ConfigError(f"{'--measure' if args.measure else '--cluster'}: goes with --search (mpitrain plan "
                               "CONFIG -n P --search ...)")
+        if args.busy_ok and not args.calibrate:
+            raise ConfigError("--busy-ok: goes with --calibrate")
         if args.calibrate:
             from mpitrain.plan import calibrate
 
-            calibrate.calibrate(out=args.catalogue, log=print)
+            calibrate.calibrate(out=args.catalogue, log=print, busy_ok=args.busy_ok)
             return 0
         if args.notes:
             from mpitrain.plan import models

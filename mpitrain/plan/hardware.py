@@ -175,16 +175,22 @@ def this_machine() -> str:
 
 def calibrated_elsewhere(device: Device) -> str:
     """For the device "this": a sentence saying that its calibration was measured on
-    another machine (another CPU model or core count than :func:`this_cpu`'s), so that
-    predictions for "this" are that machine's; "" when it was measured on one like this,
-    or for any other device."""
+    another machine (another CPU model or core count than :func:`this_cpu`'s), or on this
+    one with another NumPy or BLAS than this Python's (:func:`this_machine`), so that
+    predictions for "this" are of that machine or software; "" when it was measured on one
+    like this with the same software, or for any other device."""
     if device.key != "this":
         return ""
-    theirs, ours = device.name.split(";")[0].strip(), this_cpu()
-    if theirs == ours:
-        return ""
-    return (f"'this' is a calibration of another machine ({theirs}), not of this one ({ours}): "
-            f"its predictions are that machine's until 'mpitrain plan --calibrate' measures this one")
+    theirs, _, their_software = (part.strip() for part in device.name.partition(";"))
+    ours, _, our_software = (part.strip() for part in this_machine().partition(";"))
+    again = "until 'mpitrain plan --calibrate' measures this one"
+    if theirs != ours:
+        return f"'this' is a calibration of another machine ({theirs}), not of this one ({ours}): its predictions are " \
+               f"that machine's {again}"
+    if their_software and their_software != our_software:
+        return f"'this' was calibrated with {their_software}, and this Python has {our_software}: its predictions " \
+               f"are of that software {again}"
+    return ""
 
 
 def load(path=None) -> Catalogue:

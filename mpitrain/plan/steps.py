@@ -16,8 +16,10 @@ import numpy as np
 from mpitrain.plan import shapes as model_shapes
 from mpitrain.plan.hardware import MIXED, HardwareError
 
-def median_seconds(fn, repeats: int, least: float = 0.02) -> float:
-    """Median of ``repeats`` repeats' seconds per call of ``fn``, a repeat lasting ``least`` s or more."""
+def best_seconds(fn, repeats: int, least: float = 0.02) -> float:
+    """The fastest of ``repeats`` repeats' seconds per call of ``fn``, a repeat lasting
+    ``least`` s or more. The best, as :mod:`timeit` advises: a slower repeat is the machine's
+    other work (another process, an interrupt), not ``fn``'s."""
     tick = time.perf_counter()
     fn()
     calls, times = max(1, int(least / max(time.perf_counter() - tick, 1e-9))), []
@@ -26,7 +28,7 @@ def median_seconds(fn, repeats: int, least: float = 0.02) -> float:
         for _ in range(calls):
             fn()
         times.append((time.perf_counter() - tick) / calls)
-    return float(np.median(times))
+    return min(times)
 
 
 def significant(x: float) -> float:  # four significant digits: a measurement's noise is percents
@@ -142,8 +144,8 @@ PROBES = (gpt_probe(), *(gpt_probe(path=f"gpt-{p}") for p in ("sliced", "sequenc
 
 
 def _step_seconds(step, b: int, repeats: int) -> float:
-    """The median seconds of ``repeats`` calls of ``step(b)`` after three to warm up, huge
-    pages as the trainer sets them after its warm-up."""
+    """The fastest of ``repeats`` calls of ``step(b)`` (:func:`best_seconds`) after three to
+    warm up, huge pages as the trainer sets them after its warm-up."""
     from mpitrain.runtime import huge_page_heap
 
     for _ in range(3):
@@ -154,7 +156,7 @@ def _step_seconds(step, b: int, repeats: int) -> float:
         tick = time.perf_counter()
         step(b)
         times.append(time.perf_counter() - tick)
-    return float(np.median(times))
+    return min(times)
 
 
 def measure_steps(dev, probes=PROBES, repeats: int = 5, log=print) -> tuple[dict, dict, dict]:
@@ -217,7 +219,7 @@ def measure_mixed(probe=PROBES[0], precisions=MIXED, repeats: int = 5, log=print
             seconds = _step_seconds(step, batch, repeats)
             per_parameter[precision] = significant(max(seconds - plain, 0.0) / model.count() * 1e9)
             half = np.ones(1 << 22, dtype_of(precision))
-            trip = median_seconds(lambda: np.copyto(half, half.astype(np.float32), casting="same_kind"), repeats)
+            trip = best_seconds(lambda: np.copyto(half, half.astype(np.float32), casting="same_kind"), repeats)
             per_number[precision] = significant(trip / half.size * 1e9)
             log(f"mixed {probe.name} {precision}: {seconds * 1e3:.4g} ms, in float32 {plain * 1e3:.4g} ms: "
                 f"{per_parameter[precision]:g} ns per parameter; a round trip through float32 "
