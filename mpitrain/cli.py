@@ -18,14 +18,7 @@ import sys
 from pathlib import Path
 
 from mpitrain import __version__
-
-INTERRUPTED = 130  # the exit status after Ctrl-C (128 + SIGINT), as shells report it
-
-
-def _note(message: str) -> None:
-    """A line about the command or its error, printed once: by rank 0 (:func:`_prints_errors`)."""
-    if _prints_errors():
-        print(message, file=sys.stderr, flush=True)
+from mpitrain.cli_common import INTERRUPTED, _failure, _note, _positive, _prints_errors, _usage
 
 
 def _report(args) -> None:
@@ -61,24 +54,6 @@ def _config_reference(args) -> None:
         Path(args.out).write_text(reference(), encoding="utf-8")
     else:
         sys.stdout.write(reference())
-
-
-class _usage(ValueError):
-    """A command-line mistake found after parsing."""
-
-
-class _failure(ValueError):
-    """A problem with the input a command was given: one line, exit status 2."""
-
-
-def _prints_errors() -> bool:
-    """Whether this process prints the errors that every rank raises alike: rank 0 of
-    the MPI world, or, before MPI has started (the config and the command line are read
-    first), rank 0 by its launcher's environment, so that ``mpiexec -n 2`` prints one line."""
-    from mpitrain.comm import launcher_rank, started_world
-
-    world = started_world()
-    return (launcher_rank() if world is None else world.rank) in (None, 0)
 
 
 def _command_parser(parser, argv):
@@ -126,23 +101,6 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2)
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: must be a finite number > 0")
-    return value
-
-
 def _dilation(text: str) -> float | str:
     if text == "auto":
         return text
@@ -150,13 +108,6 @@ def _dilation(text: str) -> float | str:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number or auto, got {text}") from None
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from mpitrain.cli import _failure, _non_negative, _positive, _usage
+from mpitrain.cli_common import _failure, _non_negative, _positive, _usage
 
 
 def _bench(name: str, thread_level: str | None = None, **options) -> None:

@@ -7,7 +7,7 @@ import argparse
 import sys
 import time
 
-from mpitrain.cli import _usage
+from mpitrain.cli_common import _usage
 
 
 def add_parser(commands) -> None:

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from mpitrain.cli import INTERRUPTED, _failure, _note, _positive, _positive_float, _usage
+from mpitrain.cli_common import INTERRUPTED, _failure, _note, _positive, _positive_float, _usage
 
 
 def add_parsers(commands) -> None:

@@ -13,9 +13,9 @@ import pytest
 from test_comm import needs_mpiexec
 
 from mpitrain import cli, nn
+from mpitrain import plan as planner
 from mpitrain.config import ConfigError, from_dict, load
 from mpitrain.parallel.tensor_parallel import slice_gpt
-from mpitrain.plan import cli as plan_cli
 from mpitrain.plan import hardware, models, shapes
 from mpitrain.plan.data import DataShape
 from mpitrain.plan.layout import Layout
@@ -26,7 +26,7 @@ GPT3 = ["--model", "gpt3-175b", "--hardware", "a100-80g", "--gpus-per-node", "8"
 
 
 def planned(argv):
-    return plan_cli.build(cli.build_parser().parse_args(["plan", *argv]))[0]
+    return planner.from_args(cli.build_parser().parse_args(["plan", *argv]))[0]
 
 
 SMALL = ["jobs/tinyshakespeare_gpt.toml", "-n", "4", "--set", "parallel.pp=2", "--set", "parallel.tp=2",
@@ -288,7 +288,6 @@ def test_one_process_counts_what_the_plan_predicts(model, optim, precision, tmp_
     for its update, SGD none, mixed precision one for the unscaled gradients."""
     from test_data import image_set, text_set
 
-    from mpitrain import plan as planner
     from mpitrain.comm import SingleComm
     from mpitrain.plan import validate
 

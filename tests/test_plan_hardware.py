@@ -305,7 +305,8 @@ def test_a_calibration_of_another_machine_is_said_where_its_predictions_are_prin
     the calibration's, nothing is added."""
     from mpitrain import plan as planner
     from mpitrain.config import load
-    from mpitrain.plan import show, validate
+    from mpitrain.observe import prediction
+    from mpitrain.plan import show
 
     this = shipped.device("this")
     cfg = load("jobs/shakespeare_gpt.toml", data_needed=False)
@@ -317,7 +318,7 @@ def test_a_calibration_of_another_machine_is_said_where_its_predictions_are_prin
         monkeypatch.setattr(hardware, "this_cpu", lambda: cpu)
         monkeypatch.setattr(hardware, "this_machine", lambda: f"{cpu}; {this.name.split(';')[1].strip()}")  # its software
         note = hardware.calibrated_elsewhere(this)
-        header, closing = show.header(plan, "x"), validate.end_of_run(cfg, 2, 0.1, states)
+        header, closing = show.header(plan, "x"), prediction.end_of_run(cfg, 2, 0.1, states)
         if cpu == theirs:
             assert note == "" and not any("calibration of another machine" in line for line in header + closing)
             continue

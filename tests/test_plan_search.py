@@ -13,8 +13,7 @@ from test_comm import needs_mpiexec
 
 from mpitrain import cli
 from mpitrain.config import check_ranks, load
-from mpitrain.plan import hardware, search, trial
-from mpitrain.plan.cli import machine_of
+from mpitrain.plan import hardware, machine_of, search, trial
 from mpitrain.plan.models import config_of
 
 CONFIG = "jobs/shakespeare_gpt.toml"
@@ -72,9 +71,9 @@ def test_the_command_prints_the_fastest_with_the_line_that_runs_each(shipped):
 
 
 def test_spearman_ranks_with_ties_and_the_draw_of_others_is_seeded():
-    assert search.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1)
-    assert search.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1)
-    assert search.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(np.corrcoef([1, 2.5, 2.5, 4],
+    assert trial.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1)
+    assert trial.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1)
+    assert trial.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(np.corrcoef([1, 2.5, 2.5, 4],
                                                                                     [1, 2, 3, 4])[0, 1])
     fits = [search.Found((f"parallel.dp={k}",), None) for k in range(30)]
     picks = trial.chosen(fits, 5)

@@ -13,6 +13,7 @@ from test_comm import needs_mpiexec
 from test_train import JOBS, mpitrain
 
 from mpitrain import config, train
+from mpitrain.observe import records as run_records
 from mpitrain.observe.report import ReportError, report
 
 PNG = b"\x89PNG\r\n\x1a\n"
@@ -56,7 +57,7 @@ def test_the_summary_and_every_plot_name_the_layout_that_ran(text_data, tmp_path
             r["config"]["train"]["micro_batches"] = 4
     (tmp_path / "a" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     figures = []
-    monkeypatch.setattr(module, "save", lambda fig, path: figures.append(fig) or path)
+    monkeypatch.setattr(run_records, "save", lambda fig, path: figures.append(fig) or path)
     lines = []
     report([tmp_path / "a"], log=lines.append)
     named = "4 rank(s), dp 1 x pp 2 x tp 2, ddp, zb-h1, 4 micro-batches"
@@ -83,7 +84,7 @@ def test_a_resumed_runs_report_counts_every_segment_and_marks_where_each_began(t
         "train.sample_tokens=0", f"run.dir={json.dumps(str(tmp_path / 'a'))}", *options])
     train.train(cfg, log=lambda *a: None, resume=True)
     figures = []
-    monkeypatch.setattr(module, "save", lambda fig, path: figures.append(fig) or path)
+    monkeypatch.setattr(run_records, "save", lambda fig, path: figures.append(fig) or path)
     lines = []
     report([tmp_path / "a"], log=lines.append)
     runs = module.Run(tmp_path / "a")
@@ -123,7 +124,7 @@ def test_the_loss_plot_of_an_image_run_has_the_test_loss_and_accuracy(text_data,
             r.update(val_loss=None, test_accuracy=0.5 + r["step"] / 100, test_loss=2.0 - r["step"] / 10)
     (tmp_path / "a" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     figures = []
-    monkeypatch.setattr(module, "save", lambda fig, path: figures.append(fig) or module.plt.close(fig) or path)
+    monkeypatch.setattr(run_records, "save", lambda fig, path: figures.append(fig) or module.plt.close(fig) or path)
     report([tmp_path / "a"], log=lambda *a: None)
     loss, accuracy = figures[0].axes
     assert [line.get_label() for line in loss.get_lines()] == ["training loss", "test loss"]
@@ -147,7 +148,7 @@ def test_the_scaling_plot_shows_superlinear_efficiency(text_data, tmp_path, monk
     (tmp_path / "p2").mkdir()
     (tmp_path / "p2" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     figures = []
-    monkeypatch.setattr(module, "save", lambda fig, path: figures.append(fig) or module.plt.close(fig) or path)
+    monkeypatch.setattr(run_records, "save", lambda fig, path: figures.append(fig) or module.plt.close(fig) or path)
     lines = []
     report([tmp_path / "p1", tmp_path / "p2"], out=tmp_path / "s", log=lines.append)
     two = [line for line in lines if line.startswith("scaling: 2 rank(s): ")][0]
@@ -208,7 +209,7 @@ def test_the_scaling_plot_has_a_row_per_link_rate_and_undoes_time_dilation(text_
             variant("c", 4, link(2, 2, "10gbit", 2.0), 1.6 * base, {"sync": "ddp"}),
             variant("d", 4, link(4, 1, "10gbit", 2.0), base, {"sync": "ps", "staleness": -1, "servers": 2})]
     figures = []
-    monkeypatch.setattr(module, "save", lambda fig, path: figures.append(fig) or module.plt.close(fig) or path)
+    monkeypatch.setattr(run_records, "save", lambda fig, path: figures.append(fig) or module.plt.close(fig) or path)
     lines = []
     report(runs, out=tmp_path / "s", log=lines.append)
 

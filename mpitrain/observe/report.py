@@ -3,9 +3,10 @@
 
 For each run directory, into ``RUN_DIR/report/`` (or ``--out``): ``loss.png``,
 ``time_per_rank.png``, ``throughput.png`` and ``summary.txt`` (also printed), each naming
-the layout that ran (:func:`layout`). A resumed run is several segments, one per
-``start`` record: the summary and the time plot count every segment's steps and time,
-and the plots against steps mark where each segment began. Given runs
+the layout that ran (:func:`~mpitrain.observe.records.layout`; the run's records:
+:mod:`mpitrain.observe.records`). A resumed run is several segments, one per ``start``
+record: the summary and the time plot count every segment's steps and time, and the
+plots against steps mark where each segment began. Given runs
 of one job at several rank counts, one of them on 1 rank (``jobs/scaling_local.sh``,
 ``jobs/scaling_cluster.sh``), also ``scaling.png`` (:mod:`mpitrain.observe.scaling`), into
 ``--out`` or ``scaling/`` beside the first run.
@@ -15,107 +16,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+from mpitrain.observe import records
+from mpitrain.observe.records import ReportError, Run, layout, plt
 
-matplotlib.use("Agg")  # files only: no display needed (clusters, CI)
-import matplotlib.pyplot as plt
-
-from mpitrain.observe.metrics import read
+__all__ = ["ReportError", "Run", "layout", "report", "summary"]
 
 MIRRORED = " (each image and its mirror)"  # an evaluation of two views (train.eval_flip): not one view's figure
-
-
-class ReportError(ValueError):
-    """A run directory that cannot be reported on; the message names it."""
-
-
-class Run:
-    """The records of one run directory, by kind."""
-
-    def __init__(self, run_dir):
-        self.dir = Path(run_dir)
-        path = self.dir / "metrics.jsonl"
-        if not path.is_file():
-            raise ReportError(f"{self.dir}: no metrics.jsonl (is it a run directory of 'mpitrain train'?)")
-        self.kinds: dict[str, list] = {}
-        self.segments: list[list[dict]] = []  # a resumed run's: one per start record, its records
-        for r in read(path):
-            self.kinds.setdefault(r.get("kind"), []).append(r)
-            if r.get("kind") == "start" or not self.segments:
-                self.segments.append([])
-            self.segments[-1].append(r)
-        if not self.kinds.get("start"):
-            raise ReportError(f"{path}: no 'start' record: not written by this mpitrain, or empty")
-        self.start = self.kinds["start"][-1]
-        self.train = self.kinds.get("train", [])
-        self.evals = self.kinds.get("eval", [])
-        self.end = (self.kinds.get("end") or [None])[-1]
-        self.ranks = int(self.start["ranks"])
-        self.config = self.start["config"]
-        self.name = self.dir.name
-        self.sync = self.config["parallel"].get("sync") or self.config["parallel"].get("strategy")  # older: strategy
-        self.layout = layout(self.config, self.ranks)
-        self.resumed = [seg[0]["step"] for seg in self.segments[1:] if seg[0].get("kind") == "start"]
-
-    def per_rank(self) -> list[dict]:
-        """Each rank's seconds and bytes over every segment of the run: each segment's
-        from its end, or its last progress record (a segment that was killed; a parameter
-        server's progress records have none). A segment on another number of ranks than
-        the last one's is left out."""
-        total: dict[int, dict] = {}
-        for rows in self._segment_rows():
-            if len(rows) != self.ranks:
-                continue
-            for row in rows:
-                into = total.setdefault(row["rank"], {"rank": row["rank"]})
-                for key, value in row.items():
-                    if key != "rank" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                        into[key] = into.get(key, 0) + value
-                    elif key not in into:
-                        into[key] = value
-        return [total[r] for r in sorted(total)]
-
-    def _segment_rows(self) -> list[list[dict]]:
-        last = [next((r["ranks"] for r in reversed(seg) if r.get("kind") in ("end", "train") and r.get("ranks")), [])
-                for seg in self.segments]
-        return [rows for rows in last if rows]
-
-    def steps_and_seconds(self) -> tuple[int, float]:
-        """Steps timed and seconds of steps (the slowest rank's) over every segment."""
-        steps = seconds = 0.0
-        for seg in self.segments:
-            first = seg[0].get("step", 0) if seg[0].get("kind") == "start" else 0
-            reached = [r["step"] for r in seg if r.get("kind") in ("train", "checkpoint", "stopped", "end")]
-            steps += max(reached, default=first) - first
-            rows = next((r["ranks"] for r in reversed(seg) if r.get("kind") in ("train", "end") and r.get("ranks")),
-                        [])
-            seconds += max((row["step_s"] for row in rows if not row.get("serves")), default=0.0)
-        return int(steps), seconds
-
-
-def layout(config: dict, ranks: int) -> str:
-    """What ran, in a few words: the grid (``dp x pp x tp``) and the gradient sync, the
-    pipeline schedule and micro-batches, the precision (``"ddp"`` for a config this
-    mpitrain cannot read)."""
-    from mpitrain.config import ConfigError, check_ranks, from_saved
-
-    try:
-        cfg = from_saved(config, data_needed=False)  # the data may have moved since
-        dp, pp, tp = check_ranks(cfg, ranks)
-    except (ConfigError, TypeError, ValueError):  # an older run's config
-        return config.get("parallel", {}).get("sync", "?")
-    par, t = cfg.parallel, cfg.train
-    servers = ranks - dp * pp * tp  # the ranks the grid leaves: parameter servers
-    words = [f"dp {dp} x pp {pp} x tp {tp}", par.sync + (f" ({servers} server(s))" if servers else "")]
-    if pp > 1:
-        words.append(par.schedule + (f" x{par.chunks} chunks" if par.schedule == "interleaved" else ""))
-    if t.micro_batches > 1:
-        words.append(f"{t.micro_batches} micro-batches")
-    if tp > 1 and par.sequence_parallel:
-        words.append("sequence parallel")
-    if t.precision != "fp32":
-        words.append(f"{t.precision} mixed precision")
-    return ", ".join(words)
 
 
 def report(run_dirs, out=None, log=print) -> list[Path]:
@@ -204,7 +110,7 @@ def _loss(run: Run, path: Path) -> Path:
     ax.set_title(f"{run.name}: loss\n{run.ranks} rank(s), {run.layout}", fontsize=10)
     _mark_resumes(run, ax)
     ax.grid(alpha=0.3)
-    return save(fig, path)
+    return records.save(fig, path)  # through the module: a test may stand in for it
 
 
 def _mark_resumes(run: Run, ax) -> None:
@@ -238,7 +144,7 @@ def _time_per_rank(run: Run, path: Path) -> Path:
         if run.resumed else ""
     ax.set_title(f"{run.name}: where each rank's time went{segments}\n{run.ranks} rank(s), {run.layout}", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the bars, never over them
-    return save(fig, path)
+    return records.save(fig, path)  # through the module: a test may stand in for it
 
 
 def _throughput(run: Run, path: Path) -> Path:
@@ -250,11 +156,4 @@ def _throughput(run: Run, path: Path) -> Path:
     ax.set_title(f"{run.name}: throughput\n{run.ranks} rank(s), {run.layout}", fontsize=10)
     _mark_resumes(run, ax)
     ax.grid(alpha=0.3)
-    return save(fig, path)
-
-
-def save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return records.save(fig, path)  # through the module: a test may stand in for it

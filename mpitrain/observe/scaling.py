@@ -14,8 +14,8 @@ import statistics
 from dataclasses import dataclass, replace
 
 from mpitrain.cluster import bits_per_second
-from mpitrain.observe import report
-from mpitrain.observe.report import ReportError, Run, plt
+from mpitrain.observe import records
+from mpitrain.observe.records import ReportError, Run, plt
 
 
 @dataclass
@@ -112,7 +112,7 @@ def scaling(runs: list[Run], path, log):
         from mpitrain.plan import hardware
         if elsewhere := hardware.calibrated_elsewhere(hardware.load().device("this")):
             log(f"scaling: {elsewhere}")
-    return report.save(fig, path)  # through the module: a test may stand in for it
+    return records.save(fig, path)  # through the module: a test may stand in for it
 
 
 def _line(p: _Point, one: _Point) -> str:

@@ -93,3 +93,31 @@ def make(cfg, ranks: int, machine: Machine, data=None) -> Plan:
     lay = Layout.of(cfg, ranks, data or resolve(cfg), machine.threads(cfg.train.threads))
     plans = rank_plans(lay, machine.objects)
     return Plan(lay, plans, machine, step_parts(lay, plans, machine))
+
+
+def from_args(args, ranks: int | None = None) -> tuple[Plan, str]:
+    """(the plan ``mpitrain plan``'s arguments describe, what it plans: the config's path
+    or the model's name)."""
+    from mpitrain.plan import models
+
+    cfg, data, source = models.config_of(args)
+    P, mc = machine_of(args, ranks)
+    return make(cfg, P, mc, data), source
+
+
+def machine_of(args, ranks: int | None = None) -> tuple[int, Machine]:
+    """(ranks of the job, the machine they run on) from ``mpitrain plan``'s -n, --nodes,
+    --gpus-per-node, --network, --hardware and the rest."""
+    from mpitrain.config import ConfigError
+    from mpitrain.plan import hardware
+
+    per_node = args.per_node
+    P = ranks or args.ranks or (args.nodes or 1) * (per_node or 1)
+    if args.nodes and per_node and args.ranks and args.ranks != args.nodes * per_node:
+        raise ConfigError(f"-n {args.ranks} is not --nodes {args.nodes} x --gpus-per-node {per_node}")
+    if args.nodes and not per_node:
+        per_node = -(-P // args.nodes)
+    catalogue = hardware.load(args.catalogue)
+    mc = machine(catalogue, args.hardware, P, per_node, args.network or "", args.intra or "", args.utilization,
+                 args.memory_per_rank or 0.0)
+    return P, mc

@@ -33,6 +33,7 @@ import numpy as np
 from mpitrain.plan.hardware import (GEMM_DTYPES, MIXED, HardwareError, emulated_link, parse_device, read_toml,
                                     this_machine, user_path)
 from mpitrain.plan.objects import measure_objects
+from mpitrain.plan.probes import probed
 from mpitrain.plan.steps import PROBES, measure_mixed, measure_steps, significant
 from mpitrain.runtime import available_cores, my_cores
 
@@ -180,23 +181,13 @@ def measure_turns() -> float:
     if pin is None or len(my_cores()) < 2:
         return 0.0
     argv = [pin, "-c", str(my_cores()[0]), mpiexec(), "-n", "2", *_probe("turns")]
-    return _probed(subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False),
+    return probed(subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False),
                    "the probe of 2 ranks on one core")["turns"]
 
 
 def _probe(name: str, *options: str) -> list[str]:
     """The command line of a rank of :mod:`mpitrain.plan.probes`."""
     return [sys.executable, "-m", "mpitrain.plan.probes", name, *options]
-
-
-def _probed(done, what: str) -> dict:
-    """The JSON line rank 0 of a probe printed (``done``: its finished process); HardwareError
-    naming ``what`` and the last line it wrote if it failed."""
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        tail = (done.stderr.strip() or done.stdout.strip() or f"exit status {done.returncode}").splitlines()[-1]
-        raise HardwareError(f"{what} failed: {tail}")
-    return json.loads(lines[-1])
 
 
 def fit_link(rows: list) -> tuple[float, float]:
@@ -230,7 +221,7 @@ def measure_link(rate_gbit: float | None, max_bytes: int = 16 << 20, repeats: in
     else:
         with Cluster(nodes=2, ranks=1, rate=f"{rate_gbit * 1000:g}mbit") as cluster:
             done, what = run(cluster.command(argv)), f"an emulated {rate_gbit:g} Gbit/s link"
-    found = _probed(done, f"the ping-pong over {what}")
+    found = probed(done, f"the ping-pong over {what}")
     return found["pingpong"], found["overlap"]
 
 

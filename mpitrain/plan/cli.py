@@ -37,7 +37,7 @@ def _fraction(text: str) -> float:
 
 
 def add_parser(commands) -> None:
-    from mpitrain.cli import _positive  # the command line's own check (it imports this module as it builds)
+    from mpitrain.cli_common import _positive  # the command line's own check
 
     p = commands.add_parser(
         "plan", help="predict what a run needs (memory, bytes, FLOPs, bubble, time) before it starts",
@@ -144,7 +144,9 @@ def run(args) -> int:
             from mpitrain.plan import search
 
             return search.run(args)
-        plan, source = build(args)
+        from mpitrain import plan as planner
+
+        plan, source = planner.from_args(args)
     except hardware.HardwareError as e:
         raise ConfigError(str(e)) from None
     from mpitrain.plan import show
@@ -152,32 +154,3 @@ def run(args) -> int:
     print(show.text(plan, source, memory=args.hardware != "this" or args.memory_table))
     sys.stdout.flush()
     return 0
-
-
-def build(args, ranks: int | None = None):
-    """(the plan the arguments describe, what it plans: the config's path or the model's name)."""
-    from mpitrain import plan as planner
-    from mpitrain.plan import models
-
-    cfg, data, source = models.config_of(args)
-    P, mc = machine_of(args, ranks)
-    return planner.make(cfg, P, mc, data), source
-
-
-def machine_of(args, ranks: int | None = None):
-    """(ranks of the job, the machine they run on) from -n, --nodes, --gpus-per-node,
-    --network, --hardware and the rest."""
-    from mpitrain import plan as planner
-    from mpitrain.config import ConfigError
-    from mpitrain.plan import hardware
-
-    per_node = args.per_node
-    P = ranks or args.ranks or (args.nodes or 1) * (per_node or 1)
-    if args.nodes and per_node and args.ranks and args.ranks != args.nodes * per_node:
-        raise ConfigError(f"-n {args.ranks} is not --nodes {args.nodes} x --gpus-per-node {per_node}")
-    if args.nodes and not per_node:
-        per_node = -(-P // args.nodes)
-    catalogue = hardware.load(args.catalogue)
-    mc = planner.machine(catalogue, args.hardware, P, per_node, args.network or "", args.intra or "",
-                         args.utilization, args.memory_per_rank or 0.0)
-    return P, mc

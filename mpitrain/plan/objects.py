@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from mpitrain.plan.hardware import HardwareError
+from mpitrain.plan.probes import probed
 
 MODELS = (  # each with the optimizer its kind's shipped jobs use
     ({"name": "gpt", "n_layer": 1, "n_head": 2, "n_embd": 32, "block_size": 16}, {"name": "adamw"}),
@@ -52,8 +53,6 @@ def measure_objects(log=print) -> tuple[float, float]:
     :data:`MODELS`, each in a process of its own (as a run starts: what its first steps
     import and cache counts), against their parameter arrays. The processes run side by
     side: they count bytes, not time."""
-    from mpitrain.plan.calibrate import _probed  # here: calibrate imports this module
-
     arrays, extra = [], []
     with tempfile.TemporaryDirectory(prefix="mpitrain-objects-") as tmp:
         _datasets(Path(tmp))
@@ -68,7 +67,7 @@ def measure_objects(log=print) -> tuple[float, float]:
                     p.kill()
                     p.wait()
         for (model, _), finished in zip(MODELS, done):
-            found = _probed(finished, f"the count of Python's objects ({model['name']})")
+            found = probed(finished, f"the count of Python's objects ({model['name']})")
             arrays.append(found["arrays"])
             extra.append(found["extra"])
             log(f"objects: {model['name']} of {arrays[-1]} parameter arrays: {extra[-1]:,} B at rest beyond its "

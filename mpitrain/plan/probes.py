@@ -2,7 +2,7 @@
 mpitrain.plan.probes pingpong|turns`` under ``mpiexec -n 2``): a ping-pong and how much of
 a nonblocking collective compute hides (:func:`pingpong`, :func:`overlap`), and what a
 blocking call costs between 2 ranks that take turns on one core (:func:`turns`). Rank 0
-prints one JSON line of what it measured."""
+prints one JSON line of what it measured, which :func:`probed` reads back."""
 
 from __future__ import annotations
 
@@ -12,6 +12,19 @@ import sys
 import time
 
 import numpy as np
+
+
+def probed(done, what: str) -> dict:
+    """The JSON line rank 0 of a probe printed (``done``: its finished process: these
+    probes', or another program's that prints the same way, as :mod:`mpitrain.plan.objects`'s);
+    HardwareError naming ``what`` and the last line it wrote if it failed."""
+    from mpitrain.plan.hardware import HardwareError
+
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip() or done.stdout.strip() or f"exit status {done.returncode}").splitlines()[-1]
+        raise HardwareError(f"{what} failed: {tail}")
+    return json.loads(lines[-1])
 
 
 def pingpong(max_bytes: int = 16 << 20, repeats: int = 5) -> list | None:

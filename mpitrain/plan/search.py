@@ -17,7 +17,6 @@ same table. ``--measure K`` (:mod:`mpitrain.plan.trial`) runs some of them.
 from __future__ import annotations
 
 import itertools
-import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -132,7 +131,7 @@ def run(args) -> int:
     import time
 
     from mpitrain.plan import models
-    from mpitrain.plan.cli import machine_of
+    from mpitrain.plan import machine_of
     from mpitrain.plan.hardware import emulated_link
 
     if args.cluster:
@@ -184,23 +183,3 @@ def table(fits: list, refused: Counter, limit: float, top: int = 10) -> list[str
         lines.append(f"{k} | {1e3 * f.step:.4g} | {f.plan.samples_per_s:,.0f} | {f.bottleneck()} | "
                      f"{size(f.peak)} ({100 * (1 - f.peak / limit):.0f}%) | {f.plan.layout.describe()} | {f.line}")
     return lines
-
-
-def spearman(a, b) -> float:
-    """Spearman's rank correlation of two sequences (ties share their mean rank)."""
-    import numpy as np
-
-    def ranks(x):
-        x = np.asarray(x, dtype=np.float64)
-        order = np.argsort(x, kind="stable")
-        r = np.empty(len(x))
-        r[order] = np.arange(len(x), dtype=np.float64)
-        for value in np.unique(x):  # ties: their mean rank
-            same = x == value
-            r[same] = r[same].mean()
-        return r
-
-    ra, rb = ranks(a), ranks(b)
-    if len(ra) < 2 or ra.std() == 0 or rb.std() == 0:
-        return math.nan
-    return float(np.corrcoef(ra, rb)[0, 1])

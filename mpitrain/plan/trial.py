@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import subprocess
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from mpitrain.plan.search import spearman
 from mpitrain.plan.validate import launched
 
 SEED = 0  # the random others: the same search, the same draw
@@ -178,3 +178,21 @@ def _write(out: Path, rows: list, ranks: list, summary: dict, args) -> None:
     fig.tight_layout()
     fig.savefig(out / "search.png", dpi=120)
     plt.close(fig)
+
+
+def spearman(a, b) -> float:
+    """Spearman's rank correlation of two sequences (ties share their mean rank)."""
+    def ranks(x):
+        x = np.asarray(x, dtype=np.float64)
+        order = np.argsort(x, kind="stable")
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x), dtype=np.float64)
+        for value in np.unique(x):  # ties: their mean rank
+            same = x == value
+            r[same] = r[same].mean()
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    if len(ra) < 2 or ra.std() == 0 or rb.std() == 0:
+        return math.nan
+    return float(np.corrcoef(ra, rb)[0, 1])

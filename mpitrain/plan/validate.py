@@ -21,6 +21,7 @@ from pathlib import Path
 
 from mpitrain import cost, schedules
 from mpitrain.config import ConfigError
+from mpitrain.observe.prediction import error
 
 EXACT = ("parameters", "gradients", "optimizer state", "optimizer's work array", "dp sent", "pp sent", "tp sent",
          "FLOPs", "storage need (B/s) at the run's samples/s")
@@ -122,10 +123,6 @@ def compare(plan, result, storage=()) -> list[tuple]:
     return rows
 
 
-def error(predicted: float, measured: float) -> float:
-    return 0.0 if predicted == measured else (measured - predicted) / measured if measured else float("inf")
-
-
 def table(rows, step_time=None) -> tuple[str, bool]:
     """The printed table, and whether every row is within its tolerance."""
     lines = ["rank | quantity | predicted | measured | error | holds"]
@@ -147,7 +144,7 @@ def run(args) -> int:
     """The command: plan on the job's ranks, measure, print; exit 1 if a counted quantity
     disagrees or the heap is off by more than its tolerance."""
     from mpitrain.comm import library, world
-    from mpitrain.plan.cli import build
+    from mpitrain.plan import from_args
     from mpitrain.plan.models import config_of
 
     par = config_of(args)[0].parallel
@@ -155,7 +152,7 @@ def run(args) -> int:
     if args.ranks and args.ranks != comm.size:
         raise ConfigError(f"-n {args.ranks}: --validate runs on the job's {comm.size} rank(s); launch it with "
                           f"mpiexec -n {args.ranks}")
-    plan, source = build(args, ranks=comm.size)
+    plan, source = from_args(args, ranks=comm.size)
     cfg = plan.layout.cfg
     counted, _, storage = measure(cfg, comm, 4, trace=True)
     # timed with rounds of 1 MB, so that the reader's first rounds (read ahead, on the cores that compute)
@@ -186,34 +183,3 @@ def launched(what: list, sets, extra: list, steps: int, ranks: int, out: Path, l
     sys.stdout.flush()
     launch(argv, ranks)
     return json.loads(out.read_text()) if out.exists() else None
-
-
-def end_of_run(cfg, ranks: int, step_seconds: float, states: list) -> list[str]:
-    """The lines a training run ends with: the planner's step time and memory of this
-    layout on this machine beside what the run measured (``states``: every rank's
-    (model state counted, heap figures or None)), so drift shows in ordinary use."""
-    from mpitrain import plan as planner
-    from mpitrain.plan import hardware
-
-    try:
-        plan = planner.make(cfg, ranks, planner.machine(hardware.load(), "this", ranks))
-    except (ValueError, OSError) as e:  # a catalogue or manifest the planner cannot read: say so, end the run
-        return [f"plan: no prediction ({e})"]
-    t = plan.time
-    lines = [f"plan: a step {1e3 * t['step']:.3g} ms predicted (compute {1e3 * t['compute']:.3g}, exposed "
-             f"communication {1e3 * t['exposed']:.3g}, bubble {1e3 * t['bubble']:.3g}), {1e3 * step_seconds:.3g} ms "
-             f"measured (the mean step): {step_seconds / t['step']:.2f}x"]
-    counted = [s["param_bytes"] + s["grad_bytes"] + s["optim_bytes"] + s["work_bytes"] for s, _ in states]
-    rank = max(range(len(states)), key=counted.__getitem__)
-    p = next(q for q in plan.ranks if rank in q.ranks)
-    line = (f"plan: rank {rank}'s model state and work array {p.state + p.memory['work']:,} B predicted, "
-            f"{counted[rank]:,} B counted")
-    heap = states[rank][1]
-    if heap is not None:
-        rest = heap["rest"] - heap["parts"].get("data", 0)
-        peak = heap["peak"] - heap["rest"] - heap.get("reader_growth", 0)
-        line += (f"; heap at rest less the reader {rest / 1e6:.2f} MB ({error(p.rest, rest):+.1%} off), a step's "
-                 f"peak above rest less what the reader read meanwhile {peak / 1e6:.2f} MB against "
-                 f"{p.memory['activations'] / 1e6:.2f} MB of activations predicted")
-    elsewhere = hardware.calibrated_elsewhere(plan.machine.device)  # cannot raise: this_cpu reads what it can
-    return lines + [line] + ([f"plan: {elsewhere}"] if elsewhere else [])

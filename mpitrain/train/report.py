@@ -21,7 +21,7 @@ from mpitrain.observe.metrics import MetricsLog
 from mpitrain.observe.tensorboard import Board
 from mpitrain.observe.timeline import Timeline
 from mpitrain.observe.timing import time_table
-from mpitrain.plan.validate import end_of_run
+from mpitrain.observe.prediction import end_of_run
 from mpitrain.precision import MixedPrecision
 from mpitrain.train import evaluate
 from mpitrain.train.build import grid_line, resume_hint

@@ -1,0 +1,115 @@
+"""A run directory as ``mpitrain report`` and its scaling study read it (:class:`Run`: the
+records of ``metrics.jsonl``, by kind and by segment), the few words that name the
+layout that ran (:func:`layout`), and how their figures are saved (:func:`save`).
+:mod:`mpitrain.observe.report` and :mod:`mpitrain.observe.scaling` both build on it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display needed (clusters, CI)
+import matplotlib.pyplot as plt
+
+from mpitrain.observe.metrics import read
+
+
+class ReportError(ValueError):
+    """A run directory that cannot be reported on; the message names it."""
+
+
+class Run:
+    """The records of one run directory, by kind."""
+
+    def __init__(self, run_dir):
+        self.dir = Path(run_dir)
+        path = self.dir / "metrics.jsonl"
+        if not path.is_file():
+            raise ReportError(f"{self.dir}: no metrics.jsonl (is it a run directory of 'mpitrain train'?)")
+        self.kinds: dict[str, list] = {}
+        self.segments: list[list[dict]] = []  # a resumed run's: one per start record, its records
+        for r in read(path):
+            self.kinds.setdefault(r.get("kind"), []).append(r)
+            if r.get("kind") == "start" or not self.segments:
+                self.segments.append([])
+            self.segments[-1].append(r)
+        if not self.kinds.get("start"):
+            raise ReportError(f"{path}: no 'start' record: not written by this mpitrain, or empty")
+        self.start = self.kinds["start"][-1]
+        self.train = self.kinds.get("train", [])
+        self.evals = self.kinds.get("eval", [])
+        self.end = (self.kinds.get("end") or [None])[-1]
+        self.ranks = int(self.start["ranks"])
+        self.config = self.start["config"]
+        self.name = self.dir.name
+        self.sync = self.config["parallel"].get("sync") or self.config["parallel"].get("strategy")  # older: strategy
+        self.layout = layout(self.config, self.ranks)
+        self.resumed = [seg[0]["step"] for seg in self.segments[1:] if seg[0].get("kind") == "start"]
+
+    def per_rank(self) -> list[dict]:
+        """Each rank's seconds and bytes over every segment of the run: each segment's
+        from its end, or its last progress record (a segment that was killed; a parameter
+        server's progress records have none). A segment on another number of ranks than
+        the last one's is left out."""
+        total: dict[int, dict] = {}
+        for rows in self._segment_rows():
+            if len(rows) != self.ranks:
+                continue
+            for row in rows:
+                into = total.setdefault(row["rank"], {"rank": row["rank"]})
+                for key, value in row.items():
+                    if key != "rank" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                        into[key] = into.get(key, 0) + value
+                    elif key not in into:
+                        into[key] = value
+        return [total[r] for r in sorted(total)]
+
+    def _segment_rows(self) -> list[list[dict]]:
+        last = [next((r["ranks"] for r in reversed(seg) if r.get("kind") in ("end", "train") and r.get("ranks")), [])
+                for seg in self.segments]
+        return [rows for rows in last if rows]
+
+    def steps_and_seconds(self) -> tuple[int, float]:
+        """Steps timed and seconds of steps (the slowest rank's) over every segment."""
+        steps = seconds = 0.0
+        for seg in self.segments:
+            first = seg[0].get("step", 0) if seg[0].get("kind") == "start" else 0
+            reached = [r["step"] for r in seg if r.get("kind") in ("train", "checkpoint", "stopped", "end")]
+            steps += max(reached, default=first) - first
+            rows = next((r["ranks"] for r in reversed(seg) if r.get("kind") in ("train", "end") and r.get("ranks")),
+                        [])
+            seconds += max((row["step_s"] for row in rows if not row.get("serves")), default=0.0)
+        return int(steps), seconds
+
+
+def layout(config: dict, ranks: int) -> str:
+    """What ran, in a few words: the grid (``dp x pp x tp``) and the gradient sync, the
+    pipeline schedule and micro-batches, the precision (``"ddp"`` for a config this
+    mpitrain cannot read)."""
+    from mpitrain.config import ConfigError, check_ranks, from_saved
+
+    try:
+        cfg = from_saved(config, data_needed=False)  # the data may have moved since
+        dp, pp, tp = check_ranks(cfg, ranks)
+    except (ConfigError, TypeError, ValueError):  # an older run's config
+        return config.get("parallel", {}).get("sync", "?")
+    par, t = cfg.parallel, cfg.train
+    servers = ranks - dp * pp * tp  # the ranks the grid leaves: parameter servers
+    words = [f"dp {dp} x pp {pp} x tp {tp}", par.sync + (f" ({servers} server(s))" if servers else "")]
+    if pp > 1:
+        words.append(par.schedule + (f" x{par.chunks} chunks" if par.schedule == "interleaved" else ""))
+    if t.micro_batches > 1:
+        words.append(f"{t.micro_batches} micro-batches")
+    if tp > 1 and par.sequence_parallel:
+        words.append("sequence parallel")
+    if t.precision != "fp32":
+        words.append(f"{t.precision} mixed precision")
+    return ", ".join(words)
+
+
+def save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
