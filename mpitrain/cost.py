@@ -63,14 +63,18 @@ def node_aware_bytes(nbytes: float, nodes: int, per_node: int) -> dict[str, floa
             "inter-node": collective_bytes("allreduce", nbytes / per_node, nodes)}
 
 
+def wire_bytes(itemsize: int, wire: int | None = None, algorithm: str = "mpi") -> int:
+    """Bytes of a number a sum of gradients of ``itemsize`` sends: ``wire``'s (mpitrain's
+    ring sends 16-bit numbers of float32 gradients), or 4 for half-precision gradients
+    through MPI, which sums a float32 copy (MPI cannot add bfloat16), or the gradients' own."""
+    return wire or (4 if itemsize == 2 and algorithm == "mpi" else itemsize)
+
+
 def data_parallel_bytes(n: int, P: int, itemsize: int, wire: int | None = None, algorithm: str = "mpi") -> float:
     """Bytes one rank sends per step with data parallelism (Li et al., VLDB 2020): one
-    allreduce of the ``n`` gradients, ``2 (P-1)/P x n x s``, where ``s`` is the bytes of a
-    number on the wire: the gradients' own, or ``wire``'s (mpitrain's ring sends 16-bit
-    numbers of float32 gradients), or 4 for half-precision gradients through MPI, which
-    sums a float32 copy (MPI cannot add bfloat16)."""
-    s = wire or (4 if itemsize == 2 and algorithm == "mpi" else itemsize)
-    return collective_bytes("allreduce", n * s, P)
+    allreduce of the ``n`` gradients, ``2 (P-1)/P x n x s``, ``s`` the bytes of a number on
+    the wire (:func:`wire_bytes`)."""
+    return collective_bytes("allreduce", n * wire_bytes(itemsize, wire, algorithm), P)
 
 
 def zero_bytes(stage: int, nbytes: float, P: int, micro_batches: int = 1, sharded: bool = True,

@@ -20,12 +20,6 @@ from mpitrain.plan.peak import replays, takes_data
 NORM = 8  # one float64: a rank's sum of squares of its gradients, for clipping by the global norm
 
 
-def summed(itemsize: int) -> int:
-    """Bytes per number of an MPI sum of gradients of ``itemsize``: a half-precision array
-    is summed as a float32 copy (:class:`mpitrain.comm.ring.Float32Sum`)."""
-    return 4 if itemsize == 2 else itemsize
-
-
 @dataclass(frozen=True)
 class Call:
     axis: str  # "dp", "pp" or "tp": the communicator it is counted on
@@ -66,10 +60,10 @@ def dp_calls(lay, params: dict, layers: list, d: int, part: tuple = (0, 0)) -> l
     algo = par.allreduce if par.allreduce != "hierarchical" else "mpi"
     clip = [Call("dp", "clipping: sum of squares", "allreduce", NORM, P)] if lay.cfg.optim.grad_clip > 0 else []
     if par.sync == "ddp":
-        wire = 2 if par.wire != "fp32" else (summed(s) if algo == "mpi" else s)
+        wire = cost.wire_bytes(s, 2 if par.wire != "fp32" else None, algo)
         return [Call("dp", f"gradient bucket {i}", "allreduce", n * wire, P, algorithm=algo, rank=d, itemsize=wire)
                 for i, n in enumerate(_bucket_sizes(lay, params))]
-    rs = summed(s) if algo == "mpi" else s  # a reduce-scatter's bytes per number (16-bit: a float32 copy's)
+    rs = cost.wire_bytes(s, None, algo)  # a reduce-scatter's bytes per number (16-bit through MPI: a float32 copy's)
     if par.sync == "zero1":  # each run of one kind on its own (plan.layout.zero_groups)
         runs = _alike([sum(math.prod(params[k]) for k in run) for run in zero_groups(lay, *part)])
         return ([Call("dp", _what("gradients", runs), "reduce_scatter", n * rs, P, k, algo, d, rs) for n, k in runs]
@@ -164,7 +158,7 @@ def pp_calls(lay, s: int, r: int, d: int = 0) -> list[Call]:
         holders = {t for t in range(lay.pp) if name in lay.parameters(t, r)}
         if len(holders) > 1:
             calls.append(Call("pp", f"tied {name}'s gradient", "allreduce",
-                              held(lay, s, r, d, [name]) * summed(lay.itemsize), len(holders)))
+                              held(lay, s, r, d, [name]) * cost.wire_bytes(lay.itemsize), len(holders)))
     if lay.cfg.optim.grad_clip > 0:
         calls.append(Call("pp", "clipping: sum of squares", "allreduce", NORM, lay.pp))
     return calls
@@ -215,7 +209,7 @@ def tp_calls(lay, s: int, r: int, d: int = 0) -> list[Call]:
     if sp:
         whole = held(lay, s, r, d, lay.replicated & lay.parameters(s, r).keys())
         if whole:
-            calls.append(Call("tp", "replicated weights' gradients", "allreduce", whole * summed(lay.itemsize), t))
+            calls.append(Call("tp", "replicated weights' gradients", "allreduce", whole * cost.wire_bytes(lay.itemsize), t))
     if lay.cfg.optim.grad_clip > 0:
         calls.append(Call("tp", "clipping: sum of squares", "allreduce", NORM, t))
     return calls
