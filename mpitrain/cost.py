@@ -19,18 +19,28 @@ PFLOP_S_DAY = 1e15 * 86_400  # FLOPs in a day at one PFLOP/s
 
 
 # ----------------------------------------------------------------------------- memory
+def model_state_bytes(params: float, grads: float, owned: float, moments: int = 2, itemsize: int = 4,
+                      mixed: bool = False) -> dict[str, float]:
+    """Bytes of model state by category of a rank holding ``params`` weights and ``grads``
+    gradients and updating ``owned`` parameters (its shard of the optimizer): weights and
+    gradients of ``itemsize`` bytes (2 in ``mixed`` precision), ``moments`` optimizer arrays
+    (Adam 2, SGD with momentum 1) of ``itemsize`` (float32 in mixed precision), and in mixed
+    precision a float32 master of each owned parameter."""
+    w = 2 if mixed else itemsize
+    return {"parameters": params * w, "gradients": grads * w,
+            "optimizer state": moments * owned * (4 if mixed else itemsize), "masters": 4 * owned if mixed else 0}
+
+
 def bytes_per_parameter(sync: str, P: int, moments: int = 2, itemsize: int = 4, mixed: bool = False) -> float | None:
     """Model state one of ``P`` data-parallel ranks holds per parameter (Rajbhandari et
-    al., "ZeRO", SC 2020): weights ``w``, gradients ``g`` and optimizer state ``s`` bytes
-    (``moments`` arrays: Adam 2, SGD with momentum 1; in ``mixed`` precision half
-    weights and gradients, a float32 master and float32 moments). ``ddp``/``local``
-    ``w + g + s`` (16 with Adam, float32 or mixed), ``zero1`` ``w + g + s/P`` (8 + 8/P),
-    ``zero2`` ``w + (g + s)/P`` (4 + 12/P), ``zero3`` ``(w + g + s)/P`` (16/P); None for a
-    layout without a formula here (parameter servers)."""
-    w = g = 2 if mixed else itemsize
-    s = moments * (4 if mixed else itemsize) + (4 if mixed else 0)
-    return {"ddp": w + g + s, "local": w + g + s, "zero1": w + g + s / P, "zero2": w + (g + s) / P,
-            "zero3": (w + g + s) / P}.get(sync)
+    al., "ZeRO", SC 2020), :func:`model_state_bytes` of its shares of the weights,
+    gradients and optimizer: ``ddp``/``local`` all of each (16 bytes with Adam, float32 or
+    mixed), ``zero1`` the optimizer's ``1/P`` (8 + 8/P; mixed 2 + 2 + 12/P), ``zero2`` the
+    gradients' too (4 + 12/P), ``zero3`` the weights' too (16/P); None for a layout
+    without a formula here (parameter servers)."""
+    shares = {"ddp": (1, 1, 1), "local": (1, 1, 1), "zero1": (1, 1, 1 / P), "zero2": (1, 1 / P, 1 / P),
+              "zero3": (1 / P, 1 / P, 1 / P)}.get(sync)
+    return None if shares is None else sum(model_state_bytes(*shares, moments, itemsize, mixed).values())
 
 
 # ------------------------------------------------------------------ communication

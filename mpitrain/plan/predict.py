@@ -127,16 +127,14 @@ def model_state(lay, s: int, r: int, d: int) -> dict:
     held, grads, pieces = shards(lay, s, r, d)
     if lay.servers:  # a worker: its servers keep the optimizer's state
         pieces = []
-    own = sum(pieces)
+    state = cost.model_state_bytes(held, grads, sum(pieces), lay.moments, lay.itemsize, lay.mixed)
+    state["optimizer state"] += 8 * len(pieces) if lay.moments == 2 else 0  # Adam's step, an int64 per piece
     moment = 4 if lay.mixed else lay.itemsize
-    counters = 8 * len(pieces) if lay.moments == 2 else 0  # Adam's step, an int64 per piece
     work = max(pieces, default=0) * moment * lay.work_arrays  # each the largest piece's size
     d = lay.cfg.data
     reader = lay.data.reader(lay.T, lay.cfg.train.global_batch_size, lay.cfg.train.global_batch_size // lay.dp,
                              d.buffer_mb, d.prefetch)
-    return {"parameters": held * lay.itemsize, "gradients": grads * lay.itemsize,
-            "optimizer state": lay.moments * own * moment + counters, "masters": 4 * own if lay.mixed else 0,
-            "work": work, "reader": reader}
+    return {**state, "work": work, "reader": reader}
 
 
 def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None, objects: tuple = (0.0, 0.0)) -> RankPlan:
@@ -204,9 +202,10 @@ def server_plan(lay, k: int, objects: tuple = (0.0, 0.0)) -> RankPlan:
     own = [n for n, o in zip(sizes, owner) if o == k]
     N, s = sum(sizes), lay.itemsize
     counters = 8 * len(own) if lay.moments == 2 else 0
-    memory = {"parameters": N * s, "gradients": N * s, "optimizer state": lay.moments * sum(own) * s + counters,
-              "masters": 0, "activations": 0, "work": max(own, default=0) * s * lay.work_arrays, "reader": 0,
-              "buffers": 0, "objects": int(objects[0] + objects[1] * len(params))}
+    memory = cost.model_state_bytes(N, N, sum(own), lay.moments, s)  # parameter servers train in float32
+    memory["optimizer state"] += counters
+    memory.update({"activations": 0, "work": max(own, default=0) * s * lay.work_arrays, "reader": 0, "buffers": 0,
+                   "objects": int(objects[0] + objects[1] * len(params))})
     calls = [Call("dp", "parameters to each worker's pull (+ version)", "send", sum(own) * s + 8, 2, lay.dp, "p2p")]
     return RankPlan([k], "server", sum(own), memory, calls, {"forward": 0, "backward": 0, "recompute": 0},
                     sent=by_axis(calls))
