@@ -316,7 +316,8 @@ def test_a_calibration_of_another_machine_is_said_where_its_predictions_are_prin
     model = theirs.rsplit(",", 1)[0]
     for cpu in (theirs, f"{model}, 96 cores", "AMD EPYC 9654 96-Core Processor, 2 cores"):
         monkeypatch.setattr(hardware, "this_cpu", lambda: cpu)
-        monkeypatch.setattr(hardware, "this_machine", lambda: f"{cpu}; {this.name.split(';')[1].strip()}")  # its software
+        software = this.name.split(";")[1].strip()  # the calibration's NumPy and BLAS
+        monkeypatch.setattr(hardware, "this_machine", lambda: f"{cpu}; {software}")
         note = hardware.calibrated_elsewhere(this)
         header, closing = show.header(plan, "x"), prediction.end_of_run(cfg, 2, 0.1, states)
         if cpu == theirs:

@@ -41,10 +41,10 @@ a state that crashed the process, while a failed plain write is one ``OSError``
 (:class:`CheckpointWriteError`: the ``.tmp`` removed, the previous checkpoint intact). The
 cost: one copy of the checkpoint in rank 0's memory while it writes, and of a
 tensor-sliced model a second of its sliced arrays, put together from their slices before
-each is written once (HDF5 writes a small array in about the time it writes a large one). After the rename rank
-0 deletes all but the newest ``keep`` of the run's own checkpoints (never one of a later
-step, of another run, or whose header does not verify) and any ``.tmp`` a killed write
-left (a resume ignores it).
+each is written once (HDF5 writes a small array in about the time it writes a large one).
+After the rename rank 0 deletes all but the newest ``keep`` of the run's own checkpoints
+(never one of a later step, of another run, or whose header does not verify) and any
+``.tmp`` a killed write left (a resume ignores it).
 
 **Whose.** The header holds the run's identity (``run``: :mod:`mpitrain.train.identity`),
 so that a resume takes only the run's own files. A file of another run (or an unreadable

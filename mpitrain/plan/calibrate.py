@@ -182,7 +182,7 @@ def measure_turns() -> float:
         return 0.0
     argv = [pin, "-c", str(my_cores()[0]), mpiexec(), "-n", "2", *_probe("turns")]
     return probed(subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False),
-                   "the probe of 2 ranks on one core")["turns"]
+                  "the probe of 2 ranks on one core")["turns"]
 
 
 def _probe(name: str, *options: str) -> list[str]:

@@ -185,11 +185,11 @@ def calibrated_elsewhere(device: Device) -> str:
     ours, _, our_software = (part.strip() for part in this_machine().partition(";"))
     again = "until 'mpitrain plan --calibrate' measures this one"
     if theirs != ours:
-        return f"'this' is a calibration of another machine ({theirs}), not of this one ({ours}): its predictions are " \
-               f"that machine's {again}"
+        return (f"'this' is a calibration of another machine ({theirs}), not of this one ({ours}): its predictions "
+                f"are that machine's {again}")
     if their_software and their_software != our_software:
-        return f"'this' was calibrated with {their_software}, and this Python has {our_software}: its predictions " \
-               f"are of that software {again}"
+        return (f"'this' was calibrated with {their_software}, and this Python has {our_software}: its predictions "
+                f"are of that software {again}")
     return ""
 
 

@@ -209,7 +209,8 @@ def tp_calls(lay, s: int, r: int, d: int = 0) -> list[Call]:
     if sp:
         whole = held(lay, s, r, d, lay.replicated & lay.parameters(s, r).keys())
         if whole:
-            calls.append(Call("tp", "replicated weights' gradients", "allreduce", whole * cost.wire_bytes(lay.itemsize), t))
+            calls.append(Call("tp", "replicated weights' gradients", "allreduce", whole * cost.wire_bytes(lay.itemsize),
+                              t))
     if lay.cfg.optim.grad_clip > 0:
         calls.append(Call("tp", "clipping: sum of squares", "allreduce", NORM, t))
     return calls
