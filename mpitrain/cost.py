@@ -31,15 +31,22 @@ def model_state_bytes(params: float, grads: float, owned: float, moments: int = 
             "optimizer state": moments * owned * (4 if mixed else itemsize), "masters": 4 * owned if mixed else 0}
 
 
+def state_shares(sync: str, P: int) -> tuple[float, float, float] | None:
+    """Of the weights, gradients and optimizer state of the parameters a part of the model
+    holds, the share each of ``P`` data-parallel ranks keeps: all of each with ``ddp``
+    (and ``local``), ZeRO-1 ``1/P`` of the optimizer state, ZeRO-2 of the gradients too,
+    ZeRO-3 of the weights too; None for parameter servers (they keep the state)."""
+    return {"ddp": (1, 1, 1), "local": (1, 1, 1), "zero1": (1, 1, 1 / P), "zero2": (1, 1 / P, 1 / P),
+            "zero3": (1 / P, 1 / P, 1 / P)}.get(sync)
+
+
 def bytes_per_parameter(sync: str, P: int, moments: int = 2, itemsize: int = 4, mixed: bool = False) -> float | None:
     """Model state one of ``P`` data-parallel ranks holds per parameter (Rajbhandari et
-    al., "ZeRO", SC 2020), :func:`model_state_bytes` of its shares of the weights,
-    gradients and optimizer: ``ddp``/``local`` all of each (16 bytes with Adam, float32 or
-    mixed), ``zero1`` the optimizer's ``1/P`` (8 + 8/P; mixed 2 + 2 + 12/P), ``zero2`` the
-    gradients' too (4 + 12/P), ``zero3`` the weights' too (16/P); None for a layout
-    without a formula here (parameter servers)."""
-    shares = {"ddp": (1, 1, 1), "local": (1, 1, 1), "zero1": (1, 1, 1 / P), "zero2": (1, 1 / P, 1 / P),
-              "zero3": (1 / P, 1 / P, 1 / P)}.get(sync)
+    al., "ZeRO", SC 2020), :func:`model_state_bytes` of its :func:`state_shares`:
+    ``ddp``/``local`` 16 bytes with Adam, float32 or mixed; ``zero1`` 8 + 8/P (mixed 2 +
+    2 + 12/P), ``zero2`` 4 + 12/P, ``zero3`` 16/P; None for a layout without a formula
+    here (parameter servers)."""
+    shares = state_shares(sync, P)
     return None if shares is None else sum(model_state_bytes(*shares, moments, itemsize, mixed).values())
 
 
@@ -203,12 +210,16 @@ def gpt_ends_activation_bytes(B: int, T: int, C: int, V: int, itemsize: int) -> 
     return (2 * N * C + N + N * V) * itemsize
 
 
-def transformer_block_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence: bool = False) -> float:
-    """Activation bytes of one transformer block in 16-bit training without recomputation
-    (Korthikanti et al. 2022, "Reducing Activation Recomputation"): ``s b h (34 + 5 a s/h)``
-    for sequence ``s``, micro-batch ``b``, width ``h``, ``a`` heads; sliced over ``t``
-    ranks ``s b h (10 + 24/t + 5 a s/(h t))``, and with sequence parallelism all of it
-    over ``t``."""
+def transformer_block_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence: bool = False,
+                                       recompute: bool = False) -> float:
+    """Activation bytes of one transformer block in 16-bit training (Korthikanti et al.
+    2022, "Reducing Activation Recomputation"): ``s b h (34 + 5 a s/h)`` for sequence
+    ``s``, micro-batch ``b``, width ``h``, ``a`` heads; sliced over ``t`` ranks ``s b h (10
+    + 24/t + 5 a s/(h t))``, and with sequence parallelism all of it over ``t``; with full
+    recomputation the block's input alone, ``sbh`` 16-bit numbers (over ``t`` with
+    sequence parallelism)."""
+    if recompute:
+        return 2 * s * b * h / (t if sequence else 1)
     if sequence:
         return s * b * h * (34 + 5 * a * s / h) / t
     return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))

@@ -1,0 +1,76 @@
+"""Tier 1, the textbook planner: what one rank of a GPT's layout holds and computes, from
+the published formulas alone (:mod:`mpitrain.cost`) and the sizes of the part of the model
+the rank holds. Read this first; tier 2 (:mod:`mpitrain.plan.predict`,
+:mod:`~mpitrain.plan.peak`) is the same answer made exact for this machine's NumPy.
+
+Memory (:func:`gpt_memory`), per rank:
+
+* model state, ZeRO's formula (Rajbhandari et al. 2020): of the ``N`` parameters its
+  part holds, weights ``w``, gradients ``g`` and optimizer state ``s`` bytes a parameter,
+  each whole or ``1/dp`` of it (:func:`mpitrain.cost.state_shares`): 16 bytes with Adam,
+  and under ZeRO-1 in mixed precision ``2 + 2 + 12/dp``;
+* activations, Korthikanti et al. 2022: ``s b h (34 + 5 a s/h)`` bytes a block in 16-bit
+  numbers, sliced over ``t`` ranks ``s b h (10 + 24/t + 5 a s/(h t))``, all of it over
+  ``t`` with sequence parallelism, and the block's input alone, ``sbh`` 16-bit numbers,
+  when its forward runs again in backward; float32 numbers twice these; times the
+  micro-batches the schedule keeps (:func:`mpitrain.cost.micro_batches_held`); and the
+  logits' probabilities, ``s b V / t`` numbers, on the last stage.
+
+FLOPs (:func:`gpt_flops`): the products of forward (Narayanan et al. 2021), twice that in
+backward, once more for each recomputed block. The trainer's cut of the layers into stages
+and of each layer into slices says how many blocks and parameters a rank holds
+(:func:`of_layout`: one source for the layout, :class:`mpitrain.plan.layout.Layout`).
+"""
+
+from __future__ import annotations
+
+import math
+
+from mpitrain import cost
+
+def gpt_memory(N: int, blocks: int, T: int, C: int, H: int, V: int, *, b: int, held: float, sync: str = "ddp",
+               dp: int = 1, tp: int = 1, precision: str = "fp32", itemsize: int = 4, moments: int = 2,
+               sequence: bool = False, recompute: bool = False, last: bool = True) -> dict[str, float]:
+    """Bytes one rank holds at its peak, by category: its part holds ``N`` parameters and
+    ``blocks`` of a GPT's blocks (context ``T``, width ``C``, ``H`` heads, vocabulary ``V``),
+    ``held`` micro-batches of ``b`` samples at once; ``sync`` over ``dp`` replicas, sliced
+    over ``tp`` ranks (``sequence`` parallel), in ``precision`` (``fp32``: numbers of
+    ``itemsize`` bytes; ``bf16``, ``fp16``), ``moments`` optimizer arrays (Adam 2),
+    ``recompute``: each block's forward again in backward; ``last``: the stage with the head."""
+    mixed = precision != "fp32"
+    number = 2 if mixed else itemsize  # bytes of a weight, a gradient and an activation
+    w, g, s = cost.state_shares(sync, dp)
+    state = cost.model_state_bytes(w * N, g * N, s * N, moments, number, mixed)
+    block = cost.transformer_block_activation_bytes(T, b, C, H, tp, sequence, recompute)
+    logits = T * b * V / tp * number if last else 0
+    return {**state, "activations": held * (blocks * block * number / 2 + logits)}
+
+
+def gpt_flops(blocks: int, T: int, C: int, V: int, *, samples: int, tp: int = 1, recompute: bool = False,
+              last: bool = True) -> dict[str, float]:
+    """FLOPs of a step of one rank of ``tp``: forward, backward and recomputed, over
+    ``samples`` samples (its micro-batches together) of its ``blocks`` blocks (and the
+    head's product on the ``last`` stage)."""
+    block = (cost.matmul_flops(T, C, 3 * C) + cost.attention_flops(1, T, C) + cost.matmul_flops(T, C, C)
+             + 2 * cost.matmul_flops(T, C, 4 * C)) / tp
+    forward = samples * (blocks * block + (cost.matmul_flops(T, C, V) / tp if last else 0))
+    return {"forward": forward, "backward": 2 * forward, "recompute": samples * blocks * block if recompute else 0}
+
+
+def of_layout(lay, s: int, r: int = 0) -> tuple[dict, dict]:
+    """(:func:`gpt_memory`, :func:`gpt_flops`) of pipeline rank ``s``'s slice ``r`` of a
+    :class:`~mpitrain.plan.layout.Layout` of a GPT: its parameters and blocks as the
+    trainer cuts them."""
+    m, par, t = lay.cfg.model, lay.par, lay.cfg.train
+    blocks = sum(layer.name.startswith("block") for layer in lay.layers(s, r))
+    last = any(layer.name == "head" for layer in lay.layers(s, r))
+    N = sum(math.prod(shape) for shape in lay.parameters(s, r).values())
+    held = cost.micro_batches_held(par.schedule, lay.pp, lay.m, s, lay.v) if lay.pp > 1 else 1
+    memory = gpt_memory(N, blocks, lay.T, m.n_embd, m.n_head, lay.data.ids, b=lay.micro_batch, held=held,
+                        sync=par.sync, dp=lay.dp, tp=lay.tp, precision=t.precision, itemsize=lay.dtype_bytes,
+                        moments=lay.moments, sequence=lay.tp > 1 and par.sequence_parallel,
+                        recompute=m.checkpoint_activations, last=last)
+    flops = gpt_flops(blocks, lay.T, m.n_embd, lay.data.ids, samples=lay.micro_batch * lay.m, tp=lay.tp,
+                      recompute=m.checkpoint_activations, last=last)
+    return memory, flops
+

@@ -1,0 +1,87 @@
+"""Tier 1, the textbook planner (mpitrain/plan/estimate.py), against tier 2's exact plan:
+model state equal to the byte but Adam's step counts (tier 2's correction: an int64 per
+piece the optimizer updates), FLOPs equal but ZeRO-3's replayed layers (tier 2's
+correction: mpitrain runs each layer's forward again in backward); and the formulas the
+notes give."""
+
+import math
+
+import pytest
+
+from mpitrain import config
+from mpitrain import plan as planner
+from mpitrain.plan import estimate, hardware
+from mpitrain.plan.predict import model_state, shards
+
+GRIDS = {  # ranks -> the layouts the MPI tier trains, and more
+    1: [[], ["train.precision=bf16"], ["model.checkpoint_activations=true"], ["train.dtype='float64'"]],
+    2: [["parallel.sync=zero1"], ["parallel.sync=zero2", "train.precision=fp16"], ["parallel.sync=zero3"],
+        ["parallel.tp=2", "parallel.sequence_parallel=true"], ["parallel.pp=2", "train.micro_batches=4"]],
+    4: [["parallel.pp=2", "parallel.sync=zero1", "train.micro_batches=2"],
+        ["parallel.tp=2", "parallel.sync=zero3", "train.precision=bf16"],
+        ["parallel.pp=2", "parallel.sync=zero2", "train.dtype='float64'", "train.micro_batches=2"],
+        ["parallel.pp=2", "parallel.tp=2", "parallel.schedule=zb-h1", "train.micro_batches=4"]],
+    8: [["parallel.pp=2", "parallel.tp=2", "parallel.sync=zero1", "train.precision=bf16",
+         "model.checkpoint_activations=true", "train.micro_batches=3"],
+        ["parallel.pp=2", "parallel.tp=2", "parallel.sync=zero2", "parallel.sequence_parallel=true",
+         "train.micro_batches=3"]],
+}
+
+
+@pytest.mark.parametrize("ranks, sets", [(P, sets) for P, layouts in GRIDS.items() for sets in layouts],
+                         ids=lambda v: v if isinstance(v, int) else " ".join(v) or "ddp")
+def test_tier_1_is_tier_2_less_its_named_corrections(ranks, sets):
+    cfg = config.load("jobs/shakespeare_gpt.toml", [*sets, "model.bias=true"], data_needed=False)
+    plan = planner.make(cfg, ranks, planner.machine(hardware.load(), "this", ranks))
+    lay = plan.layout
+    for s in range(lay.pp):
+        for r in range(lay.tp):
+            memory, flops = estimate.of_layout(lay, s, r)
+            for d in range(lay.dp):
+                exact = model_state(lay, s, r, d)
+                counters = 8 * len(shards(lay, s, r, d)[2])  # Adam's step, one int64 a piece
+                for category in ("parameters", "gradients", "masters"):
+                    assert memory[category] == exact[category], (s, r, d, category)
+                assert memory["optimizer state"] + counters == exact["optimizer state"], (s, r, d)
+            rank = next(p for p in plan.ranks if lay.rank_of(s, 0, r) in p.ranks)
+            assert (flops["forward"], flops["backward"]) == (rank.flops["forward"], rank.flops["backward"]), (s, r)
+            # tier 2's correction: mpitrain's ZeRO-3 frees a layer's gathered weights after its
+            # forward, and runs the layer again in backward (the textbook's keeps its activations)
+            again = rank.flops["forward"] if lay.par.sync == "zero3" else flops["recompute"]
+            assert rank.flops["recompute"] == again, (s, r)
+
+
+def test_zero1_with_slices_and_stages_in_bf16_is_the_zero_papers_formula():
+    """The notes' layout: GPT-3 on 1,024 GPUs as tp 8 x pp 16 x dp 8, ZeRO-1, bf16: each
+    rank's model state is 2 + 2 + 12/8 bytes for each parameter its part holds."""
+    args = ["plan", "--model", "gpt3-175b", "--hardware", "a100-80g", "--nodes", "128", "--gpus-per-node", "8",
+            "--network", "ib-hdr", "--set", "parallel.tp=8", "--set", "parallel.pp=16", "--set",
+            "parallel.sync=zero1", "--set", "train.precision=bf16", "--set", "model.checkpoint_activations=true",
+            "--set", "train.micro_batches=64"]
+    from mpitrain import cli
+
+    lay = planner.from_args(cli.build_parser().parse_args(args))[0].layout
+    assert (lay.dp, lay.pp, lay.tp) == (8, 16, 8)
+    for s in (0, 7, 15):
+        memory, _ = estimate.of_layout(lay, s)
+        N = sum(math.prod(shape) for shape in lay.parameters(s).values())
+        state = sum(memory[k] for k in ("parameters", "gradients", "optimizer state", "masters"))
+        assert state == pytest.approx((2 + 2 + 12 / 8) * N, rel=1e-12)
+
+
+def test_the_activation_formulas_slice_as_their_paper_says():
+    """Korthikanti et al. 2022: a block keeps s b h (34 + 5 a s/h) bytes in 16-bit numbers;
+    sliced over t, s b h (10 + 24/t + 5 a s/(h t)); with sequence parallelism all of it over
+    t; recomputed, 2 s b h (its input); float32 numbers twice as many bytes."""
+    T, C, H, b = 2048, 12288, 96, 1
+    whole = estimate.gpt_memory(0, 1, T, C, H, 50257, b=b, held=1, precision="bf16", last=False)["activations"]
+    assert whole == T * b * C * (34 + 5 * H * T / C)
+    sliced = estimate.gpt_memory(0, 1, T, C, H, 50257, b=b, held=1, tp=8, precision="bf16", last=False)
+    assert sliced["activations"] == T * b * C * (10 + 24 / 8 + 5 * H * T / (C * 8))
+    sequence = estimate.gpt_memory(0, 1, T, C, H, 50257, b=b, held=1, tp=8, sequence=True, precision="bf16",
+                                   last=False)
+    assert sequence["activations"] == pytest.approx(whole / 8)
+    again = estimate.gpt_memory(0, 1, T, C, H, 50257, b=b, held=3, precision="bf16", recompute=True, last=False)
+    assert again["activations"] == 3 * 2 * T * b * C
+    fp32 = estimate.gpt_memory(0, 1, T, C, H, 50257, b=b, held=1, last=False)["activations"]
+    assert fp32 == 2 * whole
