@@ -91,6 +91,9 @@ def add_parser(commands) -> None:
                         "error for every quantity")
     _search_arguments(p, _positive)
     p.add_argument("--json", metavar="PATH", help="with --validate: also write the rows to PATH (JSON)")
+    p.add_argument("--html", metavar="FILE",
+                   help="also write the plan as one self-contained HTML page (its figures inline; with --search the "
+                        "layouts' time against memory, with --validate predicted against measured)")
     p.add_argument("--steps", type=_positive, default=20,
                    help="with --validate: steps of the timed run (default 20, in windows of 5; the first is not timed)")
     p.set_defaults(run=run)
@@ -126,6 +129,8 @@ def run(args) -> int:
                               "CONFIG -n P --search ...)")
         if args.busy_ok and not args.calibrate:
             raise ConfigError("--busy-ok: goes with --calibrate")
+        if args.html and (args.calibrate or args.notes):
+            raise ConfigError("--html: writes a plan, a search or a validation, not --calibrate or --notes")
         if args.calibrate:
             from mpitrain.plan import calibrate
 
@@ -151,6 +156,11 @@ def run(args) -> int:
         raise ConfigError(str(e)) from None
     from mpitrain.plan import show
 
-    print(show.text(plan, source, memory=args.hardware != "this" or args.memory_table))
+    text = show.text(plan, source, memory=args.hardware != "this" or args.memory_table)
+    print(text)
+    if args.html:
+        from mpitrain.plan import page
+
+        print(f"wrote {page.write(args.html, plan, text, f'mpitrain plan: {source}')}")
     sys.stdout.flush()
     return 0

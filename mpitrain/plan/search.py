@@ -74,7 +74,7 @@ def layouts(cfg, P: int) -> list[tuple]:
             ("parallel.schedule=interleaved", "parallel.chunks=2")]
         for sync, pipe, m in itertools.product(syncs, pipes, MICRO_BATCHES):
             buckets = BUCKETS_MB if sync in ("ddp", "zero2") and dp > 1 else (None,)
-            mixed = ("fp32", "bf16") if pp == tp == 1 else ("fp32",)
+            mixed = ("fp32", "bf16")  # mixed precision on any grid (issue 46: every strategy composes)
             checkpoint = (False, True) if sync != "zero3" and gpt else (False,)
             sequence = (False, True) if tp > 1 else (False,)
             for bucket, precision, ckpt, seq in itertools.product(buckets, mixed, checkpoint, sequence):
@@ -160,10 +160,19 @@ def run(args) -> int:
         f"{machine.device.name}"
     print(f"search: {source} on {P} rank(s), {where}: {len(fits) + sum(refused.values())} layouts planned in "
           f"{time.perf_counter() - tick:.1f} s")
-    print("\n".join(table(fits, refused, limit, args.top)), flush=True)
+    lines = table(fits, refused, limit, args.top)
+    print("\n".join(lines), flush=True)
     if not fits:
         print("no layout fits: raise --memory-per-rank, or plan more ranks")
         return 1
+    if args.html:
+        from mpitrain.plan import page, show
+
+        best = fits[0].plan
+        text = "\n".join([*lines, "", "the fastest:", show.text(best, source)])
+        scatter = ("Every layout: step time against peak memory", page.search_figure(fits, over, limit, args.top))
+        title = f"mpitrain plan --search: {source} on {P} rank(s)"
+        print(f"wrote {page.write(args.html, best, text, title, [scatter])}")
     if args.measure:
         from mpitrain.plan import trial
 

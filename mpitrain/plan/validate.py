@@ -164,6 +164,12 @@ def run(args) -> int:
     rows = compare(plan, counted, storage)
     text, ok = table(rows, (plan.time["step"], seconds))
     print(f"validate: {source} on {plan.layout.describe()}, under {library()}\n{text}")
+    if args.html:
+        from mpitrain.plan import page, show
+
+        page.write(args.html, plan, f"{text}\n\n{show.text(plan, source)}", f"mpitrain plan --validate: {source}",
+                   [("Predicted against measured", page.validate_figure(rows))])
+        print(f"wrote {args.html}")
     if args.json:  # for mpitrain bench plan: each row with its tolerance and error
         found = {"rows": [[*r, tolerance(r[1]), error(r[2], r[3]), holds(*r[1:])] for r in rows],
                  "step": [plan.time["step"], seconds], "mpi": library()}
