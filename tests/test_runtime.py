@@ -45,10 +45,10 @@ def test_huge_page_heap_keeps_the_data_and_asks_only_for_growth(monkeypatch):
     arrays = [np.full(1 << 18, i, dtype=np.float32) for i in range(48)]  # 48 MB of heap
     lo, hi = runtime._heap()
     assert hi - lo >= 48 << 20
-    asked = runtime.huge_page_heap()
-    assert asked > 0 and asked % runtime.HUGE_PAGE == 0
+    asked, again = runtime.huge_page_heap(), runtime.huge_page_heap()  # nothing allocated between the two calls:
+    assert asked > 0 and asked % runtime.HUGE_PAGE == 0  # checking the values first grew the heap, and a growth
+    assert again == 0  # of a few kB that crosses a huge page's boundary asks for one more (flaky in CI)
     assert all((a == i).all() for i, a in enumerate(arrays))  # collapsing moved pages, not values
-    assert runtime.huge_page_heap() == 0  # the heap did not grow since
 
 
 def test_huge_page_heap_without_a_heap_changes_nothing(monkeypatch):
