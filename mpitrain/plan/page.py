@@ -121,9 +121,11 @@ def pipeline_figure(plan):
     colors = {"F": "tab:blue", "B": "tab:orange", "I": "tab:orange", "W": "tab:green"}
     fig, ax = plt.subplots(figsize=(10, 0.5 * p + 1.2))
     for r, spans in enumerate(sim.spans):
-        for start, end, action in spans:
-            ax.barh(r, end - start, left=start, color=colors[action.code], edgecolor="white")
-            if m * v <= 16:
+        for code, color in colors.items():  # one call a rank and kind: a large schedule has thousands of spans
+            ax.broken_barh([(start, end - start) for start, end, a in spans if a.code == code], (r - 0.4, 0.8),
+                           facecolors=color, edgecolors="white")
+        if m * v <= 16:
+            for start, end, action in spans:
                 ax.text((start + end) / 2, r, str(action), ha="center", va="center", fontsize=7, color="white")
     ax.set_yticks(range(p), [f"stage {r}" for r in range(p)])
     ax.invert_yaxis()
