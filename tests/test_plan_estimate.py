@@ -85,3 +85,25 @@ def test_the_activation_formulas_slice_as_their_paper_says():
     assert again["activations"] == 3 * 2 * T * b * C
     fp32 = estimate.gpt_memory(0, 1, T, C, H, 50257, b=b, held=1, last=False)["activations"]
     assert fp32 == 2 * whole
+
+
+def test_validate_prints_the_estimate_beside_the_exact_plan_and_the_run():
+    """--validate's table: estimate | exact | measured | error, tier 1's figure where it
+    answers the row (a bound of the peak: its activations), "-" where it does not."""
+    from mpitrain.plan import validate
+
+    cfg = config.load("jobs/shakespeare_gpt.toml", ["parallel.pp=2", "train.micro_batches=2"], data_needed=False)
+    plan = planner.make(cfg, 2, planner.machine(hardware.load(), "this", 2))
+    textbook = validate.estimates(plan)
+    rows = [(1, "parameters", 5, 5), (1, "heap peak above rest, at most", 7, 6), (1, "reader, its queue full", 3, 3),
+            ("mean", "FLOPs", 9, 9)]
+    text, ok = validate.table(rows, (0.5, 0.5), textbook)
+    lines = text.splitlines()
+    assert ok and lines[0] == "rank | quantity | estimate | exact | measured | error | holds"
+    assert lines[1] == f"1 | parameters | {textbook[1, 'parameters']:,.0f} | 5 | 5 | +0.00% | yes"
+    assert lines[2].startswith(f"1 | heap peak above rest, at most | {textbook[1, 'heap peak above rest']:,.0f} | 7")
+    assert lines[3].startswith("1 | reader, its queue full | - | 3 | 3")
+    assert lines[-1].startswith("all | step time (s) | - | 0.5000 | 0.5000")
+    assert validate.table(rows)[0].splitlines()[0] == "rank | quantity | predicted | measured | error | holds"
+    cnn = config.load("jobs/mnist_lenet.toml", data_needed=False)
+    assert validate.estimates(planner.make(cnn, 1, planner.machine(hardware.load(), "this", 1))) == {}

@@ -44,7 +44,7 @@ def add_parser(commands) -> None:
         description="Predict, from shapes alone (no model is built), what CONFIG needs on -n ranks: per rank the "
                     "model state, activations, bytes per communicator, FLOPs and the bubble; the step time and "
                     "its parts on this machine or a GPU cluster (--hardware); the storage bandwidth; whether it "
-                    "fits. --validate runs it and prints predicted | measured | error.",
+                    "fits. --validate runs it and prints estimate | exact | measured | error.",
         epilog="examples:\n  mpitrain plan jobs/shakespeare_gpt.toml -n 4 --set parallel.pp=2 --set parallel.tp=2 "
                "--set train.micro_batches=4\n  mpitrain plan --model gpt3-175b --hardware a100-80g --gpus-per-node 8 "
                "--nodes 128 --network ib-hdr --set train.global_batch_size=2048 --set parallel.sync=zero3\n"
@@ -87,8 +87,8 @@ def add_parser(commands) -> None:
     p.add_argument("--busy-ok", action="store_true",
                    help="with --calibrate: write it even if other processes use the cores (a warning instead)")
     p.add_argument("--validate", action="store_true",
-                   help="run CONFIG for a few steps (under mpiexec: on its ranks) and print predicted | measured | "
-                        "error for every quantity")
+                   help="run CONFIG for a few steps (under mpiexec: on its ranks) and print estimate (the textbook "
+                        "tier, where it answers) | exact | measured | error for every quantity")
     _search_arguments(p, _positive)
     p.add_argument("--json", metavar="PATH", help="with --validate: also write the rows to PATH (JSON)")
     p.add_argument("--html", metavar="FILE",

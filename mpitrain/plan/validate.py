@@ -123,20 +123,48 @@ def compare(plan, result, storage=()) -> list[tuple]:
     return rows
 
 
-def table(rows, step_time=None) -> tuple[str, bool]:
-    """The printed table, and whether every row is within its tolerance."""
-    lines = ["rank | quantity | predicted | measured | error | holds"]
+def estimates(plan) -> dict:
+    """Tier 1's answer (:mod:`mpitrain.plan.estimate`) to each row it answers, by (rank,
+    quantity): a GPT's model state by category and activations (the heap's peak above
+    rest) on each rank, and the ranks' mean FLOPs; none for other models, or with
+    parameter servers."""
+    from mpitrain.plan import estimate
+
+    lay = plan.layout
+    if lay.cfg.model.name != "gpt" or lay.servers:
+        return {}
+    out, flops = {}, []
+    for s in range(lay.pp):
+        for r in range(lay.tp):
+            memory, f = estimate.of_layout(lay, s, r)
+            flops += [sum(f.values())] * lay.dp
+            for d in range(lay.dp):
+                rank = lay.rank_of(s, d, r)
+                out.update({(rank, "parameters"): memory["parameters"], (rank, "gradients"): memory["gradients"],
+                            (rank, "optimizer state"): memory["optimizer state"] + memory["masters"],
+                            (rank, "heap peak above rest"): memory["activations"]})
+    out["mean", "FLOPs"] = sum(flops) / len(flops)
+    return out
+
+
+def table(rows, step_time=None, textbook=None) -> tuple[str, bool]:
+    """The printed table, and whether every row is within its tolerance; with
+    ``textbook`` (:func:`estimates`) tier 1's answer beside tier 2's (its predictions,
+    which the error and the tolerance are of), "-" where it has none."""
+    lines = ["rank | quantity | " + ("estimate | exact | " if textbook else "predicted | ") + "measured | error | holds"]
     ok = True
     for rank, what, predicted, measured in rows:
         e, good = error(predicted, measured), holds(what, predicted, measured)
         ok &= good
         held = "yes" if good else "NO"
-        lines.append(f"{rank} | {what} | {predicted:,.0f} | {measured:,.0f} | {100 * e:+.2f}% | {held}")
+        said = textbook.get((rank, what.split(",")[0])) if textbook else None  # a bound's row: the peak's figure
+        first = "" if not textbook else "- | " if said is None else f"{said:,.0f} | "
+        lines.append(f"{rank} | {what} | {first}{predicted:,.0f} | {measured:,.0f} | {100 * e:+.2f}% | {held}")
     if step_time is not None:
         predicted, measured = step_time
         e = error(predicted, measured)
-        lines.append(f"all | step time (s) | {predicted:.4f} | {measured:.4f} | {100 * e:+.1f}% | "
-                     f"{'yes' if abs(e) <= TIME_TOLERANCE else 'NO'} (estimate, never asserted)")
+        lines.append(f"all | step time (s) | {'- | ' if textbook else ''}{predicted:.4f} | {measured:.4f} | "
+                     f"{100 * e:+.1f}% | {'yes' if abs(e) <= TIME_TOLERANCE else 'NO'} (estimate, never asserted)")
     return "\n".join(lines), ok
 
 
@@ -162,7 +190,8 @@ def run(args) -> int:
     if comm.rank != 0:
         return 0
     rows = compare(plan, counted, storage)
-    text, ok = table(rows, (plan.time["step"], seconds))
+    textbook = estimates(plan)
+    text, ok = table(rows, (plan.time["step"], seconds), textbook)
     print(f"validate: {source} on {plan.layout.describe()}, under {library()}\n{text}")
     if args.html:
         from mpitrain.plan import page, show
@@ -172,7 +201,8 @@ def run(args) -> int:
         print(f"wrote {args.html}")
     if args.json:  # for mpitrain bench plan: each row with its tolerance and error
         found = {"rows": [[*r, tolerance(r[1]), error(r[2], r[3]), holds(*r[1:])] for r in rows],
-                 "step": [plan.time["step"], seconds], "mpi": library()}
+                 "step": [plan.time["step"], seconds], "mpi": library(),
+                 "estimates": [[rank, what, value] for (rank, what), value in textbook.items()]}
         Path(args.json).write_text(json.dumps(found))
     return 0 if ok else 1
 
