@@ -15,7 +15,9 @@ are still read, with a note (``Config.notes``) that the trainer prints.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import functools
 import math
 import typing
 from pathlib import Path
@@ -54,12 +56,19 @@ def field_for_option(option: str) -> str | None:
     name = option.lstrip("-").replace("-", "_")
     if name in _OPTION_ALIASES:
         return _OPTION_ALIASES[name]
-    tables = typing.get_type_hints(Config)
+    tables = hints_of(Config)
     owners = [s.name for s in sections() if name in {f.name for f in dataclasses.fields(tables[s.name])}]
     return f"{owners[0]}.{name}" if len(owners) == 1 else None
 
 
 # ------------------------------------------------------------------- parsing
+@functools.cache
+def hints_of(cls) -> dict:
+    """A config dataclass's fields' types (``typing.get_type_hints``, which evaluates every
+    annotation anew on each call: a search of a thousand layouts read them millions of times)."""
+    return typing.get_type_hints(cls)
+
+
 # what a TOML value must be for a field of each scalar type, as the error says it (a bool is an int in Python)
 _SCALARS = {
     bool: (lambda v: isinstance(v, bool), "true or false"),
@@ -88,10 +97,16 @@ def _parse_override(item: str) -> tuple[str, object]:
     if "=" not in item:
         raise ConfigError(f"--set {item!r}: expected section.key=value")
     key, text = item.split("=", 1)
+    value = _value(text)
+    return key.strip(), copy.deepcopy(value) if isinstance(value, list) else value
+
+
+@functools.lru_cache(maxsize=4096)  # a search reads the same few thousand overrides for every layout
+def _value(text: str):
     try:
-        return key.strip(), tomllib.loads(f"v = {text}")["v"]
+        return tomllib.loads(f"v = {text}")["v"]
     except tomllib.TOMLDecodeError:
-        return key.strip(), text  # a bare word: take it as a string (--set data.path=input.txt)
+        return text  # a bare word: take it as a string (--set data.path=input.txt)
 
 
 def from_dict(raw: dict, overrides: list[str] = (), data_needed: bool = True) -> Config:
@@ -107,7 +122,7 @@ def from_dict(raw: dict, overrides: list[str] = (), data_needed: bool = True) ->
         raw[section][name] = value
 
     notes = _renamed(raw)
-    hints = typing.get_type_hints(Config)
+    hints = hints_of(Config)
     tables, given = {}, set()
     known = {s.name for s in sections()}
     for section in raw:
@@ -117,7 +132,7 @@ def from_dict(raw: dict, overrides: list[str] = (), data_needed: bool = True) ->
             raise ConfigError(f"{section}: expected a table")
     for s in sections():
         cls = hints[s.name]
-        field_hints = typing.get_type_hints(cls)
+        field_hints = hints_of(cls)
         values = {}
         for name, value in raw.get(s.name, {}).items():
             key = f"{s.name}.{name}"

@@ -85,12 +85,20 @@ class Device:
     # parameter array it trains (calibrate.measure_objects); optional, none on a published device (host memory)
     objects: float = 0.0
     objects_per_array: float = 0.0
+    # the answers of matmul_flops_per_s so far: a search asks the same shapes of every layout
+    rates: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def matmul_flops_per_s(self, m: int, k: int, n: int, dtype: str = "float32", threads: int = 1) -> float:
         """FLOP/s of an (m,k)@(k,n) product: a calibrated device's measured shape nearest in
         log space of (m, k, n), same dtype (half precision computes in float32 here; float64
         unmeasured is float32 halved), at the most BLAS threads measured up to ``threads``;
         a published device's peak of that precision."""
+        key = (m, k, n, dtype, threads)
+        if key not in self.rates:
+            self.rates[key] = self._rate(m, k, n, dtype, threads)
+        return self.rates[key]
+
+    def _rate(self, m: int, k: int, n: int, dtype: str, threads: int) -> float:
         precision = PRECISION_OF.get(dtype)
         if precision is None:
             raise HardwareError(f"device {self.key}: dtype {dtype!r}: expected one of {', '.join(PRECISION_OF)}")
