@@ -268,13 +268,18 @@ def backward_flops(forward: int, operands_needing_gradient: int) -> int:
     return forward * operands_needing_gradient
 
 
+def gpt_block_flops(B: int, T: int, C: int) -> int:
+    """FLOPs of one GPT block's products in forward: QKV, attention, the projection and the
+    4C-wide MLP, ``24 B T C^2 + 4 B T^2 C``."""
+    return (matmul_flops(B * T, C, 3 * C) + attention_flops(B, T, C) + matmul_flops(B * T, C, C)
+            + 2 * matmul_flops(B * T, C, 4 * C))
+
+
 def gpt_step_flops(B: int, T: int, C: int, L: int, V: int) -> int:
     """Model FLOPs of a GPT training step without recomputation (Narayanan et al., SC21):
-    ``72 B T L C^2 (1 + T/6C + V/12LC)``, the products of forward (QKV, attention, the
-    projection, the 4C-wide MLP, the logits) three times over."""
-    per_layer = matmul_flops(B * T, C, 3 * C) + attention_flops(B, T, C) + matmul_flops(B * T, C, C) \
-        + 2 * matmul_flops(B * T, C, 4 * C)
-    return 3 * (L * per_layer + matmul_flops(B * T, C, V))
+    ``72 B T L C^2 (1 + T/6C + V/12LC)``, the products of forward (each block's,
+    :func:`gpt_block_flops`, and the logits) three times over."""
+    return 3 * (L * gpt_block_flops(B, T, C) + matmul_flops(B * T, C, V))
 
 
 def dense_training_flops(parameters: int, tokens: int) -> float:

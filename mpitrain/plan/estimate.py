@@ -51,8 +51,7 @@ def gpt_flops(blocks: int, T: int, C: int, V: int, *, samples: int, tp: int = 1,
     """FLOPs of a step of one rank of ``tp``: forward, backward and recomputed, over
     ``samples`` samples (its micro-batches together) of its ``blocks`` blocks (and the
     head's product on the ``last`` stage)."""
-    block = (cost.matmul_flops(T, C, 3 * C) + cost.attention_flops(1, T, C) + cost.matmul_flops(T, C, C)
-             + 2 * cost.matmul_flops(T, C, 4 * C)) / tp
+    block = cost.gpt_block_flops(1, T, C) / tp
     forward = samples * (blocks * block + (cost.matmul_flops(T, C, V) / tp if last else 0))
     return {"forward": forward, "backward": 2 * forward, "recompute": samples * blocks * block if recompute else 0}
 
