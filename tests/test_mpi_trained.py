@@ -32,6 +32,8 @@ def test_eval_of_any_layouts_checkpoint_reproduces_the_runs_final_validation_los
     comm = world()
     if layout == "pp2tp2" and comm.size % 4:
         pytest.skip("pp 2 x tp 2 needs a multiple of 4 ranks")
+    if layout in ("ddp", "zero3") and comm.size > 2:
+        pytest.skip("replicas alone: on 2 ranks (beyond them the same logic, more replicas)")
     d = shared_data(comm, make=text_set, n=3000)
     run_dir = d.parent / f"run-{layout}"
     cfg = config.from_dict({
