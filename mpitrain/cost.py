@@ -211,18 +211,26 @@ def gpt_ends_activation_bytes(B: int, T: int, C: int, V: int, itemsize: int) -> 
 
 
 def transformer_block_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence: bool = False,
-                                       recompute: bool = False) -> float:
+                                       recompute: bool = False, itemsize: int = 2) -> float:
     """Activation bytes of one transformer block in 16-bit training (Korthikanti et al.
     2022, "Reducing Activation Recomputation"): ``s b h (34 + 5 a s/h)`` for sequence
     ``s``, micro-batch ``b``, width ``h``, ``a`` heads; sliced over ``t`` ranks ``s b h (10
     + 24/t + 5 a s/(h t))``, and with sequence parallelism all of it over ``t``; with full
     recomputation the block's input alone, ``sbh`` 16-bit numbers (over ``t`` with
-    sequence parallelism)."""
+    sequence parallelism). Numbers of ``itemsize`` bytes scale it by ``itemsize / 2``."""
     if recompute:
-        return 2 * s * b * h / (t if sequence else 1)
-    if sequence:
-        return s * b * h * (34 + 5 * a * s / h) / t
-    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+        count = 2 * s * b * h / (t if sequence else 1)
+    elif sequence:
+        count = s * b * h * (34 + 5 * a * s / h) / t
+    else:
+        count = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    return count * itemsize / 2
+
+
+def logits_activation_bytes(s: int, b: int, v: int, t: int = 1, itemsize: int = 2) -> float:
+    """Bytes of the cross-entropy's probabilities a model's last stage keeps for backward:
+    ``s b v`` numbers, each of ``t`` vocabulary-parallel ranks its ``1/t``."""
+    return s * b * v / t * itemsize
 
 
 def sliced_activation_ratios(t: int, a: int, s: int, h: int) -> tuple[float, float]:

@@ -98,7 +98,7 @@ def _parse_override(item: str) -> tuple[str, object]:
         raise ConfigError(f"--set {item!r}: expected section.key=value")
     key, text = item.split("=", 1)
     value = _value(text)
-    return key.strip(), copy.deepcopy(value) if isinstance(value, list) else value
+    return key.strip(), copy.deepcopy(value) if isinstance(value, (list, dict)) else value  # the cache's own stays
 
 
 @functools.lru_cache(maxsize=4096)  # a search reads the same few thousand overrides for every layout

@@ -59,22 +59,7 @@ def add_parser(commands) -> None:
                    help="override one config value, as for mpitrain train; repeatable")
     p.add_argument("-n", "--ranks", type=_positive, help="ranks of the job (default: --nodes x --gpus-per-node, else 1;"
                                                       " under mpiexec with --validate: the job's)")
-    p.add_argument("--hardware", default="this", metavar="KEY",
-                   help="the device of mpitrain/plan/hardware.toml each rank runs on (default 'this': this "
-                        "machine, as calibrated); e.g. v100, a100-40g, a100-80g, h100, h200")
-    p.add_argument("--nodes", type=_positive, help="nodes of the job (default 1)")
-    p.add_argument("--gpus-per-node", "--ranks-per-node", dest="per_node", type=_positive, metavar="N",
-                   help="ranks per node (default: all on one node)")
-    p.add_argument("--network", metavar="KEY", help="the link between nodes (e.g. ib-hdr, ib-ndr, eth-100g; emu-1g "
-                                                    "and emu-10g: the links of mpitrain cluster)")
-    p.add_argument("--intra", metavar="KEY", help="the link inside a node (default: the device's NVLink, or shared "
-                                                  "memory here)")
-    p.add_argument("--utilization", type=_fraction, default=0.4,
-                   help="the share of a published device's peak FLOP/s a step reaches (default 0.4)")
-    p.add_argument("--memory-per-rank", type=nbytes, metavar="BYTES",
-                   help="memory each rank may use (default: the device's; here, this machine's over its ranks)")
-    p.add_argument("--catalogue", metavar="PATH", help="a hardware catalogue to overlay the shipped one (default "
-                                                       "$MPITRAIN_HARDWARE or ~/.config/mpitrain/hardware.toml)")
+    _machine_arguments(p, _positive)
     p.add_argument("--memory-table", action="store_true",
                    help="also the memory per rank under each sync, with and without activation checkpointing "
                         "(always with --hardware)")
@@ -97,6 +82,27 @@ def add_parser(commands) -> None:
     p.add_argument("--steps", type=_positive, default=20,
                    help="with --validate: steps of the timed run (default 20, in windows of 5; the first is not timed)")
     p.set_defaults(run=run)
+
+
+def _machine_arguments(p, positive) -> None:
+    """The machine the job runs on (:func:`mpitrain.plan.machine_of` reads them): its device,
+    nodes and links, the share of peak it reaches, the memory each rank may use, the catalogue."""
+    p.add_argument("--hardware", default="this", metavar="KEY",
+                   help="the device of mpitrain/plan/hardware.toml each rank runs on (default 'this': this "
+                        "machine, as calibrated); e.g. v100, a100-40g, a100-80g, h100, h200")
+    p.add_argument("--nodes", type=positive, help="nodes of the job (default 1)")
+    p.add_argument("--gpus-per-node", "--ranks-per-node", dest="per_node", type=positive, metavar="N",
+                   help="ranks per node (default: all on one node)")
+    p.add_argument("--network", metavar="KEY", help="the link between nodes (e.g. ib-hdr, ib-ndr, eth-100g; emu-1g "
+                                                    "and emu-10g: the links of mpitrain cluster)")
+    p.add_argument("--intra", metavar="KEY", help="the link inside a node (default: the device's NVLink, or shared "
+                                                  "memory here)")
+    p.add_argument("--utilization", type=_fraction, default=0.4,
+                   help="the share of a published device's peak FLOP/s a step reaches (default 0.4)")
+    p.add_argument("--memory-per-rank", type=nbytes, metavar="BYTES",
+                   help="memory each rank may use (default: the device's; here, this machine's over its ranks)")
+    p.add_argument("--catalogue", metavar="PATH", help="a hardware catalogue to overlay the shipped one (default "
+                                                       "$MPITRAIN_HARDWARE or ~/.config/mpitrain/hardware.toml)")
 
 
 def _search_arguments(p, positive) -> None:

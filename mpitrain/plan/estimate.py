@@ -41,9 +41,9 @@ def gpt_memory(N: int, blocks: int, T: int, C: int, H: int, V: int, *, b: int, h
     number = 2 if mixed else itemsize  # bytes of a weight, a gradient and an activation
     w, g, s = cost.state_shares(sync, dp)
     state = cost.model_state_bytes(w * N, g * N, s * N, moments, number, mixed)
-    block = cost.transformer_block_activation_bytes(T, b, C, H, tp, sequence, recompute)
-    logits = T * b * V / tp * number if last else 0
-    return {**state, "activations": held * (blocks * block * number / 2 + logits)}
+    block = cost.transformer_block_activation_bytes(T, b, C, H, tp, sequence, recompute, number)
+    logits = cost.logits_activation_bytes(T, b, V, tp, number) if last else 0
+    return {**state, "activations": held * (blocks * block + logits)}
 
 
 def gpt_flops(blocks: int, T: int, C: int, V: int, *, samples: int, tp: int = 1, recompute: bool = False,

@@ -189,8 +189,12 @@ def write(path, plan, text: str, title: str, sections=()) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(page, encoding="utf-8")
-    tmp.replace(path)
+    try:
+        tmp.write_text(page, encoding="utf-8")
+        tmp.replace(path)
+    except BaseException:  # a full disk, Ctrl-C: no half-written page left beside it
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 
