@@ -274,13 +274,17 @@ class Float32Sum(Request):
 
     def _progress(self) -> bool:
         if self.request.test():
-            np.copyto(self.out, self.sum, casting="same_kind")
+            self._round()
             return True
         return False
 
     def _block(self) -> None:
         self.request.wait()
-        np.copyto(self.out, self.sum, casting="same_kind")
+        self._round()
+
+    def _round(self) -> None:
+        with np.errstate(over="ignore"):  # a sum past fp16's range is inf: the loss scaler's to find
+            np.copyto(self.out, self.sum, casting="same_kind")
 
 
 def ireduce_scatter(comm, send: np.ndarray, recv: np.ndarray, counts) -> Request:
