@@ -431,3 +431,14 @@ def test_a_nodes_ranks_share_its_port_and_take_turns_on_its_cores():
     switch = catalogue.device("this").switch
     assert switch > 0 and m.switches([0, 1]) == m.switches([0, 1, 2, 3]) == switch and m.switches([0, 2]) == 0
     assert replace(m, cores=2).switches([0, 1]) == 0 and gpus.switches(list(range(8))) == 0
+
+
+@pytest.mark.parametrize("precision, peak", [("bf16", 312e12), ("fp16", 312e12), ("fp32", 19.5e12)])
+def test_a_gpu_multiplies_in_the_precision_it_trains_in(precision, peak):
+    """A GPU's products run in the training's 16 bits (its tensor cores), not in float32 as
+    NumPy's do here: GPT-3 in bf16 on A100s computes at the bf16 peak times the utilization
+    (a step of 4.4e15 FLOPs per GPU in about 35 s, not 560)."""
+    p = planned([*GPT3, "--set", "parallel.tp=8", "--set", "parallel.pp=16", "--set", "train.micro_batches=64",
+                 "--set", f"train.precision={precision}"])
+    flops = max(sum(r.flops.values()) for r in p.ranks)
+    assert p.time["compute"] == pytest.approx(flops / (peak * 0.4), rel=1e-9)

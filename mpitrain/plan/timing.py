@@ -7,7 +7,7 @@ message, Hockney 1994):
 * **compute** of a layer: its FLOPs over the device's rate at its product's shape as
   mpitrain runs it (:meth:`~mpitrain.plan.shapes.Layer.product_rows`: a convolution's in
   tiles of images; :meth:`~mpitrain.plan.hardware.Device.matmul_flops_per_s`; a published device's peak
-  times ``utilization``), plus, on a calibrated machine, mpitrain's elementwise work: the
+  of the precision its products run in, times ``utilization``), plus, on a calibrated machine, mpitrain's elementwise work: the
   device's measured ``passes`` over the layer's traffic (:attr:`~mpitrain.plan.shapes.Layer.traffic`)
   at its streaming bandwidth; ranks beyond a node's cores share them.
 * **communication** of a call: a ring collective on ``P`` ranks sends ``P - 1`` (reduce-
@@ -111,6 +111,8 @@ def compute_seconds(lay, plan, machine: Machine) -> float:
     and per layer and step that do not grow with the batch, and in mixed precision its
     casts. A published device's ``utilization`` stands for everything besides the products."""
     d, b, dtype = machine.device, lay.micro_batch, lay.cfg.train.dtype
+    if lay.mixed and not d.calibrated:  # a GPU's tensor cores multiply in 16 bits; NumPy upcasts to float32
+        dtype = lay.cfg.train.precision
     if plan.stage == "server":
         return 0.0
     family = path(lay, plan)
