@@ -1,6 +1,7 @@
 """What training costs, once: every formula the code, tests, benchmarks and end-of-run
 tables use, and those a run is planned by (6 N D, PFLOP/s-days, storage bandwidth, ...),
-as pure functions of shapes and sizes (no MPI, no arrays).
+as pure functions of shapes and sizes (no MPI, no arrays of their own; a size may be a
+NumPy array of sizes, as the planner's search gives every layout at once).
 
 A formula written twice drifts; here each is written once, with its source: the
 communicators count MPI's collectives by :func:`collective_bytes`, the start of a run
@@ -14,6 +15,8 @@ width ``C``, ``H`` heads, ``L`` layers, vocabulary ``V``.
 """
 
 from __future__ import annotations
+
+from numpy import maximum, minimum
 
 PFLOP_S_DAY = 1e15 * 86_400  # FLOPs in a day at one PFLOP/s
 
@@ -78,6 +81,28 @@ def node_aware_bytes(nbytes: float, nodes: int, per_node: int) -> dict[str, floa
     over the network its slice's allreduce, ``2 (N-1)/N x n/L``."""
     return {"intra-node": collective_bytes("allreduce", nbytes, per_node),
             "inter-node": collective_bytes("allreduce", nbytes / per_node, nodes)}
+
+
+def messages(kind: str, P: int) -> int:
+    """Messages one rank sends, one after another, in a ring collective on ``P`` ranks:
+    ``2 (P-1)`` in an ``allreduce``, ``P-1`` in a ``reduce_scatter`` or an ``allgather``;
+    one ``send``."""
+    return {"allreduce": 2 * (P - 1), "reduce_scatter": P - 1, "allgather": P - 1}.get(kind, 1)
+
+
+def alpha_beta_seconds(kind: str, P: int, sent: float, alpha: float, bandwidth: float, calls: int = 1) -> float:
+    """Hockney's time (Parallel Computing 20, 1994) of ``calls`` collectives of ``kind``
+    on ``P`` ranks in which a rank sends ``sent`` bytes in all: a latency ``alpha`` per
+    message (:func:`messages`) and the bytes at ``bandwidth``."""
+    return calls * alpha * messages(kind, P) + sent / bandwidth
+
+
+def port_share(per_node: int, P: int, k: int) -> float:
+    """Of a node's one network port, how many ranks' traffic it carries at once when each
+    of its ``per_node`` ranks calls a collective of ``P`` ranks, ``k`` of them on the node:
+    each sends the share ``(P - k) / (P - 1)`` of its bytes off the node, so the port carries
+    ``per_node (P - k) / (P - 1)`` ranks' worth (at least one)."""
+    return maximum(1.0, per_node * (P - k) / maximum(1, P - 1))
 
 
 def wire_bytes(itemsize: int, wire: int | None = None, algorithm: str = "mpi") -> int:
@@ -157,7 +182,7 @@ def pipeline_idle(name: str, p: int, m: int, v: int = 1, F: float = 1.0, B: floa
         return (p - 1) * (F + B + W)
     if name == "interleaved":
         return (p - 1) * (F + B + W) / v
-    return (p - 1) * (F + B) - (min(m, p) - 1) * W
+    return (p - 1) * (F + B) - (minimum(m, p) - 1) * W
 
 
 def bubble_fraction(name: str, p: int, m: int, v: int = 1, F: float = 1.0, B: float = 1.0, W: float = 1.0) -> float:
@@ -173,10 +198,10 @@ def micro_batches_held(name: str, p: int, m: int, rank: int, v: int = 1) -> floa
     if name == "gpipe":
         return m
     if name == "1f1b" or (name == "interleaved" and v == 1):
-        return min(m, p - rank)
+        return minimum(m, p - rank)
     if name == "interleaved":
-        return min(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1) / v
-    return min(m, p)
+        return minimum(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1) / v
+    return minimum(m, p)
 
 
 # --------------------------------------------------------------------- activations

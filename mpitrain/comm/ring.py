@@ -93,7 +93,13 @@ def work_numbers(widest: int, itemsize: int, wire: bool) -> int:
 
 def chunk_bounds(n: int, parts: int) -> np.ndarray:
     """(parts + 1,) start of each chunk and the end: chunk i is [b[i], b[i + 1])."""
-    return np.array([n * i // parts for i in range(parts + 1)], dtype=np.int64)
+    return np.arange(parts + 1, dtype=np.int64) * n // parts
+
+
+def chunk_length(n: int, parts: int, i: int) -> int:
+    """The length of chunk ``i`` of :func:`chunk_bounds` (without the array: a plan asks it
+    of every rank of a thousand)."""
+    return n * (i + 1) // parts - n * i // parts
 
 
 def ring_allreduce(comm, buf: np.ndarray) -> None:

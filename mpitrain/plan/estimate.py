@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import math
 
+from numpy import minimum
+
 from mpitrain import cost
 
 def gpt_memory(N: int, blocks: int, T: int, C: int, H: int, V: int, *, b: int, held: float, sync: str = "ddp",
@@ -42,7 +44,7 @@ def gpt_memory(N: int, blocks: int, T: int, C: int, H: int, V: int, *, b: int, h
     w, g, s = cost.state_shares(sync, dp)
     state = cost.model_state_bytes(w * N, g * N, s * N, moments, number, mixed)
     block = cost.transformer_block_activation_bytes(T, b, C, H, tp, sequence, recompute, number)
-    logits = cost.logits_activation_bytes(T, b, V, tp, number) if last else 0
+    logits = last * cost.logits_activation_bytes(T, b, V, tp, number)
     return {**state, "activations": held * (blocks * block + logits)}
 
 
@@ -52,8 +54,31 @@ def gpt_flops(blocks: int, T: int, C: int, V: int, *, samples: int, tp: int = 1,
     ``samples`` samples (its micro-batches together) of its ``blocks`` blocks (and the
     head's product on the ``last`` stage)."""
     block = cost.gpt_block_flops(1, T, C) / tp
-    forward = samples * (blocks * block + (cost.matmul_flops(T, C, V) / tp if last else 0))
+    forward = samples * (blocks * block + last * cost.matmul_flops(T, C, V) / tp)
     return {"forward": forward, "backward": 2 * forward, "recompute": samples * blocks * block if recompute else 0}
+
+
+def step_seconds(compute, tp, dp, send, after, *, sync: str, schedule: str, p, m, v=1, forward_share=1 / 3,
+                 hides: float = 1.0) -> dict:
+    """The step of a layout's slowest stage, by part, in seconds: ``compute``, its products
+    at the device's rate, and ``tp``, its blocking tensor-parallel sums, for all ``m``
+    micro-batches; the pipeline's idle time (:func:`mpitrain.cost.pipeline_idle` of ``p``
+    stages, ``v`` chunks, a micro-batch's forward its ``forward_share``, the input's and the
+    weights' gradients halves of the rest) with its fill and drain, ``2 (p - 1)`` messages of
+    ``send`` seconds; data parallelism's ``dp`` seconds, of which ddp hides what backward
+    runs beside (its buckets start as backward passes their parameters), ZeRO-2 the same of
+    its ``m`` reduce-scatters but not the gather after the update, ZeRO-3 what the whole
+    compute does (each layer's gathers beside the layer before), each at most the link's
+    ``hides`` share of it, and ZeRO-1 nothing (its reduce-scatter follows backward);
+    ``after``, the pipeline's collectives after the schedule (a tied weight's gradient).
+    Scalars or arrays of layouts alike."""
+    one = (compute + tp) / m
+    F = one * forward_share
+    bubble = cost.pipeline_idle(schedule, p, m, v, F, (one - F) / 2, (one - F) / 2) + 2 * (p - 1) * send
+    beside = {"zero1": 0 * compute, "zero3": compute}.get(sync, compute * (1 - forward_share))
+    hideable = dp * (m / (m + 1) if sync == "zero2" else 1)
+    exposed = dp - minimum(beside, hides * hideable) + tp + after
+    return {"compute": compute, "exposed": exposed, "bubble": bubble, "step": compute + exposed + bubble}
 
 
 def of_layout(lay, s: int, r: int = 0) -> tuple[dict, dict]:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 
 from mpitrain import flat, optim, parallel
-from mpitrain.comm.ring import chunk_bounds
+from mpitrain.comm.ring import chunk_length
 from mpitrain.config import Config, check_ranks, cut_refused, validate
 from mpitrain.parallel import zero3
 from mpitrain.plan import shapes
@@ -110,12 +110,11 @@ class Layout:
     @cached_property
     def bounds(self) -> list[int]:
         """The pipeline's cut of the layer list into ``pp x chunks`` stages."""
-        return balance([layer.whole for layer in self.models[0].layers], self.pp * self.v)
+        return cut(self.models[0], self.pp * self.v)
 
     def chunks(self, s: int, r: int = 0) -> list[list]:
         """Pipeline rank ``s``'s chunks of the layers of tensor-parallel rank ``r``."""
-        layers, b, p = self.models[r].layers, self.bounds, self.pp
-        return [list(layers[b[c * p + s]: b[c * p + s + 1]]) for c in range(self.v)]
+        return chunks_of(self.models[r].layers, self.bounds, self.pp, self.v, s)
 
     def layers(self, s: int, r: int = 0) -> list:
         return [layer for chunk in self.chunks(s, r) for layer in chunk]
@@ -175,6 +174,30 @@ class Layout:
         return ", ".join(parts)
 
 
+# ------------------------------------------------------------ how a pipeline cuts the model
+def cut(shape, parts: int) -> list[int]:
+    """The bounds of ``parts`` consecutive stages of the layers of ``shape`` (a
+    :class:`~mpitrain.plan.shapes.ModelShape`), balanced by each whole layer's parameters
+    as the trainer cuts them (:func:`mpitrain.schedules.balance`)."""
+    return _balanced(tuple(layer.whole for layer in shape.layers), parts)
+
+
+@lru_cache(maxsize=256)
+def _balanced(sizes: tuple, parts: int) -> list[int]:
+    return balance(list(sizes), parts)
+
+
+def chunks_of(layers, bounds: list[int], pp: int, v: int, s: int) -> list[list]:
+    """Pipeline rank ``s``'s ``v`` chunks of ``layers`` cut at ``bounds``: chunk ``c`` is
+    stage ``c pp + s`` (the interleaved schedule's round-robin)."""
+    return [list(layers[bounds[c * pp + s]: bounds[c * pp + s + 1]]) for c in range(v)]
+
+
+def stage_layers(shape, pp: int, v: int, s: int) -> list:
+    """The layers pipeline rank ``s`` of ``pp`` holds, its ``v`` chunks together."""
+    return [x for chunk in chunks_of(shape.layers, cut(shape, pp * v), pp, v, s) for x in chunk]
+
+
 # ------------------------------------------------------------ how the strategies lay parameters out
 class _Stand:
     """A parameter as the trainer's layout functions see one: its shape, bytes and dtype."""
@@ -228,8 +251,7 @@ def held(lay, s: int, r: int, d: int, names) -> int:
     total = 0
     for group in zero_groups(lay, s, r):
         if names.issuperset(group):
-            bounds = chunk_bounds(sum(math.prod(params[n]) for n in group), lay.dp)
-            total += int(bounds[d + 1] - bounds[d])
+            total += chunk_length(sum(math.prod(params[n]) for n in group), lay.dp, d)
     return total
 
 

@@ -21,11 +21,13 @@ from collections import Counter
 from dataclasses import dataclass
 
 from mpitrain.config import ConfigError
+from mpitrain.plan.space import KNOBS
 
-SYNCS = ("ddp", "zero1", "zero2", "zero3")
-SCHEDULES = ("gpipe", "1f1b", "zb-h1")  # and "interleaved" with 2 chunks
-MICRO_BATCHES = (1, 2, 4, 8)
-BUCKETS_MB = (1.0, 4.0)  # ddp's and ZeRO-2's bucket: small ones start early, large ones pay fewer latencies
+SYNCS = KNOBS["sync"]
+SCHEDULES = KNOBS["schedule"]  # interleaved with KNOBS["chunks"][0] chunks
+MICRO_BATCHES = KNOBS["micro_batches"]
+BUCKETS_MB = KNOBS["bucket_mb"]  # ddp's and ZeRO-2's bucket: small ones start early, large ones pay fewer latencies
+CONFIRMED = 10  # tier 1's best layouts that tier 2 plans, at least (--top more)
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class Found:
 
     sets: tuple
     plan: object  # mpitrain.plan.Plan
+    estimate: float | None = None  # tier 1's step, where tier 1 ranked the layouts
 
     @property
     def step(self) -> float:
@@ -62,27 +65,32 @@ def grids(P: int) -> list[tuple[int, int, int]]:
                   key=lambda g: (-g[0], g[1], g[2]))
 
 
+def overrides(dp: int, pp: int, tp: int, sync: str, schedule: str, m: int, bucket_mb: float = 0.0,
+              precision: str = "fp32", recompute: bool = False, sequence: bool = False, chunks: int = 1) -> tuple:
+    """A layout as the ``--set`` overrides that give it, in a command line's order."""
+    pipe = () if pp == 1 else (f"parallel.schedule={schedule}",) + ((f"parallel.chunks={chunks}",) if chunks > 1
+                                                                     else ())
+    return ((f"parallel.dp={dp}", f"parallel.pp={pp}", f"parallel.tp={tp}", f"parallel.sync={sync}") + pipe
+            + (f"train.micro_batches={m}",) + ((f"parallel.bucket_mb={bucket_mb:g}",) if bucket_mb else ())
+            + ((f"train.precision={precision}",) if precision != "fp32" else ())
+            + (("model.checkpoint_activations=true",) if recompute else ())
+            + (("parallel.sequence_parallel=true",) if sequence else ()))
+
+
 def layouts(cfg, P: int) -> list[tuple]:
     """The overrides of every layout to try on ``P`` ranks (some the trainer will refuse:
     the search counts those by reason). The config's own model and batch stay."""
     found = []
     gpt = cfg.model.name == "gpt"
     for dp, pp, tp in grids(P):
-        grid = (f"parallel.dp={dp}", f"parallel.pp={pp}", f"parallel.tp={tp}")
         syncs = SYNCS if dp > 1 else ("ddp",)
-        pipes = [()] if pp == 1 else [(f"parallel.schedule={s}",) for s in SCHEDULES] + [
-            ("parallel.schedule=interleaved", "parallel.chunks=2")]
-        for sync, pipe, m in itertools.product(syncs, pipes, MICRO_BATCHES):
-            buckets = BUCKETS_MB if sync in ("ddp", "zero2") and dp > 1 else (None,)
-            mixed = ("fp32", "bf16")  # mixed precision on any grid (issue 46: every strategy composes)
+        pipes = [("-", 1)] if pp == 1 else [(s, KNOBS["chunks"][0] if s == "interleaved" else 1) for s in SCHEDULES]
+        for sync, (schedule, chunks), m in itertools.product(syncs, pipes, MICRO_BATCHES):
+            buckets = BUCKETS_MB if sync in ("ddp", "zero2") and dp > 1 else (0.0,)
             checkpoint = (False, True) if sync != "zero3" and gpt else (False,)
             sequence = (False, True) if tp > 1 else (False,)
-            for bucket, precision, ckpt, seq in itertools.product(buckets, mixed, checkpoint, sequence):
-                found.append(grid + (f"parallel.sync={sync}",) + pipe + (f"train.micro_batches={m}",)
-                             + ((f"parallel.bucket_mb={bucket:g}",) if bucket else ())
-                             + ((f"train.precision={precision}",) if precision != "fp32" else ())
-                             + (("model.checkpoint_activations=true",) if ckpt else ())
-                             + (("parallel.sequence_parallel=true",) if seq else ()))
+            for bucket, precision, ckpt, seq in itertools.product(buckets, KNOBS["precision"], checkpoint, sequence):
+                found.append(overrides(dp, pp, tp, sync, schedule, m, bucket, precision, ckpt, seq, chunks))
     if P > 1:  # a parameter server and P - 1 workers
         for m in MICRO_BATCHES:
             found.append(("parallel.dp=-1", "parallel.pp=1", "parallel.tp=1", "parallel.sync=ps",
@@ -125,6 +133,56 @@ def search(config_of, P: int, machine, data=None, memory: float | None = None) -
     return fits, over, refused
 
 
+def tiered(cfg, machine) -> bool:
+    """Whether tier 1 ranks the layouts (a GPT on a published device, whose step tier 1
+    times as GPU frameworks run it) before tier 2 confirms the best, or tier 2 plans
+    every layout (this machine, where NumPy's details decide the ranking; the CNNs)."""
+    return cfg.model.name == "gpt" and not machine.device.calibrated
+
+
+def ranked(config_of, P: int, machine, data, limit: float, confirm: int = CONFIRMED) -> tuple[list, list, Counter, str]:
+    """Tier 1 over every layout at once (:mod:`mpitrain.plan.space`), then tier 2 on the
+    fastest that fit until ``confirm`` of them fit by tier 2 too: (those, those tier 2
+    finds too large, Counter of the layouts left out by reason: too large by tier 1, by
+    tier 2, or refused by the trainer's checks; a line that says how many layouts tier 1
+    ranked and how fast)."""
+    import time
+
+    import numpy as np
+
+    from mpitrain import plan as planner
+    from mpitrain.plan import space
+
+    tick = time.perf_counter()
+    model = space.Gpt.of(config_of(()), data)
+    table = space.grids(model, P)
+    rows = space.build(model, table)
+    out = space.evaluate(model, table, rows, machine)
+    seconds = time.perf_counter() - tick
+    fit = out["peak"] <= limit
+    refused = Counter({"memory (tier 1)": int((~fit).sum())})
+    fits, over, tick = [], [], time.perf_counter()
+    for i in np.flatnonzero(fit)[np.argsort(out["step"][fit], kind="stable")]:
+        r = rows.row(i, table)
+        sets = overrides(r["dp"], r["pp"], r["tp"], r["sync"], r["schedule"], r["micro_batches"], r["bucket_mb"],
+                         r["precision"], r["recompute"], r["sequence"], r["chunks"])
+        try:
+            found = Found(sets, planner.make(config_of(sets), P, machine, data), float(out["step"][i]))
+        except ConfigError as e:
+            refused[reason(e)] += 1
+            continue
+        if found.peak > limit:
+            refused["memory (tier 2)"] += 1
+        (fits if found.peak <= limit else over).append(found)
+        if len(fits) >= confirm:
+            break
+    fits.sort(key=lambda f: (f.step, f.line))
+    line = (f"{len(rows):,} layouts ranked by tier 1 in {seconds:.2f} s ({len(rows) / seconds:,.0f} a second), "
+            f"{int(fit.sum()):,} fit; tier 2 planned the fastest until {len(fits)} fit, in "
+            f"{time.perf_counter() - tick:.1f} s (the table: tier 2's step, tier 1's beside it)")
+    return fits, over, refused, line
+
+
 def run(args) -> int:
     """The command: search, print the table; with ``--measure`` run some (:mod:`mpitrain.plan.trial`)."""
     import argparse
@@ -154,12 +212,16 @@ def run(args) -> int:
     _, data, source = models.config_of(args)
     P, machine = machine_of(args)
     limit = args.memory_per_rank or machine.memory
-    tick = time.perf_counter()
-    fits, over, refused = search(config_of, P, machine, data, limit)
     where = f"{args.cluster[0]} emulated nodes x {args.cluster[1]} at {args.cluster[2]}" if args.cluster else \
         f"{machine.device.name}"
-    print(f"search: {source} on {P} rank(s), {where}: {len(fits) + sum(refused.values())} layouts planned in "
-          f"{time.perf_counter() - tick:.1f} s")
+    tick = time.perf_counter()
+    if tiered(config_of(()), machine):
+        fits, over, refused, line = ranked(config_of, P, machine, data, limit, max(args.top, CONFIRMED))
+        print(f"search: {source} on {P} rank(s), {where}: {line}")
+    else:
+        fits, over, refused = search(config_of, P, machine, data, limit)
+        print(f"search: {source} on {P} rank(s), {where}: {len(fits) + sum(refused.values())} layouts planned in "
+              f"{time.perf_counter() - tick:.1f} s")
     lines = table(fits, refused, limit, args.top)
     print("\n".join(lines), flush=True)
     if not fits:
@@ -184,11 +246,13 @@ def table(fits: list, refused: Counter, limit: float, top: int = 10) -> list[str
     """The top ``top`` layouts, one line each, and the refusals by reason."""
     from mpitrain.plan.show import size
 
-    lines = [f"{len(fits)} layout(s) fit in {size(limit)} per rank; refused {sum(refused.values())}: "
+    planned = "" if all(f.estimate is None for f in fits) else " (tier 2 planned the fastest by tier 1)"
+    lines = [f"{len(fits)} layout(s) fit in {size(limit)} per rank{planned}; refused {sum(refused.values())}: "
              + (", ".join(f"{why} {n}" for why, n in sorted(refused.items(), key=lambda kv: (-kv[1], kv[0])))
                 or "none"),
-             "rank | step ms | samples/s | bottleneck | peak (headroom) | layout | run it with"]
+             "rank | step ms | tier 1 ms | samples/s | bottleneck | peak (headroom) | layout | run it with"]
     for k, f in enumerate(fits[:top], 1):
-        lines.append(f"{k} | {1e3 * f.step:.4g} | {f.plan.samples_per_s:,.0f} | {f.bottleneck()} | "
+        tier1 = "-" if f.estimate is None else f"{1e3 * f.estimate:.4g}"
+        lines.append(f"{k} | {1e3 * f.step:.4g} | {tier1} | {f.plan.samples_per_s:,.0f} | {f.bottleneck()} | "
                      f"{size(f.peak)} ({100 * (1 - f.peak / limit):.0f}%) | {f.plan.layout.describe()} | {f.line}")
     return lines

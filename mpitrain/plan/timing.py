@@ -6,10 +6,11 @@ message, Hockney 1994):
 
 * **compute** of a layer: its FLOPs over the device's rate at its product's shape as
   mpitrain runs it (:meth:`~mpitrain.plan.shapes.Layer.product_rows`: a convolution's in
-  tiles of images; :meth:`~mpitrain.plan.hardware.Device.matmul_flops_per_s`; a published device's peak
-  of the precision its products run in, times ``utilization``), plus, on a calibrated machine, mpitrain's elementwise work: the
-  device's measured ``passes`` over the layer's traffic (:attr:`~mpitrain.plan.shapes.Layer.traffic`)
-  at its streaming bandwidth; ranks beyond a node's cores share them.
+  tiles of images; :meth:`~mpitrain.plan.hardware.Device.matmul_flops_per_s`; a published
+  device's peak of the precision its products run in, times ``utilization``), plus, on a
+  calibrated machine, mpitrain's elementwise work: the device's measured ``passes`` over
+  the layer's traffic (:attr:`~mpitrain.plan.shapes.Layer.traffic`) at its streaming
+  bandwidth; ranks beyond a node's cores share them.
 * **communication** of a call: a ring collective on ``P`` ranks sends ``P - 1`` (reduce-
   scatter, allgather) or ``2 (P - 1)`` (allreduce) messages, ``alpha`` each, and its bytes
   at ``bandwidth``; the link is the network's if the communicator spans nodes (ranks are
@@ -99,8 +100,7 @@ class Machine:
         if not self.inter.per_node or self.per_node == 1:
             return self.inter
         k = max(collections.Counter(r // self.per_node for r in ranks).values())
-        shared = self.per_node * (len(ranks) - k) / (len(ranks) - 1)
-        return replace(self.inter, bandwidth=self.inter.bandwidth / max(1.0, shared))
+        return replace(self.inter, bandwidth=self.inter.bandwidth / cost.port_share(self.per_node, len(ranks), k))
 
 
 def compute_seconds(lay, plan, machine: Machine) -> float:
@@ -163,9 +163,7 @@ def call_seconds(call, link) -> float:
     """A call's time on ``link``: its messages' latency and its bytes at the bandwidth."""
     if call.ranks == 1:
         return 0.0
-    steps = {"allreduce": 2 * (call.ranks - 1), "reduce_scatter": call.ranks - 1, "allgather": call.ranks - 1}
-    messages = steps.get(call.collective, 1)
-    return call.count * link.alpha * messages + call.sent / link.bandwidth
+    return cost.alpha_beta_seconds(call.collective, call.ranks, call.sent, link.alpha, link.bandwidth, call.count)
 
 
 def group(lay, plan, axis: str) -> list[int] | range:

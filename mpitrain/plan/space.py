@@ -1,0 +1,247 @@
+"""Tier 1 over every layout at once: how ``mpitrain plan --search`` ranks a GPU cluster's
+layouts of a GPT before tier 2 confirms the best of them (:mod:`~mpitrain.plan.search`).
+
+A layout is a grid ``dp x pp x tp`` of the job's ranks, a pipeline's chunks, and a value of
+each knob of :data:`KNOBS`. A :class:`Space` holds one row per layout, each column a NumPy
+array. :func:`evaluate` answers every row at once with tier 1's formulas
+(:mod:`~mpitrain.plan.estimate`, :mod:`mpitrain.cost`): each categorical knob's value
+(a sync, a schedule, a precision, recomputation, sequence parallelism) is applied to all
+the rows that hold it, the numbers (ranks, micro-batches, bucket sizes) as arrays.
+
+Where a pipeline cuts the model, the trainer's cut says what each stage holds
+(:func:`mpitrain.plan.layout.stage_layers`): one table per cut and slicing, made once.
+
+Per layout, tier 1 gives the peak memory of its largest stage (model state, and the
+activations its schedule keeps) and the step of its slowest one: its products at the
+device's peak for the precision times the utilization, the tensor-parallel sums of each
+block (four allreduces of a micro-batch's activations, six with recomputation), the
+gradients' collectives hidden as the sync allows, the bubble, the tied embedding's sum
+between the first and last stage. What tier 1 leaves out is tier 2's to add
+(``plan/README.md``, "Two tiers").
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from mpitrain import cost
+from mpitrain.plan import estimate, shapes
+from mpitrain.plan.layout import stage_layers
+
+# what ``mpitrain plan --search`` tries: each knob's values (chunks: an interleaved pipeline rank's)
+KNOBS = {"sync": ("ddp", "zero1", "zero2", "zero3"), "schedule": ("gpipe", "1f1b", "zb-h1", "interleaved"),
+         "precision": ("fp32", "bf16"), "recompute": (False, True), "sequence": (False, True),
+         "micro_batches": (1, 2, 4, 8), "bucket_mb": (1.0, 4.0), "chunks": (2,)}
+# a space as wide as the published searches' (Calculon's 13B model on 64 GPUs: about 1.2 million layouts):
+# every number of micro-batches that divides a replica's batch, more bucket sizes and chunks, fp16 too
+WIDE = {**KNOBS, "precision": ("fp32", "bf16", "fp16"), "micro_batches": tuple(range(1, 4097)),
+        "bucket_mb": (0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 25.0, 64.0), "chunks": (2, 3, 4, 6, 8)}
+
+
+@dataclass(frozen=True)
+class Gpt:
+    """A GPT's shape and batch, as tier 1 needs them."""
+
+    V: int
+    T: int
+    L: int
+    H: int
+    C: int
+    batch: int  # samples per step, all replicas together
+    bias: bool = False
+    itemsize: int = 4  # bytes of a number in float32 training
+
+    @classmethod
+    def of(cls, cfg, data) -> "Gpt":
+        m = cfg.model
+        return cls(data.ids, m.block_size, m.n_layer, m.n_head, m.n_embd, cfg.train.global_batch_size, m.bias,
+                   np.dtype(cfg.train.dtype).itemsize)
+
+
+@dataclass
+class Space:
+    """Layouts as columns: each a NumPy array of one value per layout; ``grid`` indexes the
+    table of grids (:func:`grids`), the categorical knobs are indices into :data:`KNOBS`'s."""
+
+    grid: np.ndarray
+    sync: np.ndarray
+    schedule: np.ndarray
+    precision: np.ndarray
+    recompute: np.ndarray
+    sequence: np.ndarray
+    micro_batches: np.ndarray
+    bucket_mb: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.grid)
+
+    def row(self, i: int, table: dict, knobs: dict = KNOBS) -> dict:
+        """Layout ``i`` as a dict of plain values."""
+        g = int(self.grid[i])
+        return {"dp": int(table["dp"][g]), "pp": int(table["pp"][g]), "tp": int(table["tp"][g]),
+                "chunks": int(table["v"][g]), **{k: knobs[k][int(getattr(self, k)[i])]
+                                                 for k in ("sync", "schedule", "precision", "recompute", "sequence")},
+                "micro_batches": int(self.micro_batches[i]), "bucket_mb": float(self.bucket_mb[i])}
+
+
+def grids(model: Gpt, P: int, chunks: tuple = KNOBS["chunks"]) -> dict:
+    """The table of every grid of ``P`` ranks that the model's shape allows (``tp`` divides
+    the heads; ``pp`` times the chunks at most the layers), with one chunk a pipeline rank
+    and with each of ``chunks``: per grid, its ``dp``, ``pp``, ``tp``, ``v``, and per pipeline rank
+    (padded to the longest pipeline) the parameters, blocks and head of its tensor slice."""
+    rows = []
+    for pp in (d for d in range(1, P + 1) if P % d == 0):
+        for tp in (d for d in range(1, P // pp + 1) if (P // pp) % d == 0):
+            if model.H % tp:
+                continue
+            for v in ((1, *chunks) if pp > 1 else (1,)):
+                if pp * v <= model.L + 2:
+                    rows.append((P // (pp * tp), pp, tp, v))
+    most = max(r[1] for r in rows)
+    table = {k: np.array([r[j] for r in rows]) for j, k in enumerate(("dp", "pp", "tp", "v"))}
+    for k in ("N", "blocks", "last"):
+        table[k] = np.zeros((len(rows), most), dtype=bool if k == "last" else float)
+    table["stage"] = np.arange(most)[None, :] < table["pp"][:, None]
+    for g, (_, pp, tp, v) in enumerate(rows):
+        table["N"][g, :pp], table["blocks"][g, :pp], table["last"][g, :pp] = _stages(model, pp, tp, v)
+    flops = table["blocks"] * cost.gpt_block_flops(1, model.T, model.C) + table["last"] * cost.matmul_flops(
+        model.T, model.C, model.V)
+    table["slowest"] = flops.argmax(axis=1)
+    return table
+
+
+@lru_cache(maxsize=None)
+def _stages(model: Gpt, pp: int, tp: int, v: int) -> tuple:
+    """(parameters, blocks, head) of each pipeline rank's first tensor slice, as the trainer cuts."""
+    shape = shapes.gpt(model.V, model.T, model.L, model.H, model.C, model.bias, t=tp)
+    parts = [stage_layers(shape, pp, v, s) for s in range(pp)]
+    return ([shape.count(layers) for layers in parts], [sum(x.name.startswith("block") for x in layers)
+                                                        for layers in parts],
+            [any(x.name == "head" for x in layers) for layers in parts])
+
+
+def build(model: Gpt, table: dict, knobs: dict = KNOBS) -> Space:
+    """Every layout of the grids of ``table`` and the values of ``knobs``, one row each, but
+    those the arithmetic rules out: ZeRO on one replica, a schedule without a pipeline
+    (``pp = 1`` takes the first), chunks without interleaving, sequence parallelism without
+    slices, bucket sizes where nothing is bucketed (only ddp and ZeRO-2 on more than one
+    replica bucket: the others get one row, bucket 0), micro-batches that do not divide a
+    replica's share of the batch, and ZeRO-3 with recomputation (the trainer refuses it:
+    ZeRO-3 replays each layer in backward)."""
+    dp, pp, tp, v = table["dp"], table["pp"], table["tp"], table["v"]
+    cols = {k: [] for k in Space.__dataclass_fields__}
+    names = ("sync", "schedule", "precision", "recompute", "sequence")
+    for combo in itertools.product(*(range(len(knobs[k])) for k in names)):
+        sync, schedule, _, recompute, sequence = (knobs[k][c] for k, c in zip(names, combo))
+        if sync == "zero3" and recompute:
+            continue
+        keep = ((dp > 1) | (sync == "ddp")) & ((tp > 1) | (not sequence))
+        keep &= np.where(pp == 1, combo[1] == 0, (v > 1) == (schedule == "interleaved"))
+        bucketed = (dp > 1) & (sync in ("ddp", "zero2"))
+        for g, buckets in ((keep & bucketed, knobs["bucket_mb"]), (keep & ~bucketed, (0.0,))):
+            G, M = (a.ravel() for a in np.meshgrid(np.flatnonzero(g), knobs["micro_batches"], indexing="ij"))
+            ok = model.batch % (dp[G] * M) == 0
+            n = int(ok.sum()) * len(buckets)
+            for k, c in zip(names, combo):
+                cols[k].append(np.full(n, c, dtype=np.int8))
+            cols["grid"].append(np.repeat(G[ok], len(buckets)))
+            cols["micro_batches"].append(np.repeat(M[ok], len(buckets)))
+            cols["bucket_mb"].append(np.tile(np.asarray(buckets, dtype=float), n // len(buckets)))
+    return Space(**{k: np.concatenate(c) for k, c in cols.items()})
+
+
+def evaluate(model: Gpt, table: dict, space: Space, machine, knobs: dict = KNOBS, chunk: int = 1 << 16) -> dict:
+    """Tier 1's answer for every layout of ``space`` on ``machine``
+    (:class:`~mpitrain.plan.timing.Machine`): arrays ``peak`` (bytes of the largest stage)
+    and the step's parts in seconds (:func:`mpitrain.plan.estimate.step_seconds`)."""
+    out = {k: np.empty(len(space)) for k in ("peak", "compute", "exposed", "bubble", "step")}
+    names = ("sync", "schedule", "precision", "recompute", "sequence")
+    codes = np.stack([getattr(space, k) for k in names], axis=1)
+    combos, which = np.unique(codes, axis=0, return_inverse=True)
+    for c, combo in enumerate(combos):
+        rows = np.flatnonzero(which.ravel() == c)
+        knob = {k: knobs[k][int(i)] for k, i in zip(names, combo)}
+        for lo in range(0, len(rows), chunk):
+            idx = rows[lo:lo + chunk]
+            parts = _answer(model, table, space.grid[idx], space.micro_batches[idx], space.bucket_mb[idx],
+                            machine, **knob)
+            for k, x in parts.items():
+                out[k][idx] = x
+    return out
+
+
+def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule, precision, recompute,
+            sequence) -> dict:
+    """:func:`evaluate` for rows of one value of each categorical knob."""
+    dp, pp, tp, v = (table[k][G] for k in ("dp", "pp", "tp", "v"))
+    T, C, H, V = model.T, model.C, model.H, model.V
+    b = model.batch // (dp * m)
+    number = 2 if precision != "fp32" else model.itemsize
+    # memory: every pipeline rank's, the largest kept
+    S = table["stage"].shape[1]
+    if schedule == "interleaved":  # its rows' chunks (a formula of one number of chunks: each in turn)
+        held = np.ones((len(G), S))
+        for c in np.unique(v):
+            held[v == c] = cost.micro_batches_held(schedule, pp[v == c, None], m[v == c, None], np.arange(S), int(c))
+    else:
+        held = np.where(pp[:, None] > 1, cost.micro_batches_held(schedule, pp[:, None], m[:, None], np.arange(S)), 1)
+    memory = estimate.gpt_memory(table["N"][G], table["blocks"][G], T, C, H, V, b=b[:, None], held=held, sync=sync,
+                                 dp=dp[:, None], tp=tp[:, None], precision=precision, itemsize=model.itemsize,
+                                 sequence=sequence, recompute=recompute, last=table["last"][G])
+    peak = np.where(table["stage"][G], sum(memory.values()), -np.inf).max(axis=1)
+    # time: the pipeline rank with the most FLOPs
+    slowest = table["slowest"][G]
+    N, blocks, last = (table[k][G, slowest] for k in ("N", "blocks", "last"))
+    flops = estimate.gpt_flops(blocks, T, C, V, samples=b * m, tp=tp, recompute=recompute, last=last)
+    compute = sum(flops.values()) / _rate(machine, model, precision)
+    alpha, bandwidth, _ = _links(machine, 1, tp)
+    activation = b * T * C * number  # a micro-batch's activations: what a block's sums and a stage's sends carry
+    sums = (6 if recompute else 4) * blocks * m
+    tp_seconds = cost.alpha_beta_seconds("allreduce", tp, sums * cost.collective_bytes("allreduce", activation, tp),
+                                         alpha, bandwidth, sums)
+    alpha, bandwidth, hides = _links(machine, tp, dp)
+    grads = N * number
+    if sync == "ddp":
+        kind, sent, calls = "allreduce", cost.collective_bytes("allreduce", grads, dp), np.ceil(
+            grads / np.maximum(bucket_mb, 1e-9) / 2**20)
+    else:
+        stage = int(sync[-1])
+        kind, sent = "reduce_scatter", cost.zero_bytes(stage, grads, dp, m)
+        calls = {1: 2, 2: m + 1, 3: 3 * m * (blocks + 2)}[stage]
+    dp_seconds = np.where(dp > 1, cost.alpha_beta_seconds(kind, dp, sent, alpha, bandwidth, calls), 0.0)
+    alpha, bandwidth, _ = _links(machine, dp * tp, pp)
+    send = alpha + activation / bandwidth
+    tied = cost.alpha_beta_seconds("allreduce", 2, cost.collective_bytes("allreduce", V * C / tp * number, 2),
+                                   alpha, bandwidth)
+    parts = estimate.step_seconds(compute, tp_seconds, dp_seconds, send, np.where(pp > 1, tied, 0.0), sync=sync,
+                                  schedule=schedule, p=pp, m=m, v=v, forward_share=flops["forward"] / sum(
+                                      flops.values()), hides=hides)
+    return {"peak": peak, **parts}
+
+
+def _rate(machine, model: Gpt, precision: str) -> float:
+    """FLOP/s of the device's products in ``precision``: a published device's peak times
+    the utilization; this machine's calibrated rate at a block's MLP product (NumPy
+    multiplies half precision in float32), its share of a core."""
+    d = machine.device
+    if d.calibrated:
+        return d.matmul_flops_per_s(model.T, model.C, 4 * model.C, "float32") * machine.share
+    return d.matmul_flops_per_s(1, 1, 1, precision) * machine.utilization
+
+
+def _links(machine, stride, size) -> tuple:
+    """(alpha, bandwidth, share of a nonblocking call that compute hides) of the
+    communicators of ``size`` ranks ``stride`` apart (ranks are placed node by node): the
+    node's link if the group fits on one node, else the network's, its port shared as
+    :meth:`~mpitrain.plan.timing.Machine.link` shares it."""
+    per, inner, outer = machine.per_node, machine.intra, machine.inter
+    off = stride * size > per
+    bandwidth = outer.bandwidth
+    if outer.per_node and per > 1:
+        bandwidth = bandwidth / cost.port_share(per, size, np.clip(per // stride, 1, size))
+    return (np.where(off, outer.alpha, inner.alpha), np.where(off, bandwidth, inner.bandwidth),
+            np.where(off, outer.hides("allreduce"), inner.hides("allreduce")))

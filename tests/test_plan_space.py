@@ -1,0 +1,151 @@
+"""Tier 1 over every layout at once (mpitrain/plan/space.py): each row's answer is tier 1's
+scalar formulas for that layout as the trainer cuts it (mpitrain/plan/estimate.py), the
+space holds every layout the trainer accepts and nothing the search does not try, and
+``mpitrain plan --search`` on a GPU cluster ranks with it and confirms with tier 2."""
+
+import argparse
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from mpitrain import cli, cost
+from mpitrain import plan as planner
+from mpitrain.config import ConfigError
+from mpitrain.plan import estimate, hardware, machine_of, search, space
+from mpitrain.plan.data import resolve
+from mpitrain.plan.layout import Layout
+from mpitrain.plan.models import config_of
+
+CONFIG = "jobs/shakespeare_gpt.toml"
+
+
+def _setup(P, *argv):
+    args = cli.build_parser().parse_args(["plan", CONFIG, "-n", str(P), "--hardware", "a100-80g", *argv])
+    _, machine = machine_of(args)
+    make = lambda sets: config_of(argparse.Namespace(**{**vars(args), "set": [*args.set, *sets]}))[0]  # noqa: E731
+    base = make(())
+    data = resolve(base)
+    model = space.Gpt.of(base, data)
+    table = space.grids(model, P)
+    rows = space.build(model, table)
+    return make, machine, data, model, table, rows
+
+
+def _sets(rows, i, table):
+    r = rows.row(i, table)
+    return search.overrides(r["dp"], r["pp"], r["tp"], r["sync"], r["schedule"], r["micro_batches"], r["bucket_mb"],
+                            r["precision"], r["recompute"], r["sequence"], r["chunks"])
+
+
+@pytest.mark.parametrize("P", [4, 8])
+def test_the_space_is_every_layout_the_trainer_accepts_and_no_other(P):
+    """Every layout the search tries that the trainer's checks accept is a row; every row is
+    a layout the search tries (tier 1 leaves out only what its arithmetic rules out)."""
+    make, _, data, _, table, rows = _setup(P)
+    ours = {_sets(rows, i, table) for i in range(len(rows))}
+    assert len(ours) == len(rows)
+    tried = set(search.layouts(make(()), P))
+    assert ours <= tried
+    accepted = set()
+    for sets in tried - ours:
+        if "parallel.sync=ps" in sets:
+            continue
+        try:
+            Layout.of(make(sets), P, data)
+        except ConfigError:
+            continue
+        accepted.add(sets)
+    assert not accepted, sorted(accepted)[:3]
+
+
+@pytest.mark.parametrize("P", [4, 8])
+def test_each_rows_answer_is_tier_1s_formulas_for_its_layout(P):
+    """Memory: the largest pipeline rank's :func:`estimate.of_layout`; compute: the FLOPs of
+    the pipeline rank with the most, at the device's peak for the precision times the
+    utilization; for every layout of the space the trainer accepts (a sample of them)."""
+    make, machine, data, model, table, rows = _setup(P)
+    out = space.evaluate(model, table, rows, machine)
+    checked = 0
+    for i in range(0, len(rows), 5):
+        try:
+            lay = Layout.of(make(_sets(rows, i, table)), P, data)
+        except ConfigError:  # tier 1 answers it; the trainer does not run it
+            continue
+        answers = [estimate.of_layout(lay, s) for s in range(lay.pp)]
+        assert out["peak"][i] == pytest.approx(max(sum(m.values()) for m, _ in answers), rel=1e-12), i
+        rate = machine.device.peak_flops[hardware.PRECISION_OF[lay.cfg.train.precision]] * machine.utilization
+        flops = max(sum(f.values()) for _, f in answers)
+        assert out["compute"][i] == pytest.approx(flops / rate, rel=1e-12), i
+        assert out["step"][i] == pytest.approx(out["compute"][i] + out["exposed"][i] + out["bubble"][i])
+        checked += 1
+    assert checked > 30
+
+
+def test_the_bubble_and_the_exposed_sync_are_the_textbooks():
+    """One layout by hand: GPT-3 as Megatron trains it on 1,024 A100s (tp 8 in a node, pp 16,
+    dp 8, 1F1B, 64 micro-batches, ZeRO-1 in bf16, recomputation): the bubble is
+    ``(p - 1)(F + B + W)`` of a micro-batch's pass plus the fill's messages, ZeRO-1's
+    exchange is all exposed, the step is their sum with the compute and the slices' sums."""
+    catalogue = hardware.load()
+    machine = planner.machine(catalogue, "a100-80g", 1024, 8, "ib-hdr")
+    model = space.Gpt(50257, 2048, 96, 96, 12288, 1536)
+    knobs = {**space.KNOBS, "micro_batches": (64,)}
+    table = space.grids(model, 1024)
+    rows = space.build(model, table, knobs)
+    out = space.evaluate(model, table, rows, machine, knobs)
+    want = {"dp": 8, "pp": 16, "tp": 8, "chunks": 1, "sync": "zero1", "schedule": "1f1b", "precision": "bf16",
+            "recompute": True, "sequence": False, "micro_batches": 64, "bucket_mb": 0.0}
+    i = next(i for i in range(len(rows)) if rows.row(i, table, knobs) == want)
+    compute = out["compute"][i]
+    # the last stage, its 6 blocks and the head: 4.58 PFLOP a GPU with recomputation, 37 s
+    assert compute == pytest.approx(4.576e15 / (312e12 * 0.4), rel=1e-3)
+    g = int(rows.grid[i])
+    s = int(table["slowest"][g])
+    N, blocks = table["N"][g, s], table["blocks"][g, s]
+    b = 1536 // (8 * 64)
+    nvlink, ib = catalogue.link("nvlink3"), catalogue.link("ib-hdr")
+    activation = b * 2048 * 12288 * 2
+    tp = cost.alpha_beta_seconds("allreduce", 8, 6 * blocks * 64 * cost.collective_bytes("allreduce", activation, 8),
+                                 nvlink.alpha, nvlink.bandwidth, 6 * blocks * 64)
+    dp = cost.alpha_beta_seconds("reduce_scatter", 8, cost.zero_bytes(1, N * 2, 8), ib.alpha, ib.bandwidth, 2)
+    send = ib.alpha + activation / ib.bandwidth
+    tied = cost.alpha_beta_seconds("allreduce", 2, 50257 * 12288 / 8 * 2, ib.alpha, ib.bandwidth)
+    assert out["exposed"][i] == pytest.approx(dp + tp + tied, rel=1e-9)
+    one = (compute + tp) / 64
+    assert out["bubble"][i] == pytest.approx(15 * one + 30 * send, rel=1e-9)
+
+
+def test_the_search_on_a_gpu_cluster_ranks_by_tier_1_and_confirms_by_tier_2():
+    """GPT-2 on two nodes of 8 A100s: the command says how many layouts tier 1 ranked and
+    how fast; the table's layouts are the fastest by tier 1 that tier 2 finds fit, each
+    with both steps."""
+    out = subprocess.run([sys.executable, "-m", "mpitrain", "plan", "--model", "gpt2", "--hardware", "a100-80g",
+                          "--nodes", "2", "--gpus-per-node", "8", "--network", "ib-hdr", "--search", "--top", "3"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "layouts ranked by tier 1 in" in lines[0] and "a second" in lines[0], lines[0]
+    assert "(tier 2 planned the fastest by tier 1)" in lines[1]
+    rows = [line.split(" | ") for line in lines[3:6]]
+    assert [r[0] for r in rows] == ["1", "2", "3"]
+    for r in rows:
+        assert float(r[1]) > 0 and float(r[2]) > 0  # tier 2's step, tier 1's
+        assert float(r[1]) == pytest.approx(float(r[2]), rel=0.5)
+    steps = [float(r[1]) for r in rows]
+    assert steps == sorted(steps)
+
+
+def test_a_wide_space_is_ranked_whole():
+    """Every micro-batch count, eight bucket sizes, five chunk counts and fp16 too: GPT-3 on
+    1,024 GPUs has over half a million layouts, each answered (no wall-clock assertion:
+    ``mpitrain bench search`` prints the rate)."""
+    catalogue = hardware.load()
+    machine = planner.machine(catalogue, "a100-80g", 1024, 8, "ib-hdr")
+    model = space.Gpt(50257, 2048, 96, 96, 12288, 3072)
+    table = space.grids(model, 1024, space.WIDE["chunks"])
+    rows = space.build(model, table, space.WIDE)
+    out = space.evaluate(model, table, rows, machine, space.WIDE)
+    assert len(rows) > 500_000
+    assert np.isfinite(out["step"]).all() and (out["peak"] > 0).all()
