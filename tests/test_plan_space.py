@@ -79,6 +79,8 @@ def test_each_rows_answer_is_tier_1s_formulas_for_its_layout(P):
         flops = max(sum(f.values()) for _, f in answers)
         assert out["compute"][i] == pytest.approx(flops / rate, rel=1e-12), i
         assert out["step"][i] == pytest.approx(out["compute"][i] + out["exposed"][i] + out["bubble"][i])
+        one = space.of_layout(lay, machine)  # the plan's tier 1 line: the same answer for its one layout
+        assert one == {k: pytest.approx(float(x[i]), rel=1e-12) for k, x in out.items()}, i
         checked += 1
     assert checked > 30
 

@@ -6,6 +6,7 @@ import math
 import re
 
 from mpitrain import cost
+from mpitrain.plan import space
 from mpitrain.plan.hardware import calibrated_elsewhere
 
 MB = 1e6
@@ -107,6 +108,11 @@ def time_lines(plan) -> list[str]:
                  f"{ms(t['exposed'])} + bubble {ms(t['bubble'])} + I/O wait {ms(t['io_wait'])} "
                  f"(communication in all {ms(t['comm_total'])}); {plan.samples_per_s:,.0f} samples/s, "
                  f"{flops / t['step'] / 1e9 / lay.P:,.3g} GFLOP/s per rank")
+    textbook = None if plan.machine.device.calibrated else space.of_layout(lay, plan.machine)
+    if textbook:  # a GPU's step as its frameworks run it: no NumPy in it
+        lines.append(f"tier 1 (the textbook, as GPU frameworks run it): step {ms(textbook['step'])} = compute "
+                     f"{ms(textbook['compute'])} + exposed communication {ms(textbook['exposed'])} + bubble "
+                     f"{ms(textbook['bubble'])}; the largest rank {size(textbook['peak'])}")
     per_rank = cost.storage_bandwidth(plan.bytes_per_sample, plan.samples_per_s / max(1, lay.dp))
     lines.append(f"storage: {plan.bytes_per_sample:,} B/sample x {plan.samples_per_s / max(1, lay.dp):,.4g} "
                  f"samples/s per reading rank = {size(per_rank)}/s per rank, "

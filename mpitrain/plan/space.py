@@ -101,6 +101,11 @@ def grids(model: Gpt, P: int, chunks: tuple = KNOBS["chunks"]) -> dict:
             for v in ((1, *chunks) if pp > 1 else (1,)):
                 if pp * v <= model.L + 2:
                     rows.append((P // (pp * tp), pp, tp, v))
+    return table_of(model, rows)
+
+
+def table_of(model: Gpt, rows: list[tuple]) -> dict:
+    """:func:`grids`'s table of the grids ``rows``, each ``(dp, pp, tp, v)``."""
     most = max(r[1] for r in rows)
     table = {k: np.array([r[j] for r in rows]) for j, k in enumerate(("dp", "pp", "tp", "v"))}
     for k in ("N", "blocks", "last"):
@@ -172,6 +177,22 @@ def evaluate(model: Gpt, table: dict, space: Space, machine, knobs: dict = KNOBS
             for k, x in parts.items():
                 out[k][idx] = x
     return out
+
+
+def of_layout(lay, machine) -> dict:
+    """Tier 1's answer (:func:`evaluate`) for the one layout of a GPT
+    :class:`~mpitrain.plan.layout.Layout`; None where tier 1 has none (parameter servers,
+    ``local`` sync)."""
+    par, train = lay.par, lay.cfg.train
+    if lay.cfg.model.name != "gpt" or par.sync not in KNOBS["sync"]:
+        return None
+    model = Gpt.of(lay.cfg, lay.data)
+    table = table_of(model, [(lay.dp, lay.pp, lay.tp, lay.v)])
+    knobs = {"sync": (par.sync,), "schedule": (par.schedule,), "precision": (train.precision,),
+             "recompute": (lay.cfg.model.checkpoint_activations,), "sequence": (lay.tp > 1 and par.sequence_parallel,)}
+    one = Space(np.zeros(1, dtype=int), *(np.zeros(1, dtype=np.int8) for _ in range(5)), np.array([lay.m]),
+                np.array([par.bucket_mb if par.sync in ("ddp", "zero2") and lay.dp > 1 else 0.0]))
+    return {k: float(x[0]) for k, x in evaluate(model, table, one, machine, knobs).items()}
 
 
 def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule, precision, recompute,
