@@ -153,12 +153,13 @@ def add_parser(commands) -> None:
                         "stages run in fp32")
     p.add_argument("--json", action="store_true", help="print every rank's figures as JSON instead")
     p.set_defaults(run=_bench_memory, alone="starts its own ranks")
-    p = benches.add_parser("search", help="the planner's search: tier 1's layouts a second against tier 2's",
+    p = benches.add_parser("search", help="the planner's search: tier 1's layouts a second against planning "
+                                          "them one by one",
                            description="Rank every layout of GPT-3 on 1,024 A100s and of a 13B GPT on 64 by tier 1 "
-                                       "(all at once) and plan a sample of them by tier 2 (one by one), and print "
-                                       "layouts a second and their ratio.")
+                                       "(all at once) and plan a sample of them one by one (mpitrain.plan.make), "
+                                       "and print layouts a second and their ratio.")
     p.add_argument("--repeats", type=_positive, default=3, help="runs of tier 1 per case, best kept (default 3)")
-    p.add_argument("--sample", type=_positive, default=5, help="layouts tier 2 plans per case (default 5)")
+    p.add_argument("--sample", type=_positive, default=5, help="layouts planned one by one per case (default 5)")
     p.set_defaults(run=lambda a: _bench("search", repeats=a.repeats, sample=a.sample), alone="times one process")
     p = benches.add_parser("io", help="shard reader vs. raw sequential read (run under mpiexec -n 2)",
                            description="Read a shard set's training split through the reader with 1 and 2 "

@@ -108,7 +108,8 @@ def port_share(per_node: int, P: int, k: int) -> float:
 def wire_bytes(itemsize: int, wire: int | None = None, algorithm: str = "mpi") -> int:
     """Bytes of a number a sum of gradients of ``itemsize`` sends: ``wire``'s (mpitrain's
     ring sends 16-bit numbers of float32 gradients), or 4 for half-precision gradients
-    through MPI, which sums a float32 copy (MPI cannot add bfloat16), or the gradients' own."""
+    through MPI, which sums a float32 copy (MPI cannot add bfloat16), or the gradients' own
+    (mpitrain's ring; a GPU's collectives, ``"native"``, which add 16-bit numbers)."""
     return wire or (4 if itemsize == 2 and algorithm == "mpi" else itemsize)
 
 

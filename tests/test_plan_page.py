@@ -41,15 +41,16 @@ def test_a_plan_page_holds_its_figures_and_verdict(tmp_path):
 
 
 def test_gpt3s_page_shows_the_largest_rank_of_each_part(tmp_path):
-    """1,024 ranks in 64 groups: the figures show one bar a part of the model (the inner
-    stages' slices alike, the first and last stages' slice 0, with the embedding's and the
-    head's first rows, apart from their other slices: 18)."""
+    """1,024 ranks in 18 groups, one bar each: a part of the model (the inner stages' slices
+    alike, the first and last stages' slice 0, with the embedding's and the head's first
+    rows, apart from their other slices; on GPUs tier 1's memory, the same for every
+    replica of a part)."""
     from mpitrain import cli
     from mpitrain import plan as planner
     from mpitrain.plan import page, show
 
     plan = planner.from_args(cli.build_parser().parse_args(["plan", *GPT3]))[0]
-    assert len(plan.ranks) == 64 and len(page.shown(plan)) == 18
+    assert len(plan.ranks) == 18 and len(page.shown(plan)) == 18
     out = page.write(tmp_path / "gpt3.html", plan, "text", "GPT-3")
     text = out.read_text(encoding="utf-8")
     self_contained(text)

@@ -1,9 +1,10 @@
 """``mpitrain bench search``: how fast the planner ranks a cluster's layouts: tier 1 over
-every layout at once (:mod:`mpitrain.plan.space`) against tier 2 planning them one by one
-(:func:`mpitrain.plan.make`), in layouts a second on one core.
+every layout at once (:mod:`mpitrain.plan.space`) against planning them one by one
+(:func:`mpitrain.plan.make`: the trainer's checks, the calls of every rank; what the
+search did for each layout before), in layouts a second on one core.
 
 For each case, the best of ``repeats`` runs of tier 1 over the whole space (its table of
-grids, the rows, their answers), and tier 2 on ``sample`` layouts of the same space drawn
+grids, the rows, their answers), and ``make`` on ``sample`` layouts of the same space drawn
 at random, the same each run (those the trainer's checks refuse are skipped, untimed).
 The cases: GPT-3 175B on 1,024 A100s with the search's knobs (``mpitrain plan --search``
 ranks this one), the same with every micro-batch count and more bucket sizes, chunks and
@@ -30,7 +31,7 @@ def run(repeats: int = 3, sample: int = 5, log=print) -> list[dict]:
     from mpitrain.plan import machine_of, make, models, search, space
     from mpitrain.plan.data import resolve
 
-    log("case | layouts | tier 1 s | tier 1 layouts/s | tier 2 s per layout | tier 1 / tier 2 per layout")
+    log("case | layouts | tier 1 s | tier 1 layouts/s | one by one: s per layout | ratio per layout")
     rows = []
     for name, model_key, nodes, per_node, wide in CASES:
         args = argparse.Namespace(config=None, model=model_key, set=[], hardware="a100-80g", nodes=nodes,

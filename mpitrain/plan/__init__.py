@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from mpitrain.plan import space
 from mpitrain.plan.data import resolve
 from mpitrain.plan.layout import Layout
 from mpitrain.plan.predict import rank_plans
@@ -90,8 +91,12 @@ def host_memory() -> float:
 def make(cfg, ranks: int, machine: Machine, data=None) -> Plan:
     """The plan of ``cfg`` on ``ranks`` ranks of ``machine`` (ConfigError if the trainer
     would refuse the layout)."""
-    lay = Layout.of(cfg, ranks, data or resolve(cfg), machine.threads(cfg.train.threads))
+    lay = Layout.of(cfg, ranks, data or resolve(cfg), machine.threads(cfg.train.threads),
+                    native=not machine.device.calibrated)
     plans = rank_plans(lay, machine.objects)
+    if lay.textbook:  # a GPU: tier 1's memory and time, as its frameworks run it
+        plans, time = space.textbook(lay, plans, machine)
+        return Plan(lay, plans, machine, time)
     return Plan(lay, plans, machine, step_parts(lay, plans, machine))
 
 

@@ -70,15 +70,17 @@ def step_seconds(compute, tp, dp, send, after, *, sync: str, schedule: str, p, m
     its ``m`` reduce-scatters but not the gather after the update, ZeRO-3 what the whole
     compute does (each layer's gathers beside the layer before), each at most the link's
     ``hides`` share of it, and ZeRO-1 nothing (its reduce-scatter follows backward);
-    ``after``, the pipeline's collectives after the schedule (a tied weight's gradient).
-    Scalars or arrays of layouts alike."""
+    ``after``, the pipeline's collectives after the schedule (a tied weight's gradient);
+    ``communication``, every call's time, hidden or not (a stage sends each micro-batch's
+    activations and their gradients). Scalars or arrays of layouts alike."""
     one = (compute + tp) / m
     F = one * forward_share
     bubble = cost.pipeline_idle(schedule, p, m, v, F, (one - F) / 2, (one - F) / 2) + 2 * (p - 1) * send
     beside = {"zero1": 0 * compute, "zero3": compute}.get(sync, compute * (1 - forward_share))
     hideable = dp * (m / (m + 1) if sync == "zero2" else 1)
     exposed = dp - minimum(beside, hides * hideable) + tp + after
-    return {"compute": compute, "exposed": exposed, "bubble": bubble, "step": compute + exposed + bubble}
+    return {"compute": compute, "exposed": exposed, "bubble": bubble, "step": compute + exposed + bubble,
+            "communication": dp + tp + after + 2 * m * send * (p > 1)}
 
 
 def of_layout(lay, s: int, r: int = 0) -> tuple[dict, dict]:

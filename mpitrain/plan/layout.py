@@ -16,7 +16,7 @@ from functools import cached_property, lru_cache
 
 import numpy as np
 
-from mpitrain import flat, optim, parallel
+from mpitrain import cost, flat, optim, parallel
 from mpitrain.comm.ring import chunk_length
 from mpitrain.config import Config, check_ranks, cut_refused, validate
 from mpitrain.parallel import zero3
@@ -35,14 +35,18 @@ class Layout:
     tp: int
     data: object  # :class:`mpitrain.plan.data.DataShape`
     threads: int = 1  # BLAS threads per rank, which size a convolution's tiles (:func:`mpitrain.ops.conv.tile_images`)
+    # the device computes as GPU frameworks do (a published device, not this machine's NumPy): mixed
+    # precision's activations and the messages between stages and slices in 16 bits, no work arrays
+    native: bool = False
 
     @classmethod
-    def of(cls, cfg: Config, P: int, data, threads: int = 1) -> "Layout":
-        """The layout of ``cfg`` on ``P`` ranks, each with ``threads`` BLAS threads; a
-        ConfigError (naming the field) if the trainer would refuse it."""
+    def of(cls, cfg: Config, P: int, data, threads: int = 1, native: bool = False) -> "Layout":
+        """The layout of ``cfg`` on ``P`` ranks, each with ``threads`` BLAS threads, on a
+        ``native`` device or NumPy; a ConfigError (naming the field) if the trainer would
+        refuse it."""
         validate(cfg, data_needed=False)
         dp, pp, tp = check_ranks(cfg, P)
-        lay = cls(cfg, P, dp, pp, tp, data, threads)
+        lay = cls(cfg, P, dp, pp, tp, data, threads, native)
         try:
             lay.bounds  # noqa: B018 (a pipeline the layers cannot be cut into: refused as the trainer refuses it)
         except ValueError as e:
@@ -82,8 +86,14 @@ class Layout:
 
     @property
     def dtype_bytes(self) -> int:
-        """Bytes of a number of ``train.dtype`` (the masters' and activations' in float32 runs)."""
-        return np.dtype(self.cfg.train.dtype).itemsize
+        """Bytes of a number of the activations: ``train.dtype``'s (NumPy computes mixed
+        precision in float32), the training's 16 bits on a ``native`` device."""
+        return self.itemsize if self.native else np.dtype(self.cfg.train.dtype).itemsize
+
+    def sum_bytes(self, wire: int | None = None, algorithm: str = "mpi") -> int:
+        """Bytes a number of a sum of gradients sends (:func:`mpitrain.cost.wire_bytes`): on a
+        ``native`` device, which adds 16-bit numbers itself, the gradients' own."""
+        return cost.wire_bytes(self.itemsize, wire, "native" if self.native else algorithm)
 
     @property
     def moments(self) -> int:
@@ -94,8 +104,16 @@ class Layout:
     def work_arrays(self) -> int:
         """Arrays as large as the largest piece an update holds between steps: Adam's work
         array (:meth:`mpitrain.optim.Optimizer._scratch`; SGD's update keeps none) and mixed
-        precision's unscaled gradient (:class:`mpitrain.precision.MixedPrecision`)."""
-        return (self.cfg.optim.name in ("adam", "adamw")) + self.mixed
+        precision's unscaled gradient (:class:`mpitrain.precision.MixedPrecision`); none on a
+        ``native`` device (its frameworks' updates are fused)."""
+        return 0 if self.native else (self.cfg.optim.name in ("adam", "adamw")) + self.mixed
+
+    @property
+    def textbook(self) -> bool:
+        """Whether tier 1 is the answer for this layout's memory and time: a GPT on a
+        ``native`` device with a sync tier 1 knows (:mod:`mpitrain.plan.space`); tier 2 then
+        walks only its calls."""
+        return self.native and self.cfg.model.name == "gpt" and self.par.sync in ("ddp", "zero1", "zero2", "zero3")
 
     @property
     def T(self) -> int:

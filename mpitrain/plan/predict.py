@@ -171,9 +171,12 @@ def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None, objects
     # stage's last sends of each kind, kept until a test sees them done
     beside = first * samples * lay.dtype_bytes if lay.data.kind == "image" and k == 0 else 0
     sends = sends_in_flight(lay, s)
-    memory["activations"] = beside + sends + activations(lay, layers, held, first, split, received, "last")
     bounds = (0, 0)
-    if lay.par.sync in ("zero2", "zero3") or sends:  # what is in flight at the peak depends on the messages' timing
+    if lay.textbook:  # tier 1 answers the activations (mpitrain.plan.space.textbook): not NumPy's walk
+        memory["activations"] = 0
+    else:
+        memory["activations"] = beside + sends + activations(lay, layers, held, first, split, received, "last")
+    if (lay.par.sync in ("zero2", "zero3") or sends) and not lay.textbook:  # the peak depends on messages' timing
         bounds = tuple(beside + sends * (w == "all") + activations(lay, layers, held, first, split, received, w)
                        for w in ("none", "all"))
         bounds = (0, 0) if bounds[0] == bounds[1] else bounds
@@ -220,6 +223,11 @@ def rank_plans(lay, objects: tuple = (0.0, 0.0)) -> list[RankPlan]:
         for r in range(lay.tp):
             first = rank_plan(lay, s, 0, r, objects=objects)
             plans += [first] + [rank_plan(lay, s, d, r, first, objects) for d in range(1, lay.dp)]
+    return grouped(plans)
+
+
+def grouped(plans: list[RankPlan]) -> list[RankPlan]:
+    """Equal plans as one, in rank order of their first."""
     grouped: dict = {}
     for p in plans:
         if p.key() not in grouped:

@@ -27,7 +27,6 @@ SYNCS = KNOBS["sync"]
 SCHEDULES = KNOBS["schedule"]  # interleaved with KNOBS["chunks"][0] chunks
 MICRO_BATCHES = KNOBS["micro_batches"]
 BUCKETS_MB = KNOBS["bucket_mb"]  # ddp's and ZeRO-2's bucket: small ones start early, large ones pay fewer latencies
-CONFIRMED = 10  # tier 1's best layouts that tier 2 plans, at least (--top more)
 
 
 @dataclass(frozen=True)
@@ -37,7 +36,6 @@ class Found:
 
     sets: tuple
     plan: object  # mpitrain.plan.Plan
-    estimate: float | None = None  # tier 1's step, where tier 1 ranked the layouts
 
     @property
     def step(self) -> float:
@@ -134,18 +132,18 @@ def search(config_of, P: int, machine, data=None, memory: float | None = None) -
 
 
 def tiered(cfg, machine) -> bool:
-    """Whether tier 1 ranks the layouts (a GPT on a published device, whose step tier 1
-    times as GPU frameworks run it) before tier 2 confirms the best, or tier 2 plans
+    """Whether tier 1 ranks the layouts all at once (a GPT on a published device, whose
+    plans are tier 1's: :attr:`mpitrain.plan.layout.Layout.textbook`), or tier 2 plans
     every layout (this machine, where NumPy's details decide the ranking; the CNNs)."""
     return cfg.model.name == "gpt" and not machine.device.calibrated
 
 
-def ranked(config_of, P: int, machine, data, limit: float, confirm: int = CONFIRMED) -> tuple[list, list, Counter, str]:
-    """Tier 1 over every layout at once (:mod:`mpitrain.plan.space`), then tier 2 on the
-    fastest that fit until ``confirm`` of them fit by tier 2 too: (those, those tier 2
-    finds too large, Counter of the layouts left out by reason: too large by tier 1, by
-    tier 2, or refused by the trainer's checks; a line that says how many layouts tier 1
-    ranked and how fast)."""
+def ranked(config_of, P: int, machine, data, limit: float, top: int = 10) -> tuple[list, int, Counter, str]:
+    """Tier 1 over every layout at once (:mod:`mpitrain.plan.space`); then the fastest that
+    fit, in order, through the trainer's checks and planned (:func:`mpitrain.plan.make`:
+    tier 1's figures with the calls the trainer makes) until ``top`` pass: (those, how
+    many fit, Counter of the layouts left out by reason: too large, or refused by the trainer's
+    checks; a line that says how many layouts tier 1 ranked and how fast)."""
     import time
 
     import numpy as np
@@ -160,27 +158,24 @@ def ranked(config_of, P: int, machine, data, limit: float, confirm: int = CONFIR
     out = space.evaluate(model, table, rows, machine)
     seconds = time.perf_counter() - tick
     fit = out["peak"] <= limit
-    refused = Counter({"memory (tier 1)": int((~fit).sum())})
-    fits, over, tick = [], [], time.perf_counter()
+    refused = Counter({"memory": int((~fit).sum())})
+    fits, tick = [], time.perf_counter()
     for i in np.flatnonzero(fit)[np.argsort(out["step"][fit], kind="stable")]:
         r = rows.row(i, table)
         sets = overrides(r["dp"], r["pp"], r["tp"], r["sync"], r["schedule"], r["micro_batches"], r["bucket_mb"],
                          r["precision"], r["recompute"], r["sequence"], r["chunks"])
         try:
-            found = Found(sets, planner.make(config_of(sets), P, machine, data), float(out["step"][i]))
+            fits.append(Found(sets, planner.make(config_of(sets), P, machine, data)))
         except ConfigError as e:
             refused[reason(e)] += 1
             continue
-        if found.peak > limit:
-            refused["memory (tier 2)"] += 1
-        (fits if found.peak <= limit else over).append(found)
-        if len(fits) >= confirm:
+        if len(fits) >= top:
             break
     fits.sort(key=lambda f: (f.step, f.line))
     line = (f"{len(rows):,} layouts ranked by tier 1 in {seconds:.2f} s ({len(rows) / seconds:,.0f} a second), "
-            f"{int(fit.sum()):,} fit; tier 2 planned the fastest until {len(fits)} fit, in "
-            f"{time.perf_counter() - tick:.1f} s (the table: tier 2's step, tier 1's beside it)")
-    return fits, over, refused, line
+            f"{int(fit.sum()):,} fit; the fastest through the trainer's checks until {len(fits)} passed, in "
+            f"{time.perf_counter() - tick:.1f} s")
+    return fits, int(fit.sum()), refused, line
 
 
 def run(args) -> int:
@@ -216,13 +211,15 @@ def run(args) -> int:
         f"{machine.device.name}"
     tick = time.perf_counter()
     if tiered(config_of(()), machine):
-        fits, over, refused, line = ranked(config_of, P, machine, data, limit, max(args.top, CONFIRMED))
+        fits, fitting, refused, line = ranked(config_of, P, machine, data, limit, args.top)
+        over = []
         print(f"search: {source} on {P} rank(s), {where}: {line}")
     else:
         fits, over, refused = search(config_of, P, machine, data, limit)
+        fitting = len(fits)
         print(f"search: {source} on {P} rank(s), {where}: {len(fits) + sum(refused.values())} layouts planned in "
               f"{time.perf_counter() - tick:.1f} s")
-    lines = table(fits, refused, limit, args.top)
+    lines = table(fits, refused, limit, args.top, fitting)
     print("\n".join(lines), flush=True)
     if not fits:
         print("no layout fits: raise --memory-per-rank, or plan more ranks")
@@ -242,17 +239,17 @@ def run(args) -> int:
     return 0
 
 
-def table(fits: list, refused: Counter, limit: float, top: int = 10) -> list[str]:
-    """The top ``top`` layouts, one line each, and the refusals by reason."""
+def table(fits: list, refused: Counter, limit: float, top: int = 10, fitting: int | None = None) -> list[str]:
+    """The top ``top`` layouts, one line each, and the refusals by reason (``fitting``: how
+    many fit, if more than ``fits``)."""
     from mpitrain.plan.show import size
 
-    planned = "" if all(f.estimate is None for f in fits) else " (tier 2 planned the fastest by tier 1)"
-    lines = [f"{len(fits)} layout(s) fit in {size(limit)} per rank{planned}; refused {sum(refused.values())}: "
+    fit = len(fits) if fitting is None else fitting
+    lines = [f"{fit:,} layout(s) fit in {size(limit)} per rank; refused {sum(refused.values())}: "
              + (", ".join(f"{why} {n}" for why, n in sorted(refused.items(), key=lambda kv: (-kv[1], kv[0])))
                 or "none"),
-             "rank | step ms | tier 1 ms | samples/s | bottleneck | peak (headroom) | layout | run it with"]
+             "rank | step ms | samples/s | bottleneck | peak (headroom) | layout | run it with"]
     for k, f in enumerate(fits[:top], 1):
-        tier1 = "-" if f.estimate is None else f"{1e3 * f.estimate:.4g}"
-        lines.append(f"{k} | {1e3 * f.step:.4g} | {tier1} | {f.plan.samples_per_s:,.0f} | {f.bottleneck()} | "
+        lines.append(f"{k} | {1e3 * f.step:.4g} | {f.plan.samples_per_s:,.0f} | {f.bottleneck()} | "
                      f"{size(f.peak)} ({100 * (1 - f.peak / limit):.0f}%) | {f.plan.layout.describe()} | {f.line}")
     return lines

@@ -6,7 +6,6 @@ import math
 import re
 
 from mpitrain import cost
-from mpitrain.plan import space
 from mpitrain.plan.hardware import calibrated_elsewhere
 
 MB = 1e6
@@ -104,15 +103,11 @@ def time_lines(plan) -> list[str]:
     flops = plan.model_flops
     lines.append(f"FLOPs per step: {flops / 1e9:,.4g} GFLOP (model), {plan.executed_flops / 1e9:,.4g} executed "
                  f"(with recomputation); {flops / lay.cfg.train.global_batch_size / 1e9:,.4g} GFLOP per sample")
-    lines.append(f"step time: {ms(t['step'])} = compute {ms(t['compute'])} + exposed communication "
+    tier = " (tier 1: as GPU frameworks run it)" if lay.textbook else ""
+    lines.append(f"step time{tier}: {ms(t['step'])} = compute {ms(t['compute'])} + exposed communication "
                  f"{ms(t['exposed'])} + bubble {ms(t['bubble'])} + I/O wait {ms(t['io_wait'])} "
                  f"(communication in all {ms(t['comm_total'])}); {plan.samples_per_s:,.0f} samples/s, "
                  f"{flops / t['step'] / 1e9 / lay.P:,.3g} GFLOP/s per rank")
-    textbook = None if plan.machine.device.calibrated else space.of_layout(lay, plan.machine)
-    if textbook:  # a GPU's step as its frameworks run it: no NumPy in it
-        lines.append(f"tier 1 (the textbook, as GPU frameworks run it): step {ms(textbook['step'])} = compute "
-                     f"{ms(textbook['compute'])} + exposed communication {ms(textbook['exposed'])} + bubble "
-                     f"{ms(textbook['bubble'])}; the largest rank {size(textbook['peak'])}")
     per_rank = cost.storage_bandwidth(plan.bytes_per_sample, plan.samples_per_s / max(1, lay.dp))
     lines.append(f"storage: {plan.bytes_per_sample:,} B/sample x {plan.samples_per_s / max(1, lay.dp):,.4g} "
                  f"samples/s per reading rank = {size(per_rank)}/s per rank, "
@@ -149,14 +144,13 @@ def _duration(seconds: float) -> str:
 
 def memory_table(plan) -> list[str]:
     """The largest rank's peak under each gradient sync, with and without activation
-    checkpointing (a layout the trainer refuses: its reason); and ZeRO's formula for mixed
-    precision with Adam (K = 12), which mpitrain trains with ddp only."""
+    checkpointing (a layout the trainer refuses: its reason), planned as the plan is; and
+    ZeRO's formula for mixed precision with Adam (K = 12)."""
     import dataclasses
 
+    from mpitrain import plan as planner
     from mpitrain.config import ConfigError
-    from mpitrain.plan.layout import Layout
     from mpitrain.plan.models import zero_table
-    from mpitrain.plan.predict import rank_plans
 
     lay = plan.layout
     cfg = lay.cfg
@@ -168,8 +162,7 @@ def memory_table(plan) -> list[str]:
             c = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, sync=sync),
                                     model=dataclasses.replace(cfg.model, checkpoint_activations=ckpt))
             try:
-                top = max(rank_plans(Layout.of(c, lay.P, lay.data, lay.threads), plan.machine.objects),
-                          key=lambda p: p.peak)
+                top = planner.make(c, lay.P, plan.machine, lay.data).largest()
                 cells.append(f"{size(top.peak)}{' (fits)' if top.peak <= plan.machine.memory else ''}")
             except ConfigError as e:
                 cells.append(f"refused: {str(e).split(':')[0]}")

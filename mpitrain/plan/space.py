@@ -1,5 +1,6 @@
 """Tier 1 over every layout at once: how ``mpitrain plan --search`` ranks a GPU cluster's
-layouts of a GPT before tier 2 confirms the best of them (:mod:`~mpitrain.plan.search`).
+layouts of a GPT before the fastest go through the trainer's checks
+(:mod:`~mpitrain.plan.search`); and a GPU's plan (:func:`textbook`).
 
 A layout is a grid ``dp x pp x tp`` of the job's ranks, a pipeline's chunks, and a value of
 each knob of :data:`KNOBS`. A :class:`Space` holds one row per layout, each column a NumPy
@@ -23,7 +24,7 @@ between the first and last stage. What tier 1 leaves out is tier 2's to add
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -163,7 +164,7 @@ def evaluate(model: Gpt, table: dict, space: Space, machine, knobs: dict = KNOBS
     """Tier 1's answer for every layout of ``space`` on ``machine``
     (:class:`~mpitrain.plan.timing.Machine`): arrays ``peak`` (bytes of the largest stage)
     and the step's parts in seconds (:func:`mpitrain.plan.estimate.step_seconds`)."""
-    out = {k: np.empty(len(space)) for k in ("peak", "compute", "exposed", "bubble", "step")}
+    out = {k: np.empty(len(space)) for k in ("peak", "compute", "exposed", "bubble", "step", "communication")}
     names = ("sync", "schedule", "precision", "recompute", "sequence")
     codes = np.stack([getattr(space, k) for k in names], axis=1)
     combos, which = np.unique(codes, axis=0, return_inverse=True)
@@ -193,6 +194,24 @@ def of_layout(lay, machine) -> dict:
     one = Space(np.zeros(1, dtype=int), *(np.zeros(1, dtype=np.int8) for _ in range(5)), np.array([lay.m]),
                 np.array([par.bucket_mb if par.sync in ("ddp", "zero2") and lay.dp > 1 else 0.0]))
     return {k: float(x[0]) for k, x in evaluate(model, table, one, machine, knobs).items()}
+
+
+def textbook(lay, plans: list, machine) -> tuple[list, dict]:
+    """A plan on a device that computes as GPU frameworks do (``lay.textbook``): each rank's
+    memory tier 1's (:func:`mpitrain.plan.estimate.of_layout` of its part; no NumPy work
+    arrays, buffers, objects or reader on the device), its calls and FLOPs tier 2's; the
+    step tier 1's (:func:`of_layout`) and the reader's wait. (ranks regrouped, time)."""
+    from mpitrain.plan.predict import grouped
+    from mpitrain.plan.timing import _coords, io_wait
+
+    for p in plans:
+        memory, _ = estimate.of_layout(lay, *_coords(lay, p.ranks[0]))
+        p.memory = {**memory, "work": 0, "buffers": 0, "objects": 0, "reader": 0}
+    t = of_layout(lay, machine)
+    wait = io_wait(lay, machine, t["step"])
+    parts = {"compute": t["compute"], "exposed": t["exposed"], "bubble": t["bubble"], "io_wait": wait,
+             "step": t["step"] + wait, "comm_total": t["communication"]}
+    return grouped([replace(p, ranks=[r]) for p in plans for r in p.ranks]), parts
 
 
 def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule, precision, recompute,

@@ -339,8 +339,13 @@ def step_parts(lay, plans, machine: Machine) -> dict:
     if lay.pp > 1:
         bubble = pipelined(lay, workers, rows, machine) - compute - max(r[2]["tp"] for r in rows)
     step = compute + exposed + bubble
+    wait = io_wait(lay, machine, step)
+    return {"compute": compute, "exposed": exposed, "bubble": bubble, "io_wait": wait,
+            "step": step + wait, "comm_total": total_comm}
+
+
+def io_wait(lay, machine: Machine, step: float) -> float:
+    """Seconds a step waits for its samples: reading a replica's share of the batch at the
+    storage's rate, less the ``step`` the reader's thread reads beside."""
     read = lay.data.bytes_per_sample(lay.T, lay.cfg.data.sampling == "random") * lay.cfg.train.global_batch_size
-    read_seconds = read / max(1, lay.dp) / machine.storage
-    io_wait = max(0.0, read_seconds - step)
-    return {"compute": compute, "exposed": exposed, "bubble": bubble, "io_wait": io_wait,
-            "step": step + io_wait, "comm_total": total_comm}
+    return max(0.0, read / max(1, lay.dp) / machine.storage - step)

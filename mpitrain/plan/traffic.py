@@ -60,10 +60,10 @@ def dp_calls(lay, params: dict, layers: list, d: int, part: tuple = (0, 0)) -> l
     algo = par.allreduce if par.allreduce != "hierarchical" else "mpi"
     clip = [Call("dp", "clipping: sum of squares", "allreduce", NORM, P)] if lay.cfg.optim.grad_clip > 0 else []
     if par.sync == "ddp":
-        wire = cost.wire_bytes(s, 2 if par.wire != "fp32" else None, algo)
+        wire = lay.sum_bytes(2 if par.wire != "fp32" else None, algo)
         return [Call("dp", f"gradient bucket {i}", "allreduce", n * wire, P, algorithm=algo, rank=d, itemsize=wire)
                 for i, n in enumerate(_bucket_sizes(lay, params))]
-    rs = cost.wire_bytes(s, None, algo)  # a reduce-scatter's bytes per number (16-bit through MPI: a float32 copy's)
+    rs = lay.sum_bytes(None, algo)  # a reduce-scatter's bytes per number (16-bit through MPI: a float32 copy's)
     if par.sync == "zero1":  # each run of one kind on its own (plan.layout.zero_groups)
         runs = _alike([sum(math.prod(params[k]) for k in run) for run in zero_groups(lay, *part)])
         return ([Call("dp", _what("gradients", runs), "reduce_scatter", n * rs, P, k, algo, d, rs) for n, k in runs]
@@ -158,7 +158,7 @@ def pp_calls(lay, s: int, r: int, d: int = 0) -> list[Call]:
         holders = {t for t in range(lay.pp) if name in lay.parameters(t, r)}
         if len(holders) > 1:
             calls.append(Call("pp", f"tied {name}'s gradient", "allreduce",
-                              held(lay, s, r, d, [name]) * cost.wire_bytes(lay.itemsize), len(holders)))
+                              held(lay, s, r, d, [name]) * lay.sum_bytes(), len(holders)))
     if lay.cfg.optim.grad_clip > 0:
         calls.append(Call("pp", "clipping: sum of squares", "allreduce", NORM, lay.pp))
     return calls
@@ -209,7 +209,7 @@ def tp_calls(lay, s: int, r: int, d: int = 0) -> list[Call]:
     if sp:
         whole = held(lay, s, r, d, lay.replicated & lay.parameters(s, r).keys())
         if whole:
-            calls.append(Call("tp", "replicated weights' gradients", "allreduce", whole * cost.wire_bytes(lay.itemsize),
+            calls.append(Call("tp", "replicated weights' gradients", "allreduce", whole * lay.sum_bytes(),
                               t))
     if lay.cfg.optim.grad_clip > 0:
         calls.append(Call("tp", "clipping: sum of squares", "allreduce", NORM, t))
