@@ -10,7 +10,7 @@ import pytest
 
 from mpitrain import config
 from mpitrain import plan as planner
-from mpitrain.plan import estimate, hardware
+from mpitrain.plan import estimate, hardware, space
 from mpitrain.plan.predict import model_state, shards
 
 GRIDS = {  # ranks -> the layouts the MPI tier trains, and more
@@ -103,7 +103,8 @@ def test_validate_prints_the_estimate_beside_the_exact_plan_and_the_run():
     assert lines[1] == f"1 | parameters | {textbook[1, 'parameters']:,.0f} | 5 | 5 | +0.00% | yes"
     assert lines[2].startswith(f"1 | heap peak above rest, at most | {textbook[1, 'heap peak above rest']:,.0f} | 7")
     assert lines[3].startswith("1 | reader, its queue full | - | 3 | 3")
-    assert lines[-1].startswith("all | step time (s) | - | 0.5000 | 0.5000")
+    assert lines[-1].startswith(f"all | step time (s) | {textbook['all', 'step time (s)']:.4f} | 0.5000 | 0.5000")
+    assert textbook["all", "step time (s)"] == pytest.approx(space.of_layout(plan.layout, plan.machine)["step"])
     assert validate.table(rows)[0].splitlines()[0] == "rank | quantity | predicted | measured | error | holds"
     cnn = config.load("jobs/mnist_lenet.toml", data_needed=False)
     assert validate.estimates(planner.make(cnn, 1, planner.machine(hardware.load(), "this", 1))) == {}

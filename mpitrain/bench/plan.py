@@ -4,8 +4,9 @@ For each layout of :data:`LAYOUTS` it runs ``mpitrain plan CONFIG --validate`` (
 traced once for the counted quantities and the heap, timed once in windows of 5 steps,
 :mod:`mpitrain.plan.validate`) on shared memory, and with ``--network RATE ...`` across
 2 emulated nodes of :mod:`mpitrain.cluster` linked at each rate (the planner told the
-link: ``emu-1g``, ``emu-10g``), then prints one row per layout and link: the predicted
-and measured step time and their error, whether every counted quantity was exact, and
+link: ``emu-1g``, ``emu-10g``), then prints one row per layout and link: the step time
+by tier 1 (the textbook, at this machine's GEMM rate), predicted by tier 2 and measured,
+tier 2's error, whether every counted quantity was exact, and
 the largest heap errors. Run it without ``mpiexec``: it starts its own ranks.
 
 First it calibrates this machine and each link (:func:`mpitrain.plan.calibrate.calibrate`)
@@ -54,13 +55,15 @@ def row(name: str, link: str, found: dict | None) -> str:
     if found is None:
         return f"{name:26} | {link:13} | the run failed (its output is above)"
     predicted, measured = found["step"]
+    tier1 = next((v for rank, what, v in found.get("estimates", []) if what == "step time (s)"), None)
     exact = all(r[2] == r[3] for r in found["rows"] if r[4] == 0)
     rest = max((abs(r[5]) for r in found["rows"] if r[1] == "heap at rest less the reader"), default=float("nan"))
     peak = [r for r in found["rows"] if r[1] == "heap peak above rest"]
     bounds = [r for r in found["rows"] if r[1].startswith("heap peak above rest, at ")]  # timing decides
     shown = (f"{100 * max(abs(r[5]) for r in peak):5.1f}%" if peak else
              "within its bounds" if all(r[6] for r in bounds) else "outside its bounds")
-    return (f"{name:26} | {link:13} | {1e3 * predicted:7.1f} | {1e3 * measured:7.1f} | "
+    textbook = "      -" if tier1 is None else f"{1e3 * tier1:7.1f}"
+    return (f"{name:26} | {link:13} | {textbook} | {1e3 * predicted:7.1f} | {1e3 * measured:7.1f} | "
             f"{100 * (measured - predicted) / measured:+6.1f}% | {'yes' if exact else 'NO':>5} | "
             f"{100 * rest:5.1f}% | {shown}")
 
@@ -82,8 +85,9 @@ def run(config: str, steps: int, rates: list[str], names: list[str], catalogue: 
 
 def _table(config: str, steps: int, rates: list[str], names: list[str], common: list[str], tmp: Path,
            log) -> int:
-    log("layout                     | link          | predicted ms | measured ms | error | exact | heap at rest | "
-        "heap peak   (error of the step time: (measured - predicted) / measured; heap: the largest rank's)")
+    log("layout                     | link          | tier 1 ms | predicted ms | measured ms | error | exact | "
+        "heap at rest | heap peak   (predicted: tier 2's; error of the step time: (measured - predicted) / measured; "
+        "heap: the largest rank's)")
     rows = []
 
     def shared(argv, ranks):

@@ -126,9 +126,10 @@ def compare(plan, result, storage=()) -> list[tuple]:
 def estimates(plan) -> dict:
     """Tier 1's answer (:mod:`mpitrain.plan.estimate`) to each row it answers, by (rank,
     quantity): a GPT's model state by category and activations (the heap's peak above
-    rest) on each rank, and the ranks' mean FLOPs; none for other models, or with
-    parameter servers."""
-    from mpitrain.plan import estimate
+    rest) on each rank, the ranks' mean FLOPs, and the step time
+    (:func:`mpitrain.plan.space.of_layout`, at this machine's GEMM rate); none for other
+    models, or with parameter servers."""
+    from mpitrain.plan import estimate, space
 
     lay = plan.layout
     if lay.cfg.model.name != "gpt" or lay.servers:
@@ -144,6 +145,9 @@ def estimates(plan) -> dict:
                             (rank, "optimizer state"): memory["optimizer state"] + memory["masters"],
                             (rank, "heap peak above rest"): memory["activations"]})
     out["mean", "FLOPs"] = sum(flops) / len(flops)
+    step = space.of_layout(lay, plan.machine)
+    if step is not None:
+        out["all", "step time (s)"] = step["step"]
     return out
 
 
@@ -163,7 +167,9 @@ def table(rows, step_time=None, textbook=None) -> tuple[str, bool]:
     if step_time is not None:
         predicted, measured = step_time
         e = error(predicted, measured)
-        lines.append(f"all | step time (s) | {'- | ' if textbook else ''}{predicted:.4f} | {measured:.4f} | "
+        said = textbook.get(("all", "step time (s)")) if textbook else None
+        first = "" if not textbook else "- | " if said is None else f"{said:.4f} | "
+        lines.append(f"all | step time (s) | {first}{predicted:.4f} | {measured:.4f} | "
                      f"{100 * e:+.1f}% | {'yes' if abs(e) <= TIME_TOLERANCE else 'NO'} (estimate, never asserted)")
     return "\n".join(lines), ok
 
