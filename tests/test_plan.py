@@ -351,7 +351,7 @@ def test_bench_plan_prints_a_row_per_layout(tmp_path):
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     row = [line for line in out.stdout.splitlines() if line.startswith("one process")]
-    assert len(row) == 1 and row[0].split("|")[5].strip() == "yes", out.stdout[-2000:]
+    assert len(row) == 1 and row[0].split("|")[6].strip() == "yes", out.stdout[-2000:]  # the "exact" column
 
 
 def test_bench_plan_calibrates_the_machine_and_each_rate_first_and_predicts_with_that(monkeypatch):

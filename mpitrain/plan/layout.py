@@ -97,8 +97,7 @@ class Layout:
 
     @property
     def moments(self) -> int:
-        o = self.cfg.optim
-        return 2 if o.name in ("adam", "adamw") else int(o.momentum > 0)
+        return moments_of(self.cfg.optim)
 
     @property
     def work_arrays(self) -> int:
@@ -192,17 +191,23 @@ class Layout:
         return ", ".join(parts)
 
 
+def moments_of(optim) -> int:
+    """Arrays the optimizer of config section ``optim`` keeps per parameter: Adam's two
+    moments, SGD's momentum (or none)."""
+    return 2 if optim.name in ("adam", "adamw") else int(optim.momentum > 0)
+
+
 # ------------------------------------------------------------ how a pipeline cuts the model
 def cut(shape, parts: int) -> list[int]:
     """The bounds of ``parts`` consecutive stages of the layers of ``shape`` (a
     :class:`~mpitrain.plan.shapes.ModelShape`), balanced by each whole layer's parameters
     as the trainer cuts them (:func:`mpitrain.schedules.balance`)."""
-    return _balanced(tuple(layer.whole for layer in shape.layers), parts)
+    return list(_balanced(tuple(layer.whole for layer in shape.layers), parts))
 
 
 @lru_cache(maxsize=256)
-def _balanced(sizes: tuple, parts: int) -> list[int]:
-    return balance(list(sizes), parts)
+def _balanced(sizes: tuple, parts: int) -> tuple[int, ...]:
+    return tuple(balance(list(sizes), parts))
 
 
 def chunks_of(layers, bounds: list[int], pp: int, v: int, s: int) -> list[list]:

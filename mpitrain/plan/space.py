@@ -31,7 +31,7 @@ import numpy as np
 
 from mpitrain import cost
 from mpitrain.plan import estimate, shapes
-from mpitrain.plan.layout import stage_layers
+from mpitrain.plan.layout import moments_of, stage_layers
 
 # what ``mpitrain plan --search`` tries: each knob's values (chunks: an interleaved pipeline rank's)
 KNOBS = {"sync": ("ddp", "zero1", "zero2", "zero3"), "schedule": ("gpipe", "1f1b", "zb-h1", "interleaved"),
@@ -55,12 +55,13 @@ class Gpt:
     batch: int  # samples per step, all replicas together
     bias: bool = False
     itemsize: int = 4  # bytes of a number in float32 training
+    moments: int = 2  # the optimizer's arrays per parameter (Adam 2)
 
     @classmethod
     def of(cls, cfg, data) -> "Gpt":
         m = cfg.model
         return cls(data.ids, m.block_size, m.n_layer, m.n_head, m.n_embd, cfg.train.global_batch_size, m.bias,
-                   np.dtype(cfg.train.dtype).itemsize)
+                   np.dtype(cfg.train.dtype).itemsize, moments_of(cfg.optim))
 
 
 @dataclass
@@ -114,9 +115,6 @@ def table_of(model: Gpt, rows: list[tuple]) -> dict:
     table["stage"] = np.arange(most)[None, :] < table["pp"][:, None]
     for g, (_, pp, tp, v) in enumerate(rows):
         table["N"][g, :pp], table["blocks"][g, :pp], table["last"][g, :pp] = _stages(model, pp, tp, v)
-    flops = table["blocks"] * cost.gpt_block_flops(1, model.T, model.C) + table["last"] * cost.matmul_flops(
-        model.T, model.C, model.V)
-    table["slowest"] = flops.argmax(axis=1)
     return table
 
 
@@ -231,27 +229,31 @@ def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule
         held = np.where(pp[:, None] > 1, cost.micro_batches_held(schedule, pp[:, None], m[:, None], np.arange(S)), 1)
     memory = estimate.gpt_memory(table["N"][G], table["blocks"][G], T, C, H, V, b=b[:, None], held=held, sync=sync,
                                  dp=dp[:, None], tp=tp[:, None], precision=precision, itemsize=model.itemsize,
-                                 sequence=sequence, recompute=recompute, last=table["last"][G])
+                                 moments=model.moments, sequence=sequence, recompute=recompute,
+                                 last=table["last"][G])
     peak = np.where(table["stage"][G], sum(memory.values()), -np.inf).max(axis=1)
-    # time: the pipeline rank with the most FLOPs
-    slowest = table["slowest"][G]
+    # time: the pipeline rank with the most FLOPs (recomputed blocks weigh more than the head)
+    every = estimate.gpt_flops(table["blocks"][G], T, C, V, samples=(b * m)[:, None], tp=tp[:, None],
+                               recompute=recompute, last=table["last"][G])
+    slowest = np.where(table["stage"][G], sum(every.values()), -np.inf).argmax(axis=1)
+    rows = np.arange(len(G))
     N, blocks, last = (table[k][G, slowest] for k in ("N", "blocks", "last"))
-    flops = estimate.gpt_flops(blocks, T, C, V, samples=b * m, tp=tp, recompute=recompute, last=last)
+    flops = {k: (x[rows, slowest] if np.ndim(x) == 2 else x) for k, x in every.items()}
     compute = sum(flops.values()) / _rate(machine, model, precision)
     alpha, bandwidth, _ = _links(machine, 1, tp)
     activation = b * T * C * number  # a micro-batch's activations: what a block's sums and a stage's sends carry
     sums = (6 if recompute else 4) * blocks * m
     tp_seconds = cost.alpha_beta_seconds("allreduce", tp, sums * cost.collective_bytes("allreduce", activation, tp),
                                          alpha, bandwidth, sums)
-    alpha, bandwidth, hides = _links(machine, tp, dp)
     grads = N * number
+    buckets = np.ceil(grads / np.maximum(bucket_mb, 1e-9) / 2**20)  # ddp's and ZeRO-2's calls a pass
     if sync == "ddp":
-        kind, sent, calls = "allreduce", cost.collective_bytes("allreduce", grads, dp), np.ceil(
-            grads / np.maximum(bucket_mb, 1e-9) / 2**20)
+        kind, sent, calls = "allreduce", cost.collective_bytes("allreduce", grads, dp), buckets
     else:
         stage = int(sync[-1])
         kind, sent = "reduce_scatter", cost.zero_bytes(stage, grads, dp, m)
-        calls = {1: 2, 2: m + 1, 3: 3 * m * (blocks + 2)}[stage]
+        calls = {1: 2, 2: m * buckets + 1, 3: 3 * m * (blocks + 2)}[stage]
+    alpha, bandwidth, hides = _links(machine, tp, dp, kind)
     dp_seconds = np.where(dp > 1, cost.alpha_beta_seconds(kind, dp, sent, alpha, bandwidth, calls), 0.0)
     alpha, bandwidth, _ = _links(machine, dp * tp, pp)
     send = alpha + activation / bandwidth
@@ -273,8 +275,8 @@ def _rate(machine, model: Gpt, precision: str) -> float:
     return d.matmul_flops_per_s(1, 1, 1, precision) * machine.utilization
 
 
-def _links(machine, stride, size) -> tuple:
-    """(alpha, bandwidth, share of a nonblocking call that compute hides) of the
+def _links(machine, stride, size, kind: str = "allreduce") -> tuple:
+    """(alpha, bandwidth, share of a nonblocking ``kind`` call that compute hides) of the
     communicators of ``size`` ranks ``stride`` apart (ranks are placed node by node): the
     node's link if the group fits on one node, else the network's, its port shared as
     :meth:`~mpitrain.plan.timing.Machine.link` shares it."""
@@ -284,4 +286,4 @@ def _links(machine, stride, size) -> tuple:
     if outer.per_node and per > 1:
         bandwidth = bandwidth / cost.port_share(per, size, np.clip(per // stride, 1, size))
     return (np.where(off, outer.alpha, inner.alpha), np.where(off, bandwidth, inner.bandwidth),
-            np.where(off, outer.hides("allreduce"), inner.hides("allreduce")))
+            np.where(off, outer.hides(kind), inner.hides(kind)))
