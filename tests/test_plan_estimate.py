@@ -51,6 +51,37 @@ def test_tier_1_is_tier_2_less_its_named_corrections(ranks, sets):
             assert rank.flops["recompute"] == again, (s, r)
 
 
+@pytest.mark.parametrize("ranks, sets", [(P, sets) for P, layouts in GRIDS.items() for sets in layouts
+                                         if "parallel.sync=zero3" not in sets],
+                         ids=lambda v: v if isinstance(v, int) else " ".join(v) or "ddp")
+def test_tier_2s_compute_is_tier_1s_plus_its_named_corrections(ranks, sets):
+    """On a device with one GEMM rate (this machine's calibration, its products all at the
+    rate of a block's MLP product), tier 2's products take tier 1's compute, and tier 2's
+    compute is tier 1's plus its named corrections (timing.CORRECTIONS), each of them
+    positive where it applies. (With the real calibration the products' shapes and BLAS
+    threads are one more correction. ZeRO-3 replays its layers: tier 2's FLOPs differ.)"""
+    from dataclasses import replace
+
+    from mpitrain.plan import timing
+
+    cfg = config.load("jobs/shakespeare_gpt.toml", [*sets, "model.bias=true"], data_needed=False)
+    machine = planner.machine(hardware.load(), "this", ranks)
+    T, C = cfg.model.block_size, cfg.model.n_embd
+    dtype = cfg.train.dtype
+    one = machine.device.matmul_flops_per_s(T, C, 4 * C, dtype, machine.threads(cfg.train.threads))
+    device = replace(machine.device, gemm=((T, C, 4 * C, "float32", one / (2 if dtype == "float64" else 1), 1),))
+    machine = replace(machine, device=device)
+    plan = planner.make(cfg, ranks, machine)
+    parts = [timing.compute_parts(plan.layout, p, machine) for p in plan.ranks]
+    slowest = max(parts, key=lambda x: x["products"])
+    tier1 = space.of_layout(plan.layout, machine)["compute"]
+    assert slowest["products"] == pytest.approx(tier1, rel=1e-6)
+    corrections = {k: slowest[k] for k in timing.CORRECTIONS}
+    assert sum(slowest.values()) == pytest.approx(tier1 + sum(corrections.values()), rel=1e-9)
+    assert corrections["elementwise"] > 0 and corrections["op calls"] > 0 and corrections["update calls"] > 0
+    assert (corrections["mixed precision"] > 0) == plan.layout.mixed
+
+
 def test_zero1_with_slices_and_stages_in_bf16_is_the_zero_papers_formula():
     """The notes' layout: GPT-3 on 1,024 GPUs as tp 8 x pp 16 x dp 8, ZeRO-1, bf16: each
     rank's model state is 2 + 2 + 12/8 bytes for each parameter its part holds."""

@@ -239,7 +239,7 @@ def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule
     rows = np.arange(len(G))
     N, blocks, last = (table[k][G, slowest] for k in ("N", "blocks", "last"))
     flops = {k: (x[rows, slowest] if np.ndim(x) == 2 else x) for k, x in every.items()}
-    compute = sum(flops.values()) / _rate(machine, model, precision)
+    compute = sum(flops.values()) / _rate(machine, model, precision, b)
     alpha, bandwidth, _ = _links(machine, 1, tp)
     activation = b * T * C * number  # a micro-batch's activations: what a block's sums and a stage's sends carry
     sums = (6 if recompute else 4) * blocks * m
@@ -265,14 +265,19 @@ def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule
     return {"peak": peak, **parts}
 
 
-def _rate(machine, model: Gpt, precision: str) -> float:
-    """FLOP/s of the device's products in ``precision``: a published device's peak times
-    the utilization; this machine's calibrated rate at a block's MLP product (NumPy
-    multiplies half precision in float32), its share of a core."""
+def _rate(machine, model: Gpt, precision: str, b):
+    """FLOP/s of the device's products in ``precision`` (for micro-batches of ``b``
+    samples, an array): a published device's peak times the utilization; this machine's
+    calibrated rate at a block's MLP product of a micro-batch in the training's dtype
+    (NumPy multiplies half precision in float32) with the rank's BLAS threads, its share
+    of a core."""
     d = machine.device
-    if d.calibrated:
-        return d.matmul_flops_per_s(model.T, model.C, 4 * model.C, "float32") * machine.share
-    return d.matmul_flops_per_s(1, 1, 1, precision) * machine.utilization
+    if not d.calibrated:
+        return d.matmul_flops_per_s(1, 1, 1, precision) * machine.utilization
+    dtype = "float64" if model.itemsize == 8 else "float32"
+    sizes, where = np.unique(b, return_inverse=True)
+    rates = [d.matmul_flops_per_s(int(k) * model.T, model.C, 4 * model.C, dtype, machine.threads()) for k in sizes]
+    return np.asarray(rates)[where.ravel()] * machine.share
 
 
 def _links(machine, stride, size, kind: str = "allreduce") -> tuple:

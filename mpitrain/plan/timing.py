@@ -103,40 +103,59 @@ class Machine:
         return replace(self.inter, bandwidth=self.inter.bandwidth / cost.port_share(self.per_node, len(ranks), k))
 
 
+# tier 2's named corrections to a step's compute (plan/README.md, "Two tiers"): what each adds beyond the
+# products, and why NumPy and the runtime hold it
+CORRECTIONS = {
+    "elementwise": "norms, softmax, GELU, residual adds and the update: the device's passes over each layer's "
+                   "traffic at its streaming bandwidth (a replayed forward: a third more)",
+    "op calls": "each op's Python call and NumPy's dispatch, per layer and micro-batch",
+    "update calls": "the optimizer's calls per parameter array, per layer and step",
+    "mixed precision": "NumPy's casts to and from 16 bits and the float32 masters' update, per parameter",
+}
+
+
 def compute_seconds(lay, plan, machine: Machine) -> float:
-    """One rank's compute per step: its layers' products at the device's rate for their
-    shapes and the rank's BLAS threads; on a calibrated machine also mpitrain's work beyond
-    them (measured for whole steps, the update in them): the device's ``passes`` over each
-    layer's traffic, a replayed forward a third more, its time per layer and micro-batch
-    and per layer and step that do not grow with the batch, and in mixed precision its
-    casts. A published device's ``utilization`` stands for everything besides the products."""
+    """One rank's compute per step: :func:`compute_parts` together."""
+    return sum(compute_parts(lay, plan, machine).values())
+
+
+def compute_parts(lay, plan, machine: Machine) -> dict:
+    """One rank's compute per step, by part: ``products``, its layers' products at the
+    device's rate for their shapes and the rank's BLAS threads; on a calibrated machine
+    also mpitrain's work beyond them (measured for whole steps, the update in them), each
+    one of :data:`CORRECTIONS`: the device's ``passes`` over each layer's traffic, a
+    replayed forward a third more; its time per layer and micro-batch, and per layer and
+    step, that do not grow with the batch; in mixed precision its casts. A published
+    device's ``utilization`` stands for everything besides the products."""
     d, b, dtype = machine.device, lay.micro_batch, lay.cfg.train.dtype
     if lay.mixed and not d.calibrated:  # a GPU's tensor cores multiply in 16 bits; NumPy upcasts to float32
         dtype = lay.cfg.train.precision
+    parts = dict.fromkeys(("products", *CORRECTIONS), 0.0)
     if plan.stage == "server":
-        return 0.0
+        return parts
     family = path(lay, plan)
     known = family if family in d.passes else family[:3]  # a path not measured: the fused GPT's figures
     passes = d.passes.get(known, UNCALIBRATED_PASSES[known[:3]]) if d.calibrated else 0.0
     overhead = d.layer_overhead.get(known, 0.0) if d.calibrated else 0.0
     threads = lay.threads
     s, r = _coords(lay, plan.ranks[0])
-    seconds = len(lay.layers(s, r)) * d.step_overhead.get(known, 0.0) / machine.share if d.calibrated else 0.0
+    if d.calibrated:
+        parts["update calls"] = len(lay.layers(s, r)) * d.step_overhead.get(known, 0.0) / machine.share
     if lay.mixed and d.calibrated:  # its casts and the masters' update; a bucket's sum in float32 and back
         precision = lay.cfg.train.precision
         casts = plan.parameters * d.cast.get(precision, 0.0) if lay.dp > 1 else 0.0
-        seconds += (lay.m * plan.parameters * d.mixed.get(precision, 0.0) + casts) / machine.share
+        parts["mixed precision"] = (lay.m * plan.parameters * d.mixed.get(precision, 0.0) + casts) / machine.share
     split = split_backward(lay, s)
     for layer in lay.layers(s, r):
         flops = (layer.forward + layer.backward + recomputed(lay, layer, split)) * b
         if flops:
             rows = layer.product_rows(b, lay.dtype_bytes, threads, lay.cfg.train.fast_paths)
-            seconds += lay.m * flops / machine.rate(layer.gemm, rows, dtype, threads)
+            parts["products"] += lay.m * flops / machine.rate(layer.gemm, rows, dtype, threads)
         again = replays(lay, layer) / 3  # its elementwise work: a forward's, a third of a step's
         elementwise = passes * (1 + again) * layer.traffic * b * lay.dtype_bytes
-        seconds += lay.m * elementwise / (d.elementwise_bandwidth or d.memory_bandwidth) / machine.share
-        seconds += lay.m * overhead * (1 + again) / machine.share
-    return seconds
+        parts["elementwise"] += lay.m * elementwise / (d.elementwise_bandwidth or d.memory_bandwidth) / machine.share
+        parts["op calls"] += lay.m * overhead * (1 + again) / machine.share
+    return parts
 
 
 def path(lay, plan) -> str:
