@@ -36,7 +36,7 @@ def test_tier_1_is_tier_2_less_its_named_corrections(ranks, sets):
     lay = plan.layout
     for s in range(lay.pp):
         for r in range(lay.tp):
-            memory, flops = estimate.of_layout(lay, s, r)
+            memory, flops, _ = estimate.of_layout(lay, s, r)
             for d in range(lay.dp):
                 exact = model_state(lay, s, r, d)
                 counters = 8 * len(shards(lay, s, r, d)[2])  # Adam's step, one int64 a piece
@@ -82,6 +82,33 @@ def test_tier_2s_compute_is_tier_1s_plus_its_named_corrections(ranks, sets):
     assert (corrections["mixed precision"] > 0) == plan.layout.mixed
 
 
+BYTES_CORRECTIONS = ("clipping", "cross-entropy", "replicated weights")  # tier 2's, by the calls' names
+
+
+@pytest.mark.parametrize("ranks, sets", [(P, sets) for P, layouts in GRIDS.items() for sets in layouts
+                                         if not any(x.startswith(("parallel.sync", "train.precision")) for x in sets)
+                                         or (P > 1 and "parallel.sync=zero1" in sets and len(sets) == 1)],
+                         ids=lambda v: v if isinstance(v, int) else " ".join(v) or "ddp")
+def test_tier_1s_bytes_are_what_each_rank_sends_but_tier_2s_named_calls(ranks, sets):
+    """Each rank's bytes on each communicator, counted call by call by tier 2 (what the
+    trainer's counters count), are tier 1's textbook sums (``estimate.gpt_bytes``) plus
+    tier 2's named calls: clipping's sums of squares, the vocabulary-parallel
+    cross-entropy's three sums of a number per token, and with sequence parallelism the
+    sums of the weights every slice holds whole (the position embedding, the norms, the
+    projections' biases). Float32 layouts (mixed precision sends NumPy's float32 copies)
+    whose tied and replicated weights are summed whole (not ZeRO's pieces of them)."""
+    cfg = config.load("jobs/shakespeare_gpt.toml", [*sets, "model.bias=true"], data_needed=False)
+    plan = planner.make(cfg, ranks, planner.machine(hardware.load(), "this", ranks))
+    lay = plan.layout
+    for p in plan.ranks:
+        rest, r = divmod(p.ranks[0], lay.tp)
+        _, _, sent = estimate.of_layout(lay, rest // lay.dp, r)
+        named = {axis: sum(c.sent for c in p.calls if c.axis == axis and c.what.startswith(BYTES_CORRECTIONS))
+                 for axis in ("dp", "pp", "tp")}
+        for axis in ("dp", "pp", "tp"):
+            assert p.sent.get(axis, 0) == pytest.approx(sent[axis] + named[axis], rel=1e-12), (p.ranks, axis)
+
+
 def test_zero1_with_slices_and_stages_in_bf16_is_the_zero_papers_formula():
     """The notes' layout: GPT-3 on 1,024 GPUs as tp 8 x pp 16 x dp 8, ZeRO-1, bf16: each
     rank's model state is 2 + 2 + 12/8 bytes for each parameter its part holds."""
@@ -94,7 +121,7 @@ def test_zero1_with_slices_and_stages_in_bf16_is_the_zero_papers_formula():
     lay = planner.from_args(cli.build_parser().parse_args(args))[0].layout
     assert (lay.dp, lay.pp, lay.tp) == (8, 16, 8)
     for s in (0, 7, 15):
-        memory, _ = estimate.of_layout(lay, s)
+        memory, _, _ = estimate.of_layout(lay, s)
         N = sum(math.prod(shape) for shape in lay.parameters(s).values())
         state = sum(memory[k] for k in ("parameters", "gradients", "optimizer state", "masters"))
         assert state == pytest.approx((2 + 2 + 12 / 8) * N, rel=1e-12)

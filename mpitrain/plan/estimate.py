@@ -17,7 +17,8 @@ Memory (:func:`gpt_memory`), per rank:
   logits' probabilities, ``s b V / t`` numbers, on the last stage.
 
 FLOPs (:func:`gpt_flops`): the products of forward (Narayanan et al. 2021), twice that in
-backward, once more for each recomputed block. The trainer's cut of the layers into stages
+backward, once more for each recomputed block. Bytes (:func:`gpt_bytes`) each
+communicator carries; a step's time (:func:`step_seconds`). The trainer's cut of the layers into stages
 and of each layer into slices says how many blocks and parameters a rank holds
 (:func:`of_layout`: one source for the layout, :class:`mpitrain.plan.layout.Layout`).
 """
@@ -58,6 +59,34 @@ def gpt_flops(blocks: int, T: int, C: int, V: int, *, samples: int, tp: int = 1,
     return {"forward": forward, "backward": 2 * forward, "recompute": samples * blocks * block if recompute else 0}
 
 
+def gpt_bytes(N: int, blocks: int, T: int, C: int, V: int, *, b: int, m: int, sync: str = "ddp", dp: int = 1,
+              pp: int = 1, tp: int = 1, v: int = 1, precision: str = "fp32", itemsize: int = 4,
+              recompute: bool = False, first: bool = True, last: bool = True) -> dict[str, float]:
+    """Bytes one rank sends in a step, by communicator, its part holding ``N`` parameters
+    and ``blocks`` blocks (``first`` and ``last``: the pipeline rank with the embedding,
+    with the head), ``m`` micro-batches of ``b`` samples, numbers of ``itemsize`` bytes
+    (2 in mixed precision): ``tp``, each block's four sums of a micro-batch's activations
+    (Shoeybi et al. 2019: two forward, two backward; six with recomputation; the same
+    bytes as a reduce-scatter and an allgather with sequence parallelism), the embedding's
+    and the head's input's (:func:`mpitrain.cost.tensor_parallel_bytes`); ``pp``, each
+    micro-batch's activations to the next stage and their gradients to the one before,
+    for each of the ``v`` chunks but at the model's two ends, and the tied embedding's
+    gradient summed by the first and last stage; ``dp``, the gradients' allreduce, or
+    ZeRO's reduce-scatters and gathers (:func:`mpitrain.cost.zero_bytes`). Scalars or
+    arrays alike."""
+    number = 2 if precision != "fp32" else itemsize
+    act = b * T * C * number
+    ends = 1 * first + 1 * last  # (numbers, not truth values: NumPy adds two booleans as "or")
+    tp_bytes = m * (blocks * (1.5 if recompute else 1) * cost.tensor_parallel_bytes(b, T, C, number, tp)
+                    + ends * cost.collective_bytes("allreduce", act, tp))
+    sends = m * act * (2 * v - ends)
+    tied = (ends > 0) * cost.collective_bytes("allreduce", V * C / tp * number, 2)
+    grads = N * number
+    dp_bytes = cost.collective_bytes("allreduce", grads, dp) if sync == "ddp" else cost.zero_bytes(
+        int(sync[-1]), grads, dp, m)
+    return {"dp": dp_bytes, "pp": (pp > 1) * (sends + tied), "tp": tp_bytes}
+
+
 def step_seconds(compute, tp, dp, send, after, *, sync: str, schedule: str, p, m, v=1, forward_share=1 / 3,
                  hides: float = 1.0) -> dict:
     """The step of a layout's slowest stage, by part, in seconds: ``compute``, its products
@@ -83,13 +112,15 @@ def step_seconds(compute, tp, dp, send, after, *, sync: str, schedule: str, p, m
             "communication": dp + tp + after + 2 * m * send * (p > 1)}
 
 
-def of_layout(lay, s: int, r: int = 0) -> tuple[dict, dict]:
-    """(:func:`gpt_memory`, :func:`gpt_flops`) of pipeline rank ``s``'s slice ``r`` of a
-    :class:`~mpitrain.plan.layout.Layout` of a GPT: its parameters and blocks as the
-    trainer cuts them."""
+def of_layout(lay, s: int, r: int = 0) -> tuple[dict, dict, dict]:
+    """(:func:`gpt_memory`, :func:`gpt_flops`, :func:`gpt_bytes`) of pipeline rank ``s``'s
+    slice ``r`` of a :class:`~mpitrain.plan.layout.Layout` of a GPT: its parameters and
+    blocks as the trainer cuts them."""
     m, par, t = lay.cfg.model, lay.par, lay.cfg.train
-    blocks = sum(layer.name.startswith("block") for layer in lay.layers(s, r))
-    last = any(layer.name == "head" for layer in lay.layers(s, r))
+    layers = lay.layers(s, r)
+    blocks = sum(layer.name.startswith("block") for layer in layers)
+    first = any(layer.name == "embed" for layer in layers)
+    last = any(layer.name == "head" for layer in layers)
     N = sum(math.prod(shape) for shape in lay.parameters(s, r).values())
     held = cost.micro_batches_held(par.schedule, lay.pp, lay.m, s, lay.v) if lay.pp > 1 else 1
     memory = gpt_memory(N, blocks, lay.T, m.n_embd, m.n_head, lay.data.ids, b=lay.micro_batch, held=held,
@@ -98,5 +129,7 @@ def of_layout(lay, s: int, r: int = 0) -> tuple[dict, dict]:
                         recompute=m.checkpoint_activations, last=last)
     flops = gpt_flops(blocks, lay.T, m.n_embd, lay.data.ids, samples=lay.micro_batch * lay.m, tp=lay.tp,
                       recompute=m.checkpoint_activations, last=last)
-    return memory, flops
-
+    sent = gpt_bytes(N, blocks, lay.T, m.n_embd, lay.data.ids, b=lay.micro_batch, m=lay.m, sync=par.sync, dp=lay.dp,
+                     pp=lay.pp, tp=lay.tp, v=lay.v, precision=t.precision, itemsize=lay.dtype_bytes,
+                     recompute=m.checkpoint_activations, first=first, last=last)
+    return memory, flops, sent

@@ -110,21 +110,24 @@ def table_of(model: Gpt, rows: list[tuple]) -> dict:
     """:func:`grids`'s table of the grids ``rows``, each ``(dp, pp, tp, v)``."""
     most = max(r[1] for r in rows)
     table = {k: np.array([r[j] for r in rows]) for j, k in enumerate(("dp", "pp", "tp", "v"))}
-    for k in ("N", "blocks", "last"):
-        table[k] = np.zeros((len(rows), most), dtype=bool if k == "last" else float)
+    for k in ("N", "blocks", "first", "last"):
+        table[k] = np.zeros((len(rows), most), dtype=bool if k in ("first", "last") else float)
     table["stage"] = np.arange(most)[None, :] < table["pp"][:, None]
     for g, (_, pp, tp, v) in enumerate(rows):
-        table["N"][g, :pp], table["blocks"][g, :pp], table["last"][g, :pp] = _stages(model, pp, tp, v)
+        for k, x in zip(("N", "blocks", "first", "last"), _stages(model, pp, tp, v)):
+            table[k][g, :pp] = x
     return table
 
 
 @lru_cache(maxsize=None)
 def _stages(model: Gpt, pp: int, tp: int, v: int) -> tuple:
-    """(parameters, blocks, head) of each pipeline rank's first tensor slice, as the trainer cuts."""
+    """(parameters, blocks, embedding, head) of each pipeline rank's first tensor slice, as
+    the trainer cuts."""
     shape = shapes.gpt(model.V, model.T, model.L, model.H, model.C, model.bias, t=tp)
     parts = [stage_layers(shape, pp, v, s) for s in range(pp)]
-    return ([shape.count(layers) for layers in parts], [sum(x.name.startswith("block") for x in layers)
-                                                        for layers in parts],
+    return ([shape.count(layers) for layers in parts],
+            [sum(x.name.startswith("block") for x in layers) for layers in parts],
+            [any(x.name == "embed" for x in layers) for layers in parts],
             [any(x.name == "head" for x in layers) for layers in parts])
 
 
@@ -203,7 +206,7 @@ def textbook(lay, plans: list, machine) -> tuple[list, dict]:
     from mpitrain.plan.timing import _coords, io_wait
 
     for p in plans:
-        memory, _ = estimate.of_layout(lay, *_coords(lay, p.ranks[0]))
+        memory, _, _ = estimate.of_layout(lay, *_coords(lay, p.ranks[0]))
         p.memory = {**memory, "work": 0, "buffers": 0, "objects": 0, "reader": 0}
     t = of_layout(lay, machine)
     wait = io_wait(lay, machine, t["step"])
@@ -237,24 +240,20 @@ def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule
                                recompute=recompute, last=table["last"][G])
     slowest = np.where(table["stage"][G], sum(every.values()), -np.inf).argmax(axis=1)
     rows = np.arange(len(G))
-    N, blocks, last = (table[k][G, slowest] for k in ("N", "blocks", "last"))
+    N, blocks, first, last = (table[k][G, slowest] for k in ("N", "blocks", "first", "last"))
     flops = {k: (x[rows, slowest] if np.ndim(x) == 2 else x) for k, x in every.items()}
     compute = sum(flops.values()) / _rate(machine, model, precision, b)
+    sent = estimate.gpt_bytes(N, blocks, T, C, V, b=b, m=m, sync=sync, dp=dp, pp=pp, tp=tp, v=v, precision=precision,
+                              itemsize=model.itemsize, recompute=recompute, first=first, last=last)
     alpha, bandwidth, _ = _links(machine, 1, tp)
-    activation = b * T * C * number  # a micro-batch's activations: what a block's sums and a stage's sends carry
-    sums = (6 if recompute else 4) * blocks * m
-    tp_seconds = cost.alpha_beta_seconds("allreduce", tp, sums * cost.collective_bytes("allreduce", activation, tp),
-                                         alpha, bandwidth, sums)
-    grads = N * number
-    buckets = np.ceil(grads / np.maximum(bucket_mb, 1e-9) / 2**20)  # ddp's and ZeRO-2's calls a pass
-    if sync == "ddp":
-        kind, sent, calls = "allreduce", cost.collective_bytes("allreduce", grads, dp), buckets
-    else:
-        stage = int(sync[-1])
-        kind, sent = "reduce_scatter", cost.zero_bytes(stage, grads, dp, m)
-        calls = {1: 2, 2: m * buckets + 1, 3: 3 * m * (blocks + 2)}[stage]
+    sums = m * ((6 if recompute else 4) * blocks + 1 * first + 1 * last)  # the calls, each a latency
+    tp_seconds = cost.alpha_beta_seconds("allreduce", tp, sent["tp"], alpha, bandwidth, sums)
+    buckets = np.ceil(N * number / np.maximum(bucket_mb, 1e-9) / 2**20)  # ddp's and ZeRO-2's calls a pass
+    kind = "allreduce" if sync == "ddp" else "reduce_scatter"
+    calls = {"ddp": buckets, "zero1": 2, "zero2": m * buckets + 1, "zero3": 3 * m * (blocks + 2)}[sync]
     alpha, bandwidth, hides = _links(machine, tp, dp, kind)
-    dp_seconds = np.where(dp > 1, cost.alpha_beta_seconds(kind, dp, sent, alpha, bandwidth, calls), 0.0)
+    dp_seconds = np.where(dp > 1, cost.alpha_beta_seconds(kind, dp, sent["dp"], alpha, bandwidth, calls), 0.0)
+    activation = b * T * C * number  # a micro-batch's activations: what a stage's sends carry
     alpha, bandwidth, _ = _links(machine, dp * tp, pp)
     send = alpha + activation / bandwidth
     tied = cost.alpha_beta_seconds("allreduce", 2, cost.collective_bytes("allreduce", V * C / tp * number, 2),

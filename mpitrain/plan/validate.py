@@ -125,10 +125,10 @@ def compare(plan, result, storage=()) -> list[tuple]:
 
 def estimates(plan) -> dict:
     """Tier 1's answer (:mod:`mpitrain.plan.estimate`) to each row it answers, by (rank,
-    quantity): a GPT's model state by category and activations (the heap's peak above
-    rest) on each rank, the ranks' mean FLOPs, and the step time
-    (:func:`mpitrain.plan.space.of_layout`, at this machine's GEMM rate); none for other
-    models, or with parameter servers."""
+    quantity): a GPT's model state by category, activations (the heap's peak above rest)
+    and bytes sent on each communicator on each rank, the ranks' mean FLOPs, and the step
+    time (:func:`mpitrain.plan.space.of_layout`, at this machine's GEMM rate); none for
+    other models, or with parameter servers."""
     from mpitrain.plan import estimate, space
 
     lay = plan.layout
@@ -137,13 +137,14 @@ def estimates(plan) -> dict:
     out, flops = {}, []
     for s in range(lay.pp):
         for r in range(lay.tp):
-            memory, f = estimate.of_layout(lay, s, r)
+            memory, f, sent = estimate.of_layout(lay, s, r)
             flops += [sum(f.values())] * lay.dp
             for d in range(lay.dp):
                 rank = lay.rank_of(s, d, r)
                 out.update({(rank, "parameters"): memory["parameters"], (rank, "gradients"): memory["gradients"],
                             (rank, "optimizer state"): memory["optimizer state"] + memory["masters"],
-                            (rank, "heap peak above rest"): memory["activations"]})
+                            (rank, "heap peak above rest"): memory["activations"],
+                            **{(rank, f"{axis} sent"): sent[axis] for axis in ("dp", "pp", "tp")}})
     out["mean", "FLOPs"] = sum(flops) / len(flops)
     step = space.of_layout(lay, plan.machine)
     if step is not None:
