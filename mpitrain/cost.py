@@ -316,6 +316,12 @@ def gpt_step_flops(B: int, T: int, C: int, L: int, V: int) -> int:
     return 3 * (L * gpt_block_flops(B, T, C) + matmul_flops(B * T, C, V))
 
 
+def training_flops(multiply_adds: float) -> float:
+    """A sample's training FLOPs from its forward's multiply-adds: 2 FLOPs a multiply-add,
+    and backward twice forward, ``2 x 3 x`` them."""
+    return 2 * 3 * multiply_adds
+
+
 def dense_training_flops(parameters: int, tokens: int) -> float:
     """The usual estimate of a dense model's training compute (Kaplan et al. 2020):
     ``6 N D``, two FLOPs per parameter and token forward, four backward."""

@@ -236,6 +236,7 @@ FORMULA_SHAPES = {
     "Korthikanti's 34 + 5 a s / h": r"\b34\s*\+\s*5\s*\*",
     "Megatron's 72 B s L h^2": r"\b72\s*\*",
     "a product's 2 x m x k x n FLOPs": r"\b2\s*\*\s*2\s*\*\s*\w+\s*\*|\bfwd\s*=\s*2\s*\*|\b2\s*\*\s*\w+\s*\*\*\s*3\b",
+    "training's 2 x 3 FLOPs a multiply-add": r"\b2\s*\*\s*3\s*\*|\b3\s*\*\s*2\s*\*",
 }
 
 
@@ -257,7 +258,7 @@ def formulas_in(code: str) -> list[str]:
 
 def test_the_formula_check_sees_each_shape():
     samples = ["2 * (P - 1) / P * n", "(p - 1) / (m + p - 1)", "8 + 8 / P", "s * b * h * (34 + 5 * a * s / h)",
-               "72 * B * s", "fwd = 2 * B * T * C"]
+               "72 * B * s", "fwd = 2 * B * T * C", "per_sample = 2 * 3 * r['multiply_adds']"]
     assert [formulas_in(s) for s in samples] == [[name] for name in FORMULA_SHAPES]
     assert formulas_in("flops = 2 * N**3") == ["a product's 2 x m x k x n FLOPs"]
     assert not formulas_in("for s in range(P - 1): pass") and not formulas_in("x = (n - 1) // 2")

@@ -63,7 +63,7 @@ def resnet_run(notes: dict) -> dict:
     """The notes' ResNet training run: FLOPs, PFLOP/s-days, FLOPs per byte read, and the
     machine time on their GPUs."""
     r = notes["resnet-run"]
-    per_sample = 2 * 3 * r["multiply_adds"]  # 2 FLOPs a multiply-add, forward and backward 3x forward
+    per_sample = cost.training_flops(r["multiply_adds"])
     total = per_sample * r["images"] * r["epochs"]
     seconds = cost.machine_seconds(total, r["gpus"], r["tflops"] * 1e12, r["utilization"])
     return {"flops": total, "pflops_days": cost.pflops_days(total), "flop_per_byte": per_sample / r["bytes_per_sample"],
