@@ -165,4 +165,40 @@ def test_validate_prints_the_estimate_beside_the_exact_plan_and_the_run():
     assert textbook["all", "step time (s)"] == pytest.approx(space.of_layout(plan.layout, plan.machine)["step"])
     assert validate.table(rows)[0].splitlines()[0] == "rank | quantity | predicted | measured | error | holds"
     cnn = config.load("jobs/mnist_lenet.toml", data_needed=False)
-    assert validate.estimates(planner.make(cnn, 1, planner.machine(hardware.load(), "this", 1))) == {}
+    said = validate.estimates(planner.make(cnn, 1, planner.machine(hardware.load(), "this", 1)))
+    assert said[0, "parameters"] > 0 and said[0, "dp sent"] == 0 and ("all", "step time (s)") not in said
+
+
+CNN_LAYOUTS = [(1, []), (2, ["parallel.sync=zero1"]), (2, ["parallel.pp=2", "train.micro_batches=2"]),
+               (4, ["parallel.pp=2", "parallel.sync=zero2", "train.micro_batches=2"]),
+               (4, ["parallel.pp=2", "parallel.sync=zero3", "train.precision=bf16"])]
+
+
+@pytest.mark.parametrize("job", ["jobs/mnist_lenet.toml", "jobs/cifar10_resnet.toml"])
+@pytest.mark.parametrize("ranks, sets", CNN_LAYOUTS, ids=lambda v: " ".join(v) or "ddp" if isinstance(v, list) else v)
+def test_a_cnns_tier_1_is_tier_2_less_its_named_corrections(job, ranks, sets):
+    """The CNNs' tier 1 (``estimate.of_cnn``) on each rank: model state tier 2's but Adam's
+    step counts; FLOPs tier 2's but ZeRO-3's replayed layers; bytes on each communicator
+    tier 2's but clipping's sums and, in mixed precision, NumPy's float32 words (the
+    activations between stages, MPI's sums of 16-bit gradients); activations each layer's
+    input, less than what mpitrain's ops keep."""
+    cfg = config.load(job, sets, data_needed=False)
+    plan = planner.make(cfg, ranks, planner.machine(hardware.load(), "this", ranks))
+    lay = plan.layout
+    for p in plan.ranks:
+        s, d = divmod(p.ranks[0], lay.dp)
+        memory, flops, sent = estimate.of_layout(lay, s)
+        exact = model_state(lay, s, 0, d)
+        counters = 8 * len(shards(lay, s, 0, d)[2]) if lay.moments == 2 else 0
+        for category in ("parameters", "gradients", "masters"):
+            assert memory[category] == exact[category], (p.ranks, category)
+        assert memory["optimizer state"] + counters == exact["optimizer state"], p.ranks
+        assert 0 < memory["activations"] < p.memory["activations"]
+        assert flops["forward"] == p.flops["forward"] and flops["backward"] == p.flops["backward"]
+        assert p.flops["recompute"] == (p.flops["forward"] if lay.par.sync == "zero3" else 0)
+        words = 2 if lay.mixed else 1  # NumPy's float32 activations between the stages, the textbook's 16 bits
+        assert p.sent.get("pp", 0) == words * sent["pp"] + sum(c.sent for c in p.calls if c.axis == "pp"
+                                                                and c.what.startswith("clipping"))
+        if not lay.mixed:
+            assert p.sent.get("dp", 0) == sent["dp"] + sum(c.sent for c in p.calls if c.axis == "dp"
+                                                            and c.what.startswith("clipping"))

@@ -1,5 +1,5 @@
-"""Tier 1, the textbook planner: what one rank of a GPT's layout holds and computes, from
-the published formulas alone (:mod:`mpitrain.cost`) and the sizes of the part of the model
+"""Tier 1, the textbook planner: what one rank of a GPT's (or a CNN's) layout holds and
+computes, from the published formulas alone (:mod:`mpitrain.cost`) and the sizes of the part of the model
 the rank holds. Read this first; tier 2 (:mod:`mpitrain.plan.predict`,
 :mod:`~mpitrain.plan.peak`) is the same answer made exact for this machine's NumPy.
 
@@ -81,10 +81,54 @@ def gpt_bytes(N: int, blocks: int, T: int, C: int, V: int, *, b: int, m: int, sy
                     + ends * cost.collective_bytes("allreduce", act, tp))
     sends = m * act * (2 * v - ends)
     tied = (ends > 0) * cost.collective_bytes("allreduce", V * C / tp * number, 2)
-    grads = N * number
-    dp_bytes = cost.collective_bytes("allreduce", grads, dp) if sync == "ddp" else cost.zero_bytes(
-        int(sync[-1]), grads, dp, m)
-    return {"dp": dp_bytes, "pp": (pp > 1) * (sends + tied), "tp": tp_bytes}
+    return {"dp": sync_bytes(N * number, sync, dp, m), "pp": (pp > 1) * (sends + tied), "tp": tp_bytes}
+
+
+def sync_bytes(grads, sync: str, dp, m):
+    """Bytes one of ``dp`` replicas sends in a step to sync gradients of ``grads`` bytes:
+    ddp's allreduce, or ZeRO's reduce-scatters and gathers over ``m`` micro-batches."""
+    if sync == "ddp":
+        return cost.collective_bytes("allreduce", grads, dp)
+    return cost.zero_bytes(int(sync[-1]), grads, dp, m)
+
+
+def cnn_memory(N: int, kept: float, *, b: int, held: float, sync: str = "ddp", dp: int = 1, precision: str = "fp32",
+               itemsize: int = 4, moments: int = 2) -> dict[str, float]:
+    """Bytes one rank of a CNN holds at its peak, by category: the model state of its
+    part's ``N`` parameters as :func:`gpt_memory`'s, and ``held`` micro-batches of ``b``
+    samples of what backward reads, each layer's input (``kept`` numbers a sample: the
+    textbook's count, whatever the ops keep)."""
+    mixed = precision != "fp32"
+    number = 2 if mixed else itemsize
+    w, g, s = cost.state_shares(sync, dp)
+    state = cost.model_state_bytes(w * N, g * N, s * N, moments, number, mixed)
+    return {**state, "activations": held * b * kept * number}
+
+
+def of_cnn(lay, s: int) -> tuple[dict, dict, dict]:
+    """(:func:`cnn_memory`, FLOPs, bytes by communicator) of pipeline rank ``s`` of a
+    :class:`~mpitrain.plan.layout.Layout` of a CNN: its layers as the trainer cuts them;
+    each layer's products and their backward (the first layer's, whose input is data, the
+    weight gradient's alone); each micro-batch's activations to the next stage and their
+    gradients to the one before, and the sync's exchange."""
+    model, t = lay.models[0], lay.cfg.train
+    where = {layer.name: k for k, layer in enumerate(model.layers)}
+    inputs = [math.prod(model.layers[k - 1].out) if k else math.prod(model.sample) for k in range(len(model.layers))]
+    layers = lay.layers(s)
+    N = sum(math.prod(shape) for shape in lay.parameters(s).values())
+    held = cost.micro_batches_held(lay.par.schedule, lay.pp, lay.m, s, lay.v) if lay.pp > 1 else 1
+    number = 2 if lay.mixed else lay.dtype_bytes
+    memory = cnn_memory(N, sum(inputs[where[x.name]] for x in layers), b=lay.micro_batch, held=held, sync=lay.par.sync,
+                        dp=lay.dp, precision=t.precision, itemsize=lay.dtype_bytes, moments=lay.moments)
+    samples = lay.micro_batch * lay.m
+    flops = {"forward": samples * sum(x.forward for x in layers), "backward": samples * sum(x.backward for x in layers),
+             "recompute": 0}
+    sends = 0
+    for c, chunk in enumerate(lay.chunks(s)):
+        k, end = where[chunk[0].name], where[chunk[-1].name]
+        sends += (end + 1 < len(model.layers)) * math.prod(chunk[-1].out) + (k > 0) * inputs[k]
+    return memory, flops, {"dp": sync_bytes(N * number, lay.par.sync, lay.dp, lay.m),
+                           "pp": lay.m * lay.micro_batch * sends * number, "tp": 0}
 
 
 def step_seconds(compute, tp, dp, send, after, *, sync: str, schedule: str, p, m, v=1, forward_share=1 / 3,
@@ -115,7 +159,9 @@ def step_seconds(compute, tp, dp, send, after, *, sync: str, schedule: str, p, m
 def of_layout(lay, s: int, r: int = 0) -> tuple[dict, dict, dict]:
     """(:func:`gpt_memory`, :func:`gpt_flops`, :func:`gpt_bytes`) of pipeline rank ``s``'s
     slice ``r`` of a :class:`~mpitrain.plan.layout.Layout` of a GPT: its parameters and
-    blocks as the trainer cuts them."""
+    blocks as the trainer cuts them; a CNN's, :func:`of_cnn`."""
+    if lay.cfg.model.name != "gpt":
+        return of_cnn(lay, s)
     m, par, t = lay.cfg.model, lay.par, lay.cfg.train
     layers = lay.layers(s, r)
     blocks = sum(layer.name.startswith("block") for layer in layers)

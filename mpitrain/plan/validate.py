@@ -125,14 +125,14 @@ def compare(plan, result, storage=()) -> list[tuple]:
 
 def estimates(plan) -> dict:
     """Tier 1's answer (:mod:`mpitrain.plan.estimate`) to each row it answers, by (rank,
-    quantity): a GPT's model state by category, activations (the heap's peak above rest)
-    and bytes sent on each communicator on each rank, the ranks' mean FLOPs, and the step
-    time (:func:`mpitrain.plan.space.of_layout`, at this machine's GEMM rate); none for
-    other models, or with parameter servers."""
+    quantity): a model's state by category, activations (the heap's peak above rest) and
+    bytes sent on each communicator on each rank, the ranks' mean FLOPs, and a GPT's step
+    time (:func:`mpitrain.plan.space.of_layout`, at this machine's GEMM rate); none with
+    parameter servers."""
     from mpitrain.plan import estimate, space
 
     lay = plan.layout
-    if lay.cfg.model.name != "gpt" or lay.servers:
+    if lay.servers:
         return {}
     out, flops = {}, []
     for s in range(lay.pp):
