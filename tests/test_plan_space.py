@@ -172,3 +172,24 @@ def test_a_wide_space_is_ranked_whole():
     out = space.evaluate(model, table, rows, machine, space.WIDE)
     assert len(rows) > 500_000
     assert np.isfinite(out["step"]).all() and (out["peak"] > 0).all()
+
+
+@pytest.mark.parametrize("sets", [[], ["parallel.pp=2", "parallel.sync=zero1", "train.micro_batches=2"]],
+                         ids=["ddp", "zero1 on pp 2"])
+def test_a_cnn_on_gpus_is_planned_by_tier_1(sets):
+    """ResNet-8 on 2 nodes of 8 A100s in bf16: each rank's memory is tier 1's for its stage
+    (estimate.of_cnn: no NumPy work arrays, buffers, objects or reader), the step's compute
+    the FLOPs of the stage with the most at the bf16 peak times the utilization."""
+    argv = ["plan", "jobs/cifar10_resnet.toml", "--hardware", "a100-80g", "--nodes", "2", "--gpus-per-node", "8",
+            "--network", "ib-hdr", "--set", "train.precision=bf16", *[x for s in sets for x in ("--set", s)]]
+    args = cli.build_parser().parse_args(argv)
+    plan = planner.from_args(args)[0]
+    lay = plan.layout
+    assert lay.textbook
+    answers = [estimate.of_cnn(lay, s) for s in range(lay.pp)]
+    for p in plan.ranks:
+        memory = answers[p.ranks[0] // lay.dp][0]
+        assert p.memory == {**memory, "work": 0, "buffers": 0, "objects": 0, "reader": 0}
+    flops = max(sum(f.values()) for _, f, _ in answers)
+    assert plan.time["compute"] == pytest.approx(flops / (312e12 * 0.4), rel=1e-12)
+    assert plan.largest().peak == pytest.approx(max(sum(m.values()) for m, _, _ in answers))

@@ -109,10 +109,10 @@ class Layout:
 
     @property
     def textbook(self) -> bool:
-        """Whether tier 1 is the answer for this layout's memory and time: a GPT on a
-        ``native`` device with a sync tier 1 knows (:mod:`mpitrain.plan.space`); tier 2 then
-        walks only its calls."""
-        return self.native and self.cfg.model.name == "gpt" and self.par.sync in ("ddp", "zero1", "zero2", "zero3")
+        """Whether tier 1 is the answer for this layout's memory and time: a ``native``
+        device, a sync tier 1 knows (:mod:`mpitrain.plan.space`); tier 2 then walks only its
+        calls."""
+        return self.native and self.par.sync in ("ddp", "zero1", "zero2", "zero3")
 
     @property
     def T(self) -> int:

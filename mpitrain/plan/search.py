@@ -133,8 +133,9 @@ def search(config_of, P: int, machine, data=None, memory: float | None = None) -
 
 def tiered(cfg, machine) -> bool:
     """Whether tier 1 ranks the layouts all at once (a GPT on a published device, whose
-    plans are tier 1's: :attr:`mpitrain.plan.layout.Layout.textbook`), or tier 2 plans
-    every layout (this machine, where NumPy's details decide the ranking; the CNNs)."""
+    plans are tier 1's: :attr:`mpitrain.plan.layout.Layout.textbook`), or each layout is
+    planned in turn (this machine, where NumPy's details decide the ranking: tier 2; a
+    CNN, whose layouts :mod:`mpitrain.plan.space` does not hold)."""
     return cfg.model.name == "gpt" and not machine.device.calibrated
 
 

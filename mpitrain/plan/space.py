@@ -24,6 +24,7 @@ between the first and last stage. What tier 1 leaves out is tier 2's to add
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -182,12 +183,14 @@ def evaluate(model: Gpt, table: dict, space: Space, machine, knobs: dict = KNOBS
 
 
 def of_layout(lay, machine) -> dict:
-    """Tier 1's answer (:func:`evaluate`) for the one layout of a GPT
-    :class:`~mpitrain.plan.layout.Layout`; None where tier 1 has none (parameter servers,
-    ``local`` sync)."""
+    """Tier 1's answer (:func:`evaluate`) for the one layout of a
+    :class:`~mpitrain.plan.layout.Layout` (a CNN's: :func:`of_cnn`); None where tier 1 has
+    none (parameter servers, ``local`` sync)."""
     par, train = lay.par, lay.cfg.train
-    if lay.cfg.model.name != "gpt" or par.sync not in KNOBS["sync"]:
+    if par.sync not in KNOBS["sync"]:
         return None
+    if lay.cfg.model.name != "gpt":
+        return of_cnn(lay, machine)
     model = Gpt.of(lay.cfg, lay.data)
     table = table_of(model, [(lay.dp, lay.pp, lay.tp, lay.v)])
     knobs = {"sync": (par.sync,), "schedule": (par.schedule,), "precision": (train.precision,),
@@ -195,6 +198,44 @@ def of_layout(lay, machine) -> dict:
     one = Space(np.zeros(1, dtype=int), *(np.zeros(1, dtype=np.int8) for _ in range(5)), np.array([lay.m]),
                 np.array([par.bucket_mb if par.sync in ("ddp", "zero2") and lay.dp > 1 else 0.0]))
     return {k: float(x[0]) for k, x in evaluate(model, table, one, machine, knobs).items()}
+
+
+def of_cnn(lay, machine) -> dict:
+    """Tier 1's answer for a CNN's layout, as :func:`_answer`'s for a GPT's: the peak of its
+    largest pipeline rank (:func:`mpitrain.plan.estimate.of_cnn`) and the step of the one
+    with the most FLOPs, its products at the rate of its heaviest layer's product."""
+    answers = [estimate.of_cnn(lay, s) for s in range(lay.pp)]
+    s = max(range(lay.pp), key=lambda k: sum(answers[k][1].values()))
+    memory, flops, sent = answers[s]
+    heavy = max(lay.layers(s), key=lambda x: x.forward)
+    d, b = machine.device, lay.micro_batch
+    if d.calibrated:
+        rows = heavy.product_rows(b, lay.dtype_bytes, lay.threads, lay.cfg.train.fast_paths)
+        rate = d.matmul_flops_per_s(rows, *heavy.gemm[1:], lay.cfg.train.dtype, lay.threads) * machine.share
+    else:
+        rate = d.matmul_flops_per_s(1, 1, 1, lay.cfg.train.precision) * machine.utilization
+    compute = sum(flops.values()) / rate
+    N = sum(math.prod(shape) for shape in lay.parameters(s).values())
+    number = 2 if lay.mixed else lay.dtype_bytes
+    kind, calls = _sync_calls(lay.par.sync, N * number, lay.par.bucket_mb, lay.m, len(lay.layers(s)))
+    alpha, bandwidth, hides = _links(machine, 1, lay.dp, kind)
+    dp_seconds = cost.alpha_beta_seconds(kind, lay.dp, sent["dp"], alpha, bandwidth, calls) if lay.dp > 1 else 0.0
+    alpha, bandwidth, _ = _links(machine, lay.dp, lay.pp)
+    boundary = math.prod(lay.layers(s)[-1].out) * b * number
+    parts = estimate.step_seconds(compute, 0.0, dp_seconds, alpha + boundary / bandwidth, 0.0, sync=lay.par.sync,
+                                  schedule=lay.par.schedule, p=lay.pp, m=lay.m, v=lay.v,
+                                  forward_share=flops["forward"] / sum(flops.values()), hides=float(hides))
+    return {"peak": max(sum(m.values()) for m, _, _ in answers), **{k: float(x) for k, x in parts.items()}}
+
+
+def _sync_calls(sync: str, grads, bucket_mb, m, layers):
+    """(the collective whose latencies a sync's calls pay, how many calls a step): ddp's
+    buckets (``bucket_mb`` each: the gradients' ``grads`` bytes), ZeRO-1's two exchanges,
+    ZeRO-2's reduce-scatters of each micro-batch's buckets and its gather, ZeRO-3's
+    gathers and reduce-scatters of each of its ``layers`` in each micro-batch."""
+    buckets = np.ceil(grads / np.maximum(bucket_mb, 1e-9) / 2**20)
+    kind = "allreduce" if sync == "ddp" else "reduce_scatter"
+    return kind, {"ddp": buckets, "zero1": 2, "zero2": m * buckets + 1, "zero3": 3 * m * layers}[sync]
 
 
 def textbook(lay, plans: list, machine) -> tuple[list, dict]:
@@ -248,9 +289,7 @@ def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule
     alpha, bandwidth, _ = _links(machine, 1, tp)
     sums = m * ((6 if recompute else 4) * blocks + 1 * first + 1 * last)  # the calls, each a latency
     tp_seconds = cost.alpha_beta_seconds("allreduce", tp, sent["tp"], alpha, bandwidth, sums)
-    buckets = np.ceil(N * number / np.maximum(bucket_mb, 1e-9) / 2**20)  # ddp's and ZeRO-2's calls a pass
-    kind = "allreduce" if sync == "ddp" else "reduce_scatter"
-    calls = {"ddp": buckets, "zero1": 2, "zero2": m * buckets + 1, "zero3": 3 * m * (blocks + 2)}[sync]
+    kind, calls = _sync_calls(sync, N * number, bucket_mb, m, blocks + 2)
     alpha, bandwidth, hides = _links(machine, tp, dp, kind)
     dp_seconds = np.where(dp > 1, cost.alpha_beta_seconds(kind, dp, sent["dp"], alpha, bandwidth, calls), 0.0)
     activation = b * T * C * number  # a micro-batch's activations: what a stage's sends carry

@@ -126,8 +126,8 @@ def compare(plan, result, storage=()) -> list[tuple]:
 def estimates(plan) -> dict:
     """Tier 1's answer (:mod:`mpitrain.plan.estimate`) to each row it answers, by (rank,
     quantity): a model's state by category, activations (the heap's peak above rest) and
-    bytes sent on each communicator on each rank, the ranks' mean FLOPs, and a GPT's step
-    time (:func:`mpitrain.plan.space.of_layout`, at this machine's GEMM rate); none with
+    bytes sent on each communicator on each rank, the ranks' mean FLOPs, and the step time
+    (:func:`mpitrain.plan.space.of_layout`, at this machine's GEMM rate); none with
     parameter servers."""
     from mpitrain.plan import estimate, space
 
