@@ -94,8 +94,9 @@ class Space:
 def grids(model: Gpt, P: int, chunks: tuple = KNOBS["chunks"]) -> dict:
     """The table of every grid of ``P`` ranks that the model's shape allows (``tp`` divides
     the heads; ``pp`` times the chunks at most the layers), with one chunk a pipeline rank
-    and with each of ``chunks``: per grid, its ``dp``, ``pp``, ``tp``, ``v``, and per pipeline rank
-    (padded to the longest pipeline) the parameters, blocks and head of its tensor slice."""
+    and with each of ``chunks``: per grid, its ``dp``, ``pp``, ``tp``, ``v``, and per
+    pipeline rank (padded to the longest pipeline) the parameters and blocks of its tensor
+    slice, and whether it holds the embedding and the head."""
     rows = []
     for pp in (d for d in range(1, P + 1) if P % d == 0):
         for tp in (d for d in range(1, P // pp + 1) if (P // pp) % d == 0):
