@@ -193,3 +193,20 @@ def test_a_cnn_on_gpus_is_planned_by_tier_1(sets):
     flops = max(sum(f.values()) for _, f, _ in answers)
     assert plan.time["compute"] == pytest.approx(flops / (312e12 * 0.4), rel=1e-12)
     assert plan.largest().peak == pytest.approx(max(sum(m.values()) for m, _, _ in answers))
+
+
+def test_the_gpu_searchs_page_draws_every_layout_tier_1_ranked(tmp_path, monkeypatch, capsys):
+    """``--search --html`` on a GPU cluster: the scatter holds every layout tier 1 answered
+    (GPT-2 on 16 A100s: 3,744), not only those planned in turn."""
+    from mpitrain.plan import page, search
+
+    drawn, draw = [], page.search_figure
+    monkeypatch.setattr(page, "search_figure", lambda fits, over, *rest: drawn.append(len(fits) + len(over))
+                        or draw(fits, over, *rest))
+    out = tmp_path / "search.html"
+    args = cli.build_parser().parse_args(["plan", "--model", "gpt2", "--hardware", "a100-80g", "--nodes", "2",
+                                          "--gpus-per-node", "8", "--network", "ib-hdr", "--search", "--html", str(out)])
+    assert search.run(args) == 0
+    said = re.search(r": ([\d,]+) layouts ranked by tier 1", capsys.readouterr().out)
+    counted = int(said.group(1).replace(",", ""))
+    assert drawn == [counted] and "Every layout: step time against peak memory" in out.read_text(encoding="utf-8")

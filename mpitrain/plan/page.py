@@ -135,16 +135,18 @@ def pipeline_figure(plan):
     return fig
 
 
-def search_figure(fits: list, over: list, limit: float, top: int = 10):
-    """Each layout planned: its step time against its peak memory; the ``top`` fastest
-    that fit marked."""
+def search_figure(fits: list, over: list, limit: float, best: list):
+    """Each layout planned (anything with a ``peak`` and a ``step``): its step time against
+    its peak memory; ``best``, the fastest that fit, marked. Thousands of points are drawn
+    as one image inside the SVG."""
     fig, ax = plt.subplots(figsize=(8, 4.5))
     everything = fits + over
     scale, unit = _unit(max(f.peak for f in everything))
+    many = len(everything) > 2000
     ax.scatter([f.peak / scale for f in over], [1e3 * f.step for f in over], s=8, color="lightgray",
-               label="does not fit")
-    ax.scatter([f.peak / scale for f in fits], [1e3 * f.step for f in fits], s=8, color="tab:blue", label="fits")
-    best = fits[:top]
+               label="does not fit", rasterized=many)
+    ax.scatter([f.peak / scale for f in fits], [1e3 * f.step for f in fits], s=8, color="tab:blue", label="fits",
+               rasterized=many)
     ax.scatter([f.peak / scale for f in best], [1e3 * f.step for f in best], s=40, facecolors="none",
                edgecolors="tab:red", label=f"the {len(best)} fastest")
     if limit < 20 * max(f.peak for f in everything):
@@ -199,9 +201,9 @@ def write(path, plan, text: str, title: str, sections=()) -> Path:
 
 
 def _labels(ax, groups: list) -> list[str]:
-    """A rank group's name under its bar: its ranks and part, or many groups' parts alone,
-    turned."""
-    if len(groups) <= 6:
+    """A rank group's name under its bar: its ranks and part (a few groups whose ranks' names
+    are short), or the parts alone, turned."""
+    if len(groups) <= 6 and all(len(ranks_text(p.ranks)) <= 12 for p in groups):
         return [f"{ranks_text(p.ranks)}\n{p.where}" for p in groups]
     ax.tick_params(axis="x", labelrotation=60, labelsize=7)
     return [p.where for p in groups]

@@ -139,12 +139,21 @@ def tiered(cfg, machine) -> bool:
     return cfg.model.name == "gpt" and not machine.device.calibrated
 
 
-def ranked(config_of, P: int, machine, data, limit: float, top: int = 10) -> tuple[list, int, Counter, str]:
+@dataclass(frozen=True)
+class Point:
+    """A layout tier 1 answered, as the search's figure draws it."""
+
+    peak: float
+    step: float
+
+
+def ranked(config_of, P: int, machine, data, limit: float, top: int = 10) -> tuple[list, tuple, Counter, str]:
     """Tier 1 over every layout at once (:mod:`mpitrain.plan.space`); then the fastest that
     fit, in order, through the trainer's checks and planned (:func:`mpitrain.plan.make`:
-    tier 1's figures with the calls the trainer makes) until ``top`` pass: (those, how
-    many fit, Counter of the layouts left out by reason: too large, or refused by the trainer's
-    checks; a line that says how many layouts tier 1 ranked and how fast)."""
+    tier 1's figures with the calls the trainer makes) until ``top`` pass: (those; every
+    layout as a :class:`Point`, those that fit and those that do not; Counter of the
+    layouts left out by reason, too large or refused by the trainer's checks; a line that
+    says how many layouts tier 1 ranked and how fast)."""
     import time
 
     import numpy as np
@@ -176,7 +185,8 @@ def ranked(config_of, P: int, machine, data, limit: float, top: int = 10) -> tup
     line = (f"{len(rows):,} layouts ranked by tier 1 in {seconds:.2f} s ({len(rows) / seconds:,.0f} a second), "
             f"{int(fit.sum()):,} fit; the fastest through the trainer's checks until {len(fits)} passed, in "
             f"{time.perf_counter() - tick:.1f} s")
-    return fits, int(fit.sum()), refused, line
+    points = tuple([Point(float(x), float(t)) for x, t in zip(out["peak"][k], out["step"][k])] for k in (fit, ~fit))
+    return fits, points, refused, line
 
 
 def run(args) -> int:
@@ -212,15 +222,14 @@ def run(args) -> int:
         f"{machine.device.name}"
     tick = time.perf_counter()
     if tiered(config_of(()), machine):
-        fits, fitting, refused, line = ranked(config_of, P, machine, data, limit, args.top)
-        over = []
+        fits, (fitting, over), refused, line = ranked(config_of, P, machine, data, limit, args.top)
         print(f"search: {source} on {P} rank(s), {where}: {line}")
     else:
         fits, over, refused = search(config_of, P, machine, data, limit)
-        fitting = len(fits)
+        fitting = fits
         print(f"search: {source} on {P} rank(s), {where}: {len(fits) + sum(refused.values())} layouts planned in "
               f"{time.perf_counter() - tick:.1f} s")
-    lines = table(fits, refused, limit, args.top, fitting)
+    lines = table(fits, refused, limit, args.top, len(fitting))
     print("\n".join(lines), flush=True)
     if not fits:
         print("no layout fits: raise --memory-per-rank, or plan more ranks")
@@ -230,7 +239,8 @@ def run(args) -> int:
 
         best = fits[0].plan
         text = "\n".join([*lines, "", "the fastest:", show.text(best, source)])
-        scatter = ("Every layout: step time against peak memory", page.search_figure(fits, over, limit, args.top))
+        figure = page.search_figure(fitting, over, limit, fits[:args.top])
+        scatter = ("Every layout: step time against peak memory", figure)
         title = f"mpitrain plan --search: {source} on {P} rank(s)"
         print(f"wrote {page.write(args.html, best, text, title, [scatter])}")
     if args.measure:
