@@ -204,9 +204,9 @@ def test_the_gpu_searchs_page_draws_every_layout_tier_1_ranked(tmp_path, monkeyp
     monkeypatch.setattr(page, "search_figure", lambda fits, over, *rest: drawn.append(len(fits) + len(over))
                         or draw(fits, over, *rest))
     out = tmp_path / "search.html"
-    args = cli.build_parser().parse_args(["plan", "--model", "gpt2", "--hardware", "a100-80g", "--nodes", "2",
-                                          "--gpus-per-node", "8", "--network", "ib-hdr", "--search", "--html", str(out)])
-    assert search.run(args) == 0
+    argv = ["plan", "--model", "gpt2", "--hardware", "a100-80g", "--nodes", "2", "--gpus-per-node", "8", "--network",
+            "ib-hdr", "--search", "--html", str(out)]
+    assert search.run(cli.build_parser().parse_args(argv)) == 0
     said = re.search(r": ([\d,]+) layouts ranked by tier 1", capsys.readouterr().out)
     counted = int(said.group(1).replace(",", ""))
     assert drawn == [counted] and "Every layout: step time against peak memory" in out.read_text(encoding="utf-8")
