@@ -4,6 +4,7 @@ space holds every layout the trainer accepts and nothing the search does not try
 ``mpitrain plan --search`` on a GPU cluster ranks with it and confirms with tier 2."""
 
 import argparse
+import math
 import re
 import subprocess
 import sys
@@ -193,6 +194,10 @@ def test_a_cnn_on_gpus_is_planned_by_tier_1(sets):
     flops = max(sum(f.values()) for _, f, _ in answers)
     assert plan.time["compute"] == pytest.approx(flops / (312e12 * 0.4), rel=1e-12)
     assert plan.largest().peak == pytest.approx(max(sum(m.values()) for m, _, _ in answers))
+    if lay.pp > 1:  # each micro-batch's activations across the cut, and their gradient back, on the node's link
+        cut = math.prod(lay.models[0].layers[lay.bounds[1] - 1].out) * lay.micro_batch * 2
+        nvlink = hardware.load().link("nvlink3")
+        assert plan.time["comm_total"] >= 2 * lay.m * (nvlink.alpha + cut / nvlink.bandwidth)
 
 
 def test_the_gpu_searchs_page_draws_every_layout_tier_1_ranked(tmp_path, monkeypatch, capsys):

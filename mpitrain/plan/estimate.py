@@ -86,7 +86,10 @@ def gpt_bytes(N: int, blocks: int, T: int, C: int, V: int, *, b: int, m: int, sy
 
 def sync_bytes(grads, sync: str, dp, m):
     """Bytes one of ``dp`` replicas sends in a step to sync gradients of ``grads`` bytes:
-    ddp's allreduce, or ZeRO's reduce-scatters and gathers over ``m`` micro-batches."""
+    ddp's allreduce, or ZeRO's reduce-scatters and gathers over ``m`` micro-batches (none
+    with ``local``)."""
+    if sync == "local":  # one replica: nothing to sync
+        return 0
     if sync == "ddp":
         return cost.collective_bytes("allreduce", grads, dp)
     return cost.zero_bytes(int(sync[-1]), grads, dp, m)

@@ -15,7 +15,8 @@ Where a pipeline cuts the model, the trainer's cut says what each stage holds
 Per layout, tier 1 gives the peak memory of its largest stage (model state, and the
 activations its schedule keeps) and the step of its slowest one: its products at the
 device's peak for the precision times the utilization, the tensor-parallel sums of each
-block (four allreduces of a micro-batch's activations, six with recomputation), the
+block (four allreduces of a micro-batch's activations, six with recomputation) and of the
+embedding and the head, the
 gradients' collectives hidden as the sync allows, the bubble, the tied embedding's sum
 between the first and last stage. What tier 1 leaves out is tier 2's to add
 (``plan/README.md``, "Two tiers").
@@ -57,12 +58,13 @@ class Gpt:
     bias: bool = False
     itemsize: int = 4  # bytes of a number in float32 training
     moments: int = 2  # the optimizer's arrays per parameter (Adam 2)
+    threads: int = 0  # BLAS threads a rank asks for (train.threads; 0: the machine's share)
 
     @classmethod
     def of(cls, cfg, data) -> "Gpt":
         m = cfg.model
         return cls(data.ids, m.block_size, m.n_layer, m.n_head, m.n_embd, cfg.train.global_batch_size, m.bias,
-                   np.dtype(cfg.train.dtype).itemsize, moments_of(cfg.optim))
+                   np.dtype(cfg.train.dtype).itemsize, moments_of(cfg.optim), cfg.train.threads)
 
 
 @dataclass
@@ -218,15 +220,17 @@ def of_cnn(lay, machine) -> dict:
     compute = sum(flops.values()) / rate
     N = sum(math.prod(shape) for shape in lay.parameters(s).values())
     number = 2 if lay.mixed else lay.dtype_bytes
-    kind, calls = _sync_calls(lay.par.sync, N * number, lay.par.bucket_mb, lay.m, len(lay.layers(s)))
+    units = sum(1 for x in lay.layers(s) if x.params)  # ZeRO-3 gathers and reduce-scatters each layer with weights
+    kind, calls = _sync_calls(lay.par.sync, N * number, lay.par.bucket_mb, lay.m, units)
     alpha, bandwidth, hides = _links(machine, 1, lay.dp, kind)
     dp_seconds = cost.alpha_beta_seconds(kind, lay.dp, sent["dp"], alpha, bandwidth, calls) if lay.dp > 1 else 0.0
     alpha, bandwidth, _ = _links(machine, lay.dp, lay.pp)
-    boundary = math.prod(lay.layers(s)[-1].out) * b * number
+    model = lay.models[0].layers  # the largest message between two stages: the widest cut's activations
+    boundary = max((math.prod(model[k - 1].out) for k in lay.bounds[1:-1]), default=0) * b * number
     parts = estimate.step_seconds(compute, 0.0, dp_seconds, alpha + boundary / bandwidth, 0.0, sync=lay.par.sync,
                                   schedule=lay.par.schedule, p=lay.pp, m=lay.m, v=lay.v,
                                   forward_share=flops["forward"] / sum(flops.values()), hides=float(hides))
-    return {"peak": max(sum(m.values()) for m, _, _ in answers), **{k: float(x) for k, x in parts.items()}}
+    return {"peak": float(max(sum(m.values()) for m, _, _ in answers)), **{k: float(x) for k, x in parts.items()}}
 
 
 def _sync_calls(sync: str, grads, bucket_mb, m, layers):
@@ -315,7 +319,8 @@ def _rate(machine, model: Gpt, precision: str, b):
         return d.matmul_flops_per_s(1, 1, 1, precision) * machine.utilization
     dtype = "float64" if model.itemsize == 8 else "float32"
     sizes, where = np.unique(b, return_inverse=True)
-    rates = [d.matmul_flops_per_s(int(k) * model.T, model.C, 4 * model.C, dtype, machine.threads()) for k in sizes]
+    threads = machine.threads(model.threads)
+    rates = [d.matmul_flops_per_s(int(k) * model.T, model.C, 4 * model.C, dtype, threads) for k in sizes]
     return np.asarray(rates)[where.ravel()] * machine.share
 
 

@@ -138,6 +138,7 @@ def estimates(plan) -> dict:
     for s in range(lay.pp):
         for r in range(lay.tp):
             memory, f, sent = estimate.of_layout(lay, s, r)
+            memory, sent = ({k: float(x) for k, x in d.items()} for d in (memory, sent))  # NumPy's numbers: JSON's
             flops += [sum(f.values())] * lay.dp
             for d in range(lay.dp):
                 rank = lay.rank_of(s, d, r)
@@ -145,7 +146,7 @@ def estimates(plan) -> dict:
                             (rank, "optimizer state"): memory["optimizer state"] + memory["masters"],
                             (rank, "heap peak above rest"): memory["activations"],
                             **{(rank, f"{axis} sent"): sent[axis] for axis in ("dp", "pp", "tp")}})
-    out["mean", "FLOPs"] = sum(flops) / len(flops)
+    out["mean", "FLOPs"] = float(sum(flops) / len(flops))
     step = space.of_layout(lay, plan.machine)
     if step is not None:
         out["all", "step time (s)"] = step["step"]
