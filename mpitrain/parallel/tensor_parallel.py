@@ -68,6 +68,33 @@ def heads(C: int, n_head: int, t: int, rank: int) -> tuple[np.ndarray, np.ndarra
     return cols, np.concatenate([cols, C + cols, 2 * C + cols])
 
 
+def gpt_slices(C: int, n_head: int, V: int, n_layer: int, bias: bool, t: int, rank: int) -> dict:
+    """Rank ``rank``'s part of each parameter of a GPT (width ``C``, ``n_head`` heads,
+    vocabulary ``V``, ``n_layer`` blocks) sliced over ``t`` ranks, as :func:`slice_gpt`
+    cuts it, by name: the index of its slice in the whole array (the rest are whole): the
+    embedding's rows of its vocabulary, each block's q, k and v columns and projection rows
+    of its heads, and its hidden units' columns and rows of the MLP. Checkpoints and the
+    digest put the whole parameters together by it; the planner's shapes are cut by it."""
+    cols, qkv = heads(C, n_head, t, rank)
+    hidden = np.arange(*shard(4 * C, t, rank))
+    out = {"embed.wte.weight": (slice(*shard(V, t, rank)),)}
+    for i in range(n_layer):
+        b = f"blocks.{i}"
+        out.update({f"{b}.attn.c_attn.weight": (slice(None), qkv), f"{b}.attn.c_proj.weight": (cols,),
+                    f"{b}.mlp.c_fc.weight": (slice(None), hidden), f"{b}.mlp.c_proj.weight": (hidden,)})
+        if bias:
+            out.update({f"{b}.attn.c_attn.bias": (qkv,), f"{b}.mlp.c_fc.bias": (hidden,)})
+    return out
+
+
+def sliced_shape(shape: tuple, index: tuple) -> tuple:
+    """The shape of ``whole[index]`` for a whole array of ``shape`` and an index of
+    :func:`gpt_slices` (slices and arrays of positions, leading axes)."""
+    def length(k, n):
+        return len(range(*k.indices(n))) if isinstance(k, slice) else len(k)
+    return tuple(length(k, n) for k, n in zip(index, shape)) + tuple(shape[len(index):])
+
+
 # ----------------------------------------------------------------------------- operators
 class Copy(Function):
     """``f``: forward the identity; backward the sum over ranks (each rank's gradient is its slice's part)."""

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from mpitrain.cost import attention_flops, conv2d_flops, gpt_block_activation_bytes, matmul_flops
 from mpitrain.ops.conv import tile_images
-from mpitrain.parallel.tensor_parallel import shard
+from mpitrain.parallel.tensor_parallel import gpt_slices, sliced_shape
 
 
 @dataclass(frozen=True)
@@ -103,20 +103,26 @@ def gpt(V: int, T: int, L: int, H: int, C: int, bias: bool = False, checkpointed
     units, its part of the vocabulary (:mod:`mpitrain.parallel.tensor_parallel`)."""
     if C % H or H % t:
         raise ValueError(f"width {C} over {H} heads over {t} tensor-parallel ranks does not divide")
-    b = (lambda n: (n,)) if bias else (lambda n: None)
-    w = C // t  # this rank's heads' width
-    lo, hi = shard(4 * C, t, rank)
-    v_lo, v_hi = shard(V, t, rank)
-    hid, v = hi - lo, v_hi - v_lo
-    ln = lambda p: [(f"{p}.weight", (C,)), (f"{p}.bias", b(C))]  # noqa: E731
+    cut = gpt_slices(C, H, V, L, bias, t, rank) if t > 1 else {}  # the trainer's cut: one table
+
+    def mine(name: str, shape: tuple | None, needed: bool = True):  # (name, this rank's shape) of a whole one
+        if not needed:
+            return name, None
+        return name, sliced_shape(shape, cut[name]) if name in cut else shape
+
+    w = mine("blocks.0.attn.c_proj.weight", (C, C))[1][0]  # this rank's heads' width
+    hid = mine("blocks.0.mlp.c_fc.weight", (C, 4 * C))[1][1]  # its hidden units
+    v = mine("embed.wte.weight", (V, C))[1][0]  # its rows of the vocabulary
+    ln = lambda p: [(f"{p}.weight", (C,)), mine(f"{p}.bias", (C,), bias)]  # noqa: E731
     seq = (T // t, C) if sequence else (T, C)  # what the embedding and a block hand on: a slice of the sequence
 
     def block(i: int) -> Layer:
         p = f"blocks.{i}"
-        params = [*ln(f"{p}.ln_1"), (f"{p}.attn.c_attn.weight", (C, 3 * w)), (f"{p}.attn.c_attn.bias", b(3 * w)),
-                  (f"{p}.attn.c_proj.weight", (w, C)), (f"{p}.attn.c_proj.bias", b(C)), *ln(f"{p}.ln_2"),
-                  (f"{p}.mlp.c_fc.weight", (C, hid)), (f"{p}.mlp.c_fc.bias", b(hid)),
-                  (f"{p}.mlp.c_proj.weight", (hid, C)), (f"{p}.mlp.c_proj.bias", b(C))]
+        params = [*ln(f"{p}.ln_1"), mine(f"{p}.attn.c_attn.weight", (C, 3 * C)),
+                  mine(f"{p}.attn.c_attn.bias", (3 * C,), bias), mine(f"{p}.attn.c_proj.weight", (C, C)),
+                  mine(f"{p}.attn.c_proj.bias", (C,), bias), *ln(f"{p}.ln_2"), mine(f"{p}.mlp.c_fc.weight", (C, 4 * C)),
+                  mine(f"{p}.mlp.c_fc.bias", (4 * C,), bias), mine(f"{p}.mlp.c_proj.weight", (4 * C, C)),
+                  mine(f"{p}.mlp.c_proj.bias", (C,), bias)]
         fwd = (matmul_flops(T, C, 3 * w) + attention_flops(1, T, w) + matmul_flops(T, w, C)
                + matmul_flops(T, C, hid) + matmul_flops(T, hid, C))
         full = gpt_block_activation_bytes(1, T, C, H, 1, t=t, sequence=sequence)
@@ -127,7 +133,7 @@ def gpt(V: int, T: int, L: int, H: int, C: int, bias: bool = False, checkpointed
                      2 * C * hid + (hid + C if bias else 0),  # output slice lives while its sublayer runs too
                      T * T)  # the causal mask (ops.attention: one in a process, whatever its blocks)
 
-    wte = ("embed.wte.weight", (v, C))
+    wte = mine("embed.wte.weight", (V, C))
     # sliced, the embedding keeps its rows looked up (the product that zeroes the others' ids keeps them)
     embed = Layer("embed", (wte, ("embed.wpe.weight", (T, C))), 0, 0, T * C if t > 1 else 0, seq, whole=(V + T) * C)
     # the head's own weight before its norm's, as Module.named_parameters lists them (ZeRO cuts in that order)

@@ -190,17 +190,5 @@ def whole_array(name: str, mine: np.ndarray, everyone: list, tp_comm, shapes: di
 
 def slices(cfg, t: int, r: int) -> dict:
     """Rank ``r``'s part of each parameter of a GPT of config ``cfg`` sliced over ``t``
-    ranks (:func:`~mpitrain.parallel.tensor_parallel.slice_gpt`), by name: the index of
-    its slice in the whole array (the rest are whole). Checkpoints and the digest put the
-    whole parameters together by it."""
-    C = cfg.n_embd
-    cols, qkv = tp.heads(C, cfg.n_head, t, r)
-    hidden = np.arange(*tp.shard(4 * C, t, r))
-    out = {"embed.wte.weight": (slice(*tp.shard(cfg.vocab_size, t, r)),)}
-    for i in range(cfg.n_layer):
-        b = f"blocks.{i}"
-        out.update({f"{b}.attn.c_attn.weight": (slice(None), qkv), f"{b}.attn.c_proj.weight": (cols,),
-                    f"{b}.mlp.c_fc.weight": (slice(None), hidden), f"{b}.mlp.c_proj.weight": (hidden,)})
-        if cfg.bias:
-            out.update({f"{b}.attn.c_attn.bias": (qkv,), f"{b}.mlp.c_fc.bias": (hidden,)})
-    return out
+    ranks, by name (:func:`~mpitrain.parallel.tensor_parallel.gpt_slices`)."""
+    return tp.gpt_slices(cfg.n_embd, cfg.n_head, cfg.vocab_size, cfg.n_layer, cfg.bias, t, r)
