@@ -7,8 +7,10 @@ Each ``train`` record gives, at its step:
 
 * ``train/loss``, ``train/lr``, ``train/samples_per_s``, ``train/gflops_per_s``;
 * over the steps since the previous record, from every rank's time-table row
-  (:data:`mpitrain.train.report.TIME_FIELDS`, totals so far): ``time/comm_exposed``,
-  ``time/bubble`` and ``time/io_stall``, each a fraction of the ranks' step time, and
+  (:data:`mpitrain.train.report.TIME_FIELDS`, totals so far): ``time/comm_exposed`` and
+  ``time/bubble``, each a fraction of the ranks' step time; ``time/io_stall``, the
+  fraction of their step time and their waits for data together spent waiting (a rank
+  waits for its batch before its step begins, so a slow read can outlast the steps); and
   ``time/step_ms/rank_<r>``, each rank's milliseconds per step;
 
 each ``eval`` record ``eval/val_loss`` (text) or ``eval/test_accuracy`` and
@@ -22,7 +24,7 @@ from pathlib import Path
 
 from mpitrain.config import ConfigError
 
-SHARES = {"comm_exposed": "comm_exposed_s", "bubble": "bubble_s", "io_stall": "wait_s"}  # fractions of step time
+SHARES = {"comm_exposed": "comm_exposed_s", "bubble": "bubble_s", "io_stall": "wait_s"}  # fractions of time
 
 
 class Board:
@@ -59,7 +61,7 @@ class Board:
         self.writer.flush()
 
     def _times(self, step: int, rows: dict) -> None:
-        """The shares of step time, and each rank's step, over the steps since the last record."""
+        """The shares of time, and each rank's step, over the steps since the last record."""
         if not rows:
             return
         last_step, last = self.before or (None, {})
@@ -70,8 +72,10 @@ class Board:
         busy = sum(d["step_s"] for d in delta.values())
         if steps <= 0 or busy <= 0:
             return
-        for name, key in SHARES.items():
-            self.writer.add_scalar(f"time/{name}", sum(d[key] for d in delta.values()) / busy, step)
+        waited = sum(d["wait_s"] for d in delta.values())
+        for name, key in SHARES.items():  # the waits for data fall outside the steps: a share of both
+            whole = busy + waited if key == "wait_s" else busy
+            self.writer.add_scalar(f"time/{name}", sum(d[key] for d in delta.values()) / whole, step)
         for r, d in sorted(delta.items()):
             self.writer.add_scalar(f"time/step_ms/rank_{r}", 1000 * d["step_s"] / steps, step)
 
