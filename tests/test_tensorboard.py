@@ -59,3 +59,20 @@ def test_without_tensorboardx_the_option_is_one_message(text_data, tmp_path, mon
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboardX" else real(name, *a))
     with pytest.raises(ConfigError, match=r"run.tensorboard: needs the tensorboardX package: pip install -e "):
         gpt(text_data, tmp_path / "a", "run.tensorboard=true")
+
+
+def test_a_wait_for_data_longer_than_the_steps_is_a_share_below_one():
+    """A rank waits for its batch before its step begins: a slow read (the reader's first)
+    can outlast the steps of a window. The stall is a share of steps and waits together,
+    the communication and the bubble shares of the steps alone."""
+    from mpitrain.observe.tensorboard import Board
+
+    written = {}
+    board = Board.__new__(Board)  # no files: the writer is a dict
+    writer = type("Writer", (), {"add_scalar": lambda _, tag, value, step: written.__setitem__(tag, value)})
+    board.writer, board.before = writer(), None
+    row = {"rank": 0, "step_s": 0.010, "comm_exposed_s": 0.002, "bubble_s": 0.0, "wait_s": 0.030}
+    board._times(2, {0: row})
+    assert written["time/io_stall"] == pytest.approx(0.030 / 0.040)
+    assert written["time/comm_exposed"] == pytest.approx(0.002 / 0.010)
+    assert written["time/step_ms/rank_0"] == pytest.approx(5.0)
