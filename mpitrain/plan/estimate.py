@@ -1,7 +1,8 @@
-"""Tier 1, the textbook planner: what one rank of a GPT's (or a CNN's) layout holds and
-computes, from the published formulas alone (:mod:`mpitrain.cost`) and the sizes of the part of the model
-the rank holds. Read this first; tier 2 (:mod:`mpitrain.plan.predict`,
-:mod:`~mpitrain.plan.peak`) is the same answer made exact for this machine's NumPy.
+"""Tier 1, the textbook planner: what one rank of a GPT's (or a CNN's) layout holds,
+computes, sends and takes, from the published formulas alone (:mod:`mpitrain.cost`) and
+the sizes of the part of the model the rank holds. Read this first; tier 2
+(:mod:`mpitrain.plan.predict`, :mod:`~mpitrain.plan.peak`) is the same answer made exact
+for this machine's NumPy.
 
 Memory (:func:`gpt_memory`), per rank:
 
@@ -17,10 +18,12 @@ Memory (:func:`gpt_memory`), per rank:
   logits' probabilities, ``s b V / t`` numbers, on the last stage.
 
 FLOPs (:func:`gpt_flops`): the products of forward (Narayanan et al. 2021), twice that in
-backward, once more for each recomputed block. Bytes (:func:`gpt_bytes`) each
-communicator carries; a step's time (:func:`step_seconds`). The trainer's cut of the layers into stages
-and of each layer into slices says how many blocks and parameters a rank holds
-(:func:`of_layout`: one source for the layout, :class:`mpitrain.plan.layout.Layout`).
+backward, once more for each recomputed block. Bytes (:func:`gpt_bytes`): what each
+communicator carries. Time (:func:`step_seconds`): the products at the device's rate,
+Hockney's sums, each sync's overlap and the bubble. The trainer's cut of the layers into
+stages and of each layer into slices says how many blocks and parameters a rank holds
+(:func:`of_layout`: one source for the layout, :class:`mpitrain.plan.layout.Layout`). A
+CNN's part (:func:`of_cnn`) holds the same model state and keeps each layer's input.
 """
 
 from __future__ import annotations
