@@ -115,21 +115,7 @@ def add_parser(commands) -> None:
     bench = commands.add_parser("bench", help="measure speed (ratios taken side by side)",
                                 description="Benchmarks that print ratios measured in one run.")
     benches = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
-    p = benches.add_parser("plan", help="the planner against the run: mpitrain plan --validate for each layout, "
-                                        "on shared memory and across emulated nodes",
-                           description="Run 'mpitrain plan CONFIG --validate' for each layout (1 or 2 ranks) on "
-                                       "shared memory, and with --network across 2 emulated nodes linked at each "
-                                       "rate (root), and print predicted against measured step time, whether every "
-                                       "counted quantity was exact, and the heap's errors. Run it without mpiexec.")
-    p.add_argument("--config", default="jobs/shakespeare_gpt.toml", help="the config (default: %(default)s)")
-    p.add_argument("--steps", type=_positive, default=20, help="timed steps per layout (default 20)")
-    p.add_argument("--network", nargs="*", default=[], metavar="RATE",
-                   help="also across 2 emulated nodes at these rates, e.g. 1gbit 10gbit (mpitrain cluster; root)")
-    p.add_argument("--layouts", nargs="*", metavar="NAME", help="only these layouts (default: all)")
-    p.add_argument("--catalogue", metavar="PATH",
-                   help="predict with this calibration (mpitrain plan --calibrate --catalogue PATH) instead of "
-                        "calibrating this machine and each rate's link first (under a minute)")
-    p.set_defaults(run=_bench_plan, alone="starts its own ranks")
+    _bench_planner_parsers(benches)
     p = benches.add_parser("step", help="training-step GFLOP/s of a GPT and a CNN vs. a large matmul",
                            description="Time training steps of the reference GPT and CNN beside a "
                                        "2048^3 float32 matmul and print their GFLOP/s ratios.")
@@ -153,14 +139,6 @@ def add_parser(commands) -> None:
                         "stages run in fp32")
     p.add_argument("--json", action="store_true", help="print every rank's figures as JSON instead")
     p.set_defaults(run=_bench_memory, alone="starts its own ranks")
-    p = benches.add_parser("search", help="the planner's search: tier 1's layouts a second against planning "
-                                          "them one by one",
-                           description="Rank every layout of GPT-3 on 1,024 A100s and of a 13B GPT on 64 by tier 1 "
-                                       "(all at once) and plan a sample of them one by one (mpitrain.plan.make), "
-                                       "and print layouts a second and their ratio.")
-    p.add_argument("--repeats", type=_positive, default=3, help="runs of tier 1 per case, best kept (default 3)")
-    p.add_argument("--sample", type=_positive, default=5, help="layouts planned one by one per case (default 5)")
-    p.set_defaults(run=lambda a: _bench("search", repeats=a.repeats, sample=a.sample), alone="times one process")
     p = benches.add_parser("io", help="shard reader vs. raw sequential read (run under mpiexec -n 2)",
                            description="Read a shard set's training split through the reader with 1 and 2 "
                                        "ranks, uncompressed and gzip, from the page cache and from the "
@@ -173,6 +151,33 @@ def add_parser(commands) -> None:
     p.set_defaults(run=lambda a: _bench("io", thread_level="auto", path=a.path, batch=a.batch, repeats=a.repeats,
                                         buffer_mb=a.buffer_mb))
     _bench_parallel_parsers(benches)
+
+
+def _bench_planner_parsers(benches) -> None:
+    p = benches.add_parser("plan", help="the planner against the run: mpitrain plan --validate for each layout, "
+                                        "on shared memory and across emulated nodes",
+                           description="Run 'mpitrain plan CONFIG --validate' for each layout (1 or 2 ranks) on "
+                                       "shared memory, and with --network across 2 emulated nodes linked at each "
+                                       "rate (root), and print tier 1's and the planner's step time against the "
+                                       "measured, whether every counted quantity was exact, and the heap's errors. "
+                                       "Run it without mpiexec.")
+    p.add_argument("--config", default="jobs/shakespeare_gpt.toml", help="the config (default: %(default)s)")
+    p.add_argument("--steps", type=_positive, default=20, help="timed steps per layout (default 20)")
+    p.add_argument("--network", nargs="*", default=[], metavar="RATE",
+                   help="also across 2 emulated nodes at these rates, e.g. 1gbit 10gbit (mpitrain cluster; root)")
+    p.add_argument("--layouts", nargs="*", metavar="NAME", help="only these layouts (default: all)")
+    p.add_argument("--catalogue", metavar="PATH",
+                   help="predict with this calibration (mpitrain plan --calibrate --catalogue PATH) instead of "
+                        "calibrating this machine and each rate's link first (under a minute)")
+    p.set_defaults(run=_bench_plan, alone="starts its own ranks")
+    p = benches.add_parser("search", help="the planner's search: tier 1's layouts a second against planning "
+                                          "them one by one",
+                           description="Rank every layout of GPT-3 on 1,024 A100s and of a 13B GPT on 64 by tier 1 "
+                                       "(all at once) and plan a sample of them one by one (mpitrain.plan.make), "
+                                       "and print layouts a second and their ratio.")
+    p.add_argument("--repeats", type=_positive, default=3, help="runs of tier 1 per case, best kept (default 3)")
+    p.add_argument("--sample", type=_positive, default=5, help="layouts planned one by one per case (default 5)")
+    p.set_defaults(run=lambda a: _bench("search", repeats=a.repeats, sample=a.sample), alone="times one process")
 
 
 def _bench_parallel_parsers(benches) -> None:

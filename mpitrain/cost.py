@@ -22,6 +22,12 @@ PFLOP_S_DAY = 1e15 * 86_400  # FLOPs in a day at one PFLOP/s
 
 
 # ----------------------------------------------------------------------------- memory
+def word_bytes(mixed: bool, itemsize: int) -> int:
+    """Bytes of a weight, a gradient or an activation as the textbook trains: 2 in mixed
+    precision (bf16, fp16), else the dtype's ``itemsize``."""
+    return 2 if mixed else itemsize
+
+
 def model_state_bytes(params: float, grads: float, owned: float, moments: int = 2, itemsize: int = 4,
                       mixed: bool = False) -> dict[str, float]:
     """Bytes of model state by category of a rank holding ``params`` weights and ``grads``
@@ -29,7 +35,7 @@ def model_state_bytes(params: float, grads: float, owned: float, moments: int = 
     gradients of ``itemsize`` bytes (2 in ``mixed`` precision), ``moments`` optimizer arrays
     (Adam 2, SGD with momentum 1) of ``itemsize`` (float32 in mixed precision), and in mixed
     precision a float32 master of each owned parameter."""
-    w = 2 if mixed else itemsize
+    w = word_bytes(mixed, itemsize)
     return {"parameters": params * w, "gradients": grads * w,
             "optimizer state": moments * owned * (4 if mixed else itemsize), "masters": 4 * owned if mixed else 0}
 

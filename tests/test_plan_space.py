@@ -36,9 +36,7 @@ def _setup(P, *argv, what=(CONFIG,)):
 
 
 def _sets(rows, i, table):
-    r = rows.row(i, table)
-    return search.overrides(r["dp"], r["pp"], r["tp"], r["sync"], r["schedule"], r["micro_batches"], r["bucket_mb"],
-                            r["precision"], r["recompute"], r["sequence"], r["chunks"])
+    return search.overrides(**rows.row(i, table))
 
 
 @pytest.mark.parametrize("P", [4, 8])

@@ -51,11 +51,9 @@ def run(repeats: int = 3, sample: int = 5, log=print) -> list[dict]:
             best = min(best, time.perf_counter() - tick)
         timed, seconds = 0, 0.0
         for i in np.random.default_rng(0).permutation(len(layouts)):  # the same sample each run
-            r = layouts.row(i, table, knobs)
-            sets = search.overrides(r["dp"], r["pp"], r["tp"], r["sync"], r["schedule"], r["micro_batches"],
-                                    r["bucket_mb"], r["precision"], r["recompute"], r["sequence"], r["chunks"])
+            sets = search.overrides(**layouts.row(i, table, knobs))
             try:
-                one = models.config_of(argparse.Namespace(**{**vars(args), "set": [f"{s}" for s in sets]}))[0]
+                one = models.config_of(argparse.Namespace(**{**vars(args), "set": list(sets)}))[0]
                 tick = time.perf_counter()
                 make(one, P, machine, data)
             except ConfigError:

@@ -44,7 +44,7 @@ def gpt_memory(N: int, blocks: int, T: int, C: int, H: int, V: int, *, b: int, h
     ``itemsize`` bytes; ``bf16``, ``fp16``), ``moments`` optimizer arrays (Adam 2),
     ``recompute``: each block's forward again in backward; ``last``: the stage with the head."""
     mixed = precision != "fp32"
-    number = 2 if mixed else itemsize  # bytes of a weight, a gradient and an activation
+    number = cost.word_bytes(mixed, itemsize)
     w, g, s = cost.state_shares(sync, dp)
     state = cost.model_state_bytes(w * N, g * N, s * N, moments, number, mixed)
     block = cost.transformer_block_activation_bytes(T, b, C, H, tp, sequence, recompute, number)
@@ -77,7 +77,7 @@ def gpt_bytes(N: int, blocks: int, T: int, C: int, V: int, *, b: int, m: int, sy
     gradient summed by the first and last stage; ``dp``, the gradients' allreduce, or
     ZeRO's reduce-scatters and gathers (:func:`mpitrain.cost.zero_bytes`). Scalars or
     arrays alike."""
-    number = 2 if precision != "fp32" else itemsize
+    number = cost.word_bytes(precision != "fp32", itemsize)
     act = b * T * C * number
     ends = 1 * first + 1 * last  # (numbers, not truth values: NumPy adds two booleans as "or")
     tp_bytes = m * (blocks * (1.5 if recompute else 1) * cost.tensor_parallel_bytes(b, T, C, number, tp)
@@ -105,10 +105,9 @@ def cnn_memory(N: int, kept: float, *, b: int, held: float, sync: str = "ddp", d
     samples of what backward reads, each layer's input (``kept`` numbers a sample: the
     textbook's count, whatever the ops keep)."""
     mixed = precision != "fp32"
-    number = 2 if mixed else itemsize
     w, g, s = cost.state_shares(sync, dp)
-    state = cost.model_state_bytes(w * N, g * N, s * N, moments, number, mixed)
-    return {**state, "activations": held * b * kept * number}
+    state = cost.model_state_bytes(w * N, g * N, s * N, moments, itemsize, mixed)
+    return {**state, "activations": held * b * kept * cost.word_bytes(mixed, itemsize)}
 
 
 def of_cnn(lay, s: int) -> tuple[dict, dict, dict]:
@@ -123,7 +122,7 @@ def of_cnn(lay, s: int) -> tuple[dict, dict, dict]:
     layers = lay.layers(s)
     N = sum(math.prod(shape) for shape in lay.parameters(s).values())
     held = cost.micro_batches_held(lay.par.schedule, lay.pp, lay.m, s, lay.v) if lay.pp > 1 else 1
-    number = 2 if lay.mixed else lay.dtype_bytes
+    number = lay.itemsize  # the textbook's words: 16 bits in mixed precision
     memory = cnn_memory(N, sum(inputs[where[x.name]] for x in layers), b=lay.micro_batch, held=held, sync=lay.par.sync,
                         dp=lay.dp, precision=t.precision, itemsize=lay.dtype_bytes, moments=lay.moments)
     samples = lay.micro_batch * lay.m

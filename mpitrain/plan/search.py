@@ -63,13 +63,14 @@ def grids(P: int) -> list[tuple[int, int, int]]:
                   key=lambda g: (-g[0], g[1], g[2]))
 
 
-def overrides(dp: int, pp: int, tp: int, sync: str, schedule: str, m: int, bucket_mb: float = 0.0,
+def overrides(dp: int, pp: int, tp: int, sync: str, schedule: str, micro_batches: int, bucket_mb: float = 0.0,
               precision: str = "fp32", recompute: bool = False, sequence: bool = False, chunks: int = 1) -> tuple:
-    """A layout as the ``--set`` overrides that give it, in a command line's order."""
+    """A layout as the ``--set`` overrides that give it, in a command line's order (its
+    arguments: :meth:`mpitrain.plan.space.Space.row`'s keys)."""
     pipe = () if pp == 1 else (f"parallel.schedule={schedule}",) + ((f"parallel.chunks={chunks}",) if chunks > 1
                                                                      else ())
     return ((f"parallel.dp={dp}", f"parallel.pp={pp}", f"parallel.tp={tp}", f"parallel.sync={sync}") + pipe
-            + (f"train.micro_batches={m}",) + ((f"parallel.bucket_mb={bucket_mb:g}",) if bucket_mb else ())
+            + (f"train.micro_batches={micro_batches}",) + ((f"parallel.bucket_mb={bucket_mb:g}",) if bucket_mb else ())
             + ((f"train.precision={precision}",) if precision != "fp32" else ())
             + (("model.checkpoint_activations=true",) if recompute else ())
             + (("parallel.sequence_parallel=true",) if sequence else ()))
@@ -171,9 +172,7 @@ def ranked(config_of, P: int, machine, data, limit: float, top: int = 10) -> tup
     refused = Counter({"memory": int((~fit).sum())})
     fits, tick = [], time.perf_counter()
     for i in np.flatnonzero(fit)[np.argsort(out["step"][fit], kind="stable")]:
-        r = rows.row(i, table)
-        sets = overrides(r["dp"], r["pp"], r["tp"], r["sync"], r["schedule"], r["micro_batches"], r["bucket_mb"],
-                         r["precision"], r["recompute"], r["sequence"], r["chunks"])
+        sets = overrides(**rows.row(i, table))
         try:
             fits.append(Found(sets, planner.make(config_of(sets), P, machine, data)))
         except ConfigError as e:

@@ -211,15 +211,12 @@ def of_cnn(lay, machine) -> dict:
     s = max(range(lay.pp), key=lambda k: sum(answers[k][1].values()))
     memory, flops, sent = answers[s]
     heavy = max(lay.layers(s), key=lambda x: x.forward)
-    d, b = machine.device, lay.micro_batch
-    if d.calibrated:
-        rows = heavy.product_rows(b, lay.dtype_bytes, lay.threads, lay.cfg.train.fast_paths)
-        rate = d.matmul_flops_per_s(rows, *heavy.gemm[1:], lay.cfg.train.dtype, lay.threads) * machine.share
-    else:
-        rate = d.matmul_flops_per_s(1, 1, 1, lay.cfg.train.precision) * machine.utilization
-    compute = sum(flops.values()) / rate
+    b = lay.micro_batch
+    rows = heavy.product_rows(b, lay.dtype_bytes, lay.threads, lay.cfg.train.fast_paths)
+    dtype = machine.multiplies_in(lay.cfg.train.dtype, lay.cfg.train.precision)
+    compute = sum(flops.values()) / machine.rate(heavy.gemm, rows, dtype, lay.threads)
     N = sum(math.prod(shape) for shape in lay.parameters(s).values())
-    number = 2 if lay.mixed else lay.dtype_bytes
+    number = lay.itemsize  # the textbook's words: 16 bits in mixed precision
     units = sum(1 for x in lay.layers(s) if x.params)  # ZeRO-3 gathers and reduce-scatters each layer with weights
     kind, calls = _sync_calls(lay.par.sync, N * number, lay.par.bucket_mb, lay.m, units)
     alpha, bandwidth, hides = _links(machine, 1, lay.dp, kind)
@@ -267,7 +264,7 @@ def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule
     dp, pp, tp, v = (table[k][G] for k in ("dp", "pp", "tp", "v"))
     T, C, H, V = model.T, model.C, model.H, model.V
     b = model.batch // (dp * m)
-    number = 2 if precision != "fp32" else model.itemsize
+    number = cost.word_bytes(precision != "fp32", model.itemsize)
     # memory: every pipeline rank's, the largest kept
     S = table["stage"].shape[1]
     if schedule == "interleaved":  # its rows' chunks (a formula of one number of chunks: each in turn)
@@ -309,19 +306,14 @@ def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule
 
 
 def _rate(machine, model: Gpt, precision: str, b):
-    """FLOP/s of the device's products in ``precision`` (for micro-batches of ``b``
-    samples, an array): a published device's peak times the utilization; this machine's
-    calibrated rate at a block's MLP product of a micro-batch in the training's dtype
-    (NumPy multiplies half precision in float32) with the rank's BLAS threads, its share
-    of a core."""
-    d = machine.device
-    if not d.calibrated:
-        return d.matmul_flops_per_s(1, 1, 1, precision) * machine.utilization
-    dtype = "float64" if model.itemsize == 8 else "float32"
+    """FLOP/s of the device's products (for micro-batches of ``b`` samples, an array):
+    :meth:`~mpitrain.plan.timing.Machine.rate` of a block's MLP product of a micro-batch,
+    in what the device multiplies in, with the rank's BLAS threads (a published device:
+    its peak times the utilization)."""
+    dtype = machine.multiplies_in("float64" if model.itemsize == 8 else "float32", precision)
     sizes, where = np.unique(b, return_inverse=True)
-    threads = machine.threads(model.threads)
-    rates = [d.matmul_flops_per_s(int(k) * model.T, model.C, 4 * model.C, dtype, threads) for k in sizes]
-    return np.asarray(rates)[where.ravel()] * machine.share
+    mlp, threads = (model.T, model.C, 4 * model.C), machine.threads(model.threads)
+    return np.asarray([machine.rate(mlp, int(k) * model.T, dtype, threads) for k in sizes])[where.ravel()]
 
 
 def _links(machine, stride, size, kind: str = "allreduce") -> tuple:

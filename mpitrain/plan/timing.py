@@ -74,6 +74,11 @@ class Machine:
             return requested
         return max(1, self.cores // self.per_node) if self.cores else 1
 
+    def multiplies_in(self, dtype: str, precision: str) -> str:
+        """What a product of a run in ``train.dtype`` and ``precision`` computes in: a GPU's
+        tensor cores in mixed precision's 16 bits; NumPy in float32 (it upcasts), or ``dtype``."""
+        return precision if precision != "fp32" and not self.device.calibrated else dtype
+
     def rate(self, gemm: tuple, rows: int, dtype: str, threads: int = 1) -> float:
         """FLOP/s of a product of ``gemm``'s inner and outer sizes on ``rows`` rows."""
         d = self.device
@@ -127,9 +132,8 @@ def compute_parts(lay, plan, machine: Machine) -> dict:
     replayed forward a third more; its time per layer and micro-batch, and per layer and
     step, that do not grow with the batch; in mixed precision its casts. A published
     device's ``utilization`` stands for everything besides the products."""
-    d, b, dtype = machine.device, lay.micro_batch, lay.cfg.train.dtype
-    if lay.mixed and not d.calibrated:  # a GPU's tensor cores multiply in 16 bits; NumPy upcasts to float32
-        dtype = lay.cfg.train.precision
+    d, b = machine.device, lay.micro_batch
+    dtype = machine.multiplies_in(lay.cfg.train.dtype, lay.cfg.train.precision)
     parts = dict.fromkeys(("products", *CORRECTIONS), 0.0)
     if plan.stage == "server":
         return parts
