@@ -4,6 +4,7 @@ piece the optimizer updates), FLOPs equal but ZeRO-3's replayed layers (tier 2's
 correction: mpitrain runs each layer's forward again in backward); and the formulas the
 notes give."""
 
+import glob
 import json
 import math
 
@@ -13,6 +14,7 @@ from mpitrain import config
 from mpitrain import plan as planner
 from mpitrain.plan import estimate, hardware, space
 from mpitrain.plan.predict import model_state, shards
+from mpitrain.plan.traffic import NAMED as BYTES_CORRECTIONS  # tier 2's calls tier 1 does not count
 
 GRIDS = {  # ranks -> the layouts the MPI tier trains, and more
     1: [[], ["train.precision=bf16"], ["model.checkpoint_activations=true"], ["train.dtype='float64'"]],
@@ -52,15 +54,14 @@ def test_tier_1_is_tier_2_less_its_named_corrections(ranks, sets):
             assert rank.flops["recompute"] == again, (s, r)
 
 
-@pytest.mark.parametrize("ranks, sets", [(P, sets) for P, layouts in GRIDS.items() for sets in layouts
-                                         if "parallel.sync=zero3" not in sets],
+@pytest.mark.parametrize("ranks, sets", [(P, sets) for P, layouts in GRIDS.items() for sets in layouts],
                          ids=lambda v: v if isinstance(v, int) else " ".join(v) or "ddp")
 def test_tier_2s_compute_is_tier_1s_plus_its_named_corrections(ranks, sets):
     """On a device with one GEMM rate (this machine's calibration, its products all at the
     rate of a block's MLP product), the plan's compute (its slowest rank's) is tier 1's
     plus that rank's named corrections (timing.CORRECTIONS), each of them positive where
     it applies, and its products tier 1's compute. (With the real calibration the products' shapes and BLAS
-    threads are one more correction. ZeRO-3 replays its layers: tier 2's FLOPs differ.)"""
+    threads are one more correction.)"""
     from dataclasses import replace
 
     from mpitrain.plan import timing
@@ -82,9 +83,9 @@ def test_tier_2s_compute_is_tier_1s_plus_its_named_corrections(ranks, sets):
     assert slowest["products"] == pytest.approx(tier1, rel=1e-6)
     assert corrections["elementwise"] > 0 and corrections["op calls"] > 0 and corrections["update calls"] > 0
     assert (corrections["mixed precision"] > 0) == plan.layout.mixed
+    assert (corrections["ZeRO-3's replays"] > 0) == (plan.layout.par.sync == "zero3")
 
 
-BYTES_CORRECTIONS = ("clipping", "cross-entropy", "replicated weights")  # tier 2's, by the calls' names
 
 
 @pytest.mark.parametrize("ranks, sets", [(P, sets) for P, layouts in GRIDS.items() for sets in layouts
@@ -214,3 +215,101 @@ def test_a_cnns_tier_1_is_tier_2_less_its_named_corrections(job, ranks, sets):
         if not lay.mixed:
             assert p.sent.get("dp", 0) == sent["dp"] + sum(c.sent for c in p.calls if c.axis == "dp"
                                                             and c.what.startswith("clipping"))
+
+
+@pytest.mark.parametrize("job", sorted(glob.glob("jobs/*.toml")))
+def test_tier_2s_activations_are_tier_1s_plus_its_named_corrections(job):
+    """On every shipped job and each layout the MPI tier trains (those the job's model
+    takes), each rank's activations in tier 2's plan are tier 1's (``estimate.of_layout``)
+    plus ``peak.corrections``, each correction where its cause is and nowhere else."""
+    from mpitrain.config import ConfigError
+    from mpitrain.plan import peak
+
+    layouts = [(P, sets) for P, grid in GRIDS.items() for sets in grid] + CNN_LAYOUTS
+    planned = 0
+    for ranks, sets in layouts:
+        try:
+            cfg = config.load(job, sets, data_needed=False)
+            plan = planner.make(cfg, ranks, planner.machine(hardware.load(), "this", ranks))
+        except ConfigError:  # slices and checkpointing are the GPT's
+            assert "gpt" not in job
+            continue
+        lay, planned = plan.layout, planned + 1
+        image = lay.data.kind == "image"
+        for p in plan.ranks:
+            rest, r = divmod(p.ranks[0], lay.tp)
+            s = rest // lay.dp
+            textbook = estimate.of_layout(lay, s, r)[0]["activations"]
+            fixes = peak.corrections(lay, s, r, textbook)
+            where = (sets, p.ranks)
+            assert list(fixes) == list(peak.ACTIVATION_CORRECTIONS), where
+            assert textbook + sum(fixes.values()) == pytest.approx(p.memory["activations"], abs=1), where
+            assert (fixes["16-bit words"] > 0) == lay.mixed, where
+            products = any(x.forward and not peak.replays(lay, x) for x in lay.layers(s, r))  # a replay's: not kept
+            assert (fixes["float32 weights"] > 0) == (lay.mixed and products), where
+            head = lay.models[r].layers[lay.bounds[s]]  # the stage's first layer: a replay keeps its input
+            assert (fixes["received"] > 0) == (s > 0 and not peak.replays(lay, head)), where
+            assert (fixes["sends"] > 0) == (lay.pp > 1), where
+            assert (fixes["zero"] > 0) <= (lay.par.sync in ("zero2", "zero3")), where
+            assert (fixes["ZeRO-3's replays"] != 0) <= (lay.par.sync == "zero3"), where
+            assert (fixes["images"] > 0) == (image and s == 0), where
+            assert fixes["scratch"] >= 0 and fixes["gradients"] >= 0, where
+    assert planned >= (len(layouts) if "gpt" in job else len(CNN_LAYOUTS) + 8)
+
+
+def test_plan_tiers_prints_tier_1_the_corrections_and_tier_2_for_each_rank():
+    """``mpitrain plan --tiers``: per rank tier 1's activations, each named correction and
+    tier 2's figure, which add up as printed; the compute's parts; the step by tier. On a
+    GPU, tier 1 is the answer: no corrections."""
+    from mpitrain import cli
+    from mpitrain.plan import peak, show, timing
+
+    argv = ["plan", "jobs/shakespeare_gpt.toml", "-n", "2", "--set", "parallel.pp=2", "--set", "train.micro_batches=4",
+            "--set", "train.precision=bf16", "--tiers"]
+    args = cli.build_parser().parse_args(argv)
+    assert args.tiers
+    plan, source = planner.from_args(args)
+    lines = show.text(plan, source, tiers=True).splitlines()
+    head = lines.index("ranks | tier 1 | " + " | ".join(peak.ACTIVATION_CORRECTIONS) + " | tier 2")
+    for p, row in zip(plan.ranks, lines[head + 1 : head + 3]):
+        cells = row.split(" | ")
+        assert cells[0] == show.ranks_text(p.ranks) and cells[-1] == show.size(p.memory["activations"])
+        assert len(cells) == len(peak.ACTIVATION_CORRECTIONS) + 3
+        assert cells[1 + list(peak.ACTIVATION_CORRECTIONS).index("16-bit words") + 1].startswith("+")
+    assert any(line.startswith("ranks | products | elementwise") for line in lines)
+    step = lines.index("tier 1 | shapes | " + " | ".join([*timing.CORRECTIONS, *timing.STEP_CORRECTIONS]) + " | tier 2")
+    said = lines[step + 1].split(" | ")
+    assert float(said[0]) + sum(float(x) for x in said[1:-1]) == pytest.approx(float(said[-1]), rel=0.01)
+    gpu = planner.from_args(cli.build_parser().parse_args([*argv, "--hardware", "a100-80g"]))[0]
+    assert "no corrections" in show.text(gpu, source, tiers=True)
+
+
+STEP_LAYOUTS = [("jobs/shakespeare_gpt.toml", P, sets) for P, grid in GRIDS.items() for sets in grid] + [
+    (job, P, sets) for job in ("jobs/mnist_lenet.toml", "jobs/cifar10_resnet.toml") for P, sets in CNN_LAYOUTS]
+
+
+@pytest.mark.parametrize("job, ranks, sets", STEP_LAYOUTS,
+                         ids=lambda v: " ".join(v) or "ddp" if isinstance(v, list) else str(v))
+def test_tier_2s_step_is_tier_1s_plus_its_named_corrections(job, ranks, sets):
+    """Tier 2's step is tier 1's (``space.of_layout``) plus ``timing.step_corrections``:
+    the compute's, the ranks' turns on shared cores where ranks outnumber them, the calls
+    tier 1 does not count, the overlap walked, the bubble at tier 2's costs and simulated,
+    the I/O wait; each where its cause is."""
+    from mpitrain.plan import timing
+
+    cfg = config.load(job, sets, data_needed=False)
+    machine = planner.machine(hardware.load(), "this", ranks)
+    plan = planner.make(cfg, ranks, machine)
+    lay, textbook = plan.layout, space.of_layout(plan.layout, machine)
+    fixes = timing.step_corrections(plan, textbook)
+    assert list(fixes) == ["shapes", *timing.CORRECTIONS, *timing.STEP_CORRECTIONS]
+    assert textbook["step"] + sum(fixes.values()) == pytest.approx(plan.time["step"], rel=1e-9)
+    assert fixes["elementwise"] > 0 and fixes["op calls"] > 0 and fixes["update calls"] > 0
+    assert (fixes["mixed precision"] > 0) == lay.mixed
+    shared = machine.share < 1 and (lay.dp > 1 or lay.tp > 1)
+    assert (fixes["ranks taking turns"] > 0) == shared
+    assert (fixes["named calls"] > 0) == any(c.axis != "pp" and c.what.startswith(BYTES_CORRECTIONS)
+                                             for p in plan.ranks for c in p.calls)
+    assert (fixes["bubble of the corrections"] > 0) == (lay.pp > 1)  # tier 2's costs are this machine's: more
+    assert fixes["schedule simulated"] == 0 or lay.pp > 1
+    assert fixes["I/O wait"] >= 0

@@ -63,6 +63,9 @@ def add_parser(commands) -> None:
     p.add_argument("--memory-table", action="store_true",
                    help="also the memory per rank under each sync, with and without activation checkpointing "
                         "(always with --hardware)")
+    p.add_argument("--tiers", action="store_true",
+                   help="also tier 1's answer (the textbook's formulas) per rank beside tier 2's (exact for this "
+                        "machine), with each named correction between them: activations, compute, the step")
     p.add_argument("--notes", action="store_true",
                    help="reproduce the course notes' arithmetic: a ResNet run's FLOPs and machine time, the storage "
                         "bandwidth of the calculator's models on V100, A100 and H100")
@@ -162,7 +165,7 @@ def run(args) -> int:
         raise ConfigError(str(e)) from None
     from mpitrain.plan import show
 
-    text = show.text(plan, source, memory=args.hardware != "this" or args.memory_table)
+    text = show.text(plan, source, memory=args.hardware != "this" or args.memory_table, tiers=args.tiers)
     print(text)
     if args.html:
         from mpitrain.plan import page

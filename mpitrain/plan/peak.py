@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from mpitrain import schedules
+from mpitrain import cost, schedules
 from mpitrain.ops._util import BLOCK_ELEMENTS
 from mpitrain.ops.conv import COLUMN_GRAD_BYTES
 from mpitrain.plan.layout import buckets as buckets_of
@@ -46,46 +46,103 @@ def recomputed(lay, layer, split: bool) -> int:
     return layer.forward + (layer.forward + layer.backward if twice else 0)
 
 
-def activations(lay, layers: list, held: float, first_input: int, split: bool = False, received: int = 0,
-                in_flight: str = "last") -> int:
-    """Bytes of activations a stage holds at its peak: ``held`` micro-batches' worth of what
-    its layers keep for backward and of the inputs it ``received`` (numbers per sample; the
-    pipeline keeps each until its backward), the last of them at the moment of its forward,
-    or of its backward, that holds most (:func:`_moments`; ``in_flight``: ZeRO-2's buckets
-    still in flight then, :func:`_zero2_held`)."""
-    kept, most = _moments(lay, layers, first_input, split, in_flight)
-    inputs = received * lay.micro_batch * lay.dtype_bytes
-    return int((held - 1) * (kept + inputs) + most + inputs)
+# tier 2's named corrections to tier 1's activations (plan/README.md, "Two tiers"): what each adds, and why
+# NumPy and the runtime hold it (:func:`corrections`)
+ACTIVATION_CORRECTIONS = {
+    "layers' own count": "what mpitrain's layers keep for backward, counted in the textbook's words, less the "
+                         "published count: the norms' inverse deviations, dropout masks as floats, the embedding's "
+                         "rows",
+    "16-bit words": "mixed precision's activations in float32 (NumPy computes in float32), the textbook's in 16 bits",
+    "ZeRO-3's replays": "ZeRO-3 frees each layer's gathered weights after its forward and runs it again in backward: "
+                        "its input kept, not its activations (less)",
+    "float32 weights": "mixed precision's float32 copies of the weights each product reads (dtypes.upcast)",
+    "received": "the inputs a pipeline stage received, kept until their backward",
+    "freed or rebuilt": "at the peak moment in backward: the later layers' arrays already freed (less), a replayed "
+                        "layer's set made again (more)",
+    "scratch": "a layer's work arrays while it runs: a block's input and half, GELU's blocks, the logits, "
+               "a convolution's columns",
+    "gradients": "the gradients backward holds at its peak: of the output and the input, the weights' of a part",
+    "zero": "ZeRO-2's buckets in flight and ZeRO-3's gathered weights and gradients",
+    "images": "the first stage's batch of images as the loop hands it over",
+    "sends": "a pipeline stage's last sends, kept until a test sees them done",
+}
 
 
-def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = "last") -> tuple[int, int]:
-    """(bytes one micro-batch keeps, the most it holds at one moment). A layer keeps its
-    kept numbers, and in mixed precision the float32 copies of the weights its products
-    read (:func:`mpitrain.dtypes.upcast`); one that runs again in backward keeps its input
-    only, its forward having run without a graph (``first_input``: the stage's input's numbers per sample). While a layer runs
-    forward it also holds its scratch (:func:`scratch_numbers`; ``split``: a zero-bubble
-    schedule's plain path) and its convolution's columns (:func:`conv_work`), under ZeRO-3
-    its and the next layer's gathered weights, and under ZeRO-2 from the second micro-batch
-    on what the previous one's backward left (:func:`_zero2_held`: its buckets in flight,
-    each freed once a test during backward has seen it done, so how many depends on the
-    messages' timing, ``in_flight``; or the whole gradient, accumulated in full). While it
-    runs backward, what the layers before it keep, its whole set, the gradients of its
-    output and of its input (none for data), its convolution's columns and their gradient, and its largest part's
-    weight gradients; a layer that ran again keeps its input beside its set, holds the
-    gradient of its output twice (the outer engine keeps the one it passed while the private
-    graph makes its own), and its weight gradients come from its private graph, a second
-    copy until the engine has added them (so under ZeRO-2, whose parameters have no
-    ``.grad`` to add into; in mixed precision they are float32, and its replay holds
-    float32 copies of its weights); the end of its replay is a moment of its own (its whole
-    set made, its forward's scratch, the output's gradient); under ZeRO-3
-    also its and the previous layer's gathered weights and the whole gradient of the layer
-    after it with its shard (its reduce-scatter in flight:
-    :meth:`mpitrain.parallel.zero3.Zero3._progress` frees each once a test sees its sum in,
-    which depends on the MPI library: MPICH's reduce-scatter, on shared memory, was as a
-    rule still in flight; Open MPI's was done, and freed: ``in_flight`` "none"; 16-bit
-    gradients go as a float32 copy, :func:`mpitrain.comm.ring.ireduce_scatter`), under
-    ZeRO-2 the later layers' gradients it holds, and at most the previous micro-batch's
-    buckets not yet started again (:func:`_zero2_held`). Fused backward
+def held(lay, s: int, r: int = 0, in_flight: str = "last") -> dict:
+    """Bytes of activations pipeline rank ``s``'s slice ``r`` holds at its peak, by part:
+    ``held`` micro-batches (the schedule's, :func:`mpitrain.cost.micro_batches_held`) of
+    what its layers ``kept`` (ZeRO-3's replayed layers as if they were not, and the
+    difference as "ZeRO-3's replays"; in mixed precision their ``float32 weights``) and of the
+    inputs it ``received`` (the pipeline keeps each until its backward); the last of them
+    at the moment of its forward or backward that holds most (:func:`_moments`: the parts
+    "freed or rebuilt", "scratch", "gradients", "zero"; ``in_flight``: ZeRO-2's buckets and
+    ZeRO-3's reduce-scatters still in flight then); and beside the layers all step the
+    first stage's ``images`` (augmented and normalised, a copy in ``train.dtype``; later
+    stages get none, ``Role.takes_input``) and as a rule its last ``sends``
+    (:func:`sends_in_flight`; none when ``in_flight`` is "none")."""
+    layers, model = lay.layers(s, r), lay.models[r].layers
+    k = lay.bounds[s]  # the stage's first layer in the whole list
+    first = math.prod(model[k - 1].out) if k else math.prod(lay.models[r].sample)
+    split = split_backward(lay, s)
+    n = cost.micro_batches_held(lay.par.schedule, lay.pp, lay.m, s, lay.v) if lay.pp > 1 else 1
+    received = sum(math.prod(model[lay.bounds[c * lay.pp + s] - 1].out) for c in range(lay.v)  # inputs sent to it
+                   if c * lay.pp + s and not replays(lay, model[lay.bounds[c * lay.pp + s]]))  # (a replay keeps it)
+    kept, most = _moments(lay, layers, first, split, in_flight)
+    a, b = lay.dtype_bytes, lay.micro_batch
+    fast = lay.cfg.train.fast_paths and not split
+    inputs = [first] + [math.prod(x.out) for x in layers[:-1]]
+    replayed = sum(x.kept_on(fast) - i for x, i in zip(layers, inputs) if replays(lay, x) and not x.recompute)
+    return {"kept": n * (kept["kept"] + replayed * b * a), "ZeRO-3's replays": -n * replayed * b * a,
+            "float32 weights": n * kept["float32 weights"],
+            "received": n * received * b * a,
+            "freed or rebuilt": most["kept"] + most["float32 weights"] - kept["kept"] - kept["float32 weights"],
+            "scratch": most["scratch"], "gradients": most["gradients"], "zero": most["zero"],
+            "images": first * lay.micro_batch * lay.m * a if lay.data.kind == "image" and k == 0 else 0,
+            "sends": sends_in_flight(lay, s) if in_flight != "none" else 0}
+
+
+def corrections(lay, s: int, r: int, textbook: float) -> dict:
+    """Tier 2's activations of pipeline rank ``s``'s slice ``r`` (:func:`held`) as tier
+    1's ``textbook`` figure (:func:`mpitrain.plan.estimate.of_layout`) plus each of
+    :data:`ACTIVATION_CORRECTIONS`: their sum is tier 2's figure."""
+    parts = held(lay, s, r)
+    word = cost.word_bytes(lay.mixed, lay.dtype_bytes)  # the textbook's: 16 bits in mixed precision
+    ours = parts.pop("kept")
+    return {"layers' own count": ours * word / lay.dtype_bytes - textbook,
+            "16-bit words": ours * (lay.dtype_bytes - word) / lay.dtype_bytes, **parts}
+
+
+def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = "last") -> tuple[dict, dict]:
+    """(bytes one micro-batch keeps, the moment that holds most), each by part: ``kept`` (the
+    layers' arrays) and ``float32 weights``, and for the moment also ``scratch``,
+    ``gradients`` and ``zero`` (ZeRO's arrays beyond its shard). A layer keeps its kept
+    numbers, and in mixed precision the float32 copies of the weights its products read
+    (:func:`mpitrain.dtypes.upcast`); one that runs again in backward keeps its input
+    only, its forward having run without a graph (``first_input``: the stage's input's
+    numbers per sample). While a layer runs forward it also holds its scratch
+    (:func:`scratch_numbers`; ``split``: a zero-bubble schedule's plain path) and its
+    convolution's columns (:func:`conv_work`), under ZeRO-3 its and the next layer's
+    gathered weights, and under ZeRO-2 from the second micro-batch on what the previous
+    one's backward left (:func:`_zero2_held`: its buckets in flight, each freed once a
+    test during backward has seen it done, so how many depends on the messages' timing,
+    ``in_flight``; or the whole gradient, accumulated in full). While it runs backward,
+    what the layers before it keep, its whole set, the gradients of its output and of
+    its input (none for data), its convolution's columns and their gradient, and its
+    largest part's weight gradients; a layer that ran again keeps its input beside its
+    set, holds the gradient of its output twice (the outer engine keeps the one it
+    passed while the private graph makes its own), and its weight gradients come from
+    its private graph, a second copy until the engine has added them (so under ZeRO-2,
+    whose parameters have no ``.grad`` to add into; in mixed precision they are float32,
+    and its replay holds float32 copies of its weights); the end of its replay is a
+    moment of its own (its whole set made, its forward's scratch, the output's
+    gradient); under ZeRO-3 also its and the previous layer's gathered weights and the
+    whole gradient of the layer after it with its shard (its reduce-scatter in flight:
+    :meth:`mpitrain.parallel.zero3.Zero3._progress` frees each once a test sees its sum
+    in, which depends on the MPI library: MPICH's reduce-scatter, on shared memory, was
+    as a rule still in flight; Open MPI's was done, and freed: ``in_flight`` "none";
+    16-bit gradients go as a float32 copy, :func:`mpitrain.comm.ring.ireduce_scatter`),
+    under ZeRO-2 the later layers' gradients it holds, and at most the previous
+    micro-batch's buckets not yet started again (:func:`_zero2_held`). Fused backward
     passes write their gradients over the arrays they read last, which is why a layer's
     backward adds no more than this."""
     b, a, s = lay.micro_batch, lay.dtype_bytes, lay.itemsize
@@ -93,30 +150,34 @@ def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = 
     buckets = _zero2_held(lay, layers, 0, in_flight) if lay.m > 1 else 0
     # ZeRO-2 frees each .grad once packed: a gradient is a new array (but accumulated in full, a sum)
     fresh = lay.par.sync == "zero2" and not (lay.m > 1 and lay.par.accumulate == "full")
-    kept, inp, most, before, inputs = 0, first_input, 0, [], []
+    moments = []  # (kept, float32 weights, scratch, gradients, zero) of each moment
+    kept, up, inp, before, inputs = 0, 0, first_input, [], []  # before: (kept, float32 weights) of the layers before
     for i, layer in enumerate(layers):
         inputs.append(0 if takes_data(lay, layer) else inp)
         mine = (inp if replays(lay, layer) else layer.kept_on(fast)) * b * a
-        mine += 4 * layer.size if lay.mixed and layer.forward and not replays(lay, layer) else 0
+        copy = 4 * layer.size if lay.mixed and layer.forward and not replays(lay, layer) else 0
         work = scratch_numbers(lay, layer, fast) + conv_work(lay, layer, fast)[0]
-        most = max(most, kept + mine + work * a + _zero3_held(lay, layers, i, in_flight, False) + buckets)
-        before.append(kept)
-        kept += mine
-        inp = math.prod(layer.out)
-    before.append(kept)
+        moments.append((kept + mine, up + copy, work * a, 0, _zero3_held(lay, layers, i, in_flight, False) + buckets))
+        before.append((kept, up))
+        kept, up, inp = kept + mine, up + copy, math.prod(layer.out)
+    before.append((kept, up))
     for i, layer in enumerate(layers):
         again = replays(lay, layer)  # its graph is private: its weight gradients are returned, then added
-        whole = (layer.full or layer.kept_on(fast)) * b * a + (before[i + 1] - before[i] if again else 0)
-        whole += 4 * layer.size if again and lay.mixed and layer.forward else 0  # its replay's upcast weights
+        whole = (layer.full or layer.kept_on(fast)) * b * a + (before[i + 1][0] - before[i][0] if again else 0)
+        copy = 4 * layer.size if again and lay.mixed and layer.forward else 0  # its replay's upcast weights
         copies = 2 if again or fresh else 1
         grads = (b * (math.prod(layer.out) * (1 + again) + inputs[i]) + conv_work(lay, layer, fast)[1]) * a
         grads += copies * (layer.part or layer.size) * (4 if again and lay.mixed else s)  # float32 from a replay
         sharded = _zero3_held(lay, layers, i, in_flight, True)
-        most = max(most, before[i] + whole + grads + sharded + _zero2_held(lay, layers, i + 1, in_flight, lay.m > 1))
+        zero2 = _zero2_held(lay, layers, i + 1, in_flight, lay.m > 1)
+        moments.append((before[i][0] + whole, before[i][1] + copy, 0, grads, sharded + zero2))
         if again:  # the end of its replay: its whole set made, its forward's scratch, the output's gradient
             work = scratch_numbers(lay, layer, fast) + conv_work(lay, layer, fast)[0]
-            most = max(most, before[i] + whole + (work + b * math.prod(layer.out)) * a + sharded)
-    return kept, max(most, kept)
+            moments.append((before[i][0] + whole, before[i][1] + copy, work * a, b * math.prod(layer.out) * a, sharded))
+    moments.append((kept, up, 0, 0, 0))  # between them, all kept
+    most = max(moments, key=sum)  # the first of equal ones
+    return ({"kept": kept, "float32 weights": up},
+            dict(zip(("kept", "float32 weights", "scratch", "gradients", "zero"), most)))
 
 
 def _zero3_held(lay, layers: list, i: int, in_flight: str, backward: bool) -> int:

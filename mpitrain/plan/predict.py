@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 from mpitrain import cost
 from mpitrain.comm.ring import chunk_bounds
 from mpitrain.plan.layout import optimizer_order, zero_groups
-from mpitrain.plan.peak import activations, cached, recomputed, replays, sends_in_flight, split_backward
+from mpitrain.plan import peak
+from mpitrain.plan.peak import cached, recomputed, split_backward
 from mpitrain.plan.traffic import Call, by_axis, dp_calls, pp_calls, ring_buffers, tp_calls
 
 
@@ -158,27 +159,16 @@ def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None, objects
         return RankPlan([lay.rank_of(s, d, r)], like.stage, like.parameters, memory, calls, like.flops, like.held,
                         like.bubble, by_axis(calls) if ring or pieces else like.sent, like.dp_calls, list(like.slices),
                         like.bounds)
-    held = cost.micro_batches_held(lay.par.schedule, lay.pp, lay.m, s, lay.v) if lay.pp > 1 else 1
     samples = lay.micro_batch * lay.m
-    k = lay.bounds[s]  # the stage's first layer in the whole list
-    first = math.prod(lay.models[r].layers[k - 1].out) if k else math.prod(lay.models[r].sample)
     split = split_backward(lay, s)
-    model, p = lay.models[r].layers, lay.pp
-    received = sum(math.prod(model[lay.bounds[c * p + s] - 1].out) for c in range(lay.v)  # inputs sent to it
-                   if c * p + s and not replays(lay, model[lay.bounds[c * p + s]]))  # (a replayed layer keeps it)
-    # held beside the layers all step: the first stage's images as the loop hands them over (augmented and
-    # normalised, a copy in train.dtype; later stages get none, Role.takes_input), and as a rule a pipeline
-    # stage's last sends of each kind, kept until a test sees them done
-    beside = first * samples * lay.dtype_bytes if lay.data.kind == "image" and k == 0 else 0
-    sends = sends_in_flight(lay, s)
+    held = cost.micro_batches_held(lay.par.schedule, lay.pp, lay.m, s, lay.v) if lay.pp > 1 else 1
     bounds = (0, 0)
     if lay.textbook:  # tier 1 answers the activations (mpitrain.plan.space.textbook): not NumPy's walk
         memory["activations"] = 0
-    else:
-        memory["activations"] = beside + sends + activations(lay, layers, held, first, split, received, "last")
-    if (lay.par.sync in ("zero2", "zero3") or sends) and not lay.textbook:  # the peak depends on messages' timing
-        bounds = tuple(beside + sends * (w == "all") + activations(lay, layers, held, first, split, received, w)
-                       for w in ("none", "all"))
+    else:  # tier 1's and the corrections (peak.corrections), together peak.held's parts
+        memory["activations"] = int(sum(peak.held(lay, s, r).values()))
+    if (lay.par.sync in ("zero2", "zero3") or peak.sends_in_flight(lay, s)) and not lay.textbook:
+        bounds = tuple(int(sum(peak.held(lay, s, r, w).values())) for w in ("none", "all"))  # the messages' timing
         bounds = (0, 0) if bounds[0] == bounds[1] else bounds
     dp = dp_calls(lay, params, layers, d, (s, r))
     calls = dp + pp_calls(lay, s, r, d) + tp_calls(lay, s, r, d)

@@ -173,6 +173,44 @@ def memory_table(plan) -> list[str]:
     return lines
 
 
+def tiers_table(plan) -> list[str]:
+    """Tier 1's answer beside tier 2's, per rank, with the named corrections between them
+    (plan/README.md, "Two tiers"): the activations (:func:`mpitrain.plan.peak.corrections`),
+    the compute's parts (:func:`mpitrain.plan.timing.compute_parts`), and the step's parts."""
+    from mpitrain.plan import estimate, peak, space, timing
+
+    lay = plan.layout
+    if lay.textbook:
+        return ["tiers: tier 1 (the textbook, as GPU frameworks run it) answers this device's memory and time: "
+                "no corrections"]
+    workers = [p for p in plan.ranks if p.stage != "server"]
+    fixes = list(peak.ACTIVATION_CORRECTIONS)
+    lines = ["activations by tier (tier 1 + tier 2's named corrections = tier 2):",
+             "ranks | tier 1 | " + " | ".join(fixes) + " | tier 2"]
+    for p in workers:
+        rest, r = divmod(p.ranks[0] - lay.servers, lay.tp)
+        textbook = estimate.of_layout(lay, rest // lay.dp, r)[0]["activations"]
+        said = peak.corrections(lay, rest // lay.dp, r, textbook)
+        lines.append(f"{ranks_text(p.ranks)} | {size(textbook)} | "
+                     + " | ".join(("+" if said[k] > 0 else "") + size(said[k]) if said[k] else "0" for k in fixes)
+                     + f" | {size(p.memory['activations'])}")
+    ms = lambda x: f"{1e3 * x:.3g}"  # noqa: E731
+    lines += ["compute by part, ms a step (tier 2's products, at each shape's rate, and its named corrections):",
+              "ranks | products | " + " | ".join(timing.CORRECTIONS) + " | tier 2"]
+    for p in workers:
+        parts = timing.compute_parts(lay, p, plan.machine)
+        lines.append(f"{ranks_text(p.ranks)} | " + " | ".join(ms(x) for x in parts.values())
+                     + f" | {ms(sum(parts.values()))}")
+    one = space.of_layout(lay, plan.machine)
+    if one is None:
+        return lines + [f"step: tier 1 has no answer for {lay.par.sync} (tier 2's alone)"]
+    said = timing.step_corrections(plan, one)
+    return lines + ["step, ms (tier 1 + tier 2's named corrections = tier 2):",
+                    "tier 1 | " + " | ".join(said) + " | tier 2",
+                    f"{ms(one['step'])} | " + " | ".join(f"{1e3 * x:+.3g}" if x else "0" for x in said.values())
+                    + f" | {ms(plan.time['step'])}"]
+
+
 def verdict(plan) -> str:
     """One line: fits, or which ranks exceed the memory and by how much."""
     limit = plan.machine.memory
@@ -187,8 +225,9 @@ def verdict(plan) -> str:
             f"{size(worst.peak)}, {size(worst.peak - limit)} too much")
 
 
-def text(plan, source: str, memory: bool = False) -> str:
+def text(plan, source: str, memory: bool = False, tiers: bool = False) -> str:
     """Everything; with ``memory`` the memory under each sync (re-planned: a second or so at
-    a thousand ranks)."""
+    a thousand ranks); with ``tiers`` tier 1's answer and tier 2's corrections to it."""
     return "\n".join(header(plan, source) + rank_table(plan) + calls_table(plan) + time_lines(plan)
-                      + run_lines(plan) + (memory_table(plan) if memory else []) + [verdict(plan)])
+                      + run_lines(plan) + (memory_table(plan) if memory else []) + (tiers_table(plan) if tiers else [])
+                      + [verdict(plan)])

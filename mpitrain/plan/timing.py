@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 
 from mpitrain import cost
 from mpitrain.plan.peak import recomputed, replays, split_backward
-from mpitrain.plan.traffic import Call
+from mpitrain.plan.traffic import NAMED, Call
 
 # a calibrated device without ``passes`` (calibrated before they were measured): mpitrain's steps' elementwise
 # work, in passes over a layer's traffic; `mpitrain plan --calibrate` measures the device's own
@@ -116,6 +116,8 @@ CORRECTIONS = {
     "op calls": "each op's Python call and NumPy's dispatch, per layer and micro-batch",
     "update calls": "the optimizer's calls per parameter array, per layer and step",
     "mixed precision": "NumPy's casts to and from 16 bits and the float32 masters' update, per parameter",
+    "ZeRO-3's replays": "mpitrain's ZeRO-3 frees a layer's gathered weights after its forward and runs the layer "
+                        "again in backward: its products once more",
 }
 
 
@@ -130,8 +132,9 @@ def compute_parts(lay, plan, machine: Machine) -> dict:
     also mpitrain's work beyond them (measured for whole steps, the update in them), each
     one of :data:`CORRECTIONS`: the device's ``passes`` over each layer's traffic, a
     replayed forward a third more; its time per layer and micro-batch, and per layer and
-    step, that do not grow with the batch; in mixed precision its casts. A published
-    device's ``utilization`` stands for everything besides the products."""
+    step, that do not grow with the batch; in mixed precision its casts; on any device
+    ZeRO-3's replayed forwards' products. A published device's ``utilization`` stands for
+    everything else besides the products."""
     d, b = machine.device, lay.micro_batch
     dtype = machine.multiplies_in(lay.cfg.train.dtype, lay.cfg.train.precision)
     parts = dict.fromkeys(("products", *CORRECTIONS), 0.0)
@@ -151,10 +154,14 @@ def compute_parts(lay, plan, machine: Machine) -> dict:
         parts["mixed precision"] = (lay.m * plan.parameters * d.mixed.get(precision, 0.0) + casts) / machine.share
     split = split_backward(lay, s)
     for layer in lay.layers(s, r):
-        flops = (layer.forward + layer.backward + recomputed(lay, layer, split)) * b
+        again = recomputed(lay, layer, split) * b
+        replay = 0 if layer.recompute else again  # ZeRO-3's (checkpointing's: the model's, tier 1 counts them)
+        flops = (layer.forward + layer.backward) * b + again
         if flops:
             rows = layer.product_rows(b, lay.dtype_bytes, threads, lay.cfg.train.fast_paths)
-            parts["products"] += lay.m * flops / machine.rate(layer.gemm, rows, dtype, threads)
+            rate = machine.rate(layer.gemm, rows, dtype, threads)
+            parts["products"] += lay.m * (flops - replay) / rate
+            parts["ZeRO-3's replays"] += lay.m * replay / rate
         again = replays(lay, layer) / 3  # its elementwise work: a forward's, a third of a step's
         elementwise = passes * (1 + again) * layer.traffic * b * lay.dtype_bytes
         parts["elementwise"] += lay.m * elementwise / (d.elementwise_bandwidth or d.memory_bandwidth) / machine.share
@@ -311,33 +318,37 @@ def queued(think: list, demands: list) -> list:
 
 def pipelined(lay, workers, rows, machine: Machine) -> float:
     """A pipeline's step, its schedule simulated (:func:`mpitrain.schedules.simulate`) at
-    the slowest stage's costs of a micro-batch: its compute and tensor-parallel calls,
-    split into forward, input- and weight-gradient passes by their FLOPs; a pass's output
-    goes to the next stage by ``Isend`` beside the compute that follows, and arrives its
+    the slowest stage's costs of a micro-batch (:func:`_stage_costs`); a pass's output goes
+    to the next stage by ``Isend`` beside the compute that follows, and arrives its
     message's time later; then the pipeline's own collectives (a tied weight's gradient,
     clipping's sum) after it."""
     from mpitrain import schedules
 
-    k = max(range(len(rows)), key=lambda j: rows[j][0] + rows[j][2]["tp"])
-    p, (compute, _, comm) = workers[k], rows[k]
-    link = machine.link(group(lay, p, "pp"))
-    sends = [c for c in p.calls if c.axis == "pp" and c.collective == "send"]
-    send = max((call_seconds(c, link) / c.count for c in sends), default=0.0)
-    latency = send + machine.switches(group(lay, p, "pp"))
-    after = comm["pp"] - sum(call_seconds(c, link) for c in sends)  # the stages' collectives
-    flops = p.flops["forward"] + p.flops["backward"] + p.flops["recompute"]
-    one = (compute + comm["tp"]) / lay.m  # a micro-batch's passes on this stage
-    F = one * p.flops["forward"] / flops
-    B = W = (one - F) / 2  # the input's and the weights' gradients: a product each per layer
+    F, B, W, latency, after = _stage_costs(lay, workers, rows, machine)
     ranks = [schedules.schedule(lay.par.schedule, lay.pp, lay.m, r, lay.v) for r in range(lay.pp)]
     return schedules.simulate(ranks, lay.pp, lay.v, schedules.costs_of(F, B, W, lay.v), latency).makespan + after
 
 
-def step_parts(lay, plans, machine: Machine) -> dict:
-    """The step's predicted seconds: compute (the slowest rank's), exposed communication,
-    the bubble, the I/O wait, and the total; with the communication in total and per
-    axis."""
-    workers = [p for p in plans if p.stage != "server"]
+def _stage_costs(lay, workers, rows, machine: Machine) -> tuple:
+    """(F, B, W, a message's latency, the collectives after the schedule) of the slowest
+    stage: a micro-batch's compute and tensor-parallel calls split into forward, input- and
+    weight-gradient passes by their FLOPs (a product each per layer for B and W)."""
+    k = max(range(len(rows)), key=lambda j: rows[j][0] + rows[j][2]["tp"])
+    p, (compute, _, comm) = workers[k], rows[k][:3]
+    link = machine.link(group(lay, p, "pp"))
+    sends = [c for c in p.calls if c.axis == "pp" and c.collective == "send"]
+    send = max((call_seconds(c, link) / c.count for c in sends), default=0.0)
+    after = comm["pp"] - sum(call_seconds(c, link) for c in sends)  # the stages' collectives
+    flops = p.flops["forward"] + p.flops["backward"] + p.flops["recompute"]
+    one = (compute + comm["tp"]) / lay.m  # a micro-batch's passes on this stage
+    F = one * p.flops["forward"] / flops
+    return F, (one - F) / 2, (one - F) / 2, send + machine.switches(group(lay, p, "pp")), after
+
+
+def _rows(lay, workers, machine: Machine) -> list[tuple]:
+    """Per worker (compute, exposed communication, {axis: its calls' seconds}, the turns
+    on its cores in them, its named calls' seconds): what :func:`step_parts` takes the
+    slowest of."""
     rows = []
     for p in workers:
         compute = compute_seconds(lay, p, machine)
@@ -347,6 +358,7 @@ def step_parts(lay, plans, machine: Machine) -> dict:
                  for axis, ranks in groups.items()}
         comm = {axis: turns[axis] + sum(call_seconds(c, links[axis]) for c in p.calls if c.axis == axis)
                 for axis in links}
+        named = sum(call_seconds(c, links[c.axis]) for c in p.calls if c.axis != "pp" and c.what.startswith(NAMED))
         overlaps = lay.par.sync in ("ddp", "zero2") and lay.par.progress != "off"
         dp = turns["dp"] + bucket_overlap(p, links["dp"], compute * 2 / 3) if overlaps else comm["dp"]
         if lay.par.sync == "zero3":
@@ -354,7 +366,16 @@ def step_parts(lay, plans, machine: Machine) -> dict:
         if lay.servers:
             step, comm["dp"] = served(lay, p, machine, compute)
             dp = step - compute
-        rows.append((compute, dp + comm["tp"], comm))
+        rows.append((compute, dp + comm["tp"], comm, turns["dp"] + turns["tp"], named))
+    return rows
+
+
+def step_parts(lay, plans, machine: Machine) -> dict:
+    """The step's predicted seconds: compute (the slowest rank's), exposed communication,
+    the bubble, the I/O wait, and the total; with the communication in total and per
+    axis."""
+    workers = [p for p in plans if p.stage != "server"]
+    rows = _rows(lay, workers, machine)
     compute = max(r[0] for r in rows)
     exposed = max(r[1] for r in rows)
     total_comm = max(sum(r[2].values()) for r in rows)
@@ -365,6 +386,45 @@ def step_parts(lay, plans, machine: Machine) -> dict:
     wait = io_wait(lay, machine, step)
     return {"compute": compute, "exposed": exposed, "bubble": bubble, "io_wait": wait,
             "step": step + wait, "comm_total": total_comm}
+
+
+# tier 2's named corrections to tier 1's step (:func:`step_corrections`): the compute's (:data:`CORRECTIONS`,
+# the products' shapes) and these
+STEP_CORRECTIONS = {
+    "ranks taking turns": "more ranks than cores: each blocking call waits for the other rank's turn on a core",
+    "named calls": "clipping's sums, the cross-entropy's sums, the replicated weights' sums (tier 1 counts none)",
+    "overlap walked": "the buckets' overlap walked bucket by bucket, ZeRO-3's layer by layer, each call as the "
+                      "trainer sends it (float32 words in mixed precision, ZeRO's pieces), against tier 1's "
+                      "whole-backward overlap",
+    "bubble of the corrections": "the closed-form bubble at tier 2's costs of a micro-batch, not tier 1's",
+    "schedule simulated": "the schedule simulated with each message's time and the ranks' turns, against the "
+                          "closed form",
+    "I/O wait": "the reader's share of a step it cannot hide",
+}
+
+
+def step_corrections(plan, textbook: dict) -> dict:
+    """Tier 2's step (``plan.time``) as tier 1's ``textbook`` one
+    (:func:`mpitrain.plan.space.of_layout`) plus named corrections, seconds: the products'
+    ``shapes`` and :data:`CORRECTIONS` of the rank whose compute the step takes, then
+    :data:`STEP_CORRECTIONS` (the exposed communication's of the rank whose exposed time
+    it takes, the bubble's of the slowest stage). Their sum is the difference."""
+    lay, machine, t = plan.layout, plan.machine, plan.time
+    workers = [p for p in plan.ranks if p.stage != "server"]
+    rows = _rows(lay, workers, machine)
+    parts = compute_parts(lay, workers[max(range(len(rows)), key=lambda j: rows[j][0])], machine)
+    out = {"shapes": parts.pop("products") - textbook["compute"], **parts}
+    _, exposed, _, turns, named = max(rows, key=lambda row: row[1])
+    out.update({"ranks taking turns": turns, "named calls": named,
+                "overlap walked": exposed - turns - named - textbook["exposed"]})
+    closed = 0.0
+    if lay.pp > 1:
+        F, B, W, latency, after = _stage_costs(lay, workers, rows, machine)
+        closed = cost.pipeline_idle(lay.par.schedule, lay.pp, lay.m, lay.v, F, B, W) + 2 * (lay.pp - 1) * latency
+        closed += after
+    out.update({"bubble of the corrections": closed - textbook["bubble"], "schedule simulated": t["bubble"] - closed,
+                "I/O wait": t["io_wait"]})
+    return out
 
 
 def io_wait(lay, machine: Machine, step: float) -> float:
