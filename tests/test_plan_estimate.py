@@ -88,28 +88,40 @@ def test_tier_2s_compute_is_tier_1s_plus_its_named_corrections(ranks, sets):
 
 
 
-@pytest.mark.parametrize("ranks, sets", [(P, sets) for P, layouts in GRIDS.items() for sets in layouts
-                                         if not any(x.startswith(("parallel.sync", "train.precision")) for x in sets)
-                                         or (P > 1 and "parallel.sync=zero1" in sets and len(sets) == 1)],
-                         ids=lambda v: v if isinstance(v, int) else " ".join(v) or "ddp")
-def test_tier_1s_bytes_are_what_each_rank_sends_but_tier_2s_named_calls(ranks, sets):
-    """Each rank's bytes on each communicator, counted call by call by tier 2 (what the
-    trainer's counters count), are tier 1's textbook sums (``estimate.gpt_bytes``) plus
-    tier 2's named calls: clipping's sums of squares, the vocabulary-parallel
-    cross-entropy's three sums of a number per token, and with sequence parallelism the
-    sums of the weights every slice holds whole (the position embedding, the norms, the
-    projections' biases). Float32 layouts (mixed precision sends NumPy's float32 copies)
-    whose tied and replicated weights are summed whole (not ZeRO's pieces of them)."""
-    cfg = config.load("jobs/shakespeare_gpt.toml", [*sets, "model.bias=true"], data_needed=False)
-    plan = planner.make(cfg, ranks, planner.machine(hardware.load(), "this", ranks))
-    lay = plan.layout
-    for p in plan.ranks:
-        rest, r = divmod(p.ranks[0], lay.tp)
-        _, _, sent = estimate.of_layout(lay, rest // lay.dp, r)
-        named = {axis: sum(c.sent for c in p.calls if c.axis == axis and c.what.startswith(BYTES_CORRECTIONS))
-                 for axis in ("dp", "pp", "tp")}
-        for axis in ("dp", "pp", "tp"):
-            assert p.sent.get(axis, 0) == pytest.approx(sent[axis] + named[axis], rel=1e-12), (p.ranks, axis)
+@pytest.mark.parametrize("job", sorted(glob.glob("jobs/*.toml")))
+def test_tier_1s_bytes_are_what_each_rank_sends_but_tier_2s_named_corrections(job):
+    """On every shipped job and each layout the MPI tier trains (those the job's model
+    takes), each rank's bytes on each communicator, counted call by call by tier 2 (what
+    the trainer's counters count), are tier 1's textbook sums (``estimate.of_layout``) plus
+    ``traffic.corrections``: the calls tier 1 does not count (clipping's sums, the
+    vocabulary-parallel cross-entropy's, the replicated weights'), NumPy's and MPI's float32
+    words in mixed precision, ZeRO-3's replayed sums, the tied weight summed as ZeRO's
+    pieces, and a vocabulary's uneven slices; each where its cause is."""
+    from mpitrain.config import ConfigError
+    from mpitrain.plan import traffic
+
+    for ranks, sets in [(P, sets) for P, grid in GRIDS.items() for sets in grid] + CNN_LAYOUTS:
+        try:
+            cfg = config.load(job, sets, data_needed=False)
+            plan = planner.make(cfg, ranks, planner.machine(hardware.load(), "this", ranks))
+        except ConfigError:  # slices and checkpointing are the GPT's
+            assert "gpt" not in job
+            continue
+        lay = plan.layout
+        for p in plan.ranks:
+            rest, r = divmod(p.ranks[0], lay.tp)
+            _, _, sent = estimate.of_layout(lay, rest // lay.dp, r)
+            fixes = traffic.corrections(lay, p.calls, r)
+            for axis in ("dp", "pp", "tp"):
+                fix, where = fixes[axis], (sets, p.ranks, axis)
+                assert list(fix) == list(traffic.BYTES_CORRECTIONS)
+                assert p.sent.get(axis, 0) == pytest.approx(sent[axis] + sum(fix.values()), rel=1e-12, abs=1), where
+                assert fix["named calls"] == sum(c.sent for c in p.calls if c.axis == axis
+                                                 and c.what.startswith(BYTES_CORRECTIONS)), where
+                assert (fix["float32 words"] > 0) <= lay.mixed, where
+                assert (fix["ZeRO-3's replays"] > 0) <= (lay.par.sync == "zero3" and axis == "tp"), where
+                assert (fix["ZeRO's pieces"] != 0) <= (lay.par.sync.startswith("zero") and axis == "pp"), where
+                assert (fix["uneven slices"] != 0) <= (lay.data.ids % lay.tp != 0 and axis == "pp"), where
 
 
 def test_zero1_with_slices_and_stages_in_bf16_is_the_zero_papers_formula():

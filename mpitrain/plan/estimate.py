@@ -64,7 +64,8 @@ def gpt_flops(blocks: int, T: int, C: int, V: int, *, samples: int, tp: int = 1,
 
 def gpt_bytes(N: int, blocks: int, T: int, C: int, V: int, *, b: int, m: int, sync: str = "ddp", dp: int = 1,
               pp: int = 1, tp: int = 1, v: int = 1, precision: str = "fp32", itemsize: int = 4,
-              recompute: bool = False, first: bool = True, last: bool = True) -> dict[str, float]:
+              recompute: bool = False, sequence: bool = False, first: bool = True,
+              last: bool = True) -> dict[str, float]:
     """Bytes one rank sends in a step, by communicator, its part holding ``N`` parameters
     and ``blocks`` blocks (``first`` and ``last``: the pipeline rank with the embedding,
     with the head), ``m`` micro-batches of ``b`` samples, numbers of ``itemsize`` bytes
@@ -73,7 +74,8 @@ def gpt_bytes(N: int, blocks: int, T: int, C: int, V: int, *, b: int, m: int, sy
     bytes as a reduce-scatter and an allgather with sequence parallelism), the embedding's
     and the head's input's (:func:`mpitrain.cost.tensor_parallel_bytes`); ``pp``, each
     micro-batch's activations to the next stage and their gradients to the one before,
-    for each of the ``v`` chunks but at the model's two ends, and the tied embedding's
+    for each of the ``v`` chunks but at the model's two ends (with ``sequence``
+    parallelism a slice's ``1/tp`` of the sequence), and the tied embedding's
     gradient summed by the first and last stage; ``dp``, the gradients' allreduce, or
     ZeRO's reduce-scatters and gathers (:func:`mpitrain.cost.zero_bytes`). Scalars or
     arrays alike."""
@@ -82,7 +84,7 @@ def gpt_bytes(N: int, blocks: int, T: int, C: int, V: int, *, b: int, m: int, sy
     ends = 1 * first + 1 * last  # (numbers, not truth values: NumPy adds two booleans as "or")
     tp_bytes = m * (blocks * (1.5 if recompute else 1) * cost.tensor_parallel_bytes(b, T, C, number, tp)
                     + ends * cost.collective_bytes("allreduce", act, tp))
-    sends = m * act * (2 * v - ends)
+    sends = m * act / (tp if sequence else 1) * (2 * v - ends)
     tied = (ends > 0) * cost.collective_bytes("allreduce", V * C / tp * number, 2)
     return {"dp": sync_bytes(N * number, sync, dp, m), "pp": (pp > 1) * (sends + tied), "tp": tp_bytes}
 
@@ -182,5 +184,6 @@ def of_layout(lay, s: int, r: int = 0) -> tuple[dict, dict, dict]:
                       recompute=m.checkpoint_activations, last=last)
     sent = gpt_bytes(N, blocks, lay.T, m.n_embd, lay.data.ids, b=lay.micro_batch, m=lay.m, sync=par.sync, dp=lay.dp,
                      pp=lay.pp, tp=lay.tp, v=lay.v, precision=t.precision, itemsize=lay.dtype_bytes,
-                     recompute=m.checkpoint_activations, first=first, last=last)
+                     recompute=m.checkpoint_activations, sequence=lay.tp > 1 and par.sequence_parallel,
+                     first=first, last=last)
     return memory, flops, sent

@@ -176,8 +176,10 @@ def memory_table(plan) -> list[str]:
 def tiers_table(plan) -> list[str]:
     """Tier 1's answer beside tier 2's, per rank, with the named corrections between them
     (plan/README.md, "Two tiers"): the activations (:func:`mpitrain.plan.peak.corrections`),
-    the compute's parts (:func:`mpitrain.plan.timing.compute_parts`), and the step's parts."""
-    from mpitrain.plan import estimate, peak, space, timing
+    the bytes (:func:`mpitrain.plan.traffic.corrections`), the compute's parts
+    (:func:`mpitrain.plan.timing.compute_parts`), and the step's
+    (:func:`mpitrain.plan.timing.step_corrections`)."""
+    from mpitrain.plan import estimate, peak, space, timing, traffic
 
     lay = plan.layout
     if lay.textbook:
@@ -194,6 +196,15 @@ def tiers_table(plan) -> list[str]:
         lines.append(f"{ranks_text(p.ranks)} | {size(textbook)} | "
                      + " | ".join(("+" if said[k] > 0 else "") + size(said[k]) if said[k] else "0" for k in fixes)
                      + f" | {size(p.memory['activations'])}")
+    named = list(traffic.BYTES_CORRECTIONS)
+    lines += ["bytes sent a step by tier, MB (tier 1 + tier 2's named corrections = tier 2):",
+              "ranks | axis | tier 1 | " + " | ".join(named) + " | tier 2"]
+    for p in workers:
+        rest, r = divmod(p.ranks[0] - lay.servers, lay.tp)
+        sent, said = estimate.of_layout(lay, rest // lay.dp, r)[2], traffic.corrections(lay, p.calls, r)
+        lines += [f"{ranks_text(p.ranks)} | {axis} | {sent[axis] / MB:.4g} | "
+                  + " | ".join(f"{said[axis][k] / MB:+.4g}" if said[axis][k] else "0" for k in named)
+                  + f" | {p.sent.get(axis, 0) / MB:.4g}" for axis in ("dp", "pp", "tp") if p.sent.get(axis)]
     ms = lambda x: f"{1e3 * x:.3g}"  # noqa: E731
     lines += ["compute by part, ms a step (tier 2's products, at each shape's rate, and its named corrections):",
               "ranks | products | " + " | ".join(timing.CORRECTIONS) + " | tier 2"]

@@ -287,14 +287,15 @@ def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule
     flops = {k: (x[rows, slowest] if np.ndim(x) == 2 else x) for k, x in every.items()}
     compute = sum(flops.values()) / _rate(machine, model, precision, b)
     sent = estimate.gpt_bytes(N, blocks, T, C, V, b=b, m=m, sync=sync, dp=dp, pp=pp, tp=tp, v=v, precision=precision,
-                              itemsize=model.itemsize, recompute=recompute, first=first, last=last)
+                              itemsize=model.itemsize, recompute=recompute, sequence=sequence, first=first,
+                              last=last)
     alpha, bandwidth, _ = _links(machine, 1, tp)
     sums = m * ((6 if recompute else 4) * blocks + 1 * first + 1 * last)  # the calls, each a latency
     tp_seconds = cost.alpha_beta_seconds("allreduce", tp, sent["tp"], alpha, bandwidth, sums)
     kind, calls = _sync_calls(sync, N * number, bucket_mb, m, blocks + 2)
     alpha, bandwidth, hides = _links(machine, tp, dp, kind)
     dp_seconds = np.where(dp > 1, cost.alpha_beta_seconds(kind, dp, sent["dp"], alpha, bandwidth, calls), 0.0)
-    activation = b * T * C * number  # a micro-batch's activations: what a stage's sends carry
+    activation = b * T * C * number / np.where(sequence, tp, 1)  # what a stage's sends carry (a slice's share)
     alpha, bandwidth, _ = _links(machine, dp * tp, pp)
     send = alpha + activation / bandwidth
     tied = cost.alpha_beta_seconds("allreduce", 2, cost.collective_bytes("allreduce", V * C / tp * number, 2),

@@ -32,7 +32,7 @@ class Call:
     count: int = 1  # calls per step
     algorithm: str = "mpi"  # "mpi", or "ring": mpitrain's (exact per rank), "p2p"
     rank: int = 0  # this rank's index in the communicator (the ring's chunks differ by rank)
-    itemsize: int = 4
+    itemsize: int = 4  # bytes of a number it carries
 
     @property
     def sent(self) -> int:
@@ -149,18 +149,18 @@ def pp_calls(lay, s: int, r: int, d: int = 0) -> list[Call]:
         k = c * lay.pp + s  # the stage's index in the whole pipeline
         if k < last:
             calls.append(Call("pp", f"activations of chunk {c}", "send", b * math.prod(chunk[-1].out) * a, lay.pp,
-                              lay.m, "p2p"))
+                              lay.m, "p2p", itemsize=a))
         if k > 0:
             before = lay.models[r].layers[lay.bounds[k] - 1]
             calls.append(Call("pp", f"their gradients, chunk {c}", "send", b * math.prod(before.out) * a, lay.pp,
-                              lay.m, "p2p"))
+                              lay.m, "p2p", itemsize=a))
     tied = lay.models[r].tied
     mine = lay.parameters(s, r)
     for name in sorted(tied & mine.keys()):
         holders = {t for t in range(lay.pp) if name in lay.parameters(t, r)}
         if len(holders) > 1:
             calls.append(Call("pp", f"tied {name}'s gradient", "allreduce",
-                              held(lay, s, r, d, [name]) * lay.sum_bytes(), len(holders)))
+                              held(lay, s, r, d, [name]) * lay.sum_bytes(), len(holders), itemsize=lay.sum_bytes()))
     if lay.cfg.optim.grad_clip > 0:
         calls.append(Call("pp", "clipping: sum of squares", "allreduce", NORM, lay.pp))
     return calls
@@ -186,9 +186,9 @@ def tp_calls(lay, s: int, r: int, d: int = 0) -> list[Call]:
 
     def pair(what, count):  # a sum, or (sequence parallel) its reduce-scatter and allgather halves
         if sp:
-            return [Call("tp", what + " (reduce-scatter)", "reduce_scatter", act, t, count),
-                    Call("tp", what + " (allgather)", "allgather", act, t, count)]
-        return [Call("tp", what, "allreduce", act, t, count)]
+            return [Call("tp", what + " (reduce-scatter)", "reduce_scatter", act, t, count, itemsize=a),
+                    Call("tp", what + " (allgather)", "allgather", act, t, count, itemsize=a)]
+        return [Call("tp", what, "allreduce", act, t, count, itemsize=a)]
 
     def again(prefix):  # micro-batches times the layers of that name replayed
         return m * sum(1 for layer in layers if layer.name.startswith(prefix) and replays(lay, layer))
@@ -198,7 +198,7 @@ def tp_calls(lay, s: int, r: int, d: int = 0) -> list[Call]:
         calls += pair("embedding's rows", m)
         if again("embed"):
             calls.append(Call("tp", "embedding's rows, replayed", "reduce_scatter" if sp else "allreduce", act, t,
-                              again("embed")))
+                              again("embed"), itemsize=a))
     if blocks:
         calls += pair("blocks' attention and MLP, forward and backward", 4 * blocks * m)
         if again("block"):
@@ -206,7 +206,8 @@ def tp_calls(lay, s: int, r: int, d: int = 0) -> list[Call]:
     if "head" in names:  # backward: the input's sum (sequence parallel: forward its allgather)
         calls += pair("head's input", m)
         if sp and again("head"):
-            calls.append(Call("tp", "head's input, replayed (allgather)", "allgather", act, t, again("head")))
+            calls.append(Call("tp", "head's input, replayed (allgather)", "allgather", act, t, again("head"),
+                              itemsize=a))
         calls.append(Call("tp", "cross-entropy: max, target logit, sum", "allreduce", b * T * a, t, 3 * m))
     if sp:
         whole = held(lay, s, r, d, lay.replicated & lay.parameters(s, r).keys())
@@ -216,6 +217,45 @@ def tp_calls(lay, s: int, r: int, d: int = 0) -> list[Call]:
     if lay.cfg.optim.grad_clip > 0:
         calls.append(Call("tp", "clipping: sum of squares", "allreduce", NORM, t))
     return calls
+
+
+# tier 2's named corrections to tier 1's bytes (:func:`corrections`; plan/README.md, "Two tiers")
+BYTES_CORRECTIONS = {
+    "named calls": "clipping's, the vocabulary-parallel cross-entropy's and the replicated weights' sums",
+    "float32 words": "in mixed precision NumPy's activations, and MPI's sums of 16-bit gradients, in 4 bytes; the "
+                     "textbook's in 2",
+    "ZeRO-3's replays": "mpitrain's ZeRO-3 runs each layer forward again in backward: a slice makes its forward's "
+                        "sums again",
+    "ZeRO's pieces": "under ZeRO, the tied weight's gradient summed as each rank's own piece of it, after the "
+                     "reduce-scatter; the textbook sums it whole",
+    "uneven slices": "a vocabulary that does not divide over the slices: the tied weight's rows of this slice, not "
+                     "the even share",
+}
+
+
+def corrections(lay, calls: list[Call], r: int = 0) -> dict:
+    """{axis: {correction: bytes}}: what tensor-parallel rank ``r``'s ``calls`` send beyond
+    tier 1's count (:func:`mpitrain.plan.estimate.of_layout`), by :data:`BYTES_CORRECTIONS`:
+    tier 1's bytes on an axis plus its corrections are the calls' bytes."""
+    word = cost.word_bytes(lay.mixed, lay.dtype_bytes)  # the textbook's number
+    params, ckpt = lay.models[r].parameters(), lay.cfg.model.checkpoint_activations
+    out = {axis: dict.fromkeys(BYTES_CORRECTIONS, 0.0) for axis in ("dp", "pp", "tp")}
+    for c in calls:
+        fix = out[c.axis]
+        if c.what.startswith(NAMED):
+            fix["named calls"] += c.sent
+        elif "replayed" in c.what and lay.par.sync == "zero3" and not (ckpt and c.what.startswith("blocks")):
+            fix["ZeRO-3's replays"] += c.sent  # (a checkpointed block's replay tier 1 counts)
+        elif c.what.startswith("tied "):  # summed: this slice's whole weight; even: the textbook's share of it
+            name = c.what[len("tied "):].split("'s gradient")[0]
+            summed, even = (cost.collective_bytes(c.collective, n * c.itemsize, c.ranks) * c.count for n in (
+                math.prod(params[name]), sum(math.prod(x.parameters()[name]) for x in lay.models) / lay.tp))
+            fix["ZeRO's pieces"] += c.sent - summed
+            fix["uneven slices"] += summed - even
+            fix["float32 words"] += even * (c.itemsize - word) / c.itemsize
+        else:
+            fix["float32 words"] += c.sent * (c.itemsize - word) / c.itemsize
+    return out
 
 
 def by_axis(calls: list[Call]) -> dict:
