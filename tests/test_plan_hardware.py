@@ -308,6 +308,8 @@ def test_a_calibration_of_another_machine_is_said_where_its_predictions_are_prin
     from mpitrain.observe import prediction
     from mpitrain.plan import show
 
+    monkeypatch.setattr(hardware, "_of_this_kind", lambda devices: devices["this"])  # the shipped "this" alone
+    shipped = hardware.load()
     this = shipped.device("this")
     cfg = load("jobs/shakespeare_gpt.toml", data_needed=False)
     plan = planner.make(cfg, 2, planner.machine(shipped, "this", 2))
@@ -326,6 +328,27 @@ def test_a_calibration_of_another_machine_is_said_where_its_predictions_are_prin
         assert f"another machine ({theirs}), not of this one ({cpu})" in note and "mpitrain plan --calibrate" in note
         assert header[-1] == f"note: {note}" and closing[-1] == f"plan: {note}"
         assert hardware.calibrated_elsewhere(shipped.device("h100")) == ""  # a datasheet's device is no machine
+
+
+def test_this_is_the_shipped_calibration_of_this_machines_processor(shipped, monkeypatch, tmp_path):
+    """Each kind of machine the project's calibrations ship for gets its own as "this" (and
+    no note that it is another machine's); any other gets the shipped "this"; a user's
+    calibration replaces it on any machine."""
+    kinds = {k: d for k, d in shipped.devices.items() if d.calibrated and k != "this"}
+    kinds["plain"] = hardware.parse_device("this", hardware.read_toml(hardware.SHIPPED)["device"]["this"],
+                                           hardware.SHIPPED)  # the shipped "this" itself
+    assert len(kinds) >= 2 and len({d.name for d in kinds.values()}) == len(kinds)
+    for key, device in kinds.items():
+        cpu = device.name.partition(";")[0].strip()
+        monkeypatch.setattr(hardware, "this_cpu", lambda: cpu)
+        this = hardware.load().device("this")
+        assert (this.key, this.name, this.gemm) == ("this", device.name, device.gemm), key
+    monkeypatch.setattr(hardware, "this_cpu", lambda: "Another CPU, 64 cores")
+    assert hardware.load().device("this").name == kinds["plain"].name
+    user = tmp_path / "mine.toml"
+    user.write_text(DEVICE.replace("device.d", "device.this"))
+    monkeypatch.setattr(hardware, "this_cpu", lambda: kinds["plain"].name.partition(";")[0].strip())
+    assert hardware.load(user).device("this").name != kinds["plain"].name
 
 
 def test_traffic_counts_kept_numbers_and_each_convolutions_columns():

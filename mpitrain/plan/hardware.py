@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -221,7 +221,20 @@ def load(path=None) -> Catalogue:
         devices.update({k: parse_device(k, t, f) for k, t in tables.get("device", {}).items()})
         links.update({k: _link(k, t, f) for k, t in tables.get("link", {}).items()})
         notes.update({k: _number(tables["notes"], k, f, "notes") for k in tables.get("notes", {})})
+        if f == SHIPPED:
+            devices["this"] = _of_this_kind(devices)
     return Catalogue(devices, links, notes, " + ".join(map(str, files)))
+
+
+def _of_this_kind(devices: dict) -> Device:
+    """The shipped calibration "this" stands for: the one of this machine's processor
+    (:func:`this_cpu`) where one ships (another kind's figures would be that machine's),
+    else the shipped "this". A user's "this" replaces it in either case."""
+    ours = this_cpu()
+    for device in ([devices["this"]] + [d for d in devices.values() if d.calibrated]):
+        if device.name.partition(";")[0].strip() == ours:
+            return replace(device, key="this")
+    return devices["this"]
 
 
 def read_toml(path: Path) -> dict:
