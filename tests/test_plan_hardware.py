@@ -473,3 +473,18 @@ def test_a_poisoned_user_catalogue_changes_no_tests_outcome(tmp_path):
                            env=dict(env, MPITRAIN_HARDWARE=str(tmp_path / "named.toml")), capture_output=True,
                            text=True, timeout=240, cwd=tests.parent)
     assert suite.returncode == 0 and "2 passed" in suite.stdout, suite.stdout + suite.stderr
+
+
+def test_a_calibration_is_compared_with_the_shipped_one_of_its_kind(shipped, monkeypatch):
+    """Calibration's closing comparison: its GEMM rates against the shipped calibration of
+    this kind of machine, shape by shape; a warning where they are a tenth or more below
+    (a slow spell the busy check cannot see); nothing to compare on another kind."""
+    this = shipped.device("this")
+    monkeypatch.setattr(hardware, "this_cpu", lambda: this.name.partition(";")[0].strip())
+    rows = [[m, k, n, dtype, rate / 1e9, threads] for m, k, n, dtype, rate, threads in this.gemm]
+    same = calibrate.against_shipped(rows)
+    assert same.startswith("against the shipped calibration") and f"within 10% on {len(rows)} of {len(rows)}" in same
+    slow = calibrate.against_shipped([[*r[:4], r[4] * 0.85, r[5]] for r in rows])
+    assert slow.startswith("warning:") and "median 0.85 " in slow and "within 10% on 0 of" in slow
+    monkeypatch.setattr(hardware, "this_cpu", lambda: "Another CPU, 64 cores")
+    assert calibrate.against_shipped(rows).startswith("no shipped calibration of this kind of machine")

@@ -278,6 +278,7 @@ def calibrate(shapes=None, links=("shm",), rates_gbit=(), out=None, log=print, *
         log(f"{name}: {', '.join(f'{k} {v:g}' for k, v in this[name].items()) or 'none measured'}")
     measured = {"device": {"this": this}, "link": _links(links, rates_gbit, max_bytes, repeats, log)}
     check_quiet("at the end of calibrating", busy_ok, log)
+    log(against_shipped(this["gemm_gflops"]))
     out = Path(out) if out is not None else user_path()
     merged = read_toml(out) if out.exists() else {}
     for kind, entries in measured.items():
@@ -286,6 +287,32 @@ def calibrate(shapes=None, links=("shm",), rates_gbit=(), out=None, log=print, *
     write_toml(out, to_toml(merged, f"measured by mpitrain.plan.calibrate {time.strftime('%Y-%m-%d')}: {command}"))
     log(wrote(out, measured))
     return measured
+
+
+SLOWER = 0.9  # a calibration's median GEMM rate against the shipped one of its kind below which it is doubted
+
+
+def against_shipped(rows: list, shipped=None) -> str:
+    """A line comparing the GEMM ``rows`` just measured with the shipped calibration of
+    this machine's kind (:func:`mpitrain.plan.hardware.load`'s "this"), shape by shape: the
+    median ratio and how many are within 10%; a warning where the median is below
+    :data:`SLOWER` (a slow spell the busy check did not see); "" where none ships."""
+    from mpitrain.plan.hardware import SHIPPED, load, this_cpu
+
+    theirs = (shipped or load(SHIPPED)).device("this")
+    if theirs.name.partition(";")[0].strip() != this_cpu():
+        return f"no shipped calibration of this kind of machine ({this_cpu()}) to compare with"
+    known = {(m, k, n, dtype, threads): rate for m, k, n, dtype, rate, threads in theirs.gemm}
+    ratios = sorted(r[4] * 1e9 / known[tuple(r[:4]) + (r[5],)] for r in rows if tuple(r[:4]) + (r[5],) in known)
+    if not ratios:
+        return "no GEMM shape in common with the shipped calibration of this kind of machine"
+    median = ratios[len(ratios) // 2]
+    said = (f"against the shipped calibration of this kind of machine: GEMM rates a median {median:.3g} of its, "
+            f"within 10% on {sum(abs(x - 1) <= 0.1 for x in ratios)} of {len(ratios)} shapes")
+    if median < SLOWER:
+        said = (f"warning: {said}: slower than this kind of machine measured quietly; was it busy (its host, "
+                "or a process outside this one's view)? Calibrate again when it is quiet")
+    return said
 
 
 def wrote(out: Path, measured: dict) -> str:
