@@ -42,7 +42,8 @@ BAD = [
     ('[optim]\nbetas = [0.9]\n[train]\nepochs = 1\n', "optim.betas: expected a list of 2"),
     ('[train]\nepochs = 1\nsteps = 5\n', "train.steps: set exactly one"),
     ('[train]\nglobal_batch_size = 0\nepochs = 1\n', "train.global_batch_size: must be > 0"),
-    ('[model]\nname = "vgg"\n[train]\nepochs = 1\n', "model.name: must be one of"),
+    ('[model]\nname = "vgg"\n[train]\nepochs = 1\n',
+     "model.name: must be 'lenet', 'convnet', 'resnet' or 'gpt', got 'vgg'"),
     ('[model]\nn_layer = 3\n[train]\nepochs = 1\n', "model.n_layer: does not apply to model.name = 'lenet'"),
     ('[model]\nname = "gpt"\nn_embd = 10\nn_head = 4\n[data]\nname = "shakespeare"\n[train]\nsteps = 1\n',
      "model.n_embd: must be divisible"),
@@ -108,8 +109,9 @@ def test_an_unreadable_config_file_gets_one_line(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["parallel.sync=fsdp"], "parallel.sync: must be one of"),
-    (["parallel.strategy=fsdp"], "parallel.sync: must be one of"),  # the old name, read as the new
+    (["parallel.sync=fsdp"], "parallel.sync: must be 'ddp', 'zero1', 'zero2', 'zero3', 'local' or 'ps'"),
+    # the old name, read as the new
+    (["parallel.strategy=fsdp"], "parallel.sync: must be 'ddp', 'zero1', 'zero2', 'zero3', 'local' or 'ps'"),
     (["parallel.allreduce=tree"], "parallel.allreduce: must be 'mpi', 'ring' or 'hierarchical'"),
     (["parallel.sync=zero1", "parallel.allreduce=hierarchical"],
      "parallel.allreduce: 'hierarchical' (node-aware) is for parallel.sync = 'ddp'"),
@@ -139,8 +141,8 @@ def test_an_unreadable_config_file_gets_one_line(tmp_path, monkeypatch):
      "parallel.allreduce: does not apply to parallel.sync = 'local'"),
     (["parallel.strategy=ps", "parallel.allreduce=ring"], "parallel.allreduce: does not apply to parallel.sync = 'ps'"),
     (["parallel.strategy=ps", "parallel.sync=ps"], "parallel.strategy: is the old name of parallel.sync; give only"),
-    (["parallel.pp=2", "parallel.schedule=pipedream"], "parallel.schedule: must be one of ['gpipe', '1f1b', "
-                                                       "'interleaved', 'zb-h1'], got 'pipedream'"),
+    (["parallel.pp=2", "parallel.schedule=pipedream"], "parallel.schedule: must be 'gpipe', '1f1b', "
+                                                       "'interleaved' or 'zb-h1', got 'pipedream'"),
     (["parallel.pp=2", "parallel.chunks=2"], "parallel.chunks: more than one model chunk per rank needs "
                                              "parallel.schedule = 'interleaved'"),
     (["parallel.pp=2", "parallel.chunks=0"], "parallel.chunks: must be >= 1, got 0"),
@@ -203,7 +205,7 @@ def test_parameter_server_rank_checks(ranks, overrides, message):
     (2, ["parallel.sync=local"], "parallel.sync: 'local' exchanges no gradients, so 2 data-parallel replicas"),
     (2, ["train.micro_batches=4"], "train.micro_batches: the 6 samples of each of the 2 data-parallel ranks "
                                    "(train.global_batch_size 12 / 2) do not split into 4 equal micro-batches; use "
-                                   "one of [1, 2, 3, 6], or a train.global_batch_size that is a multiple of 8"),
+                                   "1, 2, 3 or 6, or a train.global_batch_size that is a multiple of 8"),
     (4, ["parallel.sync=ps", "parallel.dp=2"], "parallel.dp: dp x pp x tp = 2 x 1 x 1 = 2, but there are the 3 "
                                                "workers of this job (4 ranks - 1 server(s))"),
 ])

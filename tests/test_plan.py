@@ -22,7 +22,7 @@ from mpitrain.plan.layout import Layout
 from mpitrain.plan.predict import rank_plans
 
 GPT3 = ["--model", "gpt3-175b", "--hardware", "a100-80g", "--gpus-per-node", "8", "--nodes", "128",
-        "--set", "train.global_batch_size=2048"]
+        "--network", "ib-hdr", "--set", "train.global_batch_size=2048"]
 
 
 def planned(argv):
@@ -442,3 +442,53 @@ def test_a_gpu_multiplies_in_the_precision_it_trains_in(precision, peak):
                  "--set", f"train.precision={precision}"])
     flops = max(sum(r.flops.values()) for r in p.ranks)  # the vocabulary's slices: tier 1 takes the even share
     assert p.time["compute"] == pytest.approx(flops / (peak * 0.4), rel=1e-5)
+
+
+def test_the_plans_of_a_new_gpu_user_read_as_they_should():
+    """What a user meets first planning a GPU: V100 plans (its NVLink 2); nodes without
+    --network are refused, naming the flag; one bubble figure, the step's; FLOP/s labelled
+    model or executed, and MFU/HFU of the peak of the precision the device multiplies in;
+    three significant digits, a small rate not rounded to 0; the vocabulary named."""
+    from mpitrain.plan import show
+
+    v100 = planned(["--model", "gpt2", "--hardware", "v100", "--set", "train.precision=fp16"])
+    assert v100.machine.intra.key == "nvlink2" and v100.time["step"] > 0
+    with pytest.raises(hardware.HardwareError, match="v100 .* has no bf16 peak .*train.precision = 'fp16'"):
+        planned(["--model", "gpt2", "--hardware", "v100", "--set", "train.precision=bf16"])
+    with pytest.raises(hardware.HardwareError, match="16 ranks at 8 a node are 2 nodes: --network names the link"):
+        planned(["--model", "gpt2", "--hardware", "a100-80g", "--nodes", "2", "--gpus-per-node", "8"])
+    plan = planned([*GPT3, "--set", "parallel.tp=8", "--set", "parallel.pp=16", "--set", "train.micro_batches=64",
+                    "--set", "train.precision=bf16", "--set", "model.checkpoint_activations=true"])
+    text = show.text(plan, "gpt3-175b")
+    share = f"{100 * plan.time['bubble'] / plan.time['step']:.1f}% of the step"
+    assert share in text and text.count("% of the step") == 1 and "% of a step" not in text
+    rate, executed = (f / plan.time["step"] / 1024 for f in (plan.model_flops, plan.executed_flops))
+    peak = plan.machine.device.peak_flops["bf16"]
+    assert executed > rate  # recomputation is executed, not the model's
+    assert (f"{show.sig(rate / 1e12)} model TFLOP/s per rank (without recomputation), "
+            f"{show.sig(executed / 1e12)} executed; MFU {100 * rate / peak:.1f}%, HFU {100 * executed / peak:.1f}% "
+            "of the bf16 peak 312 TFLOP/s") in text
+    assert "a vocabulary of 50,257" in text
+    assert [show.sig(x) for x in (0.38, 31.14, 463228, 0.000691)] == ["0.380", "31.1", "463,000", "0.000691"]
+    assert show.duration(0.0723) == "72.3 ms" and show.duration(40.44) == "40.4 s"
+
+
+def test_gpt2_in_bf16_on_an_h100_is_faster_by_the_tensor_cores_ratio_and_holds_no_numpy_arrays():
+    """The issue's example: GPT-2 on one H100 in bf16 against fp32: the step's compute by
+    the ratio of the bf16 tensor-core peak to FP32's (989.5 / 67); no GPU plan counts
+    NumPy's upcast copies or work arrays (tier 1's memory, as GPU frameworks hold it)."""
+    from mpitrain.plan import estimate
+
+    fp32, bf16 = (planned(["--model", "gpt2", "--hardware", "h100", "--set", f"train.precision={p}"])
+                  for p in ("fp32", "bf16"))
+    assert fp32.time["compute"] / bf16.time["compute"] == pytest.approx(989.5 / 67, rel=1e-9)
+    for plan in (fp32, bf16, planned([*GPT3, "--set", "parallel.tp=8", "--set", "parallel.pp=16",
+                                      "--set", "train.micro_batches=64", "--set", "train.precision=bf16",
+                                      "--set", "parallel.sync=zero1"])):
+        lay = plan.layout
+        assert lay.textbook and lay.work_arrays == 0 and lay.dtype_bytes == lay.itemsize
+        for p in plan.ranks:
+            rest, r = divmod(p.ranks[0], lay.tp)
+            memory = estimate.of_layout(lay, rest // lay.dp, r)[0]
+            assert p.memory["work"] == p.memory["buffers"] == p.memory["objects"] == 0
+            assert p.memory["activations"] == memory["activations"]  # the published formula, 16-bit, no copies

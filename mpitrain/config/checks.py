@@ -15,6 +15,12 @@ from mpitrain.config.fields import (CHOICES, EMBEDDED, GRID, IMAGE_ONLY_TRAIN_FI
 from mpitrain.schedules import SCHEDULES
 
 
+def either(values) -> str:
+    """Choices as every message words them: ``'a', 'b' or 'c'`` (numbers unquoted)."""
+    words = [repr(v) if isinstance(v, str) else str(v) for v in values]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
 def _require(ok: bool, key: str, message: str, value) -> None:
     if not ok:
         raise ConfigError(f"{key}: {message}, got {value!r}")
@@ -32,9 +38,9 @@ def validate(cfg: Config, data_needed: bool = True) -> None:
 def _validate_choices(cfg: Config) -> None:
     """The named choices, and no field given that they do not read."""
     m, o, par = cfg.model, cfg.optim, cfg.parallel
-    _require(m.name in MODELS, "model.name", f"must be one of {list(MODELS)}", m.name)
-    _require(o.name in OPTIM_FIELDS, "optim.name", f"must be one of {sorted(OPTIM_FIELDS)}", o.name)
-    _require(par.sync in PARALLEL_FIELDS, "parallel.sync", f"must be one of {list(PARALLEL_FIELDS)}", par.sync)
+    _require(m.name in MODELS, "model.name", f"must be {either(MODELS)}", m.name)
+    _require(o.name in OPTIM_FIELDS, "optim.name", f"must be {either(sorted(OPTIM_FIELDS))}", o.name)
+    _require(par.sync in PARALLEL_FIELDS, "parallel.sync", f"must be {either(PARALLEL_FIELDS)}", par.sync)
     for key in sorted(cfg.given):
         section, name = key.split(".")
         if section in CHOICES:
@@ -66,7 +72,7 @@ def _validate_data(cfg: Config, data_needed: bool = True) -> None:
         _require(text_model == (EMBEDDED[d.name] == "text"), "data.name",
                  f"gpt trains on text (shakespeare), the CNNs on images (mnist5k); model.name is {m.name!r}", d.name)
     _require(d.shift >= 0, "data.shift", "must be >= 0", d.shift)
-    _require(d.sampling in SAMPLING, "data.sampling", f"must be one of {', '.join(SAMPLING)}", d.sampling)
+    _require(d.sampling in SAMPLING, "data.sampling", f"must be {either(SAMPLING)}", d.sampling)
     _require(text_model or "data.sampling" not in cfg.given, "data.sampling",
              "places text windows: applies to text models (model.name = 'gpt') only", d.sampling)
     _require(d.buffer_mb > 0, "data.buffer_mb", "must be > 0", d.buffer_mb)
@@ -154,12 +160,12 @@ def _validate_parallel(cfg: Config) -> None:
     _require(par.progress in ("test", "thread", "none", "off"), "parallel.progress",
              "must be 'test', 'thread', 'none' or 'off'", par.progress)
     _require(par.thread_level in ("auto", "single", "funneled", "serialized", "multiple"), "parallel.thread_level",
-             "must be auto, single, funneled, serialized or multiple", par.thread_level)
+             "must be 'auto', 'single', 'funneled', 'serialized' or 'multiple'", par.thread_level)
     _require(par.progress != "thread" or par.thread_level in ("auto", "serialized", "multiple"),
              "parallel.thread_level", "the communication thread (parallel.progress = 'thread') needs "
              "'serialized' or 'multiple'", par.thread_level)
 
-    _require(par.schedule in SCHEDULES, "parallel.schedule", f"must be one of {list(SCHEDULES)}", par.schedule)
+    _require(par.schedule in SCHEDULES, "parallel.schedule", f"must be {either(SCHEDULES)}", par.schedule)
     _require(par.chunks >= 1, "parallel.chunks", "must be >= 1", par.chunks)
     _require(par.chunks == 1 or par.schedule == "interleaved", "parallel.chunks",
              "more than one model chunk per rank needs parallel.schedule = 'interleaved'", par.chunks)
@@ -309,7 +315,7 @@ def _check_batch(cfg: Config, dp: int, ranks: str, who: str) -> None:
         fits = [k for k in range(1, B // dp + 1) if (B // dp) % k == 0]
         raise ConfigError(f"train.micro_batches: the {B // dp} samples of each of the {dp} {ranks} "
                           f"(train.global_batch_size {B} / {dp}) do not split into {m} equal micro-batches; "
-                          f"use one of {fits}, or a train.global_batch_size that is a multiple of {dp * m}")
+                          f"use {either(fits)}, or a train.global_batch_size that is a multiple of {dp * m}")
 
 
 def check_against_data(cfg: Config, data) -> None:

@@ -61,16 +61,21 @@ def machine(catalogue, hardware: str = "this", ranks: int = 1, per_node: int | N
             intra: str = "", utilization: float = 0.4, memory: float = 0.0) -> Machine:
     """The machine ``ranks`` ranks run on: ``per_node`` of them per node of ``hardware``,
     the nodes joined by ``network``. This machine ("this"): its memory shared by its ranks."""
+    from mpitrain.plan.hardware import HardwareError
+
     device = catalogue.device(hardware)
     per_node = per_node or ranks
     intra_key = intra or INTRA.get(hardware, "shm")
     inner = catalogue.link(intra_key)
+    nodes = -(-ranks // per_node)
+    if nodes > 1 and not network:  # joining nodes by the node's own link would flatter every plan
+        raise HardwareError(f"{ranks} ranks at {per_node} a node are {nodes} nodes: --network names the link between "
+                            "them (e.g. ib-hdr, ib-ndr, eth-100g; emu-1g, emu-10g for mpitrain cluster's nodes)")
     outer = catalogue.link(network) if network else inner
     if not memory:
         memory = (host_memory() or device.memory_bytes) / per_node if device.calibrated else device.memory_bytes
     # this machine's cores, ranks beyond them sharing them; nodes of this machine are emulated
     # (mpitrain cluster), each pinned to its share of the cores
-    nodes = -(-ranks // per_node)
     cores = max(1, available_cores() // nodes) if device.calibrated else 0
     return Machine(device, inner, outer, per_node, 1.0 if device.calibrated else utilization, memory, cores=cores,
                    switch=device.switch)

@@ -295,7 +295,7 @@ SLOWER = 0.9  # a calibration's median GEMM rate against the shipped one of its 
 def against_shipped(rows: list, shipped=None) -> str:
     """A line comparing the GEMM ``rows`` just measured with the shipped calibration of
     this machine's kind (:func:`mpitrain.plan.hardware.load`'s "this"), shape by shape: the
-    median ratio and how many are within 10%; a warning where the median is below
+    median ratio and how many are within a tenth of it; a warning where the median is below
     :data:`SLOWER` (a slow spell the busy check did not see); "" where none ships."""
     from mpitrain.plan.hardware import SHIPPED, load, this_cpu
 

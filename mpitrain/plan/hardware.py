@@ -104,8 +104,9 @@ class Device:
             raise HardwareError(f"device {self.key}: dtype {dtype!r}: expected one of {', '.join(PRECISION_OF)}")
         if not self.calibrated:
             if precision not in self.peak_flops:
+                hint = "; train.precision = 'fp16' runs on its tensor cores" if "fp16" in self.peak_flops else ""
                 raise HardwareError(f"device {self.key} ({self.name}) has no {precision} peak "
-                                    f"(it has {', '.join(self.peak_flops)})")
+                                    f"(it has {', '.join(self.peak_flops)}){hint}")
             return self.peak_flops[precision]
         want = "float64" if precision == "fp64" else "float32"
         rows = [r for r in self.gemm if r[3] == want] or [r for r in self.gemm if r[3] == "float32"]

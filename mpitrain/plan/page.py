@@ -23,6 +23,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt
 
+from mpitrain import cost
 from mpitrain.plan.show import CATEGORIES, ranks_text, size, verdict
 
 STYLE = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}"
@@ -130,8 +131,9 @@ def pipeline_figure(plan):
     ax.set_yticks(range(p), [f"stage {r}" for r in range(p)])
     ax.invert_yaxis()
     ax.set_xlabel("time, in one stage's forward passes")
-    ax.set_title(f"{name}: {p} stages x {m} micro-batches{f' x {v} chunks' if v > 1 else ''}: bubble "
-                 f"{100 * plan.ranks[0].bubble:.1f}%", fontsize=10)
+    idle = cost.pipeline_idle(name, p, m, v)  # in the figure's units; its share of the step: the plan's text
+    ax.set_title(f"{name}: {p} stages x {m} micro-batches{f' x {v} chunks' if v > 1 else ''}: {idle:g} idle "
+                 "units of F + B + W per stage", fontsize=10)
     return fig
 
 

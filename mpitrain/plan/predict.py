@@ -32,7 +32,6 @@ class RankPlan:
     calls: list  # :class:`~mpitrain.plan.traffic.Call` per step
     flops: dict  # per step: "forward", "backward", "recompute" (executed beyond the model's)
     held: float = 0.0  # micro-batches whose activations the rank holds at its peak
-    bubble: float = 0.0  # idle share of its step (pipelines)
     sent: dict = field(default_factory=dict)  # bytes per step by axis
     dp_calls: int = 0  # how many of ``calls`` are the data-parallel sync's (the first)
     slices: list = field(default_factory=list)  # the tensor-parallel ranks grouped here (none: not sliced)
@@ -157,7 +156,7 @@ def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None, objects
             (dp_calls(lay, params, layers, d, (s, r)) if ring else like.calls[:like.dp_calls])
             + (pp_calls(lay, s, r, d) + tp_calls(lay, s, r, d) if pieces else like.calls[like.dp_calls:]))
         return RankPlan([lay.rank_of(s, d, r)], like.stage, like.parameters, memory, calls, like.flops, like.held,
-                        like.bubble, by_axis(calls) if ring or pieces else like.sent, like.dp_calls, list(like.slices),
+                        by_axis(calls) if ring or pieces else like.sent, like.dp_calls, list(like.slices),
                         like.bounds)
     samples = lay.micro_batch * lay.m
     split = split_backward(lay, s)
@@ -175,10 +174,9 @@ def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None, objects
     flops = {"forward": samples * sum(x.forward for x in layers),
              "backward": samples * sum(x.backward for x in layers),
              "recompute": samples * sum(recomputed(lay, x, split) for x in layers)}
-    bubble = cost.bubble_fraction(lay.par.schedule, lay.pp, lay.m, lay.v) if lay.pp > 1 else 0.0
     stage = f"stage {s}" if lay.pp > 1 else "" if lay.tp > 1 else "replica"
     N = sum(math.prod(shape) for shape in params.values())
-    return RankPlan([lay.rank_of(s, d, r)], stage, N, memory, calls, flops, held, bubble, by_axis(calls), len(dp),
+    return RankPlan([lay.rank_of(s, d, r)], stage, N, memory, calls, flops, held, by_axis(calls), len(dp),
                     [r] if lay.tp > 1 else [], bounds)
 
 

@@ -6,6 +6,7 @@ import math
 import re
 
 from mpitrain import cost
+from mpitrain.plan import hardware
 from mpitrain.plan.hardware import calibrated_elsewhere
 
 MB = 1e6
@@ -39,7 +40,7 @@ def ranks_text(ranks: list[int]) -> str:
 def header(plan, source: str) -> list[str]:
     lay, mc = plan.layout, plan.machine
     data = lay.data
-    what = f"{data.ids} {'tokens' if data.kind == 'text' else 'classes'}"
+    what = f"a vocabulary of {data.ids:,}" if data.kind == "text" else f"{data.ids:,} classes"
     known = "" if data.source != "assumed" else " (not built here: its recipe's figures)"
     nodes = math.ceil(lay.P / mc.per_node)
     links = mc.intra.name + ("" if nodes == 1 else f" inside a node, {mc.inter.name} between nodes")
@@ -89,32 +90,55 @@ def calls_table(plan) -> list[str]:
     return lines if len(lines) > 2 else ["communication per step: none (one replica, no stages, no slices)"]
 
 
+def sig(x: float, digits: int = 3) -> str:
+    """``x`` to ``digits`` significant digits, in plain notation (thousands separated)."""
+    if x == 0 or not math.isfinite(x):
+        return f"{x:g}"
+    places = digits - 1 - math.floor(math.log10(abs(x)))
+    return f"{round(x, places):,.{max(0, places)}f}"
+
+
+def duration(seconds: float) -> str:
+    """Seconds to 3 significant digits, in ms below a second."""
+    return f"{sig(1e3 * seconds)} ms" if abs(seconds) < 1 else f"{sig(seconds)} s"
+
+
 def time_lines(plan) -> list[str]:
-    lay, t = plan.layout, plan.time
-    ms = lambda s: f"{1e3 * s:.3g} ms"  # noqa: E731
+    lay, t, mc = plan.layout, plan.time, plan.machine
     lines = []
     if lay.pp > 1:
         p, m, v = lay.pp, lay.m, lay.v
         idle = cost.pipeline_idle(lay.par.schedule, p, m, v)
         lines.append(f"pipeline: {lay.par.schedule}, {p} stages x {m} micro-batches"
-                     f"{f' x {v} chunks' if v > 1 else ''}: bubble {100 * plan.ranks[0].bubble:.1f}% of a step "
-                     f"({idle:g} idle units of F + B + W per rank); activations of up to "
+                     f"{f' x {v} chunks' if v > 1 else ''}: bubble {duration(t['bubble'])}, "
+                     f"{100 * t['bubble'] / t['step']:.1f}% of the step ({idle:g} idle units of F + B + W per rank "
+                     f"beside the {m} of its micro-batches); activations of up to "
                      f"{max(q.held for q in plan.ranks):g} micro-batch(es) held")
-    flops = plan.model_flops
-    lines.append(f"FLOPs per step: {flops / 1e9:,.4g} GFLOP (model), {plan.executed_flops / 1e9:,.4g} executed "
-                 f"(with recomputation); {flops / lay.cfg.train.global_batch_size / 1e9:,.4g} GFLOP per sample")
+    flops, executed = plan.model_flops, plan.executed_flops
+    B = lay.cfg.train.global_batch_size
+    lines.append(f"FLOPs per step: {flops / 1e9:,.4g} GFLOP (model), {executed / 1e9:,.4g} executed "
+                 f"(with recomputation); {flops / B / 1e9:,.4g} GFLOP per sample")
     tier = " (tier 1: as GPU frameworks run it)" if lay.textbook else ""
-    lines.append(f"step time{tier}: {ms(t['step'])} = compute {ms(t['compute'])} + exposed communication "
-                 f"{ms(t['exposed'])} + bubble {ms(t['bubble'])} + I/O wait {ms(t['io_wait'])} "
-                 f"(communication in all {ms(t['comm_total'])}); {plan.samples_per_s:,.0f} samples/s, "
-                 f"{flops / t['step'] / 1e9 / lay.P:,.3g} GFLOP/s per rank")
+    lines.append(f"step time{tier}: {duration(t['step'])} = compute {duration(t['compute'])} + exposed "
+                 f"communication {duration(t['exposed'])} + bubble {duration(t['bubble'])} + I/O wait "
+                 f"{duration(t['io_wait'])} (communication in all {duration(t['comm_total'])})")
+    rate = flops / t["step"] / lay.P  # the model's FLOPs: recomputation is work, not progress
+    tokens = f", {sig(plan.samples_per_s * lay.T)} tokens/s" if lay.T else ""
+    unit, scale = ("TFLOP/s", 1e12) if rate >= 1e12 else ("GFLOP/s", 1e9)
+    said = (f"throughput: {sig(plan.samples_per_s)} samples/s{tokens}; {sig(rate / scale)} model {unit} per rank "
+            f"(without recomputation), {sig(executed / t['step'] / lay.P / scale)} executed")
+    if not mc.device.calibrated:  # the share of the device's peak in what it multiplies in
+        precision = hardware.PRECISION_OF[mc.multiplies_in(lay.cfg.train.dtype, lay.cfg.train.precision)]
+        peak = mc.device.peak_flops[precision]
+        said += (f"; MFU {100 * rate / peak:.1f}%, HFU {100 * executed / t['step'] / lay.P / peak:.1f}% of the "
+                 f"{precision} peak {sig(peak / 1e12)} TFLOP/s")
+    lines.append(said)
     per_rank = cost.storage_bandwidth(plan.bytes_per_sample, plan.samples_per_s / max(1, lay.dp))
-    lines.append(f"storage: {plan.bytes_per_sample:,} B/sample x {plan.samples_per_s / max(1, lay.dp):,.4g} "
+    lines.append(f"storage: {plan.bytes_per_sample:,} B/sample x {sig(plan.samples_per_s / max(1, lay.dp))} "
                  f"samples/s per reading rank = {size(per_rank)}/s per rank, "
-                 f"{size(per_rank * lay.dp * plan.machine.per_node / lay.P)}/s per node, "
+                 f"{size(per_rank * lay.dp * mc.per_node / lay.P)}/s per node, "
                  f"{size(per_rank * lay.dp)}/s in all; "
-                 f"{flops / lay.cfg.train.global_batch_size / plan.bytes_per_sample:,.0f} "
-                 f"FLOP per byte read")
+                 f"{flops / B / plan.bytes_per_sample:,.0f} FLOP per byte read")
     return lines
 
 
