@@ -488,3 +488,36 @@ def test_a_calibration_is_compared_with_the_shipped_one_of_its_kind(shipped, mon
     assert slow.startswith("warning:") and "median 0.85 " in slow and "within 10% on 0 of" in slow
     monkeypatch.setattr(hardware, "this_cpu", lambda: "Another CPU, 64 cores")
     assert calibrate.against_shipped(rows).startswith("no shipped calibration of this kind of machine")
+
+
+def test_the_catalogues_gpus_plan_and_carry_the_notes_sustained_figures(shipped):
+    """Every published device plans GPT-2 on one GPU and on two nodes of eight (V100 in
+    fp16: it has no bf16); the notes' sustained figures are in the catalogue (A100 280 of
+    312 TFLOP/s, H100 813 of 989.5, an MI250X GCD 125 of 191.5: 90%, 82%, 65%) and the plan
+    of a device prints its own; PCIe cards are paired by their NVLink bridge, more of them
+    in a node join through PCIe."""
+    from mpitrain import cli
+    from mpitrain import plan as planner
+    from mpitrain.plan import show
+
+    gpus = [k for k, d in shipped.devices.items() if not d.calibrated]
+    assert {"v100", "a100-40g", "a100-80g", "a100-40g-pcie", "a100-80g-pcie", "h100", "h100-nvl", "h200",
+            "mi250x"} <= set(gpus)
+    for key in gpus:
+        precision = "fp16" if "bf16" not in shipped.device(key).peak_flops else "bf16"
+        for layout in ([], ["--nodes", "2", "--gpus-per-node", "8", "--network", "ib-hdr"]):
+            args = cli.build_parser().parse_args(["plan", "--model", "gpt2", "--hardware", key, *layout,
+                                                  "--set", f"train.precision={precision}"])
+            plan, _ = planner.from_args(args)
+            assert plan.time["step"] > 0 and plan.layout.textbook, (key, layout)
+    shares = {k: round(shipped.device(k).sustained["bf16"] / shipped.device(k).peak_flops["bf16"], 2)
+              for k in ("a100-80g", "h100", "mi250x")}
+    assert shares == {"a100-80g": 0.9, "h100": 0.82, "mi250x": 0.65}
+    mi = shipped.device("mi250x")
+    assert (mi.memory_bytes, mi.peak_flops["bf16"]) == (64e9, 383e12 / 2)  # one GCD: half the module
+    args = cli.build_parser().parse_args(["plan", "--model", "gpt2", "--hardware", "h100", "--set",
+                                          "train.precision=bf16"])
+    header = show.header(planner.from_args(args)[0], "gpt2")
+    assert "(sustained, as published: 813 TFLOP/s in bf16, 82% of its peak)" in header[2]
+    pair, four = (planner.machine(shipped, "a100-80g-pcie", n) for n in (2, 4))
+    assert (pair.intra.key, four.intra.key) == ("nvlink-bridge", "pcie4")

@@ -25,7 +25,11 @@ from mpitrain.plan.timing import Machine, step_parts
 from mpitrain.runtime import available_cores
 
 # a device's links inside a node, by default
-INTRA = {"v100": "nvlink2", "a100-40g": "nvlink3", "a100-80g": "nvlink3", "h100": "nvlink4", "h200": "nvlink4"}
+INTRA = {"v100": "nvlink2", "a100-40g": "nvlink3", "a100-80g": "nvlink3", "h100": "nvlink4", "h200": "nvlink4",
+         "a100-40g-pcie": "nvlink-bridge", "a100-80g-pcie": "nvlink-bridge", "h100-nvl": "nvlink-bridge",
+         "mi250x": "infinity-fabric"}
+# PCIe cards an NVLink bridge joins in pairs: a node of more joins them through PCIe
+PAIRED = {"a100-40g-pcie": "pcie4", "a100-80g-pcie": "pcie4", "h100-nvl": "pcie5"}
 
 
 @dataclass
@@ -65,7 +69,7 @@ def machine(catalogue, hardware: str = "this", ranks: int = 1, per_node: int | N
 
     device = catalogue.device(hardware)
     per_node = per_node or ranks
-    intra_key = intra or INTRA.get(hardware, "shm")
+    intra_key = intra or (PAIRED[hardware] if hardware in PAIRED and per_node > 2 else INTRA.get(hardware, "shm"))
     inner = catalogue.link(intra_key)
     nodes = -(-ranks // per_node)
     if nodes > 1 and not network:  # joining nodes by the node's own link would flatter every plan

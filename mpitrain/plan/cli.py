@@ -92,7 +92,8 @@ def _machine_arguments(p, positive) -> None:
     nodes and links, the share of peak it reaches, the memory each rank may use, the catalogue."""
     p.add_argument("--hardware", default="this", metavar="KEY",
                    help="the device of mpitrain/plan/hardware.toml each rank runs on (default 'this': this "
-                        "machine, as calibrated); e.g. v100, a100-40g, a100-80g, h100, h200")
+                        "machine, as calibrated); v100, a100-40g, a100-80g, a100-40g-pcie, a100-80g-pcie, h100, "
+                        "h100-nvl, h200, mi250x (one GCD)")
     p.add_argument("--nodes", type=positive, help="nodes of the job (default 1)")
     p.add_argument("--gpus-per-node", "--ranks-per-node", dest="per_node", type=positive, metavar="N",
                    help="ranks per node (default: all on one node)")

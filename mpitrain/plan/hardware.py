@@ -38,7 +38,7 @@ FAMILIES = ("gpt", "gpt-sliced", "gpt-sequence", "gpt-plain", "gpt-split", "cnn"
 MIXED = ("bf16", "fp16")  # the mixed precisions whose cost per parameter a device may have measured
 DEVICE_FIELDS = ("name", "memory_gb", "memory_bandwidth_gbs", "peak_flops", *CALIBRATED, "passes", "layer_overhead_us",
                  "step_overhead_us", "mixed_ns_per_parameter", "cast_ns_per_number", "switch_us", "objects_kb",
-                 "objects_kb_per_array")
+                 "objects_kb_per_array", "sustained_flops")
 LINK_FIELDS = ("name", "alpha_us", "bandwidth_gbs", "per_node", "overlap")
 
 
@@ -85,6 +85,9 @@ class Device:
     # parameter array it trains (calibrate.measure_objects); optional, none on a published device (host memory)
     objects: float = 0.0
     objects_per_array: float = 0.0
+    # precision -> FLOP/s a training step sustains as published (the course notes' figures; each cites its
+    # source in the catalogue); optional, shown beside the peak, never a plan's rate
+    sustained: dict = field(default_factory=dict)
     # the answers of matmul_flops_per_s so far: a search asks the same shapes of every layout
     rates: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
@@ -295,7 +298,9 @@ def parse_device(key: str, table: dict, path) -> Device:
                     for f in ("mixed_ns_per_parameter", "cast_ns_per_number")),
                   _number(table, "switch_us", path, where, required=False) * 1e-6,
                   *(_number(table, f, path, where, required=False) * 1e3
-                    for f in ("objects_kb", "objects_kb_per_array")))
+                    for f in ("objects_kb", "objects_kb_per_array")),
+                  {k: v * 1e12 for k, v in _families(table.get("sustained_flops", {}), path, f"{where}.sustained_flops",
+                                                     PRECISIONS).items()})
 
 
 def _gemm(rows, path: Path, where: str) -> tuple:

@@ -45,6 +45,11 @@ def header(plan, source: str) -> list[str]:
     nodes = math.ceil(lay.P / mc.per_node)
     links = mc.intra.name + ("" if nodes == 1 else f" inside a node, {mc.inter.name} between nodes")
     use = "" if mc.device.calibrated else f" at {100 * mc.utilization:.0f}% of peak"
+    precision = hardware.PRECISION_OF[mc.multiplies_in(lay.cfg.train.dtype, lay.cfg.train.precision)]
+    if precision in mc.device.sustained:  # a published figure beside the planned share, never the plan's
+        x = mc.device.sustained[precision]
+        use += (f" (sustained, as published: {sig(x / 1e12)} TFLOP/s in {precision}, "
+                f"{100 * x / mc.device.peak_flops[precision]:.0f}% of its peak)")
     elsewhere = calibrated_elsewhere(mc.device)
     return [f"plan: {source} on {lay.describe()}",
             f"model: {lay.cfg.model.name}, {lay.whole:,} parameters; data: {data.name}{known}, {what}, "
