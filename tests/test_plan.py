@@ -201,6 +201,14 @@ def test_the_notes_storage_calculator():
     assert round(table["resnet50", "V100"] / 1e6) == 573
     text = models.notes_text(peaks)
     assert "cosmoflow at the measured 35-50 TFLOP/s: 2.2-3.2 GB/s" in text
+    # the calculator's H100 rate is FP8 with sparsity: the dense BF16 peak (a quarter) and the sustained beside it
+    h100 = hardware.load().device("h100")
+    assert peaks["H100"] == 4 * h100.peak_flops["bf16"] / 1e12
+    said = models.notes_text(peaks, h100).splitlines()[-1]
+    dense = table["resnet50", "H100"] * h100.peak_flops["bf16"] / (peaks["H100"] * 1e12)
+    assert said.startswith("the calculator's H100 3958 TFLOP/s is FP8 with sparsity")
+    assert "at its dense BF16 peak 989.5 TFLOP/s cosmoflow" in said and f"resnet50 {dense / 1e6:,.0f} MB/s" in said
+    assert "at its sustained BF16 813 TFLOP/s" in said
 
 
 def test_a_layout_the_trainer_refuses_the_planner_refuses_alike():

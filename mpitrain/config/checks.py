@@ -5,6 +5,8 @@ they are known, :func:`check_ranks` (the ``dp x pp x tp`` grid) and
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib.util
 import math
 from pathlib import Path
@@ -13,6 +15,31 @@ from mpitrain.config.fields import (CHOICES, EMBEDDED, GRID, IMAGE_ONLY_TRAIN_FI
                                     PARALLEL_FIELDS, WHOLE_REPLICA_SYNCS,
                                     TEXT_ONLY_TRAIN_FIELDS, Config, ConfigError)
 from mpitrain.schedules import SCHEDULES
+
+
+# Inside :func:`planning`: the layouts mpitrain's trainer refuses for its own reasons, which GPU frameworks
+# run, pass (planned only, :func:`planned_only` says why)
+_PLANNING = contextvars.ContextVar("planning", default=False)
+
+
+@contextlib.contextmanager
+def planning():
+    """Checks for a plan of a published device: what only mpitrain's trainer refuses
+    (:func:`planned_only`) passes; everything else is checked as for a run."""
+    token = _PLANNING.set(True)
+    try:
+        yield
+    finally:
+        _PLANNING.reset(token)
+
+
+def planned_only(cfg: Config) -> list[str]:
+    """Why mpitrain's trainer would refuse ``cfg`` where GPU frameworks run it (empty: it runs)."""
+    why = []
+    if cfg.parallel.sync == "zero3" and cfg.model.checkpoint_activations:
+        why.append("ZeRO-3 with activation checkpointing (mpitrain's ZeRO-3 replays every layer in backward "
+                   "already; DeepSpeed's keeps the activations unless asked to checkpoint)")
+    return why
 
 
 def either(values) -> str:
@@ -154,9 +181,9 @@ def _validate_parallel(cfg: Config) -> None:
     _require(cfg.train.precision == "fp32" or par.wire == "fp32", "parallel.wire",
              "with train.precision the gradients are 16-bit already; parallel.wire is for float32 training",
              par.wire)
-    _require(par.sync != "zero3" or not cfg.model.checkpoint_activations, "model.checkpoint_activations",
-             "ZeRO-3 (parallel.sync = 'zero3') replays every layer in backward already; leave it false",
-             cfg.model.checkpoint_activations)
+    _require(par.sync != "zero3" or not cfg.model.checkpoint_activations or _PLANNING.get(),
+             "model.checkpoint_activations", "ZeRO-3 (parallel.sync = 'zero3') replays every layer in backward "
+             "already; leave it false", cfg.model.checkpoint_activations)
     _require(par.progress in ("test", "thread", "none", "off"), "parallel.progress",
              "must be 'test', 'thread', 'none' or 'off'", par.progress)
     _require(par.thread_level in ("auto", "single", "funneled", "serialized", "multiple"), "parallel.thread_level",

@@ -29,6 +29,17 @@ def _cluster(text: str) -> tuple[int, int, str]:
     return int(m.group(1)), int(m.group(2)), m.group(3)
 
 
+def _token_counts(text: str) -> list[float]:
+    """``300e9,1e12``: token counts."""
+    try:
+        counts = [float(x) for x in text.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or not all(0 < x < float("inf") for x in counts):
+        raise argparse.ArgumentTypeError(f"expected token counts such as 300e9 or 300e9,1e12, got {text!r}")
+    return counts
+
+
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0 < value <= 1:
@@ -63,6 +74,11 @@ def add_parser(commands) -> None:
     p.add_argument("--memory-table", action="store_true",
                    help="also the memory per rank under each sync, with and without activation checkpointing "
                         "(always with --hardware)")
+    p.add_argument("--largest", nargs="?", const="both", choices=("both", "width", "depth"),
+                   help="print the largest model of CONFIG's (or --model's) family that fits every rank's memory "
+                        "on this layout: grown in width and depth as the family grows (default), or in one")
+    p.add_argument("--train-tokens", type=_token_counts, metavar="N[,N...]",
+                   help="with --largest: also the time to train it on each of these token counts (e.g. 300e9,1e12)")
     p.add_argument("--tiers", action="store_true",
                    help="also tier 1's answer (the textbook's formulas) per rank beside tier 2's (exact for this "
                         "machine), with each named correction between them: activations, compute, the step")
@@ -149,12 +165,22 @@ def run(args) -> int:
         if args.notes:
             from mpitrain.plan import models
 
-            print(models.notes_text(hardware.load(args.catalogue).notes))
+            catalogue = hardware.load(args.catalogue)
+            print(models.notes_text(catalogue.notes, catalogue.devices.get("h100")))
             return 0
         if args.validate:
             from mpitrain.plan import validate
 
             return validate.run(args)
+        if args.train_tokens and not args.largest:
+            raise ConfigError("--train-tokens: goes with --largest")
+        if args.largest:
+            if args.search or args.validate:
+                raise ConfigError("--largest: plans the grown model on the layout given; leave out --search and "
+                                  "--validate")
+            from mpitrain.plan import largest
+
+            return largest.run(args)
         if args.search:
             from mpitrain.plan import search
 

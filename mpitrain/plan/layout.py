@@ -10,6 +10,7 @@ of the whole layers' parameter counts, a rank's tensor-parallel slices from
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -19,6 +20,7 @@ import numpy as np
 from mpitrain import cost, flat, optim, parallel
 from mpitrain.comm.ring import chunk_length
 from mpitrain.config import Config, check_ranks, cut_refused, validate
+from mpitrain.config.checks import planning
 from mpitrain.parallel import zero3
 from mpitrain.plan import shapes
 from mpitrain.schedules import balance
@@ -44,7 +46,8 @@ class Layout:
         """The layout of ``cfg`` on ``P`` ranks, each with ``threads`` BLAS threads, on a
         ``native`` device or NumPy; a ConfigError (naming the field) if the trainer would
         refuse it."""
-        validate(cfg, data_needed=False)
+        with planning() if native else contextlib.nullcontext():  # a GPU: what only mpitrain refuses is planned
+            validate(cfg, data_needed=False)
         dp, pp, tp = check_ranks(cfg, P)
         lay = cls(cfg, P, dp, pp, tp, data, threads, native)
         try:

@@ -5,11 +5,13 @@ reproduced from its figures through :mod:`mpitrain.cost`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 
 from mpitrain import cost
 from mpitrain.config import Config, ConfigError, from_dict, load
+from mpitrain.config.checks import planning
 from mpitrain.plan.data import DataShape
 
 try:
@@ -50,12 +52,14 @@ def config_of(args) -> tuple[Config, DataShape | None, str]:
     if args.model and args.config:
         raise ConfigError(f"--model: plans a reference model instead of a config; give one of {args.config} and "
                           f"--model {args.model}")
-    if args.model:
-        cfg, data = reference(args.model, args.set)
-        return cfg, data, f"{args.model} (mpitrain/plan/models.toml)"
-    if not args.config:
-        raise ConfigError("plan: give a CONFIG file (e.g. jobs/shakespeare_gpt.toml) or --model NAME")
-    return load(args.config, args.set, data_needed=False), None, args.config
+    published = getattr(args, "hardware", "this") != "this"  # a GPU: what only mpitrain's trainer refuses is planned
+    with planning() if published else contextlib.nullcontext():
+        if args.model:
+            cfg, data = reference(args.model, args.set)
+            return cfg, data, f"{args.model} (mpitrain/plan/models.toml)"
+        if not args.config:
+            raise ConfigError("plan: give a CONFIG file (e.g. jobs/shakespeare_gpt.toml) or --model NAME")
+        return load(args.config, args.set, data_needed=False), None, args.config
 
 
 # ------------------------------------------------------------------- the notes' arithmetic
@@ -80,8 +84,9 @@ def calculator(notes: dict, peaks: dict) -> dict:
     return out
 
 
-def notes_text(peaks: dict) -> str:
-    """What ``mpitrain plan --notes`` prints."""
+def notes_text(peaks: dict, h100=None) -> str:
+    """What ``mpitrain plan --notes`` prints; with ``h100`` (the catalogue's device) the
+    calculator's H100 figure set beside the dense BF16 peak and the sustained rate."""
     notes = catalogue()["notes"]
     r = resnet_run(notes)
     run = notes["resnet-run"]
@@ -101,6 +106,16 @@ def notes_text(peaks: dict) -> str:
                       for t in m["measured_tflops"])
             lines.append(f"{model} at the measured {m['measured_tflops'][0]}-{m['measured_tflops'][1]} TFLOP/s: "
                          f"{lo / 1e9:.2g}-{hi / 1e9:.2g} GB/s")
+    if h100 is not None and "H100" in peaks:  # the calculator's H100 is FP8 with sparsity: 4x the dense bf16 peak
+        rates = {"dense BF16 peak": h100.peak_flops["bf16"], "sustained BF16": h100.sustained.get("bf16", 0.0)}
+        rates = {k: v for k, v in rates.items() if v}
+        def needs(v: float) -> str:  # each model's bytes/s at v FLOP/s
+            rate = lambda m: cost.accelerator_storage_bandwidth(m["mib"] * MiB, m["gi_flop"] * GiB, v)  # noqa: E731
+            return ", ".join(f"{model} {rate(m) / 1e6:,.0f} MB/s" for model, m in notes["calculator"].items())
+
+        lines.append(f"the calculator's H100 {peaks['H100']:g} TFLOP/s is FP8 with sparsity (the datasheet's); "
+                     "a model trains in BF16, dense: "
+                     + "; ".join(f"at its {k} {v / 1e12:g} TFLOP/s {needs(v)}" for k, v in rates.items()))
     return "\n".join(lines)
 
 

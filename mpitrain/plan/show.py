@@ -51,7 +51,10 @@ def header(plan, source: str) -> list[str]:
         use += (f" (sustained, as published: {sig(x / 1e12)} TFLOP/s in {precision}, "
                 f"{100 * x / mc.device.peak_flops[precision]:.0f}% of its peak)")
     elsewhere = calibrated_elsewhere(mc.device)
-    return [f"plan: {source} on {lay.describe()}",
+    from mpitrain.config.checks import planned_only
+
+    only = [f"planned only: mpitrain's trainer refuses {why}; GPU frameworks run it" for why in planned_only(lay.cfg)]
+    return [f"plan: {source} on {lay.describe()}", *only,
             f"model: {lay.cfg.model.name}, {lay.whole:,} parameters; data: {data.name}{known}, {what}, "
             f"{plan.bytes_per_sample:,} B per sample read",
             f"machine: {nodes} node(s) x {mc.per_node} rank(s) of {mc.device.name}{use}; {links}; "

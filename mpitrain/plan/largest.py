@@ -1,0 +1,105 @@
+"""``mpitrain plan --largest``: the largest model of a family that fits a cluster and a layout.
+
+A model grows as its family does or in one dimension. ``both`` (the default) widens it a
+head at a time, its heads as wide as the named model's, and deepens it in the named model's
+proportion of layers to width (GPT-3's family, Brown et al. 2020, table 2.1, keeps heads of
+128 and grows depth and width together); ``width`` adds heads only; ``depth`` adds layers
+only. Each candidate is planned whole (:func:`mpitrain.plan.make`, the trainer's checks
+included), and the largest whose every rank fits its memory is kept: a bisection over the
+one number that grows it (heads, or layers), which every rank's memory grows with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mpitrain.config import ConfigError
+
+HOW = ("both", "width", "depth")
+
+
+def shape(model, k: int, how: str) -> dict:
+    """The model fields of step ``k`` of growing ``model`` (a config's ``[model]``) ``how``."""
+    width = model.n_embd // model.n_head  # a head's
+    if how == "depth":
+        return {"n_layer": k}
+    if how == "width":
+        return {"n_head": k, "n_embd": k * width}
+    return {"n_layer": max(1, round(k * width * model.n_layer / model.n_embd)), "n_head": k, "n_embd": k * width}
+
+
+def largest(cfg, ranks: int, machine, data, how: str = "both", limit: int = 1 << 14):
+    """(the plan of the largest model grown from ``cfg``'s that fits ``machine``'s memory
+    on every rank, or None where even the smallest does not; the plan of the next step up,
+    which does not fit, or None where it is refused or beyond ``limit`` steps)."""
+    from mpitrain import plan as planner
+
+    par = cfg.parallel
+    step = max(1, par.tp) if how != "depth" else 1  # whole heads on every slice
+    first = max(step, par.pp if how == "depth" and par.pp > 0 else step)
+
+    def planned(k: int):
+        model = dataclasses.replace(cfg.model, **shape(cfg.model, k, how))
+        try:
+            return planner.make(dataclasses.replace(cfg, model=model), ranks, machine, data)
+        except ConfigError:  # a layout the trainer refuses at this size (too few layers for the stages)
+            return None
+
+    def fits(plan) -> bool:
+        return plan is not None and plan.largest().peak <= machine.memory
+
+    low = planned(first)
+    if not fits(low):
+        return None, low
+    k, high = first, None
+    while k * 2 <= limit:  # doubling until a size does not fit
+        high = planned(k * 2)
+        if not fits(high):
+            break
+        k, low, high = k * 2, high, None
+    top = 2 * k if high is not None else min(limit, 2 * k)
+    while top - k > step:  # the largest multiple of step that fits, between k (fits) and top (does not)
+        mid = k + (top - k) // (2 * step) * step
+        plan = planned(mid)
+        if fits(plan):
+            k, low = mid, plan
+        else:
+            top, high = mid, plan
+    return low, high
+
+
+def run(args) -> int:
+    """What ``mpitrain plan --largest`` prints: the grown model, what it assumes, its plan,
+    and the time to train it for each of ``--train-tokens``."""
+    from mpitrain.plan import machine_of, models, show
+    from mpitrain.plan.data import resolve
+
+    cfg, data, source = models.config_of(args)
+    ranks, machine = machine_of(args)
+    best, above = largest(cfg, ranks, machine, data or resolve(cfg), args.largest)
+    m = cfg.model
+    grows = {"both": f"in width (heads of {m.n_embd // m.n_head}) and depth ({m.n_layer} layers to {m.n_embd} wide, "
+                     "as its family grows)", "width": "in width (whole heads)", "depth": "in depth"}[args.largest]
+    if best is None:
+        print(f"largest: {source} grown {grows}: even its smallest step does not fit {show.size(machine.memory)} "
+              f"per rank on {ranks} rank(s)" + (f" (it needs {show.size(above.largest().peak)})" if above else ""))
+        return 1
+    lay, bm = best.layout, best.layout.cfg.model
+    line = (f"largest: {source} grown {grows}: {bm.n_layer} layers x {bm.n_embd} wide ({bm.n_head} heads), "
+            f"{lay.whole / 1e9:,.3g} B parameters; its largest rank peaks at {show.size(best.largest().peak)} of "
+            f"{show.size(machine.memory)}")
+    if above is not None:
+        am = above.layout.cfg.model
+        line += (f"; the next ({am.n_layer} x {am.n_embd}, {above.layout.whole / 1e9:,.3g} B) needs "
+                 f"{show.size(above.largest().peak)}")
+    t = lay.cfg.train
+    assumed = (f"assumes: {lay.describe()}; {cfg.optim.name}; micro-batches of {lay.micro_batch} x {lay.T} tokens; "
+               f"{show.size(machine.memory)} per rank for the plan's categories alone (no framework buffers, no "
+               f"allocator reserve){'; mixed precision keeps float32 masters' if t.precision != 'fp32' else ''}")
+    print("\n".join([line, assumed, show.text(best, source)]))
+    tokens = t.global_batch_size * lay.T
+    for n in args.train_tokens or ():
+        seconds = n / tokens * best.time["step"]
+        print(f"to train it on {n:,.3g} tokens: {n / tokens:,.0f} steps of {tokens:,} tokens, "
+              f"{show.sig(seconds / 86400)} days on these {ranks} rank(s); {6 * lay.whole * n:.3g} FLOPs at 6 N D")
+    return 0
