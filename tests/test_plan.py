@@ -500,3 +500,24 @@ def test_gpt2_in_bf16_on_an_h100_is_faster_by_the_tensor_cores_ratio_and_holds_n
             memory = estimate.of_layout(lay, rest // lay.dp, r)[0]
             assert p.memory["work"] == p.memory["buffers"] == p.memory["objects"] == 0
             assert p.memory["activations"] == memory["activations"]  # the published formula, 16-bit, no copies
+
+
+def test_mfu_sets_the_whole_step_and_prints_the_planners_own_beside_it():
+    """--mfu 0.45: the step whose model FLOPs reach 45% of the bf16 peak on every GPU, each
+    of the planner's parts scaled alike, the planner's own step and MFU printed beside; on
+    this machine (measured, not published) refused."""
+    from mpitrain.plan import show
+
+    argv = [*GPT3, "--set", "parallel.tp=8", "--set", "parallel.pp=16", "--set", "train.micro_batches=64",
+            "--set", "train.precision=bf16", "--set", "model.checkpoint_activations=true"]
+    own, at = planned(argv), planned([*argv, "--mfu", "0.45"])
+    assert at.model_flops / at.time["step"] / 1024 == pytest.approx(0.45 * 312e12, rel=1e-12)
+    scale = at.time["step"] / own.time["step"]
+    assert all(at.time[k] == pytest.approx(own.time[k] * scale, rel=1e-12) for k in own.time)
+    assert at.own == own.time and at.samples_per_s == pytest.approx(own.samples_per_s / scale)
+    text = show.text(at, "gpt3-175b")
+    mfu = 100 * own.model_flops / own.time["step"] / 1024 / 312e12
+    assert (f"step time (set by --mfu 45%, every part scaled; the planner's own: "
+            f"{show.duration(own.time['step'])}, MFU {mfu:.1f}%)") in text and "MFU 45.0%" in text
+    with pytest.raises(ConfigError, match="--mfu: sets a published device's step"):
+        planned(["jobs/shakespeare_gpt.toml", "--mfu", "0.5"])

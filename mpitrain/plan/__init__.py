@@ -38,6 +38,7 @@ class Plan:
     ranks: list  # :class:`~mpitrain.plan.predict.RankPlan`, ranks alike grouped
     machine: Machine
     time: dict  # :func:`~mpitrain.plan.timing.step_parts`
+    own: dict | None = None  # the planner's own time where ``--mfu`` set the step's (:func:`at_mfu`)
 
     @property
     def samples_per_s(self) -> float:
@@ -116,7 +117,26 @@ def from_args(args, ranks: int | None = None) -> tuple[Plan, str]:
 
     cfg, data, source = models.config_of(args)
     P, mc = machine_of(args, ranks)
-    return make(cfg, P, mc, data), source
+    plan = make(cfg, P, mc, data)
+    return (at_mfu(plan, args.mfu) if getattr(args, "mfu", None) else plan), source
+
+
+def at_mfu(plan: Plan, mfu: float) -> Plan:
+    """``plan`` with its step set to the one whose model FLOPs reach ``mfu`` of the device's
+    peak (of the precision it multiplies in) on every rank: each part of the planner's step
+    scaled alike; its own kept in ``own``. A published device's only (ConfigError)."""
+    from dataclasses import replace
+
+    from mpitrain.config import ConfigError
+    from mpitrain.plan.hardware import PRECISION_OF
+
+    mc, lay = plan.machine, plan.layout
+    if mc.device.calibrated:
+        raise ConfigError("--mfu: sets a published device's step (a GPU of the catalogue); this machine's is measured")
+    peak = mc.device.peak_flops[PRECISION_OF[mc.multiplies_in(lay.cfg.train.dtype, lay.cfg.train.precision)]]
+    step = plan.model_flops / lay.P / (mfu * peak)
+    scale = step / plan.time["step"]
+    return replace(plan, time={k: v * scale for k, v in plan.time.items()}, own=dict(plan.time))
 
 
 def machine_of(args, ranks: int | None = None) -> tuple[int, Machine]:

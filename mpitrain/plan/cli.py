@@ -118,7 +118,11 @@ def _machine_arguments(p, positive) -> None:
     p.add_argument("--intra", metavar="KEY", help="the link inside a node (default: the device's NVLink, or shared "
                                                   "memory here)")
     p.add_argument("--utilization", type=_fraction, default=0.4,
-                   help="the share of a published device's peak FLOP/s a step reaches (default 0.4)")
+                   help="the share of a published device's peak FLOP/s its products reach (default 0.4); the "
+                        "step adds communication and the bubble to them (its MFU is printed, lower)")
+    p.add_argument("--mfu", type=_fraction, metavar="SHARE",
+                   help="set the step so that the model's FLOPs reach this share of the device's peak (MFU, "
+                        "end to end: every part of the step scaled alike), the planner's own step printed beside")
     p.add_argument("--memory-per-rank", type=nbytes, metavar="BYTES",
                    help="memory each rank may use (default: the device's; here, this machine's over its ranks)")
     p.add_argument("--catalogue", metavar="PATH", help="a hardware catalogue to overlay the shipped one (default "

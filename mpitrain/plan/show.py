@@ -127,6 +127,10 @@ def time_lines(plan) -> list[str]:
     lines.append(f"FLOPs per step: {flops / 1e9:,.4g} GFLOP (model), {executed / 1e9:,.4g} executed "
                  f"(with recomputation); {flops / B / 1e9:,.4g} GFLOP per sample")
     tier = " (tier 1: as GPU frameworks run it)" if lay.textbook else ""
+    if plan.own is not None:  # --mfu set the step
+        own = plan.own["step"]
+        tier = (f" (set by --mfu {100 * flops / t['step'] / lay.P / _peak(plan):.0f}%, every part scaled; the "
+                f"planner's own: {duration(own)}, MFU {100 * flops / own / lay.P / _peak(plan):.1f}%)")
     lines.append(f"step time{tier}: {duration(t['step'])} = compute {duration(t['compute'])} + exposed "
                  f"communication {duration(t['exposed'])} + bubble {duration(t['bubble'])} + I/O wait "
                  f"{duration(t['io_wait'])} (communication in all {duration(t['comm_total'])})")
@@ -137,7 +141,7 @@ def time_lines(plan) -> list[str]:
             f"(without recomputation), {sig(executed / t['step'] / lay.P / scale)} executed")
     if not mc.device.calibrated:  # the share of the device's peak in what it multiplies in
         precision = hardware.PRECISION_OF[mc.multiplies_in(lay.cfg.train.dtype, lay.cfg.train.precision)]
-        peak = mc.device.peak_flops[precision]
+        peak = _peak(plan)
         said += (f"; MFU {100 * rate / peak:.1f}%, HFU {100 * executed / t['step'] / lay.P / peak:.1f}% of the "
                  f"{precision} peak {sig(peak / 1e12)} TFLOP/s")
     lines.append(said)
@@ -148,6 +152,12 @@ def time_lines(plan) -> list[str]:
                  f"{size(per_rank * lay.dp)}/s in all; "
                  f"{flops / B / plan.bytes_per_sample:,.0f} FLOP per byte read")
     return lines
+
+
+def _peak(plan) -> float:
+    """FLOP/s of a published device's peak in the precision its products run in."""
+    mc, train = plan.machine, plan.layout.cfg.train
+    return mc.device.peak_flops[hardware.PRECISION_OF[mc.multiplies_in(train.dtype, train.precision)]]
 
 
 def run_lines(plan) -> list[str]:
