@@ -243,19 +243,28 @@ def gpt_ends_activation_bytes(B: int, T: int, C: int, V: int, itemsize: int) -> 
 
 
 def transformer_block_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence: bool = False,
-                                       recompute: bool = False, itemsize: int = 2) -> float:
+                                       recompute: bool = False, itemsize: int = 2, ffn: int = 0, kv: int = 0,
+                                       gated: bool = False) -> float:
     """Activation bytes of one transformer block in 16-bit training (Korthikanti et al.
     2022, "Reducing Activation Recomputation"): ``s b h (34 + 5 a s/h)`` for sequence
     ``s``, micro-batch ``b``, width ``h``, ``a`` heads; sliced over ``t`` ranks ``s b h (10
     + 24/t + 5 a s/(h t))``, and with sequence parallelism all of it over ``t``; with full
     recomputation the block's input alone, ``sbh`` 16-bit numbers (over ``t`` with
-    sequence parallelism). Numbers of ``itemsize`` bytes scale it by ``itemsize / 2``."""
+    sequence parallelism). Numbers of ``itemsize`` bytes scale it by ``itemsize / 2``.
+    Their terms, for other shapes: the ``10 sbh`` every slice keeps whole (the norms'
+    inputs 4, the inputs of the two sublayers' first products 4, two dropout masks 2); the
+    sliced ``24 sbh``, of which attention's queries and projection input ``4 sbh`` and its
+    keys and values ``4 sb kv`` (``kv``, their width: 0 is ``h``; narrower with
+    grouped-query attention), the MLP's activation input and second product's input ``4
+    sb f`` (``ffn``, its width ``f``: 0 is ``4h``; ``6 sb f`` ``gated``, SwiGLU's two
+    first products and their product); and the ``5 a s^2 b`` of the scores, softmax and
+    its dropout mask."""
     if recompute:
         count = 2 * s * b * h / (t if sequence else 1)
-    elif sequence:
-        count = s * b * h * (34 + 5 * a * s / h) / t
     else:
-        count = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+        f, k = ffn or 4 * h, kv or h
+        sliced = 4 * s * b * h + 4 * s * b * k + (6 if gated else 4) * s * b * f + 5 * a * s * s * b
+        count = (10 * s * b * h + sliced) / t if sequence else 10 * s * b * h + sliced / t
     return count * itemsize / 2
 
 
@@ -308,11 +317,15 @@ def backward_flops(forward: int, operands_needing_gradient: int) -> int:
     return forward * operands_needing_gradient
 
 
-def gpt_block_flops(B: int, T: int, C: int) -> int:
+def gpt_block_flops(B: int, T: int, C: int, ffn: int = 0, kv: int = 0, gated: bool = False) -> int:
     """FLOPs of one GPT block's products in forward: QKV, attention, the projection and the
-    4C-wide MLP, ``24 B T C^2 + 4 B T^2 C``."""
-    return (matmul_flops(B * T, C, 3 * C) + attention_flops(B, T, C) + matmul_flops(B * T, C, C)
-            + 2 * matmul_flops(B * T, C, 4 * C))
+    MLP, ``24 B T C^2 + 4 B T^2 C`` for a ``4C``-wide MLP and a key and a value per query
+    head. ``ffn``: the MLP's width (0: ``4C``); ``kv``: the width of the keys and of the
+    values (0: ``C``; fewer heads than the queries': grouped-query attention, Ainslie et
+    al. 2023); ``gated``: a gated MLP's third product (SwiGLU, Shazeer 2020)."""
+    f, k = ffn or 4 * C, kv or C
+    return (matmul_flops(B * T, C, C + 2 * k) + attention_flops(B, T, C) + matmul_flops(B * T, C, C)
+            + (3 if gated else 2) * matmul_flops(B * T, C, f))
 
 
 def gpt_step_flops(B: int, T: int, C: int, L: int, V: int) -> int:

@@ -13,9 +13,10 @@ one embedded-data cache (rank 0 builds it, atomically, and every rank reads it).
 that MPI_Abort ends leaves its scratch directory behind.
 
 Nor does a test read the user's home: ``HOME`` and the XDG folders point into the scratch
-directory and ``$MPITRAIN_HARDWARE`` is unset, in the tests and in the processes they
-start, so a calibration the user wrote (``~/.config/mpitrain/hardware.toml``) changes no
-test's outcome (``test_plan_hardware.py`` proves it with a poisoned one).
+directory and ``$MPITRAIN_HARDWARE`` and ``$MPITRAIN_MODELS`` are unset, in the tests and in
+the processes they start, so a calibration the user wrote
+(``~/.config/mpitrain/hardware.toml``) changes no test's outcome (``test_plan_hardware.py``
+proves it with a poisoned one).
 
 MPICH's Hydra writes each job's node topology to ``/tmp/hydra_hwloc_xmlfile_*`` (a path
 it fixes, whatever ``TMPDIR`` says) and removes it when the job ends, but not when a rank
@@ -72,6 +73,7 @@ def isolate_home(home: Path) -> None:
     for name, sub in (("XDG_CONFIG_HOME", ".config"), ("XDG_CACHE_HOME", ".cache"), ("XDG_DATA_HOME", ".local/share")):
         os.environ[name] = str(home / sub)
     os.environ.pop("MPITRAIN_HARDWARE", None)
+    os.environ.pop("MPITRAIN_MODELS", None)
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest's tmpdir plugin reads the basetemp

@@ -57,7 +57,8 @@ def test_largest_prints_its_model_assumptions_plan_and_training_time():
     assert lines[0].startswith("largest: gpt-13b (mpitrain/plan/models.toml) grown in width (heads of 128) and "
                                "depth") and "B parameters; its largest rank peaks at" in lines[0]
     assert lines[1].startswith("assumes: 4 rank(s), dp 4 x pp 1 x tp 1, zero3") and "no allocator reserve" in lines[1]
-    assert any(line.startswith("planned only: mpitrain's trainer refuses ZeRO-3 with activation checkpointing")
+    assert any(line.startswith("planned only (GPU frameworks run it, mpitrain's trainer does not): ZeRO-3 with "
+                               "activation checkpointing")
                for line in lines)
     trains = [line for line in lines if line.startswith("to train it on")]
     assert [t.split(":")[0] for t in trains] == ["to train it on 3e+11 tokens", "to train it on 1e+12 tokens"]
@@ -79,3 +80,81 @@ def test_only_a_gpu_plan_takes_what_only_mpitrains_trainer_refuses():
     assert gpu.layout.par.sync == "zero3" and gpu.layout.cfg.model.checkpoint_activations
     with pytest.raises(ConfigError, match="ZeRO-3 .* replays every layer in backward already"):
         planner.from_args(cli.build_parser().parse_args(["plan", "jobs/shakespeare_gpt.toml", "-n", "2", *sets]))
+
+
+# each reference model's parameters as its paper or its released weights count them; mpitrain's shape
+# differs only where said (BLOOM's embedding layer norm: 2 x 14,336 numbers; OPT's and GPT-3's papers round)
+PUBLISHED = {"llama2-7b": 6_738_415_616, "llama2-13b": 13_015_864_320, "llama2-70b": 68_976_648_192,
+             "llama3-8b": 8_030_261_248, "llama3-70b": 70_553_706_496, "llama3-405b": 405_853_388_800,
+             "bloom-176b": 176_247_271_424 - 2 * 14336, "megatron-1t": 1.008e12, "opt-175b": 175e9,
+             "gpt3-175b": 175e9}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_the_reference_models_have_their_papers_parameters(name):
+    """Llama 2 and 3 (SwiGLU, grouped-query attention, untied heads, no learned positions),
+    BLOOM, OPT, Megatron-LM's and GPT-3's largest: each planned on a GPU with its published
+    parameter count (exactly where the weights' count is published, within 0.25% where the
+    paper rounds), and said to be planned only where mpitrain's trainer has not the shape."""
+    from mpitrain.plan import show
+
+    args = cli.build_parser().parse_args(["plan", "--model", name, "--hardware", "h100"])
+    plan = planner.from_args(args)[0]
+    published = PUBLISHED[name]
+    if isinstance(published, int):
+        assert plan.layout.whole == published
+    else:
+        assert plan.layout.whole == pytest.approx(published, rel=2.5e-3)
+    said = show.header(plan, name)
+    assert any(line.startswith("planned only") for line in said) == name.startswith(("llama", "bloom"))
+
+
+def test_a_models_shape_a_trainer_cannot_build_is_refused_for_this_machine_and_a_user_adds_models(tmp_path,
+                                                                                                  monkeypatch):
+    """A SwiGLU model planned for this machine (mpitrain's trainer) is refused, naming the
+    field; a user's models file adds a model (and a broken one is refused, naming it)."""
+    with pytest.raises(ConfigError, match="model.ffn_hidden: mpitrain.s GPT cannot have an MLP 11,008 wide"):
+        planner.from_args(cli.build_parser().parse_args(["plan", "--model", "llama2-7b"]))
+    mine = tmp_path / "models.toml"
+    mine.write_text("[gpt.tiny-llama]\nn_layer = 2\nn_head = 4\nn_embd = 256\nblock_size = 128\nvocab = 1000\n"
+                    "global_batch_size = 8\ntokens = 1e9\nffn_hidden = 512\ngated_mlp = true\nn_kv_head = 2\n"
+                    "tie_embeddings = false\nposition_embedding = false\n")
+    monkeypatch.setenv(models.USER_ENV, str(mine))
+    plan = planner.from_args(cli.build_parser().parse_args(["plan", "--model", "tiny-llama", "--hardware", "h100"]))[0]
+    qkv, mlp = 256 * (256 + 2 * 2 * 64), 3 * 256 * 512
+    assert plan.layout.whole == 2 * 1000 * 256 + 2 * (qkv + 256 * 256 + mlp + 2 * 256) + 256
+    mine.write_text("[gpt.broken]\nn_layer = 2\nwidth = 3\n")
+    with pytest.raises(ConfigError, match="models.toml: gpt.broken: unknown field\\(s\\) width"):
+        models.catalogue()
+
+
+@pytest.mark.parametrize("name, sets", [("llama2-70b", ["parallel.tp=8", "parallel.pp=4"]),
+                                        ("llama3-8b", ["parallel.tp=2"]), ("bloom-176b", ["parallel.pp=2"])])
+def test_tier_1s_formulas_count_the_new_shapes_as_their_layers_do(name, sets):
+    """Each rank's FLOPs by tier 1's formula (cost.gpt_block_flops with the MLP's width,
+    its gate, the keys' and values' width) equal the sum over its layers' products; its
+    parameters' model state is ZeRO's formula over the layers' parameters; the activations
+    shrink by the keys' and values' share with grouped-query attention, as the formula's
+    terms say."""
+    from mpitrain import cost
+    from mpitrain.plan import estimate
+
+    argv = ["plan", "--model", name, "--hardware", "h100", "-n", "64", *[x for s in sets for x in ("--set", s)],
+            "--set", "train.precision=bf16"]
+    plan = planner.from_args(cli.build_parser().parse_args(argv))[0]
+    lay = plan.layout
+    for p in plan.ranks:
+        rest, r = divmod(p.ranks[0], lay.tp)
+        s = rest // lay.dp
+        _, flops, _ = estimate.of_layout(lay, s, r)
+        samples = lay.micro_batch * lay.m
+        walked = samples * sum(x.forward for x in lay.layers(s, r))
+        head = [x for x in lay.layers(s, r) if x.name == "head"]
+        uneven = samples * 2 * lay.T * lay.cfg.model.n_embd * (head[0].gemm[2] - lay.data.ids / lay.tp) if head else 0
+        assert flops["forward"] == pytest.approx(walked - uneven, rel=1e-12), (p.ranks, s, r)
+    m = lay.cfg.model
+    s_, b, h, a = lay.T, 1, m.n_embd, m.n_head
+    kvw = (m.n_kv_head or a) * h // a
+    full = cost.transformer_block_activation_bytes(s_, b, h, a, ffn=m.ffn_hidden, gated=m.gated_mlp)
+    grouped = cost.transformer_block_activation_bytes(s_, b, h, a, ffn=m.ffn_hidden, kv=kvw, gated=m.gated_mlp)
+    assert full - grouped == 4 * s_ * b * (h - kvw)

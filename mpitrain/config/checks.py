@@ -33,9 +33,26 @@ def planning():
         _PLANNING.reset(token)
 
 
+def _shape_only(cfg: Config) -> list[tuple[str, str]]:
+    """(field, what) of each model field set to a shape mpitrain's GPT does not build."""
+    m = cfg.model
+    if m.name != "gpt":
+        return []
+    said = [("vocab_size", f"a vocabulary of {m.vocab_size:,} of its own (its data's decides)"),
+            ("ffn_hidden", f"an MLP {m.ffn_hidden:,} wide (its MLP is 4 x n_embd)"),
+            ("gated_mlp", "a gated MLP (SwiGLU)"),
+            ("n_kv_head", f"grouped-query attention ({m.n_kv_head} key and value heads)"),
+            ("tie_embeddings", "a head of its own (its head is the embedding)"),
+            ("position_embedding", "no learned positions (rotary or ALiBi: none to learn)")]
+    default = {"vocab_size": 0, "ffn_hidden": (0, 4 * m.n_embd), "gated_mlp": False, "n_kv_head": (0, m.n_head),
+               "tie_embeddings": True, "position_embedding": True}
+    return [(f, w) for f, w in said
+            if getattr(m, f) not in (default[f] if isinstance(default[f], tuple) else (default[f],))]
+
+
 def planned_only(cfg: Config) -> list[str]:
     """Why mpitrain's trainer would refuse ``cfg`` where GPU frameworks run it (empty: it runs)."""
-    why = []
+    why = [what for _, what in _shape_only(cfg)]
     if cfg.parallel.sync == "zero3" and cfg.model.checkpoint_activations:
         why.append("ZeRO-3 with activation checkpointing (mpitrain's ZeRO-3 replays every layer in backward "
                    "already; DeepSpeed's keeps the activations unless asked to checkpoint)")
@@ -120,7 +137,15 @@ def _validate_model(cfg: Config) -> None:
     for name in ("n_layer", "n_head", "n_embd", "block_size"):
         _require(getattr(m, name) > 0, f"model.{name}", "must be > 0", getattr(m, name))
     _require(m.n_embd % m.n_head == 0, "model.n_embd", f"must be divisible by model.n_head = {m.n_head}", m.n_embd)
-    _require(m.gelu in ("tanh", "erf"), "model.gelu", "must be tanh or erf", m.gelu)
+    _require(m.gelu in ("tanh", "erf"), "model.gelu", "must be 'tanh' or 'erf'", m.gelu)
+    for name in ("vocab_size", "ffn_hidden", "n_kv_head"):
+        _require(getattr(m, name) >= 0, f"model.{name}", "must be >= 0 (0: the default)", getattr(m, name))
+    _require(not m.n_kv_head or m.n_head % m.n_kv_head == 0, "model.n_kv_head",
+             f"must divide model.n_head = {m.n_head} (each key and value head serves as many query heads)",
+             m.n_kv_head)
+    for field, why in _shape_only(cfg):
+        _require(_PLANNING.get(), f"model.{field}", f"mpitrain's GPT cannot have {why}: a shape only `mpitrain "
+                 "plan --hardware GPU` plans", getattr(m, field))
 
 
 def _validate_optim(cfg: Config) -> None:
@@ -321,6 +346,9 @@ def _check_tensor(cfg: Config, sizes: dict) -> None:
     if cfg.model.n_head % tp:
         raise ConfigError(f"parallel.tp: the {cfg.model.n_head} attention heads (model.n_head) do not split over "
                           f"{tp} tensor-parallel ranks")
+    if cfg.model.n_kv_head % tp:
+        raise ConfigError(f"parallel.tp: the {cfg.model.n_kv_head} key and value heads (model.n_kv_head) do not "
+                          f"split over {tp} tensor-parallel ranks")
     _whole_replicas(par, f"tensor slices (parallel.tp = {tp})")
     if par.progress == "thread" and par.thread_level not in ("auto", "multiple"):
         raise ConfigError(f"parallel.thread_level: the slices' collectives and the communication thread call MPI "

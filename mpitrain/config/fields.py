@@ -32,6 +32,12 @@ class ModelConfig:
     bias: bool = False  #: biases in the linear layers and layer norms
     checkpoint_activations: bool = False  #: recompute each block's activations in backward instead of keeping them
     gelu: str = "tanh"  #: the MLP's GELU: "tanh" (GPT-2's approximation) or "erf" (exact, as nanoGPT today)
+    vocab_size: int = 0  #: the vocabulary (0: the data's); another is planned only, as the four below are
+    ffn_hidden: int = 0  #: the MLP's width (0: 4 x n_embd)
+    gated_mlp: bool = False  #: a gated MLP (SwiGLU, as Llama's: three matrices)
+    n_kv_head: int = 0  #: key and value heads (0: n_head; fewer: grouped-query attention, dividing n_head)
+    tie_embeddings: bool = True  #: the head's weight is the embedding's (false: a head of its own)
+    position_embedding: bool = True  #: learned positions (false: none to learn, as rotary or ALiBi models have)
 
 
 # which fields a choice of model, dataset or optimizer reads: setting another is an error
@@ -40,7 +46,8 @@ MODEL_FIELDS = {
     "convnet": {"name", "channels"},
     "resnet": {"name", "widths", "blocks"},
     "gpt": {"name", "n_layer", "n_head", "n_embd", "block_size", "bias", "dropout",
-            "checkpoint_activations", "gelu"},
+            "checkpoint_activations", "gelu", "vocab_size", "ffn_hidden", "gated_mlp", "n_kv_head",
+            "tie_embeddings", "position_embedding"},
 }
 _OPTIM_COMMON = {"name", "lr", "min_lr", "schedule", "warmup_steps", "weight_decay", "grad_clip"}
 OPTIM_FIELDS = {

@@ -15,7 +15,7 @@ and prints predicted | measured | error for each quantity. How to use it:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mpitrain.plan import space
 from mpitrain.plan.data import resolve
@@ -101,8 +101,10 @@ def host_memory() -> float:
 def make(cfg, ranks: int, machine: Machine, data=None) -> Plan:
     """The plan of ``cfg`` on ``ranks`` ranks of ``machine`` (ConfigError if the trainer
     would refuse the layout)."""
-    lay = Layout.of(cfg, ranks, data or resolve(cfg), machine.threads(cfg.train.threads),
-                    native=not machine.device.calibrated)
+    data = data or resolve(cfg)
+    if cfg.model.name == "gpt" and cfg.model.vocab_size:  # a vocabulary of its own (planned only): the model's
+        data = replace(data, ids=cfg.model.vocab_size)
+    lay = Layout.of(cfg, ranks, data, machine.threads(cfg.train.threads), native=not machine.device.calibrated)
     plans = rank_plans(lay, machine.objects)
     if lay.textbook:  # a GPU: tier 1's memory and time, as its frameworks run it
         plans, time = space.textbook(lay, plans, machine)

@@ -36,28 +36,33 @@ from mpitrain import cost
 
 def gpt_memory(N: int, blocks: int, T: int, C: int, H: int, V: int, *, b: int, held: float, sync: str = "ddp",
                dp: int = 1, tp: int = 1, precision: str = "fp32", itemsize: int = 4, moments: int = 2,
-               sequence: bool = False, recompute: bool = False, last: bool = True) -> dict[str, float]:
+               sequence: bool = False, recompute: bool = False, last: bool = True, ffn: int = 0, kv: int = 0,
+               gated: bool = False) -> dict[str, float]:
     """Bytes one rank holds at its peak, by category: its part holds ``N`` parameters and
     ``blocks`` of a GPT's blocks (context ``T``, width ``C``, ``H`` heads, vocabulary ``V``),
     ``held`` micro-batches of ``b`` samples at once; ``sync`` over ``dp`` replicas, sliced
     over ``tp`` ranks (``sequence`` parallel), in ``precision`` (``fp32``: numbers of
     ``itemsize`` bytes; ``bf16``, ``fp16``), ``moments`` optimizer arrays (Adam 2),
-    ``recompute``: each block's forward again in backward; ``last``: the stage with the head."""
+    ``recompute``: each block's forward again in backward; ``last``: the stage with the head;
+    ``ffn``, ``kv``, ``gated``: an MLP that wide, that many key and value heads, gated (0,
+    0, False: mpitrain's 4C MLP, a key and a value per head)."""
     mixed = precision != "fp32"
     number = cost.word_bytes(mixed, itemsize)
     w, g, s = cost.state_shares(sync, dp)
     state = cost.model_state_bytes(w * N, g * N, s * N, moments, number, mixed)
-    block = cost.transformer_block_activation_bytes(T, b, C, H, tp, sequence, recompute, number)
+    block = cost.transformer_block_activation_bytes(T, b, C, H, tp, sequence, recompute, number, ffn,
+                                                    kv * C // H, gated)
     logits = last * cost.logits_activation_bytes(T, b, V, tp, number)
     return {**state, "activations": held * (blocks * block + logits)}
 
 
 def gpt_flops(blocks: int, T: int, C: int, V: int, *, samples: int, tp: int = 1, recompute: bool = False,
-              last: bool = True) -> dict[str, float]:
+              last: bool = True, ffn: int = 0, kvw: int = 0, gated: bool = False) -> dict[str, float]:
     """FLOPs of a step of one rank of ``tp``: forward, backward and recomputed, over
     ``samples`` samples (its micro-batches together) of its ``blocks`` blocks (and the
-    head's product on the ``last`` stage)."""
-    block = cost.gpt_block_flops(1, T, C) / tp
+    head's product on the ``last`` stage); ``ffn``, ``kvw``, ``gated``:
+    :func:`mpitrain.cost.gpt_block_flops`'s."""
+    block = cost.gpt_block_flops(1, T, C, ffn, kvw, gated) / tp
     forward = samples * (blocks * block + last * cost.matmul_flops(T, C, V) / tp)
     return {"forward": forward, "backward": 2 * forward, "recompute": samples * blocks * block if recompute else 0}
 
@@ -65,7 +70,7 @@ def gpt_flops(blocks: int, T: int, C: int, V: int, *, samples: int, tp: int = 1,
 def gpt_bytes(N: int, blocks: int, T: int, C: int, V: int, *, b: int, m: int, sync: str = "ddp", dp: int = 1,
               pp: int = 1, tp: int = 1, v: int = 1, precision: str = "fp32", itemsize: int = 4,
               recompute: bool = False, sequence: bool = False, first: bool = True,
-              last: bool = True) -> dict[str, float]:
+              last: bool = True, tied: bool = True) -> dict[str, float]:
     """Bytes one rank sends in a step, by communicator, its part holding ``N`` parameters
     and ``blocks`` blocks (``first`` and ``last``: the pipeline rank with the embedding,
     with the head), ``m`` micro-batches of ``b`` samples, numbers of ``itemsize`` bytes
@@ -75,7 +80,7 @@ def gpt_bytes(N: int, blocks: int, T: int, C: int, V: int, *, b: int, m: int, sy
     and the head's input's (:func:`mpitrain.cost.tensor_parallel_bytes`); ``pp``, each
     micro-batch's activations to the next stage and their gradients to the one before,
     for each of the ``v`` chunks but at the model's two ends (with ``sequence``
-    parallelism a slice's ``1/tp`` of the sequence), and the tied embedding's
+    parallelism a slice's ``1/tp`` of the sequence), and the ``tied`` embedding's
     gradient summed by the first and last stage; ``dp``, the gradients' allreduce, or
     ZeRO's reduce-scatters and gathers (:func:`mpitrain.cost.zero_bytes`). Scalars or
     arrays alike."""
@@ -85,7 +90,7 @@ def gpt_bytes(N: int, blocks: int, T: int, C: int, V: int, *, b: int, m: int, sy
     tp_bytes = m * (blocks * (1.5 if recompute else 1) * cost.tensor_parallel_bytes(b, T, C, number, tp)
                     + ends * cost.collective_bytes("allreduce", act, tp))
     sends = m * act / (tp if sequence else 1) * (2 * v - ends)
-    tied = (ends > 0) * cost.collective_bytes("allreduce", V * C / tp * number, 2)
+    tied = (ends > 0) * tied * cost.collective_bytes("allreduce", V * C / tp * number, 2)  # (untied: none)
     return {"dp": sync_bytes(N * number, sync, dp, m), "pp": (pp > 1) * (sends + tied), "tp": tp_bytes}
 
 
@@ -176,14 +181,16 @@ def of_layout(lay, s: int, r: int = 0) -> tuple[dict, dict, dict]:
     last = any(layer.name == "head" for layer in layers)
     N = sum(math.prod(shape) for shape in lay.parameters(s, r).values())
     held = cost.micro_batches_held(par.schedule, lay.pp, lay.m, s, lay.v) if lay.pp > 1 else 1
-    memory = gpt_memory(N, blocks, lay.T, m.n_embd, m.n_head, lay.data.ids, b=lay.micro_batch, held=held,
+    V, kv = m.vocab_size or lay.data.ids, m.n_kv_head or m.n_head
+    memory = gpt_memory(N, blocks, lay.T, m.n_embd, m.n_head, V, b=lay.micro_batch, held=held,
                         sync=par.sync, dp=lay.dp, tp=lay.tp, precision=t.precision, itemsize=lay.dtype_bytes,
                         moments=lay.moments, sequence=lay.tp > 1 and par.sequence_parallel,
-                        recompute=m.checkpoint_activations, last=last)
-    flops = gpt_flops(blocks, lay.T, m.n_embd, lay.data.ids, samples=lay.micro_batch * lay.m, tp=lay.tp,
-                      recompute=m.checkpoint_activations, last=last)
-    sent = gpt_bytes(N, blocks, lay.T, m.n_embd, lay.data.ids, b=lay.micro_batch, m=lay.m, sync=par.sync, dp=lay.dp,
+                        recompute=m.checkpoint_activations, last=last, ffn=m.ffn_hidden, kv=kv, gated=m.gated_mlp)
+    flops = gpt_flops(blocks, lay.T, m.n_embd, V, samples=lay.micro_batch * lay.m, tp=lay.tp,
+                      recompute=m.checkpoint_activations, last=last, ffn=m.ffn_hidden, kvw=kv * m.n_embd // m.n_head,
+                      gated=m.gated_mlp)
+    sent = gpt_bytes(N, blocks, lay.T, m.n_embd, V, b=lay.micro_batch, m=lay.m, sync=par.sync, dp=lay.dp,
                      pp=lay.pp, tp=lay.tp, v=lay.v, precision=t.precision, itemsize=lay.dtype_bytes,
                      recompute=m.checkpoint_activations, sequence=lay.tp > 1 and par.sequence_parallel,
-                     first=first, last=last)
+                     first=first, last=last, tied=m.tie_embeddings)
     return memory, flops, sent

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from pathlib import Path
 
 from mpitrain import cost
@@ -23,9 +24,39 @@ SHIPPED = Path(__file__).with_name("models.toml")
 MiB, GiB = 2**20, 2**30
 
 
+USER_ENV = "MPITRAIN_MODELS"
+SHAPE = ("n_layer", "n_head", "n_embd", "block_size")  # every entry's
+OPTIONAL = ("ffn_hidden", "gated_mlp", "n_kv_head", "tie_embeddings", "position_embedding", "bias")  # the config's
+KNOWN = (*SHAPE, *OPTIONAL, "vocab", "global_batch_size", "tokens")
+
+
+def user_path() -> Path:
+    """A user's models: $MPITRAIN_MODELS, else ~/.config/mpitrain/models.toml."""
+    return Path(os.environ.get(USER_ENV) or Path.home() / ".config" / "mpitrain" / "models.toml")
+
+
 def catalogue() -> dict:
+    """The shipped ``models.toml`` with a user's file (:func:`user_path`, where it exists)
+    overlaid: its ``[gpt.NAME]`` entries add models or replace the shipped ones by name."""
     with open(SHIPPED, "rb") as f:
-        return tomllib.load(f)
+        shipped = tomllib.load(f)
+    user = user_path()
+    if os.environ.get(USER_ENV) and not user.is_file():
+        raise ConfigError(f"${USER_ENV}: {user}: no such models file")
+    if user.is_file():
+        try:
+            theirs = tomllib.loads(user.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"{user}: cannot read the models file ({e})") from None
+        for key, g in theirs.get("gpt", {}).items():
+            unknown = sorted(set(g) - set(KNOWN)) if isinstance(g, dict) else ["(not a table)"]
+            missing = sorted((set(SHAPE) | {"vocab", "global_batch_size", "tokens"}) - set(g)) if not unknown else []
+            if unknown or missing:
+                raise ConfigError(f"{user}: gpt.{key}: " + (f"unknown field(s) {', '.join(unknown)}" if unknown else
+                                                             f"missing {', '.join(missing)}") + f" (known: "
+                                  f"{', '.join(KNOWN)})")
+        shipped["gpt"] = {**shipped["gpt"], **theirs.get("gpt", {})}
+    return shipped
 
 
 def reference(name: str, overrides=()) -> tuple[Config, DataShape]:
@@ -35,7 +66,8 @@ def reference(name: str, overrides=()) -> tuple[Config, DataShape]:
     if name not in gpts:
         raise ConfigError(f"--model: no reference model {name!r} in {SHIPPED} (there are {', '.join(gpts)})")
     g = gpts[name]
-    raw = {"model": {"name": "gpt", **{k: g[k] for k in ("n_layer", "n_head", "n_embd", "block_size")}},
+    shape = {k: g[k] for k in (*SHAPE, *OPTIONAL) if k in g}
+    raw = {"model": {"name": "gpt", **shape},
            "data": {"name": "shakespeare"}, "optim": {"name": "adamw"},
            "train": {"global_batch_size": g["global_batch_size"], "steps": 1}}
     cfg = from_dict(raw, list(overrides))

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from mpitrain.cost import attention_flops, conv2d_flops, gpt_block_activation_bytes, matmul_flops
 from mpitrain.ops.conv import tile_images
-from mpitrain.parallel.tensor_parallel import gpt_slices, sliced_shape
+from mpitrain.parallel.tensor_parallel import gpt_slices, shard, sliced_shape
 
 
 @dataclass(frozen=True)
@@ -96,50 +96,77 @@ class ModelShape:
 
 # ----------------------------------------------------------------------------- GPT
 def gpt(V: int, T: int, L: int, H: int, C: int, bias: bool = False, checkpointed: bool = False,
-        t: int = 1, rank: int = 0, name: str = "gpt", sequence: bool = False) -> ModelShape:
+        t: int = 1, rank: int = 0, name: str = "gpt", sequence: bool = False, ffn: int = 0, kv: int = 0,
+        gated: bool = False, tied: bool = True, positions: bool = True) -> ModelShape:
     """mpitrain's GPT (:class:`mpitrain.nn.GPT`: vocabulary ``V``, context ``T``, ``L``
     blocks of width ``C`` with ``H`` heads) as rank ``rank`` of ``t`` tensor-parallel ranks
     holds it: its heads' q, k, v columns and projection rows, its part of the 4C hidden
-    units, its part of the vocabulary (:mod:`mpitrain.parallel.tensor_parallel`)."""
+    units, its part of the vocabulary (:mod:`mpitrain.parallel.tensor_parallel`). The
+    shapes only a plan takes (:func:`mpitrain.config.checks.planned_only`): an MLP ``ffn``
+    wide (0: ``4C``), ``gated`` (SwiGLU's gate beside it, ``mlp.c_gate``), ``kv`` key and
+    value heads (0: ``H``; grouped-query attention), a head of its own (not ``tied``), no
+    learned ``positions`` (rotary, ALiBi); these are cut over the slices as Megatron-LM
+    cuts them (query, key and value heads, the MLP's columns, the vocabulary's rows)."""
     if C % H or H % t:
         raise ValueError(f"width {C} over {H} heads over {t} tensor-parallel ranks does not divide")
-    cut = gpt_slices(C, H, V, L, bias, t, rank) if t > 1 else {}  # the trainer's cut: one table
+    f, k = ffn or 4 * C, kv or H
+    plain = f == 4 * C and k == H and not gated and tied and positions  # mpitrain's own: the trainer's cut
+    if k % t:
+        raise ValueError(f"{k} key and value heads over {t} tensor-parallel ranks does not divide")
+    cut = gpt_slices(C, H, V, L, bias, t, rank) if t > 1 and plain else {}  # the trainer's cut: one table
 
-    def mine(name: str, shape: tuple | None, needed: bool = True):  # (name, this rank's shape) of a whole one
+    def mine(name: str, shape: tuple | None, needed: bool = True, sliced: int = -1):  # (name, this rank's shape)
         if not needed:
             return name, None
-        return name, sliced_shape(shape, cut[name]) if name in cut else shape
+        if name in cut:
+            return name, sliced_shape(shape, cut[name])
+        if plain or t == 1 or sliced < 0:
+            return name, shape
+        lo, hi = shard(shape[sliced], t, rank)  # another shape: its axis ``sliced`` cut as Megatron-LM does
+        return name, tuple(hi - lo if i == sliced else n for i, n in enumerate(shape))
 
-    w = mine("blocks.0.attn.c_proj.weight", (C, C))[1][0]  # this rank's heads' width
-    hid = mine("blocks.0.mlp.c_fc.weight", (C, 4 * C))[1][1]  # its hidden units
-    v = mine("embed.wte.weight", (V, C))[1][0]  # its rows of the vocabulary
+    hd = C // H  # a head's width
+    qkv = C + 2 * k * hd
+    w = mine("blocks.0.attn.c_proj.weight", (C, C), sliced=0)[1][0]  # this rank's heads' width
+    kvw = k * hd // t  # its key and value heads' width
+    hid = mine("blocks.0.mlp.c_fc.weight", (C, f), sliced=1)[1][1]  # its hidden units
+    v = mine("embed.wte.weight", (V, C), sliced=0)[1][0]  # its rows of the vocabulary
     ln = lambda p: [(f"{p}.weight", (C,)), mine(f"{p}.bias", (C,), bias)]  # noqa: E731
     seq = (T // t, C) if sequence else (T, C)  # what the embedding and a block hand on: a slice of the sequence
 
     def block(i: int) -> Layer:
         p = f"blocks.{i}"
-        params = [*ln(f"{p}.ln_1"), mine(f"{p}.attn.c_attn.weight", (C, 3 * C)),
-                  mine(f"{p}.attn.c_attn.bias", (3 * C,), bias), mine(f"{p}.attn.c_proj.weight", (C, C)),
-                  mine(f"{p}.attn.c_proj.bias", (C,), bias), *ln(f"{p}.ln_2"), mine(f"{p}.mlp.c_fc.weight", (C, 4 * C)),
-                  mine(f"{p}.mlp.c_fc.bias", (4 * C,), bias), mine(f"{p}.mlp.c_proj.weight", (4 * C, C)),
-                  mine(f"{p}.mlp.c_proj.bias", (C,), bias)]
-        fwd = (matmul_flops(T, C, 3 * w) + attention_flops(1, T, w) + matmul_flops(T, w, C)
-               + matmul_flops(T, C, hid) + matmul_flops(T, hid, C))
+        params = [*ln(f"{p}.ln_1"), mine(f"{p}.attn.c_attn.weight", (C, qkv), sliced=1),
+                  mine(f"{p}.attn.c_attn.bias", (qkv,), bias, sliced=0), mine(f"{p}.attn.c_proj.weight", (C, C),
+                                                                             sliced=0),
+                  mine(f"{p}.attn.c_proj.bias", (C,), bias), *ln(f"{p}.ln_2"),
+                  mine(f"{p}.mlp.c_fc.weight", (C, f), sliced=1), mine(f"{p}.mlp.c_fc.bias", (f,), bias, sliced=0),
+                  mine(f"{p}.mlp.c_gate.weight", (C, f), gated, sliced=1),
+                  mine(f"{p}.mlp.c_gate.bias", (f,), gated and bias, sliced=0),
+                  mine(f"{p}.mlp.c_proj.weight", (f, C), sliced=0), mine(f"{p}.mlp.c_proj.bias", (C,), bias)]
+        fwd = (matmul_flops(T, C, w + 2 * kvw) + attention_flops(1, T, w) + matmul_flops(T, w, C)
+               + (3 if gated else 2) * matmul_flops(T, C, hid))
         full = gpt_block_activation_bytes(1, T, C, H, 1, t=t, sequence=sequence)
         kept = gpt_block_activation_bytes(1, T, C, H, 1, checkpointed, t, sequence)
+        # the whole block's parameters, every slice's together (12 C^2 + 13 C with biases for mpitrain's own)
+        whole = (C * qkv + C * C + (2 + gated) * C * f + 2 * C * (1 + bias)
+                 + ((qkv + C + (1 + gated) * f + C) if bias else 0))
         return Layer(f"block {i}", _present(params), fwd, 2 * fwd, kept, seq,
-                     checkpointed, 12 * C * C + (13 * C if bias else 2 * C), (T, C, hid), full,
+                     checkpointed, whole, (T, C, hid), full,
                      (3 if sequence else 2) * T * C // (t if sequence else 1), T * hid,  # sequence: the norm's
-                     2 * C * hid + (hid + C if bias else 0),  # output slice lives while its sublayer runs too
+                     (2 + gated) * C * hid + ((1 + gated) * hid + C if bias else 0),  # output slice lives too
                      T * T)  # the causal mask (ops.attention: one in a process, whatever its blocks)
 
-    wte = mine("embed.wte.weight", (V, C))
+    wte = mine("embed.wte.weight", (V, C), sliced=0)
     # sliced, the embedding keeps its rows looked up (the product that zeroes the others' ids keeps them)
-    embed = Layer("embed", (wte, ("embed.wpe.weight", (T, C))), 0, 0, T * C if t > 1 else 0, seq, whole=(V + T) * C)
+    embed = Layer("embed", _present([wte, ("embed.wpe.weight", (T, C) if positions else None)]), 0, 0,
+                  T * C if t > 1 else 0, seq, whole=(V + T * positions) * C)
     # the head's own weight before its norm's, as Module.named_parameters lists them (ZeRO cuts in that order)
-    head = Layer("head", _present([wte, *ln("head.ln_f")]), matmul_flops(T, C, v), 2 * matmul_flops(T, C, v),
+    weight = wte if tied else mine("head.weight", (V, C), sliced=0)
+    head = Layer("head", _present([weight, *ln("head.ln_f")]), matmul_flops(T, C, v), 2 * matmul_flops(T, C, v),
                  2 * T * C + T + T * v, (T, V), whole=V * C + (2 * C if bias else C), gemm=(T, C, v), scratch=T * v)
-    return ModelShape(name, (embed, *(block(i) for i in range(L)), head), (T,), frozenset({wte[0]}))
+    return ModelShape(name, (embed, *(block(i) for i in range(L)), head), (T,),
+                      frozenset({wte[0]}) if tied else frozenset())
 
 
 def _present(params) -> tuple:
@@ -269,8 +296,10 @@ def from_config(cfg, data, t: int = 1, rank: int = 0) -> ModelShape:
     ``data``, as tensor-parallel rank ``rank`` of ``t`` holds it."""
     m = cfg.model
     if m.name == "gpt":
-        return gpt(data.ids, m.block_size, m.n_layer, m.n_head, m.n_embd, m.bias, m.checkpoint_activations, t, rank,
-                   sequence=t > 1 and cfg.parallel.sequence_parallel)
+        return gpt(m.vocab_size or data.ids, m.block_size, m.n_layer, m.n_head, m.n_embd, m.bias,
+                   m.checkpoint_activations, t, rank, sequence=t > 1 and cfg.parallel.sequence_parallel,
+                   ffn=m.ffn_hidden, kv=m.n_kv_head, gated=m.gated_mlp, tied=m.tie_embeddings,
+                   positions=m.position_embedding)
     sample, classes = data.sample, data.ids
     if m.name == "lenet":
         return lenet(sample, classes, m.channels, m.hidden, m.dropout)

@@ -53,7 +53,8 @@ def header(plan, source: str) -> list[str]:
     elsewhere = calibrated_elsewhere(mc.device)
     from mpitrain.config.checks import planned_only
 
-    only = [f"planned only: mpitrain's trainer refuses {why}; GPU frameworks run it" for why in planned_only(lay.cfg)]
+    why = planned_only(lay.cfg)
+    only = [f"planned only (GPU frameworks run it, mpitrain's trainer does not): {'; '.join(why)}"] if why else []
     return [f"plan: {source} on {lay.describe()}", *only,
             f"model: {lay.cfg.model.name}, {lay.whole:,} parameters; data: {data.name}{known}, {what}, "
             f"{plan.bytes_per_sample:,} B per sample read",

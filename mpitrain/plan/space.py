@@ -59,12 +59,18 @@ class Gpt:
     itemsize: int = 4  # bytes of a number in float32 training
     moments: int = 2  # the optimizer's arrays per parameter (Adam 2)
     threads: int = 0  # BLAS threads a rank asks for (train.threads; 0: the machine's share)
+    ffn: int = 0  # the MLP's width (0: 4C)
+    kv: int = 0  # key and value heads (0: H)
+    gated: bool = False  # a gated MLP (SwiGLU)
+    tied: bool = True  # the head's weight is the embedding's
+    positions: bool = True  # learned positions
 
     @classmethod
     def of(cls, cfg, data) -> "Gpt":
         m = cfg.model
-        return cls(data.ids, m.block_size, m.n_layer, m.n_head, m.n_embd, cfg.train.global_batch_size, m.bias,
-                   np.dtype(cfg.train.dtype).itemsize, moments_of(cfg.optim), cfg.train.threads)
+        return cls(m.vocab_size or data.ids, m.block_size, m.n_layer, m.n_head, m.n_embd, cfg.train.global_batch_size,
+                   m.bias, np.dtype(cfg.train.dtype).itemsize, moments_of(cfg.optim), cfg.train.threads, m.ffn_hidden,
+                   m.n_kv_head, m.gated_mlp, m.tie_embeddings, m.position_embedding)
 
 
 @dataclass
@@ -102,7 +108,7 @@ def grids(model: Gpt, P: int, chunks: tuple = KNOBS["chunks"]) -> dict:
     rows = []
     for pp in (d for d in range(1, P + 1) if P % d == 0):
         for tp in (d for d in range(1, P // pp + 1) if (P // pp) % d == 0):
-            if model.H % tp:
+            if model.H % tp or (model.kv or model.H) % tp:  # whole heads, and key and value heads, on a slice
                 continue
             for v in ((1, *chunks) if pp > 1 else (1,)):
                 if pp * v <= model.L + 2:
@@ -127,7 +133,8 @@ def table_of(model: Gpt, rows: list[tuple]) -> dict:
 def _stages(model: Gpt, pp: int, tp: int, v: int) -> tuple:
     """(parameters, blocks, embedding, head) of each pipeline rank's first tensor slice, as
     the trainer cuts."""
-    shape = shapes.gpt(model.V, model.T, model.L, model.H, model.C, model.bias, t=tp)
+    shape = shapes.gpt(model.V, model.T, model.L, model.H, model.C, model.bias, t=tp, ffn=model.ffn, kv=model.kv,
+                       gated=model.gated, tied=model.tied, positions=model.positions)
     parts = [stage_layers(shape, pp, v, s) for s in range(pp)]
     return ([shape.count(layers) for layers in parts],
             [sum(x.name.startswith("block") for x in layers) for layers in parts],
@@ -276,11 +283,12 @@ def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule
     memory = estimate.gpt_memory(table["N"][G], table["blocks"][G], T, C, H, V, b=b[:, None], held=held, sync=sync,
                                  dp=dp[:, None], tp=tp[:, None], precision=precision, itemsize=model.itemsize,
                                  moments=model.moments, sequence=sequence, recompute=recompute,
-                                 last=table["last"][G])
+                                 last=table["last"][G], ffn=model.ffn, kv=model.kv or H, gated=model.gated)
     peak = np.where(table["stage"][G], sum(memory.values()), -np.inf).max(axis=1)
     # time: the pipeline rank with the most FLOPs (recomputed blocks weigh more than the head)
     every = estimate.gpt_flops(table["blocks"][G], T, C, V, samples=(b * m)[:, None], tp=tp[:, None],
-                               recompute=recompute, last=table["last"][G])
+                               recompute=recompute, last=table["last"][G], ffn=model.ffn,
+                               kvw=(model.kv or H) * C // H, gated=model.gated)
     slowest = np.where(table["stage"][G], sum(every.values()), -np.inf).argmax(axis=1)
     rows = np.arange(len(G))
     N, blocks, first, last = (table[k][G, slowest] for k in ("N", "blocks", "first", "last"))
@@ -288,7 +296,7 @@ def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule
     compute = sum(flops.values()) / _rate(machine, model, precision, b)
     sent = estimate.gpt_bytes(N, blocks, T, C, V, b=b, m=m, sync=sync, dp=dp, pp=pp, tp=tp, v=v, precision=precision,
                               itemsize=model.itemsize, recompute=recompute, sequence=sequence, first=first,
-                              last=last)
+                              last=last, tied=model.tied)
     alpha, bandwidth, _ = _links(machine, 1, tp)
     sums = m * ((6 if recompute else 4) * blocks + 1 * first + 1 * last)  # the calls, each a latency
     tp_seconds = cost.alpha_beta_seconds("allreduce", tp, sent["tp"], alpha, bandwidth, sums)
@@ -300,7 +308,8 @@ def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule
     send = alpha + activation / bandwidth
     tied = cost.alpha_beta_seconds("allreduce", 2, cost.collective_bytes("allreduce", V * C / tp * number, 2),
                                    alpha, bandwidth)
-    parts = estimate.step_seconds(compute, tp_seconds, dp_seconds, send, np.where(pp > 1, tied, 0.0), sync=sync,
+    parts = estimate.step_seconds(compute, tp_seconds, dp_seconds, send, np.where(pp > 1, tied, 0.0) * model.tied,
+                                  sync=sync,
                                   schedule=schedule, p=pp, m=m, v=v, forward_share=flops["forward"] / sum(
                                       flops.values()), hides=hides)
     return {"peak": peak, **parts}
