@@ -87,6 +87,12 @@ def _bench_plan(args) -> int:
     return plan.run(args.config, args.steps, args.network, args.layouts or list(plan.LAYOUTS), args.catalogue)
 
 
+def _bench_published() -> None:
+    from mpitrain.plan import published
+
+    published.run()
+
+
 def _bench_pipeline(args) -> None:
     odd = [m for m in args.micro_batches if args.batch % m]
     if odd:
@@ -178,6 +184,12 @@ def _bench_planner_parsers(benches) -> None:
     p.add_argument("--repeats", type=_positive, default=3, help="runs of tier 1 per case, best kept (default 3)")
     p.add_argument("--sample", type=_positive, default=5, help="layouts planned one by one per case (default 5)")
     p.set_defaults(run=lambda a: _bench("search", repeats=a.repeats, sample=a.sample), alone="times one process")
+    p = benches.add_parser("published", help="the planner against published large-model runs: step time and "
+                                             "memory per GPU (mpitrain/plan/runs.toml)",
+                           description="Plan each published run of mpitrain/plan/runs.toml as its paper laid it out "
+                                       "and print the published and the predicted step time, the error, and the "
+                                       "peak memory per GPU. Nothing is fitted to these runs.")
+    p.set_defaults(run=lambda a: _bench_published(), alone="plans only")
 
 
 def _bench_parallel_parsers(benches) -> None:
