@@ -309,6 +309,9 @@ def test_plan_tiers_prints_tier_1_the_corrections_and_tier_2_for_each_rank():
     assert float(said[0]) + sum(float(x) for x in said[1:-1]) == pytest.approx(float(said[-1]), rel=0.01)
     gpu = planner.from_args(cli.build_parser().parse_args([*argv, "--hardware", "a100-80g"]))[0]
     assert "no corrections" in show.text(gpu, source, tiers=True)
+    ps = planner.from_args(cli.build_parser().parse_args(["plan", "jobs/shakespeare_gpt.toml", "-n", "3", "--set",
+                                                          "parallel.sync=ps", "--set", "optim.grad_clip=0"]))[0]
+    assert "tier 1 has no model of parameter servers" in show.text(ps, source, tiers=True)
 
 
 STEP_LAYOUTS = [("jobs/shakespeare_gpt.toml", P, sets) for P, grid in GRIDS.items() for sets in grid] + [

@@ -25,10 +25,12 @@ def test_each_published_run_is_planned_as_laid_out_and_fits_where_it_ran(key):
     assert plan.time["step"] > 0
 
 
-def test_bench_published_prints_every_run_and_the_error():
+def test_bench_published_prints_every_run_and_the_error(monkeypatch):
+    few = dict(list(RUNS.items())[:2])  # (each run is planned above)
+    monkeypatch.setattr(published, "runs", lambda: few)
     lines = []
     rows = published.table(lines.append)
-    assert [r["run"] for r in rows] == list(RUNS) and len(lines) == len(RUNS) + 2
+    assert [r["run"] for r in rows] == list(few) and len(lines) == len(few) + 2
     for r in rows:
         assert r["error"] == pytest.approx(r["predicted"] / r["published"] - 1)
-    assert lines[-1].startswith("mean absolute error ") and f"over {len(RUNS)} runs" in lines[-1]
+    assert lines[-1].startswith("mean absolute error ") and f"over {len(few)} runs" in lines[-1]

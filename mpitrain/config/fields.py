@@ -32,7 +32,7 @@ class ModelConfig:
     bias: bool = False  #: biases in the linear layers and layer norms
     checkpoint_activations: bool = False  #: recompute each block's activations in backward instead of keeping them
     gelu: str = "tanh"  #: the MLP's GELU: "tanh" (GPT-2's approximation) or "erf" (exact, as nanoGPT today)
-    vocab_size: int = 0  #: the vocabulary (0: the data's); another is planned only, as the four below are
+    vocab_size: int = 0  #: the vocabulary (0: the data's); another is planned only, as the fields below are
     ffn_hidden: int = 0  #: the MLP's width (0: 4 x n_embd)
     gated_mlp: bool = False  #: a gated MLP (SwiGLU, as Llama's: three matrices)
     n_kv_head: int = 0  #: key and value heads (0: n_head; fewer: grouped-query attention, dividing n_head)

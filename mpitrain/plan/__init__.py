@@ -127,8 +127,6 @@ def at_mfu(plan: Plan, mfu: float) -> Plan:
     """``plan`` with its step set to the one whose model FLOPs reach ``mfu`` of the device's
     peak (of the precision it multiplies in) on every rank: each part of the planner's step
     scaled alike; its own kept in ``own``. A published device's only (ConfigError)."""
-    from dataclasses import replace
-
     from mpitrain.config import ConfigError
     from mpitrain.plan.hardware import PRECISION_OF
 

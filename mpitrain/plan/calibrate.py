@@ -296,7 +296,8 @@ def against_shipped(rows: list, shipped=None) -> str:
     """A line comparing the GEMM ``rows`` just measured with the shipped calibration of
     this machine's kind (:func:`mpitrain.plan.hardware.load`'s "this"), shape by shape: the
     median ratio and how many are within a tenth of it; a warning where the median is below
-    :data:`SLOWER` (a slow spell the busy check did not see); "" where none ships."""
+    :data:`SLOWER` (a slow spell the busy check did not see); where none ships, a line
+    saying so."""
     from mpitrain.plan.hardware import SHIPPED, load, this_cpu
 
     theirs = (shipped or load(SHIPPED)).device("this")

@@ -228,6 +228,8 @@ def tiers_table(plan) -> list[str]:
     if lay.textbook:
         return ["tiers: tier 1 (the textbook, as GPU frameworks run it) answers this device's memory and time: "
                 "no corrections"]
+    if lay.servers:
+        return ["tiers: tier 1 has no model of parameter servers: tier 2's plan alone"]
     workers = [p for p in plan.ranks if p.stage != "server"]
     fixes = list(peak.ACTIVATION_CORRECTIONS)
     lines = ["activations by tier (tier 1 + tier 2's named corrections = tier 2):",
