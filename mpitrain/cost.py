@@ -244,7 +244,7 @@ def gpt_ends_activation_bytes(B: int, T: int, C: int, V: int, itemsize: int) -> 
 
 def transformer_block_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence: bool = False,
                                        recompute: bool = False, itemsize: int = 2, ffn: int = 0, kv: int = 0,
-                                       gated: bool = False) -> float:
+                                       gated: bool = False, selective: bool = False) -> float:
     """Activation bytes of one transformer block in 16-bit training (Korthikanti et al.
     2022, "Reducing Activation Recomputation"): ``s b h (34 + 5 a s/h)`` for sequence
     ``s``, micro-batch ``b``, width ``h``, ``a`` heads; sliced over ``t`` ranks ``s b h (10
@@ -258,12 +258,13 @@ def transformer_block_activation_bytes(s: int, b: int, h: int, a: int, t: int = 
     grouped-query attention), the MLP's activation input and second product's input ``4
     sb f`` (``ffn``, its width ``f``: 0 is ``4h``; ``6 sb f`` ``gated``, SwiGLU's two
     first products and their product); and the ``5 a s^2 b`` of the scores, softmax and
-    its dropout mask."""
+    its dropout mask, which ``selective`` recomputation drops (it runs them again in
+    backward: ``34 sbh / t`` with sequence parallelism, as the paper says)."""
     if recompute:
         count = 2 * s * b * h / (t if sequence else 1)
     else:
         f, k = ffn or 4 * h, kv or h
-        sliced = 4 * s * b * h + 4 * s * b * k + (6 if gated else 4) * s * b * f + 5 * a * s * s * b
+        sliced = 4 * s * b * h + 4 * s * b * k + (6 if gated else 4) * s * b * f + 5 * a * s * s * b * (not selective)
         count = (10 * s * b * h + sliced) / t if sequence else 10 * s * b * h + sliced / t
     return count * itemsize / 2
 

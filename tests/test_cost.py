@@ -89,3 +89,14 @@ def test_a_gpt_step_is_about_six_flops_per_parameter_and_token():
     B, T, C, L, V = 8, 128, 2048, 24, 512
     params = L * 12 * C * C + V * C
     assert cost.gpt_step_flops(B, T, C, L, V) == pytest.approx(cost.dense_training_flops(params, B * T), rel=0.05)
+
+
+def test_selective_recomputation_keeps_all_but_attentions_scores():
+    """Korthikanti et al. 2022, section 5: with sequence parallelism and selective
+    recomputation a block keeps 34 s b h / t bytes (16-bit): the 5 a s^2 b of the scores,
+    softmax and its dropout mask recomputed; without sequence parallelism s b h (10 + 24/t)."""
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    assert cost.transformer_block_activation_bytes(s, b, h, a, t, sequence=True, selective=True) == \
+        pytest.approx(34 * s * b * h / t)
+    assert cost.transformer_block_activation_bytes(s, b, h, a, t, selective=True) == \
+        pytest.approx(s * b * h * (10 + 24 / t))

@@ -43,9 +43,10 @@ def _shape_only(cfg: Config) -> list[tuple[str, str]]:
             ("gated_mlp", "a gated MLP (SwiGLU)"),
             ("n_kv_head", f"grouped-query attention ({m.n_kv_head} key and value heads)"),
             ("tie_embeddings", "a head of its own (its head is the embedding)"),
-            ("position_embedding", "no learned positions (rotary or ALiBi: none to learn)")]
+            ("position_embedding", "no learned positions (rotary or ALiBi: none to learn)"),
+            ("selective_recompute", "selective recomputation (attention's scores and softmax again in backward)")]
     default = {"vocab_size": 0, "ffn_hidden": (0, 4 * m.n_embd), "gated_mlp": False, "n_kv_head": (0, m.n_head),
-               "tie_embeddings": True, "position_embedding": True}
+               "tie_embeddings": True, "position_embedding": True, "selective_recompute": False}
     return [(f, w) for f, w in said
             if getattr(m, f) not in (default[f] if isinstance(default[f], tuple) else (default[f],))]
 
@@ -143,6 +144,8 @@ def _validate_model(cfg: Config) -> None:
     _require(not m.n_kv_head or m.n_head % m.n_kv_head == 0, "model.n_kv_head",
              f"must divide model.n_head = {m.n_head} (each key and value head serves as many query heads)",
              m.n_kv_head)
+    _require(not (m.selective_recompute and m.checkpoint_activations), "model.selective_recompute",
+             "recomputes part of each block; model.checkpoint_activations recomputes all of it: give one", True)
     for field, why in _shape_only(cfg):
         _require(_PLANNING.get(), f"model.{field}", f"mpitrain's GPT cannot have {why}: a shape only `mpitrain "
                  "plan --hardware GPU` plans", getattr(m, field))

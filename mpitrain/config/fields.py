@@ -38,6 +38,7 @@ class ModelConfig:
     n_kv_head: int = 0  #: key and value heads (0: n_head; fewer: grouped-query attention, dividing n_head)
     tie_embeddings: bool = True  #: the head's weight is the embedding's (false: a head of its own)
     position_embedding: bool = True  #: learned positions (false: none to learn, as rotary or ALiBi models have)
+    selective_recompute: bool = False  #: recompute attention's scores and softmax in backward (Korthikanti et al.)
 
 
 # which fields a choice of model, dataset or optimizer reads: setting another is an error
@@ -47,7 +48,7 @@ MODEL_FIELDS = {
     "resnet": {"name", "widths", "blocks"},
     "gpt": {"name", "n_layer", "n_head", "n_embd", "block_size", "bias", "dropout",
             "checkpoint_activations", "gelu", "vocab_size", "ffn_hidden", "gated_mlp", "n_kv_head",
-            "tie_embeddings", "position_embedding"},
+            "tie_embeddings", "position_embedding", "selective_recompute"},
 }
 _OPTIM_COMMON = {"name", "lr", "min_lr", "schedule", "warmup_steps", "weight_decay", "grad_clip"}
 OPTIM_FIELDS = {

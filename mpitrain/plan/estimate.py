@@ -37,7 +37,7 @@ from mpitrain import cost
 def gpt_memory(N: int, blocks: int, T: int, C: int, H: int, V: int, *, b: int, held: float, sync: str = "ddp",
                dp: int = 1, tp: int = 1, precision: str = "fp32", itemsize: int = 4, moments: int = 2,
                sequence: bool = False, recompute: bool = False, last: bool = True, ffn: int = 0, kv: int = 0,
-               gated: bool = False) -> dict[str, float]:
+               gated: bool = False, selective: bool = False) -> dict[str, float]:
     """Bytes one rank holds at its peak, by category: its part holds ``N`` parameters and
     ``blocks`` of a GPT's blocks (context ``T``, width ``C``, ``H`` heads, vocabulary ``V``),
     ``held`` micro-batches of ``b`` samples at once; ``sync`` over ``dp`` replicas, sliced
@@ -45,26 +45,30 @@ def gpt_memory(N: int, blocks: int, T: int, C: int, H: int, V: int, *, b: int, h
     ``itemsize`` bytes; ``bf16``, ``fp16``), ``moments`` optimizer arrays (Adam 2),
     ``recompute``: each block's forward again in backward; ``last``: the stage with the head;
     ``ffn``, ``kv``, ``gated``: an MLP that wide, that many key and value heads, gated (0,
-    0, False: mpitrain's 4C MLP, a key and a value per head)."""
+    0, False: mpitrain's 4C MLP, a key and a value per head); ``selective``: attention's
+    scores and softmax run again in backward, not kept."""
     mixed = precision != "fp32"
     number = cost.word_bytes(mixed, itemsize)
     w, g, s = cost.state_shares(sync, dp)
     state = cost.model_state_bytes(w * N, g * N, s * N, moments, number, mixed)
     block = cost.transformer_block_activation_bytes(T, b, C, H, tp, sequence, recompute, number, ffn,
-                                                    kv * C // H, gated)
+                                                    kv * C // H, gated, selective)
     logits = last * cost.logits_activation_bytes(T, b, V, tp, number)
     return {**state, "activations": held * (blocks * block + logits)}
 
 
 def gpt_flops(blocks: int, T: int, C: int, V: int, *, samples: int, tp: int = 1, recompute: bool = False,
-              last: bool = True, ffn: int = 0, kvw: int = 0, gated: bool = False) -> dict[str, float]:
+              last: bool = True, ffn: int = 0, kvw: int = 0, gated: bool = False,
+              selective: bool = False) -> dict[str, float]:
     """FLOPs of a step of one rank of ``tp``: forward, backward and recomputed, over
     ``samples`` samples (its micro-batches together) of its ``blocks`` blocks (and the
     head's product on the ``last`` stage); ``ffn``, ``kvw``, ``gated``:
-    :func:`mpitrain.cost.gpt_block_flops`'s."""
+    :func:`mpitrain.cost.gpt_block_flops`'s; ``selective``: attention's two products once
+    more (Korthikanti et al. 2022)."""
     block = cost.gpt_block_flops(1, T, C, ffn, kvw, gated) / tp
     forward = samples * (blocks * block + last * cost.matmul_flops(T, C, V) / tp)
-    return {"forward": forward, "backward": 2 * forward, "recompute": samples * blocks * block if recompute else 0}
+    again = block if recompute else cost.attention_flops(1, T, C) / tp if selective else 0
+    return {"forward": forward, "backward": 2 * forward, "recompute": samples * blocks * again}
 
 
 def gpt_bytes(N: int, blocks: int, T: int, C: int, V: int, *, b: int, m: int, sync: str = "ddp", dp: int = 1,
@@ -185,10 +189,11 @@ def of_layout(lay, s: int, r: int = 0) -> tuple[dict, dict, dict]:
     memory = gpt_memory(N, blocks, lay.T, m.n_embd, m.n_head, V, b=lay.micro_batch, held=held,
                         sync=par.sync, dp=lay.dp, tp=lay.tp, precision=t.precision, itemsize=lay.dtype_bytes,
                         moments=lay.moments, sequence=lay.tp > 1 and par.sequence_parallel,
-                        recompute=m.checkpoint_activations, last=last, ffn=m.ffn_hidden, kv=kv, gated=m.gated_mlp)
+                        recompute=m.checkpoint_activations, last=last, ffn=m.ffn_hidden, kv=kv, gated=m.gated_mlp,
+                        selective=m.selective_recompute)
     flops = gpt_flops(blocks, lay.T, m.n_embd, V, samples=lay.micro_batch * lay.m, tp=lay.tp,
                       recompute=m.checkpoint_activations, last=last, ffn=m.ffn_hidden, kvw=kv * m.n_embd // m.n_head,
-                      gated=m.gated_mlp)
+                      gated=m.gated_mlp, selective=m.selective_recompute)
     sent = gpt_bytes(N, blocks, lay.T, m.n_embd, V, b=lay.micro_batch, m=lay.m, sync=par.sync, dp=lay.dp,
                      pp=lay.pp, tp=lay.tp, v=lay.v, precision=t.precision, itemsize=lay.dtype_bytes,
                      recompute=m.checkpoint_activations, sequence=lay.tp > 1 and par.sequence_parallel,

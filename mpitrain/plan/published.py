@@ -32,6 +32,7 @@ def args_of(run: dict) -> argparse.Namespace:
     sets.update({"model.vocab_size": run["vocab"], "parallel.tp": run["tp"], "parallel.pp": run["pp"],
                  "train.global_batch_size": run["global_batch_size"], "train.precision": run["precision"],
                  "model.checkpoint_activations": run["recompute"] == "full",
+                 "model.selective_recompute": run["recompute"] == "selective",
                  "parallel.sequence_parallel": run.get("sequence_parallel", False)})
     dp = run["gpus"] // (run["tp"] * run["pp"])
     sets["train.micro_batches"] = run["global_batch_size"] // (dp * run["micro_batch"])

@@ -64,13 +64,14 @@ class Gpt:
     gated: bool = False  # a gated MLP (SwiGLU)
     tied: bool = True  # the head's weight is the embedding's
     positions: bool = True  # learned positions
+    selective: bool = False  # attention's scores and softmax recomputed, not kept
 
     @classmethod
     def of(cls, cfg, data) -> "Gpt":
         m = cfg.model
         return cls(m.vocab_size or data.ids, m.block_size, m.n_layer, m.n_head, m.n_embd, cfg.train.global_batch_size,
                    m.bias, np.dtype(cfg.train.dtype).itemsize, moments_of(cfg.optim), cfg.train.threads, m.ffn_hidden,
-                   m.n_kv_head, m.gated_mlp, m.tie_embeddings, m.position_embedding)
+                   m.n_kv_head, m.gated_mlp, m.tie_embeddings, m.position_embedding, m.selective_recompute)
 
 
 @dataclass
@@ -250,14 +251,17 @@ def _sync_calls(sync: str, grads, bucket_mb, m, layers):
 def textbook(lay, plans: list, machine) -> tuple[list, dict]:
     """A plan on a device that computes as GPU frameworks do (``lay.textbook``): each rank's
     memory tier 1's (:func:`mpitrain.plan.estimate.of_layout` of its part; no NumPy work
-    arrays, buffers, objects or reader on the device), its calls and FLOPs tier 2's; the
-    step tier 1's (:func:`of_layout`) and the reader's wait. (ranks regrouped, time)."""
+    arrays, buffers, objects or reader on the device), its calls and FLOPs tier 2's (a
+    selective recomputation's, tier 1's); the step tier 1's (:func:`of_layout`) and the
+    reader's wait. (ranks regrouped, time)."""
     from mpitrain.plan.predict import grouped
     from mpitrain.plan.timing import _coords, io_wait
 
     for p in plans:
-        memory, _, _ = estimate.of_layout(lay, *_coords(lay, p.ranks[0]))
+        memory, flops, _ = estimate.of_layout(lay, *_coords(lay, p.ranks[0]))
         p.memory = {**memory, "work": 0, "buffers": 0, "objects": 0, "reader": 0}
+        if lay.cfg.model.selective_recompute:  # planned only: attention's products again, which tier 2 has not
+            p.flops = {**p.flops, "recompute": flops["recompute"]}
     t = of_layout(lay, machine)
     wait = io_wait(lay, machine, t["step"])
     parts = {"compute": t["compute"], "exposed": t["exposed"], "bubble": t["bubble"], "io_wait": wait,
@@ -283,12 +287,14 @@ def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule
     memory = estimate.gpt_memory(table["N"][G], table["blocks"][G], T, C, H, V, b=b[:, None], held=held, sync=sync,
                                  dp=dp[:, None], tp=tp[:, None], precision=precision, itemsize=model.itemsize,
                                  moments=model.moments, sequence=sequence, recompute=recompute,
-                                 last=table["last"][G], ffn=model.ffn, kv=model.kv or H, gated=model.gated)
+                                 last=table["last"][G], ffn=model.ffn, kv=model.kv or H, gated=model.gated,
+                                 selective=model.selective and not recompute)
     peak = np.where(table["stage"][G], sum(memory.values()), -np.inf).max(axis=1)
     # time: the pipeline rank with the most FLOPs (recomputed blocks weigh more than the head)
     every = estimate.gpt_flops(table["blocks"][G], T, C, V, samples=(b * m)[:, None], tp=tp[:, None],
                                recompute=recompute, last=table["last"][G], ffn=model.ffn,
-                               kvw=(model.kv or H) * C // H, gated=model.gated)
+                               kvw=(model.kv or H) * C // H, gated=model.gated,
+                               selective=model.selective and not recompute)
     slowest = np.where(table["stage"][G], sum(every.values()), -np.inf).argmax(axis=1)
     rows = np.arange(len(G))
     N, blocks, first, last = (table[k][G, slowest] for k in ("N", "blocks", "first", "last"))
