@@ -521,3 +521,6 @@ def test_mfu_sets_the_whole_step_and_prints_the_planners_own_beside_it():
             f"{show.duration(own.time['step'])}, MFU {mfu:.1f}%)") in text and "MFU 45.0%" in text
     with pytest.raises(ConfigError, match="--mfu: sets a published device's step"):
         planned(["jobs/shakespeare_gpt.toml", "--mfu", "0.5"])
+    out = subprocess.run([sys.executable, "-m", "mpitrain", "plan", *argv, "--mfu", "0.45", "--search"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "--mfu: sets one plan's step; leave it out of --search" in out.stderr

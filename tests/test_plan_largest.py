@@ -64,11 +64,13 @@ def test_largest_prints_its_model_assumptions_plan_and_training_time():
     assert [t.split(":")[0] for t in trains] == ["to train it on 3e+11 tokens", "to train it on 1e+12 tokens"]
     days = [float(t.split(", ")[1].split(" days")[0].replace(",", "")) for t in trains]
     assert days[1] == pytest.approx(days[0] * 1e12 / 3e11, rel=0.01)
-    for bad, said in ((["--train-tokens", "1e9"], "--train-tokens: goes with --largest"),
-                      (["--largest", "--search"], "--largest: plans the grown model")):
-        run = subprocess.run([sys.executable, "-m", "mpitrain", "plan", *H100, *bad], capture_output=True, text=True,
+    for bad, said in (([*H100, "--train-tokens", "1e9"], "--train-tokens: goes with --largest"),
+                      ([*H100, "--largest", "--search"], "--largest: plans the grown model"),
+                      (["jobs/mnist_lenet.toml", "--largest"], "--largest: grows a GPT (its heads and layers); "
+                                                               "model.name is 'lenet'")):
+        run = subprocess.run([sys.executable, "-m", "mpitrain", "plan", *bad], capture_output=True, text=True,
                              timeout=120)
-        assert run.returncode != 0 and said in run.stderr
+        assert run.returncode != 0 and said in run.stderr, run.stderr
 
 
 def test_only_a_gpu_plan_takes_what_only_mpitrains_trainer_refuses():

@@ -176,6 +176,9 @@ def run(args) -> int:
             from mpitrain.plan import validate
 
             return validate.run(args)
+        if args.mfu and (args.search or args.validate or args.largest or args.calibrate):
+            raise ConfigError("--mfu: sets one plan's step; leave it out of --search, --validate, --largest and "
+                              "--calibrate")
         if args.train_tokens and not args.largest:
             raise ConfigError("--train-tokens: goes with --largest")
         if args.largest:

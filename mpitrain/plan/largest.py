@@ -75,6 +75,8 @@ def run(args) -> int:
     from mpitrain.plan.data import resolve
 
     cfg, data, source = models.config_of(args)
+    if cfg.model.name != "gpt":
+        raise ConfigError(f"--largest: grows a GPT (its heads and layers); model.name is {cfg.model.name!r}")
     ranks, machine = machine_of(args)
     best, above = largest(cfg, ranks, machine, data or resolve(cfg), args.largest)
     m = cfg.model
@@ -93,9 +95,11 @@ def run(args) -> int:
         line += (f"; the next ({am.n_layer} x {am.n_embd}, {above.layout.whole / 1e9:,.3g} B) needs "
                  f"{show.size(above.largest().peak)}")
     t = lay.cfg.train
+    room = ("for the plan's categories alone (no framework buffers, no allocator reserve)" if lay.textbook else
+            "for everything the plan counts (mpitrain's NumPy heap, as --validate holds it)")
     assumed = (f"assumes: {lay.describe()}; {cfg.optim.name}; micro-batches of {lay.micro_batch} x {lay.T} tokens; "
-               f"{show.size(machine.memory)} per rank for the plan's categories alone (no framework buffers, no "
-               f"allocator reserve){'; mixed precision keeps float32 masters' if t.precision != 'fp32' else ''}")
+               f"{show.size(machine.memory)} per rank {room}"
+               f"{'; mixed precision keeps float32 masters' if t.precision != 'fp32' else ''}")
     print("\n".join([line, assumed, show.text(best, source)]))
     tokens = t.global_batch_size * lay.T
     for n in args.train_tokens or ():
