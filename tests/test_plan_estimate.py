@@ -31,20 +31,30 @@ GRIDS = {  # ranks -> the layouts the MPI tier trains, and more
 }
 
 
-@pytest.mark.parametrize("job", sorted(glob.glob("jobs/*.toml")))
-def test_tier_1_is_tier_2_less_its_named_corrections(job):
-    """On every shipped job and each layout the MPI tier trains (those its model takes),
-    each rank's model state in tier 1 is tier 2's to the byte but Adam's step counts, and
-    its FLOPs tier 2's but ZeRO-3's replayed forwards."""
+def plans_of(job: str):
+    """(overrides, plan) of ``job`` on each layout the MPI tier trains (GRIDS, CNN_LAYOUTS)
+    that its model takes: a CNN refuses slices and checkpointing, a GPT nothing."""
     from mpitrain.config import ConfigError
 
-    for ranks, sets in [(P, sets) for P, grid in GRIDS.items() for sets in grid] + CNN_LAYOUTS:
+    layouts = [(P, sets) for P, grid in GRIDS.items() for sets in grid] + CNN_LAYOUTS
+    planned = 0
+    for ranks, sets in layouts:
         try:
             cfg = config.load(job, sets, data_needed=False)
             plan = planner.make(cfg, ranks, planner.machine(hardware.load(), "this", ranks))
         except ConfigError:  # slices and checkpointing are the GPT's
             assert "gpt" not in job
             continue
+        planned += 1
+        yield sets, plan
+
+
+@pytest.mark.parametrize("job", sorted(glob.glob("jobs/*.toml")))
+def test_tier_1_is_tier_2_less_its_named_corrections(job):
+    """On every shipped job and each layout the MPI tier trains (those its model takes),
+    each rank's model state in tier 1 is tier 2's to the byte but Adam's step counts, and
+    its FLOPs tier 2's but ZeRO-3's replayed forwards."""
+    for sets, plan in plans_of(job):
         lay = plan.layout
         for s in range(lay.pp):
             for r in range(lay.tp):
@@ -59,7 +69,7 @@ def test_tier_1_is_tier_2_less_its_named_corrections(job):
                 # a vocabulary that does not divide over the slices: the head's rows of this slice, not the even share
                 head = [x for x in lay.layers(s, r) if x.name == "head"]
                 rows = head[0].gemm[2] - lay.data.ids / lay.tp if head else 0
-                uneven = lay.micro_batch * lay.m * 2 * lay.T * cfg.model.n_embd * rows
+                uneven = lay.micro_batch * lay.m * 2 * lay.T * lay.cfg.model.n_embd * rows
                 assert rank.flops["forward"] == pytest.approx(flops["forward"] + uneven, rel=1e-12), (sets, s, r)
                 assert rank.flops["backward"] == pytest.approx(flops["backward"] + 2 * uneven, rel=1e-12)
                 assert (rows != 0) <= (lay.data.ids % lay.tp != 0)
@@ -112,16 +122,9 @@ def test_tier_1s_bytes_are_what_each_rank_sends_but_tier_2s_named_corrections(jo
     vocabulary-parallel cross-entropy's, the replicated weights'), NumPy's and MPI's float32
     words in mixed precision, ZeRO-3's replayed sums, the tied weight summed as ZeRO's
     pieces, and a vocabulary's uneven slices; each where its cause is."""
-    from mpitrain.config import ConfigError
     from mpitrain.plan import traffic
 
-    for ranks, sets in [(P, sets) for P, grid in GRIDS.items() for sets in grid] + CNN_LAYOUTS:
-        try:
-            cfg = config.load(job, sets, data_needed=False)
-            plan = planner.make(cfg, ranks, planner.machine(hardware.load(), "this", ranks))
-        except ConfigError:  # slices and checkpointing are the GPT's
-            assert "gpt" not in job
-            continue
+    for sets, plan in plans_of(job):
         lay = plan.layout
         for p in plan.ranks:
             rest, r = divmod(p.ranks[0], lay.tp)
@@ -249,19 +252,10 @@ def test_tier_2s_activations_are_tier_1s_plus_its_named_corrections(job):
     """On every shipped job and each layout the MPI tier trains (those the job's model
     takes), each rank's activations in tier 2's plan are tier 1's (``estimate.of_layout``)
     plus ``peak.corrections``, each correction where its cause is and nowhere else."""
-    from mpitrain.config import ConfigError
     from mpitrain.plan import peak
 
-    layouts = [(P, sets) for P, grid in GRIDS.items() for sets in grid] + CNN_LAYOUTS
-    planned = 0
-    for ranks, sets in layouts:
-        try:
-            cfg = config.load(job, sets, data_needed=False)
-            plan = planner.make(cfg, ranks, planner.machine(hardware.load(), "this", ranks))
-        except ConfigError:  # slices and checkpointing are the GPT's
-            assert "gpt" not in job
-            continue
-        lay, planned = plan.layout, planned + 1
+    for sets, plan in plans_of(job):
+        lay = plan.layout
         image = lay.data.kind == "image"
         for p in plan.ranks:
             rest, r = divmod(p.ranks[0], lay.tp)
@@ -281,7 +275,6 @@ def test_tier_2s_activations_are_tier_1s_plus_its_named_corrections(job):
             assert (fixes["ZeRO-3's replays"] != 0) <= (lay.par.sync == "zero3"), where
             assert (fixes["images"] > 0) == (image and s == 0), where
             assert fixes["scratch"] >= 0 and fixes["gradients"] >= 0, where
-    assert planned >= (len(layouts) if "gpt" in job else len(CNN_LAYOUTS) + 8)
 
 
 def test_plan_tiers_prints_tier_1_the_corrections_and_tier_2_for_each_rank():

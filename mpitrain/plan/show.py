@@ -231,12 +231,13 @@ def tiers_table(plan) -> list[str]:
     if lay.servers:
         return ["tiers: tier 1 has no model of parameter servers: tier 2's plan alone"]
     workers = [p for p in plan.ranks if p.stage != "server"]
+    coords = [divmod(p.ranks[0], lay.tp) for p in workers]  # (pipeline rank x dp + d, slice)
+    tier1 = [estimate.of_layout(lay, rest // lay.dp, r) for rest, r in coords]  # (memory, FLOPs, bytes)
     fixes = list(peak.ACTIVATION_CORRECTIONS)
     lines = ["activations by tier (tier 1 + tier 2's named corrections = tier 2):",
              "ranks | tier 1 | " + " | ".join(fixes) + " | tier 2"]
-    for p in workers:
-        rest, r = divmod(p.ranks[0] - lay.servers, lay.tp)
-        textbook = estimate.of_layout(lay, rest // lay.dp, r)[0]["activations"]
+    for p, (rest, r), one in zip(workers, coords, tier1):
+        textbook = one[0]["activations"]
         said = peak.corrections(lay, rest // lay.dp, r, textbook)
         lines.append(f"{ranks_text(p.ranks)} | {size(textbook)} | "
                      + " | ".join(("+" if said[k] > 0 else "") + size(said[k]) if said[k] else "0" for k in fixes)
@@ -244,9 +245,8 @@ def tiers_table(plan) -> list[str]:
     named = list(traffic.BYTES_CORRECTIONS)
     lines += ["bytes sent a step by tier, MB (tier 1 + tier 2's named corrections = tier 2):",
               "ranks | axis | tier 1 | " + " | ".join(named) + " | tier 2"]
-    for p in workers:
-        rest, r = divmod(p.ranks[0] - lay.servers, lay.tp)
-        sent, said = estimate.of_layout(lay, rest // lay.dp, r)[2], traffic.corrections(lay, p.calls, r)
+    for p, (_, r), one in zip(workers, coords, tier1):
+        sent, said = one[2], traffic.corrections(lay, p.calls, r)
         lines += [f"{ranks_text(p.ranks)} | {axis} | {sent[axis] / MB:.4g} | "
                   + " | ".join(f"{said[axis][k] / MB:+.4g}" if said[axis][k] else "0" for k in named)
                   + f" | {p.sent.get(axis, 0) / MB:.4g}" for axis in ("dp", "pp", "tp") if p.sent.get(axis)]
