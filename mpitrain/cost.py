@@ -336,6 +336,13 @@ def gpt_step_flops(B: int, T: int, C: int, L: int, V: int) -> int:
     return 3 * (L * gpt_block_flops(B, T, C) + matmul_flops(B * T, C, V))
 
 
+def recomputed_step_flops(B: int, T: int, C: int, L: int, V: int) -> int:
+    """FLOPs of a GPT training step with each block's forward again in backward, as
+    Narayanan et al. (SC21, equation 3) count a run's achieved teraFLOP/s:
+    ``96 B T L C^2 (1 + T/6C + V/16LC)``, :func:`gpt_step_flops` and the blocks' forward."""
+    return gpt_step_flops(B, T, C, L, V) + L * gpt_block_flops(B, T, C)
+
+
 def training_flops(multiply_adds: float) -> float:
     """A sample's training FLOPs from its forward's multiply-adds: 2 FLOPs a multiply-add,
     and backward twice forward, ``2 x 3 x`` them."""

@@ -133,17 +133,57 @@ def test_an_unknown_key_lists_the_known_ones(shipped):
         shipped.link("ib-xdr")
 
 
-def test_published_devices_give_the_peak_of_the_precision(shipped):
+def test_published_devices_give_the_gpu_models_rate_of_the_precision(shipped):
+    """A published GPU's product rate is the GPU model's (mpitrain/plan/gpu.py): tiles of
+    256 x 128 (or 128 x 128) in waves over its SMs at the rate measured for the fastest
+    shape; one full wave reaches that rate, one tile column more costs a wave of the
+    smaller tiles; a tiny product is a kernel launch; a device without a GPU model (no SMs)
+    gives its peak; a precision the device lacks is refused, naming it."""
+    from dataclasses import replace
+
+    from mpitrain.plan import gpu
+
+    a100 = shipped.device("a100-80g")
+    assert a100.sms == 108 and a100.achievable["bf16"] == 271.2e12
+    assert a100.matmul_flops_per_s(3072, 8192, 1152, "bfloat16") == pytest.approx(271.2e12)  # 12 x 9 tiles: a wave
+    # 12 x 10 tiles of 256 x 128 are 2 waves; 24 x 10 of 128 x 128 are 3 waves of half the work: 1.5 waves
+    assert a100.matmul_flops_per_s(3072, 8192, 1280, "bf16") == pytest.approx(271.2e12 * 1280 / (1.5 * 1152))
+    assert a100.matmul_flops_per_s(8, 8, 8, "bf16") == pytest.approx(2 * 8**3 / gpu.LAUNCH_S)
     h100 = shipped.device("h100")
-    assert h100.matmul_flops_per_s(8, 8, 8) == 67e12  # float32 -> fp32, whatever the shape
-    assert h100.matmul_flops_per_s(4096, 4096, 4096, "bfloat16") == 989.5e12
-    assert h100.matmul_flops_per_s(1, 1, 1, "bf16") == 989.5e12
-    assert h100.matmul_flops_per_s(1, 1, 1, "float16") == 989.5e12
-    assert h100.matmul_flops_per_s(1, 1, 1, "fp8") == 1979e12
+    thin = 2 * (2 * 8192 * 16 + 8192 * 8192) / h100.stream_bandwidth  # K = 16: the matrices' bytes bound it
+    assert h100.matmul_flops_per_s(8192, 16, 8192, "bf16") == pytest.approx(2 * 8192 * 16 * 8192 / thin)
+    assert h100.matmul_flops_per_s(4096, 4096, 4096, "float32") < 67e12  # float32 -> fp32: its peak, no faster
+    assert gpu.sustained(h100, "fp8") == 1979e12 and gpu.sustained(h100, "fp32") == 67e12  # none measured
+    plain = replace(h100, sms=0)  # (its answers so far are not carried over)
+    assert plain.matmul_flops_per_s(8, 8, 8) == 67e12 and plain.matmul_flops_per_s(1, 1, 1, "bf16") == 989.5e12
     with pytest.raises(HardwareError, match="v100 .* has no bf16 peak"):
         shipped.device("v100").matmul_flops_per_s(64, 64, 64, "bfloat16")
     with pytest.raises(HardwareError, match="dtype 'int8'"):
         h100.matmul_flops_per_s(64, 64, 64, "int8")
+
+
+def test_a_links_bus_bandwidth_follows_its_measured_curve(shipped):
+    """NVLink 3's busbw by array size as nccl-tests measured it: each point exact, linear in
+    the logarithm of the size between two, the last beyond; below the first, as slow in
+    time as it (a latency); a link with one figure gives it at every size, one without any
+    its line rate; the catalogue refuses a curve that does not ascend, naming the field."""
+    nvlink, ib, eth = (shipped.link(k) for k in ("nvlink3", "ib-hdr", "eth-10g"))
+    assert nvlink.busbw(2**27) == pytest.approx(176.92e9) and nvlink.busbw(2**40) == pytest.approx(234.89e9)
+    assert nvlink.busbw(2**25 * 2**0.5) == pytest.approx((138.49e9 + 171.54e9) / 2)
+    assert 2**20 / nvlink.busbw(2**20) == pytest.approx(2**23 / 109.93e9)
+    assert ib.busbw(1.0) == ib.busbw(1e12) == 24e9 and eth.busbw(5e6) == eth.bandwidth
+    assert nvlink.measured and not ib.measured
+
+
+def test_a_gpu_models_fields_are_checked(tmp_path):
+    bad = tmp_path / "hw.toml"
+    for text, match in (("[link.x]\nname = 'x'\nalpha_us = 1\nbandwidth_gbs = 1\nachieved_gbs = [[2, 1], [1, 1]]\n",
+                         r"link.x.achieved_gbs: expected GB/s, or \[\[bytes, GB/s\], ...\] ascending"),
+                        ("[device.x]\nname = 'x'\nmemory_gb = 1\nmemory_bandwidth_gbs = 1\nsms = 1.5\n"
+                         "[device.x.peak_flops]\nfp32 = 1\n", r"device.x.sms: expected a positive integer")):
+        bad.write_text(text)
+        with pytest.raises(HardwareError, match=match):
+            hardware.load(bad)
 
 
 def test_calibrated_devices_take_the_nearest_measured_shape():

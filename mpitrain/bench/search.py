@@ -35,7 +35,7 @@ def run(repeats: int = 3, sample: int = 5, log=print) -> list[dict]:
     rows = []
     for name, model_key, nodes, per_node, wide in CASES:
         args = argparse.Namespace(config=None, model=model_key, set=[], hardware="a100-80g", nodes=nodes,
-                                  per_node=per_node, ranks=None, network="ib-hdr", intra=None, utilization=0.4,
+                                  per_node=per_node, ranks=None, network="ib-hdr", intra=None,
                                   memory_per_rank=None, catalogue=None)
         cfg, data, _ = models.config_of(args)
         P, machine = machine_of(args)

@@ -44,9 +44,11 @@ def _shape_only(cfg: Config) -> list[tuple[str, str]]:
             ("n_kv_head", f"grouped-query attention ({m.n_kv_head} key and value heads)"),
             ("tie_embeddings", "a head of its own (its head is the embedding)"),
             ("position_embedding", "no learned positions (rotary or ALiBi: none to learn)"),
-            ("selective_recompute", "selective recomputation (attention's scores and softmax again in backward)")]
+            ("selective_recompute", "selective recomputation (attention's scores and softmax again in backward)"),
+            ("flash_attention", "attention as one fused kernel (FlashAttention: mpitrain keeps its scores)")]
     default = {"vocab_size": 0, "ffn_hidden": (0, 4 * m.n_embd), "gated_mlp": False, "n_kv_head": (0, m.n_head),
-               "tie_embeddings": True, "position_embedding": True, "selective_recompute": False}
+               "tie_embeddings": True, "position_embedding": True, "selective_recompute": False,
+               "flash_attention": False}
     return [(f, w) for f, w in said
             if getattr(m, f) not in (default[f] if isinstance(default[f], tuple) else (default[f],))]
 
@@ -54,6 +56,9 @@ def _shape_only(cfg: Config) -> list[tuple[str, str]]:
 def planned_only(cfg: Config) -> list[str]:
     """Why mpitrain's trainer would refuse ``cfg`` where GPU frameworks run it (empty: it runs)."""
     why = [what for _, what in _shape_only(cfg)]
+    if not cfg.train.fused_accumulation:
+        why.append("weight gradients summed over micro-batches by a pass of their own (a GPU framework's, before "
+                   "gradient accumulation fusion)")
     if cfg.parallel.sync == "zero3" and cfg.model.checkpoint_activations:
         why.append("ZeRO-3 with activation checkpointing (mpitrain's ZeRO-3 replays every layer in backward "
                    "already; DeepSpeed's keeps the activations unless asked to checkpoint)")
@@ -172,6 +177,9 @@ def _validate_train(cfg: Config) -> None:
     _require(t.steps >= 0 and t.epochs >= 0 and (t.steps > 0) != (t.epochs > 0), "train.steps",
              f"set exactly one of train.steps and train.epochs (epochs = {t.epochs})", t.steps)
     _require(not (text_model and t.epochs), "train.epochs", "text models train for train.steps", t.epochs)
+    _require(t.fused_accumulation or _PLANNING.get(), "train.fused_accumulation", "says how a GPU framework sums each "
+             "micro-batch's weight gradients: only `mpitrain plan --hardware GPU` plans it",
+             t.fused_accumulation)
     _require(t.dtype in ("float32", "float64"), "train.dtype", "must be 'float32' or 'float64'", t.dtype)
     _require(t.precision in ("fp32", "bf16", "fp16"), "train.precision", "must be 'fp32', 'bf16' or 'fp16'",
              t.precision)

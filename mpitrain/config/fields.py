@@ -39,6 +39,7 @@ class ModelConfig:
     tie_embeddings: bool = True  #: the head's weight is the embedding's (false: a head of its own)
     position_embedding: bool = True  #: learned positions (false: none to learn, as rotary or ALiBi models have)
     selective_recompute: bool = False  #: recompute attention's scores and softmax in backward (Korthikanti et al.)
+    flash_attention: bool = False  #: attention as one fused kernel that keeps no scores (FlashAttention, Dao 2022)
 
 
 # which fields a choice of model, dataset or optimizer reads: setting another is an error
@@ -48,7 +49,7 @@ MODEL_FIELDS = {
     "resnet": {"name", "widths", "blocks"},
     "gpt": {"name", "n_layer", "n_head", "n_embd", "block_size", "bias", "dropout",
             "checkpoint_activations", "gelu", "vocab_size", "ffn_hidden", "gated_mlp", "n_kv_head",
-            "tie_embeddings", "position_embedding", "selective_recompute"},
+            "tie_embeddings", "position_embedding", "selective_recompute", "flash_attention"},
 }
 _OPTIM_COMMON = {"name", "lr", "min_lr", "schedule", "warmup_steps", "weight_decay", "grad_clip"}
 OPTIM_FIELDS = {
@@ -117,6 +118,7 @@ class TrainConfig:
     threads: int = 0  #: BLAS threads per rank; 0: the cores available divided by the ranks on the node
     micro_batches: int = 1  #: each rank's part of the global batch goes through the model in this many pieces
     fast_paths: bool = True  #: the fast ops (fused transformer halves, tiled convolution, ...); false: the plain ones
+    fused_accumulation: bool = True  #: GPU plans: micro-batches' weight gradients summed by the products; false: a pass
     label_smoothing: float = 0.0  #: train against (1 - this) x one-hot + this / classes; evaluation: one-hot
 
 

@@ -63,7 +63,7 @@ class Plan:
 
 
 def machine(catalogue, hardware: str = "this", ranks: int = 1, per_node: int | None = None, network: str = "",
-            intra: str = "", utilization: float = 0.4, memory: float = 0.0) -> Machine:
+            intra: str = "", memory: float = 0.0) -> Machine:
     """The machine ``ranks`` ranks run on: ``per_node`` of them per node of ``hardware``,
     the nodes joined by ``network``. This machine ("this"): its memory shared by its ranks."""
     from mpitrain.plan.hardware import HardwareError
@@ -82,8 +82,7 @@ def machine(catalogue, hardware: str = "this", ranks: int = 1, per_node: int | N
     # this machine's cores, ranks beyond them sharing them; nodes of this machine are emulated
     # (mpitrain cluster), each pinned to its share of the cores
     cores = max(1, available_cores() // nodes) if device.calibrated else 0
-    return Machine(device, inner, outer, per_node, 1.0 if device.calibrated else utilization, memory, cores=cores,
-                   switch=device.switch)
+    return Machine(device, inner, outer, per_node, memory, cores=cores, switch=device.switch)
 
 
 def host_memory() -> float:
@@ -152,6 +151,6 @@ def machine_of(args, ranks: int | None = None) -> tuple[int, Machine]:
     if args.nodes and not per_node:
         per_node = -(-P // args.nodes)
     catalogue = hardware.load(args.catalogue)
-    mc = machine(catalogue, args.hardware, P, per_node, args.network or "", args.intra or "", args.utilization,
+    mc = machine(catalogue, args.hardware, P, per_node, args.network or "", args.intra or "",
                  args.memory_per_rank or 0.0)
     return P, mc

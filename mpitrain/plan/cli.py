@@ -47,6 +47,13 @@ def _fraction(text: str) -> float:
     return value
 
 
+def _replaced(text: str) -> float:
+    """``--utilization``, which scaled a GPU's products alone: replaced by ``--mfu``."""
+    raise argparse.ArgumentTypeError("replaced: a GPU's products are now timed kernel by kernel "
+                                     "(mpitrain/plan/gpu.py); --mfu SHARE sets the whole step's model FLOPs "
+                                     "utilization instead, the planner's own step printed beside it")
+
+
 def add_parser(commands) -> None:
     from mpitrain.cli_common import _positive  # the command line's own check
 
@@ -117,9 +124,7 @@ def _machine_arguments(p, positive) -> None:
                                                     "and emu-10g: the links of mpitrain cluster)")
     p.add_argument("--intra", metavar="KEY", help="the link inside a node (default: the device's NVLink, or shared "
                                                   "memory here)")
-    p.add_argument("--utilization", type=_fraction, default=0.4,
-                   help="the share of a published device's peak FLOP/s its products reach (default 0.4); the "
-                        "step adds communication and the bubble to them (its MFU is printed, lower)")
+    p.add_argument("--utilization", type=_replaced, help=argparse.SUPPRESS)  # replaced by --mfu: says so
     p.add_argument("--mfu", type=_fraction, metavar="SHARE",
                    help="set the step so that the model's FLOPs reach this share of the device's peak (MFU, "
                         "end to end: every part of the step scaled alike), the planner's own step printed beside")

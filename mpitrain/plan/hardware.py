@@ -38,8 +38,9 @@ FAMILIES = ("gpt", "gpt-sliced", "gpt-sequence", "gpt-plain", "gpt-split", "cnn"
 MIXED = ("bf16", "fp16")  # the mixed precisions whose cost per parameter a device may have measured
 DEVICE_FIELDS = ("name", "memory_gb", "memory_bandwidth_gbs", "peak_flops", *CALIBRATED, "passes", "layer_overhead_us",
                  "step_overhead_us", "mixed_ns_per_parameter", "cast_ns_per_number", "switch_us", "objects_kb",
-                 "objects_kb_per_array", "sustained_flops")
-LINK_FIELDS = ("name", "alpha_us", "bandwidth_gbs", "per_node", "overlap")
+                 "objects_kb_per_array", "sustained_flops", "sms", "memory_bound_gbs",
+                 "achievable_flops")
+LINK_FIELDS = ("name", "alpha_us", "bandwidth_gbs", "achieved_gbs", "per_node", "overlap")
 
 
 def emulated_link(rate_bits: float) -> str:
@@ -88,8 +89,22 @@ class Device:
     # precision -> FLOP/s a training step sustains as published (the course notes' figures; each cites its
     # source in the catalogue); optional, shown beside the peak, never a plan's rate
     sustained: dict = field(default_factory=dict)
+    # a GPU's streaming multiprocessors (AMD: compute units), whose waves its products run in, the
+    # bandwidth a memory-bound kernel achieves (bytes/s), and per precision the FLOP/s the fastest product
+    # shape achieves as measured: the GPU model's (mpitrain.plan.gpu); optional
+    sms: int = 0
+    stream_bandwidth: float = 0.0
+    achievable: dict = field(default_factory=dict)
     # the answers of matmul_flops_per_s so far: a search asks the same shapes of every layout
     rates: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def peak(self, precision: str) -> float:
+        """The peak FLOP/s of ``precision``; HardwareError where the device has none."""
+        if precision not in self.peak_flops:
+            hint = "; train.precision = 'fp16' runs on its tensor cores" if "fp16" in self.peak_flops else ""
+            raise HardwareError(f"device {self.key} ({self.name}) has no {precision} peak "
+                                f"(it has {', '.join(self.peak_flops)}){hint}")
+        return self.peak_flops[precision]
 
     def matmul_flops_per_s(self, m: int, k: int, n: int, dtype: str = "float32", threads: int = 1) -> float:
         """FLOP/s of an (m,k)@(k,n) product: a calibrated device's measured shape nearest in
@@ -106,11 +121,12 @@ class Device:
         if precision is None:
             raise HardwareError(f"device {self.key}: dtype {dtype!r}: expected one of {', '.join(PRECISION_OF)}")
         if not self.calibrated:
-            if precision not in self.peak_flops:
-                hint = "; train.precision = 'fp16' runs on its tensor cores" if "fp16" in self.peak_flops else ""
-                raise HardwareError(f"device {self.key} ({self.name}) has no {precision} peak "
-                                    f"(it has {', '.join(self.peak_flops)}){hint}")
-            return self.peak_flops[precision]
+            if not self.sms:  # a device without a GPU model: its peak
+                return self.peak(precision)
+            from mpitrain.cost import matmul_flops
+            from mpitrain.plan.gpu import gemm_seconds
+
+            return matmul_flops(m, k, n) / float(gemm_seconds(self, precision, m, k, n))
         want = "float64" if precision == "fp64" else "float32"
         rows = [r for r in self.gemm if r[3] == want] or [r for r in self.gemm if r[3] == "float32"]
         most = max((r[5] for r in rows if r[5] <= threads), default=min(r[5] for r in rows))
@@ -131,6 +147,26 @@ class Link:
     # NCCL's do); calibrated here, where the rank's own core moves the bytes
     overlap: dict = field(default_factory=dict)
     per_node: bool = False  # the bandwidth is a node's, its ranks share it (one port a node); else each rank's
+    # the bus bandwidth a collective achieves by the size of its array, as measured (NCCL's nccl-tests
+    # busbw): ((bytes, bytes/s), ...) ascending; empty: none published (the line rate and alpha)
+    achieved: tuple = ()
+
+    @property
+    def measured(self) -> bool:
+        """Whether a curve of sizes was measured (its times include the latency)."""
+        return len(self.achieved) > 1
+
+    def busbw(self, nbytes):
+        """Bytes/s a collective on arrays of ``nbytes`` (scalar or array) moves its bytes at:
+        the measured curve, between its points linear in the logarithm of the size, beyond the
+        largest its last, below the smallest one as slow in time as that one (a latency);
+        without a curve, the bandwidth."""
+        if not self.achieved:
+            return self.bandwidth
+        sizes, rates = (np.array(x, dtype=float) for x in zip(*self.achieved))
+        n = np.maximum(np.asarray(nbytes, dtype=float), 1.0)
+        rate = np.interp(np.log(n), np.log(sizes), rates)
+        return np.where(n < sizes[0], rates[0] * n / sizes[0], rate)
 
     def hides(self, collective: str) -> float:
         return self.overlap.get(collective, 1.0)
@@ -262,6 +298,29 @@ def _number(table: dict, field: str, path: Path, where: str, required: bool = Tr
     return float(value)
 
 
+def _curve(points, path: Path, where: str) -> tuple:
+    """[[bytes, GB/s], ...] ascending in bytes, or one GB/s for every size -> ((bytes, bytes/s), ...)."""
+    if points is None:
+        return ()
+    if isinstance(points, (int, float)) and not isinstance(points, bool):
+        return ((1.0, _number({"x": points}, "x", path, where) * 1e9),)
+    ok = isinstance(points, list) and points and all(
+        isinstance(p, list) and len(p) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                                                    for v in p) for p in points)
+    if not ok or any(a[0] >= b[0] for a, b in zip(points, points[1:])):
+        raise HardwareError(f"{path}: {where}: expected GB/s, or [[bytes, GB/s], ...] ascending in bytes, all "
+                            f"positive; got {points!r}")
+    return tuple((float(n), float(r) * 1e9) for n, r in points)
+
+
+def _count(table: dict, field: str, path: Path, where: str) -> int:
+    """A positive integer (0 when absent)."""
+    value = table.get(field, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or (field in table and not value):
+        raise HardwareError(f"{path}: {where}.{field}: expected a positive integer, got {value!r}")
+    return value
+
+
 def _fields(table: dict, known: tuple, path: Path, where: str) -> str:
     """The entry's name, after checking that it names no unknown field."""
     for given in table:
@@ -300,7 +359,11 @@ def parse_device(key: str, table: dict, path) -> Device:
                   *(_number(table, f, path, where, required=False) * 1e3
                     for f in ("objects_kb", "objects_kb_per_array")),
                   {k: v * 1e12 for k, v in _families(table.get("sustained_flops", {}), path, f"{where}.sustained_flops",
-                                                     PRECISIONS).items()})
+                                                     PRECISIONS).items()},
+                  _count(table, "sms", path, where),
+                  _number(table, "memory_bound_gbs", path, where, required=False) * 1e9 or bandwidth,
+                  {k: v * 1e12 for k, v in _families(table.get("achievable_flops", {}), path,
+                                                     f"{where}.achievable_flops", PRECISIONS).items()})
 
 
 def _gemm(rows, path: Path, where: str) -> tuple:
@@ -343,4 +406,4 @@ def _link(key: str, table: dict, path: Path) -> Link:
         raise HardwareError(f"{path}: {where}.per_node: expected true or false, got {per_node!r}")
     return Link(key, _fields(table, LINK_FIELDS, path, where), _number(table, "alpha_us", path, where) * 1e-6,
                 _number(table, "bandwidth_gbs", path, where) * 1e9, {k: float(v) for k, v in overlap.items()},
-                per_node)
+                per_node, _curve(table.get("achieved_gbs"), path, f"{where}.achieved_gbs"))

@@ -95,7 +95,8 @@ def run(args) -> int:
         line += (f"; the next ({am.n_layer} x {am.n_embd}, {above.layout.whole / 1e9:,.3g} B) needs "
                  f"{show.size(above.largest().peak)}")
     t = lay.cfg.train
-    room = ("for the plan's categories alone (no framework buffers, no allocator reserve)" if lay.textbook else
+    room = ("for the model state, the activations and a GPU framework's allowance (the CUDA context, NCCL's "
+            "buffers, cuBLAS's workspace, 5% temporaries; no allocator fragmentation)" if lay.textbook else
             "for everything the plan counts (mpitrain's NumPy heap, as --validate holds it)")
     assumed = (f"assumes: {lay.describe()}; {cfg.optim.name}; micro-batches of {lay.micro_batch} x {lay.T} tokens; "
                f"{show.size(machine.memory)} per rank {room}"

@@ -24,7 +24,7 @@ matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt
 
 from mpitrain import cost
-from mpitrain.plan.show import CATEGORIES, ranks_text, size, verdict
+from mpitrain.plan.show import categories, ranks_text, size, verdict
 
 STYLE = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}"
          "h1{font-size:1.4em}h2{font-size:1.1em;margin-top:2em}.verdict{font-size:1.1em;font-weight:bold}"
@@ -61,7 +61,7 @@ def memory_figure(plan):
     labels = _labels(ax, groups)
     bottom = [0.0] * len(groups)
     scale, unit = _unit(max(p.peak for p in groups))
-    for category in CATEGORIES:
+    for category in categories(plan):
         heights = [p.memory[category] / scale for p in groups]
         if any(heights):
             ax.bar(labels, heights, bottom=bottom, label=category)

@@ -8,6 +8,7 @@ and buckets in flight, a pipeline's messages), and what the ops cache between st
 
 from __future__ import annotations
 
+import functools
 import math
 
 from mpitrain import cost, schedules
@@ -19,8 +20,14 @@ from mpitrain.plan.layout import buckets as buckets_of
 def split_backward(lay, s: int) -> bool:
     """Whether pipeline rank ``s`` splits backward in two passes (a zero-bubble schedule),
     which runs its layers on the plain path (:class:`mpitrain.parallel.pipeline.PipelineStage`)."""
-    return lay.pp > 1 and any(isinstance(x, schedules.BackwardInput)
-                              for x in schedules.schedule(lay.par.schedule, lay.pp, lay.m, s, lay.v))
+    return lay.pp > 1 and _splits(lay.par.schedule, lay.pp, lay.m, s, lay.v)
+
+
+@functools.lru_cache(maxsize=4096)
+def _splits(name: str, p: int, m: int, s: int, v: int) -> bool:
+    """Whether rank ``s``'s schedule has a backward of the input alone (each stage's ranks
+    ask it: a large job's thousands, of a few stages)."""
+    return any(isinstance(x, schedules.BackwardInput) for x in schedules.schedule(name, p, m, s, v))
 
 
 def replays(lay, layer) -> bool:

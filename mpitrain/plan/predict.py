@@ -28,7 +28,7 @@ class RankPlan:
     stage: str  # "stage s", "server", "replica", or "" (slices of the whole model)
     parameters: int  # numbers of the part this rank holds
     memory: dict  # bytes: "parameters", "gradients", "optimizer state", "masters", "work", "buffers", "objects",
-    # "reader", "activations"
+    # "reader", "activations"; a GPU's also "framework" (mpitrain.plan.gpu.framework_bytes)
     calls: list  # :class:`~mpitrain.plan.traffic.Call` per step
     flops: dict  # per step: "forward", "backward", "recompute" (executed beyond the model's)
     held: float = 0.0  # micro-batches whose activations the rank holds at its peak
@@ -48,7 +48,8 @@ class RankPlan:
         """The most it holds: model state, the optimizer's work array, the buffers kept (the
         ring's scratch, attention's causal mask), Python's objects, the reader's rounds, and
         the activations of the schedule's peak."""
-        return self.state + sum(self.memory[k] for k in ("work", "buffers", "objects", "reader", "activations"))
+        return self.state + sum(self.memory.get(k, 0) for k in ("work", "buffers", "objects", "reader", "activations",
+                                                                 "framework"))
 
     @property
     def rest(self) -> int:

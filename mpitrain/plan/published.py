@@ -16,7 +16,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 SHIPPED = Path(__file__).with_name("runs.toml")
 MODEL = ("n_layer", "n_head", "n_embd", "block_size", "ffn_hidden", "gated_mlp", "n_kv_head", "tie_embeddings",
-         "position_embedding", "bias")
+         "position_embedding", "bias", "dropout", "flash_attention")
 
 
 def runs() -> dict:
@@ -33,7 +33,12 @@ def args_of(run: dict) -> argparse.Namespace:
                  "train.global_batch_size": run["global_batch_size"], "train.precision": run["precision"],
                  "model.checkpoint_activations": run["recompute"] == "full",
                  "model.selective_recompute": run["recompute"] == "selective",
-                 "parallel.sequence_parallel": run.get("sequence_parallel", False)})
+                 "parallel.sequence_parallel": run.get("sequence_parallel", False),
+                 "train.fused_accumulation": run.get("fused_accumulation", True)})
+    if run.get("ddp"):  # the framework's data parallelism: PyTorch's (25 MB buckets during backward, its
+        # bucket_cap_mb default), or Megatron-LM's "local" one (one allreduce of its gradient buffer, after backward)
+        sets.update({"parallel.bucket_mb": 25} if run["ddp"] == "torch" else
+                    {"parallel.bucket_mb": 1e6, "parallel.progress": "off"})
     dp = run["gpus"] // (run["tp"] * run["pp"])
     sets["train.micro_batches"] = run["global_batch_size"] // (dp * run["micro_batch"])
     if run["pp"] > 1:
@@ -42,7 +47,7 @@ def args_of(run: dict) -> argparse.Namespace:
     text = lambda v: str(v).lower() if isinstance(v, bool) else str(v)  # noqa: E731 (TOML's true/false)
     return argparse.Namespace(config=None, model="gpt2", set=[f"{k}={text(v)}" for k, v in sets.items()],
                               hardware=run["hardware"], ranks=run["gpus"], nodes=nodes, per_node=run["per_node"],
-                              network=run["network"] if nodes > 1 else None, intra=None, utilization=0.4,
+                              network=run["network"] if nodes > 1 else None, intra=None,
                               memory_per_rank=None, catalogue=None, mfu=None)
 
 
@@ -53,23 +58,55 @@ def planned(run: dict):
     return planner.from_args(args_of(run))[0]
 
 
-def table(log=print) -> list[dict]:
-    """Each run planned: predicted and published step, their error, the peak memory per GPU
-    and whether it fits; the mean and the largest absolute error."""
-    log("run | GPUs | layout | published step s | predicted step s | error | peak per GPU | fits")
+def published_step(run: dict) -> float | None:
+    """The run's step in seconds as its paper gives it: ``step_s``, or its achieved
+    teraFLOP/s per GPU over the FLOPs the paper counts a step
+    (:func:`mpitrain.cost.recomputed_step_flops`, full recomputation); None for a run that
+    did not run (it did not fit)."""
+    if "step_s" in run or "tflops" not in run:
+        return run.get("step_s")
+    from mpitrain import cost
+
+    flops = cost.recomputed_step_flops(run["global_batch_size"], run["block_size"], run["n_embd"], run["n_layer"],
+                                       run["vocab"])
+    return flops / (run["gpus"] * run["tflops"] * 1e12)
+
+
+def memory_of(plan) -> tuple[float, float]:
+    """(model state, activations) in bytes of the plan's rank with the most at its peak."""
+    p = plan.largest()
+    return p.state, p.memory["activations"]
+
+
+def table(log=print, plan_of=None) -> list[dict]:
+    """Each run planned: predicted and published step and their error; the peak memory per
+    GPU and whether it fits, beside whether the run did; the model state and activations
+    per GPU beside the paper's, where it gives them; the mean and the largest absolute error
+    of the steps. ``plan_of``: the plan of a run's key (default: :func:`planned` of the run)."""
+    log("run | GPUs | layout | published step s | predicted step s | error | peak per GPU | fits (as it did) | "
+        "state and activations GiB, predicted (published)")
     rows = []
     for key, run in runs().items():
-        plan = planned(run)
+        plan = plan_of(key) if plan_of else planned(run)
         lay, peak = plan.layout, plan.largest().peak
-        error = plan.time["step"] / run["step_s"] - 1
-        rows.append({"run": key, "published": run["step_s"], "predicted": plan.time["step"], "error": error,
-                     "peak": peak, "fits": peak <= plan.machine.memory})
-        log(f"{key} | {run['gpus']} | tp {lay.tp} x pp {lay.pp} x dp {lay.dp}, {run['recompute']} recomputation | "
-            f"{run['step_s']:.2f} | {plan.time['step']:.2f} | {100 * error:+.1f}% | {peak / 1e9:.1f} GB | "
-            f"{'yes' if rows[-1]['fits'] else 'no'}")
-    errors = [abs(r["error"]) for r in rows]
+        step, predicted = published_step(run), plan.time["step"]
+        error = predicted / step - 1 if step else None
+        row = {"run": key, "published": step, "predicted": predicted, "error": error, "peak": peak,
+               "fits": peak <= plan.machine.memory, "ran": run.get("fits", True), "memory": memory_of(plan),
+               "published memory": tuple(g * 2**30 for g in run.get("memory_gib", ()))}
+        rows.append(row)
+        memory = " / ".join(f"{x / 2**30:.1f}" + (f" ({y / 2**30:.1f})" if row["published memory"] else "")
+                            for x, y in zip(row["memory"], row["published memory"] or (0, 0)))
+        steps = (f"{step:.2f} | {predicted:.2f} | {100 * error:+.1f}%" if step
+                 else f"(did not run) | {predicted:.2f} | -")
+        recompute = run["recompute"].replace("none", "no")
+        log(f"{key} | {run['gpus']} | tp {lay.tp} x pp {lay.pp} x dp {lay.dp}, {recompute} recomputation | "
+            f"{steps} | {peak / 1e9:.1f} GB | {'yes' if row['fits'] else 'no'} ({'yes' if row['ran'] else 'no'}) | "
+            f"{memory}")
+    errors = [abs(r["error"]) for r in rows if r["error"] is not None]
     log(f"mean absolute error {100 * sum(errors) / len(errors):.1f}%, largest {100 * max(errors):.1f}%, "
-        f"over {len(rows)} runs")
+        f"over {len(errors)} runs; fits as the papers ran them: {sum(r['fits'] == r['ran'] for r in rows)} of "
+        f"{len(rows)}")
     return rows
 
 

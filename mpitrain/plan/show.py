@@ -11,7 +11,7 @@ from mpitrain.plan.hardware import calibrated_elsewhere
 
 MB = 1e6
 CATEGORIES = ("parameters", "gradients", "optimizer state", "masters", "work", "buffers", "objects", "reader",
-              "activations")
+              "activations", "framework")
 
 
 def size(nbytes: float) -> str:
@@ -44,7 +44,7 @@ def header(plan, source: str) -> list[str]:
     known = "" if data.source != "assumed" else " (not built here: its recipe's figures)"
     nodes = math.ceil(lay.P / mc.per_node)
     links = mc.intra.name + ("" if nodes == 1 else f" inside a node, {mc.inter.name} between nodes")
-    use = "" if mc.device.calibrated else f" at {100 * mc.utilization:.0f}% of peak"
+    use = ""
     precision = hardware.PRECISION_OF[mc.multiplies_in(lay.cfg.train.dtype, lay.cfg.train.precision)]
     if precision in mc.device.sustained:  # a published figure beside the planned share, never the plan's
         x = mc.device.sustained[precision]
@@ -62,14 +62,21 @@ def header(plan, source: str) -> list[str]:
             f"memory per rank {size(mc.memory)}", *([f"note: {elsewhere}"] if elsewhere else [])]
 
 
+def categories(plan) -> tuple:
+    """The memory categories of ``plan``'s ranks: :data:`CATEGORIES`, the framework's
+    allowance on a GPU's alone (:func:`mpitrain.plan.gpu.framework_bytes`)."""
+    return CATEGORIES if plan.layout.textbook else CATEGORIES[:-1]
+
+
 def rank_table(plan) -> list[str]:
     """Per rank (alike grouped): model state by category, activations, peak, bytes, FLOPs."""
     axes = [a for a in ("dp", "pp", "tp") if any(a in p.sent for p in plan.ranks)]
-    head = ("ranks | part | numbers | " + " | ".join(CATEGORIES) + " | peak | "
+    shown = categories(plan)
+    head = ("ranks | part | numbers | " + " | ".join(shown) + " | peak | "
             + "".join(f"{a} MB/step | " for a in axes) + "GFLOP/step")
     lines = ["per rank (ranks alike grouped):", head]
     for p in plan.ranks:
-        mem = " | ".join(size(p.memory[k]) for k in CATEGORIES)
+        mem = " | ".join(size(p.memory[k]) for k in shown)
         sent = "".join(f"{p.sent.get(a, 0) / MB:.3f} | " for a in axes)
         gflop = (p.flops["forward"] + p.flops["backward"] + p.flops["recompute"]) / 1e9
         lines.append(f"{ranks_text(p.ranks)} | {p.where} | {p.parameters:,} | {mem} | {size(p.peak)} | {sent}"
@@ -108,7 +115,9 @@ def sig(x: float, digits: int = 3) -> str:
 
 
 def duration(seconds: float) -> str:
-    """Seconds to 3 significant digits, in ms below a second."""
+    """Seconds to 3 significant digits, in ms below a second and us below a millisecond."""
+    if seconds and abs(seconds) < 1e-3:
+        return f"{sig(1e6 * seconds)} us"
     return f"{sig(1e3 * seconds)} ms" if abs(seconds) < 1 else f"{sig(seconds)} s"
 
 

@@ -13,12 +13,14 @@ Where a pipeline cuts the model, the trainer's cut says what each stage holds
 (:func:`mpitrain.plan.layout.stage_layers`): one table per cut and slicing, made once.
 
 Per layout, tier 1 gives the peak memory of its largest stage (model state, and the
-activations its schedule keeps) and the step of its slowest one: its products at the
-device's peak for the precision times the utilization, the tensor-parallel sums of each
-block (four allreduces of a micro-batch's activations, six with recomputation) and of the
-embedding and the head, the
-gradients' collectives hidden as the sync allows, the bubble, the tied embedding's sum
-between the first and last stage. What tier 1 leaves out is tier 2's to add
+activations its schedule keeps; on a GPU as its frameworks hold it, with their allowance)
+and the step of its slowest one: a GPU's kernels (:mod:`~mpitrain.plan.gpu`; a device
+without a GPU model: its products at its peak for the precision), the tensor-parallel
+sums of each block (four allreduces of a micro-batch's activations, six with
+recomputation) and of the embedding and the head, the gradients' collectives (their
+bytes at the bus bandwidth measured for their arrays' size) hidden as the sync allows,
+the bubble, the tied embedding's sum between the first and last stage. What tier 1
+leaves out is tier 2's to add
 (``plan/README.md``, "Two tiers").
 """
 
@@ -32,7 +34,7 @@ from functools import lru_cache
 import numpy as np
 
 from mpitrain import cost
-from mpitrain.plan import estimate, shapes
+from mpitrain.plan import estimate, gpu, shapes
 from mpitrain.plan.layout import moments_of, stage_layers
 
 # what ``mpitrain plan --search`` tries: each knob's values (chunks: an interleaved pipeline rank's)
@@ -65,13 +67,18 @@ class Gpt:
     tied: bool = True  # the head's weight is the embedding's
     positions: bool = True  # learned positions
     selective: bool = False  # attention's scores and softmax recomputed, not kept
+    dropout: bool = False  # dropout in the blocks
+    flash: bool = False  # attention as one fused kernel (FlashAttention)
+    overlapped: bool = True  # ddp's buckets start during backward (parallel.progress "off": after it)
+    fused_accumulation: bool = True  # a GPU's products add each micro-batch's weight gradients into the float32 ones
 
     @classmethod
     def of(cls, cfg, data) -> "Gpt":
         m = cfg.model
         return cls(m.vocab_size or data.ids, m.block_size, m.n_layer, m.n_head, m.n_embd, cfg.train.global_batch_size,
                    m.bias, np.dtype(cfg.train.dtype).itemsize, moments_of(cfg.optim), cfg.train.threads, m.ffn_hidden,
-                   m.n_kv_head, m.gated_mlp, m.tie_embeddings, m.position_embedding, m.selective_recompute)
+                   m.n_kv_head, m.gated_mlp, m.tie_embeddings, m.position_embedding, m.selective_recompute,
+                   m.dropout > 0, m.flash_attention, cfg.parallel.progress != "off", cfg.train.fused_accumulation)
 
 
 @dataclass
@@ -235,7 +242,11 @@ def of_cnn(lay, machine) -> dict:
     parts = estimate.step_seconds(compute, 0.0, dp_seconds, alpha + boundary / bandwidth, 0.0, sync=lay.par.sync,
                                   schedule=lay.par.schedule, p=lay.pp, m=lay.m, v=lay.v,
                                   forward_share=flops["forward"] / sum(flops.values()), hides=float(hides))
-    return {"peak": float(max(sum(m.values()) for m, _, _ in answers)), **{k: float(x) for k, x in parts.items()}}
+    memories = [m for m, _, _ in answers]
+    if machine.device.sms:  # as GPU frameworks hold it, and what they hold besides
+        axes = sum(n > 1 for n in (lay.dp, lay.pp, lay.tp))
+        memories = [gpu.held(m, lay.par.sync, lay.mixed, axes) for m in memories]
+    return {"peak": float(max(sum(m.values()) for m in memories)), **{k: float(x) for k, x in parts.items()}}
 
 
 def _sync_calls(sync: str, grads, bucket_mb, m, layers):
@@ -257,9 +268,12 @@ def textbook(lay, plans: list, machine) -> tuple[list, dict]:
     from mpitrain.plan.predict import grouped
     from mpitrain.plan.timing import _coords, io_wait
 
+    communicators = sum(n > 1 for n in (lay.dp, lay.pp, lay.tp))
     for p in plans:
         memory, flops, _ = estimate.of_layout(lay, *_coords(lay, p.ranks[0]))
-        p.memory = {**memory, "work": 0, "buffers": 0, "objects": 0, "reader": 0}
+        if machine.device.sms:  # as GPU frameworks hold it, and what they hold besides
+            memory = gpu.held(memory, lay.par.sync, lay.mixed, communicators)
+        p.memory = {"framework": 0, **memory, "work": 0, "buffers": 0, "objects": 0, "reader": 0}
         if lay.cfg.model.selective_recompute:  # planned only: attention's products again, which tier 2 has not
             p.flops = {**p.flops, "recompute": flops["recompute"]}
     t = of_layout(lay, machine)
@@ -289,6 +303,9 @@ def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule
                                  moments=model.moments, sequence=sequence, recompute=recompute,
                                  last=table["last"][G], ffn=model.ffn, kv=model.kv or H, gated=model.gated,
                                  selective=model.selective and not recompute)
+    if machine.device.sms:  # as GPU frameworks hold it, and what they hold besides
+        communicators = (dp > 1) * 1 + (pp > 1) + (tp > 1)
+        memory = gpu.held(memory, sync, precision != "fp32", communicators[:, None])
     peak = np.where(table["stage"][G], sum(memory.values()), -np.inf).max(axis=1)
     # time: the pipeline rank with the most FLOPs (recomputed blocks weigh more than the head)
     every = estimate.gpt_flops(table["blocks"][G], T, C, V, samples=(b * m)[:, None], tp=tp[:, None],
@@ -299,48 +316,80 @@ def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule
     rows = np.arange(len(G))
     N, blocks, first, last = (table[k][G, slowest] for k in ("N", "blocks", "first", "last"))
     flops = {k: (x[rows, slowest] if np.ndim(x) == 2 else x) for k, x in every.items()}
-    compute = sum(flops.values()) / _rate(machine, model, precision, b)
+    if machine.device.sms:  # a GPU: its kernels (mpitrain.plan.gpu)
+        compute, forward = _kernels(machine.device, model, precision, b, m, tp, blocks, first, last, N,
+                                    cost.state_shares(sync, dp)[2] * N, recompute, sequence)
+    else:
+        compute = sum(flops.values()) / _rate(machine, model, precision, b)
+        forward = flops["forward"] / sum(flops.values())
     sent = estimate.gpt_bytes(N, blocks, T, C, V, b=b, m=m, sync=sync, dp=dp, pp=pp, tp=tp, v=v, precision=precision,
                               itemsize=model.itemsize, recompute=recompute, sequence=sequence, first=first,
                               last=last, tied=model.tied)
-    alpha, bandwidth, _ = _links(machine, 1, tp)
+    alpha, bandwidth, _ = _links(machine, 1, tp, message=b * T * C * number)
     sums = m * ((6 if recompute else 4) * blocks + 1 * first + 1 * last)  # the calls, each a latency
-    tp_seconds = cost.alpha_beta_seconds("allreduce", tp, sent["tp"], alpha, bandwidth, sums)
+    tp_bytes = sent["tp"]
+    if machine.device.sms and sequence and not recompute:  # Megatron-LM gathers a norm's output again in backward
+        tp_bytes = tp_bytes + gpu.gathered_again(m * blocks, b * T * C * number, tp)
+    tp_seconds = cost.alpha_beta_seconds("allreduce", tp, tp_bytes, alpha, bandwidth, sums)
     kind, calls = _sync_calls(sync, N * number, bucket_mb, m, blocks + 2)
-    alpha, bandwidth, hides = _links(machine, tp, dp, kind)
+    alpha, bandwidth, hides = _links(machine, tp, dp, kind, message=N * number / calls)
+    hides = hides * (model.overlapped or sync != "ddp")
     dp_seconds = np.where(dp > 1, cost.alpha_beta_seconds(kind, dp, sent["dp"], alpha, bandwidth, calls), 0.0)
-    activation = b * T * C * number / np.where(sequence, tp, 1)  # what a stage's sends carry (a slice's share)
-    alpha, bandwidth, _ = _links(machine, dp * tp, pp)
+    # what a stage's sends carry: a slice's share with sequence parallelism, and on a GPU always (Megatron-LM's
+    # scatter-gather: each slice sends its share, the next stage gathers them over NVLink; Narayanan et al. 2021)
+    activation = b * T * C * number / np.where(sequence or machine.device.sms, tp, 1)
+    alpha, bandwidth, _ = _links(machine, dp * tp, pp, message=activation)
     send = alpha + activation / bandwidth
     tied = cost.alpha_beta_seconds("allreduce", 2, cost.collective_bytes("allreduce", V * C / tp * number, 2),
                                    alpha, bandwidth)
     parts = estimate.step_seconds(compute, tp_seconds, dp_seconds, send, np.where(pp > 1, tied, 0.0) * model.tied,
                                   sync=sync,
-                                  schedule=schedule, p=pp, m=m, v=v, forward_share=flops["forward"] / sum(
-                                      flops.values()), hides=hides)
+                                  schedule=schedule, p=pp, m=m, v=v, forward_share=forward, hides=hides)
     return {"peak": peak, **parts}
+
+
+def _kernels(device, model: Gpt, precision: str, b, m, tp, blocks, first, last, N, updated, recompute: bool,
+             sequence: bool) -> tuple:
+    """(seconds, forward's share of them) of a stage's compute on a GPU, kernel by kernel
+    (:mod:`mpitrain.plan.gpu`): ``m`` micro-batches of ``b`` samples through its ``blocks``
+    (each forward once more with ``recompute``, or attention's core with selective
+    recomputation), the embedding on the ``first`` stage and the head on the ``last``; its
+    ``N`` parameters' gradients added up over the micro-batches where the products do not
+    (:func:`mpitrain.plan.gpu.accumulation_seconds`); the update of its ``updated`` ones."""
+    T, C, H, V = model.T, model.C, model.H, model.V
+    fused = model.fused_accumulation
+    block = gpu.block_seconds(device, precision, b, T, C, H, tp, ffn=model.ffn, kv=model.kv, gated=model.gated,
+                              sequence=sequence, dropout=model.dropout, flash=model.flash, fused=fused)
+    head, embed = gpu.head_seconds(device, precision, b, T, C, V, tp), gpu.embedding_seconds(device, precision, b, T, C)
+    again = block["forward"] if recompute else block["attention"] if model.selective else 0
+    forward = m * (blocks * block["forward"] + last * head["forward"] + first * embed["forward"])
+    backward = m * (blocks * (block["backward"] + again) + last * head["backward"] + first * embed["backward"])
+    added = 0 if fused else gpu.accumulation_seconds(device, precision, N, m)
+    total = forward + backward + added + gpu.update_seconds(device, precision, updated)
+    return total, forward / total
 
 
 def _rate(machine, model: Gpt, precision: str, b):
     """FLOP/s of the device's products (for micro-batches of ``b`` samples, an array):
     :meth:`~mpitrain.plan.timing.Machine.rate` of a block's MLP product of a micro-batch,
-    in what the device multiplies in, with the rank's BLAS threads (a published device:
-    its peak times the utilization)."""
+    in what the device multiplies in, with the rank's BLAS threads."""
     dtype = machine.multiplies_in("float64" if model.itemsize == 8 else "float32", precision)
     sizes, where = np.unique(b, return_inverse=True)
     mlp, threads = (model.T, model.C, 4 * model.C), machine.threads(model.threads)
     return np.asarray([machine.rate(mlp, int(k) * model.T, dtype, threads) for k in sizes])[where.ravel()]
 
 
-def _links(machine, stride, size, kind: str = "allreduce") -> tuple:
+def _links(machine, stride, size, kind: str = "allreduce", message=1e12) -> tuple:
     """(alpha, bandwidth, share of a nonblocking ``kind`` call that compute hides) of the
     communicators of ``size`` ranks ``stride`` apart (ranks are placed node by node): the
     node's link if the group fits on one node, else the network's, its port shared as
-    :meth:`~mpitrain.plan.timing.Machine.link` shares it."""
+    :meth:`~mpitrain.plan.timing.Machine.link` shares it; the bandwidth a collective on arrays
+    of ``message`` bytes achieves (:meth:`~mpitrain.plan.hardware.Link.busbw`)."""
     per, inner, outer = machine.per_node, machine.intra, machine.inter
     off = stride * size > per
-    bandwidth = outer.bandwidth
+    bandwidth = outer.busbw(message)
     if outer.per_node and per > 1:
         bandwidth = bandwidth / cost.port_share(per, size, np.clip(per // stride, 1, size))
-    return (np.where(off, outer.alpha, inner.alpha), np.where(off, bandwidth, inner.bandwidth),
+    alpha = [0.0 if link.measured else link.alpha for link in (outer, inner)]  # a measured curve's time has it
+    return (np.where(off, *alpha), np.where(off, bandwidth, inner.busbw(message)),
             np.where(off, outer.hides(kind), inner.hides(kind)))

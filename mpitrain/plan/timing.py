@@ -7,7 +7,7 @@ message, Hockney 1994):
 * **compute** of a layer: its FLOPs over the device's rate at its product's shape as
   mpitrain runs it (:meth:`~mpitrain.plan.shapes.Layer.product_rows`: a convolution's in
   tiles of images; :meth:`~mpitrain.plan.hardware.Device.matmul_flops_per_s`; a published
-  device's peak of the precision its products run in, times ``utilization``), plus, on a
+  GPU's rate for the shape in the precision its products run in), plus, on a
   calibrated machine, mpitrain's elementwise work: the device's measured ``passes`` over
   the layer's traffic (:attr:`~mpitrain.plan.shapes.Layer.traffic`) at its streaming
   bandwidth; ranks beyond a node's cores share them.
@@ -52,7 +52,6 @@ class Machine:
     intra: object  # :class:`~mpitrain.plan.hardware.Link` inside a node
     inter: object  # ... between nodes
     per_node: int  # ranks per node
-    utilization: float = 1.0  # of a published device's peak
     memory: float = 0.0  # bytes available to one rank
     storage: float = 8e9  # bytes/s one rank's reader gets from storage
     cores: int = 0  # cores of a node (a calibrated machine: more ranks than cores share them); 0: one per rank
@@ -82,7 +81,7 @@ class Machine:
     def rate(self, gemm: tuple, rows: int, dtype: str, threads: int = 1) -> float:
         """FLOP/s of a product of ``gemm``'s inner and outer sizes on ``rows`` rows."""
         d = self.device
-        scale = self.share if d.calibrated else self.utilization
+        scale = self.share if d.calibrated else 1.0
         _, k, n = gemm or (1, 256, 256)
         return d.matmul_flops_per_s(max(1, rows), k, n, dtype, threads) * scale
 
@@ -133,8 +132,7 @@ def compute_parts(lay, plan, machine: Machine) -> dict:
     one of :data:`CORRECTIONS`: the device's ``passes`` over each layer's traffic, a
     replayed forward a third more; its time per layer and micro-batch, and per layer and
     step, that do not grow with the batch; in mixed precision its casts; on any device
-    ZeRO-3's replayed forwards' products. A published device's ``utilization`` stands for
-    everything else besides the products."""
+    ZeRO-3's replayed forwards' products. (A GPU's plan is tier 1's: :mod:`~mpitrain.plan.gpu`.)"""
     d, b = machine.device, lay.micro_batch
     dtype = machine.multiplies_in(lay.cfg.train.dtype, lay.cfg.train.precision)
     parts = dict.fromkeys(("products", *CORRECTIONS), 0.0)

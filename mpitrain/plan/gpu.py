@@ -1,0 +1,216 @@
+"""How a GPU framework runs a GPT's step, kernel by kernel: tier 1's compute time on a
+published device (:func:`step_compute`), never mpitrain's NumPy on a GPU.
+
+A block runs as Megatron-LM runs it (Shoeybi et al. 2019; Korthikanti et al. 2022): six
+products (query-key-value, attention's scores and its weighted values, batched over the
+heads, the projection, the MLP's two), each with its two products in backward (the
+input's gradient and the weights', the latter accumulated into float32 gradients), and
+the kernels between them that only move memory: two layer norms, two fused
+bias-dropout-adds, the MLP's fused bias-GELU, attention's fused scale-mask-softmax and its
+dropout (or attention as one FlashAttention kernel: Dao 2023). The head's product and its
+cross-entropy in float32 on the last stage; the fused Adam update once a step.
+
+Each kernel is a roofline (Williams et al. 2009): the longer of its arithmetic and its
+bytes, and at least a kernel launch.
+
+* **a product** of ``M x K`` by ``K x N``: output tiles of ``256 x 128`` or ``128 x 128``
+  (the faster for the shape), one tile a streaming multiprocessor (SM) at a time, in waves
+  over the device's SMs; a wave takes a tile's ``2 x 256 x 128 x K`` FLOPs at an SM's share
+  of the rate the fastest product shape achieves, as measured (``achievable_flops``: the
+  maximum achievable matmul FLOP/s, stas00/ml-engineering's search over shapes).
+  Tile and wave quantisation as NVIDIA's *Matrix Multiplication Background User's Guide*
+  describes them (docs.nvidia.com/deeplearning/performance). Its bytes: the three
+  matrices once each;
+* **a memory-bound kernel**: the bytes it reads and writes (16-bit numbers; dropout's
+  masks one byte a number; the cross-entropy's float32) at the bandwidth such a kernel
+  achieves (``memory_bound_gbs``: Apex's fused layer norm, measured);
+* **a launch**: :data:`LAUNCH_S` at least, however small the kernel.
+
+The catalogue (``hardware.toml``) cites each device figure; :data:`LAUNCH_S` and the
+kernels' bytes cite theirs here. Nothing here is fitted to a training run:
+``mpitrain bench published`` holds the result against published runs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from mpitrain import cost
+
+# output tiles a GEMM library picks among (rows, columns): NVIDIA's Matrix Multiplication Background User's
+# Guide, "Dimension Quantization Effects" (its A100 example: 256 x 128 tiles on 108 SMs)
+TILES = ((256, 128), (128, 128))
+# a kernel's launch without CUDA graphs: the floor of any kernel's time (NVIDIA technical blog, "Getting
+# Started with CUDA Graphs", 2019: 3.8 us a short kernel, launched one after another into a stream)
+LAUNCH_S = 3.8e-6
+# bytes a parameter's fused Adam update reads and writes once a step, mixed precision (Megatron-LM's
+# distributed optimizer): the float32 master, both moments read and written (24), the float32 gradient read
+# and its norm's read (8), the 16-bit weight written (2); in float32 the master is the weight (32)
+UPDATE_BYTES = {"mixed": 34, "fp32": 32}
+# and before it, the gradients' check for inf and NaN (mixed precision's loss scaling) and their norm
+# (clipping): each float32 gradient read once more for each
+CHECK_BYTES = 8
+# FlashAttention-2 on A100 (Dao 2023, arXiv 2307.08691, abstract and section 4.1): 50-73% of the peak forward,
+# less in backward; the middle of that range for forward and backward together
+FLASH_SHARE = 0.6
+
+
+def sustained(device, precision: str) -> float:
+    """FLOP/s the fastest product shape achieves in ``precision``: the catalogue's measured
+    ``achievable_flops``, else its published ``sustained_flops``, else the peak."""
+    return device.achievable.get(precision) or device.sustained.get(precision) or device.peak(precision)
+
+
+def gemm_seconds(device, precision: str, M, K, N, batch=1, accumulate: bool = False):
+    """Seconds of ``batch`` products of ``M x K`` by ``K x N`` in ``precision`` (scalars or
+    arrays): waves of output tiles over the SMs at the fastest shape's rate, or the matrices'
+    bytes at a memory-bound kernel's bandwidth (``accumulate``: into a float32 output, read
+    and written), whichever is longer; a launch at least."""
+    word = cost.word_bytes(precision != "fp32", 4)
+    per_sm = sustained(device, precision) / device.sms
+    arithmetic = np.inf
+    for rows, columns in TILES:
+        tiles = batch * np.ceil(M / rows) * np.ceil(N / columns)
+        arithmetic = np.minimum(arithmetic, np.ceil(tiles / device.sms) * cost.matmul_flops(rows, K, columns) / per_sm)
+    moved = batch * (word * (M * K + K * N) + (8 if accumulate else word) * M * N)
+    return np.maximum(np.maximum(arithmetic, moved / device.stream_bandwidth), LAUNCH_S)
+
+
+def trained_gemm(device, precision: str, M, K, N, batch=1, weights: bool = True, fused: bool = True) -> tuple:
+    """(forward, backward) seconds of a layer's product ``M x K`` by ``K x N`` and its two
+    in backward: the input's gradient (``M x N`` by ``N x K``) and the weights' (``K x M``
+    by ``M x N``, accumulated into float32 gradients where ``fused``, else written; a
+    product of two activations, not ``weights``: a second input's gradient instead)."""
+    forward = gemm_seconds(device, precision, M, K, N, batch)
+    other = gemm_seconds(device, precision, K, M, N, batch, accumulate=weights and fused)
+    return forward, gemm_seconds(device, precision, M, N, K, batch) + other
+
+
+def moved_seconds(device, nbytes):
+    """Seconds of a memory-bound kernel that reads and writes ``nbytes``: at the bandwidth
+    such a kernel achieves (``memory_bound_gbs``), a launch at least."""
+    return np.maximum(nbytes / device.stream_bandwidth, LAUNCH_S)
+
+
+def block_seconds(device, precision: str, b, T: int, C: int, H: int, tp, *, ffn: int = 0, kv: int = 0,
+                  gated: bool = False, sequence: bool = False, dropout: bool = True, flash: bool = False,
+                  fused: bool = True) -> dict:
+    """Seconds of one block on one of ``tp`` ranks for a micro-batch of ``b`` samples of
+    ``T`` tokens (``C`` wide, ``H`` heads; ``ffn``, ``kv``, ``gated`` as
+    :func:`mpitrain.cost.gpt_block_flops`'s; ``fused``: :func:`trained_gemm`'s): ``forward``,
+    ``backward``, and ``attention``, the forward of attention's core (its scores, softmax,
+    dropout and weighted values), which selective recomputation runs again."""
+    word = cost.word_bytes(precision != "fp32", 4)
+    ffn, kv = ffn or 4 * C, kv or H
+    d, heads = C // H, H / tp
+    M = b * T
+    stream = b * T * C / np.where(sequence, tp, 1)  # numbers of the residual stream a rank's norms touch
+    mask = 1.0 * dropout  # dropout's mask: a byte a number
+    fwd, bwd = {}, {}
+    for name, (k, n) in {"qkv": (C, (C + 2 * kv * d) / tp), "projection": (C / tp, C),
+                         "up": (C, (2 if gated else 1) * ffn / tp), "down": (ffn / tp, C)}.items():
+        fwd[name], bwd[name] = trained_gemm(device, precision, M, k, n, fused=fused)
+    # memory-bound kernels (bytes forward, bytes backward): a norm reads its input, writes its output; backward
+    # reads the input and the gradient, writes the input's gradient; a bias-dropout-add reads the output and
+    # the residual, writes the sum and the mask; backward reads the gradient and the mask, writes one
+    for name, f, g in (("norms", 2 * (2 * word * stream), 2 * (3 * word * stream)),
+                       ("dropout-adds", 2 * (3 * word + mask) * stream, 2 * (2 * word + mask) * stream),
+                       ("gelu", ((2 if gated else 1) + 1) * word * M * ffn / tp,
+                        ((2 if gated else 1) * 2 + 1) * word * M * ffn / tp)):
+        fwd[name], bwd[name] = moved_seconds(device, f), moved_seconds(device, g)
+    if flash:  # one kernel: its products at FlashAttention's share of the sustained rate, backward 2.5 x forward's
+        flops = b * cost.attention_flops(1, T, C) / tp
+        fwd["attention"] = np.maximum(flops / (FLASH_SHARE * sustained(device, precision)), LAUNCH_S)
+        bwd["attention"] = 2.5 * fwd["attention"]
+    else:  # scores and weighted values batched over the heads, softmax and dropout between them
+        scores = b * heads * T * T
+        f1, b1 = trained_gemm(device, precision, T, d, T, b * heads, weights=False)
+        f2, b2 = trained_gemm(device, precision, T, T, d, b * heads, weights=False)
+        softmax = moved_seconds(device, 2 * word * scores), moved_seconds(device, 3 * word * scores)
+        drop = (moved_seconds(device, (2 * word + 1) * scores), moved_seconds(device, (2 * word + 1) * scores))
+        fwd["attention"] = f1 + f2 + softmax[0] + dropout * drop[0]
+        bwd["attention"] = b1 + b2 + softmax[1] + dropout * drop[1]
+    return {"forward": sum(fwd.values()), "backward": sum(bwd.values()), "attention": fwd["attention"]}
+
+
+def head_seconds(device, precision: str, b, T: int, C: int, V: int, tp) -> dict:
+    """Seconds of the head on one of ``tp`` ranks (its slice of the vocabulary): its product
+    and the cross-entropy over the logits in float32, four passes forward (the cast, the
+    largest logit, the exponentials' sum, the probabilities) and two backward, each reading
+    and writing every logit."""
+    f, g = trained_gemm(device, precision, b * T, C, V / tp)
+    logits = b * T * V / tp * 8.0
+    return {"forward": f + 4 * moved_seconds(device, logits), "backward": g + 2 * moved_seconds(device, logits)}
+
+
+def embedding_seconds(device, precision: str, b, T: int, C: int) -> dict:
+    """Seconds of the embedding: its rows and positions read and added, written (forward);
+    the gradient read and added into the table's rows (backward)."""
+    word = cost.word_bytes(precision != "fp32", 4)
+    moved = moved_seconds(device, 3 * word * b * T * C)
+    return {"forward": moved, "backward": moved}
+
+
+def update_seconds(device, precision: str, parameters):
+    """Seconds of the fused Adam update of ``parameters`` (a rank's share): :data:`UPDATE_BYTES`
+    and :data:`CHECK_BYTES` each at a memory-bound kernel's bandwidth."""
+    moved = UPDATE_BYTES["fp32" if precision == "fp32" else "mixed"] + CHECK_BYTES
+    return parameters * moved / device.stream_bandwidth
+
+
+def accumulation_seconds(device, precision: str, parameters, m):
+    """Seconds of adding ``m`` micro-batches' weight gradients of ``parameters`` where the
+    products do not (before Megatron-LM's gradient accumulation fusion, NVIDIA/Megatron-LM
+    83b1e42f30, 2022: PyTorch's autograd adds each new gradient to the sum): from the
+    second micro-batch on, each reads the new gradient and the sum, and writes the sum."""
+    word = cost.word_bytes(precision != "fp32", 4)
+    return np.maximum(m - 1, 0) * parameters * 3 * word / device.stream_bandwidth
+
+
+def gathered_again(blocks, activation, tp):
+    """Bytes a rank sends in backward gathering the norms' outputs again, with sequence
+    parallelism (Megatron-LM keeps its slice of each, not the gathered whole: Korthikanti
+    et al. 2022, section 4.2.2; Calculon's ``seq_par_ag_redo``): two allgathers of a
+    micro-batch's ``activation`` bytes in each of ``blocks`` (a block of each micro-batch)."""
+    return blocks * 2 * cost.collective_bytes("allgather", activation, tp)
+
+
+# ------------------------------------------------------------------ what a GPU framework holds
+# beyond the model state and the activations, per GPU (the plan's "framework" column):
+# the CUDA context with lazy module loading, PyTorch's default (NVIDIA's ptrblck, pytorch/pytorch#109888:
+# "around 400MB if CUDA >= 11.7")
+CONTEXT_BYTES = 400e6
+# NCCL's buffers per communicator a rank belongs to: 544-688 MB measured per communicator on 4 A100s with
+# NVLink (NVIDIA/nccl#964); the larger
+NCCL_BYTES = 688e6
+# cuBLAS's workspace, one per stream (PyTorch's CublasHandlePool.cpp: 32 MiB on Hopper, 8.125 MiB before)
+WORKSPACE_BYTES = 32 * 2**20
+# Megatron-LM's own allowance for "optimizer and miscellaneous temporaries", 5% of the model state and the
+# activations (megatron/training/theoretical_memory_usage.py); no allocator fragmentation is added
+TEMPORARIES = 0.05
+
+
+def framework_bytes(communicators: int, held):
+    """Bytes a GPU framework's rank holds beyond ``held`` (its model state and activations):
+    the CUDA context, NCCL's buffers for each of its ``communicators``, cuBLAS's workspace,
+    and Megatron-LM's temporaries' share of ``held``."""
+    return CONTEXT_BYTES + NCCL_BYTES * communicators + WORKSPACE_BYTES + TEMPORARIES * held
+
+
+def held(memory: dict, sync: str, mixed: bool, communicators) -> dict:
+    """A rank's ``memory`` by category (tier 1's) as a GPU framework holds it
+    (:func:`as_frameworks_hold`), with its ``"framework"`` allowance (:func:`framework_bytes`
+    for its ``communicators``)."""
+    memory = as_frameworks_hold(memory, sync, mixed)
+    return {**memory, "framework": framework_bytes(communicators, sum(memory.values()))}
+
+
+def as_frameworks_hold(memory: dict, sync: str, mixed: bool) -> dict:
+    """Model state as GPU frameworks hold it: in mixed precision with data parallelism or
+    ZeRO-1 (Megatron-LM's distributed optimizer) the gradients in float32, its "main_grad"
+    buffer: 18 bytes a parameter, 6 + 12/d distributed (Megatron-LM's
+    docs/user-guide/features/dist_optimizer.md); ZeRO-2 and -3 as DeepSpeed's (Rajbhandari
+    et al. 2020), the gradients in 16 bits."""
+    if mixed and sync in ("ddp", "zero1"):
+        return {**memory, "gradients": 2 * memory["gradients"]}
+    return memory
