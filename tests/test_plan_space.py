@@ -123,7 +123,8 @@ def test_the_bubble_and_the_exposed_sync_are_the_textbooks():
     exchange is all exposed, the step is their sum with the compute and the slices' sums;
     the compute is the stage's kernels' (:mod:`mpitrain.plan.gpu`), the collectives' bytes
     at the bus bandwidth measured for their arrays' size (NVLink's curve; InfiniBand's one
-    figure and its latency), a stage's sends a slice's share (Megatron-LM's scatter-gather)."""
+    figure and its latency), a stage's sends a slice's share (Megatron-LM's scatter-gather),
+    gathered over NVLink and waited on in each micro-batch."""
     catalogue = hardware.load()
     machine = planner.machine(catalogue, "a100-80g", 1024, 8, "ib-hdr")
     model = space.Gpt(50257, 2048, 96, 96, 12288, 1536)
@@ -154,7 +155,11 @@ def test_the_bubble_and_the_exposed_sync_are_the_textbooks():
     dp = cost.alpha_beta_seconds("reduce_scatter", 8, cost.zero_bytes(1, N * 2, 8), ib.alpha, 24e9, 2)
     send = ib.alpha + activation / 8 / 24e9
     tied = cost.alpha_beta_seconds("allreduce", 2, 50257 * 12288 / 8 * 2, ib.alpha, 24e9)
-    assert out["exposed"][i] == pytest.approx(dp + tp + tied, rel=1e-9)
+    # each micro-batch's activations out and gradient back, waited on (Megatron-LM), each a slice's share over
+    # InfiniBand and the slices' allgather over NVLink
+    gather = cost.collective_bytes("allgather", activation, 8) / nvlink.busbw(activation)
+    waited = 64 * 2 * (send + gather)
+    assert out["exposed"][i] == pytest.approx(dp + tp + tied + waited, rel=1e-9)
     one = (compute + tp) / 64
     assert out["bubble"][i] == pytest.approx(15 * one + 30 * send, rel=1e-9)
 

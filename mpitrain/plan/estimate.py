@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import math
 
-from numpy import minimum
+from numpy import maximum, minimum
 
 from mpitrain import cost
 
@@ -148,7 +148,7 @@ def of_cnn(lay, s: int) -> tuple[dict, dict, dict]:
 
 
 def step_seconds(compute, tp, dp, send, after, *, sync: str, schedule: str, p, m, v=1, forward_share=1 / 3,
-                 hides: float = 1.0) -> dict:
+                 hides: float = 1.0, waited=0.0) -> dict:
     """The step of a layout's slowest stage, by part, in seconds: ``compute``, its products
     at the device's rate, and ``tp``, its blocking tensor-parallel sums, for all ``m``
     micro-batches; the pipeline's idle time (:func:`mpitrain.cost.pipeline_idle` of ``p``
@@ -160,6 +160,8 @@ def step_seconds(compute, tp, dp, send, after, *, sync: str, schedule: str, p, m
     compute does (each layer's gathers beside the layer before), each at most the link's
     ``hides`` share of it, and ZeRO-1 nothing (its reduce-scatter follows backward);
     ``after``, the pipeline's collectives after the schedule (a tied weight's gradient);
+    ``waited``, what a stage waits on its sends in the schedule (a GPU framework's,
+    :func:`mpitrain.plan.gpu.sends_waited`; 0: none waited on);
     ``communication``, every call's time, hidden or not (a stage sends each micro-batch's
     activations and their gradients). Scalars or arrays of layouts alike."""
     one = (compute + tp) / m
@@ -167,9 +169,9 @@ def step_seconds(compute, tp, dp, send, after, *, sync: str, schedule: str, p, m
     bubble = cost.pipeline_idle(schedule, p, m, v, F, (one - F) / 2, (one - F) / 2) + 2 * (p - 1) * send
     beside = {"zero1": 0 * compute, "zero3": compute}.get(sync, compute * (1 - forward_share))
     hideable = dp * (m / (m + 1) if sync == "zero2" else 1)
-    exposed = dp - minimum(beside, hides * hideable) + tp + after
+    exposed = dp - minimum(beside, hides * hideable) + tp + after + waited
     return {"compute": compute, "exposed": exposed, "bubble": bubble, "step": compute + exposed + bubble,
-            "communication": dp + tp + after + 2 * m * send * (p > 1)}
+            "communication": dp + tp + after + maximum(waited, 2 * m * send * (p > 1))}
 
 
 def of_layout(lay, s: int, r: int = 0) -> tuple[dict, dict, dict]:

@@ -167,6 +167,14 @@ def accumulation_seconds(device, precision: str, parameters, m):
     return np.maximum(m - 1, 0) * parameters * 3 * word / device.stream_bandwidth
 
 
+def sends_waited(m, v, send):
+    """Seconds a pipeline stage waits on its sends in a step of ``m`` micro-batches through
+    ``v`` chunks: Megatron-LM's schedule waits on each exchange with its neighbours
+    (``p2p_communication``: the requests of ``batch_isend_irecv`` waited on at once), each
+    chunk's activations out and their gradient back, ``send`` seconds each."""
+    return m * 2 * v * send
+
+
 def gathered_again(blocks, activation, tp):
     """Bytes a rank sends in backward gathering the norms' outputs again, with sequence
     parallelism (Megatron-LM keeps its slice of each, not the gathered whole: Korthikanti

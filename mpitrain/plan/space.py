@@ -342,9 +342,16 @@ def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule
     send = alpha + activation / bandwidth
     tied = cost.alpha_beta_seconds("allreduce", 2, cost.collective_bytes("allreduce", V * C / tp * number, 2),
                                    alpha, bandwidth)
+    waited = 0.0
+    if machine.device.sms:  # a GPU framework waits on each send between stages (and gathers the slices' shares)
+        whole = b * T * C * number
+        a, bw, _ = _links(machine, 1, tp, "allgather", message=whole)
+        gather = 0.0 if sequence else cost.alpha_beta_seconds("allgather", tp, cost.collective_bytes(
+            "allgather", whole, tp), a, bw)
+        waited = np.where(pp > 1, gpu.sends_waited(m, v, send + gather), 0.0)
     parts = estimate.step_seconds(compute, tp_seconds, dp_seconds, send, np.where(pp > 1, tied, 0.0) * model.tied,
-                                  sync=sync,
-                                  schedule=schedule, p=pp, m=m, v=v, forward_share=forward, hides=hides)
+                                  sync=sync, schedule=schedule, p=pp, m=m, v=v, forward_share=forward, hides=hides,
+                                  waited=waited)
     return {"peak": peak, **parts}
 
 
