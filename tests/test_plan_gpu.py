@@ -44,18 +44,32 @@ def test_a_blocks_memory_bound_kernels_shrink_with_sequence_parallelism_and_flas
     selective = space.Gpt(51200, 2048, 48, 64, 6144, 4, dropout=True, selective=True)
     N = 22e9 / 8
     runs = [space._kernels(a100, g, "fp16", 4, 1, 8, 48, True, True, N, N, False, False)[0] for g in (model, selective)]
+    flash = gpu.block_seconds(*args, flash=True)["attention"]  # the causal half at 60% of the peak
+    assert flash == pytest.approx(4 * cost.attention_flops(1, 2048, 6144) / 8 / 2 / (0.6 * 312e12))
     assert runs[1] - runs[0] == pytest.approx(48 * plain["attention"], rel=1e-9)
 
 
 def test_gradient_accumulation_and_the_update_move_their_bytes(a100):
-    """Without the products' fused accumulation each micro-batch's gradients after the
-    first are read and added into the sum (three 16-bit words a parameter); the fused Adam
-    update with its checks moves 42 bytes a parameter in mixed precision, 40 in float32."""
+    """Without the products' fused accumulation, each micro-batch's gradients go into float32
+    sums where the framework keeps them (mixed precision, ddp or ZeRO-1: each gradient read,
+    the sum read and written), else PyTorch's autograd adds them from the second on (three
+    16-bit words a parameter; ``train.accumulation = "16-bit"``, which then holds 16-bit
+    gradients); the fused Adam update with its checks moves 38 bytes a parameter in mixed
+    precision, 36 in float32, once a step."""
     N = 1e9
+    assert gpu.main_grads("ddp", "bf16") and gpu.main_grads("zero1", "fp16") and not gpu.main_grads("zero2", "bf16")
+    assert not gpu.main_grads("ddp", "fp32") and not gpu.main_grads("ddp", "fp16", "16-bit")
+    state = cost.model_state_bytes(1, 1, 1, 2, 4, True)
+    assert sum(gpu.as_frameworks_hold(state, "ddp", True, "16-bit").values()) == 16  # the ZeRO paper's
     assert gpu.accumulation_seconds(a100, "bf16", N, 1) == 0
     assert gpu.accumulation_seconds(a100, "bf16", N, 5) == pytest.approx(4 * N * 6 / a100.stream_bandwidth)
-    assert gpu.update_seconds(a100, "bf16", N) == pytest.approx(N * 42 / a100.stream_bandwidth)
-    assert gpu.update_seconds(a100, "fp32", N) == pytest.approx(N * 40 / a100.stream_bandwidth)
+    assert gpu.accumulation_seconds(a100, "bf16", N, 5, main=True) == pytest.approx(5 * N * 10 / a100.stream_bandwidth)
+    assert gpu.update_seconds(a100, "bf16", N) == pytest.approx(N * 38 / a100.stream_bandwidth)
+    assert gpu.update_seconds(a100, "fp32", N) == pytest.approx(N * 36 / a100.stream_bandwidth)
+    model = space.Gpt(51200, 2048, 48, 64, 6144, 4, dropout=True)
+    compute, _, once = space._kernels(a100, model, "fp16", 4, 1, 8, 48, True, True, 2.75e9, 2.75e9 / 8, False, False,
+                                      "zero1")
+    assert once == pytest.approx(gpu.update_seconds(a100, "fp16", 2.75e9 / 8))  # once a step, outside the schedule
 
 
 @pytest.mark.parametrize("sync, dp, per_parameter", [("ddp", 1, 18), ("zero1", 8, 6 + 12 / 8), ("zero2", 8, 2 + 14 / 8),

@@ -56,9 +56,9 @@ def _shape_only(cfg: Config) -> list[tuple[str, str]]:
 def planned_only(cfg: Config) -> list[str]:
     """Why mpitrain's trainer would refuse ``cfg`` where GPU frameworks run it (empty: it runs)."""
     why = [what for _, what in _shape_only(cfg)]
-    if not cfg.train.fused_accumulation:
-        why.append("weight gradients summed over micro-batches by a pass of their own (a GPU framework's, before "
-                   "gradient accumulation fusion)")
+    if cfg.train.accumulation != "fused":
+        why.append(f"weight gradients summed over micro-batches by a pass of their own, {cfg.train.accumulation} "
+                   "(a GPU framework's, before gradient accumulation fusion)")
     if cfg.parallel.sync == "zero3" and cfg.model.checkpoint_activations:
         why.append("ZeRO-3 with activation checkpointing (mpitrain's ZeRO-3 replays every layer in backward "
                    "already; DeepSpeed's keeps the activations unless asked to checkpoint)")
@@ -177,9 +177,10 @@ def _validate_train(cfg: Config) -> None:
     _require(t.steps >= 0 and t.epochs >= 0 and (t.steps > 0) != (t.epochs > 0), "train.steps",
              f"set exactly one of train.steps and train.epochs (epochs = {t.epochs})", t.steps)
     _require(not (text_model and t.epochs), "train.epochs", "text models train for train.steps", t.epochs)
-    _require(t.fused_accumulation or _PLANNING.get(), "train.fused_accumulation", "says how a GPU framework sums each "
-             "micro-batch's weight gradients: only `mpitrain plan --hardware GPU` plans it",
-             t.fused_accumulation)
+    _require(t.accumulation in ("fused", "float32", "16-bit"), "train.accumulation", "must be 'fused', 'float32' or "
+             "'16-bit'", t.accumulation)
+    _require(t.accumulation == "fused" or _PLANNING.get(), "train.accumulation", "says how a GPU framework sums each "
+             "micro-batch's weight gradients: only `mpitrain plan --hardware GPU` plans it", t.accumulation)
     _require(t.dtype in ("float32", "float64"), "train.dtype", "must be 'float32' or 'float64'", t.dtype)
     _require(t.precision in ("fp32", "bf16", "fp16"), "train.precision", "must be 'fp32', 'bf16' or 'fp16'",
              t.precision)

@@ -112,7 +112,7 @@ def add_parser(commands) -> None:
 
 def _machine_arguments(p, positive) -> None:
     """The machine the job runs on (:func:`mpitrain.plan.machine_of` reads them): its device,
-    nodes and links, the share of peak it reaches, the memory each rank may use, the catalogue."""
+    nodes and links, a step's MFU to set, the memory each rank may use, the catalogue."""
     p.add_argument("--hardware", default="this", metavar="KEY",
                    help="the device of mpitrain/plan/hardware.toml each rank runs on (default 'this': this "
                         "machine, as calibrated); v100, a100-40g, a100-80g, a100-40g-pcie, a100-80g-pcie, h100, "

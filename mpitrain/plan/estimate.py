@@ -148,7 +148,7 @@ def of_cnn(lay, s: int) -> tuple[dict, dict, dict]:
 
 
 def step_seconds(compute, tp, dp, send, after, *, sync: str, schedule: str, p, m, v=1, forward_share=1 / 3,
-                 hides: float = 1.0, waited=0.0) -> dict:
+                 hides: float = 1.0, waited=0.0, once=0.0) -> dict:
     """The step of a layout's slowest stage, by part, in seconds: ``compute``, its products
     at the device's rate, and ``tp``, its blocking tensor-parallel sums, for all ``m``
     micro-batches; the pipeline's idle time (:func:`mpitrain.cost.pipeline_idle` of ``p``
@@ -161,7 +161,8 @@ def step_seconds(compute, tp, dp, send, after, *, sync: str, schedule: str, p, m
     ``hides`` share of it, and ZeRO-1 nothing (its reduce-scatter follows backward);
     ``after``, the pipeline's collectives after the schedule (a tied weight's gradient);
     ``waited``, what a stage waits on its sends in the schedule (a GPU framework's,
-    :func:`mpitrain.plan.gpu.sends_waited`; 0: none waited on);
+    :func:`mpitrain.plan.gpu.sends_waited`; 0: none waited on); ``once``, compute once a step
+    after the schedule (a GPU's update), in ``compute`` but in no micro-batch;
     ``communication``, every call's time, hidden or not (a stage sends each micro-batch's
     activations and their gradients). Scalars or arrays of layouts alike."""
     one = (compute + tp) / m
@@ -170,6 +171,7 @@ def step_seconds(compute, tp, dp, send, after, *, sync: str, schedule: str, p, m
     beside = {"zero1": 0 * compute, "zero3": compute}.get(sync, compute * (1 - forward_share))
     hideable = dp * (m / (m + 1) if sync == "zero2" else 1)
     exposed = dp - minimum(beside, hides * hideable) + tp + after + waited
+    compute = compute + once
     return {"compute": compute, "exposed": exposed, "bubble": bubble, "step": compute + exposed + bubble,
             "communication": dp + tp + after + maximum(waited, 2 * m * send * (p > 1))}
 
@@ -192,7 +194,7 @@ def of_layout(lay, s: int, r: int = 0) -> tuple[dict, dict, dict]:
                         sync=par.sync, dp=lay.dp, tp=lay.tp, precision=t.precision, itemsize=lay.dtype_bytes,
                         moments=lay.moments, sequence=lay.tp > 1 and par.sequence_parallel,
                         recompute=m.checkpoint_activations, last=last, ffn=m.ffn_hidden, kv=kv, gated=m.gated_mlp,
-                        selective=m.selective_recompute)
+                        selective=m.selective_recompute or m.flash_attention)  # (FlashAttention keeps no scores)
     flops = gpt_flops(blocks, lay.T, m.n_embd, V, samples=lay.micro_batch * lay.m, tp=lay.tp,
                       recompute=m.checkpoint_activations, last=last, ffn=m.ffn_hidden, kvw=kv * m.n_embd // m.n_head,
                       gated=m.gated_mlp, selective=m.selective_recompute)

@@ -44,15 +44,21 @@ TILES = ((256, 128), (128, 128))
 # Started with CUDA Graphs", 2019: 3.8 us a short kernel, launched one after another into a stream)
 LAUNCH_S = 3.8e-6
 # bytes a parameter's fused Adam update reads and writes once a step, mixed precision (Megatron-LM's
-# distributed optimizer): the float32 master, both moments read and written (24), the float32 gradient read
-# and its norm's read (8), the 16-bit weight written (2); in float32 the master is the weight (32)
-UPDATE_BYTES = {"mixed": 34, "fp32": 32}
+# distributed optimizer): the float32 master and both moments read and written (24), the float32 gradient read
+# (4), the 16-bit weight written (2); in float32 the master is the weight (28)
+UPDATE_BYTES = {"mixed": 30, "fp32": 28}
 # and before it, the gradients' check for inf and NaN (mixed precision's loss scaling) and their norm
 # (clipping): each float32 gradient read once more for each
 CHECK_BYTES = 8
 # FlashAttention-2 on A100 (Dao 2023, arXiv 2307.08691, abstract and section 4.1): 50-73% of the peak forward,
-# less in backward; the middle of that range for forward and backward together
+# less in backward; the middle of that range for forward and backward together, of the FLOPs it runs (a causal
+# mask's half of the scores: its benchmarks count them so)
 FLASH_SHARE = 0.6
+
+
+def word(precision: str) -> int:
+    """Bytes of a number a GPU's kernels read and write in ``precision``."""
+    return {"fp64": 8, "fp32": 4, "tf32": 4}.get(precision, 2)
 
 
 def sustained(device, precision: str) -> float:
@@ -66,13 +72,13 @@ def gemm_seconds(device, precision: str, M, K, N, batch=1, accumulate: bool = Fa
     arrays): waves of output tiles over the SMs at the fastest shape's rate, or the matrices'
     bytes at a memory-bound kernel's bandwidth (``accumulate``: into a float32 output, read
     and written), whichever is longer; a launch at least."""
-    word = cost.word_bytes(precision != "fp32", 4)
+    size = word(precision)
     per_sm = sustained(device, precision) / device.sms
     arithmetic = np.inf
     for rows, columns in TILES:
         tiles = batch * np.ceil(M / rows) * np.ceil(N / columns)
         arithmetic = np.minimum(arithmetic, np.ceil(tiles / device.sms) * cost.matmul_flops(rows, K, columns) / per_sm)
-    moved = batch * (word * (M * K + K * N) + (8 if accumulate else word) * M * N)
+    moved = batch * (size * (M * K + K * N) + (8 if accumulate else size) * M * N)
     return np.maximum(np.maximum(arithmetic, moved / device.stream_bandwidth), LAUNCH_S)
 
 
@@ -100,7 +106,7 @@ def block_seconds(device, precision: str, b, T: int, C: int, H: int, tp, *, ffn:
     :func:`mpitrain.cost.gpt_block_flops`'s; ``fused``: :func:`trained_gemm`'s): ``forward``,
     ``backward``, and ``attention``, the forward of attention's core (its scores, softmax,
     dropout and weighted values), which selective recomputation runs again."""
-    word = cost.word_bytes(precision != "fp32", 4)
+    w = word(precision)
     ffn, kv = ffn or 4 * C, kv or H
     d, heads = C // H, H / tp
     M = b * T
@@ -113,21 +119,21 @@ def block_seconds(device, precision: str, b, T: int, C: int, H: int, tp, *, ffn:
     # memory-bound kernels (bytes forward, bytes backward): a norm reads its input, writes its output; backward
     # reads the input and the gradient, writes the input's gradient; a bias-dropout-add reads the output and
     # the residual, writes the sum and the mask; backward reads the gradient and the mask, writes one
-    for name, f, g in (("norms", 2 * (2 * word * stream), 2 * (3 * word * stream)),
-                       ("dropout-adds", 2 * (3 * word + mask) * stream, 2 * (2 * word + mask) * stream),
-                       ("gelu", ((2 if gated else 1) + 1) * word * M * ffn / tp,
-                        ((2 if gated else 1) * 2 + 1) * word * M * ffn / tp)):
+    for name, f, g in (("norms", 2 * (2 * w * stream), 2 * (3 * w * stream)),
+                       ("dropout-adds", 2 * (3 * w + mask) * stream, 2 * (2 * w + mask) * stream),
+                       ("gelu", ((2 if gated else 1) + 1) * w * M * ffn / tp,
+                        ((2 if gated else 1) * 2 + 1) * w * M * ffn / tp)):
         fwd[name], bwd[name] = moved_seconds(device, f), moved_seconds(device, g)
-    if flash:  # one kernel: its products at FlashAttention's share of the sustained rate, backward 2.5 x forward's
-        flops = b * cost.attention_flops(1, T, C) / tp
-        fwd["attention"] = np.maximum(flops / (FLASH_SHARE * sustained(device, precision)), LAUNCH_S)
+    if flash:  # one kernel: the causal half of its products at FlashAttention's share of the peak; backward 2.5 x
+        flops = b * cost.attention_flops(1, T, C) / tp / 2
+        fwd["attention"] = np.maximum(flops / (FLASH_SHARE * device.peak(precision)), LAUNCH_S)
         bwd["attention"] = 2.5 * fwd["attention"]
     else:  # scores and weighted values batched over the heads, softmax and dropout between them
         scores = b * heads * T * T
         f1, b1 = trained_gemm(device, precision, T, d, T, b * heads, weights=False)
         f2, b2 = trained_gemm(device, precision, T, T, d, b * heads, weights=False)
-        softmax = moved_seconds(device, 2 * word * scores), moved_seconds(device, 3 * word * scores)
-        drop = (moved_seconds(device, (2 * word + 1) * scores), moved_seconds(device, (2 * word + 1) * scores))
+        softmax = moved_seconds(device, 2 * w * scores), moved_seconds(device, 3 * w * scores)
+        drop = (moved_seconds(device, (2 * w + 1) * scores), moved_seconds(device, (2 * w + 1) * scores))
         fwd["attention"] = f1 + f2 + softmax[0] + dropout * drop[0]
         bwd["attention"] = b1 + b2 + softmax[1] + dropout * drop[1]
     return {"forward": sum(fwd.values()), "backward": sum(bwd.values()), "attention": fwd["attention"]}
@@ -146,8 +152,7 @@ def head_seconds(device, precision: str, b, T: int, C: int, V: int, tp) -> dict:
 def embedding_seconds(device, precision: str, b, T: int, C: int) -> dict:
     """Seconds of the embedding: its rows and positions read and added, written (forward);
     the gradient read and added into the table's rows (backward)."""
-    word = cost.word_bytes(precision != "fp32", 4)
-    moved = moved_seconds(device, 3 * word * b * T * C)
+    moved = moved_seconds(device, 3 * word(precision) * b * T * C)
     return {"forward": moved, "backward": moved}
 
 
@@ -158,13 +163,22 @@ def update_seconds(device, precision: str, parameters):
     return parameters * moved / device.stream_bandwidth
 
 
-def accumulation_seconds(device, precision: str, parameters, m):
+def accumulation_seconds(device, precision: str, parameters, m, main: bool = False):
     """Seconds of adding ``m`` micro-batches' weight gradients of ``parameters`` where the
     products do not (before Megatron-LM's gradient accumulation fusion, NVIDIA/Megatron-LM
-    83b1e42f30, 2022: PyTorch's autograd adds each new gradient to the sum): from the
-    second micro-batch on, each reads the new gradient and the sum, and writes the sum."""
-    word = cost.word_bytes(precision != "fp32", 4)
-    return np.maximum(m - 1, 0) * parameters * 3 * word / device.stream_bandwidth
+    83b1e42f30, 2022): into float32 sums (``main``, :func:`main_grads`) each micro-batch's
+    gradient read and the sum read and written; else PyTorch's autograd adds each new
+    gradient to the sum from the second micro-batch on, reading both and writing the sum."""
+    w = word(precision)
+    per = m * (w + 8) if main else np.maximum(m - 1, 0) * 3 * w
+    return per * parameters / device.stream_bandwidth
+
+
+def main_grads(sync: str, precision: str, accumulation: str = "fused") -> bool:
+    """Whether a GPU framework keeps float32 gradients beside 16-bit weights
+    (:func:`as_frameworks_hold`): in mixed precision with ddp or ZeRO-1, unless it sums
+    micro-batches' gradients in 16 bits (``accumulation``, ``train.accumulation``)."""
+    return precision in ("bf16", "fp16") and sync in ("ddp", "zero1") and accumulation != "16-bit"
 
 
 def sends_waited(m, v, send):
@@ -191,7 +205,8 @@ CONTEXT_BYTES = 400e6
 # NCCL's buffers per communicator a rank belongs to: 544-688 MB measured per communicator on 4 A100s with
 # NVLink (NVIDIA/nccl#964); the larger
 NCCL_BYTES = 688e6
-# cuBLAS's workspace, one per stream (PyTorch's CublasHandlePool.cpp: 32 MiB on Hopper, 8.125 MiB before)
+# cuBLAS's workspace, one per stream (PyTorch's CublasHandlePool.cpp: 32 MiB on Hopper, 8.125 MiB before;
+# Hopper's taken for every GPU, an upper bound)
 WORKSPACE_BYTES = 32 * 2**20
 # Megatron-LM's own allowance for "optimizer and miscellaneous temporaries", 5% of the model state and the
 # activations (megatron/training/theoretical_memory_usage.py); no allocator fragmentation is added
@@ -205,20 +220,21 @@ def framework_bytes(communicators: int, held):
     return CONTEXT_BYTES + NCCL_BYTES * communicators + WORKSPACE_BYTES + TEMPORARIES * held
 
 
-def held(memory: dict, sync: str, mixed: bool, communicators) -> dict:
+def held(memory: dict, sync: str, mixed: bool, communicators, accumulation: str = "fused") -> dict:
     """A rank's ``memory`` by category (tier 1's) as a GPU framework holds it
     (:func:`as_frameworks_hold`), with its ``"framework"`` allowance (:func:`framework_bytes`
     for its ``communicators``)."""
-    memory = as_frameworks_hold(memory, sync, mixed)
+    memory = as_frameworks_hold(memory, sync, mixed, accumulation)
     return {**memory, "framework": framework_bytes(communicators, sum(memory.values()))}
 
 
-def as_frameworks_hold(memory: dict, sync: str, mixed: bool) -> dict:
+def as_frameworks_hold(memory: dict, sync: str, mixed: bool, accumulation: str = "fused") -> dict:
     """Model state as GPU frameworks hold it: in mixed precision with data parallelism or
     ZeRO-1 (Megatron-LM's distributed optimizer) the gradients in float32, its "main_grad"
     buffer: 18 bytes a parameter, 6 + 12/d distributed (Megatron-LM's
     docs/user-guide/features/dist_optimizer.md); ZeRO-2 and -3 as DeepSpeed's (Rajbhandari
-    et al. 2020), the gradients in 16 bits."""
-    if mixed and sync in ("ddp", "zero1"):
+    et al. 2020), the gradients in 16 bits; and where a framework sums micro-batches'
+    gradients in 16 bits (``accumulation``, PyTorch's autograd), those too."""
+    if main_grads(sync, "bf16" if mixed else "fp32", accumulation):
         return {**memory, "gradients": 2 * memory["gradients"]}
     return memory

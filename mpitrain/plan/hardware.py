@@ -86,8 +86,8 @@ class Device:
     # parameter array it trains (calibrate.measure_objects); optional, none on a published device (host memory)
     objects: float = 0.0
     objects_per_array: float = 0.0
-    # precision -> FLOP/s a training step sustains as published (the course notes' figures; each cites its
-    # source in the catalogue); optional, shown beside the peak, never a plan's rate
+    # precision -> FLOP/s a device sustains as published (the course notes' figures; each cites its source in
+    # the catalogue); optional, printed, and a GPU's products' rate where none was measured (achievable)
     sustained: dict = field(default_factory=dict)
     # a GPU's streaming multiprocessors (AMD: compute units), whose waves its products run in, the
     # bandwidth a memory-bound kernel achieves (bytes/s), and per precision the FLOP/s the fastest product
@@ -156,13 +156,19 @@ class Link:
         """Whether a curve of sizes was measured (its times include the latency)."""
         return len(self.achieved) > 1
 
+    @property
+    def p2p(self) -> float:
+        """Bytes/s a message between two ranks moves at: the measured figure for the largest
+        arrays (a collective's bus bandwidth is its links' rate), else the bandwidth."""
+        return self.achieved[-1][1] if self.achieved else self.bandwidth
+
     def busbw(self, nbytes):
         """Bytes/s a collective on arrays of ``nbytes`` (scalar or array) moves its bytes at:
         the measured curve, between its points linear in the logarithm of the size, beyond the
         largest its last, below the smallest one as slow in time as that one (a latency);
         without a curve, the bandwidth."""
-        if not self.achieved:
-            return self.bandwidth
+        if len(self.achieved) < 2:  # one figure for every size
+            return self.achieved[0][1] if self.achieved else self.bandwidth
         sizes, rates = (np.array(x, dtype=float) for x in zip(*self.achieved))
         n = np.maximum(np.asarray(nbytes, dtype=float), 1.0)
         rate = np.interp(np.log(n), np.log(sizes), rates)
@@ -305,8 +311,8 @@ def _curve(points, path: Path, where: str) -> tuple:
     if isinstance(points, (int, float)) and not isinstance(points, bool):
         return ((1.0, _number({"x": points}, "x", path, where) * 1e9),)
     ok = isinstance(points, list) and points and all(
-        isinstance(p, list) and len(p) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-                                                    for v in p) for p in points)
+        isinstance(p, list) and len(p) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                    and 0 < v < math.inf for v in p) for p in points)
     if not ok or any(a[0] >= b[0] for a, b in zip(points, points[1:])):
         raise HardwareError(f"{path}: {where}: expected GB/s, or [[bytes, GB/s], ...] ascending in bytes, all "
                             f"positive; got {points!r}")

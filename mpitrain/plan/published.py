@@ -34,7 +34,7 @@ def args_of(run: dict) -> argparse.Namespace:
                  "model.checkpoint_activations": run["recompute"] == "full",
                  "model.selective_recompute": run["recompute"] == "selective",
                  "parallel.sequence_parallel": run.get("sequence_parallel", False),
-                 "train.fused_accumulation": run.get("fused_accumulation", True),
+                 "train.accumulation": run.get("accumulation", "fused"),
                  "parallel.sync": run.get("sync", "ddp")})
     if run.get("ddp"):  # the framework's data parallelism: PyTorch's (25 MB buckets during backward, its
         # bucket_cap_mb default), or Megatron-LM's "local" one (one allreduce of its gradient buffer, after backward)

@@ -6,7 +6,7 @@ import math
 import re
 
 from mpitrain import cost
-from mpitrain.plan import hardware
+from mpitrain.plan import gpu, hardware
 from mpitrain.plan.hardware import calibrated_elsewhere
 
 MB = 1e6
@@ -44,12 +44,15 @@ def header(plan, source: str) -> list[str]:
     known = "" if data.source != "assumed" else " (not built here: its recipe's figures)"
     nodes = math.ceil(lay.P / mc.per_node)
     links = mc.intra.name + ("" if nodes == 1 else f" inside a node, {mc.inter.name} between nodes")
-    use = ""
     precision = hardware.PRECISION_OF[mc.multiplies_in(lay.cfg.train.dtype, lay.cfg.train.precision)]
-    if precision in mc.device.sustained:  # a published figure beside the planned share, never the plan's
+    said = []
+    if mc.device.sms:  # the GPU model's products' rate, at the fastest shape
+        said.append(f"products at up to {sig(gpu.sustained(mc.device, precision) / 1e12)} TFLOP/s in {precision}")
+    if precision in mc.device.sustained:  # the notes' figure
         x = mc.device.sustained[precision]
-        use += (f" (sustained, as published: {sig(x / 1e12)} TFLOP/s in {precision}, "
-                f"{100 * x / mc.device.peak_flops[precision]:.0f}% of its peak)")
+        said.append(f"sustained, as published: {sig(x / 1e12)} TFLOP/s, {100 * x / mc.device.peak(precision):.0f}% "
+                    "of its peak")
+    use = f" ({'; '.join(said)})" if said else ""
     elsewhere = calibrated_elsewhere(mc.device)
     from mpitrain.config.checks import planned_only
 

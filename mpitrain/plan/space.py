@@ -70,7 +70,7 @@ class Gpt:
     dropout: bool = False  # dropout in the blocks
     flash: bool = False  # attention as one fused kernel (FlashAttention)
     overlapped: bool = True  # ddp's buckets start during backward (parallel.progress "off": after it)
-    fused_accumulation: bool = True  # a GPU's products add each micro-batch's weight gradients into the float32 ones
+    accumulation: str = "fused"  # how a GPU framework sums micro-batches' weight gradients (train.accumulation)
 
     @classmethod
     def of(cls, cfg, data) -> "Gpt":
@@ -78,7 +78,7 @@ class Gpt:
         return cls(m.vocab_size or data.ids, m.block_size, m.n_layer, m.n_head, m.n_embd, cfg.train.global_batch_size,
                    m.bias, np.dtype(cfg.train.dtype).itemsize, moments_of(cfg.optim), cfg.train.threads, m.ffn_hidden,
                    m.n_kv_head, m.gated_mlp, m.tie_embeddings, m.position_embedding, m.selective_recompute,
-                   m.dropout > 0, m.flash_attention, cfg.parallel.progress != "off", cfg.train.fused_accumulation)
+                   m.dropout > 0, m.flash_attention, cfg.parallel.progress != "off", cfg.train.accumulation)
 
 
 @dataclass
@@ -234,9 +234,10 @@ def of_cnn(lay, machine) -> dict:
     number = lay.itemsize  # the textbook's words: 16 bits in mixed precision
     units = sum(1 for x in lay.layers(s) if x.params)  # ZeRO-3 gathers and reduce-scatters each layer with weights
     kind, calls = _sync_calls(lay.par.sync, N * number, lay.par.bucket_mb, lay.m, units)
-    alpha, bandwidth, hides = _links(machine, 1, lay.dp, kind)
+    message = _sync_message(lay.par.sync, N * number, lay.par.bucket_mb, units)
+    alpha, bandwidth, hides = _links(machine, 1, lay.dp, kind, message=message)
     dp_seconds = cost.alpha_beta_seconds(kind, lay.dp, sent["dp"], alpha, bandwidth, calls) if lay.dp > 1 else 0.0
-    alpha, bandwidth, _ = _links(machine, lay.dp, lay.pp)
+    alpha, bandwidth, _ = _links(machine, lay.dp, lay.pp, message=None)
     model = lay.models[0].layers  # the largest message between two stages: the widest cut's activations
     boundary = max((math.prod(model[k - 1].out) for k in lay.bounds[1:-1]), default=0) * b * number
     parts = estimate.step_seconds(compute, 0.0, dp_seconds, alpha + boundary / bandwidth, 0.0, sync=lay.par.sync,
@@ -245,8 +246,16 @@ def of_cnn(lay, machine) -> dict:
     memories = [m for m, _, _ in answers]
     if machine.device.sms:  # as GPU frameworks hold it, and what they hold besides
         axes = sum(n > 1 for n in (lay.dp, lay.pp, lay.tp))
-        memories = [gpu.held(m, lay.par.sync, lay.mixed, axes) for m in memories]
+        memories = [gpu.held(m, lay.par.sync, lay.mixed, axes, lay.cfg.train.accumulation) for m in memories]
     return {"peak": float(max(sum(m.values()) for m in memories)), **{k: float(x) for k, x in parts.items()}}
+
+
+def _sync_message(sync: str, grads, bucket_mb, layers):
+    """The array each of a sync's calls sums or gathers, in bytes (what a collective's bus
+    bandwidth depends on): a bucket (ddp, ZeRO-2), the gradients whole (ZeRO-1), a layer's
+    share of them (ZeRO-3, its ``layers``)."""
+    bucket = np.minimum(grads, np.maximum(bucket_mb, 1e-9) * 2**20)
+    return {"ddp": bucket, "zero1": grads, "zero2": bucket, "zero3": grads / layers}[sync]
 
 
 def _sync_calls(sync: str, grads, bucket_mb, m, layers):
@@ -272,7 +281,7 @@ def textbook(lay, plans: list, machine) -> tuple[list, dict]:
     for p in plans:
         memory, flops, _ = estimate.of_layout(lay, *_coords(lay, p.ranks[0]))
         if machine.device.sms:  # as GPU frameworks hold it, and what they hold besides
-            memory = gpu.held(memory, lay.par.sync, lay.mixed, communicators)
+            memory = gpu.held(memory, lay.par.sync, lay.mixed, communicators, lay.cfg.train.accumulation)
         p.memory = {"framework": 0, **memory, "work": 0, "buffers": 0, "objects": 0, "reader": 0}
         if lay.cfg.model.selective_recompute:  # planned only: attention's products again, which tier 2 has not
             p.flops = {**p.flops, "recompute": flops["recompute"]}
@@ -302,10 +311,10 @@ def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule
                                  dp=dp[:, None], tp=tp[:, None], precision=precision, itemsize=model.itemsize,
                                  moments=model.moments, sequence=sequence, recompute=recompute,
                                  last=table["last"][G], ffn=model.ffn, kv=model.kv or H, gated=model.gated,
-                                 selective=model.selective and not recompute)
+                                 selective=(model.selective or model.flash) and not recompute)
     if machine.device.sms:  # as GPU frameworks hold it, and what they hold besides
         communicators = (dp > 1) * 1 + (pp > 1) + (tp > 1)
-        memory = gpu.held(memory, sync, precision != "fp32", communicators[:, None])
+        memory = gpu.held(memory, sync, precision != "fp32", communicators[:, None], model.accumulation)
     peak = np.where(table["stage"][G], sum(memory.values()), -np.inf).max(axis=1)
     # time: the pipeline rank with the most FLOPs (recomputed blocks weigh more than the head)
     every = estimate.gpt_flops(table["blocks"][G], T, C, V, samples=(b * m)[:, None], tp=tp[:, None],
@@ -316,9 +325,10 @@ def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule
     rows = np.arange(len(G))
     N, blocks, first, last = (table[k][G, slowest] for k in ("N", "blocks", "first", "last"))
     flops = {k: (x[rows, slowest] if np.ndim(x) == 2 else x) for k, x in every.items()}
+    once = 0.0  # compute once a step, after the schedule: a GPU's update
     if machine.device.sms:  # a GPU: its kernels (mpitrain.plan.gpu)
-        compute, forward = _kernels(machine.device, model, precision, b, m, tp, blocks, first, last, N,
-                                    cost.state_shares(sync, dp)[2] * N, recompute, sequence)
+        compute, forward, once = _kernels(machine.device, model, precision, b, m, tp, blocks, first, last, N,
+                                          cost.state_shares(sync, dp)[2] * N, recompute, sequence, sync)
     else:
         compute = sum(flops.values()) / _rate(machine, model, precision, b)
         forward = flops["forward"] / sum(flops.values())
@@ -330,18 +340,21 @@ def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule
     tp_bytes = sent["tp"]
     if machine.device.sms and sequence and not recompute:  # Megatron-LM gathers a norm's output again in backward
         tp_bytes = tp_bytes + gpu.gathered_again(m * blocks, b * T * C * number, tp)
+        sums = sums + 2 * m * blocks
     tp_seconds = cost.alpha_beta_seconds("allreduce", tp, tp_bytes, alpha, bandwidth, sums)
     kind, calls = _sync_calls(sync, N * number, bucket_mb, m, blocks + 2)
-    alpha, bandwidth, hides = _links(machine, tp, dp, kind, message=N * number / calls)
+    message = _sync_message(sync, N * number, bucket_mb, blocks + 2)
+    alpha, bandwidth, hides = _links(machine, tp, dp, kind, message=message)
     hides = hides * (model.overlapped or sync != "ddp")
     dp_seconds = np.where(dp > 1, cost.alpha_beta_seconds(kind, dp, sent["dp"], alpha, bandwidth, calls), 0.0)
     # what a stage's sends carry: a slice's share with sequence parallelism, and on a GPU always (Megatron-LM's
     # scatter-gather: each slice sends its share, the next stage gathers them over NVLink; Narayanan et al. 2021)
     activation = b * T * C * number / np.where(sequence or machine.device.sms, tp, 1)
-    alpha, bandwidth, _ = _links(machine, dp * tp, pp, message=activation)
+    alpha, bandwidth, _ = _links(machine, dp * tp, pp, message=None)  # a message between two: no collective's
     send = alpha + activation / bandwidth
-    tied = cost.alpha_beta_seconds("allreduce", 2, cost.collective_bytes("allreduce", V * C / tp * number, 2),
-                                   alpha, bandwidth)
+    embedding = V * C / tp * number
+    alpha, bandwidth, _ = _links(machine, dp * tp, pp, message=embedding)
+    tied = cost.alpha_beta_seconds("allreduce", 2, cost.collective_bytes("allreduce", embedding, 2), alpha, bandwidth)
     waited = 0.0
     if machine.device.sms:  # a GPU framework waits on each send between stages (and gathers the slices' shares)
         whole = b * T * C * number
@@ -351,29 +364,33 @@ def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule
         waited = np.where(pp > 1, gpu.sends_waited(m, v, send + gather), 0.0)
     parts = estimate.step_seconds(compute, tp_seconds, dp_seconds, send, np.where(pp > 1, tied, 0.0) * model.tied,
                                   sync=sync, schedule=schedule, p=pp, m=m, v=v, forward_share=forward, hides=hides,
-                                  waited=waited)
+                                  waited=waited, once=once)
     return {"peak": peak, **parts}
 
 
 def _kernels(device, model: Gpt, precision: str, b, m, tp, blocks, first, last, N, updated, recompute: bool,
-             sequence: bool) -> tuple:
-    """(seconds, forward's share of them) of a stage's compute on a GPU, kernel by kernel
-    (:mod:`mpitrain.plan.gpu`): ``m`` micro-batches of ``b`` samples through its ``blocks``
-    (each forward once more with ``recompute``, or attention's core with selective
-    recomputation), the embedding on the ``first`` stage and the head on the ``last``; its
-    ``N`` parameters' gradients added up over the micro-batches where the products do not
-    (:func:`mpitrain.plan.gpu.accumulation_seconds`); the update of its ``updated`` ones."""
+             sequence: bool, sync: str = "ddp") -> tuple:
+    """(seconds of its micro-batches, forward's share of them, seconds once a step) of a
+    stage's compute on a GPU, kernel by kernel (:mod:`mpitrain.plan.gpu`): ``m``
+    micro-batches of ``b`` samples through its ``blocks`` (each forward once more with
+    ``recompute``, or attention's core with selective recomputation), the embedding on the
+    ``first`` stage and the head on the ``last``; its ``N`` parameters' gradients added up
+    over the micro-batches where the products do not (into the gradients ``sync`` keeps:
+    :func:`mpitrain.plan.gpu.accumulation_seconds`); once a step the update of its
+    ``updated`` ones."""
     T, C, H, V = model.T, model.C, model.H, model.V
-    fused = model.fused_accumulation
+    precision = "fp64" if model.itemsize == 8 and precision == "fp32" else precision  # a float64 run's products
+    fused = model.accumulation == "fused"
     block = gpu.block_seconds(device, precision, b, T, C, H, tp, ffn=model.ffn, kv=model.kv, gated=model.gated,
                               sequence=sequence, dropout=model.dropout, flash=model.flash, fused=fused)
     head, embed = gpu.head_seconds(device, precision, b, T, C, V, tp), gpu.embedding_seconds(device, precision, b, T, C)
     again = block["forward"] if recompute else block["attention"] if model.selective else 0
     forward = m * (blocks * block["forward"] + last * head["forward"] + first * embed["forward"])
     backward = m * (blocks * (block["backward"] + again) + last * head["backward"] + first * embed["backward"])
-    added = 0 if fused else gpu.accumulation_seconds(device, precision, N, m)
-    total = forward + backward + added + gpu.update_seconds(device, precision, updated)
-    return total, forward / total
+    main = gpu.main_grads(sync, precision, model.accumulation)
+    added = 0 if fused else gpu.accumulation_seconds(device, precision, N, m, main)
+    total = forward + backward + added
+    return total, forward / total, gpu.update_seconds(device, precision, updated)
 
 
 def _rate(machine, model: Gpt, precision: str, b):
@@ -386,17 +403,20 @@ def _rate(machine, model: Gpt, precision: str, b):
     return np.asarray([machine.rate(mlp, int(k) * model.T, dtype, threads) for k in sizes])[where.ravel()]
 
 
-def _links(machine, stride, size, kind: str = "allreduce", message=1e12) -> tuple:
+def _links(machine, stride, size, kind: str = "allreduce", message=None) -> tuple:
     """(alpha, bandwidth, share of a nonblocking ``kind`` call that compute hides) of the
     communicators of ``size`` ranks ``stride`` apart (ranks are placed node by node): the
     node's link if the group fits on one node, else the network's, its port shared as
-    :meth:`~mpitrain.plan.timing.Machine.link` shares it; the bandwidth a collective on arrays
-    of ``message`` bytes achieves (:meth:`~mpitrain.plan.hardware.Link.busbw`)."""
+    :meth:`~mpitrain.plan.timing.Machine.link` shares it; the bus bandwidth a collective on
+    arrays of ``message`` bytes achieves (:meth:`~mpitrain.plan.hardware.Link.busbw`); None:
+    a message between two ranks (:meth:`~mpitrain.plan.hardware.Link.p2p`)."""
     per, inner, outer = machine.per_node, machine.intra, machine.inter
     off = stride * size > per
-    bandwidth = outer.busbw(message)
+    rate = (lambda link: link.p2p) if message is None else (lambda link: link.busbw(message))  # noqa: E731
+    bandwidth = rate(outer)
     if outer.per_node and per > 1:
         bandwidth = bandwidth / cost.port_share(per, size, np.clip(per // stride, 1, size))
-    alpha = [0.0 if link.measured else link.alpha for link in (outer, inner)]  # a measured curve's time has it
-    return (np.where(off, *alpha), np.where(off, bandwidth, inner.busbw(message)),
+    # a measured curve's times have the latency in them
+    alpha = [0.0 if link.measured and message is not None else link.alpha for link in (outer, inner)]
+    return (np.where(off, *alpha), np.where(off, bandwidth, rate(inner)),
             np.where(off, outer.hides(kind), inner.hides(kind)))
