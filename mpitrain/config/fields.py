@@ -118,7 +118,7 @@ class TrainConfig:
     threads: int = 0  #: BLAS threads per rank; 0: the cores available divided by the ranks on the node
     micro_batches: int = 1  #: each rank's part of the global batch goes through the model in this many pieces
     fast_paths: bool = True  #: the fast ops (fused transformer halves, tiled convolution, ...); false: the plain ones
-    accumulation: str = "fused"  #: GPU plans: weight gradients summed by the products ("fused"), a pass ("float32", "16-bit")
+    accumulation: str = "fused"  #: GPU plans: gradients summed by the products ("fused") or a pass ("float32", "16-bit")
     label_smoothing: float = 0.0  #: train against (1 - this) x one-hot + this / classes; evaluation: one-hot
 
 
