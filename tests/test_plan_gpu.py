@@ -43,7 +43,8 @@ def test_a_blocks_memory_bound_kernels_shrink_with_sequence_parallelism_and_flas
     model = space.Gpt(51200, 2048, 48, 64, 6144, 4, dropout=True)
     selective = space.Gpt(51200, 2048, 48, 64, 6144, 4, dropout=True, selective=True)
     N = 22e9 / 8
-    runs = [space._kernels(a100, g, "fp16", 4, 1, 8, 48, True, True, N, N, False, False)[0] for g in (model, selective)]
+    runs = [gpu.stage_seconds(a100, g, "fp16", 4, 1, 8, 48, True, True, N, N, False, False)[0]
+            for g in (model, selective)]
     flash = gpu.block_seconds(*args, flash=True)["attention"]  # the causal half at 60% of the peak
     assert flash == pytest.approx(4 * cost.attention_flops(1, 2048, 6144) / 8 / 2 / (0.6 * 312e12))
     assert runs[1] - runs[0] == pytest.approx(48 * plain["attention"], rel=1e-9)
@@ -67,8 +68,8 @@ def test_gradient_accumulation_and_the_update_move_their_bytes(a100):
     assert gpu.update_seconds(a100, "bf16", N) == pytest.approx(N * 38 / a100.stream_bandwidth)
     assert gpu.update_seconds(a100, "fp32", N) == pytest.approx(N * 36 / a100.stream_bandwidth)
     model = space.Gpt(51200, 2048, 48, 64, 6144, 4, dropout=True)
-    compute, _, once = space._kernels(a100, model, "fp16", 4, 1, 8, 48, True, True, 2.75e9, 2.75e9 / 8, False, False,
-                                      "zero1")
+    compute, _, once = gpu.stage_seconds(a100, model, "fp16", 4, 1, 8, 48, True, True, 2.75e9, 2.75e9 / 8, False,
+                                         False, "zero1")
     assert once == pytest.approx(gpu.update_seconds(a100, "fp16", 2.75e9 / 8))  # once a step, outside the schedule
 
 

@@ -15,7 +15,7 @@ import pytest
 from mpitrain import cli, cost
 from mpitrain import plan as planner
 from mpitrain.config import ConfigError
-from mpitrain.plan import estimate, hardware, machine_of, search, space
+from mpitrain.plan import estimate, gpu, hardware, machine_of, search, space
 from mpitrain.plan.data import resolve
 from mpitrain.plan.layout import Layout
 from mpitrain.plan.models import config_of
@@ -68,9 +68,9 @@ def _stage_kernels(lay, machine, s):
     N = sum(math.prod(shape) for shape in lay.parameters(s, 0).values())
     model, t = space.Gpt.of(lay.cfg, lay.data), lay.cfg.train
     updated = cost.state_shares(lay.par.sync, lay.dp)[2] * N
-    micro_batches, _, once = space._kernels(machine.device, model, t.precision, lay.micro_batch, lay.m, lay.tp, blocks,
-                                            first, last, N, updated, lay.cfg.model.checkpoint_activations,
-                                            lay.tp > 1 and lay.par.sequence_parallel, lay.par.sync)
+    micro_batches, _, once = gpu.stage_seconds(machine.device, model, t.precision, lay.micro_batch, lay.m, lay.tp,
+                                               blocks, first, last, N, updated, lay.cfg.model.checkpoint_activations,
+                                               lay.tp > 1 and lay.par.sequence_parallel, lay.par.sync)
     return micro_batches + once  # the update, once a step
 
 
@@ -85,8 +85,6 @@ def test_each_rows_answer_is_tier_1s_formulas_for_its_layout(P, what, device):
     its kernels one by one (:mod:`mpitrain.plan.gpu`); for every layout of the space the
     trainer accepts (a sample of them)."""
     from dataclasses import replace
-
-    from mpitrain.plan import gpu
 
     make, machine, data, model, table, rows = _setup(P, what=what)
     if device == "peak":
@@ -147,8 +145,8 @@ def test_the_bubble_and_the_exposed_sync_are_the_textbooks():
     s = int(np.argmax(work))
     N, blocks = table["N"][g, s], table["blocks"][g, s]
     first, last = table["first"][g, s], table["last"][g, s]
-    kernels = space._kernels(machine.device, model, "bf16", b, 64, 8, blocks, first, last, N, N / 8, True, False,
-                             "zero1")
+    kernels = gpu.stage_seconds(machine.device, model, "bf16", b, 64, 8, blocks, first, last, N, N / 8, True, False,
+                                "zero1")
     assert compute == pytest.approx(kernels[0] + kernels[2], rel=1e-12)
     sums = 64 * (6 * blocks + first + last)  # the blocks', the embedding's, the head's
     nvlink, ib = catalogue.link("nvlink3"), catalogue.link("ib-hdr")
@@ -223,8 +221,6 @@ def test_a_cnn_on_gpus_is_planned_by_tier_1(sets):
     (estimate.of_cnn: no NumPy work arrays, buffers, objects or reader) as GPU frameworks
     hold it, with their allowance; the step's compute the FLOPs of the stage with the most
     at the GPU model's rate of its heaviest layer's product in bf16."""
-    from mpitrain.plan import gpu
-
     argv = ["plan", "jobs/cifar10_resnet.toml", "--hardware", "a100-80g", "--nodes", "2", "--gpus-per-node", "8",
             "--network", "ib-hdr", "--set", "train.precision=bf16", *[x for s in sets for x in ("--set", s)]]
     args = cli.build_parser().parse_args(argv)

@@ -20,6 +20,8 @@ from mpitrain.schedules import SCHEDULES
 # Inside :func:`planning`: the layouts mpitrain's trainer refuses for its own reasons, which GPU frameworks
 # run, pass (planned only, :func:`planned_only` says why)
 _PLANNING = contextvars.ContextVar("planning", default=False)
+# how a GPU framework sums micro-batches' weight gradients (train.accumulation): by the products, or a pass of its own
+ACCUMULATIONS = ("fused", "float32", "16-bit")
 
 
 @contextlib.contextmanager
@@ -177,8 +179,7 @@ def _validate_train(cfg: Config) -> None:
     _require(t.steps >= 0 and t.epochs >= 0 and (t.steps > 0) != (t.epochs > 0), "train.steps",
              f"set exactly one of train.steps and train.epochs (epochs = {t.epochs})", t.steps)
     _require(not (text_model and t.epochs), "train.epochs", "text models train for train.steps", t.epochs)
-    _require(t.accumulation in ("fused", "float32", "16-bit"), "train.accumulation", "must be 'fused', 'float32' or "
-             "'16-bit'", t.accumulation)
+    _require(t.accumulation in ACCUMULATIONS, "train.accumulation", f"must be {either(ACCUMULATIONS)}", t.accumulation)
     _require(t.accumulation == "fused" or _PLANNING.get(), "train.accumulation", "says how a GPU framework sums each "
              "micro-batch's weight gradients: only `mpitrain plan --hardware GPU` plans it", t.accumulation)
     _require(t.dtype in ("float32", "float64"), "train.dtype", "must be 'float32' or 'float64'", t.dtype)

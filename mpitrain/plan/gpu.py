@@ -197,6 +197,31 @@ def gathered_again(blocks, activation, tp):
     return blocks * 2 * cost.collective_bytes("allgather", activation, tp)
 
 
+def stage_seconds(device, model, precision: str, b, m, tp, blocks, first, last, N, updated, recompute: bool,
+                  sequence: bool, sync: str = "ddp") -> tuple:
+    """(seconds of its micro-batches, forward's share of them, seconds once a step) of a
+    pipeline stage's compute on a GPU, kernel by kernel, for a GPT of ``model``'s shape
+    (:class:`mpitrain.plan.space.Gpt`): ``m`` micro-batches of ``b`` samples through its
+    ``blocks`` (each forward once more with ``recompute``, or attention's core with
+    selective recomputation), the embedding on the ``first`` stage and the head on the
+    ``last``; its ``N`` parameters' gradients added up over the micro-batches where the
+    products do not (into the gradients ``sync`` keeps: :func:`accumulation_seconds`); once
+    a step the update of its ``updated`` ones."""
+    T, C, H, V = model.T, model.C, model.H, model.V
+    precision = "fp64" if model.itemsize == 8 and precision == "fp32" else precision  # a float64 run's products
+    fused = model.accumulation == "fused"
+    block = block_seconds(device, precision, b, T, C, H, tp, ffn=model.ffn, kv=model.kv, gated=model.gated,
+                          sequence=sequence, dropout=model.dropout, flash=model.flash, fused=fused)
+    head, embed = head_seconds(device, precision, b, T, C, V, tp), embedding_seconds(device, precision, b, T, C)
+    again = block["forward"] if recompute else block["attention"] if model.selective else 0
+    forward = m * (blocks * block["forward"] + last * head["forward"] + first * embed["forward"])
+    backward = m * (blocks * (block["backward"] + again) + last * head["backward"] + first * embed["backward"])
+    main = main_grads(sync, precision, model.accumulation)
+    added = 0 if fused else accumulation_seconds(device, precision, N, m, main)
+    total = forward + backward + added
+    return total, forward / total, update_seconds(device, precision, updated)
+
+
 # ------------------------------------------------------------------ what a GPU framework holds
 # beyond the model state and the activations, per GPU (the plan's "framework" column):
 # the CUDA context with lazy module loading, PyTorch's default (NVIDIA's ptrblck, pytorch/pytorch#109888:

@@ -18,6 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
+from mpitrain.cost import matmul_flops
+from mpitrain.plan.gpu import gemm_seconds
+
 try:
     import tomllib
 except ModuleNotFoundError:  # Python 3.10
@@ -123,9 +126,6 @@ class Device:
         if not self.calibrated:
             if not self.sms:  # a device without a GPU model: its peak
                 return self.peak(precision)
-            from mpitrain.cost import matmul_flops
-            from mpitrain.plan.gpu import gemm_seconds
-
             return matmul_flops(m, k, n) / float(gemm_seconds(self, precision, m, k, n))
         want = "float64" if precision == "fp64" else "float32"
         rows = [r for r in self.gemm if r[3] == want] or [r for r in self.gemm if r[3] == "float32"]

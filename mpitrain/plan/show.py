@@ -6,6 +6,7 @@ import math
 import re
 
 from mpitrain import cost
+from mpitrain.config.checks import planned_only
 from mpitrain.plan import gpu, hardware
 from mpitrain.plan.hardware import calibrated_elsewhere
 
@@ -54,8 +55,6 @@ def header(plan, source: str) -> list[str]:
                     "of its peak")
     use = f" ({'; '.join(said)})" if said else ""
     elsewhere = calibrated_elsewhere(mc.device)
-    from mpitrain.config.checks import planned_only
-
     why = planned_only(lay.cfg)
     only = [f"planned only (GPU frameworks run it, mpitrain's trainer does not): {'; '.join(why)}"] if why else []
     return [f"plan: {source} on {lay.describe()}", *only,

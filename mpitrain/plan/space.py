@@ -327,7 +327,7 @@ def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule
     flops = {k: (x[rows, slowest] if np.ndim(x) == 2 else x) for k, x in every.items()}
     once = 0.0  # compute once a step, after the schedule: a GPU's update
     if machine.device.sms:  # a GPU: its kernels (mpitrain.plan.gpu)
-        compute, forward, once = _kernels(machine.device, model, precision, b, m, tp, blocks, first, last, N,
+        compute, forward, once = gpu.stage_seconds(machine.device, model, precision, b, m, tp, blocks, first, last, N,
                                           cost.state_shares(sync, dp)[2] * N, recompute, sequence, sync)
     else:
         compute = sum(flops.values()) / _rate(machine, model, precision, b)
@@ -347,50 +347,31 @@ def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule
     alpha, bandwidth, hides = _links(machine, tp, dp, kind, message=message)
     hides = hides * (model.overlapped or sync != "ddp")
     dp_seconds = np.where(dp > 1, cost.alpha_beta_seconds(kind, dp, sent["dp"], alpha, bandwidth, calls), 0.0)
-    # what a stage's sends carry: a slice's share with sequence parallelism, and on a GPU always (Megatron-LM's
-    # scatter-gather: each slice sends its share, the next stage gathers them over NVLink; Narayanan et al. 2021)
-    activation = b * T * C * number / np.where(sequence or machine.device.sms, tp, 1)
-    alpha, bandwidth, _ = _links(machine, dp * tp, pp, message=None)  # a message between two: no collective's
-    send = alpha + activation / bandwidth
-    embedding = V * C / tp * number
-    alpha, bandwidth, _ = _links(machine, dp * tp, pp, message=embedding)
-    tied = cost.alpha_beta_seconds("allreduce", 2, cost.collective_bytes("allreduce", embedding, 2), alpha, bandwidth)
-    waited = 0.0
-    if machine.device.sms:  # a GPU framework waits on each send between stages (and gathers the slices' shares)
-        whole = b * T * C * number
-        a, bw, _ = _links(machine, 1, tp, "allgather", message=whole)
-        gather = 0.0 if sequence else cost.alpha_beta_seconds("allgather", tp, cost.collective_bytes(
-            "allgather", whole, tp), a, bw)
-        waited = np.where(pp > 1, gpu.sends_waited(m, v, send + gather), 0.0)
+    send, tied, waited = _between_stages(machine, b * T * C * number, V * C / tp * number, m, v, dp, pp, tp, sequence)
     parts = estimate.step_seconds(compute, tp_seconds, dp_seconds, send, np.where(pp > 1, tied, 0.0) * model.tied,
                                   sync=sync, schedule=schedule, p=pp, m=m, v=v, forward_share=forward, hides=hides,
                                   waited=waited, once=once)
     return {"peak": peak, **parts}
 
 
-def _kernels(device, model: Gpt, precision: str, b, m, tp, blocks, first, last, N, updated, recompute: bool,
-             sequence: bool, sync: str = "ddp") -> tuple:
-    """(seconds of its micro-batches, forward's share of them, seconds once a step) of a
-    stage's compute on a GPU, kernel by kernel (:mod:`mpitrain.plan.gpu`): ``m``
-    micro-batches of ``b`` samples through its ``blocks`` (each forward once more with
-    ``recompute``, or attention's core with selective recomputation), the embedding on the
-    ``first`` stage and the head on the ``last``; its ``N`` parameters' gradients added up
-    over the micro-batches where the products do not (into the gradients ``sync`` keeps:
-    :func:`mpitrain.plan.gpu.accumulation_seconds`); once a step the update of its
-    ``updated`` ones."""
-    T, C, H, V = model.T, model.C, model.H, model.V
-    precision = "fp64" if model.itemsize == 8 and precision == "fp32" else precision  # a float64 run's products
-    fused = model.accumulation == "fused"
-    block = gpu.block_seconds(device, precision, b, T, C, H, tp, ffn=model.ffn, kv=model.kv, gated=model.gated,
-                              sequence=sequence, dropout=model.dropout, flash=model.flash, fused=fused)
-    head, embed = gpu.head_seconds(device, precision, b, T, C, V, tp), gpu.embedding_seconds(device, precision, b, T, C)
-    again = block["forward"] if recompute else block["attention"] if model.selective else 0
-    forward = m * (blocks * block["forward"] + last * head["forward"] + first * embed["forward"])
-    backward = m * (blocks * (block["backward"] + again) + last * head["backward"] + first * embed["backward"])
-    main = gpu.main_grads(sync, precision, model.accumulation)
-    added = 0 if fused else gpu.accumulation_seconds(device, precision, N, m, main)
-    total = forward + backward + added
-    return total, forward / total, gpu.update_seconds(device, precision, updated)
+def _between_stages(machine, whole, embedding, m, v, dp, pp, tp, sequence: bool) -> tuple:
+    """(one send's seconds, the tied embedding's sum, what a stage waits on its sends in a
+    step) between pipeline stages: a micro-batch's activations (``whole`` bytes) sent,
+    a slice's share of them with sequence parallelism and on a GPU always (Megatron-LM's
+    scatter-gather: each slice sends its share, the next stage gathers them over NVLink;
+    Narayanan et al. 2021), which a GPU framework waits on in each micro-batch; the first
+    and last stage's sum of the ``embedding`` bytes of a tied weight's gradient."""
+    gpu_model = bool(machine.device.sms)
+    alpha, bandwidth, _ = _links(machine, dp * tp, pp, message=None)  # a message between two: no collective's
+    send = alpha + whole / np.where(sequence or gpu_model, tp, 1) / bandwidth
+    alpha, bandwidth, _ = _links(machine, dp * tp, pp, message=embedding)
+    tied = cost.alpha_beta_seconds("allreduce", 2, cost.collective_bytes("allreduce", embedding, 2), alpha, bandwidth)
+    if not gpu_model:
+        return send, tied, 0.0
+    alpha, bandwidth, _ = _links(machine, 1, tp, "allgather", message=whole)
+    gathered = cost.collective_bytes("allgather", whole, tp)
+    gather = 0.0 if sequence else cost.alpha_beta_seconds("allgather", tp, gathered, alpha, bandwidth)
+    return send, tied, np.where(pp > 1, gpu.sends_waited(m, v, send + gather), 0.0)
 
 
 def _rate(machine, model: Gpt, precision: str, b):
@@ -412,7 +393,9 @@ def _links(machine, stride, size, kind: str = "allreduce", message=None) -> tupl
     a message between two ranks (:meth:`~mpitrain.plan.hardware.Link.p2p`)."""
     per, inner, outer = machine.per_node, machine.intra, machine.inter
     off = stride * size > per
-    rate = (lambda link: link.p2p) if message is None else (lambda link: link.busbw(message))  # noqa: E731
+    def rate(link):
+        return link.p2p if message is None else link.busbw(message)
+
     bandwidth = rate(outer)
     if outer.per_node and per > 1:
         bandwidth = bandwidth / cost.port_share(per, size, np.clip(per // stride, 1, size))
