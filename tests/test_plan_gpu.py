@@ -73,6 +73,36 @@ def test_gradient_accumulation_and_the_update_move_their_bytes(a100):
     assert once == pytest.approx(gpu.update_seconds(a100, "fp16", 2.75e9 / 8))  # once a step, outside the schedule
 
 
+def _pure_dp(sync: str, precision: str, accumulation: str):
+    """The plan of a 1.3 B GPT on 16 A100s over two nodes, data parallel only."""
+    import argparse
+
+    from mpitrain import plan as planner
+
+    sets = {"model.n_layer": 24, "model.n_head": 16, "model.n_embd": 2048, "model.block_size": 2048,
+            "model.vocab_size": 51200, "train.global_batch_size": 256, "train.precision": precision,
+            "train.accumulation": accumulation, "parallel.sync": sync}
+    args = argparse.Namespace(config=None, model="gpt2", set=[f"{k}={v}" for k, v in sets.items()],
+                              hardware="a100-80g", ranks=16, nodes=2, per_node=8, network="ib-hdr", intra=None,
+                              memory_per_rank=None, catalogue=None, mfu=None)
+    return planner.from_args(args)[0]
+
+
+def test_a_frameworks_data_parallelism_sums_the_gradients_it_keeps():
+    """In bf16, float32 gradients where the framework keeps them (Megatron-LM's
+    accumulate_allreduce_grads_in_fp32, DeepSpeed's bf16 optimizer): ddp's allreduce moves
+    twice the bytes in twice the buckets; ZeRO-1's reduce-scatter twice, its gather of
+    16-bit parameters the same (1.5 x in all). In fp16 (Megatron-LM's default), with
+    16-bit sums, and with ZeRO-2: the 16-bit gradients."""
+    assert gpu.synced_word("ddp", "bf16") == 4 and gpu.synced_word("zero1", "bf16", "float32") == 4
+    assert gpu.synced_word("ddp", "fp16") == 2 and gpu.synced_word("ddp", "bf16", "16-bit") == 2
+    assert gpu.synced_word("zero2", "bf16") == 2 and gpu.synced_word("ddp", "fp32") == 4
+    for sync, ratio in (("ddp", 2.0), ("zero1", 1.5)):
+        kept, summed = (_pure_dp(sync, "bf16", a).time["comm_total"] for a in ("fused", "16-bit"))
+        assert kept / summed == pytest.approx(ratio, rel=1e-3)
+        assert _pure_dp(sync, "fp16", "fused").time["comm_total"] == pytest.approx(summed, rel=1e-12)
+
+
 @pytest.mark.parametrize("sync, dp, per_parameter", [("ddp", 1, 18), ("zero1", 8, 6 + 12 / 8), ("zero2", 8, 2 + 14 / 8),
                                                       ("zero3", 8, 16 / 8)])
 def test_a_gpu_framework_holds_megatrons_or_deepspeeds_state_and_its_allowance(sync, dp, per_parameter):

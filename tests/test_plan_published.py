@@ -43,12 +43,13 @@ def test_the_step_is_the_papers_within_the_bound():
     """Every run with a published step: the mean absolute error and the largest. Korthikanti
     et al.'s (Megatron-LM of 2022) within 10% on average; with Narayanan et al.'s (its 2021
     version, whose kernels the model does not tell apart beyond gradient accumulation) and
-    BLOOM's (Megatron-DeepSpeed, whose pipeline's sends the model takes for Megatron-LM's)
-    within 12%, and no run beyond 25% (the issue asks 10% and 20%: not yet)."""
+    BLOOM's (Megatron-DeepSpeed, whose allreduce of float32 gradients the model takes for
+    ZeRO-1's reduce-scatter) within 12%, and no run beyond 20% (the issue asks 10% and 20%:
+    the mean not yet)."""
     rows = [r for r in table().values() if r["error"] is not None]
     assert len(rows) >= 10
     errors = [abs(r["error"]) for r in rows]
-    assert sum(errors) / len(errors) <= 0.12 and max(errors) <= 0.25
+    assert sum(errors) / len(errors) <= 0.12 and max(errors) <= 0.20
     newer = [abs(r["error"]) for r in rows if r["run"].startswith("megatron-")]
     assert len(newer) == 8 and sum(newer) / len(newer) <= 0.10
 

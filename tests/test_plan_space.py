@@ -120,7 +120,7 @@ def test_the_bubble_and_the_exposed_sync_are_the_textbooks():
     """One layout by hand: GPT-3 as Megatron trains it on 1,024 A100s (tp 8 in a node, pp 16,
     dp 8, 1F1B, 64 micro-batches, ZeRO-1 in bf16, recomputation): the bubble is
     ``(p - 1)(F + B + W)`` of a micro-batch's pass plus the fill's messages, ZeRO-1's
-    exchange is all exposed, the step is their sum with the compute and the slices' sums;
+    exchange (float32 gradients, bf16 weights) is all exposed, the step is their sum with the compute and the slices' sums;
     the compute is the stage's kernels' (:mod:`mpitrain.plan.gpu`), the collectives' bytes
     at the bus bandwidth measured for their arrays' size (NVLink's curve; InfiniBand's one
     figure and its latency), a stage's sends a slice's share (Megatron-LM's scatter-gather),
@@ -153,7 +153,9 @@ def test_the_bubble_and_the_exposed_sync_are_the_textbooks():
     assert nvlink.measured and not ib.measured and ib.busbw(1e9) == 24e9 < ib.bandwidth
     activation = b * 2048 * 12288 * 2
     tp = sums * cost.collective_bytes("allreduce", activation, 8) / nvlink.busbw(activation)
-    dp = cost.alpha_beta_seconds("reduce_scatter", 8, cost.zero_bytes(1, N * 2, 8), ib.alpha, 24e9, 2)
+    # ZeRO-1 in bf16 (Megatron-LM's distributed optimizer): float32 gradients reduce-scattered, bf16 weights gathered
+    sent = cost.collective_bytes("reduce_scatter", N * 4, 8) + cost.collective_bytes("allgather", N * 2, 8)
+    dp = cost.alpha_beta_seconds("reduce_scatter", 8, sent, ib.alpha, 24e9, 2)
     send = ib.alpha + activation / 8 / 24e9
     tied = cost.alpha_beta_seconds("allreduce", 2, 50257 * 12288 / 8 * 2, ib.alpha, 24e9)
     # each micro-batch's activations out and gradient back, waited on (Megatron-LM), each a slice's share over

@@ -181,6 +181,15 @@ def main_grads(sync: str, precision: str, accumulation: str = "fused") -> bool:
     return precision in ("bf16", "fp16") and sync in ("ddp", "zero1") and accumulation != "16-bit"
 
 
+def synced_word(sync: str, precision: str, accumulation: str = "fused") -> int:
+    """Bytes of a gradient a GPU framework's data parallelism sums: in bf16, float32 where
+    it keeps float32 gradients (:func:`main_grads`: Megatron-LM sets
+    ``accumulate_allreduce_grads_in_fp32`` for bf16; DeepSpeed's bf16 optimizer reduces its
+    float32 gradients, ``_bf16_reduce_grads``); else a product's word (Megatron-LM's
+    default in fp16)."""
+    return 4 if precision == "bf16" and main_grads(sync, precision, accumulation) else word(precision)
+
+
 def sends_waited(m, v, send):
     """Seconds a pipeline stage waits on its sends in a step of ``m`` micro-batches through
     ``v`` chunks: Megatron-LM's schedule waits on each exchange with its neighbours

@@ -342,11 +342,16 @@ def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule
         tp_bytes = tp_bytes + gpu.gathered_again(m * blocks, b * T * C * number, tp)
         sums = sums + 2 * m * blocks
     tp_seconds = cost.alpha_beta_seconds("allreduce", tp, tp_bytes, alpha, bandwidth, sums)
-    kind, calls = _sync_calls(sync, N * number, bucket_mb, m, blocks + 2)
-    message = _sync_message(sync, N * number, bucket_mb, blocks + 2)
+    grads, dp_bytes = N * number, sent["dp"]
+    if machine.device.sms and sync in ("ddp", "zero1"):  # the gradients summed as the framework keeps them
+        grads = N * gpu.synced_word(sync, precision, model.accumulation)
+        summed = estimate.sync_bytes(grads, sync, dp, m)
+        dp_bytes = summed if sync == "ddp" else (summed + dp_bytes) / 2  # ZeRO-1: its gather's parameters as before
+    kind, calls = _sync_calls(sync, grads, bucket_mb, m, blocks + 2)
+    message = _sync_message(sync, grads, bucket_mb, blocks + 2)
     alpha, bandwidth, hides = _links(machine, tp, dp, kind, message=message)
     hides = hides * (model.overlapped or sync != "ddp")
-    dp_seconds = np.where(dp > 1, cost.alpha_beta_seconds(kind, dp, sent["dp"], alpha, bandwidth, calls), 0.0)
+    dp_seconds = np.where(dp > 1, cost.alpha_beta_seconds(kind, dp, dp_bytes, alpha, bandwidth, calls), 0.0)
     send, tied, waited = _between_stages(machine, b * T * C * number, V * C / tp * number, m, v, dp, pp, tp, sequence)
     parts = estimate.step_seconds(compute, tp_seconds, dp_seconds, send, np.where(pp > 1, tied, 0.0) * model.tied,
                                   sync=sync, schedule=schedule, p=pp, m=m, v=v, forward_share=forward, hides=hides,
