@@ -35,14 +35,21 @@ def read_utf8(path: Path) -> tuple[str, bytes]:
         raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}, line {line})") from None
 
 
-def write_text(out, name: str, text: str, val_fraction: float, source: dict, **options):
+def write_text(out, name: str, text: str, val_fraction: float, source: dict, vocab: str | None = None, **options):
+    """``text`` as a dataset: ids in ``vocab`` (None: the text's own characters, sorted),
+    the first ``1 - val_fraction`` training, the rest validation."""
     if not 0 < val_fraction < 1:
         raise DataError(f"val fraction must be between 0 and 1, got {val_fraction}")
     if len(text) < 2:
         raise DataError(f"{name}: the text has {len(text)} characters, too few to split")
-    vocab = "".join(sorted(set(text)))
+    if vocab is not None and (outside := sorted(set(text) - set(vocab))):
+        at = text.index(outside[0])
+        raise DataError(f"{name}: {len(outside)} character(s) outside the vocabulary given ({''.join(outside)!r}); "
+                        f"the first, {outside[0]!r}, {text.count(outside[0])} time(s), first on line "
+                        f"{text.count(chr(10), 0, at) + 1}")
+    vocab = vocab or "".join(sorted(set(text)))
     codes = np.frombuffer(text.encode("utf-32-le"), dtype=np.uint32)  # (N,) code points
-    lookup = np.zeros(int(codes.max()) + 1, dtype=np.int64)
+    lookup = np.zeros(max(int(codes.max()), *map(ord, vocab)) + 1, dtype=np.int64)
     lookup[[ord(c) for c in vocab]] = np.arange(len(vocab))
     ids = lookup[codes].astype(token_dtype(len(vocab)))  # (N,)
     n = int(len(ids) * (1 - val_fraction))
@@ -53,15 +60,16 @@ def write_text(out, name: str, text: str, val_fraction: float, source: dict, **o
     return w
 
 
-def text(src, out, name: str | None = None, val_fraction: float = 0.1, **options):
-    """From one UTF-8 file, or every ``*.txt`` in a directory (concatenated in name order)."""
+def text(src, out, name: str | None = None, val_fraction: float = 0.1, vocab: str | None = None, **options):
+    """From one UTF-8 file, or every ``*.txt`` in a directory (concatenated in name order);
+    ``vocab``: another dataset's vocabulary, to fine-tune a model of that one here."""
     src = Path(src)
     files = sorted(src.glob("*.txt")) if src.is_dir() else [src]
     if not files:
         raise DataError(f"{src}: no *.txt files")
     parts = [read_utf8(f) for f in files]
     source = {"from": str(src.resolve()), "sha256": {f.name: sha256(raw) for f, (_, raw) in zip(files, parts)}}
-    return write_text(out, name or src.stem, "".join(t for t, _ in parts), val_fraction, source, **options)
+    return write_text(out, name or src.stem, "".join(t for t, _ in parts), val_fraction, source, vocab, **options)
 
 
 def shakespeare(src, out, val_fraction: float = 0.1, **options):

@@ -145,6 +145,17 @@ def add_parser(commands) -> None:
                         "stages run in fp32")
     p.add_argument("--json", action="store_true", help="print every rank's figures as JSON instead")
     p.set_defaults(run=_bench_memory, alone="starts its own ranks")
+    p = benches.add_parser("sample", help="a token's step with the key-value cache vs. recomputing the window",
+                           description="Draw tokens from a GPT of the shipped shape (jobs/shakespeare_gpt.toml) "
+                                       "with the key-value cache and by recomputation, alternately, and print "
+                                       "each one's median step at each context and batch, and their ratio.")
+    p.add_argument("--contexts", type=_positive, nargs="+", default=[64, 256], help="contexts (default 64 256)")
+    p.add_argument("--batches", type=_positive, nargs="+", default=[1, 8], help="sequences at once (default 1 8)")
+    p.add_argument("--tokens", type=_positive, default=16, help="steps timed per row and round (default 16)")
+    p.add_argument("--rounds", type=_positive, default=5, help="interleaved rounds (default 5)")
+    p.add_argument("--threads", type=_positive, default=1, help="BLAS threads (default 1)")
+    p.set_defaults(run=lambda a: _bench("sample", contexts=tuple(a.contexts), batches=tuple(a.batches),
+                                        tokens=a.tokens, rounds=a.rounds, threads=a.threads), alone="times one process")
     p = benches.add_parser("io", help="shard reader vs. raw sequential read (run under mpiexec -n 2)",
                            description="Read a shard set's training split through the reader with 1 and 2 "
                                        "ranks, uncompressed and gzip, from the page cache and from the "

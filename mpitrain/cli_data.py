@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from mpitrain.cli_common import _usage
 
@@ -30,6 +31,10 @@ def add_parser(commands) -> None:
                    help="compress chunks (default none: see 'mpitrain bench io' for the cost)")
     p.add_argument("--val-fraction", type=float, default=None,
                    help="text: the held-out share at the end of the text (default 0.1)")
+    p.add_argument("--vocab-of", metavar="DATASET",
+                   help="text: ids in the vocabulary of DATASET (a shard directory, or an embedded name such as "
+                        "shakespeare), so that a model trained there fine-tunes here; a character outside it is "
+                        "refused")
     p.add_argument("--unverified-source", action="store_true",
                    help="IDX: accept files whose SHA-256 is not the published one")
     p.set_defaults(run=_data_build)
@@ -81,11 +86,35 @@ def _data_build(args) -> None:
         if not recipe.text:
             raise _usage(f"data build {args.name}: --val-fraction applies to text recipes only")
         options["val_fraction"] = args.val_fraction
+    if args.vocab_of:
+        if args.name != "text":
+            raise _usage(f"data build {args.name}: --vocab-of applies to the text recipe only")
+        options["vocab"] = _vocab_of(args.vocab_of)
     if args.unverified_source:
         if not recipe.idx:
             raise _usage(f"data build {args.name}: --unverified-source applies to IDX recipes only")
         options["unverified_source"] = True
     _built(args.out, lambda: recipe.build(args.src, args.out, **options))
+
+
+def _vocab_of(name: str) -> str:
+    """The vocabulary of the text dataset ``name`` (a shard directory, or an embedded one)."""
+    from mpitrain.data import open_dataset
+    from mpitrain_datasets import embedded
+
+    path = Path(name) if Path(name).is_dir() else None
+    if path is None and name in embedded.DEFAULTS:
+        embedded.ensure(name, print)
+        path = embedded.location(name)
+    if path is None:
+        raise _usage(f"--vocab-of {name}: no such dataset directory or embedded dataset")
+    data = open_dataset(path)
+    try:
+        if data.kind != "text":
+            raise _usage(f"--vocab-of {name}: holds {data.kind} data, not text")
+        return data.vocab
+    finally:
+        data.close()
 
 
 def _data_download(args) -> None:

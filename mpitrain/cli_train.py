@@ -169,30 +169,70 @@ def _trained_run_arguments(p) -> None:
 
 
 def _sample_parser(commands) -> None:
-    p = commands.add_parser("sample", help="draw text from a trained GPT run",
+    p = commands.add_parser("sample", help="draw text from a trained GPT run, and time it",
                             description="Load the newest checkpoint of RUN_DIR whose every byte verifies (or the "
-                                        "CHECKPOINT file), saved by any layout, into one process's whole model, "
-                                        "and print text drawn after --prompt. The tokenizer is the run's "
-                                        "dataset's (its manifest's vocabulary).")
+                                        "CHECKPOINT file), saved by any layout, and print text drawn after each "
+                                        "prompt, with a key-value cache: each new character one pass of one "
+                                        "token. The tokenizer is the run's dataset's (its manifest's vocabulary). "
+                                        "Its figures (time to first token, time per output token, tokens/s, "
+                                        "the cache's bytes, the peak memory) go to stderr, or with the text to "
+                                        "stdout as JSON (--json). Under mpiexec -n P: --tp T ranks hold one "
+                                        "model sliced as tensor-parallel training slices it, and P/T such "
+                                        "groups share the prompts. Ctrl-C ends it with what it has drawn.")
     _trained_run_arguments(p)
     p.add_argument("--prompt", help="the text to continue (default: the first character of the validation split)")
-    p.add_argument("--tokens", type=_positive, default=500, help="characters to draw (default 500)")
+    p.add_argument("--prompt-file", metavar="FILE", help="a prompt a line (UTF-8): drawn after each, in one batch")
+    p.add_argument("--batch", type=_positive, default=1, metavar="N",
+                   help="draw N sequences after the prompt at once, each from its own stream (default 1)")
+    p.add_argument("--tokens", type=_positive, default=500, help="characters to draw after each prompt (default 500)")
     p.add_argument("--temperature", type=_positive_float, default=0.8,
                    help="divides the logits: lower is more conservative (default 0.8)")
     p.add_argument("--top-k", type=_positive, help="draw among the K likeliest characters only (default: all)")
-    p.add_argument("--seed", type=int, default=1337, help="the sampling stream's seed (default 1337)")
-    p.set_defaults(run=_sample, alone="draws on one process")
+    p.add_argument("--seed", type=int, default=1337,
+                   help="the sampling streams' seed: sequence i draws from stream (seed, i) (default 1337)")
+    p.add_argument("--tp", type=_positive, default=1, metavar="T",
+                   help="tensor-parallel ranks a model is sliced over (heads and MLP columns; default 1)")
+    p.add_argument("--dp", type=_positive, metavar="D",
+                   help="data-parallel groups sharing the prompts (default: the ranks / --tp)")
+    p.add_argument("--no-cache", dest="cache", action="store_false",
+                   help="recompute the whole window for each character (the plain way; slower, the same text)")
+    p.add_argument("--json", action="store_true",
+                   help="print the texts and the figures as one JSON object on stdout, unrounded")
+    p.set_defaults(run=_sample)
 
 
-def _sample(args) -> None:
-    from mpitrain.comm import SingleComm
-    from mpitrain.train import trained
+def _sample(args) -> int:
+    import numpy as np
 
-    run, _, _ = trained.load(args.target, SingleComm(), _quiet, args.set)
+    from mpitrain.comm import world
+    from mpitrain.train import sampling, trained
+    from mpitrain.train.signals import StopSignals
+
+    comm = world()
+    overrides = args.set + [f"train.global_batch_size={comm.size}"]  # drawing reads no batch: any rank count
+    run, _, path = trained.load(args.target, comm, _quiet, overrides)
     try:
-        print(trained.sample(run, args.prompt, args.tokens, args.temperature, args.top_k, args.seed))
+        prompts = trained.prompts_of(run, args.prompt, args.prompt_file, args.batch)
+        progress = sampling.Progress() if args.tokens >= 1000 and not args.json else None
+        with StopSignals(loud=comm.rank == 0, then="printing what is drawn so far") as signals:
+            texts, figures = trained.serve(run, comm, prompts, args.tokens, temperature=args.temperature,
+                                           top_k=args.top_k, seed=args.seed, tp=args.tp, dp=args.dp,
+                                           cache=args.cache, stop=lambda: signals.received is not None,
+                                           progress=progress)
+        if progress is not None:
+            progress.end()
     finally:
         run.close()
+    if comm.rank == 0:
+        if args.json:
+            print(json.dumps({"checkpoint": str(path), "texts": texts, **figures},
+                             default=lambda x: x.item() if isinstance(x, np.generic) else str(x)))
+        else:
+            for i, text in enumerate(texts):
+                print(text if len(texts) == 1 else f"--- sequence {i + 1} of {len(texts)} ---\n{text}")
+            sys.stdout.flush()
+            print("\n".join(sampling.report(figures)), file=sys.stderr)
+    return INTERRUPTED if figures["stopped"] else 0
 
 
 def _eval_parser(commands) -> None:

@@ -312,6 +312,20 @@ def attention_flops(B: int, T: int, C: int) -> int:
     return 2 * matmul_flops(B * T, C, T)
 
 
+def decode_attention_flops(B: int, n: int, C: int) -> int:
+    """Attention of one new token a sequence against ``n`` cached keys and values, over all
+    heads: ``q k^T`` and ``P v``, ``4 B n C``."""
+    return 2 * matmul_flops(B, C, n)
+
+
+def kv_cache_bytes(layers: int, batch: int, context: int, width: int, itemsize: int) -> int:
+    """A key-value cache (Pope et al. 2022): a key and a value of ``width`` numbers (a
+    rank's heads' share of ``n_embd``, or fewer with grouped-query attention) for each of
+    ``layers`` blocks, ``batch`` sequences and ``context`` positions,
+    ``2 x layers x batch x context x width x itemsize``."""
+    return 2 * layers * batch * context * width * itemsize
+
+
 def backward_flops(forward: int, operands_needing_gradient: int) -> int:
     """The backward of a product costs one product of its size per operand that needs a
     gradient: twice the forward, or once when one operand is data."""

@@ -57,3 +57,41 @@ def test_eval_of_any_layouts_checkpoint_reproduces_the_runs_final_validation_los
         named = NAMED[layout].format(P=comm.size, half=comm.size // 2, quarter=comm.size // 4)
         assert f"{comm.size} rank(s), {named}, global batch 8" in lines[0], lines[0]
     comm.barrier()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_sample_over_ranks_draws_what_one_process_draws(capsys):
+    """``mpitrain sample RUN --tp 2`` (a model sliced by heads and MLP columns, each rank
+    caching its heads) in ``P / 2`` data-parallel groups sharing ``P`` sequences (on an odd
+    count of ranks ``--tp 1``): every sequence's text as one process draws it, with the
+    figures of the request."""
+    import json
+
+    from mpitrain import cli
+    from mpitrain.comm import SingleComm, world
+
+    comm = world()
+    tp = 2 if comm.size % 2 == 0 else 1
+    d = shared_data(comm, make=text_set, n=3000)
+    run_dir = d.parent / "run-sample"
+    cfg = config.from_dict({
+        "model": {"name": "gpt", "n_layer": 2, "n_head": 2, "n_embd": 16, "block_size": 16},
+        "data": {"path": str(d)}, "optim": {"name": "adamw", "lr": 3e-3},
+        "train": {"global_batch_size": 4 * comm.size, "steps": 6, "eval_interval": 0, "eval_batches": 0,
+                  "sample_tokens": 0, "threads": 1},
+        "run": {"dir": str(run_dir)}}, [])
+    train.train(cfg, log=quiet, comm=comm)
+    argv = ["sample", str(run_dir), "--prompt", "tobe", "--batch", str(comm.size), "--tokens", "40", "--seed", "1",
+            "--tp", str(tp), "--json"]
+    assert cli.main(argv) == 0
+    if comm.rank == 0:
+        got = json.loads(capsys.readouterr().out)
+        assert (got["tp"], got["dp"], got["batch"]) == (tp, comm.size // tp, comm.size)
+        per_group = comm.size // (comm.size // tp)  # sequences a group draws; each rank caches its heads of them
+        assert got["kv_cache_bytes"] == 2 * 2 * per_group * 16 * (16 // tp) * 4
+        run, _, _ = trained.load(run_dir, SingleComm(), quiet)
+        prompts = trained.prompts_of(run, "tobe", None, comm.size)
+        alone, _ = trained.serve(run, SingleComm(), prompts, 40, seed=1)
+        run.close()
+        assert got["texts"] == alone and len(set(alone)) > 1
+    comm.barrier()

@@ -177,8 +177,19 @@ def test_what_sample_and_eval_cannot_use_is_one_line(gpt_run, tmp_path, capsys, 
         assert cli.main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("mpitrain: error: ") and said in err and err.count("\n") == 1, err
-    from mpitrain import comm
-
-    monkeypatch.setattr(comm, "launcher_rank", lambda: 0)
-    assert cli.main(["sample", str(gpt_run)]) == 2
-    assert capsys.readouterr().err == "mpitrain: error: sample draws on one process: run it without mpiexec\n"
+    empty = tmp_path / "prompts.txt"
+    empty.write_text("to be\n\nor not\n")
+    for argv, said in [(["sample", str(gpt_run), "--tp", "2"], "--tp 2: the 1 rank(s) of this job do not divide by "
+                        "it (run it on mpiexec -n 2 mpitrain sample ...)"),
+                       (["sample", str(gpt_run), "--dp", "2"], "--dp 2: tp 1 x dp 2 = 2, but there are 1 rank(s)"),
+                       (["sample", str(gpt_run), "--prompt", "to", "--prompt-file", str(empty)],
+                        "--prompt and --prompt-file: give one of them"),
+                       (["sample", str(gpt_run), "--prompt-file", str(empty)],
+                        f"{empty}:2: an empty prompt (a prompt needs one character at least)"),
+                       (["sample", str(gpt_run), "--prompt-file", str(tmp_path / "none.txt")],
+                        f"--prompt-file {tmp_path / 'none.txt'}: No such file or directory"),
+                       (["sample", str(gpt_run), "--prompt-file", str(empty), "--batch", "2"],
+                        "--batch 2 repeats --prompt; with --prompt-file each line is a prompt")]:
+        assert cli.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("mpitrain: error: ") and said in err and err.count("\n") == 1, err

@@ -309,6 +309,10 @@ def restore(path: Path, *, model, optimizer, sync, comm, check_config=None, layo
         saved = {name: f[f"model/{name}"] for name in _names(f["model"])}
         wanted = model.state_dict()
         whole = set(layout.arrays) if layout is not None else set(wanted)
+        if weights_only:  # a new run from another's weights: LoRA adapters may come and go
+            saved, fresh = _adapters(saved, whole, attrs["json"]["config"])
+            whole -= fresh
+            wanted = {name: array for name, array in wanted.items() if name not in fresh}
         missing, unexpected = sorted(whole - set(saved)), sorted(set(saved) - whole)
         if missing or unexpected:
             raise CheckpointError(f"{path}: the model differs from the checkpoint's: missing {missing}, "
@@ -320,7 +324,7 @@ def restore(path: Path, *, model, optimizer, sync, comm, check_config=None, layo
                 raise CheckpointError(f"{path}: {name} has shape {saved[name].shape} in the checkpoint, "
                                       f"{whole_shape} in this model (is model.* the same?)")
         model.load_state_dict({name: saved[name][()][parts[name]] if name in parts else saved[name][()]
-                               for name in wanted})
+                               for name in wanted}, strict=not weights_only)
         if weights_only:
             return attrs
         _load_state(path, f, local, pieces, offsets, layout.slices() if layout is not None else {})
@@ -334,6 +338,34 @@ def restore(path: Path, *, model, optimizer, sync, comm, check_config=None, layo
         return _open(path, lambda f: load(f, legacy))
 
     return comm.agree(verify_then_load)
+
+
+def _adapters(saved: dict, whole: set, config: dict) -> tuple[dict, set]:
+    """(the checkpoint's arrays as a model of the arrays ``whole`` takes them; the adapters
+    that model has and the checkpoint lacks, which keep their fresh values): a checkpoint's
+    LoRA adapters that the model lacks are merged into their layers' weights, with the
+    scale of the checkpoint's ``config`` (:func:`mpitrain.nn.lora.merge_state`)."""
+    from mpitrain.nn import lora  # here: the base's ops are not a checkpoint's to import up front
+
+    fresh = {n for n in whole - set(saved) if lora.is_adapter(n)}
+    extra = [n for n in saved if lora.is_adapter(n) and n not in whole]
+    if not extra:
+        return saved, fresh
+    m = config.get("model", {})
+    layers = {n.rsplit(".", 1)[0] for n in extra}
+    arrays = {n: saved[n][()] for n in saved if n.rsplit(".", 1)[0] in layers}
+    merged = lora.merge_state(arrays, lora.scale(m.get("lora_rank", 1), m.get("lora_alpha", 0)))
+    return {**{n: a for n, a in saved.items() if n not in arrays}, **{n: _Read(a) for n, a in merged.items()}}, fresh
+
+
+class _Read:
+    """An array read already, answering ``[()]`` and ``shape`` as an HDF5 dataset does."""
+
+    def __init__(self, array):
+        self.array, self.shape = array, array.shape
+
+    def __getitem__(self, index):
+        return self.array[index]
 
 
 def _load_state(path: Path, f: h5py.File, local, pieces, offsets, slices: dict) -> None:

@@ -22,7 +22,7 @@ import math
 import typing
 from pathlib import Path
 
-from mpitrain.config.checks import check_against_data, check_ranks, cut_refused, validate
+from mpitrain.config.checks import check_against_data, check_ranks, cut_refused, trained_names, validate
 from mpitrain.config.fields import (CHOICES, EMBEDDED, GRID, MODEL_FIELDS, MODELS, OPTIM_FIELDS, PARALLEL_FIELDS,
                                     RENAMED, WHOLE_REPLICA_SYNCS, TEXT_ONLY_TRAIN_FIELDS,
                                     Config, ConfigError, DataConfig, ModelConfig, OptimConfig, ParallelConfig,
@@ -39,7 +39,7 @@ __all__ = [
     "WHOLE_REPLICA_SYNCS", "TEXT_ONLY_TRAIN_FIELDS", "Config", "ConfigError", "DataConfig", "ModelConfig",
     "OptimConfig", "ParallelConfig", "RunConfig", "TrainConfig", "changes", "check_against_data", "check_ranks",
     "cut_refused", "field_for_option", "from_dict", "from_saved", "load", "read", "reference", "sections",
-    "validate"]
+    "trained_names", "validate"]
 
 
 # the names other trainers give fields (nanoGPT's, PyTorch examples', torchrun scripts')

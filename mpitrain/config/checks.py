@@ -153,6 +153,13 @@ def _validate_model(cfg: Config) -> None:
              m.n_kv_head)
     _require(not (m.selective_recompute and m.checkpoint_activations), "model.selective_recompute",
              "recomputes part of each block; model.checkpoint_activations recomputes all of it: give one", True)
+    _require(m.lora_rank >= 0, "model.lora_rank", "must be >= 0 (0: no adapters)", m.lora_rank)
+    _require(m.lora_alpha >= 0, "model.lora_alpha", "must be >= 0 (0: model.lora_rank, a scale of 1)", m.lora_alpha)
+    _require(len(m.lora_targets) > 0 and all(isinstance(t, str) and t for t in m.lora_targets), "model.lora_targets",
+             "must name one or more Linear layers (globs such as 'blocks.*.attn.c_attn')", list(m.lora_targets))
+    for key in ("model.lora_alpha", "model.lora_targets"):
+        _require(m.lora_rank > 0 or key not in cfg.given, key, "applies to LoRA adapters: set model.lora_rank > 0",
+                 getattr(m, key.split(".")[1]))
     for field, why in _shape_only(cfg):
         _require(_PLANNING.get(), f"model.{field}", f"mpitrain's GPT cannot have {why}: a shape only `mpitrain "
                  "plan --hardware GPU` plans", getattr(m, field))
@@ -193,6 +200,8 @@ def _validate_train(cfg: Config) -> None:
     _require(t.sample_tokens >= 0, "train.sample_tokens", "must be >= 0", t.sample_tokens)
     _require(t.threads >= 0, "train.threads", "must be >= 0 (0: automatic)", t.threads)
     _require(t.micro_batches >= 1, "train.micro_batches", "must be >= 1", t.micro_batches)
+    _require(all(isinstance(p, str) and p for p in t.trainable) and len(set(t.trainable)) == len(t.trainable),
+             "train.trainable", "must be distinct globs on parameter names (such as 'head.*')", list(t.trainable))
     _require(0 <= t.label_smoothing <= 1, "train.label_smoothing", "must be in [0, 1] (0: none)", t.label_smoothing)
     _require(not t.eval_flip or cfg.data.flip or text_model, "train.eval_flip",
              "scores each image's mirror too, which the model sees in training only with data.flip = true",
@@ -363,6 +372,10 @@ def _check_tensor(cfg: Config, sizes: dict) -> None:
         raise ConfigError(f"parallel.tp: the {cfg.model.n_kv_head} key and value heads (model.n_kv_head) do not "
                           f"split over {tp} tensor-parallel ranks")
     _whole_replicas(par, f"tensor slices (parallel.tp = {tp})")
+    if cfg.model.lora_rank:
+        raise ConfigError(f"model.lora_rank: LoRA adapters on tensor slices (parallel.tp = {tp}) are not supported: "
+                          "an adapter would be sliced with its layer; use parallel.dp or parallel.pp (train.trainable "
+                          "freezes parameters on slices too)")
     if par.progress == "thread" and par.thread_level not in ("auto", "multiple"):
         raise ConfigError(f"parallel.thread_level: the slices' collectives and the communication thread call MPI "
                           f"at the same time (parallel.progress = 'thread'): 'multiple' is needed, got "
@@ -413,3 +426,22 @@ def check_against_data(cfg: Config, data) -> None:
                           f"{data.name}, got {cfg.train.global_batch_size}")
     if train.sample_shape[0] != train.sample_shape[1]:  # (H, W, C): the dataset checked
         raise ConfigError(f"data.path: the CNNs expect square (H, W, C) images, {data.name} has {train.sample_shape}")
+
+
+def trained_names(cfg: Config, names) -> list[str]:
+    """The parameters of ``names`` (the model's, adapters included) that train, in their
+    order: those ``train.trainable`` matches, all of them when it is empty; with LoRA
+    adapters (``model.lora_rank``) the adapters and those ``train.trainable`` adds. A
+    pattern that matches nothing is a ConfigError naming it and some names there are."""
+    from mpitrain.nn.lora import is_adapter, matching  # here: nn brings NumPy's ops
+
+    names = list(names)
+    chosen, unmatched = matching(names, cfg.train.trainable)
+    if unmatched:
+        shown = ", ".join(names[:6]) + (f", ... ({len(names)} in all)" if len(names) > 6 else "")
+        raise ConfigError(f"train.trainable: {unmatched[0]!r} matches no parameter; the model's are {shown}")
+    lora = cfg.model.name == "gpt" and cfg.model.lora_rank > 0
+    if not cfg.train.trainable and not lora:
+        return names
+    keep = set(chosen) | ({n for n in names if is_adapter(n)} if lora else set())
+    return [n for n in names if n in keep]

@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 MODELS = ("lenet", "convnet", "resnet", "gpt")
+# LoRA's default targets: each block's attention (q, k, v together; the output projection) and MLP matrices
+LORA_TARGETS = ("blocks.*.attn.c_attn", "blocks.*.attn.c_proj", "blocks.*.mlp.c_fc", "blocks.*.mlp.c_proj")
 EMBEDDED = {"mnist5k": "image", "shakespeare": "text"}  # name -> kind
 
 
@@ -40,6 +42,9 @@ class ModelConfig:
     position_embedding: bool = True  #: learned positions (false: none to learn, as rotary or ALiBi models have)
     selective_recompute: bool = False  #: recompute attention's scores and softmax in backward (Korthikanti et al.)
     flash_attention: bool = False  #: attention as one fused kernel that keeps no scores (FlashAttention, Dao 2022)
+    lora_rank: int = 0  #: LoRA adapters of this rank on lora_targets (Hu et al. 2021); 0: none. On: only they train
+    lora_alpha: float = 0.0  #: the adapters' scale is lora_alpha / lora_rank; 0: lora_rank (a scale of 1)
+    lora_targets: tuple[str, ...] = LORA_TARGETS  #: Linear layers adapted (globs): attention's qkv and out, MLP's two
 
 
 # which fields a choice of model, dataset or optimizer reads: setting another is an error
@@ -49,7 +54,8 @@ MODEL_FIELDS = {
     "resnet": {"name", "widths", "blocks"},
     "gpt": {"name", "n_layer", "n_head", "n_embd", "block_size", "bias", "dropout",
             "checkpoint_activations", "gelu", "vocab_size", "ffn_hidden", "gated_mlp", "n_kv_head",
-            "tie_embeddings", "position_embedding", "selective_recompute", "flash_attention"},
+            "tie_embeddings", "position_embedding", "selective_recompute", "flash_attention",
+            "lora_rank", "lora_alpha", "lora_targets"},
 }
 _OPTIM_COMMON = {"name", "lr", "min_lr", "schedule", "warmup_steps", "weight_decay", "grad_clip"}
 OPTIM_FIELDS = {
@@ -120,6 +126,7 @@ class TrainConfig:
     fast_paths: bool = True  #: the fast ops (fused transformer halves, tiled convolution, ...); false: the plain ones
     accumulation: str = "fused"  #: GPU plans: gradients summed by the products ("fused") or a pass ("float32", "16-bit")
     label_smoothing: float = 0.0  #: train against (1 - this) x one-hot + this / classes; evaluation: one-hot
+    trainable: tuple[str, ...] = ()  #: globs on parameter names that train ("head.*"); []: all, or LoRA's adapters
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from mpitrain.config.fields import (CHOICES, IMAGE_ONLY_TRAIN_FIELDS, PARALLEL_F
                                     WHOLE_REPLICA_SYNCS, Config, sections)
 
 _TYPE_NAMES = {str: "string", int: "integer", float: "number", bool: "boolean", tuple[int, ...]: "list of integers",
+               tuple[str, ...]: "list of strings",
                tuple[float, float]: "list of 2 numbers"}
 _INTRO = ("Generated from `mpitrain/config/fields.py` by `mpitrain config reference --out jobs/CONFIG.md` (edit "
           "the code; a test compares the two). A field left out takes its default; `--set section.field=VALUE` sets "

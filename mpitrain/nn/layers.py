@@ -38,6 +38,15 @@ class Linear(Module):
         self.weight = uniform((in_features, out_features), bound)
         self.bias = uniform((out_features,), bound) if bias else None
 
+    @classmethod
+    def of(cls, weight: np.ndarray, bias: np.ndarray | None = None) -> "Linear":
+        """A ``Linear`` holding ``weight`` (in, out) and ``bias`` (no random numbers drawn)."""
+        layer = cls.__new__(cls)
+        Module.__init__(layer)
+        layer.in_features, layer.out_features = weight.shape
+        layer.weight, layer.bias = Parameter(weight), None if bias is None else Parameter(bias)
+        return layer
+
     def forward(self, x):
         return ops.linear(x, self.weight, self.bias)
 

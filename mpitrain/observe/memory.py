@@ -24,7 +24,8 @@ def model_state(model, optimizer) -> dict:
     updates, each buffer once), ``optim_bytes`` (its state; in mixed precision with the
     float32 masters) and ``work_bytes`` (its reusable work array, not model state); and
     ``parameters``, how many of the model's this rank's part has (all, or a stage's, or
-    slices' sizes)."""
+    slices' sizes); ``trained``, how many of them train, and ``frozen_bytes``, the buffers of
+    the others (fine-tuning's: weights alone, no gradient or optimizer state)."""
     mixed = getattr(optimizer, "masters", None) is not None  # its groups hold float32 masters (optimizer state)
     pieces = [] if optimizer is None else list(optimizer.params) if mixed else \
         [q for group in optimizer.param_groups for q in group["params"]]  # mixed: the 16-bit copies (or pieces)
@@ -32,7 +33,9 @@ def model_state(model, optimizer) -> dict:
     memory = {} if optimizer is None else optimizer.memory()
     return {"param_bytes": _buffers(q.data for q in held), "grad_bytes": _buffers(q.grad for q in held),
             "optim_bytes": memory.get("optim_bytes", 0), "work_bytes": memory.get("work_bytes", 0),
-            "parameters": sum(q.size for q in model.parameters())}
+            "parameters": sum(q.size for q in model.parameters()),
+            "trained": sum(q.size for q in model.parameters() if q.requires_grad),
+            "frozen_bytes": _buffers(q.data for q in model.parameters() if not q.requires_grad)}
 
 
 def _buffers(arrays) -> int:
@@ -129,8 +132,24 @@ def state_line(counted: dict, parameters: int, formula: float | None) -> str:
     total = sum(counted[key] for key, _ in CATEGORIES)
     line = f"model state per rank (the largest): {parts} = {total / 1e6:.2f} MB, {total / parameters:.2f} B/parameter"
     if formula is not None:
-        line += f"; formula {formula:.2f} B/parameter ({total / (formula * parameters):.3f} of it)"
+        share = total / _expected(counted, parameters, formula)
+        line += f"; formula {_formula(counted, parameters, formula)} ({share:.3f} of it)"
     return line + f"; the optimizer's work array {counted['work_bytes'] / 1e6:.2f} MB besides"
+
+
+def _expected(counted: dict, parameters: int, formula: float) -> float:
+    """Bytes of model state by the formula: its bytes per parameter for those that train
+    (all, unless fine-tuning froze some), the frozen ones' weights as held."""
+    return formula * counted.get("trained", parameters) + counted.get("frozen_bytes", 0)
+
+
+def _formula(counted: dict, parameters: int, formula: float) -> str:
+    """The formula's words: its bytes per parameter, and what of them train."""
+    trained = counted.get("trained", parameters)
+    if trained == parameters:
+        return f"{formula:.2f} B/parameter"
+    return (f"{formula:.2f} B/parameter of the {trained:,} that train, the frozen "
+            f"{counted['frozen_bytes'] / 1e6:.2f} MB of weights alone")
 
 
 def heap_line(measured: dict, counted: dict, parameters: int, formula: float | None) -> str:
@@ -142,7 +161,7 @@ def heap_line(measured: dict, counted: dict, parameters: int, formula: float | N
             f"{measured['rest'] / 1e6:.2f} MB = " + " + ".join(f"{k} {v / 1e6:.2f}" for k, v in sorted(parts.items())))
     if formula is not None:
         state = parts.get("model state", 0) - counted["work_bytes"]
-        line += (f"; model state less the work array {state / 1e6:.2f} MB, {state / (formula * parameters):.3f} "
-                 f"of the formula")
+        line += (f"; model state less the work array {state / 1e6:.2f} MB, "
+                 f"{state / _expected(counted, parameters, formula):.3f} of the formula")
     return line + (f"; a step's peak {measured['peak'] / 1e6:.2f} MB, {(measured['peak'] - measured['rest']) / 1e6:.2f}"
                    f" above rest (activations, gradients in flight, exchange buffers)")

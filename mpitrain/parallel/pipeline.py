@@ -182,7 +182,8 @@ class PipelineStage(Module):
         self.trace = None  # set to record the actions: trace(name, category, track, start, end)
         self.in_flight: list = []  # [(request, array)]: sends not seen complete, tested between layers (_progress)
         for q in self.parameters():
-            q.register_post_accumulate_grad_hook(lambda q: self._progress())
+            if q.requires_grad:  # (a frozen one gets no gradient)
+                q.register_post_accumulate_grad_hook(lambda q: self._progress())
 
     def named_parameters(self, prefix: str = ""):
         """This stage's parameters under their names in the whole model (a tied weight

@@ -71,6 +71,10 @@ use (the GPT's tied embedding), whose two gradients are added in the order the u
 backwards run, not the order one backward meets them. ``"layer"`` with micro-batches sums
 each micro-batch over the replicas before adding the micro-batches: another order.
 
+**Frozen parameters** (fine-tuning: ``requires_grad`` false) are none of this: each rank
+holds them whole, as the model was built or loaded, and they are neither gathered nor
+reduced; ``N`` above counts the parameters that train.
+
 Checkpoints (in every strategy's format: a ZeRO-3 run resumes on data parallelism or
 one process and back), evaluation and the text sample run inside :meth:`Zero3.whole_model`,
 the whole model gathered once (ranks may score different numbers of batches).
@@ -139,6 +143,11 @@ def groups(params, units, kind=None, key=id) -> list[tuple[list, int, int]]:
     return specs
 
 
+def _trained(unit) -> list:
+    """The parameters of ``unit`` that train: a frozen one is held whole, never sharded."""
+    return [q for q in unit.parameters() if q.requires_grad]
+
+
 class _Unit(Function):
     """One unit as one autograd node: its parameters are inputs (so the node is recorded
     even over integer input) whose gradients go to the shards, not to ``.grad``."""
@@ -156,7 +165,7 @@ class _Unit(Function):
         """The input's gradient, the parameters' (to the shards), or, when zero bubble
         splits the backward in two (:func:`mpitrain.autograd.backward_split`), the one
         its pass asks for: each pass gathers and replays the unit."""
-        zero, params = self.zero, self.unit.parameters()
+        zero, params = self.zero, _trained(self.unit)
         want_x, want_w = self.needs_input_grad[0], any(self.needs_input_grad[1:])
         zero._gather(self.k, ahead=self.k - 1)
         x, out = replay(self.unit, self.x, want_x, self.rng_state)
@@ -308,7 +317,7 @@ class Zero3(GradSync):
             return out
         if args or kwargs:
             raise TypeError(f"ZeRO-3 runs each layer on one input; layer {k} ({type(unit).__name__}) got more")
-        return _Unit.apply(as_tensor(x), *unit.parameters(), unit=unit, k=k, zero=self)
+        return _Unit.apply(as_tensor(x), *_trained(unit), unit=unit, k=k, zero=self)
 
     # ------------------------------------------------------------- gradients
     def _reduce(self, k: int, grads: dict) -> None:

@@ -97,6 +97,7 @@ def add_parser(commands) -> None:
                         "--catalogue PATH); refused while other processes use the cores")
     p.add_argument("--busy-ok", action="store_true",
                    help="with --calibrate: write it even if other processes use the cores (a warning instead)")
+    _inference_arguments(p, _positive)
     p.add_argument("--validate", action="store_true",
                    help="run CONFIG for a few steps (under mpiexec: on its ranks) and print estimate (the textbook "
                         "tier, where it answers) | exact | measured | error for every quantity")
@@ -108,6 +109,27 @@ def add_parser(commands) -> None:
     p.add_argument("--steps", type=_positive, default=20,
                    help="with --validate: steps of the timed run (default 20, in windows of 5; the first is not timed)")
     p.set_defaults(run=run)
+
+
+def _inference_arguments(p, positive) -> None:
+    from mpitrain.plan.inference import duration
+
+    g = p.add_argument_group("inference (--inference: drawing tokens, not training; CONFIG may be a run directory)")
+    g.add_argument("--inference", action="store_true",
+                   help="plan drawing tokens from the GPT: per rank its weights, KV cache and work arrays, the "
+                        "prefill's and a decode step's FLOPs and time, time to first token and per output token, "
+                        "tokens/s, the largest batch that fits (--validate: against mpitrain sample's figures)")
+    g.add_argument("--batch", type=positive, default=1, metavar="B", help="sequences drawn at once (default 1)")
+    g.add_argument("--prompt", dest="prompt_tokens", type=positive, default=1, metavar="P",
+                   help="tokens of each prompt (default 1)")
+    g.add_argument("--tokens", type=positive, default=256, metavar="N", help="new tokens a sequence (default 256)")
+    g.add_argument("--tp", type=positive, default=1, metavar="T",
+                   help="tensor-parallel ranks holding one model (default 1)")
+    g.add_argument("--ttft-target", type=duration, metavar="TIME",
+                   help="serving: the most requests at once whose time to first token is at most TIME (in s, or "
+                        "with ms or us)")
+    g.add_argument("--tpot-target", type=duration, metavar="TIME",
+                   help="serving: ... whose time per output token is at most TIME")
 
 
 def _machine_arguments(p, positive) -> None:
@@ -159,6 +181,12 @@ def run(args) -> int:
     from mpitrain.plan import hardware
 
     try:
+        if args.inference:
+            from mpitrain.plan import serving
+
+            return serving.run(args)
+        if args.ttft_target or args.tpot_target:
+            raise ConfigError(f"{'--ttft-target' if args.ttft_target else '--tpot-target'}: goes with --inference")
         if not args.search and (args.measure or args.cluster):
             raise ConfigError(f"{'--measure' if args.measure else '--cluster'}: goes with --search (mpitrain plan "
                               "CONFIG -n P --search ...)")

@@ -37,8 +37,9 @@ from mpitrain import cost
 def gpt_memory(N: int, blocks: int, T: int, C: int, H: int, V: int, *, b: int, held: float, sync: str = "ddp",
                dp: int = 1, tp: int = 1, precision: str = "fp32", itemsize: int = 4, moments: int = 2,
                sequence: bool = False, recompute: bool = False, last: bool = True, ffn: int = 0, kv: int = 0,
-               gated: bool = False, selective: bool = False) -> dict[str, float]:
-    """Bytes one rank holds at its peak, by category: its part holds ``N`` parameters and
+               gated: bool = False, selective: bool = False, frozen: int = 0) -> dict[str, float]:
+    """Bytes one rank holds at its peak, by category: its part holds ``N`` parameters that
+    train and ``frozen`` ones (fine-tuning: held whole, no gradients nor optimizer state), and
     ``blocks`` of a GPT's blocks (context ``T``, width ``C``, ``H`` heads, vocabulary ``V``),
     ``held`` micro-batches of ``b`` samples at once; ``sync`` over ``dp`` replicas, sliced
     over ``tp`` ranks (``sequence`` parallel), in ``precision`` (``fp32``: numbers of
@@ -49,12 +50,18 @@ def gpt_memory(N: int, blocks: int, T: int, C: int, H: int, V: int, *, b: int, h
     scores and softmax run again in backward, not kept."""
     mixed = precision != "fp32"
     number = cost.word_bytes(mixed, itemsize)
-    w, g, s = cost.state_shares(sync, dp)
-    state = cost.model_state_bytes(w * N, g * N, s * N, moments, number, mixed)
+    state = _state(N, frozen, sync, dp, moments, number, mixed)
     block = cost.transformer_block_activation_bytes(T, b, C, H, tp, sequence, recompute, number, ffn,
                                                     kv * C // H, gated, selective)
     logits = last * cost.logits_activation_bytes(T, b, V, tp, number)
     return {**state, "activations": held * (blocks * block + logits)}
+
+
+def _state(N, frozen, sync: str, dp, moments: int, number: int, mixed: bool) -> dict[str, float]:
+    """ZeRO's model state (:func:`mpitrain.cost.state_shares`) of ``N`` parameters that
+    train, and ``frozen`` weights held whole beside them."""
+    w, g, s = cost.state_shares(sync, dp)
+    return cost.model_state_bytes(w * N + frozen, g * N, s * N, moments, number, mixed)
 
 
 def gpt_flops(blocks: int, T: int, C: int, V: int, *, samples: int, tp: int = 1, recompute: bool = False,
@@ -110,14 +117,13 @@ def sync_bytes(grads, sync: str, dp, m):
 
 
 def cnn_memory(N: int, kept: float, *, b: int, held: float, sync: str = "ddp", dp: int = 1, precision: str = "fp32",
-               itemsize: int = 4, moments: int = 2) -> dict[str, float]:
+               itemsize: int = 4, moments: int = 2, frozen: int = 0) -> dict[str, float]:
     """Bytes one rank of a CNN holds at its peak, by category: the model state of its
-    part's ``N`` parameters as :func:`gpt_memory`'s, and ``held`` micro-batches of ``b``
+    part's ``N`` parameters (and ``frozen`` ones) as :func:`gpt_memory`'s, and ``held`` micro-batches of ``b``
     samples of what backward reads, each layer's input (``kept`` numbers a sample: the
     textbook's count, whatever the ops keep)."""
     mixed = precision != "fp32"
-    w, g, s = cost.state_shares(sync, dp)
-    state = cost.model_state_bytes(w * N, g * N, s * N, moments, itemsize, mixed)
+    state = _state(N, frozen, sync, dp, moments, itemsize, mixed)
     return {**state, "activations": held * b * kept * cost.word_bytes(mixed, itemsize)}
 
 
@@ -135,7 +141,8 @@ def of_cnn(lay, s: int) -> tuple[dict, dict, dict]:
     held = cost.micro_batches_held(lay.par.schedule, lay.pp, lay.m, s, lay.v) if lay.pp > 1 else 1
     number = lay.itemsize  # the textbook's words: 16 bits in mixed precision
     memory = cnn_memory(N, sum(inputs[where[x.name]] for x in layers), b=lay.micro_batch, held=held, sync=lay.par.sync,
-                        dp=lay.dp, precision=t.precision, itemsize=lay.dtype_bytes, moments=lay.moments)
+                        dp=lay.dp, precision=t.precision, itemsize=lay.dtype_bytes, moments=lay.moments,
+                        frozen=lay.frozen(s))
     samples = lay.micro_batch * lay.m
     flops = {"forward": samples * sum(x.forward for x in layers), "backward": samples * sum(x.backward for x in layers),
              "recompute": 0}
@@ -194,7 +201,8 @@ def of_layout(lay, s: int, r: int = 0) -> tuple[dict, dict, dict]:
                         sync=par.sync, dp=lay.dp, tp=lay.tp, precision=t.precision, itemsize=lay.dtype_bytes,
                         moments=lay.moments, sequence=lay.tp > 1 and par.sequence_parallel,
                         recompute=m.checkpoint_activations, last=last, ffn=m.ffn_hidden, kv=kv, gated=m.gated_mlp,
-                        selective=m.selective_recompute or m.flash_attention)  # (FlashAttention keeps no scores)
+                        selective=m.selective_recompute or m.flash_attention,  # (FlashAttention keeps no scores)
+                        frozen=lay.frozen(s, r))
     flops = gpt_flops(blocks, lay.T, m.n_embd, V, samples=lay.micro_batch * lay.m, tp=lay.tp,
                       recompute=m.checkpoint_activations, last=last, ffn=m.ffn_hidden, kvw=kv * m.n_embd // m.n_head,
                       gated=m.gated_mlp, selective=m.selective_recompute)

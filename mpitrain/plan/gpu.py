@@ -40,6 +40,10 @@ from mpitrain import cost
 # output tiles a GEMM library picks among (rows, columns): NVIDIA's Matrix Multiplication Background User's
 # Guide, "Dimension Quantization Effects" (its A100 example: 256 x 128 tiles on 108 SMs)
 TILES = ((256, 128), (128, 128))
+# a product of fewer rows than the guide's smallest tile (a decode step's, a few tokens): GEMM libraries run it as
+# matrix-vector products (cuBLAS's gemv and split-K kernels), no rows padded to a tile: its FLOPs at the rate,
+# or its bytes, whichever is longer
+SKINNY_ROWS = 64
 # a kernel's launch without CUDA graphs: the floor of any kernel's time (NVIDIA technical blog, "Getting
 # Started with CUDA Graphs", 2019: 3.8 us a short kernel, launched one after another into a stream)
 LAUNCH_S = 3.8e-6
@@ -69,7 +73,8 @@ def sustained(device, precision: str) -> float:
 
 def gemm_seconds(device, precision: str, M, K, N, batch=1, accumulate: bool = False):
     """Seconds of ``batch`` products of ``M x K`` by ``K x N`` in ``precision`` (scalars or
-    arrays): waves of output tiles over the SMs at the fastest shape's rate, or the matrices'
+    arrays): waves of output tiles over the SMs at the fastest shape's rate (fewer than
+    :data:`SKINNY_ROWS` rows: no tiles, the FLOPs at that rate), or the matrices'
     bytes at a memory-bound kernel's bandwidth (``accumulate``: into a float32 output, read
     and written), whichever is longer; a launch at least."""
     size = word(precision)
@@ -78,6 +83,8 @@ def gemm_seconds(device, precision: str, M, K, N, batch=1, accumulate: bool = Fa
     for rows, columns in TILES:
         tiles = batch * np.ceil(M / rows) * np.ceil(N / columns)
         arithmetic = np.minimum(arithmetic, np.ceil(tiles / device.sms) * cost.matmul_flops(rows, K, columns) / per_sm)
+    arithmetic = np.where(np.asarray(M) < SKINNY_ROWS, batch * cost.matmul_flops(M, K, N) / (per_sm * device.sms),
+                          arithmetic)
     moved = batch * (size * (M * K + K * N) + (8 if accumulate else size) * M * N)
     return np.maximum(np.maximum(arithmetic, moved / device.stream_bandwidth), LAUNCH_S)
 

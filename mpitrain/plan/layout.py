@@ -19,7 +19,7 @@ import numpy as np
 
 from mpitrain import cost, flat, optim, parallel
 from mpitrain.comm.ring import chunk_length
-from mpitrain.config import Config, check_ranks, cut_refused, validate
+from mpitrain.config import Config, check_ranks, cut_refused, trained_names, validate
 from mpitrain.config.checks import planning
 from mpitrain.parallel import zero3
 from mpitrain.plan import shapes
@@ -124,8 +124,17 @@ class Layout:
     # ------------------------------------------------------------ who holds what
     @cached_property
     def models(self) -> list:
-        """Each tensor-parallel rank's :class:`~mpitrain.plan.shapes.ModelShape`."""
-        return [shapes.from_config(self.cfg, self.data, self.tp, r) for r in range(self.tp)]
+        """Each tensor-parallel rank's :class:`~mpitrain.plan.shapes.ModelShape`; a fine-tuning
+        config's as it trains (:meth:`~mpitrain.plan.shapes.ModelShape.tuned`: the backward of
+        what trains, the layers that record no graph), a pipeline stage's input needing a
+        gradient (:class:`mpitrain.parallel.pipeline.PipelineStage`'s anchor)."""
+        models = [shapes.from_config(self.cfg, self.data, self.tp, r) for r in range(self.tp)]
+        names = list(models[0].parameters())
+        trained = frozenset(trained_names(self.cfg, names))
+        if len(trained) == len(names):
+            return models
+        starts = frozenset(cut(models[0], self.pp * self.v)[1:-1])  # (the cut balances parameters: the same)
+        return [m.tuned(trained, starts) for m in models]
 
     @cached_property
     def bounds(self) -> list[int]:
@@ -140,10 +149,35 @@ class Layout:
         return [layer for chunk in self.chunks(s, r) for layer in chunk]
 
     def parameters(self, s: int, r: int = 0) -> dict:
-        """{name: shape} of the parameters pipeline rank ``s``, slice ``r`` holds."""
+        """{name: shape} of the parameters pipeline rank ``s``, slice ``r`` holds and trains:
+        what has gradients, optimizer state and is exchanged (a fine-tuning config's frozen
+        ones are :meth:`frozen`)."""
         if (s, r) not in self.cache:  # asked for every rank: a 1,024-rank plan asks often
-            self.cache[s, r] = self.models[r].parameters(self.layers(s, r))
+            held = self.models[r].parameters(self.layers(s, r))
+            self.cache[s, r] = {n: shape for n, shape in held.items() if n in self.trained}
+            self.cache["frozen", s, r] = sum(math.prod(shape) for n, shape in held.items() if n not in self.trained)
         return self.cache[s, r]
+
+    def frozen(self, s: int, r: int = 0) -> int:
+        """Numbers of the frozen parameters pipeline rank ``s``, slice ``r`` holds: whole on
+        every data-parallel rank, no gradient, no optimizer state, never exchanged."""
+        self.parameters(s, r)
+        return self.cache["frozen", s, r]
+
+    @cached_property
+    def trained(self) -> frozenset:
+        """The names of the parameters that train (:func:`mpitrain.config.trained_names`)."""
+        return frozenset(trained_names(self.cfg, list(self.models[0].parameters())))
+
+    def tuning(self) -> str:
+        """The plan's line on what trains: '' when everything does."""
+        whole = shapes.from_config(self.cfg, self.data).parameters()
+        n = sum(math.prod(shape) for name, shape in whole.items() if name in self.trained)
+        total = sum(math.prod(shape) for shape in whole.values())
+        if n == total:
+            return ""
+        return (f"fine-tuning: {n:,} of {total:,} parameters train ({100 * n / total:.2f}%); the frozen "
+                f"{total - n:,} are held whole on every rank, with no gradients, no optimizer state and no exchange")
 
     @cached_property
     def cache(self) -> dict:
@@ -286,6 +320,6 @@ def zero3_groups(lay, params: dict, layers: list, units: bool = False) -> list:
     (:func:`mpitrain.parallel.zero3.groups`), as names (``units``: each with the first and
     the last of ``layers`` that use it)."""
     stands = {n: _Stand(n, shape, lay.itemsize) for n, shape in params.items()}
-    specs = zero3.groups(list(stands.values()), [[stands[n] for n, _ in layer.params] for layer in layers], lay.kind,
-                         key=lambda q: q.name)
+    units_params = [[stands[n] for n, _ in layer.params if n in stands] for layer in layers]  # (frozen: none)
+    specs = zero3.groups(list(stands.values()), units_params, lay.kind, key=lambda q: q.name)
     return [([q.name for q in names], first, last) if units else [q.name for q in names] for names, first, last in specs]

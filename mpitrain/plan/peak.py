@@ -32,8 +32,27 @@ def _splits(name: str, p: int, m: int, s: int, v: int) -> bool:
 
 def replays(lay, layer) -> bool:
     """Whether ``layer`` runs forward again in backward: activation checkpointing's blocks,
-    and under ZeRO-3 every layer with parameters (it frees its gathered weights)."""
-    return layer.recompute or (lay.par.sync == "zero3" and bool(layer.params))
+    and under ZeRO-3 every layer with parameters that train (it frees its gathered weights);
+    not one that records no graph (fine-tuning's frozen layers before the first that trains)."""
+    return layer.graph and (layer.recompute or (lay.par.sync == "zero3"
+                                                and any(n in lay.trained for n, _ in layer.params)))
+
+
+def fused(lay, layer, fast: bool) -> bool:
+    """Whether ``layer`` runs as one fused op when the run's paths are ``fast``: not sliced
+    over tensor-parallel ranks, nor a block with LoRA's adapters, whose layers the fused ops
+    would skip (:meth:`mpitrain.nn.models.Block._fusable`): those run op by op, each op on
+    its fast path."""
+    from mpitrain.nn.lora import is_adapter
+
+    return fast and lay.tp == 1 and not any(is_adapter(n) for n, _ in layer.params)
+
+
+def weight_grads(lay, layer) -> int:
+    """Numbers of the weight gradients ``layer``'s backward makes at once: its largest part's
+    (``part``, or all of it), at most those of its parameters that train."""
+    mine = sum(math.prod(shape) for n, shape in layer.params if n in lay.trained)
+    return min(layer.part or layer.size, mine)
 
 
 def takes_data(lay, layer) -> bool:
@@ -160,21 +179,23 @@ def _moments(lay, layers: list, first_input: int, split: bool, in_flight: str = 
     moments = []  # (kept, float32 weights, scratch, gradients, zero) of each moment
     kept, up, inp, before, inputs = 0, 0, first_input, [], []  # before: (kept, float32 weights) of the layers before
     for i, layer in enumerate(layers):
-        inputs.append(0 if takes_data(lay, layer) else inp)
-        mine = (inp if replays(lay, layer) else layer.kept_on(fast)) * b * a
-        copy = 4 * layer.size if lay.mixed and layer.forward and not replays(lay, layer) else 0
+        inputs.append(0 if takes_data(lay, layer) or not layer.grad_in else inp)
+        mine = (inp if replays(lay, layer) else layer.kept_on(fast)) * b * a * layer.graph  # no graph: nothing kept
+        copy = 4 * layer.size if lay.mixed and layer.forward and layer.graph and not replays(lay, layer) else 0
         work = scratch_numbers(lay, layer, fast) + conv_work(lay, layer, fast)[0]
         moments.append((kept + mine, up + copy, work * a, 0, _zero3_held(lay, layers, i, in_flight, False) + buckets))
         before.append((kept, up))
         kept, up, inp = kept + mine, up + copy, math.prod(layer.out)
     before.append((kept, up))
     for i, layer in enumerate(layers):
+        if not layer.graph:  # (fine-tuning's frozen layers before the first that trains: no backward)
+            continue
         again = replays(lay, layer)  # its graph is private: its weight gradients are returned, then added
         whole = (layer.full or layer.kept_on(fast)) * b * a + (before[i + 1][0] - before[i][0] if again else 0)
         copy = 4 * layer.size if again and lay.mixed and layer.forward else 0  # its replay's upcast weights
         copies = 2 if again or fresh else 1
         grads = (b * (math.prod(layer.out) * (1 + again) + inputs[i]) + conv_work(lay, layer, fast)[1]) * a
-        grads += copies * (layer.part or layer.size) * (4 if again and lay.mixed else s)  # float32 from a replay
+        grads += copies * weight_grads(lay, layer) * (4 if again and lay.mixed else s)  # float32 from a replay
         sharded = _zero3_held(lay, layers, i, in_flight, True)
         zero2 = _zero2_held(lay, layers, i + 1, in_flight, lay.m > 1)
         moments.append((before[i][0] + whole, before[i][1] + copy, 0, grads, sharded + zero2))
@@ -251,14 +272,18 @@ def scratch_numbers(lay, layer, fast: bool) -> int:
     head's logits), and a GELU's work: on the fast paths two arrays of one block of
     elements (:func:`mpitrain.ops.elementwise.gelu_blocks`), else three of the whole
     (``gelu_plain``: ``x^2``, ``h``, and the temporaries of its expressions, one at a
-    time beyond its outputs); op by op (tensor slicing, a zero-bubble schedule) its input
-    too, which the fused block's GELU overwrites."""
+    time beyond its outputs); op by op (:func:`fused`: tensor slicing, LoRA's blocks, a
+    zero-bubble schedule) its input too, which the fused block's GELU overwrites. An adapted
+    ``Linear`` (:class:`mpitrain.nn.lora.LoRALinear`) holds the two products it sums, its
+    own and the adapters' ``(x A) B``, beside their sum: the widest's (the MLP's first, GELU's
+    input) a moment before GELU's work."""
     b = lay.micro_batch
     if not layer.gelu:
         return layer.scratch * b
     work = 2 * min(layer.gelu * b, BLOCK_ELEMENTS) if fast else 3 * layer.gelu * b
-    fused = fast and lay.tp == 1
-    return layer.scratch * b + work + (0 if fused else layer.gelu * b)
+    summed = max((shape[1] for n, shape in layer.params if n.endswith(".lora_B")), default=0)
+    work = max(work, 2 * layer.gemm[0] * summed * b)
+    return layer.scratch * b + work + (0 if fused(lay, layer, fast) else layer.gelu * b)
 
 
 def sends_in_flight(lay, s: int) -> int:
@@ -299,7 +324,7 @@ def conv_work(lay, layer, fast: bool) -> tuple[int, int]:
     if not layer.tiled:
         return 0, 0
     b = lay.micro_batch
-    needs_input = layer.backward > layer.forward  # its backward has the input gradient's product too
+    needs_input = layer.grad_in and not takes_data(lay, layer)  # its backward has the input gradient's product too
     if not fast:
         padded = max(p for p, _ in layer.convs) * b
         return padded, needs_input * (max(c for _, c in layer.convs) * b + padded)

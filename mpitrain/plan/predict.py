@@ -74,17 +74,18 @@ def shards(lay, s: int, r: int, d: int) -> tuple[int, int, list]:
     """(parameters held, gradients held, the optimizer's pieces' sizes) of data-parallel
     rank ``d`` on pipeline rank ``s``'s slice ``r``: the whole part with data parallelism;
     ZeRO's shards as each stage cuts them (:mod:`mpitrain.parallel.zero`,
-    :mod:`mpitrain.parallel.zero3`)."""
+    :mod:`mpitrain.parallel.zero3`), of the parameters that train; the frozen ones are
+    held whole besides (:meth:`~mpitrain.plan.layout.Layout.frozen`)."""
     sync, P = lay.par.sync, lay.dp
     key = ("sizes", s, r)  # the part's, the same for each of its replicas
     if key not in lay.cache:
         lay.cache[key] = [math.prod(shape) for shape in lay.parameters(s, r).values()]
     sizes = lay.cache[key]
-    N = sum(sizes)
+    N, F = sum(sizes), lay.frozen(s, r)
     if sync not in ("zero1", "zero2", "zero3") or P == 1 and sync != "zero3":
-        return N, N, list(sizes)
+        return N + F, N, list(sizes)
     pieces = _cut(_flat_groups(lay, s, r), d)
-    return (N if sync != "zero3" else sum(pieces)), (N if sync == "zero1" else sum(pieces)), pieces
+    return (N if sync != "zero3" else sum(pieces)) + F, (N if sync == "zero1" else sum(pieces)), pieces
 
 
 def _flat_groups(lay, s: int, r: int) -> list[tuple]:
@@ -176,7 +177,7 @@ def rank_plan(lay, s: int, d: int, r: int, like: RankPlan | None = None, objects
              "backward": samples * sum(x.backward for x in layers),
              "recompute": samples * sum(recomputed(lay, x, split) for x in layers)}
     stage = f"stage {s}" if lay.pp > 1 else "" if lay.tp > 1 else "replica"
-    N = sum(math.prod(shape) for shape in params.values())
+    N = sum(math.prod(shape) for shape in params.values()) + lay.frozen(s, r)
     return RankPlan([lay.rank_of(s, d, r)], stage, N, memory, calls, flops, held, by_axis(calls), len(dp),
                     [r] if lay.tp > 1 else [], bounds)
 
@@ -187,14 +188,14 @@ def server_plan(lay, k: int, objects: tuple = (0.0, 0.0)) -> RankPlan:
     worker's pull with them and an 8-byte version."""
     from mpitrain.parallel.param_server import partition
 
-    params = lay.models[0].parameters()
+    params = lay.parameters(0)  # what trains: the servers hold, update and send those
     order = optimizer_order(params)
     sizes = [math.prod(params[n]) for n in order]
     owner = partition(sizes, lay.servers)
     own = [n for n, o in zip(sizes, owner) if o == k]
     N, s = sum(sizes), lay.itemsize
     counters = 8 * len(own) if lay.moments == 2 else 0
-    memory = cost.model_state_bytes(N, N, sum(own), lay.moments, s)  # parameter servers train in float32
+    memory = cost.model_state_bytes(N + lay.frozen(0), N, sum(own), lay.moments, s)  # servers train in float32
     memory["optimizer state"] += counters
     memory.update({"activations": 0, "work": max(own, default=0) * s * lay.work_arrays, "reader": 0, "buffers": 0,
                    "objects": int(objects[0] + objects[1] * len(params))})

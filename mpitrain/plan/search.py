@@ -163,6 +163,7 @@ def ranked(config_of, P: int, machine, data, limit: float, top: int = 10) -> tup
     from mpitrain.plan import space
 
     tick = time.perf_counter()
+    space.whole_training(config_of(()))
     model = space.Gpt.of(config_of(()), data)
     table = space.grids(model, P)
     rows = space.build(model, table)

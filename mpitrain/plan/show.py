@@ -59,7 +59,7 @@ def header(plan, source: str) -> list[str]:
     only = [f"planned only (GPU frameworks run it, mpitrain's trainer does not): {'; '.join(why)}"] if why else []
     return [f"plan: {source} on {lay.describe()}", *only,
             f"model: {lay.cfg.model.name}, {lay.whole:,} parameters; data: {data.name}{known}, {what}, "
-            f"{plan.bytes_per_sample:,} B per sample read",
+            f"{plan.bytes_per_sample:,} B per sample read", *[line for line in (lay.tuning(),) if line],
             f"machine: {nodes} node(s) x {mc.per_node} rank(s) of {mc.device.name}{use}; {links}; "
             f"memory per rank {size(mc.memory)}", *([f"note: {elsewhere}"] if elsewhere else [])]
 

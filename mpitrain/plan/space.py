@@ -107,6 +107,21 @@ class Space:
                 "micro_batches": int(self.micro_batches[i]), "bucket_mb": float(self.bucket_mb[i])}
 
 
+def whole_training(cfg) -> None:
+    """Refuse a fine-tuning config (ConfigError naming its fields): tier 1's columns count
+    every parameter's gradient, optimizer state and exchange, and a block's backward as
+    twice its forward; what a frozen parameter or LoRA's adapters change is counted layout
+    by layout (:mod:`mpitrain.plan.shapes`, :meth:`~mpitrain.plan.shapes.ModelShape.tuned`)."""
+    from mpitrain.config import ConfigError
+
+    fields = [f for f, on in (("train.trainable", cfg.train.trainable), ("model.lora_rank", cfg.model.lora_rank)) if on]
+    if fields:
+        full = " ".join(f"--set {f}={'[]' if f == 'train.trainable' else 0}" for f in fields)
+        raise ConfigError(f"--search: {' and '.join(fields)}: fine-tuning is not searched (tier 1 counts every "
+                          "parameter as training); plan a layout of it with `mpitrain plan CONFIG --set parallel.`..., "
+                          f"or search as full training with {full}")
+
+
 def grids(model: Gpt, P: int, chunks: tuple = KNOBS["chunks"]) -> dict:
     """The table of every grid of ``P`` ranks that the model's shape allows (``tp`` divides
     the heads; ``pp`` times the chunks at most the layers), with one chunk a pipeline rank

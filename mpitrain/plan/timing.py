@@ -36,7 +36,7 @@ import collections
 from dataclasses import dataclass, replace
 
 from mpitrain import cost
-from mpitrain.plan.peak import recomputed, replays, split_backward
+from mpitrain.plan.peak import fused, recomputed, replays, split_backward
 from mpitrain.plan.traffic import NAMED, Call
 
 # a calibrated device without ``passes`` (calibrated before they were measured): mpitrain's steps' elementwise
@@ -139,9 +139,15 @@ def compute_parts(lay, plan, machine: Machine) -> dict:
     if plan.stage == "server":
         return parts
     family = path(lay, plan)
-    known = family if family in d.passes else family[:3]  # a path not measured: the fused GPT's figures
-    passes = d.passes.get(known, UNCALIBRATED_PASSES[known[:3]]) if d.calibrated else 0.0
-    overhead = d.layer_overhead.get(known, 0.0) if d.calibrated else 0.0
+
+    def figures(family: str) -> tuple:  # (passes, per layer overhead, the path's name measured)
+        known = family if family in d.passes else family[:3]  # a path not measured: the fused GPT's figures
+        if not d.calibrated:
+            return 0.0, 0.0, known
+        return d.passes.get(known, UNCALIBRATED_PASSES[known[:3]]), d.layer_overhead.get(known, 0.0), known
+
+    passes, overhead, known = figures(family)
+    plain = figures("gpt-plain") if family == "gpt" else (passes, overhead, known)  # LoRA's blocks: op by op
     threads = lay.threads
     s, r = _coords(lay, plan.ranks[0])
     if d.calibrated:
@@ -161,9 +167,11 @@ def compute_parts(lay, plan, machine: Machine) -> dict:
             parts["products"] += lay.m * (flops - replay) / rate
             parts["ZeRO-3's replays"] += lay.m * replay / rate
         again = replays(lay, layer) / 3  # its elementwise work: a forward's, a third of a step's
-        elementwise = passes * (1 + again) * layer.traffic * b * lay.dtype_bytes
+        runs = 1 + again if layer.graph else 1 / 3  # no graph (fine-tuning's frozen layers first): forward alone
+        p, o, _ = (passes, overhead, known) if fused(lay, layer, family == "gpt") or not layer.gelu else plain
+        elementwise = p * runs * layer.traffic * b * lay.dtype_bytes
         parts["elementwise"] += lay.m * elementwise / (d.elementwise_bandwidth or d.memory_bandwidth) / machine.share
-        parts["op calls"] += lay.m * overhead * (1 + again) / machine.share
+        parts["op calls"] += lay.m * o * runs / machine.share
     return parts
 
 

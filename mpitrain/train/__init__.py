@@ -182,12 +182,13 @@ def _header(run: Run, threads: int) -> str:
     what = "windows" if run.data.kind == "text" else "samples"
     micro = f" in {t.micro_batches} micro-batches per rank" if t.micro_batches > 1 else ""
     level = f"; {library()}, thread level {started_thread_level()}" if run.world.size > 1 else ""
-    return (f"model {cfg.model.name}: {sum(size for _, size in run.layout.params):,} parameters; data {run.data.name} "
+    return (f"model {cfg.model.name}: {run.parameters:,} parameters; data {run.data.name} "
             f"({run.data.path}), {reader.n:,} training {what}, {reader.steps_per_epoch} steps per epoch; "
             f"{run.total} steps of {t.global_batch_size}{micro}; {threads} BLAS thread(s) per rank; "
             f"{run.optimizer.describe() if t.precision != 'fp32' else t.dtype}"
             f"{'' if t.fast_paths else '; fast paths off'}"
             f"{f'; training labels smoothed by {t.label_smoothing:g}' if t.label_smoothing else ''}\n"
+            f"{run.tuning + chr(10) if run.tuning else ''}"
             f"parallel: {describe(run.cfg, run.role)}{level}")
 
 

@@ -37,6 +37,7 @@ from mpitrain.parallel.zero import Zero1, Zero2
 from mpitrain.parallel.zero3 import Zero3
 from mpitrain.precision import MixedPrecision
 from mpitrain.tensor import default_dtype
+from mpitrain.train import finetune
 from mpitrain.train.parts import PartSync, shared_kind, slices
 from mpitrain.train.schedule import WholeModel
 
@@ -91,6 +92,8 @@ class Run:
     lr: Callable[[int], float]  # the learning rate at a step
     layout: checkpoint.Layout  # the whole model and optimizer, as checkpoints hold them
     identity: dict | None = None  # the run's (mpitrain.train.identity), set once it is known
+    parameters: int = 0  # the whole model's
+    tuning: str = ""  # what trains of it, when not everything does (finetune.describe)
 
     def close(self) -> None:
         self.data.close()
@@ -105,6 +108,7 @@ def build_run(cfg: Config, world, grid: tuple[int, int, int], log) -> Run:
         check_against_data(cfg, data)
         rng.manual_seed(cfg.train.seed)
         model = build_model(cfg, data)
+        whole, tuning = sum(q.size for q in model.parameters()), finetune.describe(model, cfg)
         layout = checkpoint.Layout.of(model, build_optimizer(cfg, model))
         same_everywhere(cfg, model, world)
         t = cfg.train
@@ -118,7 +122,7 @@ def build_run(cfg: Config, world, grid: tuple[int, int, int], log) -> Run:
         data.close()
         raise
     return Run(cfg, world, data, role.model, role.optimizer, role, train_reader(cfg, data, *role.lane), total, lr,
-               layout)
+               layout, parameters=whole, tuning=tuning)
 
 
 def build_role(cfg: Config, world, grid, model, data, layout: checkpoint.Layout) -> tuple[Role, checkpoint.Layout]:
@@ -130,15 +134,22 @@ def build_role(cfg: Config, world, grid, model, data, layout: checkpoint.Layout)
     sizes = [sum(q.size for q in layer.parameters()) for _, layer in model.named_layers()]  # the cut: whole layers
     stage, everyone = None, None
     if g.tp_size > 1:  # tp: this rank's slice of every layer
+        trained = [n for n, q in model.named_parameters() if q.requires_grad]
         tensor_parallel.slice_gpt(model, g.tp_comm, par.sequence_parallel)
+        finetune.freeze(model, trained)  # the slices are new parameters, under the whole model's names
         everyone = [slices(model.config, g.tp_size, r) for r in range(g.tp_size)]
         layout = layout.with_parts(everyone[g.tp_rank])
     if g.pp_size > 1:  # pp: this rank's stage of the layers
+        whole = model.named_layers()
         model = stage = _stage(cfg, g, model, data, sizes)
+        _first_stage_trains(whole[stage.bounds[0] : stage.bounds[1]], g)
     opt = build_optimizer(cfg, model)
     order = [q for group in opt.param_groups for q in group["params"]]
     if t.precision != "fp32":  # the model's weights become half precision, the optimizer keeps float32
         opt = MixedPrecision(opt, t.precision)
+        for q in model.parameters():  # a frozen weight has no float32 master: it is held in 16 bits too
+            if not q.requires_grad:
+                q.data = q.data.astype(opt.dtype)
         if stage is not None:
             stage.scaler = opt.scaler  # the last stage's loss is scaled (WholeModel's is scaled alike)
     kind = shared_kind(model, stage, par.sequence_parallel and everyone is not None)
@@ -166,6 +177,16 @@ def _stage(cfg: Config, g: ProcessGrid, model, data, sizes: list[int]) -> Pipeli
     except ValueError as e:
         g.free()
         raise cut_refused(cfg, e) from None
+
+
+def _first_stage_trains(first: list, g: ProcessGrid) -> None:
+    """Refuse (on every rank alike) a fine-tuning pipeline whose first stage trains
+    nothing: its output needs no gradient, so its backward could not start."""
+    if not any(q.requires_grad for _, layer in first for q in layer.parameters()):
+        g.free()
+        raise ConfigError(f"train.trainable: the first pipeline stage ({_span([n for n, _ in first], 0, len(first))}) "
+                          "trains nothing, which a pipeline's backward cannot start from: train one of its "
+                          "parameters, or cut fewer stages (parallel.pp)")
 
 
 def _ps_role(cfg: Config, world, grid, model, lr, total, data) -> Role:
@@ -203,7 +224,7 @@ def describe(cfg: Config, role: Role) -> str:
         S, W = par.servers, role.grid.size
         mode = {0: "synchronous"}.get(par.staleness, "asynchronous, unbounded" if par.staleness == -1
                                       else f"asynchronous, at most {par.staleness} step(s) ahead")
-        nbytes = sum(q.data.nbytes for q in role.model.parameters())
+        nbytes = sum(q.data.nbytes for q in role.model.parameters() if q.requires_grad)
         return (f"{grid_line(cfg, role)}; ps, {S} server(s) + {W} worker(s), {mode}; per worker per step "
                 f"{sum(cost.parameter_server_bytes(nbytes, S)) / 1e6:.2f} MB (push + pull)")
     line = _replicas(cfg, role)
@@ -314,19 +335,23 @@ def open_data(cfg: Config, comm, log) -> Dataset:
 
 
 def build_model(cfg: Config, data) -> nn.Module:
-    """The model of ``cfg.model`` for ``data``, initialised from the global seed."""
+    """The model of ``cfg.model`` for ``data``, initialised from the global seed, with the
+    adapters and the frozen parameters of a fine-tuning config (:mod:`~mpitrain.train.finetune`)."""
     m = cfg.model
     with default_dtype(cfg.train.dtype):
         if m.name == "gpt":
             gcfg = nn.GPTConfig(vocab_size=len(data.vocab), block_size=m.block_size, n_layer=m.n_layer,
                                 n_head=m.n_head, n_embd=m.n_embd, dropout=m.dropout, bias=m.bias,
                                 checkpoint_activations=m.checkpoint_activations, gelu=m.gelu)
-            return nn.GPT(gcfg)
-        h, _, c = data.split("train").sample_shape
-        kinds = {"lenet": lambda: nn.LeNet(c, h, len(data.classes), m.channels, m.hidden, m.dropout),
-                 "convnet": lambda: nn.ConvNet(c, h, len(data.classes), m.channels),
-                 "resnet": lambda: nn.ResNet(c, h, len(data.classes), m.widths, m.blocks)}
-        return kinds[m.name]()
+            model = nn.GPT(gcfg)
+        else:
+            h, _, c = data.split("train").sample_shape
+            kinds = {"lenet": lambda: nn.LeNet(c, h, len(data.classes), m.channels, m.hidden, m.dropout),
+                     "convnet": lambda: nn.ConvNet(c, h, len(data.classes), m.channels),
+                     "resnet": lambda: nn.ResNet(c, h, len(data.classes), m.widths, m.blocks)}
+            model = kinds[m.name]()
+        finetune.prepare(cfg, model)  # LoRA's adapters (drawn after the weights), and what is frozen
+        return model
 
 
 def example_input(cfg: Config, data) -> object:
@@ -339,8 +364,9 @@ def example_input(cfg: Config, data) -> object:
 
 
 def build_optimizer(cfg: Config, model: nn.Module) -> optim.Optimizer:
+    """The optimizer of ``cfg.optim`` over the parameters of ``model`` that train."""
     o = cfg.optim
-    groups = optim.decay_groups(model.named_parameters(), o.weight_decay)
+    groups = optim.decay_groups(((n, q) for n, q in model.named_parameters() if q.requires_grad), o.weight_decay)
     if o.name == "sgd":
         return optim.SGD(groups, o.lr, momentum=o.momentum, nesterov=o.nesterov)
     cls = optim.AdamW if o.name == "adamw" else optim.Adam

@@ -13,6 +13,7 @@ import numpy as np
 from mpitrain import ops
 from mpitrain.data import Dataset, ShardReader
 from mpitrain.data.loader import normalize
+from mpitrain.nn.lora import merged
 from mpitrain.tensor import Tensor, no_grad
 
 EVAL_BATCH_PER_RANK = 250  # images per rank per evaluation batch
@@ -31,15 +32,16 @@ def score(run, comm, step: int, result, metrics, log, split: str | None = None) 
     named = "" if split == SPLITS[data.kind] else f" ({split} split)"
     model.eval()
     try:
-        if data.kind == "text":
-            result.val_loss = evaluate_text(role.schedule.loss_only, data, cfg, comm, lane, split)
-            log(f"step {step}: val loss {result.val_loss:.4f}{named}")
-        else:
-            result.test_accuracy, result.test_loss = evaluate_images(role.schedule.forward_only, data, cfg, comm,
-                                                                     lane, split, role.takes_input)
-            views = ", each image and its mirror" if cfg.train.eval_flip else ""
-            log(f"step {step}: test accuracy {100 * result.test_accuracy:.2f}%, test loss {result.test_loss:.4f}"
-                f"{named}{views}")
+        with merged(model):  # LoRA's adapters folded into their weights: the plain layers, one product each
+            if data.kind == "text":
+                result.val_loss = evaluate_text(role.schedule.loss_only, data, cfg, comm, lane, split)
+                log(f"step {step}: val loss {result.val_loss:.4f}{named}")
+            else:
+                result.test_accuracy, result.test_loss = evaluate_images(role.schedule.forward_only, data, cfg, comm,
+                                                                         lane, split, role.takes_input)
+                views = ", each image and its mirror" if cfg.train.eval_flip else ""
+                log(f"step {step}: test accuracy {100 * result.test_accuracy:.2f}%, test loss "
+                    f"{result.test_loss:.4f}{named}{views}")
     finally:
         model.train()
     record = {"step": step, "val_loss": result.val_loss, "test_accuracy": result.test_accuracy}

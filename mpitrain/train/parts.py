@@ -130,7 +130,7 @@ class PartSync(GradSync):
         (``offsets``: of the parts this rank holds, :func:`mpitrain.checkpoint.layout.part_offsets`)."""
         if self.stage is None:
             return self.inner.state_pieces(offsets)
-        where = {id(q): self.index[n] for n, q in self.model.named_parameters()}
+        where = {id(q): self.index[n] for n, q in self.model.named_parameters() if n in self.index}  # what trains
         mine = [where[q] for q in self.order]  # the whole model's index of each
         local = np.concatenate([[0], np.cumsum([offsets[i + 1] - offsets[i] for i in mine], dtype=np.int64)])
         opt, pieces, writes = self.inner.state_pieces(local)

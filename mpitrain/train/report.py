@@ -15,6 +15,7 @@ import numpy as np
 from mpitrain import checkpoint, launch
 from mpitrain.cost import bytes_per_parameter
 from mpitrain.data.loader import SAMPLING
+from mpitrain.nn.lora import merged
 from mpitrain.runtime import launcher
 from mpitrain.observe.memory import CATEGORIES, HeapTrace, heap_line, model_state, state_line
 from mpitrain.observe.metrics import MetricsLog
@@ -232,6 +233,7 @@ def sample_text(run) -> str:
     first_char = np.empty(1, dtype=prompt_split.x_dtype)
     prompt_split.read("x", 0, 1, first_char)
     prompt = first_char[None, :].astype(np.int64)  # (1, 1): the first held-out character
-    ids = run.model.generate(prompt, t.sample_tokens, temperature=0.8, top_k=None,
-                             generator=np.random.default_rng((t.seed, SAMPLING)))
+    with merged(run.model):  # LoRA's adapters folded into their weights
+        ids = run.model.generate(prompt, t.sample_tokens, temperature=0.8, top_k=None,
+                                 generator=np.random.default_rng((t.seed, SAMPLING)))
     return run.data.decode(ids[0, 1:])

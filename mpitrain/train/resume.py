@@ -144,8 +144,8 @@ def check_config(path: Path, saved: dict, cfg, warn) -> None:
         raise CheckpointError(f"{path}: the checkpoint's model differs: {', '.join(model)}; a resumed run trains "
                               "the saved model (start a new run to change it)")
     for key, old, new in changes:
-        if key == "optim.name":
-            raise CheckpointError(f"{path}: saved with optim.name = {old!r}, this run has {new!r}; the optimizer "
+        if key in ("optim.name", "train.trainable"):
+            raise CheckpointError(f"{path}: saved with {key} = {old!r}, this run has {new!r}; the optimizer "
                                   "state cannot carry over")
     if changes:
         warn("resume: changes to the saved config: "

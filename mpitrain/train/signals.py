@@ -24,12 +24,14 @@ class StopSignals:
     MPICH's launcher kills them instead, unless ``mpitrain launch`` stands in front of it:
     :mod:`mpitrain.launch`.) Under ``mpitrain launch``, SIGUSR2 is a Ctrl-C it relayed to a
     launcher that would not pass SIGINT on (Open MPI's ``mpirun``, ``srun``), and taken as
-    one (elsewhere it keeps its default action). ``loud``: this rank says so when the first arrives.
+    one (elsewhere it keeps its default action). ``loud``: this rank says so when the first arrives
+    (what it does ``then``: a run's default; ``mpitrain sample`` prints what it has drawn).
     Installed in the main thread only, put back on exit."""
 
     SIGNALS = ("SIGINT", "SIGTERM", "SIGUSR1", launch.RELAYED_INT)
 
-    def __init__(self, loud: bool = False, launcher: str | None = None):
+    def __init__(self, loud: bool = False, launcher: str | None = None,
+                 then: str = "finishing this step, then saving a checkpoint"):
         self.received: int | None = None
         self.loud = loud
         self._first_int: float | None = None
@@ -39,7 +41,7 @@ class StopSignals:
                      "makes repeats safe)")
         else:
             again = f"Ctrl-C again after {launch.REPEAT_S:g} s to abort at once, saving nothing"
-        self._notice = f"\nmpitrain: Ctrl-C: finishing this step, then saving a checkpoint; {again}\n".encode()
+        self._notice = f"\nmpitrain: Ctrl-C: {then}; {again}\n".encode()
 
     def _handler(self, signum, frame) -> None:
         if signum == getattr(signal, launch.RELAYED_INT):
