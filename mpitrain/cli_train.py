@@ -165,7 +165,8 @@ def _trained_run_arguments(p) -> None:
     """What sample and eval take alike: the run (or checkpoint), and changes to its saved config."""
     p.add_argument("target", metavar="RUN_DIR|CHECKPOINT", help="a run directory, or a checkpoint file of one")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="change the saved config, e.g. --set data.path=... where the data is now")
+                   help="change the saved config, e.g. --set data.path=... where the data is now (or another "
+                        "dataset of the run's vocabulary: it replaces a saved data.name)")
 
 
 def _sample_parser(commands) -> None:

@@ -3,6 +3,7 @@ parameters are frozen or LoRA's adapters train, against the formula and against 
 products a real step counts (:mod:`mpitrain.observe.flops`)."""
 
 from fnmatch import fnmatchcase
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -77,3 +78,16 @@ def test_counted_flops_are_a_real_steps(rank, trainable):
     assert set(shape.parameters()) == set(names)
     assert 2 * sum(x.forward for x in shape.layers) == counted.forward
     assert 2 * sum(x.backward for x in shape.layers) == counted.backward
+
+
+def test_a_gpu_search_refuses_a_fine_tuning_config_naming_its_fields():
+    """Tier 1's columns count every parameter as training: a fine-tuning config is refused
+    there, with the --set that searches it as full training."""
+    from mpitrain.config import ConfigError
+    from mpitrain.plan import space
+
+    cfg = config.load(Path(__file__).parents[1] / "jobs" / "shakespeare_gpt.toml",
+                      ["model.lora_rank=4", 'train.trainable=["head.*"]'], data_needed=False)
+    with pytest.raises(ConfigError, match=r"--search: train.trainable and model.lora_rank: a fine-tuning config is "
+                                          r"not searched on a GPU .* --set train.trainable=\[\] --set model.lora_rank=0"):
+        space.whole_training(cfg)

@@ -193,3 +193,14 @@ def test_what_sample_and_eval_cannot_use_is_one_line(gpt_run, tmp_path, capsys, 
         assert cli.main(argv) == 2, argv
         err = capsys.readouterr().err
         assert err.startswith("mpitrain: error: ") and said in err and err.count("\n") == 1, err
+
+
+def test_a_saved_data_name_gives_way_to_a_data_path_set_and_back():
+    """``mpitrain eval RUN --set data.path=DIR`` scores another dataset of the run's
+    vocabulary (a fine-tune's held-out text) though the run named an embedded one."""
+    from mpitrain.train.trained import elsewhere
+
+    assert elsewhere({"name": "shakespeare", "sampling": "random"}, ["data.path=/d"]) == {"sampling": "random"}
+    assert elsewhere({"path": "/d", "verify": True}, ["data.name = shakespeare"]) == {"verify": True}
+    assert elsewhere({"name": "shakespeare"}, ["train.eval_batches=2"]) == {"name": "shakespeare"}
+

@@ -117,9 +117,9 @@ def whole_training(cfg) -> None:
     fields = [f for f, on in (("train.trainable", cfg.train.trainable), ("model.lora_rank", cfg.model.lora_rank)) if on]
     if fields:
         full = " ".join(f"--set {f}={'[]' if f == 'train.trainable' else 0}" for f in fields)
-        raise ConfigError(f"--search: {' and '.join(fields)}: fine-tuning is not searched (tier 1 counts every "
-                          "parameter as training); plan a layout of it with `mpitrain plan CONFIG --set parallel.`..., "
-                          f"or search as full training with {full}")
+        raise ConfigError(f"--search: {' and '.join(fields)}: a fine-tuning config is not searched on a GPU (tier 1 "
+                          "counts every parameter as training); plan one layout of it at a time (mpitrain plan CONFIG "
+                          f"--set parallel.dp=...), or search it as full training with {full}")
 
 
 def grids(model: Gpt, P: int, chunks: tuple = KNOBS["chunks"]) -> dict:

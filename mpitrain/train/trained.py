@@ -46,12 +46,22 @@ def load(target, comm, log, overrides: list[str] = ()) -> tuple[Run, int, Path]:
     saved = attrs["json"]["config"]
     plain = {section: {**table, **LAYOUT_FREE.get(section, {})} for section, table in saved.items()}
     plain["parallel"] = {}  # replicas of the whole model
+    plain["data"] = elsewhere(plain.get("data", {}), overrides)
     cfg = config.from_saved(plain, list(overrides), where=f"{path}: the saved config")
     run = build_run(cfg, comm, check_ranks(cfg, comm.size), log)
     with run.role.sync.whole_model(masters=True):  # a mixed-precision run's are float32
         checkpoint.restore(path, model=run.model, optimizer=run.optimizer, sync=run.role.sync, comm=comm,
                            layout=run.layout, weights_only=True)
     return run, int(attrs["step"]), path
+
+
+def elsewhere(data: dict, overrides) -> dict:
+    """A saved ``data`` table with ``overrides`` in mind: ``--set data.path=DIR`` (another
+    dataset of the vocabulary, or the same one moved) replaces a saved ``data.name``, and
+    ``--set data.name=NAME`` a saved ``data.path`` (the config takes one of them)."""
+    given = {o.split("=", 1)[0].strip() for o in overrides}
+    drop = {"data.path": "name", "data.name": "path"}
+    return {k: v for k, v in data.items() if not any(g in given and k == f for g, f in drop.items())}
 
 
 def built(path, comm, log, overrides: list[str] = ()) -> Run:
