@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import select
 import signal
 import sys
@@ -67,13 +68,22 @@ def _command_parser(parser, argv):
     return parser
 
 
-def _set_hint(args, unknown: list[str]) -> str:
+# a launcher's options for the ranks to start (mpiexec's, torchrun's), given to mpitrain train by habit
+RANK_OPTIONS = ("-n", "-np", "--np", "--nproc_per_node", "--nproc-per-node", "--ranks", "--world_size", "--world-size")
+
+
+def _set_hint(args, unknown: list[str], argv: list[str] = ()) -> str:
     """For ``train``, the ``--set`` lines that do what unknown options such as ``--epochs
     2``, ``--lr=3e-4`` or ``--batch-size 32`` meant, as a clause of the error."""
     from mpitrain.config import field_for_option
 
     if getattr(args, "command", None) != "train":
         return ""
+    for k, token in enumerate(argv):  # a launcher's option: the ranks are mpiexec's to start
+        option, eq, value = token.partition("=")
+        if option in RANK_OPTIONS:
+            ranks = value or (argv[k + 1] if k + 1 < len(argv) and argv[k + 1].isdigit() else "N")
+            return f"; mpitrain runs on the ranks its launcher starts: mpiexec -n {ranks} mpitrain train CONFIG"
     hints = []
     for i, token in enumerate(unknown):
         option, eq, value = token.partition("=")
@@ -207,7 +217,11 @@ def _config_parser(commands) -> None:
 def main(argv=None) -> int:
     """The ``mpitrain`` command: its exit status. A reader of its output that goes away
     (``mpitrain plan ... | head``) ends it quietly with the status of a process that
-    SIGPIPE ended, as for any Unix tool, not with a traceback."""
+    SIGPIPE ended, as for any Unix tool, not with a traceback; an output the caller closed
+    (``>&-``) is the null device."""
+    for name in ("stdout", "stderr"):  # closed by the caller (``>&-``): what would go there goes nowhere
+        if getattr(sys, name) is None:
+            setattr(sys, name, open(os.devnull, "w"))
     try:
         status = _main(argv)
         sys.stdout.flush()  # here rather than at exit, where a broken pipe could only be reported
@@ -231,12 +245,26 @@ def _stdout_gone() -> bool:
         return False
 
 
+def _negative_values(argv: list[str]) -> list[str]:
+    """``--memory-per-rank -5MB`` as ``--memory-per-rank=-5MB``: argparse takes a value that
+    starts with a minus and a digit but is not a plain number for an option, and says only
+    "expected one argument"; joined, the option's own check says what is wrong with it."""
+    out = []
+    for token in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and re.fullmatch(r"-\d[\w.+-]*", token):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
 def _main(argv) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    argv = _negative_values(sys.argv[1:] if argv is None else list(argv))
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # told with the command's own usage, and for train the --set that does it
-        _command_parser(parser, argv).error(f"unrecognized arguments: {' '.join(unknown)}{_set_hint(args, unknown)}")
+        _command_parser(parser, argv).error(f"unrecognized arguments: {' '.join(unknown)}"
+                                           f"{_set_hint(args, unknown, argv)}")
     from mpitrain.checkpoint import CheckpointError, CheckpointWriteError
     from mpitrain.comm import abort_on_exception, launcher_rank
     from mpitrain.config import ConfigError

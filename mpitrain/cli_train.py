@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from mpitrain.cli_common import INTERRUPTED, _failure, _note, _positive, _positive_float, _usage
+from mpitrain.cli_common import INTERRUPTED, _failure, _non_negative, _note, _positive, _positive_float, _usage
 
 
 def add_parsers(commands) -> None:
@@ -189,8 +189,8 @@ def _sample_parser(commands) -> None:
     p.add_argument("--temperature", type=_positive_float, default=0.8,
                    help="divides the logits: lower is more conservative (default 0.8)")
     p.add_argument("--top-k", type=_positive, help="draw among the K likeliest characters only (default: all)")
-    p.add_argument("--seed", type=int, default=1337,
-                   help="the sampling streams' seed: sequence i draws from stream (seed, i) (default 1337)")
+    p.add_argument("--seed", type=_non_negative, default=1337,
+                   help="the sampling streams' seed, 0 or more: sequence i draws from stream (seed, i) (default 1337)")
     p.add_argument("--tp", type=_positive, default=1, metavar="T",
                    help="tensor-parallel ranks a model is sliced over (heads and MLP columns; default 1)")
     p.add_argument("--dp", type=_positive, metavar="D",
@@ -232,7 +232,7 @@ def _sample(args) -> int:
             for i, text in enumerate(texts):
                 print(text if len(texts) == 1 else f"--- sequence {i + 1} of {len(texts)} ---\n{text}")
             sys.stdout.flush()
-            print("\n".join(sampling.report(figures)), file=sys.stderr)
+            print("\n".join([f"({path}, {comm.size} rank(s))", *sampling.report(figures)]), file=sys.stderr)
     return INTERRUPTED if figures["stopped"] else 0
 
 

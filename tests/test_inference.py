@@ -93,6 +93,8 @@ def test_sample_prints_the_text_and_its_figures_and_json_holds_them(gpt_run, tmp
     assert cli.main(["sample", str(gpt_run), "--prompt", "to be", "--tokens", "30", "--seed", "5"]) == 0
     out, err = capsys.readouterr()
     lines = err.splitlines()
+    assert lines[0].startswith("(") and lines[0].endswith(", 1 rank(s))")  # the checkpoint drawn from
+    lines = lines[1:]
     assert lines[0].startswith("time to first token: ") and "(the prefill of 1 prompt(s) of 5-5 tokens" in lines[0]
     assert lines[1].startswith("time per output token: mean ") and "(over 29 step(s) of 1 sequence(s))" in lines[1]
     assert lines[2].startswith("tokens/s: ") and lines[3].startswith("KV cache: ") and "peak memory" in lines[3]

@@ -76,3 +76,27 @@ def test_a_wait_for_data_longer_than_the_steps_is_a_share_below_one():
     assert written["time/io_stall"] == pytest.approx(0.030 / 0.040)
     assert written["time/comm_exposed"] == pytest.approx(0.002 / 0.010)
     assert written["time/step_ms/rank_0"] == pytest.approx(5.0)
+
+
+def test_the_documented_install_brings_the_documented_command():
+    """The README's ``pip install -e ".[tensorboard]"`` brings the writer and the viewer its
+    next line runs (``tensorboard --logdir runs``): the extra names both, and the command
+    installed beside this Python (the test extra installs the same) answers."""
+    import configparser
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    setup = configparser.ConfigParser()
+    setup.read(root / "setup.cfg")
+    extra = setup["options.extras_require"]["tensorboard"].split()
+    assert any(e.startswith("tensorboardX") for e in extra) and any(e.startswith("tensorboard>=") for e in extra)
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    assert 'pip install -e ".[tensorboard]"' in readme and "tensorboard --logdir runs" in readme
+    command = shutil.which("tensorboard", path=str(Path(sys.executable).parent)) or shutil.which("tensorboard")
+    assert command, "the tensorboard command is not installed beside this Python"
+    out = subprocess.run([command, "--version"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip()[0].isdigit(), out
+

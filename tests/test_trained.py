@@ -204,3 +204,9 @@ def test_a_saved_data_name_gives_way_to_a_data_path_set_and_back():
     assert elsewhere({"path": "/d", "verify": True}, ["data.name = shakespeare"]) == {"verify": True}
     assert elsewhere({"name": "shakespeare"}, ["train.eval_batches=2"]) == {"name": "shakespeare"}
 
+
+
+def test_eval_of_another_split_names_its_figures_by_it(gpt_run, capsys):
+    """``--split train`` scores the training split and says ``train loss``, not ``val loss``."""
+    assert cli.main(["eval", str(gpt_run), "--split", "train", "--batches", "1"]) == 0
+    assert capsys.readouterr().out.startswith("step 8: train loss ")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import functools
 import math
 import typing
@@ -46,7 +47,26 @@ __all__ = [
 _OPTION_ALIASES = {"batch_size": "train.global_batch_size", "learning_rate": "optim.lr", "max_iters": "train.steps",
                    "iters": "train.steps", "warmup": "optim.warmup_steps", "warmup_iters": "optim.warmup_steps",
                    "wd": "optim.weight_decay", "optimizer": "optim.name", "model": "model.name",
-                   "data": "data.path", "dataset": "data.path", "out_dir": "run.dir"}
+                   "data": "data.path", "dataset": "data.path", "out_dir": "run.dir",
+                   # the names PyTorch's examples, nanoGPT, Hugging Face, DeepSpeed and Megatron-LM give them
+                   "max_steps": "train.steps", "num_train_epochs": "train.epochs", "total_steps": "train.steps",
+                   "train_iters": "train.steps", "lr_warmup_steps": "optim.warmup_steps",
+                   "warmup_steps": "optim.warmup_steps", "num_warmup_steps": "optim.warmup_steps",
+                   "gradient_accumulation_steps": "train.micro_batches", "grad_accum": "train.micro_batches",
+                   "train_batch_size": "train.global_batch_size", "global_batch_size": "train.global_batch_size",
+                   "max_grad_norm": "optim.grad_clip", "clip_grad": "optim.grad_clip",
+                   "gradient_clipping": "optim.grad_clip", "weight_decay": "optim.weight_decay",
+                   "min_learning_rate": "optim.min_lr", "lr_decay": "optim.schedule",
+                   "n_layers": "model.n_layer", "num_layers": "model.n_layer", "num_hidden_layers": "model.n_layer",
+                   "n_heads": "model.n_head", "num_heads": "model.n_head", "num_attention_heads": "model.n_head",
+                   "hidden_size": "model.n_embd", "d_model": "model.n_embd", "n_embed": "model.n_embd",
+                   "seq_len": "model.block_size", "seq_length": "model.block_size",
+                   "context_length": "model.block_size",
+                   "max_position_embeddings": "model.block_size", "ffn_hidden_size": "model.ffn_hidden",
+                   "intermediate_size": "model.ffn_hidden", "num_key_value_heads": "model.n_kv_head",
+                   "vocab": "model.vocab_size", "eval_iters": "train.eval_batches",
+                   "tensor_model_parallel_size": "parallel.tp", "pipeline_model_parallel_size": "parallel.pp",
+                   "zero_stage": "parallel.sync", "micro_batches": "train.micro_batches"}
 
 
 def field_for_option(option: str) -> str | None:
@@ -59,6 +79,22 @@ def field_for_option(option: str) -> str | None:
     tables = hints_of(Config)
     owners = [s.name for s in sections() if name in {f.name for f in dataclasses.fields(tables[s.name])}]
     return f"{owners[0]}.{name}" if len(owners) == 1 else None
+
+
+def did_you_mean(section: str, name: str) -> str | None:
+    """The field (``section.field``) an unknown ``section.name`` likely meant: as other
+    trainers name it (``max_iters``: ``train.steps``), the same name in another section
+    (``train.warmup_steps``: ``optim.warmup_steps``), or a near spelling in its own
+    (``model.n_layers``: ``model.n_layer``); None if nothing is close."""
+    tables = hints_of(Config)
+    if name in _OPTION_ALIASES and _OPTION_ALIASES[name] != f"{section}.{name}":
+        return _OPTION_ALIASES[name]
+    owners = [s.name for s in sections() if s.name != section and name in hints_of(tables[s.name])]
+    if owners:
+        return f"{owners[0]}.{name}"
+    own = list(hints_of(tables[section])) if section in tables else []
+    close = difflib.get_close_matches(name, own, n=1, cutoff=0.75)
+    return f"{section}.{close[0]}" if close else None
 
 
 # ------------------------------------------------------------------- parsing
@@ -137,7 +173,9 @@ def from_dict(raw: dict, overrides: list[str] = (), data_needed: bool = True) ->
         for name, value in raw.get(s.name, {}).items():
             key = f"{s.name}.{name}"
             if name not in field_hints:
-                raise ConfigError(f"{key}: unknown field (expected one of {sorted(field_hints)})")
+                guess = did_you_mean(s.name, name)
+                raise ConfigError(f"{key}: unknown field{f': did you mean {guess}?' if guess else ''} (the fields "
+                                  f"of [{s.name}]: {', '.join(sorted(field_hints))})")
             values[name] = _coerce(key, value, field_hints[name])
             given.add(key)
         tables[s.name] = cls(**values)

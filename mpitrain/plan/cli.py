@@ -68,6 +68,7 @@ def add_parser(commands) -> None:
                "--nodes 128 --network ib-hdr --set train.global_batch_size=2048 --set parallel.sync=zero3\n"
                "  mpitrain plan --calibrate\n"
                "  mpiexec -n 2 mpitrain plan jobs/shakespeare_gpt.toml --validate\n"
+               "exit status: 0, the plan (it fits); 3, it does not fit; 2, bad input\n"
                "the guide: mpitrain/plan/README.md",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", nargs="?", help="the TOML config to plan (or --model)")
@@ -106,8 +107,9 @@ def add_parser(commands) -> None:
     p.add_argument("--html", metavar="FILE",
                    help="also write the plan as one self-contained HTML page (its figures inline; with --search the "
                         "layouts' time against memory, with --validate predicted against measured)")
-    p.add_argument("--steps", type=_positive, default=20,
-                   help="with --validate: steps of the timed run (default 20, in windows of 5; the first is not timed)")
+    p.add_argument("--steps", type=_positive,
+                   help="with --validate or --measure: steps of the timed run (default 20, in windows of 5; the first "
+                        "is not timed)")
     p.set_defaults(run=run)
 
 
@@ -176,10 +178,19 @@ def _search_arguments(p, positive) -> None:
                    help="with --measure: where the table (CSV, JSON) and the plot go (default %(default)s)")
 
 
+DOES_NOT_FIT = 3  # the exit status of a plan whose largest rank exceeds its memory (0: it fits; 2: bad input)
+
+
 def run(args) -> int:
+    from mpitrain.comm import launcher_rank
     from mpitrain.config import ConfigError
     from mpitrain.plan import hardware
 
+    if args.steps is not None and not (args.validate or args.measure):
+        raise ConfigError("--steps: the steps of a run --validate or --measure makes; a plan alone runs nothing")
+    args.steps = args.steps or 20
+    if launcher_rank() not in (None, 0) and not args.validate:  # under mpiexec: one plan, printed once
+        return 0
     try:
         if args.inference:
             from mpitrain.plan import serving
@@ -239,4 +250,4 @@ def run(args) -> int:
 
         print(f"wrote {page.write(args.html, plan, text, f'mpitrain plan: {source}')}")
     sys.stdout.flush()
-    return 0
+    return 0 if plan.largest().peak <= plan.machine.memory else DOES_NOT_FIT

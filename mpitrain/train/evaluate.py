@@ -29,19 +29,19 @@ def score(run, comm, step: int, result, metrics, log, split: str | None = None) 
     model, data, cfg, role = run.model, run.data, run.cfg, run.role
     lane = (comm.rank, comm.size) if role.grid.whole_model else role.lane
     split = split or SPLITS[data.kind]
-    named = "" if split == SPLITS[data.kind] else f" ({split} split)"
+    label = split  # the figures named by the split scored: "val loss", or "train loss" for --split train
     model.eval()
     try:
         with merged(model):  # LoRA's adapters folded into their weights: the plain layers, one product each
             if data.kind == "text":
                 result.val_loss = evaluate_text(role.schedule.loss_only, data, cfg, comm, lane, split)
-                log(f"step {step}: val loss {result.val_loss:.4f}{named}")
+                log(f"step {step}: {label} loss {result.val_loss:.4f}")
             else:
                 result.test_accuracy, result.test_loss = evaluate_images(role.schedule.forward_only, data, cfg, comm,
                                                                          lane, split, role.takes_input)
                 views = ", each image and its mirror" if cfg.train.eval_flip else ""
-                log(f"step {step}: test accuracy {100 * result.test_accuracy:.2f}%, test loss "
-                    f"{result.test_loss:.4f}{named}{views}")
+                log(f"step {step}: {label} accuracy {100 * result.test_accuracy:.2f}%, {label} loss "
+                    f"{result.test_loss:.4f}{views}")
     finally:
         model.train()
     record = {"step": step, "val_loss": result.val_loss, "test_accuracy": result.test_accuracy}

@@ -1,0 +1,68 @@
+"""What a user of PyTorch, nanoGPT or torchrun types first, answered in one line with what
+mpitrain calls it; and the command line's edges: an output the caller closed, values that
+look like options, options that apply only with others, a plan that does not fit."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpitrain import cli
+from mpitrain.config import did_you_mean
+
+JOBS = Path(__file__).parents[1] / "jobs"
+CONFIG = str(JOBS / "shakespeare_gpt.toml")
+
+
+@pytest.mark.parametrize("given, meant", [
+    ("train.max_iters", "train.steps"), ("optim.learning_rate", "optim.lr"), ("model.n_layers", "model.n_layer"),
+    ("train.batch_size", "train.global_batch_size"), ("train.warmup_steps", "optim.warmup_steps"),
+    ("train.gradient_accumulation_steps", "train.micro_batches"), ("model.hidden_size", "model.n_embd"),
+    ("model.num_attention_heads", "model.n_head"), ("optim.max_grad_norm", "optim.grad_clip"),
+    ("train.lr", "optim.lr")])
+def test_an_unknown_field_says_what_it_likely_meant(given, meant, capsys):
+    assert did_you_mean(*given.split(".")) == meant
+    assert cli.main(["train", CONFIG, "--set", f"{given}=1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"mpitrain: error: {given}: unknown field: did you mean {meant}? (the fields of [")
+    assert err.count("\n") == 1
+
+
+def test_a_field_nothing_is_close_to_lists_the_sections_fields(capsys):
+    assert did_you_mean("train", "zzz") is None
+    assert cli.main(["train", CONFIG, "--set", "train.zzz=1"]) == 2
+    assert "train.zzz: unknown field (the fields of [train]: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["train", CONFIG, "--gradient_accumulation_steps=4"], "a config field is set with --set: --set "
+                                                           "train.micro_batches=4"),
+    (["train", "-n", "2", CONFIG], "mpitrain runs on the ranks its launcher starts: mpiexec -n 2 mpitrain train"),
+    (["train", CONFIG, "--nproc_per_node=4"], "mpiexec -n 4 mpitrain train CONFIG")])
+def test_another_tools_options_are_answered_with_mpitrains(argv, hint, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2 and hint in capsys.readouterr().err
+
+
+def test_plan_options_that_do_nothing_alone_are_refused_and_a_plan_that_does_not_fit_exits_3(capsys):
+    assert cli.main(["plan", CONFIG, "--steps", "5"]) == 2
+    assert "--steps: the steps of a run --validate or --measure makes" in capsys.readouterr().err
+    assert cli.main(["plan", CONFIG, "--memory-per-rank", "1kB"]) == 3
+    assert capsys.readouterr().out.splitlines()[-1].startswith("verdict: does not fit")
+    with pytest.raises(SystemExit):  # a negative size: the option's own check, not "expected one argument"
+        cli.main(["plan", CONFIG, "--memory-per-rank", "-5MB"])
+    assert "--memory-per-rank: expected bytes such as 16GB" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["plan", CONFIG], ["config", "reference"], ["--version"], ["plan", "--help"],
+                                  ["train", "--help"], ["sample", "--help"], ["eval", "--help"], ["data", "--help"],
+                                  ["bench", "--help"], ["report", "--help"], ["cluster", "--help"],
+                                  ["launch", "--help"], ["train", "nothing.toml"]])
+def test_no_command_tracebacks_with_its_output_closed(argv):
+    """``mpitrain ... >&-``: what would be printed goes nowhere; the status is the command's."""
+    out = subprocess.run([sys.executable, "-m", "mpitrain", *argv], stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True, timeout=120, close_fds=True,
+                         preexec_fn=lambda: __import__("os").close(1))
+    assert "Traceback" not in out.stderr and out.returncode in (0, 2), out.stderr
