@@ -66,3 +66,20 @@ def test_no_command_tracebacks_with_its_output_closed(argv):
                          stderr=subprocess.PIPE, text=True, timeout=120, close_fds=True,
                          preexec_fn=lambda: __import__("os").close(1))
     assert "Traceback" not in out.stderr and out.returncode in (0, 2), out.stderr
+
+
+def test_report_refuses_an_output_that_is_a_file_and_a_start_record_without_its_config(tmp_path, capsys):
+    import json
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"kind": "start", "step": 0}) + "\n")
+    assert cli.main(["report", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "its 'start' record has no 'ranks' or 'config': not written by this mpitrain, or damaged" in err
+    assert err.count("\n") == 1
+    taken = tmp_path / "taken.png"
+    taken.write_text("mine")
+    (run / "metrics.jsonl").write_text(json.dumps({"kind": "start", "step": 0, "ranks": 1, "config": {}}) + "\n")
+    assert cli.main(["report", str(run), "--out", str(taken)]) == 2
+    assert f"--out {taken}: is a file; name a folder" in capsys.readouterr().err and taken.read_text() == "mine"

@@ -40,6 +40,13 @@ class Run:
         self.train = self.kinds.get("train", [])
         self.evals = self.kinds.get("eval", [])
         self.end = (self.kinds.get("end") or [None])[-1]
+        missing = [k for k in ("ranks", "config") if k not in self.start]
+        config = self.start.get("config")
+        if not missing and not (isinstance(config, dict) and {"model", "data", "train", "parallel"} <= set(config)):
+            missing = ["config's sections"]
+        if missing:
+            raise ReportError(f"{path}: its 'start' record has no {' or '.join(repr(k) for k in missing)}: not written "
+                              "by this mpitrain, or damaged")
         self.ranks = int(self.start["ranks"])
         self.config = self.start["config"]
         self.name = self.dir.name

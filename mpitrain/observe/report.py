@@ -14,6 +14,7 @@ of one job at several rank counts, one of them on 1 rank (``jobs/scaling_local.s
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from mpitrain.observe import records
@@ -24,22 +25,38 @@ __all__ = ["ReportError", "Run", "layout", "report", "summary"]
 MIRRORED = " (each image and its mirror)"  # an evaluation of two views (train.eval_flip): not one view's figure
 
 
+def _folder(target: Path) -> Path:
+    """``target``, made if missing: a ReportError naming it if it is a file or cannot be written."""
+    if target.exists() and not target.is_dir():
+        raise ReportError(f"{target}: is a file; the report needs a folder there")
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ReportError(f"{target}: cannot make the report's folder: {e.strerror}") from None
+    if not os.access(target, os.W_OK):
+        raise ReportError(f"{target}: cannot write the report there (no permission)")
+    return target
+
+
 def report(run_dirs, out=None, log=print) -> list[Path]:
     """Write the plots and summaries; returns the files written."""
+    if out and Path(out).exists() and not Path(out).is_dir():  # before anything is read: nothing written over
+        raise ReportError(f"--out {out}: is a file; name a folder for the plots and the summary")
     runs = [Run(d) for d in run_dirs]
     written = []
     for run in runs:
-        target = Path(out) if out and len(runs) == 1 else run.dir / "report"
-        target.mkdir(parents=True, exist_ok=True)
-        written += [_loss(run, target / "loss.png"), _time_per_rank(run, target / "time_per_rank.png"),
-                    _throughput(run, target / "throughput.png")]
-        text = summary(run)
-        (target / "summary.txt").write_text(text + "\n", encoding="utf-8")
+        target = _folder(Path(out) if out and len(runs) == 1 else run.dir / "report")
+        try:
+            written += [_loss(run, target / "loss.png"), _time_per_rank(run, target / "time_per_rank.png"),
+                        _throughput(run, target / "throughput.png")]
+            text = summary(run)
+            (target / "summary.txt").write_text(text + "\n", encoding="utf-8")
+        except OSError as e:  # a full disk, a folder whose permissions changed under us
+            raise ReportError(f"{target}: cannot write the report: {e.strerror or e}") from None
         written.append(target / "summary.txt")
         log(text)
     if len(runs) > 1:
-        target = Path(out) if out else runs[0].dir.parent / "scaling"
-        target.mkdir(parents=True, exist_ok=True)
+        target = _folder(Path(out) if out else runs[0].dir.parent / "scaling")
         from mpitrain.observe.scaling import scaling
 
         written.append(scaling(runs, target / "scaling.png", log))
