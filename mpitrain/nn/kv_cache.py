@@ -65,7 +65,7 @@ def _split(qkv: np.ndarray, heads: int) -> tuple:
     return qkv.reshape(B, T, 3, heads, W3 // (3 * heads)).transpose(2, 0, 3, 1, 4)
 
 
-def _block(block, x: Tensor, cache: KVCache, layer: int, step) -> Tensor:
+def _block(block, x: Tensor, layer: int, step) -> Tensor:
     """One block on ``x`` (B, T, C): ``step(qkv, layer)`` attends (and fills the cache)."""
     attn = block.attn
     qkv = attn.c_attn(block.ln_1(x))  # (B, T, 3W): this rank's heads
@@ -91,7 +91,7 @@ def prefill(model, ids: np.ndarray, lengths: np.ndarray, cache: KVCache, gather=
     with no_grad():
         x = model.embed(ids)  # (B, T, C)
         for i, block in enumerate(model.blocks):
-            x = _block(block, x, cache, i, step)
+            x = _block(block, x, i, step)
         last = Tensor(np.ascontiguousarray(x.data[rows, lengths - 1][:, None]))  # (B, 1, C)
         logits = model.head(last)
     cache.lengths[:] = lengths
@@ -123,7 +123,7 @@ def decode(model, tokens: np.ndarray, cache: KVCache, gather=None) -> np.ndarray
         embed = model.embed
         x = embed.wte(tokens[:, None]) + Tensor(embed.wpe.weight.data[pos][:, None, :])  # (B, 1, C)
         for i, block in enumerate(model.blocks):
-            x = _block(block, x, cache, i, step)
+            x = _block(block, x, i, step)
         logits = model.head(x)
     cache.lengths += 1
     return _whole(logits, gather)

@@ -181,13 +181,36 @@ def _search_arguments(p, positive) -> None:
 DOES_NOT_FIT = 3  # the exit status of a plan whose largest rank exceeds its memory (0: it fits; 2: bad input)
 
 
+def _refuse_combinations(args) -> None:
+    """One line for an option that does nothing with the others given (ConfigError)."""
+    from mpitrain.config import ConfigError
+
+    search = "goes with --search (mpitrain plan CONFIG -n P --search ...)"
+    alone = [("--steps", args.steps is not None and not (args.validate or args.measure),
+              "the steps of a run --validate or --measure makes; a plan alone runs nothing"),
+             ("--ttft-target", args.ttft_target and not args.inference, "goes with --inference"),
+             ("--tpot-target", args.tpot_target and not args.inference, "goes with --inference"),
+             ("--measure", args.measure and not args.search, search),
+             ("--cluster", args.cluster and not args.search, search),
+             ("--busy-ok", args.busy_ok and not args.calibrate, "goes with --calibrate"),
+             ("--html", args.html and (args.calibrate or args.notes),
+              "writes a plan, a search or a validation, not --calibrate or --notes"),
+             ("--mfu", args.mfu and (args.search or args.validate or args.largest or args.calibrate),
+              "sets one plan's step; leave it out of --search, --validate, --largest and --calibrate"),
+             ("--train-tokens", args.train_tokens and not args.largest, "goes with --largest"),
+             ("--largest", args.largest and (args.search or args.validate),
+              "plans the grown model on the layout given; leave out --search and --validate")]
+    for option, refused, why in alone:
+        if refused:
+            raise ConfigError(f"{option}: {why}")
+
+
 def run(args) -> int:
     from mpitrain.comm import launcher_rank
     from mpitrain.config import ConfigError
     from mpitrain.plan import hardware
 
-    if args.steps is not None and not (args.validate or args.measure):
-        raise ConfigError("--steps: the steps of a run --validate or --measure makes; a plan alone runs nothing")
+    _refuse_combinations(args)
     args.steps = args.steps or 20
     if launcher_rank() not in (None, 0) and not args.validate:  # under mpiexec: one plan, printed once
         return 0
@@ -196,15 +219,6 @@ def run(args) -> int:
             from mpitrain.plan import serving
 
             return serving.run(args)
-        if args.ttft_target or args.tpot_target:
-            raise ConfigError(f"{'--ttft-target' if args.ttft_target else '--tpot-target'}: goes with --inference")
-        if not args.search and (args.measure or args.cluster):
-            raise ConfigError(f"{'--measure' if args.measure else '--cluster'}: goes with --search (mpitrain plan "
-                              "CONFIG -n P --search ...)")
-        if args.busy_ok and not args.calibrate:
-            raise ConfigError("--busy-ok: goes with --calibrate")
-        if args.html and (args.calibrate or args.notes):
-            raise ConfigError("--html: writes a plan, a search or a validation, not --calibrate or --notes")
         if args.calibrate:
             from mpitrain.plan import calibrate
 
@@ -220,15 +234,7 @@ def run(args) -> int:
             from mpitrain.plan import validate
 
             return validate.run(args)
-        if args.mfu and (args.search or args.validate or args.largest or args.calibrate):
-            raise ConfigError("--mfu: sets one plan's step; leave it out of --search, --validate, --largest and "
-                              "--calibrate")
-        if args.train_tokens and not args.largest:
-            raise ConfigError("--train-tokens: goes with --largest")
         if args.largest:
-            if args.search or args.validate:
-                raise ConfigError("--largest: plans the grown model on the layout given; leave out --search and "
-                                  "--validate")
             from mpitrain.plan import largest
 
             return largest.run(args)

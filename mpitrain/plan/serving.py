@@ -14,19 +14,14 @@ from mpitrain.plan import inference
 
 def config_of(args):
     """(config, data shape or None, what it is called) of RUN_OR_CONFIG or ``--model``: a
-    run directory's saved config (its newest checkpoint that verifies)."""
+    trained run's saved config as ``mpitrain sample`` reads it (a run directory's newest
+    checkpoint that verifies, or a checkpoint file: :func:`mpitrain.train.trained.saved_config`)."""
     from mpitrain.plan import models
 
-    if args.config and Path(args.config).is_dir():
-        from mpitrain import config
-        from mpitrain.checkpoint import CheckpointError
-        from mpitrain.train import resume
+    if args.config and (Path(args.config).is_dir() or Path(args.config).suffix == ".h5"):
+        from mpitrain.train.trained import saved_config
 
-        try:
-            path, attrs = resume.newest(args.config)
-        except CheckpointError as e:
-            raise ConfigError(str(e)) from None
-        cfg = config.from_saved(attrs["json"]["config"], args.set, where=f"{path}: the saved config")
+        cfg, path, _ = saved_config(args.config, args.set)
         return cfg, None, f"{args.config} ({path.name})"
     return models.config_of(args)
 

@@ -34,7 +34,7 @@ def measured(args, r, plan) -> list:
                           f"mpiexec -n {r.tp}")
     quiet = lambda *a: None  # noqa: E731
     extra = [f"train.global_batch_size={comm.size}"]
-    if Path(args.config).is_dir():
+    if Path(args.config).is_dir() or Path(args.config).suffix == ".h5":
         run, _, _ = trained.load(args.config, comm, quiet, args.set + extra)
     else:
         run = trained.built(args.config, comm, quiet, args.set + extra)

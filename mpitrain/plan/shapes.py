@@ -144,6 +144,34 @@ def chain(steps, trained, g: bool) -> tuple[int, bool]:
 
 
 # ----------------------------------------------------------------------------- GPT
+def _block_steps(p: str, held: dict, T: int, C: int, w: int, kvw: int, hid: int, gated: bool) -> list:
+    """A block's forward in order, as :func:`chain` reads it (what backward runs when some
+    parameters are frozen): the norms' joins, each ``Linear``'s product (and LoRA's two
+    adapters' products beside it, where ``held`` has them, and its bias), attention's pair
+    of products; the block ``p``'s parameters ``held`` by name, ``w`` and ``kvw`` its
+    heads' query and key widths, ``hid`` its hidden units."""
+    steps = []
+
+    def linear(name: str, flops: int, kind: str = "product"):  # a Linear: its product, adapters, bias
+        steps.append((kind, flops, (f"{name}.weight",)))
+        if f"{name}.lora_A" in held:
+            (n_in, r), n_out = held[f"{name}.lora_A"], held[f"{name}.lora_B"][1]
+            steps.append(("adapters", (matmul_flops(T, n_in, r), matmul_flops(T, r, n_out)),
+                          (f"{name}.lora_A", f"{name}.lora_B")))
+        steps.append(("join", 0, tuple(n for n in (f"{name}.bias",) if n in held)))
+
+    steps.append(("join", 0, tuple(n for n in held if n.startswith(f"{p}.ln_1."))))
+    linear(f"{p}.attn.c_attn", matmul_flops(T, C, w + 2 * kvw))
+    steps.append(("pair", attention_flops(1, T, w), ()))
+    linear(f"{p}.attn.c_proj", matmul_flops(T, w, C))
+    steps.append(("join", 0, tuple(n for n in held if n.startswith(f"{p}.ln_2."))))
+    linear(f"{p}.mlp.c_fc", matmul_flops(T, C, hid))
+    if gated:  # SwiGLU's gate: a product on the same input
+        linear(f"{p}.mlp.c_gate", matmul_flops(T, C, hid), "beside")
+    linear(f"{p}.mlp.c_proj", matmul_flops(T, hid, C))
+    return steps
+
+
 def gpt(V: int, T: int, L: int, H: int, C: int, bias: bool = False, checkpointed: bool = False,
         t: int = 1, rank: int = 0, name: str = "gpt", sequence: bool = False, ffn: int = 0, kv: int = 0,
         gated: bool = False, tied: bool = True, positions: bool = True, lora: tuple = (0, ())) -> ModelShape:
@@ -198,25 +226,7 @@ def gpt(V: int, T: int, L: int, H: int, C: int, bias: bool = False, checkpointed
         params = adapters(params, *lora)
         extra = sum(math.prod(shape) for n, shape in params if n.endswith((".lora_A", ".lora_B")))  # (untouched by tp)
         held = {n: shape for n, shape in params if shape is not None}
-        steps = []
-
-        def linear(name: str, flops: int, kind: str = "product"):  # a Linear: its product, adapters, bias
-            steps.append((kind, flops, (f"{name}.weight",)))
-            if f"{name}.lora_A" in held:
-                (n_in, r), n_out = held[f"{name}.lora_A"], held[f"{name}.lora_B"][1]
-                steps.append(("adapters", (matmul_flops(T, n_in, r), matmul_flops(T, r, n_out)),
-                              (f"{name}.lora_A", f"{name}.lora_B")))
-            steps.append(("join", 0, tuple(n for n in (f"{name}.bias",) if n in held)))
-
-        steps.append(("join", 0, tuple(n for n in held if n.startswith(f"{p}.ln_1."))))
-        linear(f"{p}.attn.c_attn", matmul_flops(T, C, w + 2 * kvw))
-        steps.append(("pair", attention_flops(1, T, w), ()))
-        linear(f"{p}.attn.c_proj", matmul_flops(T, w, C))
-        steps.append(("join", 0, tuple(n for n in held if n.startswith(f"{p}.ln_2."))))
-        linear(f"{p}.mlp.c_fc", matmul_flops(T, C, hid))
-        if gated:  # SwiGLU's gate: a product on the same input
-            linear(f"{p}.mlp.c_gate", matmul_flops(T, C, hid), "beside")
-        linear(f"{p}.mlp.c_proj", matmul_flops(T, hid, C))
+        steps = _block_steps(p, held, T, C, w, kvw, hid, gated)
         fwd = sum(sum(f) if kind == "adapters" else f for kind, f, _ in steps)
         full = gpt_block_activation_bytes(1, T, C, H, 1, t=t, sequence=sequence)
         kept = gpt_block_activation_bytes(1, T, C, H, 1, checkpointed, t, sequence)

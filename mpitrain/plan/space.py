@@ -357,11 +357,8 @@ def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule
         tp_bytes = tp_bytes + gpu.gathered_again(m * blocks, b * T * C * number, tp)
         sums = sums + 2 * m * blocks
     tp_seconds = cost.alpha_beta_seconds("allreduce", tp, tp_bytes, alpha, bandwidth, sums)
-    grads, dp_bytes = N * number, sent["dp"]
-    if machine.device.sms and sync in ("ddp", "zero1"):  # the gradients summed as the framework keeps them
-        grads = N * gpu.synced_word(sync, precision, model.accumulation)
-        summed = estimate.sync_bytes(grads, sync, dp, m)
-        dp_bytes = summed if sync == "ddp" else (summed + dp_bytes) / 2  # ZeRO-1: its gather's parameters as before
+    grads, dp_bytes = (_kept_sums(model, sync, precision, N, number, dp, m) if machine.device.sms
+                       else (N * number, sent["dp"]))
     kind, calls = _sync_calls(sync, grads, bucket_mb, m, blocks + 2)
     message = _sync_message(sync, grads, bucket_mb, blocks + 2)
     alpha, bandwidth, hides = _links(machine, tp, dp, kind, message=message)
@@ -372,6 +369,17 @@ def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule
                                   sync=sync, schedule=schedule, p=pp, m=m, v=v, forward_share=forward, hides=hides,
                                   waited=waited, once=once)
     return {"peak": peak, **parts}
+
+
+def _kept_sums(model: Gpt, sync: str, precision: str, N, number: int, dp, m) -> tuple:
+    """(the gradients' bytes a GPU framework's data parallelism sums, the bytes a rank
+    sends for them): in the word it keeps them in (:func:`mpitrain.plan.gpu.synced_word`),
+    ddp's allreduce or ZeRO-1's reduce-scatter of those and its gather of the weights."""
+    grads = N * gpu.synced_word(sync, precision, model.accumulation)
+    if sync == "zero1":
+        return grads, cost.collective_bytes("reduce_scatter", grads, dp) + cost.collective_bytes("allgather",
+                                                                                                  N * number, dp)
+    return grads, estimate.sync_bytes(grads, sync, dp, m)
 
 
 def _between_stages(machine, whole, embedding, m, v, dp, pp, tp, sequence: bool) -> tuple:

@@ -33,7 +33,7 @@ import numpy as np
 from mpitrain.nn import kv_cache
 from mpitrain.tensor import no_grad
 
-SAMPLING = 7  # the streams' tag (the data pipeline's are 1 to 5, dropout's 6)
+SAMPLING = 7  # the streams' tag, apart from the others (mpitrain.data.loader's and the reader's 1 and 4-6, dropout's 6)
 
 
 def streams(seed: int, indices) -> list:

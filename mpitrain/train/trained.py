@@ -36,23 +36,31 @@ def load(target, comm, log, overrides: list[str] = ()) -> tuple[Run, int, Path]:
     ``target`` is a checkpoint file, or a run directory (its newest checkpoint whose
     every byte verifies). ``overrides``: ``--set`` changes to the saved config (say, where
     the data is now). Collective over ``comm``."""
+    cfg, path, attrs = saved_config(target, overrides, comm.agree)
+    run = build_run(cfg, comm, check_ranks(cfg, comm.size), log)
+    with run.role.sync.whole_model(masters=True):  # a mixed-precision run's are float32
+        checkpoint.restore(path, model=run.model, optimizer=run.optimizer, sync=run.role.sync, comm=comm,
+                           layout=run.layout, weights_only=True)
+    return run, int(attrs["step"]), path
+
+
+def saved_config(target, overrides: list[str] = (), agree=lambda fn, *args: fn(*args)) -> tuple:
+    """(the config of ``target`` laid out as :func:`load` builds it, its checkpoint file,
+    the file's verified attributes): ``target`` a checkpoint file or a run directory (its
+    newest checkpoint whose every byte verifies), read through ``agree`` (a communicator's:
+    rank 0 reads, every rank gets the answer or the same error)."""
     target = Path(target)
     if target.is_dir():
-        path, attrs = comm.agree(resume.newest, target)
+        path, attrs = agree(resume.newest, target)
     elif target.is_file():
-        path, attrs = target, comm.agree(checkpoint.check, target)
+        path, attrs = target, agree(checkpoint.check, target)
     else:
         raise ConfigError(f"{target}: no such run directory or checkpoint file")
     saved = attrs["json"]["config"]
     plain = {section: {**table, **LAYOUT_FREE.get(section, {})} for section, table in saved.items()}
     plain["parallel"] = {}  # replicas of the whole model
     plain["data"] = elsewhere(plain.get("data", {}), overrides)
-    cfg = config.from_saved(plain, list(overrides), where=f"{path}: the saved config")
-    run = build_run(cfg, comm, check_ranks(cfg, comm.size), log)
-    with run.role.sync.whole_model(masters=True):  # a mixed-precision run's are float32
-        checkpoint.restore(path, model=run.model, optimizer=run.optimizer, sync=run.role.sync, comm=comm,
-                           layout=run.layout, weights_only=True)
-    return run, int(attrs["step"]), path
+    return config.from_saved(plain, list(overrides), where=f"{path}: the saved config"), path, attrs
 
 
 def elsewhere(data: dict, overrides) -> dict:
@@ -146,12 +154,15 @@ def serve(run: Run, comm, prompts: list, tokens: int, *, temperature: float = 0.
     from mpitrain.nn import lora
 
     tp, dp = _grid(comm.size, tp, dp, len(prompts))
+    draws = {"temperature": temperature, "top_k": top_k, "seed": seed, "cache": cache}
     with lora.merged(run.model):  # a fine-tune's adapters folded into its weights (before any slicing)
-        return _serve(run, comm, prompts, tokens, tp, dp, temperature=temperature, top_k=top_k, seed=seed,
-                      cache=cache, stop=stop, progress=progress, measure_peak=measure_peak)
+        return _serve(run, comm, prompts, tokens, tp, dp, draws, stop, progress, measure_peak)
 
 
-def _serve(run: Run, comm, prompts: list, tokens: int, tp: int, dp: int, **options) -> tuple[list | None, dict]:
+def _serve(run: Run, comm, prompts: list, tokens: int, tp: int, dp: int, draws: dict, stop, progress,
+           measure_peak: bool) -> tuple[list | None, dict]:
+    """:func:`serve` on the model as the run holds it (adapters merged); ``draws``:
+    :func:`~mpitrain.train.sampling.generate`'s options."""
     from mpitrain.parallel import tensor_parallel
     from mpitrain.parallel.tensor_parallel import gather_features
 
@@ -166,14 +177,12 @@ def _serve(run: Run, comm, prompts: list, tokens: int, tp: int, dp: int, **optio
         tp_comm = model.head.comm
         gather = lambda logits: gather_features(logits, tp_comm)  # noqa: E731
     lo, hi = tensor_parallel.shard(len(prompts), dp, d)
-    stop, progress = options.pop("stop"), options.pop("progress")
     agreed = None if stop is None else (lambda: _agree(comm, stop()))
-    measure_peak = options.pop("measure_peak")
     model.eval()
     with as_the_run_ran(run, comm.node_size()):
         out = sampling.generate(model, prompts[lo:hi], tokens, block_size=run.cfg.model.block_size, first=lo,
-                                gather=gather, stop=agreed, progress=progress if comm.rank == 0 else None, **options)
-        peak = _traced_peak(model, out, gather) if options["cache"] and measure_peak else None
+                                gather=gather, stop=agreed, progress=progress if comm.rank == 0 else None, **draws)
+        peak = _traced_peak(model, out, gather) if draws["cache"] and measure_peak else None
     leader = comm.rank % tp == 0  # each group's first rank speaks for it (its others drew the same)
     groups = comm.gather(out if leader else None)
     peaks = comm.gather(peak)
