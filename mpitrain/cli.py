@@ -16,10 +16,10 @@ import re
 import select
 import signal
 import sys
-from pathlib import Path
 
 from mpitrain import __version__
 from mpitrain.cli_common import INTERRUPTED, _failure, _note, _positive, _prints_errors, _usage
+from mpitrain.output import OutputError, file_option
 
 
 def _report(args) -> None:
@@ -50,9 +50,10 @@ def _cluster(args) -> int:
 
 def _config_reference(args) -> None:
     from mpitrain.config import reference
+    from mpitrain.output import write_text
 
     if args.out:
-        Path(args.out).write_text(reference(), encoding="utf-8")
+        write_text(args.out, reference())
     else:
         sys.stdout.write(reference())
 
@@ -202,16 +203,29 @@ def _cluster_parser(commands) -> None:
 
 
 def _config_parser(commands) -> None:
-    config = commands.add_parser("config", help="the configuration reference: every field of a TOML config",
-                                 description="The fields of a config's TOML tables (jobs/CONFIG.md).")
+    config = commands.add_parser("config", help="the fields of a TOML config, and the config a run would take",
+                                 description="The fields of a config's TOML tables (jobs/CONFIG.md), and the "
+                                             "config a run would take from its file and options (show).")
     actions = config.add_subparsers(dest="action", required=True, metavar="ACTION")
     p = actions.add_parser("reference", help="print every field: type, default, meaning, what reads it",
                            description="Print the configuration reference in Markdown, generated from "
                                        "mpitrain/config/fields.py: every field, its type, default and meaning, "
                                        "and which models, optimizers and syncs read it (jobs/CONFIG.md is its "
                                        "output).")
-    p.add_argument("--out", metavar="PATH", help="write it to PATH (e.g. jobs/CONFIG.md) instead of printing it")
+    p.add_argument("--out", metavar="PATH", type=file_option,
+                   help="write it to PATH (e.g. jobs/CONFIG.md) instead of printing it")
     p.set_defaults(run=_config_reference)
+    from mpitrain.cli_train import config_show, run_arguments
+
+    p = actions.add_parser("show", help="print the config a run would take, each value with where it came from",
+                           description="Print the config that 'mpitrain train' with the same arguments would run "
+                                       "(CONFIG, --set, --run-dir, --resume), checked as train checks it, as a TOML "
+                                       "file: every field of every section, and after each value where it came "
+                                       "from: default, the CONFIG file, --set, --run-dir, or the checkpoint a "
+                                       "resumed run takes its saved config from. Nothing is run or written.",
+                           epilog="example: mpitrain config show jobs/shakespeare_gpt.toml --set train.steps=10")
+    run_arguments(p)
+    p.set_defaults(run=config_show, command="config")
 
 
 def main(argv=None) -> int:
@@ -271,7 +285,7 @@ def _main(argv) -> int:
     from mpitrain.data import DataError
 
     try:
-        expected = (ConfigError, DataError, CheckpointError, FloatingPointError, _usage, _failure)
+        expected = (ConfigError, DataError, CheckpointError, FloatingPointError, OutputError, _usage, _failure)
         if getattr(args, "alone", None) and launcher_rank() is not None:
             command = " ".join(filter(None, (args.command, getattr(args, "bench", None))))
             raise _failure(f"{command} {args.alone}: run it without mpiexec")
@@ -279,7 +293,7 @@ def _main(argv) -> int:
             return args.run(args) or 0  # a command's exit status; None: 0
     except _usage as e:
         _command_parser(parser, argv).error(str(e))
-    except CheckpointWriteError as e:  # not the input's fault: the disk's
+    except (CheckpointWriteError, OutputError) as e:  # not the input's fault: the disk's
         _note(f"mpitrain: error: {e}")
         return 1
     except (ConfigError, DataError, CheckpointError, _failure) as e:

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from mpitrain.cli_common import _failure, _non_negative, _positive, _usage
+from mpitrain.output import file_option, write_text
 
 
 def _bench(name: str, thread_level: str | None = None, **options) -> None:
@@ -43,7 +44,7 @@ def _bench_ddp(args) -> int | None:
                                   log=print if comm.rank == 0 else lambda *a: None)
                for algorithm in args.allreduce or ["mpi"]}
     if args.json and comm.rank == 0:
-        Path(args.json).write_text(json.dumps(figures), encoding="utf-8")  # {algorithm: {model: figures}}
+        write_text(args.json, json.dumps(figures))  # {algorithm: {model: figures}}
 
 
 def _bench_ddp_network(args) -> int:
@@ -271,6 +272,6 @@ def _bench_ddp_parser(benches) -> None:
     p.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
                    help="as train.precision: bf16 and fp16 train in mixed precision, with 16-bit weights, "
                         "gradients and buckets (default fp32)")
-    p.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON (rank 0)")
+    p.add_argument("--json", metavar="PATH", type=file_option, help="also write the figures to PATH as JSON (rank 0)")
     _thread_level_option(p)
     p.set_defaults(run=_bench_ddp)

@@ -8,7 +8,8 @@ import sys
 import time
 from pathlib import Path
 
-from mpitrain.cli_common import _usage
+from mpitrain.cli_common import _failure, _usage
+from mpitrain.output import folder_option, unwritable, whole_folder_option
 
 
 def add_parser(commands) -> None:
@@ -24,7 +25,7 @@ def add_parser(commands) -> None:
                                        "shard directory atomically.\n\nrecipes:\n" + recipes)
     p.add_argument("name", choices=sorted(RECIPES), metavar="NAME", help="the recipe (listed above)")
     p.add_argument("--src", help="the source files (see the recipe)")
-    p.add_argument("--out", required=True, help="the dataset directory to write")
+    p.add_argument("--out", required=True, type=whole_folder_option, help="the dataset directory to write")
     p.add_argument("--shard-mb", type=float, default=16, help="megabytes per shard file (default 16)")
     p.add_argument("--chunk-kb", type=float, default=1024, help="HDF5 chunk size in KiB (default 1024)")
     p.add_argument("--compression", choices=("gzip", "lzf"), default=None,
@@ -65,10 +66,11 @@ def _download_parser(actions) -> None:
                       "install dataset-fashion-mnist, then\nmpitrain data build fashion-mnist-debian --out "
                       "runs/data/fashion-mnist.")
     p.add_argument("name", choices=list(DOWNLOADS), metavar="NAME", help="the dataset (listed above)")
-    p.add_argument("--out", help="the dataset directory to write (default runs/data/NAME, where the configs "
-                                 "in jobs/ look)")
-    p.add_argument("--cache", help="where downloaded files are kept, as CACHE/NAME/FILE (default downloads/ in "
-                                   "$MPITRAIN_DATA, else in $XDG_CACHE_HOME/mpitrain or ~/.cache/mpitrain)")
+    p.add_argument("--out", type=whole_folder_option,
+                   help="the dataset directory to write (default runs/data/NAME, where the configs in jobs/ look)")
+    p.add_argument("--cache", type=folder_option,
+                   help="where downloaded files are kept, as CACHE/NAME/FILE (default downloads/ in $MPITRAIN_DATA, "
+                        "else in $XDG_CACHE_HOME/mpitrain or ~/.cache/mpitrain)")
     p.add_argument("--mirror", metavar="URL",
                    help=f"fetch from URL/NAME/FILE only, not the canonical hosts (default ${MIRROR_ENV}, "
                         "if set); e.g. a cache directory served over HTTP")
@@ -121,6 +123,8 @@ def _data_download(args) -> None:
     from mpitrain_datasets import download
 
     out = args.out or download.default_out(args.name)
+    if (why := unwritable(out, whole=True)) is not None:  # before the download, not after it
+        raise _failure(why)
     src = download.fetch(args.name, cache=args.cache, mirror=args.mirror, out=out)
     _built(out, lambda: download.build(args.name, src, out))
 

@@ -54,6 +54,8 @@ def _train_config(args):
             raise _usage("the CONFIG file is required (or --resume RUN_DIR)")
         if Path(args.config).is_dir():
             raise _usage(f"{args.config} is a directory: to resume a run, mpitrain train --resume {args.config}")
+    if args.run_dir is not None:
+        _not_the_checkpoints_folder(args.run_dir, "--run-dir")
     if args.resume is None:
         overrides = args.set + ([f"run.dir={json.dumps(args.run_dir)}"] if args.run_dir is not None else [])
         cfg = config.load(args.config, overrides)
@@ -115,6 +117,7 @@ def _resume_dir(args) -> Path:
                        f"exists, as a requeued job does: mpitrain train CONFIG --run-dir {named} --resume)")
     named = named or args.run_dir
     if named is not None:
+        _not_the_checkpoints_folder(named, "--resume")
         if Path(named).is_file():
             raise _usage(f"--resume takes a run directory, not the file {named}: mpitrain train CONFIG --resume, "
                          "or mpitrain train --resume RUN_DIR")
@@ -122,6 +125,16 @@ def _resume_dir(args) -> Path:
     run_dir, line = resume.find_run(Path(args.config).stem)
     _note(line)
     return run_dir
+
+
+def _not_the_checkpoints_folder(path, option: str) -> None:
+    """A run's ``checkpoints/`` folder given where the run was meant: refused, with the run
+    (a run started there would be a new one, at step 0, inside the other's checkpoints)."""
+    from mpitrain.checkpoint import run_holding
+
+    if (run := run_holding(path)) is not None:
+        raise _usage(f"{option} {path} is the checkpoints folder of the run {run}: give the run directory, "
+                     f"{option} {run}")
 
 
 def _new_run_dir(stem: str) -> Path:
@@ -140,6 +153,18 @@ def _train_parser(commands) -> None:
                                    "(exit 130 after Ctrl-C, 0 after the others). Under mpiexec a second Ctrl-C "
                                    "aborts at once, saving nothing: run through 'mpitrain launch mpiexec ...' to "
                                    "make a repeated Ctrl-C (or one under timeout) safe.")
+    run_arguments(p)
+    p.add_argument("--from", dest="origin", metavar="CHECKPOINT",
+                   help="start a new run (step 0, a fresh optimizer) from the model weights of CHECKPOINT, a "
+                        "file of any run (run.json records which)")
+    p.add_argument("--start-over", action="store_true",
+                   help="with --resume: if no checkpoint of the run can be used, start it again at step 0 "
+                        "(unusable files are moved to checkpoints/unusable/, never deleted)")
+    p.set_defaults(run=_train)
+
+
+def run_arguments(p) -> None:
+    """What names a run's config, for ``train`` and ``config show`` alike."""
     p.add_argument("config", nargs="?", help="path of the TOML config, e.g. jobs/mnist5k_lenet.toml (a resumed "
                                              "run takes its saved config: then optional)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -152,13 +177,35 @@ def _train_parser(commands) -> None:
                    help="continue RUN_DIR (or --run-dir, or the only run of CONFIG in runs/) from its newest "
                         "usable checkpoint, with the config saved in it; a run directory without checkpoints "
                         "starts from CONFIG")
-    p.add_argument("--from", dest="origin", metavar="CHECKPOINT",
-                   help="start a new run (step 0, a fresh optimizer) from the model weights of CHECKPOINT, a "
-                        "file of any run (run.json records which)")
-    p.add_argument("--start-over", action="store_true",
-                   help="with --resume: if no checkpoint of the run can be used, start it again at step 0 "
-                        "(unusable files are moved to checkpoints/unusable/, never deleted)")
-    p.set_defaults(run=_train)
+
+
+def config_show(args) -> None:
+    """``mpitrain config show``: the config ``mpitrain train`` would run with the same
+    arguments, as a TOML file, each value with where it came from: its default, the
+    CONFIG file, ``--set``, ``--run-dir``, or the checkpoint a resumed run takes it from."""
+    from mpitrain.comm import launcher_rank
+    from mpitrain.config import RENAMED, annotated
+
+    args.start_over, args.origin = False, None
+    cfg, saved_in, _ = _train_config(args)
+    if launcher_rank() not in (None, 0):  # under mpiexec: checked on every rank, printed once
+        return
+    sets = {key: RENAMED.get(key, key) for key in (item.split("=", 1)[0].strip() for item in args.set)}
+    origin = "--set" if args.set else ""
+    origins = {key: f"{saved_in} (the resumed run's)" if saved_in else str(args.config) for key in cfg.given}
+    origins.update({key: origin for key in sets.values()})
+    if args.resume is not None:
+        origins["run.dir"] = "--resume" if args.resume is not True or args.run_dir is None else "--run-dir"
+    elif args.run_dir is not None:
+        origins["run.dir"] = "--run-dir"
+    elif "run.dir" not in cfg.given:
+        origins["run.dir"] = "default: runs/<config name>, or the first runs/<config name>-<n> that holds no run"
+    line = " ".join(["mpitrain train", *([args.config] if args.config else []), *(f"--set {s}" for s in args.set),
+                     *([f"--run-dir {args.run_dir}"] if args.run_dir else []),
+                     *(["--resume" + ("" if args.resume is True else f" {args.resume}")] if args.resume else [])])
+    header = "\n".join([f"The config that '{line}' runs: every field, each with where its value came from; a value "
+                         "at its default is a comment, as in a file that leaves it out.", *cfg.notes])
+    sys.stdout.write(annotated(cfg, origins, header))
 
 
 def _trained_run_arguments(p) -> None:
@@ -211,7 +258,7 @@ def _sample(args) -> int:
 
     comm = world()
     overrides = args.set + [f"train.global_batch_size={comm.size}"]  # drawing reads no batch: any rank count
-    run, _, path = trained.load(args.target, comm, _quiet, overrides)
+    run, _, path = trained.load(args.target, comm, _quiet, overrides, warn=_note)
     try:
         prompts = trained.prompts_of(run, args.prompt, args.prompt_file, args.batch)
         progress = sampling.Progress() if args.tokens >= 1000 and not args.json else None
@@ -263,7 +310,7 @@ def _eval(args) -> None:
     overrides = args.set + ([f"train.eval_batches={args.batches}"] if args.batches is not None else [])
     overrides += ["train.eval_flip=true"] if args.flip else []
     comm = world()
-    run, step, path = trained.load(args.target, comm, _quiet, overrides)
+    run, step, path = trained.load(args.target, comm, _quiet, overrides, warn=_note)
     try:
         figures = trained.evaluate(run, step, comm, _quiet if args.json else _rank0_print(comm), args.split)
     finally:

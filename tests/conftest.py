@@ -162,6 +162,24 @@ def no_request_dropped_in_flight():
     assert not dropped, f"requests collected in flight: {dropped}"
 
 
+@contextlib.contextmanager
+def tmpfs(folder: Path, options: str):
+    """A tmpfs mounted on ``folder`` with ``options`` (``size=3m``, ``ro``), unmounted after;
+    the test is skipped where it cannot be mounted (it needs root and mount)."""
+    import subprocess
+    import uuid
+
+    folder.mkdir(exist_ok=True)
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", options, f"mpitrain-test-{uuid.uuid4().hex[:8]}",
+                           str(folder)], capture_output=True, text=True) if shutil.which("mount") else None
+    if made is None or made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs ({options}) here: it needs root and mount")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
 @pytest.fixture
 def text_data(tmp_path):
     """A shard directory of a small text (90/10 split)."""

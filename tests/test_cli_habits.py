@@ -83,3 +83,46 @@ def test_report_refuses_an_output_that_is_a_file_and_a_start_record_without_its_
     (run / "metrics.jsonl").write_text(json.dumps({"kind": "start", "step": 0, "ranks": 1, "config": {}}) + "\n")
     assert cli.main(["report", str(run), "--out", str(taken)]) == 2
     assert f"--out {taken}: is a file; name a folder" in capsys.readouterr().err and taken.read_text() == "mine"
+
+
+def test_config_show_prints_every_field_with_where_it_came_from_as_a_config_file(tmp_path, monkeypatch, capsys):
+    """``mpitrain config show``: the config train would run, each value with its origin;
+    the output is itself a config that loads to the same values."""
+    import tomllib
+
+    from mpitrain import config
+
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["config", "show", CONFIG, "--set", "train.steps=10", "--set", "parallel.strategy='ddp'"]) == 0
+    out = capsys.readouterr().out
+    cfg = config.load(CONFIG, ["train.steps=10"])
+    values = [line.removeprefix("# ") for line in out.splitlines() if "  # " in line]
+    assert len(values) == sum(len(t) for t in cfg.to_dict().values()) and all("  # " in v for v in values)
+    lines = {line.split("=")[0].strip(): line.split("  # ", 1)[1] for line in values}
+    shown = tomllib.loads(out)  # the defaults are comments: what is left is what was given
+    assert {f"{s}.{k}" for s, t in shown.items() for k in t} == set(cfg.given) | {"parallel.sync"}
+    assert shown["train"]["steps"] == 10 and '# dir = "runs/shakespeare_gpt"  # default: runs/<config name>' in out
+    assert "# note: parallel.strategy is now spelled parallel.sync" in out
+    assert lines["steps"] == "--set" and lines["sync"] == "--set"  # the old name set counts as the new
+    assert lines["n_layer"] == CONFIG and lines["seed"] == "default"
+    assert lines["channels"] == 'default; not read when model.name = "gpt"' and "# channels = [16, 32]" in out
+    assert "# seed = 1337" in out and "\nsteps = 10" in out
+    assert lines["dir"].startswith("default: runs/<config name>")
+    (tmp_path / "shown.toml").write_text(out)
+    again = config.load(tmp_path / "shown.toml", ["run.dir='runs/shakespeare_gpt'"])
+    assert again.to_dict() == config.load(CONFIG, ["train.steps=10", "run.dir='runs/shakespeare_gpt'"]).to_dict()
+
+
+def test_config_show_of_a_resumed_run_names_the_checkpoint_its_values_come_from(text_data, tmp_path, capsys):
+    from test_checkpoint import gpt, quiet
+
+    from mpitrain import checkpoint, train
+
+    run = tmp_path / "a"
+    train.train(gpt(text_data, run, "train.steps=4"), log=quiet)
+    assert cli.main(["config", "show", "--resume", str(run), "--set", "optim.lr=1e-4"]) == 0
+    lines = {line.removeprefix("# ").split(" = ")[0]: line.split("  # ", 1)[1]
+             for line in capsys.readouterr().out.splitlines() if "  # " in line}
+    saved = f"{checkpoint.path_for(run, 4)} (the resumed run's)"
+    assert (lines["lr"], lines["n_embd"], lines["steps"], lines["dir"]) == ("--set", saved, saved, "--resume")
+    assert lines["seed"] == "default"

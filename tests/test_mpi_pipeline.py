@@ -274,7 +274,7 @@ def test_the_trainer_on_a_pipeline_equals_one_process_and_its_checkpoint_resumes
     piped = train.train(gpt_cfg(d, root / "pp", f"parallel.pp={p}", "parallel.dp=1", "train.micro_batches=4"),
                         log=lines.append, comm=comm)
     if comm.rank == 0:  # the header: the schedule, its bubble by the formula, the cut
-        parallel = lines[0].splitlines()[1]
+        parallel = next(line for line in lines[0].splitlines() if line.startswith("parallel: "))
         assert parallel.startswith(f"parallel: dp 1 x pp {p} x tp 1; pipeline: {p} stages, 4 micro-batches, "
                                    f"schedule 1f1b, bubble "), parallel
         assert "stage 0 (rank 0): embed" in parallel and "head, " in parallel, parallel

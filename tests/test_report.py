@@ -339,3 +339,58 @@ def test_report_on_an_unfinished_parameter_server_run(text_data, tmp_path):
     lines = []
     report([tmp_path / "b"], log=lines.append)
     assert "not finished (killed, or still running)" in lines[0]
+
+
+def test_a_diverged_runs_report_says_where_it_diverged_not_that_it_is_running(text_data, tmp_path):
+    """Before: a run that diverged before its first progress record left only its start,
+    and the report called it "not finished (killed, or still running)"."""
+    with pytest.raises(FloatingPointError, match="loss is (nan|inf) at step"):
+        run(text_data, tmp_path / "a", "optim.lr=1e30", "optim.grad_clip=0", "optim.warmup_steps=0",
+            "train.log_interval=100", "train.eval_interval=0")
+    kinds = [r["kind"] for r in run_records.read(tmp_path / "a" / "metrics.jsonl")]
+    assert kinds == ["start", "diverged"]
+    lines = []
+    report([tmp_path / "a"], log=lines.append)
+    assert re.search(r"\n  diverged: loss (nan|inf) at step \d+; last good checkpoint: none$", lines[0]), lines[0]
+
+
+@needs_mpiexec
+def test_a_run_moved_from_2_ranks_to_1_on_resume_is_reported_whole(text_data, tmp_path, monkeypatch):
+    """Before: the report covered only the last segment's layout (its header, its ranks),
+    beside a step count of the whole run."""
+    from test_comm import MPIEXEC
+
+    from mpitrain.observe import report as module
+
+    run_dir = tmp_path / "a"
+    sets = [f"data.path={text_data}", "model.n_layer=1", "model.n_embd=16", "model.n_head=2", "model.block_size=8",
+            "train.global_batch_size=8", "train.log_interval=2", "train.eval_interval=0", "train.eval_batches=1",
+            "train.sample_tokens=0", "train.threads=1"]
+    first = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "mpitrain", "train",
+                            str(JOBS / "tinyshakespeare_gpt.toml"), *[t for s in sets for t in ("--set", s)],
+                            "--set", "train.steps=4", "--run-dir", str(run_dir)],
+                           capture_output=True, text=True, timeout=240)
+    assert first.returncode == 0, first.stderr
+    cfg = config.load(JOBS / "tinyshakespeare_gpt.toml", [*sets, "train.steps=8",
+                                                          f"run.dir={json.dumps(str(run_dir))}"])
+    assert train.train(cfg, log=lambda *a: None, resume=True).start_step == 4  # one rank now
+    figures = []
+    monkeypatch.setattr(run_records, "save", lambda fig, path: figures.append(fig) or module.plt.close(fig) or path)
+    lines = []
+    report([run_dir], log=lines.append)
+    text = lines[0].splitlines()
+    assert text[0].endswith("global batch 8; its layout changed on resume: steps 0-4 on 2 rank(s) (dp 2 x pp 1 x "
+                            "tp 1, ddp); steps 4-8 on 1 rank(s) (dp 1 x pp 1 x tp 1, ddp)"), text[0]
+    runs = module.Run(run_dir)
+    steps, seconds, samples = runs.steps_and_seconds()
+    assert (steps, samples) == (8, 64)
+    assert f"  finished: 8 steps in 2 segments (resumed at step 4): {seconds:.1f} s of steps, " \
+           f"{samples / seconds:,.0f} samples/s, summed over the segments; the last segment 4 steps in " in lines[0]
+    rows = [line.split(":")[0] for line in text if line.startswith("  rank ")]
+    assert rows == ["  rank 0, steps 0-4", "  rank 1, steps 0-4", "  rank 0, steps 4-8"]
+    segments = [seg for seg in runs.segment_figures()]
+    assert [s.seconds for s in segments] == [max(r["step_s"] for r in s.rows) for s in segments]
+    assert seconds == pytest.approx(sum(s.seconds for s in segments))
+    bars = figures[1].axes[0]
+    assert [t.get_text() for t in bars.get_xticklabels()] == ["rank 0\nsteps 0-4", "rank 1\nsteps 0-4",
+                                                                "rank 0\nsteps 4-8"]

@@ -8,17 +8,18 @@ checkpoint started over and deleted the newer files, ``CONFIG --resume`` continu
 wrong run, the saved ``--set`` values were dropped, and a full disk crashed the run.
 """
 
+import contextlib
 import errno
 import json
 import os
 import shutil
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import h5py
 import pytest
+from conftest import tmpfs
 from test_checkpoint import assert_identical, damage, gpt, quiet
 from test_train import JOBS
 
@@ -233,16 +234,8 @@ def test_the_half_written_file_of_a_killed_write_goes_at_the_next_checkpoint(tex
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A 3 MiB tmpfs (root and mount needed: skipped otherwise), unmounted after."""
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", f"mpitrain-test-{uuid.uuid4().hex[:8]}",
-                           str(mount)], capture_output=True, text=True) if shutil.which("mount") else None
-    if made is None or made.returncode != 0:
-        pytest.skip("cannot mount a small tmpfs here (needs root and mount)")
-    try:
+    with tmpfs(tmp_path / "disk", "size=3m") as mount:
         yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 def test_a_full_disk_while_checkpointing_is_one_message_then_resume_works(text_data, tiny_disk, tmp_path):
@@ -518,3 +511,82 @@ def test_a_pipeline_or_slicing_field_is_dropped_with_a_note_when_the_resume_leav
         config.check_ranks(config.from_saved(json.loads(json.dumps(saved)), ["parallel.pp=1",
                                                                              "parallel.schedule='gpipe'"],
                                              data_needed=False), 2)
+
+
+def test_a_full_disk_when_run_json_is_first_written_is_one_line_then_the_run_starts(text_data, tiny_disk):
+    """Before: an OSError traceback on every rank, and an empty run.json.tmp left behind."""
+    filler = tiny_disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    with contextlib.suppress(OSError):  # the disk full to its last byte
+        while True:
+            os.write(fd, b"\0" * 4096)
+    os.close(fd)
+    run = tiny_disk / "run"
+    cmd = [sys.executable, "-m", "mpitrain", "train", str(JOBS / "tinyshakespeare_gpt.toml"), *small(text_data),
+           "--set", "train.steps=2", "--run-dir", str(run)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip() == (f"mpitrain: error: {run / 'run.json'}: could not be written (No space left on "
+                                   "device); the run starts by writing it, so nothing was trained: make room and "
+                                   "run the same command again")
+    assert list(run.iterdir()) == []  # no run.json.tmp
+    filler.unlink()  # room again: the same command runs
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr
+    assert identity.read(run)["id"] == identity.of(checkpoint.header(checkpoint.path_for(run, 2)))["id"]
+
+
+def test_metrics_that_cannot_be_written_are_said_once_and_the_run_goes_on(text_data, tmp_path, monkeypatch):
+    """The metrics file only reports: a disk that refuses it costs the records, not the run."""
+    from mpitrain.observe import metrics
+
+    real = open
+
+    def refusing(path, *args, **kwargs):
+        if str(path).endswith("metrics.jsonl") and args[:1] == ("a",):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(metrics, "open", refusing, raising=False)
+    warned = []
+    result = train.train(gpt(text_data, tmp_path / "a", "train.steps=8"), log=quiet, warn=warned.append)
+    assert result.steps == 8 and checkpoint.listed(tmp_path / "a")[-1] == checkpoint.path_for(tmp_path / "a", 8)
+    lost = [w for w in warned if "metrics.jsonl: could not be written" in w]
+    assert lost == [f"warning: {tmp_path / 'a' / 'metrics.jsonl'}: could not be written (No space left on device); "
+                    "its records end before this start record (step 0), and the run goes on without it"], warned
+    assert (tmp_path / "a" / "metrics.jsonl").read_text() == ""
+
+
+def test_resume_of_a_runs_checkpoints_folder_names_the_run_and_starts_nothing(text_data, tmp_path, monkeypatch,
+                                                                               capsys):
+    """Before: ``--resume RUN/checkpoints`` started a new step-0 run inside checkpoints/."""
+    monkeypatch.chdir(tmp_path)
+    train.train(gpt(text_data, tmp_path / "runs" / "a", "train.steps=4"), log=quiet)
+    folder = Path("runs/a/checkpoints")
+    before = sorted(p.name for p in folder.iterdir())
+    for argv, option in ((["--resume", str(folder)], "--resume"),
+                         ([str(JOBS / "tinyshakespeare_gpt.toml"), "--run-dir", str(folder)], "--run-dir")):
+        with pytest.raises(SystemExit) as stop:
+            cli.main(["train", *argv])
+        assert stop.value.code == 2
+        assert (f"{option} {folder} is the checkpoints folder of the run runs/a: give the run directory, "
+                f"{option} runs/a") in capsys.readouterr().err
+    assert sorted(p.name for p in folder.iterdir()) == before
+    assert cli.main(["eval", str(folder), "--json"]) == 0  # reading it: the run it holds
+    assert json.loads(capsys.readouterr().out)["checkpoint"] == str(checkpoint.path_for("runs/a", 4))
+
+
+def test_a_run_json_copied_in_from_another_run_is_overruled_by_the_checkpoints(text_data, tmp_path):
+    """Before: every own checkpoint was "another run's", and the resume began again at step 0."""
+    run, other = tmp_path / "a", tmp_path / "b"
+    train.train(gpt(text_data, run, "train.steps=4"), log=quiet)
+    train.train(gpt(text_data, other, "train.steps=4", "train.seed=2"), log=quiet)
+    ours, theirs = identity.read(run), identity.read(other)
+    shutil.copy(other / "run.json", run / "run.json")
+    warned = []
+    again = train.train(gpt(text_data, run, "train.steps=8"), log=quiet, warn=warned.append, resume=True)
+    assert again.start_step == 4 and identity.read(run) == ours
+    kept = run / f"run.json.{theirs['id']}"
+    assert json.loads(kept.read_text())["run"] == theirs  # the other record kept, not deleted
+    assert [w for w in warned if w.startswith(f"resume: {run / 'run.json'} named run {theirs['id']}")
+            and f"every one is run {ours['id']}'s" in w and str(kept) in w], warned

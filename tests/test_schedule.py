@@ -157,6 +157,7 @@ def test_micro_batches_equal_one_pass_over_the_same_global_batch(text_data, tmp_
 def test_the_header_names_the_grid_and_the_micro_batches(text_data, tmp_path):
     lines = []
     train(tiny_gpt(text_data, tmp_path / "r", "train.micro_batches=2", "train.steps=1"), log=lines.append)
-    model, parallel = lines[0].splitlines()
+    where, model, parallel = lines[0].splitlines()
+    assert where == f"run directory: {tmp_path / 'r'} (checkpoints, metrics.jsonl)"
     assert "; 1 steps of 8 in 2 micro-batches per rank;" in model
     assert parallel.startswith("parallel: dp 1 x pp 1 x tp 1; local: one data-parallel rank")

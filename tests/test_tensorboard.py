@@ -78,10 +78,10 @@ def test_a_wait_for_data_longer_than_the_steps_is_a_share_below_one():
     assert written["time/step_ms/rank_0"] == pytest.approx(5.0)
 
 
-def test_the_documented_install_brings_the_documented_command():
+def test_the_documented_install_brings_the_documented_command(text_data, tmp_path):
     """The README's ``pip install -e ".[tensorboard]"`` brings the writer and the viewer its
     next line runs (``tensorboard --logdir runs``): the extra names both, and the command
-    installed beside this Python (the test extra installs the same) answers."""
+    installed beside this Python (the test extra installs the same) reads a run's events."""
     import configparser
     import shutil
     import subprocess
@@ -99,4 +99,9 @@ def test_the_documented_install_brings_the_documented_command():
     assert command, "the tensorboard command is not installed beside this Python"
     out = subprocess.run([command, "--version"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip()[0].isdigit(), out
+    train.train(gpt(text_data, tmp_path / "runs" / "a", "train.steps=4", "train.log_interval=2",
+                    "run.tensorboard=true"), log=quiet)
+    seen = subprocess.run([command, "--inspect", "--logdir", "runs"], capture_output=True, text=True, timeout=120,
+                          cwd=tmp_path)
+    assert seen.returncode == 0 and "train/loss" in seen.stdout + seen.stderr, seen
 

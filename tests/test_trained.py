@@ -50,7 +50,8 @@ def test_a_smoothed_run_learns_otherwise_and_eval_gives_its_final_figure(text_da
     lines = []
     run = tmp_path / "smooth"
     smooth = train.train(gpt(text_data, run, "train.steps=8", "train.label_smoothing=0.1"), log=lines.append)
-    assert lines[0].splitlines()[0].endswith("; training labels smoothed by 0.1")
+    assert lines[0].splitlines()[0] == f"run directory: {run} (checkpoints, metrics.jsonl)"
+    assert lines[0].splitlines()[1].endswith("; training labels smoothed by 0.1")
     assert smooth.val_loss != plain.val_loss and smooth.final_loss != plain.final_loss
     assert cli.main(["eval", str(run), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["loss"] == smooth.val_loss
@@ -210,3 +211,19 @@ def test_eval_of_another_split_names_its_figures_by_it(gpt_run, capsys):
     """``--split train`` scores the training split and says ``train loss``, not ``val loss``."""
     assert cli.main(["eval", str(gpt_run), "--split", "train", "--batches", "1"]) == 0
     assert capsys.readouterr().out.startswith("step 8: train loss ")
+
+
+def test_sample_and_eval_say_which_newer_checkpoint_they_passed_over_and_why(gpt_run, capsys):
+    """Before: a damaged newest checkpoint was passed over in silence (the older file
+    read was named, the skipped one was not)."""
+    from test_checkpoint import damage
+
+    newest, older = checkpoint.path_for(gpt_run, 8), checkpoint.path_for(gpt_run, 4)
+    damage(newest, "flipped")
+    for argv in (["sample", str(gpt_run), "--tokens", "3"], ["eval", str(gpt_run), "--batches", "1"]):
+        assert cli.main(argv) == 0
+        err = capsys.readouterr().err
+        said = [line for line in err.splitlines() if line.startswith("warning: not read: ")]
+        assert len(said) == 1 and str(newest) in said[0] and said[0].endswith(
+            f"; reading {older}, the newest checkpoint that verifies"), err
+    assert newest.exists()  # reading a run moves nothing

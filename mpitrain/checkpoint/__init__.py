@@ -74,8 +74,8 @@ from mpitrain.checkpoint.layout import (Layout, _collect, _contribution, _kinds,
                                         _optimizer_meta, _send)
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "CheckpointError", "CheckpointNewer", "CheckpointWriteError", "Layout",
-           "check", "directory", "header", "listed", "path_for", "read_meta", "restore", "save", "set_aside",
-           "step_of"]
+           "check", "directory", "header", "listed", "path_for", "read_meta", "restore", "run_holding", "save",
+           "set_aside", "step_of"]
 
 _CHUNK = 1 << 20  # elements per HDF5 chunk of the flat arrays
 _JSON_ATTRS = ("config", "rng", "optimizer")
@@ -83,6 +83,16 @@ _JSON_ATTRS = ("config", "rng", "optimizer")
 
 def directory(run_dir) -> Path:
     return Path(run_dir) / "checkpoints"
+
+
+def run_holding(folder) -> Path | None:
+    """The run directory whose checkpoints folder ``folder`` is (``RUN/checkpoints``,
+    given where ``RUN`` was meant), or None when it is not one."""
+    folder = Path(folder)
+    if folder.name != directory("").name or not folder.is_dir() or listed(folder):  # a run of its own inside?
+        return None
+    holds = listed(folder.parent) or (folder.parent / "run.json").is_file()
+    return folder.parent if holds else None
 
 
 def path_for(run_dir, step: int) -> Path:

@@ -3,7 +3,8 @@
 * :mod:`mpitrain.config.fields`: one dataclass per section of a config file, the ``#:``
   comment at each field saying what it means, and which choice reads which field;
 * this module: reading a TOML file (:func:`load`), ``--set`` overrides, a checkpoint's
-  saved config (:func:`from_saved`) and how it differs from another (:func:`changes`);
+  saved config (:func:`from_saved`) and how it differs from another (:func:`changes`),
+  and writing one back with where each value came from (:func:`annotated`);
 * :mod:`mpitrain.config.checks`: every check, each with its message;
 * :mod:`mpitrain.config.markdown`: ``jobs/CONFIG.md`` from the fields and their comments.
 
@@ -19,6 +20,7 @@ import copy
 import dataclasses
 import difflib
 import functools
+import json
 import math
 import typing
 from pathlib import Path
@@ -39,8 +41,8 @@ __all__ = [
     "CHOICES", "EMBEDDED", "GRID", "MODEL_FIELDS", "MODELS", "OPTIM_FIELDS", "PARALLEL_FIELDS", "RENAMED",
     "WHOLE_REPLICA_SYNCS", "TEXT_ONLY_TRAIN_FIELDS", "Config", "ConfigError", "DataConfig", "ModelConfig",
     "OptimConfig", "ParallelConfig", "RunConfig", "TrainConfig", "changes", "check_against_data", "check_ranks",
-    "cut_refused", "field_for_option", "from_dict", "from_saved", "load", "read", "reference", "sections",
-    "trained_names", "validate"]
+    "cut_refused", "annotated", "field_for_option", "from_dict", "from_saved", "load", "read", "reference", "sections",
+    "toml_value", "trained_names", "validate"]
 
 
 # the names other trainers give fields (nanoGPT's, PyTorch examples', torchrun scripts')
@@ -266,6 +268,46 @@ def _drop_unused_layout(raw: dict, given: dict) -> list[str]:
                 notes.append(f"note: parallel.{name} = {par.pop(name)!r} of the saved config is dropped: it applies "
                              f"to runs with parallel.{axis} > 1, and this one has {axis} = 1")
     return notes
+
+
+def toml_value(v) -> str:
+    """A value as TOML writes it: a number exact (``repr`` round-trips a float), a string
+    as JSON writes it (a TOML basic string too), an array; an array of arrays one row a
+    line. ValueError for what TOML cannot hold (None, a number that is not finite)."""
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, (int, float)) and math.isfinite(v):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
+    if not isinstance(v, (list, tuple)):
+        raise ValueError(f"cannot write {v!r} as TOML")
+    if any(isinstance(x, (list, tuple)) for x in v):
+        return "[\n" + "".join(f"    {toml_value(x)},\n" for x in v) + "]"
+    return "[" + ", ".join(map(toml_value, v)) + "]"
+
+
+def annotated(cfg: Config, origins: dict[str, str], header: str = "") -> str:
+    """``cfg`` as a TOML file, every field of every section, each value followed by a
+    comment saying where it came from (``origins``: ``section.field`` -> words; a field
+    not there is at its default), and for a field the section's choice does not read (a
+    CNN's ``model.channels`` in a GPT's config) that it is not read. A value at its
+    default is itself a comment, as in a config file that leaves it out: the file loads
+    as a config again, to the same values, given as they were. ``header``: comment lines
+    above."""
+    lines = [f"# {line}" for line in header.splitlines()]
+    for section, table in cfg.to_dict().items():
+        choice, readers = CHOICES.get(section, (None, {}))
+        chosen = table.get(choice)
+        values = []
+        for name, value in table.items():
+            origin = origins.get(f"{section}.{name}", "default")
+            if chosen in readers and name != choice and name not in readers[chosen]:
+                origin += f"; not read when {section}.{choice} = {toml_value(chosen)}"
+            values.append((f"{'# ' * origin.startswith('default')}{name} = {toml_value(value)}", origin))
+        width = max(len(text) for text, _ in values if len(text) <= 40)  # a long list does not push every comment
+        lines += ["", f"[{section}]", *(f"{text:<{width}}  # {origin}" for text, origin in values)]
+    return "\n".join(lines).lstrip("\n") + "\n"
 
 
 def _as_tuple(value):

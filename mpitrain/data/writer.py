@@ -73,9 +73,12 @@ class DatasetWriter:
         self.tmp = self.out.parent / f".{self.out.name}.tmp-{_owner()}"
 
     def __enter__(self):
-        self.out.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        self.tmp.mkdir()
+        try:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp.mkdir()
+        except OSError as e:
+            raise self._unwritten(e) from None
         return self
 
     def write_split(self, split: str, x: np.ndarray, y: np.ndarray | None = None) -> None:
@@ -139,9 +142,17 @@ class DatasetWriter:
         try:
             if kind is None:
                 self._commit()
+        except OSError as e:
+            raise self._unwritten(e) from None
         finally:
             shutil.rmtree(self.tmp, ignore_errors=True)
+        if isinstance(value, OSError):  # a shard that could not be written (a full disk, say)
+            raise self._unwritten(value) from None
         return False
+
+    def _unwritten(self, error: OSError) -> DataError:
+        return DataError(f"{self.out}: could not be written ({error.strerror or error}); nothing of it was kept "
+                         "(what was there before, if anything, is unchanged)")
 
     def _commit(self) -> None:
         from mpitrain import __version__

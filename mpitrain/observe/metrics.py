@@ -11,6 +11,8 @@ Every record has ``kind`` and ``time`` (Unix seconds); the kinds the trainer wri
   ``ranks``: each rank's time-table row so far (:data:`mpitrain.train.report.TIME_FIELDS`);
 * ``eval``: ``step``, ``val_loss`` (text) or ``test_accuracy`` and ``test_loss`` (images);
 * ``checkpoint``: ``step``, ``path``, ``why``; ``stopped``: ``step``, ``signal``;
+* ``diverged``: ``step``, ``loss`` (as text: ``"nan"``, ``"inf"``), ``checkpoint`` (the
+  last good one, or null), when a loss that is not finite stops the run (``run.on_nan``);
 * ``end``: the run's totals (``steps_timed`` by this process) and the same ``ranks``.
 
 A resumed run keeps the records up to its checkpoint's step and drops the later ones
@@ -22,8 +24,10 @@ of workers (exact when synchronous), and ``end`` adds the ``staleness`` histogra
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -37,14 +41,16 @@ def _plain(value):
 
 
 class MetricsLog:
-    """Append records to ``path`` (None: write nothing, as on ranks other than 0)."""
+    """Append records to ``path`` (None: write nothing, as on ranks other than 0). The
+    file only reports: when the disk refuses it (full, say), ``warn`` says so once and
+    the run goes on without it (its checkpoints, which decide the run, fail loudly)."""
 
-    def __init__(self, path: Path | None, first_step: int = 0, mirror=None):
+    def __init__(self, path: Path | None, first_step: int = 0, mirror=None, warn=None):
         self.path = path
         self.mirror = mirror  # also given every record (observe/tensorboard.py's Board), or None
+        self.warn = warn or (lambda message: print(message, file=sys.stderr, flush=True))
         if path is None:
             return
-        path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
         if first_step and path.exists():
             for record in read(path):
@@ -53,17 +59,32 @@ class MetricsLog:
                 if step < first_step or (step == first_step and kind not in ("eval", "end")):
                     kept.append(json.dumps(record) + "\n")
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(kept), encoding="utf-8")
-        os.replace(tmp, path)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text("".join(kept), encoding="utf-8")
+            os.replace(tmp, path)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            self._lost(e, "it is left as it was")
 
     def write(self, kind: str, **fields) -> None:
         if self.path is None:
             return
         line = json.dumps({"kind": kind, "time": round(time.time(), 3), **fields}, default=_plain)
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(line + "\n")
+        try:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+        except OSError as e:
+            at = f" (step {fields['step']})" if "step" in fields else ""
+            self._lost(e, f"its records end before this {kind} record{at}")
         if self.mirror is not None:
             self.mirror.record(kind, json.loads(line))  # as the file has it: plain numbers
+
+    def _lost(self, error: OSError, kept: str) -> None:
+        self.warn(f"warning: {self.path}: could not be written ({error.strerror or error}); {kept}, and the run "
+                  "goes on without it")
+        self.path = None
 
 
 def read(path) -> list[dict]:

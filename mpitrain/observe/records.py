@@ -5,6 +5,7 @@ layout that ran (:func:`layout`), and how their figures are saved (:func:`save`)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
@@ -54,40 +55,84 @@ class Run:
         self.layout = layout(self.config, self.ranks)
         self.resumed = [seg[0]["step"] for seg in self.segments[1:] if seg[0].get("kind") == "start"]
 
-    def per_rank(self) -> list[dict]:
-        """Each rank's seconds and bytes over every segment of the run: each segment's
-        from its end, or its last progress record (a segment that was killed; a parameter
-        server's progress records have none). A segment on another number of ranks than
-        the last one's is left out."""
-        total: dict[int, dict] = {}
-        for rows in self._segment_rows():
-            if len(rows) != self.ranks:
-                continue
-            for row in rows:
-                into = total.setdefault(row["rank"], {"rank": row["rank"]})
-                for key, value in row.items():
-                    if key != "rank" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                        into[key] = into.get(key, 0) + value
-                    elif key not in into:
-                        into[key] = value
-        return [total[r] for r in sorted(total)]
-
-    def _segment_rows(self) -> list[list[dict]]:
-        last = [next((r["ranks"] for r in reversed(seg) if r.get("kind") in ("end", "train") and r.get("ranks")), [])
-                for seg in self.segments]
-        return [rows for rows in last if rows]
-
-    def steps_and_seconds(self) -> tuple[int, float]:
-        """Steps timed and seconds of steps (the slowest rank's) over every segment."""
-        steps = seconds = 0.0
+    def segment_figures(self) -> list[Segment]:
+        """What each segment ran and reached (:class:`Segment`), in order."""
+        found = []
         for seg in self.segments:
+            start = seg[0] if seg[0].get("kind") == "start" else self.start
             first = seg[0].get("step", 0) if seg[0].get("kind") == "start" else 0
-            reached = [r["step"] for r in seg if r.get("kind") in ("train", "checkpoint", "stopped", "end")]
-            steps += max(reached, default=first) - first
+            reached = [r["step"] for r in seg if r.get("kind") in ("train", "checkpoint", "stopped", "end", "diverged")]
             rows = next((r["ranks"] for r in reversed(seg) if r.get("kind") in ("train", "end") and r.get("ranks")),
                         [])
-            seconds += max((row["step_s"] for row in rows if not row.get("serves")), default=0.0)
-        return int(steps), seconds
+            config, ranks = start.get("config", self.config), int(start.get("ranks", self.ranks))
+            found.append(Segment(first, max(reached, default=first), ranks, layout(config, ranks), rows,
+                                 config["train"]["global_batch_size"]))
+        return found
+
+    def per_rank(self) -> list[dict]:
+        """Each rank's seconds and bytes over every segment on the last segment's layout
+        (the one a scaling study plots): each segment's from its end, or its last
+        progress record (a segment that was killed; a parameter server's progress records
+        have none)."""
+        last = (self.ranks, self.layout)
+        return _summed([s for s in self.segment_figures() if (s.ranks, s.layout) == last])
+
+    def by_layout(self) -> list[tuple[str, list[Segment], list[dict]]]:
+        """The run's segments grouped by the layout they ran (a resume may change it), in
+        the order each first ran: (the steps they cover, as ``0-40, 80-120``, the
+        segments, each rank's figures summed over them)."""
+        groups: dict[tuple[int, str], list[Segment]] = {}
+        for seg in self.segment_figures():
+            groups.setdefault((seg.ranks, seg.layout), []).append(seg)
+        return [(", ".join(f"{s.first}-{s.reached}" for s in segs), segs, _summed(segs)) for segs in groups.values()]
+
+    def described(self) -> str:
+        """The ranks and layout that ran, in a few words: one layout, or each with its steps."""
+        groups = self.by_layout()
+        if len(groups) < 2:
+            return f"{self.ranks} rank(s), {self.layout}"
+        return "; ".join(f"steps {steps} on {segs[0].ranks} rank(s) ({segs[0].layout})" for steps, segs, _ in groups)
+
+    def steps_and_seconds(self) -> tuple[int, float, float]:
+        """Steps timed, seconds of steps (each segment's slowest rank's) and samples, over
+        every segment."""
+        steps = seconds = samples = 0.0
+        for seg in self.segment_figures():
+            steps += seg.reached - seg.first
+            seconds += seg.seconds
+            samples += (seg.reached - seg.first) * seg.global_batch
+        return int(steps), seconds, samples
+
+
+@dataclass
+class Segment:
+    """One segment of a run (a start, and its records to the next start)."""
+
+    first: int  # the step it began at
+    reached: int  # the last step it reached
+    ranks: int
+    layout: str
+    rows: list[dict]  # each rank's figures at its last progress record ([] when it reached none)
+    global_batch: int
+
+    @property
+    def seconds(self) -> float:
+        """Its seconds of steps: the slowest stepping rank's (a server's are all communication)."""
+        return max((row["step_s"] for row in self.rows if not row.get("serves")), default=0.0)
+
+
+def _summed(segments: list[Segment]) -> list[dict]:
+    """Each rank's numeric figures summed over ``segments``, by rank."""
+    total: dict[int, dict] = {}
+    for seg in segments:
+        for row in seg.rows:
+            into = total.setdefault(row["rank"], {"rank": row["rank"]})
+            for key, value in row.items():
+                if key != "rank" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                    into[key] = into.get(key, 0) + value
+                elif key not in into:
+                    into[key] = value
+    return [total[r] for r in sorted(total)]
 
 
 def layout(config: dict, ranks: int) -> str:

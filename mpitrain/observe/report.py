@@ -6,7 +6,9 @@ For each run directory, into ``RUN_DIR/report/`` (or ``--out``): ``loss.png``,
 the layout that ran (:func:`~mpitrain.observe.records.layout`; the run's records:
 :mod:`mpitrain.observe.records`). A resumed run is several segments, one per ``start``
 record: the summary and the time plot count every segment's steps and time, and the
-plots against steps mark where each segment began. Given runs
+plots against steps mark where each segment began. A resume may change the layout (2
+ranks, then 1): the header names each layout with its steps, and each rank has a row
+and a bar per layout. A run that diverged says where (its ``diverged`` record). Given runs
 of one job at several rank counts, one of them on 1 rank (``jobs/scaling_local.sh``,
 ``jobs/scaling_cluster.sh``), also ``scaling.png`` (:mod:`mpitrain.observe.scaling`), into
 ``--out`` or ``scaling/`` beside the first run.
@@ -67,8 +69,11 @@ def report(run_dirs, out=None, log=print) -> list[Path]:
 
 def summary(run: Run) -> str:
     c = run.config
-    lines = [(f"run {run.dir}: {c['model']['name']} on {c['data']['path'] or c['data']['name']}, "
-              f"{run.ranks} rank(s), {run.layout}, global batch {c['train']['global_batch_size']}")]
+    groups = run.by_layout()
+    what = f"run {run.dir}: {c['model']['name']} on {c['data']['path'] or c['data']['name']}"
+    batch = f"global batch {c['train']['global_batch_size']}"
+    lines = [f"{what}, {run.described()}, {batch}" if len(groups) < 2 else
+             f"{what}, {batch}; its layout changed on resume: {run.described()}"]
     if run.train:
         t = run.train[-1]
         lines.append(f"  step {t['step']}/{run.start['total_steps']}: loss {t['loss']:.4f}, "
@@ -77,30 +82,46 @@ def summary(run: Run) -> str:
         what = (f"val loss {e['val_loss']:.4f}" if e.get("val_loss") is not None
                 else f"test accuracy {100 * e['test_accuracy']:.2f}%{MIRRORED if e.get('flip') else ''}")
         lines.append(f"  evaluation at step {e['step']}: {what}")
-    if run.end and run.resumed:
-        steps, seconds = run.steps_and_seconds()
-        rate = f", {steps * c['train']['global_batch_size'] / seconds:,.0f} samples/s" if seconds else ""
-        lines.append(f"  finished: {steps} steps in {len(run.segments)} segments (resumed at step "
-                     f"{', '.join(map(str, run.resumed))}): {seconds:.1f} s of steps{rate}; the last segment "
-                     f"{run.end['steps_timed']} steps in {run.end['seconds']:.1f} s, waited for data "
-                     f"{100 * run.end['stall_fraction']:.2f}% of step time")
-    elif run.end:
-        lines.append(f"  finished: {run.end['steps_timed']} steps in {run.end['seconds']:.1f} s, "
-                     f"{run.end['samples_per_s']:,.0f} samples/s, waited for data "
-                     f"{100 * run.end['stall_fraction']:.2f}% of step time")
-    else:
-        stops = run.kinds.get("stopped")
-        lines.append(f"  stopped by {stops[-1]['signal']} at step {stops[-1]['step']}" if stops else
-                     "  not finished (killed, or still running)")
-    for r in run.per_rank():
-        bubble = r.get("bubble_s", 0.0)  # a pipeline stage's waiting for its neighbours (older runs: none)
-        compute = r["step_s"] - r["comm_exposed_s"] - bubble
-        lines.append(f"  rank {r['rank']}: compute {compute:.2f} s, communication exposed {r['comm_exposed_s']:.2f} s "
-                     f"of {r['comm_total_s']:.2f} s, pipeline bubble {bubble:.2f} s, waiting for data "
-                     f"{r['wait_s']:.2f} s, {r['bytes_sent'] / 1e6:.1f} MB sent")
+    lines.append(_outcome(run))
+    for steps, _, rows in groups:
+        where = f", steps {steps}" if len(groups) > 1 else ""
+        for r in rows:
+            bubble = r.get("bubble_s", 0.0)  # a pipeline stage's waiting for its neighbours (older runs: none)
+            compute = r["step_s"] - r["comm_exposed_s"] - bubble
+            lines.append(f"  rank {r['rank']}{where}: compute {compute:.2f} s, communication exposed "
+                         f"{r['comm_exposed_s']:.2f} s of {r['comm_total_s']:.2f} s, pipeline bubble {bubble:.2f} s, "
+                         f"waiting for data {r['wait_s']:.2f} s, {r['bytes_sent'] / 1e6:.1f} MB sent")
     if saved := run.kinds.get("checkpoint"):
         lines.append(f"  last checkpoint: {saved[-1]['path']} (step {saved[-1]['step']})")
     return "\n".join(lines)
+
+
+def _outcome(run: Run) -> str:
+    """How the run ended (finished, stopped, diverged, or not yet), with a resumed run's
+    figures summed over its segments."""
+    end = run.end if run.segments and run.end in run.segments[-1] else None  # the last segment's own end
+    summed = ""
+    if run.resumed:
+        steps, seconds, samples = run.steps_and_seconds()
+        rate = f", {samples / seconds:,.0f} samples/s" if seconds else ""
+        summed = (f"{steps} steps in {len(run.segments)} segments (resumed at step {', '.join(map(str, run.resumed))}"
+                  f"): {seconds:.1f} s of steps{rate}, summed over the segments")
+    if end is not None:
+        last = (f"{end['steps_timed']} steps in {end['seconds']:.1f} s, " if not summed else
+                f"; the last segment {end['steps_timed']} steps in {end['seconds']:.1f} s, ")
+        rate = "" if summed else f"{end['samples_per_s']:,.0f} samples/s, "
+        return f"  finished: {summed}{last}{rate}waited for data {100 * end['stall_fraction']:.2f}% of step time"
+    diverged = [r for r in run.segments[-1] if r.get("kind") == "diverged"] if run.segments else []
+    stops = [r for r in run.segments[-1] if r.get("kind") == "stopped"] if run.segments else []
+    if diverged:
+        d = diverged[-1]
+        how = (f"diverged: loss {d['loss']} at step {d['step']}; last good checkpoint: "
+               f"{d.get('checkpoint') or 'none'}")
+    elif stops:
+        how = f"stopped by {stops[-1]['signal']} at step {stops[-1]['step']}"
+    else:
+        how = "not finished (killed, or still running)"
+    return f"  {how}" + (f"; so far {summed}" if summed else "")
 
 
 def _loss(run: Run, path: Path) -> Path:
@@ -124,7 +145,7 @@ def _loss(run: Run, path: Path) -> Path:
                                   label=f"test accuracy{mirrored}")
             other.set_ylabel("test accuracy (%)")
     ax.legend(handles=handles, loc="center right")  # the middle right is clear: loss falls, accuracy rises
-    ax.set_title(f"{run.name}: loss\n{run.ranks} rank(s), {run.layout}", fontsize=10)
+    ax.set_title(f"{run.name}: loss\n{run.described()}", fontsize=10)
     _mark_resumes(run, ax)
     ax.grid(alpha=0.3)
     return records.save(fig, path)  # through the module: a test may stand in for it
@@ -139,8 +160,11 @@ def _mark_resumes(run: Run, ax) -> None:
 
 
 def _time_per_rank(run: Run, path: Path) -> Path:
-    rows = run.per_rank()
-    ranks = [r["rank"] for r in rows]
+    groups = run.by_layout()
+    rows = [r for _, _, rs in groups for r in rs]
+    labels = [f"rank {r['rank']}" + (f"\nsteps {steps}" if len(groups) > 1 else "")
+              for steps, _, rs in groups for r in rs]
+    ranks = list(range(len(rows)))
     bubble = [r.get("bubble_s", 0.0) for r in rows]  # a pipeline stage's waiting (older runs: none)
     compute = [r["step_s"] - r["comm_exposed_s"] - b for r, b in zip(rows, bubble)]
     exposed, wait = [r["comm_exposed_s"] for r in rows], [r["wait_s"] for r in rows]
@@ -155,11 +179,11 @@ def _time_per_rank(run: Run, path: Path) -> Path:
     ax.bar(right, [r["comm_total_s"] for r in rows], width, label="communication (total)", color="C3", alpha=0.4)
     ax.bar(right, [r["read_s"] for r in rows], width, bottom=[r["comm_total_s"] for r in rows],
            label="reading (background)", color="C2", alpha=0.4)
-    ax.set_xticks(ranks, [f"rank {r}" for r in ranks])
+    ax.set_xticks(ranks, labels)
     ax.set_ylabel("seconds")
     segments = f" over {len(run.segments)} segments (resumed at step {', '.join(map(str, run.resumed))})" \
         if run.resumed else ""
-    ax.set_title(f"{run.name}: where each rank's time went{segments}\n{run.ranks} rank(s), {run.layout}", fontsize=10)
+    ax.set_title(f"{run.name}: where each rank's time went{segments}\n{run.described()}", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the bars, never over them
     return records.save(fig, path)  # through the module: a test may stand in for it
 
@@ -170,7 +194,7 @@ def _throughput(run: Run, path: Path) -> Path:
     ax.set_xlabel("step")
     ax.set_ylabel("samples/s")
     ax.set_ylim(bottom=0)
-    ax.set_title(f"{run.name}: throughput\n{run.ranks} rank(s), {run.layout}", fontsize=10)
+    ax.set_title(f"{run.name}: throughput\n{run.described()}", fontsize=10)
     _mark_resumes(run, ax)
     ax.grid(alpha=0.3)
     return records.save(fig, path)  # through the module: a test may stand in for it

@@ -18,18 +18,18 @@ as a hardware file (:mod:`mpitrain.plan.hardware` reads it).
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+from mpitrain.config import toml_value as _toml
+from mpitrain.output import write_text
 from mpitrain.plan.hardware import (GEMM_DTYPES, MIXED, HardwareError, emulated_link, parse_device, read_toml,
                                     this_machine, user_path)
 from mpitrain.plan.objects import measure_objects
@@ -328,22 +328,6 @@ def wrote(out: Path, measured: dict) -> str:
             "(other entries of the file are kept)")
 
 
-def _toml(v) -> str:
-    """A TOML value: a number exact (``repr`` round-trips a float), a string as JSON writes
-    it (a TOML basic string too), an array; an array of arrays one row a line."""
-    if isinstance(v, bool):
-        return str(v).lower()
-    if isinstance(v, (int, float)) and math.isfinite(v):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
-    if not isinstance(v, (list, tuple)):
-        raise HardwareError(f"cannot write {v!r} as TOML")
-    if any(isinstance(x, (list, tuple)) for x in v):
-        return "[\n" + "".join(f"    {_toml(x)},\n" for x in v) + "]"
-    return "[" + ", ".join(map(_toml, v)) + "]"
-
-
 def to_toml(tables: dict, header: str = "") -> str:
     """Nested dicts of numbers, strings, booleans and arrays as TOML, ``header`` a comment."""
     lines = [f"# {line}" for line in header.splitlines()]
@@ -362,17 +346,8 @@ def to_toml(tables: dict, header: str = "") -> str:
 
 
 def write_toml(path, text: str) -> None:
-    """``text`` into ``path`` atomically: a temporary file beside it, synced, then renamed."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", encoding="utf-8", dir=Path(path).parent, prefix=".tmp-", delete=False) as f:
-        try:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-            os.replace(f.name, path)
-        except BaseException:
-            Path(f.name).unlink(missing_ok=True)
-            raise
+    """``text`` into ``path`` whole (:func:`mpitrain.output.write_text`)."""
+    write_text(path, text)
 
 
 def main(argv=None) -> int:

@@ -6,6 +6,8 @@ import argparse
 import re
 import sys
 
+from mpitrain.output import file_option, unwritable
+
 UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
          "tib": 2**40}
 
@@ -103,8 +105,9 @@ def add_parser(commands) -> None:
                    help="run CONFIG for a few steps (under mpiexec: on its ranks) and print estimate (the textbook "
                         "tier, where it answers) | exact | measured | error for every quantity")
     _search_arguments(p, _positive)
-    p.add_argument("--json", metavar="PATH", help="with --validate: also write the rows to PATH (JSON)")
-    p.add_argument("--html", metavar="FILE",
+    p.add_argument("--json", metavar="PATH", type=file_option,
+                   help="with --validate: also write the rows to PATH (JSON)")
+    p.add_argument("--html", metavar="FILE", type=file_option,
                    help="also write the plan as one self-contained HTML page (its figures inline; with --search the "
                         "layouts' time against memory, with --validate predicted against measured)")
     p.add_argument("--steps", type=_positive,
@@ -182,8 +185,10 @@ DOES_NOT_FIT = 3  # the exit status of a plan whose largest rank exceeds its mem
 
 
 def _refuse_combinations(args) -> None:
-    """One line for an option that does nothing with the others given (ConfigError)."""
+    """One line for an option that does nothing with the others given, or an output that
+    cannot be written, before any work (ConfigError)."""
     from mpitrain.config import ConfigError
+    from mpitrain.plan.hardware import user_path
 
     search = "goes with --search (mpitrain plan CONFIG -n P --search ...)"
     alone = [("--steps", args.steps is not None and not (args.validate or args.measure),
@@ -202,6 +207,11 @@ def _refuse_combinations(args) -> None:
               "plans the grown model on the layout given; leave out --search and --validate")]
     for option, refused, why in alone:
         if refused:
+            raise ConfigError(f"{option}: {why}")
+    written = [("--out", args.out, True)] if args.measure else []  # not its default's unless it writes there
+    written += [("--catalogue", args.catalogue or user_path(), False)] if args.calibrate else []
+    for option, path, folder in written:
+        if (why := unwritable(path, folder)) is not None:
             raise ConfigError(f"{option}: {why}")
 
 

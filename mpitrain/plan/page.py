@@ -24,6 +24,7 @@ matplotlib.use("Agg")  # files only: no display needed
 import matplotlib.pyplot as plt
 
 from mpitrain import cost
+from mpitrain.output import write_text
 from mpitrain.plan.show import categories, ranks_text, size, verdict
 
 STYLE = ("body{font-family:sans-serif;max-width:1100px;margin:2em auto;color:#222}"
@@ -190,16 +191,7 @@ def write(path, plan, text: str, title: str, sections=()) -> Path:
     body += ["<h2>The plan</h2>", f"<pre>{html.escape(text)}</pre>"]
     page = (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
             f"<style>{STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(page, encoding="utf-8")
-        tmp.replace(path)
-    except BaseException:  # a full disk, Ctrl-C: no half-written page left beside it
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    return write_text(path, page)  # whole or not at all
 
 
 def _labels(ax, groups: list) -> list[str]:

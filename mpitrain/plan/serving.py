@@ -19,9 +19,10 @@ def config_of(args):
     from mpitrain.plan import models
 
     if args.config and (Path(args.config).is_dir() or Path(args.config).suffix == ".h5"):
+        from mpitrain.cli_common import _note
         from mpitrain.train.trained import saved_config
 
-        cfg, path, _ = saved_config(args.config, args.set)
+        cfg, path, _ = saved_config(args.config, args.set, warn=_note)
         return cfg, None, f"{args.config} ({path.name})"
     return models.config_of(args)
 

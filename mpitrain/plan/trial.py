@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mpitrain.output import OutputError
 from mpitrain.plan.validate import launched
 
 SEED = 0  # the random others: the same search, the same draw
@@ -118,7 +119,11 @@ def run(args, fits: list, over: list, limit: float) -> int:
         got = "the run failed" if r is None else f"measured {size(peak(r))}, " + \
             ("over the limit: yes" if peak(r) > limit else "over the limit: NO")
         print(f"refused for memory ({size(f.peak)} predicted > {size(limit)}), forced: {got} | {f.line}")
-    _write(Path(args.out), rows, [fits.index(r[0]) + 1 for r in rows], summary, args)
+    try:
+        _write(Path(args.out), rows, [fits.index(r[0]) + 1 for r in rows], summary, args)
+    except OSError as e:  # a disk that filled during the runs: the table above is printed, say what is not
+        raise OutputError(f"{args.out}: could not be written ({e.strerror or e}); the table above is the "
+                          "measurement") from None
     print(f"wrote {Path(args.out) / 'search.csv'}, search.json and search.png")
     return 1 if failed else 0
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from mpitrain import cost, schedules
 from mpitrain.config import ConfigError
 from mpitrain.observe.prediction import error
+from mpitrain.output import write_text
 
 EXACT = ("parameters", "gradients", "optimizer state", "optimizer's work array", "dp sent", "pp sent", "tp sent",
          "FLOPs", "storage need (B/s) at the run's samples/s")
@@ -211,7 +212,7 @@ def run(args) -> int:
         found = {"rows": [[*r, tolerance(r[1]), error(r[2], r[3]), holds(*r[1:])] for r in rows],
                  "step": [plan.time["step"], seconds], "mpi": library(),
                  "estimates": [[rank, what, value] for (rank, what), value in textbook.items()]}
-        Path(args.json).write_text(json.dumps(found))
+        write_text(args.json, json.dumps(found))
     return 0 if ok else 1
 
 

@@ -125,8 +125,9 @@ def _work(run: Run, first: int, heap: HeapTrace, log, loop_log, loop_warn) -> Re
     role, world, cfg = run.role, run.world, run.cfg
     result = Result(start_step=first)
     if cfg.run.dir:  # the directory's record of whose it is, before anything else goes in
-        world.agree(lambda: identity.write(cfg.run.dir, run.identity) if world.rank == 0 else None, share=OSError)
-    out = Outputs(cfg, world, role.leads, first, heap)
+        world.agree(lambda: identity.write(cfg.run.dir, run.identity) if world.rank == 0 else None,
+                    share=checkpoint.CheckpointWriteError)
+    out = Outputs(cfg, world, role.leads, first, heap, loop_warn)
     try:
         return _run_and_finish(run, first, result, out, log, loop_log, loop_warn)
     finally:
@@ -182,7 +183,9 @@ def _header(run: Run, threads: int) -> str:
     what = "windows" if run.data.kind == "text" else "samples"
     micro = f" in {t.micro_batches} micro-batches per rank" if t.micro_batches > 1 else ""
     level = f"; {library()}, thread level {started_thread_level()}" if run.world.size > 1 else ""
-    return (f"model {cfg.model.name}: {run.parameters:,} parameters; data {run.data.name} "
+    where = (f"run directory: {cfg.run.dir} (checkpoints, metrics.jsonl)" if cfg.run.dir else
+             "run directory: none (run.dir = \"\"): nothing is saved")
+    return (f"{where}\nmodel {cfg.model.name}: {run.parameters:,} parameters; data {run.data.name} "
             f"({run.data.path}), {reader.n:,} training {what}, {reader.steps_per_epoch} steps per epoch; "
             f"{run.total} steps of {t.global_batch_size}{micro}; {threads} BLAS thread(s) per rank; "
             f"{run.optimizer.describe() if t.precision != 'fp32' else t.dtype}"

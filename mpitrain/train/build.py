@@ -35,6 +35,7 @@ from mpitrain.parallel.param_server import ParameterServer
 from mpitrain.parallel.pipeline import PipelineStage
 from mpitrain.parallel.zero import Zero1, Zero2
 from mpitrain.parallel.zero3 import Zero3
+from mpitrain.output import unwritable
 from mpitrain.precision import MixedPrecision
 from mpitrain.tensor import default_dtype
 from mpitrain.train import finetune
@@ -416,6 +417,8 @@ def prepare_run_dir(cfg: Config, resume: bool) -> None:
         if resume:
             raise ConfigError("run.dir: resuming needs the run directory that holds the checkpoints")
         return
+    if (why := unwritable(run, folder=True)) is not None:  # before the model is built, not at its first write
+        raise ConfigError(f"run.dir: {why}")
     if not resume and checkpoint.listed(run):
         raise ConfigError(f"run.dir: {run} already holds the checkpoints of a run; resume it (--resume) "
                           "or choose another run directory")

@@ -11,12 +11,15 @@ is, never loaded and never pruned (:mod:`mpitrain.train.resume`).
 
 A run directory without ``run.json`` (its checkpoints copied into a new directory, or a
 run started by an mpitrain before identities) is the run that all its checkpoints name;
-checkpoints of several runs and no ``run.json`` to choose are refused. A checkpoint with
+checkpoints of several runs and no ``run.json`` to choose are refused. So is one whose
+``run.json`` no checkpoint names while every checkpoint names one run: that ``run.json``
+was copied in, and the resume moves it aside to ``run.json.<its id>``, saying so. A checkpoint with
 no identity, written before identities, is taken as the run's own.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -25,7 +28,7 @@ import time
 from pathlib import Path
 
 from mpitrain import checkpoint
-from mpitrain.checkpoint import CheckpointError
+from mpitrain.checkpoint import CheckpointError, CheckpointWriteError
 from mpitrain.config import changes as config_changes
 
 FILE = "run.json"
@@ -72,18 +75,25 @@ def read(run_dir) -> dict | None:
 
 
 def write(run_dir, ident: dict) -> None:
-    """``RUN_DIR/run.json`` (atomically), unless it holds ``ident`` already."""
+    """``RUN_DIR/run.json`` (atomically), unless it holds ``ident`` already; raises
+    CheckpointWriteError, leaving no ``run.json.tmp``, when the disk refuses it."""
     path = Path(run_dir) / FILE
     with_digest = json.dumps({"run": ident, "sha256": _digest(ident)}, indent=1, sort_keys=True) + "\n"
     if path.is_file() and path.read_text() == with_digest:
         return
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(FILE + ".tmp")
-    with open(tmp, "w") as fh:
-        fh.write(with_digest)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "w") as fh:
+            fh.write(with_digest)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except OSError as e:  # the disk's fault (full, read-only, no permission): no half-written file stays
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise CheckpointWriteError(f"{path}: could not be written ({e.strerror or e}); the run starts by writing "
+                                   "it, so nothing was trained: make room and run the same command again") from None
 
 
 def _digest(ident: dict) -> str:
@@ -93,9 +103,24 @@ def _digest(ident: dict) -> str:
 def owner(run_dir) -> dict | None:
     """The identity of the run ``run_dir`` holds: its ``run.json``'s, or else the one its
     checkpoints carry; None when neither says (no checkpoint, or only ones written before
-    identities). Raises CheckpointError for checkpoints of several runs and no ``run.json``."""
-    if (ident := read(run_dir)) is not None:
+    identities). A ``run.json`` that no checkpoint names, where every checkpoint names one
+    other run, was copied in from elsewhere: the checkpoints decide (:func:`stray`).
+    Raises CheckpointError for checkpoints of several runs and no ``run.json``."""
+    ident = read(run_dir)
+    named = _named(run_dir)
+    if ident is not None and (ident["id"] in named or len(named) != 1):
         return ident
+    if len(named) > 1:
+        runs = "; ".join(f"run {i} (started {t.get('started', '?')}): steps {', '.join(map(str, s))}"
+                         for i, (t, s) in named.items())
+        raise CheckpointError(f"{checkpoint.directory(run_dir)}: checkpoints of {len(named)} runs, and no "
+                              f"{Path(run_dir) / FILE} to say which run this is: {runs}; move the other run's "
+                              "files out (or start a new run from one: mpitrain train CONFIG --from CHECKPOINT)")
+    return next(iter(named.values()))[0] if named else None
+
+
+def _named(run_dir) -> dict[str, tuple[dict, list[int]]]:
+    """Each run the checkpoints of ``run_dir`` name: id -> (its identity, the steps)."""
     named = {}
     for path in checkpoint.listed(run_dir):
         try:
@@ -104,13 +129,22 @@ def owner(run_dir) -> dict | None:
             continue
         if theirs is not None:
             named.setdefault(theirs["id"], (theirs, []))[1].append(checkpoint.step_of(path))
-    if len(named) > 1:
-        runs = "; ".join(f"run {i} (started {t.get('started', '?')}): steps {', '.join(map(str, s))}"
-                         for i, (t, s) in named.items())
-        raise CheckpointError(f"{checkpoint.directory(run_dir)}: checkpoints of {len(named)} runs, and no "
-                              f"{Path(run_dir) / FILE} to say which run this is: {runs}; move the other run's "
-                              "files out (or start a new run from one: mpitrain train CONFIG --from CHECKPOINT)")
-    return next(iter(named.values()))[0] if named else None
+    return named
+
+
+def stray(run_dir, ours: dict | None) -> dict | None:
+    """The identity in ``run_dir``'s ``run.json`` when it is not the run's (``ours``, as
+    :func:`owner` decided): another run's record, copied in; None otherwise."""
+    ident = read(run_dir)
+    return ident if ident is not None and ours is not None and ident["id"] != ours["id"] else None
+
+
+def set_aside(run_dir, ident: dict) -> Path:
+    """Move a stray ``run.json`` (of the run ``ident``) to ``run.json.<its id>``, kept."""
+    path = Path(run_dir) / FILE
+    target = path.with_name(f"{FILE}.{ident['id']}")
+    os.replace(path, target)
+    return target
 
 
 def foreign(fields: dict, ours: dict | None) -> bool:

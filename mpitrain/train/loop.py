@@ -177,6 +177,8 @@ class Loop:
             self.warn(f"warning: step {step}: loss is {loss}, update skipped (run.on_nan = 'skip')")
             return
         saved = checkpoint.listed(run.dir) if run.dir else []
+        # the record of how the run ended (a loss that is not a JSON number, as text)
+        self.out.metrics.write("diverged", step=step, loss=str(loss), checkpoint=str(saved[-1]) if saved else None)
         raise FloatingPointError(f"loss is {loss} at step {step}; last good checkpoint: "
                                  f"{saved[-1] if saved else 'none'}; lower optim.lr or set optim.grad_clip")
 

@@ -61,11 +61,12 @@ class Outputs:
     the loop) and ``timeline.json`` (every rank's events, with ``run.timeline``); what it
     measures of itself beside them: the heap of its first steps (``run.trace_memory``)."""
 
-    def __init__(self, cfg, world, leads: bool, first: int, heap: HeapTrace | None = None):
+    def __init__(self, cfg, world, leads: bool, first: int, heap: HeapTrace | None = None, warn=None):
         run = cfg.run
         self.heap = heap or HeapTrace(enabled=False)  # the heap over the first steps (the loop says when)
         board = Board(Path(run.dir) / "tensorboard", first) if run.tensorboard and run.dir and leads else None
-        self.metrics = MetricsLog(Path(run.dir) / "metrics.jsonl" if run.dir and leads else None, first, board)
+        self.metrics = MetricsLog(Path(run.dir) / "metrics.jsonl" if run.dir and leads else None, first, board,
+                                  warn)
         self.timeline = Timeline(world) if run.timeline and run.dir else None
 
     def close(self) -> None:

@@ -92,14 +92,15 @@ def saved_config(run_dir, start_over: bool = False) -> tuple[Path, dict] | None:
     return None if path is None else (path, meta["json"]["config"])
 
 
-def newest(run_dir) -> tuple[Path, dict]:
-    """(the run's newest checkpoint whose every byte verifies, its attributes), moving
-    nothing (for reading a run, not resuming it); raises CheckpointError when there is none."""
+def newest(run_dir) -> tuple[Path, dict, list[str]]:
+    """(the run's newest checkpoint whose every byte verifies, its attributes, why each
+    newer one was passed over), moving nothing (for reading a run, not resuming it);
+    raises CheckpointError when there is none."""
     path, attrs, unusable, _ = _newest_usable(run_dir, True, True, identity.owner(run_dir))
     if path is None:
         why = f": {'; '.join(w for _, w in unusable)}" if unusable else ""
         raise CheckpointError(f"{checkpoint.directory(run_dir)}: no checkpoint of the run can be used{why}")
-    return path, attrs
+    return path, attrs, [why for _, why in unusable]
 
 
 def choose(run_dir, comm, warn, start_over: bool = False, now: dict | None = None, data: dict | None = None):
@@ -113,6 +114,12 @@ def choose(run_dir, comm, warn, start_over: bool = False, now: dict | None = Non
 
     def pick():
         ours = identity.owner(run_dir)
+        if (stray := identity.stray(run_dir, ours)) is not None:
+            kept = _set_aside_record(run_dir, stray)
+            warn(f"resume: {Path(run_dir) / identity.FILE} named run {stray['id']} (started "
+                 f"{stray.get('started', '?')}), which none of the checkpoints here is; every one is run "
+                 f"{ours['id']}'s (started {ours.get('started', '?')}): resuming that run; the other record was "
+                 f"moved to {kept}")
         path, attrs, unusable, others = _newest_usable(run_dir, True, start_over, ours)
         _set_aside(unusable, warn)
         for other, fields in others:
@@ -122,6 +129,14 @@ def choose(run_dir, comm, warn, start_over: bool = False, now: dict | None = Non
 
     chosen, ours = comm.bcast(comm.agree(lambda: pick() if comm.rank == 0 else None))
     return None if chosen is None else (Path(chosen[0]), chosen[1]), ours
+
+
+def _set_aside_record(run_dir, stray: dict) -> Path:
+    try:
+        return identity.set_aside(run_dir, stray)
+    except OSError as e:
+        raise CheckpointError(f"{Path(run_dir) / identity.FILE} names another run than its checkpoints, and cannot be "
+                              f"moved aside ({e.strerror or e}); move it away yourself to resume") from None
 
 
 def _set_aside(unusable: list[tuple[Path, str]], warn) -> None:

@@ -31,12 +31,13 @@ from mpitrain.train.report import Result
 LAYOUT_FREE = {"train": {"micro_batches": 1}, "run": {"dir": ""}}  # set in the saved config; parallel: the defaults
 
 
-def load(target, comm, log, overrides: list[str] = ()) -> tuple[Run, int, Path]:
+def load(target, comm, log, overrides: list[str] = (), warn=None) -> tuple[Run, int, Path]:
     """(the run built with the weights of ``target``, the checkpoint's step, the file):
     ``target`` is a checkpoint file, or a run directory (its newest checkpoint whose
-    every byte verifies). ``overrides``: ``--set`` changes to the saved config (say, where
-    the data is now). Collective over ``comm``."""
-    cfg, path, attrs = saved_config(target, overrides, comm.agree)
+    every byte verifies; ``warn`` is told of each newer one passed over). ``overrides``:
+    ``--set`` changes to the saved config (say, where the data is now). Collective over
+    ``comm``."""
+    cfg, path, attrs = saved_config(target, overrides, comm.agree, warn)
     run = build_run(cfg, comm, check_ranks(cfg, comm.size), log)
     with run.role.sync.whole_model(masters=True):  # a mixed-precision run's are float32
         checkpoint.restore(path, model=run.model, optimizer=run.optimizer, sync=run.role.sync, comm=comm,
@@ -44,14 +45,18 @@ def load(target, comm, log, overrides: list[str] = ()) -> tuple[Run, int, Path]:
     return run, int(attrs["step"]), path
 
 
-def saved_config(target, overrides: list[str] = (), agree=lambda fn, *args: fn(*args)) -> tuple:
+def saved_config(target, overrides: list[str] = (), agree=lambda fn, *args: fn(*args), warn=None) -> tuple:
     """(the config of ``target`` laid out as :func:`load` builds it, its checkpoint file,
     the file's verified attributes): ``target`` a checkpoint file or a run directory (its
-    newest checkpoint whose every byte verifies), read through ``agree`` (a communicator's:
-    rank 0 reads, every rank gets the answer or the same error)."""
+    newest checkpoint whose every byte verifies, each newer one passed over told to
+    ``warn``), read through ``agree`` (a communicator's: every rank reads, and gets the
+    answer or the same error)."""
     target = Path(target)
+    target = checkpoint.run_holding(target) or target  # RUN/checkpoints: the run
     if target.is_dir():
-        path, attrs = agree(resume.newest, target)
+        path, attrs, passed = agree(resume.newest, target)
+        for why in passed if warn is not None else ():
+            warn(f"warning: not read: {why}; reading {path}, the newest checkpoint that verifies")
     elif target.is_file():
         path, attrs = target, agree(checkpoint.check, target)
     else:
