@@ -190,10 +190,10 @@ def config_show(args) -> None:
     cfg, saved_in, _ = _train_config(args)
     if launcher_rank() not in (None, 0):  # under mpiexec: checked on every rank, printed once
         return
-    sets = {key: RENAMED.get(key, key) for key in (item.split("=", 1)[0].strip() for item in args.set)}
-    origin = "--set" if args.set else ""
     origins = {key: f"{saved_in} (the resumed run's)" if saved_in else str(args.config) for key in cfg.given}
-    origins.update({key: origin for key in sets.values()})
+    for item in args.set:  # an old name set counts as the new one
+        key = item.split("=", 1)[0].strip()
+        origins[RENAMED.get(key, key)] = "--set"
     if args.resume is not None:
         origins["run.dir"] = "--resume" if args.resume is not True or args.run_dir is None else "--run-dir"
     elif args.run_dir is not None:

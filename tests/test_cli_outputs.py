@@ -121,6 +121,17 @@ def test_an_output_of_the_wrong_kind_already_there_is_one_line_and_left_alone(co
     assert (out.read_text() if folder else (out / "kept").read_text()) == "a file the user keeps\n"
 
 
+@pytest.mark.parametrize("command", ["config reference", "plan --html"])
+def test_an_existing_output_file_is_replaced_whole(command, made, tmp_path, capsys):
+    """A file already where a file is written: replaced, with nothing left beside it."""
+    argv, _ = WRITERS[command]
+    out = tmp_path / "taken.out"
+    out.write_text("the old one\n")
+    assert cli.main([str(out) if a == "OUT" else a for a in argv(*made)]) == 0
+    capsys.readouterr()
+    assert out.read_text() != "the old one\n" and [p.name for p in tmp_path.iterdir()] == ["taken.out"]
+
+
 def test_a_write_that_fails_midway_leaves_nothing_beside_it_and_says_which_file(tmp_path, monkeypatch):
     from mpitrain import output
 
@@ -137,13 +148,15 @@ def test_a_write_that_fails_midway_leaves_nothing_beside_it_and_says_which_file(
 @pytest.mark.parametrize("words", [
     ["train", "CONFIG", "--run-dir", "RUN2"], ["sample", "RUN", "--tokens", "5"], ["eval", "RUN"],
     ["report", "RUN"], ["config", "show", "CONFIG"], ["config", "reference"], ["data", "info", "DATA"],
-    ["data", "verify", "DATA"], ["plan", "CONFIG"], ["bench", "published"], ["launch", "true"],
+    ["data", "verify", "DATA"], ["data", "build", "text", "--src", "SRC", "--out", "DATA2"], ["plan", "CONFIG"],
+    ["bench", "published"], ["launch", "true"],
     ["cluster", "--help"]])
 def test_every_command_with_its_output_closed_runs_to_its_end(words, made, tmp_path):
     """``mpitrain ... >&-``: every command, each doing its real work where it can here
     (``cluster`` needs root and network namespaces: its help)."""
     src, data, run = made
-    names = {"CONFIG": GPT, "RUN": str(run), "RUN2": str(tmp_path / "run2"), "DATA": str(data)}
+    names = {"CONFIG": GPT, "RUN": str(run), "RUN2": str(tmp_path / "run2"), "DATA": str(data), "SRC": str(src),
+             "DATA2": str(tmp_path / "data2")}
     argv = [names.get(w, w) for w in words]
     argv += small(data) if words[0] in ("train", "config", "plan") and "CONFIG" in words else []
     done = subprocess.run([sys.executable, "-m", "mpitrain", *argv], stdin=subprocess.DEVNULL,

@@ -54,9 +54,12 @@ class Run:
         self.sync = self.config["parallel"].get("sync") or self.config["parallel"].get("strategy")  # older: strategy
         self.layout = layout(self.config, self.ranks)
         self.resumed = [seg[0]["step"] for seg in self.segments[1:] if seg[0].get("kind") == "start"]
+        self._figures: list[Segment] | None = None
 
     def segment_figures(self) -> list[Segment]:
-        """What each segment ran and reached (:class:`Segment`), in order."""
+        """What each segment ran and reached (:class:`Segment`), in order (read once)."""
+        if self._figures is not None:
+            return self._figures
         found = []
         for seg in self.segments:
             start = seg[0] if seg[0].get("kind") == "start" else self.start
@@ -67,6 +70,7 @@ class Run:
             config, ranks = start.get("config", self.config), int(start.get("ranks", self.ranks))
             found.append(Segment(first, max(reached, default=first), ranks, layout(config, ranks), rows,
                                  config["train"]["global_batch_size"]))
+        self._figures = found
         return found
 
     def per_rank(self) -> list[dict]:

@@ -28,6 +28,7 @@ from mpitrain.comm.grid import GridShape, ProcessGrid
 from mpitrain.config import Config, ConfigError, check_against_data, cut_refused
 from mpitrain.data import DataError, Dataset, ShardReader, open_dataset
 from mpitrain.data.loader import normalize
+from mpitrain.output import unwritable
 from mpitrain.parallel import GradSync, tensor_parallel
 from mpitrain.parallel.data_parallel import DataParallel
 from mpitrain.parallel.local import LocalSync
@@ -35,7 +36,6 @@ from mpitrain.parallel.param_server import ParameterServer
 from mpitrain.parallel.pipeline import PipelineStage
 from mpitrain.parallel.zero import Zero1, Zero2
 from mpitrain.parallel.zero3 import Zero3
-from mpitrain.output import unwritable
 from mpitrain.precision import MixedPrecision
 from mpitrain.tensor import default_dtype
 from mpitrain.train import finetune

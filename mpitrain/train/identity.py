@@ -11,15 +11,17 @@ is, never loaded and never pruned (:mod:`mpitrain.train.resume`).
 
 A run directory without ``run.json`` (its checkpoints copied into a new directory, or a
 run started by an mpitrain before identities) is the run that all its checkpoints name;
-checkpoints of several runs and no ``run.json`` to choose are refused. So is one whose
-``run.json`` no checkpoint names while every checkpoint names one run: that ``run.json``
-was copied in, and the resume moves it aside to ``run.json.<its id>``, saying so. A checkpoint with
-no identity, written before identities, is taken as the run's own.
+checkpoints of several runs and no ``run.json`` to choose are refused. A directory whose
+``run.json`` no checkpoint names, while every checkpoint names one run, is that run: its
+``run.json`` was copied in from elsewhere, and the resume moves it aside to
+``run.json.<its id>``, saying so. A checkpoint with no identity, written before
+identities, is taken as the run's own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -92,8 +94,9 @@ def write(run_dir, ident: dict) -> None:
     except OSError as e:  # the disk's fault (full, read-only, no permission): no half-written file stays
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
+        fix = "make room" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "once it can be written,"
         raise CheckpointWriteError(f"{path}: could not be written ({e.strerror or e}); the run starts by writing "
-                                   "it, so nothing was trained: make room and run the same command again") from None
+                                   f"it, so nothing was trained: {fix} and run the same command again") from None
 
 
 def _digest(ident: dict) -> str:

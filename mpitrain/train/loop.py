@@ -85,8 +85,9 @@ class Loop:
                                  waits=[AGREEING, *self.waits.values()])  # prints on every rank
         batches = run.reader.batches(step // spe, first_step=step % spe)
         self.out.heap.reader = run.reader if self.out.heap.tracing else None
+        # a value past float's range is the loss check's to find (run.on_nan), said once, not NumPy's warnings
         with self.watchdog, contextlib.closing(batches), self._progress_bar(), \
-                self._instrumented():
+                self._instrumented(), np.errstate(over="ignore", invalid="ignore", divide="ignore"):
             if step and step != run.total and t.eval_interval and step % t.eval_interval == 0:
                 self.evaluate(step)  # the killed run evaluated after its checkpoint; maybe not before it died
             waiting = time.perf_counter()
