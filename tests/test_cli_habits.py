@@ -126,3 +126,25 @@ def test_config_show_of_a_resumed_run_names_the_checkpoint_its_values_come_from(
     saved = f"{checkpoint.path_for(run, 4)} (the resumed run's)"
     assert (lines["lr"], lines["n_embd"], lines["steps"], lines["dir"]) == ("--set", saved, saved, "--resume")
     assert lines["seed"] == "default"
+
+
+def test_a_negative_sampling_seed_is_the_options_own_one_line(capsys):
+    """Before: ``mpitrain sample RUN --seed -1`` reached NumPy: ``ValueError: expected non-negative integer``."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["sample", "runs/nothing", "--seed", "-1"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "argument --seed: must be a non-negative integer, got -1" in err
+    assert "Traceback" not in err
+
+
+def test_a_plan_under_mpiexec_is_printed_once():
+    """Before: ``mpiexec -n 2 mpitrain plan CONFIG -n 2`` printed the whole plan twice."""
+    import shutil
+
+    mpiexec = shutil.which("mpiexec")
+    if mpiexec is None:
+        pytest.skip("needs mpiexec (pip install mpich)")
+    done = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "mpitrain", "plan", CONFIG, "-n", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("\nverdict: fits") == 1 and done.stdout.count("step time:") == 1, done.stdout
