@@ -123,8 +123,9 @@ def _data_download(args) -> None:
     from mpitrain_datasets import download
 
     out = args.out or download.default_out(args.name)
-    if (why := unwritable(out, whole=True)) is not None:  # before the download, not after it
-        raise _failure(why)
+    for path, folder in ((out, False), (args.cache or download.default_cache(), True)):  # before the download
+        if (why := unwritable(path, folder=folder, whole=not folder)) is not None:
+            raise _failure(why)
     src = download.fetch(args.name, cache=args.cache, mirror=args.mirror, out=out)
     _built(out, lambda: download.build(args.name, src, out))
 

@@ -33,11 +33,16 @@ def unwritable(path, folder: bool = False, whole: bool = False) -> str | None:
         if not (folder or whole) and path.is_dir():
             return f"{path}: is a folder; name a file"
     place = path if folder and path.is_dir() else path.parent
+    for link in (path, *path.parents):  # a dangling link is neither there nor makeable
+        if link.is_symlink() and not link.exists():
+            return f"{link}: is a link to {os.readlink(link)}, which does not exist"
+        if link == place:
+            break
     while not place.exists():
         place = place.parent
     if not place.is_dir():
         return f"{place}: is a file, not a folder"
-    if not os.access(place, os.W_OK | os.X_OK) or (not folder and path.exists() and not os.access(path, os.W_OK)):
+    if not os.access(place, os.W_OK | os.X_OK):  # a file there is replaced whole: its own mode does not matter
         return f"{path}: cannot write there ({_why(place)})"
     return None
 
@@ -64,19 +69,23 @@ whole_folder_option = _option(whole=True)  # an option naming a folder made whol
 
 
 def write_text(path, text: str) -> Path:
-    """``text`` into ``path`` whole (a temporary file beside it, synced, renamed over it), making
-    the folders above it; OutputError, leaving nothing beside it, if the disk refuses."""
+    """``text`` into ``path`` whole (a temporary file beside it, synced, renamed over it; a
+    link's target, not the link), making the folders above it; OutputError if the disk
+    refuses. Nothing is left beside it, whatever stops the write (Ctrl-C too)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    real = Path(os.path.realpath(path))
+    tmp = real.with_name(f".{real.name}.tmp-{os.getpid()}")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        real.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError as e:
+        os.replace(tmp, real)
+    except BaseException as e:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-        raise OutputError(f"{path}: could not be written ({e.strerror or e})") from None
+        if isinstance(e, OSError):
+            raise OutputError(f"{path}: could not be written ({e.strerror or e})") from None
+        raise
     return path

@@ -132,6 +132,20 @@ def test_an_existing_output_file_is_replaced_whole(command, made, tmp_path, caps
     assert out.read_text() != "the old one\n" and [p.name for p in tmp_path.iterdir()] == ["taken.out"]
 
 
+def test_a_link_is_written_through_and_a_dangling_one_is_one_line(tmp_path, capsys):
+    target = tmp_path / "real.md"
+    target.write_text("the old one\n")
+    link = tmp_path / "link.md"
+    link.symlink_to(target)
+    assert cli.main(["config", "reference", "--out", str(link)]) == 0
+    assert link.is_symlink() and target.read_text().startswith("# Configuration reference")
+    dangling = tmp_path / "gone"
+    dangling.symlink_to(tmp_path / "nowhere")
+    for argv in (["config", "reference", "--out", str(dangling / "x.md")], ["plan", GPT, "--html", str(dangling)]):
+        line = one_line_error(argv, capsys)
+        assert f"{dangling}: is a link to {tmp_path / 'nowhere'}, which does not exist" in line, line
+
+
 def test_a_write_that_fails_midway_leaves_nothing_beside_it_and_says_which_file(tmp_path, monkeypatch):
     from mpitrain import output
 
@@ -142,6 +156,10 @@ def test_a_write_that_fails_midway_leaves_nothing_beside_it_and_says_which_file(
     with pytest.raises(output.OutputError, match=f"{target}: could not be written \\(No space left on device\\)"):
         output.write_text(target, "the new page")
     monkeypatch.setattr(os, "replace", real)
+    assert target.read_text() == "the page before" and sorted(p.name for p in tmp_path.iterdir()) == ["page.html"]
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(KeyboardInterrupt()))  # Ctrl-C mid-write
+    with pytest.raises(KeyboardInterrupt):
+        output.write_text(target, "the new page")
     assert target.read_text() == "the page before" and sorted(p.name for p in tmp_path.iterdir()) == ["page.html"]
 
 

@@ -358,6 +358,31 @@ def test_a_diverged_runs_report_says_where_it_diverged_not_that_it_is_running(te
     assert re.search(r"\n  diverged: loss (nan|inf) at step \d+; last good checkpoint: none$", lines[0]), lines[0]
 
 
+def tables(printed) -> list[str]:
+    """The rows of the 'time per rank' table a run printed (its stdout, or its log lines)."""
+    text = printed if isinstance(printed, str) else "\n".join(printed)
+    lines = text[text.index("time per rank:"):].splitlines()[1:]
+    return [line for line in lines[:next(i for i, line in enumerate(lines) if "|" not in line)]]
+
+
+def test_a_segment_killed_before_its_first_progress_record_adds_steps_not_speed(text_data, tmp_path):
+    """Its steps count, but it has no seconds to rate them by: the run's samples/s is the
+    timed segments' (before: the untimed steps' samples over the timed seconds)."""
+    run(text_data, tmp_path / "a", "train.steps=4", "run.checkpoint_interval=2")
+    records = run_records.read(tmp_path / "a" / "metrics.jsonl")
+    start = next(r for r in records if r["kind"] == "start")
+    killed = [{**start, "step": 4}, {"kind": "checkpoint", "step": 6, "path": "x", "why": "interval"}]
+    (tmp_path / "a" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records + killed))
+    runs = run_records.Run(tmp_path / "a")
+    end = next(r for r in records if r["kind"] == "end")
+    steps, seconds, samples = runs.steps_and_seconds()
+    assert (steps, samples) == (6, 4 * 8) and seconds == max(r["step_s"] for r in end["ranks"])
+    lines = []
+    report([tmp_path / "a"], log=lines.append)
+    assert f"so far 6 steps in 2 segments (resumed at step 4): {seconds:.1f} s of steps, " \
+           f"{32 / seconds:,.0f} samples/s" in lines[0], lines[0]
+
+
 @needs_mpiexec
 def test_a_run_moved_from_2_ranks_to_1_on_resume_is_reported_whole(text_data, tmp_path, monkeypatch):
     """Before: the report covered only the last segment's layout (its header, its ranks),
@@ -377,7 +402,8 @@ def test_a_run_moved_from_2_ranks_to_1_on_resume_is_reported_whole(text_data, tm
     assert first.returncode == 0, first.stderr
     cfg = config.load(JOBS / "tinyshakespeare_gpt.toml", [*sets, "train.steps=8",
                                                           f"run.dir={json.dumps(str(run_dir))}"])
-    assert train.train(cfg, log=lambda *a: None, resume=True).start_step == 4  # one rank now
+    said = []
+    assert train.train(cfg, log=said.append, resume=True).start_step == 4  # one rank now
     figures = []
     monkeypatch.setattr(run_records, "save", lambda fig, path: figures.append(fig) or module.plt.close(fig) or path)
     lines = []
@@ -392,9 +418,9 @@ def test_a_run_moved_from_2_ranks_to_1_on_resume_is_reported_whole(text_data, tm
            f"{samples / seconds:,.0f} samples/s, summed over the segments; the last segment 4 steps in " in lines[0]
     rows = [line.split(":")[0] for line in text if line.startswith("  rank ")]
     assert rows == ["  rank 0, steps 0-4", "  rank 1, steps 0-4", "  rank 0, steps 4-8"]
-    segments = [seg for seg in runs.segment_figures()]
-    assert [s.seconds for s in segments] == [max(r["step_s"] for r in s.rows) for s in segments]
-    assert seconds == pytest.approx(sum(s.seconds for s in segments))
+    # each segment's seconds as its own run printed them: the slowest rank of its time table (0.01 s printed)
+    printed = [max(float(row.split("|")[1]) for row in table) for table in (tables(first.stdout), tables(said))]
+    assert seconds == pytest.approx(sum(printed), abs=0.02)
     bars = figures[1].axes[0]
     assert [t.get_text() for t in bars.get_xticklabels()] == ["rank 0\nsteps 0-4", "rank 1\nsteps 0-4",
                                                                 "rank 0\nsteps 4-8"]

@@ -527,7 +527,7 @@ def test_a_full_disk_when_run_json_is_first_written_is_one_line_then_the_run_sta
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip() == (f"mpitrain: error: {run / 'run.json'}: could not be written (No space left on "
-                                   "device); the run starts by writing it, so nothing was trained: make room and "
+                                   "device); the run starts by writing it, so nothing was trained: make room, then "
                                    "run the same command again")
     assert list(run.iterdir()) == []  # no run.json.tmp
     filler.unlink()  # room again: the same command runs
@@ -590,3 +590,27 @@ def test_a_run_json_copied_in_from_another_run_is_overruled_by_the_checkpoints(t
     assert json.loads(kept.read_text())["run"] == theirs  # the other record kept, not deleted
     assert [w for w in warned if w.startswith(f"resume: {run / 'run.json'} named run {theirs['id']}")
             and f"every one is run {ours['id']}'s" in w and str(kept) in w], warned
+
+
+def test_a_runs_own_run_json_stands_when_only_another_runs_checkpoints_are_there(text_data, tmp_path):
+    """A run killed before its first checkpoint, another run's checkpoint copied in: the
+    run's own record (its metrics.jsonl says so) keeps the other file out; with nothing
+    to say which, the resume is refused, naming both."""
+    run, other = tmp_path / "a", tmp_path / "b"
+    train.train(gpt(text_data, run, "train.steps=4"), log=quiet)
+    for path in checkpoint.listed(run):  # as if killed before its first checkpoint
+        path.unlink()
+    train.train(gpt(text_data, other, "train.steps=4", "train.seed=2"), log=quiet)
+    ours, theirs = identity.read(run), identity.read(other)
+    shutil.copy(checkpoint.path_for(other, 4), checkpoint.directory(run))
+    warned = []
+    again = train.train(gpt(text_data, run, "train.steps=4"), log=quiet, warn=warned.append, resume=True)
+    assert again.start_step == 0 and identity.read(run) == ours
+    assert any("is a checkpoint of another run" in w for w in warned), warned
+    assert identity.of(checkpoint.header(checkpoint.directory(run) / "other-runs" / "step-00000004.h5")) == theirs
+    checkpoint.directory(tmp_path / "c").mkdir(parents=True)
+    shutil.copy(checkpoint.path_for(other, 4), checkpoint.directory(tmp_path / "c"))  # no metrics.jsonl to decide
+    shutil.copy(run / "run.json", tmp_path / "c" / "run.json")
+    with pytest.raises(checkpoint.CheckpointError, match=f"run.json names run {ours['id']} .* every checkpoint in "
+                                                         f".* is run {theirs['id']}'s .* does not say which run"):
+        train.train(gpt(text_data, tmp_path / "c", "train.steps=8"), log=quiet, resume=True)

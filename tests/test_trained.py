@@ -3,6 +3,7 @@ from every layout, under MPI: ``tests/test_mpi_trained.py``."""
 
 import importlib.util
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -227,3 +228,9 @@ def test_sample_and_eval_say_which_newer_checkpoint_they_passed_over_and_why(gpt
         assert len(said) == 1 and str(newest) in said[0] and said[0].endswith(
             f"; reading {older}, the newest checkpoint that verifies"), err
     assert newest.exists()  # reading a run moves nothing
+    other = gpt_run.parent / "other"  # a newer checkpoint of another run, copied in: named, not read
+    train.train(gpt(gpt_run.parent / "shards", other, "train.steps=12", "train.seed=2"), log=quiet)
+    shutil.copy(checkpoint.path_for(other, 12), checkpoint.directory(gpt_run))
+    assert cli.main(["eval", str(gpt_run), "--batches", "1"]) == 0
+    said = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: not read: ")]
+    assert any(f"{checkpoint.path_for(gpt_run, 12)}: a checkpoint of another run (" in line for line in said), said

@@ -83,10 +83,11 @@ def _compressed_copy(path: Path, out: Path) -> None:
     data = open_dataset(path)
     split = data.split("train")
     keep = {k: data.manifest[k] for k in ("classes", "mean", "std", "vocab", "val_fraction") if k in data.manifest}
+    x, y = split.read_all("x"), split.read_all("y") if split.y_dtype is not None else None  # read, then write
+    data.close()
     with DatasetWriter(out, data.name, data.kind, compression="gzip", source=data.manifest.get("source"),
                        **keep) as w:
-        w.write_split("train", split.read_all("x"), split.read_all("y") if split.y_dtype is not None else None)
-    data.close()
+        w.write_split("train", x, y)
 
 
 def run(path, batch: int = 256, window: int = 64, repeats: int = 5, buffer_mb: float = 64, log=print) -> list[dict]:

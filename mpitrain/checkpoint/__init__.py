@@ -89,6 +89,8 @@ def run_holding(folder) -> Path | None:
     """The run directory whose checkpoints folder ``folder`` is (``RUN/checkpoints``,
     given where ``RUN`` was meant), or None when it is not one."""
     folder = Path(folder)
+    if folder.name in ("", ".", ".."):  # --resume . inside it
+        folder = folder.resolve()
     if folder.name != directory("").name or not folder.is_dir() or listed(folder):  # a run of its own inside?
         return None
     holds = listed(folder.parent) or (folder.parent / "run.json").is_file()

@@ -146,9 +146,19 @@ class DatasetWriter:
             raise self._unwritten(e) from None
         finally:
             shutil.rmtree(self.tmp, ignore_errors=True)
-        if isinstance(value, OSError):  # a shard that could not be written (a full disk, say)
+        if isinstance(value, OSError) and self._ours(value):  # a shard that could not be written (a full disk)
             raise self._unwritten(value) from None
         return False
+
+    def _ours(self, error: OSError) -> bool:
+        """Whether ``error`` is about the files this writer makes (or names no file): a
+        source the recipe reads inside the block is not the output's fault."""
+        name = getattr(error, "filename", None)
+        if not name:
+            return True
+        name = Path(os.path.abspath(name))
+        return any(name == p or p in name.parents for p in (Path(os.path.abspath(self.tmp)),
+                                                              Path(os.path.abspath(self.out))))
 
     def _unwritten(self, error: OSError) -> DataError:
         return DataError(f"{self.out}: could not be written ({error.strerror or error}); nothing of it was kept "

@@ -65,11 +65,13 @@ class Run:
             start = seg[0] if seg[0].get("kind") == "start" else self.start
             first = seg[0].get("step", 0) if seg[0].get("kind") == "start" else 0
             reached = [r["step"] for r in seg if r.get("kind") in ("train", "checkpoint", "stopped", "end", "diverged")]
-            rows = next((r["ranks"] for r in reversed(seg) if r.get("kind") in ("train", "end") and r.get("ranks")),
-                        [])
+            timed = next((r for r in reversed(seg) if r.get("kind") in ("train", "end") and r.get("ranks")), None)
+            steps = 0 if timed is None else timed["step"] - first
+            if timed is not None and timed["kind"] == "end":  # the steps this process timed
+                steps = timed.get("steps_timed", steps)
             config, ranks = start.get("config", self.config), int(start.get("ranks", self.ranks))
-            found.append(Segment(first, max(reached, default=first), ranks, layout(config, ranks), rows,
-                                 config["train"]["global_batch_size"]))
+            found.append(Segment(first, max(reached, default=first), ranks, layout(config, ranks),
+                                 [] if timed is None else timed["ranks"], steps, config["train"]["global_batch_size"]))
         self._figures = found
         return found
 
@@ -98,13 +100,15 @@ class Run:
         return "; ".join(f"steps {steps} on {segs[0].ranks} rank(s) ({segs[0].layout})" for steps, segs, _ in groups)
 
     def steps_and_seconds(self) -> tuple[int, float, float]:
-        """Steps timed, seconds of steps (each segment's slowest rank's) and samples, over
-        every segment."""
+        """Over every segment: the steps reached, the seconds of the steps timed (each
+        segment's slowest rank's, to its last record of them) and the samples of those
+        steps (a segment killed before its first progress record has steps, but no
+        seconds to rate them by)."""
         steps = seconds = samples = 0.0
         for seg in self.segment_figures():
             steps += seg.reached - seg.first
             seconds += seg.seconds
-            samples += (seg.reached - seg.first) * seg.global_batch
+            samples += seg.timed * seg.global_batch
         return int(steps), seconds, samples
 
 
@@ -117,6 +121,7 @@ class Segment:
     ranks: int
     layout: str
     rows: list[dict]  # each rank's figures at its last progress record ([] when it reached none)
+    timed: int  # the steps those figures cover
     global_batch: int
 
     @property

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mpitrain.config import toml_value as _toml
+from mpitrain.config import toml_value
 from mpitrain.output import write_text
 from mpitrain.plan.hardware import (GEMM_DTYPES, MIXED, HardwareError, emulated_link, parse_device, read_toml,
                                     this_machine, user_path)
@@ -326,6 +326,13 @@ def wrote(out: Path, measured: dict) -> str:
     return (f"wrote {out}: [device.this] {this['name']}: float32 GEMMs up to {this['peak_flops']['fp32'] * 1e3:.4g} "
             f"GFLOP/s a core, streaming {this['elementwise_bandwidth_gbs']:.4g} GB/s; links {links}. {reader} "
             "(other entries of the file are kept)")
+
+
+def _toml(v) -> str:
+    try:
+        return toml_value(v)
+    except ValueError as e:  # a measurement that is not a finite number
+        raise HardwareError(f"the calibration: {e}") from None
 
 
 def to_toml(tables: dict, header: str = "") -> str:

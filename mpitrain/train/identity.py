@@ -11,11 +11,13 @@ is, never loaded and never pruned (:mod:`mpitrain.train.resume`).
 
 A run directory without ``run.json`` (its checkpoints copied into a new directory, or a
 run started by an mpitrain before identities) is the run that all its checkpoints name;
-checkpoints of several runs and no ``run.json`` to choose are refused. A directory whose
-``run.json`` no checkpoint names, while every checkpoint names one run, is that run: its
+checkpoints of several runs and no ``run.json`` to choose are refused. When ``run.json``
+names a run that no checkpoint is of, and every checkpoint names one other run, the
+start records of ``metrics.jsonl`` decide: written by the checkpoints' run, the
 ``run.json`` was copied in from elsewhere, and the resume moves it aside to
-``run.json.<its id>``, saying so. A checkpoint with no identity, written before
-identities, is taken as the run's own.
+``run.json.<its id>``, saying so; written by the run ``run.json`` names, that run has no
+checkpoint yet and the others' were copied in; neither, the resume is refused, naming
+both. A checkpoint with no identity, written before identities, is taken as the run's own.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from pathlib import Path
 from mpitrain import checkpoint
 from mpitrain.checkpoint import CheckpointError, CheckpointWriteError
 from mpitrain.config import changes as config_changes
+from mpitrain.observe.metrics import read as read_metrics
 
 FILE = "run.json"
 
@@ -91,12 +94,15 @@ def write(run_dir, ident: dict) -> None:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except OSError as e:  # the disk's fault (full, read-only, no permission): no half-written file stays
+    except BaseException as e:  # no half-written file stays, whatever stopped the write
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-        fix = "make room" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "once it can be written,"
+        if not isinstance(e, OSError):
+            raise
+        fix = ("make room, then run the same command again" if e.errno in (errno.ENOSPC, errno.EDQUOT) else
+               "run the same command again once it can be written")
         raise CheckpointWriteError(f"{path}: could not be written ({e.strerror or e}); the run starts by writing "
-                                   f"it, so nothing was trained: {fix} and run the same command again") from None
+                                   f"it, so nothing was trained: {fix}") from None
 
 
 def _digest(ident: dict) -> str:
@@ -107,8 +113,9 @@ def owner(run_dir) -> dict | None:
     """The identity of the run ``run_dir`` holds: its ``run.json``'s, or else the one its
     checkpoints carry; None when neither says (no checkpoint, or only ones written before
     identities). A ``run.json`` that no checkpoint names, where every checkpoint names one
-    other run, was copied in from elsewhere: the checkpoints decide (:func:`stray`).
-    Raises CheckpointError for checkpoints of several runs and no ``run.json``."""
+    other run, is weighed by ``metrics.jsonl``, whose start records name the run that
+    wrote them (:func:`_by_the_record`). Raises CheckpointError for checkpoints of
+    several runs and no ``run.json``."""
     ident = read(run_dir)
     named = _named(run_dir)
     if ident is not None and (ident["id"] in named or len(named) != 1):
@@ -119,7 +126,30 @@ def owner(run_dir) -> dict | None:
         raise CheckpointError(f"{checkpoint.directory(run_dir)}: checkpoints of {len(named)} runs, and no "
                               f"{Path(run_dir) / FILE} to say which run this is: {runs}; move the other run's "
                               "files out (or start a new run from one: mpitrain train CONFIG --from CHECKPOINT)")
-    return next(iter(named.values()))[0] if named else None
+    if not named:
+        return None
+    theirs = next(iter(named.values()))[0]
+    return theirs if ident is None else _by_the_record(run_dir, ident, theirs)
+
+
+def _by_the_record(run_dir, ident: dict, theirs: dict) -> dict:
+    """Which run ``run_dir`` holds when its ``run.json`` names ``ident`` and every
+    checkpoint is of the other run ``theirs``: the one ``metrics.jsonl`` was written by.
+    ``theirs``: the run.json was copied in from elsewhere (:func:`stray`). ``ident``: its
+    own run had saved no checkpoint yet, and the other's were copied in (left in place,
+    never loaded). Neither, or both: refused, naming both."""
+    try:
+        started = {(r.get("run") or {}).get("id") for r in read_metrics(Path(run_dir) / "metrics.jsonl")
+                   if r.get("kind") == "start"}
+    except OSError:
+        started = set()
+    if (theirs["id"] in started) != (ident["id"] in started):
+        return theirs if theirs["id"] in started else ident
+    raise CheckpointError(f"{Path(run_dir) / FILE} names run {ident['id']} (started {ident.get('started', '?')}), "
+                          f"but every checkpoint in {checkpoint.directory(run_dir)} is run {theirs['id']}'s (started "
+                          f"{theirs.get('started', '?')}), and its metrics.jsonl does not say which run this is: move "
+                          f"{FILE} away to resume run {theirs['id']}, or move the checkpoints out to go on with run "
+                          f"{ident['id']}")
 
 
 def _named(run_dir) -> dict[str, tuple[dict, list[int]]]:

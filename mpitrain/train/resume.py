@@ -96,11 +96,13 @@ def newest(run_dir) -> tuple[Path, dict, list[str]]:
     """(the run's newest checkpoint whose every byte verifies, its attributes, why each
     newer one was passed over), moving nothing (for reading a run, not resuming it);
     raises CheckpointError when there is none."""
-    path, attrs, unusable, _ = _newest_usable(run_dir, True, True, identity.owner(run_dir))
+    path, attrs, unusable, others = _newest_usable(run_dir, True, True, identity.owner(run_dir))
     if path is None:
         why = f": {'; '.join(w for _, w in unusable)}" if unusable else ""
         raise CheckpointError(f"{checkpoint.directory(run_dir)}: no checkpoint of the run can be used{why}")
-    return path, attrs, [why for _, why in unusable]
+    newer = [f"{other}: a checkpoint of another run ({(identity.of(fields) or {}).get('id', '?')})"
+             for other, fields in others if checkpoint.step_of(other) > checkpoint.step_of(path)]
+    return path, attrs, [why for _, why in unusable] + newer
 
 
 def choose(run_dir, comm, warn, start_over: bool = False, now: dict | None = None, data: dict | None = None):
