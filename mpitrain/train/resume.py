@@ -134,6 +134,7 @@ def choose(run_dir, comm, warn, start_over: bool = False, now: dict | None = Non
 
 
 def _set_aside_record(run_dir, stray: dict) -> Path:
+    """Move another run's ``run.json``, copied in, to ``run.json.<its id>``: kept, not deleted."""
     try:
         return identity.set_aside(run_dir, stray)
     except OSError as e:
