@@ -305,7 +305,7 @@ def annotated(cfg: Config, origins: dict[str, str], header: str = "") -> str:
             if chosen in readers and name != choice and name not in readers[chosen]:
                 origin += f"; not read when {section}.{choice} = {toml_value(chosen)}"
             values.append((f"{'# ' * origin.startswith('default')}{name} = {toml_value(value)}", origin))
-        width = max(len(text) for text, _ in values if len(text) <= 40)  # a long list does not push every comment
+        width = max((len(text) for text, _ in values if len(text) <= 40), default=0)  # a long list: not every comment
         lines += ["", f"[{section}]", *(f"{text:<{width}}  # {origin}" for text, origin in values)]
     return "\n".join(lines).lstrip("\n") + "\n"
 
