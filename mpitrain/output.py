@@ -5,8 +5,9 @@ A place that cannot be written (a read-only file system, a folder without permis
 file where a folder is wanted or the other way round) is one line naming it when the
 command starts (:func:`unwritable`; as an option's type, :func:`file_option` and
 :func:`folder_option`), not a traceback after the work. A write that fails anyway (the
-disk fills meanwhile) leaves no half-written file and raises :class:`OutputError` naming
-the file (:func:`write_text`). Checkpoints and datasets have their own, stronger rules
+disk fills meanwhile) leaves no half-written file (:func:`write_whole`: ``run.json``,
+``metrics.jsonl`` and the timeline are written so too) and raises :class:`OutputError`
+naming the file (:func:`write_text`). Checkpoints and datasets have their own, stronger rules
 (:mod:`mpitrain.checkpoint`, :mod:`mpitrain.data.writer`).
 """
 
@@ -68,11 +69,11 @@ folder_option = _option(folder=True)  # an option naming a folder to write into
 whole_folder_option = _option(whole=True)  # an option naming a folder made whole and renamed into place
 
 
-def write_text(path, text: str) -> Path:
-    """``text`` into ``path`` whole (a temporary file beside it, synced, renamed over it; a
-    link's target, not the link), making the folders above it; OutputError if the disk
-    refuses. Nothing is left beside it, whatever stops the write (Ctrl-C too)."""
-    path = Path(path)
+def write_whole(path, text: str) -> Path:
+    """``text`` into ``path`` whole: a temporary file beside it, synced, renamed over it (a
+    link's target, not the link), the folders above it made. Nothing is left beside it,
+    whatever stops the write (Ctrl-C too); the OSError of a disk that refuses passes on,
+    for the caller to say what it means (:func:`write_text`: an :class:`OutputError`)."""
     real = Path(os.path.realpath(path))
     tmp = real.with_name(f".{real.name}.tmp-{os.getpid()}")
     try:
@@ -82,10 +83,16 @@ def write_text(path, text: str) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, real)
-    except BaseException as e:
+    except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise OutputError(f"{path}: could not be written ({e.strerror or e})") from None
         raise
-    return path
+    return Path(path)
+
+
+def write_text(path, text: str) -> Path:
+    """``text`` into ``path`` whole (:func:`write_whole`); OutputError naming it if the disk refuses."""
+    try:
+        return write_whole(path, text)
+    except OSError as e:
+        raise OutputError(f"{path}: could not be written ({e.strerror or e})") from None

@@ -180,16 +180,25 @@ def tmpfs(folder: Path, options: str):
         subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
+WORDS = ("to be", "or not", "that is", "the question")
+
+
+def small_text(shards: Path, lines: int = 600, words=WORDS) -> Path:
+    """The shard directory ``shards`` (90/10 split) of a text of ``lines`` lines, each one
+    of ``words`` drawn by a seeded stream; the text beside it, as ``input.txt``."""
+    from mpitrain_datasets import text
+
+    shards.parent.mkdir(parents=True, exist_ok=True)
+    src = shards.parent / "input.txt"
+    src.write_text("\n".join(np.random.default_rng(0).choice(list(words), lines)) + "\n")
+    text.text(src, shards)
+    return shards
+
+
 @pytest.fixture
 def text_data(tmp_path):
     """A shard directory of a small text (90/10 split)."""
-    from mpitrain_datasets import text
-
-    p = tmp_path / "input.txt"
-    words = np.random.default_rng(0).choice(["to be", "or not", "that is", "the question"], 600)
-    p.write_text("\n".join(words) + "\n")
-    text.text(p, tmp_path / "shards")
-    return tmp_path / "shards"
+    return small_text(tmp_path / "shards")
 
 
 SMALL_CNNS = {

@@ -18,6 +18,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+from conftest import small_text
 from test_comm import MPIEXEC, OPEN_MPI, needs_mpiexec
 from test_data import image_set
 from test_train import JOBS
@@ -312,13 +313,8 @@ def ranks_of(proc) -> list[int]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """An uninterrupted 2-rank run's final checkpoint, and its data."""
-    from mpitrain_datasets import text
-
     root = tmp_path_factory.mktemp("reference")
-    src = root / "input.txt"
-    words = np.random.default_rng(0).choice(["to be", "or not", "that is", "the question"], 3000)
-    src.write_text("\n".join(words) + "\n")
-    text.text(src, root / "shards")
+    small_text(root / "shards", 3000)
     code, _, err = finish(launch(root / "shards", root / "run"))
     assert code == 0, err
     return root / "shards", checkpoint.path_for(root / "run", STEPS)

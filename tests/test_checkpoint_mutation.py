@@ -27,6 +27,7 @@ from collections import Counter
 import h5py
 import numpy as np
 import pytest
+from conftest import WORDS, small_text
 from test_checkpoint import arrays, assert_identical, gpt, quiet
 
 from mpitrain import checkpoint, train
@@ -84,12 +85,8 @@ def outcome(path, original: dict) -> str:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    from mpitrain_datasets import text
-
     root = tmp_path_factory.mktemp("mutation")
-    src = root / "input.txt"
-    src.write_text("\n".join(np.random.default_rng(0).choice(["to be", "or not", "that is"], 400)) + "\n")
-    text.text(src, root / "shards")
+    small_text(root / "shards", 400, WORDS[:3])
     train.train(gpt(root / "shards", root / "run", "train.steps=12"), log=quiet)
     return root
 

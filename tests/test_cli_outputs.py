@@ -16,9 +16,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-from conftest import tmpfs
+from conftest import WORDS, small_text, tmpfs
+from test_resume import small as small_gpt
 
 from mpitrain import cli
 
@@ -27,21 +27,15 @@ GPT = str(JOBS / "tinyshakespeare_gpt.toml")
 
 
 def small(data) -> list[str]:
-    sets = [f"data.path={data}", "model.n_layer=1", "model.n_embd=16", "model.n_head=2", "model.block_size=8",
-            "train.global_batch_size=8", "train.eval_batches=1", "train.sample_tokens=0", "train.threads=1",
-            "train.steps=2"]
-    return [token for s in sets for token in ("--set", s)]
+    return [*small_gpt(data), "--set", "train.steps=2"]
 
 
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     """(a text file, its shard directory, a finished run of two steps), made once."""
-    from mpitrain_datasets import text
-
     root = tmp_path_factory.mktemp("made")
+    small_text(root / "shards", 400, WORDS[:3])
     src = root / "input.txt"
-    src.write_text("\n".join(np.random.default_rng(0).choice(["to be", "or not", "that is"], 400)) + "\n")
-    text.text(src, root / "shards")
     run = root / "run"
     assert cli.main(["train", GPT, *small(root / "shards"), "--run-dir", str(run)]) == 0
     return src, root / "shards", run

@@ -9,6 +9,7 @@ head (held by the first and last stage), dropout 0.1, AdamW with clipping, 20 st
 
 import numpy as np
 import pytest
+from conftest import small_text
 
 from mpitrain import checkpoint, nn, ops, optim, rng
 from mpitrain.comm import Tag
@@ -221,13 +222,7 @@ def test_a_configuration_that_differs_between_stages_is_refused_before_any_send(
 
 # ------------------------------------------------------------------ the trainer
 def text_set(d):
-    from mpitrain_datasets import text
-
-    d.parent.mkdir(parents=True, exist_ok=True)
-    src = d.parent / "input.txt"
-    words = np.random.default_rng(0).choice(["to be", "or not", "that is", "the question"], 2000)
-    src.write_text("\n".join(words) + "\n")
-    text.text(src, d)
+    small_text(d, 2000)
 
 
 def gpt_cfg(data, run_dir, *overrides):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from mpitrain.cluster import mpiexec
+from mpitrain.output import write_text
 from mpitrain.plan import calibrate, hardware, objects, shapes, steps, timing
 from mpitrain.plan.hardware import HardwareError
 from mpitrain.runtime import available_cores
@@ -254,7 +255,7 @@ def test_toml_written_reads_back_exactly(tmp_path):
     tables = {"device": {"x-1": {"name": 'a "quoted" \\ name', "memory_gb": 0.1 + 0.2, "gemm_gflops": [
         [1, 2, 3, "float32", 1e-7]], "peak_flops": {"fp32": 1e300}}}, "link": {}}
     path = tmp_path / "sub" / "out.toml"
-    calibrate.write_toml(path, calibrate.to_toml(tables, "a header\nof two lines"))
+    write_text(path, calibrate.to_toml(tables, "a header\nof two lines"))
     assert hardware.read_toml(path) == tables and path.read_text().startswith("# a header\n# of two lines\n")
     assert [p.name for p in path.parent.iterdir()] == ["out.toml"]  # the temporary file was renamed
 

@@ -529,7 +529,7 @@ def test_a_full_disk_when_run_json_is_first_written_is_one_line_then_the_run_sta
     assert done.stderr.strip() == (f"mpitrain: error: {run / 'run.json'}: could not be written (No space left on "
                                    "device); the run starts by writing it, so nothing was trained: make room, then "
                                    "run the same command again")
-    assert list(run.iterdir()) == []  # no run.json.tmp
+    assert list(run.iterdir()) == []  # no temporary file beside it
     filler.unlink()  # room again: the same command runs
     again = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr

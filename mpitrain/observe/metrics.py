@@ -24,14 +24,14 @@ of workers (exact when synchronous), and ``end`` adds the ``staleness`` histogra
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+from mpitrain.output import write_whole
 
 
 def _plain(value):
@@ -58,14 +58,9 @@ class MetricsLog:
                 # the resumed run evaluates at its first step again (and ends again)
                 if step < first_step or (step == first_step and kind not in ("eval", "end")):
                     kept.append(json.dumps(record) + "\n")
-        tmp = path.with_name(path.name + ".tmp")
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp.write_text("".join(kept), encoding="utf-8")
-            os.replace(tmp, path)
+            write_whole(path, "".join(kept))
         except OSError as e:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
             self._lost(e, "it is left as it was")
 
     def write(self, kind: str, **fields) -> None:

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 import threading
 import time
 from pathlib import Path
+
+from mpitrain.output import write_whole
 
 TRACKS = {"compute": 0, "communication": 1, "io": 2}
 
@@ -111,13 +112,9 @@ class Timeline:
                 trace.append({"name": name, "cat": category, "ph": "X", "pid": rank, "tid": TRACKS[track],
                               "ts": round(start * 1e6, 3), "dur": round(max(0.0, end - start) * 1e6, 3),
                               "args": args})
-        tmp = path.with_name(path.name + ".tmp")
         try:
-            tmp.write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}), encoding="utf-8")
-            os.replace(tmp, path)
+            write_whole(path, json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
         except OSError as e:  # the disk's fault (full, say): the trace only reports, the run is not lost
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
             print(f"warning: {path}: could not be written ({e.strerror or e}); the run has no timeline",
                   file=sys.stderr, flush=True)
             return None

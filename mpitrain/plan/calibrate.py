@@ -284,7 +284,7 @@ def calibrate(shapes=None, links=("shm",), rates_gbit=(), out=None, log=print, *
     for kind, entries in measured.items():
         merged.setdefault(kind, {}).update(entries)
     command = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
-    write_toml(out, to_toml(merged, f"measured by mpitrain.plan.calibrate {time.strftime('%Y-%m-%d')}: {command}"))
+    write_text(out, to_toml(merged, f"measured by mpitrain.plan.calibrate {time.strftime('%Y-%m-%d')}: {command}"))
     log(wrote(out, measured))
     return measured
 
@@ -350,11 +350,6 @@ def to_toml(tables: dict, header: str = "") -> str:
 
     emit("", tables)
     return "\n".join(lines).lstrip("\n") + "\n"
-
-
-def write_toml(path, text: str) -> None:
-    """``text`` into ``path`` whole (:func:`mpitrain.output.write_text`)."""
-    write_text(path, text)
 
 
 def main(argv=None) -> int:

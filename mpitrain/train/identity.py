@@ -22,7 +22,6 @@ both. A checkpoint with no identity, written before identities, is taken as the 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import json
@@ -35,6 +34,7 @@ from mpitrain import checkpoint
 from mpitrain.checkpoint import CheckpointError, CheckpointWriteError
 from mpitrain.config import changes as config_changes
 from mpitrain.observe.metrics import read as read_metrics
+from mpitrain.output import write_whole
 
 FILE = "run.json"
 
@@ -81,24 +81,14 @@ def read(run_dir) -> dict | None:
 
 def write(run_dir, ident: dict) -> None:
     """``RUN_DIR/run.json`` (atomically), unless it holds ``ident`` already; raises
-    CheckpointWriteError, leaving no ``run.json.tmp``, when the disk refuses it."""
+    CheckpointWriteError, leaving no temporary file, when the disk refuses it."""
     path = Path(run_dir) / FILE
     with_digest = json.dumps({"run": ident, "sha256": _digest(ident)}, indent=1, sort_keys=True) + "\n"
     if path.is_file() and path.read_text() == with_digest:
         return
-    tmp = path.with_name(FILE + ".tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "w") as fh:
-            fh.write(with_digest)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:  # no half-written file stays, whatever stopped the write
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        if not isinstance(e, OSError):
-            raise
+        write_whole(path, with_digest)
+    except OSError as e:  # the disk's fault (full, read-only): nothing half-written stays
         fix = ("make room, then run the same command again" if e.errno in (errno.ENOSPC, errno.EDQUOT) else
                "run the same command again once it can be written")
         raise CheckpointWriteError(f"{path}: could not be written ({e.strerror or e}); the run starts by writing "
