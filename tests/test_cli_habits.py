@@ -56,6 +56,16 @@ def test_plan_options_that_do_nothing_alone_are_refused_and_a_plan_that_does_not
     assert "--memory-per-rank: expected bytes such as 16GB" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [["bench", "published"], ["plan", "--model", "gpt2", "--hardware", "a100-80g"],
+                                  ["plan", CONFIG]])
+def test_a_user_catalogue_that_is_not_there_is_one_line_before_any_output(argv, monkeypatch, tmp_path, capsys):
+    missing = tmp_path / "hardware.toml"
+    monkeypatch.setenv("MPITRAIN_HARDWARE", str(missing))
+    assert cli.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert (out, err) == ("", f"mpitrain: error: {missing}: hardware file not found\n")
+
+
 @pytest.mark.parametrize("argv", [["plan", CONFIG], ["config", "reference"], ["--version"], ["plan", "--help"],
                                   ["train", "--help"], ["sample", "--help"], ["eval", "--help"], ["data", "--help"],
                                   ["bench", "--help"], ["report", "--help"], ["cluster", "--help"],

@@ -109,6 +109,10 @@ DEVICE = '[device.d]\nname = "d"\nmemory_gb = 1\nmemory_bandwidth_gbs = 1\n[devi
     ('[link.l]\nname = "l"\nalpha_us = 1\nbandwidth_gbs = 1\n[link.l.overlap]\nbcast = 1\n',
      "link.l.overlap.bcast: unknown collective (known: allreduce, allgather, reduce_scatter)"),
     ('[link.l]\nname = "l"\nalpha_us = 1\nbandwidth_gbs = 1\noverlap = 0.5\n', "link.l.overlap: expected a table"),
+    (DEVICE.replace("memory_gb = 1", 'memory_gb = 1\nintra = "nvlink9"'),
+     "device.d.intra: no link 'nvlink9' (known: nvlink2, "),
+    (DEVICE.replace("memory_gb = 1", 'memory_gb = 1\npair = 3'),
+     'device.d.pair: expected a link\'s key such as "nvlink3"'),
     ("[notes]\nV100 = -1\n", "notes.V100: expected a positive number"),
     ("[gpus]\n", "gpus: unknown"),
     ("[device]\nv100 = 3\n", "device.v100: expected a table"),
@@ -563,3 +567,42 @@ def test_the_catalogues_gpus_plan_and_carry_the_notes_sustained_figures(shipped)
             in header[2])
     pair, four = (planner.machine(shipped, "a100-80g-pcie", n) for n in (2, 4))
     assert (pair.intra.key, four.intra.key) == ("nvlink-bridge", "pcie4")
+
+
+def test_a_device_names_the_link_inside_its_nodes_and_a_gpu_without_one_is_not_joined_by_a_guess(shipped, tmp_path):
+    """Each shipped GPU names the link joining a node's GPUs (``intra``; PCIe cards their
+    bridge too, ``pair``); a device of a user's catalogue may name its own, shipped or its
+    file's. One that names none plans one rank a node (no link; the network between nodes),
+    and more only with ``--intra``: never this machine's shared memory."""
+    from mpitrain import plan as planner
+
+    for key, device in shipped.devices.items():
+        if not device.calibrated:
+            assert device.intra in shipped.links, key
+            assert planner.machine(shipped, key, 8).intra.key == device.intra
+    assert {k: d.pair for k, d in shipped.devices.items() if d.pair} == dict.fromkeys(
+        ("a100-40g-pcie", "a100-80g-pcie", "h100-nvl"), "nvlink-bridge")
+    named = DEVICE.replace("[device.d", "[device.e").replace("memory_gb = 1", 'memory_gb = 1\nintra = "fast"')
+    path = write(tmp_path, DEVICE.replace('name = "d"', 'name = "mine"') + named
+                 + '[link.fast]\nname = "fast"\nalpha_us = 1\nbandwidth_gbs = 9\n')
+    catalogue = hardware.load(path=path)
+    assert planner.machine(catalogue, "e", 4).intra.key == "fast"
+    alone = planner.machine(catalogue, "d", 1)
+    assert alone.intra.key == "none" and alone.intra.seconds(1e9) == alone.intra.alpha == 0
+    assert planner.machine(catalogue, "d", 2, 1, "ib-hdr").intra.key == "ib-hdr"  # one a node: the network only
+    with pytest.raises(HardwareError, match=r"^device d \(mine\) names no link between the GPUs of a node: "
+                                            r"--intra KEY for these 4 a node, or intra = \"KEY\" in its \[device.d\]"):
+        planner.machine(catalogue, "d", 4)
+    assert planner.machine(catalogue, "d", 4, intra="nvlink3").intra.key == "nvlink3"
+
+
+def test_the_pages_own_gpu_entry_loads_and_plans_a_node_of_eight(shipped, tmp_path):
+    """plan/README.md's example of a user's own GPU (its measured product rate) is a
+    catalogue that loads, and plans eight of them a node at that rate."""
+    from mpitrain import plan as planner
+
+    page = (Path(__file__).parents[1] / "mpitrain" / "plan" / "README.md").read_text(encoding="utf-8")
+    block = page.split("```toml\n[device.a100-ours]\n", 1)[1].split("```", 1)[0]
+    catalogue = hardware.load(path=write(tmp_path, "[device.a100-ours]\n" + block))
+    ours = planner.machine(catalogue, "a100-ours", 16, 8, "ib-hdr")
+    assert ours.intra.key == "nvlink3" and ours.device.achievable["bf16"] == 240e12

@@ -14,6 +14,7 @@ and prints predicted | measured | error for each quantity. How to use it:
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, replace
 
@@ -23,13 +24,6 @@ from mpitrain.plan.layout import Layout
 from mpitrain.plan.predict import rank_plans
 from mpitrain.plan.timing import Machine, step_parts
 from mpitrain.runtime import available_cores
-
-# a device's links inside a node, by default
-INTRA = {"v100": "nvlink2", "a100-40g": "nvlink3", "a100-80g": "nvlink3", "h100": "nvlink4", "h200": "nvlink4",
-         "a100-40g-pcie": "nvlink-bridge", "a100-80g-pcie": "nvlink-bridge", "h100-nvl": "nvlink-bridge",
-         "mi250x": "infinity-fabric"}
-# PCIe cards an NVLink bridge joins in pairs: a node of more joins them through PCIe
-PAIRED = {"a100-40g-pcie": "pcie4", "a100-80g-pcie": "pcie4", "h100-nvl": "pcie5"}
 
 
 @dataclass
@@ -70,19 +64,36 @@ def machine(catalogue, hardware: str = "this", ranks: int = 1, per_node: int | N
 
     device = catalogue.device(hardware)
     per_node = per_node or ranks
-    intra_key = intra or (PAIRED[hardware] if hardware in PAIRED and per_node > 2 else INTRA.get(hardware, "shm"))
-    inner = catalogue.link(intra_key)
     nodes = -(-ranks // per_node)
     if nodes > 1 and not network:  # joining nodes by the node's own link would flatter every plan
         raise HardwareError(f"{ranks} ranks at {per_node} a node are {nodes} nodes: --network names the link between "
                             "them (e.g. ib-hdr, ib-ndr, eth-100g; emu-1g, emu-10g for mpitrain cluster's nodes)")
-    outer = catalogue.link(network) if network else inner
+    outer = catalogue.link(network) if network else None
+    inner = catalogue.link(intra) if intra else inside(catalogue, device, per_node, outer)
+    outer = outer or inner
     if not memory:
         memory = (host_memory() or device.memory_bytes) / per_node if device.calibrated else device.memory_bytes
     # this machine's cores, ranks beyond them sharing them; nodes of this machine are emulated
     # (mpitrain cluster), each pinned to its share of the cores
     cores = max(1, available_cores() // nodes) if device.calibrated else 0
     return Machine(device, inner, outer, per_node, memory, cores=cores, switch=device.switch)
+
+
+def inside(catalogue, device, per_node: int, outer=None):
+    """The link joining a node's ``per_node`` ranks of ``device``: its catalogue entry's
+    (``pair`` for a node of two cards a bridge joins, else ``intra``); shared memory for this
+    machine's calibrated kind; for a GPU that names none, a node of one rank needs none (the
+    network's, or no link at all), and more are refused rather than joined by a guess."""
+    from mpitrain.plan.hardware import HardwareError, Link
+
+    key = (device.pair if device.pair and per_node <= 2 else device.intra) or ("shm" if device.calibrated else "")
+    if key:
+        return catalogue.link(key)
+    if per_node > 1:
+        raise HardwareError(f"device {device.key} ({device.name}) names no link between the GPUs of a node: "
+                            f"--intra KEY for these {per_node} a node, or intra = \"KEY\" in its [device.{device.key}] "
+                            f"(links: {', '.join(catalogue.links)})")
+    return outer or Link("none", "no link (one rank)", 0.0, math.inf)
 
 
 def host_memory() -> float:

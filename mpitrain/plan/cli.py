@@ -143,14 +143,14 @@ def _machine_arguments(p, positive) -> None:
     p.add_argument("--hardware", default="this", metavar="KEY",
                    help="the device of mpitrain/plan/hardware.toml each rank runs on (default 'this': this "
                         "machine, as calibrated); v100, a100-40g, a100-80g, a100-40g-pcie, a100-80g-pcie, h100, "
-                        "h100-nvl, h200, mi250x (one GCD)")
+                        "h100-nvl, h200, mi250x (one GCD); or one of your own catalogue's (--catalogue)")
     p.add_argument("--nodes", type=positive, help="nodes of the job (default 1)")
     p.add_argument("--gpus-per-node", "--ranks-per-node", dest="per_node", type=positive, metavar="N",
                    help="ranks per node (default: all on one node)")
     p.add_argument("--network", metavar="KEY", help="the link between nodes (e.g. ib-hdr, ib-ndr, eth-100g; emu-1g "
                                                     "and emu-10g: the links of mpitrain cluster)")
-    p.add_argument("--intra", metavar="KEY", help="the link inside a node (default: the device's NVLink, or shared "
-                                                  "memory here)")
+    p.add_argument("--intra", metavar="KEY", help="the link inside a node (default: its device's in the catalogue, "
+                                                  "intra and pair; shared memory here)")
     p.add_argument("--utilization", type=_replaced, help=argparse.SUPPRESS)  # replaced by --mfu: says so
     p.add_argument("--mfu", type=_fraction, metavar="SHARE",
                    help="set the step so that the model's FLOPs reach this share of the device's peak (MFU, "

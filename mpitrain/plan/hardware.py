@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mpitrain.config.fields import ConfigError
 from mpitrain.cost import matmul_flops
 from mpitrain.plan.gpu import gemm_seconds
 
@@ -42,7 +43,7 @@ MIXED = ("bf16", "fp16")  # the mixed precisions whose cost per parameter a devi
 DEVICE_FIELDS = ("name", "memory_gb", "memory_bandwidth_gbs", "peak_flops", *CALIBRATED, "passes", "layer_overhead_us",
                  "step_overhead_us", "mixed_ns_per_parameter", "cast_ns_per_number", "switch_us", "objects_kb",
                  "objects_kb_per_array", "sustained_flops", "sms", "memory_bound_gbs",
-                 "achievable_flops")
+                 "achievable_flops", "intra", "pair")
 LINK_FIELDS = ("name", "alpha_us", "bandwidth_gbs", "achieved_gbs", "per_node", "overlap")
 
 
@@ -54,8 +55,9 @@ def emulated_link(rate_bits: float) -> str:
 
 OVERLAPPED = ("allreduce", "allgather", "reduce_scatter")  # the nonblocking collectives that run beside compute
 
-class HardwareError(ValueError):
-    """A catalogue that cannot be used; ``str()`` names the file and the field, in one line."""
+class HardwareError(ConfigError):
+    """A catalogue that cannot be used; ``str()`` names the file and the field, in one line
+    (an input's error, as a config's: every command says it in one line, exit 2)."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,10 @@ class Device:
     sms: int = 0
     stream_bandwidth: float = 0.0
     achievable: dict = field(default_factory=dict)
+    # the links (their catalogue keys) joining a node's GPUs, and cards two by two where a bridge pairs them (a
+    # node of two: ``pair``; of more: ``intra``); optional ("" : none named)
+    intra: str = ""
+    pair: str = ""
     # the answers of matmul_flops_per_s so far: a search asks the same shapes of every layout
     rates: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
@@ -255,7 +261,7 @@ def load(path=None) -> Catalogue:
     if (path is not None or os.environ.get(USER_ENV)) and not user.is_file():
         raise HardwareError(f"{user}: hardware file not found")
     files = [SHIPPED] + ([user] if user.is_file() and user.resolve() != SHIPPED.resolve() else [])
-    devices, links, notes = {}, {}, {}
+    devices, links, notes, read_from = {}, {}, {}, {}
     for f in files:
         tables = read_toml(f)
         for kind, table in tables.items():
@@ -265,10 +271,16 @@ def load(path=None) -> Catalogue:
                 if kind != "notes" and not isinstance(entry, dict):
                     raise HardwareError(f"{f}: {kind}.{key}: expected a table [{kind}.{key}]")
         devices.update({k: parse_device(k, t, f) for k, t in tables.get("device", {}).items()})
+        read_from.update(dict.fromkeys(tables.get("device", {}), f))
         links.update({k: _link(k, t, f) for k, t in tables.get("link", {}).items()})
         notes.update({k: _number(tables["notes"], k, f, "notes") for k in tables.get("notes", {})})
         if f == SHIPPED:
             devices["this"] = _of_this_kind(devices)
+    for key, device in devices.items():  # a device's links, wherever they are written
+        for name in ("intra", "pair"):
+            if getattr(device, name) and getattr(device, name) not in links:
+                raise HardwareError(f"{read_from.get(key, SHIPPED)}: device.{key}.{name}: no link "
+                                    f"{getattr(device, name)!r} (known: {', '.join(links)})")
     return Catalogue(devices, links, notes, " + ".join(map(str, files)))
 
 
@@ -369,7 +381,16 @@ def parse_device(key: str, table: dict, path) -> Device:
                   _count(table, "sms", path, where),
                   _number(table, "memory_bound_gbs", path, where, required=False) * 1e9 or bandwidth,
                   {k: v * 1e12 for k, v in _families(table.get("achievable_flops", {}), path,
-                                                     f"{where}.achievable_flops", PRECISIONS).items()})
+                                                     f"{where}.achievable_flops", PRECISIONS).items()},
+                  *(_key(table, f, path, where) for f in ("intra", "pair")))
+
+
+def _key(table: dict, field: str, path: Path, where: str) -> str:
+    """A catalogue key (a non-empty string; "" when absent): :func:`load` checks that it names an entry."""
+    value = table.get(field, "")
+    if not isinstance(value, str) or (field in table and not value.strip()):
+        raise HardwareError(f"{path}: {where}.{field}: expected a link's key such as \"nvlink3\", got {value!r}")
+    return value.strip()
 
 
 def _gemm(rows, path: Path, where: str) -> tuple:

@@ -112,5 +112,9 @@ def table(log=print, plan_of=None) -> list[dict]:
 
 
 def run(log=print) -> list[dict]:
-    """``mpitrain bench published``."""
+    """``mpitrain bench published``: the catalogue read first (a user's file that cannot be
+    used is said before any row)."""
+    from mpitrain.plan import hardware
+
+    hardware.load()
     return table(log)
