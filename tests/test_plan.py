@@ -3,6 +3,7 @@ a 175-billion-parameter GPT on a laptop, and it reproduces the published figures
 plans by (GPT-3's size, ZeRO's memory table, the course notes' arithmetic). What it
 predicts against a run is checked in tests/test_mpi_plan.py."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -523,3 +524,47 @@ def test_mfu_sets_the_whole_step_and_prints_the_planners_own_beside_it():
     out = subprocess.run([sys.executable, "-m", "mpitrain", "plan", *argv, "--mfu", "0.45", "--search"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and "--mfu: sets one plan's step; leave it out of --search" in out.stderr
+
+
+def test_no_gpu_plan_executes_more_than_the_peak():
+    """A GPU plan's executed FLOPs are what GPU frameworks replay (what checkpointing drops),
+    not mpitrain's zero-bubble or ZeRO-3 replays: its HFU stays under 100% with ZB-H1 and
+    with ZeRO-3; and --mfu that would make the GPUs execute more than their peak with the
+    layout's recomputation is refused, naming the most it can be."""
+    from mpitrain.plan import show
+
+    zb = [*GPT3, "--set", "parallel.dp=64", "--set", "parallel.pp=4", "--set", "parallel.tp=4", "--set",
+          "parallel.sync=zero1", "--set", "parallel.schedule=zb-h1", "--set", "train.micro_batches=8", "--set",
+          "train.precision=bf16", "--set", "model.checkpoint_activations=true", "--set",
+          "parallel.sequence_parallel=true"]
+    f1b = [x.replace("zb-h1", "1f1b") for x in zb]
+    assert planned(zb).executed_flops == planned(f1b).executed_flops
+    zero3 = planned(["--model", "gpt-13b", "--hardware", "h100", "-n", "8", "--set", "train.precision=bf16", "--set",
+                     "train.global_batch_size=64", "--set", "parallel.sync=zero3"])
+    assert zero3.executed_flops == zero3.model_flops
+    for plan in (planned(zb), zero3):
+        hfu = float(show.text(plan, "x").split("HFU ")[1].split("%")[0])
+        assert 0 < hfu < 100
+    argv = ["--model", "gpt2", "--hardware", "h100", "-n", "8", "--set", "train.precision=bf16", "--set",
+            "model.checkpoint_activations=true"]
+    ratio = planned(argv).executed_flops / planned(argv).model_flops
+    with pytest.raises(ConfigError, match=rf"--mfu 0.9: .* execute {0.9 * ratio:.0%} of their peak \(HFU\); this "
+                                          rf"layout's MFU is {1 / ratio:.3g} at most"):
+        planned([*argv, "--mfu", "0.9"])
+
+
+@pytest.mark.parametrize("nodes, said", [
+    (["-n", "4", "--nodes", "3"], "-n 4 ranks do not share --nodes 3 evenly: give a multiple of 3 ranks"),
+    (["-n", "12", "--gpus-per-node", "8"], "-n 12 is not a whole number of nodes of --gpus-per-node 8 (1 and 4 "
+                                           "rank(s) over): give a multiple of 8 ranks"),
+    (["-n", "4", "--gpus-per-node", "8"], None), (["-n", "16", "--nodes", "2"], None)])
+def test_the_ranks_fill_whole_nodes_and_a_node_partly_used_is_its_ranks(nodes, said):
+    """Ranks that do not fill their nodes evenly are refused, rather than planned on nodes
+    the user did not ask for; fewer ranks than a node's GPUs are one node of those ranks."""
+    argv = ["--model", "gpt2", "--hardware", "h100", "--network", "ib-hdr", *nodes]
+    if said:
+        with pytest.raises(ConfigError, match=f"^{re.escape(said)}$"):
+            planner.machine_of(cli.build_parser().parse_args(["plan", *argv]))
+        return
+    P, machine = planner.machine_of(cli.build_parser().parse_args(["plan", *argv]))
+    assert (P, machine.per_node) == ((4, 4) if "4" in nodes else (16, 8))

@@ -160,3 +160,29 @@ def test_tier_1s_formulas_count_the_new_shapes_as_their_layers_do(name, sets):
     full = cost.transformer_block_activation_bytes(s_, b, h, a, ffn=m.ffn_hidden, gated=m.gated_mlp)
     grouped = cost.transformer_block_activation_bytes(s_, b, h, a, ffn=m.ffn_hidden, kv=kvw, gated=m.gated_mlp)
     assert full - grouped == 4 * s_ * b * (h - kvw)
+
+
+def test_a_grouped_query_model_and_a_pipeline_grow_in_the_steps_their_layout_takes():
+    """Llama 3 8B on eight H100s grows in steps of its 8 key and value heads, its MLP kept
+    3.5 times the width (what the assumes line says); a 16-stage pipeline's smallest model
+    has a layer a stage (the notes' GPT-3 layout finds a model, where it said none fits); a
+    layout the trainer refuses is its own one-line error, exit 2, not "does not fit"."""
+    llama = ["--model", "llama3-8b", "--hardware", "h100", "-n", "8", "--set", "train.precision=bf16", "--set",
+             "parallel.sync=zero3", "--set", "model.checkpoint_activations=true", "--set", "train.global_batch_size=8"]
+    cfg, (best, above), machine = _grown(llama)
+    bm, am = best.layout.cfg.model, above.layout.cfg.model
+    assert bm.n_head % 8 == 0 and am.n_head == bm.n_head + 8 and bm.n_kv_head == 8
+    assert bm.ffn_hidden == round(14336 * bm.n_head / 32) and best.largest().peak <= machine.memory
+    gpt3 = ["--model", "gpt3-175b", "--hardware", "a100-80g", "--gpus-per-node", "8", "--nodes", "128", "--network",
+            "ib-hdr", "--set", "parallel.tp=8", "--set", "parallel.pp=16", "--set", "parallel.sync=zero1", "--set",
+            "train.precision=bf16", "--set", "model.checkpoint_activations=true", "--set", "train.micro_batches=64"]
+    _, (best, _), _ = _grown(gpt3)
+    assert best is not None and best.layout.cfg.model.n_layer >= 16 and best.layout.whole > 175e9
+    _, (smallest, _), _ = _grown(gpt3, "depth")
+    assert smallest.layout.cfg.model.n_layer >= 16
+    out = subprocess.run([sys.executable, "-m", "mpitrain", "plan", *llama, "--largest"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0 and "; the MLP 3.5 x the width; 8 key and value heads;" in out.stdout, out.stderr
+    bad = subprocess.run([sys.executable, "-m", "mpitrain", "plan", "--model", "gpt2", "--hardware", "h100", "-n", "8",
+                          "--set", "train.micro_batches=3", "--largest"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.startswith("mpitrain: error: train.micro_batches: ") and not bad.stdout

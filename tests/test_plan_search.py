@@ -70,6 +70,19 @@ def test_the_command_prints_the_fastest_with_the_line_that_runs_each(shipped):
         "mpitrain: error: --measure: goes with --search (mpitrain plan CONFIG -n P --search ...)"]
 
 
+def test_a_gpu_search_takes_the_devices_mixed_precision_and_a_search_without_a_fit_exits_3(shipped, capsys):
+    """A V100 (fp16 tensor cores, no bf16) is searched in float32 and fp16; a search where
+    no layout fits says how many micro-batches it tried and what to do, exit 3 as a plan
+    that does not fit."""
+    assert cli.main(["plan", "--model", "gpt2", "--hardware", "v100", "-n", "8", "--search", "--top", "3"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line[:2] in ("1 ", "2 ", "3 ")]
+    assert len(rows) == 3 and all("train.precision=bf16" not in r for r in rows)
+    assert search.device_knobs(hardware.load().device("v100"))["precision"] == ("fp32", "fp16")
+    assert cli.main(["plan", "--model", "llama3-70b", "--hardware", "h100", "-n", "8", "--search"]) == 3
+    assert capsys.readouterr().out.splitlines()[-1].startswith(
+        "no layout fits (the search splits a replica's batch into 1, 2, 4, 8 micro-batches): raise --memory-per-rank")
+
+
 def test_spearman_ranks_with_ties_and_the_draw_of_others_is_seeded():
     assert trial.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1)
     assert trial.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1)

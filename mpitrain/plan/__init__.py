@@ -144,6 +144,10 @@ def at_mfu(plan: Plan, mfu: float) -> Plan:
     if mc.device.calibrated:
         raise ConfigError("--mfu: sets a published device's step (a GPU of the catalogue); this machine's is measured")
     peak = mc.device.peak_flops[PRECISION_OF[mc.multiplies_in(lay.cfg.train.dtype, lay.cfg.train.precision)]]
+    executed = plan.executed_flops / plan.model_flops  # recomputation: the hardware's FLOPs per model FLOP
+    if mfu * executed > 1:
+        raise ConfigError(f"--mfu {mfu:g}: with its recomputation the GPUs would execute {mfu * executed:.0%} of their "
+                          f"peak (HFU); this layout's MFU is {1 / executed:.3g} at most")
     step = plan.model_flops / lay.P / (mfu * peak)
     scale = step / plan.time["step"]
     return replace(plan, time={k: v * scale for k, v in plan.time.items()}, own=dict(plan.time))
@@ -160,7 +164,14 @@ def machine_of(args, ranks: int | None = None) -> tuple[int, Machine]:
     if args.nodes and per_node and args.ranks and args.ranks != args.nodes * per_node:
         raise ConfigError(f"-n {args.ranks} is not --nodes {args.nodes} x --gpus-per-node {per_node}")
     if args.nodes and not per_node:
-        per_node = -(-P // args.nodes)
+        if P % args.nodes:
+            raise ConfigError(f"-n {P} ranks do not share --nodes {args.nodes} evenly: give a multiple of "
+                              f"{args.nodes} ranks")
+        per_node = P // args.nodes
+    if per_node and P > per_node and P % per_node:
+        raise ConfigError(f"-n {P} is not a whole number of nodes of --gpus-per-node {per_node} ({P // per_node} "
+                          f"and {P % per_node} rank(s) over): give a multiple of {per_node} ranks")
+    per_node = min(per_node, P) if per_node else per_node  # one node, partly used: its ranks
     catalogue = hardware.load(args.catalogue)
     mc = machine(catalogue, args.hardware, P, per_node, args.network or "", args.intra or "",
                  args.memory_per_rank or 0.0)

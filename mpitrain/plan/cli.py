@@ -70,7 +70,8 @@ def add_parser(commands) -> None:
                "--nodes 128 --network ib-hdr --set train.global_batch_size=2048 --set parallel.sync=zero3\n"
                "  mpitrain plan --calibrate\n"
                "  mpiexec -n 2 mpitrain plan jobs/shakespeare_gpt.toml --validate\n"
-               "exit status: 0, the plan (it fits); 3, it does not fit; 2, bad input\n"
+               "exit status: 0, the plan (it fits); 3, it does not fit (--search: no layout fits; --largest: not "
+               "even the smallest); 2, bad input\n"
                "the guide: mpitrain/plan/README.md",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", nargs="?", help="the TOML config to plan (or --model)")

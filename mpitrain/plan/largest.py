@@ -4,51 +4,70 @@ A model grows as its family does or in one dimension. ``both`` (the default) wid
 head at a time, its heads as wide as the named model's, and deepens it in the named model's
 proportion of layers to width (GPT-3's family, Brown et al. 2020, table 2.1, keeps heads of
 128 and grows depth and width together); ``width`` adds heads only; ``depth`` adds layers
-only. Each candidate is planned whole (:func:`mpitrain.plan.make`, the trainer's checks
-included), and the largest whose every rank fits its memory is kept: a bisection over the
-one number that grows it (heads, or layers), which every rank's memory grows with.
+only. A width keeps the named model's MLP in proportion (``model.ffn_hidden``) and its key
+and value heads (``model.n_kv_head``: Llama's family keeps 8), so heads come in steps that
+divide among them and among the tensor slices; depth gives each pipeline stage (and each
+chunk of it) a layer at least. Each candidate is planned whole (:func:`mpitrain.plan.make`,
+the trainer's checks included), and the largest whose every rank fits its memory is kept:
+a bisection over the one number that grows it (heads, or layers), which every rank's memory
+grows with. The smallest is refused as the layout itself would be, naming the field.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from mpitrain.config import ConfigError
 
 HOW = ("both", "width", "depth")
 
 
-def shape(model, k: int, how: str) -> dict:
-    """The model fields of step ``k`` of growing ``model`` (a config's ``[model]``) ``how``."""
+def stages(par) -> int:
+    """Layer pieces a pipeline cuts the blocks into: its stages, times its chunks when interleaved."""
+    return max(1, par.pp) * (par.chunks if par.pp > 1 and par.schedule == "interleaved" else 1)
+
+
+def shape(model, k: int, how: str, least: int = 1) -> dict:
+    """The model fields of step ``k`` of growing ``model`` (a config's ``[model]``) ``how``,
+    with ``least`` layers at least."""
     width = model.n_embd // model.n_head  # a head's
     if how == "depth":
         return {"n_layer": k}
+    wide = {"n_head": k, "n_embd": k * width}
+    if model.ffn_hidden:  # the MLP as wide as the named model's in proportion to the width
+        wide["ffn_hidden"] = round(model.ffn_hidden * k / model.n_head)
     if how == "width":
-        return {"n_head": k, "n_embd": k * width}
-    return {"n_layer": max(1, round(k * width * model.n_layer / model.n_embd)), "n_head": k, "n_embd": k * width}
+        return wide
+    return {"n_layer": max(least, round(k * width * model.n_layer / model.n_embd)), **wide}
 
 
 def largest(cfg, ranks: int, machine, data, how: str = "both", limit: int = 1 << 14):
     """(the plan of the largest model grown from ``cfg``'s that fits ``machine``'s memory
     on every rank, or None where even the smallest does not; the plan of the next step up,
-    which does not fit, or None where it is refused or beyond ``limit`` steps)."""
+    which does not fit, or None where it is refused or beyond ``limit`` steps). A
+    ConfigError where the smallest is refused: the layout's, not a size's."""
     from mpitrain import plan as planner
 
-    par = cfg.parallel
-    step = max(1, par.tp) if how != "depth" else 1  # whole heads on every slice
-    first = max(step, par.pp if how == "depth" and par.pp > 0 else step)
+    par, least = cfg.parallel, stages(cfg.parallel)
+    # whole heads on every slice, and in every group of a key-value head
+    step = math.lcm(max(1, par.tp), cfg.model.n_kv_head or 1) if how != "depth" else 1
+    first = least if how == "depth" else step
+
+    def made(k: int):
+        model = dataclasses.replace(cfg.model, **shape(cfg.model, k, how, least))
+        return planner.make(dataclasses.replace(cfg, model=model), ranks, machine, data)
 
     def planned(k: int):
-        model = dataclasses.replace(cfg.model, **shape(cfg.model, k, how))
         try:
-            return planner.make(dataclasses.replace(cfg, model=model), ranks, machine, data)
-        except ConfigError:  # a layout the trainer refuses at this size (too few layers for the stages)
+            return made(k)
+        except ConfigError:  # a size the trainer refuses beyond the smallest: the edge of the growth
             return None
 
     def fits(plan) -> bool:
         return plan is not None and plan.largest().peak <= machine.memory
 
-    low = planned(first)
+    low = made(first)
     if not fits(low):
         return None, low
     k, high = first, None
@@ -83,9 +102,14 @@ def run(args) -> int:
     grows = {"both": f"in width (heads of {m.n_embd // m.n_head}) and depth ({m.n_layer} layers to {m.n_embd} wide, "
                      "as its family grows)", "width": "in width (whole heads)", "depth": "in depth"}[args.largest]
     if best is None:
-        print(f"largest: {source} grown {grows}: even its smallest step does not fit {show.size(machine.memory)} "
-              f"per rank on {ranks} rank(s)" + (f" (it needs {show.size(above.largest().peak)})" if above else ""))
-        return 1
+        lay = above.layout
+        print(f"largest: {source} grown {grows}: even its smallest step ({lay.cfg.model.n_layer} layers x "
+              f"{lay.cfg.model.n_embd} wide) does not fit {show.size(machine.memory)} per rank on {ranks} rank(s): "
+              f"it needs {show.size(above.largest().peak)} with micro-batches of {lay.micro_batch} x {lay.T} tokens "
+              "(more micro-batches, train.micro_batches, or a smaller train.global_batch_size hold fewer activations)")
+        from mpitrain.plan.cli import DOES_NOT_FIT
+
+        return DOES_NOT_FIT
     lay, bm = best.layout, best.layout.cfg.model
     line = (f"largest: {source} grown {grows}: {bm.n_layer} layers x {bm.n_embd} wide ({bm.n_head} heads), "
             f"{lay.whole / 1e9:,.3g} B parameters; its largest rank peaks at {show.size(best.largest().peak)} of "
@@ -98,8 +122,10 @@ def run(args) -> int:
     room = ("for the model state, the activations and a GPU framework's allowance (the CUDA context, NCCL's "
             "buffers, cuBLAS's workspace, 5% temporaries; no allocator fragmentation)" if lay.textbook else
             "for everything the plan counts (mpitrain's NumPy heap, as --validate holds it)")
-    assumed = (f"assumes: {lay.describe()}; {cfg.optim.name}; micro-batches of {lay.micro_batch} x {lay.T} tokens; "
-               f"{show.size(machine.memory)} per rank {room}"
+    kept = "".join([f"; the MLP {bm.ffn_hidden / bm.n_embd:.3g} x the width" if m.ffn_hidden else "",
+                    f"; {m.n_kv_head} key and value heads" if m.n_kv_head else ""])
+    assumed = (f"assumes: {lay.describe()}{kept}; {cfg.optim.name}; micro-batches of {lay.micro_batch} x "
+               f"{lay.T} tokens; {show.size(machine.memory)} per rank {room}"
                f"{'; mixed precision keeps float32 masters' if t.precision != 'fp32' else ''}")
     print("\n".join([line, assumed, show.text(best, source)]))
     tokens = t.global_batch_size * lay.T

@@ -148,6 +148,13 @@ class Point:
     step: float
 
 
+def device_knobs(device) -> dict:
+    """The search's knobs (:data:`KNOBS`) with the mixed precision ``device`` has: bf16, else
+    fp16 (a V100's tensor cores), else float32 alone."""
+    half = next((p for p in ("bf16", "fp16") if p in device.peak_flops), None)
+    return {**KNOBS, "precision": ("fp32",) + ((half,) if half else ())}
+
+
 def ranked(config_of, P: int, machine, data, limit: float, top: int = 10) -> tuple[list, tuple, Counter, str]:
     """Tier 1 over every layout at once (:mod:`mpitrain.plan.space`); then the fastest that
     fit, in order, through the trainer's checks and planned (:func:`mpitrain.plan.make`:
@@ -166,14 +173,15 @@ def ranked(config_of, P: int, machine, data, limit: float, top: int = 10) -> tup
     space.whole_training(config_of(()))
     model = space.Gpt.of(config_of(()), data)
     table = space.grids(model, P)
-    rows = space.build(model, table)
-    out = space.evaluate(model, table, rows, machine)
+    knobs = device_knobs(machine.device)
+    rows = space.build(model, table, knobs)
+    out = space.evaluate(model, table, rows, machine, knobs)
     seconds = time.perf_counter() - tick
     fit = out["peak"] <= limit
     refused = Counter({"memory": int((~fit).sum())})
     fits, tick = [], time.perf_counter()
     for i in np.flatnonzero(fit)[np.argsort(out["step"][fit], kind="stable")]:
-        sets = overrides(**rows.row(i, table))
+        sets = overrides(**rows.row(i, table, knobs))
         try:
             fits.append(Found(sets, planner.make(config_of(sets), P, machine, data)))
         except ConfigError as e:
@@ -232,8 +240,13 @@ def run(args) -> int:
     lines = table(fits, refused, limit, args.top, len(fitting))
     print("\n".join(lines), flush=True)
     if not fits:
-        print("no layout fits: raise --memory-per-rank, or plan more ranks")
-        return 1
+        from mpitrain.plan.cli import DOES_NOT_FIT
+
+        counts = ", ".join(map(str, MICRO_BATCHES))
+        print(f"no layout fits (the search splits a replica's batch into {counts} micro-batches): raise "
+              "--memory-per-rank, plan more ranks, or plan a layout with more micro-batches, whose activations are "
+              "fewer (--set train.micro_batches=N without --search)")
+        return DOES_NOT_FIT
     if args.html:
         from mpitrain.plan import page, show
 

@@ -286,9 +286,10 @@ def _sync_calls(sync: str, grads, bucket_mb, m, layers):
 def textbook(lay, plans: list, machine) -> tuple[list, dict]:
     """A plan on a device that computes as GPU frameworks do (``lay.textbook``): each rank's
     memory tier 1's (:func:`mpitrain.plan.estimate.of_layout` of its part; no NumPy work
-    arrays, buffers, objects or reader on the device), its calls and FLOPs tier 2's (a
-    selective recomputation's, tier 1's); the step tier 1's (:func:`of_layout`) and the
-    reader's wait. (ranks regrouped, time)."""
+    arrays, buffers, objects or reader on the device), its calls and FLOPs tier 2's but the
+    recomputed ones, tier 1's (a GPU framework replays what checkpointing or selective
+    recomputation drops, not mpitrain's ZeRO-3 and zero-bubble replays); the step tier 1's
+    (:func:`of_layout`) and the reader's wait. (ranks regrouped, time)."""
     from mpitrain.plan.predict import grouped
     from mpitrain.plan.timing import _coords, io_wait
 
@@ -298,8 +299,7 @@ def textbook(lay, plans: list, machine) -> tuple[list, dict]:
         if machine.device.sms:  # as GPU frameworks hold it, and what they hold besides
             memory = gpu.held(memory, lay.par.sync, lay.mixed, communicators, lay.cfg.train.accumulation)
         p.memory = {"framework": 0, **memory, "work": 0, "buffers": 0, "objects": 0, "reader": 0}
-        if lay.cfg.model.selective_recompute:  # planned only: attention's products again, which tier 2 has not
-            p.flops = {**p.flops, "recompute": flops["recompute"]}
+        p.flops = {**p.flops, "recompute": flops["recompute"]}  # what the step's time (of_layout) replays
     t = of_layout(lay, machine)
     wait = io_wait(lay, machine, t["step"])
     parts = {"compute": t["compute"], "exposed": t["exposed"], "bubble": t["bubble"], "io_wait": wait,
