@@ -10,6 +10,7 @@ import argparse
 import sys
 
 INTERRUPTED = 130  # the exit status after Ctrl-C (128 + SIGINT), as shells report it
+DOES_NOT_FIT = 3  # mpitrain plan's exit status where a plan's largest rank exceeds its memory (0: fits; 2: bad input)
 
 
 def _note(message: str) -> None:
@@ -37,7 +38,10 @@ def _prints_errors() -> bool:
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
@@ -54,7 +58,10 @@ def _positive_float(text: str) -> float:
 
 
 def _non_negative(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text}")
     return value

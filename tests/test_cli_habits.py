@@ -56,6 +56,19 @@ def test_plan_options_that_do_nothing_alone_are_refused_and_a_plan_that_does_not
     assert "--memory-per-rank: expected bytes such as 16GB" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["plan", "--model", "gpt2", "-n", "2.5"], "argument -n/--ranks: must be a positive integer, got 2.5"),
+    (["plan", "--model", "gpt2", "--hardware", "h100", "--mfu", "45%"],
+     "argument --mfu: must be a share in (0, 1] such as 0.45, got 45%"),
+    (["cluster", "--nodes", "two", "true"], "argument --nodes: must be a positive integer, got two"),
+    (["plan", "--model", "gpt2", "--memory-per-rank", "0"],
+     "argument --memory-per-rank: expected bytes more than none, such as 16GB, got '0'")])
+def test_an_options_value_is_refused_in_the_options_words_not_pythons(argv, said, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2 and capsys.readouterr().err.splitlines()[-1].endswith(f"error: {said}")
+
+
 @pytest.mark.parametrize("argv", [["bench", "published"], ["plan", "--model", "gpt2", "--hardware", "a100-80g"],
                                   ["plan", CONFIG]])
 def test_a_user_catalogue_that_is_not_there_is_one_line_before_any_output(argv, monkeypatch, tmp_path, capsys):
@@ -158,3 +171,9 @@ def test_a_plan_under_mpiexec_is_printed_once():
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("\nverdict: fits") == 1 and done.stdout.count("step time:") == 1, done.stdout
+
+
+def test_more_memory_per_rank_than_the_device_has_is_said(capsys):
+    assert cli.main(["plan", "--model", "gpt2", "--hardware", "h100", "--memory-per-rank", "200GB"]) == 3
+    assert "note: --memory-per-rank 200 GB is more than the device's 80 GB (NVIDIA H100 SXM5 80 GB)" in \
+        capsys.readouterr().out.splitlines()

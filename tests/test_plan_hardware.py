@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from mpitrain.cluster import mpiexec
+from mpitrain.config import load as load_config
 from mpitrain.output import write_text
 from mpitrain.plan import calibrate, hardware, objects, shapes, steps, timing
 from mpitrain.plan.hardware import HardwareError
@@ -113,6 +114,12 @@ DEVICE = '[device.d]\nname = "d"\nmemory_gb = 1\nmemory_bandwidth_gbs = 1\n[devi
      "device.d.intra: no link 'nvlink9' (known: nvlink2, "),
     (DEVICE.replace("memory_gb = 1", 'memory_gb = 1\npair = 3'),
      'device.d.pair: expected a link\'s key such as "nvlink3"'),
+    (DEVICE + "bf16 = 4\n[device.d.achievable_flops]\nbf16 = 5\n",
+     "device.d.achievable_flops.bf16: 5 TFLOP/s is above the peak, peak_flops.bf16 = 4"),
+    (DEVICE + "[device.d.sustained_flops]\nfp16 = 1\n",
+     "device.d.sustained_flops.fp16: 1 TFLOP/s for a precision without a peak (peak_flops has fp32)"),
+    (DEVICE.replace("memory_gb = 1", "memory_gb = 1\nmemory_bound_gbs = 2"),
+     "device.d.memory_bound_gbs: 2 GB/s is above the memory's bandwidth, memory_bandwidth_gbs = 1"),
     ("[notes]\nV100 = -1\n", "notes.V100: expected a positive number"),
     ("[gpus]\n", "gpus: unknown"),
     ("[device]\nv100 = 3\n", "device.v100: expected a table"),
@@ -594,6 +601,11 @@ def test_a_device_names_the_link_inside_its_nodes_and_a_gpu_without_one_is_not_j
                                             r"--intra KEY for these 4 a node, or intra = \"KEY\" in its \[device.d\]"):
         planner.machine(catalogue, "d", 4)
     assert planner.machine(catalogue, "d", 4, intra="nvlink3").intra.key == "nvlink3"
+    from mpitrain.plan import show
+
+    plan = planner.make(load_config("jobs/shakespeare_gpt.toml"), 1, planner.machine(catalogue, "d", 1))
+    assert "(every product at its fp32 peak, an upper bound: its entry gives no sms for the GPU model)" in \
+        show.header(plan, "x")[2]
 
 
 def test_the_pages_own_gpu_entry_loads_and_plans_a_node_of_eight(shipped, tmp_path):

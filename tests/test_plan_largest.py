@@ -65,6 +65,8 @@ def test_largest_prints_its_model_assumptions_plan_and_training_time():
     days = [float(t.split(", ")[1].split(" days")[0].replace(",", "")) for t in trains]
     assert days[1] == pytest.approx(days[0] * 1e12 / 3e11, rel=0.01)
     for bad, said in (([*H100, "--train-tokens", "1e9"], "--train-tokens: goes with --largest"),
+                      ([*H100, "--largest", "--train-tokens", "1.5"], "--train-tokens 1.5: fewer than one step's "
+                                                                      "2,097,152 tokens"),
                       ([*H100, "--largest", "--search"], "--largest: plans the grown model"),
                       (["jobs/mnist_lenet.toml", "--largest"], "--largest: grows a GPT (its heads and layers); "
                                                                "model.name is 'lenet'")):
@@ -186,3 +188,32 @@ def test_a_grouped_query_model_and_a_pipeline_grow_in_the_steps_their_layout_tak
     bad = subprocess.run([sys.executable, "-m", "mpitrain", "plan", "--model", "gpt2", "--hardware", "h100", "-n", "8",
                           "--set", "train.micro_batches=3", "--largest"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("mpitrain: error: train.micro_batches: ") and not bad.stdout
+
+
+def test_a_users_models_file_is_named_for_what_it_holds_and_its_mistakes(tmp_path, monkeypatch, capsys):
+    """A user's model is credited to their file; its wrong values, a field the config
+    refuses, and a table that is not [gpt.NAME] are each one line naming the file and the
+    table; a name in neither file lists both files; the help lists every shipped model."""
+    mine = tmp_path / "models.toml"
+    entry = ("[gpt.mine]\nn_layer = 2\nn_head = 2\nn_embd = 128\nblock_size = 64\nvocab = 500\n"
+             "global_batch_size = 8\ntokens = 1e6\n")
+    monkeypatch.setenv(models.USER_ENV, str(mine))
+    mine.write_text(entry)
+    assert cli.main(["plan", "--model", "mine", "--hardware", "h100"]) == 0
+    assert capsys.readouterr().out.startswith(f"plan: mine ({mine}) on 1 rank(s)")
+    for text, said in ((entry.replace("vocab = 500", "vocab = 0"),
+                        "gpt.mine.vocab: expected a positive integer, got 0"),
+                       (entry.replace("tokens = 1e6", "tokens = -1"), "gpt.mine.tokens: expected a positive number"),
+                       (entry.replace("n_layer = 2", 'n_layer = "2"'), "gpt.mine: model.n_layer: expected an integer"),
+                       (entry + "[cnn.other]\nx = 1\n", "cnn: unknown table (a models file holds [gpt.NAME] tables)")):
+        mine.write_text(text)
+        assert cli.main(["plan", "--model", "mine", "--hardware", "h100"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"mpitrain: error: {mine}: {said}") and err.count("\n") == 1, err
+    mine.write_text(entry)
+    with pytest.raises(ConfigError, match=f"no reference model 'other' in mpitrain/plan/models.toml and {mine} "):
+        models.reference("other")
+    shipped = [line.strip()[5:-1] for line in open(models.SHIPPED, encoding="utf-8") if line.startswith("[gpt.")]
+    helped = " ".join(subprocess.run([sys.executable, "-m", "mpitrain", "plan", "--help"], capture_output=True,
+                                     text=True, timeout=60).stdout.split())
+    assert len(shipped) == 15 and all(f"{name}," in helped or f"{name})" in helped for name in shipped)

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from pathlib import Path
 
+from mpitrain.cli_common import DOES_NOT_FIT
 from mpitrain.output import file_option, unwritable
 
 UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
@@ -17,7 +19,13 @@ def nbytes(text: str) -> float:
     m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
     if not m or m.group(2).lower() not in UNITS:
         raise argparse.ArgumentTypeError(f"expected bytes such as 16GB, 512MiB or 2e9, got {text!r}")
-    return float(m.group(1)) * UNITS[m.group(2).lower()]
+    try:
+        value = float(m.group(1)) * UNITS[m.group(2).lower()]
+    except ValueError:  # "1.2.3"
+        raise argparse.ArgumentTypeError(f"expected bytes such as 16GB, 512MiB or 2e9, got {text!r}") from None
+    if not value:
+        raise argparse.ArgumentTypeError(f"expected bytes more than none, such as 16GB, got {text!r}")
+    return value
 
 
 def _cluster(text: str) -> tuple[int, int, str]:
@@ -43,7 +51,10 @@ def _token_counts(text: str) -> list[float]:
 
 
 def _fraction(text: str) -> float:
-    value = float(text)
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a share in (0, 1] such as 0.45, got {text}") from None
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
     return value
@@ -76,7 +87,8 @@ def add_parser(commands) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("config", nargs="?", help="the TOML config to plan (or --model)")
     p.add_argument("--model", metavar="NAME", help="a reference model of mpitrain/plan/models.toml instead of a "
-                                                   "config's (gpt2, gpt2-medium, gpt2-large, gpt2-xl, gpt3-175b)")
+                                                   f"config's ({', '.join(_shipped_models())}), or of your own "
+                                                   "models file ($MPITRAIN_MODELS, ~/.config/mpitrain/models.toml)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value, as for mpitrain train; repeatable")
     p.add_argument("-n", "--ranks", type=_positive, help="ranks of the job (default: --nodes x --gpus-per-node, else 1;"
@@ -138,6 +150,14 @@ def _inference_arguments(p, positive) -> None:
                    help="serving: ... whose time per output token is at most TIME")
 
 
+def _shipped_models() -> list[str]:
+    """The names of the shipped reference models (``models.toml``'s ``[gpt.NAME]`` tables), for the help: read
+    as text, beside this file (mpitrain.plan.models.SHIPPED), not through the planner, which every command's help
+    would then import."""
+    text = Path(__file__).with_name("models.toml").read_text(encoding="utf-8")
+    return re.findall(r"^\[gpt\.([^\]]+)\]", text, flags=re.M)
+
+
 def _machine_arguments(p, positive) -> None:
     """The machine the job runs on (:func:`mpitrain.plan.machine_of` reads them): its device,
     nodes and links, a step's MFU to set, the memory each rank may use, the catalogue."""
@@ -182,7 +202,6 @@ def _search_arguments(p, positive) -> None:
                    help="with --measure: where the table (CSV, JSON) and the plot go (default %(default)s)")
 
 
-DOES_NOT_FIT = 3  # the exit status of a plan whose largest rank exceeds its memory (0: it fits; 2: bad input)
 
 
 def _refuse_combinations(args) -> None:

@@ -363,6 +363,7 @@ def parse_device(key: str, table: dict, path) -> Device:
             raise HardwareError(f"{path}: {where}.peak_flops.{p}: unknown precision (known: {', '.join(PRECISIONS)})")
     calibrated = any(f in table for f in CALIBRATED)  # then all of them
     bandwidth = _number(table, "memory_bandwidth_gbs", path, where) * 1e9
+    _within(table, peaks, path, where)
     return Device(key, name, _number(table, "memory_gb", path, where) * 1e9, bandwidth,
                   {p: _number(peaks, p, path, f"{where}.peak_flops") * 1e12 for p in peaks},
                   _gemm(table.get("gemm_gflops"), path, f"{where}.gemm_gflops") if calibrated else (),
@@ -383,6 +384,24 @@ def parse_device(key: str, table: dict, path) -> Device:
                   {k: v * 1e12 for k, v in _families(table.get("achievable_flops", {}), path,
                                                      f"{where}.achievable_flops", PRECISIONS).items()},
                   *(_key(table, f, path, where) for f in ("intra", "pair")))
+
+
+def _within(table: dict, peaks: dict, path: Path, where: str) -> None:
+    """A rate no device reaches beyond its own ceiling: products (measured or sustained) at most the peak of
+    their precision, a kernel's bandwidth at most the memory's."""
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)  # noqa: E731 (else: checked later)
+    for name in ("achievable_flops", "sustained_flops"):
+        rates = table.get(name)
+        for precision, rate in (rates.items() if isinstance(rates, dict) else ()):
+            peak = peaks.get(precision)
+            if number(rate) and (peak is None or number(peak) and rate > peak):
+                raise HardwareError(f"{path}: {where}.{name}.{precision}: {rate!r} TFLOP/s " + (
+                    f"is above the peak, peak_flops.{precision} = {peak!r}" if peak is not None else
+                    f"for a precision without a peak (peak_flops has {', '.join(peaks)})"))
+    stream, memory = table.get("memory_bound_gbs"), table.get("memory_bandwidth_gbs")
+    if number(stream) and number(memory) and stream > memory:
+        raise HardwareError(f"{path}: {where}.memory_bound_gbs: {stream!r} GB/s is above the memory's bandwidth, "
+                            f"memory_bandwidth_gbs = {memory!r}")
 
 
 def _key(table: dict, field: str, path: Path, where: str) -> str:

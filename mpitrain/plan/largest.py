@@ -96,6 +96,10 @@ def run(args) -> int:
     cfg, data, source = models.config_of(args)
     if cfg.model.name != "gpt":
         raise ConfigError(f"--largest: grows a GPT (its heads and layers); model.name is {cfg.model.name!r}")
+    step = cfg.train.global_batch_size * cfg.model.block_size  # tokens
+    for n in args.train_tokens or ():
+        if n < step:
+            raise ConfigError(f"--train-tokens {n:,.3g}: fewer than one step's {step:,} tokens")
     ranks, machine = machine_of(args)
     best, above = largest(cfg, ranks, machine, data or resolve(cfg), args.largest)
     m = cfg.model
@@ -107,7 +111,7 @@ def run(args) -> int:
               f"{lay.cfg.model.n_embd} wide) does not fit {show.size(machine.memory)} per rank on {ranks} rank(s): "
               f"it needs {show.size(above.largest().peak)} with micro-batches of {lay.micro_batch} x {lay.T} tokens "
               "(more micro-batches, train.micro_batches, or a smaller train.global_batch_size hold fewer activations)")
-        from mpitrain.plan.cli import DOES_NOT_FIT
+        from mpitrain.cli_common import DOES_NOT_FIT
 
         return DOES_NOT_FIT
     lay, bm = best.layout, best.layout.cfg.model

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 from pathlib import Path
 
@@ -37,9 +38,11 @@ def user_path() -> Path:
 
 def catalogue() -> dict:
     """The shipped ``models.toml`` with a user's file (:func:`user_path`, where it exists)
-    overlaid: its ``[gpt.NAME]`` entries add models or replace the shipped ones by name."""
+    overlaid: its ``[gpt.NAME]`` entries add models or replace the shipped ones by name
+    (``"from"``: each model's file)."""
     with open(SHIPPED, "rb") as f:
         shipped = tomllib.load(f)
+    shipped["from"] = dict.fromkeys(shipped["gpt"], SHIPPED)
     user = user_path()
     if os.environ.get(USER_ENV) and not user.is_file():
         raise ConfigError(f"${USER_ENV}: {user}: no such models file")
@@ -48,6 +51,9 @@ def catalogue() -> dict:
             theirs = tomllib.loads(user.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"{user}: cannot read the models file ({e})") from None
+        for table in theirs:
+            if table != "gpt":
+                raise ConfigError(f"{user}: {table}: unknown table (a models file holds [gpt.NAME] tables)")
         for key, g in theirs.get("gpt", {}).items():
             unknown = sorted(set(g) - set(KNOWN)) if isinstance(g, dict) else ["(not a table)"]
             missing = sorted((set(SHAPE) | {"vocab", "global_batch_size", "tokens"}) - set(g)) if not unknown else []
@@ -55,21 +61,39 @@ def catalogue() -> dict:
                 raise ConfigError(f"{user}: gpt.{key}: " + (f"unknown field(s) {', '.join(unknown)}" if unknown else
                                                              f"missing {', '.join(missing)}") + f" (known: "
                                   f"{', '.join(KNOWN)})")
+            for field in ("vocab", "global_batch_size", "tokens"):  # the rest the config's own checks refuse
+                if isinstance(g[field], bool) or not isinstance(g[field], (int, float)) or not 0 < g[field] < math.inf \
+                        or (field != "tokens" and not isinstance(g[field], int)):
+                    kind = "number" if field == "tokens" else "integer"
+                    raise ConfigError(f"{user}: gpt.{key}.{field}: expected a positive {kind}, got {g[field]!r}")
         shipped["gpt"] = {**shipped["gpt"], **theirs.get("gpt", {})}
+        shipped["from"].update(dict.fromkeys(theirs.get("gpt", {}), user))
     return shipped
 
 
+def named(path: Path) -> str:
+    """A models file as the messages name it: the shipped one by its place in the package."""
+    return "mpitrain/plan/models.toml" if path == SHIPPED else str(path)
+
+
 def reference(name: str, overrides=()) -> tuple[Config, DataShape]:
-    """A reference GPT of ``models.toml`` as a config (trained for its paper's tokens, with
-    its paper's batch) and its data's shape (tokens of 2 bytes)."""
-    gpts = catalogue()["gpt"]
+    """A reference GPT of ``models.toml`` (or a user's) as a config (trained for its paper's
+    tokens, with its paper's batch) and its data's shape (tokens of 2 bytes); a ConfigError
+    in the entry itself names its file and table."""
+    models = catalogue()
+    gpts = models["gpt"]
     if name not in gpts:
-        raise ConfigError(f"--model: no reference model {name!r} in {SHIPPED} (there are {', '.join(gpts)})")
+        files = " and ".join(dict.fromkeys(named(f) for f in models["from"].values()))
+        raise ConfigError(f"--model: no reference model {name!r} in {files} (there are {', '.join(gpts)})")
     g = gpts[name]
     shape = {k: g[k] for k in (*SHAPE, *OPTIONAL) if k in g}
     raw = {"model": {"name": "gpt", **shape},
            "data": {"name": "shakespeare"}, "optim": {"name": "adamw"},
            "train": {"global_batch_size": g["global_batch_size"], "steps": 1}}
+    try:
+        from_dict(raw, [])
+    except ConfigError as e:
+        raise ConfigError(f"{named(models['from'][name])}: gpt.{name}: {e}") from None
     cfg = from_dict(raw, list(overrides))
     if not any(o.replace(" ", "").startswith("train.steps=") for o in overrides):
         B, T = cfg.train.global_batch_size, cfg.model.block_size  # the paper's tokens, at this batch
@@ -88,7 +112,7 @@ def config_of(args) -> tuple[Config, DataShape | None, str]:
     with planning() if published else contextlib.nullcontext():
         if args.model:
             cfg, data = reference(args.model, args.set)
-            return cfg, data, f"{args.model} (mpitrain/plan/models.toml)"
+            return cfg, data, f"{args.model} ({named(catalogue()['from'][args.model])})"
         if not args.config:
             raise ConfigError("plan: give a CONFIG file (e.g. jobs/shakespeare_gpt.toml) or --model NAME")
         return load(args.config, args.set, data_needed=False), None, args.config

@@ -191,7 +191,7 @@ def ranked(config_of, P: int, machine, data, limit: float, top: int = 10) -> tup
             break
     fits.sort(key=lambda f: (f.step, f.line))
     line = (f"{len(rows):,} layouts ranked by tier 1 in {seconds:.2f} s ({len(rows) / seconds:,.0f} a second), "
-            f"{int(fit.sum()):,} fit; the fastest through the trainer's checks until {len(fits)} passed, in "
+            f"{int(fit.sum()):,} fit; the fastest through the trainer's checks until {len(fits):,} passed, in "
             f"{time.perf_counter() - tick:.1f} s")
     points = tuple([Point(float(x), float(t)) for x, t in zip(out["peak"][k], out["step"][k])] for k in (fit, ~fit))
     return fits, points, refused, line
@@ -202,8 +202,7 @@ def run(args) -> int:
     import argparse
     import time
 
-    from mpitrain.plan import models
-    from mpitrain.plan import machine_of
+    from mpitrain.plan import machine_of, models
     from mpitrain.plan.hardware import emulated_link
 
     if args.cluster:
@@ -240,7 +239,7 @@ def run(args) -> int:
     lines = table(fits, refused, limit, args.top, len(fitting))
     print("\n".join(lines), flush=True)
     if not fits:
-        from mpitrain.plan.cli import DOES_NOT_FIT
+        from mpitrain.cli_common import DOES_NOT_FIT
 
         counts = ", ".join(map(str, MICRO_BATCHES))
         print(f"no layout fits (the search splits a replica's batch into {counts} micro-batches): raise "
@@ -269,8 +268,8 @@ def table(fits: list, refused: Counter, limit: float, top: int = 10, fitting: in
     from mpitrain.plan.show import size
 
     fit = len(fits) if fitting is None else fitting
-    lines = [f"{fit:,} layout(s) fit in {size(limit)} per rank; refused {sum(refused.values())}: "
-             + (", ".join(f"{why} {n}" for why, n in sorted(refused.items(), key=lambda kv: (-kv[1], kv[0])))
+    lines = [f"{fit:,} layout(s) fit in {size(limit)} per rank; refused {sum(refused.values()):,}: "
+             + (", ".join(f"{why} {n:,}" for why, n in sorted(refused.items(), key=lambda kv: (-kv[1], kv[0])))
                 or "none"),
              "rank | step ms | samples/s | bottleneck | peak (headroom) | layout | run it with"]
     for k, f in enumerate(fits[:top], 1):

@@ -49,6 +49,9 @@ def header(plan, source: str) -> list[str]:
     said = []
     if mc.device.sms:  # the GPU model's products' rate, at the fastest shape
         said.append(f"products at up to {sig(gpu.sustained(mc.device, precision) / 1e12)} TFLOP/s in {precision}")
+    elif not mc.device.calibrated:  # a catalogue entry without the GPU model's figures: every product at the peak
+        said.append(f"every product at its {precision} peak, an upper bound: its entry gives no sms for the GPU "
+                    "model")
     if precision in mc.device.sustained:  # the notes' figure
         x = mc.device.sustained[precision]
         said.append(f"sustained, as published: {sig(x / 1e12)} TFLOP/s, {100 * x / mc.device.peak(precision):.0f}% "
@@ -61,7 +64,9 @@ def header(plan, source: str) -> list[str]:
             f"model: {lay.cfg.model.name}, {lay.whole:,} parameters; data: {data.name}{known}, {what}, "
             f"{plan.bytes_per_sample:,} B per sample read", *[line for line in (lay.tuning(),) if line],
             f"machine: {nodes} node(s) x {mc.per_node} rank(s) of {mc.device.name}{use}; {links}; "
-            f"memory per rank {size(mc.memory)}", *([f"note: {elsewhere}"] if elsewhere else [])]
+            f"memory per rank {size(mc.memory)}", *([f"note: {elsewhere}"] if elsewhere else []),
+            *([f"note: --memory-per-rank {size(mc.memory)} is more than the device's {size(mc.device.memory_bytes)} "
+               f"({mc.device.name})"] if not mc.device.calibrated and mc.memory > mc.device.memory_bytes else [])]
 
 
 def categories(plan) -> tuple:
