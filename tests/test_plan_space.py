@@ -167,6 +167,24 @@ def test_the_bubble_and_the_exposed_sync_are_the_textbooks():
     assert out["bubble"][i] == pytest.approx(15 * one + 30 * send, rel=1e-9)
 
 
+def test_ddp_hides_its_sums_behind_the_last_micro_batchs_backward_but_its_last_bucket():
+    """ddp sums the gradients once a step, in the last micro-batch's backward (the others
+    accumulate: PyTorch's no_sync, mpitrain's too), each bucket as backward passes its
+    parameters: what the earlier micro-batches compute hides none of it, and the last bucket,
+    ready when backward ends, is exposed whole; one bucket of all the gradients hides
+    nothing. ZeRO-2's sums of every micro-batch hide behind every backward."""
+    parts = lambda **k: estimate.step_seconds(12.0, 0.0, 3.0, 0.0, 0.0, schedule="1f1b", p=1, m=4, **k)  # noqa: E731
+    assert parts(sync="ddp")["exposed"] == pytest.approx(3 - 8 / 4)  # the last of 4 backward passes: 2 s
+    assert parts(sync="ddp", last=0.5)["exposed"] == pytest.approx(3 - 1.5)
+    assert parts(sync="ddp", last=1.0)["exposed"] == pytest.approx(3)
+    assert parts(sync="zero2")["exposed"] == pytest.approx(3 - 3 * 4 / 5)
+    argv = ["--model", "gpt2-xl", "--hardware", "a100-80g", "--nodes", "2", "--gpus-per-node", "8", "--network",
+            "ib-hdr", "--set", "train.precision=bf16", "--set", "train.global_batch_size=64"]
+    one, many = (planner.from_args(cli.build_parser().parse_args(["plan", *argv, "--set",
+                                                                  f"parallel.bucket_mb={b}"]))[0] for b in (1e6, 25))
+    assert one.time["exposed"] == pytest.approx(one.time["comm_total"]) and many.time["exposed"] < one.time["exposed"]
+
+
 def test_the_search_on_a_gpu_cluster_ranks_by_tier_1_and_holds_the_fastest_to_the_trainers_checks():
     """GPT-2 on two nodes of 8 A100s: the command says how many layouts tier 1 ranked and
     how fast; the table's layouts are the fastest by tier 1 that the trainer accepts, their

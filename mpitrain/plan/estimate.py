@@ -155,14 +155,16 @@ def of_cnn(lay, s: int) -> tuple[dict, dict, dict]:
 
 
 def step_seconds(compute, tp, dp, send, after, *, sync: str, schedule: str, p, m, v=1, forward_share=1 / 3,
-                 hides: float = 1.0, waited=0.0, once=0.0) -> dict:
+                 hides: float = 1.0, waited=0.0, once=0.0, last=0.0) -> dict:
     """The step of a layout's slowest stage, by part, in seconds: ``compute``, its products
     at the device's rate, and ``tp``, its blocking tensor-parallel sums, for all ``m``
     micro-batches; the pipeline's idle time (:func:`mpitrain.cost.pipeline_idle` of ``p``
     stages, ``v`` chunks, a micro-batch's forward its ``forward_share``, the input's and the
     weights' gradients halves of the rest) with its fill and drain, ``2 (p - 1)`` messages of
-    ``send`` seconds; data parallelism's ``dp`` seconds, of which ddp hides what backward
-    runs beside (its buckets start as backward passes their parameters), ZeRO-2 the same of
+    ``send`` seconds; data parallelism's ``dp`` seconds, of which ddp hides what the last
+    micro-batch's backward runs beside (its buckets start as that backward passes their
+    parameters, the others only accumulate), but ``last``, the share of its last bucket,
+    ready when backward ends; ZeRO-2 what every backward runs beside of
     its ``m`` reduce-scatters but not the gather after the update, ZeRO-3 what the whole
     compute does (each layer's gathers beside the layer before), each at most the link's
     ``hides`` share of it, and ZeRO-1 nothing (its reduce-scatter follows backward);
@@ -175,8 +177,9 @@ def step_seconds(compute, tp, dp, send, after, *, sync: str, schedule: str, p, m
     one = (compute + tp) / m
     F = one * forward_share
     bubble = cost.pipeline_idle(schedule, p, m, v, F, (one - F) / 2, (one - F) / 2) + 2 * (p - 1) * send
-    beside = {"zero1": 0 * compute, "zero3": compute}.get(sync, compute * (1 - forward_share))
-    hideable = dp * (m / (m + 1) if sync == "zero2" else 1)
+    backward = compute * (1 - forward_share)  # of all m micro-batches
+    beside = {"zero1": 0 * compute, "zero3": compute, "zero2": backward}.get(sync, backward / m)
+    hideable = dp * (m / (m + 1) if sync == "zero2" else 1) * (1 - last)
     exposed = dp - minimum(beside, hides * hideable) + tp + after + waited
     compute = compute + once
     return {"compute": compute, "exposed": exposed, "bubble": bubble, "step": compute + exposed + bubble,

@@ -257,12 +257,18 @@ def of_cnn(lay, machine) -> dict:
     boundary = max((math.prod(model[k - 1].out) for k in lay.bounds[1:-1]), default=0) * b * number
     parts = estimate.step_seconds(compute, 0.0, dp_seconds, alpha + boundary / bandwidth, 0.0, sync=lay.par.sync,
                                   schedule=lay.par.schedule, p=lay.pp, m=lay.m, v=lay.v,
-                                  forward_share=flops["forward"] / sum(flops.values()), hides=float(hides))
+                                  forward_share=flops["forward"] / sum(flops.values()), hides=float(hides),
+                                  last=_last_bucket(lay.par.sync, N * number, lay.par.bucket_mb))
     memories = [m for m, _, _ in answers]
     if machine.device.sms:  # as GPU frameworks hold it, and what they hold besides
         axes = sum(n > 1 for n in (lay.dp, lay.pp, lay.tp))
         memories = [gpu.held(m, lay.par.sync, lay.mixed, axes, lay.cfg.train.accumulation) for m in memories]
     return {"peak": float(max(sum(m.values()) for m in memories)), **{k: float(x) for k, x in parts.items()}}
+
+
+def _last_bucket(sync: str, grads, bucket_mb):
+    """The share of ddp's sums in its last bucket, which starts when backward ends (0: ZeRO's)."""
+    return 1 / np.ceil(grads / np.maximum(bucket_mb, 1e-9) / 2**20) if sync == "ddp" else 0.0
 
 
 def _sync_message(sync: str, grads, bucket_mb, layers):
@@ -367,7 +373,7 @@ def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule
     send, tied, waited = _between_stages(machine, b * T * C * number, V * C / tp * number, m, v, dp, pp, tp, sequence)
     parts = estimate.step_seconds(compute, tp_seconds, dp_seconds, send, np.where(pp > 1, tied, 0.0) * model.tied,
                                   sync=sync, schedule=schedule, p=pp, m=m, v=v, forward_share=forward, hides=hides,
-                                  waited=waited, once=once)
+                                  waited=waited, once=once, last=_last_bucket(sync, grads, bucket_mb))
     return {"peak": peak, **parts}
 
 
