@@ -35,8 +35,17 @@ needs_namespaces = pytest.mark.skipif(WHY_NOT is not None, reason=WHY_NOT or "")
 
 
 def namespaces() -> set[str]:
+    """The network namespaces there are but those of a cluster still running (named for
+    its process: ``cluster.PREFIX`` and its pid), which another test beside this one, in the
+    tier's other worker, may hold: what a cluster that ended left behind."""
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout
-    return {line.split()[0] for line in listed.splitlines() if line.strip()}
+    names = {line.split()[0] for line in listed.splitlines() if line.strip()}
+    return {n for n in names if not _running(n)}
+
+
+def _running(name: str) -> bool:
+    pid = name[len(cluster.PREFIX):].split("-")[0] if name.startswith(cluster.PREFIX) else ""
+    return pid.isdigit() and Path(f"/proc/{pid}").exists()
 
 
 def run_cluster(*argv, timeout=240):

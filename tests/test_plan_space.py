@@ -281,3 +281,14 @@ def test_the_gpu_searchs_page_draws_every_layout_tier_1_ranked(tmp_path, monkeyp
     said = re.search(r": ([\d,]+) layouts ranked by tier 1", capsys.readouterr().out)
     counted = int(said.group(1).replace(",", ""))
     assert drawn == [counted] and "Every layout: step time against peak memory" in out.read_text(encoding="utf-8")
+
+
+def test_a_group_across_nodes_runs_no_faster_than_the_link_inside_them():
+    """A ring across nodes runs through each node's link too: PCIe cards' data parallelism
+    over NDR is bound by PCIe Gen4, and slower still over a slower link inside, while
+    NVLink inside leaves the network to bound it."""
+    argv = ["--hardware", "a100-80g-pcie", "--model", "gpt2-medium", "--set", "train.precision=bf16", "--set",
+            "train.global_batch_size=64", "--nodes", "2", "--gpus-per-node", "8", "--network", "ib-ndr"]
+    steps = {x: planner.from_args(cli.build_parser().parse_args(["plan", *argv, "--intra", x]))[0].time["comm_total"]
+             for x in ("nvlink3", "pcie4", "eth-10g")}
+    assert steps["nvlink3"] < steps["pcie4"] < steps["eth-10g"]

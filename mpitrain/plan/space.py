@@ -422,7 +422,8 @@ def _links(machine, stride, size, kind: str = "allreduce", message=None) -> tupl
     """(alpha, bandwidth, share of a nonblocking ``kind`` call that compute hides) of the
     communicators of ``size`` ranks ``stride`` apart (ranks are placed node by node): the
     node's link if the group fits on one node, else the network's, its port shared as
-    :meth:`~mpitrain.plan.timing.Machine.link` shares it; the bus bandwidth a collective on
+    :meth:`~mpitrain.plan.timing.Machine.link` shares it, and never faster than the node's
+    link, which a ring across nodes also runs through; the bus bandwidth a collective on
     arrays of ``message`` bytes achieves (:meth:`~mpitrain.plan.hardware.Link.busbw`); None:
     a message between two ranks (:meth:`~mpitrain.plan.hardware.Link.p2p`)."""
     per, inner, outer = machine.per_node, machine.intra, machine.inter
@@ -435,5 +436,5 @@ def _links(machine, stride, size, kind: str = "allreduce", message=None) -> tupl
         bandwidth = bandwidth / cost.port_share(per, size, np.clip(per // stride, 1, size))
     # a measured curve's times have the latency in them
     alpha = [0.0 if link.measured and message is not None else link.alpha for link in (outer, inner)]
-    return (np.where(off, *alpha), np.where(off, bandwidth, rate(inner)),
+    return (np.where(off, *alpha), np.where(off, np.minimum(bandwidth, rate(inner)), rate(inner)),
             np.where(off, outer.hides(kind), inner.hides(kind)))
