@@ -177,3 +177,17 @@ def test_more_memory_per_rank_than_the_device_has_is_said(capsys):
     assert cli.main(["plan", "--model", "gpt2", "--hardware", "h100", "--memory-per-rank", "200GB"]) == 3
     assert "note: --memory-per-rank 200 GB is more than the device's 80 GB (NVIDIA H100 SXM5 80 GB)" in \
         capsys.readouterr().out.splitlines()
+
+
+@pytest.mark.parametrize("extra, said", [
+    (["--json", "x.json"], "--json: writes --validate's rows; goes with --validate"),
+    (["--top", "3"], "--top: goes with --search"), (["--repeat", "2"], "--repeat: goes with --measure"),
+    (["--out", "somewhere"], "--out: goes with --measure"), (["--tokens", "5"], "--tokens: goes with --inference"),
+    (["--tp", "2"], "--tp: goes with --inference"), (["--batch", "2"], "--batch: goes with --inference"),
+    (["--hardware", "h100", "-n", "4", "--search", "--cluster", "2x2@1gbit"],
+     "--cluster: plans emulated nodes of this machine (its links as calibrated); leave out --hardware"),
+    (["--calibrate"], "--calibrate: measures this machine alone; give it with --catalogue and --busy-ok only")])
+def test_a_plan_option_of_another_mode_is_refused_not_ignored(extra, said, capsys):
+    assert cli.main(["plan", "--model", "gpt2", *extra]) == 2
+    assert capsys.readouterr().err == f"mpitrain: error: {said}" + (" (mpitrain plan CONFIG -n P --search ...)\n"
+                                                                      if said.endswith("--search") else "\n")

@@ -44,12 +44,13 @@ def test_the_largest_fits_and_the_next_step_does_not(how):
             assert bm.n_layer == max(1, round(bm.n_embd * m.n_layer / m.n_embd))
 
 
-def test_largest_prints_its_model_assumptions_plan_and_training_time():
+def test_largest_prints_its_model_assumptions_plan_and_training_time(tmp_path):
     """The command line: the model and its neighbour that does not fit, what it assumes, its
     plan, the days to train it on each token count; a ZeRO-3 layout with checkpointing on a
     GPU is planned and said to be planned only; the flags that do not go together refused."""
+    page = tmp_path / "largest.html"
     argv = [*H100, "-n", "4", "--gpus-per-node", "4", "--set", "train.global_batch_size=4", "--set",
-            "model.checkpoint_activations=true", "--largest", "--train-tokens", "300e9,1e12"]
+            "model.checkpoint_activations=true", "--largest", "--train-tokens", "300e9,1e12", "--html", str(page)]
     out = subprocess.run([sys.executable, "-m", "mpitrain", "plan", *argv], capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr
@@ -64,6 +65,7 @@ def test_largest_prints_its_model_assumptions_plan_and_training_time():
     assert [t.split(":")[0] for t in trains] == ["to train it on 3e+11 tokens", "to train it on 1e+12 tokens"]
     days = [float(t.split(", ")[1].split(" days")[0].replace(",", "")) for t in trains]
     assert days[1] == pytest.approx(days[0] * 1e12 / 3e11, rel=0.01)
+    assert lines[-1] == f"wrote {page}" and lines[0] in page.read_text(encoding="utf-8")  # the page, its first line
     for bad, said in (([*H100, "--train-tokens", "1e9"], "--train-tokens: goes with --largest"),
                       ([*H100, "--largest", "--train-tokens", "1.5"], "--train-tokens 1.5: fewer than one step's "
                                                                       "2,097,152 tokens"),

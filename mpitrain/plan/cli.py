@@ -129,6 +129,15 @@ def add_parser(commands) -> None:
     p.set_defaults(run=run)
 
 
+class Given(argparse.Action):
+    """Store an option's value and note that it was given (``args.given``): an option of one
+    mode given in another is refused, though its default is there in every mode."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given = getattr(namespace, "given", set()) | {self.dest}
+
+
 def _inference_arguments(p, positive) -> None:
     from mpitrain.plan.inference import duration
 
@@ -137,11 +146,13 @@ def _inference_arguments(p, positive) -> None:
                    help="plan drawing tokens from the GPT: per rank its weights, KV cache and work arrays, the "
                         "prefill's and a decode step's FLOPs and time, time to first token and per output token, "
                         "tokens/s, the largest batch that fits (--validate: against mpitrain sample's figures)")
-    g.add_argument("--batch", type=positive, default=1, metavar="B", help="sequences drawn at once (default 1)")
-    g.add_argument("--prompt", dest="prompt_tokens", type=positive, default=1, metavar="P",
+    g.add_argument("--batch", type=positive, default=1, action=Given, metavar="B",
+                   help="sequences drawn at once (default 1)")
+    g.add_argument("--prompt", dest="prompt_tokens", type=positive, default=1, action=Given, metavar="P",
                    help="tokens of each prompt (default 1)")
-    g.add_argument("--tokens", type=positive, default=256, metavar="N", help="new tokens a sequence (default 256)")
-    g.add_argument("--tp", type=positive, default=1, metavar="T",
+    g.add_argument("--tokens", type=positive, default=256, action=Given, metavar="N",
+                   help="new tokens a sequence (default 256)")
+    g.add_argument("--tp", type=positive, default=1, action=Given, metavar="T",
                    help="tensor-parallel ranks holding one model (default 1)")
     g.add_argument("--ttft-target", type=duration, metavar="TIME",
                    help="serving: the most requests at once whose time to first token is at most TIME (in s, or "
@@ -188,7 +199,7 @@ def _search_arguments(p, positive) -> None:
                    help="plan every layout of CONFIG on -n ranks the trainer accepts (grid, sync, schedule, "
                         "micro-batches, precision, checkpointing, buckets), drop those that do not fit "
                         "--memory-per-rank, and print the fastest ten with the --set line that runs each")
-    p.add_argument("--top", type=positive, default=10, help="with --search: layouts shown (default 10)")
+    p.add_argument("--top", type=positive, default=10, action=Given, help="with --search: layouts shown (default 10)")
     p.add_argument("--cluster", type=_cluster, metavar="NODESxRANKS@RATE",
                    help="with --search: plan for (and --measure across) emulated nodes of mpitrain cluster, "
                         "e.g. 2x2@1gbit (their link as calibrated: emu-1g)")
@@ -196,9 +207,9 @@ def _search_arguments(p, positive) -> None:
                    help="with --search: run the top K and K other layouts that fit for a few steps (--steps), "
                         "print predicted | measured | rank and Spearman's correlation, and write them with a "
                         "plot to --out")
-    p.add_argument("--repeat", type=positive, default=1, metavar="N",
+    p.add_argument("--repeat", type=positive, default=1, action=Given, metavar="N",
                    help="with --measure: launch each layout N times and keep its fastest run (default 1)")
-    p.add_argument("--out", metavar="DIR", default="runs/search",
+    p.add_argument("--out", metavar="DIR", default="runs/search", action=Given,
                    help="with --measure: where the table (CSV, JSON) and the plot go (default %(default)s)")
 
 
@@ -211,6 +222,7 @@ def _refuse_combinations(args) -> None:
     from mpitrain.plan.hardware import user_path
 
     search = "goes with --search (mpitrain plan CONFIG -n P --search ...)"
+    given = getattr(args, "given", set())
     alone = [("--steps", args.steps is not None and not (args.validate or args.measure),
               "the steps of a run --validate or --measure makes; a plan alone runs nothing"),
              ("--ttft-target", args.ttft_target and not args.inference, "goes with --inference"),
@@ -224,7 +236,18 @@ def _refuse_combinations(args) -> None:
               "sets one plan's step; leave it out of --search, --validate, --largest and --calibrate"),
              ("--train-tokens", args.train_tokens and not args.largest, "goes with --largest"),
              ("--largest", args.largest and (args.search or args.validate),
-              "plans the grown model on the layout given; leave out --search and --validate")]
+              "plans the grown model on the layout given; leave out --search and --validate"),
+             ("--json", args.json and not args.validate, "writes --validate's rows; goes with --validate"),
+             ("--top", "top" in given and not args.search, search),
+             ("--repeat", "repeat" in given and not args.measure, "goes with --measure"),
+             ("--out", "out" in given and not args.measure, "goes with --measure"),
+             *((f"--{name}", dest in given and not args.inference, "goes with --inference")
+               for name, dest in (("batch", "batch"), ("prompt", "prompt_tokens"), ("tokens", "tokens"), ("tp", "tp"))),
+             ("--cluster", args.cluster and args.hardware != "this",
+              "plans emulated nodes of this machine (its links as calibrated); leave out --hardware"),
+             ("--calibrate", args.calibrate and (args.config or args.model or args.hardware != "this" or args.ranks
+                                                 or args.nodes or args.search or args.validate or args.largest),
+              "measures this machine alone; give it with --catalogue and --busy-ok only")]
     for option, refused, why in alone:
         if refused:
             raise ConfigError(f"{option}: {why}")

@@ -131,10 +131,16 @@ def run(args) -> int:
     assumed = (f"assumes: {lay.describe()}{kept}; {cfg.optim.name}; micro-batches of {lay.micro_batch} x "
                f"{lay.T} tokens; {show.size(machine.memory)} per rank {room}"
                f"{'; mixed precision keeps float32 masters' if t.precision != 'fp32' else ''}")
-    print("\n".join([line, assumed, show.text(best, source)]))
+    lines = [line, assumed, show.text(best, source)]
     tokens = t.global_batch_size * lay.T
     for n in args.train_tokens or ():
         seconds = n / tokens * best.time["step"]
-        print(f"to train it on {n:,.3g} tokens: {n / tokens:,.0f} steps of {tokens:,} tokens, "
-              f"{show.sig(seconds / 86400)} days on these {ranks} rank(s); {6 * lay.whole * n:.3g} FLOPs at 6 N D")
+        lines.append(f"to train it on {n:,.3g} tokens: {n / tokens:,.0f} steps of {tokens:,} tokens, "
+                     f"{show.sig(seconds / 86400)} days on these {ranks} rank(s); {6 * lay.whole * n:.3g} FLOPs at "
+                     "6 N D")
+    print("\n".join(lines))
+    if getattr(args, "html", None):  # the grown model's plan as a page, what it assumes above it
+        from mpitrain.plan import page
+
+        print(f"wrote {page.write(args.html, best, chr(10).join(lines), f'mpitrain plan --largest: {source}')}")
     return 0
