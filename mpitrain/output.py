@@ -57,6 +57,8 @@ def _why(place: Path) -> str:
 
 def _option(folder: bool = False, whole: bool = False):
     def check(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"expected a {'folder' if folder or whole else 'file'}'s name, got none")
         if (why := unwritable(text, folder, whole)) is not None:
             raise argparse.ArgumentTypeError(why)
         return text

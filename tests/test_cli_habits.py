@@ -61,6 +61,7 @@ def test_plan_options_that_do_nothing_alone_are_refused_and_a_plan_that_does_not
     (["plan", "--model", "gpt2", "--hardware", "h100", "--mfu", "45%"],
      "argument --mfu: must be a share in (0, 1] such as 0.45, got 45%"),
     (["cluster", "--nodes", "two", "true"], "argument --nodes: must be a positive integer, got two"),
+    (["plan", "--model", "gpt2", "--html", ""], "argument --html: expected a file's name, got none"),
     (["plan", "--model", "gpt2", "--memory-per-rank", "0"],
      "argument --memory-per-rank: expected bytes more than none, such as 16GB, got '0'")])
 def test_an_options_value_is_refused_in_the_options_words_not_pythons(argv, said, capsys):
@@ -76,7 +77,7 @@ def test_a_user_catalogue_that_is_not_there_is_one_line_before_any_output(argv, 
     monkeypatch.setenv("MPITRAIN_HARDWARE", str(missing))
     assert cli.main(argv) == 2
     out, err = capsys.readouterr()
-    assert (out, err) == ("", f"mpitrain: error: {missing}: hardware file not found\n")
+    assert (out, err) == ("", f"mpitrain: error: $MPITRAIN_HARDWARE: {missing}: no such hardware file\n")
 
 
 @pytest.mark.parametrize("argv", [["plan", CONFIG], ["config", "reference"], ["--version"], ["plan", "--help"],

@@ -78,8 +78,10 @@ def test_the_environment_names_the_user_file(monkeypatch, tmp_path):
     monkeypatch.setenv(hardware.USER_ENV, str(path))
     assert hardware.load().link("shm").name == "mine"
     monkeypatch.setenv(hardware.USER_ENV, str(tmp_path / "absent.toml"))
-    with pytest.raises(HardwareError, match="absent.toml: hardware file not found"):
+    with pytest.raises(HardwareError, match=r"^\$MPITRAIN_HARDWARE: .*absent.toml: no such hardware file$"):
         hardware.load()
+    with pytest.raises(HardwareError, match=r"^--catalogue: .*: a folder, not a hardware file$"):
+        hardware.load(path=tmp_path)
 
 
 DEVICE = '[device.d]\nname = "d"\nmemory_gb = 1\nmemory_bandwidth_gbs = 1\n[device.d.peak_flops]\nfp32 = 1\n'
@@ -110,6 +112,8 @@ DEVICE = '[device.d]\nname = "d"\nmemory_gb = 1\nmemory_bandwidth_gbs = 1\n[devi
     ('[link.l]\nname = "l"\nalpha_us = 1\nbandwidth_gbs = 1\n[link.l.overlap]\nbcast = 1\n',
      "link.l.overlap.bcast: unknown collective (known: allreduce, allgather, reduce_scatter)"),
     ('[link.l]\nname = "l"\nalpha_us = 1\nbandwidth_gbs = 1\noverlap = 0.5\n', "link.l.overlap: expected a table"),
+    ('[link.l]\nname = "l"\nalpha_us = 1\nbandwidth_gbs = 1\nachieved_gbs = 0\n',
+     "link.l.achieved_gbs: expected a positive number of GB/s, got 0"),
     (DEVICE.replace("memory_gb = 1", 'memory_gb = 1\nintra = "nvlink9"'),
      "device.d.intra: no link 'nvlink9' (known: nvlink2, "),
     (DEVICE.replace("memory_gb = 1", 'memory_gb = 1\npair = 3'),

@@ -259,7 +259,9 @@ def load(path=None) -> Catalogue:
     ones of the same key. Every field is checked: HardwareError names the file and field."""
     user = Path(path) if path is not None else user_path()
     if (path is not None or os.environ.get(USER_ENV)) and not user.is_file():
-        raise HardwareError(f"{user}: hardware file not found")
+        named = "--catalogue" if path is not None else f"${USER_ENV}"
+        raise HardwareError(f"{named}: {user}: " + ("a folder, not a hardware file" if user.is_dir() else
+                                                    "no such hardware file"))
     files = [SHIPPED] + ([user] if user.is_file() and user.resolve() != SHIPPED.resolve() else [])
     devices, links, notes, read_from = {}, {}, {}, {}
     for f in files:
@@ -321,7 +323,9 @@ def _curve(points, path: Path, where: str) -> tuple:
     if points is None:
         return ()
     if isinstance(points, (int, float)) and not isinstance(points, bool):
-        return ((1.0, _number({"x": points}, "x", path, where) * 1e9),)
+        if not 0 < points < math.inf:
+            raise HardwareError(f"{path}: {where}: expected a positive number of GB/s, got {points!r}")
+        return ((1.0, float(points) * 1e9),)
     ok = isinstance(points, list) and points and all(
         isinstance(p, list) and len(p) == 2 and all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                                     and 0 < v < math.inf for v in p) for p in points)
