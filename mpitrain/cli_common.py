@@ -10,7 +10,8 @@ import argparse
 import sys
 
 INTERRUPTED = 130  # the exit status after Ctrl-C (128 + SIGINT), as shells report it
-DOES_NOT_FIT = 3  # mpitrain plan's exit status where a plan's largest rank exceeds its memory (0: fits; 2: bad input)
+# mpitrain plan's exit status where a rank outgrows its memory (--search: in every layout; --largest: at the least size)
+DOES_NOT_FIT = 3
 
 
 def _note(message: str) -> None:

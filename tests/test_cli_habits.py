@@ -187,8 +187,18 @@ def test_more_memory_per_rank_than_the_device_has_is_said(capsys):
     (["--tp", "2"], "--tp: goes with --inference"), (["--batch", "2"], "--batch: goes with --inference"),
     (["--hardware", "h100", "-n", "4", "--search", "--cluster", "2x2@1gbit"],
      "--cluster: plans emulated nodes of this machine (its links as calibrated); leave out --hardware"),
-    (["--calibrate"], "--calibrate: measures this machine alone; give it with --catalogue and --busy-ok only")])
+    (["--calibrate"], "--calibrate: measures this machine alone; give it with --catalogue and --busy-ok only"),
+    (["--notes", "--largest"], "--notes: prints the notes' arithmetic; leave out --search, --validate, --largest "
+                               "and --inference"),
+    (["--inference", "--tiers"], "--tiers: shapes one plan's text (with --largest, the grown model's); leave out "
+                                 "--search, --validate, --inference and --notes"),
+    (["--inference", "--ttft-target", "1.2.3"], None)])
 def test_a_plan_option_of_another_mode_is_refused_not_ignored(extra, said, capsys):
+    if said is None:  # a value the option's type refuses, in its words
+        with pytest.raises(SystemExit):
+            cli.main(["plan", "--model", "gpt2", *extra])
+        assert capsys.readouterr().err.endswith("expected a duration such as 200ms, 0.5s or 0.2, got '1.2.3'\n")
+        return
     assert cli.main(["plan", "--model", "gpt2", *extra]) == 2
     assert capsys.readouterr().err == f"mpitrain: error: {said}" + (" (mpitrain plan CONFIG -n P --search ...)\n"
                                                                       if said.endswith("--search") else "\n")

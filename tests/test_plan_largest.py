@@ -66,6 +66,7 @@ def test_largest_prints_its_model_assumptions_plan_and_training_time(tmp_path):
     days = [float(t.split(", ")[1].split(" days")[0].replace(",", "")) for t in trains]
     assert days[1] == pytest.approx(days[0] * 1e12 / 3e11, rel=0.01)
     assert lines[-1] == f"wrote {page}" and lines[0] in page.read_text(encoding="utf-8")  # the page, its first line
+    assert any(line.startswith("memory per rank (the largest) by sync") for line in lines)  # a GPU plan's table
     for bad, said in (([*H100, "--train-tokens", "1e9"], "--train-tokens: goes with --largest"),
                       ([*H100, "--largest", "--train-tokens", "1.5"], "--train-tokens 1.5: fewer than one step's "
                                                                       "2,097,152 tokens"),
@@ -187,6 +188,14 @@ def test_a_grouped_query_model_and_a_pipeline_grow_in_the_steps_their_layout_tak
     out = subprocess.run([sys.executable, "-m", "mpitrain", "plan", *llama, "--largest"], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0 and "; the MLP 3.5 x the width; 8 key and value heads;" in out.stdout, out.stderr
+    gpt2 = ["--model", "gpt2", "--hardware", "h100", "-n", "8", "--set", "train.precision=bf16"]
+    _, (rest, _), _ = _grown([*gpt2, "--set", "parallel.dp=1", "--set", "parallel.pp=-1", "--set",
+                              "train.micro_batches=8"])  # "the rest" of the ranks: 8 stages, a layer each at least
+    assert rest.layout.pp == 8 and rest.layout.cfg.model.n_layer >= 8
+    _, (mha, after), _ = _grown([*gpt2, "--set", "model.n_kv_head=12"], "width")  # given, but one a head
+    plain = _grown(gpt2, "width")[1][0]
+    assert mha.layout.whole == plain.layout.whole and mha.layout.cfg.model.n_kv_head == mha.layout.cfg.model.n_head
+    assert after.layout.cfg.model.n_head == mha.layout.cfg.model.n_head + 1
     bad = subprocess.run([sys.executable, "-m", "mpitrain", "plan", "--model", "gpt2", "--hardware", "h100", "-n", "8",
                           "--set", "train.micro_batches=3", "--largest"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("mpitrain: error: train.micro_batches: ") and not bad.stdout
@@ -203,7 +212,8 @@ def test_a_users_models_file_is_named_for_what_it_holds_and_its_mistakes(tmp_pat
     mine.write_text(entry)
     assert cli.main(["plan", "--model", "mine", "--hardware", "h100"]) == 0
     assert capsys.readouterr().out.startswith(f"plan: mine ({mine}) on 1 rank(s)")
-    for text, said in ((entry.replace("vocab = 500", "vocab = 0"),
+    for text, said in (("gpt = 3\n", "gpt: not a table (a models file holds [gpt.NAME] tables)"),
+                       (entry.replace("vocab = 500", "vocab = 0"),
                         "gpt.mine.vocab: expected a positive integer, got 0"),
                        (entry.replace("tokens = 1e6", "tokens = -1"), "gpt.mine.tokens: expected a positive number"),
                        (entry.replace("n_layer = 2", 'n_layer = "2"'), "gpt.mine: model.n_layer: expected an integer"),

@@ -292,3 +292,11 @@ def test_a_group_across_nodes_runs_no_faster_than_the_link_inside_them():
     steps = {x: planner.from_args(cli.build_parser().parse_args(["plan", *argv, "--intra", x]))[0].time["comm_total"]
              for x in ("nvlink3", "pcie4", "eth-10g")}
     assert steps["nvlink3"] < steps["pcie4"] < steps["eth-10g"]
+    # tier 2's link (timing.crossing) takes the slower the same way: this machine's shared memory under 100 GbE
+    from mpitrain.plan import timing
+
+    catalogue = hardware.load()
+    cpus = planner.machine(catalogue, "this", 4, 2, "eth-100g")
+    shm, eth = catalogue.link("shm"), catalogue.link("eth-100g")
+    assert shm.p2p < eth.p2p and cpus.link([0, 2]).bandwidth == shm.bandwidth and cpus.link([0, 1]) is cpus.intra
+    assert timing.crossing(eth, catalogue.link("nvlink3")) is eth

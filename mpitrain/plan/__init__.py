@@ -145,9 +145,10 @@ def at_mfu(plan: Plan, mfu: float) -> Plan:
         raise ConfigError("--mfu: sets a published device's step (a GPU of the catalogue); this machine's is measured")
     peak = mc.device.peak_flops[PRECISION_OF[mc.multiplies_in(lay.cfg.train.dtype, lay.cfg.train.precision)]]
     executed = plan.executed_flops / plan.model_flops  # recomputation: the hardware's FLOPs per model FLOP
-    if mfu * executed > 1:
-        raise ConfigError(f"--mfu {mfu:g}: with its recomputation the GPUs would execute {mfu * executed:.0%} of their "
-                          f"peak (HFU); this layout's MFU is {1 / executed:.3g} at most")
+    if mfu * executed > 1 + 1e-12:
+        most = math.floor(1000 / executed) / 1000  # rounded down: the figure said is one that is taken
+        raise ConfigError(f"--mfu {mfu:g}: with its recomputation the GPUs would execute {mfu * executed:.1%} of "
+                          f"their peak (HFU); this layout's MFU is {most:g} at most")
     step = plan.model_flops / lay.P / (mfu * peak)
     scale = step / plan.time["step"]
     return replace(plan, time={k: v * scale for k, v in plan.time.items()}, own=dict(plan.time))

@@ -56,7 +56,7 @@ def _fraction(text: str) -> float:
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a share in (0, 1] such as 0.45, got {text}") from None
     if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+        raise argparse.ArgumentTypeError(f"must be a share in (0, 1] such as 0.45, got {text}")
     return value
 
 
@@ -245,9 +245,18 @@ def _refuse_combinations(args) -> None:
                for name, dest in (("batch", "batch"), ("prompt", "prompt_tokens"), ("tokens", "tokens"), ("tp", "tp"))),
              ("--cluster", args.cluster and args.hardware != "this",
               "plans emulated nodes of this machine (its links as calibrated); leave out --hardware"),
-             ("--calibrate", args.calibrate and (args.config or args.model or args.hardware != "this" or args.ranks
-                                                 or args.nodes or args.search or args.validate or args.largest),
-              "measures this machine alone; give it with --catalogue and --busy-ok only")]
+             ("--calibrate", args.calibrate and (args.config or args.model or args.set or args.hardware != "this"
+                                                 or args.ranks or args.nodes or args.per_node or args.network
+                                                 or args.intra or args.memory_per_rank or args.search or args.validate
+                                                 or args.largest or args.inference or args.notes or args.tiers
+                                                 or args.memory_table),
+              "measures this machine alone; give it with --catalogue and --busy-ok only"),
+             ("--notes", args.notes and (args.search or args.validate or args.largest or args.inference),
+              "prints the notes' arithmetic; leave out --search, --validate, --largest and --inference"),
+             *((option, given and (args.search or args.validate or args.inference or args.notes),
+                "shapes one plan's text (with --largest, the grown model's); leave out --search, --validate, "
+                "--inference and --notes")
+               for option, given in (("--tiers", args.tiers), ("--memory-table", args.memory_table)))]
     for option, refused, why in alone:
         if refused:
             raise ConfigError(f"{option}: {why}")
@@ -260,46 +269,42 @@ def _refuse_combinations(args) -> None:
 
 def run(args) -> int:
     from mpitrain.comm import launcher_rank
-    from mpitrain.config import ConfigError
     from mpitrain.plan import hardware
 
     _refuse_combinations(args)
     args.steps = args.steps or 20
     if launcher_rank() not in (None, 0) and not args.validate:  # under mpiexec: one plan, printed once
         return 0
-    try:
-        if args.inference:
-            from mpitrain.plan import serving
+    if args.inference:
+        from mpitrain.plan import serving
 
-            return serving.run(args)
-        if args.calibrate:
-            from mpitrain.plan import calibrate
+        return serving.run(args)
+    if args.calibrate:
+        from mpitrain.plan import calibrate
 
-            calibrate.calibrate(out=args.catalogue, log=print, busy_ok=args.busy_ok)
-            return 0
-        if args.notes:
-            from mpitrain.plan import models
+        calibrate.calibrate(out=args.catalogue, log=print, busy_ok=args.busy_ok)
+        return 0
+    if args.notes:
+        from mpitrain.plan import models
 
-            catalogue = hardware.load(args.catalogue)
-            print(models.notes_text(catalogue.notes, catalogue.devices.get("h100")))
-            return 0
-        if args.validate:
-            from mpitrain.plan import validate
+        catalogue = hardware.load(args.catalogue)
+        print(models.notes_text(catalogue.notes, catalogue.devices.get("h100")))
+        return 0
+    if args.validate:
+        from mpitrain.plan import validate
 
-            return validate.run(args)
-        if args.largest:
-            from mpitrain.plan import largest
+        return validate.run(args)
+    if args.largest:
+        from mpitrain.plan import largest
 
-            return largest.run(args)
-        if args.search:
-            from mpitrain.plan import search
+        return largest.run(args)
+    if args.search:
+        from mpitrain.plan import search
 
-            return search.run(args)
-        from mpitrain import plan as planner
+        return search.run(args)
+    from mpitrain import plan as planner
 
-        plan, source = planner.from_args(args)
-    except hardware.HardwareError as e:
-        raise ConfigError(str(e)) from None
+    plan, source = planner.from_args(args)
     from mpitrain.plan import show
 
     text = show.text(plan, source, memory=args.hardware != "this" or args.memory_table, tiers=args.tiers)

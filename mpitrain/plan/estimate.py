@@ -163,9 +163,9 @@ def step_seconds(compute, tp, dp, send, after, *, sync: str, schedule: str, p, m
     weights' gradients halves of the rest) with its fill and drain, ``2 (p - 1)`` messages of
     ``send`` seconds; data parallelism's ``dp`` seconds, of which ddp hides what the last
     micro-batch's backward runs beside (its buckets start as that backward passes their
-    parameters, the others only accumulate), but ``last``, the share of its last bucket,
-    ready when backward ends; ZeRO-2 what every backward runs beside of
-    its ``m`` reduce-scatters but not the gather after the update, ZeRO-3 what the whole
+    parameters, the others only accumulate), and ZeRO-2 what every backward runs beside of
+    its ``m`` reduce-scatters but not the gather after the update, both but ``last``, the
+    share of their sums in the last bucket, ready when backward ends; ZeRO-3 what the whole
     compute does (each layer's gathers beside the layer before), each at most the link's
     ``hides`` share of it, and ZeRO-1 nothing (its reduce-scatter follows backward);
     ``after``, the pipeline's collectives after the schedule (a tied weight's gradient);

@@ -367,9 +367,10 @@ def parse_device(key: str, table: dict, path) -> Device:
             raise HardwareError(f"{path}: {where}.peak_flops.{p}: unknown precision (known: {', '.join(PRECISIONS)})")
     calibrated = any(f in table for f in CALIBRATED)  # then all of them
     bandwidth = _number(table, "memory_bandwidth_gbs", path, where) * 1e9
+    peaks = {p: _number(peaks, p, path, f"{where}.peak_flops") for p in peaks}  # TFLOP/s, each checked
     _within(table, peaks, path, where)
     return Device(key, name, _number(table, "memory_gb", path, where) * 1e9, bandwidth,
-                  {p: _number(peaks, p, path, f"{where}.peak_flops") * 1e12 for p in peaks},
+                  {p: tflops * 1e12 for p, tflops in peaks.items()},
                   _gemm(table.get("gemm_gflops"), path, f"{where}.gemm_gflops") if calibrated else (),
                   _number(table, "elementwise_bandwidth_gbs", path, where, calibrated) * 1e9 or bandwidth,
                   _number(table, "op_overhead_us", path, where, calibrated) * 1e-6, calibrated,
@@ -398,7 +399,7 @@ def _within(table: dict, peaks: dict, path: Path, where: str) -> None:
         rates = table.get(name)
         for precision, rate in (rates.items() if isinstance(rates, dict) else ()):
             peak = peaks.get(precision)
-            if number(rate) and (peak is None or number(peak) and rate > peak):
+            if number(rate) and (peak is None or rate > peak):
                 raise HardwareError(f"{path}: {where}.{name}.{precision}: {rate!r} TFLOP/s " + (
                     f"is above the peak, peak_flops.{precision} = {peak!r}" if peak is not None else
                     f"for a precision without a peak (peak_flops has {', '.join(peaks)})"))

@@ -384,7 +384,10 @@ def duration(text: str) -> float:
     m = re.fullmatch(r"\s*([0-9.]+(?:e-?[0-9]+)?)\s*(ms|s|us)?\s*", text)
     if not m:
         raise argparse.ArgumentTypeError(f"expected a duration such as 200ms, 0.5s or 0.2, got {text!r}")
-    value = float(m.group(1)) * {"ms": 1e-3, "us": 1e-6, "s": 1.0, None: 1.0}[m.group(2)]
+    try:
+        value = float(m.group(1)) * {"ms": 1e-3, "us": 1e-6, "s": 1.0, None: 1.0}[m.group(2)]
+    except ValueError:  # "1.2.3"
+        raise argparse.ArgumentTypeError(f"expected a duration such as 200ms, 0.5s or 0.2, got {text!r}") from None
     if not value > 0 or not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be above zero, got {text!r}")
     return value

@@ -23,9 +23,20 @@ from mpitrain.config import ConfigError
 HOW = ("both", "width", "depth")
 
 
-def stages(par) -> int:
-    """Layer pieces a pipeline cuts the blocks into: its stages, times its chunks when interleaved."""
-    return max(1, par.pp) * (par.chunks if par.pp > 1 and par.schedule == "interleaved" else 1)
+def grid(cfg, ranks: int) -> tuple[int, int, int]:
+    """(dp, pp, tp) of ``cfg`` on ``ranks``, "the rest" (-1) resolved as the trainer resolves it;
+    where it refuses, the sizes given (the smallest model's plan then says why)."""
+    from mpitrain.config import check_ranks
+
+    try:
+        return check_ranks(cfg, ranks)
+    except ConfigError:
+        return tuple(max(1, getattr(cfg.parallel, n)) for n in ("dp", "pp", "tp"))
+
+
+def grouped(model) -> bool:
+    """Whether ``model`` has fewer key and value heads than query heads (grouped-query attention)."""
+    return 0 < model.n_kv_head < model.n_head
 
 
 def shape(model, k: int, how: str, least: int = 1) -> dict:
@@ -35,6 +46,8 @@ def shape(model, k: int, how: str, least: int = 1) -> dict:
     if how == "depth":
         return {"n_layer": k}
     wide = {"n_head": k, "n_embd": k * width}
+    if model.n_kv_head and not grouped(model):  # a head of keys and values for each, said: so it stays
+        wide["n_kv_head"] = k
     if model.ffn_hidden:  # the MLP as wide as the named model's in proportion to the width
         wide["ffn_hidden"] = round(model.ffn_hidden * k / model.n_head)
     if how == "width":
@@ -49,9 +62,11 @@ def largest(cfg, ranks: int, machine, data, how: str = "both", limit: int = 1 <<
     ConfigError where the smallest is refused: the layout's, not a size's."""
     from mpitrain import plan as planner
 
-    par, least = cfg.parallel, stages(cfg.parallel)
+    par = cfg.parallel
+    _, pp, tp = grid(cfg, ranks)
+    least = pp * (par.chunks if pp > 1 and par.schedule == "interleaved" else 1)  # a layer a stage's chunk
     # whole heads on every slice, and in every group of a key-value head
-    step = math.lcm(max(1, par.tp), cfg.model.n_kv_head or 1) if how != "depth" else 1
+    step = math.lcm(tp, cfg.model.n_kv_head if grouped(cfg.model) else 1) if how != "depth" else 1
     first = least if how == "depth" else step
 
     def made(k: int):
@@ -127,11 +142,12 @@ def run(args) -> int:
             "buffers, cuBLAS's workspace, 5% temporaries; no allocator fragmentation)" if lay.textbook else
             "for everything the plan counts (mpitrain's NumPy heap, as --validate holds it)")
     kept = "".join([f"; the MLP {bm.ffn_hidden / bm.n_embd:.3g} x the width" if m.ffn_hidden else "",
-                    f"; {m.n_kv_head} key and value heads" if m.n_kv_head else ""])
+                    f"; {m.n_kv_head} key and value heads" if grouped(m) else ""])
     assumed = (f"assumes: {lay.describe()}{kept}; {cfg.optim.name}; micro-batches of {lay.micro_batch} x "
                f"{lay.T} tokens; {show.size(machine.memory)} per rank {room}"
                f"{'; mixed precision keeps float32 masters' if t.precision != 'fp32' else ''}")
-    lines = [line, assumed, show.text(best, source)]
+    lines = [line, assumed, show.text(best, source, memory=args.hardware != "this" or args.memory_table,
+                                      tiers=args.tiers)]
     tokens = t.global_batch_size * lay.T
     for n in args.train_tokens or ():
         seconds = n / tokens * best.time["step"]

@@ -52,8 +52,9 @@ def catalogue() -> dict:
         except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
             raise ConfigError(f"{user}: cannot read the models file ({e})") from None
         for table in theirs:
-            if table != "gpt":
-                raise ConfigError(f"{user}: {table}: unknown table (a models file holds [gpt.NAME] tables)")
+            if table != "gpt" or not isinstance(theirs[table], dict):
+                raise ConfigError(f"{user}: {table}: " + ("unknown table" if table != "gpt" else "not a table") +
+                                  " (a models file holds [gpt.NAME] tables)")
         for key, g in theirs.get("gpt", {}).items():
             unknown = sorted(set(g) - set(KNOWN)) if isinstance(g, dict) else ["(not a table)"]
             missing = sorted((set(SHAPE) | {"vocab", "global_batch_size", "tokens"}) - set(g)) if not unknown else []

@@ -38,7 +38,6 @@ def shape_and_machine(args):
     """(the model's :class:`~mpitrain.plan.inference.Shape`, the machine of ``--tp`` ranks,
     the precision its products run in, the BLAS threads, what it is called)."""
     from mpitrain import plan as planner
-    from mpitrain.plan import hardware
     from mpitrain.plan.data import resolve
     from mpitrain.plan.space import Gpt
 
@@ -46,10 +45,7 @@ def shape_and_machine(args):
     if cfg.model.name != "gpt":
         raise ConfigError(f"--inference: plans drawing tokens from a GPT; {source} is a {cfg.model.name}")
     data = data or resolve(cfg)
-    try:
-        _, machine = planner.machine_of(args, args.tp)
-    except hardware.HardwareError as e:
-        raise ConfigError(str(e)) from None
+    _, machine = planner.machine_of(args, args.tp)
     gpu = bool(machine.device.sms)
     precision = cfg.train.precision if gpu else "fp32"
     itemsize = (2 if precision in ("bf16", "fp16") else 4) if gpu else 8 if cfg.train.dtype == "float64" else 4

@@ -44,7 +44,8 @@ def header(plan, source: str) -> list[str]:
     what = f"a vocabulary of {data.ids:,}" if data.kind == "text" else f"{data.ids:,} classes"
     known = "" if data.source != "assumed" else " (not built here: its recipe's figures)"
     nodes = math.ceil(lay.P / mc.per_node)
-    links = mc.intra.name + ("" if nodes == 1 else f" inside a node, {mc.inter.name} between nodes")
+    links = (mc.intra.name if nodes == 1 else f"{mc.inter.name} between nodes" if mc.per_node == 1 else
+             f"{mc.intra.name} inside a node, {mc.inter.name} between nodes")
     precision = hardware.PRECISION_OF[mc.multiplies_in(lay.cfg.train.dtype, lay.cfg.train.precision)]
     said = []
     if mc.device.sms:  # the GPU model's products' rate, at the fastest shape

@@ -258,7 +258,7 @@ def of_cnn(lay, machine) -> dict:
     parts = estimate.step_seconds(compute, 0.0, dp_seconds, alpha + boundary / bandwidth, 0.0, sync=lay.par.sync,
                                   schedule=lay.par.schedule, p=lay.pp, m=lay.m, v=lay.v,
                                   forward_share=flops["forward"] / sum(flops.values()), hides=float(hides),
-                                  last=_last_bucket(lay.par.sync, N * number, lay.par.bucket_mb))
+                                  last=_last_bucket(lay.par.sync, N * number, lay.par.bucket_mb, lay.m))
     memories = [m for m, _, _ in answers]
     if machine.device.sms:  # as GPU frameworks hold it, and what they hold besides
         axes = sum(n > 1 for n in (lay.dp, lay.pp, lay.tp))
@@ -266,9 +266,15 @@ def of_cnn(lay, machine) -> dict:
     return {"peak": float(max(sum(m.values()) for m in memories)), **{k: float(x) for k, x in parts.items()}}
 
 
-def _last_bucket(sync: str, grads, bucket_mb):
-    """The share of ddp's sums in its last bucket, which starts when backward ends (0: ZeRO's)."""
-    return 1 / np.ceil(grads / np.maximum(bucket_mb, 1e-9) / 2**20) if sync == "ddp" else 0.0
+def _buckets(grads, bucket_mb):
+    """The buckets ``grads`` bytes of gradients fill at ``bucket_mb`` each (one at least)."""
+    return np.maximum(np.ceil(grads / np.maximum(bucket_mb, 1e-9) / 2**20), 1)
+
+
+def _last_bucket(sync: str, grads, bucket_mb, m=1):
+    """The share of a sync's sums that starts when the last backward ends, and no compute
+    hides: ddp's last bucket, ZeRO-2's last of its ``m`` micro-batches' (0: ZeRO-1's and -3's)."""
+    return {"ddp": 1 / _buckets(grads, bucket_mb), "zero2": 1 / (m * _buckets(grads, bucket_mb))}.get(sync, 0.0)
 
 
 def _sync_message(sync: str, grads, bucket_mb, layers):
@@ -284,7 +290,7 @@ def _sync_calls(sync: str, grads, bucket_mb, m, layers):
     buckets (``bucket_mb`` each: the gradients' ``grads`` bytes), ZeRO-1's two exchanges,
     ZeRO-2's reduce-scatters of each micro-batch's buckets and its gather, ZeRO-3's
     gathers and reduce-scatters of each of its ``layers`` in each micro-batch."""
-    buckets = np.ceil(grads / np.maximum(bucket_mb, 1e-9) / 2**20)
+    buckets = _buckets(grads, bucket_mb)
     kind = "allreduce" if sync == "ddp" else "reduce_scatter"
     return kind, {"ddp": buckets, "zero1": 2, "zero2": m * buckets + 1, "zero3": 3 * m * layers}[sync]
 
@@ -373,7 +379,7 @@ def _answer(model: Gpt, table: dict, G, m, bucket_mb, machine, *, sync, schedule
     send, tied, waited = _between_stages(machine, b * T * C * number, V * C / tp * number, m, v, dp, pp, tp, sequence)
     parts = estimate.step_seconds(compute, tp_seconds, dp_seconds, send, np.where(pp > 1, tied, 0.0) * model.tied,
                                   sync=sync, schedule=schedule, p=pp, m=m, v=v, forward_share=forward, hides=hides,
-                                  waited=waited, once=once, last=_last_bucket(sync, grads, bucket_mb))
+                                  waited=waited, once=once, last=_last_bucket(sync, grads, bucket_mb, m))
     return {"peak": peak, **parts}
 
 
@@ -423,7 +429,7 @@ def _links(machine, stride, size, kind: str = "allreduce", message=None) -> tupl
     communicators of ``size`` ranks ``stride`` apart (ranks are placed node by node): the
     node's link if the group fits on one node, else the network's, its port shared as
     :meth:`~mpitrain.plan.timing.Machine.link` shares it, and never faster than the node's
-    link, which a ring across nodes also runs through; the bus bandwidth a collective on
+    link (:func:`mpitrain.plan.timing.crossing`); the bus bandwidth a collective on
     arrays of ``message`` bytes achieves (:meth:`~mpitrain.plan.hardware.Link.busbw`); None:
     a message between two ranks (:meth:`~mpitrain.plan.hardware.Link.p2p`)."""
     per, inner, outer = machine.per_node, machine.intra, machine.inter

@@ -102,9 +102,20 @@ class Machine:
         if len(nodes) == 1:
             return self.intra
         if not self.inter.per_node or self.per_node == 1:
-            return self.inter
+            return crossing(self.inter, self.intra)
         k = max(collections.Counter(r // self.per_node for r in ranks).values())
-        return replace(self.inter, bandwidth=self.inter.bandwidth / cost.port_share(self.per_node, len(ranks), k))
+        shared = self.inter.bandwidth / cost.port_share(self.per_node, len(ranks), k)
+        return crossing(replace(self.inter, bandwidth=shared), self.intra)
+
+
+def crossing(network, node):
+    """The link a group across nodes calls over: the ``network``'s, but no faster than the
+    ``node``'s link, which its ring (and every collective's path between two of a node's
+    ranks) also runs through: the node's rate where it is the slower (tier 1 takes the
+    slower the same way, :func:`mpitrain.plan.space._links`)."""
+    if node.p2p >= network.p2p:
+        return network
+    return replace(network, bandwidth=node.bandwidth, achieved=node.achieved)
 
 
 # tier 2's named corrections to a step's compute (plan/README.md, "Two tiers"): what each adds beyond the
