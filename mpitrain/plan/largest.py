@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from mpitrain.cli_common import DOES_NOT_FIT
 from mpitrain.config import ConfigError
 
 HOW = ("both", "width", "depth")
@@ -126,8 +127,6 @@ def run(args) -> int:
               f"{lay.cfg.model.n_embd} wide) does not fit {show.size(machine.memory)} per rank on {ranks} rank(s): "
               f"it needs {show.size(above.largest().peak)} with micro-batches of {lay.micro_batch} x {lay.T} tokens "
               "(more micro-batches, train.micro_batches, or a smaller train.global_batch_size hold fewer activations)")
-        from mpitrain.cli_common import DOES_NOT_FIT
-
         return DOES_NOT_FIT
     lay, bm = best.layout, best.layout.cfg.model
     line = (f"largest: {source} grown {grows}: {bm.n_layer} layers x {bm.n_embd} wide ({bm.n_head} heads), "

@@ -20,6 +20,7 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass
 
+from mpitrain.cli_common import DOES_NOT_FIT
 from mpitrain.config import ConfigError
 from mpitrain.plan.space import KNOBS
 
@@ -239,8 +240,6 @@ def run(args) -> int:
     lines = table(fits, refused, limit, args.top, len(fitting))
     print("\n".join(lines), flush=True)
     if not fits:
-        from mpitrain.cli_common import DOES_NOT_FIT
-
         counts = ", ".join(map(str, MICRO_BATCHES))
         print(f"no layout fits (the search splits a replica's batch into {counts} micro-batches): raise "
               "--memory-per-rank, plan more ranks, or plan a layout with more micro-batches, whose activations are "
