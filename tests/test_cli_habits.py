@@ -192,6 +192,8 @@ def test_more_memory_per_rank_than_the_device_has_is_said(capsys):
                                "and --inference"),
     (["--inference", "--tiers"], "--tiers: shapes one plan's text (with --largest, the grown model's); leave out "
                                  "--search, --validate, --inference and --notes"),
+    (["--inference", "--tp", "3", "--nodes", "2", "--hardware", "h100", "--network", "ib-hdr"],
+     "--tp 3 ranks do not share --nodes 2 evenly: give a multiple of 2 ranks"),
     (["--inference", "--ttft-target", "1.2.3"], None)])
 def test_a_plan_option_of_another_mode_is_refused_not_ignored(extra, said, capsys):
     if said is None:  # a value the option's type refuses, in its words

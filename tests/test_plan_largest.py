@@ -167,7 +167,7 @@ def test_tier_1s_formulas_count_the_new_shapes_as_their_layers_do(name, sets):
     assert full - grouped == 4 * s_ * b * (h - kvw)
 
 
-def test_a_grouped_query_model_and_a_pipeline_grow_in_the_steps_their_layout_takes():
+def test_a_grouped_query_model_and_a_pipeline_grow_in_the_steps_their_layout_takes(tmp_path):
     """Llama 3 8B on eight H100s grows in steps of its 8 key and value heads, its MLP kept
     3.5 times the width (what the assumes line says); a 16-stage pipeline's smallest model
     has a layer a stage (the notes' GPT-3 layout finds a model, where it said none fits); a
@@ -196,6 +196,11 @@ def test_a_grouped_query_model_and_a_pipeline_grow_in_the_steps_their_layout_tak
     plain = _grown(gpt2, "width")[1][0]
     assert mha.layout.whole == plain.layout.whole and mha.layout.cfg.model.n_kv_head == mha.layout.cfg.model.n_head
     assert after.layout.cfg.model.n_head == mha.layout.cfg.model.n_head + 1
+    none = subprocess.run([sys.executable, "-m", "mpitrain", "plan", "--model", "llama3-8b", "--hardware", "h100", "-n",
+                           "8", "--set", "train.precision=bf16", "--largest", "--html", str(tmp_path / "x.html")],
+                          capture_output=True, text=True, timeout=120)
+    assert none.returncode == 3 and none.stdout.rstrip().endswith("; no page written")
+    assert not (tmp_path / "x.html").exists()
     bad = subprocess.run([sys.executable, "-m", "mpitrain", "plan", "--model", "gpt2", "--hardware", "h100", "-n", "8",
                           "--set", "train.micro_batches=3", "--largest"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.startswith("mpitrain: error: train.micro_batches: ") and not bad.stdout

@@ -154,9 +154,10 @@ def at_mfu(plan: Plan, mfu: float) -> Plan:
     return replace(plan, time={k: v * scale for k, v in plan.time.items()}, own=dict(plan.time))
 
 
-def machine_of(args, ranks: int | None = None) -> tuple[int, Machine]:
+def machine_of(args, ranks: int | None = None, said: str = "-n") -> tuple[int, Machine]:
     """(ranks of the job, the machine they run on) from ``mpitrain plan``'s -n, --nodes,
-    --gpus-per-node, --network, --hardware and the rest."""
+    --gpus-per-node, --network, --hardware and the rest; ``ranks``, where another option
+    gave them (``said``: its name in the messages)."""
     from mpitrain.config import ConfigError
     from mpitrain.plan import hardware
 
@@ -166,11 +167,11 @@ def machine_of(args, ranks: int | None = None) -> tuple[int, Machine]:
         raise ConfigError(f"-n {args.ranks} is not --nodes {args.nodes} x --gpus-per-node {per_node}")
     if args.nodes and not per_node:
         if P % args.nodes:
-            raise ConfigError(f"-n {P} ranks do not share --nodes {args.nodes} evenly: give a multiple of "
+            raise ConfigError(f"{said} {P} ranks do not share --nodes {args.nodes} evenly: give a multiple of "
                               f"{args.nodes} ranks")
         per_node = P // args.nodes
     if per_node and P > per_node and P % per_node:
-        raise ConfigError(f"-n {P} is not a whole number of nodes of --gpus-per-node {per_node} ({P // per_node} "
+        raise ConfigError(f"{said} {P} is not a whole number of nodes of --gpus-per-node {per_node} ({P // per_node} "
                           f"and {P % per_node} rank(s) over): give a multiple of {per_node} ranks")
     per_node = min(per_node, P) if per_node else per_node  # one node, partly used: its ranks
     catalogue = hardware.load(args.catalogue)

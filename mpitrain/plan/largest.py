@@ -126,7 +126,8 @@ def run(args) -> int:
         print(f"largest: {source} grown {grows}: even its smallest step ({lay.cfg.model.n_layer} layers x "
               f"{lay.cfg.model.n_embd} wide) does not fit {show.size(machine.memory)} per rank on {ranks} rank(s): "
               f"it needs {show.size(above.largest().peak)} with micro-batches of {lay.micro_batch} x {lay.T} tokens "
-              "(more micro-batches, train.micro_batches, or a smaller train.global_batch_size hold fewer activations)")
+              "(more micro-batches, train.micro_batches, or a smaller train.global_batch_size hold fewer activations)"
+              + ("; no page written" if getattr(args, "html", None) else ""))
         return DOES_NOT_FIT
     lay, bm = best.layout, best.layout.cfg.model
     line = (f"largest: {source} grown {grows}: {bm.n_layer} layers x {bm.n_embd} wide ({bm.n_head} heads), "

@@ -45,7 +45,7 @@ def shape_and_machine(args):
     if cfg.model.name != "gpt":
         raise ConfigError(f"--inference: plans drawing tokens from a GPT; {source} is a {cfg.model.name}")
     data = data or resolve(cfg)
-    _, machine = planner.machine_of(args, args.tp)
+    _, machine = planner.machine_of(args, args.tp, "--tp")
     gpu = bool(machine.device.sms)
     precision = cfg.train.precision if gpu else "fp32"
     itemsize = (2 if precision in ("bf16", "fp16") else 4) if gpu else 8 if cfg.train.dtype == "float64" else 4
