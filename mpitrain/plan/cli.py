@@ -253,10 +253,10 @@ def _refuse_combinations(args) -> None:
               "measures this machine alone; give it with --catalogue and --busy-ok only"),
              ("--notes", args.notes and (args.search or args.validate or args.largest or args.inference),
               "prints the notes' arithmetic; leave out --search, --validate, --largest and --inference"),
-             *((option, given and (args.search or args.validate or args.inference or args.notes),
+             *((option, on and (args.search or args.validate or args.inference or args.notes),
                 "shapes one plan's text (with --largest, the grown model's); leave out --search, --validate, "
                 "--inference and --notes")
-               for option, given in (("--tiers", args.tiers), ("--memory-table", args.memory_table)))]
+               for option, on in (("--tiers", args.tiers), ("--memory-table", args.memory_table)))]
     for option, refused, why in alone:
         if refused:
             raise ConfigError(f"{option}: {why}")
