@@ -62,10 +62,10 @@ def largest(cfg, ranks: int, machine, data, how: str = "both", limit: int = 1 <<
     which does not fit, or None where it is refused or beyond ``limit`` steps). A
     ConfigError where the smallest is refused: the layout's, not a size's."""
     from mpitrain import plan as planner
+    from mpitrain.plan.layout import model_chunks
 
-    par = cfg.parallel
     _, pp, tp = grid(cfg, ranks)
-    least = pp * (par.chunks if pp > 1 and par.schedule == "interleaved" else 1)  # a layer a stage's chunk
+    least = pp * model_chunks(cfg.parallel, pp)  # a layer in each stage's chunk at least
     # whole heads on every slice, and in every group of a key-value head
     step = math.lcm(tp, cfg.model.n_kv_head if grouped(cfg.model) else 1) if how != "depth" else 1
     first = least if how == "depth" else step

@@ -71,7 +71,7 @@ class Layout:
 
     @property
     def v(self) -> int:
-        return self.par.chunks if self.pp > 1 and self.par.schedule == "interleaved" else 1
+        return model_chunks(self.par, self.pp)
 
     @property
     def micro_batch(self) -> int:
@@ -226,6 +226,12 @@ class Layout:
         if self.cfg.model.name == "gpt" and self.cfg.model.checkpoint_activations:
             parts.append("activation checkpointing")
         return ", ".join(parts)
+
+
+def model_chunks(par, pp: int) -> int:
+    """The model chunks each of ``pp`` pipeline ranks holds: ``parallel.chunks`` under the
+    interleaved schedule, else one."""
+    return par.chunks if pp > 1 and par.schedule == "interleaved" else 1
 
 
 def moments_of(optim) -> int:
